@@ -1,0 +1,103 @@
+"""Base configuration: every preset starts from `get_config()` here and edits it.
+
+Mesh axes and logical->mesh rules are tuples (config_flags cannot override lists).
+"""
+
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.seed = 0
+
+  # ---------------------------------------------------------------- model
+  m = c.model = ml_collections.ConfigDict()
+  m.mixer = "attention"          # registry name: attention | sisa | ...
+  m.vocab_size = 50277           # GPT-NeoX-20B tokenizer
+  m.d_model = 768
+  m.n_layers = 12
+  m.n_heads = 12
+  m.n_kv_heads = 0               # 0 = same as n_heads (MHA); else grouped-query attention
+  m.d_ff = 3072                  # SwiGLU hidden width
+  m.max_seq_len = 2048
+  m.rope_theta = 10000.0
+  m.tie_embeddings = True
+  m.norm_eps = 1e-5
+  m.init_std = 0.02
+  m.dtype = "bfloat16"           # compute dtype
+  m.param_dtype = "float32"      # master weights
+  m.remat = "none"               # none | full | dots (save matmul outputs)
+  m.scan_layers = True
+  m.attention_impl = "auto"      # auto | xla | cudnn | einsum (see attention/core.py)
+  # Mixer-specific options live in sub-dicts named after the mixer.
+  m.sisa = ml_collections.ConfigDict()
+  m.sisa.d_state = 32
+  m.sisa.decay_bias_init = -5.0
+  m.sisa.lambda_init = -1.0       # lambda = softplus(lambda_raw)
+  m.sisa.use_decay = True
+  m.sisa.use_phase = True
+  m.sisa.learn_lambda = True
+  m.sisa.chunk_size = 0           # 0 = pick automatically (see attention/sisa.py)
+
+  # ---------------------------------------------------------------- data
+  d = c.data = ml_collections.ConfigDict()
+  d.source = "synthetic"         # synthetic | text | jsonl
+  d.paths = ""                   # comma-separated files (text: one document per line)
+  d.text_field = "text"          # JSONL field holding the document
+  d.tokenizer = "bytes"          # "bytes" or a path to a tokenizers JSON file
+  d.seq_len = 2048
+  d.global_batch_size = 32       # sequences per micro-batch, summed over hosts
+  d.shuffle = True
+  d.num_workers = 0
+  d.synthetic_task = "mqar"      # mqar | random (for throughput runs)
+  d.mqar_num_pairs = 8
+  d.mqar_num_queries = 4
+  d.mqar_vocab = 64
+
+  # ---------------------------------------------------------------- training
+  t = c.train = ml_collections.ConfigDict()
+  t.steps = 10_000
+  t.grad_accum = 1               # micro-batches per optimizer step
+  t.log_every = 10
+  t.progress_bar = True
+  t.peak_flops = 0.0             # per device, FLOP/s; 0 = look up from the device kind
+  t.halt_on_nan = True
+
+  o = c.optim = ml_collections.ConfigDict()
+  o.lr = 6e-4
+  o.min_lr_ratio = 0.1
+  o.warmup_steps = 500
+  o.b1 = 0.9
+  o.b2 = 0.95
+  o.eps = 1e-8
+  o.weight_decay = 0.1
+  o.clip_norm = 1.0
+  o.lambda_lr_mult = 0.1         # SISA lambda: 10x lower lr, no weight decay
+
+  k = c.checkpoint = ml_collections.ConfigDict()
+  k.every_steps = 1000
+  k.max_to_keep = 3
+
+  e = c.eval = ml_collections.ConfigDict()
+  e.every_steps = 0              # 0 = only at the end of training
+  e.tasks = ""                   # comma-separated, e.g. "mqar,niah"
+  e.batch_size = 8
+
+  # ---------------------------------------------------------------- sharding
+  s = c.mesh = ml_collections.ConfigDict()
+  s.shape = (-1, 1, 1)           # -1 = all remaining devices
+  s.axis_names = ("data", "fsdp", "tensor")
+  # logical axis -> mesh axis (or None = replicated). Batch goes over data+fsdp.
+  s.rules = (
+      ("batch", ("data", "fsdp")),
+      ("vocab", "tensor"),
+      ("embed", "fsdp"),
+      ("mlp", "tensor"),
+      ("heads", "tensor"),
+      ("kv_heads", "tensor"),
+      ("head_dim", None),
+      ("state", None),
+      ("layers", None),
+      ("norm", None),
+  )
+  return c
