@@ -53,6 +53,11 @@ def get_config() -> ml_collections.ConfigDict:
   d.mqar_num_pairs = 8
   d.mqar_num_queries = 4
   d.mqar_vocab = 64
+  d.random_vocab = 256           # synthetic_task=random: tokens uniform in [0, random_vocab)
+  d.text_document = "line"       # source=text: "line" = one document per non-blank line; "file" = per file
+  d.eval_fraction = 0.01         # text/jsonl: last fraction of packed sequences held out for eval
+  d.read_threads = 4             # grain threads building batches (0 = in the training thread)
+  d.prefetch_batches = 8         # batches read ahead per process
 
   # ---------------------------------------------------------------- training
   t = c.train = ml_collections.ConfigDict()

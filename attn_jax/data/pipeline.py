@@ -1,0 +1,194 @@
+"""The grain input pipeline: source -> shuffle -> repeat -> per-host shard -> batch -> prefetch.
+
+Every batch is a dict of numpy arrays, B_host = `data.global_batch_size // process_count`:
+    inputs  int32   [B_host, L]
+    targets int32   [B_host, L]   (next token of inputs)
+    weights float32 [B_host, L]   (loss/accuracy weight per position)
+
+Order of the global example stream (one epoch = one pass over the source):
+  * text/jsonl: the packed training sequences, shuffled with `seed` when `data.shuffle`, and
+    reshuffled differently every epoch (grain folds the epoch into the seed); repeats forever.
+  * synthetic: example i of an effectively infinite random stream keyed by (seed, i); it is
+    already i.i.d., so it is not shuffled (`data.shuffle` is ignored).
+Host h of P takes global examples h, h + P, h + 2P, ...; its k-th batch therefore holds
+global examples k*B + h + j*P (j < B_host). Hosts see disjoint examples, and at every step the
+union of the hosts' batches is exactly the 1-host global batch of that step.
+
+Checkpointing. `make_train_iterator` returns a `grain.DatasetIterator`; its whole position is
+`it.get_state()` (a small JSON-able dict, e.g. {"next_index": 123}). With orbax (as the
+trainer should do, in the same checkpoint as the train state):
+
+    import orbax.checkpoint as ocp
+    manager = ocp.CheckpointManager(workdir / "checkpoints")
+    manager.save(step, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(train_state),
+        data_iter=iterator_save_args(train_iter)))        # grain.checkpoint.CheckpointSave
+    ...
+    train_iter = make_train_iterator(config.data, seed=config.seed, ...)   # fresh, same config
+    restored = manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract_train_state),
+        data_iter=iterator_restore_args(train_iter)))     # grain.checkpoint.CheckpointRestore
+    train_iter = restored.data_iter                       # the same object, state restored
+
+grain writes one `process_<i>-of-<n>.json` per host (i, n from jax.process_index/count). The
+state is only valid for the same data config, seed and process count. Without orbax:
+`state = iterator_state(it)` ... `restore_iterator(fresh_it, state)`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from absl import flags
+import grain
+import numpy as np
+
+from attn_jax.data import synthetic, text
+from attn_jax.data.tokenizer import get_tokenizer
+
+Batch = dict[str, np.ndarray]
+
+DATA_SOURCES = ("synthetic",) + text.TEXT_SOURCES
+
+
+def _check_seed(seed: int) -> int:
+  seed = int(seed)
+  if not 0 <= seed < 2**32:
+    raise ValueError(f"seed must be in [0, 2**32) for the data pipeline, got {seed}")
+  return seed
+
+
+def host_batch_size(global_batch_size: int, process_count: int) -> int:
+  """`global_batch_size // process_count`, or ValueError naming `data.global_batch_size`."""
+  global_batch_size = int(global_batch_size)
+  if global_batch_size < 1:
+    raise ValueError(f"data.global_batch_size must be >= 1, got {global_batch_size}")
+  if global_batch_size % process_count:
+    raise ValueError(
+        f"data.global_batch_size={global_batch_size} is not divisible by the process count "
+        f"{process_count}")
+  return global_batch_size // process_count
+
+
+def _check_process(process_index: int, process_count: int) -> None:
+  if process_count < 1 or not 0 <= process_index < process_count:
+    raise ValueError(
+        f"need 0 <= process_index < process_count, got process_index={process_index}, "
+        f"process_count={process_count}")
+
+
+def make_source(data_cfg, *, seed: int, split: str = "train"):
+  """The random-access example source (grain RandomAccessDataSource) for `data.source`."""
+  source = str(data_cfg.source)
+  if source == "synthetic":
+    return synthetic.SyntheticSource(data_cfg, seed=_check_seed(seed), split=split)
+  if source in text.TEXT_SOURCES:
+    return text.make_text_source(data_cfg, split=split)
+  raise ValueError(f"data.source must be one of {DATA_SOURCES}, got {source!r}")
+
+
+def vocab_size_needed(data_cfg) -> int:
+  """The smallest `model.vocab_size` that holds every token id the data can produce."""
+  source = str(data_cfg.source)
+  if source == "synthetic":
+    task = str(data_cfg.synthetic_task)
+    if task == "mqar":
+      return synthetic.mqar_vocab_size(data_cfg)
+    if task == "random":
+      return int(data_cfg.random_vocab)
+    raise ValueError(
+        f"data.synthetic_task must be one of {synthetic.SYNTHETIC_TASKS}, got {task!r}")
+  if source in text.TEXT_SOURCES:
+    return int(get_tokenizer(str(data_cfg.tokenizer)).vocab_size)
+  raise ValueError(f"data.source must be one of {DATA_SOURCES}, got {source!r}")
+
+
+def make_train_dataset(
+    data_cfg, *, seed: int, process_index: int = 0, process_count: int = 1
+) -> grain.MapDataset:
+  """This host's infinite MapDataset of batches (see the module docstring for the order)."""
+  _check_process(process_index, process_count)
+  batch_size = host_batch_size(data_cfg.global_batch_size, process_count)
+  seed = _check_seed(seed)
+  source = make_source(data_cfg, seed=seed, split="train")
+  examples = grain.MapDataset.source(source)
+  if str(data_cfg.source) != "synthetic":
+    if data_cfg.shuffle:
+      examples = examples.shuffle(seed=seed)
+    examples = examples.repeat()  # forever; shuffle is before repeat, so reshuffled per epoch
+  host_examples = examples[process_index::process_count]
+  return host_examples.batch(batch_size, drop_remainder=True)
+
+
+def make_train_iterator(
+    data_cfg, *, seed: int, process_index: int = 0, process_count: int = 1
+) -> grain.DatasetIterator:
+  """An endless, checkpointable iterator of this host's training batches (dicts, see top).
+
+  Reads ahead with `data.read_threads` threads and `data.prefetch_batches` buffered batches;
+  with `data.num_workers > 0` batches are built in that many worker processes.
+  """
+  batches = make_train_dataset(
+      data_cfg, seed=seed, process_index=process_index, process_count=process_count)
+  read_threads = int(data_cfg.read_threads)
+  prefetch_batches = max(int(data_cfg.prefetch_batches), read_threads)
+  batches = batches.to_iter_dataset(
+      grain.ReadOptions(num_threads=read_threads, prefetch_buffer_size=prefetch_batches))
+  num_workers = int(data_cfg.num_workers)
+  if num_workers > 0:
+    # grain's worker processes read absl flags; outside an absl app (notebooks, pytest) they
+    # are unparsed and grain would fail, so fall back to the flags' defaults there.
+    if not flags.FLAGS.is_parsed():
+      flags.FLAGS.mark_as_parsed()
+    batches = batches.mp_prefetch(grain.MultiprocessingOptions(num_workers=num_workers))
+  return iter(batches)
+
+
+def make_eval_batches(
+    data_cfg, *, seed: int, num_batches: int, batch_size: int | None = None,
+    process_index: int = 0, process_count: int = 1
+) -> list[Batch]:
+  """Held-out batches, the same on every call (dicts as in training).
+
+  synthetic: the "eval" random stream keyed by `seed` (disjoint from training).
+  text/jsonl: the held-out last `data.eval_fraction` of the packed sequences, in order
+  (`seed` unused); when they fill fewer than `num_batches` batches, only the full batches
+  there are are returned (possibly fewer than asked).
+  `batch_size` is global (default `data.global_batch_size`); each host gets its slice, like
+  in training.
+  """
+  _check_process(process_index, process_count)
+  if num_batches < 1:
+    raise ValueError(f"num_batches must be >= 1, got {num_batches}")
+  if batch_size is None:
+    batch_size = data_cfg.global_batch_size
+  host_batch = host_batch_size(batch_size, process_count)
+  source = make_source(data_cfg, seed=seed, split="eval")
+  batches = grain.MapDataset.source(source)[process_index::process_count].batch(
+      host_batch, drop_remainder=True)
+  available = len(batches)
+  if available == 0:
+    raise ValueError(
+        f"the eval split has {len(source)} sequences, fewer than one batch of {batch_size}; "
+        "raise data.eval_fraction or lower the eval batch size")
+  return [batches[i] for i in range(min(num_batches, available))]
+
+
+def iterator_state(train_iter: grain.DatasetIterator) -> dict[str, Any]:
+  """The iterator's position as a JSON-able dict (what grain's orbax handler writes)."""
+  return train_iter.get_state()
+
+
+def restore_iterator(train_iter: grain.DatasetIterator, state: dict[str, Any]) -> None:
+  """Moves a fresh iterator (same config, seed, hosts) to a position from `iterator_state`."""
+  train_iter.set_state(state)
+
+
+def iterator_save_args(train_iter: grain.DatasetIterator):
+  """Orbax save args for the iterator: an item of `ocp.args.Composite(...)`."""
+  return grain.checkpoint.CheckpointSave(train_iter)
+
+
+def iterator_restore_args(train_iter: grain.DatasetIterator):
+  """Orbax restore args: restores into `train_iter` in place (and returns it)."""
+  return grain.checkpoint.CheckpointRestore(train_iter)

@@ -1,0 +1,236 @@
+"""Local text corpora: read documents, tokenize once, pack into fixed-length sequences.
+
+Sources (`data.source`):
+  * "text": plain UTF-8 files. With `data.text_document = "line"` every non-blank line is a
+    document; with "file" each whole file is one document.
+  * "jsonl": one JSON object per line, the document in field `data.text_field` (a string).
+    Blank lines are skipped; empty documents are skipped.
+
+Packing. Every document is followed by the tokenizer's EOS id and all documents (in file
+order, files in `data.paths` order) are concatenated into one int32 token stream t[0:T].
+Sequence i is the window t[i*L : i*L + L + 1] (L = `data.seq_len`), so consecutive windows
+share one token: inputs = window[:-1], targets = window[1:], weights = 1. Every token except
+t[0] is a target exactly once, and the inputs of sequences 0, 1, ... concatenated are the
+stream itself. There are n = (T - 1) // L sequences; the tail that does not fill one is dropped.
+
+Held-out split. The last ceil(n * `data.eval_fraction`) sequences are the eval split and are
+never trained on (the first eval window's first token is the last train window's last target
+token, nothing more is shared).
+
+The corpus is tokenized once per process and kept in memory (keyed by the files' paths, sizes
+and modification times, plus the tokenizer and format options).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+from typing import Sequence
+
+import numpy as np
+
+from attn_jax.data.tokenizer import Tokenizer, get_tokenizer
+
+TEXT_SOURCES = ("text", "jsonl")
+TEXT_DOCUMENT_MODES = ("line", "file")
+
+
+def split_paths(paths: str | Sequence[str]) -> list[str]:
+  """`data.paths` is a comma-separated string (or already a sequence); empty entries dropped."""
+  if isinstance(paths, str):
+    paths = paths.split(",")
+  return [os.path.expanduser(p.strip()) for p in paths if p.strip()]
+
+
+def _read_nonempty_file(path: str) -> str:
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"data file not found: {path!r} (from data.paths)")
+  try:
+    with open(path, encoding="utf-8") as f:
+      content = f.read()
+  except UnicodeDecodeError as e:
+    raise ValueError(f"data file is not valid UTF-8: {path!r} ({e})") from None
+  if not content.strip():
+    raise ValueError(f"data file is empty: {path!r}")
+  return content
+
+
+def read_text_documents(path: str, *, text_document: str = "line") -> list[str]:
+  """Documents of a plain text file: its non-blank lines, or the whole file."""
+  if text_document not in TEXT_DOCUMENT_MODES:
+    raise ValueError(
+        f"data.text_document must be one of {TEXT_DOCUMENT_MODES}, got {text_document!r}")
+  content = _read_nonempty_file(path)
+  if text_document == "file":
+    return [content]
+  # Split on "\n" only (str.splitlines also breaks on \x0c, \u2028, ...).
+  return [line.rstrip("\r") for line in content.split("\n") if line.strip()]
+
+
+def read_jsonl_documents(path: str, *, text_field: str = "text") -> list[str]:
+  """Documents of a JSONL file: field `text_field` of every object. Errors name file:line."""
+  content = _read_nonempty_file(path)
+  documents = []
+  for line_number, line in enumerate(content.split("\n"), start=1):
+    if not line.strip():
+      continue
+    where = f"{path}:{line_number}"
+    try:
+      record = json.loads(line)
+    except json.JSONDecodeError as e:
+      raise ValueError(f"{where}: invalid JSON: {e.msg} (column {e.colno})") from None
+    if not isinstance(record, dict):
+      raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    if text_field not in record:
+      raise ValueError(
+          f"{where}: missing field {text_field!r} (data.text_field); the object has keys "
+          f"{sorted(record)[:10]}")
+    document = record[text_field]
+    if not isinstance(document, str):
+      raise ValueError(
+          f"{where}: field {text_field!r} must be a string, got {type(document).__name__}")
+    if document:
+      documents.append(document)
+  if not documents:
+    raise ValueError(f"data file has no non-empty {text_field!r} documents: {path!r}")
+  return documents
+
+
+def read_documents(
+    paths: Sequence[str], *, source: str, text_field: str = "text", text_document: str = "line"
+) -> list[str]:
+  """All documents of `paths` in order, for `source` "text" or "jsonl"."""
+  if source not in TEXT_SOURCES:
+    raise ValueError(f"data.source must be one of {TEXT_SOURCES} here, got {source!r}")
+  if not paths:
+    raise ValueError(f"data.paths is empty: data.source={source!r} needs at least one file")
+  documents = []
+  for path in paths:
+    if source == "text":
+      documents.extend(read_text_documents(path, text_document=text_document))
+    else:
+      documents.extend(read_jsonl_documents(path, text_field=text_field))
+  return documents
+
+
+def tokenize_documents(tokenizer: Tokenizer, documents: Sequence[str]) -> np.ndarray:
+  """int32 [T]: each document's ids followed by `tokenizer.eos_id`, all concatenated.
+
+  Uses the tokenizer's `encode_batch` (parallel in `tokenizers`) when it has one.
+  """
+  encode_batch = getattr(tokenizer, "encode_batch", None)
+  if encode_batch is not None:
+    ids_per_document = encode_batch(list(documents))
+  else:
+    ids_per_document = [tokenizer.encode(d) for d in documents]
+  lengths_D = np.fromiter((len(ids) + 1 for ids in ids_per_document), np.int64,
+                          count=len(ids_per_document))
+  tokens_T = np.empty(int(lengths_D.sum()), np.int32)
+  ends_D = np.cumsum(lengths_D)
+  for ids, end in zip(ids_per_document, ends_D):
+    tokens_T[end - 1 - len(ids) : end - 1] = ids
+  tokens_T[ends_D - 1] = tokenizer.eos_id
+  return tokens_T
+
+
+@functools.lru_cache(maxsize=4)
+def _cached_token_stream(
+    paths: tuple[str, ...], file_stamps: tuple, source: str, text_field: str,
+    text_document: str, tokenizer_spec: str
+) -> np.ndarray:
+  del file_stamps  # only part of the cache key
+  documents = read_documents(paths, source=source, text_field=text_field,
+                             text_document=text_document)
+  tokens_T = tokenize_documents(get_tokenizer(tokenizer_spec), documents)
+  tokens_T.setflags(write=False)  # shared by every caller of the cache
+  return tokens_T
+
+
+def load_token_stream(data_cfg) -> np.ndarray:
+  """The corpus of `data.paths` as one read-only int32 [T] stream (tokenized once, cached)."""
+  paths = tuple(split_paths(data_cfg.paths))
+  source = str(data_cfg.source)
+  if source not in TEXT_SOURCES:
+    raise ValueError(f"data.source must be one of {TEXT_SOURCES} here, got {source!r}")
+  if not paths:
+    raise ValueError(f"data.paths is empty: data.source={source!r} needs at least one file")
+  file_stamps = []
+  for path in paths:
+    if not os.path.isfile(path):
+      raise FileNotFoundError(f"data file not found: {path!r} (from data.paths)")
+    stat = os.stat(path)
+    file_stamps.append((stat.st_size, stat.st_mtime_ns))
+  return _cached_token_stream(
+      paths, tuple(file_stamps), source, str(data_cfg.text_field),
+      str(data_cfg.text_document), str(data_cfg.tokenizer))
+
+
+class PackedSequences:
+  """Random-access source of packed windows: item i = stream window `first + i` (see above).
+
+  Satisfies grain's RandomAccessDataSource protocol.
+  """
+
+  def __init__(self, tokens_T: np.ndarray, *, seq_len: int, first: int, count: int):
+    if (first + count) * seq_len + 1 > len(tokens_T):
+      raise ValueError("PackedSequences range exceeds the token stream")
+    self.tokens_T = tokens_T
+    self.seq_len = seq_len
+    self.first = first
+    self.count = count
+
+  def __len__(self) -> int:
+    return self.count
+
+  def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+    index = int(index)
+    if not 0 <= index < self.count:
+      raise IndexError(f"sequence index {index} out of range [0, {self.count})")
+    start = (self.first + index) * self.seq_len
+    window_T = self.tokens_T[start : start + self.seq_len + 1]
+    return {
+        "inputs": window_T[:-1].copy(),
+        "targets": window_T[1:].copy(),
+        "weights": np.ones(self.seq_len, np.float32),
+    }
+
+  def __repr__(self) -> str:
+    return f"PackedSequences(first={self.first}, count={self.count}, seq_len={self.seq_len})"
+
+
+def split_counts(num_tokens: int, data_cfg) -> tuple[int, int]:
+  """(train, eval) sequence counts for a stream of `num_tokens` tokens; errors if no training."""
+  seq_len = int(data_cfg.seq_len)
+  eval_fraction = float(data_cfg.eval_fraction)
+  if seq_len < 1:
+    raise ValueError(f"data.seq_len must be >= 1, got {seq_len}")
+  if not 0.0 <= eval_fraction < 1.0:
+    raise ValueError(f"data.eval_fraction must be in [0, 1), got {eval_fraction}")
+  num_sequences = max(num_tokens - 1, 0) // seq_len
+  if num_sequences == 0:
+    raise ValueError(
+        f"too few tokens in data.paths={data_cfg.paths!r}: {num_tokens} tokens (EOS included) "
+        f"do not fill one sequence of data.seq_len + 1 = {seq_len + 1} tokens")
+  num_eval = math.ceil(num_sequences * eval_fraction) if eval_fraction > 0 else 0
+  if num_sequences - num_eval < 1:
+    raise ValueError(
+        f"too few tokens in data.paths={data_cfg.paths!r}: {num_tokens} tokens make "
+        f"{num_sequences} sequence(s) of data.seq_len + 1 = {seq_len + 1} tokens, and "
+        f"data.eval_fraction={eval_fraction} holds out {num_eval}, leaving none to train on")
+  return num_sequences - num_eval, num_eval
+
+
+def make_text_source(data_cfg, *, split: str = "train") -> PackedSequences:
+  """The packed train or eval split of the corpus in `data.paths`."""
+  tokens_T = load_token_stream(data_cfg)
+  num_train, num_eval = split_counts(len(tokens_T), data_cfg)
+  seq_len = int(data_cfg.seq_len)
+  if split == "train":
+    return PackedSequences(tokens_T, seq_len=seq_len, first=0, count=num_train)
+  if split == "eval":
+    if num_eval == 0:
+      raise ValueError("no eval split: data.eval_fraction is 0")
+    return PackedSequences(tokens_T, seq_len=seq_len, first=num_train, count=num_eval)
+  raise ValueError(f"split must be 'train' or 'eval', got {split!r}")

@@ -1,0 +1,300 @@
+"""Log-likelihood scoring of (context, continuation) requests, as lm-evaluation-harness does it.
+
+For a causal LM with `logits_fn(tokens[B, L]) -> logits[B, L, V]` (logits at t predict t+1):
+
+  tokenization  trailing whitespace of the context moves to the front of the continuation;
+                whole = enc(context + continuation), ctx = enc(context),
+                cont = whole[len(ctx):] (so BPE merges across the boundary follow the joint
+                encoding); an empty context is replaced by [eos].
+  truncation    seq = (ctx + cont)[-(max_len + 1):], input = seq[:-1], targets = seq[1:];
+                the continuation is the last len(cont) targets (len(cont) <= max_len).
+  score         ll = sum_t log softmax(logits_t)[target_t] over the continuation positions;
+                is_greedy = argmax(logits_t) == target_t at every continuation position.
+
+Requests are grouped into a few fixed lengths (buckets: powers of two up to max_len) and
+fixed-size batches, right-padded (padding after a causal row changes none of its logits), so
+the jitted scorer compiles once per bucket. Results come back in the request order.
+
+Aggregation follows the harness: accuracies are means with the sample standard error
+sqrt(var_ddof1 / n) (`mean_stderr`); perplexity = exp(-mean ll) with a bootstrap standard error.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import time
+from typing import Callable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from attn_jax.data.tokenizer import Tokenizer
+from attn_jax.eval import tasks as tasks_lib
+
+LogitsFn = Callable[[jax.Array], jax.Array]  # int32 [B, L] -> float [B, L, V]
+Request = tuple[str, str]
+
+
+# ---------------------------------------------------------------------------------------------
+# tokenization
+
+
+def _encode_many(tokenizer: Tokenizer, texts: Sequence[str]) -> list[list[int]]:
+  if hasattr(tokenizer, "encode_batch"):
+    return [list(ids) for ids in tokenizer.encode_batch(list(texts))]
+  return [list(tokenizer.encode(t)) for t in texts]
+
+
+def encode_pairs(requests: Sequence[Request],
+                 tokenizer: Tokenizer) -> list[tuple[list[int], list[int]]]:
+  """(context, continuation) strings -> (context_ids, continuation_ids), harness convention."""
+  plans = []  # (context, whole) strings, or (None, continuation) for an empty context
+  for context, continuation in requests:
+    n_spaces = len(context) - len(context.rstrip())
+    if n_spaces:
+      continuation = context[-n_spaces:] + continuation
+      context = context[:-n_spaces]
+    plans.append((context, context + continuation) if context else (None, continuation))
+  unique = sorted({s for plan in plans for s in plan if s is not None})
+  ids = dict(zip(unique, _encode_many(tokenizer, unique)))
+  out = []
+  for context, whole in plans:
+    whole_ids = ids[whole]
+    if context is None:  # the harness conditions an empty context on the EOS/BOS token
+      if whole_ids and whole_ids[0] == tokenizer.eos_id:
+        out.append((whole_ids[:1], whole_ids[1:]))
+      else:
+        out.append(([tokenizer.eos_id], whole_ids))
+    else:
+      ctx_ids = ids[context]
+      out.append((ctx_ids, whole_ids[len(ctx_ids):]))
+  return out
+
+
+# ---------------------------------------------------------------------------------------------
+# bucketed, batched scoring
+
+
+def default_buckets(max_len: int, min_len: int = 32) -> tuple[int, ...]:
+  """Powers of two from `min_len` below `max_len`, then `max_len` itself."""
+  if max_len < 1:
+    raise ValueError(f"max_len must be positive, got {max_len}")
+  out, b = [], min_len
+  while b < max_len:
+    out.append(b)
+    b *= 2
+  out.append(max_len)
+  return tuple(out)
+
+
+def bucket_for(length: int, buckets: Sequence[int]) -> int:
+  for b in buckets:
+    if length <= b:
+      return b
+  raise ValueError(f"length {length} exceeds the largest bucket {max(buckets)}")
+
+
+@functools.lru_cache(maxsize=16)
+def _jitted_scorer(logits_fn: LogitsFn):
+  """One jitted scorer per logits_fn (cached so repeated calls reuse its compilations)."""
+
+  def score(tokens, targets, mask):
+    # tokens, targets: int32 [B, L]; mask: bool [B, L] (continuation positions)
+    logits = logits_fn(tokens).astype(jnp.float32)  # [B, L, V]
+    lse = jax.nn.logsumexp(logits, axis=-1)  # [B, L]
+    picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]  # [B, L]
+    ll = jnp.sum(jnp.where(mask, picked - lse, 0.0), axis=-1)  # [B]
+    hit = jnp.argmax(logits, axis=-1) == targets  # [B, L]
+    greedy = jnp.all(jnp.where(mask, hit, True), axis=-1)  # [B]
+    return ll, greedy
+
+  return jax.jit(score)
+
+
+def _prepare(ctx_ids: list[int], cont_ids: list[int], max_len: int):
+  if not cont_ids:
+    raise ValueError("continuation encodes to zero tokens")
+  if len(cont_ids) > max_len:
+    raise ValueError(f"continuation of {len(cont_ids)} tokens exceeds max_len={max_len}")
+  seq = (ctx_ids + cont_ids)[-(max_len + 1):]
+  return seq[:-1], seq[1:], len(cont_ids)
+
+
+def loglikelihood_tokens(pairs: Sequence[tuple[list[int], list[int]]], logits_fn: LogitsFn, *,
+                         max_len: int, batch_size: int,
+                         buckets: Sequence[int] | None = None) -> list[tuple[float, bool]]:
+  """Scores already-tokenized (context_ids, continuation_ids) pairs; see the module docstring."""
+  if batch_size < 1:
+    raise ValueError(f"batch_size must be positive, got {batch_size}")
+  buckets = tuple(sorted(buckets)) if buckets else default_buckets(max_len)
+  if max(buckets) < max_len:
+    raise ValueError(f"largest bucket {max(buckets)} < max_len {max_len}")
+  prepared = [_prepare(c, k, max_len) for c, k in pairs]
+  lengths = [len(p[0]) for p in prepared]
+  # longest first (a too-large batch fails at once), grouped by bucket
+  order = sorted(range(len(prepared)), key=lambda i: (-bucket_for(lengths[i], buckets),
+                                                       -lengths[i], i))
+  scorer = _jitted_scorer(logits_fn)
+  pending = []  # (indices, device ll, device greedy)
+  start = 0
+  while start < len(order):
+    width = bucket_for(lengths[order[start]], buckets)
+    chunk = [order[start]]
+    while (len(chunk) < batch_size and start + len(chunk) < len(order)
+           and bucket_for(lengths[order[start + len(chunk)]], buckets) == width):
+      chunk.append(order[start + len(chunk)])
+    start += len(chunk)
+    tokens = np.zeros((batch_size, width), np.int32)  # [B, Lb]; padded rows/columns stay 0
+    targets = np.zeros((batch_size, width), np.int32)  # [B, Lb]
+    mask = np.zeros((batch_size, width), bool)  # [B, Lb]
+    for row, i in enumerate(chunk):
+      inp, tgt, n_cont = prepared[i]
+      tokens[row, :len(inp)] = inp
+      targets[row, :len(tgt)] = tgt
+      mask[row, len(inp) - n_cont:len(inp)] = True
+    ll, greedy = scorer(tokens, targets, mask)
+    pending.append((chunk, ll, greedy))
+  results: list[tuple[float, bool] | None] = [None] * len(prepared)
+  for chunk, ll, greedy in pending:
+    ll, greedy = np.asarray(ll), np.asarray(greedy)
+    for row, i in enumerate(chunk):
+      results[i] = (float(ll[row]), bool(greedy[row]))
+  return results  # type: ignore[return-value]
+
+
+def loglikelihood(requests: Sequence[Request], logits_fn: LogitsFn, tokenizer: Tokenizer, *,
+                  max_len: int, batch_size: int,
+                  buckets: Sequence[int] | None = None) -> list[tuple[float, bool]]:
+  """(context, continuation) strings -> [(sum log p(continuation | context), is_greedy)]."""
+  pairs = encode_pairs(requests, tokenizer)
+  return loglikelihood_tokens(pairs, logits_fn, max_len=max_len, batch_size=batch_size,
+                              buckets=buckets)
+
+
+# ---------------------------------------------------------------------------------------------
+# metrics
+
+
+def mean_stderr(values: Sequence[float]) -> float:
+  """Sample standard error of the mean, sqrt(var(ddof=1) / n), as the harness computes it."""
+  x = np.asarray(values, np.float64)
+  if x.size < 2:
+    return float("nan")
+  return float(np.std(x, ddof=1) / math.sqrt(x.size))
+
+
+def bootstrap_stderr(values: Sequence[float], statistic: Callable[[np.ndarray], np.ndarray],
+                     iters: int = 1000, seed: int = 0) -> float:
+  """Standard deviation of `statistic` (vectorised over axis -1) over bootstrap resamples."""
+  x = np.asarray(values, np.float64)
+  if x.size < 2 or iters < 2:
+    return float("nan")
+  rng = np.random.default_rng(seed)
+  stats = []
+  for lo in range(0, iters, 100):
+    idx = rng.integers(0, x.size, size=(min(100, iters - lo), x.size))
+    stats.append(statistic(x[idx]))
+  return float(np.std(np.concatenate(stats), ddof=1))
+
+
+def _perplexity(lls: np.ndarray) -> np.ndarray:
+  return np.exp(-np.mean(lls, axis=-1))
+
+
+def score_docs(docs: Sequence[tasks_lib.Doc],
+               results: Sequence[tuple[float, bool]]) -> dict[str, list[float]]:
+  """Per-doc metric values from the flat results of `doc_requests(docs)`."""
+  per_doc: dict[str, list[float]] = {}
+  pos = 0
+  for doc in docs:
+    if isinstance(doc, tasks_lib.LoglikelihoodDoc):
+      ll, greedy = results[pos]
+      pos += 1
+      per_doc.setdefault("acc", []).append(float(greedy))
+      per_doc.setdefault("ll", []).append(ll)
+    else:
+      n = len(doc.requests)
+      lls = np.array([r[0] for r in results[pos:pos + n]])
+      pos += n
+      lengths = np.array([float(len(c)) for c in doc.choices])
+      per_doc.setdefault("acc", []).append(float(np.argmax(lls) == doc.gold))
+      with np.errstate(divide="ignore", invalid="ignore"):
+        per_doc.setdefault("acc_norm", []).append(float(np.argmax(lls / lengths) == doc.gold))
+  if pos != len(results):
+    raise ValueError(f"{len(results)} results for {pos} requests")
+  return per_doc
+
+
+def doc_requests(docs: Sequence[tasks_lib.Doc]) -> list[Request]:
+  out: list[Request] = []
+  for doc in docs:
+    if isinstance(doc, tasks_lib.LoglikelihoodDoc):
+      out.append((doc.context, doc.continuation))
+    else:
+      out.extend(doc.requests)
+  return out
+
+
+def evaluate_task(name: str, docs: Sequence[tasks_lib.Doc], logits_fn: LogitsFn,
+                  tokenizer: Tokenizer, *, max_len: int, batch_size: int,
+                  buckets: Sequence[int] | None = None, bootstrap_iters: int = 1000) -> dict:
+  """Scores `docs` of task `name`; returns its metrics, each accuracy with `<metric>_stderr`,
+  plus n_docs, n_requests, seconds, examples_per_s (docs/s) and requests_per_s."""
+  spec = tasks_lib.get_task(name)
+  if not docs:
+    raise ValueError(f"task {name!r}: no documents")
+  t0 = time.perf_counter()
+  requests = doc_requests(docs)
+  results = loglikelihood(requests, logits_fn, tokenizer, max_len=max_len,
+                          batch_size=batch_size, buckets=buckets)
+  seconds = time.perf_counter() - t0
+  per_doc = score_docs(docs, results)
+  out: dict = {}
+  for metric in spec.metrics:
+    if metric == "perplexity":
+      lls = np.asarray(per_doc["ll"])
+      out["perplexity"] = float(_perplexity(lls))
+      out["perplexity_stderr"] = bootstrap_stderr(lls, _perplexity, iters=bootstrap_iters)
+    else:
+      out[metric] = float(np.mean(per_doc[metric]))
+      out[f"{metric}_stderr"] = mean_stderr(per_doc[metric])
+  out.update(n_docs=len(docs), n_requests=len(requests), seconds=seconds,
+             examples_per_s=len(docs) / max(seconds, 1e-9),
+             requests_per_s=len(requests) / max(seconds, 1e-9))
+  return out
+
+
+def evaluate(tasks: Sequence[str], logits_fn: LogitsFn, tokenizer: Tokenizer,
+             data_paths: Mapping[str, str | os.PathLike | Sequence[str]], *, max_len: int,
+             batch_size: int, limit: int | None = None,
+             buckets: Sequence[int] | None = None, bootstrap_iters: int = 1000) -> dict:
+  """Loads and scores each task. `data_paths[task]` is its file (see `tasks.shared_data_paths`);
+  `limit` keeps the first `limit` docs of each task (as the harness's --limit does).
+
+  Returns {"results": {task: metrics}, "config": {...}} for `report.write_json/markdown`.
+  """
+  results = {}
+  for name in tasks:
+    if name not in data_paths:
+      raise ValueError(f"no data path for task {name!r} (have {sorted(data_paths)})")
+    docs = tasks_lib.load_task(name, data_paths[name])
+    if limit is not None:
+      docs = docs[:limit]
+    results[name] = evaluate_task(name, docs, logits_fn, tokenizer, max_len=max_len,
+                                  batch_size=batch_size, buckets=buckets,
+                                  bootstrap_iters=bootstrap_iters)
+  config = dict(tasks=list(tasks), max_len=max_len, batch_size=batch_size, limit=limit,
+                buckets=list(buckets) if buckets else list(default_buckets(max_len)),
+                vocab_size=int(tokenizer.vocab_size),
+                tokenizer=getattr(tokenizer, "path", type(tokenizer).__name__))
+  return {"results": results, "config": config}
+
+
+__all__ = [
+    "LogitsFn", "Request", "encode_pairs", "default_buckets", "bucket_for",
+    "loglikelihood_tokens", "loglikelihood", "mean_stderr", "bootstrap_stderr", "score_docs",
+    "doc_requests", "evaluate_task", "evaluate",
+]

@@ -1,0 +1,102 @@
+"""Shared building blocks: parameters with logical axis names, RMSNorm, RoPE, SwiGLU, embedding.
+
+Every parameter is an `nnx.Param` whose `sharding_names` metadata holds its *logical* axis names
+(`embed`, `mlp`, `heads`, `kv_heads`, `head_dim`, `vocab`, `state`, `layers`, `norm`). The
+logical->mesh mapping lives in the config (`config.mesh.rules`, applied in `sharding.py`);
+modules never mention mesh axes. Eager sharding is off: shardings are applied by the trainer's
+jitted init (`out_shardings`), never at construction.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+Initializer = Callable[..., jax.Array]
+
+
+def dtype_of(name: str) -> jnp.dtype:
+  try:
+    return jnp.dtype({"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}.get(name, name))
+  except TypeError as e:
+    raise ValueError(f"unknown dtype {name!r} (use float32, bfloat16 or float16)") from e
+
+
+def param(rngs: nnx.Rngs, init: Initializer, shape: Sequence[int], axes: Sequence[str | None],
+          dtype=jnp.float32) -> nnx.Param:
+  """A parameter initialised with `init(key, shape, dtype)` and tagged with logical `axes`."""
+  if len(axes) != len(shape):
+    raise ValueError(f"logical axes {tuple(axes)} do not match shape {tuple(shape)}")
+  return nnx.Param(init(rngs.params(), tuple(shape), dtype), sharding_names=tuple(axes),
+                   eager_sharding=False)
+
+
+class Linear(nnx.Module):
+  """y = x @ W (no bias). W: [*in_shape, *out_shape], computed in `dtype` with fp32 params."""
+
+  def __init__(self, in_shape: Sequence[int], out_shape: Sequence[int], *,
+               in_axes: Sequence[str | None], out_axes: Sequence[str | None], rngs: nnx.Rngs,
+               init_std: float = 0.02, dtype=jnp.bfloat16, param_dtype=jnp.float32):
+    self.in_shape, self.out_shape = tuple(in_shape), tuple(out_shape)
+    self.dtype = dtype
+    self.kernel = param(rngs, nnx.initializers.normal(init_std), self.in_shape + self.out_shape,
+                        tuple(in_axes) + tuple(out_axes), param_dtype)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    n_in = len(self.in_shape)
+    w = self.kernel[...].astype(self.dtype)
+    return jax.lax.dot_general(
+        x.astype(self.dtype), w,
+        ((tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in))), ((), ())))
+
+
+class RMSNorm(nnx.Module):
+  """x / rms(x) * scale, statistics in fp32."""
+
+  def __init__(self, dim: int, *, rngs: nnx.Rngs, eps: float = 1e-5, dtype=jnp.bfloat16,
+               param_dtype=jnp.float32):
+    del rngs
+    self.eps, self.dtype = eps, dtype
+    self.scale = nnx.Param(jnp.ones((dim,), param_dtype), sharding_names=("norm",),
+                           eager_sharding=False)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return (y * self.scale[...].astype(jnp.float32)).astype(self.dtype)
+
+
+def rope_angles(positions: jax.Array, dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+  """cos/sin for rotary embeddings. positions [B, T] -> ([B, T, dim/2], [B, T, dim/2]) fp32."""
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
+  ang = positions.astype(jnp.float32)[..., None] * inv_freq
+  return jnp.cos(ang), jnp.sin(ang)
+
+
+def apply_rope(x_BTHD: jax.Array, cos_BTK: jax.Array, sin_BTK: jax.Array) -> jax.Array:
+  """Rotate the two halves of the head dim (GPT-NeoX layout) by the given angles, in fp32."""
+  d2 = x_BTHD.shape[-1] // 2
+  x = x_BTHD.astype(jnp.float32)
+  x1, x2 = x[..., :d2], x[..., d2:]
+  c, s = cos_BTK[:, :, None, :], sin_BTK[:, :, None, :]
+  return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x_BTHD.dtype)
+
+
+class SwiGLU(nnx.Module):
+  """down(silu(gate(x)) * up(x))."""
+
+  def __init__(self, d_model: int, d_ff: int, *, rngs: nnx.Rngs, init_std: float,
+               out_std: float, dtype, param_dtype):
+    kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+    self.gate = Linear((d_model,), (d_ff,), in_axes=("embed",), out_axes=("mlp",),
+                       init_std=init_std, **kw)
+    self.up = Linear((d_model,), (d_ff,), in_axes=("embed",), out_axes=("mlp",),
+                     init_std=init_std, **kw)
+    self.down = Linear((d_ff,), (d_model,), in_axes=("mlp",), out_axes=("embed",),
+                       init_std=out_std, **kw)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
