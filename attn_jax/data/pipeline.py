@@ -126,7 +126,9 @@ def make_train_iterator(
   """An endless, checkpointable iterator of this host's training batches (dicts, see top).
 
   Reads ahead with `data.read_threads` threads and `data.prefetch_batches` buffered batches;
-  with `data.num_workers > 0` batches are built in that many worker processes.
+  with `data.num_workers > 0` batches are built in that many worker processes (grain starts
+  them fresh, so a script using them needs an `if __name__ == "__main__":` guard; call
+  `it.close()` when done).
   """
   batches = make_train_dataset(
       data_cfg, seed=seed, process_index=process_index, process_count=process_count)
