@@ -1,0 +1,103 @@
+"""Orbax checkpoints holding everything a run needs to continue bit-identically:
+
+    <workdir>/checkpoints/<step>/state   params, non-trainable state, optimizer state, step, rng
+    <workdir>/checkpoints/<step>/data    the grain iterator position (one JSON file per host)
+    <workdir>/checkpoints/<step>/meta    the config that produced it (JSON), for evaluation
+
+Restoring takes abstract arrays *with shardings*, so each host reads only its shards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import grain
+import jax
+import orbax.checkpoint as ocp
+
+
+class Checkpointer:
+  def __init__(self, workdir: str, *, max_to_keep: int = 3, save_interval_steps: int = 1):
+    self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
+    self._mngr = ocp.CheckpointManager(
+        self.directory,
+        item_names=("state", "data", "meta"),
+        options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
+                                             save_interval_steps=save_interval_steps),
+    )
+
+  def latest_step(self) -> int | None:
+    return self._mngr.latest_step()
+
+  def save(self, step: int, state: Any, data_iter: Any = None, meta: dict | None = None, *,
+           force: bool = False) -> bool:
+    items = {"state": ocp.args.StandardSave(state),
+             "meta": ocp.args.JsonSave(meta or {})}
+    if data_iter is not None:
+      items["data"] = grain.checkpoint.CheckpointSave(data_iter)
+    saved = self._mngr.save(step, args=ocp.args.Composite(**items), force=force)
+    return saved
+
+  def restore(self, abstract_state: Any, data_iter: Any = None, step: int | None = None):
+    """Returns the restored state (and restores `data_iter` in place), or None if no ckpt."""
+    step = self.latest_step() if step is None else step
+    if step is None:
+      return None
+    items = {"state": ocp.args.StandardRestore(abstract_state)}
+    if data_iter is not None:
+      items["data"] = grain.checkpoint.CheckpointRestore(data_iter)
+    out = self._mngr.restore(step, args=ocp.args.Composite(**items))
+    return out["state"]
+
+  def restore_meta(self, step: int | None = None) -> dict:
+    step = self.latest_step() if step is None else step
+    return self._mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+
+  def wait(self) -> None:
+    self._mngr.wait_until_finished()
+
+  def close(self) -> None:
+    self._mngr.wait_until_finished()
+    self._mngr.close()
+
+
+def abstract_with_shardings(tree: Any, shardings: Any) -> Any:
+  return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree,
+                      shardings)
+
+
+def config_to_json(config) -> dict:
+  return json.loads(config.to_json_best_effort())
+
+
+def load_for_inference(workdir: str, step: int | None = None, *, devices=None):
+  """(model, config, step) from a training run directory: the config is read from the
+  checkpoint's `meta`, the parameters restored onto `devices` (default: all local devices,
+  data-parallel mesh) — usable from a notebook or the evaluator."""
+  import ml_collections
+  from flax import nnx
+
+  from attn_jax.train.trainer import build_setup
+
+  ckpt = Checkpointer(workdir)
+  step = ckpt.latest_step() if step is None else step
+  if step is None:
+    raise FileNotFoundError(f"no checkpoint found under {ckpt.directory}")
+  meta = ckpt.restore_meta(step)
+  config = ml_collections.ConfigDict(_tuples(meta["config"]))
+  setup = build_setup(config, devices=devices)
+  state = ckpt.restore(setup.abstract_state, step=step)
+  ckpt.close()
+  model = nnx.merge(setup.graphdef, state["params"], state["rest"])
+  return model, config, step
+
+
+def _tuples(x):
+  """JSON turns tuples into lists; configs hold tuples (config_flags can't override lists)."""
+  if isinstance(x, dict):
+    return {k: _tuples(v) for k, v in x.items()}
+  if isinstance(x, list):
+    return tuple(_tuples(v) for v in x)
+  return x

@@ -1,0 +1,76 @@
+"""Metric sinks: one JSON object per line in <workdir>/metrics.jsonl, TensorBoard event files
+(tensorboardX) in <workdir>/tb, and a console progress bar (tqdm). Only process 0 writes."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any, Mapping
+
+import jax
+import numpy as np
+
+
+def _scalar(v: Any) -> float | int:
+  v = np.asarray(v)
+  return v.item() if v.size == 1 else v.tolist()
+
+
+def flatten_metrics(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+  """{'aux': {'lambda': [L]}} -> {'aux/lambda/layer_0': ..., 'aux/lambda/mean': ...}."""
+  out: dict[str, Any] = {}
+  for k, v in metrics.items():
+    key = f"{prefix}{k}"
+    if isinstance(v, Mapping):
+      out.update(flatten_metrics(v, key + "/"))
+      continue
+    arr = np.asarray(jax.device_get(v))
+    if arr.ndim == 0:
+      out[key] = arr.item()
+    elif arr.ndim == 1:  # per-layer monitoring
+      out[f"{key}/mean"] = float(arr.mean())
+      for i, x in enumerate(arr.tolist()):
+        out[f"{key}/layer_{i}"] = x
+    else:
+      out[key] = arr.tolist()
+  return out
+
+
+class MetricWriter:
+  def __init__(self, workdir: str, *, enabled: bool | None = None, tensorboard: bool = True):
+    self.enabled = jax.process_index() == 0 if enabled is None else enabled
+    self.path = os.path.join(workdir, "metrics.jsonl")
+    self._tb = None
+    if self.enabled:
+      os.makedirs(workdir, exist_ok=True)
+      if tensorboard:
+        from tensorboardX import SummaryWriter
+        self._tb = SummaryWriter(os.path.join(workdir, "tb"))
+
+  def write(self, step: int, metrics: Mapping[str, Any]) -> None:
+    if not self.enabled:
+      return
+    flat = {"step": int(step), **{k: _scalar(v) for k, v in metrics.items()}}
+    # JSON has no NaN/Inf: write them as strings so every line stays valid JSON.
+    clean = {k: (str(v) if isinstance(v, float) and not math.isfinite(v) else v)
+             for k, v in flat.items()}
+    with open(self.path, "a") as f:
+      f.write(json.dumps(clean) + "\n")
+    if self._tb is not None:
+      for k, v in flat.items():
+        if k != "step" and isinstance(v, (int, float)):
+          self._tb.add_scalar(k, v, step)
+
+  def flush(self) -> None:
+    if self._tb is not None:
+      self._tb.flush()
+
+  def close(self) -> None:
+    if self._tb is not None:
+      self._tb.close()
+
+
+def read_metrics(workdir: str) -> list[dict]:
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f if line.strip()]

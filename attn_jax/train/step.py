@@ -1,0 +1,97 @@
+"""The functional train step: loss, gradient accumulation, optimizer update, metrics.
+
+`TrainState` is a plain dict of arrays (pure-dict params, optimizer state, step, rng) so that
+jit shardings, donation and orbax checkpoints all see one simple pytree:
+
+    {"params": {...}, "rest": {...non-trainable state...}, "opt_state": ..., "step": int32,
+     "rng": key}
+
+The model graph (`graphdef`) is split once; the step merges it with the params inside jit.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+
+def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array, weights_BT: jax.Array):
+  """Sum of weighted token NLL (fp32), sum of weights, number of weighted argmax hits."""
+  logits = logits_BTV.astype(jnp.float32)
+  logz = jax.nn.logsumexp(logits, axis=-1)
+  tgt = jnp.take_along_axis(logits, targets_BT[..., None], axis=-1)[..., 0]
+  nll = logz - tgt
+  w = weights_BT.astype(jnp.float32)
+  hits = (jnp.argmax(logits, axis=-1) == targets_BT).astype(jnp.float32)
+  return jnp.sum(nll * w), jnp.sum(w), jnp.sum(hits * w)
+
+
+def make_loss_fn(graphdef: nnx.GraphDef) -> Callable:
+  def loss_fn(params, rest, batch, total_weight):
+    model = nnx.merge(graphdef, params, rest)
+    logits, aux = model(batch["inputs"], return_aux=True)
+    nll, w, hits = cross_entropy(logits, batch["targets"], batch["weights"])
+    return nll / total_weight, (nll, w, hits, aux)
+  return loss_fn
+
+
+def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
+                    lr_schedule: Callable | None = None) -> Callable:
+  """step(state, batch) -> (state, metrics). Batch arrays are [A, B, L] (A micro-batches).
+
+  The loss is the mean over *all* weighted tokens of the A micro-batches (not a mean of
+  per-micro-batch means), so accumulation gives exactly the gradient of the big batch.
+  """
+  loss_fn = make_loss_fn(graphdef)
+  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+  def step(state, batch):
+    params, rest = state["params"], state["rest"]
+    total_w = jnp.maximum(jnp.sum(batch["weights"].astype(jnp.float32)), 1.0)
+    n_micro = batch["inputs"].shape[0]
+
+    def micro(carry, mb):
+      g_acc, nll_acc, w_acc, hit_acc = carry
+      (_, (nll, w, hits, aux)), g = grad_fn(params, rest, mb, total_w)
+      g_acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), g_acc, g)
+      return (g_acc, nll_acc + nll, w_acc + w, hit_acc + hits), aux
+
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    init = (zeros, 0.0, 0.0, 0.0)
+    if n_micro == 1:
+      carry, aux = micro(init, jax.tree.map(lambda a: a[0], batch))
+    else:
+      carry, aux = jax.lax.scan(micro, init, batch)
+      aux = jax.tree.map(lambda a: a[-1], aux)
+    grads, nll, w, hits = carry
+    updates, opt_state = tx.update(grads, state["opt_state"], params)
+    new_params = optax.apply_updates(params, updates)
+    rng, _ = jax.random.split(state["rng"])
+    new_state = dict(state, params=new_params, opt_state=opt_state, step=state["step"] + 1,
+                     rng=rng)
+    metrics = {
+        "loss": nll / jnp.maximum(w, 1.0),
+        "accuracy": hits / jnp.maximum(w, 1.0),
+        "grad_norm": optax.global_norm(grads),
+        "param_norm": optax.global_norm(params),
+        "update_norm": optax.global_norm(updates),
+        "weighted_tokens": w,
+    }
+    if lr_schedule is not None:
+      metrics["learning_rate"] = lr_schedule(state["step"])
+    metrics["aux"] = aux   # per-layer monitoring from the mixers ({name: [n_layers]})
+    return new_state, metrics
+
+  return step
+
+
+def make_eval_step(graphdef: nnx.GraphDef) -> Callable:
+  """eval(params, rest, batch [B, L]) -> (sum nll, sum weights, sum hits)."""
+  def eval_step(params, rest, batch):
+    model = nnx.merge(graphdef, params, rest)
+    return cross_entropy(model(batch["inputs"]), batch["targets"], batch["weights"])
+  return eval_step

@@ -1,0 +1,263 @@
+"""`train_and_evaluate(config, workdir)`: the whole training run, importable from a notebook.
+
+Order of work (abstract first, nothing materialised unsharded):
+  validate config -> mesh -> abstract model/state -> shardings -> jitted init (out_shardings)
+  or restore from the latest checkpoint -> data iterator (restored position) -> AOT-compiled
+  step (explicit in/out shardings, state donated; memory analysis logged) -> loop.
+
+Loop hygiene: step t+1 is dispatched before the metrics of step t are read; a NaN/Inf loss stops
+the run loudly; a checkpoint is written every `checkpoint.every_steps`, at the end, and when the
+run is interrupted, so work is never lost.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from attn_jax import sharding as shd
+from attn_jax.config import ModelConfig, validate
+from attn_jax.model import build_model, count_params
+from attn_jax.registry import get_mixer
+from attn_jax.train import flops as flops_lib
+from attn_jax.train.checkpoint import Checkpointer, abstract_with_shardings, config_to_json
+from attn_jax.train.metrics import MetricWriter, flatten_metrics
+from attn_jax.train.optim import make_optimizer
+from attn_jax.train.step import make_eval_step, make_train_step
+
+
+@dataclasses.dataclass
+class Setup:
+  """Everything built before the loop; also what tests and benchmarks reuse."""
+  cfg: ModelConfig
+  mesh: Any
+  rules: dict
+  graphdef: Any
+  tx: optax.GradientTransformation
+  lr_schedule: Any
+  state_shardings: Any
+  abstract_state: Any
+  init_fn: Any          # jitted () -> state, sharded
+  step_fn: Any          # jitted (state, batch[A, B, L]) -> (state, metrics)
+  batch_sharding: Any   # for [A, B, L] arrays
+  n_params: dict
+
+
+def build_setup(config: ml_collections.ConfigDict, *, devices=None) -> Setup:
+  cfg = validate(config)
+  mesh = shd.make_mesh(config.mesh.shape, config.mesh.axis_names, devices)
+  rules = shd.rules_dict(config.mesh.rules)
+  abs_model = nnx.eval_shape(lambda: build_model(cfg, seed=config.seed))
+  graphdef, abs_params, abs_rest = nnx.split(abs_model, nnx.Param, ...)
+  mixer_cls = get_mixer(cfg.mixer)
+  overrides = dict(getattr(mixer_cls, "optimizer_overrides", {}) or {})
+  for name, ov in overrides.items():  # the config decides the lr multiplier of such params
+    if "lr_mult" in ov and name == "lambda_raw":
+      overrides[name] = dict(ov, lr_mult=config.optim.lambda_lr_mult)
+  tx, sched = make_optimizer(config, abs_params, overrides)
+
+  param_sh = shd.state_shardings(abs_params, mesh, rules)
+  rest_sh = shd.state_shardings(abs_rest, mesh, rules)
+  repl = shd.replicated(mesh)
+
+  def init():
+    model = build_model(cfg, seed=config.seed)
+    _, params, rest = nnx.split(model, nnx.Param, ...)
+    params, rest = params.to_pure_dict(), rest.to_pure_dict()
+    return {"params": params, "rest": rest, "opt_state": tx.init(params),
+            "step": jnp.zeros((), jnp.int32), "rng": jax.random.key_data(
+                jax.random.key(config.seed + 1))}
+
+  abstract = jax.eval_shape(init)
+  opt_sh = optax.tree_map_params(tx, lambda _, s: s, abstract["opt_state"], param_sh,
+                                 transform_non_params=lambda _: repl)
+  state_sh = {"params": param_sh, "rest": rest_sh, "opt_state": opt_sh, "step": repl,
+              "rng": repl}
+  batch_axes = rules.get("batch")
+  batch_sh = NamedSharding(mesh, P(None, batch_axes, None))
+  step = make_train_step(graphdef, tx, sched)
+  step_fn = jax.jit(step, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, repl),
+                    donate_argnums=(0,))
+  init_fn = jax.jit(init, out_shardings=state_sh)
+  return Setup(cfg, mesh, rules, graphdef, tx, sched, state_sh,
+               abstract_with_shardings(abstract, state_sh), init_fn, step_fn, batch_sh,
+               count_params(cfg))
+
+
+def _check_batch(config, mesh, rules) -> int:
+  """Per-host micro-batch size; errors name the config field."""
+  n_proc = jax.process_count()
+  gbs = config.data.global_batch_size
+  axes = rules.get("batch")
+  axes = () if axes is None else ((axes,) if isinstance(axes, str) else tuple(axes))
+  shards = int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
+  if gbs % shards:
+    raise ValueError(f"config.data.global_batch_size={gbs} is not divisible by the "
+                     f"{shards} batch shards of the mesh {dict(mesh.shape)}")
+  if gbs % n_proc:
+    raise ValueError(f"config.data.global_batch_size={gbs} is not divisible by the "
+                     f"{n_proc} processes")
+  return gbs // n_proc
+
+
+def _next_batch(it, accum: int, batch_sh) -> dict:
+  """Pull `accum` host micro-batches, stack to [A, B_host, L], build global arrays."""
+  mbs = [next(it) for _ in range(accum)]
+  local = {k: np.stack([mb[k] for mb in mbs]) for k in ("inputs", "targets", "weights")}
+  return {k: jax.make_array_from_process_local_data(batch_sh, v) for k, v in local.items()}
+
+
+def evaluate_heldout(setup: Setup, state, batches) -> dict[str, float]:
+  """Loss/accuracy on held-out batches (weighted tokens only), summed exactly over batches."""
+  fn = jax.jit(make_eval_step(setup.graphdef))
+  nll = w = hits = 0.0
+  for b in batches:
+    n, ww, h = fn(state["params"], state["rest"], {k: jnp.asarray(v) for k, v in b.items()})
+    nll, w, hits = nll + float(n), w + float(ww), hits + float(h)
+  w = max(w, 1.0)
+  return {"eval/loss": nll / w, "eval/accuracy": hits / w, "eval/weighted_tokens": w}
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+  """Train (or resume) a model; returns the final metrics."""
+  from attn_jax.data import pipeline
+
+  workdir = os.path.abspath(workdir)
+  os.makedirs(workdir, exist_ok=True)
+  setup = build_setup(config)
+  cfg = setup.cfg
+  need = pipeline.vocab_size_needed(config.data)
+  if need > cfg.vocab_size:
+    raise ValueError(f"config.model.vocab_size={cfg.vocab_size} is smaller than the data's "
+                     f"vocabulary ({need}, from config.data.tokenizer/source)")
+  host_batch = _check_batch(config, setup.mesh, setup.rules)
+  logging.info("devices: %s; mesh %s", jax.devices(), dict(setup.mesh.shape))
+  n = setup.n_params
+  logging.info("parameters: total %s, non-embedding %s, mixer %s, mlp %s", f"{n['total']:,}",
+               f"{n['non_embedding']:,}", f"{n['mixer']:,}", f"{n['mlp']:,}")
+
+  ckpt = Checkpointer(workdir, max_to_keep=config.checkpoint.max_to_keep)
+  data_it = pipeline.make_train_iterator(config.data, seed=config.seed,
+                                         process_index=jax.process_index(),
+                                         process_count=jax.process_count())
+  state = ckpt.restore(setup.abstract_state, data_it)
+  if state is None:
+    state = setup.init_fn()
+    start = 0
+  else:
+    start = int(state["step"])
+    logging.info("resumed from %s at step %d", ckpt.directory, start)
+
+  accum, L = config.train.grad_accum, config.data.seq_len
+  abs_batch = {k: jax.ShapeDtypeStruct((accum, config.data.global_batch_size, L),
+                                       jnp.float32 if k == "weights" else jnp.int32,
+                                       sharding=setup.batch_sharding)
+               for k in ("inputs", "targets", "weights")}
+  t0 = time.perf_counter()
+  compiled = setup.step_fn.lower(setup.abstract_state, abs_batch).compile()
+  logging.info("train step compiled in %.1fs", time.perf_counter() - t0)
+  try:
+    logging.info("memory analysis: %s", compiled.memory_analysis())
+  except Exception:  # not every backend reports it
+    pass
+
+  writer = MetricWriter(workdir)
+  tokens_per_step = accum * config.data.global_batch_size * L
+  flops_per_tok = flops_lib.train_flops_per_token(cfg, n, L)
+  peak = flops_lib.peak_flops_per_device(override=config.train.peak_flops)
+  n_dev = jax.device_count()
+  meta = {"config": config_to_json(config), "n_params": n}
+  heldout = None
+  if config.eval.every_steps or config.eval.tasks is not None:
+    heldout = pipeline.make_eval_batches(config.data, seed=config.seed, num_batches=4)
+
+  bar = None
+  if config.train.progress_bar and jax.process_index() == 0:
+    from tqdm import tqdm
+    bar = tqdm(total=config.train.steps, initial=start, unit="step", dynamic_ncols=True)
+
+  last_saved = start
+  pending = None          # (step, metrics) of the step dispatched before the current one
+  t_log, step_log = time.perf_counter(), start
+  last: dict[str, Any] = {}
+  diverged = False
+
+  def flush(pending_metrics):
+    nonlocal t_log, step_log, last, diverged
+    step_no, m = pending_metrics
+    loss = float(m["loss"])
+    if not np.isfinite(loss) and config.train.halt_on_nan:
+      diverged = True
+      raise FloatingPointError(f"loss is {loss} at step {step_no}; stopping. The last good "
+                               f"checkpoint is in {ckpt.directory}")
+    if step_no % config.train.log_every == 0 or step_no == config.train.steps:
+      now = time.perf_counter()
+      dt = max(now - t_log, 1e-9)
+      tps = tokens_per_step * (step_no - step_log) / dt
+      out = flatten_metrics(m)
+      out["tokens_per_sec"] = tps
+      out["tokens_seen"] = step_no * tokens_per_step
+      if peak:
+        out["mfu"] = tps * flops_per_tok / (peak * n_dev)
+      writer.write(step_no, out)
+      last = out
+      t_log, step_log = now, step_no
+      if bar is not None:
+        bar.set_postfix(loss=f"{loss:.4f}", acc=f"{out['accuracy']:.3f}",
+                        tok_s=f"{tps:,.0f}")
+
+  try:
+    for step_no in range(start + 1, config.train.steps + 1):
+      batch = _next_batch(data_it, accum, setup.batch_sharding)
+      state, metrics = compiled(state, batch)
+      if pending is not None:
+        flush(pending)
+      pending = (step_no, metrics)
+      if bar is not None:
+        bar.update(1)
+      if step_no % config.checkpoint.every_steps == 0:
+        flush(pending)
+        pending = None
+        ckpt.save(step_no, state, data_it, meta, force=True)
+        last_saved = step_no
+      if heldout is not None and config.eval.every_steps and \
+          step_no % config.eval.every_steps == 0:
+        ev = evaluate_heldout(setup, state, heldout)
+        writer.write(step_no, ev)
+        last.update(ev)
+    if pending is not None:
+      flush(pending)
+      pending = None
+  finally:
+    if pending is not None and not diverged:
+      try:  # log the last dispatched step even when interrupted
+        flush(pending)
+      except FloatingPointError:
+        pass
+    done = int(state["step"])
+    if done > last_saved and not diverged:  # interrupted or finished: never lose work
+      ckpt.save(done, state, data_it, meta, force=True)
+    ckpt.close()
+    writer.flush()
+    if bar is not None:
+      bar.close()
+
+  if heldout is not None:
+    ev = evaluate_heldout(setup, state, heldout)
+    writer.write(int(state["step"]), ev)
+    last.update(ev)
+  writer.close()
+  last["workdir"] = workdir
+  last["checkpoint_dir"] = ckpt.directory
+  return last

@@ -1,0 +1,49 @@
+"""Train a model: flags in, `attn_jax.train.trainer.train_and_evaluate` out.
+
+  python experiments/train.py --config=configs/quickstart.py --workdir=runs/quickstart
+  python experiments/train.py --config=configs/sisa_152m.py --config.data.source=jsonl \
+      --config.data.paths=/data/train.jsonl --config.data.tokenizer=/data/20B_tokenizer.json
+
+Rerunning the same command resumes from the latest checkpoint in --workdir.
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app, flags, logging  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/quickstart.py", "Config file.")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (default: runs/<config name>).")
+
+
+class _QuietLibraries:
+  """Drop INFO chatter of orbax/grain/jax (absl logging); keep ours and every warning."""
+
+  def filter(self, record) -> bool:
+    noisy = ("orbax", "grain", "jax/_src", "etils")
+    return record.levelno >= 30 or not any(n in record.pathname for n in noisy)
+
+
+def main(argv):
+  del argv
+  logging.get_absl_handler().addFilter(_QuietLibraries())
+  from attn_jax.train.trainer import train_and_evaluate
+
+  config = _CONFIG.value
+  workdir = _WORKDIR.value or os.path.join(
+      "runs", os.path.splitext(os.path.basename(flags.FLAGS["config"].config_filename))[0])
+  result = train_and_evaluate(config, workdir)
+  logging.info("done: %s", result)
+  print(f"\nmetrics:     {os.path.join(result['workdir'], 'metrics.jsonl')}")
+  print(f"tensorboard: {os.path.join(result['workdir'], 'tb')}")
+  print(f"checkpoints: {result['checkpoint_dir']}")
+  for k in ("loss", "accuracy", "eval/loss", "eval/accuracy"):
+    if k in result:
+      print(f"final {k}: {result[k]:.4f}")
+
+
+if __name__ == "__main__":
+  app.run(main)
