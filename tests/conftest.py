@@ -4,6 +4,11 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Many tests compile the same programs (e.g. a run, then its resumption): share them through
+# the persistent compilation cache (same executables, so results are unchanged).
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", "/tmp/attn_jax_test_jax_cache")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import pathlib  # noqa: E402
 

@@ -60,6 +60,7 @@ def test_resume_is_bit_identical(tmp_path, monkeypatch):
 def test_metrics_jsonl_and_loss_decreases(tmp_path):
   c = tiny_config(steps=40)
   c.train.log_every = 5
+  c.eval.every_steps = 20
   out = trainer_lib.train_and_evaluate(c, str(tmp_path))
   lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
   recs = [json.loads(l) for l in lines]  # every line is valid JSON

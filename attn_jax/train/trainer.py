@@ -179,7 +179,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   n_dev = jax.device_count()
   meta = {"config": config_to_json(config), "n_params": n}
   heldout = None
-  if config.eval.every_steps or config.eval.tasks is not None:
+  if config.eval.every_steps:
     heldout = pipeline.make_eval_batches(config.data, seed=config.seed, num_batches=4)
 
   bar = None
