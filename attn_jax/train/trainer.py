@@ -129,6 +129,18 @@ def evaluate_heldout(setup: Setup, state, batches) -> dict[str, float]:
   return {"eval/loss": nll / w, "eval/accuracy": hits / w, "eval/weighted_tokens": w}
 
 
+def _eval_tasks(setup: Setup, state, config) -> dict[str, float]:
+  """The tasks named in config.eval.tasks (e.g. mqar, niah), as flat scalar metrics."""
+  if not config.eval.tasks:
+    return {}
+  from attn_jax.eval import run as eval_run
+
+  model = nnx.merge(setup.graphdef, state["params"], state["rest"])
+  out = eval_run.run_tasks(eval_run.model_logits_fn(model), config,
+                           eval_run.parse_tasks(config.eval.tasks))
+  return eval_run.scalar_metrics(out["results"])
+
+
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   """Train (or resume) a model; returns the final metrics."""
   from attn_jax.data import pipeline
@@ -142,6 +154,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     raise ValueError(f"config.model.vocab_size={cfg.vocab_size} is smaller than the data's "
                      f"vocabulary ({need}, from config.data.tokenizer/source)")
   host_batch = _check_batch(config, setup.mesh, setup.rules)
+  if config.eval.tasks:
+    from attn_jax.eval.run import parse_tasks
+    parse_tasks(config.eval.tasks)  # unknown names fail now, not after hours of training
   logging.info("devices: %s; mesh %s", jax.devices(), dict(setup.mesh.shape))
   n = setup.n_params
   logging.info("parameters: total %s, non-embedding %s, mixer %s, mlp %s", f"{n['total']:,}",
@@ -234,6 +249,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       if heldout is not None and config.eval.every_steps and \
           step_no % config.eval.every_steps == 0:
         ev = evaluate_heldout(setup, state, heldout)
+        ev.update(_eval_tasks(setup, state, config))
         writer.write(step_no, ev)
         last.update(ev)
     if pending is not None:
@@ -255,6 +271,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 
   if heldout is not None:
     ev = evaluate_heldout(setup, state, heldout)
+    ev.update(_eval_tasks(setup, state, config))
     writer.write(int(state["step"]), ev)
     last.update(ev)
   writer.close()

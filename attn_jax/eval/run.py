@@ -1,0 +1,132 @@
+"""Run evaluation tasks on a model: from a checkpoint (`evaluate_checkpoint`, used by
+experiments/eval.py) or inside training (`run_tasks`, driven by `config.eval`).
+
+Task names: lambada_openai (alias lambada), hellaswag, arc_easy, arc_challenge, winogrande
+(files from `data_paths` or `config.eval.data_dir` in the layout of `tasks.shared_data_paths`),
+niah (generated haystacks; needs a real tokenizer), mqar (generated, from `config.data`'s MQAR
+settings, the held-out random stream).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any, Mapping, Sequence
+
+import jax
+import ml_collections
+import numpy as np
+from flax import nnx
+
+from attn_jax.data.tokenizer import Tokenizer, get_tokenizer
+from attn_jax.eval import harness, mqar, niah, report
+from attn_jax.eval import tasks as tasks_lib
+
+ALIASES = {"lambada": "lambada_openai", "arc_e": "arc_easy", "arc_c": "arc_challenge"}
+GENERATED = ("niah", "mqar")
+
+
+def parse_tasks(tasks: str | Sequence[str]) -> list[str]:
+  names = [t.strip() for t in (tasks.split(",") if isinstance(tasks, str) else tasks)]
+  names = [ALIASES.get(t, t) for t in names if t]
+  for t in names:
+    if t not in GENERATED:
+      tasks_lib.get_task(t)  # clear error for unknown names
+  return names
+
+
+def model_logits_fn(model: nnx.Module):
+  """A jitted logits_fn(tokens [B, L]) -> logits [B, L, V] over a split model (parameters are
+  arguments of the compiled function, not constants baked into it)."""
+  graphdef, state = nnx.split(model)
+  fwd = jax.jit(lambda st, toks: nnx.merge(graphdef, st)(toks))
+  return functools.partial(fwd, state)
+
+
+def _check_vocab(tokenizer: Tokenizer, vocab_size: int) -> None:
+  if tokenizer.vocab_size > vocab_size:
+    raise ValueError(f"tokenizer has {tokenizer.vocab_size} ids but the model's vocabulary is "
+                     f"{vocab_size}: evaluate with the tokenizer the model was trained with "
+                     "(config.data.tokenizer)")
+
+
+def run_tasks(logits_fn, config: ml_collections.ConfigDict, tasks: Sequence[str], *,
+              tokenizer: Tokenizer | None = None,
+              data_paths: Mapping[str, Any] | None = None, max_len: int | None = None,
+              batch_size: int | None = None, limit: int | None = None) -> dict:
+  """{"results": {task: metrics}, "config": {...}} for the given tasks."""
+  e = config.eval
+  max_len = int(max_len or e.get("max_len", 0) or config.data.seq_len)
+  batch_size = int(batch_size or e.batch_size)
+  limit = limit if limit is not None else (int(e.get("limit", 0)) or None)
+  bench = [t for t in tasks if t not in GENERATED]
+  results: dict[str, Any] = {}
+  if bench or "niah" in tasks:
+    tokenizer = tokenizer or get_tokenizer(config.data.tokenizer)
+    _check_vocab(tokenizer, config.model.vocab_size)
+  if bench:
+    if data_paths is None:
+      if not e.get("data_dir", ""):
+        raise ValueError(f"tasks {bench} need data files: set config.eval.data_dir (a folder "
+                         "laid out like shared/data) or pass data_paths")
+      data_paths = tasks_lib.shared_data_paths(e.data_dir)
+    out = harness.evaluate(bench, logits_fn, tokenizer, data_paths, max_len=max_len,
+                           batch_size=batch_size, limit=limit)
+    results.update(out["results"])
+  if "niah" in tasks:
+    lengths = tuple(int(x) for x in e.get("niah_lengths", (256, 512)) if int(x) <= max_len)
+    if not lengths:
+      raise ValueError(f"config.eval.niah_lengths: none fits max_len={max_len}")
+    res = niah.run_niah(logits_fn, tokenizer, context_lengths=lengths,
+                        depths=tuple(e.get("niah_depths", (0.0, 0.25, 0.5, 0.75, 1.0))),
+                        samples_per_cell=int(e.get("niah_samples", 2)), batch_size=batch_size)
+    results["niah"] = {"acc": float(np.mean(res.grid)), "grid": res.grid.tolist(),
+                       "context_lengths": list(res.context_lengths), "depths": list(res.depths)}
+  if "mqar" in tasks:
+    from attn_jax.data import pipeline
+    if config.data.source != "synthetic" or config.data.synthetic_task != "mqar":
+      mcfg = ml_collections.ConfigDict(config.data.to_dict())
+      mcfg.update(source="synthetic", synthetic_task="mqar")
+    else:
+      mcfg = config.data
+    batches = pipeline.make_eval_batches(mcfg, seed=config.seed, num_batches=4,
+                                         batch_size=batch_size)
+    results["mqar"] = mqar.mqar_accuracy(logits_fn, batches, batch_size=batch_size)
+  return {"results": results, "config": {"tasks": list(tasks), "max_len": max_len,
+                                         "batch_size": batch_size, "limit": limit}}
+
+
+def scalar_metrics(results: Mapping[str, Any], prefix: str = "eval/") -> dict[str, float]:
+  """Flat {eval/<task>/<metric>: float} for metrics.jsonl / TensorBoard."""
+  out = {}
+  for task, metrics in results.items():
+    for k, v in metrics.items():
+      if isinstance(v, (int, float, np.floating, np.integer)) and not isinstance(v, bool):
+        out[f"{prefix}{task}/{k}"] = float(v)
+  return out
+
+
+def evaluate_checkpoint(workdir: str, tasks: str | Sequence[str], *, step: int | None = None,
+                        data_paths: Mapping[str, Any] | None = None, data_dir: str = "",
+                        tokenizer: str = "", max_len: int = 0, batch_size: int = 0,
+                        limit: int | None = None, out_dir: str = "") -> dict:
+  """Load the latest (or given) checkpoint under `workdir`, run `tasks`, write
+  <out_dir>/eval.json and eval.md (default out_dir: <workdir>/eval). Returns the results."""
+  from attn_jax.train.checkpoint import load_for_inference
+
+  names = parse_tasks(tasks)
+  model, config, step = load_for_inference(workdir, step)
+  if data_dir:
+    config.eval.data_dir = data_dir
+  tok = get_tokenizer(tokenizer) if tokenizer else None
+  out = run_tasks(model_logits_fn(model), config, names, tokenizer=tok, data_paths=data_paths,
+                  max_len=max_len or None, batch_size=batch_size or None, limit=limit)
+  out["config"].update(workdir=os.path.abspath(workdir), step=int(step),
+                       mixer=config.model.mixer)
+  paths = report.write_report(out, out_dir or os.path.join(workdir, "eval"))
+  if "niah" in out["results"]:
+    r = out["results"]["niah"]
+    niah.plot_heatmap(np.asarray(r["grid"]), os.path.join(out_dir or os.path.join(workdir, "eval"),
+                      "niah.png"), context_lengths=r["context_lengths"], depths=r["depths"])
+  out["paths"] = paths
+  return out

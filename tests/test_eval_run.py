@@ -1,0 +1,59 @@
+"""End to end: train a tiny model, evaluate its checkpoint through the library call and the
+CLI; in-training evaluation of generated tasks lands in metrics.jsonl."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from attn_jax.eval.run import evaluate_checkpoint, parse_tasks
+from attn_jax.train import trainer as trainer_lib
+from attn_jax.train.metrics import read_metrics
+from configs import quickstart
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def tiny(steps=4):
+  c = quickstart.get_config()
+  c.model.update(d_model=32, n_heads=2, d_ff=64, n_layers=1, vocab_size=257, max_seq_len=512)
+  c.data.update(source="synthetic", synthetic_task="mqar", seq_len=64, global_batch_size=8,
+                mqar_num_pairs=4, mqar_num_queries=4)
+  c.train.update(steps=steps, log_every=2, progress_bar=False)
+  c.eval.update(every_steps=2, tasks="mqar", batch_size=8)
+  return c
+
+
+def test_in_training_eval_and_checkpoint_eval(tmp_path, shared_data):
+  c = tiny()
+  trainer_lib.train_and_evaluate(c, str(tmp_path))
+  recs = read_metrics(str(tmp_path))
+  evs = [r for r in recs if "eval/mqar/acc" in r]
+  assert [r["step"] for r in evs][:2] == [2, 4]
+  assert 0.0 <= evs[-1]["eval/mqar/acc"] <= 1.0
+
+  out = evaluate_checkpoint(str(tmp_path), "arc_easy,winogrande,mqar", limit=12,
+                            data_dir=str(shared_data), max_len=128)
+  res = out["results"]
+  assert res["arc_easy"]["n_docs"] == 12 and res["winogrande"]["n_docs"] == 12
+  assert "acc_norm" in res["arc_easy"] and "acc_stderr" in res["winogrande"]
+  assert os.path.isfile(out["paths"]["json"]) and os.path.isfile(out["paths"]["markdown"])
+  assert json.load(open(out["paths"]["json"]))["config"]["step"] == 4
+
+  r = subprocess.run([sys.executable, "experiments/eval.py", f"--checkpoint={tmp_path}",
+                      "--tasks=winogrande", "--limit=8", f"--data_dir={shared_data}",
+                      "--max_len=128"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0, r.stderr[-2000:]
+  assert "winogrande" in r.stdout
+
+
+def test_bad_task_names_and_missing_data(tmp_path):
+  with pytest.raises(ValueError, match="unknown eval task 'hellaswagg'"):
+    parse_tasks("hellaswagg")
+  assert parse_tasks("lambada, arc_e,niah") == ["lambada_openai", "arc_easy", "niah"]
+  c = tiny()
+  c.eval.tasks = "nope"
+  with pytest.raises(ValueError, match="unknown eval task 'nope'"):
+    trainer_lib.train_and_evaluate(c, str(tmp_path))
