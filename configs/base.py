@@ -37,7 +37,10 @@ def get_config() -> ml_collections.ConfigDict:
   m.sisa.use_decay = True
   m.sisa.use_phase = True
   m.sisa.learn_lambda = True
-  m.sisa.chunk_size = 0           # 0 = pick automatically (see attention/sisa.py)
+  m.sisa.chunk_size = 0           # query chunk of the chunked path; 0 = auto (see attention/sisa.py)
+  m.sisa.path = "auto"            # auto (cond on the decay range) | fast | chunked (both exact)
+  m.sisa.fast_max_range = 60.0    # nats: largest decay range of the one-call fast path (<= 80)
+  m.sisa.phase_init_std = 0.01    # init std of W_theta (as the authors' code)
 
   # ---------------------------------------------------------------- data
   d = c.data = ml_collections.ConfigDict()
@@ -85,8 +88,14 @@ def get_config() -> ml_collections.ConfigDict:
 
   e = c.eval = ml_collections.ConfigDict()
   e.every_steps = 0              # 0 = only at the end of training
-  e.tasks = ""                   # comma-separated, e.g. "mqar,niah"
+  e.tasks = ""                   # extra tasks at eval steps, comma-separated, e.g. "mqar,niah"
   e.batch_size = 8
+  e.data_dir = ""                # benchmark files laid out like shared/data (lambada/, arc/, ...)
+  e.max_len = 0                  # 0 = data.seq_len
+  e.limit = 0                    # 0 = every document
+  e.niah_lengths = (256, 512)    # context lengths (tokens) of the needle grid
+  e.niah_depths = (0.0, 0.25, 0.5, 0.75, 1.0)
+  e.niah_samples = 2             # needles per (length, depth) cell
 
   # ---------------------------------------------------------------- sharding
   s = c.mesh = ml_collections.ConfigDict()
