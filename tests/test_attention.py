@@ -1,0 +1,190 @@
+"""attention/core.py: `attend` (einsum and XLA paths) against the explicit `attention_reference`."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from attn_jax.attention.core import attend, attention_reference
+
+TOL = 1e-5  # fp32, fixed once
+BF16_TOL = 2e-2
+IMPLS = ("einsum", "xla")
+# (n_heads H, n_kv_heads K, Dqk, Dv): MHA, GQA, MQA, Q/K wider than V (SISA-style state channels)
+HEADS = {"mha": (4, 4, 8, 8), "gqa": (4, 2, 8, 8), "mqa": (4, 1, 8, 8), "wide_qk": (4, 2, 12, 8)}
+
+
+def _normal(seed, shape):
+  # numpy, not jax.random: compiling threefry for every new shape costs seconds on CPU.
+  return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)
+
+
+def _qkv(seed, B=2, T=6, S=6, H=4, K=4, Dqk=8, Dv=8):
+  q_BTHD = _normal(seed, (B, T, H, Dqk))
+  k_BSKD = _normal(seed + 1000, (B, S, K, Dqk))
+  v_BSKE = _normal(seed + 2000, (B, S, K, Dv))
+  return q_BTHD, k_BSKD, v_BSKE
+
+
+def _close(a, b, msg=""):
+  np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=TOL, rtol=TOL, err_msg=msg)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "causal", "impl"))
+def _attend_and_reference(q, k, v, *, scale, causal=True, q_positions=None, kv_positions=None,
+                          bias=None, impl):
+  """(attend, attention_reference) in one compiled program (eager dispatch is slow on CPU)."""
+  kw = dict(scale=scale, causal=causal, q_positions=q_positions, kv_positions=kv_positions,
+            bias=bias)
+  return attend(q, k, v, impl=impl, **kw), attention_reference(q, k, v, **kw)
+
+
+# Each test runs both implementations inside one jitted program: one compile per test case
+# (compiling costs about a second each on CPU; running these shapes costs nothing).
+
+
+@pytest.mark.parametrize("heads", list(HEADS))
+def test_attend_matches_reference(heads):
+  """Causal, non-causal, and causal queries after a cached prefix (T < S, no positions)."""
+  H, K, Dqk, Dv = HEADS[heads]
+  q, k, v = _qkv(0, H=H, K=K, Dqk=Dqk, Dv=Dv)
+  q_prefix = q[:, -3:]  # the last 3 positions of 6 keys
+
+  @jax.jit
+  def run(q, k, v, q_prefix):
+    res = {}
+    for impl in IMPLS:
+      for name, qq, causal in (("causal", q, True), ("non_causal", q, False),
+                               ("prefix", q_prefix, True)):
+        kw = dict(scale=Dqk ** -0.5, causal=causal)
+        res[impl, name] = (attend(qq, k, v, impl=impl, **kw), attention_reference(qq, k, v, **kw))
+    return res
+
+  res = run(q, k, v, q_prefix)
+  for (impl, name), (out, ref) in res.items():
+    assert out.dtype == jnp.float32 and out.shape == ref.shape, (impl, name)
+    _close(out, ref, f"{impl} {name}")
+  assert res["einsum", "causal"][0].shape == (2, 6, H, Dv)
+  # Causal and non-causal really differ (the mask is not silently dropped or always applied).
+  for impl in IMPLS:
+    assert float(jnp.max(jnp.abs(res[impl, "causal"][0] - res[impl, "non_causal"][0]))) > 1e-3
+
+
+@pytest.mark.parametrize("heads", list(HEADS))
+def test_attend_positional_mask_with_empty_slots(heads):
+  """A cache with empty slots (-1) and out-of-order positions; every query sees slot 0."""
+  H, K, Dqk, Dv = HEADS[heads]
+  q, k, v = _qkv(2, T=4, S=8, H=H, K=K, Dqk=Dqk, Dv=Dv)
+  kv_pos_BS = jnp.array([[0, 1, -1, 2, 3, -1, 4, 5],
+                         [0, 3, 1, 2, -1, -1, -1, 4]], jnp.int32)
+  q_pos_BT = jnp.array([[2, 3, 4, 5],
+                        [1, 2, 3, 4]], jnp.int32)
+  empty = (kv_pos_BS < 0)[:, :, None, None]
+  k2, v2 = jnp.where(empty, 100.0, k), jnp.where(empty, -100.0, v)
+
+  @jax.jit
+  def run(q, k, v, k2, v2, q_pos, kv_pos):
+    res = {}
+    for impl in IMPLS:
+      for causal in (True, False):
+        kw = dict(scale=Dqk ** -0.5, causal=causal, q_positions=q_pos, kv_positions=kv_pos)
+        res[impl, causal] = (attend(q, k, v, impl=impl, **kw), attention_reference(q, k, v, **kw),
+                             attend(q, k2, v2, impl=impl, **kw))
+    return res
+
+  for (impl, causal), (out, ref, out_other_empty) in run(q, k, v, k2, v2, q_pos_BT,
+                                                         kv_pos_BS).items():
+    msg = f"{impl} causal={causal}"
+    _close(out, ref, msg)
+    _close(out_other_empty, out, msg)  # empty slots are ignored: their k/v change nothing
+
+
+@pytest.mark.parametrize("heads", ["mha", "gqa", "wide_qk"])
+def test_attend_with_bias(heads):
+  """A per-head [B, H, T, S] and a shared [1, 1, T, S] score bias, on top of the causal mask."""
+  H, K, Dqk, Dv = HEADS[heads]
+  q, k, v = _qkv(3, H=H, K=K, Dqk=Dqk, Dv=Dv)
+  biases = {"per_head": _normal(4, (2, H, 6, 6)), "shared": _normal(5, (1, 1, 6, 6))}
+
+  @jax.jit
+  def run(q, k, v, biases):
+    kw = dict(scale=Dqk ** -0.5)
+    res = {}
+    for impl in IMPLS:
+      for name, b in biases.items():
+        res[impl, name] = (attend(q, k, v, bias=b, impl=impl, **kw),
+                           attention_reference(q, k, v, bias=b, **kw),
+                           attend(q, k, v, impl=impl, **kw))
+    return res
+
+  for (impl, name), (out, ref, no_bias) in run(q, k, v, biases).items():
+    _close(out, ref, f"{impl} {name}")
+    assert float(jnp.max(jnp.abs(out - no_bias))) > 1e-3  # the bias is not silently dropped
+
+
+@pytest.mark.parametrize("heads", ["mha", "gqa", "wide_qk"])
+def test_attend_causal_by_gradient(heads):
+  """d out_i / d (q_j, k_j, v_j) == 0 for every j > i (and != 0 where it must not vanish).
+
+  Checked on the plain causal path and on the positional-mask path used in decoding.
+  """
+  H, K, Dqk, Dv = HEADS[heads]
+  T = 6
+  q, k, v = _qkv(5, T=T, S=T, H=H, K=K, Dqk=Dqk, Dv=Dv)
+  pos_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (2, T))
+
+  @jax.jit
+  def influence(q, k, v):
+    res = {}
+    for impl in IMPLS:
+      for name, pos in (("plain", None), ("positional", pos_BT)):
+        f = functools.partial(attend, scale=Dqk ** -0.5, causal=True, impl=impl,
+                              q_positions=pos, kv_positions=pos)
+        jacs = jax.jacrev(f, argnums=(0, 1, 2))(q, k, v)
+        # jac [B, T, H, Dv, B, S, K|H, D] -> influence of input position s on output position t
+        res[impl, name] = [jnp.abs(j).sum(axis=(0, 2, 3, 4, 6, 7)) for j in jacs]
+    return res
+
+  future = np.triu(np.ones((T, T), bool), k=1)
+  for key, infls in influence(q, k, v).items():
+    infl_q, infl_k, infl_v = (np.asarray(a) for a in infls)
+    for infl in (infl_q, infl_k, infl_v):
+      assert np.all(infl[future] == 0.0), (key, infl)
+    assert np.all(infl_v[~future] > 0.0), (key, infl_v)
+    # out_0 sees one key, so softmax is constant 1 and d out_0 / d k_0 is 0 by the maths.
+    assert np.all(infl_k[1:][~future[1:]] > 0.0), (key, infl_k)
+    assert np.all(infl_q[~np.eye(T, dtype=bool)] == 0.0), (key, infl_q)  # out_i reads q_i only
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_attend_jit_equals_no_jit(impl):
+  H, K, Dqk, Dv = HEADS["wide_qk"]
+  q, k, v = _qkv(6, T=4, S=8, H=H, K=K, Dqk=Dqk, Dv=Dv)
+  kv_pos = jnp.array([[0, 1, 2, -1, 3, 4, 5, 6]] * 2, jnp.int32)
+  q_pos = jnp.array([[3, 4, 5, 6]] * 2, jnp.int32)
+  bias = _normal(7, (2, H, 4, 8))
+  f = functools.partial(attend, scale=0.25, causal=True, impl=impl)
+  for kw in ({}, dict(q_positions=q_pos, kv_positions=kv_pos, bias=bias)):
+    _close(jax.jit(f)(q, k, v, **kw), f(q, k, v, **kw))
+
+
+def test_einsum_and_xla_paths_agree_in_bf16():
+  q, k, v = (a.astype(jnp.bfloat16) for a in _qkv(8, H=4, K=2))
+  a, ref = _attend_and_reference(q, k, v, scale=0.3, impl="einsum")
+  b, _ = _attend_and_reference(q, k, v, scale=0.3, impl="xla")
+  assert a.dtype == b.dtype == jnp.bfloat16
+  for out in (a, b):
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref), atol=BF16_TOL,
+                               rtol=BF16_TOL)
+
+
+def test_attend_rejects_bad_shapes_and_impl():
+  q, k, v = _qkv(9, H=4, K=4)
+  with pytest.raises(ValueError, match="attention shapes do not fit"):
+    attend(q, k[:, :, :3], v[:, :, :3], scale=1.0)  # 4 heads over 3 kv heads
+  with pytest.raises(ValueError, match="attention shapes do not fit"):
+    attend(q, k[..., :4], v, scale=1.0)  # Q and K head dims differ
+  with pytest.raises(ValueError, match="unknown attention impl"):
+    attend(q, k, v, scale=1.0, impl="flash")

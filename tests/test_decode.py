@@ -1,0 +1,243 @@
+"""decode.py: cached decoding equals the full forward; generate (greedy, top-k, EOS) without retracing."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from attn_jax import decode
+from attn_jax.config import ModelConfig, validate_model
+from attn_jax.model import abstract_model
+
+TOL = 1e-5  # fp32, fixed once
+VOCAB = 97
+KV_HEADS = {"mha": 0, "gqa": 2}  # n_kv_heads (0 = n_heads = 4)
+# One prompt shape and length for all generate calls, so the tests share compiled programs.
+B, T, N_NEW = 2, 5, 8
+L = T + N_NEW
+
+
+def _tiny_config(n_kv_heads=0) -> ModelConfig:
+  cfg = ModelConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, n_kv_heads=n_kv_heads,
+                    d_ff=64, max_seq_len=64, dtype="float32", param_dtype="float32")
+  validate_model(cfg)
+  return cfg
+
+
+def _numpy_init_model(cfg: ModelConfig, seed: int = 0, std: float = 0.2):
+  """The Decoder with parameters drawn by numpy from its abstract shapes.
+
+  Decoding equivalence does not depend on the initialiser, and compiling threefry for every
+  parameter shape costs seconds per shape on CPU; norm scales stay near 1.
+  """
+  graphdef, state = nnx.split(abstract_model(cfg))
+  rng = np.random.default_rng(seed)
+
+  def fill(path, a):
+    noise = rng.standard_normal(a.shape) * std
+    base = 1.0 if "scale" in jax.tree_util.keystr(path) else 0.0  # RMSNorm scales
+    return jnp.asarray(base + noise, a.dtype)
+
+  state = jax.tree_util.tree_map_with_path(fill, state)
+  return nnx.merge(graphdef, state)
+
+
+@functools.lru_cache(maxsize=None)
+def _model(kind: str):
+  return _numpy_init_model(_tiny_config(KV_HEADS[kind]))
+
+
+def _tokens(seed, shape):
+  return jnp.asarray(np.random.default_rng(seed).integers(0, VOCAB, shape), jnp.int32)
+
+
+def _full_logits(model, tokens_BT):
+  graphdef, state = nnx.split(model)
+  return _full_forward(graphdef, state, tokens_BT)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _full_forward(graphdef, state, tokens_BT):
+  return nnx.merge(graphdef, state)(tokens_BT)
+
+
+def _close(a, b):
+  np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=TOL, rtol=TOL)
+
+
+@pytest.mark.parametrize("kind", list(KV_HEADS))
+def test_token_by_token_matches_full_forward(kind):
+  """One jitted decode step (scalar index, fixed cache) reproduces every full-forward logit."""
+  model = _model(kind)
+  tokens = _tokens(0, (B, L))
+  full_BLV = _full_logits(model, tokens)
+  graphdef, state = nnx.split(model)
+  traces = []
+
+  @jax.jit
+  def step(state, token_B, cache, index):
+    traces.append(1)
+    return decode.decode_step(nnx.merge(graphdef, state), token_B, cache, index)
+
+  cache = model.init_cache(B, L)
+  for i in range(L):
+    logits_BV, cache = step(state, tokens[:, i], cache, jnp.asarray(i, jnp.int32))
+    _close(logits_BV, full_BLV[:, i])
+  assert len(traces) == 1, "the decode step retraced as the text grew"
+
+
+@pytest.mark.parametrize("kind", list(KV_HEADS))
+def test_prefill_then_steps_matches_full_forward(kind):
+  """prefill(prompt) + decode steps == full forward, also with a cache longer than needed."""
+  model = _model(kind)
+  P = L - 3
+  tokens = _tokens(1, (B, L))
+  full_BLV = _full_logits(model, tokens)
+  graphdef, state = nnx.split(model)
+
+  @jax.jit
+  def run(state, tokens):
+    model = nnx.merge(graphdef, state)
+    max_len = L + 7  # slack: slots never written must not matter
+    last_BV, cache, index = decode.prefill(model, tokens[:, :P], max_len)
+    logits = [last_BV]
+    for i in range(P, L):  # unrolled: positions P .. L-1
+      logits_BV, cache = decode.decode_step(model, tokens[:, i], cache, index + (i - P))
+      logits.append(logits_BV)
+    return jnp.stack(logits, axis=1), index
+
+  logits_BLV, index = run(state, tokens)
+  assert int(index) == P
+  _close(logits_BLV, full_BLV[:, P - 1:])
+
+
+def test_prefill_rejects_a_prompt_longer_than_the_cache():
+  with pytest.raises(ValueError, match="exceeds the cache length"):
+    decode.prefill(_model("mha"), _tokens(2, (1, 8)), max_len=4)
+
+
+def _greedy_by_hand(model, prompt_BT, n_new):
+  """Argmax decoding with full forwards (no cache): the reference for `generate`.
+
+  Runs at one fixed length (padded with zeros) so it compiles once; the logits at position t
+  do not depend on the padding after t because the model is causal (tests/test_model.py).
+  """
+  T = prompt_BT.shape[1]
+  seq = np.zeros((prompt_BT.shape[0], T + n_new), np.int32)
+  seq[:, :T] = np.asarray(prompt_BT)
+  for t in range(T, T + n_new):
+    logits_BLV = _full_logits(model, jnp.asarray(seq))
+    seq[:, t] = np.asarray(jnp.argmax(logits_BLV[:, t - 1], axis=-1))
+  return seq
+
+
+@pytest.mark.parametrize("kind", list(KV_HEADS))
+def test_generate_greedy_is_deterministic_and_matches_full_forward_argmax(kind):
+  model = _model(kind)
+  prompt = _tokens(3, (B, T))
+  out = decode.generate(model, prompt, max_new_tokens=N_NEW)
+  assert out.shape == (B, L) and out.dtype == jnp.int32
+  np.testing.assert_array_equal(np.asarray(out[:, :T]), np.asarray(prompt))
+  np.testing.assert_array_equal(np.asarray(decode.generate(model, prompt, max_new_tokens=N_NEW)),
+                                np.asarray(out))
+  np.testing.assert_array_equal(np.asarray(out), _greedy_by_hand(model, prompt, N_NEW))
+  # The continuation is not degenerate (the test would be weak if every step repeated a token).
+  assert len(np.unique(np.asarray(out[:, T:]))) > 3
+
+
+def test_generate_does_not_retrace():
+  """One trace of the loop body per generation shape, however many tokens are produced."""
+  model = _model("mha")
+  prompt = _tokens(4, (B, T + 3))  # a shape no other test uses, so the first call traces
+  n_new = 16
+  decode.TRACE_COUNTS.clear()
+  decode.generate(model, prompt, max_new_tokens=n_new)
+  assert decode.TRACE_COUNTS == {"generate": 1, "step": 1}
+  # Same shapes, other values (prompt, EOS id): no new trace at all.
+  decode.generate(model, _tokens(5, (B, T + 3)), max_new_tokens=n_new)
+  decode.generate(model, prompt, max_new_tokens=n_new, eos_id=3)
+  assert decode.TRACE_COUNTS == {"generate": 1, "step": 1}
+  # Sampling: a new temperature value or key does not retrace either.
+  decode.generate(model, prompt, max_new_tokens=n_new, temperature=0.7, rng=jax.random.key(0))
+  decode.generate(model, prompt, max_new_tokens=n_new, temperature=1.3, rng=jax.random.key(1))
+  assert decode.TRACE_COUNTS == {"generate": 2, "step": 2}
+
+
+def test_top_k_1_sampling_equals_greedy():
+  model = _model("mha")
+  prompt = _tokens(6, (B, T))
+  greedy = decode.generate(model, prompt, max_new_tokens=N_NEW)
+  for seed, temperature in ((0, 0.5), (1, 2.0)):
+    sampled = decode.generate(model, prompt, max_new_tokens=N_NEW, temperature=temperature,
+                              top_k=1, rng=jax.random.key(seed))
+    np.testing.assert_array_equal(np.asarray(sampled), np.asarray(greedy))
+
+
+def test_sampling_depends_only_on_the_key():
+  model = _model("mha")
+  prompt = _tokens(7, (B, T))
+  kw = dict(max_new_tokens=N_NEW, temperature=1.0)
+  a = decode.generate(model, prompt, rng=jax.random.key(0), **kw)
+  b = decode.generate(model, prompt, rng=jax.random.key(0), **kw)
+  c = decode.generate(model, prompt, rng=jax.random.key(1), **kw)
+  np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert not np.array_equal(np.asarray(a), np.asarray(c))
+  assert int(a.min()) >= 0 and int(a.max()) < VOCAB
+
+
+def test_sample_logits_top_k_keeps_only_the_k_largest():
+  logits_BV = jnp.asarray(np.random.default_rng(8).standard_normal((1, VOCAB)), jnp.float32)
+  top3 = set(np.argsort(-np.asarray(logits_BV[0]))[:3].tolist())
+  keys = jax.random.split(jax.random.key(0), 400)
+  draws = jax.vmap(lambda k: decode.sample_logits(logits_BV, k, temperature=5.0, top_k=3))(keys)
+  assert set(np.asarray(draws).ravel().tolist()) == top3  # all 3, nothing else
+  greedy = decode.sample_logits(logits_BV, None, temperature=0.0)
+  assert int(greedy[0]) == int(np.argmax(np.asarray(logits_BV[0])))
+
+
+def test_generate_eos_pads_finished_sequences():
+  """After EOS a sequence emits only pad (= EOS by default); the others are untouched."""
+  model = _model("mha")
+  prompt = _tokens(9, (B, T))
+  kw = dict(max_new_tokens=N_NEW, temperature=1.0, rng=jax.random.key(3))
+  free = np.asarray(decode.generate(model, prompt, **kw))
+  eos = int(free[0, T + 3])  # the 4th new token of row 0
+  first = [next((t for t in range(T, L) if free[b, t] == eos), None) for b in range(B)]
+  for pad_id in (None, VOCAB):  # default (= EOS), and an id outside the vocabulary
+    out = np.asarray(decode.generate(model, prompt, eos_id=eos, pad_id=pad_id, **kw))
+    for b in range(B):
+      stop = first[b]
+      if stop is None:  # never emitted EOS: identical to the run without eos_id
+        np.testing.assert_array_equal(out[b], free[b])
+        continue
+      np.testing.assert_array_equal(out[b, :stop + 1], free[b, :stop + 1])
+      assert np.all(out[b, stop + 1:] == (eos if pad_id is None else pad_id))
+
+
+def test_generate_cache_len():
+  model = _model("mha")
+  prompt = _tokens(10, (B, T))
+  ref = decode.generate(model, prompt, max_new_tokens=N_NEW)
+  # The minimum (the last token is never fed back), and slack: same tokens.
+  out = decode.generate(model, prompt, max_new_tokens=N_NEW, cache_len=L - 1)
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
+  with pytest.raises(ValueError, match=f"cache_len={L - 2} is too small"):
+    decode.generate(model, prompt, max_new_tokens=N_NEW, cache_len=L - 2)
+
+
+def test_generate_rejects_bad_arguments():
+  model = _model("mha")
+  prompt = _tokens(11, (B, T))
+  with pytest.raises(ValueError, match="needs an `rng` key"):
+    decode.generate(model, prompt, max_new_tokens=4, temperature=1.0)
+  with pytest.raises(ValueError, match="temperature must be >= 0"):
+    decode.generate(model, prompt, max_new_tokens=4, temperature=-1.0, rng=jax.random.key(0))
+  with pytest.raises(ValueError, match="max_new_tokens >= 1"):
+    decode.generate(model, prompt, max_new_tokens=0)
+  with pytest.raises(ValueError, match=r"\[batch, length\]"):
+    decode.generate(model, prompt[0], max_new_tokens=4)
+  with pytest.raises(ValueError, match="eos_id must be a token id"):
+    decode.generate(model, prompt, max_new_tokens=4, eos_id=-1)
