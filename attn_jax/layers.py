@@ -1,6 +1,6 @@
 """Shared building blocks: parameters with logical axis names, RMSNorm, RoPE, SwiGLU, embedding.
 
-Every parameter is an `nnx.Param` whose `sharding_names` metadata holds its *logical* axis names
+Every parameter is an `nnx.Param` whose `out_sharding` metadata holds its *logical* axis names
 (`embed`, `mlp`, `heads`, `kv_heads`, `head_dim`, `vocab`, `state`, `layers`, `norm`). The
 logical->mesh mapping lives in the config (`config.mesh.rules`, applied in `sharding.py`);
 modules never mention mesh axes. Eager sharding is off: shardings are applied by the trainer's
@@ -30,7 +30,7 @@ def param(rngs: nnx.Rngs, init: Initializer, shape: Sequence[int], axes: Sequenc
   """A parameter initialised with `init(key, shape, dtype)` and tagged with logical `axes`."""
   if len(axes) != len(shape):
     raise ValueError(f"logical axes {tuple(axes)} do not match shape {tuple(shape)}")
-  return nnx.Param(init(rngs.params(), tuple(shape), dtype), sharding_names=tuple(axes),
+  return nnx.Param(init(rngs.params(), tuple(shape), dtype), out_sharding=tuple(axes),
                    eager_sharding=False)
 
 
@@ -60,7 +60,7 @@ class RMSNorm(nnx.Module):
                param_dtype=jnp.float32):
     del rngs
     self.eps, self.dtype = eps, dtype
-    self.scale = nnx.Param(jnp.ones((dim,), param_dtype), sharding_names=("norm",),
+    self.scale = nnx.Param(jnp.ones((dim,), param_dtype), out_sharding=("norm",),
                            eager_sharding=False)
 
   def __call__(self, x: jax.Array) -> jax.Array:

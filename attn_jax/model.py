@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from attn_jax.config import ModelConfig
+from attn_jax.config import ModelConfig, validate_model
 from attn_jax.layers import RMSNorm, SwiGLU, dtype_of, param
 from attn_jax.registry import get_mixer
 
@@ -114,7 +114,9 @@ class Decoder(nnx.Module):
 
 def build_model(cfg: ModelConfig | ml_collections.ConfigDict, *, seed: int = 0) -> Decoder:
   if isinstance(cfg, ml_collections.ConfigDict):
-    cfg = ModelConfig.from_config(cfg)
+    cfg = ModelConfig.from_config(cfg)   # validates
+  else:
+    validate_model(cfg)
   return Decoder(cfg, rngs=nnx.Rngs(params=seed))
 
 

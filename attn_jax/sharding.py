@@ -1,6 +1,6 @@
 """Device mesh and logical-axis sharding rules (all sharding decisions live here + the config).
 
-Parameters carry logical axis names (`nnx.Param(..., sharding_names=(...))`); the config maps
+Parameters carry logical axis names (`nnx.Param(..., out_sharding=(...))`); the config maps
 each logical name to a mesh axis, a tuple of mesh axes, or None (replicated):
 
     config.mesh.rules = (("batch", ("data", "fsdp")), ("embed", "fsdp"), ("mlp", "tensor"), ...)
