@@ -133,7 +133,7 @@ def count_params(cfg: ModelConfig | ml_collections.ConfigDict) -> dict[str, int]
   """
   model = abstract_model(cfg)
   state = nnx.state(model, nnx.Param)
-  sizes = {"/".join(str(k) for k in path): math.prod(v.value.shape)
+  sizes = {"/".join(str(k) for k in path): math.prod(v.shape)
            for path, v in nnx.to_flat_state(state)}
   total = sum(sizes.values())
   emb = sum(n for p, n in sizes.items() if p in ("embed", "head"))

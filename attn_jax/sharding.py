@@ -93,7 +93,7 @@ def state_shardings(abstract_state: Any, mesh: Mesh, rules: Mapping[str, MeshAxe
   """NamedShardings (pure-dict tree) for an abstract nnx.State of variables with metadata."""
   def one(var):
     names = logical_axes(var)
-    shape = var.value.shape
+    shape = var.shape
     if not names:
       return NamedSharding(mesh, P())
     return NamedSharding(mesh, logical_to_spec(names, shape, mesh, rules))
