@@ -1,0 +1,3 @@
+"""Evaluation: `tasks` (benchmark loaders), `harness` (log-likelihood scoring as
+lm-evaluation-harness does it, metrics, `evaluate`), `report` (JSON/Markdown tables),
+`niah` (needle in a haystack grid), `mqar` (associative-recall accuracy)."""

@@ -41,7 +41,7 @@ def _fmt(x: Any, digits: int = 4) -> str:
   if x is None or (isinstance(x, float) and math.isnan(x)):
     return "–"
   if isinstance(x, float):
-    return f"{x:.{digits}f}"
+    return f"{x:.{digits}g}" if abs(x) >= 1e5 else f"{x:.{digits}f}"
   return str(x)
 
 

@@ -243,6 +243,8 @@ def load_winogrande(path: str | os.PathLike,
       if lineno > len(labels):
         raise ValueError(f"{where}: no label (only {len(labels)} lines in {labels_path})")
       answer = labels[lineno - 1]
+      if answer not in ("1", "2"):
+        raise ValueError(f"{labels_path}:{lineno}: label should be '1' or '2', got {answer!r}")
     docs.append(winogrande_doc(record, where, answer))
   if labels is not None and len(labels) != len(docs):
     raise ValueError(f"{labels_path}:{len(docs) + 1}: {len(labels)} labels for "
