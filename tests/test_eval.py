@@ -1,8 +1,10 @@
 """Tests for attn_jax.eval: loaders on the real benchmark files, harness scoring (equal to an
 unbatched forward, bounded compilations), chance and oracle accuracies, NIAH, MQAR, report."""
 
+import gc
 import json
 import shutil
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -230,6 +232,11 @@ def test_compilations_bounded_by_buckets():
   harness.loglikelihood(requests, model, tok, max_len=128, batch_size=8, buckets=buckets,
                         batch_tokens=256)
   assert sorted(traces) == [(2, 128), (4, 64), (8, 32)]
+  # the compilation cache does not keep a logits_fn (and its parameters) alive
+  alive = weakref.ref(model)
+  del model
+  gc.collect()
+  assert alive() is None
 
 
 def test_stderr_matches_harness_formula():
@@ -301,6 +308,12 @@ def test_evaluate_and_report(paths, tmp_path):
   assert loaded["results"]["winogrande"]["n_docs"] == 20
   md = open(files["markdown"]).read()
   assert "| arc_easy | 20 | acc_norm |" in md and "perplexity" in md
+  # generated-task entries (a NIAH grid, MQAR counts) stay in the JSON, not the table
+  out["results"]["niah"] = {"acc": 0.5, "grid": [[0.5]], "context_lengths": [64]}
+  out["results"]["mqar"] = {"acc": 0.25, "example_acc": 0.0, "n_examples": 8, "n_positions": 64}
+  md = report.to_markdown(out)
+  assert "| niah | – | acc | 0.5000 |" in md and "grid" not in md
+  assert "| mqar | 8 | example_acc |" in md and "n_positions" not in md
   with pytest.raises(ValueError, match="no data path"):
     harness.evaluate(["hellaswag"], model, tok, {}, max_len=64, batch_size=4)
 

@@ -28,6 +28,7 @@ import functools
 import math
 import os
 import time
+import weakref
 from typing import Callable, Mapping, Sequence
 
 import jax
@@ -107,9 +108,32 @@ def bucket_for(length: int, buckets: Sequence[int]) -> int:
   raise ValueError(f"length {length} exceeds the largest bucket {max(buckets)}")
 
 
-@functools.lru_cache(maxsize=16)
+def per_logits_fn_cache(build: Callable[[LogitsFn], Callable]
+                        ) -> Callable[[LogitsFn], Callable]:
+  """Memoises `build(logits_fn)` (a jitted wrapper) per logits_fn object, so later calls with
+  the same logits_fn reuse its compilations, without keeping logits_fn (and the parameters it
+  closes over) alive: the entry holds only a weak reference and disappears with logits_fn."""
+  cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+  @functools.wraps(build)
+  def get(logits_fn: LogitsFn) -> Callable:
+    try:
+      return cache[logits_fn]
+    except KeyError:
+      pass
+    except TypeError:  # not weak-referenceable or not hashable: no caching
+      return build(logits_fn)
+    ref = weakref.ref(logits_fn)
+    built = build(lambda tokens: ref()(tokens))
+    cache[logits_fn] = built
+    return built
+
+  return get
+
+
+@per_logits_fn_cache
 def _jitted_logits(logits_fn: LogitsFn):
-  """One jitted forward per logits_fn (cached, so repeated calls reuse its compilations)."""
+  """One jitted forward per logits_fn: compiles once per [rows, bucket] shape."""
   return jax.jit(logits_fn)
 
 
@@ -334,7 +358,8 @@ def evaluate(tasks: Sequence[str], logits_fn: LogitsFn, tokenizer: Tokenizer,
 
 
 __all__ = [
-    "LogitsFn", "Request", "encode_pairs", "default_buckets", "bucket_for",
+    "LogitsFn", "Request", "per_logits_fn_cache", "encode_pairs", "default_buckets",
+    "bucket_for",
     "loglikelihood_tokens", "loglikelihood", "mean_stderr", "bootstrap_stderr", "score_docs",
     "doc_requests", "evaluate_task", "evaluate",
 ]

@@ -12,7 +12,6 @@ Measuring and Improving Recall in Efficient Language Models" (2023).
 
 from __future__ import annotations
 
-import functools
 import itertools
 from typing import Iterable, Mapping
 
@@ -20,10 +19,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attn_jax.eval.harness import LogitsFn
+from attn_jax.eval.harness import LogitsFn, per_logits_fn_cache
 
 
-@functools.lru_cache(maxsize=16)
+@per_logits_fn_cache
 def _jitted_recall(logits_fn: LogitsFn):
   def recall(inputs, targets, mask):
     # inputs, targets: int32 [B, L]; mask: bool [B, L]

@@ -20,7 +20,6 @@ enough for an in-training eval of a tiny model. After Kamradt's "needle in a hay
 from __future__ import annotations
 
 import dataclasses
-import functools
 import re
 from typing import Sequence
 
@@ -29,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from attn_jax.data.tokenizer import Tokenizer
-from attn_jax.eval.harness import LogitsFn
+from attn_jax.eval.harness import LogitsFn, per_logits_fn_cache
 
 FILLER_SENTENCES = (
     "The river bends twice before it reaches the old mill at the edge of town.",
@@ -131,7 +130,7 @@ def build_case(tokenizer: Tokenizer, context_length: int, depth: float, number: 
                   int(max_new_tokens))
 
 
-@functools.lru_cache(maxsize=16)
+@per_logits_fn_cache
 def _jitted_next_token(logits_fn: LogitsFn):
   def next_token(tokens, pos):
     # tokens: int32 [B, C]; pos: int32 [B], index of each row's last real token

@@ -8,7 +8,8 @@ import math
 import os
 from typing import Any
 
-_NON_METRICS = {"n_docs", "n_requests", "seconds", "examples_per_s", "requests_per_s"}
+_NON_METRICS = {"n_docs", "n_requests", "seconds", "examples_per_s", "requests_per_s",
+                "n_examples", "n_positions"}
 
 
 def _jsonable(x: Any) -> Any:
@@ -29,10 +30,12 @@ def metric_rows(results: dict) -> list[dict]:
   rows = []
   for task, metrics in per_task.items():
     for name, value in metrics.items():
-      if name in _NON_METRICS or name.endswith("_stderr"):
+      if (name in _NON_METRICS or name.endswith("_stderr") or isinstance(value, bool)
+          or not isinstance(value, (int, float))):  # e.g. a NIAH grid stays in the JSON only
         continue
       rows.append(dict(task=task, metric=name, value=value,
-                       stderr=metrics.get(f"{name}_stderr"), n_docs=metrics.get("n_docs"),
+                       stderr=metrics.get(f"{name}_stderr"),
+                       n_docs=metrics.get("n_docs", metrics.get("n_examples")),
                        examples_per_s=metrics.get("examples_per_s")))
   return rows
 
