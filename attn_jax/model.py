@@ -67,14 +67,20 @@ class Decoder(nnx.Module):
   def mixer_cls(self):
     return get_mixer(self.cfg.mixer)
 
+  def unembed(self, h: jax.Array) -> jax.Array:
+    """Final hidden states [..., D] -> fp32 logits [..., V] (the LM head)."""
+    w = self.embed[...].T if self.cfg.tie_embeddings else self.head[...]
+    return jnp.einsum("...d,dv->...v", h, w.astype(h.dtype), preferred_element_type=jnp.float32)
+
   def init_cache(self, batch: int, max_len: int) -> Any:
     """Decoding state of all layers, stacked on a leading layer axis."""
     one = self.mixer_cls.init_cache(self.cfg, batch, max_len, dtype_of(self.cfg.dtype))
     return jax.tree.map(lambda a: jnp.broadcast_to(a, (self.cfg.n_layers,) + a.shape), one)
 
   def __call__(self, tokens_BT: jax.Array, *, positions=None, cache=None, cache_index=None,
-               return_aux: bool = False):
-    """tokens [B, T] -> logits [B, T, V] (fp32). With `cache`, returns (logits, new_cache)."""
+               return_aux: bool = False, features_only: bool = False):
+    """tokens [B, T] -> logits [B, T, V] (fp32). With `cache`, returns (logits, new_cache).
+    `features_only`: return the final-norm hidden states [B, T, D] instead (see `unembed`)."""
     cfg = self.cfg
     B, T = tokens_BT.shape
     if positions is None:
@@ -103,9 +109,9 @@ class Decoder(nnx.Module):
         outs.append(out)
       new_cache, aux = jax.tree.map(lambda *a: jnp.stack(a), *outs)
 
-    x = self.final_norm(x)
-    w = self.embed[...].T if cfg.tie_embeddings else self.head[...]
-    logits = jnp.einsum("btd,dv->btv", x, w.astype(x.dtype), preferred_element_type=jnp.float32)
+    if features_only:
+      return self.final_norm(x)
+    logits = self.unembed(self.final_norm(x))
     out = (logits,) if cache is None else (logits, new_cache)
     if return_aux:
       out = out + (aux,)

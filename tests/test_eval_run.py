@@ -57,3 +57,26 @@ def test_bad_task_names_and_missing_data(tmp_path):
   c.eval.tasks = "nope"
   with pytest.raises(ValueError, match="unknown eval task 'nope'"):
     trainer_lib.train_and_evaluate(c, str(tmp_path))
+
+
+def test_head_on_selected_rows_equals_full_logits(shared_data):
+  """ModelScorer's hidden/head path (LM head on continuation rows only) gives the same
+  per-example log-likelihoods and greedy flags as scoring from the full logits."""
+  import numpy as np
+  from attn_jax.config import ModelConfig
+  from attn_jax.data.tokenizer import ByteTokenizer
+  from attn_jax.eval import harness, tasks
+  from attn_jax.eval.run import ModelScorer
+  from attn_jax.model import build_model
+
+  model = build_model(ModelConfig(vocab_size=257, d_model=32, n_layers=2, n_heads=2, d_ff=64,
+                                  max_seq_len=256, dtype="float32"))
+  docs = tasks.load_arc(shared_data / "arc" / "ARC-Easy-Test.jsonl")[:10]
+  reqs = harness.doc_requests(docs)
+  scorer = ModelScorer(model)
+  plain = lambda toks: scorer(toks)  # no hidden/head attributes: full-logits path
+  tok = ByteTokenizer()
+  fast = harness.loglikelihood(reqs, scorer, tok, max_len=256, batch_size=8)
+  slow = harness.loglikelihood(reqs, plain, tok, max_len=256, batch_size=8)
+  np.testing.assert_allclose([f[0] for f in fast], [s[0] for s in slow], rtol=1e-5, atol=1e-5)
+  assert [f[1] for f in fast] == [s[1] for s in slow]

@@ -14,7 +14,7 @@ For a causal LM with `logits_fn(tokens[B, L]) -> logits[B, L, V]` (logits at t p
 Requests are grouped into a few fixed lengths (buckets: powers of two up to max_len) and
 fixed-size batches, right-padded (padding after a causal row changes none of its logits), so
 the jitted logits_fn compiles once per bucket; a small scoring kernel (softmax over only the
-continuation rows) compiles once per (bucket, continuation width 16/64/256/...). Results come
+continuation rows) compiles once per (bucket, continuation width 4/8/16/...). Results come
 back in the request order.
 
 Aggregation follows the harness: accuracies are means with the sample standard error
@@ -108,6 +108,19 @@ def bucket_for(length: int, buckets: Sequence[int]) -> int:
   raise ValueError(f"length {length} exceeds the largest bucket {max(buckets)}")
 
 
+class _WeakScorer:
+  """Calls (and exposes the attributes of, e.g. `hidden`/`head`) a weakly referenced scorer."""
+
+  def __init__(self, ref):
+    self._ref = ref
+
+  def __call__(self, tokens):
+    return self._ref()(tokens)
+
+  def __getattr__(self, name):
+    return getattr(self._ref(), name)
+
+
 def per_logits_fn_cache(build: Callable[[LogitsFn], Callable]
                         ) -> Callable[[LogitsFn], Callable]:
   """Memoises `build(logits_fn)` (a jitted wrapper) per logits_fn object, so later calls with
@@ -123,8 +136,7 @@ def per_logits_fn_cache(build: Callable[[LogitsFn], Callable]
       pass
     except TypeError:  # not weak-referenceable or not hashable: no caching
       return build(logits_fn)
-    ref = weakref.ref(logits_fn)
-    built = build(lambda tokens: ref()(tokens))
+    built = build(_WeakScorer(weakref.ref(logits_fn)))
     cache[logits_fn] = built
     return built
 
@@ -132,23 +144,38 @@ def per_logits_fn_cache(build: Callable[[LogitsFn], Callable]
 
 
 @per_logits_fn_cache
-def _jitted_logits(logits_fn: LogitsFn):
-  """One jitted forward per logits_fn: compiles once per [rows, bucket] shape."""
-  return jax.jit(logits_fn)
+def _jitted_forward(logits_fn: LogitsFn):
+  """(forward, select) for one logits_fn. `forward(tokens [B, L])` runs the model (compiles once
+  per [rows, bucket] shape); `select(out, positions [B, C])` gives the logits at the C
+  continuation positions [B, C, V] (a small kernel, compiled per (bucket, C)).
 
-
-@jax.jit
-def _score_positions(logits, positions, targets, mask):
-  """Continuation log-likelihood and greedy match from full logits.
-
-  logits: [B, L, V]; positions, targets: int32 [B, C] (input positions of the continuation
-  and the tokens they must predict); mask: bool [B, C]. Returns ll [B], is_greedy [B].
-  Only the C selected rows go through the softmax (the context rows are never needed).
+  A scorer that also offers `hidden(tokens) -> [B, L, D]` and `head(h) -> [..., V]` (as
+  `attn_jax.eval.run.ModelScorer` does) has its LM head applied to the C selected rows only:
+  with a 50k vocabulary the head over every position dominates the cost of a small model.
   """
-  batch, length, vocab = logits.shape
-  flat_rows = (jnp.arange(batch)[:, None] * length + positions).reshape(-1)  # [B*C]
-  sel = jnp.take(logits.reshape(batch * length, vocab), flat_rows, axis=0)  # [B*C, V]
-  sel = sel.reshape(positions.shape + (vocab,)).astype(jnp.float32)  # [B, C, V]
+  if hasattr(logits_fn, "hidden") and hasattr(logits_fn, "head"):
+    forward = jax.jit(lambda tokens: logits_fn.hidden(tokens))  # [B, L, D]
+    head = lambda h: logits_fn.head(h)  # late lookup: keep only the weak reference
+  else:
+    forward = jax.jit(lambda tokens: logits_fn(tokens))  # [B, L, V]
+    head = lambda x: x
+
+  def select(out, positions):
+    return head(jnp.take_along_axis(out, positions[..., None], axis=1))  # [B, C, V]
+  return forward, select
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _score_positions(select, out, positions, targets, mask):
+  """Continuation log-likelihood and greedy match.
+
+  out: the forward's [B, L, D] hidden states or [B, L, V] logits; positions, targets: int32
+  [B, C] (input positions of the continuation and the tokens they must predict); mask: bool
+  [B, C]. Returns ll [B], is_greedy [B]. Only the C selected rows go through the (head and)
+  softmax: the context rows are never needed.
+  """
+  sel = select(out, positions)
+  sel = sel.astype(jnp.float32)  # [B, C, V]
   top = jnp.max(sel, axis=-1, keepdims=True)  # [B, C, 1]
   lse = top[..., 0] + jnp.log(jnp.sum(jnp.exp(sel - top), axis=-1))  # [B, C]
   picked = jnp.take_along_axis(sel, targets[..., None], axis=-1)[..., 0]  # [B, C]
@@ -167,10 +194,10 @@ def _prepare(ctx_ids: list[int], cont_ids: list[int], max_len: int):
   return seq[:-1], cont_ids, len(cont_ids)  # input tokens, continuation, its length
 
 
-def _pow4_at_least(n: int, lo: int = 1) -> int:
+def _pow2_at_least(n: int, lo: int = 1) -> int:
   p = lo
   while p < n:
-    p *= 4
+    p *= 2
   return p
 
 
@@ -192,7 +219,7 @@ def loglikelihood_tokens(pairs: Sequence[tuple[list[int], list[int]]], logits_fn
   # longest first (a too-large batch fails at once), grouped by bucket
   order = sorted(range(len(prepared)), key=lambda i: (-bucket_for(lengths[i], buckets),
                                                        -lengths[i], i))
-  forward = _jitted_logits(logits_fn)
+  forward, select = _jitted_forward(logits_fn)
   pending = []  # (indices, device ll, device greedy)
   start = 0
   while start < len(order):
@@ -203,8 +230,9 @@ def loglikelihood_tokens(pairs: Sequence[tuple[list[int], list[int]]], logits_fn
            and bucket_for(lengths[order[start + len(chunk)]], buckets) == width):
       chunk.append(order[start + len(chunk)])
     start += len(chunk)
-    # continuation rows scored: 16, 64, 256, ... (few kernel shapes), at most the bucket width
-    n_sel = min(width, _pow4_at_least(max(prepared[i][2] for i in chunk), 16))
+    # continuation rows scored: 4, 8, 16, ... (few shapes, little padding: with a 50k vocabulary
+    # each padded row costs a full LM-head row and softmax), at most the bucket width
+    n_sel = min(width, _pow2_at_least(max(prepared[i][2] for i in chunk), 4))
     tokens = np.zeros((rows, width), np.int32)  # [B, Lb]; padding stays 0
     positions = np.zeros((rows, n_sel), np.int32)  # [B, C]
     targets = np.zeros((rows, n_sel), np.int32)  # [B, C]
@@ -215,7 +243,7 @@ def loglikelihood_tokens(pairs: Sequence[tuple[list[int], list[int]]], logits_fn
       positions[row, :n_cont] = np.arange(len(inp) - n_cont, len(inp))
       targets[row, :n_cont] = cont
       mask[row, :n_cont] = True
-    ll, greedy = _score_positions(forward(tokens), positions, targets, mask)
+    ll, greedy = _score_positions(select, forward(tokens), positions, targets, mask)
     pending.append((chunk, ll, greedy))
     if len(pending) % 8 == 0:  # bound how far dispatch runs ahead (each batch holds logits)
       jax.block_until_ready(pending[-8][1])

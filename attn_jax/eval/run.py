@@ -9,7 +9,6 @@ settings, the held-out random stream).
 
 from __future__ import annotations
 
-import functools
 import os
 from typing import Any, Mapping, Sequence
 
@@ -35,12 +34,30 @@ def parse_tasks(tasks: str | Sequence[str]) -> list[str]:
   return names
 
 
-def model_logits_fn(model: nnx.Module):
-  """A jitted logits_fn(tokens [B, L]) -> logits [B, L, V] over a split model (parameters are
-  arguments of the compiled function, not constants baked into it)."""
-  graphdef, state = nnx.split(model)
-  fwd = jax.jit(lambda st, toks: nnx.merge(graphdef, st)(toks))
-  return functools.partial(fwd, state)
+class ModelScorer:
+  """A logits_fn for the evaluators: `scorer(tokens [B, L]) -> logits [B, L, V]`, plus
+  `hidden(tokens) -> [B, L, D]` and `head(h) -> logits`, so the log-likelihood harness can run
+  the LM head on the continuation rows only. The model is split once; its parameters are
+  arguments of the jitted functions (not constants baked into them)."""
+
+  def __init__(self, model: nnx.Module):
+    graphdef, self._state = nnx.split(model)
+    self._logits = jax.jit(lambda st, t: nnx.merge(graphdef, st)(t))
+    self._hidden = jax.jit(lambda st, t: nnx.merge(graphdef, st)(t, features_only=True))
+    self._head = jax.jit(lambda st, h: nnx.merge(graphdef, st).unembed(h))
+
+  def __call__(self, tokens):
+    return self._logits(self._state, tokens)
+
+  def hidden(self, tokens):
+    return self._hidden(self._state, tokens)
+
+  def head(self, h):
+    return self._head(self._state, h)
+
+
+def model_logits_fn(model: nnx.Module) -> ModelScorer:
+  return ModelScorer(model)
 
 
 def _check_vocab(tokenizer: Tokenizer, vocab_size: int) -> None:
