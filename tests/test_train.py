@@ -4,7 +4,6 @@ optimizer groups, clear config errors."""
 import json
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 

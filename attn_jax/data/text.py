@@ -24,13 +24,13 @@ and modification times, plus the tokenizer and format options).
 from __future__ import annotations
 
 import functools
-import json
 import math
 import os
 from typing import Sequence
 
 import numpy as np
 
+from attn_jax.data.jsonl import parse_object
 from attn_jax.data.tokenizer import Tokenizer, get_tokenizer
 
 TEXT_SOURCES = ("text", "jsonl")
@@ -77,12 +77,7 @@ def read_jsonl_documents(path: str, *, text_field: str = "text") -> list[str]:
     if not line.strip():
       continue
     where = f"{path}:{line_number}"
-    try:
-      record = json.loads(line)
-    except json.JSONDecodeError as e:
-      raise ValueError(f"{where}: invalid JSON: {e.msg} (column {e.colno})") from None
-    if not isinstance(record, dict):
-      raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    record = parse_object(line, where)
     if text_field not in record:
       raise ValueError(
           f"{where}: missing field {text_field!r} (data.text_field); the object has keys "

@@ -28,10 +28,11 @@ Every malformed line raises ValueError("path:line: reason"); no line is dropped.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import re
 from typing import Any, Callable, Iterator, Sequence
+
+from attn_jax.data.jsonl import parse_object
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,13 +82,7 @@ def _iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[str, int, dict]]:
       where = f"{path}:{lineno}"
       if not line.strip():
         raise ValueError(f"{where}: empty line")
-      try:
-        record = json.loads(line)
-      except json.JSONDecodeError as e:
-        raise ValueError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
-      if not isinstance(record, dict):
-        raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
-      yield where, lineno, record
+      yield where, lineno, parse_object(line, where)
 
 
 def _get(record: dict, key: str, kind: type | tuple[type, ...], where: str) -> Any:

@@ -11,7 +11,7 @@ The model graph (`graphdef`) is split once; the step merges it with the params i
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp

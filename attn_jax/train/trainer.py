@@ -153,7 +153,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   if need > cfg.vocab_size:
     raise ValueError(f"config.model.vocab_size={cfg.vocab_size} is smaller than the data's "
                      f"vocabulary ({need}, from config.data.tokenizer/source)")
-  host_batch = _check_batch(config, setup.mesh, setup.rules)
+  _check_batch(config, setup.mesh, setup.rules)
   if config.eval.tasks:
     from attn_jax.eval.run import parse_tasks
     parse_tasks(config.eval.tasks)  # unknown names fail now, not after hours of training
