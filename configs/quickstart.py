@@ -19,8 +19,8 @@ def get_config():
   c.model.sisa.d_state = 8
   c.data.update(source="synthetic", synthetic_task="mqar", seq_len=64, global_batch_size=64,
                 mqar_num_pairs=8, mqar_num_queries=8, mqar_vocab=32)
-  c.train.update(steps=1500, log_every=50)
+  c.train.update(steps=1000, log_every=50)
   c.optim.update(lr=3e-3, warmup_steps=100, weight_decay=0.1)
   c.checkpoint.every_steps = 500
-  c.eval.every_steps = 500
+  c.eval.every_steps = 250
   return c

@@ -207,6 +207,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   t_log, step_log = time.perf_counter(), start
   last: dict[str, Any] = {}
   diverged = False
+  last_eval = -1
 
   def flush(pending_metrics):
     nonlocal t_log, step_log, last, diverged
@@ -252,6 +253,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         ev.update(_eval_tasks(setup, state, config))
         writer.write(step_no, ev)
         last.update(ev)
+        last_eval = step_no
     if pending is not None:
       flush(pending)
       pending = None
@@ -269,7 +271,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     if bar is not None:
       bar.close()
 
-  if heldout is not None:
+  if heldout is not None and last_eval != int(state["step"]):
     ev = evaluate_heldout(setup, state, heldout)
     ev.update(_eval_tasks(setup, state, config))
     writer.write(int(state["step"]), ev)
