@@ -227,7 +227,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       if peak:
         out["mfu"] = tps * flops_per_tok / (peak * n_dev)
       writer.write(step_no, out)
-      last = out
+      last.update(out)
       t_log, step_log = now, step_no
       if bar is not None:
         bar.set_postfix(loss=f"{loss:.4f}", acc=f"{out['accuracy']:.3f}",
