@@ -1,0 +1,474 @@
+"""SISA: SSM-informed softmax attention, exact and causal at any length.
+
+Paper: "Forget Attention: Importance-Aware Attention Is All You Need" (arXiv 2606.02332, 2026);
+SPEC.md section 1. Per head h, with x = RMSNorm(input), d_h = d_model / H, d_s = d_state:
+
+    q, k, v = x W_q, x W_k, x W_v;  q, k <- RoPE(q, k)            (ordinary positions)
+    B_t = W_B x_t,  C_t = W_C x_t                                  ([H, d_s] per token)
+    log a_t = -softplus(w_a . x_t + b)                             (one per head; b init -5)
+    theta_t = W_theta x_t                                          ([H, d_s/2] angles)
+    g_t = sum_{s<=t} log a_s,  Phi_t = sum_{s<=t} theta_s          (fp32 cumulative sums)
+    lambda = softplus(lambda_raw)                                  (fp32, lambda_raw init -1)
+
+    score_ij = q_i.k_j / sqrt(d_h) + lambda * e^{g_i - g_j} * (R(Phi_i) C_i) . (R(Phi_j) B_j)
+    y_i = sum_{j<=i} softmax_j(score_ij) v_j,   out = y W_o
+
+R(Phi) rotates the interleaved pairs (0,1), (2,3), ... of a d_s vector by the d_s/2 angles of
+Phi (a data-dependent RoPE, as in Mamba-3). Since R(a)^T R(b) = R(b - a), the read/write match
+(R(Phi_i) C_i) . (R(Phi_j) B_j) = C_i^T R(Phi_j - Phi_i) B_j depends on the phase difference
+only; SPEC writes it C_i^T R(Phi_i - Phi_j) B_j, i.e. with the angle measured the other way —
+the same family, the sign convention of the learned theta differs.
+
+As in the paper, the extra term is fed to one stock attention call by widening Q and K:
+Q^ = [q ; lambda sqrt(d_h) e^{g_i - r} R(Phi_i) C_i], K^ = [k ; e^{r - g_j} R(Phi_j) B_j],
+scale 1/sqrt(d_h) (not 1/sqrt(d_h + d_s)); V stays d_h wide (attention/core.py zero-pads V
+for jax.nn.dot_product_attention and slices the output; on CPU the einsum path needs no pad).
+The paper splits the scale symmetrically, s = d_h^{1/4} sqrt(lambda) on both sides; putting
+s^2 = lambda sqrt(d_h) on the query side gives the same products and avoids d sqrt(lambda)/d
+lambda = inf at lambda = 0.
+
+Exactness at any length (the authors' code subtracts c = (max g + min g)/2 over the whole
+sequence and clamps g - c to [-11, 11]: wrong once the decay range exceeds 22 nats, and c reads
+future tokens). Here every exponential that is evaluated is either <= 1, or <= e^T with a
+fixed T, and no reference point ever depends on a later token:
+
+1. Fast path (one attend call, no bias). The reference r = 0 is the empty prefix, so query
+   factors e^{g_i} <= 1 and key factors e^{-g_j} >= 1. It is valid while the whole-sequence
+   decay range max_t(-g_t) = -g_{T-1} (g is non-increasing) is <= T = `fast_max_range`
+   (60 nats; 4 for float16): every factor then lies in [e^-60, e^60], far inside the fp32/bf16
+   exponent range (e^+-88), leaving 28 nats (e^28 ~ 1e12) of headroom for |B|, |C|, lambda and
+   the backward pass. The product e^{g_i} e^{-g_j} keeps full relative precision.
+2. Chunked path (exact for any range). Query chunk I = [a, a+c) uses the reference r_I =
+   g_{a-1} (the last token before the chunk; 0 for the first chunk):
+   - queries: e^{g_i - r_I} <= 1;
+   - past keys j < a: e^{r_I - g_j} <= 1. A factor can underflow only when the true product
+     e^{g_i - g_j} (<= each factor) is below ~1e-38, i.e. negligible;
+   - keys inside the chunk, j in [a, i]: their factor e^{r_I - g_j} could overflow (a chunk
+     can hold any amount of decay: softplus is unbounded), so it is never formed. Their SISA
+     channels are zeroed and the in-chunk term lambda e^{g_i - g_j} C.B enters as an additive
+     score bias, with e^{g_i - g_j} computed from the *difference* g_i - g_j <= 0 (the SSD
+     "segsum" idea of Mamba-2). No cap on the decay is needed: the model is exactly the paper's
+     function, with no clamp anywhere;
+   - keys after the chunk are not read (chunk I attends to the key prefix [0, a+c)), so the
+     chunked path also does half the score work of a full-square masked kernel on CPU.
+   `jax.lax.cond` on the measured range picks the path at run time (both are compiled); the
+   predicate has no gradient, and both paths compute the same function (so the choice, which
+   reads the whole sequence, changes outputs only at rounding level; tested). Under autodiff a
+   cond keeps the residuals of *both* branches (the untaken one zero-filled); the chunked branch
+   is therefore rematerialised (`jax.checkpoint`): its residuals are just its inputs, the fast
+   branch keeps its usual ones, and the chunked forward is recomputed in the backward only
+   when it was taken (this took "auto" from 0.79x to ~1.0x of "fast" on CPU). `path` forces a
+   path ("fast" is then the caller's promise that the range stays below the limit).
+3. Decoding / prefill with a cache is the chunked path with one chunk at slot `cache_index`:
+   reference r = the running g of the last cached token; cached keys get e^{r - g_j} <= 1,
+   the new block's own pairs go through the difference-form bias. A one-token step is thus
+   exact at any length: query factor e^{g_i - g_{i-1}} = a_i <= 1, key factors <= 1. The cache
+   is fixed-size (slot = absolute position) and holds k (after RoPE), v, R(Phi_j) B_j, g_j and
+   the running g and Phi of the last token.
+
+Precision of g: g is an fp32 cumulative sum, so a difference g_i - g_j of two large sums carries
+an absolute error ~ 2^-24 |g| (relative error of a decay factor ~ 1e-4 at |g| ~ 2000 nats):
+exact to fp32 rounding of the cumulative sum, far below bf16 resolution. The explicit reference
+(`sisa_attention_reference`) uses the same g and Phi, formed pairwise as differences.
+
+Cumulative sums: on CPU `jnp.cumsum` lowers to a `reduce_window` with a window as long as the
+sequence (O(T^2): 47 ms vs 8.5 ms for [8, 1024, 12, 16] fp32), while a sequential `lax.scan`
+is O(T) and faster than `lax.associative_scan` forward and backward (measured: 8.5 / 9.6 ms
+forward, 49 / 92 ms with its gradient). So CPU uses `lax.scan`; other backends keep
+`jnp.cumsum` (GPU: a dedicated CUB scan lowering; TPU: XLA rewrites the reduce_window into a
+prefix tree) — a sequential scan would be T dependent steps there. log a and theta are summed
+in one scan. C, B, theta and the decay pre-activation come from one matmul (their kernels,
+separate parameters with their own logical axes, concatenated at call time).
+
+Cost (CPU, fp32, d 256 / 4 heads / 4 layers at equal parameter count; experiments/bench.py):
+the d_s extra Q/K channels are ~free next to the softmax; the fast path runs at ~0.95x of the
+Transformer's train step, "auto" at ~1.0x; the chunked path at ~1.15x — faster, because it
+reads only key prefixes while the einsum core computes the full masked square.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from attn_jax.attention.core import attend, choose_impl
+from attn_jax.attention.mha import QKVProjection, kv_cache_init, kv_cache_update
+from attn_jax.config import ModelConfig
+from attn_jax.layers import Linear, apply_rope, dtype_of, param, rope_angles
+from attn_jax.registry import register_mixer
+
+PATHS = ("auto", "fast", "chunked")
+# Largest fast-path decay range per compute dtype (nats): e^T must leave headroom below the
+# dtype's max (fp32/bf16: e^88.7; fp16: e^11.1, and its normal range starts at e^-9.7).
+_DTYPE_RANGE_LIMIT = {"float16": 4.0}
+# Options added after the first configs; read with these defaults when a config lacks them.
+_OPTION_DEFAULTS = {"path": "auto", "fast_max_range": 60.0, "phase_init_std": 0.01}
+
+
+def _opt(cfg: ModelConfig, name: str):
+  try:
+    return getattr(cfg.sisa, name)
+  except AttributeError:
+    if name in _OPTION_DEFAULTS:
+      return _OPTION_DEFAULTS[name]
+    raise ValueError(f"config.model.sisa.{name}: missing") from None
+
+
+# ---------------------------------------------------------------- parameter matching
+
+def sisa_extra_params(d_model: int, n_heads: int, d_state: int) -> int:
+  """Mixer parameters SISA adds per layer over attention: W_B, W_C, w_a, b, W_theta, lambda."""
+  d, H, ds = d_model, n_heads, d_state
+  return 2 * d * H * ds + d * H + H + d * H * ds // 2 + H
+
+
+def matched_d_ff(transformer_cfg, d_state: int, multiple: int = 4) -> int:
+  """SwiGLU width that makes SISA's parameter count equal the Transformer's.
+
+  The SwiGLU has 3 d d_ff weights, so d_ff shrinks by extra / (3 d), rounded to the nearest
+  `multiple` (4 reproduces SPEC's 1832 / 2748 / 2512 at d_s = 32). `transformer_cfg` is any
+  object with d_model, n_heads and d_ff (ModelConfig or config.model).
+  """
+  d = int(transformer_cfg.d_model)
+  extra = sisa_extra_params(d, int(transformer_cfg.n_heads), int(d_state))
+  return int(multiple * round((int(transformer_cfg.d_ff) - extra / (3 * d)) / multiple))
+
+
+# ---------------------------------------------------------------- elementwise pieces
+
+def stat_dtype(cfg: ModelConfig):
+  """Dtype of g, Phi, lambda and the decay factors: fp32 (fp64 for a float64 model)."""
+  return jnp.promote_types(jnp.float32, dtype_of(cfg.dtype))
+
+
+def time_cumsum(x_BT: jax.Array) -> jax.Array:
+  """Inclusive cumulative sum over axis 1 (see the module docstring for the choice)."""
+  if jax.default_backend() != "cpu":
+    return jnp.cumsum(x_BT, axis=1)
+  xs = jnp.moveaxis(x_BT, 1, 0)
+  _, ys = jax.lax.scan(lambda c, a: (c + a, c + a), jnp.zeros_like(xs[0]), xs)
+  return jnp.moveaxis(ys, 0, 1)
+
+
+def rotate_pairs(x_BTHS: jax.Array, phi_BTHP: jax.Array) -> jax.Array:
+  """R(Phi) x: interleaved pairs (x0, x1) -> (x0 cos - x1 sin, x0 sin + x1 cos), in Phi dtype."""
+  x = x_BTHS.astype(phi_BTHP.dtype).reshape(x_BTHS.shape[:-1] + (-1, 2))
+  c, s = jnp.cos(phi_BTHP), jnp.sin(phi_BTHP)
+  x0, x1 = x[..., 0], x[..., 1]
+  return jnp.stack([x0 * c - x1 * s, x0 * s + x1 * c], axis=-1).reshape(x_BTHS.shape)
+
+
+def decay_and_phase(loga_BTH, theta_BTHP):
+  """g = cumsum(log a), Phi = cumsum(theta) over time, in one scan. theta may be None."""
+  if theta_BTHP is None:
+    return time_cumsum(loga_BTH), None
+  both = time_cumsum(jnp.concatenate([loga_BTH[..., None], theta_BTHP], axis=-1))
+  return both[..., 0], both[..., 1:]
+
+
+def _local_bias(rc_BTHS, rb_BSHS, g_q_BTH, g_k_BSH, lam_H, causal_TS):
+  """lambda e^{g_i - g_j} (R C_i).(R B_j) for an in-chunk block, [B, H, T, S] fp32.
+
+  e^{g_i - g_j} is formed from the difference (<= 0 where causal), never from large factors.
+  """
+  match = jnp.einsum("bths,bjhs->bhtj", rc_BTHS, rb_BSHS, preferred_element_type=g_q_BTH.dtype)
+  dg = g_q_BTH.transpose(0, 2, 1)[..., :, None] - g_k_BSH.transpose(0, 2, 1)[..., None, :]
+  dec = jnp.exp(jnp.where(causal_TS, dg, -jnp.inf))
+  return lam_H[None, :, None, None] * dec * match
+
+
+# ---------------------------------------------------------------- explicit reference
+
+def sisa_attention_reference(q_BTHD, k_BTHD, v_BTHD, c_BTHS, b_BTHS, g_BTH, phi_BTHP, lam_H, *,
+                             query_idx=None):
+  """Explicit O(T^2) SISA attention in fp32 (the ground truth of the tests).
+
+  q and k are after RoPE; C and B are *not* rotated; g and Phi are the cumulative sums (Phi
+  None = no phase). Every pair (i, j <= i) is formed directly:
+      score_ij = q_i.k_j / sqrt(d_h) + lambda e^{g_i - g_j} C_i^T R(Phi_j - Phi_i) B_j
+  with e^{g_i - g_j} from the difference g_i - g_j and the rotation by the pairwise phase
+  difference. `query_idx` (int array) restricts the query rows (long sequences).
+  Returns (out [B, Tq, H, Dv], scores [B, H, Tq, T] with -inf above the diagonal).
+  """
+  f32 = lambda a: a.astype(jnp.promote_types(a.dtype, jnp.float32))
+  T = k_BTHD.shape[1]
+  idx = jnp.arange(T) if query_idx is None else jnp.asarray(query_idx)
+  q, k, v = f32(q_BTHD)[:, idx], f32(k_BTHD), f32(v_BTHD)
+  c, b = f32(c_BTHS)[:, idx], f32(b_BTHS)
+  gq, gk = f32(g_BTH)[:, idx], f32(g_BTH)
+  causal = idx[:, None] >= jnp.arange(T)[None, :]                          # [Tq, T]
+  qk = jnp.einsum("bihd,bjhd->bhij", q, k) / math.sqrt(q.shape[-1])
+  dg = gq.transpose(0, 2, 1)[..., :, None] - gk.transpose(0, 2, 1)[..., None, :]
+  dec = jnp.exp(jnp.where(causal, dg, -jnp.inf))                         # [B, H, Tq, T]
+  c0, c1, b0, b1 = c[..., 0::2], c[..., 1::2], b[..., 0::2], b[..., 1::2]
+  same = jnp.einsum("bihp,bjhp->bhijp", c0, b0) + jnp.einsum("bihp,bjhp->bhijp", c1, b1)
+  if phi_BTHP is None:
+    match = same.sum(-1)
+  else:
+    phi = f32(phi_BTHP)
+    dphi = phi.transpose(0, 2, 1, 3)[:, :, None, :, :] - phi[:, idx].transpose(0, 2, 1, 3)[
+        :, :, :, None, :]                                                  # Phi_j - Phi_i
+    cross = jnp.einsum("bihp,bjhp->bhijp", c1, b0) - jnp.einsum("bihp,bjhp->bhijp", c0, b1)
+    match = jnp.sum(jnp.cos(dphi) * same + jnp.sin(dphi) * cross, axis=-1)
+  scores = qk + f32(lam_H)[None, :, None, None] * dec * match
+  scores = jnp.where(causal, scores, -jnp.inf)
+  p = jax.nn.softmax(scores, axis=-1)
+  return jnp.einsum("bhij,bjhd->bihd", p, v), scores
+
+
+# ---------------------------------------------------------------- the mixer
+
+@register_mixer("sisa")
+class SISA(nnx.Module):
+  """SISA token mixer (see the module docstring). Options: `config.model.sisa`."""
+
+  # lambda_raw: 10x lower learning rate (config.optim.lambda_lr_mult, default 0.1), no decay.
+  optimizer_overrides = {"lambda_raw": {"lr_mult": 0.1, "weight_decay": False}}
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    o = cfg.sisa
+    dt, pdt = dtype_of(cfg.dtype), dtype_of(cfg.param_dtype)
+    H, D, ds = cfg.n_heads, cfg.d_model, int(o.d_state)
+    self.proj = QKVProjection(cfg, rngs=rngs)
+    kw = dict(rngs=rngs, dtype=dt, param_dtype=pdt)
+    self.b_proj = Linear((D,), (H, ds), in_axes=("embed",), out_axes=("heads", "state"),
+                         init_std=cfg.init_std, **kw)
+    self.c_proj = Linear((D,), (H, ds), in_axes=("embed",), out_axes=("heads", "state"),
+                         init_std=cfg.init_std, **kw)
+    self.decay_proj = Linear((D,), (H,), in_axes=("embed",), out_axes=("heads",),
+                             init_std=cfg.init_std, **kw)
+    self.phase_proj = Linear((D,), (H, ds // 2), in_axes=("embed",), out_axes=("heads", "state"),
+                             init_std=float(_opt(cfg, "phase_init_std")), **kw)
+    self.decay_bias = param(rngs, nnx.initializers.constant(float(o.decay_bias_init)), (H,),
+                            ("heads",), pdt)
+    self.lambda_raw = param(rngs, nnx.initializers.constant(float(o.lambda_init)), (H,),
+                            ("heads",), pdt)
+
+  # -------------------------------------------------------------- per-token features
+  def features(self, x_BTD, positions_BT):
+    """q, k (after RoPE), v, C, B, log a, theta (None without phase), lambda."""
+    cfg, o = self.cfg, self.cfg.sisa
+    p, f = self.proj, stat_dtype(cfg)
+    q, k, v = p.q(x_BTD), p.k(x_BTD), p.v(x_BTD)
+    cos, sin = rope_angles(positions_BT, cfg.head_dim, cfg.rope_theta)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    # C, B, theta and the decay pre-activation in one matmul (their kernels side by side).
+    H, D = cfg.n_heads, cfg.d_model
+    parts = [self.c_proj, self.b_proj] + [self.phase_proj] * bool(o.use_phase) \
+        + [self.decay_proj] * bool(o.use_decay)
+    widths = [math.prod(lin.out_shape) // H for lin in parts]
+    w = jnp.concatenate([lin.kernel[...].reshape(D, H, -1) for lin in parts], axis=-1)
+    ssm = jnp.einsum("btd,dhn->bthn", x_BTD.astype(self.c_proj.dtype),
+                     w.astype(self.c_proj.dtype))
+    ssm = jnp.split(ssm, np.cumsum(widths)[:-1], axis=-1)
+    c, b = ssm[0], ssm[1]
+    theta = ssm[2].astype(f) if o.use_phase else None
+    if o.use_decay:
+      pre = ssm[-1][..., 0].astype(f) + self.decay_bias[...].astype(f)
+      loga = -jax.nn.softplus(pre)
+    else:
+      loga = jnp.zeros(x_BTD.shape[:2] + (H,), f)
+    lam = jax.nn.softplus(self.lambda_raw[...].astype(f))
+    if not o.learn_lambda:
+      lam = jax.lax.stop_gradient(lam)
+    return q, k, v, c, b, loga, theta, lam
+
+  def __call__(self, x, *, positions, cache=None, cache_index=None):
+    cfg = self.cfg
+    q, k, v, c, b, loga, theta, lam = self.features(x, positions)
+    g, phi = decay_and_phase(loga, theta)      # with a cache: sums over the new tokens only
+    ell = g
+    if cache is not None:
+      g = cache["g_last"][:, None] + ell
+      phi = None if phi is None else cache["phi_last"][:, None] + phi
+    rc = c.astype(g.dtype) if phi is None else rotate_pairs(c, phi)
+    rb = b.astype(g.dtype) if phi is None else rotate_pairs(b, phi)
+    qscale = lam * math.sqrt(cfg.head_dim)                      # s^2 = lambda sqrt(d_h)
+
+    if cache is None:
+      out, chunked = self._full(q, k, v, rc, rb, g, lam, qscale)
+    else:
+      out, cache = self._cached(q, k, v, rc, rb, g, ell, lam, qscale, positions, cache,
+                                cache_index)
+      if phi is not None:
+        cache["phi_last"] = phi[:, -1]
+      chunked = jnp.ones((), jnp.float32)
+
+    mean_loga = jnp.mean(loga)
+    aux = {
+        "lambda": jnp.mean(lam),
+        # tokens for the mean decay to halve a weight; inf without decay
+        "half_life": jnp.where(mean_loga < 0, math.log(0.5) / jnp.minimum(mean_loga, -1e-30),
+                               jnp.inf),
+        # total decay from the sequence start (g_-1 = 0) to the last token, max over batch and
+        # heads: max(g) - min(g) with the empty prefix included; decides the path
+        "decay_range": -jnp.min(g[:, -1]),
+        "chunked": chunked,
+    }
+    return self.proj.o(out), cache, aux
+
+  # -------------------------------------------------------------- full sequence
+  def _full(self, q, k, v, rc, rb, g, lam, qscale):
+    cfg = self.cfg
+    path = _opt(cfg, "path")
+    limit = self.fast_range_limit(cfg)
+    args = (q, k, v, rc, rb, g, lam, qscale)
+    if path == "fast":
+      return self._fast(*args), jnp.zeros((), jnp.float32)
+    if path == "chunked":
+      return self._chunked(*args), jnp.ones((), jnp.float32)
+    # g is non-increasing (log a <= 0, and rounding is monotone), so its range from the empty
+    # prefix is -g at the last token.
+    use_fast = -jnp.min(g[:, -1]) <= limit
+    chunked = jax.checkpoint(lambda a: self._chunked(*a))
+    out = jax.lax.cond(use_fast, lambda a: self._fast(*a), chunked, args)
+    return out, 1.0 - use_fast.astype(jnp.float32)
+
+  def _fast(self, q, k, v, rc, rb, g, lam, qscale):
+    """One attend call; reference r = 0 (valid while -g <= fast_max_range)."""
+    cfg, dt = self.cfg, q.dtype
+    limit = self.fast_range_limit(cfg)
+    # The clips are no-ops when this path is chosen; they keep a speculative evaluation
+    # (e.g. cond under vmap becomes select) free of inf.
+    qf = jnp.exp(jnp.maximum(g, -limit)) * qscale            # [B, T, H] <= 1 * qscale
+    kf = jnp.exp(jnp.minimum(-g, limit))                     # [B, T, H] in [1, e^limit]
+    qh = jnp.concatenate([q, (qf[..., None] * rc).astype(dt)], axis=-1)
+    kh = jnp.concatenate([k, (kf[..., None] * rb).astype(dt)], axis=-1)
+    return attend(qh, kh, v, scale=cfg.head_dim ** -0.5, causal=True, impl=cfg.attention_impl)
+
+  def _chunked(self, q, k, v, rc, rb, g, lam, qscale):
+    """Query chunks with reference g_{a-1}; in-chunk pairs as a difference-form bias."""
+    cfg, dt = self.cfg, q.dtype
+    B, T, H, _ = q.shape
+    c = self.chunk_len(cfg, T)
+    impl = choose_impl(cfg.attention_impl, dt, q.shape[-1] + rc.shape[-1])
+    bias_dt = g.dtype if impl == "einsum" else dt
+    outs = []
+    for a in range(0, T, c):
+      e = min(a + c, T)
+      r = g[:, a - 1] if a > 0 else jnp.zeros_like(g[:, 0])          # [B, H]
+      qf = jnp.exp(g[:, a:e] - r[:, None]) * qscale                     # <= qscale
+      qh = jnp.concatenate([q[:, a:e], (qf[..., None] * rc[:, a:e]).astype(dt)], axis=-1)
+      kf = jnp.exp(r[:, None] - g[:, :a])                               # <= 1, past keys
+      ks = jnp.concatenate([kf[..., None] * rb[:, :a],
+                            jnp.zeros((B, e - a) + rb.shape[2:], rb.dtype)], axis=1)
+      kh = jnp.concatenate([k[:, :e], ks.astype(dt)], axis=-1)
+      causal = jnp.arange(a, e)[:, None] >= jnp.arange(a, e)[None, :]
+      loc = _local_bias(rc[:, a:e], rb[:, a:e], g[:, a:e], g[:, a:e], lam, causal)
+      bias = jnp.pad(loc, ((0, 0), (0, 0), (0, 0), (a, 0))).astype(bias_dt)
+      qpos = jnp.broadcast_to(jnp.arange(a, e, dtype=jnp.int32), (B, e - a))
+      kpos = jnp.broadcast_to(jnp.arange(e, dtype=jnp.int32), (B, e))
+      outs.append(attend(qh, kh, v[:, :e], scale=cfg.head_dim ** -0.5, causal=True,
+                         q_positions=qpos, kv_positions=kpos, bias=bias, impl=impl))
+    return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
+
+  # -------------------------------------------------------------- decoding
+  def _cached(self, q, k, v, rc, rb, g, ell, lam, qscale, positions, cache, cache_index):
+    """T new tokens at slot `cache_index` (slot = absolute position); one chunk, r = g_last.
+
+    ell = g - r is summed over the new tokens only, so the query factors e^ell and the in-block
+    decays e^{ell_i - ell_j} keep full precision however large |g| has grown.
+    """
+    cfg, dt = self.cfg, q.dtype
+    B, T, H, _ = q.shape
+    S = cache["k"].shape[1]
+    r = cache["g_last"]                                                 # [B, H]
+    kv = kv_cache_update({"k": cache["k"], "v": cache["v"]}, k, v, cache_index)
+    idx = (0, cache_index, 0, 0)
+    rb_c = jax.lax.dynamic_update_slice(cache["rb"], rb.astype(cache["rb"].dtype), idx)
+    g_c = jax.lax.dynamic_update_slice(cache["g"], g, idx[:3])
+    slot = jnp.arange(S, dtype=jnp.int32)
+    past = (slot < cache_index)[None, :, None]
+    kf = jnp.exp(jnp.where(past, r[:, None] - g_c, -jnp.inf))         # <= 1; 0 elsewhere
+    kh = jnp.concatenate([kv["k"].astype(dt), (kf[..., None] * rb_c.astype(g.dtype))
+                          .astype(dt)], axis=-1)
+    qf = jnp.exp(ell) * qscale                                           # <= qscale
+    qh = jnp.concatenate([q, (qf[..., None] * rc).astype(dt)], axis=-1)
+    causal = jnp.arange(T)[:, None] >= jnp.arange(T)[None, :]
+    loc = _local_bias(rc, rb, ell, ell, lam, causal)                     # [B, H, T, T]
+    impl = choose_impl(cfg.attention_impl, dt, qh.shape[-1])
+    bias = jax.lax.dynamic_update_slice(jnp.zeros((B, H, T, S), g.dtype), loc,
+                                        (0, 0, 0, cache_index))
+    bias = bias.astype(g.dtype if impl == "einsum" else dt)
+    kpos = jnp.broadcast_to(slot, (B, S))
+    out = attend(qh, kh, kv["v"].astype(dt), scale=cfg.head_dim ** -0.5, causal=True,
+                 q_positions=positions, kv_positions=kpos, bias=bias, impl=impl)
+    new_cache = dict(kv, rb=rb_c, g=g_c, g_last=g[:, -1], phi_last=cache["phi_last"])
+    return out, new_cache
+
+  # -------------------------------------------------------------- class-level hooks
+  @staticmethod
+  def fast_range_limit(cfg: ModelConfig) -> float:
+    return min(float(_opt(cfg, "fast_max_range")), _DTYPE_RANGE_LIMIT.get(cfg.dtype, 1e9))
+
+  @staticmethod
+  def chunk_len(cfg: ModelConfig, seq_len: int) -> int:
+    """Query chunk of the chunked path: `chunk_size`, or auto = max(128, T/8) rounded up to 64
+    (at most 8 unrolled chunks; each reads only its key prefix)."""
+    c = int(cfg.sisa.chunk_size)
+    if c <= 0:
+      c = max(128, -(-seq_len // 8))
+      c = -(-c // 64) * 64
+    return min(c, seq_len)
+
+  @staticmethod
+  def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype) -> dict:
+    H, ds, f = cfg.n_heads, int(cfg.sisa.d_state), stat_dtype(cfg)
+    cache = kv_cache_init(batch, max_len, cfg.kv_heads, cfg.head_dim, cfg.head_dim, dtype)
+    cache.update(
+        rb=jnp.zeros((batch, max_len, H, ds), dtype),             # R(Phi_j) B_j per slot
+        g=jnp.zeros((batch, max_len, H), f),                      # g_j per slot
+        g_last=jnp.zeros((batch, H), f),                          # running g (empty prefix: 0)
+        phi_last=jnp.zeros((batch, H, ds // 2), f))               # running Phi
+    return cache
+
+  @staticmethod
+  def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    # Q^K^T over d_h + d_s channels and PV over d_h: 2 FLOPs/MAC x H per (query, key) pair.
+    # Causal convention as attention's: a query at position i attends to i+1 keys, averaged
+    # (L+1)/2 — only the computed lower triangle. The elementwise O(H d_s) work per token
+    # (cumsums, rotations, decay factors) is not counted, like RoPE and softmax (train/flops.py).
+    H, dh, ds = cfg.n_heads, cfg.head_dim, int(cfg.sisa.d_state)
+    return 2.0 * H * (2 * dh + ds) * (seq_len + 1) / 2.0
+
+  @staticmethod
+  def validate(cfg: ModelConfig) -> None:
+    def need(cond, field, msg):
+      if not cond:
+        raise ValueError(f"config.model.{field}: {msg}")
+
+    need(cfg.kv_heads == cfg.n_heads, "n_kv_heads",
+         f"sisa needs one key head per query head (n_kv_heads 0 or {cfg.n_heads}), got "
+         f"{cfg.n_kv_heads}: B and the decay are per query head")
+    try:
+      o = cfg.sisa
+    except AttributeError:
+      raise ValueError("config.model.sisa: missing (see configs/base.py)") from None
+    for f in ("d_state", "decay_bias_init", "lambda_init", "use_decay", "use_phase",
+              "learn_lambda", "chunk_size"):
+      need(f in o.to_dict(), f"sisa.{f}", "missing (see configs/base.py)")
+    ds = o.d_state
+    need(isinstance(ds, int) and not isinstance(ds, bool) and ds > 0 and ds % 2 == 0,
+         "sisa.d_state", f"must be a positive even integer (pairs are rotated), got {ds!r}")
+    for f in ("decay_bias_init", "lambda_init"):
+      val = getattr(o, f)
+      need(isinstance(val, (int, float)) and not isinstance(val, bool) and math.isfinite(val),
+           f"sisa.{f}", f"must be a finite number, got {val!r}")
+    for f in ("use_decay", "use_phase", "learn_lambda"):
+      need(isinstance(getattr(o, f), bool), f"sisa.{f}", f"must be True or False, got "
+           f"{getattr(o, f)!r}")
+    cs = o.chunk_size
+    need(isinstance(cs, int) and not isinstance(cs, bool) and cs >= 0, "sisa.chunk_size",
+         f"must be an integer >= 0 (0 = auto), got {cs!r}")
+    need(_opt(cfg, "path") in PATHS, "sisa.path", f"{_opt(cfg, 'path')!r} not in {PATHS}")
+    fr = _opt(cfg, "fast_max_range")
+    need(isinstance(fr, (int, float)) and 0 < fr <= 80, "sisa.fast_max_range",
+         f"must be in (0, 80] nats (e^80 is near the fp32/bf16 limit e^88.7), got {fr!r}")
+    ps = _opt(cfg, "phase_init_std")
+    need(isinstance(ps, (int, float)) and ps >= 0, "sisa.phase_init_std",
+         f"must be >= 0, got {ps!r}")

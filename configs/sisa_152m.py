@@ -1,0 +1,18 @@
+"""SISA, 152M (SPEC.md section 1): the Transformer 152M preset with mixer "sisa" and a narrower
+SwiGLU so that the parameter count matches (d_ff 2748 at d_state 32).
+
+Preset override of d_state (16 / 32 / 64 / 128; d_ff is recomputed by `matched_d_ff`):
+  --config=configs/sisa_152m.py:16     (or :d_state=16)
+"""
+
+from attn_jax.attention.sisa import matched_d_ff
+from configs import transformer_152m
+
+
+def get_config(config_string: str = ""):
+  d_state = int(config_string.split("=")[-1]) if config_string else 32
+  c = transformer_152m.get_config()
+  d_ff = matched_d_ff(c.model, d_state)   # from the Transformer's width, before editing
+  c.model.update(mixer="sisa", d_ff=d_ff)
+  c.model.sisa.d_state = d_state
+  return c

@@ -1,0 +1,404 @@
+"""attention/sisa.py: SISA against its explicit O(L^2) reference, exact and causal at any length.
+
+Errors are measured relative to the largest |value| of the reference (max|a - b| <= TOL * max|b|),
+so entries near zero do not dominate. The SISA term is boosted (`_boost`) so that it is O(1)
+next to q.k: at init_std 0.02 it would be ~1e-2 and a wrong decay would go unnoticed.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from attn_jax.attention import sisa as S
+from attn_jax.attention.core import attention_reference
+from attn_jax.attention.mha import Attention
+from attn_jax.config import ModelConfig, Options, validate_model
+from attn_jax.model import Decoder, count_params
+from configs import base
+
+TOL = 1e-5            # fp32, relative to the largest |value|; fixed once
+HALF_LIFE_10 = math.log(math.expm1(math.log(2) / 10))   # decay bias: -log a = ln2/10 (~ -2.63)
+
+
+def _cfg(d_model=32, n_heads=2, n_layers=2, dtype="float32", mixer="sisa", **sisa):
+  c = base.get_config()
+  c.model.update(mixer=mixer, d_model=d_model, n_heads=n_heads, n_layers=n_layers, d_ff=64,
+                 vocab_size=64, dtype=dtype, max_seq_len=65536)
+  c.model.sisa.d_state = 8
+  for k, v in sisa.items():
+    c.model.sisa[k] = v
+  return ModelConfig.from_config(c.model)
+
+
+def _normal(seed, shape, dtype=jnp.float32):
+  return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), dtype)
+
+
+def _positions(B, T):
+  return jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+
+
+def _boost(m, bc=6.0, qk=4.0, phase=20.0):
+  """Scale W_B, W_C (SISA term O(1)), W_q, W_k and W_theta (phases turn ~1 rad per token)."""
+  for lin, f in ((m.b_proj, bc), (m.c_proj, bc), (m.proj.q, qk), (m.proj.k, qk),
+                 (m.phase_proj, phase)):
+    lin.kernel.value = lin.kernel.value * f
+  return m
+
+
+def _mixer(cfg, seed=0):
+  return _boost(S.SISA(cfg, rngs=nnx.Rngs(params=seed)))
+
+
+def _close(a, b, tol=TOL):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  err = np.max(np.abs(a - b)) / np.max(np.abs(b))
+  assert err <= tol, f"relative error {err:.3e} > {tol:.0e}"
+
+
+@nnx.jit
+def _run(m, x, pos):
+  y, _, aux = m(x, positions=pos)
+  return y, aux
+
+
+@nnx.jit
+def _reference(m, x, pos, query_idx):
+  q, k, v, c, b, loga, theta, lam = m.features(x, pos)
+  g, phi = S.decay_and_phase(loga, theta)
+  out, _ = S.sisa_attention_reference(q, k, v, c, b, g, phi, lam, query_idx=query_idx)
+  return m.proj.o(out)
+
+
+@nnx.jit
+def _clamped_reference(m, x, pos):
+  """The authors' method: c = (max g + min g)/2 over the sequence, g - c clamped to [-11, 11]."""
+  q, k, v, c, b, loga, theta, lam = m.features(x, pos)
+  g, phi = S.decay_and_phase(loga, theta)
+  gc = jnp.clip(g - (g.max(1, keepdims=True) + g.min(1, keepdims=True)) / 2, -11.0, 11.0)
+  dh = q.shape[-1]
+  qs = (lam * math.sqrt(dh) * jnp.exp(gc))[..., None] * S.rotate_pairs(c, phi)
+  ks = jnp.exp(-gc)[..., None] * S.rotate_pairs(b, phi)
+  out = attention_reference(jnp.concatenate([q, qs], -1), jnp.concatenate([k, ks], -1), v,
+                            scale=dh ** -0.5)
+  return m.proj.o(out)
+
+
+# ---------------------------------------------------------------- against the reference
+
+@pytest.mark.parametrize("path,extra", [
+    ("fast", {}),
+    ("chunked", {"chunk_size": 8}),
+    ("chunked", {"chunk_size": 7}),          # ragged last chunk
+    ("auto", {}),
+    ("fast", {"use_decay": False}),
+    ("fast", {"use_phase": False}),
+    ("chunked", {"chunk_size": 8, "use_phase": False, "learn_lambda": False}),
+])
+def test_matches_reference_short(path, extra):
+  T = 24
+  m = _mixer(_cfg(path=path, decay_bias_init=-1.0, **extra))
+  x, pos = _normal(1, (2, T, 32)), _positions(2, T)
+  y, aux = _run(m, x, pos)
+  _close(y, _reference(m, x, pos, jnp.arange(T)))
+  assert float(aux["chunked"]) == (path == "chunked")
+  if not extra.get("use_decay", True):
+    assert float(aux["decay_range"]) == 0.0 and math.isinf(float(aux["half_life"]))
+
+
+def test_long_fast_decay_matches_reference_where_clamping_fails():
+  """2048 tokens at a half-life of ~10 tokens: decay range ~140 nats >> fast_max_range (60)
+  and >> the 22 nats the clamp-based reference code can represent."""
+  T = 2048
+  m = _mixer(_cfg(d_model=16, n_heads=2, decay_bias_init=HALF_LIFE_10))
+  x, pos = _normal(2, (1, T, 16)), _positions(1, T)
+  y, aux = _run(m, x, pos)
+  assert float(aux["chunked"]) == 1.0 and float(aux["decay_range"]) > 100
+  assert 8 < float(aux["half_life"]) < 12
+  idx = np.r_[0:8, 1000:1008, T - 16:T]
+  ref = _reference(m, x, pos, jnp.asarray(idx))
+  _close(y[:, idx], ref)
+  # The clamp-based method is wrong on every row but the first (per-row relative error; the
+  # early rows too, since its offset c reads the future).
+  ref, clamped = np.asarray(ref), np.asarray(_clamped_reference(m, x, pos)[:, idx])
+  err = np.abs(clamped - ref).max(-1) / np.abs(ref).max(-1)            # [1, rows]
+  assert np.mean(err[:, 1:]) > 0.05, f"clamp-based method unexpectedly close: {err}"
+
+
+def test_bf16_long_is_finite_with_gradients():
+  T = 4096
+  m = _mixer(_cfg(d_model=16, n_heads=2, dtype="bfloat16", decay_bias_init=HALF_LIFE_10,
+                  path="chunked", chunk_size=1024))
+  x, pos = _normal(3, (1, T, 16), jnp.bfloat16), _positions(1, T)
+
+  @nnx.jit
+  def loss_and_grads(m, x):
+    def loss(m, x):
+      y, _, aux = m(x, positions=pos)
+      return jnp.mean(jnp.square(y.astype(jnp.float32))), aux
+    return nnx.value_and_grad(loss, argnums=(0, 1), has_aux=True)(m, x)
+
+  (val, aux), (gm, gx) = loss_and_grads(m, x)
+  assert float(aux["decay_range"]) > 200
+  leaves = [val, gx] + jax.tree.leaves(nnx.state(gm))
+  assert all(bool(jnp.all(jnp.isfinite(a.astype(jnp.float32)))) for a in leaves)
+  assert float(jnp.max(jnp.abs(nnx.state(gm)["lambda_raw"].value))) > 0
+
+
+# ---------------------------------------------------------------- causality
+
+@pytest.mark.parametrize("path", ["fast", "chunked"])
+def test_causal_by_gradient(path):
+  """d out_i / d x_j == 0 exactly for j > i (and != 0 for some j <= i)."""
+  T = 12
+  m = _mixer(_cfg(path=path, chunk_size=4, decay_bias_init=-1.0))
+  graphdef, state = nnx.split(m)
+  pos = _positions(1, T)
+  jac = jax.jit(jax.jacrev(lambda x: nnx.merge(graphdef, state)(x, positions=pos)[0]))(
+      _normal(4, (1, T, 32)))
+  j = np.abs(np.asarray(jac[0, :, :, 0, :, :])).max(axis=(1, 3))  # [T out, T in]
+  assert np.all(j[np.triu_indices(T, 1)] == 0.0)
+  assert np.all(np.diag(j) > 0) and np.all(j[np.tril_indices(T, -1)] > 0)
+
+
+@pytest.mark.parametrize("variant", ["path_switch", "chunked"])
+def test_prefix_consistency(variant):
+  """Logits of the first 8 tokens do not depend on the tokens after them — also when the longer
+  sequence crosses fast_max_range and takes the chunked path while the prefix takes the fast one."""
+  if variant == "path_switch":  # -log a ~ softplus(0.5) ~ 0.97 nats/token: 8 tokens < 12 < 16
+    cfg = _cfg(decay_bias_init=0.5, fast_max_range=12.0)
+  else:
+    cfg = _cfg(path="chunked", chunk_size=4, decay_bias_init=-1.0)
+  model = Decoder(cfg, rngs=nnx.Rngs(params=0))
+  _boost(model.blocks.mixer)
+  tokens = jnp.asarray(np.random.default_rng(5).integers(0, 64, (2, 16)), jnp.int32)
+  fwd = nnx.jit(lambda m, t: m(t, return_aux=True))
+  full, aux_full = fwd(model, tokens)
+  pre, aux_pre = fwd(model, tokens[:, :8])
+  _close(full[:, :8], pre)
+  if variant == "path_switch":
+    assert np.all(np.asarray(aux_full["chunked"]) == 1)
+    assert np.all(np.asarray(aux_pre["chunked"]) == 0)
+
+
+# ---------------------------------------------------------------- decoding
+
+@nnx.jit
+def _decode(m, tokens, cache, index):
+  return m(tokens, cache=cache, cache_index=index)
+
+
+@pytest.mark.parametrize("variant", ["fast", "chunked"])
+def test_decode_matches_full_forward(variant):
+  """Token-by-token decoding and prefill + steps equal the full forward of the Decoder."""
+  if variant == "fast":
+    cfg = _cfg(decay_bias_init=-1.0)
+  else:  # full forward takes the chunked path (range ~ 12 x 0.97 nats > 5)
+    cfg = _cfg(decay_bias_init=0.5, fast_max_range=5.0, chunk_size=4)
+  model = Decoder(cfg, rngs=nnx.Rngs(params=0))
+  _boost(model.blocks.mixer)
+  B, T, n_pre = 2, 12, 5
+  tokens = jnp.asarray(np.random.default_rng(6).integers(0, 64, (B, T)), jnp.int32)
+  full, aux = nnx.jit(lambda m, t: m(t, return_aux=True))(model, tokens)
+  assert np.all(np.asarray(aux["chunked"]) == (variant == "chunked"))
+
+  cache = model.init_cache(B, 16)
+  steps = []
+  for t in range(T):
+    logits, cache = _decode(model, tokens[:, t:t + 1], cache, jnp.asarray(t, jnp.int32))
+    steps.append(logits)
+  _close(jnp.concatenate(steps, axis=1), full)
+
+  cache = model.init_cache(B, 16)
+  pre, cache = _decode(model, tokens[:, :n_pre], cache, jnp.asarray(0, jnp.int32))
+  outs = [pre]
+  for t in range(n_pre, T):
+    logits, cache = _decode(model, tokens[:, t:t + 1], cache, jnp.asarray(t, jnp.int32))
+    outs.append(logits)
+  _close(jnp.concatenate(outs, axis=1), full)
+
+
+@pytest.mark.parametrize("path", ["auto", "fast"])
+def test_decode_exact_at_long_range(path):
+  """Prefill 480 tokens into the cache, then 32 one-token steps: equal to the explicit reference
+  with a decay range of ~120 nats (beyond the fast path; every step stays exact). The path of
+  the full forward is irrelevant to the cache path; "fast" is only forced where it is valid."""
+  T, n_pre = 512, 480
+  bias = math.log(math.expm1(0.23)) if path == "auto" else HALF_LIFE_10 - 3.0
+  m = _mixer(_cfg(d_model=16, n_heads=2, decay_bias_init=bias, path=path))
+  x, pos = _normal(12, (1, T, 16)), _positions(1, T)
+  cache = S.SISA.init_cache(m.cfg, 1, T, jnp.float32)
+
+  @nnx.jit
+  def run(m, x, pos, cache, index):
+    y, cache, aux = m(x, positions=pos, cache=cache, cache_index=index)
+    return y, cache, aux
+
+  outs = []
+  y, cache, _ = run(m, x[:, :n_pre], pos[:, :n_pre], cache, jnp.asarray(0, jnp.int32))
+  outs.append(y)
+  for t in range(n_pre, T):
+    y, cache, aux = run(m, x[:, t:t + 1], pos[:, t:t + 1], cache, jnp.asarray(t, jnp.int32))
+    outs.append(y)
+  if path == "auto":
+    assert float(aux["decay_range"]) > 100
+  idx = np.r_[0:4, n_pre - 4:T]
+  _close(jnp.concatenate(outs, axis=1)[:, idx], _reference(m, x, pos, jnp.asarray(idx)))
+  _close(jnp.concatenate(outs, axis=1), _run(m, x, pos)[0])
+
+
+# ---------------------------------------------------------------- lambda
+
+def test_lambda_zero_is_exactly_attention():
+  """lambda = softplus(-1e4) = 0: SISA is the baseline attention with the same q/k/v/o weights
+  (the state channels of Q^ are exactly zero), whatever B, C, decay and phase are."""
+  cfg = _cfg(learn_lambda=False, lambda_init=-1e4, decay_bias_init=-1.0)
+  m = _mixer(cfg)
+  attn = Attention(cfg.replace(mixer="attention"), rngs=nnx.Rngs(params=1))
+  nnx.update(attn.proj, nnx.state(m.proj))
+  x, pos = _normal(7, (2, 16, 32)), _positions(2, 16)
+  y, aux = _run(m, x, pos)
+  y_attn = nnx.jit(lambda a, x: a(x, positions=pos)[0])(attn, x)
+  assert float(aux["lambda"]) == 0.0
+  np.testing.assert_array_equal(np.asarray(y), np.asarray(y_attn))
+
+
+@pytest.mark.parametrize("learn", [True, False])
+def test_learn_lambda_switch(learn):
+  m = _mixer(_cfg(learn_lambda=learn, decay_bias_init=-1.0, path="fast"))
+  x, pos = _normal(8, (1, 8, 32)), _positions(1, 8)
+  grads = nnx.jit(nnx.grad(lambda m: jnp.sum(jnp.square(m(x, positions=pos)[0]))))(m)
+  g = np.asarray(nnx.state(grads)["lambda_raw"].value)
+  assert np.all(g != 0) if learn else np.all(g == 0)
+  assert S.SISA.optimizer_overrides == {"lambda_raw": {"lr_mult": 0.1, "weight_decay": False}}
+
+
+# ---------------------------------------------------------------- gradients in float64
+
+def _attend64(q, k, v, *, scale, causal=True, q_positions=None, kv_positions=None, bias=None,
+              impl="auto"):
+  """Plain float64 attention (core.attend computes in fp32) for the finite-difference check."""
+  del impl
+  B, T, H, _ = q.shape
+  S_ = k.shape[1]
+  qp = q_positions if q_positions is not None else _positions(B, T) + (S_ - T)
+  kp = kv_positions if kv_positions is not None else _positions(B, S_)
+  s = jnp.einsum("bthd,bshd->bhts", q, k) * scale
+  if bias is not None:
+    s = s + bias
+  mask = (kp[:, None, None, :] <= qp[:, None, :, None]) | (not causal)
+  p = jax.nn.softmax(jnp.where(mask, s, -jnp.inf), axis=-1)
+  return jnp.einsum("bhts,bshd->bthd", p, v)
+
+
+def _rope64(x, cos, sin):
+  d2 = x.shape[-1] // 2
+  x1, x2 = x[..., :d2], x[..., d2:]
+  c, s = cos[:, :, None, :], sin[:, :, None, :]
+  return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+
+
+def _angles64(positions, dim, theta):
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, dim, 2, dtype=jnp.float64) / dim))
+  ang = positions.astype(jnp.float64)[..., None] * inv_freq
+  return jnp.cos(ang), jnp.sin(ang)
+
+
+@pytest.mark.parametrize("path", ["fast", "chunked"])
+def test_gradients_match_finite_differences_float64(monkeypatch, path):
+  from jax.test_util import check_grads
+  monkeypatch.setattr(S, "attend", _attend64)     # fp64 stand-ins for the fp32 shared helpers
+  monkeypatch.setattr(S, "apply_rope", _rope64)
+  monkeypatch.setattr(S, "rope_angles", _angles64)
+  with jax.enable_x64(True):
+    opts = dict(base.get_config().model.sisa.to_dict(), d_state=4, path=path, chunk_size=3,
+                decay_bias_init=0.0)
+    cfg = ModelConfig(mixer="sisa", d_model=8, n_heads=2, n_layers=1, d_ff=16, vocab_size=16,
+                      dtype="float64", param_dtype="float64",
+                      options=(("sisa", Options(tuple(sorted(opts.items())))),))
+    m = _boost(S.SISA(cfg, rngs=nnx.Rngs(params=0)), bc=4.0, qk=4.0, phase=10.0)
+    graphdef, state = nnx.split(m)
+    T = 7
+    x, pos = _normal(9, (1, T, 8), jnp.float64), _positions(1, T)
+    w = _normal(10, (1, T, 8), jnp.float64)
+
+    def f(state, x):
+      y, _, aux = nnx.merge(graphdef, state)(x, positions=pos)
+      return jnp.sum(y * w)
+
+    assert float(nnx.merge(graphdef, state)(x, positions=pos)[2]["decay_range"]) > 3
+    check_grads(jax.jit(f), (state, x), order=1, modes=("rev",), atol=1e-6, rtol=1e-6, eps=1e-5)
+
+
+# ---------------------------------------------------------------- parameters, hooks, config
+
+@pytest.mark.parametrize("size,d_ff_32", [("50m", 1832), ("152m", 2748), ("369m", 2512)])
+def test_param_count_matches_transformer(size, d_ff_32):
+  import importlib
+  sisa_mod = importlib.import_module(f"configs.sisa_{size}")
+  trans = importlib.import_module(f"configs.transformer_{size}").get_config().model
+  n_t = count_params(trans)
+  assert sisa_mod.get_config().model.d_ff == d_ff_32                 # SPEC table, d_s = 32
+  for d_state in (16, 32, 64, 128):
+    for arg in (str(d_state), f"d_state={d_state}"):
+      m = sisa_mod.get_config(arg).model
+      assert m.sisa.d_state == d_state and m.mixer == "sisa"
+    n_s = count_params(m)
+    assert abs(n_s["total"] - n_t["total"]) <= 1e-3 * n_t["total"], (d_state, n_s, n_t)
+    extra = S.sisa_extra_params(m.d_model, m.n_heads, d_state) * m.n_layers
+    assert n_s["mixer"] - n_t["mixer"] == extra
+
+
+def test_hooks():
+  cfg = _cfg(d_model=64, n_heads=4)
+  L = 1000
+  assert S.SISA.flops_per_token(cfg, L) == pytest.approx(
+      Attention.flops_per_token(cfg, L) + 2 * 4 * 8 * (L + 1) / 2)
+  cache = S.SISA.init_cache(cfg, 3, 20, jnp.bfloat16)
+  assert cache["k"].shape == (3, 20, 4, 16) and cache["rb"].shape == (3, 20, 4, 8)
+  assert cache["rb"].dtype == jnp.bfloat16 and cache["g"].dtype == jnp.float32
+  assert cache["g_last"].shape == (3, 4) and cache["phi_last"].shape == (3, 4, 4)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("d_state", 7), ("d_state", 0), ("d_state", 8.0), ("chunk_size", -1), ("path", "bogus"),
+    ("fast_max_range", 100.0), ("use_phase", 1), ("lambda_init", float("nan")),
+    ("decay_bias_init", None), ("n_kv_heads", 1),
+])
+def test_validate_names_the_field(field, value):
+  opts = base.get_config().model.sisa.to_dict()
+  kw = {}
+  if field == "n_kv_heads":
+    kw["n_kv_heads"], name = value, "config.model.n_kv_heads"
+  else:
+    opts[field], name = value, f"config.model.sisa.{field}"
+    if value is None:
+      del opts[field]
+  cfg = ModelConfig(mixer="sisa", d_model=32, n_heads=2,
+                    options=(("sisa", Options(tuple(sorted(opts.items())))),), **kw)
+  with pytest.raises(ValueError, match=name.replace(".", r"\.")):
+    validate_model(cfg)
+  validate_model(cfg.replace(n_kv_heads=0, options=(("sisa", Options(tuple(sorted(
+      base.get_config().model.sisa.to_dict().items())))),)))
+
+
+# ---------------------------------------------------------------- long (slow)
+
+@pytest.mark.slow
+def test_32k_tokens_single_head_exact_and_bf16_finite():
+  """32K tokens, half-life ~10 tokens: decay range ~2,300 nats; exact against the reference."""
+  T = 32768
+  m = _mixer(_cfg(d_model=8, n_heads=1, d_state=4, decay_bias_init=HALF_LIFE_10))
+  x, pos = _normal(11, (1, T, 8)), _positions(1, T)
+  y, aux = _run(m, x, pos)
+  assert float(aux["chunked"]) == 1.0 and float(aux["decay_range"]) > 2000
+  idx = np.r_[0:4, 16384:16388, T - 8:T]
+  _close(y[:, idx], _reference(m, x, pos, jnp.asarray(idx)))
+  mb = _mixer(_cfg(d_model=8, n_heads=1, d_state=4, dtype="bfloat16",
+                   decay_bias_init=HALF_LIFE_10))
+  yb, _ = _run(mb, x.astype(jnp.bfloat16), pos)
+  assert bool(jnp.all(jnp.isfinite(yb.astype(jnp.float32))))
