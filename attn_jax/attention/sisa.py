@@ -21,8 +21,10 @@ the same family, the sign convention of the learned theta differs.
 
 As in the paper, the extra term is fed to one stock attention call by widening Q and K:
 Q^ = [q ; lambda sqrt(d_h) e^{g_i - r} R(Phi_i) C_i], K^ = [k ; e^{r - g_j} R(Phi_j) B_j],
-scale 1/sqrt(d_h) (not 1/sqrt(d_h + d_s)); V stays d_h wide (attention/core.py zero-pads V
-for jax.nn.dot_product_attention and slices the output; on CPU the einsum path needs no pad).
+scale 1/sqrt(d_h) (not 1/sqrt(d_h + d_s)). V stays d_h wide: core.attend's einsum path takes
+it as is; its jax.nn.dot_product_attention paths ("xla", "cudnn": what "auto" picks) zero-pad
+V to d_h + d_s and slice the output (exact). Measured on CPU (model fwd+bwd, d_h 64, d_s 32):
+the padded "xla" path still beats the unpadded "einsum" one, 8.2 vs 8.6 CPU s per step.
 The paper splits the scale symmetrically, s = d_h^{1/4} sqrt(lambda) on both sides; putting
 s^2 = lambda sqrt(d_h) on the query side gives the same products and avoids d sqrt(lambda)/d
 lambda = inf at lambda = 0.
@@ -57,8 +59,9 @@ fixed T, and no reference point ever depends on a later token:
    cond keeps the residuals of *both* branches (the untaken one zero-filled); the chunked branch
    is therefore rematerialised (`jax.checkpoint`): its residuals are just its inputs, the fast
    branch keeps its usual ones, and the chunked forward is recomputed in the backward only
-   when it was taken (this took "auto" from 0.79x to ~1.0x of "fast" on CPU). `path` forces a
-   path ("fast" is then the caller's promise that the range stays below the limit).
+   when it was taken (mixer fwd+bwd on CPU, einsum core: "auto" went from 0.79x to 0.98x of
+   attention; "fast" alone 0.99x). `path` forces a path ("fast" is then the caller's promise
+   that the range stays below the limit).
 3. Decoding / prefill with a cache is the chunked path with one chunk at slot `cache_index`:
    reference r = the running g of the last cached token; cached keys get e^{r - g_j} <= 1,
    the new block's own pairs go through the difference-form bias. A one-token step is thus
@@ -80,10 +83,13 @@ prefix tree) — a sequential scan would be T dependent steps there. log a and t
 in one scan. C, B, theta and the decay pre-activation come from one matmul (their kernels,
 separate parameters with their own logical axes, concatenated at call time).
 
-Cost (CPU, fp32, d 256 / 4 heads / 4 layers at equal parameter count; experiments/bench.py):
-the d_s extra Q/K channels are ~free next to the softmax; the fast path runs at ~0.95x of the
-Transformer's train step, "auto" at ~1.0x; the chunked path at ~1.15x — faster, because it
-reads only key prefixes while the einsum core computes the full masked square.
+Cost (experiments/bench.py, 2-core CPU, fp32, d 256 / 4 heads / 4 layers / vocab 4096, equal
+parameter counts, real trainer step; ratio of tokens/s to the Transformer by median process
+CPU time, the machine being shared): seq 1024 — auto 1.02x, fast 1.02x, chunked 1.17x;
+seq 4096 — auto 0.93x, fast 0.96x, chunked 1.51x; half-life ~10 tokens (auto takes the
+chunked path, recomputed in the backward) — 1.30x at 1024, 1.23x at 4096. The d_s extra Q/K
+channels are nearly free next to the softmax on CPU; the chunked path wins because it reads
+only key prefixes while the einsum core computes the full masked square.
 """
 
 from __future__ import annotations
@@ -347,7 +353,7 @@ class SISA(nnx.Module):
     B, T, H, _ = q.shape
     c = self.chunk_len(cfg, T)
     impl = choose_impl(cfg.attention_impl, dt, q.shape[-1] + rc.shape[-1])
-    bias_dt = g.dtype if impl == "einsum" else dt
+    bias_dt = dt if impl == "cudnn" else g.dtype          # cuDNN wants the q dtype
     outs = []
     for a in range(0, T, c):
       e = min(a + c, T)
@@ -394,7 +400,7 @@ class SISA(nnx.Module):
     impl = choose_impl(cfg.attention_impl, dt, qh.shape[-1])
     bias = jax.lax.dynamic_update_slice(jnp.zeros((B, H, T, S), g.dtype), loc,
                                         (0, 0, 0, cache_index))
-    bias = bias.astype(g.dtype if impl == "einsum" else dt)
+    bias = bias.astype(dt if impl == "cudnn" else g.dtype)
     kpos = jnp.broadcast_to(slot, (B, S))
     out = attend(qh, kh, kv["v"].astype(dt), scale=cfg.head_dim ** -0.5, causal=True,
                  q_positions=positions, kv_positions=kpos, bias=bias, impl=impl)
