@@ -13,9 +13,10 @@ For a causal LM with `logits_fn(tokens[B, L]) -> logits[B, L, V]` (logits at t p
 
 Requests are grouped into a few fixed lengths (buckets: powers of two up to max_len) and
 fixed-size batches, right-padded (padding after a causal row changes none of its logits), so
-the jitted logits_fn compiles once per bucket; a small scoring kernel (softmax over only the
-continuation rows) compiles once per (bucket, continuation width 4/8/16/...). Results come
-back in the request order.
+the jitted logits_fn compiles once per bucket. The continuation tokens of a batch are
+flattened into one list of rows (padded to a few sizes), and only those rows go through the LM
+head and log-softmax, in cache-sized blocks; that kernel compiles once per (bucket, row count).
+Results come back in the request order.
 
 Aggregation follows the harness: accuracies are means with the sample standard error
 sqrt(var_ddof1 / n) (`mean_stderr`); perplexity = exp(-mean ll) with a bootstrap standard error
@@ -145,12 +146,11 @@ def per_logits_fn_cache(build: Callable[[LogitsFn], Callable]
 
 @per_logits_fn_cache
 def _jitted_forward(logits_fn: LogitsFn):
-  """(forward, select) for one logits_fn. `forward(tokens [B, L])` runs the model (compiles once
-  per [rows, bucket] shape); `select(out, positions [B, C])` gives the logits at the C
-  continuation positions [B, C, V] (a small kernel, compiled per (bucket, C)).
+  """(forward, head) for one logits_fn. `forward(tokens [B, L])` runs the model (compiles once
+  per [rows, bucket] shape); `head(x [R, ...])` maps the forward's rows to logits [R, V].
 
   A scorer that also offers `hidden(tokens) -> [B, L, D]` and `head(h) -> [..., V]` (as
-  `attn_jax.eval.run.ModelScorer` does) has its LM head applied to the C selected rows only:
+  `attn_jax.eval.run.ModelScorer` does) has its LM head applied to the continuation rows only:
   with a 50k vocabulary the head over every position dominates the cost of a small model.
   """
   if hasattr(logits_fn, "hidden") and hasattr(logits_fn, "head"):
@@ -159,30 +159,55 @@ def _jitted_forward(logits_fn: LogitsFn):
   else:
     forward = jax.jit(lambda tokens: logits_fn(tokens))  # [B, L, V]
     head = lambda x: x
-
-  def select(out, positions):
-    return head(jnp.take_along_axis(out, positions[..., None], axis=1))  # [B, C, V]
-  return forward, select
+  return forward, head
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _score_positions(select, out, positions, targets, mask):
-  """Continuation log-likelihood and greedy match.
+# Rows of the head + softmax computed at once: a [64, 50k] float32 block (13 MB) stays in cache,
+# where the whole [R, V] logits would stream through memory several times (max, exp-sum, target,
+# argmax). Measured on 2 CPU cores, R = 512, V = 50304, D = 64: 0.23 s whole, 0.10 s in
+# 32-row blocks, 0.096 s in 64-row blocks, 0.16 s in 8-row blocks.
+_ROW_BLOCK = 64
 
-  out: the forward's [B, L, D] hidden states or [B, L, V] logits; positions, targets: int32
-  [B, C] (input positions of the continuation and the tokens they must predict); mask: bool
-  [B, C]. Returns ll [B], is_greedy [B]. Only the C selected rows go through the (head and)
-  softmax: the context rows are never needed.
+
+def _row_block(n_rows: int) -> int:
+  if n_rows <= _ROW_BLOCK:
+    return n_rows
+  for b in (_ROW_BLOCK, 32, 16, 8):
+    if n_rows % b == 0:
+      return b
+  return 1
+
+
+@functools.partial(jax.jit, static_argnums=(0, 6))
+def _score_rows(head, out, row, pos, target, valid, n_requests):
+  """Continuation log-likelihood and greedy match per request.
+
+  out: the forward's [B, L, D] hidden states or [B, L, V] logits. The continuation tokens of
+  all requests of the batch come flattened: row, pos, target: int32 [R] (batch row, input
+  position whose logits predict `target`), valid: bool [R] (False = padding). Only these R
+  rows go through the (head and) log-softmax, `_row_block` rows at a time; the context rows are
+  never needed. Returns ll [n_requests] (sum over the request's tokens), is_greedy
+  [n_requests] (argmax == target at every token; ties go to the lowest id, as argmax does).
   """
-  sel = select(out, positions)
-  sel = sel.astype(jnp.float32)  # [B, C, V]
-  top = jnp.max(sel, axis=-1, keepdims=True)  # [B, C, 1]
-  lse = top[..., 0] + jnp.log(jnp.sum(jnp.exp(sel - top), axis=-1))  # [B, C]
-  picked = jnp.take_along_axis(sel, targets[..., None], axis=-1)[..., 0]  # [B, C]
-  ll = jnp.sum(jnp.where(mask, picked - lse, 0.0), axis=-1)  # [B]
-  hit = jnp.argmax(sel, axis=-1) == targets  # [B, C]
-  greedy = jnp.all(jnp.where(mask, hit, True), axis=-1)  # [B]
-  return ll, greedy
+  n = row.shape[0]
+  blk = _row_block(n)
+  x = out[row, pos]  # [R, D] or [R, V]
+
+  def block(args):
+    xb, tb = args  # [blk, ...], [blk]
+    logits = head(xb).astype(jnp.float32)  # [blk, V]
+    top = jnp.max(logits, axis=-1)  # [blk]
+    lse = top + jnp.log(jnp.sum(jnp.exp(logits - top[:, None]), axis=-1))
+    picked = jnp.take_along_axis(logits, tb[:, None], axis=-1)[:, 0]
+    return picked - lse, jnp.argmax(logits, axis=-1) == tb
+
+  lp, hit = jax.lax.map(block, (x.reshape(n // blk, blk, *x.shape[1:]),
+                                target.reshape(n // blk, blk)))
+  lp, hit = lp.reshape(n), hit.reshape(n)
+  ll = jax.ops.segment_sum(jnp.where(valid, lp, 0.0), row, num_segments=n_requests)
+  miss = jax.ops.segment_sum(jnp.where(valid, ~hit, False).astype(jnp.int32), row,
+                             num_segments=n_requests)
+  return ll, miss == 0
 
 
 def _prepare(ctx_ids: list[int], cont_ids: list[int], max_len: int):
@@ -194,11 +219,18 @@ def _prepare(ctx_ids: list[int], cont_ids: list[int], max_len: int):
   return seq[:-1], cont_ids, len(cont_ids)  # input tokens, continuation, its length
 
 
-def _pow2_at_least(n: int, lo: int = 1) -> int:
-  p = lo
-  while p < n:
+def _padded_rows(n: int) -> int:
+  """Flattened continuation rows padded to 8, 16, 24, 32, 48, 64, 96, 128, 192, ... (powers of
+  two and their 1.5x midpoints from 16): at most ~1/3 padding, two kernel shapes per octave."""
+  if n <= 8:
+    return 8
+  p = 16
+  while True:
+    if n <= p:
+      return p
+    if n <= p * 3 // 2:
+      return p * 3 // 2
     p *= 2
-  return p
 
 
 def loglikelihood_tokens(pairs: Sequence[tuple[list[int], list[int]]], logits_fn: LogitsFn, *,
@@ -207,7 +239,8 @@ def loglikelihood_tokens(pairs: Sequence[tuple[list[int], list[int]]], logits_fn
   """Scores already-tokenized (context_ids, continuation_ids) pairs; see the module docstring.
 
   A batch of bucket width W has batch_size rows, or min(batch_size, batch_tokens // W) (at
-  least 1) when `batch_tokens` is given, which bounds the [rows, W, V] logits of long buckets.
+  least 1) when `batch_tokens` is given, which bounds the [rows, W, ...] activations of long
+  buckets.
   """
   if batch_size < 1:
     raise ValueError(f"batch_size must be positive, got {batch_size}")
@@ -219,7 +252,7 @@ def loglikelihood_tokens(pairs: Sequence[tuple[list[int], list[int]]], logits_fn
   # longest first (a too-large batch fails at once), grouped by bucket
   order = sorted(range(len(prepared)), key=lambda i: (-bucket_for(lengths[i], buckets),
                                                        -lengths[i], i))
-  forward, select = _jitted_forward(logits_fn)
+  forward, head = _jitted_forward(logits_fn)
   pending = []  # (indices, device ll, device greedy)
   start = 0
   while start < len(order):
@@ -230,28 +263,33 @@ def loglikelihood_tokens(pairs: Sequence[tuple[list[int], list[int]]], logits_fn
            and bucket_for(lengths[order[start + len(chunk)]], buckets) == width):
       chunk.append(order[start + len(chunk)])
     start += len(chunk)
-    # continuation rows scored: 4, 8, 16, ... (few shapes, little padding: with a 50k vocabulary
-    # each padded row costs a full LM-head row and softmax), at most the bucket width
-    n_sel = min(width, _pow2_at_least(max(prepared[i][2] for i in chunk), 4))
     tokens = np.zeros((rows, width), np.int32)  # [B, Lb]; padding stays 0
-    positions = np.zeros((rows, n_sel), np.int32)  # [B, C]
-    targets = np.zeros((rows, n_sel), np.int32)  # [B, C]
-    mask = np.zeros((rows, n_sel), bool)  # [B, C]
-    for row, i in enumerate(chunk):
+    # the continuation tokens of the whole batch, flattened (no per-request padding: with a
+    # 50k vocabulary each padded row would cost a full LM-head row and softmax)
+    n_flat = _padded_rows(sum(prepared[i][2] for i in chunk))
+    row = np.zeros(n_flat, np.int32)  # [R]
+    pos = np.zeros(n_flat, np.int32)
+    target = np.zeros(n_flat, np.int32)
+    valid = np.zeros(n_flat, bool)
+    at = 0
+    for r, i in enumerate(chunk):
       inp, cont, n_cont = prepared[i]
-      tokens[row, :len(inp)] = inp
-      positions[row, :n_cont] = np.arange(len(inp) - n_cont, len(inp))
-      targets[row, :n_cont] = cont
-      mask[row, :n_cont] = True
-    ll, greedy = _score_positions(select, forward(tokens), positions, targets, mask)
+      tokens[r, :len(inp)] = inp
+      sl = slice(at, at + n_cont)
+      row[sl] = r
+      pos[sl] = np.arange(len(inp) - n_cont, len(inp))
+      target[sl] = cont
+      valid[sl] = True
+      at += n_cont
+    ll, greedy = _score_rows(head, forward(tokens), row, pos, target, valid, rows)
     pending.append((chunk, ll, greedy))
-    if len(pending) % 8 == 0:  # bound how far dispatch runs ahead (each batch holds logits)
+    if len(pending) % 8 == 0:  # bound how far dispatch runs ahead (each batch holds activations)
       jax.block_until_ready(pending[-8][1])
   results: list[tuple[float, bool] | None] = [None] * len(prepared)
   for chunk, ll, greedy in pending:
     ll, greedy = np.asarray(ll), np.asarray(greedy)
-    for row, i in enumerate(chunk):
-      results[i] = (float(ll[row]), bool(greedy[row]))
+    for r, i in enumerate(chunk):
+      results[i] = (float(ll[r]), bool(greedy[r]))
   return results  # type: ignore[return-value]
 
 
