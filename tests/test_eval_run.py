@@ -74,9 +74,50 @@ def test_head_on_selected_rows_equals_full_logits(shared_data):
   docs = tasks.load_arc(shared_data / "arc" / "ARC-Easy-Test.jsonl")[:10]
   reqs = harness.doc_requests(docs)
   scorer = ModelScorer(model)
-  plain = lambda toks: scorer(toks)  # no hidden/head attributes: full-logits path
+  plain = lambda toks: scorer(toks)  # a plain callable: full-logits path
   tok = ByteTokenizer()
   fast = harness.loglikelihood(reqs, scorer, tok, max_len=256, batch_size=8)
   slow = harness.loglikelihood(reqs, plain, tok, max_len=256, batch_size=8)
   np.testing.assert_allclose([f[0] for f in fast], [s[0] for s in slow], rtol=1e-5, atol=1e-5)
   assert [f[1] for f in fast] == [s[1] for s in slow]
+
+
+def test_scorer_set_state_reuses_compilations(shared_data):
+  """New parameters through `set_state` (as at each in-training evaluation) give exactly the
+  scores of a scorer built on the new model, and compile nothing new."""
+  import numpy as np
+  from flax import nnx
+  from attn_jax.config import ModelConfig
+  from attn_jax.data.tokenizer import ByteTokenizer
+  from attn_jax.eval import harness, tasks
+  from attn_jax.eval.run import ModelScorer
+  from attn_jax.model import build_model
+
+  # untied: a tied random model predicts its own input token, whatever the seed
+  cfg = ModelConfig(vocab_size=257, d_model=32, n_layers=1, n_heads=2, d_ff=64,
+                    max_seq_len=128, dtype="float32", tie_embeddings=False)
+  a, b = build_model(cfg, seed=0), build_model(cfg, seed=1)
+  reqs = harness.doc_requests(tasks.load_arc(shared_data / "arc" / "ARC-Easy-Test.jsonl")[:4])
+  tok = ByteTokenizer()
+  score = lambda s: harness.loglikelihood(reqs, s, tok, max_len=128, batch_size=4)
+  graphdef, params, rest = nnx.split(a, nnx.Param, ...)
+  scorer = ModelScorer(graphdef=graphdef, state=(params, rest))
+  got_a = score(scorer)
+  forward, _ = harness._jitted_forward(scorer)
+  sizes = (forward._cache_size(), harness._score_rows._cache_size())
+  _, params_b, rest_b = nnx.split(b, nnx.Param, ...)
+  got_b = score(scorer.set_state(params_b, rest_b))
+  assert (forward._cache_size(), harness._score_rows._cache_size()) == sizes
+  assert got_b == score(ModelScorer(b))
+  assert got_a == score(ModelScorer(a)) and got_a != got_b
+  # the generated-task evaluators take the state as an argument too (no stale constants)
+  from attn_jax.eval import mqar
+  inputs = np.random.default_rng(0).integers(0, 257, (4, 32))
+  # targets = model a's own greedy predictions: a scores 100%, b (or a stale a) does not
+  ex = [{"inputs": inputs, "targets": np.asarray(ModelScorer(a)(inputs).argmax(-1)),
+         "weights": np.ones((4, 32), np.float32)}]
+  scorer.set_state(params, rest)
+  assert mqar.mqar_accuracy(scorer, ex, batch_size=4)["acc"] == 1.0
+  scorer.set_state(params_b, rest_b)
+  got = mqar.mqar_accuracy(scorer, ex, batch_size=4)
+  assert got == mqar.mqar_accuracy(ModelScorer(b), ex, batch_size=4) and got["acc"] < 0.5

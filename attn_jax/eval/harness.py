@@ -30,7 +30,7 @@ import math
 import os
 import time
 import weakref
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Mapping, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -109,24 +109,41 @@ def bucket_for(length: int, buckets: Sequence[int]) -> int:
   raise ValueError(f"length {length} exceeds the largest bucket {max(buckets)}")
 
 
-class _WeakScorer:
-  """Calls (and exposes the attributes of, e.g. `hidden`/`head`) a weakly referenced scorer."""
-
-  def __init__(self, ref):
-    self._ref = ref
-
-  def __call__(self, tokens):
-    return self._ref()(tokens)
-
-  def __getattr__(self, name):
-    return getattr(self._ref(), name)
+class ScorerFns(NamedTuple):
+  """The pure functions behind a logits_fn: `logits(state, tokens [B, L]) -> [B, L, V]`, and
+  optionally `hidden(state, tokens) -> [B, L, D]` and `head(state, h [..., D]) -> [..., V]`."""
+  logits: Callable
+  hidden: Callable | None = None
+  head: Callable | None = None
 
 
-def per_logits_fn_cache(build: Callable[[LogitsFn], Callable]
+def scorer_fns(logits_fn: LogitsFn) -> ScorerFns:
+  """A scorer with an explicit state (`attn_jax.eval.run.ModelScorer`: attributes `state`,
+  `logits_apply`, and optionally `hidden_apply`/`head_apply`) hands over its pure functions, so
+  the evaluators' jitted code takes the state as an argument: new parameters (`set_state`)
+  reuse every compilation and are never baked into a program as constants. Any other callable
+  `tokens -> logits` is wrapped (its closure is then the caller's business), through a weak
+  reference when possible so that the memo below does not keep it alive."""
+  if hasattr(logits_fn, "logits_apply"):
+    return ScorerFns(logits_fn.logits_apply, getattr(logits_fn, "hidden_apply", None),
+                     getattr(logits_fn, "head_apply", None))
+  try:
+    ref = weakref.ref(logits_fn)
+  except TypeError:
+    ref = lambda: logits_fn
+  return ScorerFns(lambda state, tokens: ref()(tokens))
+
+
+def scorer_state(logits_fn: LogitsFn):
+  """The state argument for the functions of `scorer_fns(logits_fn)`."""
+  return logits_fn.state if hasattr(logits_fn, "logits_apply") else ()
+
+
+def per_logits_fn_cache(build: Callable[[ScorerFns], Callable]
                         ) -> Callable[[LogitsFn], Callable]:
-  """Memoises `build(logits_fn)` (a jitted wrapper) per logits_fn object, so later calls with
-  the same logits_fn reuse its compilations, without keeping logits_fn (and the parameters it
-  closes over) alive: the entry holds only a weak reference and disappears with logits_fn."""
+  """Memoises `build(scorer_fns(logits_fn))` (jitted code taking the scorer's state as its
+  first argument) per logits_fn object, so later calls with the same logits_fn reuse its
+  compilations, without keeping logits_fn alive: the entry disappears with logits_fn."""
   cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
   @functools.wraps(build)
@@ -136,30 +153,31 @@ def per_logits_fn_cache(build: Callable[[LogitsFn], Callable]
     except KeyError:
       pass
     except TypeError:  # not weak-referenceable or not hashable: no caching
-      return build(logits_fn)
-    built = build(_WeakScorer(weakref.ref(logits_fn)))
+      return build(scorer_fns(logits_fn))
+    built = build(scorer_fns(logits_fn))
     cache[logits_fn] = built
     return built
 
   return get
 
 
-@per_logits_fn_cache
-def _jitted_forward(logits_fn: LogitsFn):
-  """(forward, head) for one logits_fn. `forward(tokens [B, L])` runs the model (compiles once
-  per [rows, bucket] shape); `head(x [R, ...])` maps the forward's rows to logits [R, V].
+def _identity_head(state, x):
+  del state
+  return x
 
-  A scorer that also offers `hidden(tokens) -> [B, L, D]` and `head(h) -> [..., V]` (as
-  `attn_jax.eval.run.ModelScorer` does) has its LM head applied to the continuation rows only:
-  with a 50k vocabulary the head over every position dominates the cost of a small model.
+
+@per_logits_fn_cache
+def _jitted_forward(fns: ScorerFns):
+  """(forward, head): `forward(state, tokens [B, L])` runs the model (compiles once per
+  [rows, bucket] shape); `head(state, x [R, ...])` maps the forward's rows to logits [R, V].
+
+  With `hidden` and `head` (as `attn_jax.eval.run.ModelScorer` offers), the LM head is applied
+  to the continuation rows only: with a 50k vocabulary the head over every position dominates
+  the cost of a small model.
   """
-  if hasattr(logits_fn, "hidden") and hasattr(logits_fn, "head"):
-    forward = jax.jit(lambda tokens: logits_fn.hidden(tokens))  # [B, L, D]
-    head = lambda h: logits_fn.head(h)  # late lookup: keep only the weak reference
-  else:
-    forward = jax.jit(lambda tokens: logits_fn(tokens))  # [B, L, V]
-    head = lambda x: x
-  return forward, head
+  if fns.hidden is not None and fns.head is not None:
+    return jax.jit(fns.hidden), fns.head  # [B, L, D]
+  return jax.jit(fns.logits), _identity_head  # [B, L, V]
 
 
 # Rows of the head + softmax computed at once: a [64, 50k] float32 block (13 MB) stays in cache,
@@ -178,8 +196,8 @@ def _row_block(n_rows: int) -> int:
   return 1
 
 
-@functools.partial(jax.jit, static_argnums=(0, 6))
-def _score_rows(head, out, row, pos, target, valid, n_requests):
+@functools.partial(jax.jit, static_argnums=(0, 7))
+def _score_rows(head, state, out, row, pos, target, valid, n_requests):
   """Continuation log-likelihood and greedy match per request.
 
   out: the forward's [B, L, D] hidden states or [B, L, V] logits. The continuation tokens of
@@ -195,7 +213,7 @@ def _score_rows(head, out, row, pos, target, valid, n_requests):
 
   def block(args):
     xb, tb = args  # [blk, ...], [blk]
-    logits = head(xb).astype(jnp.float32)  # [blk, V]
+    logits = head(state, xb).astype(jnp.float32)  # [blk, V]
     top = jnp.max(logits, axis=-1)  # [blk]
     lse = top + jnp.log(jnp.sum(jnp.exp(logits - top[:, None]), axis=-1))
     picked = jnp.take_along_axis(logits, tb[:, None], axis=-1)[:, 0]
@@ -253,6 +271,7 @@ def loglikelihood_tokens(pairs: Sequence[tuple[list[int], list[int]]], logits_fn
   order = sorted(range(len(prepared)), key=lambda i: (-bucket_for(lengths[i], buckets),
                                                        -lengths[i], i))
   forward, head = _jitted_forward(logits_fn)
+  state = scorer_state(logits_fn)
   pending = []  # (indices, device ll, device greedy)
   start = 0
   while start < len(order):
@@ -281,7 +300,8 @@ def loglikelihood_tokens(pairs: Sequence[tuple[list[int], list[int]]], logits_fn
       target[sl] = cont
       valid[sl] = True
       at += n_cont
-    ll, greedy = _score_rows(head, forward(tokens), row, pos, target, valid, rows)
+    ll, greedy = _score_rows(head, state, forward(state, tokens), row, pos, target,
+                             valid, rows)
     pending.append((chunk, ll, greedy))
     if len(pending) % 8 == 0:  # bound how far dispatch runs ahead (each batch holds activations)
       jax.block_until_ready(pending[-8][1])
@@ -424,7 +444,7 @@ def evaluate(tasks: Sequence[str], logits_fn: LogitsFn, tokenizer: Tokenizer,
 
 
 __all__ = [
-    "LogitsFn", "Request", "per_logits_fn_cache", "encode_pairs", "default_buckets",
+    "LogitsFn", "Request", "ScorerFns", "scorer_fns", "scorer_state", "per_logits_fn_cache", "encode_pairs", "default_buckets",
     "bucket_for",
     "loglikelihood_tokens", "loglikelihood", "mean_stderr", "bootstrap_stderr", "score_docs",
     "doc_requests", "evaluate_task", "evaluate",

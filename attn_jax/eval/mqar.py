@@ -19,14 +19,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attn_jax.eval.harness import LogitsFn, per_logits_fn_cache
+from attn_jax.eval.harness import LogitsFn, ScorerFns, per_logits_fn_cache, scorer_state
 
 
 @per_logits_fn_cache
-def _jitted_recall(logits_fn: LogitsFn):
-  def recall(inputs, targets, mask):
+def _jitted_recall(fns: ScorerFns):
+  def recall(state, inputs, targets, mask):
     # inputs, targets: int32 [B, L]; mask: bool [B, L]
-    pred = jnp.argmax(logits_fn(inputs), axis=-1)  # [B, L]
+    pred = jnp.argmax(fns.logits(state, inputs), axis=-1)  # [B, L]
     hit = (pred == targets) & mask  # [B, L]
     return hit.sum(-1), mask.sum(-1)  # [B], [B]
   return jax.jit(recall)
@@ -57,6 +57,7 @@ def mqar_accuracy(logits_fn: LogitsFn, examples: Iterable[Mapping[str, np.ndarra
   for row in rows:
     by_len.setdefault(row[0].shape[0], []).append(row)
   scorer = _jitted_recall(logits_fn)
+  state = scorer_state(logits_fn)
   hits, counts = [], []
   for length, group in sorted(by_len.items()):
     for lo in range(0, len(group), batch_size):
@@ -66,7 +67,7 @@ def mqar_accuracy(logits_fn: LogitsFn, examples: Iterable[Mapping[str, np.ndarra
       mask = np.zeros((batch_size, length), bool)  # [B, L]
       for r, (x, y, m) in enumerate(chunk):
         inputs[r], targets[r], mask[r] = x, y, m
-      h, c = scorer(inputs, targets, mask)
+      h, c = scorer(state, inputs, targets, mask)
       hits.append(np.asarray(h)[:len(chunk)])
       counts.append(np.asarray(c)[:len(chunk)])
   if not hits:

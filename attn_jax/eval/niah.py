@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from attn_jax.data.tokenizer import Tokenizer
-from attn_jax.eval.harness import LogitsFn, per_logits_fn_cache
+from attn_jax.eval.harness import LogitsFn, ScorerFns, per_logits_fn_cache, scorer_state
 
 FILLER_SENTENCES = (
     "The river bends twice before it reaches the old mill at the edge of town.",
@@ -131,10 +131,10 @@ def build_case(tokenizer: Tokenizer, context_length: int, depth: float, number: 
 
 
 @per_logits_fn_cache
-def _jitted_next_token(logits_fn: LogitsFn):
-  def next_token(tokens, pos):
+def _jitted_next_token(fns: ScorerFns):
+  def next_token(state, tokens, pos):
     # tokens: int32 [B, C]; pos: int32 [B], index of each row's last real token
-    logits = logits_fn(tokens)  # [B, C, V]
+    logits = fns.logits(state, tokens)  # [B, C, V]
     last = jnp.take_along_axis(logits, pos[:, None, None], axis=1)[:, 0]  # [B, V]
     return jnp.argmax(last, axis=-1).astype(jnp.int32)  # [B]
   return jax.jit(next_token)
@@ -145,6 +145,7 @@ def greedy_generate(logits_fn: LogitsFn, prompts: Sequence[Sequence[int]], *,
   """Greedy continuation of each prompt, computed on fixed [batch_size, width] buffers
   (full forward per step, no cache: right padding is invisible to a causal model)."""
   step = _jitted_next_token(logits_fn)
+  state = scorer_state(logits_fn)
   out: list[list[int]] = []
   for lo in range(0, len(prompts), batch_size):
     chunk = prompts[lo:lo + batch_size]
@@ -157,7 +158,7 @@ def greedy_generate(logits_fn: LogitsFn, prompts: Sequence[Sequence[int]], *,
       lengths[row] = len(p)
     generated = np.zeros((batch_size, max_new_tokens), np.int32)  # [B, T]
     for t in range(max_new_tokens):
-      nxt = np.asarray(step(tokens, (lengths - 1).astype(np.int32)))  # [B]
+      nxt = np.asarray(step(state, tokens, (lengths - 1).astype(np.int32)))  # [B]
       generated[:, t] = nxt
       if t + 1 < max_new_tokens:
         tokens[np.arange(batch_size), lengths] = nxt

@@ -37,23 +37,39 @@ def parse_tasks(tasks: str | Sequence[str]) -> list[str]:
 class ModelScorer:
   """A logits_fn for the evaluators: `scorer(tokens [B, L]) -> logits [B, L, V]`, plus
   `hidden(tokens) -> [B, L, D]` and `head(h) -> logits`, so the log-likelihood harness can run
-  the LM head on the continuation rows only. The model is split once; its parameters are
-  arguments of the jitted functions (not constants baked into them)."""
+  the LM head on the continuation rows only.
 
-  def __init__(self, model: nnx.Module):
-    graphdef, self._state = nnx.split(model)
-    self._logits = jax.jit(lambda st, t: nnx.merge(graphdef, st)(t))
-    self._hidden = jax.jit(lambda st, t: nnx.merge(graphdef, st)(t, features_only=True))
-    self._head = jax.jit(lambda st, h: nnx.merge(graphdef, st).unembed(h))
+  The model is split once. `state` is an argument of the jitted pure functions
+  `logits_apply(state, tokens)`, `hidden_apply`, `head_apply` (which close over the graph
+  definition only), and the evaluators pass it as one (`harness.scorer_fns`): parameters are
+  never baked into a program as constants, and `set_state` (new parameters at each evaluation
+  during training) reuses every compilation.
+  """
+
+  def __init__(self, model: nnx.Module | None = None, *, graphdef=None, state=()):
+    if model is not None:
+      graphdef, *state = nnx.split(model)
+    if graphdef is None:
+      raise ValueError("ModelScorer needs a model or a graphdef")
+    self.state = tuple(state)
+    self.logits_apply = jax.jit(lambda st, t: nnx.merge(graphdef, *st)(t))
+    self.hidden_apply = jax.jit(
+        lambda st, t: nnx.merge(graphdef, *st)(t, features_only=True))
+    self.head_apply = jax.jit(lambda st, h: nnx.merge(graphdef, *st).unembed(h))
+
+  def set_state(self, *state) -> "ModelScorer":
+    """New values for the model's state (same structure as at construction)."""
+    self.state = tuple(state)
+    return self
 
   def __call__(self, tokens):
-    return self._logits(self._state, tokens)
+    return self.logits_apply(self.state, tokens)
 
   def hidden(self, tokens):
-    return self._hidden(self._state, tokens)
+    return self.hidden_apply(self.state, tokens)
 
   def head(self, h):
-    return self._head(self._state, h)
+    return self.head_apply(self.state, h)
 
 
 def model_logits_fn(model: nnx.Module) -> ModelScorer:

@@ -118,27 +118,47 @@ def _next_batch(it, accum: int, batch_sh) -> dict:
   return {k: jax.make_array_from_process_local_data(batch_sh, v) for k, v in local.items()}
 
 
-def evaluate_heldout(setup: Setup, state, batches) -> dict[str, float]:
-  """Loss/accuracy on held-out batches (weighted tokens only), summed exactly over batches."""
-  fn = jax.jit(make_eval_step(setup.graphdef))
-  nll = w = hits = 0.0
-  for b in batches:
-    n, ww, h = fn(state["params"], state["rest"], {k: jnp.asarray(v) for k, v in b.items()})
-    nll, w, hits = nll + float(n), w + float(ww), hits + float(h)
-  w = max(w, 1.0)
-  return {"eval/loss": nll / w, "eval/accuracy": hits / w, "eval/weighted_tokens": w}
+class _Evaluator:
+  """Periodic evaluation during training: held-out loss/accuracy and the tasks named in
+  config.eval.tasks (e.g. mqar, niah). Built once, so every evaluation after the first reuses
+  its compilations (the state is an argument of the jitted functions)."""
 
+  def __init__(self, setup: Setup, config: ml_collections.ConfigDict, heldout):
+    self._config = config
+    self._heldout = heldout
+    self._step = jax.jit(make_eval_step(setup.graphdef))
+    self._scorer = None
+    self._tasks = []
+    if config.eval.tasks:
+      from attn_jax.eval import run as eval_run
+      self._tasks = eval_run.parse_tasks(config.eval.tasks)
+      self._scorer = eval_run.ModelScorer(graphdef=setup.graphdef)
 
-def _eval_tasks(setup: Setup, state, config) -> dict[str, float]:
-  """The tasks named in config.eval.tasks (e.g. mqar, niah), as flat scalar metrics."""
-  if not config.eval.tasks:
-    return {}
-  from attn_jax.eval import run as eval_run
+  def heldout(self, state) -> dict[str, float]:
+    """Loss/accuracy on held-out batches (weighted tokens only), summed exactly over batches."""
+    nll = w = hits = 0.0
+    for b in self._heldout:
+      n, ww, h = self._step(state["params"], state["rest"],
+                            {k: jnp.asarray(v) for k, v in b.items()})
+      nll, w, hits = nll + float(n), w + float(ww), hits + float(h)
+    w = max(w, 1.0)
+    return {"eval/loss": nll / w, "eval/accuracy": hits / w, "eval/weighted_tokens": w}
 
-  model = nnx.merge(setup.graphdef, state["params"], state["rest"])
-  out = eval_run.run_tasks(eval_run.model_logits_fn(model), config,
-                           eval_run.parse_tasks(config.eval.tasks))
-  return eval_run.scalar_metrics(out["results"])
+  def tasks(self, state) -> dict[str, float]:
+    if self._scorer is None:
+      return {}
+    from attn_jax.eval import run as eval_run
+    self._scorer.set_state(state["params"], state["rest"])
+    try:
+      out = eval_run.run_tasks(self._scorer, self._config, self._tasks)
+    finally:
+      self._scorer.set_state()  # hold no reference to buffers the next step donates
+    return eval_run.scalar_metrics(out["results"])
+
+  def __call__(self, state) -> dict[str, float]:
+    out = self.heldout(state)
+    out.update(self.tasks(state))
+    return out
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
@@ -193,9 +213,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   peak = flops_lib.peak_flops_per_device(override=config.train.peak_flops)
   n_dev = jax.device_count()
   meta = {"config": config_to_json(config), "n_params": n}
-  heldout = None
+  evaluator = None
   if config.eval.every_steps:
-    heldout = pipeline.make_eval_batches(config.data, seed=config.seed, num_batches=4)
+    evaluator = _Evaluator(setup, config, pipeline.make_eval_batches(
+        config.data, seed=config.seed, num_batches=4))
 
   bar = None
   if config.train.progress_bar and jax.process_index() == 0:
@@ -247,10 +268,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         pending = None
         ckpt.save(step_no, state, data_it, meta, force=True)
         last_saved = step_no
-      if heldout is not None and config.eval.every_steps and \
-          step_no % config.eval.every_steps == 0:
-        ev = evaluate_heldout(setup, state, heldout)
-        ev.update(_eval_tasks(setup, state, config))
+      if evaluator is not None and step_no % config.eval.every_steps == 0:
+        ev = evaluator(state)
         writer.write(step_no, ev)
         last.update(ev)
         last_eval = step_no
@@ -271,9 +290,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     if bar is not None:
       bar.close()
 
-  if heldout is not None and last_eval != int(state["step"]):
-    ev = evaluate_heldout(setup, state, heldout)
-    ev.update(_eval_tasks(setup, state, config))
+  if evaluator is not None and last_eval != int(state["step"]):
+    ev = evaluator(state)
     writer.write(int(state["step"]), ev)
     last.update(ev)
   writer.close()
