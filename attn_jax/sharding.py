@@ -99,7 +99,7 @@ def state_shardings(abstract_state: Any, mesh: Mesh, rules: Mapping[str, MeshAxe
     return NamedSharding(mesh, logical_to_spec(names, shape, mesh, rules))
 
   specs = jax.tree.map(one, abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-  return nnx.State(specs).to_pure_dict() if isinstance(specs, nnx.State) else specs
+  return nnx.to_pure_dict(specs) if isinstance(specs, nnx.State) else specs
 
 
 def batch_sharding(mesh: Mesh, rules: Mapping[str, MeshAxes], ndim: int = 2,

@@ -46,7 +46,7 @@ def _boost(m, bc=6.0, qk=4.0, phase=20.0):
   """Scale W_B, W_C (SISA term O(1)), W_q, W_k and W_theta (phases turn ~1 rad per token)."""
   for lin, f in ((m.b_proj, bc), (m.c_proj, bc), (m.proj.q, qk), (m.proj.k, qk),
                  (m.phase_proj, phase)):
-    lin.kernel.value = lin.kernel.value * f
+    lin.kernel[...] = lin.kernel[...] * f
   return m
 
 
@@ -146,7 +146,7 @@ def test_bf16_long_is_finite_with_gradients():
   assert float(aux["decay_range"]) > 200
   leaves = [val, gx] + jax.tree.leaves(nnx.state(gm))
   assert all(bool(jnp.all(jnp.isfinite(a.astype(jnp.float32)))) for a in leaves)
-  assert float(jnp.max(jnp.abs(nnx.state(gm)["lambda_raw"].value))) > 0
+  assert float(jnp.max(jnp.abs(nnx.state(gm)["lambda_raw"][...]))) > 0
 
 
 # ---------------------------------------------------------------- causality
@@ -272,7 +272,7 @@ def test_learn_lambda_switch(learn):
   m = _mixer(_cfg(learn_lambda=learn, decay_bias_init=-1.0, path="fast"))
   x, pos = _normal(8, (1, 8, 32)), _positions(1, 8)
   grads = nnx.jit(nnx.grad(lambda m: jnp.sum(jnp.square(m(x, positions=pos)[0]))))(m)
-  g = np.asarray(nnx.state(grads)["lambda_raw"].value)
+  g = np.asarray(nnx.state(grads)["lambda_raw"][...])
   assert np.all(g != 0) if learn else np.all(g == 0)
   assert S.SISA.optimizer_overrides == {"lambda_raw": {"lr_mult": 0.1, "weight_decay": False}}
 

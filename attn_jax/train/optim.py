@@ -39,7 +39,7 @@ def _param_groups(abstract_params: Any, overrides: Mapping[str, Mapping[str, Any
     return float(overrides.get(str(path[-1].key), {}).get("lr_mult", 1.0))
 
   is_var = lambda x: isinstance(x, nnx.Variable)
-  pure = lambda tree: nnx.State(tree).to_pure_dict() if isinstance(tree, nnx.State) else tree
+  pure = lambda tree: nnx.to_pure_dict(tree) if isinstance(tree, nnx.State) else tree
   return (pure(jax.tree_util.tree_map_with_path(decay, abstract_params, is_leaf=is_var)),
           pure(jax.tree_util.tree_map_with_path(mult, abstract_params, is_leaf=is_var)))
 

@@ -76,9 +76,9 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
     metrics = {
         "loss": nll / jnp.maximum(w, 1.0),
         "accuracy": hits / jnp.maximum(w, 1.0),
-        "grad_norm": optax.global_norm(grads),
-        "param_norm": optax.global_norm(params),
-        "update_norm": optax.global_norm(updates),
+        "grad_norm": optax.tree.norm(grads),
+        "param_norm": optax.tree.norm(params),
+        "update_norm": optax.tree.norm(updates),
         "weighted_tokens": w,
     }
     if lr_schedule is not None:

@@ -74,7 +74,7 @@ def build_setup(config: ml_collections.ConfigDict, *, devices=None) -> Setup:
   def init():
     model = build_model(cfg, seed=config.seed)
     _, params, rest = nnx.split(model, nnx.Param, ...)
-    params, rest = params.to_pure_dict(), rest.to_pure_dict()
+    params, rest = nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
     return {"params": params, "rest": rest, "opt_state": tx.init(params),
             "step": jnp.zeros((), jnp.int32), "rng": jax.random.key_data(
                 jax.random.key(config.seed + 1))}
