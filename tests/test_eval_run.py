@@ -121,3 +121,13 @@ def test_scorer_set_state_reuses_compilations(shared_data):
   scorer.set_state(params_b, rest_b)
   got = mqar.mqar_accuracy(scorer, ex, batch_size=4)
   assert got == mqar.mqar_accuracy(ModelScorer(b), ex, batch_size=4) and got["acc"] < 0.5
+
+
+def test_bench_eval_script_runs(shared_data):
+  r = subprocess.run([sys.executable, "experiments/bench_eval.py", f"--data_dir={shared_data}",
+                      "--tasks=arc_easy,winogrande", "--limit=8", "--passes=1", "--max_len=128",
+                      "--batch_size=8"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0, r.stderr[-2000:]
+  rows = [l for l in r.stdout.splitlines() if l.startswith("| arc_easy") or
+          l.startswith("| winogrande")]
+  assert len(rows) == 2 and rows[0].split("|")[2].strip() == "8"
