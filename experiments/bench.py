@@ -13,7 +13,10 @@ machine the CPU time is the steadier comparison.
 
 Analytic training FLOPs per token (stated convention): 6 N_nonembedding + 6 d V (the LM head
 matmul, also when tied) + 3 x n_layers x mixer.flops_per_token(seq_len) (attention: only the
-causal lower triangle, (L+1)/2 keys per query; backward = 2 x forward).
+causal lower triangle, (L+1)/2 keys per query; backward = 2 x forward), as computed by
+`attn_jax.train.flops.train_flops_per_token` for the trainer's logs. MFU = tok/s x that /
+(dense bf16 peak x devices), from `flops.PEAK_FLOPS` by device kind; n/a where the peak is
+unknown (CPU).
 
 --scale=tiny keeps the architecture family at CPU size: d_model 256, 4 heads (d_h 64, as at
 152M), 4 layers, vocab 4096, Transformer d_ff 4 d; SISA's d_ff is recomputed with
@@ -139,7 +142,7 @@ def bench_one(name: str, seq_len: int):
   import jax.numpy as jnp
   import numpy as np
 
-  from attn_jax.registry import get_mixer
+  from attn_jax.train import flops as flops_lib
 
   module, _, path = name.partition("@")     # "sisa_152m@chunked": force the SISA path
   config = importlib.import_module(f"configs.{module}").get_config()
@@ -170,13 +173,14 @@ def bench_one(name: str, seq_len: int):
     jax.block_until_ready(state)
     times.append(time.perf_counter() - t)
     cpu.append(time.process_time() - c)
-  mixer = get_mixer(cfg.mixer)
-  flops = (6.0 * n_params["non_embedding"] + 6.0 * cfg.d_model * cfg.vocab_size
-           + 3.0 * cfg.n_layers * mixer.flops_per_token(cfg, seq_len))
+  flops = flops_lib.train_flops_per_token(cfg, n_params, seq_len)
+  peak = flops_lib.peak_flops_per_device()
+  tok_s = B * seq_len / min(times)
+  mfu = tok_s * flops / (peak * jax.device_count()) if peak else None
   aux = metrics.get("aux", {}) if isinstance(metrics, dict) else {}
   extra = {k: float(np.max(np.asarray(v))) for k, v in aux.items()} if aux else {}
   return {"config": name, "seq_len": seq_len, "batch": B, "step_s": min(times),
-          "cpu_s": float(np.median(cpu)), "tok_s": B * seq_len / min(times),
+          "cpu_s": float(np.median(cpu)), "tok_s": tok_s, "mfu": mfu,
           "params": n_params["total"], "flops_tok": flops, "compile_s": compile_s,
           "kind": kind, "d_ff": cfg.d_ff, "aux": extra}
 
@@ -199,15 +203,18 @@ def main(argv):
     base = best[_CONFIGS.value[0]]
     print(f"\nseq_len {L} (batch {base['batch']}, step: {base['kind']})")
     print(f"{'config':<22}{'params':>12}{'d_ff':>6}{'step s':>9}{'tok/s':>10}{'ratio':>7}"
-          f"{'cpu s':>8}{'cpu ratio':>10}{'GFLOP/tok':>11}{'FLOPs ratio':>12}{'compile s':>10}"
+          f"{'cpu s':>8}{'cpu ratio':>10}{'GFLOP/tok':>11}{'FLOPs ratio':>12}{'MFU':>7}{'compile s':>10}"
           f"  aux (max over layers)")
     for name in _CONFIGS.value:
       r = best[name]
       aux = ", ".join(f"{k}={v:.3g}" for k, v in r["aux"].items())
+      mfu = "n/a" if r["mfu"] is None else f"{r['mfu']:.1%}"  # n/a: peak unknown (CPU)
       print(f"{name:<22}{r['params']:>12,}{r['d_ff']:>6}{r['step_s']:>9.3f}{r['tok_s']:>10.0f}"
             f"{r['tok_s'] / base['tok_s']:>7.3f}{r['cpu_s']:>8.2f}"
             f"{base['cpu_s'] / r['cpu_s']:>10.3f}{r['flops_tok'] / 1e9:>11.3f}"
-            f"{r['flops_tok'] / base['flops_tok']:>12.3f}{r['compile_s']:>10.1f}  {aux}",
+            f"{r['flops_tok'] / base['flops_tok']:>12.3f}"
+            f"{mfu:>7}"
+            f"{r['compile_s']:>10.1f}  {aux}",
             flush=True)
 
 
