@@ -13,7 +13,6 @@ import json
 import os
 from typing import Any
 
-import grain
 import jax
 import orbax.checkpoint as ocp
 
@@ -36,6 +35,7 @@ class Checkpointer:
     items = {"state": ocp.args.StandardSave(state),
              "meta": ocp.args.JsonSave(meta or {})}
     if data_iter is not None:
+      import grain  # only with a data iterator: benchmarks import the trainer without it
       items["data"] = grain.checkpoint.CheckpointSave(data_iter)
     saved = self._mngr.save(step, args=ocp.args.Composite(**items), force=force)
     return saved
@@ -47,6 +47,7 @@ class Checkpointer:
       return None
     items = {"state": ocp.args.StandardRestore(abstract_state)}
     if data_iter is not None:
+      import grain
       items["data"] = grain.checkpoint.CheckpointRestore(data_iter)
     out = self._mngr.restore(step, args=ocp.args.Composite(**items))
     return out["state"]

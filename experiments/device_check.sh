@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# One prepared run for a session that is lent a GPU (or TPU) machine: the accelerator-only
+# numerics, then train-step throughput / MFU of each variant side by side. Results go to stdout
+# and, when $OUT is set (the device tool's output folder), to $OUT/*.txt.
+#
+#   bash experiments/device_check.sh            # ~6-8 minutes on one H200, compile included
+#   QUICK=1 bash experiments/device_check.sh    # numerics + one sequence length only
+#   JAX_PLATFORMS=cpu ATTN_JAX_GPU_TESTS_IMPL=xla BENCH_EXTRA="--scale=tiny --dtype=float32 \
+#     --seq_lens=128 --steps=1 --warmup=1 --batch_tokens=4096" bash experiments/device_check.sh  # CPU dry run
+#
+# The device image has jax with CUDA, flax, optax, orbax and chex, and no network. The other
+# packages the numerics and the bench need, ml-collections and pytest (pure Python), are carried in
+# .device_deps (git-ignored; make it with
+#   .venv/bin/pip install --target .device_deps --no-deps ml-collections pytest pluggy iniconfig
+# and pass carry=[".device_deps"] to the device run). grain, tokenizers and tensorboardX are not
+# needed here: the trainer imports them only when it trains on real data.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:-/tmp/attn_jax_device_check}"
+mkdir -p "$out"
+export PYTHONPATH="$PWD:$PWD/.device_deps${PYTHONPATH:+:$PYTHONPATH}"
+python3 -c "import jax; print(jax.__version__, jax.devices())" | tee "$out/devices.txt"
+
+# 1. numerics on the accelerator: cuDNN core and SISA on it vs the fp32 references, plus the
+#    backend-independent attention / SISA / decoding tests (run on the device backend here).
+# fp32 tests compare at 1e-5: keep fp32 matmuls in full precision (no TF32) for them.
+JAX_PLATFORMS="${JAX_PLATFORMS:-cuda}" XLA_FLAGS="" JAX_DEFAULT_MATMUL_PRECISION=highest timeout 240 python3 -m pytest -q -x \
+  -p no:cacheprovider tests/test_gpu_paths.py tests/test_attention.py tests/test_decode.py \
+  tests/test_sisa.py 2>&1 | tail -25 | tee "$out/numerics.txt"
+
+# 2. train-step throughput, MFU (flops.PEAK_FLOPS by device kind), ratios vs the Transformer,
+#    bf16, at the 152M scale; SISA's paths side by side.
+seqs="1024,4096"; [ -n "${QUICK:-}" ] && seqs="1024"
+timeout 420 python3 experiments/bench.py --configs=transformer_152m,sisa_152m,sisa_152m@fast,sisa_152m@chunked \
+  --seq_lens="$seqs" --batch_tokens=65536 --steps=5 --warmup=2 ${BENCH_EXTRA:-} 2>&1 | grep -v "^[IW][0-9]" \
+  | tee "$out/bench.txt"
