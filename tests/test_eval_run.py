@@ -42,6 +42,13 @@ def test_in_training_eval_and_checkpoint_eval(tmp_path, shared_data):
   assert os.path.isfile(out["paths"]["json"]) and os.path.isfile(out["paths"]["markdown"])
   assert json.load(open(out["paths"]["json"]))["config"]["step"] == 4
 
+  with pytest.raises(FileNotFoundError, match=r"no checkpoint for step 3 .*have \[4\]"):
+    evaluate_checkpoint(str(tmp_path), "mqar", step=3)
+  missing = tmp_path / "not_a_run"
+  with pytest.raises(FileNotFoundError, match="not_a_run"):
+    evaluate_checkpoint(str(missing), "mqar")
+  assert not missing.exists()  # nothing created on the way
+
   r = subprocess.run([sys.executable, "experiments/eval.py", f"--checkpoint={tmp_path}",
                       "--tasks=winogrande", "--limit=8", f"--data_dir={shared_data}",
                       "--max_len=128"], cwd=ROOT, capture_output=True, text=True, timeout=300)

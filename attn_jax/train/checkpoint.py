@@ -30,6 +30,9 @@ class Checkpointer:
   def latest_step(self) -> int | None:
     return self._mngr.latest_step()
 
+  def all_steps(self) -> list[int]:
+    return list(self._mngr.all_steps())
+
   def save(self, step: int, state: Any, data_iter: Any = None, meta: dict | None = None, *,
            force: bool = False) -> bool:
     items = {"state": ocp.args.StandardSave(state),
@@ -82,10 +85,17 @@ def load_for_inference(workdir: str, step: int | None = None, *, devices=None):
 
   from attn_jax.train.trainer import build_setup
 
+  directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
+  if not os.path.isdir(directory):  # checked first: the manager would create the folder
+    raise FileNotFoundError(f"no checkpoint found under {directory} (is {workdir!r} a "
+                            "training run directory?)")
   ckpt = Checkpointer(workdir)
   step = ckpt.latest_step() if step is None else step
   if step is None:
     raise FileNotFoundError(f"no checkpoint found under {ckpt.directory}")
+  if step not in ckpt.all_steps():
+    raise FileNotFoundError(f"no checkpoint for step {step} under {ckpt.directory} (have "
+                            f"{sorted(ckpt.all_steps())})")
   meta = ckpt.restore_meta(step)
   config = ml_collections.ConfigDict(_tuples(meta["config"]))
   setup = build_setup(config, devices=devices)
