@@ -64,6 +64,12 @@ def test_bad_task_names_and_missing_data(tmp_path):
   c.eval.tasks = "nope"
   with pytest.raises(ValueError, match="unknown eval task 'nope'"):
     trainer_lib.train_and_evaluate(c, str(tmp_path))
+  from attn_jax.eval.run import run_tasks
+  c.data.tokenizer = "bytes"
+  c.eval.data_dir = ""
+  with pytest.raises(ValueError, match=r"\['arc_easy'\] need data files: set "
+                     r"config.eval.data_dir"):
+    run_tasks(lambda tokens: None, c, ["arc_easy"])
 
 
 def test_head_on_selected_rows_equals_full_logits(shared_data):

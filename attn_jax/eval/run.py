@@ -101,7 +101,8 @@ def run_tasks(logits_fn, config: ml_collections.ConfigDict, tasks: Sequence[str]
     if data_paths is None:
       if not e.get("data_dir", ""):
         raise ValueError(f"tasks {bench} need data files: set config.eval.data_dir (a folder "
-                         "laid out like shared/data) or pass data_paths")
+                         "laid out like shared/data; --data_dir of experiments/eval.py) or "
+                         "pass data_paths")
       data_paths = tasks_lib.shared_data_paths(e.data_dir)
     out = harness.evaluate(bench, logits_fn, tokenizer, data_paths, max_len=max_len,
                            batch_size=batch_size, limit=limit)
