@@ -28,11 +28,16 @@ def tiny(steps=4):
 
 def test_in_training_eval_and_checkpoint_eval(tmp_path, shared_data):
   c = tiny()
+  # a benchmark task too: the harness on the trainer's (8-way data-parallel) state
+  c.eval.update(tasks="mqar,arc_easy", data_dir=str(shared_data), limit=8, max_len=128)
+  c.data.tokenizer = "bytes"
   trainer_lib.train_and_evaluate(c, str(tmp_path))
   recs = read_metrics(str(tmp_path))
   evs = [r for r in recs if "eval/mqar/acc" in r]
   assert [r["step"] for r in evs][:2] == [2, 4]
   assert 0.0 <= evs[-1]["eval/mqar/acc"] <= 1.0
+  assert all(r["eval/arc_easy/n_docs"] == 8 and 0.0 <= r["eval/arc_easy/acc_norm"] <= 1.0
+             for r in evs)
 
   out = evaluate_checkpoint(str(tmp_path), "arc_easy,winogrande,mqar", limit=12,
                             data_dir=str(shared_data), max_len=128)
