@@ -115,3 +115,17 @@ def get_config() -> ml_collections.ConfigDict:
       ("norm", None),
   )
   return c
+
+
+def sisa_matched(c: ml_collections.ConfigDict, config_string: str = ""
+                 ) -> ml_collections.ConfigDict:
+  """A Transformer preset turned into its SISA twin: mixer "sisa", d_state from the preset
+  override (`--config=configs/sisa_152m.py:16` or `:d_state=16`; default 32), and the SwiGLU
+  narrowed by `matched_d_ff` (from the Transformer's width) so the parameter count matches."""
+  from attn_jax.attention.sisa import matched_d_ff
+
+  d_state = int(config_string.split("=")[-1]) if config_string else 32
+  d_ff = matched_d_ff(c.model, d_state)   # from the Transformer's width, before editing
+  c.model.update(mixer="sisa", d_ff=d_ff)
+  c.model.sisa.d_state = d_state
+  return c

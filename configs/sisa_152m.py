@@ -5,14 +5,8 @@ Preset override of d_state (16 / 32 / 64 / 128; d_ff is recomputed by `matched_d
   --config=configs/sisa_152m.py:16     (or :d_state=16)
 """
 
-from attn_jax.attention.sisa import matched_d_ff
-from configs import transformer_152m
+from configs import base, transformer_152m
 
 
 def get_config(config_string: str = ""):
-  d_state = int(config_string.split("=")[-1]) if config_string else 32
-  c = transformer_152m.get_config()
-  d_ff = matched_d_ff(c.model, d_state)   # from the Transformer's width, before editing
-  c.model.update(mixer="sisa", d_ff=d_ff)
-  c.model.sisa.d_state = d_state
-  return c
+  return base.sisa_matched(transformer_152m.get_config(), config_string)
