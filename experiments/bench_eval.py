@@ -42,7 +42,7 @@ def main(argv):
 
   config = importlib.import_module(f"configs.{_CONFIG.value}").get_config()
   tok = get_tokenizer(_TOK.value)
-  vocab = -(-tok.vocab_size // 128) * 128  # padded as the training configs do
+  vocab = -(-tok.vocab_size // 128) * 128  # the tokenizer's size rounded up to 128
   config.model.update(vocab_size=vocab, max_seq_len=max(config.model.max_seq_len,
                                                          _MAXLEN.value))
   model = build_model(config.model, seed=0)

@@ -444,8 +444,8 @@ def evaluate(tasks: Sequence[str], logits_fn: LogitsFn, tokenizer: Tokenizer,
 
 
 __all__ = [
-    "LogitsFn", "Request", "ScorerFns", "scorer_fns", "scorer_state", "per_logits_fn_cache", "encode_pairs", "default_buckets",
-    "bucket_for",
+    "LogitsFn", "Request", "ScorerFns", "scorer_fns", "scorer_state", "per_logits_fn_cache",
+    "encode_pairs", "default_buckets", "bucket_for",
     "loglikelihood_tokens", "loglikelihood", "mean_stderr", "bootstrap_stderr", "score_docs",
     "doc_requests", "evaluate_task", "evaluate",
 ]

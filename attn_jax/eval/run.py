@@ -35,9 +35,9 @@ def parse_tasks(tasks: str | Sequence[str]) -> list[str]:
 
 
 class ModelScorer:
-  """A logits_fn for the evaluators: `scorer(tokens [B, L]) -> logits [B, L, V]`, plus
-  `hidden(tokens) -> [B, L, D]` and `head(h) -> logits`, so the log-likelihood harness can run
-  the LM head on the continuation rows only.
+  """A logits_fn for the evaluators: `scorer(tokens [B, L]) -> logits [B, L, V]`. Its
+  `hidden_apply` (final hidden states) and `head_apply` (the LM head) let the log-likelihood
+  harness run the head on the continuation rows only.
 
   The model is split once. `state` is an argument of the jitted pure functions
   `logits_apply(state, tokens)`, `hidden_apply`, `head_apply` (which close over the graph
@@ -64,16 +64,6 @@ class ModelScorer:
 
   def __call__(self, tokens):
     return self.logits_apply(self.state, tokens)
-
-  def hidden(self, tokens):
-    return self.hidden_apply(self.state, tokens)
-
-  def head(self, h):
-    return self.head_apply(self.state, h)
-
-
-def model_logits_fn(model: nnx.Module) -> ModelScorer:
-  return ModelScorer(model)
 
 
 def _check_vocab(tokenizer: Tokenizer, vocab_size: int) -> None:
@@ -153,7 +143,7 @@ def evaluate_checkpoint(workdir: str, tasks: str | Sequence[str], *, step: int |
   if data_dir:
     config.eval.data_dir = data_dir
   tok = get_tokenizer(tokenizer) if tokenizer else None
-  out = run_tasks(model_logits_fn(model), config, names, tokenizer=tok, data_paths=data_paths,
+  out = run_tasks(ModelScorer(model), config, names, tokenizer=tok, data_paths=data_paths,
                   max_len=max_len or None, batch_size=batch_size or None, limit=limit)
   out["config"].update(workdir=os.path.abspath(workdir), step=int(step),
                        mixer=config.model.mixer)

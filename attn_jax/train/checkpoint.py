@@ -90,12 +90,13 @@ def load_for_inference(workdir: str, step: int | None = None, *, devices=None):
     raise FileNotFoundError(f"no checkpoint found under {directory} (is {workdir!r} a "
                             "training run directory?)")
   ckpt = Checkpointer(workdir)
-  step = ckpt.latest_step() if step is None else step
-  if step is None:
+  steps = sorted(ckpt.all_steps())
+  if not steps:
     raise FileNotFoundError(f"no checkpoint found under {ckpt.directory}")
-  if step not in ckpt.all_steps():
+  step = steps[-1] if step is None else step
+  if step not in steps:
     raise FileNotFoundError(f"no checkpoint for step {step} under {ckpt.directory} (have "
-                            f"{sorted(ckpt.all_steps())})")
+                            f"{steps})")
   meta = ckpt.restore_meta(step)
   config = ml_collections.ConfigDict(_tuples(meta["config"]))
   setup = build_setup(config, devices=devices)
