@@ -26,12 +26,23 @@ def dtype_of(name: str) -> jnp.dtype:
 
 
 def param(rngs: nnx.Rngs, init: Initializer, shape: Sequence[int], axes: Sequence[str | None],
-          dtype=jnp.float32) -> nnx.Param:
-  """A parameter initialised with `init(key, shape, dtype)` and tagged with logical `axes`."""
+          dtype=jnp.float32, *, lr_mult: float | None = None,
+          weight_decay: bool | None = None) -> nnx.Param:
+  """A parameter initialised with `init(key, shape, dtype)` and tagged with logical `axes`.
+
+  Optimizer treatment travels with the parameter as metadata (read by train/optim.py):
+  `lr_mult` scales its learning rate, `weight_decay` forces decay on/off (default: decay iff
+  the parameter has >= 2 axes besides the stacked `layers` axis).
+  """
   if len(axes) != len(shape):
     raise ValueError(f"logical axes {tuple(axes)} do not match shape {tuple(shape)}")
+  meta = {}
+  if lr_mult is not None:
+    meta["lr_mult"] = float(lr_mult)
+  if weight_decay is not None:
+    meta["weight_decay"] = bool(weight_decay)
   return nnx.Param(init(rngs.params(), tuple(shape), dtype), out_sharding=tuple(axes),
-                   eager_sharding=False)
+                   eager_sharding=False, **meta)
 
 
 class Linear(nnx.Module):
