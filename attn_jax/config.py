@@ -7,29 +7,36 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import ml_collections
 
 
 @dataclasses.dataclass(frozen=True)
-class Options:
-  """A frozen attribute bag for mixer-specific options (e.g. `cfg.sisa.d_state`)."""
-  items: tuple[tuple[str, Any], ...] = ()
+class LayerSpec:
+  """One layer of the pattern: a mixer (registry name) and whether the block has an MLP."""
+  mixer: str
+  mlp: bool = True
 
-  def __getattr__(self, name):
-    for k, v in object.__getattribute__(self, "items"):
-      if k == name:
-        return v
-    raise AttributeError(f"option {name!r} not set (have: {[k for k, _ in self.items]})")
-
-  def to_dict(self) -> dict:
-    return dict(self.items)
+  @classmethod
+  def parse(cls, spec: str) -> "LayerSpec":
+    """ "mixer" or "mixer:nomlp" (a block without the SwiGLU, e.g. a Mamba block)."""
+    name, _, flag = str(spec).partition(":")
+    if flag not in ("", "nomlp") or not name:
+      raise ValueError(f"config.model.pattern: bad layer spec {spec!r} (use 'mixer' or "
+                       "'mixer:nomlp')")
+    return cls(name, flag != "nomlp")
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
+  """The model's shape. `pattern` is the repeating period of layer specs (n_layers must be a
+  multiple of its length); empty means `(mixer,)`, today's homogeneous stack. `options` holds
+  each mixer's `Options` instance (defaults from the mixer module, overridden by the config's
+  `model.<mixer>` sub-dict); read them with `cfg.options_for(name)`."""
   mixer: str = "attention"
+  pattern: tuple[str, ...] = ()
   vocab_size: int = 50277
   d_model: int = 768
   n_layers: int = 12
@@ -46,7 +53,7 @@ class ModelConfig:
   remat: str = "none"
   scan_layers: bool = True
   attention_impl: str = "auto"
-  options: tuple[tuple[str, Options], ...] = ()   # mixer sub-dicts, e.g. ("sisa", Options(...))
+  options: tuple[tuple[str, Any], ...] = ()   # (mixer name, its Options instance)
 
   @property
   def head_dim(self) -> int:
@@ -56,29 +63,67 @@ class ModelConfig:
   def kv_heads(self) -> int:
     return self.n_kv_heads or self.n_heads
 
-  def __getattr__(self, name):  # cfg.sisa -> Options
-    for k, v in object.__getattribute__(self, "options"):
-      if k == name:
+  @property
+  def period(self) -> tuple[LayerSpec, ...]:
+    return tuple(LayerSpec.parse(s) for s in (self.pattern or (self.mixer,)))
+
+  @property
+  def n_repeats(self) -> int:
+    return self.n_layers // len(self.period)
+
+  @property
+  def layer_specs(self) -> tuple[LayerSpec, ...]:
+    """All n_layers specs in order (the period repeated)."""
+    return self.period * self.n_repeats
+
+  def options_for(self, mixer: str):
+    for k, v in self.options:
+      if k == mixer:
         return v
-    raise AttributeError(name)
+    from attn_jax.registry import get_mixer
+    return get_mixer(mixer).Options()
 
   @classmethod
   def from_config(cls, m: ml_collections.ConfigDict) -> "ModelConfig":
     fields = {f.name for f in dataclasses.fields(cls)} - {"options"}
-    kw, opts = {}, []
+    kw, subs = {}, {}
     for key, val in m.items():
       if key in fields:
-        kw[key] = val
+        kw[key] = tuple(val) if key == "pattern" else val
       elif isinstance(val, ml_collections.ConfigDict):
-        opts.append((key, Options(tuple(sorted(val.to_dict().items())))))
+        subs[key] = val.to_dict()
       else:
-        raise ValueError(f"config.model.{key}: unknown field")
-    cfg = cls(**kw, options=tuple(sorted(opts)))
+        raise ValueError(f"config.model.{key}: unknown field (known: {', '.join(sorted(fields))})")
+    cfg = cls(**kw, options=tuple(sorted((k, make_options(k, v)) for k, v in subs.items())))
     validate_model(cfg)
     return cfg
 
   def replace(self, **kw) -> "ModelConfig":
     return dataclasses.replace(self, **kw)
+
+  def with_options(self, mixer: str, **overrides) -> "ModelConfig":
+    """A copy whose `mixer` options have these fields replaced (validated)."""
+    opts = dataclasses.replace(self.options_for(mixer), **overrides)
+    rest = tuple((k, v) for k, v in self.options if k != mixer)
+    cfg = self.replace(options=tuple(sorted(rest + ((mixer, opts),))))
+    validate_model(cfg)
+    return cfg
+
+
+def make_options(mixer: str, values: dict):
+  """The mixer's Options from a config sub-dict; unknown names are errors naming the field."""
+  from attn_jax.registry import get_mixer
+  try:
+    opt_cls = get_mixer(mixer).Options
+  except ValueError:
+    raise ValueError(f"config.model.{mixer}: not a field and not a registered mixer") from None
+  known = {f.name for f in dataclasses.fields(opt_cls)}
+  for k in values:
+    if k not in known:
+      raise ValueError(f"config.model.{mixer}.{k}: unknown option (known: "
+                       f"{', '.join(sorted(known))})")
+  vals = {k: (tuple(v) if isinstance(v, list) else v) for k, v in values.items()}
+  return opt_cls(**vals)
 
 
 _REMAT = ("none", "full", "dots", "dots_no_batch")
@@ -91,7 +136,7 @@ def validate_model(cfg: ModelConfig) -> None:
     if not cond:
       raise ValueError(f"config.model.{field}: {msg}")
 
-  for f in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len"):
+  for f in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len"):
     need(int(getattr(cfg, f)) > 0, f, f"must be a positive integer, got {getattr(cfg, f)!r}")
   need(cfg.d_model % cfg.n_heads == 0, "d_model",
        f"d_model={cfg.d_model} is not divisible by n_heads={cfg.n_heads}")
@@ -104,9 +149,25 @@ def validate_model(cfg: ModelConfig) -> None:
   for f in ("dtype", "param_dtype"):
     need(getattr(cfg, f) in ("float32", "bfloat16", "float16"), f,
          f"{getattr(cfg, f)!r} not in (float32, bfloat16, float16)")
-  mixer_cls = get_mixer(cfg.mixer)  # raises a clear error for unknown names
-  if hasattr(mixer_cls, "validate"):
-    mixer_cls.validate(cfg)
+  need(cfg.d_ff >= 0, "d_ff", f"must be >= 0 (0 = no MLP), got {cfg.d_ff}")
+  need(not (cfg.pattern and cfg.mixer != "attention"), "pattern",
+       f"set either model.mixer ({cfg.mixer!r}) or model.pattern ({cfg.pattern!r}), not both")
+  period = cfg.period   # parses every spec
+  need(cfg.n_layers % len(period) == 0, "n_layers",
+       f"n_layers={cfg.n_layers} is not a multiple of the pattern's period {len(period)} "
+       f"({cfg.pattern})")
+  for spec in period:
+    try:
+      mixer_cls = get_mixer(spec.mixer)
+    except ValueError as e:
+      field = "pattern" if cfg.pattern else "mixer"
+      raise ValueError(f"config.model.{field}: {e}") from None
+    opts = cfg.options_for(spec.mixer)
+    if not isinstance(opts, mixer_cls.Options):
+      raise ValueError(f"config.model.{spec.mixer}: options of type {type(opts).__name__}, "
+                       f"expected {mixer_cls.__name__}.Options")
+    if hasattr(opts, "validate"):
+      opts.validate(cfg, f"config.model.{spec.mixer}")
 
 
 def validate(config: ml_collections.ConfigDict) -> ModelConfig:
@@ -125,7 +186,10 @@ def validate(config: ml_collections.ConfigDict) -> ModelConfig:
   need(t.steps > 0, "train.steps", "must be positive")
   need(t.grad_accum >= 1, "train.grad_accum", "must be >= 1")
   need(t.log_every >= 1, "train.log_every", "must be >= 1")
-  need(o.lr > 0, "optim.lr", "must be positive")
+  need(math.isfinite(o.lr) and o.lr > 0, "optim.lr", f"must be a finite positive number, got {o.lr!r}")
+  for f in ("weight_decay", "clip_norm", "eps"):
+    v = getattr(o, f)
+    need(math.isfinite(v) and v >= 0, f"optim.{f}", f"must be a finite number >= 0, got {v!r}")
   need(0 <= o.warmup_steps, "optim.warmup_steps", "must be >= 0")
   need(config.checkpoint.every_steps >= 1, "checkpoint.every_steps", "must be >= 1")
   need(len(config.mesh.shape) == len(config.mesh.axis_names), "mesh.shape",

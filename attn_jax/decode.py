@@ -1,28 +1,30 @@
-"""Cache-agnostic autoregressive decoding: prefill, one decode step, and `generate`.
+"""Autoregressive decoding over mixer-owned states: prefill, one decode step, and `generate`.
 
-Every mixer declares its decoding state through `init_cache` (see registry.py); the decoder
-only ever calls
+Every mixer creates and updates its own decoding state (a KV buffer, a ring buffer, an SSM's
+recurrent state, ...), including the positions it needs; this module only passes states and
+per-row positions along:
 
-    cache = model.init_cache(batch, max_len)
-    logits_BTV, cache = model(tokens_BT, cache=cache, cache_index=index)
+    state = model.init_state(batch, capacity)
+    logits_BTV, state = model.step(tokens_BT, positions_BT=positions, state=state)
 
-so it never branches on a mixer's name. `index` is how many tokens the cache already holds (the
-absolute position of the first new token).
+so it never computes a cache slot and never branches on a mixer's name.
 
-`generate` runs the prompt through `prefill` and then `max_new_tokens - 1` decode steps, all
-inside one `jax.jit` (`nnx.split` once; graphdef static; `nnx.merge` inside) with a
-`jax.lax.while_loop` over steps, so the step is traced once per generation shape, never once per
-token. The cache has a fixed size (`cache_len`, default T + max_new_tokens), so every step has
-the same shapes. Sampling: greedy (`temperature == 0`) is argmax; otherwise logits / temperature,
-optionally restricted to the `top_k` largest, sampled with `jax.random.categorical`.
+- Prompts of different lengths share a batch: right-padded to T, with per-row `lengths`; padding
+  carries position -1, which every mixer ignores. Row b's new tokens follow its own prompt.
+- A prompt longer than what one stateful call can take (`max_chunk` of a bounded state, e.g. a
+  sliding window's ring) is prefilled in chunks of that size.
+- Mixers whose state is bounded (`stream_limit` None: ring buffers, SSMs) generate past
+  `cache_len` in constant memory; for the others `cache_len` must hold the whole stream.
 
-`TRACE_COUNTS` counts Python traces of the jitted generate function ("generate") and of its
-loop body ("step"); tests use it to check that decoding does not retrace as the text grows.
+`generate` runs prefill and the decode loop inside one `jax.jit` (`nnx.split` once; graphdef
+static; `nnx.merge` inside) with a `jax.lax.while_loop` over steps, so `decode_step` is traced
+once per generation shape, never once per token (tests guard it with `chex.assert_max_traces`).
+Sampling: greedy (`temperature == 0`) is argmax; otherwise logits / temperature, optionally
+restricted to the `top_k` largest, sampled with `jax.random.categorical`.
 """
 
 from __future__ import annotations
 
-import collections
 import functools
 from typing import Any
 
@@ -30,30 +32,44 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-TRACE_COUNTS: collections.Counter = collections.Counter()
+from attn_jax.model import mixer_limits
 
 
-def prefill(model, tokens_BT: jax.Array, max_len: int) -> tuple[jax.Array, Any, jax.Array]:
-  """Run the prompt through a fresh fixed-size cache of `max_len` slots.
-
-  Returns (logits of the last prompt token [B, V] fp32, cache, index = T as an int32 scalar).
-  """
-  B, T = tokens_BT.shape
-  if T > max_len:
-    raise ValueError(f"prompt length {T} exceeds the cache length max_len={max_len}")
-  cache = model.init_cache(B, max_len)
-  logits_BTV, cache = model(tokens_BT, cache=cache, cache_index=jnp.asarray(0, jnp.int32))
-  return logits_BTV[:, -1], cache, jnp.asarray(T, jnp.int32)
+def prompt_positions(lengths_B: jax.Array, start: int, length: int) -> jax.Array:
+  """Positions [B, length] of prompt tokens start..start+length-1; -1 past each row's length."""
+  pos = start + jnp.arange(length, dtype=jnp.int32)[None, :]
+  return jnp.where(pos < lengths_B[:, None], pos, -1)
 
 
-def decode_step(model, token_B: jax.Array, cache: Any, index) -> tuple[jax.Array, Any]:
-  """Feed one token per sequence at absolute position `index`: -> (logits [B, V] fp32, cache).
+def prefill(model, prompt_BT: jax.Array, lengths_B: jax.Array | None = None, *,
+            capacity: int) -> tuple[jax.Array, Any]:
+  """Run right-padded prompts through fresh states of `capacity`, in chunks of at most the
+  mixers' `max_chunk`. -> (logits of each row's last prompt token [B, V] fp32, state)."""
+  B, T = prompt_BT.shape
+  lengths_B = jnp.full((B,), T, jnp.int32) if lengths_B is None else lengths_B.astype(jnp.int32)
+  chunk, stream = mixer_limits(model.cfg, capacity)
+  if stream is not None and T > stream:
+    raise ValueError(f"prompt length {T} exceeds what the decoding state holds ({stream} "
+                     "tokens; raise cache_len)")
+  chunk = T if chunk is None else min(chunk, T)
+  state = model.init_state(B, capacity)
+  last_BD = None
+  for a in range(0, T, chunk):
+    n = min(chunk, T - a)
+    h_BTD, state = model.step_hidden(prompt_BT[:, a:a + n],
+                                     positions_BT=prompt_positions(lengths_B, a, n), state=state)
+    idx_B = lengths_B - 1 - a
+    here_B = (idx_B >= 0) & (idx_B < n)
+    h_BD = jnp.take_along_axis(h_BTD, jnp.clip(idx_B, 0, n - 1)[:, None, None], axis=1)[:, 0]
+    last_BD = h_BD if last_BD is None else jnp.where(here_B[:, None], h_BD, last_BD)
+  return model.unembed(last_BD), state
 
-  The caller advances `index` by one after each step.
-  """
-  logits_B1V, cache = model(token_B[:, None], cache=cache,
-                            cache_index=jnp.asarray(index, jnp.int32))
-  return logits_B1V[:, 0], cache
+
+def decode_step(model, token_B: jax.Array, positions_B: jax.Array, state: Any
+                ) -> tuple[jax.Array, Any]:
+  """Feed one token per row at its position: -> (logits [B, V] fp32, new state)."""
+  logits_B1V, state = model.step(token_B[:, None], positions_BT=positions_B[:, None], state=state)
+  return logits_B1V[:, 0], state
 
 
 def sample_logits(logits_BV: jax.Array, rng: jax.Array | None, *, temperature=0.0,
@@ -76,13 +92,13 @@ def sample_logits(logits_BV: jax.Array, rng: jax.Array | None, *, temperature=0.
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "cache_len", "greedy",
                                              "top_k"))
-def _generate_jit(graphdef, state, prompt_BT, rng, temperature, eos_id, pad_id, *,
+def _generate_jit(graphdef, state, prompt_BT, lengths_B, rng, temperature, eos_id, pad_id, *,
                   max_new_tokens: int, cache_len: int, greedy: bool, top_k: int):
   """eos_id / pad_id: int32 scalars (traced: changing them does not recompile); -1 = no EOS."""
-  TRACE_COUNTS["generate"] += 1
   model = nnx.merge(graphdef, state)
   B, T = prompt_BT.shape
   temp = 0.0 if greedy else temperature
+  rows_B = jnp.arange(B)
 
   def sample(logits_BV, step):
     key = None if greedy else jax.random.fold_in(rng, step)
@@ -93,42 +109,45 @@ def _generate_jit(graphdef, state, prompt_BT, rng, temperature, eos_id, pad_id, 
     tok_B = jnp.where(done_B, pad_id, tok_B)
     return tok_B, done_B | (tok_B == eos_id)
 
+  in_prompt_BT = jnp.arange(T)[None, :] < lengths_B[:, None]
   out_BL = jnp.full((B, T + max_new_tokens), pad_id, jnp.int32)
-  out_BL = jax.lax.dynamic_update_slice(out_BL, prompt_BT.astype(jnp.int32), (0, 0))
-  logits_BV, cache, index = prefill(model, prompt_BT, cache_len)
+  out_BL = out_BL.at[:, :T].set(jnp.where(in_prompt_BT, prompt_BT, pad_id))
+  logits_BV, dstate = prefill(model, prompt_BT, lengths_B, capacity=cache_len)
   tok_B, done_B = finish(sample(logits_BV, 0), jnp.zeros((B,), bool))
-  out_BL = out_BL.at[:, T].set(tok_B)
+  out_BL = out_BL.at[rows_B, lengths_B].set(tok_B)
 
   def cond(carry):
     step, _, _, _, done_B = carry
     return (step < max_new_tokens) & ~jnp.all(done_B)
 
   def body(carry):
-    TRACE_COUNTS["step"] += 1
-    step, out_BL, cache, tok_B, done_B = carry
-    logits_BV, cache = decode_step(model, tok_B, cache, index + step - 1)
+    step, out_BL, dstate, tok_B, done_B = carry
+    logits_BV, dstate = decode_step(model, tok_B, lengths_B + step - 1, dstate)
     tok_B, done_B = finish(sample(logits_BV, step), done_B)
-    out_BL = jax.lax.dynamic_update_slice(out_BL, tok_B[:, None], (0, T + step))
-    return step + 1, out_BL, cache, tok_B, done_B
+    out_BL = out_BL.at[rows_B, lengths_B + step].set(tok_B)
+    return step + 1, out_BL, dstate, tok_B, done_B
 
-  carry = (jnp.asarray(1, jnp.int32), out_BL, cache, tok_B, done_B)
+  carry = (jnp.asarray(1, jnp.int32), out_BL, dstate, tok_B, done_B)
   return jax.lax.while_loop(cond, body, carry)[1]
 
 
-def generate(model, prompt_BT: jax.Array, *, max_new_tokens: int, temperature: float = 0.0,
-             top_k: int = 0, rng: jax.Array | None = None, eos_id: int | None = None,
-             pad_id: int | None = None, cache_len: int | None = None) -> jax.Array:
+def generate(model, prompt_BT: jax.Array, *, max_new_tokens: int, lengths=None,
+             temperature: float = 0.0, top_k: int = 0, rng: jax.Array | None = None,
+             eos_id: int | None = None, pad_id: int | None = None,
+             cache_len: int | None = None) -> jax.Array:
   """Extend each prompt by `max_new_tokens` tokens: -> tokens [B, T + max_new_tokens] int32.
 
-  All prompts share the length T (no padding inside the prompt).
+  - lengths: per-row prompt lengths (right padding; default all T). Row b holds its prompt,
+    then its new tokens from column lengths[b], then `pad_id`.
   - temperature 0 (default): greedy argmax; > 0: sample from softmax(logits / temperature),
     restricted to the `top_k` most likely tokens when top_k > 0 (needs `rng`; new token i is
-    drawn with `fold_in(rng, i)`). Changing temperature, rng, eos_id or pad_id does not
-    recompile; changing greedy/sampling, top_k, shapes or cache_len does.
+    drawn with `fold_in(rng, i)`). Changing temperature, rng, eos_id, pad_id or lengths does
+    not recompile; changing greedy/sampling, top_k, shapes or cache_len does.
   - eos_id: once a sequence emits it, the rest of that sequence is `pad_id` (default: eos_id),
     and the loop stops early when every sequence is done. EOS inside the prompt is ignored.
-  - cache_len: slots of the fixed-size cache (default T + max_new_tokens; at least
-    T + max_new_tokens - 1, since the last token is never fed back).
+  - cache_len: capacity of the decoding states (default T + max_new_tokens). States that hold
+    the whole stream (a linear KV buffer) need >= T + max_new_tokens - 1 (the last token is
+    never fed back); bounded states (ring buffers, SSMs) generate any length.
   """
   prompt_BT = jnp.asarray(prompt_BT, jnp.int32)
   if prompt_BT.ndim != 2:
@@ -137,11 +156,18 @@ def generate(model, prompt_BT: jax.Array, *, max_new_tokens: int, temperature: f
   if T < 1 or max_new_tokens < 1:
     raise ValueError(f"need a non-empty prompt and max_new_tokens >= 1 (got T={T}, "
                      f"max_new_tokens={max_new_tokens})")
+  lengths = jnp.full((B,), T, jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
+  if lengths.shape != (B,):
+    raise ValueError(f"lengths must have shape ({B},), got {lengths.shape}")
+  if not isinstance(lengths, jax.core.Tracer) and (
+      int(jnp.min(lengths)) < 1 or int(jnp.max(lengths)) > T):
+    raise ValueError(f"lengths must lie in [1, {T}] (the prompt width), got {lengths.tolist()}")
   if temperature < 0:
     raise ValueError(f"temperature must be >= 0, got {temperature}")
   if cache_len is None:
     cache_len = T + max_new_tokens
-  if cache_len < T + max_new_tokens - 1:
+  _, stream = mixer_limits(model.cfg, int(cache_len))
+  if stream is not None and stream < T + max_new_tokens - 1:
     raise ValueError(f"cache_len={cache_len} is too small for prompt length {T} + "
                      f"{max_new_tokens} new tokens (needs >= {T + max_new_tokens - 1})")
   greedy = temperature == 0
@@ -155,7 +181,8 @@ def generate(model, prompt_BT: jax.Array, *, max_new_tokens: int, temperature: f
     rng = jax.random.key(0)  # unused when greedy; keeps the jitted signature fixed
   graphdef, state = nnx.split(model)
   scalar = lambda x: jnp.asarray(x, jnp.int32)
-  return _generate_jit(graphdef, state, prompt_BT, rng, jnp.asarray(temperature, jnp.float32),
+  return _generate_jit(graphdef, state, prompt_BT, lengths, rng,
+                       jnp.asarray(temperature, jnp.float32),
                        scalar(-1 if eos_id is None else eos_id), scalar(pad_id),
                        max_new_tokens=int(max_new_tokens), cache_len=int(cache_len),
                        greedy=greedy, top_k=int(top_k))

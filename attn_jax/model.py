@@ -1,9 +1,22 @@
-"""Decoder-only language model: embed -> N x [pre-norm mixer + pre-norm SwiGLU] -> norm -> head.
+"""Decoder-only language model: embed -> layers -> norm -> head, with a layer *pattern*.
 
-The token mixer of every block is chosen by name from the registry (`cfg.mixer`). Blocks are
-created stacked (one leading `layers` axis on every parameter, via `nnx.vmap`) and run with
-`jax.lax.scan`, so compile time stays flat in depth; `cfg.remat` picks the rematerialisation
-policy of one block.
+    block(x) = x + mixer(RMSNorm(x)) [+ SwiGLU(RMSNorm(.)) unless the spec says "nomlp"]
+
+`cfg.period` is the repeating period of layer specs (e.g. ("attention",) — a homogeneous stack —
+or ("mamba2:nomlp",) * 7 + ("attention",), Jamba-like). One `Period` module holds the P blocks
+of a period; R = n_layers / P copies of it are created stacked (one leading `layers` axis on
+every parameter, via `nnx.vmap`) and run with `jax.lax.scan` (MaxText's way with mixed layers),
+so compile time depends on P, not on depth. `cfg.remat` picks the rematerialisation policy of
+one period.
+
+Per-layer results follow the pattern: the decoding state is a tuple over the period, each
+entry stacked over the R repeats; monitors (aux) likewise. Entry points return one type each:
+`__call__` -> logits, `hidden` -> final-norm hidden states, `logits_and_aux`, `step` (decoding
+with a state) -> (logits, state).
+
+RNG: each layer gets `fold_in(fold_in(rng, repeat), index in period)`, so the noise of a layer
+depends only on the caller's key (the train step derives it from the step: the same step gets
+the same noise after a resume).
 """
 
 from __future__ import annotations
@@ -16,7 +29,7 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from attn_jax.config import ModelConfig, validate_model
+from attn_jax.config import LayerSpec, ModelConfig, validate_model
 from attn_jax.layers import RMSNorm, SwiGLU, dtype_of, param
 from attn_jax.registry import get_mixer
 
@@ -28,21 +41,42 @@ _REMAT_POLICIES = {
 
 
 class Block(nnx.Module):
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, spec: LayerSpec, *, rngs: nnx.Rngs):
     dt, pdt = dtype_of(cfg.dtype), dtype_of(cfg.param_dtype)
-    self.mixer_norm = RMSNorm(cfg.d_model, rngs=rngs, eps=cfg.norm_eps, dtype=dt, param_dtype=pdt)
-    self.mixer = get_mixer(cfg.mixer)(cfg, rngs=rngs)
-    self.mlp_norm = RMSNorm(cfg.d_model, rngs=rngs, eps=cfg.norm_eps, dtype=dt, param_dtype=pdt)
-    self.mlp = SwiGLU(cfg.d_model, cfg.d_ff, rngs=rngs, init_std=cfg.init_std,
-                      out_std=cfg.init_std / math.sqrt(2 * cfg.n_layers), dtype=dt,
-                      param_dtype=pdt)
+    norm = lambda: RMSNorm(cfg.d_model, rngs=rngs, eps=cfg.norm_eps, dtype=dt, param_dtype=pdt)
+    self.mixer_norm = norm()
+    self.mixer = get_mixer(spec.mixer)(cfg, cfg.options_for(spec.mixer), rngs=rngs)
+    self.has_mlp = spec.mlp and cfg.d_ff > 0
+    if self.has_mlp:
+      self.mlp_norm = norm()
+      self.mlp = SwiGLU(cfg.d_model, cfg.d_ff, rngs=rngs, init_std=cfg.init_std,
+                        out_std=cfg.init_std / math.sqrt(2 * cfg.n_layers), dtype=dt,
+                        param_dtype=pdt)
 
-  def __call__(self, x, *, positions, cache=None, cache_index=None):
-    h, cache, aux = self.mixer(self.mixer_norm(x), positions=positions, cache=cache,
-                               cache_index=cache_index)
-    x = x + h.astype(x.dtype)
-    x = x + self.mlp(self.mlp_norm(x)).astype(x.dtype)
-    return x, cache, aux
+  def __call__(self, x_BTD, *, positions_BT, state, rng, train):
+    h, state, aux = self.mixer(self.mixer_norm(x_BTD), positions_BT=positions_BT, state=state,
+                               rng=rng, train=train)
+    x_BTD = x_BTD + h.astype(x_BTD.dtype)
+    if self.has_mlp:
+      x_BTD = x_BTD + self.mlp(self.mlp_norm(x_BTD)).astype(x_BTD.dtype)
+    return x_BTD, state, aux
+
+
+class Period(nnx.Module):
+  """The P blocks of one period of the layer pattern."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.layers = nnx.List([Block(cfg, spec, rngs=rngs) for spec in cfg.period])
+
+  def __call__(self, x_BTD, *, positions_BT, states, rng, train):
+    new_states, auxes = [], []
+    for p, blk in enumerate(self.layers):
+      key = None if rng is None else jax.random.fold_in(rng, p)
+      x_BTD, st, aux = blk(x_BTD, positions_BT=positions_BT, state=states[p], rng=key,
+                           train=train)
+      new_states.append(st)
+      auxes.append(aux)
+    return x_BTD, tuple(new_states), tuple(auxes)
 
 
 class Decoder(nnx.Module):
@@ -52,70 +86,123 @@ class Decoder(nnx.Module):
     self.embed = param(rngs, nnx.initializers.normal(cfg.init_std), (cfg.vocab_size, cfg.d_model),
                        ("vocab", "embed"), pdt)
 
-    @nnx.split_rngs(splits=cfg.n_layers)
+    @nnx.split_rngs(splits=cfg.n_repeats)
     @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-    def make_blocks(rngs):
-      return Block(cfg, rngs=rngs)
+    def make_periods(rngs):
+      return Period(cfg, rngs=rngs)
 
-    self.blocks = make_blocks(rngs)
+    self.blocks = make_periods(rngs)
     self.final_norm = RMSNorm(cfg.d_model, rngs=rngs, eps=cfg.norm_eps, dtype=dt, param_dtype=pdt)
     if not cfg.tie_embeddings:
       self.head = param(rngs, nnx.initializers.normal(cfg.init_std),
                         (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), pdt)
 
-  @property
-  def mixer_cls(self):
-    return get_mixer(self.cfg.mixer)
+  # ------------------------------------------------------------------ the stack
+  def _layers(self, x_BTD, positions_BT, states, rng, train):
+    """Scan the R repeats of the period. states: tuple over the period (stacked over R)."""
+    cfg = self.cfg
+    graphdef, block_state = nnx.split(self.blocks)
+    if states is None:
+      states = (None,) * len(cfg.period)
+
+    def body(x, layer):
+      params, layer_states, r = layer
+      key = None if rng is None else jax.random.fold_in(rng, r)
+      period = nnx.merge(graphdef, params)
+      x, new_states, aux = period(x, positions_BT=positions_BT, states=layer_states, rng=key,
+                                  train=train)
+      return x, (new_states, aux)
+
+    if cfg.remat != "none":
+      body = jax.checkpoint(body, policy=_REMAT_POLICIES[cfg.remat],
+                            prevent_cse=not cfg.scan_layers)
+    xs = (block_state, states, jnp.arange(cfg.n_repeats, dtype=jnp.uint32))
+    if cfg.scan_layers:
+      return jax.lax.scan(body, x_BTD, xs)
+    outs = []
+    for r in range(cfg.n_repeats):
+      x_BTD, out = body(x_BTD, jax.tree.map(lambda a: a[r], xs))
+      outs.append(out)
+    return x_BTD, jax.tree.map(lambda *a: jnp.stack(a), *outs)
+
+  def _forward(self, tokens_BT, positions_BT, states, rng, train):
+    """-> (final-norm hidden [B, T, D], new states, aux)."""
+    x = jnp.take(self.embed[...], tokens_BT, axis=0).astype(dtype_of(self.cfg.dtype))
+    x, (new_states, aux) = self._layers(x, positions_BT, states, rng, train)
+    return self.final_norm(x), new_states, aux
+
+  # ------------------------------------------------------------------ entry points
+  def __call__(self, tokens_BT: jax.Array, *, positions_BT=None, rng=None,
+               train: bool = False) -> jax.Array:
+    """tokens [B, T] -> logits [B, T, V] fp32 (a full causal forward)."""
+    return self.unembed(self.hidden(tokens_BT, positions_BT=positions_BT, rng=rng, train=train))
+
+  def hidden(self, tokens_BT, *, positions_BT=None, rng=None, train=False) -> jax.Array:
+    """Final-norm hidden states [B, T, D] (the LM head is `unembed`)."""
+    return self._forward(tokens_BT, positions_BT, None, rng, train)[0]
+
+  def hidden_and_aux(self, tokens_BT, *, positions_BT=None, rng=None, train=False):
+    """(final-norm hidden [B, T, D], aux monitors: see `aux_metrics`)."""
+    h, _, aux = self._forward(tokens_BT, positions_BT, None, rng, train)
+    return h, self.aux_metrics(aux)
+
+  def logits_and_aux(self, tokens_BT, *, positions_BT=None, rng=None, train=False):
+    h, aux = self.hidden_and_aux(tokens_BT, positions_BT=positions_BT, rng=rng, train=train)
+    return self.unembed(h), aux
+
+  def step(self, tokens_BT, *, positions_BT, state) -> tuple[jax.Array, Any]:
+    """Decoding: T new tokens per row at `positions_BT` (-1 = padding) continue the streams
+    held in `state` (from `init_state`). -> (logits [B, T, V] fp32, new state)."""
+    h, state = self.step_hidden(tokens_BT, positions_BT=positions_BT, state=state)
+    return self.unembed(h), state
+
+  def step_hidden(self, tokens_BT, *, positions_BT, state):
+    h, state, _ = self._forward(tokens_BT, positions_BT, state, None, False)
+    return h, state
+
+  def unembed_matrix(self) -> jax.Array:
+    """The LM head as [D, V] (the embedding transposed when tied)."""
+    return self.embed[...].T if self.cfg.tie_embeddings else self.head[...]
 
   def unembed(self, h: jax.Array) -> jax.Array:
     """Final hidden states [..., D] -> fp32 logits [..., V] (the LM head)."""
-    w = self.embed[...].T if self.cfg.tie_embeddings else self.head[...]
+    w = self.unembed_matrix()
     return jnp.einsum("...d,dv->...v", h, w.astype(h.dtype), preferred_element_type=jnp.float32)
 
-  def init_cache(self, batch: int, max_len: int) -> Any:
-    """Decoding state of all layers, stacked on a leading layer axis."""
-    one = self.mixer_cls.init_cache(self.cfg, batch, max_len, dtype_of(self.cfg.dtype))
-    return jax.tree.map(lambda a: jnp.broadcast_to(a, (self.cfg.n_layers,) + a.shape), one)
+  # ------------------------------------------------------------------ per-layer facts
+  def init_state(self, batch: int, capacity: int) -> tuple:
+    """Decoding state of every layer: a tuple over the period, each stacked over the repeats."""
+    return init_state(self.cfg, batch, capacity)
 
-  def __call__(self, tokens_BT: jax.Array, *, positions=None, cache=None, cache_index=None,
-               return_aux: bool = False, features_only: bool = False):
-    """tokens [B, T] -> logits [B, T, V] (fp32). With `cache`, returns (logits, new_cache).
-    `features_only`: return the final-norm hidden states [B, T, D] instead (see `unembed`)."""
-    cfg = self.cfg
-    B, T = tokens_BT.shape
-    if positions is None:
-      start = 0 if cache is None else cache_index
-      positions = jnp.arange(T, dtype=jnp.int32)[None, :] + jnp.asarray(start, jnp.int32)
-      positions = jnp.broadcast_to(positions, (B, T))
-    x = jnp.take(self.embed[...], tokens_BT, axis=0).astype(dtype_of(cfg.dtype))
+  def aux_metrics(self, aux: tuple) -> dict:
+    """Monitors keyed by layer kind: {name: [R]} for a period of one, else
+    {"<p>.<mixer>": {name: [R]}} (p = index in the period)."""
+    period = self.cfg.period
+    if len(period) == 1:
+      return dict(aux[0])
+    return {f"{p}.{spec.mixer}": dict(a) for p, (spec, a) in enumerate(zip(period, aux)) if a}
 
-    graphdef, block_state = nnx.split(self.blocks)
 
-    def body(x, layer):
-      state, layer_cache = layer
-      blk = nnx.merge(graphdef, state)
-      x, new_cache, aux = blk(x, positions=positions, cache=layer_cache, cache_index=cache_index)
-      return x, (new_cache, aux)
+def init_state(cfg: ModelConfig, batch: int, capacity: int) -> tuple:
+  out = []
+  for spec in cfg.period:
+    cls = get_mixer(spec.mixer)
+    one = cls.init_state(cfg, cfg.options_for(spec.mixer), batch, capacity, dtype_of(cfg.dtype))
+    out.append(jax.tree.map(lambda a: jnp.broadcast_to(a, (cfg.n_repeats,) + a.shape), one))
+  return tuple(out)
 
-    if cfg.remat != "none":
-      body = jax.checkpoint(body, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
-    if cfg.scan_layers:
-      x, (new_cache, aux) = jax.lax.scan(body, x, (block_state, cache))
-    else:
-      outs = []
-      for i in range(cfg.n_layers):
-        layer = jax.tree.map(lambda a: a[i], (block_state, cache))
-        x, out = body(x, layer)
-        outs.append(out)
-      new_cache, aux = jax.tree.map(lambda *a: jnp.stack(a), *outs)
 
-    if features_only:
-      return self.final_norm(x)
-    logits = self.unembed(self.final_norm(x))
-    out = (logits,) if cache is None else (logits, new_cache)
-    if return_aux:
-      out = out + (aux,)
-    return out[0] if len(out) == 1 else out
+def mixer_limits(cfg: ModelConfig, capacity: int) -> tuple[int | None, int | None]:
+  """(longest chunk one stateful call takes, longest stream the states hold) over all layer
+  kinds; None = unbounded."""
+  chunk = stream = None
+  for spec in cfg.period:
+    cls, opts = get_mixer(spec.mixer), cfg.options_for(spec.mixer)
+    c = getattr(cls, "max_chunk", lambda *a: None)(cfg, opts, capacity)
+    s = getattr(cls, "stream_limit", lambda *a: None)(cfg, opts, capacity)
+    chunk = c if chunk is None else (chunk if c is None else min(chunk, c))
+    stream = s if stream is None else (stream if s is None else min(stream, s))
+  return chunk, stream
 
 
 def build_model(cfg: ModelConfig | ml_collections.ConfigDict, *, seed: int = 0) -> Decoder:
@@ -131,19 +218,31 @@ def abstract_model(cfg: ModelConfig | ml_collections.ConfigDict) -> Decoder:
   return nnx.eval_shape(lambda: build_model(cfg))
 
 
-def count_params(cfg: ModelConfig | ml_collections.ConfigDict) -> dict[str, int]:
+def count_params(cfg: ModelConfig | ml_collections.ConfigDict) -> dict[str, Any]:
   """Parameter counts from abstract shapes (a 369M model is counted in seconds, no allocation).
 
   `total` counts every parameter once (tied embeddings once); `non_embedding` excludes the
   token embedding (and an untied head), the usual convention for FLOPs (6 N per token).
+  `mixer` and `mlp` sum over all layers; `by_kind` breaks the blocks down per layer kind
+  ("<mixer>" or "<mixer>:nomlp"): {kind: {"layers", "mixer", "mlp", "norms"}}.
   """
+  if isinstance(cfg, ml_collections.ConfigDict):
+    cfg = ModelConfig.from_config(cfg)
   model = abstract_model(cfg)
-  state = nnx.state(model, nnx.Param)
   sizes = {"/".join(str(k) for k in path): math.prod(v.shape)
-           for path, v in nnx.to_flat_state(state)}
+           for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
   total = sum(sizes.values())
   emb = sum(n for p, n in sizes.items() if p in ("embed", "head"))
-  mixer = sum(n for p, n in sizes.items() if p.startswith("blocks/mixer/"))
-  mlp = sum(n for p, n in sizes.items() if p.startswith("blocks/mlp/"))
-  return {"total": total, "embedding": emb, "non_embedding": total - emb, "mixer": mixer,
-          "mlp": mlp}
+  by_kind: dict[str, dict[str, int]] = {}
+  for p, spec in enumerate(cfg.period):
+    kind = spec.mixer + ("" if spec.mlp else ":nomlp")
+    row = by_kind.setdefault(kind, {"layers": 0, "mixer": 0, "mlp": 0, "norms": 0})
+    row["layers"] += cfg.n_repeats
+    prefix = f"blocks/layers/{p}/"
+    for path, n in sizes.items():
+      if path.startswith(prefix):
+        part = path[len(prefix):].split("/")[0]
+        row[{"mixer": "mixer", "mlp": "mlp"}.get(part, "norms")] += n
+  return {"total": total, "embedding": emb, "non_embedding": total - emb,
+          "mixer": sum(r["mixer"] for r in by_kind.values()),
+          "mlp": sum(r["mlp"] for r in by_kind.values()), "by_kind": by_kind}

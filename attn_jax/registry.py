@@ -1,62 +1,96 @@
 """Name -> token-mixer class. Adding a variant = one new module that registers itself + a config.
 
-A mixer is an `nnx.Module` built as `cls(cfg: ModelConfig, *, rngs)` and called as
+Every module under `attn_jax/attention/` and `attn_jax/ssm/` is imported on the first lookup
+(`pkgutil` over the two packages), so `@register_mixer("name")` on the class is all a new
+variant needs: there is no hand-written list.
 
-    y, new_cache, aux = mixer(x_BTD, positions=positions_BT, cache=cache, cache_index=idx)
+A mixer is an `nnx.Module` with this interface (the decoder, trainer, decoding and evaluator
+only ever use it; none of them branches on a mixer's name):
 
-- `positions` [B, T] int32: absolute token positions (RoPE, decay offsets, masks).
-- `cache`: None for a full forward; else this layer's decoding state (a pytree of fixed-shape
-  arrays made by `cls.init_cache(cfg, batch, max_len, dtype)`), and `cache_index` (int32
-  scalar) is how many tokens it already holds. The mixer returns the updated state.
+    class Mixer(nnx.Module):
+      @dataclasses.dataclass(frozen=True)
+      class Options:                       # defaults, in this one place
+        ...
+        def validate(self, cfg, where): ...  # raise ValueError(f"{where}.<field>: ...")
+
+      def __init__(self, cfg: ModelConfig, opts: Options, *, rngs: nnx.Rngs)
+      def __call__(self, x_BTD, *, positions_BT, state=None, rng=None, train=False)
+          -> (y_BTD, new_state, aux)
+      @classmethod init_state(cls, cfg, opts, batch, capacity, dtype) -> pytree | None
+      @classmethod flops_per_token(cls, cfg, opts, seq_len) -> float
+      @classmethod max_chunk(cls, cfg, opts, capacity) -> int | None      (optional)
+
+- `positions_BT` [B, T] int32: each token's absolute position in its row's stream; -1 marks
+  padding (prompts of different lengths, right-padded), which must neither change the state
+  nor be attended to.
+- `state`: None for a full forward; else the layer's decoding state (fixed-shape arrays from
+  `init_state`); the T new tokens continue the stream it holds and the updated state is
+  returned. The state owns whatever positions/pointers it needs: the caller never computes
+  cache slots.
+- `rng`: a PRNG key for this layer (None = deterministic), `train`: Python bool.
 - `aux`: a dict of scalars to monitor (e.g. SISA's lambda); the decoder stacks them over layers.
-
-Class-level hooks the trainer/evaluator use (they never branch on a mixer's name):
-- `init_cache(cfg, batch, max_len, dtype) -> pytree`
-- `flops_per_token(cfg, seq_len) -> float`: forward FLOPs per token of the mixer's
-  *non-parameter* work (attention scores and values, scans); parameter matmuls are counted from
-  the parameter count (see train/flops.py).
-- `optimizer_overrides` (optional class attribute): {parameter name: {"lr_mult": float,
-  "weight_decay": bool}} for parameters that need their own learning rate or no decay (e.g.
-  SISA's `lambda_raw`: lr x0.1, no decay). Matched on the last component of the parameter path.
-- `validate(cfg)` (optional staticmethod): raise ValueError naming `config.model.<field>`.
+- `flops_per_token`: forward FLOPs per token of the *non-parameter* work (attention scores and
+  values, scans); parameter matmuls are counted from the parameter count (train/flops.py).
+- `max_chunk`: the most new tokens one stateful call can take with a state of `capacity`
+  (None = any); `decode.py` prefills longer prompts in chunks of that size.
+- Optimizer treatment (lr multiplier, weight decay on/off) is metadata on the parameters the
+  mixer creates (`layers.param(..., lr_mult=, weight_decay=)`), read by train/optim.py.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
+import pkgutil
 from typing import Callable
 
 _MIXERS: dict[str, type] = {}
+_PACKAGES = ("attn_jax.attention", "attn_jax.ssm")
+_discovered = False
 
 
 def register_mixer(name: str) -> Callable[[type], type]:
   def deco(cls: type) -> type:
-    if name in _MIXERS and _MIXERS[name] is not cls:
+    if name in _MIXERS and _MIXERS[name].__qualname__ != cls.__qualname__:
       raise ValueError(f"mixer {name!r} is already registered by {_MIXERS[name].__module__}")
+    if not dataclasses.is_dataclass(getattr(cls, "Options", None)):
+      raise TypeError(f"mixer {name!r} ({cls.__module__}) needs a dataclass `Options`")
     _MIXERS[name] = cls
     cls.mixer_name = name
     return cls
   return deco
 
 
-def _import_builtin_mixers() -> None:
-  # Importing the modules registers them. Keep this list in one place.
-  import importlib
-  for mod in ("attn_jax.attention.mha", "attn_jax.attention.sisa"):
-    try:
-      importlib.import_module(mod)
-    except ModuleNotFoundError as e:
-      if e.name != mod:
-        raise
+def _discover() -> None:
+  """Import every module of the mixer packages once (importing registers them)."""
+  global _discovered
+  if _discovered:
+    return
+  _discovered = True
+  for pkg_name in _PACKAGES:
+    pkg = importlib.import_module(pkg_name)
+    for info in pkgutil.iter_modules(pkg.__path__):
+      importlib.import_module(f"{pkg_name}.{info.name}")
 
 
 def get_mixer(name: str) -> type:
-  _import_builtin_mixers()
+  _discover()
   if name not in _MIXERS:
-    raise ValueError(f"config.model.mixer: unknown mixer {name!r}; registered mixers: "
-                     f"{', '.join(sorted(_MIXERS))}")
+    raise ValueError(f"unknown mixer {name!r}; registered mixers: {', '.join(sorted(_MIXERS))}")
   return _MIXERS[name]
 
 
 def available_mixers() -> list[str]:
-  _import_builtin_mixers()
+  _discover()
   return sorted(_MIXERS)
+
+
+def default_options(name: str) -> dict:
+  """The mixer's option defaults as a plain dict (configs/base.py builds its sub-dicts from it)."""
+  return {f.name: getattr(get_mixer(name).Options(), f.name)
+          for f in dataclasses.fields(get_mixer(name).Options)}
+
+
+def max_chunk(cls: type, cfg, opts, capacity: int) -> int | None:
+  fn = getattr(cls, "max_chunk", None)
+  return None if fn is None else fn(cfg, opts, capacity)

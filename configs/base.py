@@ -5,6 +5,8 @@ Mesh axes and logical->mesh rules are tuples (config_flags cannot override lists
 
 import ml_collections
 
+from attn_jax.registry import available_mixers, default_options
+
 
 def get_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
@@ -12,7 +14,7 @@ def get_config() -> ml_collections.ConfigDict:
 
   # ---------------------------------------------------------------- model
   m = c.model = ml_collections.ConfigDict()
-  m.mixer = "attention"          # registry name: attention | sisa | ...
+  m.mixer = "attention"          # registry name (attn_jax.registry.available_mixers())
   m.vocab_size = 50277           # GPT-NeoX-20B tokenizer
   m.d_model = 768
   m.n_layers = 12
@@ -29,18 +31,12 @@ def get_config() -> ml_collections.ConfigDict:
   m.remat = "none"               # none | full | dots (save matmul outputs)
   m.scan_layers = True
   m.attention_impl = "auto"      # auto | xla | cudnn | einsum (see attention/core.py)
-  # Mixer-specific options live in sub-dicts named after the mixer.
-  m.sisa = ml_collections.ConfigDict()
-  m.sisa.d_state = 32
-  m.sisa.decay_bias_init = -5.0
-  m.sisa.lambda_init = -1.0       # lambda = softplus(lambda_raw)
-  m.sisa.use_decay = True
-  m.sisa.use_phase = True
-  m.sisa.learn_lambda = True
-  m.sisa.chunk_size = 0           # query chunk of the chunked path; 0 = auto (see attention/sisa.py)
-  m.sisa.path = "auto"            # auto (cond on the decay range) | fast | chunked (both exact)
-  m.sisa.fast_max_range = 60.0    # nats: largest decay range of the one-call fast path (<= 80)
-  m.sisa.phase_init_std = 0.01    # init std of W_theta (as the authors' code)
+  m.pattern = ()                 # repeating period of layer specs, "mixer" or "mixer:nomlp",
+                                 # e.g. ("attention", "mamba2:nomlp"); () = (mixer,)
+  # Mixer options live in sub-dicts named after the mixer, built from each mixer's own
+  # `Options` defaults (one source of truth), e.g. --config.model.sisa.d_state=16.
+  for name in available_mixers():
+    m[name] = ml_collections.ConfigDict(default_options(name))
 
   # ---------------------------------------------------------------- data
   d = c.data = ml_collections.ConfigDict()
@@ -80,7 +76,6 @@ def get_config() -> ml_collections.ConfigDict:
   o.eps = 1e-8
   o.weight_decay = 0.1
   o.clip_norm = 1.0
-  o.lambda_lr_mult = 0.1         # SISA lambda: 10x lower lr, no weight decay
 
   k = c.checkpoint = ml_collections.ConfigDict()
   k.every_steps = 1000

@@ -30,12 +30,14 @@ class _QuietLibraries:
 def main(argv):
   del argv
   logging.get_absl_handler().addFilter(_QuietLibraries())
+  from attn_jax.eval.run import task_callback
   from attn_jax.train.trainer import train_and_evaluate
 
   config = _CONFIG.value
   workdir = _WORKDIR.value or os.path.join(
       "runs", os.path.splitext(os.path.basename(flags.FLAGS["config"].config_filename))[0])
-  result = train_and_evaluate(config, workdir)
+  tasks = task_callback(config)   # config.eval.tasks, checked before training starts
+  result = train_and_evaluate(config, workdir, eval_callbacks=[tasks] if tasks else [])
   logging.info("done: %s", result)
   print(f"\nmetrics:     {os.path.join(result['workdir'], 'metrics.jsonl')}")
   print(f"tensorboard: {os.path.join(result['workdir'], 'tb')}")

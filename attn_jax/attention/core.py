@@ -35,16 +35,20 @@ def causal_positions(batch: int, length: int) -> jax.Array:
   return jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
 
 
-def positional_mask(q_pos_BT: jax.Array, kv_pos_BS: jax.Array, causal: bool) -> jax.Array:
-  """[B, 1, T, S] boolean: key visible to query."""
+def positional_mask(q_pos_BT: jax.Array, kv_pos_BS: jax.Array, causal: bool,
+                    window: int | None = None) -> jax.Array:
+  """[B, 1, T, S] boolean: key visible to query. `window`: only keys with q_pos - k_pos <
+  window (a sliding window of that many tokens, the query included)."""
   valid = kv_pos_BS[:, None, :] >= 0
   if causal:
     valid = valid & (kv_pos_BS[:, None, :] <= q_pos_BT[:, :, None])
+  if window is not None:
+    valid = valid & (q_pos_BT[:, :, None] - kv_pos_BS[:, None, :] < window)
   return valid[:, None, :, :]
 
 
 def attention_reference(q, k, v, *, scale, causal=True, q_positions=None, kv_positions=None,
-                        bias=None):
+                        bias=None, window=None):
   """Explicit O(T*S) attention in fp32 with repeated kv heads: the ground truth for tests."""
   B, T, H, _ = q.shape
   S, K = k.shape[1], k.shape[2]
@@ -58,7 +62,7 @@ def attention_reference(q, k, v, *, scale, causal=True, q_positions=None, kv_pos
     q_positions = causal_positions(B, T) + (S - T)
   if kv_positions is None:
     kv_positions = causal_positions(B, S)
-  m = positional_mask(q_positions, kv_positions, causal)
+  m = positional_mask(q_positions, kv_positions, causal, window)
   s = jnp.where(m, s, -jnp.inf)
   p = jax.nn.softmax(s, axis=-1)
   p = jnp.where(m, p, 0.0)
@@ -97,21 +101,22 @@ def choose_impl(impl: str, q_dtype, dqk: int) -> str:
 
 
 def attend(q, k, v, *, scale: float, causal: bool = True, q_positions=None, kv_positions=None,
-           bias=None, impl: str = "auto") -> jax.Array:
+           bias=None, impl: str = "auto", window: int | None = None) -> jax.Array:
   """Multi-head attention; see the module docstring. Returns [B, T, H, Dv] in q's dtype."""
   B, T, H, Dqk = q.shape
   S, K, Dv = k.shape[1], k.shape[2], v.shape[-1]
   if k.shape[-1] != Dqk or H % K or v.shape[:3] != k.shape[:3]:
     raise ValueError(f"attention shapes do not fit: q {q.shape}, k {k.shape}, v {v.shape}")
-  plain_causal = causal and q_positions is None and kv_positions is None and T == S
+  plain_causal = (causal and q_positions is None and kv_positions is None and T == S
+                  and window is None)
   impl = choose_impl(impl, q.dtype, Dqk)
   mask = None
-  if not plain_causal and (causal or kv_positions is not None):
+  if not plain_causal and (causal or kv_positions is not None or window is not None):
     if q_positions is None:
       q_positions = causal_positions(B, T) + (S - T)
     if kv_positions is None:
       kv_positions = causal_positions(B, S)
-    mask = positional_mask(q_positions, kv_positions, causal)
+    mask = positional_mask(q_positions, kv_positions, causal, window)
 
   if impl == "einsum":
     if plain_causal:

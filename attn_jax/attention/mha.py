@@ -2,44 +2,23 @@
 
     q, k, v = x W_q, x W_k, x W_v;  q, k <- RoPE(q, k);  y = softmax(q k^T / sqrt(d_h)) v W_o
 
-Decoding keeps a fixed-size KV cache (keys stored after RoPE, slot s = absolute position s), so
-the jitted decode step has one shape for the whole generation.
+Decoding state: a linear KV buffer (`kv_state`, keys stored after RoPE at their absolute
+positions; capacity = the longest stream). New tokens attend to the buffer and to themselves,
+masked by positions, so prompts of different lengths share a batch.
 """
 
 from __future__ import annotations
 
-import jax
+import dataclasses
+
 import jax.numpy as jnp
 from flax import nnx
 
-from attn_jax.attention.core import attend
+from attn_jax.attention import kv_state
+from attn_jax.attention.core import attend, causal_positions
 from attn_jax.config import ModelConfig
 from attn_jax.layers import Linear, apply_rope, dtype_of, rope_angles
 from attn_jax.registry import register_mixer
-
-
-def kv_cache_init(batch: int, max_len: int, n_kv: int, dk: int, dv: int, dtype) -> dict:
-  return {"k": jnp.zeros((batch, max_len, n_kv, dk), dtype),
-          "v": jnp.zeros((batch, max_len, n_kv, dv), dtype)}
-
-
-def kv_cache_update(cache: dict, k_BTKD, v_BTKE, cache_index) -> dict:
-  """Write T new entries at slot `cache_index` (slot = absolute position)."""
-  idx = (0, cache_index, 0, 0)
-  return {"k": jax.lax.dynamic_update_slice(cache["k"], k_BTKD.astype(cache["k"].dtype), idx),
-          "v": jax.lax.dynamic_update_slice(cache["v"], v_BTKE.astype(cache["v"].dtype), idx)}
-
-
-def attend_with_cache(q, k, v, *, scale, positions, cache, cache_index, impl):
-  """Full causal attention (cache None) or attention over the updated fixed-size cache."""
-  if cache is None:
-    return attend(q, k, v, scale=scale, causal=True, impl=impl), None
-  cache = kv_cache_update(cache, k, v, cache_index)
-  B, S = cache["k"].shape[:2]
-  kv_pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
-  out = attend(q, cache["k"].astype(q.dtype), cache["v"].astype(q.dtype), scale=scale,
-               causal=True, q_positions=positions, kv_positions=kv_pos, impl=impl)
-  return out, cache
 
 
 class QKVProjection(nnx.Module):
@@ -55,29 +34,69 @@ class QKVProjection(nnx.Module):
     kw["init_std"] = cfg.init_std / (2 * cfg.n_layers) ** 0.5  # scaled residual init
     self.o = Linear((H, Dh), (D,), in_axes=("heads", "head_dim"), out_axes=("embed",), **kw)
 
+  def rotated_qkv(self, x_BTD, positions_BT, rope_theta: float):
+    """q, k after RoPE at `positions` (padding's -1 rotates harmlessly: it is masked), and v."""
+    q, k, v = self.q(x_BTD), self.k(x_BTD), self.v(x_BTD)
+    cos, sin = rope_angles(positions_BT, q.shape[-1], rope_theta)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def attention_flops_per_token(n_heads: int, d_qk: int, d_v: int, keys: float) -> float:
+  """Scores (d_qk) and values (d_v) per query against `keys` keys: 2 FLOPs per MAC."""
+  return 2.0 * n_heads * (d_qk + d_v) * keys
+
+
+def causal_keys(seq_len: int, window: int | None = None) -> float:
+  """Mean keys per query of a causal (optionally windowed) sequence of `seq_len` tokens: the
+  lower triangle only ((L+1)/2 without a window), as in the FlashAttention/MaxText convention."""
+  L = seq_len
+  if window is None or window >= L:
+    return (L + 1) / 2.0
+  w = window  # the first w queries see 1..w keys, the rest w each
+  return (w * (w + 1) / 2.0 + (L - w) * w) / L
+
 
 @register_mixer("attention")
 class Attention(nnx.Module):
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-    self.cfg = cfg
+
+  @dataclasses.dataclass(frozen=True)
+  class Options:
+    def validate(self, cfg: ModelConfig, where: str) -> None:
+      del cfg, where
+
+  def __init__(self, cfg: ModelConfig, opts: Options, *, rngs: nnx.Rngs):
+    self.cfg, self.opts = cfg, opts
     self.proj = QKVProjection(cfg, rngs=rngs)
 
-  def __call__(self, x, *, positions, cache=None, cache_index=None):
+  def __call__(self, x_BTD, *, positions_BT, state=None, rng=None, train=False):
+    del rng, train
     cfg = self.cfg
-    q, k, v = self.proj.q(x), self.proj.k(x), self.proj.v(x)
-    cos, sin = rope_angles(positions, cfg.head_dim, cfg.rope_theta)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    out, cache = attend_with_cache(q, k, v, scale=cfg.head_dim ** -0.5, positions=positions,
-                                   cache=cache, cache_index=cache_index, impl=cfg.attention_impl)
-    return self.proj.o(out), cache, {}
+    B, T, _ = x_BTD.shape
+    pos_BT = causal_positions(B, T) if positions_BT is None else positions_BT
+    q, k, v = self.proj.rotated_qkv(x_BTD, pos_BT, cfg.rope_theta)
+    scale = cfg.head_dim ** -0.5
+    if state is None:  # positions None: plain 0..T-1, the kernels' fast causal path
+      out = attend(q, k, v, scale=scale, causal=True, q_positions=positions_BT,
+                   kv_positions=positions_BT, impl=cfg.attention_impl)
+      return self.proj.o(out), None, {}
+    keys = kv_state.with_new(state, {"k": k, "v": v}, positions_BT)
+    out = attend(q, keys["k"].astype(q.dtype), keys["v"].astype(q.dtype), scale=scale,
+                 causal=True, q_positions=positions_BT, kv_positions=keys["pos"],
+                 impl=cfg.attention_impl)
+    state = kv_state.write(state, {"k": k, "v": v}, positions_BT, ring=False)
+    return self.proj.o(out), state, {}
 
-  @staticmethod
-  def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype) -> dict:
-    return kv_cache_init(batch, max_len, cfg.kv_heads, cfg.head_dim, cfg.head_dim, dtype)
+  @classmethod
+  def init_state(cls, cfg: ModelConfig, opts, batch: int, capacity: int, dtype) -> dict:
+    return kv_state.init_kv_state(batch, capacity, cfg.kv_heads, cfg.head_dim, cfg.head_dim,
+                                  dtype)
 
-  @staticmethod
-  def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    # QK^T and PV: 2 matmuls x 2 FLOPs/MAC x d_h x H per (query, key) pair. Causal convention:
-    # a query at position i attends to i+1 keys, averaged over the sequence (L+1)/2 keys —
-    # only the computed lower triangle is counted, as in the FlashAttention/MaxText convention.
-    return 4.0 * cfg.n_heads * cfg.head_dim * (seq_len + 1) / 2.0
+  @classmethod
+  def stream_limit(cls, cfg: ModelConfig, opts, capacity: int) -> int | None:
+    return capacity   # a linear buffer holds `capacity` tokens of a stream
+
+  @classmethod
+  def flops_per_token(cls, cfg: ModelConfig, opts, seq_len: int) -> float:
+    return attention_flops_per_token(cfg.n_heads, cfg.head_dim, cfg.head_dim,
+                                     causal_keys(seq_len))
+

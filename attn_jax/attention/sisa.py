@@ -64,12 +64,14 @@ fixed T, and no reference point ever depends on a later token:
    reloading them. With a fused cuDNN core (O(T) residuals) the fast branch is not
    rematerialised. A forced `path` ("fast" is the caller's promise that the range stays below
    the limit) is not rematerialised either: `config.model.remat` governs it as any mixer.
-3. Decoding / prefill with a cache is the chunked path with one chunk at slot `cache_index`:
-   reference r = the running g of the last cached token; cached keys get e^{r - g_j} <= 1,
-   the new block's own pairs go through the difference-form bias. A one-token step is thus
-   exact at any length: query factor e^{g_i - g_{i-1}} = a_i <= 1, key factors <= 1. The cache
-   is fixed-size (slot = absolute position) and holds k (after RoPE), v, R(Phi_j) B_j, g_j and
-   the running g and Phi of the last token.
+3. Decoding / prefill with a state is the chunked path with one chunk after the buffered
+   tokens: reference r = the running g of the last buffered token; buffered keys get
+   e^{r - g_j} <= 1, the new block's own pairs go through the difference-form bias. A one-token
+   step is thus exact at any length: query factor e^{g_i - g_{i-1}} = a_i <= 1, key factors
+   <= 1. The state is a linear `kv_state` buffer (slots record their positions) holding k
+   (after RoPE), v, R(Phi_j) B_j and g_j per slot, and the running g and Phi per row. Padding
+   tokens (position -1) get log a = 0 and theta = 0, so rows of different lengths keep exact
+   running sums.
 
 Precision of g: g is an fp32 cumulative sum, so a difference g_i - g_j of two large sums carries
 an absolute error ~ 2^-24 |g| (relative error of a decay factor ~ 1e-4 at |g| ~ 2000 nats):
@@ -85,17 +87,13 @@ prefix tree) — a sequential scan would be T dependent steps there. log a and t
 in one scan. C, B, theta and the decay pre-activation come from one matmul (their kernels,
 separate parameters with their own logical axes, concatenated at call time).
 
-Cost (experiments/bench.py, 2-core CPU, fp32, d 256 / 4 heads / 4 layers / vocab 4096, equal
-parameter counts, real trainer step; ratio of tokens/s to the Transformer by median process
-CPU time, the machine being shared): seq 1024 — auto 1.02x, fast 1.02x, chunked 1.17x;
-seq 4096 — auto 0.93x, fast 0.96x, chunked 1.51x; half-life ~10 tokens (auto takes the
-chunked path, recomputed in the backward) — 1.30x at 1024, 1.23x at 4096. The d_s extra Q/K
-channels are nearly free next to the softmax on CPU; the chunked path wins because it reads
-only key prefixes while the einsum core computes the full masked square.
+Measured costs (SISA vs the Transformer, path choice) are in the README, produced by
+`experiments/bench.py`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -103,29 +101,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from attn_jax.attention.core import attend, choose_impl
-from attn_jax.attention.mha import QKVProjection, kv_cache_init, kv_cache_update
+from attn_jax.attention import kv_state
+from attn_jax.attention.core import attend, causal_positions, choose_impl
+from attn_jax.attention.mha import QKVProjection, attention_flops_per_token, causal_keys
 from attn_jax.config import ModelConfig
-from attn_jax.layers import Linear, apply_rope, dtype_of, param, rope_angles
+from attn_jax.layers import Linear, dtype_of, param
 from attn_jax.registry import register_mixer
 
 PATHS = ("auto", "fast", "chunked")
 # Largest fast-path decay range per compute dtype (nats): e^T must leave headroom below the
 # dtype's max (fp32/bf16: e^88.7; fp16: e^11.1, and its normal range starts at e^-9.7).
 _DTYPE_RANGE_LIMIT = {"float16": 4.0}
-# Options added after the first configs; read with these defaults when a config lacks them.
-_OPTION_DEFAULTS = {"path": "auto", "fast_max_range": 60.0, "phase_init_std": 0.01}
-
-
-def _opt(cfg: ModelConfig, name: str):
-  try:
-    return getattr(cfg.sisa, name)
-  except AttributeError:
-    if name in _OPTION_DEFAULTS:
-      return _OPTION_DEFAULTS[name]
-    raise ValueError(f"config.model.sisa.{name}: missing") from None
-
-
 # ---------------------------------------------------------------- parameter matching
 
 def sisa_extra_params(d_model: int, n_heads: int, d_state: int) -> int:
@@ -230,18 +216,64 @@ def sisa_attention_reference(q_BTHD, k_BTHD, v_BTHD, c_BTHS, b_BTHS, g_BTH, phi_
 
 # ---------------------------------------------------------------- the mixer
 
+def _number(v) -> bool:
+  return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+@dataclasses.dataclass(frozen=True)
+class SISAOptions:
+  d_state: int = 32               # d_s: B/C channels per head (even: pairs are rotated)
+  decay_bias_init: float = -5.0   # b of log a = -softplus(w.x + b): half-life ~100 tokens
+  lambda_init: float = -1.0       # lambda = softplus(lambda_raw) ~ 0.313
+  use_decay: bool = True
+  use_phase: bool = True
+  learn_lambda: bool = True
+  chunk_size: int = 0             # query chunk of the chunked path; 0 = auto (`chunk_len`)
+  path: str = "auto"              # auto (cond on the decay range) | fast | chunked (all exact)
+  fast_max_range: float = 60.0    # nats: largest decay range of the one-call fast path (<= 80)
+  phase_init_std: float = 0.01    # init std of W_theta (as the authors' code)
+  lambda_lr_mult: float = 0.1     # lambda_raw's learning-rate multiplier (paper: 10x lower)
+
+  def validate(self, cfg: ModelConfig, where: str) -> None:
+    def need(cond, field, msg):
+      if not cond:
+        raise ValueError(f"{where}.{field}: {msg}")
+
+    if cfg.kv_heads != cfg.n_heads:
+      raise ValueError(f"config.model.n_kv_heads: sisa needs one key head per query head "
+                       f"(n_kv_heads 0 or {cfg.n_heads}), got {cfg.n_kv_heads}: B and the "
+                       "decay are per query head")
+    ds = self.d_state
+    need(isinstance(ds, int) and not isinstance(ds, bool) and ds > 0 and ds % 2 == 0,
+         "d_state", f"must be a positive even integer (pairs are rotated), got {ds!r}")
+    for f in ("decay_bias_init", "lambda_init"):
+      need(_number(getattr(self, f)), f, f"must be a finite number, got {getattr(self, f)!r}")
+    for f in ("use_decay", "use_phase", "learn_lambda"):
+      need(isinstance(getattr(self, f), bool), f,
+           f"must be True or False, got {getattr(self, f)!r}")
+    cs = self.chunk_size
+    need(isinstance(cs, int) and not isinstance(cs, bool) and cs >= 0, "chunk_size",
+         f"must be an integer >= 0 (0 = auto), got {cs!r}")
+    need(self.path in PATHS, "path", f"{self.path!r} not in {PATHS}")
+    fr = self.fast_max_range
+    need(_number(fr) and 0 < fr <= 80, "fast_max_range",
+         f"must be in (0, 80] nats (e^80 is near the fp32/bf16 limit e^88.7), got {fr!r}")
+    need(_number(self.phase_init_std) and self.phase_init_std >= 0, "phase_init_std",
+         f"must be >= 0, got {self.phase_init_std!r}")
+    need(_number(self.lambda_lr_mult) and self.lambda_lr_mult >= 0, "lambda_lr_mult",
+         f"must be a finite number >= 0, got {self.lambda_lr_mult!r}")
+
+
 @register_mixer("sisa")
 class SISA(nnx.Module):
   """SISA token mixer (see the module docstring). Options: `config.model.sisa`."""
 
-  # lambda_raw: 10x lower learning rate (config.optim.lambda_lr_mult, default 0.1), no decay.
-  optimizer_overrides = {"lambda_raw": {"lr_mult": 0.1, "weight_decay": False}}
+  Options = SISAOptions
 
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-    self.cfg = cfg
-    o = cfg.sisa
+  def __init__(self, cfg: ModelConfig, opts: SISAOptions, *, rngs: nnx.Rngs):
+    self.cfg, self.opts = cfg, opts
     dt, pdt = dtype_of(cfg.dtype), dtype_of(cfg.param_dtype)
-    H, D, ds = cfg.n_heads, cfg.d_model, int(o.d_state)
+    H, D, ds = cfg.n_heads, cfg.d_model, int(opts.d_state)
     self.proj = QKVProjection(cfg, rngs=rngs)
     kw = dict(rngs=rngs, dtype=dt, param_dtype=pdt)
     self.b_proj = Linear((D,), (H, ds), in_axes=("embed",), out_axes=("heads", "state"),
@@ -251,20 +283,24 @@ class SISA(nnx.Module):
     self.decay_proj = Linear((D,), (H,), in_axes=("embed",), out_axes=("heads",),
                              init_std=cfg.init_std, **kw)
     self.phase_proj = Linear((D,), (H, ds // 2), in_axes=("embed",), out_axes=("heads", "state"),
-                             init_std=float(_opt(cfg, "phase_init_std")), **kw)
-    self.decay_bias = param(rngs, nnx.initializers.constant(float(o.decay_bias_init)), (H,),
+                             init_std=float(opts.phase_init_std), **kw)
+    self.decay_bias = param(rngs, nnx.initializers.constant(float(opts.decay_bias_init)), (H,),
                             ("heads",), pdt)
-    self.lambda_raw = param(rngs, nnx.initializers.constant(float(o.lambda_init)), (H,),
-                            ("heads",), pdt)
+    # lambda: its own (10x lower) learning rate and no weight decay, as the paper trains it.
+    self.lambda_raw = param(rngs, nnx.initializers.constant(float(opts.lambda_init)), (H,),
+                            ("heads",), pdt, lr_mult=opts.lambda_lr_mult, weight_decay=False)
 
   # -------------------------------------------------------------- per-token features
   def features(self, x_BTD, positions_BT):
-    """q, k (after RoPE), v, C, B, log a, theta (None without phase), lambda."""
-    cfg, o = self.cfg, self.cfg.sisa
+    """q, k (after RoPE), v, C, B, log a, theta (None without phase), lambda.
+
+    Padding tokens (position -1) get log a = 0 and theta = 0: they leave g and Phi unchanged.
+    """
+    cfg, o = self.cfg, self.opts
     p, f = self.proj, stat_dtype(cfg)
-    q, k, v = p.q(x_BTD), p.k(x_BTD), p.v(x_BTD)
-    cos, sin = rope_angles(positions_BT, cfg.head_dim, cfg.rope_theta)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    B, T, _ = x_BTD.shape
+    pos_BT = causal_positions(B, T) if positions_BT is None else positions_BT
+    q, k, v = p.rotated_qkv(x_BTD, pos_BT, cfg.rope_theta)
     # C, B, theta and the decay pre-activation in one matmul (their kernels side by side).
     H, D = cfg.n_heads, cfg.d_model
     parts = [self.c_proj, self.b_proj] + [self.phase_proj] * bool(o.use_phase) \
@@ -281,30 +317,34 @@ class SISA(nnx.Module):
       loga = -jax.nn.softplus(pre)
     else:
       loga = jnp.zeros(x_BTD.shape[:2] + (H,), f)
+    if positions_BT is not None:
+      valid = (positions_BT >= 0)[..., None]
+      loga = jnp.where(valid, loga, 0.0)
+      theta = None if theta is None else jnp.where(valid[..., None], theta, 0.0)
     lam = jax.nn.softplus(self.lambda_raw[...].astype(f))
     if not o.learn_lambda:
       lam = jax.lax.stop_gradient(lam)
     return q, k, v, c, b, loga, theta, lam
 
-  def __call__(self, x, *, positions, cache=None, cache_index=None):
+  def __call__(self, x_BTD, *, positions_BT=None, state=None, rng=None, train=False):
+    del rng, train
     cfg = self.cfg
-    q, k, v, c, b, loga, theta, lam = self.features(x, positions)
-    g, phi = decay_and_phase(loga, theta)      # with a cache: sums over the new tokens only
+    q, k, v, c, b, loga, theta, lam = self.features(x_BTD, positions_BT)
+    g, phi = decay_and_phase(loga, theta)      # with a state: sums over the new tokens only
     ell = g
-    if cache is not None:
-      g = cache["g_last"][:, None] + ell
-      phi = None if phi is None else cache["phi_last"][:, None] + phi
+    if state is not None:
+      g = state["g_last"][:, None] + ell
+      phi = None if phi is None else state["phi_last"][:, None] + phi
     rc = c.astype(g.dtype) if phi is None else rotate_pairs(c, phi)
     rb = b.astype(g.dtype) if phi is None else rotate_pairs(b, phi)
     qscale = lam * math.sqrt(cfg.head_dim)                      # s^2 = lambda sqrt(d_h)
 
-    if cache is None:
+    if state is None:
       out, chunked = self._full(q, k, v, rc, rb, g, lam, qscale)
     else:
-      out, cache = self._cached(q, k, v, rc, rb, g, ell, lam, qscale, positions, cache,
-                                cache_index)
+      out, state = self._cached(q, k, v, rc, rb, g, ell, lam, qscale, positions_BT, state)
       if phi is not None:
-        cache["phi_last"] = phi[:, -1]
+        state["phi_last"] = phi[:, -1]
       chunked = jnp.ones((), jnp.float32)
 
     mean_loga = jnp.mean(loga)
@@ -318,13 +358,12 @@ class SISA(nnx.Module):
         "decay_range": -jnp.min(g[:, -1]),
         "chunked": chunked,
     }
-    return self.proj.o(out), cache, aux
+    return self.proj.o(out), state, aux
 
   # -------------------------------------------------------------- full sequence
   def _full(self, q, k, v, rc, rb, g, lam, qscale):
     cfg = self.cfg
-    path = _opt(cfg, "path")
-    limit = self.fast_range_limit(cfg)
+    path = self.opts.path
     args = (q, k, v, rc, rb, g, lam, qscale)
     if path == "fast":
       return self._fast(*args), jnp.zeros((), jnp.float32)
@@ -332,7 +371,7 @@ class SISA(nnx.Module):
       return self._chunked(*args), jnp.ones((), jnp.float32)
     # g is non-increasing (log a <= 0, and rounding is monotone), so its range from the empty
     # prefix is -g at the last token.
-    use_fast = -jnp.min(g[:, -1]) <= limit
+    use_fast = -jnp.min(g[:, -1]) <= self.fast_range_limit(cfg, self.opts)
     # Both branches rematerialised, so the cond carries no [T, S] residuals (see the module
     # docstring) — except a fused cuDNN fast branch, whose own residuals are O(T).
     fast = lambda a: self._fast(*a)
@@ -344,7 +383,7 @@ class SISA(nnx.Module):
   def _fast(self, q, k, v, rc, rb, g, lam, qscale):
     """One attend call; reference r = 0 (valid while -g <= fast_max_range)."""
     cfg, dt = self.cfg, q.dtype
-    limit = self.fast_range_limit(cfg)
+    limit = self.fast_range_limit(cfg, self.opts)
     # The clips are no-ops when this path is chosen; they keep a speculative evaluation
     # (e.g. cond under vmap becomes select) free of inf.
     qf = jnp.exp(jnp.maximum(g, -limit)) * qscale            # [B, T, H] <= 1 * qscale
@@ -357,7 +396,7 @@ class SISA(nnx.Module):
     """Query chunks with reference g_{a-1}; in-chunk pairs as a difference-form bias."""
     cfg, dt = self.cfg, q.dtype
     B, T, H, _ = q.shape
-    c = self.chunk_len(cfg, T)
+    c = self.chunk_len(self.opts, T)
     impl = choose_impl(cfg.attention_impl, dt, q.shape[-1] + rc.shape[-1])
     bias_dt = dt if impl == "cudnn" else g.dtype          # cuDNN wants the q dtype
     outs = []
@@ -380,107 +419,71 @@ class SISA(nnx.Module):
     return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
 
   # -------------------------------------------------------------- decoding
-  def _cached(self, q, k, v, rc, rb, g, ell, lam, qscale, positions, cache, cache_index):
-    """T new tokens at slot `cache_index` (slot = absolute position); one chunk, r = g_last.
+  def _cached(self, q, k, v, rc, rb, g, ell, lam, qscale, positions_BT, state):
+    """T new tokens after the buffered ones: one chunk with reference r = g of the last
+    buffered token. Keys are [buffer S ; new T] (`kv_state.with_new`).
 
     ell = g - r is summed over the new tokens only, so the query factors e^ell and the in-block
     decays e^{ell_i - ell_j} keep full precision however large |g| has grown.
     """
     cfg, dt = self.cfg, q.dtype
     B, T, H, _ = q.shape
-    S = cache["k"].shape[1]
-    r = cache["g_last"]                                                 # [B, H]
-    kv = kv_cache_update({"k": cache["k"], "v": cache["v"]}, k, v, cache_index)
-    idx = (0, cache_index, 0, 0)
-    rb_c = jax.lax.dynamic_update_slice(cache["rb"], rb.astype(cache["rb"].dtype), idx)
-    g_c = jax.lax.dynamic_update_slice(cache["g"], g, idx[:3])
-    slot = jnp.arange(S, dtype=jnp.int32)
-    past = (slot < cache_index)[None, :, None]
-    kf = jnp.exp(jnp.where(past, r[:, None] - g_c, -jnp.inf))         # <= 1; 0 elsewhere
-    kh = jnp.concatenate([kv["k"].astype(dt), (kf[..., None] * rb_c.astype(g.dtype))
-                          .astype(dt)], axis=-1)
+    S = state["pos"].shape[1]
+    r = state["g_last"]                                                 # [B, H]
+    past = (state["pos"] >= 0)[..., None]                               # [B, S, 1]
+    kf = jnp.exp(jnp.where(past, r[:, None] - state["g"], -jnp.inf))   # <= 1; 0 when empty
+    k_past = jnp.concatenate([state["k"].astype(dt),
+                              (kf[..., None] * state["rb"].astype(g.dtype)).astype(dt)], -1)
+    k_new = jnp.concatenate([k, jnp.zeros(rb.shape, dt)], axis=-1)    # in-chunk: the bias
+    keys = kv_state.with_new({"k": k_past, "v": state["v"], "pos": state["pos"]},
+                             {"k": k_new, "v": v}, positions_BT)
     qf = jnp.exp(ell) * qscale                                           # <= qscale
     qh = jnp.concatenate([q, (qf[..., None] * rc).astype(dt)], axis=-1)
     causal = jnp.arange(T)[:, None] >= jnp.arange(T)[None, :]
     loc = _local_bias(rc, rb, ell, ell, lam, causal)                     # [B, H, T, T]
     impl = choose_impl(cfg.attention_impl, dt, qh.shape[-1])
-    bias = jax.lax.dynamic_update_slice(jnp.zeros((B, H, T, S), g.dtype), loc,
-                                        (0, 0, 0, cache_index))
+    bias = jnp.pad(loc, ((0, 0), (0, 0), (0, 0), (S, 0)))
     bias = bias.astype(dt if impl == "cudnn" else g.dtype)
-    kpos = jnp.broadcast_to(slot, (B, S))
-    out = attend(qh, kh, kv["v"].astype(dt), scale=cfg.head_dim ** -0.5, causal=True,
-                 q_positions=positions, kv_positions=kpos, bias=bias, impl=impl)
-    new_cache = dict(kv, rb=rb_c, g=g_c, g_last=g[:, -1], phi_last=cache["phi_last"])
-    return out, new_cache
+    out = attend(qh, keys["k"], keys["v"].astype(dt), scale=cfg.head_dim ** -0.5, causal=True,
+                 q_positions=positions_BT, kv_positions=keys["pos"], bias=bias, impl=impl)
+    new = kv_state.write(state, {"k": k, "v": v, "rb": rb, "g": g}, positions_BT, ring=False)
+    new["g_last"] = g[:, -1]     # padding (log a = 0) keeps the last valid token's g
+    return out, new
 
   # -------------------------------------------------------------- class-level hooks
   @staticmethod
-  def fast_range_limit(cfg: ModelConfig) -> float:
-    return min(float(_opt(cfg, "fast_max_range")), _DTYPE_RANGE_LIMIT.get(cfg.dtype, 1e9))
+  def fast_range_limit(cfg: ModelConfig, opts: SISAOptions) -> float:
+    return min(float(opts.fast_max_range), _DTYPE_RANGE_LIMIT.get(cfg.dtype, 1e9))
 
   @staticmethod
-  def chunk_len(cfg: ModelConfig, seq_len: int) -> int:
+  def chunk_len(opts: SISAOptions, seq_len: int) -> int:
     """Query chunk of the chunked path: `chunk_size`, or auto = max(128, T/8) rounded up to 64
     (at most 8 unrolled chunks; each reads only its key prefix)."""
-    c = int(cfg.sisa.chunk_size)
+    c = int(opts.chunk_size)
     if c <= 0:
       c = max(128, -(-seq_len // 8))
       c = -(-c // 64) * 64
     return min(c, seq_len)
 
-  @staticmethod
-  def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype) -> dict:
-    H, ds, f = cfg.n_heads, int(cfg.sisa.d_state), stat_dtype(cfg)
-    cache = kv_cache_init(batch, max_len, cfg.kv_heads, cfg.head_dim, cfg.head_dim, dtype)
-    cache.update(
-        rb=jnp.zeros((batch, max_len, H, ds), dtype),             # R(Phi_j) B_j per slot
-        g=jnp.zeros((batch, max_len, H), f),                      # g_j per slot
-        g_last=jnp.zeros((batch, H), f),                          # running g (empty prefix: 0)
-        phi_last=jnp.zeros((batch, H, ds // 2), f))               # running Phi
-    return cache
+  @classmethod
+  def init_state(cls, cfg: ModelConfig, opts: SISAOptions, batch: int, capacity: int,
+                 dtype) -> dict:
+    H, ds, f = cfg.n_heads, int(opts.d_state), stat_dtype(cfg)
+    state = kv_state.init_kv_state(batch, capacity, cfg.kv_heads, cfg.head_dim, cfg.head_dim,
+                                   dtype, rb=((H, ds), dtype),   # R(Phi_j) B_j per slot
+                                   g=((H,), f))                  # g_j per slot
+    state["g_last"] = jnp.zeros((batch, H), f)                   # running g (empty prefix: 0)
+    state["phi_last"] = jnp.zeros((batch, H, ds // 2), f)        # running Phi
+    return state
 
-  @staticmethod
-  def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    # Q^K^T over d_h + d_s channels and PV over d_h: 2 FLOPs/MAC x H per (query, key) pair.
-    # Causal convention as attention's: a query at position i attends to i+1 keys, averaged
-    # (L+1)/2 — only the computed lower triangle. The elementwise O(H d_s) work per token
-    # (cumsums, rotations, decay factors) is not counted, like RoPE and softmax (train/flops.py).
-    H, dh, ds = cfg.n_heads, cfg.head_dim, int(cfg.sisa.d_state)
-    return 2.0 * H * (2 * dh + ds) * (seq_len + 1) / 2.0
+  @classmethod
+  def stream_limit(cls, cfg: ModelConfig, opts, capacity: int) -> int:
+    return capacity
 
-  @staticmethod
-  def validate(cfg: ModelConfig) -> None:
-    def need(cond, field, msg):
-      if not cond:
-        raise ValueError(f"config.model.{field}: {msg}")
-
-    need(cfg.kv_heads == cfg.n_heads, "n_kv_heads",
-         f"sisa needs one key head per query head (n_kv_heads 0 or {cfg.n_heads}), got "
-         f"{cfg.n_kv_heads}: B and the decay are per query head")
-    try:
-      o = cfg.sisa
-    except AttributeError:
-      raise ValueError("config.model.sisa: missing (see configs/base.py)") from None
-    for f in ("d_state", "decay_bias_init", "lambda_init", "use_decay", "use_phase",
-              "learn_lambda", "chunk_size"):
-      need(f in o.to_dict(), f"sisa.{f}", "missing (see configs/base.py)")
-    ds = o.d_state
-    need(isinstance(ds, int) and not isinstance(ds, bool) and ds > 0 and ds % 2 == 0,
-         "sisa.d_state", f"must be a positive even integer (pairs are rotated), got {ds!r}")
-    for f in ("decay_bias_init", "lambda_init"):
-      val = getattr(o, f)
-      need(isinstance(val, (int, float)) and not isinstance(val, bool) and math.isfinite(val),
-           f"sisa.{f}", f"must be a finite number, got {val!r}")
-    for f in ("use_decay", "use_phase", "learn_lambda"):
-      need(isinstance(getattr(o, f), bool), f"sisa.{f}", f"must be True or False, got "
-           f"{getattr(o, f)!r}")
-    cs = o.chunk_size
-    need(isinstance(cs, int) and not isinstance(cs, bool) and cs >= 0, "sisa.chunk_size",
-         f"must be an integer >= 0 (0 = auto), got {cs!r}")
-    need(_opt(cfg, "path") in PATHS, "sisa.path", f"{_opt(cfg, 'path')!r} not in {PATHS}")
-    fr = _opt(cfg, "fast_max_range")
-    need(isinstance(fr, (int, float)) and 0 < fr <= 80, "sisa.fast_max_range",
-         f"must be in (0, 80] nats (e^80 is near the fp32/bf16 limit e^88.7), got {fr!r}")
-    ps = _opt(cfg, "phase_init_std")
-    need(isinstance(ps, (int, float)) and ps >= 0, "sisa.phase_init_std",
-         f"must be >= 0, got {ps!r}")
+  @classmethod
+  def flops_per_token(cls, cfg: ModelConfig, opts: SISAOptions, seq_len: int) -> float:
+    # Q^K^T over d_h + d_s channels and PV over d_h, causal lower triangle as attention's.
+    # The elementwise O(H d_s) work per token (cumsums, rotations, decay factors) is not
+    # counted, like RoPE and softmax (train/flops.py).
+    return attention_flops_per_token(cfg.n_heads, cfg.head_dim + int(opts.d_state),
+                                     cfg.head_dim, causal_keys(seq_len))

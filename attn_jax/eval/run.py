@@ -53,8 +53,7 @@ class ModelScorer:
       raise ValueError("ModelScorer needs a model or a graphdef")
     self.state = tuple(state)
     self.logits_apply = jax.jit(lambda st, t: nnx.merge(graphdef, *st)(t))
-    self.hidden_apply = jax.jit(
-        lambda st, t: nnx.merge(graphdef, *st)(t, features_only=True))
+    self.hidden_apply = jax.jit(lambda st, t: nnx.merge(graphdef, *st).hidden(t))
     self.head_apply = jax.jit(lambda st, h: nnx.merge(graphdef, *st).unembed(h))
 
   def set_state(self, *state) -> "ModelScorer":
@@ -120,6 +119,33 @@ def run_tasks(logits_fn, config: ml_collections.ConfigDict, tasks: Sequence[str]
                                          "batch_size": batch_size, "limit": limit}}
 
 
+def task_callback(config: ml_collections.ConfigDict):
+  """The trainer's evaluation callback for `config.eval.tasks`: `(state, step) -> metrics`.
+
+  Task names are checked now (before hours of training). The scorer is built once from the
+  model's abstract graph, and the train state's parameters are set at each call, so every
+  evaluation after the first reuses its compilations.
+  """
+  from attn_jax.model import abstract_model
+
+  tasks = parse_tasks(config.eval.tasks)
+  if not tasks:
+    return None
+  graphdef = nnx.split(abstract_model(config.model))[0]
+  scorer = ModelScorer(graphdef=graphdef)
+
+  def callback(state, step):
+    del step
+    scorer.set_state(state["params"], state["rest"])
+    try:
+      out = run_tasks(scorer, config, tasks)
+    finally:
+      scorer.set_state()  # hold no reference to buffers the next train step donates
+    return scalar_metrics(out["results"])
+
+  return callback
+
+
 def scalar_metrics(results: Mapping[str, Any], prefix: str = "eval/") -> dict[str, float]:
   """Flat {eval/<task>/<metric>: float} for metrics.jsonl / TensorBoard."""
   out = {}
@@ -146,7 +172,7 @@ def evaluate_checkpoint(workdir: str, tasks: str | Sequence[str], *, step: int |
   out = run_tasks(ModelScorer(model), config, names, tokenizer=tok, data_paths=data_paths,
                   max_len=max_len or None, batch_size=batch_size or None, limit=limit)
   out["config"].update(workdir=os.path.abspath(workdir), step=int(step),
-                       mixer=config.model.mixer)
+                       mixer=config.model.mixer, pattern=list(config.model.get("pattern", ())))
   paths = report.write_report(out, out_dir or os.path.join(workdir, "eval"))
   if "niah" in out["results"]:
     r = out["results"]["niah"]

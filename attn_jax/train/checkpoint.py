@@ -55,6 +55,15 @@ class Checkpointer:
     out = self._mngr.restore(step, args=ocp.args.Composite(**items))
     return out["state"]
 
+  def restore_subtree(self, target: Any, step: int) -> Any:
+    """Restore only the leaves of `target` (a sub-tree of the saved state, abstract arrays with
+    shardings), e.g. the parameters without the optimizer state."""
+    out = self._mngr.restore(step, args=ocp.args.Composite(
+        state=ocp.args.PyTreeRestore(item=target, partial_restore=True,
+                                     restore_args=ocp.checkpoint_utils.construct_restore_args(
+                                         target))))
+    return out["state"]
+
   def restore_meta(self, step: int | None = None) -> dict:
     step = self.latest_step() if step is None else step
     return self._mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
@@ -77,13 +86,18 @@ def config_to_json(config) -> dict:
 
 
 def load_for_inference(workdir: str, step: int | None = None, *, devices=None):
-  """(model, config, step) from a training run directory: the config is read from the
-  checkpoint's `meta`, the parameters restored onto `devices` (default: all local devices,
-  data-parallel mesh) — usable from a notebook or the evaluator."""
+  """(model, config, step) from a training run directory, for a notebook or the evaluator.
+
+  The config is read from the checkpoint's `meta`; only the parameters (and non-trainable
+  state) are restored — never the optimizer moments (2x the parameters) — sharded over a mesh
+  of `devices` (default: all devices) by the config's logical-axis rules, each host reading
+  only its shards.
+  """
   import ml_collections
   from flax import nnx
 
-  from attn_jax.train.trainer import build_setup
+  from attn_jax import sharding as shd
+  from attn_jax.model import abstract_model
 
   directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
   if not os.path.isdir(directory):  # checked first: the manager would create the folder
@@ -97,13 +111,20 @@ def load_for_inference(workdir: str, step: int | None = None, *, devices=None):
   if step not in steps:
     raise FileNotFoundError(f"no checkpoint for step {step} under {ckpt.directory} (have "
                             f"{steps})")
-  meta = ckpt.restore_meta(step)
-  config = ml_collections.ConfigDict(_tuples(meta["config"]))
-  setup = build_setup(config, devices=devices)
-  state = ckpt.restore(setup.abstract_state, step=step)
+  config = ml_collections.ConfigDict(_tuples(ckpt.restore_meta(step)["config"]))
+  mesh = shd.make_mesh(config.mesh.shape, config.mesh.axis_names, devices)
+  rules = shd.rules_dict(config.mesh.rules)
+  graphdef, abs_params, abs_rest = nnx.split(abstract_model(config.model), nnx.Param, ...)
+  target = {}
+  for name, abs_part in (("params", abs_params), ("rest", abs_rest)):
+    shardings = shd.state_shardings(abs_part, mesh, rules)
+    target[name] = abstract_with_shardings(nnx.to_pure_dict(abs_part), shardings)
+  restored = ckpt.restore_subtree(target, step)
   ckpt.close()
-  model = nnx.merge(setup.graphdef, state["params"], state["rest"])
-  return model, config, step
+  params, rest = nnx.State(abs_params), nnx.State(abs_rest)
+  nnx.replace_by_pure_dict(params, restored["params"])
+  nnx.replace_by_pure_dict(rest, restored["rest"])
+  return nnx.merge(graphdef, params, rest), config, step
 
 
 def _tuples(x):

@@ -44,7 +44,8 @@ def forward_flops_per_token(cfg: ModelConfig, n_params: dict[str, int], seq_len:
   # non_embedding excludes the embedding table and an untied head; the head matmul is added
   # once. (It also holds norm scales and per-head scalars: < 0.1% of N, counted as matmul.)
   dense = 2.0 * (n_params["non_embedding"] + head)
-  mixer = get_mixer(cfg.mixer).flops_per_token(cfg, seq_len) * cfg.n_layers
+  mixer = sum(get_mixer(spec.mixer).flops_per_token(cfg, cfg.options_for(spec.mixer), seq_len)
+              for spec in cfg.layer_specs)
   return dense + mixer
 
 

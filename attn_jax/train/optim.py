@@ -1,14 +1,15 @@
 """AdamW with warmup + cosine, global-norm clipping, weight-decay exclusions and per-parameter
-learning-rate multipliers (a mixer declares them in `optimizer_overrides`).
+learning-rate multipliers.
 
-Weight decay applies to matrices only: a parameter is decayed iff it has >= 2 axes besides the
-stacked `layers` axis (so norm scales and per-head scalars are not), and not if its mixer
-overrides it (e.g. SISA's lambda_raw: no decay, lr x0.1).
+A parameter's treatment is metadata set where it is created (`layers.param(..., lr_mult=,
+weight_decay=)`, e.g. SISA's lambda_raw: lr x0.1, no decay); the optimizer reads it and knows no
+parameter names. Default: weight decay iff the parameter has >= 2 axes besides the stacked
+`layers` axis (matrices; norm scales and per-head scalars are not decayed), lr multiplier 1.
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -26,22 +27,21 @@ def lr_schedule(o: ml_collections.ConfigDict, total_steps: int) -> optax.Schedul
       decay_steps=max(total_steps, warmup + 1), end_value=o.lr * o.min_lr_ratio)
 
 
-def _param_groups(abstract_params: Any, overrides: Mapping[str, Mapping[str, Any]]):
-  """(decay mask, lr multiplier) trees (pure dicts) from the abstract nnx Param state."""
-  def decay(path, var):
-    name = str(path[-1].key)
-    if name in overrides and "weight_decay" in overrides[name]:
-      return bool(overrides[name]["weight_decay"])
-    names = logical_axes(var)
-    return sum(1 for n in names if n != "layers") >= 2
+def param_groups(abstract_params: Any):
+  """(decay mask, lr multiplier) trees (pure dicts) from an nnx State of Params' metadata."""
+  def decay(var):
+    meta = var.get_metadata()
+    if meta.get("weight_decay") is not None:
+      return bool(meta["weight_decay"])
+    return sum(1 for n in logical_axes(var) if n != "layers") >= 2
 
-  def mult(path, var):
-    return float(overrides.get(str(path[-1].key), {}).get("lr_mult", 1.0))
+  def mult(var):
+    return float(var.get_metadata().get("lr_mult", 1.0))
 
   is_var = lambda x: isinstance(x, nnx.Variable)
   pure = lambda tree: nnx.to_pure_dict(tree) if isinstance(tree, nnx.State) else tree
-  return (pure(jax.tree_util.tree_map_with_path(decay, abstract_params, is_leaf=is_var)),
-          pure(jax.tree_util.tree_map_with_path(mult, abstract_params, is_leaf=is_var)))
+  return (pure(jax.tree.map(decay, abstract_params, is_leaf=is_var)),
+          pure(jax.tree.map(mult, abstract_params, is_leaf=is_var)))
 
 
 def scale_by_tree(multipliers: Any) -> optax.GradientTransformation:
@@ -49,11 +49,10 @@ def scale_by_tree(multipliers: Any) -> optax.GradientTransformation:
       lambda u, m: u if m == 1.0 else u * jnp.asarray(m, u.dtype), updates, multipliers))
 
 
-def make_optimizer(config: ml_collections.ConfigDict, abstract_params: Any,
-                   overrides: Mapping[str, Mapping[str, Any]] | None = None):
+def make_optimizer(config: ml_collections.ConfigDict, abstract_params: Any):
   """Returns (optax transform, lr schedule). `abstract_params` is an nnx.State of Params."""
   o = config.optim
-  decay_mask, lr_mult = _param_groups(abstract_params, overrides or {})
+  decay_mask, lr_mult = param_groups(abstract_params)
   sched = lr_schedule(o, config.train.steps)
   chain = [optax.clip_by_global_norm(o.clip_norm)] if o.clip_norm > 0 else []
   chain += [

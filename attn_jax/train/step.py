@@ -31,9 +31,9 @@ def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array, weights_BT: jax.
 
 
 def make_loss_fn(graphdef: nnx.GraphDef) -> Callable:
-  def loss_fn(params, rest, batch, total_weight):
+  def loss_fn(params, rest, batch, total_weight, rng=None):
     model = nnx.merge(graphdef, params, rest)
-    logits, aux = model(batch["inputs"], return_aux=True)
+    logits, aux = model.logits_and_aux(batch["inputs"], rng=rng, train=True)
     nll, w, hits = cross_entropy(logits, batch["targets"], batch["weights"])
     return nll / total_weight, (nll, w, hits, aux)
   return loss_fn
@@ -45,6 +45,10 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
 
   The loss is the mean over *all* weighted tokens of the A micro-batches (not a mean of
   per-micro-batch means), so accumulation gives exactly the gradient of the big batch.
+
+  Randomness (mixers' noise, dropout): micro-batch a of step s uses
+  fold_in(fold_in(state["rng"], s), a) — a function of the step, so a resumed run draws the
+  same noise as an uninterrupted one. `state["rng"]` itself never changes.
   """
   loss_fn = make_loss_fn(graphdef)
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
@@ -53,26 +57,27 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
     params, rest = state["params"], state["rest"]
     total_w = jnp.maximum(jnp.sum(batch["weights"].astype(jnp.float32)), 1.0)
     n_micro = batch["inputs"].shape[0]
+    step_key = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), state["step"])
 
-    def micro(carry, mb):
+    def micro(carry, mb_and_index):
+      mb, a = mb_and_index
       g_acc, nll_acc, w_acc, hit_acc = carry
-      (_, (nll, w, hits, aux)), g = grad_fn(params, rest, mb, total_w)
+      (_, (nll, w, hits, aux)), g = grad_fn(params, rest, mb, total_w,
+                                            jax.random.fold_in(step_key, a))
       g_acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), g_acc, g)
       return (g_acc, nll_acc + nll, w_acc + w, hit_acc + hits), aux
 
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
     init = (zeros, 0.0, 0.0, 0.0)
     if n_micro == 1:
-      carry, aux = micro(init, jax.tree.map(lambda a: a[0], batch))
+      carry, aux = micro(init, (jax.tree.map(lambda a: a[0], batch), 0))
     else:
-      carry, aux = jax.lax.scan(micro, init, batch)
+      carry, aux = jax.lax.scan(micro, init, (batch, jnp.arange(n_micro)))
       aux = jax.tree.map(lambda a: a[-1], aux)
     grads, nll, w, hits = carry
     updates, opt_state = tx.update(grads, state["opt_state"], params)
     new_params = optax.apply_updates(params, updates)
-    rng, _ = jax.random.split(state["rng"])
-    new_state = dict(state, params=new_params, opt_state=opt_state, step=state["step"] + 1,
-                     rng=rng)
+    new_state = dict(state, params=new_params, opt_state=opt_state, step=state["step"] + 1)
     metrics = {
         "loss": nll / jnp.maximum(w, 1.0),
         "accuracy": hits / jnp.maximum(w, 1.0),

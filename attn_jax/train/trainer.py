@@ -16,7 +16,7 @@ import dataclasses
 import logging
 import os
 import time
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +29,6 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from attn_jax import sharding as shd
 from attn_jax.config import ModelConfig, validate
 from attn_jax.model import build_model, count_params
-from attn_jax.registry import get_mixer
 from attn_jax.train import flops as flops_lib
 from attn_jax.train.checkpoint import Checkpointer, abstract_with_shardings, config_to_json
 from attn_jax.train.metrics import MetricWriter, flatten_metrics
@@ -60,12 +59,7 @@ def build_setup(config: ml_collections.ConfigDict, *, devices=None) -> Setup:
   rules = shd.rules_dict(config.mesh.rules)
   abs_model = nnx.eval_shape(lambda: build_model(cfg, seed=config.seed))
   graphdef, abs_params, abs_rest = nnx.split(abs_model, nnx.Param, ...)
-  mixer_cls = get_mixer(cfg.mixer)
-  overrides = dict(getattr(mixer_cls, "optimizer_overrides", {}) or {})
-  for name, ov in overrides.items():  # the config decides the lr multiplier of such params
-    if "lr_mult" in ov and name == "lambda_raw":
-      overrides[name] = dict(ov, lr_mult=config.optim.lambda_lr_mult)
-  tx, sched = make_optimizer(config, abs_params, overrides)
+  tx, sched = make_optimizer(config, abs_params)   # per-parameter treatment from metadata
 
   param_sh = shd.state_shardings(abs_params, mesh, rules)
   rest_sh = shd.state_shardings(abs_rest, mesh, rules)
@@ -118,21 +112,21 @@ def _next_batch(it, accum: int, batch_sh) -> dict:
   return {k: jax.make_array_from_process_local_data(batch_sh, v) for k, v in local.items()}
 
 
-class _Evaluator:
-  """Periodic evaluation during training: held-out loss/accuracy and the tasks named in
-  config.eval.tasks (e.g. mqar, niah). Built once, so every evaluation after the first reuses
-  its compilations (the state is an argument of the jitted functions)."""
+EvalCallback = Callable[[dict, int], dict]
+"""`callback(state, step) -> {metric: value}`, run at every evaluation (see `train_and_evaluate`);
+`state` is the train state dict (params, rest, opt_state, step, rng). Benchmark tasks come in this
+way (`attn_jax.eval.run.task_callback`), so the trainer never imports the evaluator."""
 
-  def __init__(self, setup: Setup, config: ml_collections.ConfigDict, heldout):
-    self._config = config
+
+class _Evaluator:
+  """Periodic evaluation during training: held-out loss/accuracy, then the callbacks. Built
+  once, so every evaluation after the first reuses its compilations (the state is an argument
+  of the jitted functions)."""
+
+  def __init__(self, setup: Setup, heldout, callbacks: Sequence[EvalCallback]):
     self._heldout = heldout
     self._step = jax.jit(make_eval_step(setup.graphdef))
-    self._scorer = None
-    self._tasks = []
-    if config.eval.tasks:
-      from attn_jax.eval import run as eval_run
-      self._tasks = eval_run.parse_tasks(config.eval.tasks)
-      self._scorer = eval_run.ModelScorer(graphdef=setup.graphdef)
+    self._callbacks = tuple(callbacks)
 
   def heldout(self, state) -> dict[str, float]:
     """Loss/accuracy on held-out batches (weighted tokens only), summed exactly over batches."""
@@ -144,25 +138,21 @@ class _Evaluator:
     w = max(w, 1.0)
     return {"eval/loss": nll / w, "eval/accuracy": hits / w, "eval/weighted_tokens": w}
 
-  def tasks(self, state) -> dict[str, float]:
-    if self._scorer is None:
-      return {}
-    from attn_jax.eval import run as eval_run
-    self._scorer.set_state(state["params"], state["rest"])
-    try:
-      out = eval_run.run_tasks(self._scorer, self._config, self._tasks)
-    finally:
-      self._scorer.set_state()  # hold no reference to buffers the next step donates
-    return eval_run.scalar_metrics(out["results"])
-
-  def __call__(self, state) -> dict[str, float]:
+  def __call__(self, state, step: int) -> dict[str, float]:
     out = self.heldout(state)
-    out.update(self.tasks(state))
+    for cb in self._callbacks:
+      out.update(cb(state, step))
     return out
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
-  """Train (or resume) a model; returns the final metrics."""
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
+                       eval_callbacks: Sequence[EvalCallback] = ()) -> dict[str, Any]:
+  """Train (or resume) a model; returns the final metrics.
+
+  Evaluation (held-out loss, then `eval_callbacks`) runs every `config.eval.every_steps` and
+  at the end (every_steps 0: only at the end). `experiments/train.py` passes the benchmark
+  tasks of `config.eval.tasks` as a callback (`attn_jax.eval.run.task_callback`).
+  """
   from attn_jax.data import pipeline
 
   workdir = os.path.abspath(workdir)
@@ -174,9 +164,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     raise ValueError(f"config.model.vocab_size={cfg.vocab_size} is smaller than the data's "
                      f"vocabulary ({need}, from config.data.tokenizer/source)")
   _check_batch(config, setup.mesh, setup.rules)
-  if config.eval.tasks:
-    from attn_jax.eval.run import parse_tasks
-    parse_tasks(config.eval.tasks)  # unknown names fail now, not after hours of training
   logging.info("devices: %s; mesh %s", jax.devices(), dict(setup.mesh.shape))
   n = setup.n_params
   logging.info("parameters: total %s, non-embedding %s, mixer %s, mlp %s", f"{n['total']:,}",
@@ -213,10 +200,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   peak = flops_lib.peak_flops_per_device(override=config.train.peak_flops)
   n_dev = jax.device_count()
   meta = {"config": config_to_json(config), "n_params": n}
-  evaluator = None
-  if config.eval.every_steps:
-    evaluator = _Evaluator(setup, config, pipeline.make_eval_batches(
-        config.data, seed=config.seed, num_batches=4))
+  evaluator = _Evaluator(setup, pipeline.make_eval_batches(
+      config.data, seed=config.seed, num_batches=4), eval_callbacks)
 
   bar = None
   if config.train.progress_bar and jax.process_index() == 0:
@@ -268,8 +253,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         pending = None
         ckpt.save(step_no, state, data_it, meta, force=True)
         last_saved = step_no
-      if evaluator is not None and step_no % config.eval.every_steps == 0:
-        ev = evaluator(state)
+      if config.eval.every_steps and step_no % config.eval.every_steps == 0:
+        ev = evaluator(state, step_no)
         writer.write(step_no, ev)
         last.update(ev)
         last_eval = step_no
@@ -290,8 +275,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     if bar is not None:
       bar.close()
 
-  if evaluator is not None and last_eval != int(state["step"]):
-    ev = evaluator(state)
+  if last_eval != int(state["step"]):
+    ev = evaluator(state, int(state["step"]))
     writer.write(int(state["step"]), ev)
     last.update(ev)
   writer.close()
