@@ -2,6 +2,7 @@
 
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -70,28 +71,28 @@ def _close(a, b):
 
 @pytest.mark.parametrize("kind", list(KV_HEADS))
 def test_token_by_token_matches_full_forward(kind):
-  """One jitted decode step (scalar index, fixed cache) reproduces every full-forward logit."""
+  """One jitted decode step (fixed-shape state) reproduces every full-forward logit, and is
+  traced once however long the text grows."""
   model = _model(kind)
   tokens = _tokens(0, (B, L))
   full_BLV = _full_logits(model, tokens)
   graphdef, state = nnx.split(model)
-  traces = []
+  chex.clear_trace_counter()
 
   @jax.jit
-  def step(state, token_B, cache, index):
-    traces.append(1)
-    return decode.decode_step(nnx.merge(graphdef, state), token_B, cache, index)
+  @chex.assert_max_traces(n=1)
+  def step(state, token_B, dstate, pos_B):
+    return decode.decode_step(nnx.merge(graphdef, state), token_B, pos_B, dstate)
 
-  cache = model.init_cache(B, L)
+  dstate = model.init_state(B, L)
   for i in range(L):
-    logits_BV, cache = step(state, tokens[:, i], cache, jnp.asarray(i, jnp.int32))
+    logits_BV, dstate = step(state, tokens[:, i], dstate, jnp.full((B,), i, jnp.int32))
     _close(logits_BV, full_BLV[:, i])
-  assert len(traces) == 1, "the decode step retraced as the text grew"
 
 
 @pytest.mark.parametrize("kind", list(KV_HEADS))
 def test_prefill_then_steps_matches_full_forward(kind):
-  """prefill(prompt) + decode steps == full forward, also with a cache longer than needed."""
+  """prefill(prompt) + decode steps == full forward, also with a state longer than needed."""
   model = _model(kind)
   P = L - 3
   tokens = _tokens(1, (B, L))
@@ -101,22 +102,20 @@ def test_prefill_then_steps_matches_full_forward(kind):
   @jax.jit
   def run(state, tokens):
     model = nnx.merge(graphdef, state)
-    max_len = L + 7  # slack: slots never written must not matter
-    last_BV, cache, index = decode.prefill(model, tokens[:, :P], max_len)
+    last_BV, dstate = decode.prefill(model, tokens[:, :P], capacity=L + 7)  # slack slots
     logits = [last_BV]
     for i in range(P, L):  # unrolled: positions P .. L-1
-      logits_BV, cache = decode.decode_step(model, tokens[:, i], cache, index + (i - P))
+      logits_BV, dstate = decode.decode_step(model, tokens[:, i], jnp.full((B,), i, jnp.int32),
+                                             dstate)
       logits.append(logits_BV)
-    return jnp.stack(logits, axis=1), index
+    return jnp.stack(logits, axis=1)
 
-  logits_BLV, index = run(state, tokens)
-  assert int(index) == P
-  _close(logits_BLV, full_BLV[:, P - 1:])
+  _close(run(state, tokens), full_BLV[:, P - 1:])
 
 
-def test_prefill_rejects_a_prompt_longer_than_the_cache():
-  with pytest.raises(ValueError, match="exceeds the cache length"):
-    decode.prefill(_model("mha"), _tokens(2, (1, 8)), max_len=4)
+def test_prefill_rejects_a_prompt_longer_than_the_state():
+  with pytest.raises(ValueError, match="exceeds what the decoding state holds"):
+    decode.prefill(_model("mha"), _tokens(2, (1, 8)), capacity=4)
 
 
 def _greedy_by_hand(model, prompt_BT, n_new):
@@ -148,22 +147,24 @@ def test_generate_greedy_is_deterministic_and_matches_full_forward_argmax(kind):
   assert len(np.unique(np.asarray(out[:, T:]))) > 3
 
 
-def test_generate_does_not_retrace():
-  """One trace of the loop body per generation shape, however many tokens are produced."""
+def test_generate_does_not_retrace(monkeypatch):
+  """One trace of the decode step per generation shape, however many tokens are produced;
+  new values (prompt, EOS id, temperature, key, lengths) never retrace."""
   model = _model("mha")
   prompt = _tokens(4, (B, T + 3))  # a shape no other test uses, so the first call traces
   n_new = 16
-  decode.TRACE_COUNTS.clear()
+  chex.clear_trace_counter()
+  monkeypatch.setattr(decode, "decode_step", chex.assert_max_traces(decode.decode_step, n=1))
   decode.generate(model, prompt, max_new_tokens=n_new)
-  assert decode.TRACE_COUNTS == {"generate": 1, "step": 1}
-  # Same shapes, other values (prompt, EOS id): no new trace at all.
   decode.generate(model, _tokens(5, (B, T + 3)), max_new_tokens=n_new)
   decode.generate(model, prompt, max_new_tokens=n_new, eos_id=3)
-  assert decode.TRACE_COUNTS == {"generate": 1, "step": 1}
-  # Sampling: a new temperature value or key does not retrace either.
+  decode.generate(model, prompt, max_new_tokens=n_new, lengths=[T + 3, 2])
+  # Sampling is another program (greedy is static): its step may trace once more, no more.
+  chex.clear_trace_counter()
+  monkeypatch.setattr(decode, "decode_step", chex.assert_max_traces(
+      decode.decode_step.__wrapped__, n=1))
   decode.generate(model, prompt, max_new_tokens=n_new, temperature=0.7, rng=jax.random.key(0))
   decode.generate(model, prompt, max_new_tokens=n_new, temperature=1.3, rng=jax.random.key(1))
-  assert decode.TRACE_COUNTS == {"generate": 2, "step": 2}
 
 
 def test_top_k_1_sampling_equals_greedy():
@@ -241,3 +242,7 @@ def test_generate_rejects_bad_arguments():
     decode.generate(model, prompt[0], max_new_tokens=4)
   with pytest.raises(ValueError, match="eos_id must be a token id"):
     decode.generate(model, prompt, max_new_tokens=4, eos_id=-1)
+  with pytest.raises(ValueError, match=r"lengths must lie in \[1, 5\]"):
+    decode.generate(model, prompt, max_new_tokens=4, lengths=[0, 5])
+  with pytest.raises(ValueError, match=r"lengths must have shape \(2,\)"):
+    decode.generate(model, prompt, max_new_tokens=4, lengths=[5])

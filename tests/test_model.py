@@ -229,7 +229,7 @@ def _model_config_dict(**kw):
 def test_tiny_config_dict_is_valid():
   cfg = ModelConfig.from_config(_model_config_dict())
   assert cfg.head_dim == 8 and cfg.kv_heads == 4
-  assert cfg.sisa.d_state == 32  # mixer sub-dicts become options
+  assert cfg.options_for("sisa").d_state == 32  # mixer sub-dicts become Options
 
 
 def test_unknown_mixer_lists_the_registered_ones():

@@ -16,7 +16,7 @@ from flax import nnx
 from attn_jax.attention import sisa as S
 from attn_jax.attention.core import attention_reference
 from attn_jax.attention.mha import Attention
-from attn_jax.config import ModelConfig, Options, validate_model
+from attn_jax.config import ModelConfig, validate_model
 from attn_jax.model import Decoder, count_params
 from configs import base
 
@@ -51,7 +51,7 @@ def _boost(m, bc=6.0, qk=4.0, phase=20.0):
 
 
 def _mixer(cfg, seed=0):
-  return _boost(S.SISA(cfg, rngs=nnx.Rngs(params=seed)))
+  return _boost(S.SISA(cfg, cfg.options_for("sisa"), rngs=nnx.Rngs(params=seed)))
 
 
 def _close(a, b, tol=TOL):
@@ -62,7 +62,7 @@ def _close(a, b, tol=TOL):
 
 @nnx.jit
 def _run(m, x, pos):
-  y, _, aux = m(x, positions=pos)
+  y, _, aux = m(x, positions_BT=pos)
   return y, aux
 
 
@@ -138,7 +138,7 @@ def test_bf16_long_is_finite_with_gradients():
   @nnx.jit
   def loss_and_grads(m, x):
     def loss(m, x):
-      y, _, aux = m(x, positions=pos)
+      y, _, aux = m(x, positions_BT=pos)
       return jnp.mean(jnp.square(y.astype(jnp.float32))), aux
     return nnx.value_and_grad(loss, argnums=(0, 1), has_aux=True)(m, x)
 
@@ -158,7 +158,7 @@ def test_causal_by_gradient(path):
   m = _mixer(_cfg(path=path, chunk_size=4, decay_bias_init=-1.0))
   graphdef, state = nnx.split(m)
   pos = _positions(1, T)
-  jac = jax.jit(jax.jacrev(lambda x: nnx.merge(graphdef, state)(x, positions=pos)[0]))(
+  jac = jax.jit(jax.jacrev(lambda x: nnx.merge(graphdef, state)(x, positions_BT=pos)[0]))(
       _normal(4, (1, T, 32)))
   j = np.abs(np.asarray(jac[0, :, :, 0, :, :])).max(axis=(1, 3))  # [T out, T in]
   assert np.all(j[np.triu_indices(T, 1)] == 0.0)
@@ -174,9 +174,9 @@ def test_prefix_consistency(variant):
   else:
     cfg = _cfg(path="chunked", chunk_size=4, decay_bias_init=-1.0)
   model = Decoder(cfg, rngs=nnx.Rngs(params=0))
-  _boost(model.blocks.mixer)
+  _boost(model.blocks.layers[0].mixer)
   tokens = jnp.asarray(np.random.default_rng(5).integers(0, 64, (2, 16)), jnp.int32)
-  fwd = nnx.jit(lambda m, t: m(t, return_aux=True))
+  fwd = nnx.jit(lambda m, t: m.logits_and_aux(t))
   full, aux_full = fwd(model, tokens)
   pre, aux_pre = fwd(model, tokens[:, :8])
   _close(full[:, :8], pre)
@@ -188,8 +188,10 @@ def test_prefix_consistency(variant):
 # ---------------------------------------------------------------- decoding
 
 @nnx.jit
-def _decode(m, tokens, cache, index):
-  return m(tokens, cache=cache, cache_index=index)
+def _decode(m, tokens, state, start):
+  B, T = tokens.shape
+  pos = jnp.broadcast_to(start + jnp.arange(T, dtype=jnp.int32), (B, T))
+  return m.step(tokens, positions_BT=pos, state=state)
 
 
 @pytest.mark.parametrize("variant", ["fast", "chunked"])
@@ -200,20 +202,20 @@ def test_decode_matches_full_forward(variant):
   else:  # full forward takes the chunked path (range ~ 12 x 0.97 nats > 5)
     cfg = _cfg(decay_bias_init=0.5, fast_max_range=5.0, chunk_size=4)
   model = Decoder(cfg, rngs=nnx.Rngs(params=0))
-  _boost(model.blocks.mixer)
+  _boost(model.blocks.layers[0].mixer)
   B, T, n_pre = 2, 12, 5
   tokens = jnp.asarray(np.random.default_rng(6).integers(0, 64, (B, T)), jnp.int32)
-  full, aux = nnx.jit(lambda m, t: m(t, return_aux=True))(model, tokens)
+  full, aux = nnx.jit(lambda m, t: m.logits_and_aux(t))(model, tokens)
   assert np.all(np.asarray(aux["chunked"]) == (variant == "chunked"))
 
-  cache = model.init_cache(B, 16)
+  cache = model.init_state(B, 16)
   steps = []
   for t in range(T):
     logits, cache = _decode(model, tokens[:, t:t + 1], cache, jnp.asarray(t, jnp.int32))
     steps.append(logits)
   _close(jnp.concatenate(steps, axis=1), full)
 
-  cache = model.init_cache(B, 16)
+  cache = model.init_state(B, 16)
   pre, cache = _decode(model, tokens[:, :n_pre], cache, jnp.asarray(0, jnp.int32))
   outs = [pre]
   for t in range(n_pre, T):
@@ -231,11 +233,12 @@ def test_decode_exact_at_long_range(path):
   bias = math.log(math.expm1(0.23)) if path == "auto" else HALF_LIFE_10 - 3.0
   m = _mixer(_cfg(d_model=16, n_heads=2, decay_bias_init=bias, path=path))
   x, pos = _normal(12, (1, T, 16)), _positions(1, T)
-  cache = S.SISA.init_cache(m.cfg, 1, T, jnp.float32)
+  cache = S.SISA.init_state(m.cfg, m.opts, 1, T, jnp.float32)
 
   @nnx.jit
   def run(m, x, pos, cache, index):
-    y, cache, aux = m(x, positions=pos, cache=cache, cache_index=index)
+    del index  # the state knows where it is; positions say where the tokens are
+    y, cache, aux = m(x, positions_BT=pos, state=cache)
     return y, cache, aux
 
   outs = []
@@ -258,11 +261,11 @@ def test_lambda_zero_is_exactly_attention():
   (the state channels of Q^ are exactly zero), whatever B, C, decay and phase are."""
   cfg = _cfg(learn_lambda=False, lambda_init=-1e4, decay_bias_init=-1.0)
   m = _mixer(cfg)
-  attn = Attention(cfg.replace(mixer="attention"), rngs=nnx.Rngs(params=1))
+  attn = Attention(cfg.replace(mixer="attention"), Attention.Options(), rngs=nnx.Rngs(params=1))
   nnx.update(attn.proj, nnx.state(m.proj))
   x, pos = _normal(7, (2, 16, 32)), _positions(2, 16)
   y, aux = _run(m, x, pos)
-  y_attn = nnx.jit(lambda a, x: a(x, positions=pos)[0])(attn, x)
+  y_attn = nnx.jit(lambda a, x: a(x, positions_BT=pos)[0])(attn, x)
   assert float(aux["lambda"]) == 0.0
   np.testing.assert_array_equal(np.asarray(y), np.asarray(y_attn))
 
@@ -271,10 +274,11 @@ def test_lambda_zero_is_exactly_attention():
 def test_learn_lambda_switch(learn):
   m = _mixer(_cfg(learn_lambda=learn, decay_bias_init=-1.0, path="fast"))
   x, pos = _normal(8, (1, 8, 32)), _positions(1, 8)
-  grads = nnx.jit(nnx.grad(lambda m: jnp.sum(jnp.square(m(x, positions=pos)[0]))))(m)
+  grads = nnx.jit(nnx.grad(lambda m: jnp.sum(jnp.square(m(x, positions_BT=pos)[0]))))(m)
   g = np.asarray(nnx.state(grads)["lambda_raw"][...])
   assert np.all(g != 0) if learn else np.all(g == 0)
-  assert S.SISA.optimizer_overrides == {"lambda_raw": {"lr_mult": 0.1, "weight_decay": False}}
+  meta = m.lambda_raw.get_metadata()   # the optimizer's treatment travels with the parameter
+  assert meta["lr_mult"] == 0.1 and meta["weight_decay"] is False
 
 
 # ---------------------------------------------------------------- gradients in float64
@@ -312,25 +316,26 @@ def _angles64(positions, dim, theta):
 def test_gradients_match_finite_differences_float64(monkeypatch, path):
   from jax.test_util import check_grads
   monkeypatch.setattr(S, "attend", _attend64)     # fp64 stand-ins for the fp32 shared helpers
-  monkeypatch.setattr(S, "apply_rope", _rope64)
-  monkeypatch.setattr(S, "rope_angles", _angles64)
+  from attn_jax.attention import mha
+  monkeypatch.setattr(mha, "apply_rope", _rope64)
+  monkeypatch.setattr(mha, "rope_angles", _angles64)
   with jax.enable_x64(True):
     opts = dict(base.get_config().model.sisa.to_dict(), d_state=4, path=path, chunk_size=3,
                 decay_bias_init=0.0)
     cfg = ModelConfig(mixer="sisa", d_model=8, n_heads=2, n_layers=1, d_ff=16, vocab_size=16,
                       dtype="float64", param_dtype="float64",
-                      options=(("sisa", Options(tuple(sorted(opts.items())))),))
-    m = _boost(S.SISA(cfg, rngs=nnx.Rngs(params=0)), bc=4.0, qk=4.0, phase=10.0)
+                      options=(("sisa", S.SISAOptions(**opts)),))
+    m = _boost(S.SISA(cfg, cfg.options_for("sisa"), rngs=nnx.Rngs(params=0)), bc=4.0, qk=4.0, phase=10.0)
     graphdef, state = nnx.split(m)
     T = 7
     x, pos = _normal(9, (1, T, 8), jnp.float64), _positions(1, T)
     w = _normal(10, (1, T, 8), jnp.float64)
 
     def f(state, x):
-      y, _, aux = nnx.merge(graphdef, state)(x, positions=pos)
+      y, _, aux = nnx.merge(graphdef, state)(x, positions_BT=pos)
       return jnp.sum(y * w)
 
-    assert float(nnx.merge(graphdef, state)(x, positions=pos)[2]["decay_range"]) > 3
+    assert float(nnx.merge(graphdef, state)(x, positions_BT=pos)[2]["decay_range"]) > 3
     check_grads(jax.jit(f), (state, x), order=1, modes=("rev",), atol=1e-6, rtol=1e-6, eps=1e-5)
 
 
@@ -356,9 +361,10 @@ def test_param_count_matches_transformer(size, d_ff_32):
 def test_hooks():
   cfg = _cfg(d_model=64, n_heads=4)
   L = 1000
-  assert S.SISA.flops_per_token(cfg, L) == pytest.approx(
-      Attention.flops_per_token(cfg, L) + 2 * 4 * 8 * (L + 1) / 2)
-  cache = S.SISA.init_cache(cfg, 3, 20, jnp.bfloat16)
+  opts = cfg.options_for("sisa")
+  assert S.SISA.flops_per_token(cfg, opts, L) == pytest.approx(
+      Attention.flops_per_token(cfg, Attention.Options(), L) + 2 * 4 * 8 * (L + 1) / 2)
+  cache = S.SISA.init_state(cfg, opts, 3, 20, jnp.bfloat16)
   assert cache["k"].shape == (3, 20, 4, 16) and cache["rb"].shape == (3, 20, 4, 8)
   assert cache["rb"].dtype == jnp.bfloat16 and cache["g"].dtype == jnp.float32
   assert cache["g_last"].shape == (3, 4) and cache["phi_last"].shape == (3, 4, 4)
@@ -376,14 +382,11 @@ def test_validate_names_the_field(field, value):
     kw["n_kv_heads"], name = value, "config.model.n_kv_heads"
   else:
     opts[field], name = value, f"config.model.sisa.{field}"
-    if value is None:
-      del opts[field]
   cfg = ModelConfig(mixer="sisa", d_model=32, n_heads=2,
-                    options=(("sisa", Options(tuple(sorted(opts.items())))),), **kw)
+                    options=(("sisa", S.SISAOptions(**opts)),), **kw)
   with pytest.raises(ValueError, match=name.replace(".", r"\.")):
     validate_model(cfg)
-  validate_model(cfg.replace(n_kv_heads=0, options=(("sisa", Options(tuple(sorted(
-      base.get_config().model.sisa.to_dict().items())))),)))
+  validate_model(cfg.replace(n_kv_heads=0, options=(("sisa", S.SISAOptions()),)))
 
 
 # ---------------------------------------------------------------- long (slow)
