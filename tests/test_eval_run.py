@@ -31,7 +31,8 @@ def test_in_training_eval_and_checkpoint_eval(tmp_path, shared_data):
   # a benchmark task too: the harness on the trainer's (8-way data-parallel) state
   c.eval.update(tasks="mqar,arc_easy", data_dir=str(shared_data), limit=8, max_len=128)
   c.data.tokenizer = "bytes"
-  trainer_lib.train_and_evaluate(c, str(tmp_path))
+  from attn_jax.eval.run import task_callback
+  trainer_lib.train_and_evaluate(c, str(tmp_path), eval_callbacks=[task_callback(c)])
   recs = read_metrics(str(tmp_path))
   evs = [r for r in recs if "eval/mqar/acc" in r]
   assert [r["step"] for r in evs][:2] == [2, 4]
@@ -67,8 +68,9 @@ def test_bad_task_names_and_missing_data(tmp_path):
   assert parse_tasks("lambada, arc_e,niah") == ["lambada_openai", "arc_easy", "niah"]
   c = tiny()
   c.eval.tasks = "nope"
+  from attn_jax.eval.run import task_callback
   with pytest.raises(ValueError, match="unknown eval task 'nope'"):
-    trainer_lib.train_and_evaluate(c, str(tmp_path))
+    task_callback(c)   # built by the entry point before training starts
   from attn_jax.eval.run import run_tasks
   c.data.tokenizer = "bytes"
   c.eval.data_dir = ""

@@ -122,15 +122,19 @@ def test_grad_accumulation_equals_big_batch():
 def test_weight_decay_groups():
   from flax import nnx
   from attn_jax.model import abstract_model
-  from attn_jax.train.optim import _param_groups
+  from attn_jax.train.optim import param_groups
   c = tiny_config()
+  c.model.mixer = "sisa"
   _, params = nnx.split(abstract_model(c.model), nnx.Param)
-  decay, mult = _param_groups(params, {"scale": {"lr_mult": 0.5}})
-  assert decay["blocks"]["mlp"]["gate"]["kernel"] is True
+  decay, mult = param_groups(params)
+  blk = decay["blocks"]["layers"][0]
+  assert blk["mlp"]["gate"]["kernel"] is True
   assert decay["embed"] is True
-  assert decay["blocks"]["mixer_norm"]["scale"] is False   # [layers, d]: a vector per layer
+  assert blk["mixer_norm"]["scale"] is False   # [layers, d]: a vector per layer
   assert decay["final_norm"]["scale"] is False
-  assert mult["final_norm"]["scale"] == 0.5 and mult["embed"] == 1.0
+  assert blk["mixer"]["lambda_raw"] is False   # metadata: weight_decay=False
+  assert mult["blocks"]["layers"][0]["mixer"]["lambda_raw"] == 0.1
+  assert mult["final_norm"]["scale"] == 1.0 and mult["embed"] == 1.0
 
 
 def test_clear_errors(tmp_path):
