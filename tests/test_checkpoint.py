@@ -165,3 +165,25 @@ def test_second_sigint_interrupts_at_once():
     assert guard.should_stop
     with pytest.raises(KeyboardInterrupt):
       os.kill(os.getpid(), signal.SIGINT)
+
+
+# ------------------------------------------------------------------ metrics on resume
+
+
+def test_metric_rows_after_the_restored_step_are_dropped_at_resume(tmp_path):
+  from attn_jax.train.metrics import MetricWriter, read_metrics
+  w = MetricWriter(str(tmp_path), enabled=True)
+  for s in range(1, 7):
+    w.write(s, {"loss": 1.0 / s})
+  w.close()
+  with open(tmp_path / "metrics.jsonl", "a") as f:
+    f.write('{"step": 7, "lo')               # a crash in the middle of a write
+  # The run is resumed from the checkpoint of step 4: steps 5, 6 (and the torn row) will be
+  # logged again.
+  w = MetricWriter(str(tmp_path), enabled=True)
+  assert w.truncate_after(4) == 3
+  for s in range(5, 7):
+    w.write(s, {"loss": 1.0 / s})
+  w.close()
+  steps = [r["step"] for r in read_metrics(str(tmp_path))]
+  assert steps == [1, 2, 3, 4, 5, 6]
