@@ -15,7 +15,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/quickstart.py", "Config file.")
+from attn_jax import config_flags as checked_flags  # noqa: E402
+
+_DEFAULT_CONFIG = "configs/quickstart.py"
+_CONFIG = config_flags.DEFINE_config_file("config", _DEFAULT_CONFIG, "Config file.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (default: runs/<config name>).")
 
 
@@ -45,5 +48,23 @@ def main(argv):
       print(f"final {k}: {result[k]:.4f}")
 
 
+def _main_with_clean_errors(argv):
+  """Configuration mistakes (messages starting "config."), a busy workdir or unusable
+  checkpoints end in one line on stderr (exit status 2), not a traceback."""
+  from attn_jax.train.checkpoint import CheckpointCorruptError
+  from attn_jax.train.workdir import WorkdirLockedError
+  try:
+    return main(argv)
+  except (WorkdirLockedError, CheckpointCorruptError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
+  except (ValueError, FileNotFoundError) as e:
+    if not str(e).startswith("config."):
+      raise
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
+
+
 if __name__ == "__main__":
-  app.run(main)
+  app.run(_main_with_clean_errors, flags_parser=checked_flags.flags_parser("config",
+                                                                           _DEFAULT_CONFIG))

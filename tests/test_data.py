@@ -354,6 +354,14 @@ def test_malformed_jsonl_line_error_names_file_and_line(tmp_path, bad_line, mess
     text.load_token_stream(data_config(source="jsonl", paths=path))
 
 
+def test_corrupt_tokenizer_file_error_names_the_path(tmp_path):
+  from attn_jax.data.tokenizer import get_tokenizer
+  path = tmp_path / "tokenizer.json"
+  path.write_text('{"version": "1.0", "model": {"type": "BPE", "vocab": ')   # truncated
+  with pytest.raises(ValueError, match=r"tokenizer file .*tokenizer\.json.* not a valid"):
+    get_tokenizer(str(path))
+
+
 def test_too_few_tokens_error(tmp_path):
   path = write_lines(tmp_path / "short.txt", ["tiny"])  # 5 tokens with EOS
   with pytest.raises(ValueError, match=r"too few tokens .* do not fill one sequence of "
