@@ -6,7 +6,8 @@ Every batch is a dict of numpy arrays, B_host = `data.global_batch_size // proce
     weights float32 [B_host, L]   (loss/accuracy weight per position)
 
 Order of the global example stream (one epoch = one pass over the source):
-  * text/jsonl: the packed training sequences, shuffled with `seed` when `data.shuffle`, and
+  * text/jsonl/shards: the packed training sequences (shards: windows of pre-tokenised
+    token shards on disk, see shards.py), shuffled with `seed` when `data.shuffle`, and
     reshuffled differently every epoch (grain folds the epoch into the seed); repeats forever.
   * synthetic: example i of an effectively infinite random stream keyed by (seed, i); it is
     already i.i.d., so it is not shuffled (`data.shuffle` is ignored).
@@ -47,12 +48,12 @@ from absl import flags
 import grain
 import numpy as np
 
-from attn_jax.data import synthetic, text
+from attn_jax.data import shards, synthetic, text
 from attn_jax.data.tokenizer import get_tokenizer
 
 Batch = dict[str, np.ndarray]
 
-DATA_SOURCES = ("synthetic",) + text.TEXT_SOURCES
+DATA_SOURCES = ("synthetic",) + text.TEXT_SOURCES + ("shards",)
 
 
 def _check_seed(seed: int) -> int:
@@ -88,6 +89,8 @@ def make_source(data_cfg, *, seed: int, split: str = "train"):
     return synthetic.SyntheticSource(data_cfg, seed=_check_seed(seed), split=split)
   if source in text.TEXT_SOURCES:
     return text.make_text_source(data_cfg, split=split)
+  if source == "shards":
+    return shards.make_shard_source(data_cfg, split=split)
   raise ValueError(f"data.source must be one of {DATA_SOURCES}, got {source!r}")
 
 
@@ -104,6 +107,8 @@ def vocab_size_needed(data_cfg) -> int:
         f"data.synthetic_task must be one of {synthetic.SYNTHETIC_TASKS}, got {task!r}")
   if source in text.TEXT_SOURCES:
     return int(get_tokenizer(str(data_cfg.tokenizer)).vocab_size)
+  if source == "shards":
+    return shards.shards_vocab_size(data_cfg)
   raise ValueError(f"data.source must be one of {DATA_SOURCES}, got {source!r}")
 
 
