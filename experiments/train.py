@@ -4,7 +4,9 @@
   python experiments/train.py --config=configs/sisa_152m.py --config.data.source=jsonl \
       --config.data.paths=/data/train.jsonl --config.data.tokenizer=/data/20B_tokenizer.json
 
-Rerunning the same command resumes from the latest checkpoint in --workdir.
+Rerunning the same command resumes from the latest checkpoint in --workdir. Multi-host
+launches (SLURM, TPU pod slices): docs/multihost.md. Pre-tokenised corpora:
+experiments/prepare_data.py, then --config.data.source=shards --config.data.paths=<folder>.
 """
 
 import os
@@ -20,6 +22,11 @@ from attn_jax import config_flags as checked_flags  # noqa: E402
 _DEFAULT_CONFIG = "configs/quickstart.py"
 _CONFIG = config_flags.DEFINE_config_file("config", _DEFAULT_CONFIG, "Config file.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (default: runs/<config name>).")
+_COORDINATOR = flags.DEFINE_string(
+    "coordinator_address", None, "Multi-process: host:port of process 0 (or env "
+    "ATTN_JAX_COORDINATOR_ADDRESS; SLURM / Cloud TPU / mpirun are detected automatically).")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Multi-process: process count.")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "Multi-process: this process's index.")
 
 
 class _QuietLibraries:
@@ -33,6 +40,8 @@ class _QuietLibraries:
 def main(argv):
   del argv
   logging.get_absl_handler().addFilter(_QuietLibraries())
+  from attn_jax import distributed
+  distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
   from attn_jax.train.trainer import train_and_evaluate
 
   config = _CONFIG.value
