@@ -10,6 +10,7 @@ experiments/prepare_data.py, then --config.data.source=shards --config.data.path
 """
 
 import os
+import signal
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -48,6 +49,11 @@ def main(argv):
   workdir = _WORKDIR.value or os.path.join(
       "runs", os.path.splitext(os.path.basename(flags.FLAGS["config"].config_filename))[0])
   result = train_and_evaluate(config, workdir)
+  if result.get("preempted"):  # SIGTERM/SIGINT: checkpoint saved at a step boundary
+    print(f"\nstopped by {result['preempted']} after step {result['step']} (checkpoint saved); "
+          "rerun the same command to resume")
+    signum = getattr(signal, str(result["preempted"]), signal.SIGTERM)
+    sys.exit(128 + int(signum))   # the shell convention for "terminated by that signal"
   logging.info("done: %s", result)
   print(f"\nmetrics:     {os.path.join(result['workdir'], 'metrics.jsonl')}")
   print(f"tensorboard: {os.path.join(result['workdir'], 'tb')}")
