@@ -38,6 +38,7 @@ class ModelConfig:
   mixer: str = "attention"
   pattern: tuple[str, ...] = ()
   vocab_size: int = 50277
+  vocab_multiple: int = 128      # the embedding/head tables are padded to a multiple of this
   d_model: int = 768
   n_layers: int = 12
   n_heads: int = 12
@@ -136,7 +137,7 @@ def validate_model(cfg: ModelConfig) -> None:
     if not cond:
       raise ValueError(f"config.model.{field}: {msg}")
 
-  for f in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len"):
+  for f in ("vocab_size", "vocab_multiple", "d_model", "n_layers", "n_heads", "max_seq_len"):
     need(int(getattr(cfg, f)) > 0, f, f"must be a positive integer, got {getattr(cfg, f)!r}")
   need(cfg.d_model % cfg.n_heads == 0, "d_model",
        f"d_model={cfg.d_model} is not divisible by n_heads={cfg.n_heads}")
@@ -186,10 +187,17 @@ def validate(config: ml_collections.ConfigDict) -> ModelConfig:
   need(t.steps > 0, "train.steps", "must be positive")
   need(t.grad_accum >= 1, "train.grad_accum", "must be >= 1")
   need(t.log_every >= 1, "train.log_every", "must be >= 1")
-  need(math.isfinite(o.lr) and o.lr > 0, "optim.lr", f"must be a finite positive number, got {o.lr!r}")
-  for f in ("weight_decay", "clip_norm", "eps"):
-    v = getattr(o, f)
-    need(math.isfinite(v) and v >= 0, f"optim.{f}", f"must be a finite number >= 0, got {v!r}")
+  fin = lambda x: isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+  need(fin(o.lr) and o.lr > 0, "optim.lr", f"must be a finite positive number, got {o.lr!r}")
+  need(fin(o.min_lr_ratio) and 0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio",
+       f"must be in [0, 1], got {o.min_lr_ratio!r}")
+  for f in ("b1", "b2"):
+    need(fin(o[f]) and 0 <= o[f] < 1, f"optim.{f}", f"must be in [0, 1), got {o[f]!r}")
+  need(fin(o.eps) and o.eps > 0, "optim.eps", f"must be a finite positive number, got {o.eps!r}")
+  for f in ("weight_decay", "clip_norm"):
+    need(fin(o[f]) and o[f] >= 0, f"optim.{f}", f"must be a finite number >= 0, got {o[f]!r}")
+  from attn_jax.data.pipeline import DATA_SOURCES
+  need(d.source in DATA_SOURCES, "data.source", f"{d.source!r} not in {DATA_SOURCES}")
   need(0 <= o.warmup_steps, "optim.warmup_steps", "must be >= 0")
   need(config.checkpoint.every_steps >= 1, "checkpoint.every_steps", "must be >= 1")
   need(len(config.mesh.shape) == len(config.mesh.axis_names), "mesh.shape",

@@ -32,6 +32,12 @@ from flax import nnx
 from attn_jax.config import LayerSpec, ModelConfig, validate_model
 from attn_jax.layers import RMSNorm, SwiGLU, dtype_of, param
 from attn_jax.registry import get_mixer
+from attn_jax.sharding import constrain, pad_vocab
+
+# The residual stream's logical axes: activation sharding constraints (a no-op outside
+# `sharding.use_rules`, which the trainer enters when it compiles) keep XLA from choosing
+# layouts that all-gather the batch.
+RESIDUAL_AXES = ("batch", None, "embed")
 
 _REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -83,7 +89,10 @@ class Decoder(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     self.cfg = cfg
     dt, pdt = dtype_of(cfg.dtype), dtype_of(cfg.param_dtype)
-    self.embed = param(rngs, nnx.initializers.normal(cfg.init_std), (cfg.vocab_size, cfg.d_model),
+    # The table is padded to a multiple of `vocab_multiple` rows (shardable over a tensor axis,
+    # tensor-core friendly); padded rows are never looked up and their logits are sliced off.
+    vp = padded_vocab(cfg)
+    self.embed = param(rngs, nnx.initializers.normal(cfg.init_std), (vp, cfg.d_model),
                        ("vocab", "embed"), pdt)
 
     @nnx.split_rngs(splits=cfg.n_repeats)
@@ -95,7 +104,7 @@ class Decoder(nnx.Module):
     self.final_norm = RMSNorm(cfg.d_model, rngs=rngs, eps=cfg.norm_eps, dtype=dt, param_dtype=pdt)
     if not cfg.tie_embeddings:
       self.head = param(rngs, nnx.initializers.normal(cfg.init_std),
-                        (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), pdt)
+                        (cfg.d_model, vp), ("embed", "vocab"), pdt)
 
   # ------------------------------------------------------------------ the stack
   def _layers(self, x_BTD, positions_BT, states, rng, train):
@@ -111,7 +120,7 @@ class Decoder(nnx.Module):
       period = nnx.merge(graphdef, params)
       x, new_states, aux = period(x, positions_BT=positions_BT, states=layer_states, rng=key,
                                   train=train)
-      return x, (new_states, aux)
+      return constrain(x, RESIDUAL_AXES), (new_states, aux)
 
     if cfg.remat != "none":
       body = jax.checkpoint(body, policy=_REMAT_POLICIES[cfg.remat],
@@ -128,6 +137,7 @@ class Decoder(nnx.Module):
   def _forward(self, tokens_BT, positions_BT, states, rng, train):
     """-> (final-norm hidden [B, T, D], new states, aux)."""
     x = jnp.take(self.embed[...], tokens_BT, axis=0).astype(dtype_of(self.cfg.dtype))
+    x = constrain(x, RESIDUAL_AXES)
     x, (new_states, aux) = self._layers(x, positions_BT, states, rng, train)
     return self.final_norm(x), new_states, aux
 
@@ -161,8 +171,9 @@ class Decoder(nnx.Module):
     return h, state
 
   def unembed_matrix(self) -> jax.Array:
-    """The LM head as [D, V] (the embedding transposed when tied)."""
-    return self.embed[...].T if self.cfg.tie_embeddings else self.head[...]
+    """The LM head as [D, V] (the embedding transposed when tied; padding rows dropped)."""
+    w = self.embed[...].T if self.cfg.tie_embeddings else self.head[...]
+    return w[:, :self.cfg.vocab_size]
 
   def unembed(self, h: jax.Array) -> jax.Array:
     """Final hidden states [..., D] -> fp32 logits [..., V] (the LM head)."""
@@ -181,6 +192,10 @@ class Decoder(nnx.Module):
     if len(period) == 1:
       return dict(aux[0])
     return {f"{p}.{spec.mixer}": dict(a) for p, (spec, a) in enumerate(zip(period, aux)) if a}
+
+
+def padded_vocab(cfg: ModelConfig) -> int:
+  return pad_vocab(cfg.vocab_size, cfg.vocab_multiple)
 
 
 def init_state(cfg: ModelConfig, batch: int, capacity: int) -> tuple:
@@ -223,6 +238,7 @@ def count_params(cfg: ModelConfig | ml_collections.ConfigDict) -> dict[str, Any]
 
   `total` counts every parameter once (tied embeddings once); `non_embedding` excludes the
   token embedding (and an untied head), the usual convention for FLOPs (6 N per token).
+  Padding rows of the vocabulary (`vocab_multiple`) are not counted: they are never used.
   `mixer` and `mlp` sum over all layers; `by_kind` breaks the blocks down per layer kind
   ("<mixer>" or "<mixer>:nomlp"): {kind: {"layers", "mixer", "mlp", "norms"}}.
   """
@@ -231,6 +247,10 @@ def count_params(cfg: ModelConfig | ml_collections.ConfigDict) -> dict[str, Any]
   model = abstract_model(cfg)
   sizes = {"/".join(str(k) for k in path): math.prod(v.shape)
            for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+  pad = (padded_vocab(cfg) - cfg.vocab_size) * cfg.d_model
+  for name in ("embed", "head"):
+    if name in sizes:
+      sizes[name] -= pad
   total = sum(sizes.values())
   emb = sum(n for p, n in sizes.items() if p in ("embed", "head"))
   by_kind: dict[str, dict[str, int]] = {}

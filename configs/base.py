@@ -16,6 +16,7 @@ def get_config() -> ml_collections.ConfigDict:
   m = c.model = ml_collections.ConfigDict()
   m.mixer = "attention"          # registry name (attn_jax.registry.available_mixers())
   m.vocab_size = 50277           # GPT-NeoX-20B tokenizer
+  m.vocab_multiple = 128         # tables padded to 50304 rows (shardable); logits stay 50277
   m.d_model = 768
   m.n_layers = 12
   m.n_heads = 12
@@ -40,8 +41,9 @@ def get_config() -> ml_collections.ConfigDict:
 
   # ---------------------------------------------------------------- data
   d = c.data = ml_collections.ConfigDict()
-  d.source = "synthetic"         # synthetic | text | jsonl
-  d.paths = ""                   # comma-separated files (text: one document per line)
+  d.source = "synthetic"         # synthetic | text | jsonl | shards
+  d.paths = ""                   # text/jsonl: comma-separated files; shards: the folder written
+                                 # by experiments/prepare_data.py (index.json + shard_*.bin)
   d.text_field = "text"          # JSONL field holding the document
   d.tokenizer = "bytes"          # "bytes" or a path to a tokenizers JSON file
   d.seq_len = 2048
@@ -96,6 +98,9 @@ def get_config() -> ml_collections.ConfigDict:
   s = c.mesh = ml_collections.ConfigDict()
   s.shape = (-1, 1, 1)           # -1 = all remaining devices
   s.axis_names = ("data", "fsdp", "tensor")
+  s.replicate_indivisible = ()   # fnmatch patterns (parameter path or logical axis name) allowed
+                                 # to replicate when their size does not divide their mesh axes;
+                                 # anything else is an error naming the parameter
   # logical axis -> mesh axis (or None = replicated). Batch goes over data+fsdp.
   s.rules = (
       ("batch", ("data", "fsdp")),

@@ -4,10 +4,13 @@
   python experiments/train.py --config=configs/sisa_152m.py --config.data.source=jsonl \
       --config.data.paths=/data/train.jsonl --config.data.tokenizer=/data/20B_tokenizer.json
 
-Rerunning the same command resumes from the latest checkpoint in --workdir.
+Rerunning the same command resumes from the latest checkpoint in --workdir. Multi-host
+launches (SLURM, TPU pod slices): docs/multihost.md. Pre-tokenised corpora:
+experiments/prepare_data.py, then --config.data.source=shards --config.data.paths=<folder>.
 """
 
 import os
+import signal
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -15,8 +18,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/quickstart.py", "Config file.")
+from attn_jax import config_flags as checked_flags  # noqa: E402
+
+_DEFAULT_CONFIG = "configs/quickstart.py"
+_CONFIG = config_flags.DEFINE_config_file("config", _DEFAULT_CONFIG, "Config file.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (default: runs/<config name>).")
+_COORDINATOR = flags.DEFINE_string(
+    "coordinator_address", None, "Multi-process: host:port of process 0 (or env "
+    "ATTN_JAX_COORDINATOR_ADDRESS; SLURM / Cloud TPU / mpirun are detected automatically).")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Multi-process: process count.")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "Multi-process: this process's index.")
 
 
 class _QuietLibraries:
@@ -30,6 +41,8 @@ class _QuietLibraries:
 def main(argv):
   del argv
   logging.get_absl_handler().addFilter(_QuietLibraries())
+  from attn_jax import distributed
+  distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
   from attn_jax.eval.run import task_callback
   from attn_jax.train.trainer import train_and_evaluate
 
@@ -38,6 +51,11 @@ def main(argv):
       "runs", os.path.splitext(os.path.basename(flags.FLAGS["config"].config_filename))[0])
   tasks = task_callback(config)   # config.eval.tasks, checked before training starts
   result = train_and_evaluate(config, workdir, eval_callbacks=[tasks] if tasks else [])
+  if result.get("preempted"):  # SIGTERM/SIGINT: checkpoint saved at a step boundary
+    print(f"\nstopped by {result['preempted']} after step {result['step']} (checkpoint saved); "
+          "rerun the same command to resume")
+    signum = getattr(signal, str(result["preempted"]), signal.SIGTERM)
+    sys.exit(128 + int(signum))   # the shell convention for "terminated by that signal"
   logging.info("done: %s", result)
   print(f"\nmetrics:     {os.path.join(result['workdir'], 'metrics.jsonl')}")
   print(f"tensorboard: {os.path.join(result['workdir'], 'tb')}")
@@ -47,5 +65,23 @@ def main(argv):
       print(f"final {k}: {result[k]:.4f}")
 
 
+def _main_with_clean_errors(argv):
+  """Configuration mistakes (messages starting "config."), a busy workdir or unusable
+  checkpoints end in one line on stderr (exit status 2), not a traceback."""
+  from attn_jax.train.checkpoint import CheckpointCorruptError
+  from attn_jax.train.workdir import WorkdirLockedError
+  try:
+    return main(argv)
+  except (WorkdirLockedError, CheckpointCorruptError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
+  except (ValueError, FileNotFoundError) as e:
+    if not str(e).startswith("config."):
+      raise
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
+
+
 if __name__ == "__main__":
-  app.run(main)
+  app.run(_main_with_clean_errors, flags_parser=checked_flags.flags_parser("config",
+                                                                           _DEFAULT_CONFIG))

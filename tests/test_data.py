@@ -261,12 +261,23 @@ def test_host_shards_are_disjoint_and_union_to_the_global_batch(small_corpus, so
     for key in global_batch:
       shards = [per_host[h][step][key] for h in range(process_count)]
       assert all(s.shape[0] == host_batch for s in shards)
-      # Host h holds global rows h, h + P, h + 2P, ...
-      interleaved = np.stack(shards, axis=1).reshape(global_batch[key].shape)
-      np.testing.assert_array_equal(interleaved, global_batch[key])
+      # Host h holds the contiguous block h of the global batch.
+      np.testing.assert_array_equal(np.concatenate(shards), global_batch[key])
   if source == "synthetic":  # every example differs, so disjointness is checkable by value
     rows = [r.tobytes() for host in per_host for b in host for r in b["inputs"]]
     assert len(set(rows)) == len(rows)
+
+
+def test_explicit_host_rows_read_exactly_those_rows_of_every_global_batch():
+  cfg = data_config()
+  single_host = take(pipeline.make_train_iterator(cfg, seed=5), 3)
+  rows = slice(2, 7)  # e.g. what sharding.host_batch_rows gives for this host's devices
+  host = take(pipeline.make_train_iterator(cfg, seed=5, host_rows=rows), 3)
+  for global_batch, mine in zip(single_host, host):
+    for key in global_batch:
+      np.testing.assert_array_equal(mine[key], global_batch[key][rows])
+  with pytest.raises(ValueError, match="host_rows"):
+    pipeline.make_train_iterator(cfg, seed=5, host_rows=slice(4, 9))
 
 
 def test_batch_size_must_divide_by_process_count():
@@ -341,6 +352,14 @@ def test_malformed_jsonl_line_error_names_file_and_line(tmp_path, bad_line, mess
   path = write_lines(tmp_path / "bad.jsonl", ['{"text": "fine"}', bad_line, '{"text": "ok"}'])
   with pytest.raises(ValueError, match=message):
     text.load_token_stream(data_config(source="jsonl", paths=path))
+
+
+def test_corrupt_tokenizer_file_error_names_the_path(tmp_path):
+  from attn_jax.data.tokenizer import get_tokenizer
+  path = tmp_path / "tokenizer.json"
+  path.write_text('{"version": "1.0", "model": {"type": "BPE", "vocab": ')   # truncated
+  with pytest.raises(ValueError, match=r"tokenizer file .*tokenizer\.json.* not a valid"):
+    get_tokenizer(str(path))
 
 
 def test_too_few_tokens_error(tmp_path):

@@ -6,13 +6,18 @@ Every batch is a dict of numpy arrays, B_host = `data.global_batch_size // proce
     weights float32 [B_host, L]   (loss/accuracy weight per position)
 
 Order of the global example stream (one epoch = one pass over the source):
-  * text/jsonl: the packed training sequences, shuffled with `seed` when `data.shuffle`, and
+  * text/jsonl/shards: the packed training sequences (shards: windows of pre-tokenised
+    token shards on disk, see shards.py), shuffled with `seed` when `data.shuffle`, and
     reshuffled differently every epoch (grain folds the epoch into the seed); repeats forever.
   * synthetic: example i of an effectively infinite random stream keyed by (seed, i); it is
     already i.i.d., so it is not shuffled (`data.shuffle` is ignored).
-Host h of P takes global examples h, h + P, h + 2P, ...; its k-th batch therefore holds
-global examples k*B + h + j*P (j < B_host). Hosts see disjoint examples, and at every step the
-union of the hosts' batches is exactly the 1-host global batch of that step.
+Global batch k is examples k*B .. k*B + B - 1 of that stream (B = `data.global_batch_size`).
+A host reads only its rows [start, stop) of every global batch: `host_rows`, which the trainer
+derives from the batch sharding (`sharding.host_batch_rows`: the rows its devices hold), or by
+default block h of P equal blocks for `process_index` h. Its k-th batch therefore holds global
+examples k*B + start .. k*B + stop - 1, so hosts see disjoint examples and the hosts' batches,
+placed at their rows, are exactly the 1-host global batch of that step (what
+`jax.make_array_from_process_local_data` assembles).
 
 Checkpointing. `make_train_iterator` returns a `grain.DatasetIterator`; its whole position is
 `it.get_state()` (a small JSON-able dict, e.g. {"next_index": 123}). With orbax (as the
@@ -43,12 +48,12 @@ from absl import flags
 import grain
 import numpy as np
 
-from attn_jax.data import synthetic, text
+from attn_jax.data import shards, synthetic, text
 from attn_jax.data.tokenizer import get_tokenizer
 
 Batch = dict[str, np.ndarray]
 
-DATA_SOURCES = ("synthetic",) + text.TEXT_SOURCES
+DATA_SOURCES = ("synthetic",) + text.TEXT_SOURCES + ("shards",)
 
 
 def _check_seed(seed: int) -> int:
@@ -84,6 +89,8 @@ def make_source(data_cfg, *, seed: int, split: str = "train"):
     return synthetic.SyntheticSource(data_cfg, seed=_check_seed(seed), split=split)
   if source in text.TEXT_SOURCES:
     return text.make_text_source(data_cfg, split=split)
+  if source == "shards":
+    return shards.make_shard_source(data_cfg, split=split)
   raise ValueError(f"data.source must be one of {DATA_SOURCES}, got {source!r}")
 
 
@@ -100,15 +107,56 @@ def vocab_size_needed(data_cfg) -> int:
         f"data.synthetic_task must be one of {synthetic.SYNTHETIC_TASKS}, got {task!r}")
   if source in text.TEXT_SOURCES:
     return int(get_tokenizer(str(data_cfg.tokenizer)).vocab_size)
+  if source == "shards":
+    return shards.shards_vocab_size(data_cfg)
   raise ValueError(f"data.source must be one of {DATA_SOURCES}, got {source!r}")
 
 
+def resolve_host_rows(global_batch_size: int, *, process_index: int = 0, process_count: int = 1,
+                      host_rows: slice | None = None) -> slice:
+  """This host's rows [start, stop) of each global batch (see the module docstring)."""
+  global_batch_size = int(global_batch_size)
+  if host_rows is None:
+    _check_process(process_index, process_count)
+    b = host_batch_size(global_batch_size, process_count)
+    return slice(process_index * b, (process_index + 1) * b)
+  start, stop, step = host_rows.indices(global_batch_size)
+  if step != 1 or stop <= start or host_rows.start is None or host_rows.stop is None or (
+      host_rows.stop > global_batch_size):
+    raise ValueError(f"host_rows={host_rows} must be a non-empty slice inside the global batch "
+                     f"[0, data.global_batch_size={global_batch_size})")
+  return slice(start, stop)
+
+
+class HostRows(grain.MapDataset):
+  """Examples [k*B + start, k*B + stop) of `parent`, for k = 0, 1, ...: one host's rows of
+  every global batch of B consecutive examples (reads nothing else)."""
+
+  def __init__(self, parent: grain.MapDataset, global_batch_size: int, rows: slice):
+    super().__init__(parent)
+    self._global = int(global_batch_size)
+    self._start, self._width = rows.start, rows.stop - rows.start
+
+  def __len__(self) -> int:
+    return (len(self._parent) // self._global) * self._width
+
+  def __getitem__(self, index):
+    if isinstance(index, slice):
+      return self.slice(index)
+    k, j = divmod(int(index), self._width)
+    return self._parent[k * self._global + self._start + j]
+
+  def __str__(self) -> str:
+    return f"HostRows(global_batch={self._global}, start={self._start}, width={self._width})"
+
+
 def make_train_dataset(
-    data_cfg, *, seed: int, process_index: int = 0, process_count: int = 1
+    data_cfg, *, seed: int, process_index: int = 0, process_count: int = 1,
+    host_rows: slice | None = None
 ) -> grain.MapDataset:
   """This host's infinite MapDataset of batches (see the module docstring for the order)."""
-  _check_process(process_index, process_count)
-  batch_size = host_batch_size(data_cfg.global_batch_size, process_count)
+  rows = resolve_host_rows(data_cfg.global_batch_size, process_index=process_index,
+                           process_count=process_count, host_rows=host_rows)
   seed = _check_seed(seed)
   source = make_source(data_cfg, seed=seed, split="train")
   examples = grain.MapDataset.source(source)
@@ -116,12 +164,13 @@ def make_train_dataset(
     if data_cfg.shuffle:
       examples = examples.shuffle(seed=seed)
     examples = examples.repeat()  # forever; shuffle is before repeat, so reshuffled per epoch
-  host_examples = examples[process_index::process_count]
-  return host_examples.batch(batch_size, drop_remainder=True)
+  host_examples = HostRows(examples, data_cfg.global_batch_size, rows)
+  return host_examples.batch(rows.stop - rows.start, drop_remainder=True)
 
 
 def make_train_iterator(
-    data_cfg, *, seed: int, process_index: int = 0, process_count: int = 1
+    data_cfg, *, seed: int, process_index: int = 0, process_count: int = 1,
+    host_rows: slice | None = None
 ) -> grain.DatasetIterator:
   """An endless, checkpointable iterator of this host's training batches (dicts, see top).
 
@@ -131,7 +180,8 @@ def make_train_iterator(
   `it.close()` when done).
   """
   batches = make_train_dataset(
-      data_cfg, seed=seed, process_index=process_index, process_count=process_count)
+      data_cfg, seed=seed, process_index=process_index, process_count=process_count,
+      host_rows=host_rows)
   read_threads = int(data_cfg.read_threads)
   prefetch_batches = max(int(data_cfg.prefetch_batches), read_threads)
   batches = batches.to_iter_dataset(
@@ -148,7 +198,7 @@ def make_train_iterator(
 
 def make_eval_batches(
     data_cfg, *, seed: int, num_batches: int, batch_size: int | None = None,
-    process_index: int = 0, process_count: int = 1
+    process_index: int = 0, process_count: int = 1, host_rows: slice | None = None
 ) -> list[Batch]:
   """Held-out batches, the same on every call (dicts as in training).
 
@@ -156,18 +206,18 @@ def make_eval_batches(
   text/jsonl: the held-out last `data.eval_fraction` of the packed sequences, in order
   (`seed` unused); when they fill fewer than `num_batches` batches, only the full batches
   there are are returned (possibly fewer than asked).
-  `batch_size` is global (default `data.global_batch_size`); each host gets its slice, like
+  `batch_size` is global (default `data.global_batch_size`); each host gets its rows, like
   in training.
   """
-  _check_process(process_index, process_count)
   if num_batches < 1:
     raise ValueError(f"num_batches must be >= 1, got {num_batches}")
   if batch_size is None:
     batch_size = data_cfg.global_batch_size
-  host_batch = host_batch_size(batch_size, process_count)
+  rows = resolve_host_rows(batch_size, process_index=process_index,
+                           process_count=process_count, host_rows=host_rows)
   source = make_source(data_cfg, seed=seed, split="eval")
-  batches = grain.MapDataset.source(source)[process_index::process_count].batch(
-      host_batch, drop_remainder=True)
+  batches = HostRows(grain.MapDataset.source(source), batch_size, rows).batch(
+      rows.stop - rows.start, drop_remainder=True)
   available = len(batches)
   if available == 0:
     raise ValueError(

@@ -39,7 +39,11 @@ class HFTokenizer:
     if not os.path.isfile(path):
       raise FileNotFoundError(f"tokenizer file not found: {path!r}")
     self.path = path
-    self._tok = _Tok.from_file(path)
+    try:
+      self._tok = _Tok.from_file(path)
+    except Exception as e:  # `tokenizers` raises a bare Exception without the path
+      raise ValueError(f"tokenizer file {path!r} is not a valid tokenizers JSON file (from "
+                       f"data.tokenizer): {e}") from None
     self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
     eos = None
     for name in ("<|endoftext|>", "</s>", "<eos>"):

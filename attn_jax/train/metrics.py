@@ -1,9 +1,15 @@
 """Metric sinks: one JSON object per line in <workdir>/metrics.jsonl, TensorBoard event files
-(tensorboardX) in <workdir>/tb, and a console progress bar (tqdm). Only process 0 writes."""
+(tensorboardX) in <workdir>/tb, and a console progress bar (tqdm). Only process 0 writes.
+
+Resuming: rows logged after the restored checkpoint's step were computed by the interrupted run
+and will be logged again by the resumed one; `MetricWriter.truncate_after(step)` drops them from
+metrics.jsonl (atomic rewrite; a half-written last line from a crash is dropped too) and makes
+TensorBoard discard them (`purge_step`), so every step appears once."""
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from typing import Any, Mapping
@@ -42,11 +48,49 @@ class MetricWriter:
     self.enabled = jax.process_index() == 0 if enabled is None else enabled
     self.path = os.path.join(workdir, "metrics.jsonl")
     self._tb = None
+    self._tb_dir = os.path.join(workdir, "tb") if tensorboard else None
     if self.enabled:
       os.makedirs(workdir, exist_ok=True)
       if tensorboard:
         from tensorboardX import SummaryWriter
-        self._tb = SummaryWriter(os.path.join(workdir, "tb"))
+        self._tb = SummaryWriter(self._tb_dir)
+
+  def truncate_after(self, step: int) -> int:
+    """Drops logged rows with step > `step` (call at resume with the restored step); returns
+    how many rows were dropped."""
+    if not self.enabled:
+      return 0
+    step = int(step)
+    if self._tb is not None:  # TensorBoard hides events >= purge_step written before this
+      from tensorboardX import SummaryWriter
+      self._tb.close()
+      self._tb = SummaryWriter(self._tb_dir, purge_step=step + 1)
+    if not os.path.isfile(self.path):
+      return 0
+    kept, dropped = [], 0
+    with open(self.path) as f:
+      for number, line in enumerate(f, start=1):
+        if not line.strip():
+          continue
+        try:
+          row_step = int(json.loads(line)["step"])
+        except (ValueError, KeyError, TypeError):
+          logging.warning("%s:%d: dropping an unreadable metrics row (interrupted write?)",
+                          self.path, number)
+          dropped += 1
+          continue
+        if row_step > step:
+          dropped += 1
+        else:
+          kept.append(line if line.endswith("\n") else line + "\n")
+    tmp = self.path + ".tmp"
+    with open(tmp, "w") as f:
+      f.writelines(kept)
+    os.replace(tmp, self.path)
+    if dropped:
+      logging.info("metrics: dropped %d row(s) after step %d (logged before the restart)",
+                   dropped, step)
+    return dropped
 
   def write(self, step: int, metrics: Mapping[str, Any]) -> None:
     if not self.enabled:

@@ -30,8 +30,10 @@ from attn_jax import sharding as shd
 from attn_jax.config import ModelConfig, validate
 from attn_jax.model import build_model, count_params
 from attn_jax.train import flops as flops_lib
-from attn_jax.train.checkpoint import Checkpointer, abstract_with_shardings, config_to_json
+from attn_jax.train.checkpoint import (Checkpointer, NonFiniteStateError, PreemptionGuard,
+                                       abstract_with_shardings, config_to_json)
 from attn_jax.train.metrics import MetricWriter, flatten_metrics
+from attn_jax.train.workdir import lock_workdir
 from attn_jax.train.optim import make_optimizer
 from attn_jax.train.step import make_eval_step, make_train_step
 
@@ -61,8 +63,9 @@ def build_setup(config: ml_collections.ConfigDict, *, devices=None) -> Setup:
   graphdef, abs_params, abs_rest = nnx.split(abs_model, nnx.Param, ...)
   tx, sched = make_optimizer(config, abs_params)   # per-parameter treatment from metadata
 
-  param_sh = shd.state_shardings(abs_params, mesh, rules)
-  rest_sh = shd.state_shardings(abs_rest, mesh, rules)
+  replicate = tuple(config.mesh.get("replicate_indivisible", ()))
+  param_sh = shd.state_shardings(abs_params, mesh, rules, replicate_indivisible=replicate)
+  rest_sh = shd.state_shardings(abs_rest, mesh, rules, replicate_indivisible=replicate)
   repl = shd.replicated(mesh)
 
   def init():
@@ -105,11 +108,13 @@ def _check_batch(config, mesh, rules) -> int:
   return gbs // n_proc
 
 
-def _next_batch(it, accum: int, batch_sh) -> dict:
-  """Pull `accum` host micro-batches, stack to [A, B_host, L], build global arrays."""
+def _next_batch(it, accum: int, batch_sh, global_shape) -> dict:
+  """Pull `accum` host micro-batches (this host's rows), stack to [A, B_host, L], build global
+  [A, B, L] arrays."""
   mbs = [next(it) for _ in range(accum)]
   local = {k: np.stack([mb[k] for mb in mbs]) for k in ("inputs", "targets", "weights")}
-  return {k: jax.make_array_from_process_local_data(batch_sh, v) for k, v in local.items()}
+  return {k: jax.make_array_from_process_local_data(batch_sh, v, global_shape)
+          for k, v in local.items()}
 
 
 EvalCallback = Callable[[dict, int], dict]
@@ -125,6 +130,7 @@ class _Evaluator:
 
   def __init__(self, setup: Setup, heldout, callbacks: Sequence[EvalCallback]):
     self._heldout = heldout
+    self._mesh, self._rules = setup.mesh, setup.rules
     self._step = jax.jit(make_eval_step(setup.graphdef))
     self._callbacks = tuple(callbacks)
 
@@ -139,9 +145,10 @@ class _Evaluator:
     return {"eval/loss": nll / w, "eval/accuracy": hits / w, "eval/weighted_tokens": w}
 
   def __call__(self, state, step: int) -> dict[str, float]:
-    out = self.heldout(state)
-    for cb in self._callbacks:
-      out.update(cb(state, step))
+    with shd.use_rules(self._mesh, self._rules):  # traced like the train step
+      out = self.heldout(state)
+      for cb in self._callbacks:
+        out.update(cb(state, step))
     return out
 
 
@@ -152,11 +159,24 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   Evaluation (held-out loss, then `eval_callbacks`) runs every `config.eval.every_steps` and
   at the end (every_steps 0: only at the end). `experiments/train.py` passes the benchmark
   tasks of `config.eval.tasks` as a callback (`attn_jax.eval.run.task_callback`).
-  """
-  from attn_jax.data import pipeline
 
+  One run per workdir: a second run on the same workdir stops at once (WorkdirLockedError
+  naming the holder's pid). SIGTERM/SIGINT stop at a step boundary with a checkpoint; the
+  result then has `preempted` (the signal's name).
+  """
   workdir = os.path.abspath(workdir)
   os.makedirs(workdir, exist_ok=True)
+  lock = lock_workdir(workdir)  # process 0 only
+  try:
+    return _train_and_evaluate(config, workdir, eval_callbacks)
+  finally:
+    if lock is not None:
+      lock.release()
+
+
+def _train_and_evaluate(config, workdir, eval_callbacks) -> dict[str, Any]:
+  from attn_jax.data import pipeline
+
   setup = build_setup(config)
   cfg = setup.cfg
   need = pipeline.vocab_size_needed(config.data)
@@ -170,9 +190,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
                f"{n['non_embedding']:,}", f"{n['mixer']:,}", f"{n['mlp']:,}")
 
   ckpt = Checkpointer(workdir, max_to_keep=config.checkpoint.max_to_keep)
-  data_it = pipeline.make_train_iterator(config.data, seed=config.seed,
-                                         process_index=jax.process_index(),
-                                         process_count=jax.process_count())
+  accum, L = config.train.grad_accum, config.data.seq_len
+  global_shape = (accum, config.data.global_batch_size, L)
+  host_rows = shd.host_batch_rows(setup.batch_sharding, global_shape, batch_dim=1)
+  data_it = pipeline.make_train_iterator(config.data, seed=config.seed, host_rows=host_rows)
   state = ckpt.restore(setup.abstract_state, data_it)
   if state is None:
     state = setup.init_fn()
@@ -181,13 +202,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
     start = int(state["step"])
     logging.info("resumed from %s at step %d", ckpt.directory, start)
 
-  accum, L = config.train.grad_accum, config.data.seq_len
-  abs_batch = {k: jax.ShapeDtypeStruct((accum, config.data.global_batch_size, L),
+  abs_batch = {k: jax.ShapeDtypeStruct(global_shape,
                                        jnp.float32 if k == "weights" else jnp.int32,
                                        sharding=setup.batch_sharding)
                for k in ("inputs", "targets", "weights")}
   t0 = time.perf_counter()
-  compiled = setup.step_fn.lower(setup.abstract_state, abs_batch).compile()
+  with shd.use_rules(setup.mesh, setup.rules):  # shd.constrain(...) inside the model
+    compiled = setup.step_fn.lower(setup.abstract_state, abs_batch).compile()
   logging.info("train step compiled in %.1fs", time.perf_counter() - t0)
   try:
     logging.info("memory analysis: %s", compiled.memory_analysis())
@@ -195,6 +216,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
     pass
 
   writer = MetricWriter(workdir)
+  writer.truncate_after(start)  # rows an interrupted run logged after its last checkpoint
   tokens_per_step = accum * config.data.global_batch_size * L
   flops_per_tok = flops_lib.train_flops_per_token(cfg, n, L)
   peak = flops_lib.peak_flops_per_device(override=config.train.peak_flops)
@@ -239,9 +261,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
         bar.set_postfix(loss=f"{loss:.4f}", acc=f"{out['accuracy']:.3f}",
                         tok_s=f"{tps:,.0f}")
 
+  guard = PreemptionGuard().__enter__()
+  preempted = None
   try:
     for step_no in range(start + 1, config.train.steps + 1):
-      batch = _next_batch(data_it, accum, setup.batch_sharding)
+      batch = _next_batch(data_it, accum, setup.batch_sharding, global_shape)
       state, metrics = compiled(state, batch)
       if pending is not None:
         flush(pending)
@@ -258,6 +282,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
         writer.write(step_no, ev)
         last.update(ev)
         last_eval = step_no
+      if guard.poll(step_no):  # SIGTERM/SIGINT: stop at this step boundary (saved below)
+        preempted = guard.signal_name or "signal"
+        logging.warning("%s: stopping after step %d; rerun the same command to resume",
+                        preempted, step_no)
+        break
     if pending is not None:
       flush(pending)
       pending = None
@@ -267,14 +296,22 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
         flush(pending)
       except FloatingPointError:
         pass
+    guard.__exit__(None, None, None)
     done = int(state["step"])
     if done > last_saved and not diverged:  # interrupted or finished: never lose work
-      ckpt.save(done, state, data_it, meta, force=True)
+      try:
+        ckpt.save(done, state, data_it, meta, force=True)
+      except NonFiniteStateError as e:  # halt_on_nan=False runs: never save NaNs
+        logging.error("%s", e)
     ckpt.close()
     writer.flush()
     if bar is not None:
       bar.close()
 
+  if preempted is not None:
+    writer.close()
+    return dict(last, workdir=workdir, checkpoint_dir=ckpt.directory, preempted=preempted,
+                step=int(state["step"]))
   if last_eval != int(state["step"]):
     ev = evaluator(state, int(state["step"]))
     writer.write(int(state["step"]), ev)

@@ -1,0 +1,103 @@
+"""Command-line config overrides checked against the config before absl parses them.
+
+`--config.model.foo=1` with no field `foo` makes ml_collections raise a bare AttributeError
+("'foo'") from deep inside flag parsing. `check_overrides(config, argv)` walks every
+`--config.<path>[=value]` (and absl's boolean `--noconfig.<path>`) through the loaded config and
+raises `ConfigFieldError("config.model.foo: unknown field (known: ...)")` naming the full path,
+the known fields and the closest match. `flags_parser()` plugs this into `absl.app.run`, so a
+script prints one line and exits with status 2 instead of a traceback.
+"""
+
+from __future__ import annotations
+
+import difflib
+import sys
+from typing import Any, Sequence
+
+import ml_collections
+
+
+class ConfigFieldError(ValueError):
+  """An override names a field the config does not have."""
+
+
+def _is_dict(node: Any) -> bool:
+  return isinstance(node, (ml_collections.ConfigDict, ml_collections.FrozenConfigDict, dict))
+
+
+def check_path(config: Any, path: str, *, root: str = "config") -> None:
+  """Raises ConfigFieldError unless `path` ("model.d_model") names a field of `config`."""
+  node, done = config, root
+  for key in path.split("."):
+    if not _is_dict(node):
+      raise ConfigFieldError(f"{done}: is a {type(node).__name__}, not a sub-config; cannot "
+                             f"set {root}.{path}")
+    keys = list(node.keys())
+    if key not in keys:
+      close = difflib.get_close_matches(key, keys, n=1)
+      hint = f"; did you mean {done}.{close[0]}?" if close else ""
+      raise ConfigFieldError(
+          f"{done}.{key}: unknown field (known: {', '.join(sorted(keys))}){hint}")
+    node, done = node[key], f"{done}.{key}"
+
+
+def override_paths(argv: Sequence[str], flag_name: str = "config") -> list[str]:
+  """The dotted paths of `--<flag_name>.<path>` overrides in `argv` (also `--no<flag>.<path>`)."""
+  paths = []
+  for arg in argv[1:]:
+    if arg == "--":
+      break
+    name = arg.lstrip("-").split("=", 1)[0]
+    if not arg.startswith("-"):
+      continue
+    for prefix in (f"{flag_name}.", f"no{flag_name}."):
+      if name.startswith(prefix):
+        paths.append(name[len(prefix):])
+        break
+  return paths
+
+
+def config_argument(argv: Sequence[str], flag_name: str = "config",
+                    default: str | None = None) -> str | None:
+  """The value of `--<flag_name>` in `argv` (either `--config=x` or `--config x`)."""
+  value = default
+  for i, arg in enumerate(argv[1:], start=1):
+    if arg == "--":
+      break
+    name, eq, rest = arg.lstrip("-").partition("=")
+    if arg.startswith("-") and name == flag_name:
+      value = rest if eq else (argv[i + 1] if i + 1 < len(argv) else value)
+  return value
+
+
+def load_config_file(spec: str) -> ml_collections.ConfigDict:
+  """A config file as `--config` would load it ("configs/x.py" or "configs/x.py:args")."""
+  from ml_collections.config_flags.config_flags import ConfigFileFlagParser
+  return ConfigFileFlagParser(name="config").parse(spec)
+
+
+def check_overrides(config: Any, argv: Sequence[str], flag_name: str = "config") -> None:
+  for path in override_paths(argv, flag_name):
+    check_path(config, path, root=flag_name)
+
+
+def flags_parser(flag_name: str = "config", default: str | None = None):
+  """An `absl.app.run(..., flags_parser=...)` that rejects unknown override fields cleanly."""
+  from absl import app
+
+  def parse(argv):
+    spec = config_argument(argv, flag_name, default)
+    if spec is not None and override_paths(argv, flag_name):
+      try:
+        config = load_config_file(spec)
+      except Exception:  # let absl report a bad --config itself, in its own words
+        config = None
+      if config is not None:
+        try:
+          check_overrides(config, argv, flag_name)
+        except ConfigFieldError as e:
+          print(f"FATAL Flags parsing error: {e}", file=sys.stderr)
+          sys.exit(2)
+    return app.parse_flags_with_usage(argv)
+
+  return parse

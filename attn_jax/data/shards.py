@@ -1,0 +1,518 @@
+"""Pre-tokenised corpora: token shards on disk, read as fixed-length windows without loading.
+
+Preparing (`prepare`, CLI `experiments/prepare_data.py`) tokenises every input file once, in
+parallel worker processes (one input file = one task = one output shard), into
+
+    <out>/shard_00000.bin ...   raw little-endian token ids, uint16 if the vocabulary fits
+                                (<= 65536 ids), else uint32; every document followed by EOS
+    <out>/shard_00000.docs.npy  (optional, --doc_boundaries) int64 end offset of every document
+    <out>/index.json            written last: shards (file, source, tokens, docs, bytes, sha256),
+                                total tokens, dtype, tokenizer (spec, vocab_size, eos_id, id),
+                                counted skips (file:line and why)
+
+Inputs: files or folders (searched recursively) of `.jsonl`, `.jsonl.zst` (needs `zstandard`),
+`.parquet` (needs `pyarrow`) and `.txt` (one document per non-blank line, or per file). Bad data
+(an undecodable line, invalid JSON, a missing/non-string text field, an empty file, a corrupt
+compressed file) is an error naming file and line, or with `on_error="skip"` a counted skip
+(the first few listed in the index and the summary).
+
+Reading (`data.source = "shards"`, `data.paths` = the output folder). The shards concatenated in
+index order form one stream t[0:T]; window i is t[i*L : i*L + L + 1] (L = `data.seq_len`;
+inputs = window[:-1], targets = window[1:], weights 1), exactly the packing of `text.py`, and the
+last ceil(n * `data.eval_fraction`) windows are the eval split. Shards are `np.memmap`s opened
+lazily (in each grain worker; pickling keeps only the paths), so building the source costs
+O(number of shards) whatever the corpus size, and a window touches only its L + 1 tokens (it may
+span two or more shards). Order, per-host rows and resumption come from `pipeline.py` (grain's
+lazy index shuffle over window indices). Opening checks every shard's size against the index
+(a truncated or missing shard is an error naming it); `verify_shards` re-hashes all of them.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import glob
+import hashlib
+import io
+import json
+import multiprocessing
+import os
+import time
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from attn_jax.data.tokenizer import ByteTokenizer, Tokenizer, get_tokenizer
+
+INDEX = "index.json"
+FORMATS = (".jsonl.zst", ".jsonl", ".parquet", ".txt")
+ON_ERROR = ("raise", "skip")
+MAX_LISTED_SKIPS = 20
+_ENCODE_BATCH = 512
+
+
+class DataError(ValueError):
+  """Bad input data; the message starts with "file:line:" (or "file:")."""
+
+
+# ------------------------------------------------------------------ inputs
+
+
+def input_format(path: str) -> str | None:
+  for ext in FORMATS:
+    if path.endswith(ext):
+      return ext
+  return None
+
+
+def list_inputs(paths: str | Sequence[str]) -> list[str]:
+  """Input files from files, folders (recursive, known formats only) and globs, sorted per
+  entry (so the output order is deterministic)."""
+  if isinstance(paths, str):
+    paths = [p for p in paths.split(",") if p.strip()]
+  out: list[str] = []
+  for entry in paths:
+    entry = os.path.expanduser(entry.strip())
+    if os.path.isdir(entry):
+      found = sorted(os.path.join(r, n) for r, _, ns in os.walk(entry) for n in ns
+                     if input_format(n))
+      if not found:
+        raise FileNotFoundError(f"no {'/'.join(FORMATS)} files under {entry!r}")
+      out.extend(found)
+    elif os.path.isfile(entry):
+      if input_format(entry) is None:
+        raise ValueError(f"{entry}: unknown format (expected one of {FORMATS})")
+      out.append(entry)
+    else:
+      found = sorted(glob.glob(entry, recursive=True))
+      if not found:
+        raise FileNotFoundError(f"input not found: {entry!r}")
+      out.extend(f for f in found if input_format(f))
+  return out
+
+
+@dataclasses.dataclass
+class Skips:
+  """Counted bad records of one file (`on_error="skip"`)."""
+  count: int = 0
+  listed: list = dataclasses.field(default_factory=list)
+
+  def add(self, where: str, why: str) -> None:
+    self.count += 1
+    if len(self.listed) < MAX_LISTED_SKIPS:
+      self.listed.append(f"{where}: {why}")
+
+
+def _bad(where: str, why: str, on_error: str, skips: Skips) -> None:
+  if on_error == "raise":
+    raise DataError(f"{where}: {why} (prepare_data --on_error=skip counts and skips such records)")
+  skips.add(where, why)
+
+
+def _byte_lines(path: str) -> Iterator[bytes]:
+  if path.endswith(".zst"):
+    try:
+      import zstandard
+    except ImportError:
+      raise ImportError(f"{path}: reading .zst needs the `zstandard` package "
+                        "(pip install zstandard)") from None
+    with open(path, "rb") as raw:
+      reader = io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw))
+      try:
+        yield from reader
+      except zstandard.ZstdError as e:
+        raise DataError(f"{path}: corrupt zstd stream: {e}") from None
+  else:
+    with open(path, "rb") as f:
+      yield from f
+
+
+def _jsonl_documents(path, text_field, on_error, skips) -> Iterator[str]:
+  for number, raw in enumerate(_byte_lines(path), start=1):
+    where = f"{path}:{number}"
+    try:
+      line = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+      _bad(where, f"not valid UTF-8 ({e.reason} at byte {e.start})", on_error, skips)
+      continue
+    if not line.strip():
+      continue
+    try:
+      record = json.loads(line)
+    except ValueError as e:
+      _bad(where, f"invalid JSON ({e})", on_error, skips)
+      continue
+    if not isinstance(record, dict) or text_field not in record:
+      _bad(where, f"no field {text_field!r} (data.text_field)", on_error, skips)
+      continue
+    doc = record[text_field]
+    if not isinstance(doc, str):
+      _bad(where, f"field {text_field!r} is a {type(doc).__name__}, not a string", on_error,
+           skips)
+      continue
+    if doc:
+      yield doc
+
+
+def _text_documents(path, text_document, on_error, skips) -> Iterator[str]:
+  if text_document == "file":
+    with open(path, "rb") as f:
+      raw = f.read()
+    try:
+      yield raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+      line = raw[: e.start].count(b"\n") + 1
+      _bad(f"{path}:{line}", f"not valid UTF-8 ({e.reason})", on_error, skips)
+    return
+  for number, raw in enumerate(_byte_lines(path), start=1):
+    try:
+      line = raw.decode("utf-8").rstrip("\r\n")
+    except UnicodeDecodeError as e:
+      _bad(f"{path}:{number}", f"not valid UTF-8 ({e.reason} at byte {e.start})", on_error,
+           skips)
+      continue
+    if line.strip():
+      yield line
+
+
+def _parquet_documents(path, text_field, on_error, skips) -> Iterator[str]:
+  try:
+    import pyarrow.parquet as pq
+  except ImportError:
+    raise ImportError(f"{path}: reading .parquet needs the `pyarrow` package "
+                      "(pip install pyarrow)") from None
+  try:
+    pf = pq.ParquetFile(path)
+  except Exception as e:  # pyarrow.ArrowInvalid and friends
+    raise DataError(f"{path}: not a readable Parquet file: {e}") from None
+  if text_field not in pf.schema_arrow.names:
+    raise DataError(f"{path}: no column {text_field!r} (data.text_field); columns "
+                    f"{pf.schema_arrow.names[:10]}")
+  row = 0
+  for batch in pf.iter_batches(columns=[text_field], batch_size=4096):
+    for doc in batch.column(0).to_pylist():
+      row += 1
+      if doc is None:
+        continue
+      if not isinstance(doc, str):
+        _bad(f"{path}:row {row}", f"column {text_field!r} holds {type(doc).__name__}",
+             on_error, skips)
+        continue
+      if doc:
+        yield doc
+
+
+def read_documents(path: str, *, text_field: str = "text", text_document: str = "line",
+                   on_error: str = "raise", skips: Skips | None = None) -> Iterator[str]:
+  """The documents of one input file (format from its name)."""
+  skips = Skips() if skips is None else skips
+  fmt = input_format(path)
+  if fmt in (".jsonl", ".jsonl.zst"):
+    return _jsonl_documents(path, text_field, on_error, skips)
+  if fmt == ".parquet":
+    return _parquet_documents(path, text_field, on_error, skips)
+  if fmt == ".txt":
+    return _text_documents(path, text_document, on_error, skips)
+  raise ValueError(f"{path}: unknown format (expected one of {FORMATS})")
+
+
+# ------------------------------------------------------------------ tokenising
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+  return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
+
+
+def tokenizer_id(spec: str) -> str:
+  """"bytes", or "sha256:<hex>" of the tokenizer file: what the index and training compare."""
+  if spec in ("bytes", "byte", ""):
+    return "bytes"
+  with open(spec, "rb") as f:
+    return "sha256:" + hashlib.sha256(f.read()).hexdigest()
+
+
+def _encode(tokenizer: Tokenizer, docs: list[str]) -> list[np.ndarray]:
+  if isinstance(tokenizer, ByteTokenizer):
+    return [np.frombuffer(d.encode("utf-8"), np.uint8) for d in docs]
+  batch = getattr(tokenizer, "encode_batch", None)
+  ids = batch(docs) if batch is not None else [tokenizer.encode(d) for d in docs]
+  return [np.asarray(i, np.int64) for i in ids]
+
+
+def _tokenize_file(task: dict) -> dict:
+  """Worker: one input file -> one shard (written under a temporary name, renamed at the end)."""
+  if task["workers"] > 1:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # processes, not threads
+  path, out_path = task["input"], task["output"]
+  tokenizer = get_tokenizer(task["tokenizer"])
+  dtype = np.dtype(task["dtype"])
+  skips = Skips()
+  if os.path.getsize(path) == 0:
+    _bad(path, "empty file", task["on_error"], skips)
+    return {"input": path, "skipped_file": True, "skips": dataclasses.asdict(skips)}
+  sha = hashlib.sha256()
+  tokens = docs = 0
+  ends: list[int] = []
+  tmp = out_path + ".tmp"
+  eos = np.asarray([tokenizer.eos_id], dtype)
+
+  with open(tmp, "wb") as f:
+    def flush(batch: list[str]):
+      nonlocal tokens, docs
+      pieces = []
+      for ids in _encode(tokenizer, batch):
+        pieces.extend((ids.astype(dtype, copy=False), eos))
+        tokens += len(ids) + 1
+        ends.append(tokens)
+      data = np.concatenate(pieces).astype("<" + dtype.str[1:], copy=False).tobytes()
+      f.write(data)
+      sha.update(data)
+      docs += len(batch)
+
+    batch: list[str] = []
+    for doc in read_documents(path, text_field=task["text_field"],
+                              text_document=task["text_document"], on_error=task["on_error"],
+                              skips=skips):
+      batch.append(doc)
+      if len(batch) == _ENCODE_BATCH:
+        flush(batch)
+        batch = []
+    if batch:
+      flush(batch)
+  if tokens == 0:
+    os.remove(tmp)
+    _bad(path, "no documents (every line blank or skipped)", task["on_error"], skips)
+    return {"input": path, "skipped_file": True, "skips": dataclasses.asdict(skips)}
+  os.replace(tmp, out_path)
+  if task["doc_boundaries"]:
+    np.save(out_path[: -len(".bin")] + ".docs.npy", np.asarray(ends, np.int64))
+  return {"input": path, "skipped_file": False, "file": os.path.basename(out_path),
+          "tokens": tokens, "docs": docs, "bytes": os.path.getsize(path),
+          "sha256": sha.hexdigest(), "skips": dataclasses.asdict(skips)}
+
+
+def prepare(inputs: str | Sequence[str], output: str, *, tokenizer: str = "bytes",
+            text_field: str = "text", text_document: str = "line", workers: int = 0,
+            on_error: str = "raise", doc_boundaries: bool = False, overwrite: bool = False,
+            progress: bool = True) -> dict:
+  """Tokenises `inputs` into token shards + index.json under `output`; returns the index
+  (plus "seconds" and "tokens_per_sec")."""
+  if on_error not in ON_ERROR:
+    raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
+  files = list_inputs(inputs)
+  if not files:
+    raise FileNotFoundError(f"no input files in {inputs!r}")
+  if os.path.exists(os.path.join(output, INDEX)) and not overwrite:
+    raise FileExistsError(f"{output} already holds a prepared corpus ({INDEX}); pass "
+                          "--overwrite to replace it")
+  os.makedirs(output, exist_ok=True)
+  if os.path.exists(os.path.join(output, INDEX)):
+    os.remove(os.path.join(output, INDEX))   # the index goes last: no stale index meanwhile
+  tok = get_tokenizer(tokenizer)
+  dtype = token_dtype(tok.vocab_size)
+  workers = workers or min(len(files), os.cpu_count() or 1)
+  tasks = [dict(input=f, output=os.path.join(output, f"shard_{i:05d}.bin"), tokenizer=tokenizer,
+                dtype=dtype.name, text_field=text_field, text_document=text_document,
+                on_error=on_error, doc_boundaries=doc_boundaries, workers=workers)
+           for i, f in enumerate(files)]
+  t0 = time.perf_counter()
+  results = [None] * len(tasks)
+  bar = None
+  if progress:
+    from tqdm import tqdm
+    bar = tqdm(total=sum(os.path.getsize(f) for f in files), unit="B", unit_scale=True,
+               desc="tokenising", dynamic_ncols=True)
+  total = 0
+
+  def done(i, r):
+    nonlocal total
+    results[i] = r
+    total += r.get("tokens", 0)
+    if bar is not None:
+      bar.update(os.path.getsize(r["input"]))
+      bar.set_postfix(tokens=f"{total:,}")
+
+  if workers <= 1:
+    for i, t in enumerate(tasks):
+      done(i, _tokenize_file(t))
+  else:
+    with multiprocessing.get_context("spawn").Pool(workers) as pool:
+      for i, r in pool.imap_unordered(_indexed, list(enumerate(tasks))):
+        done(i, r)
+  if bar is not None:
+    bar.close()
+  seconds = time.perf_counter() - t0
+  shards = [{k: r[k] for k in ("file", "tokens", "docs", "bytes", "sha256")} | {
+      "source": r["input"]} for r in results if not r["skipped_file"]]
+  if not shards:
+    raise DataError(f"no usable documents in {len(files)} input file(s): {files[:5]}")
+  skipped = [s for r in results for s in r["skips"]["listed"]]
+  index = {
+      "version": 1,
+      "dtype": dtype.name,
+      "tokenizer": {"spec": tokenizer, "id": tokenizer_id(tokenizer),
+                    "vocab_size": int(tok.vocab_size), "eos_id": int(tok.eos_id)},
+      "text_field": text_field,
+      "doc_boundaries": bool(doc_boundaries),
+      "total_tokens": sum(s["tokens"] for s in shards),
+      "total_docs": sum(s["docs"] for s in shards),
+      "shards": shards,
+      "skipped_records": sum(r["skips"]["count"] for r in results),
+      "skipped_files": [r["input"] for r in results if r["skipped_file"]],
+      "skipped_examples": skipped[:MAX_LISTED_SKIPS],
+  }
+  tmp = os.path.join(output, INDEX + ".tmp")
+  with open(tmp, "w") as f:
+    json.dump(index, f, indent=1)
+  os.replace(tmp, os.path.join(output, INDEX))
+  return dict(index, seconds=seconds, tokens_per_sec=index["total_tokens"] / max(seconds, 1e-9))
+
+
+def _indexed(item):
+  i, task = item
+  return i, _tokenize_file(task)
+
+
+# ------------------------------------------------------------------ reading
+
+
+def read_index(directory: str) -> dict:
+  path = os.path.join(directory, INDEX)
+  if not os.path.isfile(path):
+    raise FileNotFoundError(
+        f"no {INDEX} in {directory!r} (data.paths for data.source='shards' must be a folder "
+        "written by experiments/prepare_data.py; an unfinished preparation has no index)")
+  try:
+    with open(path) as f:
+      index = json.load(f)
+    index["shards"], index["dtype"], index["tokenizer"]["vocab_size"]  # noqa: B018
+  except (ValueError, KeyError, TypeError) as e:
+    raise ValueError(f"{path}: not a valid shard index ({e})") from None
+  return index
+
+
+class TokenShards:
+  """The concatenated token stream of a prepared folder, as lazily opened memmaps."""
+
+  def __init__(self, directory: str):
+    self.directory = os.path.abspath(os.path.expanduser(directory))
+    self.index = read_index(self.directory)
+    self.dtype = np.dtype(self.index["dtype"]).newbyteorder("<")
+    self.files = [os.path.join(self.directory, s["file"]) for s in self.index["shards"]]
+    self.counts = [int(s["tokens"]) for s in self.index["shards"]]
+    for path, count in zip(self.files, self.counts):
+      if not os.path.isfile(path):
+        raise FileNotFoundError(f"token shard missing: {path} (listed in {INDEX})")
+      size = os.path.getsize(path)
+      if size != count * self.dtype.itemsize:
+        raise ValueError(f"corrupt token shard {path}: {size} bytes, the index says {count} "
+                         f"{self.dtype.name} tokens = {count * self.dtype.itemsize} bytes")
+    self.starts = np.concatenate([[0], np.cumsum(self.counts)]).astype(np.int64)
+    self.num_tokens = int(self.starts[-1])
+    self._maps: list | None = None
+
+  def __getstate__(self):  # grain workers reopen the files; never pickle the data
+    state = dict(self.__dict__)
+    state["_maps"] = None
+    return state
+
+  def _map(self, i: int) -> np.ndarray:
+    if self._maps is None:
+      self._maps = [None] * len(self.files)
+    if self._maps[i] is None:
+      self._maps[i] = np.memmap(self.files[i], dtype=self.dtype, mode="r")
+    return self._maps[i]
+
+  def read(self, start: int, stop: int) -> np.ndarray:
+    """Tokens [start, stop) of the stream as int32."""
+    if not 0 <= start <= stop <= self.num_tokens:
+      raise IndexError(f"token range [{start}, {stop}) outside [0, {self.num_tokens})")
+    out = np.empty(stop - start, np.int32)
+    i = bisect.bisect_right(self.starts, start) - 1
+    pos = start
+    while pos < stop:
+      lo = pos - self.starts[i]
+      hi = min(stop, self.starts[i + 1]) - self.starts[i]
+      out[pos - start: pos - start + hi - lo] = self._map(i)[lo:hi]
+      pos += hi - lo
+      i += 1
+    return out
+
+
+class ShardWindows:
+  """Random-access source of windows `first + i` of a TokenShards stream (grain protocol)."""
+
+  def __init__(self, shards: TokenShards, *, seq_len: int, first: int, count: int):
+    if (first + count) * seq_len + 1 > shards.num_tokens:
+      raise ValueError("ShardWindows range exceeds the token stream")
+    self.shards, self.seq_len, self.first, self.count = shards, seq_len, first, count
+
+  def __len__(self) -> int:
+    return self.count
+
+  def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+    index = int(index)
+    if not 0 <= index < self.count:
+      raise IndexError(f"window index {index} out of range [0, {self.count})")
+    start = (self.first + index) * self.seq_len
+    window_T = self.shards.read(start, start + self.seq_len + 1)
+    return {"inputs": window_T[:-1], "targets": window_T[1:],
+            "weights": np.ones(self.seq_len, np.float32)}
+
+  def __repr__(self) -> str:
+    return (f"ShardWindows({self.shards.directory}, first={self.first}, count={self.count}, "
+            f"seq_len={self.seq_len})")
+
+
+def check_tokenizer(index: dict, data_cfg) -> None:
+  """The configured `data.tokenizer` must be the one the shards were made with."""
+  spec = str(data_cfg.tokenizer)
+  want = index["tokenizer"]
+  try:
+    have = tokenizer_id(spec)
+  except OSError as e:
+    raise FileNotFoundError(f"data.tokenizer={spec!r}: {e}") from None
+  if have != want["id"]:
+    raise ValueError(
+        f"data.tokenizer={spec!r} is not the tokenizer the shards in data.paths were made with "
+        f"({want['spec']!r}, vocab {want['vocab_size']}); set data.tokenizer to it")
+
+
+def make_shard_source(data_cfg, *, split: str = "train") -> ShardWindows:
+  """The packed train or eval split of the prepared folder `data.paths`."""
+  from attn_jax.data.text import split_counts
+  directory = str(data_cfg.paths).strip()
+  if not directory or "," in directory:
+    raise ValueError(f"data.paths must be one prepared folder for data.source='shards', got "
+                     f"{data_cfg.paths!r}")
+  shards = TokenShards(directory)
+  check_tokenizer(shards.index, data_cfg)
+  num_train, num_eval = split_counts(shards.num_tokens, data_cfg)
+  seq_len = int(data_cfg.seq_len)
+  if split == "train":
+    return ShardWindows(shards, seq_len=seq_len, first=0, count=num_train)
+  if split == "eval":
+    if num_eval == 0:
+      raise ValueError("no eval split: data.eval_fraction is 0")
+    return ShardWindows(shards, seq_len=seq_len, first=num_train, count=num_eval)
+  raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+
+
+def shards_vocab_size(data_cfg) -> int:
+  return int(read_index(str(data_cfg.paths).strip())["tokenizer"]["vocab_size"])
+
+
+def verify_shards(directory: str) -> list[str]:
+  """Problems found by re-hashing every shard against the index ([] = all good)."""
+  shards = TokenShards(directory)
+  problems = []
+  for path, meta in zip(shards.files, shards.index["shards"]):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+      while chunk := f.read(1 << 22):
+        h.update(chunk)
+    if h.hexdigest() != meta["sha256"]:
+      problems.append(f"{path}: sha256 differs from the index (corrupted)")
+  return problems
+
+

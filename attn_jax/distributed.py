@@ -1,0 +1,92 @@
+"""Multi-process (multi-host) start-up: one call before anything touches a JAX device.
+
+    from attn_jax import distributed
+    distributed.initialize()          # no-op for a single process
+
+Where the cluster is described, in order:
+  1. explicit arguments (experiments/train.py passes --coordinator_address, --num_processes,
+     --process_id);
+  2. environment variables ATTN_JAX_COORDINATOR_ADDRESS ("host:port" of process 0),
+     ATTN_JAX_NUM_PROCESSES, ATTN_JAX_PROCESS_ID (and optional ATTN_JAX_LOCAL_DEVICE_IDS,
+     comma-separated), for launchers that only set variables;
+  3. JAX's own cluster detection (`jax.distributed.initialize()` with no arguments) when a
+     known multi-process environment is visible: SLURM with more than one task, a multi-host
+     Cloud TPU slice, Open MPI / MPICH (mpirun), Kubernetes JobSet;
+  4. otherwise: a single process, nothing to do.
+After it, `jax.devices()` lists every device of the cluster and `jax.process_index()` /
+`jax.process_count()` identify this host; see docs/multihost.md for launch recipes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Mapping, Sequence
+
+import jax
+
+ENV_COORDINATOR = "ATTN_JAX_COORDINATOR_ADDRESS"
+ENV_NUM_PROCESSES = "ATTN_JAX_NUM_PROCESSES"
+ENV_PROCESS_ID = "ATTN_JAX_PROCESS_ID"
+ENV_LOCAL_DEVICE_IDS = "ATTN_JAX_LOCAL_DEVICE_IDS"
+
+
+def _int(value, name: str) -> int | None:
+  if value is None or value == "":
+    return None
+  try:
+    return int(value)
+  except ValueError:
+    raise ValueError(f"{name} must be an integer, got {value!r}") from None
+
+
+def cluster_detected(env: Mapping[str, str] = os.environ) -> str | None:
+  """The multi-process environment JAX can configure itself from, if any."""
+  if int(env.get("SLURM_NTASKS", env.get("SLURM_NPROCS", "1")) or 1) > 1:
+    return "slurm"
+  if len([h for h in env.get("TPU_WORKER_HOSTNAMES", "").split(",") if h]) > 1:
+    return "cloud_tpu"
+  if int(env.get("OMPI_COMM_WORLD_SIZE", env.get("PMI_SIZE", "1")) or 1) > 1:
+    return "mpi"
+  if env.get("JOBSET_NAME") and int(env.get("JAX_NUM_PROCESSES", "1") or 1) > 1:
+    return "jobset"
+  return None
+
+
+def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
+               process_id: int | None = None, local_device_ids: Sequence[int] | None = None,
+               *, env: Mapping[str, str] = os.environ, **kwargs) -> bool:
+  """Joins the JAX cluster; True if this is a multi-process run. Idempotent."""
+  if jax.distributed.is_initialized():
+    return jax.process_count() > 1
+  coordinator_address = coordinator_address or env.get(ENV_COORDINATOR) or None
+  if num_processes is None:
+    num_processes = _int(env.get(ENV_NUM_PROCESSES), ENV_NUM_PROCESSES)
+  if process_id is None:
+    process_id = _int(env.get(ENV_PROCESS_ID), ENV_PROCESS_ID)
+  if local_device_ids is None and env.get(ENV_LOCAL_DEVICE_IDS):
+    local_device_ids = [int(i) for i in env[ENV_LOCAL_DEVICE_IDS].split(",")]
+  explicit = (coordinator_address, num_processes, process_id)
+  if any(v is not None for v in explicit):
+    if num_processes == 1 and not coordinator_address:
+      return False
+    missing = [n for n, v in zip(("coordinator_address", "num_processes", "process_id"),
+                                 explicit) if v is None]
+    if missing:
+      raise ValueError(f"multi-process run: {', '.join(missing)} not given (flags "
+                       f"--coordinator_address/--num_processes/--process_id or env "
+                       f"{ENV_COORDINATOR}/{ENV_NUM_PROCESSES}/{ENV_PROCESS_ID})")
+    if not 0 <= process_id < num_processes:
+      raise ValueError(f"process_id={process_id} must be in [0, num_processes={num_processes})")
+    jax.distributed.initialize(coordinator_address, num_processes, process_id,
+                               local_device_ids=local_device_ids, **kwargs)
+  else:
+    detected = cluster_detected(env)
+    if detected is None:
+      return False
+    logging.info("multi-process environment detected (%s): jax.distributed auto-configures",
+                 detected)
+    jax.distributed.initialize(local_device_ids=local_device_ids, **kwargs)
+  logging.info("process %d of %d; %d local / %d global devices", jax.process_index(),
+               jax.process_count(), jax.local_device_count(), jax.device_count())
+  return jax.process_count() > 1

@@ -1,0 +1,96 @@
+"""One run per --workdir: an exclusive lock file `<workdir>/.lock` holding the holder's pid.
+
+Two runs writing the same checkpoints and metrics corrupt both, so the second one must stop at
+once, naming the first. Choices:
+  * The lock is `fcntl.flock` on the file, held for the life of the process: the kernel drops it
+    when the holder dies in any way (SIGKILL, OOM), so a crashed run never blocks the next one.
+    The pid/host/time written inside are for the messages only.
+  * A lock file whose flock is free but that still names a pid is stale (its run crashed): it is
+    taken over with a warning naming that pid. Released locks are emptied, not deleted (deleting
+    would let two processes lock two different files of the same name).
+  * Only process 0 of a multi-host run takes it (every host shares the workdir).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import socket
+import time
+
+
+class WorkdirLockedError(RuntimeError):
+  """Another live process holds the workdir."""
+
+
+def _read(fd: int) -> dict:
+  os.lseek(fd, 0, os.SEEK_SET)
+  raw = os.read(fd, 4096)
+  try:
+    return json.loads(raw) if raw.strip() else {}
+  except ValueError:
+    return {"raw": raw[:200].decode("utf-8", "replace")}
+
+
+class WorkdirLock:
+  """`with WorkdirLock(workdir): train(...)`; or `.acquire()` / `.release()`."""
+
+  FILENAME = ".lock"
+
+  def __init__(self, workdir: str):
+    self.workdir = os.path.abspath(workdir)
+    self.path = os.path.join(self.workdir, self.FILENAME)
+    self._fd: int | None = None
+
+  def acquire(self) -> "WorkdirLock":
+    if self._fd is not None:
+      return self
+    os.makedirs(self.workdir, exist_ok=True)
+    fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      holder = _read(fd)
+      os.close(fd)
+      raise WorkdirLockedError(
+          f"--workdir {self.workdir} is in use by pid {holder.get('pid', '?')} on host "
+          f"{holder.get('host', '?')} (since {holder.get('started', '?')}); lock file "
+          f"{self.path}. Stop that run or choose another --workdir.") from None
+    previous = _read(fd)
+    if previous.get("pid") is not None:
+      logging.warning("taking over the stale lock of pid %s on host %s in %s (that run ended "
+                      "without releasing it)", previous.get("pid"), previous.get("host"),
+                      self.path)
+    os.ftruncate(fd, 0)
+    os.lseek(fd, 0, os.SEEK_SET)
+    os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                             "started": time.strftime("%Y-%m-%d %H:%M:%S")}).encode())
+    os.fsync(fd)
+    self._fd = fd
+    return self
+
+  def release(self) -> None:
+    if self._fd is None:
+      return
+    os.ftruncate(self._fd, 0)   # an empty lock file is a released one
+    fcntl.flock(self._fd, fcntl.LOCK_UN)
+    os.close(self._fd)
+    self._fd = None
+
+  def __enter__(self) -> "WorkdirLock":
+    return self.acquire()
+
+  def __exit__(self, *exc) -> None:
+    self.release()
+
+
+def lock_workdir(workdir: str, *, process_index: int | None = None) -> WorkdirLock | None:
+  """Takes the lock on process 0 (others return None); raises WorkdirLockedError if held."""
+  if process_index is None:
+    import jax
+    process_index = jax.process_index()
+  if process_index != 0:
+    return None
+  return WorkdirLock(workdir).acquire()

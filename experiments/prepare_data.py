@@ -1,0 +1,64 @@
+"""Tokenise a local corpus once into memory-mapped token shards for `data.source = "shards"`.
+
+  python experiments/prepare_data.py --input=/data/pile_subset --output=/data/pile_neox \
+      --tokenizer=/data/20B_tokenizer.json --workers=16
+  python experiments/train.py --config=configs/sisa_152m.py --config.data.source=shards \
+      --config.data.paths=/data/pile_neox --config.data.tokenizer=/data/20B_tokenizer.json
+
+--input: files or folders (recursive) of .jsonl, .jsonl.zst, .parquet, .txt, comma-separated.
+One worker process per input file at a time; a progress bar counts bytes and tokens. With
+--on_error=skip bad records (undecodable line, invalid JSON, missing field, empty file) are
+counted and listed (file:line) instead of stopping. Format: see attn_jax/data/shards.py.
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app, flags  # noqa: E402
+
+_INPUT = flags.DEFINE_string("input", None, "Input files/folders, comma-separated.",
+                             required=True)
+_OUTPUT = flags.DEFINE_string("output", None, "Output folder (shards + index.json).",
+                              required=True)
+_TOKENIZER = flags.DEFINE_string("tokenizer", "bytes", '"bytes" or a tokenizers JSON file.')
+_TEXT_FIELD = flags.DEFINE_string("text_field", "text", "JSONL field / Parquet column.")
+_TEXT_DOCUMENT = flags.DEFINE_enum("text_document", "line", ["line", "file"],
+                                   ".txt: one document per non-blank line, or per file.")
+_WORKERS = flags.DEFINE_integer("workers", 0, "Worker processes (0 = min(files, CPUs)).")
+_ON_ERROR = flags.DEFINE_enum("on_error", "raise", ["raise", "skip"],
+                              "Bad records: stop with file:line, or count and skip.")
+_DOC_BOUNDARIES = flags.DEFINE_bool("doc_boundaries", False,
+                                    "Also write each shard's document end offsets (.docs.npy).")
+_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace an existing prepared folder.")
+_VERIFY = flags.DEFINE_bool("verify", False, "Only re-hash the shards of --output and report.")
+
+
+def main(argv):
+  del argv
+  from attn_jax.data import shards
+
+  if _VERIFY.value:
+    problems = shards.verify_shards(_OUTPUT.value)
+    print("\n".join(problems) or f"{_OUTPUT.value}: all shards match the index")
+    sys.exit(1 if problems else 0)
+  try:
+    out = shards.prepare(_INPUT.value, _OUTPUT.value, tokenizer=_TOKENIZER.value,
+                         text_field=_TEXT_FIELD.value, text_document=_TEXT_DOCUMENT.value,
+                         workers=_WORKERS.value, on_error=_ON_ERROR.value,
+                         doc_boundaries=_DOC_BOUNDARIES.value, overwrite=_OVERWRITE.value)
+  except (shards.DataError, FileNotFoundError, FileExistsError, ImportError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
+  print(f"{out['total_tokens']:,} tokens ({out['dtype']}) in {len(out['shards'])} shard(s), "
+        f"{out['total_docs']:,} documents, {out['seconds']:.1f} s = "
+        f"{out['tokens_per_sec']:,.0f} tokens/s -> {_OUTPUT.value}")
+  if out["skipped_records"] or out["skipped_files"]:
+    print(f"skipped {out['skipped_records']} record(s), files {out['skipped_files']}; first:")
+    for line in out["skipped_examples"]:
+      print("  " + line)
+
+
+if __name__ == "__main__":
+  app.run(main)
