@@ -80,9 +80,10 @@ def get_mixer(name: str) -> type:
   return _MIXERS[name]
 
 
-def available_mixers() -> list[str]:
+def available_mixers(include_private: bool = False) -> list[str]:
+  """Registered names; names starting with "_" (test doubles) only with `include_private`."""
   _discover()
-  return sorted(_MIXERS)
+  return sorted(n for n in _MIXERS if include_private or not n.startswith("_"))
 
 
 def default_options(name: str) -> dict:
