@@ -17,12 +17,11 @@ matrix into diagonal blocks (within a chunk) and low-rank off-diagonal blocks (a
    chunks carrying one [P, N] state per head (H_0 = the initial state).
 4. state -> output:  y_off_t = exp(A_t) H_c C_t  for t in chunk c.
 
-y = y_diag + y_off. Every exponent is a difference A_t - A_s with s <= t of a cumulative sum of
-non-positive terms (or a partial sum itself), hence <= 0 in exact arithmetic and also in floating
-point (rounding is monotone, so a running sum of non-positive terms never increases): nothing
-is exponentiated above 1, at any length. The cumulative sums restart every chunk, so their
-magnitude (and the cancellation error of their differences) is bounded by the chunk, not the
-sequence. This follows `ssd_minimal_discrete` in state-spaces/mamba
+y = y_diag + y_off. Every exponent is a sum of non-positive log-decays a_r over a segment
+(s, t] inside one chunk, so nothing above exp(0) = 1 is ever computed, at any length; the
+segment sums are accumulated directly (masked cumulative sums, reverse cumulative sums for the
+decay to the chunk end) rather than as differences A_t - A_s of one running sum, so strong
+decay loses no accuracy to cancellation, and the sums restart every chunk. This follows `ssd_minimal_discrete` in state-spaces/mamba
 (`mamba_ssm/modules/ssd_minimal.py`, Listing 1 of the paper), except that step 3 is a scan
 (linear in the number of chunks) instead of a segsum matmul over chunks (quadratic).
 
@@ -53,17 +52,20 @@ def _check(x_BTHP, a_BTH, b_BTGN, c_BTGN):
 
 
 def segsum_exp(a_BCQH: jax.Array) -> jax.Array:
-  """L[b, c, h, t, s] = exp(sum_{r=s+1..t} a_r) for s <= t, else 0, within each chunk.
+  """L[b, c, h, t, s] = exp(a_{s+1} + ... + a_t) for s <= t, else 0, within each chunk.
 
-  Computed as exp(A_t - A_s) of the within-chunk cumulative sum A, masked *before* the exp so
-  only non-positive differences are exponentiated (and gradients of the masked part are 0).
+  The segment sums are summed directly (a masked cumulative sum down each column, as the
+  "stable" `segsum` of ssd_minimal.py) rather than as differences A_t - A_s of one cumulative
+  sum, which would lose ~|A| * 2^-24 of absolute accuracy in the exponent under strong decay.
+  Masked entries get -inf before the exp, so only sums of non-positive terms are exponentiated
+  (and the masked part has zero gradient).
   """
-  A = jnp.cumsum(a_BCQH.astype(f32), axis=2)                   # [B, C, Q, H]
-  A = jnp.moveaxis(A, 3, 2)                                     # [B, C, H, Q]
-  diff = A[..., :, None] - A[..., None, :]                      # [B, C, H, Qt, Qs]
   Q = a_BCQH.shape[2]
-  causal = jnp.tril(jnp.ones((Q, Q), bool))
-  return jnp.exp(jnp.where(causal, diff, -jnp.inf))
+  a = jnp.moveaxis(a_BCQH.astype(f32), 3, 2)                    # [B, C, H, Q]
+  strict = jnp.tril(jnp.ones((Q, Q), bool), -1)                 # r > s
+  terms = jnp.where(strict, a[..., :, None], 0.0)               # [.., r, s] = a_r if r > s
+  seg = jnp.cumsum(terms, axis=-2)                              # [.., t, s] = sum_{s<r<=t} a_r
+  return jnp.exp(jnp.where(jnp.tril(jnp.ones((Q, Q), bool)), seg, -jnp.inf))
 
 
 def ssd_chunked(x_BTHP, a_BTH, b_BTGN, c_BTGN, *, chunk: int, h0_BHPN=None):
@@ -94,8 +96,11 @@ def ssd_chunked(x_BTHP, a_BTH, b_BTGN, c_BTGN, *, chunk: int, h0_BHPN=None):
   cb = jnp.einsum("bctgn,bcsgn->bcgts", c, b)
   y_diag = jnp.einsum("bcgts,bcgjts,bcsgjp->bctgjp", cb, L, x)
 
-  # 2. chunk states: decay from each token to the chunk end (exponent A_end - A_s <= 0).
-  to_end = jnp.exp(A[:, :, -1:, :] - A).reshape(Bsz, nc, Q, G, J)
+  # 2. chunk states: decay from each token to the chunk end, exp(a_{s+1} + ... + a_end),
+  # summed directly (exclusive reverse cumulative sum), not as A_end - A_s.
+  rev = jnp.cumsum(a[:, :, ::-1], axis=2)[:, :, ::-1]           # sum_{r>=s} a_r
+  to_end = jnp.exp(jnp.pad(rev[:, :, 1:], ((0, 0), (0, 0), (0, 1), (0, 0))))
+  to_end = to_end.reshape(Bsz, nc, Q, G, J)
   S = jnp.einsum("bcsgn,bcsgj,bcsgjp->bcgjpn", b, to_end, x)    # [B, C, G, J, P, N]
 
   # 3. inter-chunk recurrence (scan over chunks): state entering each chunk.
