@@ -20,19 +20,16 @@ reference recurrence `mamba3_siso_step_ref` in state-spaces/mamba
 (`tests/ops/triton/test_mamba3_siso.py`) and the module `mamba_ssm/modules/mamba3.py`
 (defaults: SISO, rope_fraction 0.5, no output norm, B/C bias init 1, D = 1).
 
-Chunked training form. The two inputs of the trapezoid, gamma_t x_t k_t^T and
-beta_t x_{t-1} k_{t-1}^T, share the outer product x_s k_s^T of one token s. Writing
-beta_t = beta'_t alpha_t (beta'_t = (1 - lam_t) dt_t), token s enters h_t (t > s) with weight
-prod_{r=s+1..t} alpha_r (gamma_s + beta'_{s+1}) and enters h_s with weight gamma_s. So one SSD
-(`ssd.ssd_chunked`, G = H since B/C are rotated per head) with input weight
-w_s = gamma_s + beta'_{s+1} gives a state h~_t = h_t + beta'_{t+1} x_t k_t^T, and
-
-    y_t = h~_t q_t - beta'_{t+1} (q_t . k_t) x_t + D x_t.
-
-Within one call beta'_{T+1} = 0 (the next token is unknown), so the state carried out is h_T
-exactly. A continuing call starts from h~_0 = h_0 + beta'_1 x_0 k_0^T, using the previous
-call's last (x, k) kept in the state. The cumulative angles are computed per chunk and carried
-across chunks mod 2 pi (a scan), so they stay in range at any length.
+Chunked training form: the trapezoid is an SSD with two inputs per token, gamma_t x_t k_t^T
+and beta_t x_{t-1} k_{t-1}^T (the previous token's x and k shifted by one, the first one taken
+from the carried state), both entering h_t after the decay alpha_t. `ssd.ssd_chunked(...,
+extra=...)` runs them through the same intra-chunk and chunk-state steps (G = H, since B/C are
+rotated per head); the inter-chunk scan and state->output steps are shared. (Folding the two
+into one input of weight gamma_s + beta'_{s+1}, as the reference kernel does, reads dt of token
+s + 1 for token s and cancels it again in the output: exact in algebra, but future tokens then
+reach past outputs through rounding, which the causality test detects.) The cumulative angles
+are computed per chunk and carried across chunks mod 2 pi (a scan), so they stay in range at
+any length.
 
 `trapezoid_recurrent` is the explicit recurrence (lax.scan over time, the test reference) and
 the decode step is one token of it. Decoding state: angles [H, R], h [H, P, N] (fp32), and the
@@ -96,15 +93,19 @@ def wrapped_cumsum(inc_BTX: jax.Array, phi0_BX: jax.Array, chunk: int) -> jax.Ar
 
 def trapezoid_chunked(x_BTHP, a_BTH, gamma_BTH, betap_BTH, k_BTHN, q_BTHN, *, chunk,
                       h0_BHPN=None, x0_BHP=None, k0_BHN=None):
-  """Chunked trapezoidal SSM (see module docstring). -> (y_BTHP without D, h_T) fp32."""
-  betap_next = jnp.pad(betap_BTH[:, 1:], ((0, 0), (0, 1), (0, 0)))
-  w = gamma_BTH + betap_next
-  h0 = h0_BHPN
-  if h0 is not None:
-    h0 = h0 + betap_BTH[:, 0, :, None, None] * x0_BHP[..., :, None] * k0_BHN[..., None, :]
-  y, h = ssd.ssd_chunked(x_BTHP * w[..., None], a_BTH, k_BTHN, q_BTHN, chunk=chunk, h0_BHPN=h0)
-  qk = jnp.sum(q_BTHN * k_BTHN, axis=-1)
-  return y - (betap_next * qk)[..., None] * x_BTHP, h
+  """Chunked trapezoidal SSM: one SSD with two inputs (see module docstring).
+
+  -> (y_BTHP without the D skip, h_T) fp32. (x0, k0): the token before the first (zeros if
+  None); the second input is beta_t x_{t-1} k_{t-1}^T with beta_t = beta'_t exp(a_t).
+  """
+  B, T, H, P = x_BTHP.shape
+  x0 = jnp.zeros((B, H, P), f32) if x0_BHP is None else x0_BHP.astype(f32)
+  k0 = jnp.zeros((B, H, k_BTHN.shape[-1]), f32) if k0_BHN is None else k0_BHN.astype(f32)
+  x_prev = jnp.concatenate([x0[:, None], x_BTHP[:, :-1]], axis=1)
+  k_prev = jnp.concatenate([k0[:, None], k_BTHN[:, :-1]], axis=1)
+  beta = betap_BTH * jnp.exp(a_BTH)
+  return ssd.ssd_chunked(x_BTHP * gamma_BTH[..., None], a_BTH, k_BTHN, q_BTHN, chunk=chunk,
+                         h0_BHPN=h0_BHPN, extra=(x_prev * beta[..., None], k_prev))
 
 
 def trapezoid_step(h_BHPN, x0_BHP, k0_BHN, x_BHP, a_BH, gamma_BH, betap_BH, k_BHN, q_BHN):
@@ -274,12 +275,12 @@ class Mamba3(nnx.Module):
 
   @classmethod
   def flops_per_token(cls, cfg: ModelConfig, opts: "Mamba3.Options", seq_len: int) -> float:
-    """Chunked SSD with per-head B/C (G = H) plus the diagonal correction q_t . k_t (N per
-    head); rotations, norms and gates are elementwise and not counted."""
+    """Chunked SSD with per-head B/C (G = H) and two inputs per token (the trapezoid);
+    rotations, norms and gates are elementwise and not counted."""
     H = opts.heads(cfg)
     return ssd.ssd_flops_per_token(n_heads=H, head_dim=opts.head_dim, d_state=opts.d_state,
-                                   n_groups=H, chunk=opts.chunk_size,
-                                   seq_len=seq_len) + 2.0 * H * opts.d_state
+                                   n_groups=H, chunk=opts.chunk_size, seq_len=seq_len,
+                                   n_inputs=2)
 
   @classmethod
   def max_chunk(cls, cfg, opts, capacity: int):

@@ -68,8 +68,11 @@ def segsum_exp(a_BCQH: jax.Array) -> jax.Array:
   return jnp.exp(jnp.where(jnp.tril(jnp.ones((Q, Q), bool)), seg, -jnp.inf))
 
 
-def ssd_chunked(x_BTHP, a_BTH, b_BTGN, c_BTGN, *, chunk: int, h0_BHPN=None):
+def ssd_chunked(x_BTHP, a_BTH, b_BTGN, c_BTGN, *, chunk: int, h0_BHPN=None, extra=None):
   """Chunked SSD (see module docstring). Returns (y_BTHP fp32, final state h_BHPN fp32).
+
+  `extra = (x2_BTHP, b2_BTGN)` adds a second input, h_t = exp(a_t) h_{t-1} + x_t B_t^T +
+  x2_t B2_t^T (Mamba-3's trapezoid): it goes through steps 1 and 2 like the first.
 
   T need not be a multiple of `chunk`: the tail is padded with a = 0 (decay 1), x = B = C = 0,
   which leaves the state unchanged; the padded outputs are dropped.
@@ -86,22 +89,24 @@ def ssd_chunked(x_BTHP, a_BTH, b_BTGN, c_BTGN, *, chunk: int, h0_BHPN=None):
       z = jnp.pad(z, [(0, 0), (0, pad)] + [(0, 0)] * (z.ndim - 2))
     return z.reshape((Bsz, nc, Q) + z.shape[2:])
 
-  x = chunks(x_BTHP).reshape(Bsz, nc, Q, G, J, P)
+  terms = [(x_BTHP, b_BTGN)] + ([tuple(extra)] if extra is not None else [])
+  terms = [(chunks(x).reshape(Bsz, nc, Q, G, J, P), chunks(b)) for x, b in terms]
   a = chunks(a_BTH)                                             # [B, C, Q, H]
-  b, c = chunks(b_BTGN), chunks(c_BTGN)                         # [B, C, Q, G, N]
+  c = chunks(c_BTGN)                                            # [B, C, Q, G, N]
   A = jnp.cumsum(a, axis=2)                                     # within-chunk cumulative decay
 
   # 1. intra-chunk: (C B^T) masked by the segsum decay, then with x.
   L = segsum_exp(a).reshape(Bsz, nc, G, J, Q, Q)
-  cb = jnp.einsum("bctgn,bcsgn->bcgts", c, b)
-  y_diag = jnp.einsum("bcgts,bcgjts,bcsgjp->bctgjp", cb, L, x)
+  y_diag = sum(jnp.einsum("bcgts,bcgjts,bcsgjp->bctgjp", jnp.einsum("bctgn,bcsgn->bcgts", c, b),
+                          L, x) for x, b in terms)
 
   # 2. chunk states: decay from each token to the chunk end, exp(a_{s+1} + ... + a_end),
   # summed directly (exclusive reverse cumulative sum), not as A_end - A_s.
   rev = jnp.cumsum(a[:, :, ::-1], axis=2)[:, :, ::-1]           # sum_{r>=s} a_r
   to_end = jnp.exp(jnp.pad(rev[:, :, 1:], ((0, 0), (0, 0), (0, 1), (0, 0))))
   to_end = to_end.reshape(Bsz, nc, Q, G, J)
-  S = jnp.einsum("bcsgn,bcsgj,bcsgjp->bcgjpn", b, to_end, x)    # [B, C, G, J, P, N]
+  S = sum(jnp.einsum("bcsgn,bcsgj,bcsgjp->bcgjpn", b, to_end, x)  # [B, C, G, J, P, N]
+          for x, b in terms)
 
   # 3. inter-chunk recurrence (scan over chunks): state entering each chunk.
   chunk_decay = jnp.exp(A[:, :, -1, :]).reshape(Bsz, nc, G, J)  # exp(total chunk log-decay)
@@ -155,15 +160,16 @@ def ssd_recurrent(x_BTHP, a_BTH, b_BTGN, c_BTGN, *, h0_BHPN=None):
 
 
 def ssd_flops_per_token(*, n_heads: int, head_dim: int, d_state: int, n_groups: int,
-                        chunk: int, seq_len: int) -> float:
+                        chunk: int, seq_len: int, n_inputs: int = 1) -> float:
   """Forward FLOPs per token of `ssd_chunked` (2 per multiply-add), causal convention.
 
   Intra-chunk C B^T (per group) and its product with x (per head) count the lower triangle
   only, (Q+1)/2 key positions per token, as causal attention does; chunk states and the
   state->output products are N*P multiply-adds per head per token each; the inter-chunk scan
   is N*P per head per chunk. Elementwise work (exp, masks, decays) is not counted.
+  `n_inputs` = 2 with `extra`: the intra-chunk and chunk-state work is done per input.
   """
-  H, P, N, G = n_heads, head_dim, d_state, n_groups
+  H, P, N, G, R = n_heads, head_dim, d_state, n_groups, n_inputs
   Q = max(1, min(chunk, seq_len))
-  macs = (G * N + H * P) * (Q + 1) / 2 + 2 * H * P * N + H * P * N / Q
+  macs = R * (G * N + H * P) * (Q + 1) / 2 + (R + 1) * H * P * N + H * P * N / Q
   return 2.0 * macs
