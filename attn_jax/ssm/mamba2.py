@@ -12,8 +12,9 @@ B/C shared by n_heads / n_groups heads):
 as in state-spaces/mamba `mamba_ssm/modules/mamba2.py` (defaults: expand 2, head_dim 64,
 d_state 64 here, d_conv 4, conv bias, no in/out-projection bias, dt initialised log-uniform in
 [1e-3, 1e-1] through dt_bias, A_log = log U[1, 16], D = 1, RMSNorm of y * SiLU(z) per group of
-d_inner / n_groups channels before the out projection). The in-projection is kept as five Linears (z, x, B, C, dt) so each
-has its own logical axes; it is the same parameter count as the fused one.
+d_inner / n_groups channels before the out projection). The in-projection is kept as five
+Linears (z, x, B, C, dt) so each has its own logical axes; it is the same parameter count as
+the fused one.
 
 Training uses the chunked SSD (`ssd.ssd_chunked`); the decoding state is the conv window (the
 last d_conv - 1 conv inputs) plus the SSM state h [H, P, N] (fp32): constant in the generated

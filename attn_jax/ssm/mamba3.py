@@ -111,8 +111,9 @@ def trapezoid_chunked(x_BTHP, a_BTH, gamma_BTH, betap_BTH, k_BTHN, q_BTHN, *, ch
 def trapezoid_step(h_BHPN, x0_BHP, k0_BHN, x_BHP, a_BH, gamma_BH, betap_BH, k_BHN, q_BHN):
   """One token: h = alpha h + beta'alpha x_{t-1} k_{t-1}^T + gamma x_t k_t^T; y = h q."""
   alpha = jnp.exp(a_BH)[..., None, None]
-  h = (alpha * h_BHPN + (betap_BH[..., None, None] * alpha) * x0_BHP[..., :, None] * k0_BHN[..., None, :]
-       + gamma_BH[..., None, None] * x_BHP[..., :, None] * k_BHN[..., None, :])
+  outer = lambda x_BHP, k_BHN: x_BHP[..., :, None] * k_BHN[..., None, :]
+  h = (alpha * h_BHPN + (betap_BH[..., None, None] * alpha) * outer(x0_BHP, k0_BHN)
+       + gamma_BH[..., None, None] * outer(x_BHP, k_BHN))
   return jnp.einsum("bhpn,bhn->bhp", h, q_BHN), h
 
 

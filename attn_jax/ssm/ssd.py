@@ -21,9 +21,12 @@ y = y_diag + y_off. Every exponent is a sum of non-positive log-decays a_r over 
 (s, t] inside one chunk, so nothing above exp(0) = 1 is ever computed, at any length; the
 segment sums are accumulated directly (masked cumulative sums, reverse cumulative sums for the
 decay to the chunk end) rather than as differences A_t - A_s of one running sum, so strong
-decay loses no accuracy to cancellation, and the sums restart every chunk. This follows `ssd_minimal_discrete` in state-spaces/mamba
-(`mamba_ssm/modules/ssd_minimal.py`, Listing 1 of the paper), except that step 3 is a scan
-(linear in the number of chunks) instead of a segsum matmul over chunks (quadratic).
+decay loses no accuracy to cancellation, and the sums restart every chunk.
+
+This follows `ssd_minimal_discrete` in state-spaces/mamba (`mamba_ssm/modules/ssd_minimal.py`,
+Listing 1 of the paper), except that step 3 is a scan (linear in the number of chunks) instead
+of a segsum matmul over chunks (quadratic), and the decay to the chunk end is a direct sum.
+`ssd_chunked(..., extra=(x2, B2))` adds a second input x2_t B2_t^T per token (Mamba-3).
 
 `ssd_recurrent` is the explicit step-by-step recurrence (a `lax.scan` over time): the reference
 for tests and the naive baseline of `experiments/bench_ssd.py`. `ssd_step` is one token of it
