@@ -1,0 +1,127 @@
+"""Head fusion (Hymba-style, Dong et al., "Hymba", 2024): attention heads and Mamba-2 heads side
+by side in one layer, reading the same (already normed) input.
+
+    a = Attention heads(x)       (cfg.n_heads heads of cfg.head_dim, RoPE, causal; QKVProjection)
+    s = Mamba-2 heads(x)         (mamba2.Mamba2.ssm_heads: conv, SSD, gated RMSNorm)
+    y = W_o RMSNorm(a) + W_s s  =  [W_o W_s] [RMSNorm(a); s]
+
+Combination: each branch is normalised (attention: an RMSNorm over its heads with a learnable
+scale; SSM: Mamba-2's own gated RMSNorm, also with a learnable scale), then the two are
+concatenated and projected back to d_model (written as the sum of the two branches' own output
+projections). Hymba averages the two normalised branches with learnable per-channel scales
+(beta_1, beta_2) before one output projection; with learnable norm scales in front of a shared
+linear projection that average is the same function class as this concatenation, and the
+separate projections let each branch keep its own (and the existing modules') parameters.
+
+Decoding state: the tuple (attention KV cache, Mamba-2 state). The attention cache here is a
+fixed-size buffer written by position (slot = absolute position, needing position < capacity)
+with a per-slot position array (-1 = empty) used as the key mask, so padding tokens (position
+-1) are never written nor attended to. It is local to this module until the shared KV-state
+helper of the trunk replaces it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from attn_jax.attention.core import attend
+from attn_jax.attention.mha import QKVProjection
+from attn_jax.config import ModelConfig
+from attn_jax.layers import apply_rope, dtype_of, param, rope_angles
+from attn_jax.registry import register_mixer
+from attn_jax.ssm.mamba2 import Mamba2
+
+f32 = jnp.float32
+
+
+def kv_state_init(batch: int, capacity: int, n_kv: int, head_dim: int, dtype) -> dict:
+  return {"k": jnp.zeros((batch, capacity, n_kv, head_dim), dtype),
+          "v": jnp.zeros((batch, capacity, n_kv, head_dim), dtype),
+          "pos": jnp.full((batch, capacity), -1, jnp.int32)}
+
+
+def kv_state_write(st: dict, k_BTKD, v_BTKD, positions_BT) -> dict:
+  """Write each valid token at slot = its position; padding (-1) is dropped."""
+  B, S = st["pos"].shape
+  slot = jnp.where(positions_BT >= 0, positions_BT, S)         # S: out of bounds -> dropped
+  rows = jnp.broadcast_to(jnp.arange(B)[:, None], slot.shape)
+  put = lambda buf, val: buf.at[rows, slot].set(val.astype(buf.dtype), mode="drop")
+  return {"k": put(st["k"], k_BTKD), "v": put(st["v"], v_BTKD),
+          "pos": put(st["pos"], positions_BT)}
+
+
+@register_mixer("hybrid_heads")
+class HybridHeads(nnx.Module):
+
+  @dataclasses.dataclass(frozen=True)
+  class Options:                 # the SSM branch (the attention branch uses cfg's heads)
+    d_state: int = 64
+    expand: float = 1.0          # SSM inner width = expand * d_model (when ssm_heads = 0)
+    head_dim: int = 64
+    ssm_heads: int = 0
+    n_groups: int = 1
+    d_conv: int = 4
+    chunk_size: int = 64
+
+    def mamba2(self) -> Mamba2.Options:
+      return Mamba2.Options(d_state=self.d_state, expand=self.expand, head_dim=self.head_dim,
+                            n_heads=self.ssm_heads, n_groups=self.n_groups, d_conv=self.d_conv,
+                            chunk_size=self.chunk_size)
+
+    def validate(self, cfg: ModelConfig, where: str = "config.model.hybrid_heads") -> None:
+      self.mamba2().validate(cfg, where)
+
+  def __init__(self, cfg: ModelConfig, opts: "HybridHeads.Options", *, rngs: nnx.Rngs):
+    opts.validate(cfg)
+    self.cfg, self.opts = cfg, opts
+    self.attn = QKVProjection(cfg, rngs=rngs)
+    self.attn_norm = param(rngs, nnx.initializers.ones, (cfg.n_heads, cfg.head_dim),
+                           ("heads", "head_dim"), weight_decay=False)
+    self.ssm = Mamba2(cfg, opts.mamba2(), rngs=rngs)
+
+  def _attention(self, x_BTD, positions_BT, kv):
+    cfg, p = self.cfg, self.attn
+    q, k, v = p.q(x_BTD), p.k(x_BTD), p.v(x_BTD)
+    cos, sin = rope_angles(positions_BT, cfg.head_dim, cfg.rope_theta)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    scale = cfg.head_dim ** -0.5
+    if kv is None:
+      out = attend(q, k, v, scale=scale, causal=True, q_positions=positions_BT,
+                   kv_positions=positions_BT, impl=cfg.attention_impl)
+    else:
+      kv = kv_state_write(kv, k, v, positions_BT)
+      out = attend(q, kv["k"].astype(q.dtype), kv["v"].astype(q.dtype), scale=scale, causal=True,
+                   q_positions=positions_BT, kv_positions=kv["pos"], impl=cfg.attention_impl)
+    o = out.astype(f32)
+    o = o * jax.lax.rsqrt(jnp.mean(o * o, axis=(-2, -1), keepdims=True) + cfg.norm_eps)
+    o = o * self.attn_norm[...].astype(f32)
+    return p.o(o.astype(dtype_of(cfg.dtype))), kv
+
+  def __call__(self, x_BTD, *, positions_BT, state=None, rng=None, train=False):
+    del rng, train
+    kv, ss = (None, None) if state is None else state
+    ya, kv = self._attention(x_BTD, positions_BT, kv)
+    hs, ss = self.ssm.ssm_heads(x_BTD, positions_BT=positions_BT, state=ss)
+    y = ya + self.ssm.out(hs)
+    return y, (None if state is None else (kv, ss)), {}
+
+  @classmethod
+  def init_state(cls, cfg: ModelConfig, opts: "HybridHeads.Options", batch: int, capacity: int,
+                 dtype):
+    """(KV cache of `capacity` slots, Mamba-2 state of fixed size)."""
+    return (kv_state_init(batch, capacity, cfg.kv_heads, cfg.head_dim, dtype),
+            Mamba2.init_state(cfg, opts.mamba2(), batch, capacity, dtype))
+
+  @classmethod
+  def flops_per_token(cls, cfg: ModelConfig, opts: "HybridHeads.Options", seq_len: int) -> float:
+    """Causal attention scores and values ((L+1)/2 keys per query, as mha.py) + the SSD."""
+    attn = 4.0 * cfg.n_heads * cfg.head_dim * (seq_len + 1) / 2.0
+    return attn + Mamba2.flops_per_token(cfg, opts.mamba2(), seq_len)
+
+  @classmethod
+  def max_chunk(cls, cfg, opts, capacity: int):
+    return None   # any number of new tokens, as long as their positions are < capacity

@@ -1,0 +1,232 @@
+"""Mamba-2 mixer (Dao & Gu, "Transformers are SSMs", 2024): SSD with a scalar-times-identity A.
+
+Per token (d_inner = n_heads * head_dim channels, heads of head_dim channels, n_groups groups of
+B/C shared by n_heads / n_groups heads):
+
+    z, x, B, C, dt_raw = in-projections of the input (z, x: [H, P]; B, C: [G, N]; dt_raw: [H])
+    x, B, C  <- SiLU(causal depthwise conv of width d_conv (with bias) over time)
+    dt = softplus(dt_raw + dt_bias)  (0 on padding tokens);   a = -exp(A_log) * dt  (<= 0)
+    h_t = exp(a_t) h_{t-1} + dt_t x_t B_t^T;   y_t = h_t C_t + D x_t          (per head, SSD)
+    out = W_out RMSNorm(y * SiLU(z))                                   (gated RMSNorm over d_inner)
+
+as in state-spaces/mamba `mamba_ssm/modules/mamba2.py` (defaults: expand 2, head_dim 64,
+d_state 64 here, d_conv 4, conv bias, no in/out-projection bias, dt initialised log-uniform in
+[1e-3, 1e-1] through dt_bias, A_log = log U[1, 16], D = 1, RMSNorm of y * SiLU(z) per group of
+d_inner / n_groups channels before the out projection). The in-projection is kept as five
+Linears (z, x, B, C, dt) so each has its own logical axes; it is the same parameter count as
+the fused one.
+
+Training uses the chunked SSD (`ssd.ssd_chunked`); the decoding state is the conv window (the
+last d_conv - 1 conv inputs) plus the SSM state h [H, P, N] (fp32): constant in the generated
+length. A one-token step uses `ssd.ssd_step`; a longer continuation (prefill chunk) runs the
+chunked form from the carried state.
+
+Padding (position -1): dt = 0, so the token neither decays nor writes the state. Padding is
+assumed to be right padding within a call (pads after the valid tokens of a row, as
+decode.py produces); the conv window carried out is the last d_conv - 1 *valid* inputs, so a
+row that is all padding in a call leaves its whole state unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from attn_jax.config import ModelConfig
+from attn_jax.layers import Linear, dtype_of, param
+from attn_jax.registry import register_mixer
+from attn_jax.ssm import ssd
+
+f32 = jnp.float32
+
+
+# ----------------------------------------------------------------------- shared pieces
+
+def dt_bias_init(dt_min: float, dt_max: float, floor: float = 1e-4):
+  """softplus^{-1} of dt ~ log-uniform[dt_min, dt_max] (Mamba's dt initialisation)."""
+  def init(key, shape, dtype=f32):
+    u = jax.random.uniform(key, shape, f32)
+    dt = jnp.exp(u * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
+    dt = jnp.maximum(dt, floor)
+    return (dt + jnp.log(-jnp.expm1(-dt))).astype(dtype)
+  return init
+
+
+def uniform_init(lo: float, hi: float, transform=lambda u: u):
+  def init(key, shape, dtype=f32):
+    return transform(jax.random.uniform(key, shape, f32, lo, hi)).astype(dtype)
+  return init
+
+
+def valid_mask(positions_BT: jax.Array) -> jax.Array:
+  return positions_BT >= 0
+
+
+def last_valid_window(prev_BWX: jax.Array, new_BTX: jax.Array, n_valid_B: jax.Array) -> jax.Array:
+  """The last W entries of concat(prev, new[:n_valid]) per row (right-padded `new`)."""
+  W = prev_BWX.shape[1]
+  cat = jnp.concatenate([prev_BWX, new_BTX.astype(prev_BWX.dtype)], axis=1)
+  idx = n_valid_B[:, None] + jnp.arange(W)[None, :]                  # [B, W]
+  idx = idx.reshape(idx.shape + (1,) * (cat.ndim - 2))
+  return jnp.take_along_axis(cat, idx, axis=1)
+
+
+class CausalConv(nnx.Module):
+  """Depthwise causal conv over time with bias: y_t = b + sum_k w_k x_{t-K+1+k}.
+
+  Channels have shape `channels` (e.g. (H, P)) with logical axes `axes`. PyTorch's Conv1d init
+  (uniform +-1/sqrt(fan_in), fan_in = width for a depthwise conv), as Mamba uses.
+  """
+
+  def __init__(self, width: int, channels: tuple[int, ...], axes: tuple, *, rngs: nnx.Rngs):
+    bound = 1.0 / math.sqrt(width)
+    self.width = width
+    self.kernel = param(rngs, uniform_init(-bound, bound), (width,) + channels,
+                        (None,) + tuple(axes))
+    self.bias = param(rngs, uniform_init(-bound, bound), channels, tuple(axes))
+
+  def __call__(self, x_BTX: jax.Array, window_BWX=None, n_valid_B=None):
+    """-> (y_BTX fp32, new window or None). window = the last width-1 inputs before x."""
+    K = self.width
+    B, T = x_BTX.shape[:2]
+    xf = x_BTX.astype(f32)
+    prev = (jnp.zeros((B, K - 1) + x_BTX.shape[2:], f32) if window_BWX is None
+            else window_BWX.astype(f32))
+    cat = jnp.concatenate([prev, xf], axis=1)                       # [B, K-1+T, ...]
+    w = self.kernel[...].astype(f32)
+    y = self.bias[...].astype(f32) + sum(w[k] * cat[:, k:k + T] for k in range(K))
+    new_window = None
+    if window_BWX is not None:
+      new_window = last_valid_window(window_BWX, x_BTX, n_valid_B).astype(window_BWX.dtype)
+    return y, new_window
+
+
+# ----------------------------------------------------------------------- the mixer
+
+@register_mixer("mamba2")
+class Mamba2(nnx.Module):
+
+  @dataclasses.dataclass(frozen=True)
+  class Options:
+    d_state: int = 64            # N
+    expand: float = 2.0          # d_inner = expand * d_model (when n_heads = 0)
+    head_dim: int = 64           # P
+    n_heads: int = 0             # 0: d_inner / head_dim; else overrides expand
+    n_groups: int = 1            # G: B/C groups (heads per group share B, C)
+    d_conv: int = 4
+    chunk_size: int = 64         # Q of the chunked SSD
+    dt_min: float = 1e-3
+    dt_max: float = 1e-1
+    a_init_min: float = 1.0      # A = -exp(A_log), A_log = log U[a_init_min, a_init_max]
+    a_init_max: float = 16.0
+
+    def heads(self, cfg: ModelConfig) -> int:
+      return self.n_heads or int(round(self.expand * cfg.d_model)) // self.head_dim
+
+    def validate(self, cfg: ModelConfig, where: str = "config.model.mamba2") -> None:
+      def need(cond, field, msg):
+        if not cond:
+          raise ValueError(f"{where}.{field}: {msg}")
+      for f in ("d_state", "head_dim", "n_groups", "d_conv", "chunk_size"):
+        need(int(getattr(self, f)) >= 1, f, f"must be >= 1, got {getattr(self, f)!r}")
+      need(self.n_heads >= 0, "n_heads", f"must be >= 0, got {self.n_heads}")
+      if not self.n_heads:
+        d_inner = self.expand * cfg.d_model
+        need(d_inner == int(d_inner) and int(d_inner) % self.head_dim == 0, "expand",
+             f"expand * d_model = {d_inner} must be a multiple of head_dim={self.head_dim}")
+      need(self.heads(cfg) % self.n_groups == 0, "n_groups",
+           f"n_heads={self.heads(cfg)} must be a multiple of n_groups={self.n_groups}")
+      need(0 < self.dt_min <= self.dt_max, "dt_min", "need 0 < dt_min <= dt_max")
+      need(0 < self.a_init_min <= self.a_init_max, "a_init_min",
+           "need 0 < a_init_min <= a_init_max")
+
+  def __init__(self, cfg: ModelConfig, opts: "Mamba2.Options", *, rngs: nnx.Rngs):
+    opts.validate(cfg)
+    self.cfg, self.opts = cfg, opts
+    H, P, N, G, D = opts.heads(cfg), opts.head_dim, opts.d_state, opts.n_groups, cfg.d_model
+    self.H, self.P, self.N, self.G = H, P, N, G
+    dt, pdt = dtype_of(cfg.dtype), dtype_of(cfg.param_dtype)
+    kw = dict(rngs=rngs, dtype=dt, param_dtype=pdt, init_std=cfg.init_std)
+    self.in_z = Linear((D,), (H, P), in_axes=("embed",), out_axes=("heads", "head_dim"), **kw)
+    self.in_x = Linear((D,), (H, P), in_axes=("embed",), out_axes=("heads", "head_dim"), **kw)
+    self.in_b = Linear((D,), (G, N), in_axes=("embed",), out_axes=(None, "state"), **kw)
+    self.in_c = Linear((D,), (G, N), in_axes=("embed",), out_axes=(None, "state"), **kw)
+    self.in_dt = Linear((D,), (H,), in_axes=("embed",), out_axes=("heads",), **kw)
+    self.conv_x = CausalConv(opts.d_conv, (H, P), ("heads", "head_dim"), rngs=rngs)
+    self.conv_b = CausalConv(opts.d_conv, (G, N), (None, "state"), rngs=rngs)
+    self.conv_c = CausalConv(opts.d_conv, (G, N), (None, "state"), rngs=rngs)
+    self.dt_bias = param(rngs, dt_bias_init(opts.dt_min, opts.dt_max), (H,), ("heads",),
+                         weight_decay=False)
+    self.A_log = param(rngs, uniform_init(opts.a_init_min, opts.a_init_max, jnp.log), (H,),
+                       ("heads",), weight_decay=False)
+    self.D = param(rngs, nnx.initializers.ones, (H,), ("heads",), weight_decay=False)
+    self.norm_scale = param(rngs, nnx.initializers.ones, (H, P), ("heads", "head_dim"),
+                            weight_decay=False)
+    kw["init_std"] = cfg.init_std / (2 * cfg.n_layers) ** 0.5   # scaled residual init
+    self.out = Linear((H, P), (D,), in_axes=("heads", "head_dim"), out_axes=("embed",), **kw)
+
+  # -------------------------------------------------------------- pieces reused by hybrids
+  def ssm_heads(self, x_BTD, *, positions_BT, state=None):
+    """-> (gated-normed head outputs [B, T, H, P] in the compute dtype, new state)."""
+    opts, cfg = self.opts, self.cfg
+    valid = valid_mask(positions_BT)
+    n_valid = valid.sum(axis=1).astype(jnp.int32)
+    st = state or {}
+    z = self.in_z(x_BTD)
+    xs, w_x = self.conv_x(self.in_x(x_BTD), st.get("conv_x"), n_valid)
+    bs, w_b = self.conv_b(self.in_b(x_BTD), st.get("conv_b"), n_valid)
+    cs, w_c = self.conv_c(self.in_c(x_BTD), st.get("conv_c"), n_valid)
+    xs, bs, cs = jax.nn.silu(xs), jax.nn.silu(bs), jax.nn.silu(cs)
+    dt = jax.nn.softplus(self.in_dt(x_BTD).astype(f32) + self.dt_bias[...].astype(f32))
+    dt = jnp.where(valid[..., None], dt, 0.0)                      # padding: state unchanged
+    a = -jnp.exp(self.A_log[...].astype(f32)) * dt                 # [B, T, H], <= 0
+    x_in = xs * dt[..., None]
+    h0 = None if state is None else state["ssm"]
+    if state is not None and x_BTD.shape[1] == 1:
+      y, h = ssd.ssd_step(h0, x_in[:, 0], a[:, 0], bs[:, 0], cs[:, 0])
+      y = y[:, None]
+    else:
+      y, h = ssd.ssd_chunked(x_in, a, bs, cs, chunk=opts.chunk_size, h0_BHPN=h0)
+    y = y + self.D[...].astype(f32)[:, None] * xs
+    y = y * jax.nn.silu(z.astype(f32))
+    Bsz, T = y.shape[:2]
+    yg = y.reshape(Bsz, T, self.G, self.H // self.G, self.P)       # norm per B/C group
+    yg = yg * jax.lax.rsqrt(jnp.mean(jnp.square(yg), axis=(-2, -1), keepdims=True) + cfg.norm_eps)
+    y = yg.reshape(y.shape) * self.norm_scale[...].astype(f32)
+    new_state = None
+    if state is not None:
+      new_state = {"conv_x": w_x, "conv_b": w_b, "conv_c": w_c, "ssm": h}
+    return y.astype(dtype_of(cfg.dtype)), new_state
+
+  def __call__(self, x_BTD, *, positions_BT, state=None, rng=None, train=False):
+    del rng, train
+    y, state = self.ssm_heads(x_BTD, positions_BT=positions_BT, state=state)
+    return self.out(y), state, {}
+
+  # -------------------------------------------------------------- class hooks
+  @classmethod
+  def init_state(cls, cfg: ModelConfig, opts: "Mamba2.Options", batch: int, capacity: int,
+                 dtype):
+    """Conv windows (last d_conv-1 inputs, in `dtype`) + SSM state (fp32); no `capacity`."""
+    del capacity
+    H, P, N, G, W = opts.heads(cfg), opts.head_dim, opts.d_state, opts.n_groups, opts.d_conv - 1
+    return {"conv_x": jnp.zeros((batch, W, H, P), dtype),
+            "conv_b": jnp.zeros((batch, W, G, N), dtype),
+            "conv_c": jnp.zeros((batch, W, G, N), dtype),
+            "ssm": jnp.zeros((batch, H, P, N), f32)}
+
+  @classmethod
+  def flops_per_token(cls, cfg: ModelConfig, opts: "Mamba2.Options", seq_len: int) -> float:
+    """The chunked SSD's work (`ssd.ssd_flops_per_token`); the conv and projections are
+    parameter work, counted from the parameter count."""
+    return ssd.ssd_flops_per_token(n_heads=opts.heads(cfg), head_dim=opts.head_dim,
+                                   d_state=opts.d_state, n_groups=opts.n_groups,
+                                   chunk=opts.chunk_size, seq_len=seq_len)
+
+  @classmethod
+  def max_chunk(cls, cfg, opts, capacity: int):
+    return None

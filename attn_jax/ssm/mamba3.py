@@ -1,0 +1,297 @@
+"""Mamba-3 mixer, SISO (Lahoti et al., "Mamba-3", arXiv 2603.15569): trapezoidal SSM, complex
+state as a data-dependent rotation of B and C, no short conv.
+
+Per token (heads of P = head_dim channels, state size N = d_state, R = rope_fraction * N / 2
+rotation angles shared by the heads):
+
+    z, x, B, C, dt_raw, A_raw, lam_raw, theta_raw = in-projections of the input
+    dt = softplus(dt_raw + dt_bias) (0 on padding);  A = min(-f(A_raw), -A_floor), with the
+    heavy-tail f(u) = 1 + u (u >= 0), 1 / (1 - u) (u < 0);  a = A dt <= 0,  alpha = exp(a)
+    lam = sigmoid(lam_raw);  gamma = lam dt;  beta = (1 - lam) dt alpha
+    B <- RMSNorm_N(B) + B_bias[h],  C <- RMSNorm_N(C) + C_bias[h]          (bias per head, init 1)
+    phi_t = (phi_{t-1} + pi tanh(theta_raw_t) dt_t) mod 2 pi                 (R angles per head)
+    k_t = Rot(phi_t) B_t,  q_t = Rot(phi_t) C_t     (rotate interleaved pairs (2i, 2i+1), i < R)
+    h_t = alpha_t h_{t-1} + gamma_t x_t k_t^T + beta_t x_{t-1} k_{t-1}^T   (exp-trapezoidal rule)
+    y_t = h_t q_t + D x_t;   out = W_out (y * SiLU(z))
+
+Rotating k_s and q_t by the cumulative angles makes q_t . k_s depend on phi_t - phi_s: the
+complex-diagonal SSM written in real arithmetic (the paper's "RoPE trick"). This matches the
+reference recurrence `mamba3_siso_step_ref` in state-spaces/mamba
+(`tests/ops/triton/test_mamba3_siso.py`) and the module `mamba_ssm/modules/mamba3.py`
+(defaults: SISO, rope_fraction 0.5, no output norm, B/C bias init 1, D = 1).
+
+Chunked training form: the trapezoid is an SSD with two inputs per token, gamma_t x_t k_t^T
+and beta_t x_{t-1} k_{t-1}^T (the previous token's x and k shifted by one, the first one taken
+from the carried state), both entering h_t after the decay alpha_t. `ssd.ssd_chunked(...,
+extra=...)` runs them through the same intra-chunk and chunk-state steps (G = H, since B/C are
+rotated per head); the inter-chunk scan and state->output steps are shared. (Folding the two
+into one input of weight gamma_s + beta'_{s+1}, as the reference kernel does, reads dt of token
+s + 1 for token s and cancels it again in the output: exact in algebra, but future tokens then
+reach past outputs through rounding, which the causality test detects.) The cumulative angles
+are computed per chunk and carried across chunks mod 2 pi (a scan), so they stay in range at
+any length.
+
+`trapezoid_recurrent` is the explicit recurrence (lax.scan over time, the test reference) and
+the decode step is one token of it. Decoding state: angles [H, R], h [H, P, N] (fp32), and the
+last token's k [H, N] and x [H, P]: constant in the generated length. Padding (position -1):
+dt = 0, so alpha = 1, gamma = beta = 0, the angle does not move, and the carried (x, k) stay
+those of the last valid token (right padding within a call, as in mamba2.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from attn_jax.config import ModelConfig
+from attn_jax.layers import Linear, dtype_of, param
+from attn_jax.registry import register_mixer
+from attn_jax.ssm import ssd
+from attn_jax.ssm.mamba2 import dt_bias_init, last_valid_window, valid_mask
+
+f32 = jnp.float32
+TWO_PI = 2.0 * math.pi
+
+
+def heavy_tail(u: jax.Array) -> jax.Array:
+  """1 + u for u >= 0, 1 / (1 - u) for u < 0: positive, C^1 at 0 (Mamba-3's A activation)."""
+  return jnp.maximum(u, 0.0) + 1.0 / (1.0 - jnp.minimum(u, 0.0))
+
+
+def wrap(phi: jax.Array) -> jax.Array:
+  return phi - TWO_PI * jnp.floor(phi / TWO_PI)
+
+
+def rotate_pairs(x_XN: jax.Array, phi_XR: jax.Array) -> jax.Array:
+  """Rotate pairs (2i, 2i+1), i < R, of the last axis by phi[..., i]; the rest unchanged."""
+  R = phi_XR.shape[-1]
+  xr = x_XN[..., :2 * R].reshape(x_XN.shape[:-1] + (R, 2))
+  x0, x1 = xr[..., 0], xr[..., 1]
+  c, s = jnp.cos(phi_XR), jnp.sin(phi_XR)
+  rot = jnp.stack([x0 * c - x1 * s, x0 * s + x1 * c], axis=-1).reshape(x_XN.shape[:-1] + (2 * R,))
+  return jnp.concatenate([rot, x_XN[..., 2 * R:]], axis=-1)
+
+
+def wrapped_cumsum(inc_BTX: jax.Array, phi0_BX: jax.Array, chunk: int) -> jax.Array:
+  """phi_t = (phi0 + sum_{r<=t} inc_r) mod 2 pi: cumsum within chunks, carry wrapped by a scan."""
+  B, T = inc_BTX.shape[:2]
+  Q = max(1, min(chunk, T))
+  nc = -(-T // Q)
+  inc = jnp.pad(inc_BTX.astype(f32), [(0, 0), (0, nc * Q - T)] + [(0, 0)] * (inc_BTX.ndim - 2))
+  local = jnp.cumsum(inc.reshape((B, nc, Q) + inc_BTX.shape[2:]), axis=2)
+
+  def step(carry, loc):
+    return wrap(carry + loc[:, -1]), wrap(carry[:, None] + loc)
+
+  _, phi = jax.lax.scan(step, phi0_BX.astype(f32), jnp.moveaxis(local, 1, 0))
+  return jnp.moveaxis(phi, 0, 1).reshape((B, nc * Q) + inc_BTX.shape[2:])[:, :T]
+
+
+def trapezoid_chunked(x_BTHP, a_BTH, gamma_BTH, betap_BTH, k_BTHN, q_BTHN, *, chunk,
+                      h0_BHPN=None, x0_BHP=None, k0_BHN=None):
+  """Chunked trapezoidal SSM: one SSD with two inputs (see module docstring).
+
+  -> (y_BTHP without the D skip, h_T) fp32. (x0, k0): the token before the first (zeros if
+  None); the second input is beta_t x_{t-1} k_{t-1}^T with beta_t = beta'_t exp(a_t).
+  """
+  B, T, H, P = x_BTHP.shape
+  x0 = jnp.zeros((B, H, P), f32) if x0_BHP is None else x0_BHP.astype(f32)
+  k0 = jnp.zeros((B, H, k_BTHN.shape[-1]), f32) if k0_BHN is None else k0_BHN.astype(f32)
+  x_prev = jnp.concatenate([x0[:, None], x_BTHP[:, :-1]], axis=1)
+  k_prev = jnp.concatenate([k0[:, None], k_BTHN[:, :-1]], axis=1)
+  beta = betap_BTH * jnp.exp(a_BTH)
+  return ssd.ssd_chunked(x_BTHP * gamma_BTH[..., None], a_BTH, k_BTHN, q_BTHN, chunk=chunk,
+                         h0_BHPN=h0_BHPN, extra=(x_prev * beta[..., None], k_prev))
+
+
+def trapezoid_step(h_BHPN, x0_BHP, k0_BHN, x_BHP, a_BH, gamma_BH, betap_BH, k_BHN, q_BHN):
+  """One token: h = alpha h + beta'alpha x_{t-1} k_{t-1}^T + gamma x_t k_t^T; y = h q."""
+  alpha = jnp.exp(a_BH)[..., None, None]
+  outer = lambda x_BHP, k_BHN: x_BHP[..., :, None] * k_BHN[..., None, :]
+  h = (alpha * h_BHPN + (betap_BH[..., None, None] * alpha) * outer(x0_BHP, k0_BHN)
+       + gamma_BH[..., None, None] * outer(x_BHP, k_BHN))
+  return jnp.einsum("bhpn,bhn->bhp", h, q_BHN), h
+
+
+def trapezoid_recurrent(x_BTHP, a_BTH, gamma_BTH, betap_BTH, k_BTHN, q_BTHN, *, h0_BHPN=None,
+                        x0_BHP=None, k0_BHN=None):
+  """The explicit recurrence, one token at a time (lax.scan over T); same returns as chunked."""
+  B, T, H, P = x_BTHP.shape
+  N = k_BTHN.shape[-1]
+  h0 = jnp.zeros((B, H, P, N), f32) if h0_BHPN is None else h0_BHPN
+  x0 = jnp.zeros((B, H, P), f32) if x0_BHP is None else x0_BHP
+  k0 = jnp.zeros((B, H, N), f32) if k0_BHN is None else k0_BHN
+
+  def step(carry, inp):
+    h, xp, kp = carry
+    x, a, g, bp, k, q = inp
+    y, h = trapezoid_step(h, xp, kp, x, a, g, bp, k, q)
+    return (h, x, k), y
+
+  seq = tuple(jnp.moveaxis(z.astype(f32), 1, 0)
+              for z in (x_BTHP, a_BTH, gamma_BTH, betap_BTH, k_BTHN, q_BTHN))
+  (h, _, _), y = jax.lax.scan(step, (h0, x0, k0), seq)
+  return jnp.moveaxis(y, 0, 1), h
+
+
+@register_mixer("mamba3")
+class Mamba3(nnx.Module):
+
+  @dataclasses.dataclass(frozen=True)
+  class Options:
+    d_state: int = 64            # N
+    expand: float = 2.0          # d_inner = expand * d_model (when n_heads = 0)
+    head_dim: int = 64           # P
+    n_heads: int = 0             # 0: d_inner / head_dim; else overrides expand
+    n_groups: int = 1            # groups of B/C projections (before the per-head bias/rotation)
+    rope_fraction: float = 0.5   # fraction of the state dims rotated (R = fraction * N / 2)
+    chunk_size: int = 64
+    dt_min: float = 1e-3
+    dt_max: float = 1e-1
+    a_floor: float = 1e-4        # A <= -a_floor
+
+    def heads(self, cfg: ModelConfig) -> int:
+      return self.n_heads or int(round(self.expand * cfg.d_model)) // self.head_dim
+
+    def n_angles(self) -> int:
+      return int(self.d_state * self.rope_fraction) // 2
+
+    def validate(self, cfg: ModelConfig, where: str = "config.model.mamba3") -> None:
+      def need(cond, field, msg):
+        if not cond:
+          raise ValueError(f"{where}.{field}: {msg}")
+      for f in ("d_state", "head_dim", "n_groups", "chunk_size"):
+        need(int(getattr(self, f)) >= 1, f, f"must be >= 1, got {getattr(self, f)!r}")
+      need(self.n_heads >= 0, "n_heads", f"must be >= 0, got {self.n_heads}")
+      if not self.n_heads:
+        d_inner = self.expand * cfg.d_model
+        need(d_inner == int(d_inner) and int(d_inner) % self.head_dim == 0, "expand",
+             f"expand * d_model = {d_inner} must be a multiple of head_dim={self.head_dim}")
+      need(self.heads(cfg) % self.n_groups == 0, "n_groups",
+           f"n_heads={self.heads(cfg)} must be a multiple of n_groups={self.n_groups}")
+      need(self.rope_fraction in (0.5, 1.0) and self.n_angles() >= 1, "rope_fraction",
+           f"must be 0.5 or 1.0 with at least one angle, got {self.rope_fraction}")
+      need(0 < self.dt_min <= self.dt_max, "dt_min", "need 0 < dt_min <= dt_max")
+      need(self.a_floor > 0, "a_floor", "must be > 0")
+
+  def __init__(self, cfg: ModelConfig, opts: "Mamba3.Options", *, rngs: nnx.Rngs):
+    opts.validate(cfg)
+    self.cfg, self.opts = cfg, opts
+    H, P, N, G, D = opts.heads(cfg), opts.head_dim, opts.d_state, opts.n_groups, cfg.d_model
+    R = opts.n_angles()
+    self.H, self.P, self.N, self.G, self.R = H, P, N, G, R
+    dt, pdt = dtype_of(cfg.dtype), dtype_of(cfg.param_dtype)
+    kw = dict(rngs=rngs, dtype=dt, param_dtype=pdt, init_std=cfg.init_std)
+    lin = lambda shape, axes: Linear((D,), shape, in_axes=("embed",), out_axes=axes, **kw)
+    self.in_z = lin((H, P), ("heads", "head_dim"))
+    self.in_x = lin((H, P), ("heads", "head_dim"))
+    self.in_b = lin((G, N), (None, "state"))
+    self.in_c = lin((G, N), (None, "state"))
+    self.in_dt = lin((H,), ("heads",))
+    self.in_a = lin((H,), ("heads",))
+    self.in_lam = lin((H,), ("heads",))
+    self.in_theta = lin((R,), (None,))
+    self.dt_bias = param(rngs, dt_bias_init(opts.dt_min, opts.dt_max), (H,), ("heads",),
+                         weight_decay=False)
+    ones = nnx.initializers.ones
+    self.b_bias = param(rngs, ones, (H, N), ("heads", "state"), weight_decay=False)
+    self.c_bias = param(rngs, ones, (H, N), ("heads", "state"), weight_decay=False)
+    self.b_norm = param(rngs, ones, (N,), ("state",), weight_decay=False)
+    self.c_norm = param(rngs, ones, (N,), ("state",), weight_decay=False)
+    self.D = param(rngs, ones, (H,), ("heads",), weight_decay=False)
+    kw["init_std"] = cfg.init_std / (2 * cfg.n_layers) ** 0.5   # scaled residual init
+    self.out = Linear((H, P), (D,), in_axes=("heads", "head_dim"), out_axes=("embed",), **kw)
+
+  def _bc(self, u_BTGN, scale, bias):
+    u = u_BTGN.astype(f32)
+    u = u * jax.lax.rsqrt(jnp.mean(u * u, axis=-1, keepdims=True) + self.cfg.norm_eps)
+    u = u * scale[...].astype(f32)
+    u = jnp.repeat(u, self.H // self.G, axis=2)                  # group -> heads
+    return u + bias[...].astype(f32)
+
+  def _inputs(self, x_BTD, positions_BT):
+    """Per-token SSM inputs (fp32): x, a, gamma, beta', B, C (unrotated), angle increments, z."""
+    valid = valid_mask(positions_BT)
+    dt = jax.nn.softplus(self.in_dt(x_BTD).astype(f32) + self.dt_bias[...].astype(f32))
+    dt = jnp.where(valid[..., None], dt, 0.0)
+    A = jnp.minimum(-heavy_tail(self.in_a(x_BTD).astype(f32)), -self.opts.a_floor)
+    lam = jax.nn.sigmoid(self.in_lam(x_BTD).astype(f32))
+    theta = math.pi * jnp.tanh(self.in_theta(x_BTD).astype(f32))         # [B, T, R]
+    return dict(x=self.in_x(x_BTD).astype(f32), a=A * dt, gamma=lam * dt, betap=(1 - lam) * dt,
+                b=self._bc(self.in_b(x_BTD), self.b_norm, self.b_bias),
+                c=self._bc(self.in_c(x_BTD), self.c_norm, self.c_bias),
+                inc=theta[:, :, None, :] * dt[..., None], z=self.in_z(x_BTD).astype(f32),
+                n_valid=valid.sum(axis=1).astype(jnp.int32))
+
+  def ssm_heads(self, x_BTD, *, positions_BT, state=None, recurrent=False):
+    """-> (gated head outputs [B, T, H, P] fp32, new state). `recurrent`: the scan reference."""
+    u = self._inputs(x_BTD, positions_BT)
+    B, T = x_BTD.shape[:2]
+    st = state if state is not None else self.init_state(self.cfg, self.opts, B, 0, f32)
+    recurrent = recurrent or (state is not None and T == 1)     # decode step: the recurrence
+    if recurrent:
+      phi = _sequential_angles(u["inc"], st["angle"])
+    else:
+      phi = wrapped_cumsum(u["inc"], st["angle"], self.opts.chunk_size)
+    k, q = rotate_pairs(u["b"], phi), rotate_pairs(u["c"], phi)
+    carried = dict(h0_BHPN=st["ssm"], x0_BHP=st["x"].astype(f32), k0_BHN=st["k"].astype(f32))
+    args = (u["x"], u["a"], u["gamma"], u["betap"], k, q)
+    if recurrent:
+      y, h = trapezoid_recurrent(*args, **carried)
+    else:
+      y, h = trapezoid_chunked(*args, chunk=self.opts.chunk_size, **carried)
+    y = (y + self.D[...].astype(f32)[:, None] * u["x"]) * jax.nn.silu(u["z"])
+    new_state = None
+    if state is not None:
+      last = lambda prev, new: last_valid_window(prev[:, None], new, u["n_valid"])[:, 0]
+      new_state = {"angle": last(st["angle"], phi), "ssm": h,
+                   "k": last(st["k"], k).astype(st["k"].dtype),
+                   "x": last(st["x"], u["x"]).astype(st["x"].dtype)}
+    return y, new_state
+
+  def __call__(self, x_BTD, *, positions_BT, state=None, rng=None, train=False):
+    del rng, train
+    y, state = self.ssm_heads(x_BTD, positions_BT=positions_BT, state=state)
+    return self.out(y.astype(dtype_of(self.cfg.dtype))), state, {}
+
+  def reference(self, x_BTD, *, positions_BT, state=None):
+    """The same mixer through the token-by-token recurrence (test reference)."""
+    y, state = self.ssm_heads(x_BTD, positions_BT=positions_BT, state=state, recurrent=True)
+    return self.out(y.astype(dtype_of(self.cfg.dtype))), state
+
+  @classmethod
+  def init_state(cls, cfg: ModelConfig, opts: "Mamba3.Options", batch: int, capacity: int,
+                 dtype):
+    """Angles and SSM state in fp32, last token's k and x in `dtype`; no `capacity`."""
+    del capacity
+    H, P, N = opts.heads(cfg), opts.head_dim, opts.d_state
+    return {"angle": jnp.zeros((batch, H, opts.n_angles()), f32),
+            "ssm": jnp.zeros((batch, H, P, N), f32),
+            "k": jnp.zeros((batch, H, N), dtype),
+            "x": jnp.zeros((batch, H, P), dtype)}
+
+  @classmethod
+  def flops_per_token(cls, cfg: ModelConfig, opts: "Mamba3.Options", seq_len: int) -> float:
+    """Chunked SSD with per-head B/C (G = H) and two inputs per token (the trapezoid);
+    rotations, norms and gates are elementwise and not counted."""
+    H = opts.heads(cfg)
+    return ssd.ssd_flops_per_token(n_heads=H, head_dim=opts.head_dim, d_state=opts.d_state,
+                                   n_groups=H, chunk=opts.chunk_size, seq_len=seq_len,
+                                   n_inputs=2)
+
+  @classmethod
+  def max_chunk(cls, cfg, opts, capacity: int):
+    return None
+
+
+def _sequential_angles(inc_BTHR, phi0_BHR):
+  """phi_t = (phi_{t-1} + inc_t) mod 2 pi, one token at a time (the reference's order)."""
+  def step(phi, inc):
+    phi = wrap(phi + inc)
+    return phi, phi
+  _, phi = jax.lax.scan(step, phi0_BHR.astype(f32), jnp.moveaxis(inc_BTHR, 1, 0))
+  return jnp.moveaxis(phi, 0, 1)

@@ -1,0 +1,178 @@
+"""State-space duality (SSD): the scalar-decay linear recurrence of Mamba-2, in three forms.
+
+The recurrence (one head; x_t in R^P, B_t, C_t in R^N, log-decay a_t <= 0):
+
+    h_t = exp(a_t) h_{t-1} + x_t B_t^T          h_t in R^{P x N}
+    y_t = h_t C_t
+
+Unrolled, y_t = sum_{s<=t} exp(A_t - A_s) (C_t . B_s) x_s with A_t = a_1 + ... + a_t: a causal
+"attention" whose mask L_ts = exp(A_t - A_s) is 1-semiseparable (Dao & Gu, "Transformers are
+SSMs", 2024, section 6). The chunked algorithm splits time into chunks of Q tokens and the
+matrix into diagonal blocks (within a chunk) and low-rank off-diagonal blocks (across chunks):
+
+1. intra-chunk ("segsum"):  y_diag_t = sum_{s in chunk, s<=t} exp(A_t - A_s) (C_t . B_s) x_s,
+   with A the cumulative sum *within the chunk*; two matmuls per chunk (C B^T, then with x).
+2. chunk states:  S_c = sum_{s in c} exp(A_end - A_s) x_s B_s^T  (the state a chunk adds).
+3. inter-chunk recurrence:  H_c = exp(A_end(c-1)) H_{c-1} + S_{c-1}, a `jax.lax.scan` over
+   chunks carrying one [P, N] state per head (H_0 = the initial state).
+4. state -> output:  y_off_t = exp(A_t) H_c C_t  for t in chunk c.
+
+y = y_diag + y_off. Every exponent is a sum of non-positive log-decays a_r over a segment
+(s, t] inside one chunk, so nothing above exp(0) = 1 is ever computed, at any length; the
+segment sums are accumulated directly (masked cumulative sums, reverse cumulative sums for the
+decay to the chunk end) rather than as differences A_t - A_s of one running sum, so strong
+decay loses no accuracy to cancellation, and the sums restart every chunk.
+
+This follows `ssd_minimal_discrete` in state-spaces/mamba (`mamba_ssm/modules/ssd_minimal.py`,
+Listing 1 of the paper), except that step 3 is a scan (linear in the number of chunks) instead
+of a segsum matmul over chunks (quadratic), and the decay to the chunk end is a direct sum.
+`ssd_chunked(..., extra=(x2, B2))` adds a second input x2_t B2_t^T per token (Mamba-3).
+
+`ssd_recurrent` is the explicit step-by-step recurrence (a `lax.scan` over time): the reference
+for tests and the naive baseline of `experiments/bench_ssd.py`. `ssd_step` is one token of it
+(the decode step). All three compute in fp32.
+
+B and C are given per group ([..., G, N]) and shared by the H/G heads of a group (Mamba-2's
+n_groups; Mamba-3 passes G = H since its B, C are rotated per head).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+f32 = jnp.float32
+
+
+def _check(x_BTHP, a_BTH, b_BTGN, c_BTGN):
+  B, T, H, _ = x_BTHP.shape
+  G = b_BTGN.shape[2]
+  if a_BTH.shape != (B, T, H) or b_BTGN.shape != c_BTGN.shape or b_BTGN.shape[:2] != (B, T) \
+      or H % G:
+    raise ValueError(f"SSD shapes do not fit: x {x_BTHP.shape}, a {a_BTH.shape}, "
+                     f"B {b_BTGN.shape}, C {c_BTGN.shape}")
+  return B, T, H, G
+
+
+def segsum_exp(a_BCQH: jax.Array) -> jax.Array:
+  """L[b, c, h, t, s] = exp(a_{s+1} + ... + a_t) for s <= t, else 0, within each chunk.
+
+  The segment sums are summed directly (a masked cumulative sum down each column, as the
+  "stable" `segsum` of ssd_minimal.py) rather than as differences A_t - A_s of one cumulative
+  sum, which would lose ~|A| * 2^-24 of absolute accuracy in the exponent under strong decay.
+  Masked entries get -inf before the exp, so only sums of non-positive terms are exponentiated
+  (and the masked part has zero gradient).
+  """
+  Q = a_BCQH.shape[2]
+  a = jnp.moveaxis(a_BCQH.astype(f32), 3, 2)                    # [B, C, H, Q]
+  strict = jnp.tril(jnp.ones((Q, Q), bool), -1)                 # r > s
+  terms = jnp.where(strict, a[..., :, None], 0.0)               # [.., r, s] = a_r if r > s
+  seg = jnp.cumsum(terms, axis=-2)                              # [.., t, s] = sum_{s<r<=t} a_r
+  return jnp.exp(jnp.where(jnp.tril(jnp.ones((Q, Q), bool)), seg, -jnp.inf))
+
+
+def ssd_chunked(x_BTHP, a_BTH, b_BTGN, c_BTGN, *, chunk: int, h0_BHPN=None, extra=None):
+  """Chunked SSD (see module docstring). Returns (y_BTHP fp32, final state h_BHPN fp32).
+
+  `extra = (x2_BTHP, b2_BTGN)` adds a second input, h_t = exp(a_t) h_{t-1} + x_t B_t^T +
+  x2_t B2_t^T (Mamba-3's trapezoid): it goes through steps 1 and 2 like the first.
+
+  T need not be a multiple of `chunk`: the tail is padded with a = 0 (decay 1), x = B = C = 0,
+  which leaves the state unchanged; the padded outputs are dropped.
+  """
+  Bsz, T, H, G = _check(x_BTHP, a_BTH, b_BTGN, c_BTGN)
+  P, N, J = x_BTHP.shape[-1], b_BTGN.shape[-1], H // G
+  Q = max(1, min(int(chunk), T))
+  nc = -(-T // Q)
+  pad = nc * Q - T
+
+  def chunks(z):
+    z = z.astype(f32)
+    if pad:
+      z = jnp.pad(z, [(0, 0), (0, pad)] + [(0, 0)] * (z.ndim - 2))
+    return z.reshape((Bsz, nc, Q) + z.shape[2:])
+
+  terms = [(x_BTHP, b_BTGN)] + ([tuple(extra)] if extra is not None else [])
+  terms = [(chunks(x).reshape(Bsz, nc, Q, G, J, P), chunks(b)) for x, b in terms]
+  a = chunks(a_BTH)                                             # [B, C, Q, H]
+  c = chunks(c_BTGN)                                            # [B, C, Q, G, N]
+  A = jnp.cumsum(a, axis=2)                                     # within-chunk cumulative decay
+
+  # 1. intra-chunk: (C B^T) masked by the segsum decay, then with x.
+  L = segsum_exp(a).reshape(Bsz, nc, G, J, Q, Q)
+  y_diag = sum(jnp.einsum("bcgts,bcgjts,bcsgjp->bctgjp", jnp.einsum("bctgn,bcsgn->bcgts", c, b),
+                          L, x) for x, b in terms)
+
+  # 2. chunk states: decay from each token to the chunk end, exp(a_{s+1} + ... + a_end),
+  # summed directly (exclusive reverse cumulative sum), not as A_end - A_s.
+  rev = jnp.cumsum(a[:, :, ::-1], axis=2)[:, :, ::-1]           # sum_{r>=s} a_r
+  to_end = jnp.exp(jnp.pad(rev[:, :, 1:], ((0, 0), (0, 0), (0, 1), (0, 0))))
+  to_end = to_end.reshape(Bsz, nc, Q, G, J)
+  S = sum(jnp.einsum("bcsgn,bcsgj,bcsgjp->bcgjpn", b, to_end, x)  # [B, C, G, J, P, N]
+          for x, b in terms)
+
+  # 3. inter-chunk recurrence (scan over chunks): state entering each chunk.
+  chunk_decay = jnp.exp(A[:, :, -1, :]).reshape(Bsz, nc, G, J)  # exp(total chunk log-decay)
+  if h0_BHPN is None:
+    h0 = jnp.zeros((Bsz, G, J, P, N), f32)
+  else:
+    h0 = h0_BHPN.astype(f32).reshape(Bsz, G, J, P, N)
+
+  def step(h, inp):
+    dec, s = inp
+    return dec[..., None, None] * h + s, h
+
+  h_final, h_in = jax.lax.scan(step, h0, (jnp.moveaxis(chunk_decay, 1, 0), jnp.moveaxis(S, 1, 0)))
+  h_in = jnp.moveaxis(h_in, 0, 1)                               # [B, C, G, J, P, N]
+
+  # 4. state -> output: decay from the chunk start to t (exponent A_t <= 0).
+  from_start = jnp.exp(A).reshape(Bsz, nc, Q, G, J)
+  y_off = jnp.einsum("bctgn,bcgjpn,bctgj->bctgjp", c, h_in, from_start)
+
+  y = (y_diag + y_off).reshape(Bsz, nc * Q, H, P)[:, :T]
+  return y, h_final.reshape(Bsz, H, P, N)
+
+
+def ssd_step(h_BHPN, x_BHP, a_BH, b_BGN, c_BGN):
+  """One token of the recurrence: returns (y_BHP, new h_BHPN), fp32."""
+  Bsz, H, P = x_BHP.shape
+  G, N = b_BGN.shape[1:]
+  J = H // G
+  h = h_BHPN.astype(f32).reshape(Bsz, G, J, P, N)
+  x = x_BHP.astype(f32).reshape(Bsz, G, J, P)
+  b, c = b_BGN.astype(f32), c_BGN.astype(f32)
+  dec = jnp.exp(a_BH.astype(f32)).reshape(Bsz, G, J)
+  h = dec[..., None, None] * h + jnp.einsum("bgjp,bgn->bgjpn", x, b)
+  y = jnp.einsum("bgjpn,bgn->bgjp", h, c)
+  return y.reshape(Bsz, H, P), h.reshape(Bsz, H, P, N)
+
+
+def ssd_recurrent(x_BTHP, a_BTH, b_BTGN, c_BTGN, *, h0_BHPN=None):
+  """The explicit recurrence, one token at a time (lax.scan over T). Same returns as ssd_chunked."""
+  Bsz, T, H, G = _check(x_BTHP, a_BTH, b_BTGN, c_BTGN)
+  P, N = x_BTHP.shape[-1], b_BTGN.shape[-1]
+  h0 = jnp.zeros((Bsz, H, P, N), f32) if h0_BHPN is None else h0_BHPN.astype(f32)
+
+  def step(h, inp):
+    y, h = ssd_step(h, *inp)
+    return h, y
+
+  seq = tuple(jnp.moveaxis(z, 1, 0) for z in (x_BTHP, a_BTH, b_BTGN, c_BTGN))
+  h, y_TBHP = jax.lax.scan(step, h0, seq)
+  return jnp.moveaxis(y_TBHP, 0, 1), h
+
+
+def ssd_flops_per_token(*, n_heads: int, head_dim: int, d_state: int, n_groups: int,
+                        chunk: int, seq_len: int, n_inputs: int = 1) -> float:
+  """Forward FLOPs per token of `ssd_chunked` (2 per multiply-add), causal convention.
+
+  Intra-chunk C B^T (per group) and its product with x (per head) count the lower triangle
+  only, (Q+1)/2 key positions per token, as causal attention does; chunk states and the
+  state->output products are N*P multiply-adds per head per token each; the inter-chunk scan
+  is N*P per head per chunk. Elementwise work (exp, masks, decays) is not counted.
+  `n_inputs` = 2 with `extra`: the intra-chunk and chunk-state work is done per input.
+  """
+  H, P, N, G, R = n_heads, head_dim, d_state, n_groups, n_inputs
+  Q = max(1, min(chunk, seq_len))
+  macs = R * (G * N + H * P) * (Q + 1) / 2 + (R + 1) * H * P * N + H * P * N / Q
+  return 2.0 * macs

@@ -1,0 +1,253 @@
+"""Mamba-2, Mamba-3 and head-fusion mixers: decoding state == full forward, chunked prefill,
+padding, causality, constant state size, FLOPs, and parameter counts of the configs."""
+
+import functools
+import importlib
+import math
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from attn_jax.attention.mha import QKVProjection
+from attn_jax.config import ModelConfig
+from attn_jax.layers import SwiGLU
+from attn_jax.ssm.hybrid_heads import HybridHeads
+from attn_jax.ssm.mamba2 import Mamba2
+from attn_jax.ssm.mamba3 import Mamba3
+
+TOL = dict(atol=1e-5, rtol=1e-5)   # fp32, fixed once
+
+CFG = ModelConfig(d_model=32, n_heads=4, n_kv_heads=2, n_layers=2, d_ff=64, vocab_size=64,
+                  dtype="float32", param_dtype="float32", init_std=0.2, attention_impl="einsum")
+MIXERS = {
+    "mamba2": (Mamba2, Mamba2.Options(d_state=8, head_dim=8, n_groups=2, chunk_size=4)),
+    "mamba3": (Mamba3, Mamba3.Options(d_state=8, head_dim=8, n_groups=2, chunk_size=4,
+                                      dt_min=0.05, dt_max=0.5)),
+    "hybrid_heads": (HybridHeads, HybridHeads.Options(d_state=8, head_dim=8, chunk_size=4)),
+}
+CAPACITY = 16
+
+
+@functools.cache
+def _build(name):
+  cls, opts = MIXERS[name]
+  return cls, opts, cls(CFG, opts, rngs=nnx.Rngs(0))
+
+
+@pytest.fixture(scope="module", params=sorted(MIXERS))
+def mixer(request):
+  return _build(request.param)
+
+
+def _x(B, T, seed=1):
+  return jax.random.normal(jax.random.PRNGKey(seed), (B, T, CFG.d_model))
+
+
+def _pos(B, T, start=0):
+  return jnp.broadcast_to(jnp.arange(start, start + T, dtype=jnp.int32), (B, T))
+
+
+def _state(cls, opts, B):
+  return cls.init_state(CFG, opts, B, CAPACITY, jnp.float32)
+
+
+@nnx.jit
+def run(m, x, positions, state=None):
+  """The mixer call, jitted (eager NNX dispatch is slow on CPU): -> (y, state)."""
+  return m(x, positions_BT=positions, state=state)[:2]
+
+
+def test_decode_steps_equal_full_forward(mixer):
+  cls, opts, m = mixer
+  B, T = 2, 11
+  x, pos = _x(B, T), _pos(B, T)
+  y_full, st_none = run(m, x, pos)
+  assert st_none is None
+  st, ys = _state(cls, opts, B), []
+  for t in range(T):
+    y, st = run(m, x[:, t:t + 1], pos[:, t:t + 1], st)
+    ys.append(y)
+  chex.assert_trees_all_close(jnp.concatenate(ys, 1), y_full, **TOL)
+  assert float(jnp.abs(y_full).mean()) > 1e-2          # outputs are not trivially ~0
+
+
+def test_chunked_prefill_then_steps_equal_full_forward(mixer):
+  cls, opts, m = mixer
+  B, T, P = 2, 11, 5                                   # prefill 5 = 1 chunk of 4 + 1
+  x, pos = _x(B, T, seed=2), _pos(B, T)
+  y_full = run(m, x, pos)[0]
+  y_pre, st = run(m, x[:, :P], pos[:, :P], _state(cls, opts, B))
+  ys = [y_pre]
+  y_mid, st = run(m, x[:, P:2 * P], pos[:, P:2 * P], st)           # a second prefill chunk
+  ys.append(y_mid)
+  for t in range(2 * P, T):
+    y, st = run(m, x[:, t:t + 1], pos[:, t:t + 1], st)
+    ys.append(y)
+  chex.assert_trees_all_close(jnp.concatenate(ys, 1), y_full, **TOL)
+
+
+def test_padding_leaves_state_unchanged(mixer):
+  cls, opts, m = mixer
+  T, n = 11, 5
+  x = _x(2, T, seed=3)
+  pos = _pos(2, T).at[1, n:].set(-1)                   # row 1: 5 tokens, then right padding
+  two = lambda z: jnp.concatenate([z, z], 0)           # "alone" runs use row 1 twice (B = 2
+  # keeps the shapes of the other tests, so nothing new is compiled)
+  # Prefill with padding: row 1's outputs and state equal those of its 5 valid tokens alone,
+  # and the full forward (no state) gives the same valid outputs.
+  y_full = run(m, x, pos)[0]
+  y_pre, st = run(m, x, pos, _state(cls, opts, 2))
+  y_solo, st_solo = run(m, two(x[1:, :n]), _pos(2, n), _state(cls, opts, 2))
+  chex.assert_trees_all_close(y_pre[1, :n], y_solo[0], **TOL)
+  chex.assert_trees_all_close(y_full[1, :n], y_solo[0], **TOL)
+  row = lambda tree, i: jax.tree.map(lambda s: s[i], tree)
+  chex.assert_trees_all_close(row(st, 1), row(st_solo, 0), **TOL)
+  # A step in which row 1 is padding leaves its state exactly as it was; the next valid step
+  # continues as if the padding never happened.
+  x_step = _x(2, 2, seed=4)
+  _, st2 = run(m, x_step[:, :1], jnp.array([[T], [-1]], jnp.int32), st)
+  chex.assert_trees_all_equal(row(st2, 1), row(st, 1))
+  y_next, _ = run(m, x_step[:, 1:], jnp.array([[T + 1], [n]], jnp.int32), st2)
+  y_next_solo, _ = run(m, two(x_step[1:, 1:]), _pos(2, 1, n), st_solo)
+  chex.assert_trees_all_close(y_next[1], y_next_solo[0], **TOL)
+
+
+def test_causal_by_gradient(mixer):
+  _, _, m = mixer
+  T = 9
+  x = _x(1, T, seed=5)
+  jac = jax.jit(jax.jacrev(lambda x: m(x, positions_BT=_pos(1, T))[0][0]))(x)[:, :, 0]
+  # jac: [T, D, T, D]
+  norms = np.asarray(jnp.sqrt(jnp.sum(jac ** 2, axis=(1, 3))))                  # [t, s]
+  future = np.triu(np.ones((T, T), bool), 1)
+  assert np.all(norms[future] == 0.0)
+  assert np.all(norms[~future] > 0.0)
+
+
+def _nbytes(tree):
+  return sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree))
+
+
+@pytest.mark.parametrize("name", ["mamba2", "mamba3"])
+def test_ssm_state_size_is_constant_in_length(name):
+  cls, opts = MIXERS[name]
+  shapes = lambda cap: jax.eval_shape(lambda: cls.init_state(CFG, opts, 2, cap, jnp.bfloat16))
+  small, huge = shapes(16), shapes(1 << 20)
+  chex.assert_trees_all_equal_shapes_and_dtypes(small, huge)
+  assert _nbytes(small) == _nbytes(huge)
+  # Generate: the state after many steps has the initial shapes (measured, not declared).
+  m = _build(name)[2]
+  st0 = cls.init_state(CFG, opts, 2, 16, jnp.float32)
+  st, x = st0, _x(2, 40, seed=6)
+  for t in range(40):
+    st = run(m, x[:, t:t + 1], _pos(2, 1, t), st)[1]
+  chex.assert_trees_all_equal_shapes_and_dtypes(st, st0)
+  assert _nbytes(st) == _nbytes(st0)
+
+
+def test_hybrid_state_is_kv_cache_plus_constant_ssm_state():
+  cls, opts = MIXERS["hybrid_heads"]
+  kv16, ssm16 = cls.init_state(CFG, opts, 2, 16, jnp.float32)
+  kv64, ssm64 = cls.init_state(CFG, opts, 2, 64, jnp.float32)
+  chex.assert_trees_all_equal_shapes_and_dtypes(ssm16, ssm64)
+  assert _nbytes(kv64) == 4 * _nbytes(kv16)
+  assert np.all(np.asarray(kv16["pos"]) == -1)
+
+
+def test_mamba3_chunked_equals_recurrent_reference():
+  cls, opts, m = _build("mamba3")
+  B, T = 2, 20                                         # two calls of 10 = 2 chunks of 4 + 2
+  x, pos = _x(B, T, seed=7), _pos(B, T)
+  ref = nnx.jit(lambda m, x, p, s: m.reference(x, positions_BT=p, state=s))
+  st = _state(cls, opts, B)
+  y1, st1 = run(m, x[:, :10], pos[:, :10], st)
+  r1, rs1 = ref(m, x[:, :10], pos[:, :10], st)
+  y2, st2 = run(m, x[:, 10:], pos[:, 10:], st1)
+  r2, rs2 = ref(m, x[:, 10:], pos[:, 10:], rs1)
+  chex.assert_trees_all_close((y1, y2, st2), (r1, r2, rs2), **TOL)
+
+
+def test_flops_per_token():
+  m2, o2 = MIXERS["mamba2"]
+  m3, o3 = MIXERS["mamba3"]
+  hh, oh = MIXERS["hybrid_heads"]
+  for cls, o in ((m2, o2), (m3, o3)):
+    assert cls.flops_per_token(CFG, o, 4096) == cls.flops_per_token(CFG, o, 64) > 0
+  # Mamba-3's scores are per head (G = H), so it does more than Mamba-2 with the same sizes.
+  assert m3.flops_per_token(CFG, o3, 64) > m2.flops_per_token(CFG, o2, 64)
+  attn = 4.0 * CFG.n_heads * CFG.head_dim * (2048 + 1) / 2
+  assert hh.flops_per_token(CFG, oh, 2048) == attn + m2.flops_per_token(CFG, oh.mamba2(), 2048)
+
+
+def test_options_validation_names_the_field():
+  with pytest.raises(ValueError, match=r"config\.model\.mamba2\.expand"):
+    Mamba2(CFG, Mamba2.Options(head_dim=48), rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=r"config\.model\.mamba3\.n_groups"):
+    Mamba3(CFG, Mamba3.Options(head_dim=8, n_groups=3), rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=r"config\.model\.hybrid_heads\.d_state"):
+    HybridHeads(CFG, HybridHeads.Options(d_state=0, head_dim=8), rngs=nnx.Rngs(0))
+
+
+# ----------------------------------------------------------------------- parameter counts
+
+TRANSFORMER = {"50m": 50_914_304, "152m": 151_878_144, "369m": 369_252_352}
+MIXER_CLASSES = {"mamba2": Mamba2, "mamba3": Mamba3, "hybrid_heads": HybridHeads}
+
+
+@functools.cache
+def _count_cached(key, make):
+  del key
+  return sum(math.prod(p.shape) for p in jax.tree.leaves(nnx.state(nnx.eval_shape(make),
+                                                                   nnx.Param)))
+
+
+def _count(make, key):
+  return _count_cached(key, make)
+
+
+def _model_params(c) -> int:
+  """Embedding (tied) + final norm + per layer: mixer + its norm (+ SwiGLU and its norm unless
+  ':nomlp'), layers following config.model.pattern; every mixer built abstractly."""
+  m = c.model
+  cfg = ModelConfig(d_model=m.d_model, n_heads=m.n_heads, n_layers=m.n_layers, d_ff=m.d_ff,
+                    vocab_size=m.vocab_size)
+  pattern = tuple(getattr(m, "pattern", (m.mixer,)))
+  total = m.vocab_size * m.d_model + m.d_model
+  for i in range(m.n_layers):
+    name, _, flag = pattern[i % len(pattern)].partition(":")
+    if name == "attention":
+      total += _count(lambda: QKVProjection(cfg, rngs=nnx.Rngs(0)), ("attention", cfg))
+    else:
+      cls = MIXER_CLASSES[name]
+      opts = cls.Options(**m[name].to_dict())
+      total += _count(lambda: cls(cfg, opts, rngs=nnx.Rngs(0)), (name, cfg, opts))
+    total += m.d_model
+    if flag != "nomlp":
+      total += _count(lambda: SwiGLU(m.d_model, m.d_ff, rngs=nnx.Rngs(0), init_std=0.02,
+                                     out_std=0.02, dtype=jnp.float32, param_dtype=jnp.float32),
+                      ("mlp", m.d_model, m.d_ff))
+      total += m.d_model
+  return total
+
+
+@pytest.mark.parametrize("size", sorted(TRANSFORMER))
+def test_counting_reproduces_the_transformer(size):
+  c = importlib.import_module(f"configs.transformer_{size}").get_config()
+  assert _model_params(c) == TRANSFORMER[size]
+
+
+@pytest.mark.parametrize("name", [f"{k}_{s}" for k in ("mamba2", "mamba3") for s in TRANSFORMER]
+                         + ["hybrid_block_152m", "hybrid_head_152m"])
+def test_config_params_match_transformer_within_1pct(name):
+  c = importlib.import_module(f"configs.{name}").get_config()
+  n = _model_params(c)
+  target = TRANSFORMER[name.rsplit("_", 1)[1]]
+  assert abs(n / target - 1) < 0.01, (name, n, target)
+  layers = {"50m": 14, "152m": (31 if "mamba2" in name else 30), "369m": (49 if "mamba2" in name
+                                                                         else 48)}
+  if not name.startswith("hybrid"):
+    assert c.model.n_layers == layers[name.rsplit("_", 1)[1]]      # SPEC.md's table

@@ -1,0 +1,161 @@
+"""Chunked SSD against the explicit recurrence (attn_jax/ssm/ssd.py), and the trapezoidal
+(Mamba-3) form built on it."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from attn_jax.ssm import ssd
+from attn_jax.ssm.mamba3 import (rotate_pairs, trapezoid_chunked, trapezoid_recurrent, wrap,
+                                 wrapped_cumsum, _sequential_angles)
+
+TOL = dict(atol=2e-5, rtol=2e-5)   # fp32, fixed once
+
+
+def _inputs(key, B=2, T=37, H=4, P=8, G=2, N=16, decay_scale=3.0):
+  k = jax.random.split(key, 5)
+  x = jax.random.normal(k[0], (B, T, H, P))
+  # log-decays spanning weak (~ -1e-3) to strong (~ -decay_scale * 5) per step
+  a = -decay_scale * jnp.exp(jax.random.uniform(k[1], (B, T, H), minval=-7.0, maxval=1.6))
+  b = jax.random.normal(k[2], (B, T, G, N)) / N ** 0.5
+  c = jax.random.normal(k[3], (B, T, G, N))
+  h0 = jax.random.normal(k[4], (B, H, P, N))
+  return x, a, b, c, h0
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 8, 16, 64])
+def test_chunked_equals_recurrence(chunk):
+  x, a, b, c, h0 = _inputs(jax.random.PRNGKey(0))        # T = 37: not a multiple of 3, 8, 16
+  y_ref, h_ref = ssd.ssd_recurrent(x, a, b, c, h0_BHPN=h0)
+  y, h = ssd.ssd_chunked(x, a, b, c, chunk=chunk, h0_BHPN=h0)
+  chex.assert_trees_all_close((y, h), (y_ref, h_ref), **TOL)
+
+
+def test_chunked_equals_recurrence_strong_decay_and_gradients():
+  x, a, b, c, h0 = _inputs(jax.random.PRNGKey(1), T=29, decay_scale=40.0)
+  assert float(a.min()) < -100.0                           # exp(a) underflows to 0 in places
+  w = jax.random.normal(jax.random.PRNGKey(2), x.shape)
+
+  def loss(fn, *args):
+    y, h = fn(*args)
+    return jnp.sum(y * w) + jnp.sum(h)
+
+  chunked = lambda *z: ssd.ssd_chunked(*z, chunk=8, h0_BHPN=h0)
+  recurrent = lambda *z: ssd.ssd_recurrent(*z, h0_BHPN=h0)
+  g = jax.grad(lambda *z: loss(chunked, *z), argnums=(0, 1, 2, 3))(x, a, b, c)
+  g_ref = jax.grad(lambda *z: loss(recurrent, *z), argnums=(0, 1, 2, 3))(x, a, b, c)
+  chex.assert_tree_all_finite(g)
+  chex.assert_trees_all_close(chunked(x, a, b, c), recurrent(x, a, b, c), **TOL)
+  chex.assert_trees_all_close(g, g_ref, atol=1e-4, rtol=1e-4)
+
+
+def test_zero_decay_token_leaves_state_unchanged():
+  x, a, b, c, h0 = _inputs(jax.random.PRNGKey(3), T=5)
+  mask = jnp.array([1, 1, 0, 1, 0], bool)[None, :, None]    # dt = 0 at tokens 2 and 4
+  x, a = x * mask[..., None], a * mask
+  _, h_all = ssd.ssd_chunked(x, a, b, c, chunk=2, h0_BHPN=h0)
+  _, h_valid = ssd.ssd_recurrent(x[:, [0, 1, 3]], a[:, [0, 1, 3]], b[:, [0, 1, 3]],
+                                 c[:, [0, 1, 3]], h0_BHPN=h0)
+  chex.assert_trees_all_close(h_all, h_valid, **TOL)
+
+
+def test_segsum_exp_is_causal_and_at_most_one():
+  a = -jnp.abs(jax.random.normal(jax.random.PRNGKey(4), (1, 2, 6, 3))) * 10
+  L = ssd.segsum_exp(a)                                     # [1, 2, 3, 6, 6]
+  upper = np.triu(np.ones((6, 6), bool), 1)
+  assert np.all(np.asarray(L)[..., upper] == 0)
+  assert np.all(np.asarray(L) <= 1.0)
+  np.testing.assert_allclose(np.diagonal(np.asarray(L), axis1=-2, axis2=-1), 1.0)
+  # L[t, s] = exp(a_{s+1} + ... + a_t)
+  np.testing.assert_allclose(L[0, 1, 2, 4, 1], np.exp(np.sum(np.asarray(a)[0, 1, 2:5, 2])),
+                             rtol=1e-5)
+
+
+def test_no_overflow_at_32k_tokens():
+  # Small width, 32K tokens; decays so weak that a whole-sequence cumsum reaches ~ -1e3..-1e4
+  # (exp(-cumsum) of a naive form overflows fp32) mixed with strong ones.
+  B, T, H, P, G, N = 1, 32768, 2, 4, 1, 4
+  k = jax.random.split(jax.random.PRNGKey(5), 4)
+  x = jax.random.normal(k[0], (B, T, H, P))
+  a = jnp.stack([jnp.full((B, T), -0.05), -jax.random.uniform(k[1], (B, T), maxval=20.0)], -1)
+  b = jax.random.normal(k[2], (B, T, G, N)) / 2
+  c = jax.random.normal(k[3], (B, T, G, N)) / 2
+  assert float(jnp.sum(a[..., 0])) < -1000.0
+  y, h = jax.jit(lambda *z: ssd.ssd_chunked(*z, chunk=64))(x, a, b, c)
+  chex.assert_tree_all_finite((y, h))
+  y_ref, h_ref = jax.jit(ssd.ssd_recurrent)(x, a, b, c)
+  chex.assert_trees_all_close((y, h), (y_ref, h_ref), **TOL)
+  g = jax.jit(jax.grad(lambda a: jnp.sum(ssd.ssd_chunked(x, a, b, c, chunk=64)[0])))(a)
+  chex.assert_tree_all_finite(g)
+
+
+# ----------------------------------------------------------------------- Mamba-3's trapezoid
+
+def _trap_inputs(key, B=2, T=23, H=3, P=4, N=8):
+  k = jax.random.split(key, 9)
+  dt = jax.nn.softplus(jax.random.normal(k[0], (B, T, H)))
+  lam = jax.nn.sigmoid(jax.random.normal(k[1], (B, T, H)))
+  a = -jnp.exp(jax.random.normal(k[2], (B, T, H))) * dt
+  x = jax.random.normal(k[3], (B, T, H, P))
+  kk = jax.random.normal(k[4], (B, T, H, N)) / N ** 0.5
+  q = jax.random.normal(k[5], (B, T, H, N))
+  carried = dict(h0_BHPN=jax.random.normal(k[6], (B, H, P, N)),
+                 x0_BHP=jax.random.normal(k[7], (B, H, P)),
+                 k0_BHN=jax.random.normal(k[8], (B, H, N)))
+  return (x, a, lam * dt, (1 - lam) * dt, kk, q), carried
+
+
+def _trap_explicit(x, a, gamma, betap, k, q, h0_BHPN, x0_BHP, k0_BHN):
+  """h_t = alpha_t h_{t-1} + gamma_t x_t k_t^T + beta_t x_{t-1} k_{t-1}^T, numpy loop."""
+  x, a, gamma, betap, k, q, h, xp, kp = map(np.asarray, (x, a, gamma, betap, k, q, h0_BHPN,
+                                                         x0_BHP, k0_BHN))
+  ys = []
+  for t in range(x.shape[1]):
+    al = np.exp(a[:, t])[..., None, None]
+    h = (al * h + (betap[:, t, :, None, None] * al) * xp[..., :, None] * kp[..., None, :]
+         + gamma[:, t, :, None, None] * x[:, t, :, :, None] * k[:, t, :, None, :])
+    ys.append(np.einsum("bhpn,bhn->bhp", h, q[:, t]))
+    xp, kp = x[:, t], k[:, t]
+  return np.stack(ys, 1), h
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 7, 32])
+def test_trapezoid_chunked_equals_recurrence(chunk):
+  args, carried = _trap_inputs(jax.random.PRNGKey(6))
+  y_np, h_np = _trap_explicit(*args, **carried)
+  y_rec, h_rec = trapezoid_recurrent(*args, **carried)
+  y, h = trapezoid_chunked(*args, chunk=chunk, **carried)
+  chex.assert_trees_all_close((y_rec, h_rec), (y_np, h_np), **TOL)
+  chex.assert_trees_all_close((y, h), (y_np, h_np), **TOL)
+
+
+def test_wrapped_angles_match_sequential_and_stay_in_range():
+  inc = jax.random.uniform(jax.random.PRNGKey(7), (2, 1000, 3, 4), maxval=3.0)
+  phi0 = jax.random.uniform(jax.random.PRNGKey(8), (2, 3, 4), maxval=6.0)
+  phi = wrapped_cumsum(inc, phi0, chunk=64)
+  ref = _sequential_angles(inc, phi0)
+  assert float(phi.min()) >= 0.0 and float(phi.max()) < 2 * np.pi
+  # compare as points on the circle (values near 0 / 2 pi may wrap differently)
+  chex.assert_trees_all_close((jnp.cos(phi), jnp.sin(phi)), (jnp.cos(ref), jnp.sin(ref)),
+                              atol=1e-4)
+
+
+def test_rotation_makes_scores_relative():
+  """q_t . k_s after rotating by phi_t, phi_s depends only on phi_t - phi_s."""
+  k = jax.random.split(jax.random.PRNGKey(9), 3)
+  q, kk = jax.random.normal(k[0], (8,)), jax.random.normal(k[1], (8,))
+  phi = jax.random.uniform(k[2], (2,), maxval=6.0)                 # R = 2 of N/2 = 4 pairs
+  s1 = rotate_pairs(q, phi + 1.3) @ rotate_pairs(kk, phi)
+  s2 = rotate_pairs(q, wrap(phi + 4.0 + 1.3)) @ rotate_pairs(kk, wrap(phi + 4.0))
+  np.testing.assert_allclose(s1, s2, rtol=1e-5)
+  np.testing.assert_allclose(rotate_pairs(q, phi)[4:], q[4:])      # unrotated tail
+
+
+def test_flops_are_linear_in_length():
+  kw = dict(n_heads=24, head_dim=64, d_state=64, n_groups=1, chunk=64)
+  f1, f2 = ssd.ssd_flops_per_token(seq_len=2048, **kw), ssd.ssd_flops_per_token(seq_len=65536, **kw)
+  assert f1 == f2 > 0
+  # chunk 64: C B^T 64*32.5, (.)x 24*64*32.5, states and outputs 2*24*64*64, scan 24*64*64/64
+  assert f1 == 2 * (64 * 32.5 + 24 * 64 * 32.5 + 2 * 24 * 64 * 64 + 24 * 64)
