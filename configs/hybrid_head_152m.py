@@ -4,12 +4,12 @@ SwiGLU. The SSM heads add 1,883,044 parameters per layer; the SwiGLU narrows fro
 to pay for them: 151,913,904 parameters (+0.02% vs the Transformer's 151,878,144).
 """
 
-from configs import mamba2_152m, transformer_152m
+from configs import transformer_152m
 
 
 def get_config():
   c = transformer_152m.get_config()
   c.model.update(d_model=768, n_heads=12, n_layers=12, d_ff=2256)
   c.model.pattern = ("hybrid_heads",)
-  mamba2_152m.mixer_options(c, "hybrid_heads", d_state=64, expand=1.0, head_dim=64)
+  c.model.hybrid_heads.update(d_state=64, expand=1.0, head_dim=64)
   return c

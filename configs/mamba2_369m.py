@@ -3,12 +3,12 @@
 Parameters: 368,482,528 vs the Transformer's 369,252,352 (-0.21%). lr 3e-4 as the Transformer.
 """
 
-from configs import mamba2_152m, transformer_369m
+from configs import transformer_369m
 
 
 def get_config():
   c = transformer_369m.get_config()
   c.model.update(d_model=1024, n_heads=16, n_layers=49)
   c.model.pattern = ("mamba2:nomlp",)
-  mamba2_152m.mixer_options(c, "mamba2", d_state=64, expand=2.0, head_dim=64)
+  c.model.mamba2.update(d_state=64, expand=2.0, head_dim=64)
   return c

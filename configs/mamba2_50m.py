@@ -6,12 +6,12 @@ the 16 heads to head dim 70 (d_inner 1120, expand 2.1875) gives 50,969,888 (+0.1
 the head count, d_state and the number of B/C groups of the standard block.
 """
 
-from configs import mamba2_152m, transformer_50m
+from configs import transformer_50m
 
 
 def get_config():
   c = transformer_50m.get_config()
   c.model.update(d_model=512, n_heads=8, n_layers=14)
   c.model.pattern = ("mamba2:nomlp",)
-  mamba2_152m.mixer_options(c, "mamba2", d_state=64, head_dim=70, n_heads=16)
+  c.model.mamba2.update(d_state=64, head_dim=70, n_heads=16)
   return c

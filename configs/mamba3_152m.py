@@ -6,12 +6,12 @@ heads, before the per-head bias and rotation) give 152,828,064 (+0.63%), with ex
 and d_state as in the table.
 """
 
-from configs import mamba2_152m, transformer_152m
+from configs import transformer_152m
 
 
 def get_config():
   c = transformer_152m.get_config()
   c.model.update(d_model=768, n_heads=12, n_layers=30)
   c.model.pattern = ("mamba3:nomlp",)
-  mamba2_152m.mixer_options(c, "mamba3", d_state=64, expand=2.0, head_dim=64, n_groups=2)
+  c.model.mamba3.update(d_state=64, expand=2.0, head_dim=64, n_groups=2)
   return c

@@ -4,12 +4,12 @@ Defaults give 365,526,016 parameters (-1.01% vs the Transformer's 369,252,352); 
 as at 152M, give 371,817,472 (+0.69%). lr 3e-4 as the Transformer.
 """
 
-from configs import mamba2_152m, transformer_369m
+from configs import transformer_369m
 
 
 def get_config():
   c = transformer_369m.get_config()
   c.model.update(d_model=1024, n_heads=16, n_layers=48)
   c.model.pattern = ("mamba3:nomlp",)
-  mamba2_152m.mixer_options(c, "mamba3", d_state=64, expand=2.0, head_dim=64, n_groups=2)
+  c.model.mamba3.update(d_state=64, expand=2.0, head_dim=64, n_groups=2)
   return c

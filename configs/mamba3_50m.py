@@ -4,12 +4,12 @@ At expand 2 (16 heads of 64) the model has 49,176,768 parameters, 3.41% under th
 Transformer's 50,914,304; 17 heads (d_inner 1088, expand 2.125) give 50,576,348 (-0.66%).
 """
 
-from configs import mamba2_152m, transformer_50m
+from configs import transformer_50m
 
 
 def get_config():
   c = transformer_50m.get_config()
   c.model.update(d_model=512, n_heads=8, n_layers=14)
   c.model.pattern = ("mamba3:nomlp",)
-  mamba2_152m.mixer_options(c, "mamba3", d_state=64, head_dim=64, n_heads=17)
+  c.model.mamba3.update(d_state=64, head_dim=64, n_heads=17)
   return c

@@ -30,7 +30,8 @@ VOCAB = 61
 TINY = {"sisa": {"d_state": 4}, "sliding_window": {"window": 4},
         "mamba2": {"d_state": 8, "head_dim": 8, "chunk_size": 4},
         "mamba3": {"d_state": 8, "head_dim": 8, "chunk_size": 4},
-        "hybrid_heads": {}, "sinkhorn": {"block_size": 4}}
+        "hybrid_heads": {"d_state": 8, "head_dim": 8, "chunk_size": 4},
+        "sinkhorn": {"block_size": 4}}
 MIXED = ("attention", "sisa", "sliding_window:nomlp")
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax.numpy as jnp
 from flax import nnx
 
 from attn_jax.attention import kv_state

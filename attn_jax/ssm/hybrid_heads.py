@@ -28,30 +28,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from attn_jax.attention.core import attend
+from attn_jax.attention import kv_state
+from attn_jax.attention.core import attend, causal_positions
 from attn_jax.attention.mha import QKVProjection
 from attn_jax.config import ModelConfig
-from attn_jax.layers import apply_rope, dtype_of, param, rope_angles
+from attn_jax.layers import dtype_of, param
 from attn_jax.registry import register_mixer
 from attn_jax.ssm.mamba2 import Mamba2
 
 f32 = jnp.float32
-
-
-def kv_state_init(batch: int, capacity: int, n_kv: int, head_dim: int, dtype) -> dict:
-  return {"k": jnp.zeros((batch, capacity, n_kv, head_dim), dtype),
-          "v": jnp.zeros((batch, capacity, n_kv, head_dim), dtype),
-          "pos": jnp.full((batch, capacity), -1, jnp.int32)}
-
-
-def kv_state_write(st: dict, k_BTKD, v_BTKD, positions_BT) -> dict:
-  """Write each valid token at slot = its position; padding (-1) is dropped."""
-  B, S = st["pos"].shape
-  slot = jnp.where(positions_BT >= 0, positions_BT, S)         # S: out of bounds -> dropped
-  rows = jnp.broadcast_to(jnp.arange(B)[:, None], slot.shape)
-  put = lambda buf, val: buf.at[rows, slot].set(val.astype(buf.dtype), mode="drop")
-  return {"k": put(st["k"], k_BTKD), "v": put(st["v"], v_BTKD),
-          "pos": put(st["pos"], positions_BT)}
 
 
 @register_mixer("hybrid_heads")
@@ -85,17 +70,17 @@ class HybridHeads(nnx.Module):
 
   def _attention(self, x_BTD, positions_BT, kv):
     cfg, p = self.cfg, self.attn
-    q, k, v = p.q(x_BTD), p.k(x_BTD), p.v(x_BTD)
-    cos, sin = rope_angles(positions_BT, cfg.head_dim, cfg.rope_theta)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    q, k, v = p.rotated_qkv(x_BTD, positions_BT, cfg.rope_theta)
     scale = cfg.head_dim ** -0.5
     if kv is None:
       out = attend(q, k, v, scale=scale, causal=True, q_positions=positions_BT,
                    kv_positions=positions_BT, impl=cfg.attention_impl)
-    else:
-      kv = kv_state_write(kv, k, v, positions_BT)
-      out = attend(q, kv["k"].astype(q.dtype), kv["v"].astype(q.dtype), scale=scale, causal=True,
-                   q_positions=positions_BT, kv_positions=kv["pos"], impl=cfg.attention_impl)
+    else:   # the shared linear KV buffer (attention/kv_state.py), as the attention mixer
+      keys = kv_state.with_new(kv, {"k": k, "v": v}, positions_BT)
+      out = attend(q, keys["k"].astype(q.dtype), keys["v"].astype(q.dtype), scale=scale,
+                   causal=True, q_positions=positions_BT, kv_positions=keys["pos"],
+                   impl=cfg.attention_impl)
+      kv = kv_state.write(kv, {"k": k, "v": v}, positions_BT, ring=False)
     o = out.astype(f32)
     o = o * jax.lax.rsqrt(jnp.mean(o * o, axis=(-2, -1), keepdims=True) + cfg.norm_eps)
     o = o * self.attn_norm[...].astype(f32)
@@ -103,6 +88,8 @@ class HybridHeads(nnx.Module):
 
   def __call__(self, x_BTD, *, positions_BT, state=None, rng=None, train=False):
     del rng, train
+    if positions_BT is None:
+      positions_BT = causal_positions(*x_BTD.shape[:2])
     kv, ss = (None, None) if state is None else state
     ya, kv = self._attention(x_BTD, positions_BT, kv)
     hs, ss = self.ssm.ssm_heads(x_BTD, positions_BT=positions_BT, state=ss)
@@ -113,7 +100,8 @@ class HybridHeads(nnx.Module):
   def init_state(cls, cfg: ModelConfig, opts: "HybridHeads.Options", batch: int, capacity: int,
                  dtype):
     """(KV cache of `capacity` slots, Mamba-2 state of fixed size)."""
-    return (kv_state_init(batch, capacity, cfg.kv_heads, cfg.head_dim, dtype),
+    return (kv_state.init_kv_state(batch, capacity, cfg.kv_heads, cfg.head_dim, cfg.head_dim,
+                                   dtype),
             Mamba2.init_state(cfg, opts.mamba2(), batch, capacity, dtype))
 
   @classmethod
@@ -124,4 +112,8 @@ class HybridHeads(nnx.Module):
 
   @classmethod
   def max_chunk(cls, cfg, opts, capacity: int):
-    return None   # any number of new tokens, as long as their positions are < capacity
+    return None   # any number of new tokens
+
+  @classmethod
+  def stream_limit(cls, cfg, opts, capacity: int) -> int:
+    return capacity   # the attention heads' linear KV buffer holds the whole stream

@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from attn_jax.attention.core import causal_positions
 from attn_jax.config import ModelConfig
 from attn_jax.layers import Linear, dtype_of, param
 from attn_jax.registry import register_mixer
@@ -202,7 +203,9 @@ class Mamba2(nnx.Module):
       new_state = {"conv_x": w_x, "conv_b": w_b, "conv_c": w_c, "ssm": h}
     return y.astype(dtype_of(cfg.dtype)), new_state
 
-  def __call__(self, x_BTD, *, positions_BT, state=None, rng=None, train=False):
+  def __call__(self, x_BTD, *, positions_BT=None, state=None, rng=None, train=False):
+    if positions_BT is None:   # a plain 0..T-1 full forward
+      positions_BT = causal_positions(*x_BTD.shape[:2])
     del rng, train
     y, state = self.ssm_heads(x_BTD, positions_BT=positions_BT, state=state)
     return self.out(y), state, {}

@@ -47,6 +47,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from attn_jax.attention.core import causal_positions
 from attn_jax.config import ModelConfig
 from attn_jax.layers import Linear, dtype_of, param
 from attn_jax.registry import register_mixer
@@ -253,7 +254,9 @@ class Mamba3(nnx.Module):
                    "x": last(st["x"], u["x"]).astype(st["x"].dtype)}
     return y, new_state
 
-  def __call__(self, x_BTD, *, positions_BT, state=None, rng=None, train=False):
+  def __call__(self, x_BTD, *, positions_BT=None, state=None, rng=None, train=False):
+    if positions_BT is None:   # a plain 0..T-1 full forward
+      positions_BT = causal_positions(*x_BTD.shape[:2])
     del rng, train
     y, state = self.ssm_heads(x_BTD, positions_BT=positions_BT, state=state)
     return self.out(y.astype(dtype_of(self.cfg.dtype))), state, {}
