@@ -162,13 +162,23 @@ def test_mixed_pattern_structure_counts_and_flops():
   assert per_layer["sliding_window"] < per_layer["attention"] < per_layer["sisa"]
 
 
-def test_mixed_pattern_trains_with_falling_loss(tmp_path):
+# The SSM runs compile the chunked scan forward and backward (~1 min each on 2 cores): slow.
+TRAINED = [MIXED] + [pytest.param(p, marks=pytest.mark.slow) for p in (
+    ("mamba2:nomlp",), ("mamba3:nomlp",), ("hybrid_heads",), ("attention", "mamba2:nomlp"))]
+
+
+@pytest.mark.parametrize("pattern", TRAINED, ids=lambda p: "+".join(p) if isinstance(p, tuple)
+                         else None)
+def test_trains_on_the_quickstart_data_with_falling_loss(tmp_path, pattern):
   from configs import quickstart
   from attn_jax.train.trainer import train_and_evaluate
   c = quickstart.get_config()
-  c.model.update(mixer="attention", pattern=MIXED, n_layers=3)
+  c.model.update(mixer="attention", pattern=pattern, n_layers=len(pattern) * (2 if len(
+      pattern) < 3 else 1))
   c.model.sliding_window.window = 16
   c.model.sisa.d_state = 8
+  for name in ("mamba2", "mamba3", "hybrid_heads"):
+    c.model[name].update(d_state=16, head_dim=16, chunk_size=16)
   c.data.global_batch_size = 16
   c.train.update(steps=60, log_every=10, progress_bar=False)
   c.optim.warmup_steps = 10
