@@ -29,9 +29,9 @@ def _plain(h, w, y, wt):
   return cross_entropy(jnp.einsum("btd,dv->btv", h, w), y, wt)
 
 
-# (chunk, vocab_chunk): uneven token chunks (14 tokens in 4s), one chunk, vocab blocks that do
+# (chunk, vocab_chunk): uneven sequence chunks (T = 7 in 3s), one chunk, vocab blocks that do
 # and do not divide V = 37.
-SPLITS = [(4, None), (64, None), (3, 10), (5, 37), (14, 8)]
+SPLITS = [(3, None), (64, None), (2, 10), (5, 37), (7, 8)]
 
 
 @pytest.mark.parametrize("mode", ["fused", "remat"])
@@ -101,3 +101,24 @@ def test_rejects_bad_options():
     cross_entropy_from_hidden(h, w, y, wt, mode="dense")
   with pytest.raises(ValueError, match="chunk"):
     cross_entropy_from_hidden(h, w, y, wt, chunk=0)
+
+
+def test_batch_sharded_hidden_states_give_the_same_loss_and_gradients():
+  """Data parallel: h, targets and weights sharded over 8 devices on the batch axis (the scan
+  runs over sequence chunks, so each chunk keeps the batch sharding) equal the unsharded run."""
+  devices = np.array(jax.devices()[:8])
+  if len(devices) < 8:
+    pytest.skip("needs the 8 simulated CPU devices of conftest")
+  r = np.random.default_rng(3)
+  h = jnp.asarray(r.standard_normal((8, 6, D)), jnp.float32)
+  w = jnp.asarray(r.standard_normal((D, V)), jnp.float32)
+  y = jnp.asarray(r.integers(0, V, (8, 6)), jnp.int32)
+  wt = jnp.ones((8, 6), jnp.float32)
+  mesh = jax.sharding.Mesh(devices, ("data",))
+  sh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+  f = jax.jit(jax.value_and_grad(
+      lambda h, w: cross_entropy_from_hidden(h, w, y, wt, chunk=4)[0], argnums=(0, 1)))
+  ref = f(h, w)
+  got = f(jax.device_put(h, sh), w)
+  chex.assert_trees_all_close(got, ref, rtol=TOL, atol=TOL)
+  assert got[1][0].sharding.is_equivalent_to(sh, 3)  # dh keeps the batch sharding

@@ -6,13 +6,14 @@ embeddings: W = embed^T), target y_n and weight w_n:
     z_n = h_n W  (fp32),   lse_n = log sum_v exp(z_nv),   nll_n = lse_n - z_{n, y_n}
     returns  sum_n w_n nll_n,   sum_n w_n,   sum_n w_n [argmax_v z_nv == y_n]
 
-The tokens (B*T of them, flattened) are cut into chunks of `chunk` rows (the last one padded
-with weight 0), and a `lax.scan` visits them, so at most [chunk, V] logits are live. Two ways
+The sequence is cut into chunks of `chunk` positions (the last one padded with weight 0); a
+`lax.scan` visits them, each chunk holding the whole batch (so a batch-sharded h stays
+sharded), so at most [B, chunk, V] logits are live. Two ways
 to get the gradient without keeping [B*T, V]:
 
 - "fused" (default): a `custom_vjp` whose forward also forms, per chunk, the logit gradient
   dz = w (softmax(z) - onehot(y)) and immediately contracts it: dh = dz W^T, dW += h^T dz.
-  The residuals are dh [N, D], dW [D, V] and the per-token nll (for a weight cotangent); the
+  The residuals are dh [B, T, D], dW [D, V] and the per-token nll (for a weight cotangent); the
   backward only scales them by the incoming cotangent of the NLL sum. Three matmuls in all,
   as the plain form (the "fused linear cross-entropy" idea of Liger-Kernel / Levanter).
 - "remat": the chunk's function is wrapped in `jax.checkpoint`, so autodiff keeps only the
@@ -101,19 +102,29 @@ def _chunk_sums(h_cD, w_DV, y_c, wt_c, vocab_chunk):
   return nll_c, jnp.sum(nll_c * wt_c), jnp.sum(wt_c), jnp.sum((arg == y_c) * wt_c)
 
 
-def _chunked(h_ND, y_N, wt_N, chunk):
-  """Flattened tokens -> [n, chunk, .] (padded with weight 0)."""
-  N = h_ND.shape[0]
-  n = -(-N // chunk)
-  pad = n * chunk - N
-  h = jnp.pad(h_ND, ((0, pad), (0, 0))).reshape(n, chunk, -1)
-  y = jnp.pad(y_N, (0, pad)).reshape(n, chunk)
-  wt = jnp.pad(wt_N, (0, pad)).reshape(n, chunk)
-  return h, y, wt
+def _chunked(h_BTD, y_BT, wt_BT, chunk):
+  """[B, T, .] -> [n, B*chunk, .]: sequence chunks (T padded with weight 0), batch kept whole in
+  each chunk, so a batch-sharded (data-parallel) h stays sharded inside the scan."""
+  B, T, D = h_BTD.shape
+  n = -(-T // chunk)
+  pad = n * chunk - T
+
+  def split(x):
+    x = jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))
+    x = x.reshape((B, n, chunk) + x.shape[2:])
+    return jnp.swapaxes(x, 0, 1).reshape((n, B * chunk) + x.shape[3:])
+
+  return split(h_BTD), split(y_BT), split(wt_BT)
 
 
-def _remat_ce(h_ND, w_DV, y_N, wt_N, chunk, vocab_chunk):
-  h, y, wt = _chunked(h_ND, y_N, wt_N, chunk)
+def _unchunked(x_NcD, B, T):
+  n, _, D = x_NcD.shape
+  x = x_NcD.reshape(n, B, -1, D)
+  return jnp.swapaxes(x, 0, 1).reshape(B, -1, D)[:, :T]
+
+
+def _remat_ce(h_BTD, w_DV, y_BT, wt_BT, chunk, vocab_chunk):
+  h, y, wt = _chunked(h_BTD, y_BT, wt_BT, chunk)
 
   @jax.checkpoint
   def one(h_cD, w_DV, y_c, wt_c):
@@ -156,13 +167,13 @@ def _chunk_grads(h_cD, w_DV, y_c, wt_c, lse_c, vocab_chunk):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _fused_ce(h_ND, w_DV, y_N, wt_N, chunk, vocab_chunk):
-  return _fused_fwd(h_ND, w_DV, y_N, wt_N, chunk, vocab_chunk)[0]
+def _fused_ce(h_BTD, w_DV, y_BT, wt_BT, chunk, vocab_chunk):
+  return _fused_fwd(h_BTD, w_DV, y_BT, wt_BT, chunk, vocab_chunk)[0]
 
 
-def _fused_fwd(h_ND, w_DV, y_N, wt_N, chunk, vocab_chunk):
-  N = h_ND.shape[0]
-  h, y, wt = _chunked(h_ND, y_N, wt_N, chunk)
+def _fused_fwd(h_BTD, w_DV, y_BT, wt_BT, chunk, vocab_chunk):
+  B, T, _ = h_BTD.shape
+  h, y, wt = _chunked(h_BTD, y_BT, wt_BT, chunk)
 
   def body(carry, xs):
     nll, wsum, hits, dw = carry
@@ -176,16 +187,16 @@ def _fused_fwd(h_ND, w_DV, y_N, wt_N, chunk, vocab_chunk):
 
   init = (jnp.zeros(()), jnp.zeros(()), jnp.zeros(()), jnp.zeros(w_DV.shape, jnp.float32))
   (nll, wsum, hits, dw), (dh, nll_tok) = jax.lax.scan(body, init, (h, y, wt))
-  dh = dh.reshape(-1, h_ND.shape[1])[:N].astype(h_ND.dtype)
-  nll_tok = nll_tok.reshape(-1)[:N]
-  return (nll, wsum, hits), (dh, dw.astype(w_DV.dtype), nll_tok, y_N)
+  dh = _unchunked(dh, B, T).astype(h_BTD.dtype)
+  nll_tok = _unchunked(nll_tok[..., None], B, T)[..., 0]
+  return (nll, wsum, hits), (dh, dw.astype(w_DV.dtype), nll_tok, y_BT)
 
 
 def _fused_bwd(chunk, vocab_chunk, res, cots):
   del chunk, vocab_chunk
-  dh, dw, nll_tok, y_N = res
+  dh, dw, nll_tok, y_BT = res
   g_nll, g_w, _ = cots  # argmax hits have no gradient
-  d_y = jnp.zeros(y_N.shape, jax.dtypes.float0)
+  d_y = jnp.zeros(y_BT.shape, jax.dtypes.float0)
   return (g_nll.astype(dh.dtype) * dh, g_nll.astype(dw.dtype) * dw, d_y,
           g_nll * nll_tok + g_w)
 
@@ -194,9 +205,10 @@ _fused_ce.defvjp(_fused_fwd, _fused_bwd)
 
 
 def cross_entropy_from_hidden(h_BTD: jax.Array, w_DV: jax.Array, targets_BT: jax.Array,
-                              weights_BT: jax.Array, *, chunk: int = 512,
+                              weights_BT: jax.Array, *, chunk: int = 128,
                               vocab_chunk: int | None = None, mode: str = "fused"):
-  """(sum w nll, sum w, sum w hits) of the logits h W, computed `chunk` tokens at a time.
+  """(sum w nll, sum w, sum w hits) of the logits h W, computed `chunk` positions (x the
+  whole batch) at a time.
 
   h_BTD: final hidden states (any float dtype; the matmuls accumulate in fp32);
   w_DV: head matrix (tied: embed.T). See the module docstring for `mode` and `vocab_chunk`."""
@@ -204,11 +216,9 @@ def cross_entropy_from_hidden(h_BTD: jax.Array, w_DV: jax.Array, targets_BT: jax
     raise ValueError(f"cross-entropy mode must be one of {MODES}, got {mode!r}")
   if chunk < 1 or (vocab_chunk is not None and vocab_chunk < 1):
     raise ValueError(f"chunk ({chunk}) and vocab_chunk ({vocab_chunk}) must be >= 1")
-  D = h_BTD.shape[-1]
-  h_ND = h_BTD.reshape(-1, D)
-  y_N = targets_BT.reshape(-1).astype(jnp.int32)
-  wt_N = weights_BT.reshape(-1).astype(jnp.float32)
-  chunk = min(chunk, h_ND.shape[0])
+  y_BT = targets_BT.astype(jnp.int32)
+  wt_BT = weights_BT.astype(jnp.float32)
+  chunk = min(chunk, h_BTD.shape[1])
   if mode == "remat":
-    return _remat_ce(h_ND, w_DV, y_N, wt_N, chunk, vocab_chunk)
-  return _fused_ce(h_ND, w_DV, y_N, wt_N, chunk, vocab_chunk)
+    return _remat_ce(h_BTD, w_DV, y_BT, wt_BT, chunk, vocab_chunk)
+  return _fused_ce(h_BTD, w_DV, y_BT, wt_BT, chunk, vocab_chunk)
