@@ -127,6 +127,7 @@ def make_options(mixer: str, values: dict):
   return opt_cls(**vals)
 
 
+ATTENTION_IMPLS = ("auto", "einsum", "blocked", "xla", "cudnn", "splash")  # attention/core.py
 _REMAT = ("none", "full", "dots", "dots_no_batch")
 
 
@@ -145,8 +146,8 @@ def validate_model(cfg: ModelConfig) -> None:
   need(cfg.n_kv_heads >= 0 and cfg.n_heads % cfg.kv_heads == 0, "n_kv_heads",
        f"n_heads={cfg.n_heads} must be a multiple of n_kv_heads={cfg.n_kv_heads}")
   need(cfg.remat in _REMAT, "remat", f"{cfg.remat!r} not in {_REMAT}")
-  need(cfg.attention_impl in ("auto", "einsum", "xla", "cudnn"), "attention_impl",
-       f"{cfg.attention_impl!r} not in (auto, einsum, xla, cudnn)")
+  need(cfg.attention_impl in ATTENTION_IMPLS, "attention_impl",
+       f"{cfg.attention_impl!r} not in {ATTENTION_IMPLS}")
   for f in ("dtype", "param_dtype"):
     need(getattr(cfg, f) in ("float32", "bfloat16", "float16"), f,
          f"{getattr(cfg, f)!r} not in (float32, bfloat16, float16)")

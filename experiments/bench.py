@@ -1,6 +1,9 @@
-"""Train-step throughput of several configs side by side (tokens/s, ratio, analytic FLOPs).
+"""Train-step throughput of several configs side by side (tokens/s, ratio, analytic FLOPs,
+compiled peak memory, decode tokens/s).
 
-  python experiments/bench.py --configs=transformer_152m,sisa_152m --seq_lens=1024,4096
+  python experiments/bench.py --preset=issue9      # issue #9: fp32, d 512 / 8 heads / 6 layers /
+                                                   # vocab 50277, batch 4 x 1024, on a 2-core CPU
+  python experiments/bench.py --configs=transformer_152m,sisa_152m --seq_lens=1024,4096,16384
   python experiments/bench.py --scale=tiny --dtype=float32 --seq_lens=1024,4096 \
       --configs=transformer_152m,sisa_152m,sisa_152m@fast,sisa_152m@chunked   # a 2-core CPU
 
@@ -17,6 +20,15 @@ causal lower triangle, (L+1)/2 keys per query; backward = 2 x forward), as compu
 `attn_jax.train.flops.train_flops_per_token` for the trainer's logs. MFU = tok/s x that /
 (dense bf16 peak x devices), from `flops.PEAK_FLOPS` by device kind; n/a where the peak is
 unknown (CPU).
+
+Memory: the step is compiled ahead of time (`step_fn.lower(state, batch).compile()`) and its
+`memory_analysis()` gives the bytes one step needs (`attn_jax.train.memory.needed_bytes`:
+arguments + outputs - donated + temporaries + code); a config/length whose step does not fit
+the device (`train.memory.check_fit`) is skipped with the fit message, so --seq_lens=...,16384
+runs "where memory allows". Decode: `attn_jax.decode.generate` extends a batch of prompts of
+the sequence length (batch = min(batch, --decode_batch)) by --decode_tokens greedy tokens;
+reported as generated tokens per second of the whole call (prefill included), after one
+compiling call. --json writes every row.
 
 --scale=tiny keeps the architecture family at CPU size: d_model 256, 4 heads (d_h 64, as at
 152M), 4 layers, vocab 4096, Transformer d_ff 4 d; SISA's d_ff is recomputed with
@@ -57,6 +69,25 @@ _SISA_PATH = flags.DEFINE_enum("sisa_path", "", ["", "auto", "fast", "chunked"],
 _SISA_DECAY_BIAS = flags.DEFINE_float("sisa_decay_bias", None, "Override decay_bias_init "
                                       "(e.g. -2.63: half-life ~10 tokens, long decay range).")
 _REMAT = flags.DEFINE_string("remat", "", "Override model.remat.")
+_PRESET = flags.DEFINE_enum("preset", "", ["", "issue9"], "issue9: configs transformer_152m, "
+                            "sisa_152m, sisa_152m@fast at fp32, d 512 / 8 heads / 6 layers / "
+                            "vocab 50277, batch 4 x 1024 (explicit flags still override).")
+_DECODE_TOKENS = flags.DEFINE_integer("decode_tokens", 128, "Generated tokens (0 = no decode).")
+_DECODE_BATCH = flags.DEFINE_integer("decode_batch", 4, "Largest decode batch.")
+_JSON = flags.DEFINE_string("json", "", "Write the rows to this JSON file.")
+
+PRESETS = {"issue9": dict(configs=["transformer_152m", "sisa_152m", "sisa_152m@fast"],
+                          seq_lens=["1024"], batch_tokens=4096, d_model=512, n_heads=8,
+                          n_layers=6, vocab_size=50277, dtype="float32")}
+
+
+def _apply_preset(argv_flags) -> None:
+  """Set the preset's values for every flag not given on the command line."""
+  if not _PRESET.value:
+    return
+  for name, value in PRESETS[_PRESET.value].items():
+    if not argv_flags[name].present:
+      argv_flags[name].value = value
 
 
 def _model_overrides(name: str, m) -> None:
@@ -137,7 +168,7 @@ def _setup(config):
   return s.cfg, s.step_fn, s.init_fn, s.n_params, "trainer.build_setup"
 
 
-def bench_one(name: str, seq_len: int):
+def bench_one(name: str, seq_len: int, decode: bool = True):
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -161,15 +192,22 @@ def bench_one(name: str, seq_len: int):
   toks = rng.integers(0, cfg.vocab_size, size=(1, B, seq_len + 1), dtype=np.int32)
   batch = {"inputs": jnp.asarray(toks[..., :-1]), "targets": jnp.asarray(toks[..., 1:]),
            "weights": jnp.ones((1, B, seq_len), jnp.float32)}
+  from attn_jax.train import memory
   t0 = time.perf_counter()
+  compiled = step_fn.lower(state, batch).compile()
+  mem = compiled.memory_analysis()
+  fit = memory.check_fit(mem, micro_batch=B, grad_accum=1, remat=cfg.remat)
+  if not fit.fits:
+    return {"config": name, "seq_len": seq_len, "batch": B, "skipped": fit.message,
+            "mem_gib": fit.needed / memory.GiB}
   for _ in range(_WARMUP.value):
-    state, metrics = step_fn(state, batch)
+    state, metrics = compiled(state, batch)
   jax.block_until_ready(state)
   compile_s = time.perf_counter() - t0
   times, cpu = [], []
   for _ in range(_STEPS.value):
     t, c = time.perf_counter(), time.process_time()
-    state, metrics = step_fn(state, batch)
+    state, metrics = compiled(state, batch)
     jax.block_until_ready(state)
     times.append(time.perf_counter() - t)
     cpu.append(time.process_time() - c)
@@ -179,43 +217,96 @@ def bench_one(name: str, seq_len: int):
   mfu = tok_s * flops / (peak * jax.device_count()) if peak else None
   aux = metrics.get("aux", {}) if isinstance(metrics, dict) else {}
   extra = {k: float(np.max(np.asarray(v))) for k, v in aux.items()} if aux else {}
+  decode_tok_s = _decode_tok_s(cfg, step_fn, state, toks, seq_len) if decode and _DECODE_TOKENS.value else None
   return {"config": name, "seq_len": seq_len, "batch": B, "step_s": min(times),
           "cpu_s": float(np.median(cpu)), "tok_s": tok_s, "mfu": mfu,
           "params": n_params["total"], "flops_tok": flops, "compile_s": compile_s,
-          "kind": kind, "d_ff": cfg.d_ff, "aux": extra}
+          "kind": kind, "d_ff": cfg.d_ff, "aux": extra,
+          "mem_gib": fit.needed / memory.GiB, "decode_tok_s": decode_tok_s}
+
+
+def _decode_tok_s(cfg, step_fn, state, toks, seq_len):
+  """Generated tokens/s of decode.generate (prefill of the prompts + --decode_tokens)."""
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+
+  from attn_jax import decode
+  from attn_jax.model import build_model
+
+  graphdef, _, _ = nnx.split(build_model(cfg, seed=0), nnx.Param, ...)
+  model = nnx.merge(graphdef, state["params"], state["rest"])
+  b = min(toks.shape[1], _DECODE_BATCH.value)
+  prompt = jnp.asarray(toks[0, :b, :seq_len])
+  n = _DECODE_TOKENS.value
+  jax.block_until_ready(decode.generate(model, prompt, max_new_tokens=n))  # compiles
+  t = time.perf_counter()
+  jax.block_until_ready(decode.generate(model, prompt, max_new_tokens=n))
+  return b * n / (time.perf_counter() - t)
+
+
+def _merge(prev, r):
+  """Across repeats: best wall time, lowest median CPU time, first decode figure."""
+  if prev is None or "skipped" in r:
+    return r
+  r["cpu_s"] = min(r["cpu_s"], prev["cpu_s"])
+  r["decode_tok_s"] = prev.get("decode_tok_s") or r.get("decode_tok_s")
+  if r["step_s"] > prev["step_s"]:
+    r = dict(prev, cpu_s=r["cpu_s"], decode_tok_s=r["decode_tok_s"])
+  return r
+
+
+def _print_table(L, rows, names):
+  base = rows[names[0]]
+  print(f"\nseq_len {L} (batch {base['batch']}, step: {base.get('kind', '-')})")
+  print(f"{'config':<22}{'params':>12}{'d_ff':>6}{'step s':>9}{'tok/s':>9}{'ratio':>7}"
+        f"{'cpu s':>8}{'cpu ratio':>10}{'GFLOP/tok':>10}{'FLOPs ratio':>12}{'MFU':>7}"
+        f"{'mem GiB':>8}{'decode tok/s':>13}{'compile s':>10}  aux (max over layers)")
+  for name in names:
+    r = rows[name]
+    if "skipped" in r:
+      print(f"{name:<22} skipped ({r['mem_gib']:.1f} GiB): {r['skipped']}")
+      continue
+    aux = ", ".join(f"{k}={v:.3g}" for k, v in r["aux"].items())
+    mfu = "n/a" if r["mfu"] is None else f"{r['mfu']:.1%}"  # n/a: peak unknown (CPU)
+    dec = "-" if r.get("decode_tok_s") is None else f"{r['decode_tok_s']:.1f}"
+    ratio = cpu_ratio = "-"
+    if "skipped" not in base:
+      ratio = f"{r['tok_s'] / base['tok_s']:.3f}"
+      cpu_ratio = f"{base['cpu_s'] / r['cpu_s']:.3f}"
+      r["ratio"], r["cpu_ratio"] = r["tok_s"] / base["tok_s"], base["cpu_s"] / r["cpu_s"]
+    flops_ratio = "-" if "skipped" in base else f"{r['flops_tok'] / base['flops_tok']:.3f}"
+    print(f"{name:<22}{r['params']:>12,}{r['d_ff']:>6}{r['step_s']:>9.3f}{r['tok_s']:>9.0f}"
+          f"{ratio:>7}{r['cpu_s']:>8.2f}{cpu_ratio:>10}{r['flops_tok'] / 1e9:>10.3f}"
+          f"{flops_ratio:>12}{mfu:>7}{r['mem_gib']:>8.2f}{dec:>13}{r['compile_s']:>10.1f}  {aux}",
+          flush=True)
 
 
 def main(argv):
   del argv
+  _apply_preset(flags.FLAGS)
+  import json
+
   import jax
   print(f"backend {jax.default_backend()} x{jax.device_count()}, "
         f"{os.cpu_count()} CPU cores, batch_tokens {_BATCH_TOKENS.value}", flush=True)
+  names = list(_CONFIGS.value)
+  out = []
   for L in (int(s) for s in _SEQ_LENS.value):
     best = {}
-    for _ in range(_REPEATS.value):
-      for name in _CONFIGS.value:
-        r = bench_one(name, L)
-        if name in best:  # best wall time; CPU time: the lowest per-repeat median
-          r["cpu_s"] = min(r["cpu_s"], best[name]["cpu_s"])
-          if r["step_s"] > best[name]["step_s"]:
-            r = dict(best[name], cpu_s=r["cpu_s"])
-        best[name] = r
-    base = best[_CONFIGS.value[0]]
-    print(f"\nseq_len {L} (batch {base['batch']}, step: {base['kind']})")
-    print(f"{'config':<22}{'params':>12}{'d_ff':>6}{'step s':>9}{'tok/s':>10}{'ratio':>7}"
-          f"{'cpu s':>8}{'cpu ratio':>10}{'GFLOP/tok':>11}{'FLOPs ratio':>12}{'MFU':>7}{'compile s':>10}"
-          f"  aux (max over layers)")
-    for name in _CONFIGS.value:
-      r = best[name]
-      aux = ", ".join(f"{k}={v:.3g}" for k, v in r["aux"].items())
-      mfu = "n/a" if r["mfu"] is None else f"{r['mfu']:.1%}"  # n/a: peak unknown (CPU)
-      print(f"{name:<22}{r['params']:>12,}{r['d_ff']:>6}{r['step_s']:>9.3f}{r['tok_s']:>10.0f}"
-            f"{r['tok_s'] / base['tok_s']:>7.3f}{r['cpu_s']:>8.2f}"
-            f"{base['cpu_s'] / r['cpu_s']:>10.3f}{r['flops_tok'] / 1e9:>11.3f}"
-            f"{r['flops_tok'] / base['flops_tok']:>12.3f}"
-            f"{mfu:>7}"
-            f"{r['compile_s']:>10.1f}  {aux}",
-            flush=True)
+    for rep in range(_REPEATS.value):
+      for name in names:
+        if rep and "skipped" in best.get(name, {}):
+          continue
+        best[name] = _merge(best.get(name), bench_one(name, L, decode=rep == 0))
+    _print_table(L, best, names)
+    out += [best[n] for n in names]
+  if _JSON.value:
+    with open(_JSON.value, "w") as f:
+      json.dump({"flags": {k: flags.FLAGS[k].value for k in (
+          "configs", "seq_lens", "batch_tokens", "d_model", "n_heads", "n_layers",
+          "vocab_size", "dtype", "steps", "repeats", "preset")}, "rows": out}, f, indent=1)
+    print(f"wrote {_JSON.value}")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from attn_jax.attention.core import attend, attention_reference
 
 TOL = 1e-5  # fp32, fixed once
 BF16_TOL = 2e-2
-IMPLS = ("einsum", "xla")
+IMPLS = ("einsum", "xla", "blocked")
 # (n_heads H, n_kv_heads K, Dqk, Dv): MHA, GQA, MQA, Q/K wider than V (SISA-style state channels)
 HEADS = {"mha": (4, 4, 8, 8), "gqa": (4, 2, 8, 8), "mqa": (4, 1, 8, 8), "wide_qk": (4, 2, 12, 8)}
 
@@ -188,3 +188,138 @@ def test_attend_rejects_bad_shapes_and_impl():
     attend(q, k[..., :4], v, scale=1.0)  # Q and K head dims differ
   with pytest.raises(ValueError, match="unknown attention impl"):
     attend(q, k, v, scale=1.0, impl="flash")
+
+
+# ------------------------------------------------------------------ blocked path, sinks, empty rows
+
+def _vjp_all(f, args, cot):
+  """(output, gradients of <output, cot> w.r.t. every arg) of f(*args)."""
+  out, pull = jax.vjp(f, *args)
+  return out, pull(cot)
+
+
+@pytest.mark.parametrize("heads", ["mha", "gqa", "wide_qk"])
+def test_blocked_matches_reference_with_gradients(heads):
+  """Chunks of 3 rows over T = 7 (uneven last chunk): plain causal, positional with right
+  padding (-1) under prefix_causal, a per-head bias, and a sink — values and gradients."""
+  H, K, Dqk, Dv = HEADS[heads]
+  T = 7
+  q, k, v = _qkv(11, T=T, S=T, H=H, K=K, Dqk=Dqk, Dv=Dv)
+  pos = jnp.array([[3, 4, 5, 6, 7, 8, 9], [0, 1, 2, 3, 4, -1, -1]], jnp.int32)
+  bias = _normal(12, (2, H, T, T))
+  sink = _normal(13, (H,))
+  cot = _normal(14, (2, T, H, Dv))
+  cases = {"plain": {}, "positions": dict(q_positions=pos, kv_positions=pos),
+           "bias": dict(bias=bias), "sink": dict(sink_logit_H=sink),
+           "all": dict(q_positions=pos, kv_positions=pos, bias=bias, sink_logit_H=sink)}
+
+  @jax.jit
+  def run(q, k, v):
+    res = {}
+    for name, kw in cases.items():
+      names = [n for n in ("bias", "sink_logit_H") if n in kw]
+      fixed = {n: x for n, x in kw.items() if n not in names}
+
+      def fn(attn, q, k, v, *extra, names=names, fixed=fixed, **opts):
+        return attn(q, k, v, scale=Dqk ** -0.5, **fixed, **dict(zip(names, extra)), **opts)
+      args = (q, k, v) + tuple(kw[n] for n in names)
+      blocked = functools.partial(fn, attend, impl="blocked", chunk=3, prefix_causal=True)
+      res[name] = (_vjp_all(blocked, args, cot),
+                   _vjp_all(functools.partial(fn, attention_reference), args, cot))
+    return res
+
+  for name, ((out, grads), (ref, ref_grads)) in run(q, k, v).items():
+    _close(out, ref, f"blocked {name}")
+    for i, (g, rg) in enumerate(zip(grads, ref_grads)):
+      _close(g, rg, f"blocked {name} grad {i}")
+    assert float(jnp.max(jnp.abs(grads[-1]))) > 1e-3, name  # every gradient really flows
+
+
+@pytest.mark.parametrize("heads", ["mha", "gqa", "wide_qk"])
+def test_sink_matches_explicit_formula_on_every_impl(heads):
+  """sink: extra softmax column with logit sink_h and value 0, dropped (reference formula);
+  plain causal and positional masks, gradients w.r.t. q, k, v and the sink; sink = 0 is
+  softmax1 and differs from no sink."""
+  H, K, Dqk, Dv = HEADS[heads]
+  T = 6
+  q, k, v = _qkv(21, T=T, S=T, H=H, K=K, Dqk=Dqk, Dv=Dv)
+  sink = _normal(22, (H,)) + 1.0
+  pos = jnp.array([[0, 1, 2, 3, 4, 5], [2, 3, 4, 5, -1, -1]], jnp.int32)
+  cot = _normal(23, (2, T, H, Dv))
+
+  @jax.jit
+  def run(q, k, v, sink):
+    res = {}
+    for impl in IMPLS:
+      for name, kw in (("plain", {}), ("positions", dict(q_positions=pos, kv_positions=pos))):
+        f = functools.partial(attend, scale=Dqk ** -0.5, impl=impl, chunk=4, **kw)
+        r = functools.partial(attention_reference, scale=Dqk ** -0.5, **kw)
+        res[impl, name] = (
+            _vjp_all(lambda *a, f=f: f(*a[:3], sink_logit_H=a[3]), (q, k, v, sink), cot),
+            _vjp_all(lambda *a, r=r: r(*a[:3], sink_logit_H=a[3]), (q, k, v, sink), cot),
+            f(q, k, v, sink_logit_H=jnp.zeros((H,))), f(q, k, v))
+    return res
+
+  for (impl, name), ((out, g), (ref, rg), softmax1, plain) in run(q, k, v, sink).items():
+    msg = f"{impl} {name}"
+    _close(out, ref, msg)
+    for i in range(4):
+      _close(g[i], rg[i], f"{msg} grad {i}")
+    assert float(jnp.max(jnp.abs(softmax1 - plain))) > 1e-3, msg
+    # softmax1 = the explicit formula with sink 0: out * Z / (Z + 1) row-wise, here just > 0
+    assert float(jnp.max(jnp.abs(out - plain))) > 1e-3, msg
+
+
+def test_fully_masked_rows_are_zero_on_every_impl():
+  """A query that sees no key (position -1, or all keys empty) returns exactly 0, with or
+  without a sink, and its gradient does not poison the others (finite everywhere)."""
+  H, K, Dqk, Dv = HEADS["gqa"]
+  q, k, v = _qkv(31, T=4, S=6, H=H, K=K, Dqk=Dqk, Dv=Dv)
+  q_pos = jnp.array([[-1, 0, 1, 2], [3, 4, 5, -1]], jnp.int32)
+  kv_pos = jnp.array([[0, 1, 2, -1, -1, -1], [-1, -1, -1, -1, -1, -1]], jnp.int32)
+  sink = _normal(32, (H,))
+
+  @jax.jit
+  def run(q, k, v):
+    res = {}
+    for impl in IMPLS:
+      for s in (None, sink):
+        kw = dict(scale=0.3, q_positions=q_pos, kv_positions=kv_pos, sink_logit_H=s)
+        loss = lambda q, k, v, kw=kw, impl=impl: jnp.sum(attend(q, k, v, impl=impl, **kw) ** 2)
+        res[impl, s is None] = (attend(q, k, v, impl=impl, **kw),
+                                attention_reference(q, k, v, **kw),
+                                jax.grad(loss, argnums=(0, 1, 2))(q, k, v))
+    return res
+
+  empty = np.array([[True, False, False, False], [True, True, True, True]])
+  for (impl, no_sink), (out, ref, grads) in run(q, k, v).items():
+    msg = f"{impl} sink={not no_sink}"
+    _close(out, ref, msg)
+    assert np.all(np.asarray(out)[empty] == 0.0), msg
+    assert np.all(np.asarray(jnp.abs(out).sum(axis=(2, 3)))[~empty] > 0), msg
+    for g in grads:
+      assert np.all(np.isfinite(np.asarray(g))), msg
+
+
+def test_blocked_causal_by_gradient_with_small_chunks():
+  """With chunks of 2 over T = 7 the output at t depends on inputs <= t only, and on all of
+  them (the prefix each chunk reads is complete)."""
+  T = 7
+  q, k, v = _qkv(41, B=1, T=T, S=T, H=2, K=1, Dqk=4, Dv=4)
+  f = functools.partial(attend, scale=0.5, impl="blocked", chunk=2)
+  jac_v = jax.jit(jax.jacrev(f, argnums=2))(q, k, v)
+  infl = np.asarray(jnp.abs(jac_v).sum(axis=(0, 2, 3, 4, 6, 7)))
+  future = np.triu(np.ones((T, T), bool), k=1)
+  assert np.all(infl[future] == 0.0) and np.all(infl[~future] > 0.0), infl
+
+
+def test_auto_picks_blocked_on_cpu_and_rejects_unknown():
+  from attn_jax.attention.core import choose_impl
+  assert jax.default_backend() == "cpu"
+  assert choose_impl("auto", jnp.float32, 64) == "blocked"
+  assert choose_impl("einsum", jnp.float32, 64) == "einsum"
+  with pytest.raises(ValueError, match="unknown attention impl"):
+    choose_impl("flash", jnp.float32, 64)
+  q, k, v = _qkv(9, H=4, K=4)
+  with pytest.raises(ValueError, match="sink_logit_H must have shape"):
+    attend(q, k, v, scale=1.0, sink_logit_H=jnp.zeros((3,)))

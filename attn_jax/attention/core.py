@@ -1,24 +1,53 @@
 """The one attention core every mixer calls, plus its explicit reference.
 
-    out_i = sum_j softmax_j(scale * q_i . k_j + bias_ij  |  mask_ij) v_j
+    out_i = sum_j p_ij v_j,   p_ij = exp(s_ij) / (sum_{j' visible} exp(s_ij') + exp(sink_h))
+    s_ij  = scale * q_i . k_j + bias_ij          (j visible to i; p_ij = 0 otherwise)
 
 Shapes: q [B, T, H, Dqk], k [B, S, K, Dqk], v [B, S, K, Dv] with H = K * G (grouped-query
 attention: query head h reads kv head h // G). Q/K may be wider than V (SISA appends its
 state channels to Q and K only).
 
+Sink logit (`sink_logit_H`, optional, [H]): one extra softmax column per head with logit
+sink_h and a zero value, dropped after the softmax (attention sinks, "gpt-oss" style;
+softmax1 / "off-by-one" softmax is sink_h = 0). A query may then put weight on "nothing".
+Without a sink the term exp(sink_h) is absent.
+
 Masking is positional: a key at position p_k is visible to a query at position p_q iff
 0 <= p_k <= p_q (causal) — or iff 0 <= p_k (non-causal). Empty cache slots carry position -1.
 When neither q nor kv positions are given and the call is causal, the standard lower-triangular
-mask is used (the fast `is_causal` path of cuDNN).
+mask is used. A query that sees no key (e.g. a padding query at position -1) returns zeros in
+every implementation, as the reference does.
 
 Implementations (`impl`):
-- "einsum": scores with an fp32-accumulating einsum, fp32 softmax, then an einsum with V.
+- "einsum": scores with an fp32-accumulating einsum over the whole [T, S] square, the fp32
+  softmax below, then an einsum with V.
+- "blocked": the same maths over query chunks of `chunk` rows; for causal self-attention a
+  chunk [a, e) reads only its key prefix [0, e) (key j > query i is never visible), so the
+  masked upper triangle is never computed: (n+1)/(2n) of the square for n chunks. Only the
+  diagonal block carries a mask. Valid for the plain causal call (no positions, T == S), and
+  for positional masks when the caller promises `prefix_causal` (queries and keys are the same
+  stream: valid positions increase along the sequence, padding is -1). Otherwise it runs one
+  chunk over all keys (the einsum path).
 - "xla" / "cudnn": `jax.nn.dot_product_attention` with that implementation. It requires V as
-  wide as Q/K, so a narrower V is zero-padded to Dqk and the output sliced back (exact: the
-  padded columns of the output are zero and dropped).
-"auto" picks by measurement (`experiments/bench_attention.py`, fwd+bwd, 12 heads x 64): on CPU
-(jax 0.10.2, 2 cores) "xla" beat "einsum" 1.21x at L=1024 and 1.29x at L=2048, so CPU and
-TPU get "xla"; GPU gets "cudnn" for bf16/fp16 inputs with head dims cuDNN supports, else "xla".
+  wide as Q/K, so a narrower V is zero-padded to Dqk and the output sliced back (exact). A sink
+  becomes one extra key slot with a zero value whose score is sink_h: Q gains one channel
+  holding sink_h / scale, K gains one channel that is 1 on the sink slot and 0 on real keys.
+  For the plain causal mask (top-left aligned `is_causal`) a dummy query row is prepended as
+  well, so the [T+1, T+1] causal square shows the sink slot to every real query; the dummy
+  output row is dropped. For cuDNN the extra channel is padded to a multiple of 8.
+- "splash" (TPU only): the Pallas splash-attention kernel shipped with JAX
+  (`jax.experimental.pallas.ops.tpu.splash_attention`, MQA form vmapped over batch and kv heads,
+  block-sparse causal mask, native per-head sinks). Used for plain causal calls with Dqk == Dv,
+  no bias and T a multiple of 128; anything else falls back to "xla".
+
+The softmax of the einsum / blocked paths (`_softmax`) is fp32 with a hand-written backward,
+ds = p * (g - sum_j g_j p_j) (the sink column's output is dropped, so its cotangent is 0), and
+d sink = -sum_i p_sink,i * sum_j g_ij p_ij; the row maximum is floored at NEG_INF / 2 so a
+fully-masked row gives exp(NEG_INF / 2) = 0 for every entry and a zero output.
+
+"auto" picks by platform, from `experiments/bench_attention.py` (fwd + bwd): CPU -> "blocked",
+GPU -> "cudnn" for bf16/fp16 inputs with head dims cuDNN supports (else "xla"), TPU ->
+"splash" where it applies (else "xla").
 """
 
 from __future__ import annotations
@@ -27,8 +56,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-NEG_INF = -1e30  # finite, so fully-masked rows give a uniform (not NaN) softmax
+NEG_INF = -1e30  # finite: masked scores; the softmax floors its row max at NEG_INF / 2
+IMPLS = ("auto", "einsum", "blocked", "xla", "cudnn", "splash")
+DEFAULT_CHUNK = 256  # query rows per block of the "blocked" path
 
 
 def causal_positions(batch: int, length: int) -> jax.Array:
@@ -48,8 +80,11 @@ def positional_mask(q_pos_BT: jax.Array, kv_pos_BS: jax.Array, causal: bool,
 
 
 def attention_reference(q, k, v, *, scale, causal=True, q_positions=None, kv_positions=None,
-                        bias=None, window=None):
-  """Explicit O(T*S) attention in fp32 with repeated kv heads: the ground truth for tests."""
+                        bias=None, sink_logit_H=None, window=None):
+  """Explicit O(T*S) attention in fp32 with repeated kv heads: the ground truth for tests.
+
+  The sink is an explicit extra softmax column (logit sink_h, value 0) that is then dropped;
+  a query with no visible key (and no sink) gets zeros."""
   B, T, H, _ = q.shape
   S, K = k.shape[1], k.shape[2]
   g = H // K
@@ -64,26 +99,190 @@ def attention_reference(q, k, v, *, scale, causal=True, q_positions=None, kv_pos
     kv_positions = causal_positions(B, S)
   m = positional_mask(q_positions, kv_positions, causal, window)
   s = jnp.where(m, s, -jnp.inf)
-  p = jax.nn.softmax(s, axis=-1)
-  p = jnp.where(m, p, 0.0)
+  if sink_logit_H is not None:
+    col = jnp.broadcast_to(sink_logit_H.astype(jnp.float32)[None, :, None, None], (B, H, T, 1))
+    s = jnp.concatenate([s, col], axis=-1)
+    m = jnp.concatenate([m, jnp.ones((B, 1, T, 1), bool)], axis=-1)
+  any_visible = jnp.any(m, axis=-1, keepdims=True)
+  p = jax.nn.softmax(jnp.where(any_visible, s, 0.0), axis=-1)
+  p = jnp.where(m, p, 0.0)[..., :S]
   return jnp.einsum("bhts,bshd->bthd", p, v)
 
 
-def _einsum_attention(q, k, v, *, scale, mask, bias):
+# ------------------------------------------------------------------ softmax with sink + guard
+
+@jax.custom_vjp
+def _softmax(s, sink):
+  """fp32 softmax over the last axis with an optional extra sink column (dropped).
+
+  s [..., c, S] already masked with NEG_INF; sink broadcastable to [..., c, 1] or None."""
+  return _softmax_fwd(s, sink)[0]
+
+
+def _softmax_fwd(s, sink):
+  m = jnp.maximum(jnp.max(s, axis=-1, keepdims=True), NEG_INF / 2)
+  if sink is not None:
+    m = jnp.maximum(m, sink)
+  e = jnp.exp(s - m)
+  z = jnp.sum(e, axis=-1, keepdims=True)
+  p_sink = None
+  if sink is not None:
+    e_sink = jnp.exp(sink - m)
+    z = z + e_sink
+  inv = jnp.where(z > 0, 1.0 / jnp.where(z > 0, z, 1.0), 0.0)
+  p = e * inv
+  if sink is not None:
+    p_sink = e_sink * inv
+  return p, (p, p_sink, sink)
+
+
+def _softmax_bwd(res, g):
+  p, p_sink, sink = res
+  t = jnp.sum(g * p, axis=-1, keepdims=True)
+  ds = p * (g - t)
+  if p_sink is None:
+    return ds, None
+  d = -t * p_sink  # [..., c, 1]: d L / d sink per row; sum over what the sink broadcast over
+  d = jnp.sum(d, axis=tuple(range(d.ndim - sink.ndim)))
+  axes = tuple(i for i, n in enumerate(sink.shape) if n == 1 and d.shape[i] != 1)
+  return ds, jnp.sum(d, axis=axes, keepdims=True).astype(sink.dtype)
+
+
+_softmax.defvjp(_softmax_fwd, _softmax_bwd)
+
+
+# ------------------------------------------------------------------ einsum / blocked paths
+
+def _rows(x, G):
+  """[..., c, S] (shared by the G query heads of a kv head) -> [..., G*c, S] row layout."""
+  return x if G == 1 or x.shape[-2] == 1 else jnp.concatenate([x] * G, axis=-2)
+
+
+def _chunk(q_BKMD, k_BKSD, v_BKSE, *, scale, mask, bias, sink, v_dtype):
+  """One block of M = G*c query rows against S keys: [B, K, M, E] fp32 output.
+
+  Everything is 4-D, [B, K, G*c, .] (the G query heads of a kv head times c rows form one
+  matrix dimension): the two matmuls are plain batched matmuls for XLA."""
+  s = jnp.einsum("bkmd,bksd->bkms", q_BKMD, k_BKSD, preferred_element_type=jnp.float32)
+  s = s * scale
+  if bias is not None:
+    s = s + bias
+  if mask is not None:
+    s = jnp.where(mask, s, NEG_INF)
+  p = _softmax(s, sink).astype(v_dtype)
+  return jnp.einsum("bkms,bkse->bkme", p, v_BKSE, preferred_element_type=jnp.float32)
+
+
+def _blocked_attention(q, k, v, *, scale, mask_fn, bias, sink_H, chunk, prefix):
+  """Query chunks of `chunk` rows; with `prefix`, chunk [a, e) reads keys [0, e) only.
+
+  mask_fn(a, e, s_end) -> bool mask broadcastable to [B, 1, e - a, s_end], or None."""
+  B, T, H, D = q.shape
+  S, K, E = k.shape[1], k.shape[2], v.shape[-1]
+  G = H // K
+  q5 = q.reshape(B, T, K, G, D).transpose(0, 2, 3, 1, 4)  # [B, K, G, T, D]
+  kt = k.transpose(0, 2, 1, 3)                            # [B, K, S, D]
+  vt = v.transpose(0, 2, 1, 3)                            # [B, K, S, E]
+  sink_KG = None if sink_H is None else sink_H.astype(jnp.float32).reshape(K, G, 1, 1)
+  bias5 = None
+  if bias is not None:  # [B|1, H|1, T, S] -> [B|1, K|1, G|1, T, S]
+    b = bias.astype(jnp.float32)
+    bias5 = b[:, :, None] if b.shape[1] == 1 else b.reshape(b.shape[0], K, G, T, b.shape[-1])
+  outs = []
+  for a in range(0, T, chunk):
+    e = min(a + chunk, T)
+    c, s_end = e - a, (e if prefix else S)
+    qc = q5[:, :, :, a:e].reshape(B, K, G * c, D)
+    mask = mask_fn(a, e, s_end)
+    if mask is not None:
+      mask = _rows(mask, G)
+    sink = None
+    if sink_KG is not None:
+      sink = jnp.broadcast_to(sink_KG, (K, G, c, 1)).reshape(K, G * c, 1)
+    bc = None
+    if bias5 is not None:
+      bc = bias5[..., a:e, :s_end]
+      bc = jnp.broadcast_to(bc, bc.shape[:2] + (G,) + bc.shape[3:])
+      bc = bc.reshape(bc.shape[0], bc.shape[1], G * c, s_end)
+    o = _chunk(qc, kt[:, :, :s_end], vt[:, :, :s_end], scale=scale, mask=mask, bias=bc,
+               sink=sink, v_dtype=v.dtype)
+    outs.append(o.reshape(B, K, G, c, E))
+  o = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=3)
+  return o.transpose(0, 3, 1, 2, 4).reshape(B, T, H, E).astype(q.dtype)
+
+
+def _causal_block_mask(a, e, s_end):
+  """Static lower-triangular mask of rows [a, e) over keys [0, s_end) (None if all visible)."""
+  if s_end <= a + 1:
+    return None
+  return np.arange(s_end)[None, :] <= np.arange(a, e)[:, None]
+
+
+# ------------------------------------------------------------------ dot_product_attention paths
+
+def _sink_slot(q, k, v, *, scale, sink_H, mask, bias, plain_causal, pad_to):
+  """Express the sink as an extra key slot (see module docstring). Returns q, k, v, mask, bias."""
   B, T, H, D = q.shape
   S, K = k.shape[1], k.shape[2]
-  g = H // K
-  q5 = q.reshape(B, T, K, g, D)
-  s = jnp.einsum("btkgd,bskd->bkgts", q5, k, preferred_element_type=jnp.float32) * scale
-  if bias is not None:  # [B|1, H|1, T, S] -> broadcastable to [B, K, g, T, S]
-    b = bias.astype(jnp.float32)
-    s = s + (b.reshape(b.shape[0], K, g, T, S) if b.shape[1] == H else b[:, :, None])
-  if mask is not None:  # [B, 1, T, S]
-    s = jnp.where(mask[:, :, None], s, NEG_INF)
-  p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
-  o = jnp.einsum("bkgts,bske->btkge", p, v, preferred_element_type=jnp.float32)
-  return o.reshape(B, T, H, v.shape[-1]).astype(q.dtype)
+  extra = 1 + (-(D + 1)) % pad_to  # the sink channel plus zero channels up to a multiple
+  q_sink = jnp.broadcast_to((sink_H.astype(jnp.float32) / scale).astype(q.dtype)[None, None, :,
+                                                                                   None],
+                            (B, T, H, 1))
+  q = jnp.concatenate([q, q_sink, jnp.zeros((B, T, H, extra - 1), q.dtype)], axis=-1)
+  k = jnp.pad(k, ((0, 0), (1, 0), (0, 0), (0, extra)))        # slot 0: zeros ...
+  k = k.at[:, 0, :, D].set(1.0)                                  # ... with a 1 in the sink channel
+  v = jnp.pad(v, ((0, 0), (1, 0), (0, 0), (0, 0)))               # zero value
+  if bias is not None:
+    bias = jnp.pad(bias, ((0, 0), (0, 0), (0, 0), (1, 0)))
+  if plain_causal:  # a dummy query row 0: the [T+1, T+1] causal square shows slot 0 to all
+    q = jnp.pad(q, ((0, 0), (1, 0), (0, 0), (0, 0)))
+    if bias is not None:
+      bias = jnp.pad(bias, ((0, 0), (0, 0), (1, 0), (0, 0)))
+  elif mask is not None:  # (no mask: non-causal, every key and the slot visible)
+    mask = jnp.concatenate([jnp.ones(mask.shape[:3] + (1,), bool), mask], axis=-1)
+  return q, k, v, mask, bias
 
+
+def _dpa(q, k, v, *, scale, mask, bias, sink_H, plain_causal, impl):
+  B, T, H, Dqk = q.shape
+  Dv = v.shape[-1]
+  if sink_H is not None:
+    q, k, v, mask, bias = _sink_slot(q, k, v, scale=scale, sink_H=sink_H, mask=mask, bias=bias,
+                                     plain_causal=plain_causal,
+                                     pad_to=8 if impl == "cudnn" else 1)
+  width = q.shape[-1]
+  if Dv != width:  # dot_product_attention needs V as wide as Q/K: pad with zeros, slice back.
+    v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, width - Dv)))
+  out = jax.nn.dot_product_attention(
+      q, k, v, bias=bias, mask=mask, scale=scale, is_causal=plain_causal, implementation=impl)
+  out = out[:, -T:, :, :Dv]
+  if mask is not None and sink_H is None:  # a query that sees no key returns zeros
+    seen_BT = jnp.any(mask[:, 0], axis=-1)
+    out = jnp.where(seen_BT[:, :, None, None], out, jnp.zeros((), out.dtype))
+  return out
+
+
+def _splash(q, k, v, *, scale, sink_H):
+  """TPU: Pallas splash attention (MQA kernel per kv head), plain causal square."""
+  from jax.experimental.pallas.ops.tpu import splash_attention as sa
+  B, T, H, D = q.shape
+  K = k.shape[2]
+  G = H // K
+  mask = sa.MultiHeadMask([sa.CausalMask((T, T))] * G)
+  kernel = sa.make_splash_mqa_single_device(mask=mask)
+  q5 = (q * jnp.asarray(scale, q.dtype)).reshape(B, T, K, G, D).transpose(0, 2, 3, 1, 4)
+  kt, vt = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)   # [B, K, T, D]
+  if sink_H is None:
+    f = lambda qq, kk, vv: kernel(qq, kk, vv)
+    o = jax.vmap(jax.vmap(f))(q5, kt, vt)
+  else:
+    sinks = sink_H.astype(jnp.float32).reshape(K, G)
+    f = lambda qq, kk, vv, ss: kernel(qq, kk, vv, sinks=ss)
+    o = jax.vmap(jax.vmap(f), in_axes=(0, 0, 0, None))(q5, kt, vt, sinks)
+  return o.transpose(0, 3, 1, 2, 4).reshape(B, T, H, v.shape[-1])
+
+
+# ------------------------------------------------------------------ dispatch
 
 @functools.cache
 def _platform() -> str:
@@ -91,25 +290,41 @@ def _platform() -> str:
 
 
 def choose_impl(impl: str, q_dtype, dqk: int) -> str:
+  """The implementation `impl="auto"` resolves to on this platform (see module docstring)."""
+  if impl not in IMPLS:
+    raise ValueError(f"unknown attention impl {impl!r} ({' | '.join(IMPLS)})")
   if impl != "auto":
     return impl
   plat = _platform()
-  if plat == "gpu" and jnp.dtype(q_dtype) in (jnp.bfloat16, jnp.float16) and dqk <= 256 \
-      and dqk % 8 == 0:
-    return "cudnn"
-  return "xla"
+  if plat == "gpu":
+    if jnp.dtype(q_dtype) in (jnp.bfloat16, jnp.float16) and dqk <= 256 and dqk % 8 == 0:
+      return "cudnn"
+    return "xla"
+  if plat == "tpu":
+    return "splash"
+  return "blocked"
 
 
 def attend(q, k, v, *, scale: float, causal: bool = True, q_positions=None, kv_positions=None,
-           bias=None, impl: str = "auto", window: int | None = None) -> jax.Array:
-  """Multi-head attention; see the module docstring. Returns [B, T, H, Dv] in q's dtype."""
+           bias=None, sink_logit_H=None, prefix_causal: bool = False, impl: str = "auto",
+           chunk: int | None = None, window: int | None = None) -> jax.Array:
+  """Multi-head attention; see the module docstring. Returns [B, T, H, Dv] in q's dtype.
+
+  `prefix_causal`: q and kv are one stream (T == S, valid positions increasing, -1 padding),
+  so key j > query i is never visible; lets the blocked path skip the upper triangle with
+  positional masks. `chunk`: query rows per block of the blocked path. `window`: keys with
+  q_pos - k_pos < window only (sliding-window attention)."""
   B, T, H, Dqk = q.shape
   S, K, Dv = k.shape[1], k.shape[2], v.shape[-1]
   if k.shape[-1] != Dqk or H % K or v.shape[:3] != k.shape[:3]:
     raise ValueError(f"attention shapes do not fit: q {q.shape}, k {k.shape}, v {v.shape}")
+  if sink_logit_H is not None and jnp.shape(sink_logit_H) != (H,):
+    raise ValueError(f"sink_logit_H must have shape ({H},), got {jnp.shape(sink_logit_H)}")
   plain_causal = (causal and q_positions is None and kv_positions is None and T == S
                   and window is None)
   impl = choose_impl(impl, q.dtype, Dqk)
+  if impl == "splash" and not (plain_causal and bias is None and Dqk == Dv and T % 128 == 0):
+    impl = "xla"
   mask = None
   if not plain_causal and (causal or kv_positions is not None or window is not None):
     if q_positions is None:
@@ -118,14 +333,18 @@ def attend(q, k, v, *, scale: float, causal: bool = True, q_positions=None, kv_p
       kv_positions = causal_positions(B, S)
     mask = positional_mask(q_positions, kv_positions, causal, window)
 
-  if impl == "einsum":
+  if impl in ("einsum", "blocked"):
+    prefix = impl == "blocked" and causal and T == S and (plain_causal or prefix_causal)
+    step = (chunk or DEFAULT_CHUNK) if prefix else T
     if plain_causal:
-      mask = positional_mask(causal_positions(B, T), causal_positions(B, S), True)
-    return _einsum_attention(q, k, v, scale=scale, mask=mask, bias=bias)
-  if impl not in ("xla", "cudnn"):
-    raise ValueError(f"unknown attention impl {impl!r} (auto | einsum | xla | cudnn)")
-  if Dv != Dqk:  # dot_product_attention needs V as wide as Q/K: pad with zeros, slice back.
-    v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, Dqk - Dv)))
-  out = jax.nn.dot_product_attention(
-      q, k, v, bias=bias, mask=mask, scale=scale, is_causal=plain_causal, implementation=impl)
-  return out[..., :Dv]
+      mask_fn = _causal_block_mask
+    elif mask is not None:
+      mask_fn = lambda a, e, s_end: mask[..., a:e, :s_end]
+    else:
+      mask_fn = lambda a, e, s_end: None
+    return _blocked_attention(q, k, v, scale=scale, mask_fn=mask_fn, bias=bias,
+                              sink_H=sink_logit_H, chunk=step, prefix=prefix)
+  if impl == "splash":
+    return _splash(q, k, v, scale=scale, sink_H=sink_logit_H)
+  return _dpa(q, k, v, scale=scale, mask=mask, bias=bias, sink_H=sink_logit_H,
+              plain_causal=plain_causal, impl=impl)
