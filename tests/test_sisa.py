@@ -7,6 +7,7 @@ next to q.k: at init_std 0.02 it would be ~1e-2 and a wrong decay would go unnot
 
 import math
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -55,9 +56,9 @@ def _mixer(cfg, seed=0):
 
 
 def _close(a, b, tol=TOL):
+  """max|a - b| <= tol * max|b| (chex, with the tolerance scaled by the reference's size)."""
   a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  err = np.max(np.abs(a - b)) / np.max(np.abs(b))
-  assert err <= tol, f"relative error {err:.3e} > {tol:.0e}"
+  chex.assert_trees_all_close(a, b, atol=tol * float(np.max(np.abs(b))), rtol=0.0)
 
 
 @nnx.jit
@@ -405,3 +406,21 @@ def test_32k_tokens_single_head_exact_and_bf16_finite():
                    decay_bias_init=HALF_LIFE_10))
   yb, _ = _run(mb, x.astype(jnp.bfloat16), pos)
   assert bool(jnp.all(jnp.isfinite(yb.astype(jnp.float32))))
+
+
+# ---------------------------------------------------------------- with and without jit
+
+class SISAVariantsTest(chex.TestCase):
+  """The mixer's paths against the explicit reference, traced (jit) and eager (no jit)."""
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_paths_match_reference(self):
+    for path in ("fast", "chunked"):
+      m = _mixer(_cfg(path=path, chunk_size=5, decay_bias_init=-1.0))
+      graphdef, state = nnx.split(m)
+      x, pos = _normal(21, (1, 11, 32)), _positions(1, 11)
+      run = self.variant(lambda st, x: nnx.merge(graphdef, st)(x, positions_BT=pos)[0])
+      y = run(state, x)
+      chex.assert_shape(y, (1, 11, 32))
+      chex.assert_tree_all_finite(y)
+      _close(y, _reference(m, x, pos, jnp.arange(11)))

@@ -1,0 +1,69 @@
+"""Compile time of the train step versus depth, for a layer pattern: the decoder scans repeats
+of the pattern's period, so 12 and 24 layers should compile in about the same time.
+
+  python experiments/bench_compile.py --pattern=attention,mamba2:nomlp --layers=12,24
+
+Each depth is lowered and compiled from abstract shapes (nothing runs) in a fresh process-level
+cache state (the persistent compilation cache is off), alternating depths `--repeats` times;
+the median per depth and the ratio are printed and written as JSON.
+"""
+
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app, flags  # noqa: E402
+
+_PATTERN = flags.DEFINE_string("pattern", "attention,mamba2:nomlp", "Comma-separated layer specs.")
+_LAYERS = flags.DEFINE_string("layers", "12,24", "Comma-separated depths.")
+_REPEATS = flags.DEFINE_integer("repeats", 3, "Compilations per depth (alternating).")
+_OUT = flags.DEFINE_string("out", "", "JSON output path.")
+
+
+def compile_seconds(pattern: tuple[str, ...], n_layers: int) -> float:
+  import jax
+  import jax.numpy as jnp
+
+  from attn_jax.train.trainer import build_setup
+  from configs import quickstart
+
+  c = quickstart.get_config()
+  c.model.update(pattern=pattern, n_layers=n_layers, d_model=128, n_heads=4, d_ff=256)
+  c.mesh.shape = (1, 1, 1)
+  setup = build_setup(c, devices=jax.devices()[:1])
+  batch = {k: jax.ShapeDtypeStruct((1, 8, 64), jnp.float32 if k == "weights" else jnp.int32,
+                                   sharding=setup.batch_sharding)
+           for k in ("inputs", "targets", "weights")}
+  jax.clear_caches()
+  t0 = time.perf_counter()
+  setup.step_fn.lower(setup.abstract_state, batch).compile()
+  return time.perf_counter() - t0
+
+
+def main(argv):
+  del argv
+  import jax
+  jax.config.update("jax_enable_compilation_cache", False)
+  pattern = tuple(p.strip() for p in _PATTERN.value.split(","))
+  depths = [int(x) for x in _LAYERS.value.split(",")]
+  times = {d: [] for d in depths}
+  for _ in range(_REPEATS.value):
+    for d in depths:
+      times[d].append(compile_seconds(pattern, d))
+  med = {d: statistics.median(t) for d, t in times.items()}
+  base = med[depths[0]]
+  print(f"pattern {pattern}")
+  print(f"{'layers':>7} {'compile s (median)':>19} {'ratio':>6}")
+  for d in depths:
+    print(f"{d:>7} {med[d]:>19.2f} {med[d] / base:>6.2f}")
+  if _OUT.value:
+    with open(_OUT.value, "w") as f:
+      json.dump({"pattern": pattern, "seconds": times, "median": med}, f, indent=1)
+
+
+if __name__ == "__main__":
+  app.run(main)
