@@ -20,10 +20,17 @@ def main(argv):
   del argv
   from attn_jax.model import count_params
 
-  n = count_params(_CONFIG.value.model)
-  print(f"{flags.FLAGS['config'].config_filename}: mixer={_CONFIG.value.model.mixer}")
+  m_cfg = _CONFIG.value.model
+  n = count_params(m_cfg)
+  pattern = tuple(m_cfg.get("pattern", ())) or (m_cfg.mixer,)
+  print(f"{flags.FLAGS['config'].config_filename}: pattern={pattern}, {m_cfg.n_layers} layers")
   for k, v in n.items():
-    print(f"  {k:>14}: {v:>14,}  ({v / 1e6:.2f}M)")
+    if k != "by_kind":
+      print(f"  {k:>14}: {v:>14,}  ({v / 1e6:.2f}M)")
+  print(f"  {'layer kind':>22} {'layers':>6} {'mixer':>13} {'mlp':>13} {'norms':>9}")
+  for kind, row in n["by_kind"].items():
+    print(f"  {kind:>22} {row['layers']:>6} {row['mixer']:>13,} {row['mlp']:>13,} "
+          f"{row['norms']:>9,}")
   if _COMPARE.value is not None:
     m = count_params(_COMPARE.value.model)
     diff = n["total"] - m["total"]
