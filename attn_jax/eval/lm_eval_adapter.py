@@ -291,26 +291,32 @@ class AttnJaxLM(TemplateLM):
     return ctx, max_gen, [u for u in until if u]
 
   def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-    """Greedy continuations; prompts of equal token length (and max_gen_toks) are decoded
-    together in batches of batch_size (one compilation per distinct shape)."""
+    """Greedy continuations in batches of batch_size: prompts of any lengths share a batch
+    (right-padded to a power-of-two bucket, per-row `lengths`), so there is one compilation
+    per (bucket, max_gen_toks, rows) rather than per prompt length."""
     del disable_tqdm
     from attn_jax import decode
 
     args = [req.args for req in requests]
     plans = [self._gen_plan(context, gen_kwargs) for context, gen_kwargs in args]
-    groups: dict[tuple[int, int], list[int]] = collections.defaultdict(list)
-    for i, (ctx, max_gen, _) in enumerate(plans):
-      groups[(len(ctx), max_gen)].append(i)
+    groups: dict[int, list[int]] = collections.defaultdict(list)
+    for i, (_, max_gen, _) in enumerate(plans):
+      groups[max_gen].append(i)
     out: list[str | None] = [None] * len(plans)
     eos = self.eot_token_id
-    for (length, max_gen), idx in sorted(groups.items(), reverse=True):
+    for max_gen, idx in sorted(groups.items(), reverse=True):
+      idx = sorted(idx, key=lambda i: -len(plans[i][0]))   # similar lengths together
       for lo in range(0, len(idx), self._batch_size):
         chunk = idx[lo:lo + self._batch_size]
-        prompt = np.asarray([plans[i][0] for i in chunk], np.int32)  # [B, T]
-        tokens = np.asarray(decode.generate(self._model, prompt, max_new_tokens=max_gen,
-                                            eos_id=eos))  # [B, T + max_gen]
+        lengths = [len(plans[i][0]) for i in chunk]
+        width = min(1 << (max(lengths) - 1).bit_length(), self._max_length - max_gen)
+        prompt = np.zeros((len(chunk), width), np.int32)
         for row, i in enumerate(chunk):
-          new = tokens[row, length:].tolist()
+          prompt[row, :lengths[row]] = plans[i][0]
+        tokens = np.asarray(decode.generate(self._model, prompt, lengths=lengths,
+                                            max_new_tokens=max_gen, eos_id=eos))
+        for row, i in enumerate(chunk):
+          new = tokens[row, lengths[row]:lengths[row] + max_gen].tolist()
           if eos in new:
             new = new[:new.index(eos)]
           text = self.tok_decode(new)
