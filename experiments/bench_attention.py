@@ -7,7 +7,8 @@ machines are noise.
   python experiments/bench_attention.py --sink                                 # with sink logits
 
 Each implementation is timed as jit(grad(sum(attend(q, k, v)))) w.r.t. q, k, v (causal,
-no positions); the best of --reps runs after one warm-up. "blocked@c" is the blocked path
+no positions); the best wall time (and best process CPU time: steadier on a shared machine)
+of --reps runs after one warm-up. "blocked@c" is the blocked path
 with query chunks of c rows.
 """
 
@@ -58,7 +59,7 @@ def main(argv):
             for _ in range(2))
     v = jnp.asarray(rng.standard_normal((_B.value, L, _H.value, dv)), dtype)
     sink = jnp.zeros((_H.value,), jnp.float32) if _SINK.value else None
-    times = {}
+    times, cpu = {}, {}
     for impl, chunk in runs:
       name = impl if chunk is None else f"{impl}@{chunk}"
 
@@ -71,16 +72,18 @@ def main(argv):
       except Exception as e:  # an implementation this platform lacks
         print(f"  L={L} {name}: unavailable ({type(e).__name__}: {str(e)[:80]})")
         continue
-      best = float("inf")
+      best = best_cpu = float("inf")
       for _ in range(_REPS.value):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         jax.block_until_ready(f(q, k, v))
         best = min(best, time.perf_counter() - t)
+        best_cpu = min(best_cpu, time.process_time() - c)
       times[name] = best
+      cpu[name] = best_cpu
     base = times.get("einsum") or next(iter(times.values()))
     for name, t in times.items():
-      print(f"  L={L:6d} {name:12s} fwd+bwd {t * 1e3:9.2f} ms   x{base / t:5.2f} vs "
-            f"{'einsum' if 'einsum' in times else 'first'}", flush=True)
+      print(f"  L={L:6d} {name:12s} fwd+bwd {t * 1e3:9.2f} ms (CPU time {cpu[name] * 1e3:9.2f} "
+            f"ms)   x{base / t:5.2f} vs {'einsum' if 'einsum' in times else 'first'}", flush=True)
 
 
 if __name__ == "__main__":
