@@ -389,14 +389,19 @@ class SinkhornAttention(nnx.Module):
     valid = (positions_BT >= 0)[..., None, None]
     return q, jnp.where(valid, k, 0).astype(k.dtype), jnp.where(valid, v, 0).astype(v.dtype)
 
-  def sort_logits(self, sums_BND, counts_BN, rng, train):
-    """R / tau [B, K, N, N] fp32 from per-block input sums and token counts."""
+  def sort_logits(self, sums_BND, counts_BN, rng, train, query_from_previous=None):
+    """R / tau [B, K, N, N] fp32 from per-block input sums and token counts.
+
+    `query_from_previous` (default: the causal flag) makes block i's query side read block
+    i-1's summary (docstring 2); tests switch it off to show the leak it prevents."""
     o = self.opts
+    if query_from_previous is None:
+      query_from_previous = o.causal
     h = sums_BND.astype(jnp.float32) / jnp.maximum(counts_BN, 1.0)[..., None]
     for layer in self.sortnet:
       h = jax.nn.gelu(layer(h))
     r = self.sort_r(h)                                    # [B, N, K, S]
-    if o.causal:  # block i decides from block i-1 (docstring 2); row 0 is masked anyway
+    if query_from_previous:  # block i decides from block i-1; row 0 is masked anyway
       h = jnp.concatenate([jnp.zeros_like(h[:, :1]), h[:, :-1]], axis=1)
     u = self.sort_u(h)
     R = jnp.einsum("biks,bjks->bkij", u, r) / math.sqrt(o.sort_dim)
