@@ -290,3 +290,27 @@ def test_flops_sortcut_far_below_dense():
   f2 = SinkhornAttention.flops_per_token(CFG, o, 16384)
   dense = 4.0 * CFG.n_heads * CFG.head_dim * (16384 + 1) / 2
   assert f2 < dense / 10
+
+
+def test_configs_build_valid_options_rules_and_matched_parameters():
+  from configs import sinkhorn_152m, sinkhorn_tiny, transformer_152m
+  from attn_jax.attention.mha import QKVProjection
+
+  for c in (sinkhorn_152m.get_config(), sinkhorn_152m.get_config("sortcut=2"),
+            sinkhorn_tiny.get_config()):
+    assert c.model.mixer == "sinkhorn"
+    Opts(**c.model.sinkhorn.to_dict()).validate(CFG, "config.model.sinkhorn")
+    rules = dict(c.mesh.rules)
+    assert rules["sort_hidden"] is None and rules["sort_dim"] is None
+  assert sinkhorn_152m.get_config("sortcut=2").model.sinkhorn.n_sortcut == 2
+
+  c = sinkhorn_152m.get_config()
+  t = transformer_152m.get_config()
+  cfg = ModelConfig(d_model=c.model.d_model, n_heads=c.model.n_heads, n_layers=1)
+  count = lambda f: sum(x.size for x in jax.tree.leaves(nnx.state(nnx.eval_shape(f), nnx.Param)))
+  extra = (count(lambda: SinkhornAttention(cfg, Opts(**c.model.sinkhorn.to_dict()),
+                                           rngs=nnx.Rngs(0)))
+           - count(lambda: QKVProjection(cfg, rngs=nnx.Rngs(0))))
+  assert extra == sinkhorn_152m.sinkhorn_extra_params(c)
+  per_layer_diff = extra - 3 * c.model.d_model * (t.model.d_ff - c.model.d_ff)
+  assert abs(per_layer_diff) <= 3 * c.model.d_model * 2     # d_ff rounded to a multiple of 4
