@@ -30,6 +30,7 @@ _VARIANTS = flags.DEFINE_list("variants", ["dense", "soft", "sortcut"], "What to
 _REPS = flags.DEFINE_integer("reps", 3, "Timed repetitions after one warm-up (median).")
 _DTYPE = flags.DEFINE_string("dtype", "", "float32 | bfloat16 (default: bf16 on GPU, fp32 else)")
 _OUT = flags.DEFINE_string("out", "runs/bench_sinkhorn/result.json", "JSON path (PNG beside).")
+_FROM = flags.DEFINE_string("from_json", "", "Re-summarise and re-plot a saved result (no timing).")
 
 
 def build(variant, d_model, dtype, L):
@@ -92,10 +93,11 @@ def measure(variant, d_model, dtype, L):
               cpu_s=statistics.median(cpus), walls=walls)
 
 
-def crossover(rows, variant):
-  """Smallest measured length from which `variant` is faster than dense at every longer one."""
+def crossover(rows, variant, key="wall_s"):
+  """Smallest measured length from which `variant` is faster than dense at every longer one
+  (by `key`: wall_s, or cpu_s = process CPU time, steadier on a shared machine)."""
   lens = sorted({r["seq_len"] for r in rows})
-  t = {(r["variant"], r["seq_len"]): r["wall_s"] for r in rows}
+  t = {(r["variant"], r["seq_len"]): r[key] for r in rows}
   best = None
   for L in reversed(lens):
     if (variant, L) in t and ("dense", L) in t and t[(variant, L)] < t[("dense", L)]:
@@ -137,7 +139,10 @@ def main(argv):
   dtype = _DTYPE.value or ("bfloat16" if plat == "gpu" else "float32")
   d_model = _H.value * _D.value
   rows = []
-  for L in map(int, _SEQ.value):
+  if _FROM.value:
+    with open(_FROM.value) as fh:
+      rows = json.load(fh)["rows"]
+  for L in ([] if _FROM.value else map(int, _SEQ.value)):
     for v in _VARIANTS.value:
       r = measure(v, d_model, dtype, L)
       rows.append(r)
@@ -147,12 +152,16 @@ def main(argv):
   for v in _VARIANTS.value:
     if v == "dense":
       continue
-    summary[v] = dict(crossover_len=crossover(rows, v))
+    summary[v] = dict(crossover_len=crossover(rows, v),
+                      crossover_len_cpu=crossover(rows, v, "cpu_s"))
     Lmax = max(r["seq_len"] for r in rows)
     d = next((r for r in rows if r["variant"] == "dense" and r["seq_len"] == Lmax), None)
     s = next((r for r in rows if r["variant"] == v and r["seq_len"] == Lmax), None)
     if d and s:
-      summary[v].update(speedup_at_max=d["wall_s"] / s["wall_s"],
+      Ls = sorted(r["seq_len"] for r in rows if r["variant"] == v)
+      tmp = {r["seq_len"]: r["temp_bytes"] for r in rows if r["variant"] == v}
+      summary[v].update(temp_bytes_per_token={L: tmp[L] / L for L in Ls},
+                        speedup_at_max=d["wall_s"] / s["wall_s"],
                         cpu_speedup_at_max=d["cpu_s"] / s["cpu_s"],
                         memory_ratio_at_max=d["temp_bytes"] / max(s["temp_bytes"], 1))
     print(f"{v}: {summary[v]}")

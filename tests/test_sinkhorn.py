@@ -37,16 +37,21 @@ def test_noncausal_sinkhorn_is_doubly_stochastic_with_padded_blocks():
   valid = jnp.array([[True] * 6, [True] * 4 + [False] * 2])      # row 1: 2 padded blocks
   mask = (valid[:, :, None] & valid[:, None, :])[:, None]
   z = jnp.zeros((2, 1, 6))
-  P = jnp.exp(sinkhorn_log(logits, mask, z, z, n_iters=50))
-  np.testing.assert_allclose(P.sum(-1), jnp.broadcast_to(valid[:, None], (2, 3, 6)), atol=1e-3)
-  np.testing.assert_allclose(P.sum(-2), jnp.broadcast_to(valid[:, None], (2, 3, 6)), atol=1e-3)
-  assert float(jnp.abs(jnp.where(mask, 0.0, P)).max()) == 0.0
-  # With the reference 7 iterations the rows are exact (the last step) and columns are close.
+  want = jnp.broadcast_to(valid[:, None], (2, 3, 6))
+  # Rows are exact after any number of iterations (the last step); after the reference 7 the
+  # columns are only close (here within 1e-2), after 20 within 1e-3.
   P7 = jnp.exp(sinkhorn_log(logits, mask, z, z, n_iters=7))
-  np.testing.assert_allclose(P7.sum(-1), jnp.broadcast_to(valid[:, None], (2, 3, 6)), atol=1e-5)
+  np.testing.assert_allclose(P7.sum(-1), want, atol=1e-5)
+  np.testing.assert_allclose(P7.sum(-2), want, atol=1e-2)
+  P = jnp.exp(sinkhorn_log(logits, mask, z, z, n_iters=20))
+  np.testing.assert_allclose(P.sum(-1), want, atol=1e-5)
+  np.testing.assert_allclose(P.sum(-2), want, atol=1e-3)
+  assert float(jnp.abs(jnp.where(mask, 0.0, P)).max()) == 0.0
 
 
 def test_causal_prefix_problems_balance_to_their_targets():
+  # 50 iterations: the causal problem converges more slowly (its targets are uneven); at 7 the
+  # rows are still exact and the columns approximate.
   n = 7
   logits = jax.random.normal(jax.random.key(1), (2, 3, n, n)) / 0.75
   h = _harmonic(n)
@@ -314,3 +319,12 @@ def test_configs_build_valid_options_rules_and_matched_parameters():
   assert extra == sinkhorn_152m.sinkhorn_extra_params(c)
   per_layer_diff = extra - 3 * c.model.d_model * (t.model.d_ff - c.model.d_ff)
   assert abs(per_layer_diff) <= 3 * c.model.d_model * 2     # d_ff rounded to a multiple of 4
+
+
+def test_sharpness_monitor():
+  logp = jnp.log(jnp.array([[[[0.0, 0.0], [1.0, 0.0]]]]))
+  allowed = jnp.array([[False, False], [True, False]])
+  assert float(SinkhornAttention.sharpness(logp, allowed)) == 1.0
+  x, pos = inputs(T=12)
+  _, _, aux = make(Opts(block_size=4))(x, positions_BT=pos)
+  assert 1 / 2 - 1e-6 <= float(aux["sinkhorn_sharpness"]) <= 1.0

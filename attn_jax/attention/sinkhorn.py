@@ -75,7 +75,10 @@ What it leaves open, and what this implementation chose:
    weight has a valid token in that slot (soft mix) or the gathered block has one (hard/SortCut);
    in non-causal mode this can differ per head and enters as an additive score bias.
 
-7. Positions. Queries and keys get RoPE at their absolute positions before sorting, so a gathered
+7. Monitor: aux["sinkhorn_sharpness"] is the mean largest weight of a sort row (1/#choices
+   for a uniform sort, 1 for a hard one).
+
+8. Positions. Queries and keys get RoPE at their absolute positions before sorting, so a gathered
    block keeps its true relative positions. Stateless calls assume token t of a row sits at
    position t (positions arange(T), right padding as -1).
 
@@ -456,14 +459,23 @@ class SinkhornAttention(nnx.Module):
     y = block_attend(_blocks(q, n, b), sk, sv, s_valid, kb, vb, pos_blk, pos_blk,
                      scale=cfg.head_dim ** -0.5, causal=o.causal, impl=cfg.attention_impl)
     y = y.reshape(B, n * b, cfg.n_heads, -1)[:, :T]
-    return y, dict(q=q, k=k, v=v, plan=plan, logp=logp, n_blocks=n)
+    return y, dict(q=q, k=k, v=v, plan=plan, logp=logp, n_blocks=n, allowed=allowed)
+
+  @staticmethod
+  def sharpness(logp_BKNN, allowed) -> jax.Array:
+    """Mean over rows that may take a block of the largest balanced weight (1 = hard sort)."""
+    allowed = jnp.broadcast_to(allowed, logp_BKNN.shape)
+    top = jnp.max(jnp.where(allowed, jnp.exp(logp_BKNN), 0.0), axis=-1)
+    rows = jnp.any(allowed, axis=-1)
+    return jnp.sum(jnp.where(rows, top, 0.0)) / jnp.maximum(jnp.sum(rows), 1)
 
   # ---------------------------------------------------------------- interface
   def __call__(self, x_BTD, *, positions_BT, state=None, rng=None, train=False):
     if state is not None:
       return self._step(x_BTD, positions_BT, state, rng, train)
-    y, _ = self.core(x_BTD, positions_BT, rng, train)
-    return self.proj.o(y), None, {}
+    y, aux = self.core(x_BTD, positions_BT, rng, train)
+    sharp = jax.lax.stop_gradient(self.sharpness(aux["logp"], aux["allowed"]))
+    return self.proj.o(y), None, {"sinkhorn_sharpness": sharp}
 
   def _step(self, x_BTD, positions_BT, state, rng, train):
     """Stateful call: T new tokens continue the stream held in `state` (causal mode)."""
