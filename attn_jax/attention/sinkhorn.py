@@ -10,7 +10,11 @@ blocks X_0 .. X_{N-1}. Per kv head:
     y_t = softmax over [sorted_{i(t)} ; local block i(t)] of q_t . k / sqrt(d_h)
 
 with Gumbel noise added to R in training (`gumbel_noise`, only when `train` and an rng are
-given). Cost O(T (m+1) b) scores instead of O(T^2), plus the N x N sorting work.
+given). Cost: O(T (m+1) b) scores instead of O(T^2) (m = 1 sorted block without SortCut); the
+soft mix forms N sorted blocks from N blocks each, O(N^2 b d) = O(T^2 d / b) multiply-adds in
+O(T d) memory (SortCut gathers instead: O(T m d)); the sorting itself is O(N^2 d_s) scores plus
+the Sinkhorn iterations (see 3b). Measured against dense attention by
+`python experiments/bench_sinkhorn.py` (time, compiled memory, crossover length).
 
 What the paper specifies: contiguous blocks; a SortNet of block sums followed by an MLP; Sinkhorn
 normalisation in log space with temperature and Gumbel noise (best: 7 iterations, tau 0.75); each
@@ -51,12 +55,16 @@ What it leaves open, and what this implementation chose:
        blocks before i, equals the last row of a whole-sequence causal balancing when i = N-1,
        and a decoder computes it from the blocks it has seen. Cost O(n_iters N^3) per kv head
        (rows mapped with `lax.map`, each rematerialised: O(N^2) memory); N = T / b is small.
-   The iterations end with a row normalisation, so every row is exactly a convex combination.
+   The iterations end with a row normalisation, so every row is exactly a convex combination;
+   columns reach their targets only as the iterations converge (after the paper's 7 they are
+   approximate, more so for the causal targets than for the uniform non-causal ones: tests check
+   the targets after 20-50 iterations and the exact rows after 7).
 
 4. Hard sorting at inference (`hard_inference`, only without SortCut): non-causal mode uses a
    greedy permutation (repeatedly take the largest remaining entry of the balanced log matrix,
    retire its row and column: O(N^3), no Hungarian algorithm); causal rows take their argmax past
-   block (a causal "permutation" is not a permutation, see 3a).
+   block (a causal "permutation" is not a permutation, see 3a). As in the paper this makes
+   inference differ from soft training; `hard_inference=False` keeps the soft sort throughout.
 
 5. SortCut (`n_sortcut` = m > 0): per query block, the m past (causal) or any (non-causal) blocks
    with the largest balanced weight are *gathered* (not mixed) and attended next to the local
