@@ -328,3 +328,17 @@ def test_sharpness_monitor():
   x, pos = inputs(T=12)
   _, _, aux = make(Opts(block_size=4))(x, positions_BT=pos)
   assert 1 / 2 - 1e-6 <= float(aux["sinkhorn_sharpness"]) <= 1.0
+
+
+@pytest.mark.parametrize("mode", [dict(n_sortcut=2), dict(causal=False)])
+def test_batch_sharded_forward_equals_unsharded(mode):
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  from attn_jax.sharding import make_mesh
+  mesh = make_mesh((-1, 1, 1), ("data", "fsdp", "tensor"))
+  m = make(Opts(block_size=4, **mode))
+  x, pos = inputs(B=8, T=11)
+  want = m(x, positions_BT=pos)[0]
+  put = lambda a: jax.device_put(a, NamedSharding(mesh, P("data")))
+  got = nnx.jit(lambda m_, x_, p_: m_(x_, positions_BT=p_)[0])(m, put(x), put(pos))
+  np.testing.assert_allclose(got, want, atol=ATOL)

@@ -167,7 +167,9 @@ def causal_prefix_problem(n: int, i):
   mask = (j < r) & (r <= i)
   h = jnp.asarray(_harmonic(n))
   cols = jnp.arange(n)
-  t = h[jnp.clip(i, 0, n)] - h[cols]
+  # H_i without indexing by the (possibly batch-sharded) i: a masked sum of 1/r, r <= i.
+  h_i = jnp.sum(jnp.where(jnp.arange(1, n + 1) <= i, 1.0 / jnp.arange(1, n + 1), 0.0))
+  t = h_i - h[cols]
   log_col = jnp.where(cols < i, jnp.log(jnp.where(cols < i, t, 1.0)), 0.0)
   return mask, jnp.zeros((n,), jnp.float32), log_col
 
@@ -178,7 +180,8 @@ def causal_sort_row(logits_KNN, i, n_iters: int):
   n = logits_KNN.shape[-1]
   mask, lr, lc = causal_prefix_problem(n, i)
   logp = sinkhorn_log(logits_KNN, mask, lr, lc, n_iters)
-  return jnp.take(logp, jnp.clip(i, 0, n - 1), axis=-2)
+  pick = (jnp.arange(n) == i)[:, None]     # select row i by a mask (no gather on i)
+  return jnp.where(jnp.any(pick), jnp.sum(jnp.where(pick, logp, 0.0), axis=-2), -jnp.inf)
 
 
 def causal_sinkhorn_rows(logits_BKNN, n_iters: int):
@@ -207,8 +210,8 @@ def greedy_permutation(logp_BKNN, mask_BKNN):
     hit_c = (jnp.arange(n) == c[..., None]) & ok[..., None]
     return (jnp.where(hit_r, c[..., None], idx), row_free & ~hit_r, col_free & ~hit_c)
 
-  init = (jnp.full(lead + (n,), -1, jnp.int32), jnp.ones(lead + (n,), bool),
-          jnp.ones(lead + (n,), bool))
+  row = logp_BKNN[..., 0]                  # *_like: the carry keeps the input's sharding
+  init = (jnp.full_like(row, -1, jnp.int32), jnp.ones_like(row, bool), jnp.ones_like(row, bool))
   idx, _, _ = jax.lax.fori_loop(0, n, body, init)
   return jnp.maximum(idx, 0), idx >= 0
 
@@ -243,15 +246,16 @@ def sort_blocks(k_BNSKD, v_BNSKD, slot_valid_BNS, plan: SortPlan):
     return mix(k_BNSKD), mix(v_BNSKD), valid
   idx, w, ok = plan.idx, plan.w, plan.ok
   Nq, m = idx.shape[2], idx.shape[3]
-  bi = jnp.arange(B)[:, None, None, None]
-  ki = jnp.arange(K)[None, :, None, None]
+  # Gathers vmapped over batch (and kv heads): batched gathers keep the batch sharding.
+  take = jax.vmap(jax.vmap(lambda x_NbD, i_Qm: x_NbD[i_Qm]))
 
   def gather(x):
-    g = jnp.moveaxis(x, 3, 1)[bi, ki, idx]                      # [B, K, Nq, m, b, D]
+    g = take(jnp.moveaxis(x, 3, 1), idx)                        # [B, K, Nq, m, b, D]
     g = (g * w[..., None, None].astype(g.dtype)).astype(x.dtype)
     return jnp.moveaxis(g, 1, 4).reshape(B, Nq, m * b, K, D)
 
-  valid = ok[..., None] & slot_valid_BNS[bi, idx]                # [B, K, Nq, m, b]
+  slot_ok = jax.vmap(lambda sv_Nb, i_KQm: sv_Nb[i_KQm])(slot_valid_BNS, idx)
+  valid = ok[..., None] & slot_ok                                 # [B, K, Nq, m, b]
   return gather(k_BNSKD), gather(v_BNSKD), valid.reshape(B, K, Nq, m * b)
 
 
@@ -273,11 +277,14 @@ def block_attend(q_BNQHD, sk_BNSKD, sv_BNSKD, s_valid_BKNS, lk_BNLKD, lv_BNLKD, 
     out = attend(q, k, v, scale=scale, causal=True, q_positions=fold(qpos_BNQ),
                  kv_positions=kv_pos, impl=impl)
   else:       # validity may differ per head: an additive bias on the sorted slots
-    kv_pos = fold(jnp.concatenate([jnp.zeros((B, N, S), jnp.int32), lpos_BNL], axis=-1))
+    # (*_like: new arrays keep the batch sharding of the inputs under explicit meshes)
+    spos = jnp.zeros_like(s_valid_BKNS[:, 0], jnp.int32)
+    kv_pos = fold(jnp.concatenate([spos, lpos_BNL], axis=-1))
     g = H // K
     sb = jnp.where(s_valid_BKNS, 0.0, NEG_INF).astype(jnp.float32)     # [B, K, N, S]
     sb = jnp.repeat(jnp.moveaxis(sb, 1, 2), g, axis=2)                  # [B, N, H, S]
-    bias = jnp.concatenate([sb, jnp.zeros((B, N, H, L), jnp.float32)], axis=-1)
+    lb = jnp.zeros_like(sb[..., :1]) + jnp.zeros_like(lpos_BNL, jnp.float32)[:, :, None, :]
+    bias = jnp.concatenate([sb, lb], axis=-1)
     bias = jnp.broadcast_to(fold(bias)[:, :, None, :], (B * N, H, Q, S + L))
     out = attend(q, k, v, scale=scale, causal=False, kv_positions=kv_pos, bias=bias, impl=impl)
   return out.reshape(B, N, Q, H, -1)
@@ -496,14 +503,15 @@ class SinkhornAttention(nnx.Module):
     nb = C // b
     valid = positions_BT >= 0
     q, k, v = self.project(x_BTD, positions_BT)
-    bi = jnp.arange(B)[:, None]
-    slot = jnp.where(valid, positions_BT, C)
+    slot = jnp.where(valid, positions_BT, C)                  # C, nb: out of range = dropped
     blk = jnp.where(valid, positions_BT // b, nb)
-    kbuf = state["k"].at[bi, slot].set(k.astype(state["k"].dtype), mode="drop")
-    vbuf = state["v"].at[bi, slot].set(v.astype(state["v"].dtype), mode="drop")
-    pbuf = state["pos"].at[bi, slot].set(positions_BT.astype(jnp.int32), mode="drop")
-    sums = state["sums"].at[bi, blk].add(x_BTD.astype(jnp.float32), mode="drop")
-    counts = state["counts"].at[bi, blk].add(1.0, mode="drop")
+    put = jax.vmap(lambda buf, i, val: buf.at[i].set(val, mode="drop"))
+    add = jax.vmap(lambda buf, i, val: buf.at[i].add(val, mode="drop"))
+    kbuf = put(state["k"], slot, k.astype(state["k"].dtype))
+    vbuf = put(state["v"], slot, v.astype(state["v"].dtype))
+    pbuf = put(state["pos"], slot, positions_BT.astype(jnp.int32))
+    sums = add(state["sums"], blk, x_BTD.astype(jnp.float32))
+    counts = add(state["counts"], blk, jnp.ones_like(blk, jnp.float32))
     new_state = dict(k=kbuf, v=vbuf, pos=pbuf, sums=sums, counts=counts)
 
     logits = self.sort_logits(sums, counts, rng, train)        # [B, K, nb, nb]
@@ -515,7 +523,8 @@ class SinkhornAttention(nnx.Module):
     to_blocks = lambda x: x.reshape((B, nb, b) + x.shape[2:])
     kb, vb, pb = to_blocks(kbuf), to_blocks(vbuf), to_blocks(pbuf)
     sk, sv, s_valid = sort_blocks(kb, vb, pb >= 0, plan)      # [B, T, m b, K, D]
-    y = block_attend(q[:, :, None], sk, sv, s_valid, kb[bi, i_BT], vb[bi, i_BT], pb[bi, i_BT],
+    own = jax.vmap(lambda x_N, i_T: x_N[i_T])                 # each token's own block
+    y = block_attend(q[:, :, None], sk, sv, s_valid, own(kb, i_BT), own(vb, i_BT), own(pb, i_BT),
                      positions_BT[:, :, None].astype(jnp.int32), scale=cfg.head_dim ** -0.5,
                      causal=True, impl=cfg.attention_impl)
     return self.proj.o(y.reshape(B, T, cfg.n_heads, -1)), new_state, {}
