@@ -1,0 +1,561 @@
+"""Sparse Sinkhorn attention (Tay et al. 2020, arXiv 2002.11296; SPEC.md section 4).
+
+The sequence (length T, padded to N = ceil(T / b) blocks of b tokens) is cut into contiguous
+blocks X_0 .. X_{N-1}. Per kv head:
+
+    s_i = SortNet(mean of the tokens of block i)                 (a small GELU MLP)
+    R_ij = u_i . r_j / sqrt(d_s),   u_i = W_u s_{q(i)},  r_j = W_r s_j
+    P = Sinkhorn(R / tau)               (log space, n_iters row/column normalisations)
+    sorted_i = sum_j P_ij K_j,  sum_j P_ij V_j                   (soft: one mixed block)
+    y_t = softmax over [sorted_{i(t)} ; local block i(t)] of q_t . k / sqrt(d_h)
+
+with Gumbel noise added to R in training (`gumbel_noise`, only when `train` and an rng are
+given). Cost: O(T (m+1) b) scores instead of O(T^2) (m = 1 sorted block without SortCut); the
+soft mix forms N sorted blocks from N blocks each, O(N^2 b d) = O(T^2 d / b) multiply-adds in
+O(T d) memory (SortCut gathers instead: O(T m d)); the sorting itself is O(N^2 d_s) scores plus
+the Sinkhorn iterations (see 3b). Measured against dense attention by
+`python experiments/bench_sinkhorn.py` (time, compiled memory, crossover length).
+
+What the paper specifies: contiguous blocks; a SortNet of block sums followed by an MLP; Sinkhorn
+normalisation in log space with temperature and Gumbel noise (best: 7 iterations, tau 0.75); each
+query block attends to its sorted block and its local block under one softmax; a causal variant
+("Causal Sinkhorn Balancing": the sort matrix only takes from past blocks, local attention is
+causal); SortCut (truncate to the first k sorted blocks); hard sorting at inference.
+
+What it leaves open, and what this implementation chose:
+
+1. SortNet output. The paper's MLP maps a block summary to N logits, tying the weights to one
+   sequence length. Here R is a bilinear score of a query-side and a key-side embedding of the
+   block summaries (d_s = `sort_dim` per kv head), so any length works and decoding needs only
+   per-block vectors. Block summaries are means over the valid tokens (sums scale with how many
+   tokens a partial block holds); the MLP is `sortnet_depth` GELU layers of `sortnet_width`,
+   fan-in initialised so the logits are not all ~0 at init. One sort per kv head (the query heads
+   of a group share the sorted keys they read).
+
+2. What block i may use to decide its sort (causal). Every token of block i shares row P_i, so P_i
+   may only depend on what the *first* token of block i may see: tokens before the block. The
+   query side of block i therefore reads the summary of block i-1 (u_i = W_u s_{i-1}), the key
+   side of a past block j < i its own summary (complete before block i starts). Pooling block i
+   itself would let the first token of block i see later tokens of block i through P.
+
+3. Causal balancing. Rows take from past blocks only (P_ij = 0 for j >= i; block 0 has no past:
+   its row is empty and it attends to its local block alone). Two facts shape the rest:
+   (a) A doubly stochastic matrix supported on the strict lower triangle does not exist
+       non-degenerately: with rows 1..N-1 summing to 1 and columns 0..N-2 summing to 1, row 1 has
+       one allowed entry (so P_10 = 1, column 0 is full), then row 2 must take block 1, ... -- the
+       only solution is "block i takes block i-1". So the column targets cannot all be 1.
+       Column j here has the target t_j = H_n - H_j (H the harmonic numbers, n the last row):
+       the column sums of the uniform causal matrix (row i spreads 1/i over its i past blocks).
+       The uniform matrix is then exactly balanced, the problem is feasible and interior, and
+       Sinkhorn converges; the column constraint still stops every block from taking the same
+       popular past block.
+   (b) Column normalisation sums over rows, i.e. over *later* blocks: one Sinkhorn over the whole
+       N x N matrix would make row i depend on rows > i (the future). Here row i is the last row
+       of the balanced *prefix* problem on rows 1..i (targets 1 and H_i - H_j): it depends only on
+       blocks before i, equals the last row of a whole-sequence causal balancing when i = N-1,
+       and a decoder computes it from the blocks it has seen. Cost O(n_iters N^3) per kv head
+       (rows mapped with `lax.map`, each rematerialised: O(N^2) memory); N = T / b is small.
+   The iterations end with a row normalisation, so every row is exactly a convex combination;
+   columns reach their targets only as the iterations converge (after the paper's 7 they are
+   approximate, more so for the causal targets than for the uniform non-causal ones: tests check
+   the targets after 20-50 iterations and the exact rows after 7).
+
+4. Hard sorting at inference (`hard_inference`, only without SortCut): non-causal mode uses a
+   greedy permutation (repeatedly take the largest remaining entry of the balanced log matrix,
+   retire its row and column: O(N^3), no Hungarian algorithm); causal rows take their argmax past
+   block (a causal "permutation" is not a permutation, see 3a). As in the paper this makes
+   inference differ from soft training; `hard_inference=False` keeps the soft sort throughout.
+
+5. SortCut (`n_sortcut` = m > 0): per query block, the m past (causal) or any (non-causal) blocks
+   with the largest balanced weight are *gathered* (not mixed) and attended next to the local
+   block: linear memory, no N x N x b mixing. The paper truncates one sorted sequence for all
+   query blocks (an encoder device); the per-query-block top-m also works causally. Estimator:
+   the selection is the top-m of the balanced matrix computed from Gumbel-perturbed logits
+   (Gumbel-top-k sampling in training, deterministic top-m at inference), and each gathered block
+   is scaled by w = 1 + (p - stop_gradient(p)), p its balanced weight: exactly 1 in the forward
+   pass, dp in the backward pass (a straight-through estimator restricted to the selected blocks;
+   the full straight-through would need every block's keys in the backward pass, which is the
+   quadratic memory SortCut avoids).
+
+6. Padding. Tokens at position -1 (and the pad to a multiple of b) have zero keys and values, are
+   left out of the block means and are masked as keys. A fully padded block is left out of the
+   non-causal Sinkhorn (rows and columns). A sorted slot is attended iff a source with non-zero
+   weight has a valid token in that slot (soft mix) or the gathered block has one (hard/SortCut);
+   in non-causal mode this can differ per head and enters as an additive score bias.
+
+7. Monitor: aux["sinkhorn_sharpness"] is the mean largest weight of a sort row (1/#choices
+   for a uniform sort, 1 for a hard one).
+
+8. Positions. Queries and keys get RoPE at their absolute positions before sorting, so a gathered
+   block keeps its true relative positions. Stateless calls assume token t of a row sits at
+   position t (positions arange(T), right padding as -1).
+
+Decoding (causal mode): the state holds a fixed-capacity K/V buffer (slot = absolute position)
+with per-slot positions (-1 = empty) and the running per-block sums and counts of the mixer
+input (the SortNet summaries). A new token at position p in block i = p // b recomputes the
+block embeddings from the sums, row i of the causal balancing (rows <= i only: unchanged by any
+later token), sorts the buffered past blocks and attends to them and to its buffered block. A
+padding token (position -1) writes nothing. `max_chunk` is b: a prefill chunk forms its sorted
+keys per token.
+
+Logical axes: the SortNet hidden width is "sort_hidden", the per-head sorting embedding
+"sort_dim" (both replicated: the SortNet is tiny), plus the usual "embed" and "kv_heads".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from attn_jax.attention.core import NEG_INF, attend
+from attn_jax.attention.mha import QKVProjection
+from attn_jax.config import ModelConfig
+from attn_jax.layers import Linear, apply_rope, dtype_of, rope_angles
+from attn_jax.registry import register_mixer
+
+
+# ---------------------------------------------------------------- Sinkhorn in log space
+
+def _masked_lse(l, mask, axis):
+  """log sum_{mask} exp(l) along `axis` (keepdims); 0 where nothing is allowed."""
+  m = jax.lax.stop_gradient(jnp.max(jnp.where(mask, l, -jnp.inf), axis=axis, keepdims=True))
+  m = jnp.where(jnp.isfinite(m), m, 0.0)
+  e = jnp.exp(jnp.where(mask, l - m, -jnp.inf))
+  s = jnp.sum(e, axis=axis, keepdims=True)
+  return m + jnp.log(jnp.where(s > 0, s, 1.0))
+
+
+def sinkhorn_log(logits, mask, log_row_target, log_col_target, n_iters: int):
+  """Log-space Sinkhorn on the allowed entries of `mask`: n_iters (column, row) normalisations.
+
+  logits [..., R, C], mask broadcastable to it, log targets [..., R] / [..., C] (their sums must
+  agree for a fixed point to exist). Ends with a row normalisation, so every allowed row sums
+  to exp(row target) exactly; columns converge to their targets. Returns the log matrix with
+  -inf outside the mask.
+  """
+  mask = jnp.broadcast_to(mask, logits.shape)
+  l = jnp.where(mask, logits.astype(jnp.float32), 0.0)
+  lr = log_row_target[..., :, None]
+  lc = log_col_target[..., None, :]
+
+  def body(_, l):
+    l = l - _masked_lse(l, mask, -2) + lc
+    return l - _masked_lse(l, mask, -1) + lr
+
+  l = jax.lax.fori_loop(0, n_iters, body, l)
+  return jnp.where(mask, l, -jnp.inf)
+
+
+def _harmonic(n: int) -> np.ndarray:
+  """H_0 .. H_n (H_0 = 0), float32 constants computed in float64."""
+  return np.concatenate([[0.0], np.cumsum(1.0 / np.arange(1, n + 1))]).astype(np.float32)
+
+
+def causal_prefix_problem(n: int, i):
+  """Mask and log targets of the causal balancing of rows 1..i (see docstring 3).
+
+  Allowed: j < r <= i. Row targets 1, column targets H_i - H_j for j < i (the column sums of
+  the uniform causal matrix). `i` may be traced. Returns (mask [n, n], log_row [n], log_col [n]).
+  """
+  r = jnp.arange(n)[:, None]
+  j = jnp.arange(n)[None, :]
+  mask = (j < r) & (r <= i)
+  h = jnp.asarray(_harmonic(n))
+  cols = jnp.arange(n)
+  # H_i without indexing by the (possibly batch-sharded) i: a masked sum of 1/r, r <= i.
+  h_i = jnp.sum(jnp.where(jnp.arange(1, n + 1) <= i, 1.0 / jnp.arange(1, n + 1), 0.0))
+  t = h_i - h[cols]
+  log_col = jnp.where(cols < i, jnp.log(jnp.where(cols < i, t, 1.0)), 0.0)
+  return mask, jnp.zeros((n,), jnp.float32), log_col
+
+
+def causal_sort_row(logits_KNN, i, n_iters: int):
+  """Row i of the causal sort matrix (log space, -inf where j >= i): the last row of the
+  balanced prefix problem on rows 1..i. logits [..., N, N]; i a scalar (may be traced)."""
+  n = logits_KNN.shape[-1]
+  mask, lr, lc = causal_prefix_problem(n, i)
+  logp = sinkhorn_log(logits_KNN, mask, lr, lc, n_iters)
+  pick = (jnp.arange(n) == i)[:, None]     # select row i by a mask (no gather on i)
+  return jnp.where(jnp.any(pick), jnp.sum(jnp.where(pick, logp, 0.0), axis=-2), -jnp.inf)
+
+
+def causal_sinkhorn_rows(logits_BKNN, n_iters: int):
+  """All rows of the causal sort matrix [B, K, N, N] (log space); row i from prefix i only."""
+  n = logits_BKNN.shape[-1]
+  row = jax.checkpoint(lambda i: causal_sort_row(logits_BKNN, i, n_iters))
+  rows = jax.lax.map(row, jnp.arange(n))            # [N, B, K, N]
+  return jnp.moveaxis(rows, 0, -2)
+
+
+def greedy_permutation(logp_BKNN, mask_BKNN):
+  """Hard assignment row -> column: repeatedly take the largest allowed entry whose row and
+  column are both free. Returns (idx [B, K, N] int32, ok [B, K, N] bool: row assigned)."""
+  n = logp_BKNN.shape[-1]
+  lead = logp_BKNN.shape[:-2]
+  mask = jnp.broadcast_to(mask_BKNN, logp_BKNN.shape)
+
+  def body(_, carry):
+    idx, row_free, col_free = carry
+    s = jnp.where(mask & row_free[..., :, None] & col_free[..., None, :], logp_BKNN, -jnp.inf)
+    flat = s.reshape(lead + (n * n,))
+    best = jnp.argmax(flat, axis=-1)
+    ok = jnp.max(flat, axis=-1) > -jnp.inf
+    r, c = best // n, best % n
+    hit_r = (jnp.arange(n) == r[..., None]) & ok[..., None]
+    hit_c = (jnp.arange(n) == c[..., None]) & ok[..., None]
+    return (jnp.where(hit_r, c[..., None], idx), row_free & ~hit_r, col_free & ~hit_c)
+
+  row = logp_BKNN[..., 0]                  # *_like: the carry keeps the input's sharding
+  init = (jnp.full_like(row, -1, jnp.int32), jnp.ones_like(row, bool), jnp.ones_like(row, bool))
+  idx, _, _ = jax.lax.fori_loop(0, n, body, init)
+  return jnp.maximum(idx, 0), idx >= 0
+
+
+# ---------------------------------------------------------------- sorting blocks
+
+@dataclasses.dataclass
+class SortPlan:
+  """How query rows read past/other blocks: a soft mix (P) or a gather (idx, w, ok)."""
+  P: jax.Array | None = None        # [B, K, Nq, N] weights (mix)
+  idx: jax.Array | None = None      # [B, K, Nq, m] source blocks (gather)
+  w: jax.Array | None = None        # [B, K, Nq, m] per-block scale (1 in the forward pass)
+  ok: jax.Array | None = None       # [B, K, Nq, m] slot holds a real source
+
+  def source_weights(self, n: int) -> jax.Array:
+    """[B, K, Nq, m, N]: sorted slot r = sum_j W[..., r, j] block_j (for references/tests)."""
+    if self.P is not None:
+      return self.P[..., None, :]
+    return jax.nn.one_hot(self.idx, n) * (self.w * self.ok)[..., None]
+
+
+def sort_blocks(k_BNSKD, v_BNSKD, slot_valid_BNS, plan: SortPlan):
+  """Sorted keys/values per query row: ([B, Nq, m*b, K, D], same, valid [B, K, Nq, m*b]).
+
+  Keys and values go through the same permutation (each from its own tensor)."""
+  B, N, b, K, D = k_BNSKD.shape
+  if plan.P is not None:
+    P = plan.P.astype(jnp.float32)
+    mix = lambda x: jnp.einsum("bkqn,bnskd->bqskd", P, x,
+                               preferred_element_type=jnp.float32).astype(x.dtype)
+    valid = jnp.einsum("bkqn,bns->bkqs", P, slot_valid_BNS.astype(jnp.float32)) > 0
+    return mix(k_BNSKD), mix(v_BNSKD), valid
+  idx, w, ok = plan.idx, plan.w, plan.ok
+  Nq, m = idx.shape[2], idx.shape[3]
+  # Gathers vmapped over batch (and kv heads): batched gathers keep the batch sharding.
+  take = jax.vmap(jax.vmap(lambda x_NbD, i_Qm: x_NbD[i_Qm]))
+
+  def gather(x):
+    g = take(jnp.moveaxis(x, 3, 1), idx)                        # [B, K, Nq, m, b, D]
+    g = (g * w[..., None, None].astype(g.dtype)).astype(x.dtype)
+    return jnp.moveaxis(g, 1, 4).reshape(B, Nq, m * b, K, D)
+
+  slot_ok = jax.vmap(lambda sv_Nb, i_KQm: sv_Nb[i_KQm])(slot_valid_BNS, idx)
+  valid = ok[..., None] & slot_ok                                 # [B, K, Nq, m, b]
+  return gather(k_BNSKD), gather(v_BNSKD), valid.reshape(B, K, Nq, m * b)
+
+
+def block_attend(q_BNQHD, sk_BNSKD, sv_BNSKD, s_valid_BKNS, lk_BNLKD, lv_BNLKD, lpos_BNL,
+                 qpos_BNQ, *, scale, causal, impl):
+  """Each query row of block n attends to [sorted keys ; local keys] under one softmax.
+
+  Sorted slots are visible iff valid; local keys by position (causal: 0 <= p_k <= p_q)."""
+  B, N, Q, H, D = q_BNQHD.shape
+  S, K = sk_BNSKD.shape[2], sk_BNSKD.shape[3]
+  L = lk_BNLKD.shape[2]
+  fold = lambda x: x.reshape((B * N,) + x.shape[2:])
+  k = fold(jnp.concatenate([sk_BNSKD, lk_BNLKD.astype(sk_BNSKD.dtype)], axis=2))
+  v = fold(jnp.concatenate([sv_BNSKD, lv_BNLKD.astype(sv_BNSKD.dtype)], axis=2))
+  q = fold(q_BNQHD)
+  if causal:  # a causal sorted slot only holds past blocks: visible to every valid query
+    spos = jnp.where(jnp.all(s_valid_BKNS, axis=1), 0, -1).astype(jnp.int32)
+    kv_pos = fold(jnp.concatenate([spos, lpos_BNL], axis=-1))
+    out = attend(q, k, v, scale=scale, causal=True, q_positions=fold(qpos_BNQ),
+                 kv_positions=kv_pos, impl=impl)
+  else:       # validity may differ per head: an additive bias on the sorted slots
+    # (*_like: new arrays keep the batch sharding of the inputs under explicit meshes)
+    spos = jnp.zeros_like(s_valid_BKNS[:, 0], jnp.int32)
+    kv_pos = fold(jnp.concatenate([spos, lpos_BNL], axis=-1))
+    g = H // K
+    sb = jnp.where(s_valid_BKNS, 0.0, NEG_INF).astype(jnp.float32)     # [B, K, N, S]
+    sb = jnp.repeat(jnp.moveaxis(sb, 1, 2), g, axis=2)                  # [B, N, H, S]
+    lb = jnp.zeros_like(sb[..., :1]) + jnp.zeros_like(lpos_BNL, jnp.float32)[:, :, None, :]
+    bias = jnp.concatenate([sb, lb], axis=-1)
+    bias = jnp.broadcast_to(fold(bias)[:, :, None, :], (B * N, H, Q, S + L))
+    out = attend(q, k, v, scale=scale, causal=False, kv_positions=kv_pos, bias=bias, impl=impl)
+  return out.reshape(B, N, Q, H, -1)
+
+
+def sinkhorn_attention_reference(q_BTHD, k_BTKD, v_BTKD, valid_BT, W_BKNMN, *, block: int,
+                                 scale: float, causal: bool):
+  """Explicit fp32 reference: for every query t in block i, build the sorted slots
+  sum_j W[i, r, j] K_j (and V) by a Python loop over blocks, append the local block, mask
+  (invalid keys, causal local keys, sorted slots with no valid source) and softmax densely."""
+  q, k, v = (np.asarray(a, np.float64) for a in (q_BTHD, k_BTKD, v_BTKD))
+  valid = np.asarray(valid_BT)
+  W = np.asarray(W_BKNMN, np.float64)
+  B, T, H, _ = q.shape
+  K = k.shape[2]
+  g = H // K
+  n = -(-T // block)
+  pad = n * block - T
+  kp = np.pad(k * valid[..., None, None], ((0, 0), (0, pad), (0, 0), (0, 0)))
+  vp = np.pad(v * valid[..., None, None], ((0, 0), (0, pad), (0, 0), (0, 0)))
+  vdp = np.pad(valid, ((0, 0), (0, pad)))
+  out = np.zeros(q.shape[:3] + (v.shape[-1],))
+  for bb in range(B):
+    for h in range(H):
+      kh = h // g
+      for t in range(T):
+        i = t // block
+        keys, vals, vis = [], [], []
+        for r in range(W.shape[3]):
+          for s in range(block):
+            kk = sum(W[bb, kh, i, r, j] * kp[bb, j * block + s, kh] for j in range(n))
+            vv = sum(W[bb, kh, i, r, j] * vp[bb, j * block + s, kh] for j in range(n))
+            ok = any(W[bb, kh, i, r, j] != 0 and vdp[bb, j * block + s] for j in range(n))
+            keys.append(kk), vals.append(vv), vis.append(ok and valid[bb, t])
+        for s in range(block):
+          p = i * block + s
+          ok = p < T and valid[bb, p] and (not causal or p <= t)
+          keys.append(kp[bb, p, kh]), vals.append(vp[bb, p, kh]), vis.append(ok)
+        sc = np.array([q[bb, t, h] @ kk for kk in keys]) * scale
+        sc = np.where(vis, sc, -np.inf)
+        if not np.any(vis):
+          continue
+        p_ = np.exp(sc - sc.max())
+        out[bb, t, h] = (p_ / p_.sum()) @ np.stack(vals)
+  return out
+
+
+# ---------------------------------------------------------------- the mixer
+
+def _blocks(x_BT, n: int, b: int, fill=0):
+  """[B, T, ...] -> [B, n, b, ...] contiguous blocks (block i = tokens [i b, (i+1) b)),
+  padded at the end with `fill`."""
+  pad = n * b - x_BT.shape[1]
+  x = jnp.pad(x_BT, [(0, 0), (0, pad)] + [(0, 0)] * (x_BT.ndim - 2), constant_values=fill)
+  return x.reshape((x.shape[0], n, b) + x.shape[2:])
+
+
+@register_mixer("sinkhorn")
+class SinkhornAttention(nnx.Module):
+  """Sparse Sinkhorn attention (see the module docstring). Options: config.model.sinkhorn."""
+
+  @dataclasses.dataclass(frozen=True)
+  class Options:
+    block_size: int = 64         # b: tokens per block
+    causal: bool = True          # False: sort freely (sets, classification; no decoding)
+    n_iters: int = 7             # Sinkhorn iterations (paper's best: 7)
+    temperature: float = 0.75    # tau (paper's best: 0.75)
+    gumbel_noise: bool = True    # Gumbel noise on the sort logits when train and rng given
+    sortnet_depth: int = 1       # GELU layers of the SortNet MLP
+    sortnet_width: int = 128     # their width
+    sort_dim: int = 32           # per kv head width of the bilinear sort score
+    n_sortcut: int = 0           # 0: soft sorting (one mixed block); m > 0: top-m blocks
+    hard_inference: bool = True  # without SortCut: hard sorting when not training
+
+    def validate(self, cfg: ModelConfig, where: str) -> None:
+      def need(cond, field, msg):
+        if not cond:
+          raise ValueError(f"{where}.{field}: {msg}")
+
+      def is_int(x):
+        return isinstance(x, int) and not isinstance(x, bool)
+
+      for f in ("block_size", "n_iters", "sortnet_depth", "sortnet_width", "sort_dim"):
+        val = getattr(self, f)
+        need(is_int(val) and val >= 1, f, f"must be a positive integer, got {val!r}")
+      need(is_int(self.n_sortcut) and self.n_sortcut >= 0, "n_sortcut",
+           f"must be an integer >= 0 (0 = soft sorting), got {self.n_sortcut!r}")
+      t = self.temperature
+      need(isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t)
+           and t > 0, "temperature", f"must be a positive finite number, got {t!r}")
+      for f in ("causal", "gumbel_noise", "hard_inference"):
+        need(isinstance(getattr(self, f), bool), f, f"must be True or False, got "
+             f"{getattr(self, f)!r}")
+
+  def __init__(self, cfg: ModelConfig, opts: "SinkhornAttention.Options", *, rngs: nnx.Rngs):
+    opts.validate(cfg, "config.model.sinkhorn")
+    self.cfg, self.opts = cfg, opts
+    self.proj = QKVProjection(cfg, rngs=rngs)
+    pdt = dtype_of(cfg.param_dtype)
+    W, D, K, S = opts.sortnet_width, cfg.d_model, cfg.kv_heads, opts.sort_dim
+    kw = dict(rngs=rngs, dtype=jnp.float32, param_dtype=pdt)
+    layers = [Linear((D,), (W,), in_axes=("embed",), out_axes=("sort_hidden",),
+                     init_std=D ** -0.5, **kw)]
+    for _ in range(opts.sortnet_depth - 1):
+      layers.append(Linear((W,), (W,), in_axes=("sort_hidden",), out_axes=("sort_hidden",),
+                           init_std=W ** -0.5, **kw))
+    self.sortnet = nnx.List(layers)
+    self.sort_u = Linear((W,), (K, S), in_axes=("sort_hidden",), out_axes=("kv_heads", "sort_dim"),
+                         init_std=W ** -0.5, **kw)
+    self.sort_r = Linear((W,), (K, S), in_axes=("sort_hidden",), out_axes=("kv_heads", "sort_dim"),
+                         init_std=W ** -0.5, **kw)
+
+  # ---------------------------------------------------------------- pieces
+  def project(self, x_BTD, positions_BT):
+    """q [B,T,H,D], k/v [B,T,K,D] (RoPE at the positions; padding tokens' k, v zeroed)."""
+    cfg = self.cfg
+    q, k, v = self.proj.q(x_BTD), self.proj.k(x_BTD), self.proj.v(x_BTD)
+    cos, sin = rope_angles(jnp.maximum(positions_BT, 0), cfg.head_dim, cfg.rope_theta)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    valid = (positions_BT >= 0)[..., None, None]
+    return q, jnp.where(valid, k, 0).astype(k.dtype), jnp.where(valid, v, 0).astype(v.dtype)
+
+  def sort_logits(self, sums_BND, counts_BN, rng, train, query_from_previous=None):
+    """R / tau [B, K, N, N] fp32 from per-block input sums and token counts.
+
+    `query_from_previous` (default: the causal flag) makes block i's query side read block
+    i-1's summary (docstring 2); tests switch it off to show the leak it prevents."""
+    o = self.opts
+    if query_from_previous is None:
+      query_from_previous = o.causal
+    h = sums_BND.astype(jnp.float32) / jnp.maximum(counts_BN, 1.0)[..., None]
+    for layer in self.sortnet:
+      h = jax.nn.gelu(layer(h))
+    r = self.sort_r(h)                                    # [B, N, K, S]
+    if query_from_previous:  # block i decides from block i-1; row 0 is masked anyway
+      h = jnp.concatenate([jnp.zeros_like(h[:, :1]), h[:, :-1]], axis=1)
+    u = self.sort_u(h)
+    R = jnp.einsum("biks,bjks->bkij", u, r) / math.sqrt(o.sort_dim)
+    if train and rng is not None and o.gumbel_noise:
+      R = R + jax.random.gumbel(rng, R.shape, jnp.float32)
+    return R / o.temperature
+
+  def plan(self, logp_BKQN, allowed_BKQN, train, full_square=False) -> SortPlan:
+    """Soft mix, hard sort or SortCut from the balanced log matrix (docstring 4, 5)."""
+    o = self.opts
+    m = o.n_sortcut
+    allowed = jnp.broadcast_to(allowed_BKQN, logp_BKQN.shape)
+    if m == 0 and (train or not o.hard_inference):
+      return SortPlan(P=jnp.where(allowed, jnp.exp(logp_BKQN), 0.0))
+    if m == 0 and not o.causal:
+      assert full_square, "the greedy permutation needs the whole square matrix"
+      idx, ok = greedy_permutation(logp_BKQN, allowed)
+      idx, ok = idx[..., None], ok[..., None]
+      return SortPlan(idx=idx, w=jnp.ones(idx.shape, jnp.float32), ok=ok)
+    k = max(1, min(m, logp_BKQN.shape[-1]))
+    vals, idx = jax.lax.top_k(jnp.where(allowed, logp_BKQN, -jnp.inf), k)
+    ok = vals > -jnp.inf
+    p = jnp.where(ok, jnp.exp(jnp.where(ok, vals, 0.0)), 0.0)
+    w = 1.0 + (p - jax.lax.stop_gradient(p))                # 1 forward, dp backward
+    return SortPlan(idx=idx.astype(jnp.int32), w=w, ok=ok)
+
+  def core(self, x_BTD, positions_BT, rng=None, train=False):
+    """Full-sequence forward before the output projection.
+
+    Returns (y [B,T,H,D], aux dict with q, k, v, the plan and the log sort matrix)."""
+    cfg, o = self.cfg, self.opts
+    B, T, _ = x_BTD.shape
+    b = o.block_size
+    n = -(-T // b)
+    valid = positions_BT >= 0
+    q, k, v = self.project(x_BTD, positions_BT)
+    pos_blk = _blocks(jnp.where(valid, positions_BT, -1).astype(jnp.int32), n, b, fill=-1)
+    slot_valid = pos_blk >= 0
+    xs = _blocks(jnp.where(valid[..., None], x_BTD.astype(jnp.float32), 0.0), n, b)
+    logits = self.sort_logits(xs.sum(2), slot_valid.sum(2).astype(jnp.float32), rng, train)
+    if o.causal:
+      logp = causal_sinkhorn_rows(logits, o.n_iters)
+      allowed = jnp.tril(jnp.ones((n, n), bool), -1)[None, None]
+    else:
+      bv = jnp.any(slot_valid, axis=2)                         # [B, N] block has a token
+      allowed = (bv[:, :, None] & bv[:, None, :])[:, None]
+      zeros = jnp.zeros((B, 1, n), jnp.float32)
+      logp = sinkhorn_log(logits, allowed, zeros, zeros, o.n_iters)
+    plan = self.plan(logp, allowed, train, full_square=True)
+    kb, vb = _blocks(k, n, b), _blocks(v, n, b)
+    sk, sv, s_valid = sort_blocks(kb, vb, slot_valid, plan)
+    y = block_attend(_blocks(q, n, b), sk, sv, s_valid, kb, vb, pos_blk, pos_blk,
+                     scale=cfg.head_dim ** -0.5, causal=o.causal, impl=cfg.attention_impl)
+    y = y.reshape(B, n * b, cfg.n_heads, -1)[:, :T]
+    return y, dict(q=q, k=k, v=v, plan=plan, logp=logp, n_blocks=n, allowed=allowed)
+
+  @staticmethod
+  def sharpness(logp_BKNN, allowed) -> jax.Array:
+    """Mean over rows that may take a block of the largest balanced weight (1 = hard sort)."""
+    allowed = jnp.broadcast_to(allowed, logp_BKNN.shape)
+    top = jnp.max(jnp.where(allowed, jnp.exp(logp_BKNN), 0.0), axis=-1)
+    rows = jnp.any(allowed, axis=-1)
+    return jnp.sum(jnp.where(rows, top, 0.0)) / jnp.maximum(jnp.sum(rows), 1)
+
+  # ---------------------------------------------------------------- interface
+  def __call__(self, x_BTD, *, positions_BT, state=None, rng=None, train=False):
+    if state is not None:
+      return self._step(x_BTD, positions_BT, state, rng, train)
+    y, aux = self.core(x_BTD, positions_BT, rng, train)
+    sharp = jax.lax.stop_gradient(self.sharpness(aux["logp"], aux["allowed"]))
+    return self.proj.o(y), None, {"sinkhorn_sharpness": sharp}
+
+  def _step(self, x_BTD, positions_BT, state, rng, train):
+    """Stateful call: T new tokens continue the stream held in `state` (causal mode)."""
+    cfg, o = self.cfg, self.opts
+    if not o.causal:
+      raise ValueError("config.model.sinkhorn.causal: decoding needs the causal mode")
+    B, T, _ = x_BTD.shape
+    b = o.block_size
+    C = state["k"].shape[1]
+    nb = C // b
+    valid = positions_BT >= 0
+    q, k, v = self.project(x_BTD, positions_BT)
+    slot = jnp.where(valid, positions_BT, C)                  # C, nb: out of range = dropped
+    blk = jnp.where(valid, positions_BT // b, nb)
+    put = jax.vmap(lambda buf, i, val: buf.at[i].set(val, mode="drop"))
+    add = jax.vmap(lambda buf, i, val: buf.at[i].add(val, mode="drop"))
+    kbuf = put(state["k"], slot, k.astype(state["k"].dtype))
+    vbuf = put(state["v"], slot, v.astype(state["v"].dtype))
+    pbuf = put(state["pos"], slot, positions_BT.astype(jnp.int32))
+    sums = add(state["sums"], blk, x_BTD.astype(jnp.float32))
+    counts = add(state["counts"], blk, jnp.ones_like(blk, jnp.float32))
+    new_state = dict(k=kbuf, v=vbuf, pos=pbuf, sums=sums, counts=counts)
+
+    logits = self.sort_logits(sums, counts, rng, train)        # [B, K, nb, nb]
+    i_BT = jnp.where(valid, positions_BT // b, 0)
+    rows = jax.vmap(lambda lg, ii: jax.vmap(lambda i: causal_sort_row(lg, i, o.n_iters))(ii))
+    logp = jnp.moveaxis(rows(logits, i_BT), 1, 2)             # [B, K, T, nb]
+    allowed = (jnp.arange(nb)[None, :] < i_BT[..., None])[:, None]
+    plan = self.plan(logp, allowed, train)
+    to_blocks = lambda x: x.reshape((B, nb, b) + x.shape[2:])
+    kb, vb, pb = to_blocks(kbuf), to_blocks(vbuf), to_blocks(pbuf)
+    sk, sv, s_valid = sort_blocks(kb, vb, pb >= 0, plan)      # [B, T, m b, K, D]
+    own = jax.vmap(lambda x_N, i_T: x_N[i_T])                 # each token's own block
+    y = block_attend(q[:, :, None], sk, sv, s_valid, own(kb, i_BT), own(vb, i_BT), own(pb, i_BT),
+                     positions_BT[:, :, None].astype(jnp.int32), scale=cfg.head_dim ** -0.5,
+                     causal=True, impl=cfg.attention_impl)
+    return self.proj.o(y.reshape(B, T, cfg.n_heads, -1)), new_state, {}
+
+  @classmethod
+  def init_state(cls, cfg, opts, batch: int, capacity: int, dtype):
+    if not opts.causal:
+      return None
+    b = opts.block_size
+    C = -(-capacity // b) * b
+    K, D = cfg.kv_heads, cfg.head_dim
+    return dict(k=jnp.zeros((batch, C, K, D), dtype), v=jnp.zeros((batch, C, K, D), dtype),
+                pos=jnp.full((batch, C), -1, jnp.int32),
+                sums=jnp.zeros((batch, C // b, cfg.d_model), jnp.float32),
+                counts=jnp.zeros((batch, C // b), jnp.float32))
+
+  @classmethod
+  def flops_per_token(cls, cfg, opts, seq_len: int) -> float:
+    """Scores and values over (m+1) b keys (local block causal: (b+1)/2 on average), the soft
+    mix of K and V (N blocks, without SortCut) and the Sinkhorn iterations (~4 FLOPs per entry
+    and iteration; causal: N prefix problems of N^2 entries)."""
+    b = opts.block_size
+    n = -(-seq_len // b)
+    H, K, D = cfg.n_heads, cfg.kv_heads, cfg.head_dim
+    m = opts.n_sortcut or 1
+    local = (b + 1) / 2.0 if opts.causal else float(b)
+    attn = 4.0 * H * D * (m * b + local)
+    mix = 0.0 if opts.n_sortcut else 4.0 * K * D * n
+    sink = 4.0 * K * opts.n_iters * n * n * (n if opts.causal else 1) / seq_len
+    return attn + mix + sink
+
+  @classmethod
+  def max_chunk(cls, cfg, opts, capacity: int) -> int | None:
+    return opts.block_size

@@ -1,0 +1,16 @@
+"""A tiny causal Sinkhorn LM for the CPU: the quickstart's MQAR set-up (seq 64, d 64, 2 layers)
+with Sinkhorn attention in blocks of 8 (8 blocks per sequence).
+
+  python experiments/train.py --config=configs/sinkhorn_tiny.py --workdir=runs/sinkhorn_tiny
+"""
+
+from configs import quickstart
+from configs.sinkhorn_152m import to_sinkhorn
+
+
+def get_config():
+  c = quickstart.get_config()
+  c.train.update(steps=300, log_every=25)
+  c.eval.every_steps = 100
+  return to_sinkhorn(c, match_params=False, block_size=8, sortnet_width=32, sort_dim=8,
+                     n_iters=7, temperature=0.75)

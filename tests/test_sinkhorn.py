@@ -1,0 +1,344 @@
+"""Sparse Sinkhorn attention: balancing invariants, exact block sorting, references, causality by
+gradient, SortCut, padding and decoding. All fp32, tolerances fixed once."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from attn_jax.attention.core import attention_reference
+from attn_jax.attention.sinkhorn import (SinkhornAttention, SortPlan, _blocks, _harmonic,
+                                         causal_prefix_problem, causal_sinkhorn_rows,
+                                         causal_sort_row, greedy_permutation, sinkhorn_log,
+                                         sinkhorn_attention_reference, sort_blocks)
+from attn_jax.config import ModelConfig
+
+Opts = SinkhornAttention.Options
+CFG = ModelConfig(d_model=32, n_heads=4, n_kv_heads=2, n_layers=2, dtype="float32",
+                  attention_impl="xla")
+ATOL = 1e-5
+
+
+def make(opts, cfg=CFG, seed=0):
+  return SinkhornAttention(cfg, opts, rngs=nnx.Rngs(seed))
+
+
+def inputs(B=2, T=11, D=32, seed=1):
+  x = jax.random.normal(jax.random.key(seed), (B, T, D), jnp.float32)
+  return x, jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+
+
+# ---------------------------------------------------------------- balancing
+
+def test_noncausal_sinkhorn_is_doubly_stochastic_with_padded_blocks():
+  logits = jax.random.normal(jax.random.key(0), (2, 3, 6, 6)) / 0.75
+  valid = jnp.array([[True] * 6, [True] * 4 + [False] * 2])      # row 1: 2 padded blocks
+  mask = (valid[:, :, None] & valid[:, None, :])[:, None]
+  z = jnp.zeros((2, 1, 6))
+  want = jnp.broadcast_to(valid[:, None], (2, 3, 6))
+  # Rows are exact after any number of iterations (the last step); after the reference 7 the
+  # columns are only close (here within 1e-2), after 20 within 1e-3.
+  P7 = jnp.exp(sinkhorn_log(logits, mask, z, z, n_iters=7))
+  np.testing.assert_allclose(P7.sum(-1), want, atol=1e-5)
+  np.testing.assert_allclose(P7.sum(-2), want, atol=1e-2)
+  P = jnp.exp(sinkhorn_log(logits, mask, z, z, n_iters=20))
+  np.testing.assert_allclose(P.sum(-1), want, atol=1e-5)
+  np.testing.assert_allclose(P.sum(-2), want, atol=1e-3)
+  assert float(jnp.abs(jnp.where(mask, 0.0, P)).max()) == 0.0
+
+
+def test_causal_prefix_problems_balance_to_their_targets():
+  # 50 iterations: the causal problem converges more slowly (its targets are uneven); at 7 the
+  # rows are still exact and the columns approximate.
+  n = 7
+  logits = jax.random.normal(jax.random.key(1), (2, 3, n, n)) / 0.75
+  h = _harmonic(n)
+  rows = jnp.exp(causal_sinkhorn_rows(logits, n_iters=50))
+  for i in range(n):
+    mask, lr, lc = causal_prefix_problem(n, i)
+    P = jnp.exp(sinkhorn_log(logits, mask, lr, lc, n_iters=50))
+    assert float(jnp.abs(jnp.where(mask, 0.0, P)).max()) == 0.0     # strict lower triangle
+    np.testing.assert_allclose(P.sum(-1)[..., 1:i + 1], 1.0, atol=1e-3)
+    np.testing.assert_allclose(P.sum(-2)[..., :i], np.broadcast_to(h[i] - h[:i], (2, 3, i)),
+                               atol=1e-3)
+    np.testing.assert_allclose(rows[..., i, :], P[..., i, :], atol=1e-6)  # row i = prefix i
+  assert float(jnp.abs(rows[..., 0, :]).max()) == 0.0               # block 0 has no past
+  np.testing.assert_allclose(rows.sum(-1)[..., 1:], 1.0, atol=1e-5)
+  np.testing.assert_allclose(rows[..., 1, 0], 1.0, atol=1e-6)        # block 1 can only take 0
+
+
+def test_causal_balancing_uniform_logits_is_the_uniform_causal_matrix():
+  # The limit of the balancing of equal logits is the uniform causal matrix (row i: 1/i each).
+  rows = jnp.exp(causal_sinkhorn_rows(jnp.zeros((1, 1, 6, 6)), n_iters=50))[0, 0]
+  want = np.tril(np.ones((6, 6)), -1) / np.maximum(np.arange(6), 1)[:, None]
+  np.testing.assert_allclose(rows, want, atol=1e-5)
+
+
+def test_causal_row_ignores_later_rows():
+  n = 6
+  logits = jax.random.normal(jax.random.key(2), (n, n))
+  for i in range(1, n):
+    jac = jax.jacrev(lambda lg: jnp.exp(causal_sort_row(lg, i, 7)))(logits)   # [n, n, n]
+    assert float(jnp.abs(jac[:, i + 1:, :]).max(initial=0.0)) == 0.0
+    assert float(jnp.abs(jac[:, :, i:]).max(initial=0.0)) == 0.0
+
+
+# ---------------------------------------------------------------- sorting
+
+def test_blocks_are_contiguous():
+  x = jnp.arange(10)[None]
+  np.testing.assert_array_equal(_blocks(x, 3, 4, fill=-1)[0],
+                                [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, -1, -1]])
+
+
+def test_hard_permutation_moves_each_block_exactly_keys_and_values_apart():
+  B, N, b, K, D = 2, 5, 3, 2, 4
+  kb = jax.random.normal(jax.random.key(3), (B, N, b, K, D))
+  vb = jax.random.normal(jax.random.key(4), (B, N, b, K, D))
+  perm = np.stack([[np.random.RandomState(s + 2 * k).permutation(N) for k in range(K)]
+                   for s in range(B)])                               # [B, K, N]
+  valid = jnp.ones((B, N, b), bool)
+  plans = [SortPlan(P=jax.nn.one_hot(perm, N)),
+           SortPlan(idx=jnp.asarray(perm)[..., None], w=jnp.ones((B, K, N, 1)),
+                    ok=jnp.ones((B, K, N, 1), bool))]
+  for plan in plans:
+    sk, sv, sval = sort_blocks(kb, vb, valid, plan)
+    for bb in range(B):
+      for k in range(K):
+        for i in range(N):
+          np.testing.assert_array_equal(sk[bb, i, :, k], kb[bb, perm[bb, k, i], :, k])
+          np.testing.assert_array_equal(sv[bb, i, :, k], vb[bb, perm[bb, k, i], :, k])
+    assert bool(sval.all())
+    assert not np.allclose(sk, sv)
+
+
+def test_greedy_permutation_is_a_permutation_and_follows_the_greedy_order():
+  logp = jax.random.normal(jax.random.key(5), (3, 2, 6, 6))
+  idx, ok = greedy_permutation(logp, jnp.ones((6, 6), bool))
+  assert bool(ok.all())
+  for a in range(3):
+    for k in range(2):
+      assert sorted(np.asarray(idx[a, k]).tolist()) == list(range(6))
+      m = np.asarray(logp[a, k], np.float64).copy()      # numpy greedy
+      want = np.zeros(6, int)
+      for _ in range(6):
+        r, c = np.unravel_index(np.argmax(m), m.shape)
+        want[r] = c
+        m[r, :] = -np.inf
+        m[:, c] = -np.inf
+      np.testing.assert_array_equal(idx[a, k], want)
+
+
+# ---------------------------------------------------------------- the mixer vs references
+
+MODES = [
+    dict(block_size=4),
+    dict(block_size=4, hard_inference=False),
+    dict(block_size=4, n_sortcut=2),
+    dict(block_size=4, causal=False),
+    dict(block_size=4, causal=False, n_sortcut=2),
+]
+
+
+@pytest.mark.parametrize("train", [False, True])
+@pytest.mark.parametrize("mode", MODES)
+def test_core_matches_explicit_reference(mode, train):
+  m = make(Opts(**mode))
+  x, pos = inputs(T=11)
+  pos = pos.at[1, 8:].set(-1)                 # row 1 right-padded: 8 valid tokens
+  y, aux = m.core(x, pos, rng=jax.random.key(7), train=train)
+  W = aux["plan"].source_weights(aux["n_blocks"])
+  ref = sinkhorn_attention_reference(aux["q"], aux["k"], aux["v"], pos >= 0, W, block=4,
+                                     scale=CFG.head_dim ** -0.5, causal=mode.get("causal", True))
+  valid = np.asarray(pos >= 0)
+  np.testing.assert_allclose(np.asarray(y)[valid], ref[valid], atol=ATOL)
+  chex.assert_tree_all_finite(y)
+
+
+def test_full_window_equals_full_attention():
+  x, pos = inputs(T=10)
+
+  def check(opts, causal):
+    m = make(opts)
+    _, aux = m.core(x, pos)
+    ref = attention_reference(aux["q"], aux["k"], aux["v"], scale=CFG.head_dim ** -0.5,
+                              causal=causal)
+    for f in (lambda x_: m.core(x_, pos)[0], jax.jit(lambda x_: m.core(x_, pos)[0])):
+      np.testing.assert_allclose(f(x), ref, atol=ATOL)
+
+  # Causal SortCut keeping every past block (and the causal local block) = full causal attention.
+  check(Opts(block_size=3, n_sortcut=4), True)
+  # One block covering the sequence: the identity sort duplicates every key (same softmax).
+  for hard in (True, False):
+    check(Opts(block_size=16, causal=False, hard_inference=hard), False)
+  check(Opts(block_size=16), True)
+
+
+def test_padding_equals_truncation():
+  for causal in (True, False):
+    m = make(Opts(block_size=4, causal=causal))
+    x, pos = inputs(B=1, T=13)
+    pad = pos.at[:, 9:].set(-1)
+    y_pad, _, _ = m(x, positions_BT=pad)
+    y_cut, _, _ = m(x[:, :9], positions_BT=pos[:, :9])
+    np.testing.assert_allclose(y_pad[:, :9], y_cut, atol=ATOL)
+
+
+# ---------------------------------------------------------------- causality, gradients
+
+def _future_leak(m, T, rng=None, train=False):
+  x, pos = inputs(B=1, T=T, D=CFG.d_model)
+  f = lambda x_: m(x_, positions_BT=pos, rng=rng, train=train)[0][0]
+  jac = jax.jit(jax.jacrev(f))(x)[:, :, 0]                     # [T, D, T, D]
+  g = jnp.abs(jac).sum(axis=(1, 3))                   # [t (out), s (in)]
+  return float(jnp.triu(g, 1).max()), float(jnp.tril(g).max())
+
+
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize("T,b,mode", [
+    (13, 4, dict()), (13, 4, dict(n_sortcut=2)), (10, 3, dict()),
+    pytest.param(10, 3, dict(n_sortcut=2), marks=SLOW), pytest.param(7, 8, dict(), marks=SLOW),
+    pytest.param(12, 4, dict(), marks=SLOW), pytest.param(29, 5, dict(n_sortcut=3), marks=SLOW),
+    pytest.param(13, 4, dict(hard_inference=False), marks=SLOW)])
+def test_causal_by_gradient(T, b, mode):
+  m = make(Opts(block_size=b, **mode))
+  for train in (False, True):
+    leak, past = _future_leak(m, T, rng=jax.random.key(3), train=train)
+    assert leak < 1e-9 and past > 0
+
+
+class _PoolsOwnBlock(SinkhornAttention):
+  """The tempting bug: block i's sort decision from block i's own summary."""
+
+  def sort_logits(self, sums, counts, rng, train, query_from_previous=None):
+    return super().sort_logits(sums, counts, rng, train, query_from_previous=False)
+
+
+def test_causality_test_catches_leaks():
+  leak, _ = _future_leak(make(Opts(block_size=4, causal=False)), 8)
+  assert leak > 1e-4
+  leaky = _PoolsOwnBlock(CFG, Opts(block_size=3, hard_inference=False), rngs=nnx.Rngs(0))
+  leak, _ = _future_leak(leaky, 9, rng=jax.random.key(3), train=True)   # 3 blocks
+  assert leak > 1e-6
+
+
+@pytest.mark.parametrize("mode", [dict(), dict(n_sortcut=2), dict(causal=False)])
+def test_gradients_finite_at_low_temperature(mode):
+  m = make(Opts(block_size=4, temperature=0.02, **mode))
+  x, pos = inputs(T=16)
+  graphdef, params = nnx.split(m, nnx.Param)
+
+  def loss(p):
+    y, _, _ = nnx.merge(graphdef, p)(x * 3.0, positions_BT=pos, rng=jax.random.key(0),
+                                      train=True)
+    return jnp.sum(y ** 2)
+
+  g = jax.grad(loss)(params)
+  chex.assert_tree_all_finite(g)
+  sort_grad = sum(float(jnp.abs(l).sum()) for l in jax.tree.leaves(g["sort_u"]))
+  assert sort_grad > 0          # the sorting network learns (SortCut: straight-through)
+
+
+# ---------------------------------------------------------------- decoding
+
+@pytest.mark.parametrize("mode", [dict(hard_inference=False), dict(), dict(n_sortcut=2)])
+def test_decode_equals_full_forward(mode):
+  opts = Opts(block_size=4, **mode)
+  m = make(opts)
+  T = 11
+  x, pos = inputs(T=T)
+  pos = pos.at[1, 9:].set(-1)                          # row 1 is a shorter prompt
+  y_full, _, _ = m(x, positions_BT=pos)
+  valid = np.asarray(pos >= 0)
+
+  step = nnx.jit(lambda m_, x_, p_, s_: m_(x_, positions_BT=p_, state=s_))
+  state = SinkhornAttention.init_state(CFG, opts, 2, 13, jnp.float32)
+  ys = []
+  for t in range(T):
+    y, state, _ = step(m, x[:, t:t + 1], pos[:, t:t + 1], state)
+    ys.append(y)
+  np.testing.assert_allclose(np.asarray(jnp.concatenate(ys, 1))[valid],
+                             np.asarray(y_full)[valid], atol=ATOL)
+
+  if mode:
+    return
+  # Chunked prefill (chunks of max_chunk).
+  c = SinkhornAttention.max_chunk(CFG, opts, 13)
+  state = SinkhornAttention.init_state(CFG, opts, 2, 13, jnp.float32)
+  ys = []
+  for s in range(0, T, c):
+    y, state, _ = step(m, x[:, s:s + c], pos[:, s:s + c], state)
+    ys.append(y)
+  np.testing.assert_allclose(np.asarray(jnp.concatenate(ys, 1))[valid],
+                             np.asarray(y_full)[valid], atol=ATOL)
+
+  # A padding token changes no state.
+  _, after, _ = step(m, x[:, :1], jnp.full((2, 1), -1, jnp.int32), state)
+  chex.assert_trees_all_equal(after, state)
+
+
+# ---------------------------------------------------------------- options
+
+@pytest.mark.parametrize("field,value", [("block_size", 0), ("n_iters", 0), ("temperature", 0.0),
+                                         ("n_sortcut", -1), ("causal", 1), ("sort_dim", 2.5)])
+def test_options_validation_names_the_field(field, value):
+  with pytest.raises(ValueError, match=rf"config\.model\.sinkhorn\.{field}:"):
+    Opts(**{field: value}).validate(CFG, "config.model.sinkhorn")
+
+
+def test_flops_sortcut_far_below_dense():
+  o = Opts(block_size=128, n_sortcut=2)
+  f2 = SinkhornAttention.flops_per_token(CFG, o, 16384)
+  dense = 4.0 * CFG.n_heads * CFG.head_dim * (16384 + 1) / 2
+  assert f2 < dense / 10
+
+
+def test_configs_build_valid_options_rules_and_matched_parameters():
+  from configs import sinkhorn_152m, sinkhorn_tiny, transformer_152m
+  from attn_jax.attention.mha import QKVProjection
+
+  for c in (sinkhorn_152m.get_config(), sinkhorn_152m.get_config("sortcut=2"),
+            sinkhorn_tiny.get_config()):
+    assert c.model.mixer == "sinkhorn"
+    Opts(**c.model.sinkhorn.to_dict()).validate(CFG, "config.model.sinkhorn")
+    rules = dict(c.mesh.rules)
+    assert rules["sort_hidden"] is None and rules["sort_dim"] is None
+  assert sinkhorn_152m.get_config("sortcut=2").model.sinkhorn.n_sortcut == 2
+
+  c = sinkhorn_152m.get_config()
+  t = transformer_152m.get_config()
+  cfg = ModelConfig(d_model=c.model.d_model, n_heads=c.model.n_heads, n_layers=1)
+  count = lambda f: sum(x.size for x in jax.tree.leaves(nnx.state(nnx.eval_shape(f), nnx.Param)))
+  extra = (count(lambda: SinkhornAttention(cfg, Opts(**c.model.sinkhorn.to_dict()),
+                                           rngs=nnx.Rngs(0)))
+           - count(lambda: QKVProjection(cfg, rngs=nnx.Rngs(0))))
+  assert extra == sinkhorn_152m.sinkhorn_extra_params(c)
+  per_layer_diff = extra - 3 * c.model.d_model * (t.model.d_ff - c.model.d_ff)
+  assert abs(per_layer_diff) <= 3 * c.model.d_model * 2     # d_ff rounded to a multiple of 4
+
+
+def test_sharpness_monitor():
+  logp = jnp.log(jnp.array([[[[0.0, 0.0], [1.0, 0.0]]]]))
+  allowed = jnp.array([[False, False], [True, False]])
+  assert float(SinkhornAttention.sharpness(logp, allowed)) == 1.0
+  x, pos = inputs(T=12)
+  _, _, aux = make(Opts(block_size=4))(x, positions_BT=pos)
+  assert 1 / 2 - 1e-6 <= float(aux["sinkhorn_sharpness"]) <= 1.0
+
+
+@pytest.mark.parametrize("mode", [dict(n_sortcut=2), dict(causal=False)])
+def test_batch_sharded_forward_equals_unsharded(mode):
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  from attn_jax.sharding import make_mesh
+  mesh = make_mesh((-1, 1, 1), ("data", "fsdp", "tensor"))
+  m = make(Opts(block_size=4, **mode))
+  x, pos = inputs(B=8, T=11)
+  want = m(x, positions_BT=pos)[0]
+  put = lambda a: jax.device_put(a, NamedSharding(mesh, P("data")))
+  got = nnx.jit(lambda m_, x_, p_: m_(x_, positions_BT=p_)[0])(m, put(x), put(pos))
+  np.testing.assert_allclose(got, want, atol=ATOL)
