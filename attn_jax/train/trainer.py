@@ -370,18 +370,16 @@ def _train_and_evaluate(config, workdir, eval_callbacks) -> dict[str, Any]:
     loss = float(m["loss"])
     nonfinite = bool(float(m["nonfinite"]) > 0)
     spike = monitor.update(step_no, loss, nonfinite)
+    halt = None
     if nonfinite:
       if config.train.nonfinite == "halt":
-        diverged = True
-        raise NonFiniteTrainingError(halt_message(
-            step_no, loss, "stopping (config.train.nonfinite='halt')"))
-      if monitor.consecutive_nonfinite >= config.train.nonfinite_max_consecutive:
-        diverged = True
-        raise NonFiniteTrainingError(halt_message(
-            step_no, loss, f"{monitor.consecutive_nonfinite} non-finite steps in a row "
-            f"(config.train.nonfinite_max_consecutive={config.train.nonfinite_max_consecutive})"))
-      logging.warning("step %d: non-finite loss (%s), gradient or update; update skipped "
-                      "(%d non-finite steps so far)", step_no, loss, monitor.nonfinite_steps)
+        halt = "stopping (config.train.nonfinite='halt')"
+      elif monitor.consecutive_nonfinite >= config.train.nonfinite_max_consecutive:
+        halt = (f"{monitor.consecutive_nonfinite} non-finite steps in a row (config.train."
+                f"nonfinite_max_consecutive={config.train.nonfinite_max_consecutive})")
+      else:
+        logging.warning("step %d: non-finite loss (%s), gradient or update; update skipped "
+                        "(%d non-finite steps so far)", step_no, loss, monitor.nonfinite_steps)
     if spike:
       logging.warning("step %d: loss spike %.4f (above mean + %g std of the last %d losses; "
                       "%d spikes so far)", step_no, loss, monitor.threshold,
@@ -405,6 +403,9 @@ def _train_and_evaluate(config, workdir, eval_callbacks) -> dict[str, Any]:
       if bar is not None:
         bar.set_postfix(loss=f"{loss:.4f}", acc=f"{out['accuracy']:.3f}",
                         tok_s=f"{tps:,.0f}")
+    if halt is not None:   # after logging the row of the step that stops the run
+      diverged = True
+      raise NonFiniteTrainingError(halt_message(step_no, loss, halt))
 
   def save(step_no):
     ckpt.save(step_no, state, data_it, dict(base_meta, monitor=monitor.state()), force=True)
