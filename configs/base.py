@@ -67,7 +67,12 @@ def get_config() -> ml_collections.ConfigDict:
   t.log_every = 10
   t.progress_bar = True
   t.peak_flops = 0.0             # per device, FLOP/s; 0 = look up from the device kind
-  t.halt_on_nan = True
+  t.nonfinite = "skip"           # a step with a NaN/Inf loss, gradient or update is never
+                                 # applied; "skip": count it and go on, "halt": stop and name
+                                 # the last finite step and the latest checkpoint
+  t.nonfinite_max_consecutive = 10  # skip: halt after this many non-finite steps in a row
+  t.spike_window = 100           # loss-spike detector: running window of finite losses (0 = off)
+  t.spike_threshold = 6.0        # spike: loss > mean + spike_threshold * std of the window
 
   o = c.optim = ml_collections.ConfigDict()
   o.lr = 6e-4

@@ -7,6 +7,16 @@ jit shardings, donation and orbax checkpoints all see one simple pytree:
      "rng": key}
 
 The model graph (`graphdef`) is split once; the step merges it with the params inside jit.
+
+Non-finite guard: every step checks that the loss, every gradient entry and every updated
+parameter are finite (`step_is_finite`, a few reductions fused into the step). If not, the
+update is dropped on device: params and optimizer state come back unchanged (`jnp.where`, so
+the program and its shardings are the same either way) while `step` still advances (the batch
+was consumed, the data position and the schedule stay tied to the step). The metric
+`nonfinite` (1.0/0.0) tells the trainer, which skips on or halts (`config.train.nonfinite`).
+So a NaN/Inf never reaches the parameters, hence never a checkpoint. Checking the gradients
+and the new parameters, not only the loss, matters: with a huge learning rate the loss of a
+step can be finite while its gradient or its update is not.
 """
 
 from __future__ import annotations
@@ -39,6 +49,16 @@ def make_loss_fn(graphdef: nnx.GraphDef) -> Callable:
   return loss_fn
 
 
+def _all_finite(tree) -> jax.Array:
+  leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves] or [jnp.bool_(True)]))
+
+
+def step_is_finite(loss, grads, new_params) -> jax.Array:
+  """bool scalar: loss, every gradient entry and every updated parameter are finite."""
+  return jnp.isfinite(loss) & _all_finite(grads) & _all_finite(new_params)
+
+
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
                     lr_schedule: Callable | None = None) -> Callable:
   """step(state, batch) -> (state, metrics). Batch arrays are [A, B, L] (A micro-batches).
@@ -49,6 +69,9 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
   Randomness (mixers' noise, dropout): micro-batch a of step s uses
   fold_in(fold_in(state["rng"], s), a) — a function of the step, so a resumed run draws the
   same noise as an uninterrupted one. `state["rng"]` itself never changes.
+
+  A step whose loss, gradients or updated parameters are not all finite leaves params and
+  optimizer state unchanged (see the module docstring); `metrics["nonfinite"]` is then 1.0.
   """
   loss_fn = make_loss_fn(graphdef)
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
@@ -77,9 +100,15 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
     grads, nll, w, hits = carry
     updates, opt_state = tx.update(grads, state["opt_state"], params)
     new_params = optax.apply_updates(params, updates)
+    loss = nll / jnp.maximum(w, 1.0)
+    ok = step_is_finite(loss, grads, new_params)
+    keep = lambda new, old: jnp.where(ok, new, old)
+    new_params = jax.tree.map(keep, new_params, params)
+    opt_state = jax.tree.map(keep, opt_state, state["opt_state"])
     new_state = dict(state, params=new_params, opt_state=opt_state, step=state["step"] + 1)
     metrics = {
-        "loss": nll / jnp.maximum(w, 1.0),
+        "loss": loss,
+        "nonfinite": 1.0 - ok.astype(jnp.float32),
         "accuracy": hits / jnp.maximum(w, 1.0),
         "grad_norm": optax.tree.norm(grads),
         "param_norm": optax.tree.norm(params),

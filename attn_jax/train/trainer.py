@@ -5,9 +5,30 @@ Order of work (abstract first, nothing materialised unsharded):
   or restore from the latest checkpoint -> data iterator (restored position) -> AOT-compiled
   step (explicit in/out shardings, state donated; memory analysis logged) -> loop.
 
-Loop hygiene: step t+1 is dispatched before the metrics of step t are read; a NaN/Inf loss stops
-the run loudly; a checkpoint is written every `checkpoint.every_steps`, at the end, and when the
-run is interrupted, so work is never lost.
+Loop hygiene: step t+1 is dispatched before the metrics of step t are read; a checkpoint is
+written every `checkpoint.every_steps`, at the end, and when the run is interrupted, so work is
+never lost.
+
+Reliability (the choices):
+  * Non-finite steps: the step itself drops an update whose loss, gradients or new parameters
+    are not finite (train/step.py), so NaN/Inf never reach the parameters or a checkpoint.
+    `config.train.nonfinite="skip"` counts such steps (`nonfinite_steps` in the metrics, a
+    warning each) and goes on, halting after `nonfinite_max_consecutive` in a row; "halt" stops
+    at the first one with a message naming the last finite step and the latest checkpoint.
+  * Loss spikes: a finite loss above mean + `spike_threshold` * std of the last `spike_window`
+    finite losses is a spike (`loss_spike` on that step's row, `loss_spikes` counted, a
+    warning). The counters and the window are saved in each checkpoint's meta, so a resumed
+    run flags the same steps as an uninterrupted one.
+  * Data position == model state: the iterator position is read before the step's micro-batches
+    are pulled; if the run stops before that step was dispatched (an interrupt in the middle of
+    gradient accumulation), the iterator goes back there before the final save, so the resumed
+    run reads exactly the micro-batches the saved state has not seen.
+  * Donated buffers: the step donates its input state. If the step raises, the state it was
+    given may be gone: nothing is saved from it (the latest checkpoint stays the resume point)
+    and the original error propagates; an error while saving on the way out is logged, never
+    raised in place of the original one.
+  * Held-out evaluation batches are global arrays with the batch sharding, built from this
+    host's rows (`make_array_from_process_local_data`), as the training batches.
 """
 
 from __future__ import annotations
@@ -30,7 +51,7 @@ from attn_jax import sharding as shd
 from attn_jax.config import ModelConfig, validate
 from attn_jax.model import build_model, count_params
 from attn_jax.train import flops as flops_lib
-from attn_jax.train.checkpoint import (Checkpointer, NonFiniteStateError, PreemptionGuard,
+from attn_jax.train.checkpoint import (Checkpointer, PreemptionGuard,
                                        abstract_with_shardings, config_to_json)
 from attn_jax.train.metrics import MetricWriter, flatten_metrics
 from attn_jax.train.workdir import lock_workdir
@@ -123,13 +144,32 @@ EvalCallback = Callable[[dict, int], dict]
 way (`attn_jax.eval.run.task_callback`), so the trainer never imports the evaluator."""
 
 
+def eval_batch_sharding(setup: Setup) -> NamedSharding:
+  """The sharding of a held-out [B, L] batch: rows over the `batch` rule's mesh axes."""
+  return NamedSharding(setup.mesh, P(setup.rules.get("batch"), None))
+
+
+def make_heldout_batches(config: ml_collections.ConfigDict, setup: Setup,
+                         num_batches: int = 4) -> list[dict]:
+  """Held-out batches as global [B, L] arrays with `eval_batch_sharding`; each host reads only
+  the rows its devices hold (right on several hosts, not only on one)."""
+  from attn_jax.data import pipeline
+  sh = eval_batch_sharding(setup)
+  shape = (config.data.global_batch_size, config.data.seq_len)
+  rows = shd.host_batch_rows(sh, shape, batch_dim=0)
+  local = pipeline.make_eval_batches(config.data, seed=config.seed, num_batches=num_batches,
+                                     host_rows=rows)
+  return [{k: jax.make_array_from_process_local_data(sh, np.asarray(v), shape)
+           for k, v in b.items()} for b in local]
+
+
 class _Evaluator:
   """Periodic evaluation during training: held-out loss/accuracy, then the callbacks. Built
   once, so every evaluation after the first reuses its compilations (the state is an argument
   of the jitted functions)."""
 
   def __init__(self, setup: Setup, heldout, callbacks: Sequence[EvalCallback]):
-    self._heldout = heldout
+    self._heldout = heldout   # global arrays (make_heldout_batches)
     self._mesh, self._rules = setup.mesh, setup.rules
     self._step = jax.jit(make_eval_step(setup.graphdef))
     self._callbacks = tuple(callbacks)
@@ -138,8 +178,7 @@ class _Evaluator:
     """Loss/accuracy on held-out batches (weighted tokens only), summed exactly over batches."""
     nll = w = hits = 0.0
     for b in self._heldout:
-      n, ww, h = self._step(state["params"], state["rest"],
-                            {k: jnp.asarray(v) for k, v in b.items()})
+      n, ww, h = self._step(state["params"], state["rest"], b)
       nll, w, hits = nll + float(n), w + float(ww), hits + float(h)
     w = max(w, 1.0)
     return {"eval/loss": nll / w, "eval/accuracy": hits / w, "eval/weighted_tokens": w}
@@ -174,11 +213,86 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
       lock.release()
 
 
+class NonFiniteTrainingError(FloatingPointError):
+  """Training stopped at a step whose loss, gradient or update was not finite."""
+
+
+NONFINITE_MODES = ("skip", "halt")
+
+
+def _check_train(config) -> None:
+  t = config.train
+  if t.nonfinite not in NONFINITE_MODES:
+    raise ValueError(f"config.train.nonfinite: {t.nonfinite!r} not in {NONFINITE_MODES}")
+  if int(t.nonfinite_max_consecutive) < 1:
+    raise ValueError(f"config.train.nonfinite_max_consecutive: must be >= 1, got "
+                     f"{t.nonfinite_max_consecutive!r}")
+  if int(t.spike_window) < 0 or int(t.spike_window) == 1:
+    raise ValueError(f"config.train.spike_window: must be 0 (off) or >= 2, got "
+                     f"{t.spike_window!r}")
+  if not float(t.spike_threshold) > 0:
+    raise ValueError(f"config.train.spike_threshold: must be > 0, got {t.spike_threshold!r}")
+
+
+class LossMonitor:
+  """Host-side watch over every step's loss: non-finite steps and loss spikes.
+
+  A spike is a finite loss above mean + k * max(std, 1e-3 * |mean|) of the previous `window`
+  finite losses (k = `threshold`), once the window holds at least max(2, window // 4) of them;
+  the floor on the std keeps a flat loss curve from flagging rounding noise. Every finite loss
+  enters the window (a lasting level shift stops being flagged once the window has seen it).
+  `state()` / `load()` carry the counters and window through a checkpoint's meta.
+  """
+
+  def __init__(self, window: int, threshold: float):
+    self.window, self.threshold = int(window), float(threshold)
+    self.losses: list[float] = []
+    self.nonfinite_steps = 0
+    self.loss_spikes = 0
+    self.consecutive_nonfinite = 0
+    self.last_finite_step: int | None = None
+
+  def update(self, step: int, loss: float, nonfinite: bool) -> bool:
+    """Records a step; returns whether its loss is a spike."""
+    if nonfinite:
+      self.nonfinite_steps += 1
+      self.consecutive_nonfinite += 1
+      return False
+    self.consecutive_nonfinite = 0
+    self.last_finite_step = step
+    if not self.window:
+      return False
+    spike = False
+    if len(self.losses) >= max(2, self.window // 4):
+      hist = np.asarray(self.losses, np.float64)
+      mean = float(hist.mean())
+      std = max(float(hist.std()), 1e-3 * abs(mean))
+      spike = loss > mean + self.threshold * std
+    self.losses = (self.losses + [float(loss)])[-self.window:]
+    self.loss_spikes += int(spike)
+    return spike
+
+  def state(self) -> dict:
+    return {"losses": list(self.losses), "nonfinite_steps": self.nonfinite_steps,
+            "loss_spikes": self.loss_spikes, "consecutive_nonfinite": self.consecutive_nonfinite,
+            "last_finite_step": self.last_finite_step}
+
+  def load(self, state: dict | None) -> None:
+    if not state:
+      return
+    self.losses = [float(x) for x in state.get("losses", [])][-self.window:] if self.window else []
+    self.nonfinite_steps = int(state.get("nonfinite_steps", 0))
+    self.loss_spikes = int(state.get("loss_spikes", 0))
+    self.consecutive_nonfinite = int(state.get("consecutive_nonfinite", 0))
+    self.last_finite_step = state.get("last_finite_step")
+
+
 def _train_and_evaluate(config, workdir, eval_callbacks) -> dict[str, Any]:
   from attn_jax.data import pipeline
 
   setup = build_setup(config)
   cfg = setup.cfg
+  _check_train(config)
   need = pipeline.vocab_size_needed(config.data)
   if need > cfg.vocab_size:
     raise ValueError(f"config.model.vocab_size={cfg.vocab_size} is smaller than the data's "
@@ -194,13 +308,17 @@ def _train_and_evaluate(config, workdir, eval_callbacks) -> dict[str, Any]:
   global_shape = (accum, config.data.global_batch_size, L)
   host_rows = shd.host_batch_rows(setup.batch_sharding, global_shape, batch_dim=1)
   data_it = pipeline.make_train_iterator(config.data, seed=config.seed, host_rows=host_rows)
+  monitor = LossMonitor(config.train.spike_window, config.train.spike_threshold)
   state = ckpt.restore(setup.abstract_state, data_it)
   if state is None:
     state = setup.init_fn()
     start = 0
   else:
     start = int(state["step"])
+    monitor.load(ckpt.restore_meta(ckpt.restored_step).get("monitor"))
     logging.info("resumed from %s at step %d", ckpt.directory, start)
+  if monitor.last_finite_step is None:
+    monitor.last_finite_step = start
 
   abs_batch = {k: jax.ShapeDtypeStruct(global_shape,
                                        jnp.float32 if k == "weights" else jnp.int32,
@@ -221,9 +339,8 @@ def _train_and_evaluate(config, workdir, eval_callbacks) -> dict[str, Any]:
   flops_per_tok = flops_lib.train_flops_per_token(cfg, n, L)
   peak = flops_lib.peak_flops_per_device(override=config.train.peak_flops)
   n_dev = jax.device_count()
-  meta = {"config": config_to_json(config), "n_params": n}
-  evaluator = _Evaluator(setup, pipeline.make_eval_batches(
-      config.data, seed=config.seed, num_batches=4), eval_callbacks)
+  base_meta = {"config": config_to_json(config), "n_params": n}
+  evaluator = _Evaluator(setup, make_heldout_batches(config, setup), eval_callbacks)
 
   bar = None
   if config.train.progress_bar and jax.process_index() == 0:
@@ -237,21 +354,47 @@ def _train_and_evaluate(config, workdir, eval_callbacks) -> dict[str, Any]:
   diverged = False
   last_eval = -1
 
+  def halt_message(step_no, loss, why):
+    saved = [s for s in ckpt.all_steps() if s < step_no]
+    where = (f"the latest checkpoint (from before it) is step {max(saved)} in {ckpt.directory}"
+             if saved else f"there is no checkpoint yet in {ckpt.directory}")
+    return (f"step {step_no}: the loss ({loss}), a gradient or the parameter update is not "
+            f"finite; {why}. The update was not applied. The last finite step is "
+            f"{monitor.last_finite_step}; {where} (no checkpoint ever holds non-finite values). "
+            "Lower config.optim.lr / raise optim.warmup_steps, or set "
+            "config.train.nonfinite='skip' to step over isolated events.")
+
   def flush(pending_metrics):
     nonlocal t_log, step_log, last, diverged
     step_no, m = pending_metrics
     loss = float(m["loss"])
-    if not np.isfinite(loss) and config.train.halt_on_nan:
-      diverged = True
-      raise FloatingPointError(f"loss is {loss} at step {step_no}; stopping. The last good "
-                               f"checkpoint is in {ckpt.directory}")
-    if step_no % config.train.log_every == 0 or step_no == config.train.steps:
+    nonfinite = bool(float(m["nonfinite"]) > 0)
+    spike = monitor.update(step_no, loss, nonfinite)
+    halt = None
+    if nonfinite:
+      if config.train.nonfinite == "halt":
+        halt = "stopping (config.train.nonfinite='halt')"
+      elif monitor.consecutive_nonfinite >= config.train.nonfinite_max_consecutive:
+        halt = (f"{monitor.consecutive_nonfinite} non-finite steps in a row (config.train."
+                f"nonfinite_max_consecutive={config.train.nonfinite_max_consecutive})")
+      else:
+        logging.warning("step %d: non-finite loss (%s), gradient or update; update skipped "
+                        "(%d non-finite steps so far)", step_no, loss, monitor.nonfinite_steps)
+    if spike:
+      logging.warning("step %d: loss spike %.4f (above mean + %g std of the last %d losses; "
+                      "%d spikes so far)", step_no, loss, monitor.threshold,
+                      len(monitor.losses) - 1, monitor.loss_spikes)
+    if (step_no % config.train.log_every == 0 or step_no == config.train.steps or nonfinite
+        or spike):
       now = time.perf_counter()
       dt = max(now - t_log, 1e-9)
       tps = tokens_per_step * (step_no - step_log) / dt
       out = flatten_metrics(m)
       out["tokens_per_sec"] = tps
       out["tokens_seen"] = step_no * tokens_per_step
+      out["loss_spike"] = float(spike)
+      out["loss_spikes"] = monitor.loss_spikes
+      out["nonfinite_steps"] = monitor.nonfinite_steps
       if peak:
         out["mfu"] = tps * flops_per_tok / (peak * n_dev)
       writer.write(step_no, out)
@@ -260,13 +403,25 @@ def _train_and_evaluate(config, workdir, eval_callbacks) -> dict[str, Any]:
       if bar is not None:
         bar.set_postfix(loss=f"{loss:.4f}", acc=f"{out['accuracy']:.3f}",
                         tok_s=f"{tps:,.0f}")
+    if halt is not None:   # after logging the row of the step that stops the run
+      diverged = True
+      raise NonFiniteTrainingError(halt_message(step_no, loss, halt))
+
+  def save(step_no):
+    ckpt.save(step_no, state, data_it, dict(base_meta, monitor=monitor.state()), force=True)
 
   guard = PreemptionGuard().__enter__()
   preempted = None
+  error: BaseException | None = None
+  state_valid = True   # False while `state` may be donated to a step that has not returned
+  data_pos = None      # iterator position before this step's micro-batches, until dispatched
   try:
     for step_no in range(start + 1, config.train.steps + 1):
+      data_pos = data_it.get_state()
       batch = _next_batch(data_it, accum, setup.batch_sharding, global_shape)
+      state_valid = False
       state, metrics = compiled(state, batch)
+      state_valid, data_pos = True, None
       if pending is not None:
         flush(pending)
       pending = (step_no, metrics)
@@ -275,7 +430,7 @@ def _train_and_evaluate(config, workdir, eval_callbacks) -> dict[str, Any]:
       if step_no % config.checkpoint.every_steps == 0:
         flush(pending)
         pending = None
-        ckpt.save(step_no, state, data_it, meta, force=True)
+        save(step_no)
         last_saved = step_no
       if config.eval.every_steps and step_no % config.eval.every_steps == 0:
         ev = evaluator(state, step_no)
@@ -290,20 +445,14 @@ def _train_and_evaluate(config, workdir, eval_callbacks) -> dict[str, Any]:
     if pending is not None:
       flush(pending)
       pending = None
+  except BaseException as e:
+    error = e
+    raise
   finally:
-    if pending is not None and not diverged:
-      try:  # log the last dispatched step even when interrupted
-        flush(pending)
-      except FloatingPointError:
-        pass
     guard.__exit__(None, None, None)
-    done = int(state["step"])
-    if done > last_saved and not diverged:  # interrupted or finished: never lose work
-      try:
-        ckpt.save(done, state, data_it, meta, force=True)
-      except NonFiniteStateError as e:  # halt_on_nan=False runs: never save NaNs
-        logging.error("%s", e)
-    ckpt.close()
+    _on_exit(error=error, flush=flush, pending=pending, state_valid=state_valid,
+             data_it=data_it, data_pos=data_pos, diverged=lambda: diverged,
+             done=lambda: int(state["step"]), last_saved=last_saved, save=save, ckpt=ckpt)
     writer.flush()
     if bar is not None:
       bar.close()
@@ -320,3 +469,43 @@ def _train_and_evaluate(config, workdir, eval_callbacks) -> dict[str, Any]:
   last["workdir"] = workdir
   last["checkpoint_dir"] = ckpt.directory
   return last
+
+
+def _on_exit(*, error, flush, pending, state_valid, data_it, data_pos, diverged, done,
+             last_saved, save, ckpt) -> None:
+  """The final save of `_train_and_evaluate` (normal end, preemption or an exception).
+
+  Saves the last step when it is newer than the last checkpoint, the state is not possibly
+  donated, and the run did not stop for non-finite values. With an exception in flight
+  (`error`), anything failing here is logged and the original exception is what propagates.
+  """
+  def attempt(what, fn):
+    try:
+      fn()
+    except Exception as e:
+      if error is None:
+        raise
+      logging.error("while stopping after %s: %s failed: %s: %s", type(error).__name__, what,
+                    type(e).__name__, e)
+
+  if pending is not None and state_valid and not diverged():
+    def log_last():  # the last dispatched step, even when interrupted
+      try:
+        flush(pending)
+      except NonFiniteTrainingError as e:
+        logging.error("%s", e)
+    attempt("logging the last step", log_last)
+  if data_pos is not None:  # stopped before this step was dispatched: its micro-batches go back
+    attempt("rewinding the data iterator", lambda: data_it.set_state(data_pos))
+  if not state_valid:
+    logging.error("not saving: the train step raised (%s) and its input state was donated to "
+                  "it; the resume point is the latest checkpoint in %s (step %s)",
+                  type(error).__name__ if error is not None else "?", ckpt.directory,
+                  ckpt.latest_step())
+  elif not diverged():
+    def final_save():
+      step = done()
+      if step > last_saved:  # interrupted or finished: never lose work
+        save(step)
+    attempt("the final checkpoint", final_save)
+  attempt("closing the checkpointer", ckpt.close)
