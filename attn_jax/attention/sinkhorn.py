@@ -112,7 +112,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from attn_jax.attention.core import NEG_INF, attend
+from attn_jax.attention.core import NEG_INF, attend, causal_positions
 from attn_jax.attention.mha import QKVProjection
 from attn_jax.config import ModelConfig
 from attn_jax.layers import Linear, apply_rope, dtype_of, rope_angles
@@ -485,7 +485,9 @@ class SinkhornAttention(nnx.Module):
     return jnp.sum(jnp.where(rows, top, 0.0)) / jnp.maximum(jnp.sum(rows), 1)
 
   # ---------------------------------------------------------------- interface
-  def __call__(self, x_BTD, *, positions_BT, state=None, rng=None, train=False):
+  def __call__(self, x_BTD, *, positions_BT=None, state=None, rng=None, train=False):
+    if positions_BT is None:   # a plain 0..T-1 full forward
+      positions_BT = causal_positions(*x_BTD.shape[:2])
     if state is not None:
       return self._step(x_BTD, positions_BT, state, rng, train)
     y, aux = self.core(x_BTD, positions_BT, rng, train)
@@ -559,3 +561,7 @@ class SinkhornAttention(nnx.Module):
   @classmethod
   def max_chunk(cls, cfg, opts, capacity: int) -> int | None:
     return opts.block_size
+
+  @classmethod
+  def stream_limit(cls, cfg, opts, capacity: int) -> int:
+    return capacity   # the buffer keeps every block seen so far
