@@ -67,6 +67,9 @@ def get_config() -> ml_collections.ConfigDict:
   t.log_every = 10
   t.progress_bar = True
   t.peak_flops = 0.0             # per device, FLOP/s; 0 = look up from the device kind
+  t.auto_microbatch = False      # step does not fit the device: pick the largest micro-batch
+                                 # that does (same tokens per step via grad_accum); else stop
+  t.device_memory_gb = 0.0       # > 0: size the run for this much memory per device
   t.nonfinite = "skip"           # a step with a NaN/Inf loss, gradient or update is never
                                  # applied; "skip": count it and go on, "halt": stop and name
                                  # the last finite step and the latest checkpoint

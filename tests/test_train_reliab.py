@@ -276,3 +276,27 @@ def test_killed_run_resumes_to_the_same_final_loss(tmp_path, reference_run, sig)
   assert [s for s, _ in resumed] == list(range(1, STEPS + 1)), where
   assert resumed[-1] == full[-1], where
   assert resumed == full, where
+
+
+@pytest.mark.slow
+def test_a_step_that_does_not_fit_stops_with_the_knobs_or_shrinks_the_micro_batch(tmp_path):
+  """Before the first step: too little memory -> one paragraph naming needed vs available
+  memory and what to change; with train.auto_microbatch the micro-batch shrinks (same tokens
+  per optimizer step through grad_accum) and training runs."""
+  from configs import quickstart
+  from attn_jax.train import trainer as trainer_lib
+  from attn_jax.train.metrics import read_metrics
+  c = quickstart.get_config()
+  c.train.update(steps=2, log_every=1, progress_bar=False)
+  c.eval.every_steps = 0
+  c.data.global_batch_size = 64
+  need = trainer_lib._step_memory(trainer_lib.build_setup(c), 64, 1, 64)
+  from attn_jax.train.memory import needed_bytes
+  c.train.device_memory_gb = 0.6 * needed_bytes(need) / 2**30   # 64 rows do not fit, 16 do
+  with pytest.raises(MemoryError, match=r"needs .* available: .*data\.global_batch_size=64.*"
+                     r"train\.grad_accum.*model\.remat"):
+    trainer_lib.train_and_evaluate(c, str(tmp_path / "stop"))
+  c.train.auto_microbatch = True
+  trainer_lib.train_and_evaluate(c, str(tmp_path / "auto"))
+  rows = [r for r in read_metrics(str(tmp_path / "auto")) if "loss" in r]
+  assert rows and all(r["weighted_tokens"] == 64 * 8 for r in rows), rows

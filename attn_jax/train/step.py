@@ -28,23 +28,16 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-
-def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array, weights_BT: jax.Array):
-  """Sum of weighted token NLL (fp32), sum of weights, number of weighted argmax hits."""
-  logits = logits_BTV.astype(jnp.float32)
-  logz = jax.nn.logsumexp(logits, axis=-1)
-  tgt = jnp.take_along_axis(logits, targets_BT[..., None], axis=-1)[..., 0]
-  nll = logz - tgt
-  w = weights_BT.astype(jnp.float32)
-  hits = (jnp.argmax(logits, axis=-1) == targets_BT).astype(jnp.float32)
-  return jnp.sum(nll * w), jnp.sum(w), jnp.sum(hits * w)
+from attn_jax.train.loss import cross_entropy_from_hidden
 
 
 def make_loss_fn(graphdef: nnx.GraphDef) -> Callable:
   def loss_fn(params, rest, batch, total_weight, rng=None):
     model = nnx.merge(graphdef, params, rest)
-    logits, aux = model.logits_and_aux(batch["inputs"], rng=rng, train=True)
-    nll, w, hits = cross_entropy(logits, batch["targets"], batch["weights"])
+    # Blockwise over sequence chunks (train/loss.py): no [B, T, V] fp32 logits ever exist.
+    h, aux = model.hidden_and_aux(batch["inputs"], rng=rng, train=True)
+    nll, w, hits = cross_entropy_from_hidden(h, model.unembed_matrix(), batch["targets"],
+                                             batch["weights"])
     return nll / total_weight, (nll, w, hits, aux)
   return loss_fn
 
@@ -127,5 +120,6 @@ def make_eval_step(graphdef: nnx.GraphDef) -> Callable:
   """eval(params, rest, batch [B, L]) -> (sum nll, sum weights, sum hits)."""
   def eval_step(params, rest, batch):
     model = nnx.merge(graphdef, params, rest)
-    return cross_entropy(model(batch["inputs"]), batch["targets"], batch["weights"])
+    return cross_entropy_from_hidden(model.hidden(batch["inputs"]), model.unembed_matrix(),
+                                     batch["targets"], batch["weights"])
   return eval_step

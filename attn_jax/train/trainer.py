@@ -287,6 +287,54 @@ class LossMonitor:
     self.last_finite_step = state.get("last_finite_step")
 
 
+def _step_memory(setup: Setup, micro_batch: int, accum: int, seq_len: int):
+  """Compiled memory analysis of the train step for `accum` micro-batches of `micro_batch`
+  rows (abstract shapes: nothing runs, nothing is allocated)."""
+  abs_batch = {k: jax.ShapeDtypeStruct((accum, micro_batch, seq_len),
+                                       jnp.float32 if k == "weights" else jnp.int32,
+                                       sharding=setup.batch_sharding)
+               for k in ("inputs", "targets", "weights")}
+  with shd.use_rules(setup.mesh, setup.rules):
+    return setup.step_fn.lower(setup.abstract_state, abs_batch).compile().memory_analysis()
+
+
+def _fit_memory(setup: Setup, config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """Compare the compiled step's memory with the device's before the first step.
+
+  Does not fit: with `train.auto_microbatch`, pick the largest micro-batch that fits (same
+  tokens per optimizer step through `train.grad_accum`) and log it; else stop with a
+  MemoryError whose one paragraph names the needed and available memory and the knobs.
+  `train.device_memory_gb` (> 0) overrides the detected memory (e.g. to size a run for
+  another device)."""
+  from attn_jax.train import memory
+  t, d = config.train, config.data
+  avail = int(t.get("device_memory_gb", 0.0) * 2**30) or None
+  mem = _step_memory(setup, d.global_batch_size, t.grad_accum, d.seq_len)
+  if mem is None:   # the backend reports no analysis
+    return config
+  fit = memory.check_fit(mem, available=avail, micro_batch=d.global_batch_size,
+                         grad_accum=t.grad_accum, remat=setup.cfg.remat)
+  logging.info("%s", fit.message)
+  if fit.fits:
+    return config
+  if not t.get("auto_microbatch", False):
+    raise MemoryError(fit.message)
+  total = d.global_batch_size * t.grad_accum
+  micro, accum = memory.pick_micro_batch(
+      lambda m: _step_memory(setup, m, total // m, d.seq_len), total, available=avail,
+      multiple_of=int(np.prod([setup.mesh.shape[a] for a in _batch_axes(setup.rules)])))
+  logging.warning("train.auto_microbatch: micro-batch %d x grad_accum %d (was %d x %d) fits",
+                  micro, accum, d.global_batch_size, t.grad_accum)
+  config = ml_collections.ConfigDict(config.to_dict())
+  config.data.global_batch_size, config.train.grad_accum = micro, accum
+  return config
+
+
+def _batch_axes(rules) -> tuple[str, ...]:
+  axes = rules.get("batch")
+  return () if axes is None else ((axes,) if isinstance(axes, str) else tuple(axes))
+
+
 def _train_and_evaluate(config, workdir, eval_callbacks) -> dict[str, Any]:
   from attn_jax.data import pipeline
 
@@ -298,6 +346,7 @@ def _train_and_evaluate(config, workdir, eval_callbacks) -> dict[str, Any]:
     raise ValueError(f"config.model.vocab_size={cfg.vocab_size} is smaller than the data's "
                      f"vocabulary ({need}, from config.data.tokenizer/source)")
   _check_batch(config, setup.mesh, setup.rules)
+  config = _fit_memory(setup, config)   # before any data is read: may change the micro-batch
   logging.info("devices: %s; mesh %s", jax.devices(), dict(setup.mesh.shape))
   n = setup.n_params
   logging.info("parameters: total %s, non-embedding %s, mixer %s, mlp %s", f"{n['total']:,}",
