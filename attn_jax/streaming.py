@@ -205,8 +205,8 @@ def _recompute_losses(model, tokens: np.ndarray, window: int, batch: int, progre
   N = len(tokens)
   fwd = nnx.jit(lambda m, x: m(x))
   w = min(window, N - 1)
-  first = np.asarray(fwd(model, jnp.asarray(tokens[None, :w])))[0]
-  out = [np.asarray(_token_losses(first, tokens[None, 1:w + 1]))[0]]
+  first = fwd(model, jnp.asarray(tokens[None, :w]))
+  out = [np.asarray(_token_losses(first, jnp.asarray(tokens[None, 1:w + 1])))[0]]
   progress.update(w)
   starts = np.arange(1, N - w)               # window [s, s + w) predicts tokens[s + w]
   last = nnx.jit(lambda m, x: m(x)[:, -1])
