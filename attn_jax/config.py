@@ -54,6 +54,7 @@ class ModelConfig:
   remat: str = "none"
   scan_layers: bool = True
   attention_impl: str = "auto"
+  sink_tokens: int = 0           # learnable sink tokens prepended to every sequence (model.py)
   options: tuple[tuple[str, Any], ...] = ()   # (mixer name, its Options instance)
 
   @property
@@ -152,6 +153,9 @@ def validate_model(cfg: ModelConfig) -> None:
     need(getattr(cfg, f) in ("float32", "bfloat16", "float16"), f,
          f"{getattr(cfg, f)!r} not in (float32, bfloat16, float16)")
   need(cfg.d_ff >= 0, "d_ff", f"must be >= 0 (0 = no MLP), got {cfg.d_ff}")
+  need(isinstance(cfg.sink_tokens, int) and not isinstance(cfg.sink_tokens, bool)
+       and cfg.sink_tokens >= 0, "sink_tokens",
+       f"must be an integer >= 0 (0 = none), got {cfg.sink_tokens!r}")
   need(not (cfg.pattern and cfg.mixer != "attention"), "pattern",
        f"set either model.mixer ({cfg.mixer!r}) or model.pattern ({cfg.pattern!r}), not both")
   period = cfg.period   # parses every spec

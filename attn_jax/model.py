@@ -14,6 +14,16 @@ entry stacked over the R repeats; monitors (aux) likewise. Entry points return o
 `__call__` -> logits, `hidden` -> final-norm hidden states, `logits_and_aux`, `step` (decoding
 with a state) -> (logits, state).
 
+Sink tokens (`cfg.sink_tokens` = K > 0; SPEC.md section 3, "a learnable sink token in
+pre-training"): K learned embedding rows are prepended to every sequence before the layers and
+their outputs dropped after the final norm, so every entry point returns one output per real
+token. They take stream positions 0..K-1 and real tokens shift to K, K+1, ... (RoPE is relative,
+so the shift only matters for caches that keep the first tokens: a StreamingLLM cache keeps the
+sink token with `cache_sinks >= K`). When decoding, a call whose row contains stream position 0
+(the start of that row's stream) carries the K sink tokens; in any later call they are padding
+(position -1), so the state holds them exactly once. Decoding states get K extra slots of
+capacity, and the longest stateful chunk shrinks by K.
+
 RNG: each layer gets `fold_in(fold_in(rng, repeat), index in period)`, so the noise of a layer
 depends only on the caller's key (the train step derives it from the step: the same step gets
 the same noise after a resume).
@@ -101,6 +111,10 @@ class Decoder(nnx.Module):
       return Period(cfg, rngs=rngs)
 
     self.blocks = make_periods(rngs)
+    if cfg.sink_tokens:
+      self.sink_embed = param(rngs, nnx.initializers.normal(cfg.init_std),
+                              (cfg.sink_tokens, cfg.d_model), (None, "embed"), pdt,
+                              weight_decay=False)
     self.final_norm = RMSNorm(cfg.d_model, rngs=rngs, eps=cfg.norm_eps, dtype=dt, param_dtype=pdt)
     if not cfg.tie_embeddings:
       self.head = param(rngs, nnx.initializers.normal(cfg.init_std),
@@ -137,9 +151,24 @@ class Decoder(nnx.Module):
   def _forward(self, tokens_BT, positions_BT, states, rng, train):
     """-> (final-norm hidden [B, T, D], new states, aux)."""
     x = jnp.take(self.embed[...], tokens_BT, axis=0).astype(dtype_of(self.cfg.dtype))
+    n = self.cfg.sink_tokens
+    if n:
+      x, positions_BT = self._prepend_sinks(x, positions_BT)
     x = constrain(x, RESIDUAL_AXES)
     x, (new_states, aux) = self._layers(x, positions_BT, states, rng, train)
-    return self.final_norm(x), new_states, aux
+    return self.final_norm(x[:, n:]), new_states, aux
+
+  def _prepend_sinks(self, x_BTD, positions_BT):
+    """[sink rows ; x] and their positions (see the module docstring)."""
+    n, B = self.cfg.sink_tokens, x_BTD.shape[0]
+    sinks = jnp.broadcast_to(self.sink_embed[...].astype(x_BTD.dtype), (B, n, x_BTD.shape[-1]))
+    x_BTD = jnp.concatenate([sinks, x_BTD], axis=1)
+    if positions_BT is None:   # plain 0..T-1: stays plain (0..n+T-1)
+      return x_BTD, None
+    starts_B = jnp.any(positions_BT == 0, axis=1)
+    sink_pos = jnp.where(starts_B[:, None], jnp.arange(n, dtype=jnp.int32)[None, :], -1)
+    real_pos = jnp.where(positions_BT >= 0, positions_BT + n, -1).astype(jnp.int32)
+    return x_BTD, jnp.concatenate([sink_pos, real_pos], axis=1)
 
   # ------------------------------------------------------------------ entry points
   def __call__(self, tokens_BT: jax.Array, *, positions_BT=None, rng=None,
@@ -199,6 +228,7 @@ def padded_vocab(cfg: ModelConfig) -> int:
 
 
 def init_state(cfg: ModelConfig, batch: int, capacity: int) -> tuple:
+  capacity = capacity + cfg.sink_tokens   # the sink tokens occupy the first slots
   out = []
   for spec in cfg.period:
     cls = get_mixer(spec.mixer)
@@ -217,6 +247,11 @@ def mixer_limits(cfg: ModelConfig, capacity: int) -> tuple[int | None, int | Non
     s = getattr(cls, "stream_limit", lambda *a: None)(cfg, opts, capacity)
     chunk = c if chunk is None else (chunk if c is None else min(chunk, c))
     stream = s if stream is None else (stream if s is None else min(stream, s))
+  if chunk is not None and cfg.sink_tokens:   # a call may carry the sink tokens too
+    if chunk <= cfg.sink_tokens:
+      raise ValueError(f"config.model.sink_tokens={cfg.sink_tokens} leaves no room in a "
+                       f"decoding chunk of {chunk} tokens (raise the cache window)")
+    chunk -= cfg.sink_tokens
   return chunk, stream
 
 

@@ -32,6 +32,7 @@ def get_config() -> ml_collections.ConfigDict:
   m.remat = "none"               # none | full | dots (save matmul outputs)
   m.scan_layers = True
   m.attention_impl = "auto"      # auto | xla | cudnn | einsum (see attention/core.py)
+  m.sink_tokens = 0              # learnable sink tokens prepended to every sequence (model.py)
   m.pattern = ()                 # repeating period of layer specs, "mixer" or "mixer:nomlp",
                                  # e.g. ("attention", "mamba2:nomlp"); () = (mixer,)
   # Mixer options live in sub-dicts named after the mixer, built from each mixer's own

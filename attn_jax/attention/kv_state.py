@@ -4,10 +4,12 @@
              "ptr": [B] int32 (tokens written so far, per row), ...extra per-slot arrays}
 
 Slots are not positions: each slot records the position of the token it holds, so masks come
-from positions (`core.positional_mask`) and the caller never computes a slot. Two policies:
+from positions (`core.positional_mask`) and the caller never computes a slot. Policies:
 
 - linear: token n of a row goes to slot n (a dense cache; capacity = the longest stream);
-- ring:   slot n mod S (a sliding window of the last S tokens; constant memory for any stream).
+- ring:   slot n mod S (a sliding window of the last S tokens; constant memory for any stream);
+- sinks + ring (`sinks=n`, StreamingLLM): tokens 0..n-1 stay in slots 0..n-1 forever, token
+  n' >= n goes to slot n + (n' - n) mod (S - n): the first n tokens plus the last S - n.
 
 New tokens attend to the buffer *and* to themselves (`with_new`: keys [old S ; new T]) before
 they are written, so a ring buffer can take a chunk of up to S tokens at once without the
@@ -41,18 +43,24 @@ def with_new(state: dict, new_BT: dict, positions_BT: jax.Array) -> dict:
   return out
 
 
-def write(state: dict, new_BT: dict, positions_BT: jax.Array, *, ring: bool) -> dict:
-  """Write the valid new tokens (position >= 0, a prefix of each row) after each row's pointer.
+def write(state: dict, new_BT: dict, positions_BT: jax.Array, *, ring: bool,
+          sinks: int = 0) -> dict:
+  """Write the valid new tokens (position >= 0) after each row's pointer, in order: the i-th
+  valid token of a row is token n = ptr + i of its stream (padding may sit anywhere).
 
-  ring=False: slot = ptr + t (writes past the capacity are dropped: the caller sizes the buffer);
-  ring=True: slot = (ptr + t) mod S (needs T <= S, so no two new tokens share a slot).
+  ring=False: slot = n (writes past the capacity are dropped: the caller sizes the buffer);
+  ring=True: slot = n mod S (needs T <= S, so no two new tokens share a slot); with `sinks`,
+  slot = n for n < sinks, else sinks + (n - sinks) mod (S - sinks) (needs T <= S - sinks).
   """
   B, T = positions_BT.shape
   S = state["pos"].shape[1]
   valid_BT = positions_BT >= 0
-  slot_BT = state["ptr"][:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+  slot_BT = state["ptr"][:, None] + jnp.cumsum(valid_BT, axis=1, dtype=jnp.int32) - 1
   if ring:
-    slot_BT = slot_BT % S
+    if not 0 <= sinks < S:
+      raise ValueError(f"sinks={sinks} must leave ring slots in a buffer of {S}")
+    ring_slot = sinks + (slot_BT - sinks) % (S - sinks)
+    slot_BT = jnp.where(slot_BT < sinks, slot_BT, ring_slot)
   slot_BT = jnp.where(valid_BT, slot_BT, S)          # out of range: dropped
   rows_BT = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
   out = dict(state)

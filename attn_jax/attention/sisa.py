@@ -87,6 +87,19 @@ prefix tree) — a sequential scan would be T dependent steps there. log a and t
 in one scan. C, B, theta and the decay pre-activation come from one matmul (their kernels,
 separate parameters with their own logical axes, concatenated at call time).
 
+Attention sinks and streaming (SPEC.md section 3; the options shared with `attention`, see
+`mha.SinkOptions`): `sink_logit` ("learned" / "softmax1") adds the extra softmax column on every
+path (the column is part of the one softmax over the widened scores). `cache="window"` /
+`"streaming"` keeps the last `cache_window` tokens (plus the first `cache_sinks`) in a ring:
+SISA's decay and phase are cumulative sums of the content, not positions, so a cached key keeps
+its g_j and its rotated R(Phi_j) B_j; only the RoPE positions of the q.k part are re-assigned
+inside the cache, exactly as for attention (`mha.ring_attend`; the sinks' full widened score,
+q.k and SISA term, enters as the bias). A query therefore still sees the true decay
+e^{g_i - g_j} to a sink, accumulated over every token in between (evicted ones included). In the
+ring the stored g_j are kept relative to the last token (g_j - g_last >= 0, shifted after every
+call), and the running phase is wrapped mod 2 pi (a rotation is periodic), so neither grows with
+the stream.
+
 Measured costs (SISA vs the Transformer, path choice) are in the README, produced by
 `experiments/bench.py`.
 """
@@ -103,7 +116,9 @@ from flax import nnx
 
 from attn_jax.attention import kv_state
 from attn_jax.attention.core import attend, causal_positions, choose_impl
-from attn_jax.attention.mha import QKVProjection, attention_flops_per_token, causal_keys
+from attn_jax.attention.mha import (QKVProjection, SinkOptions, attention_flops_per_token,
+                                    causal_keys, init_ring, make_sink_logit, ring_attend,
+                                    ring_frame, ring_keys, rope, sink_logit_of)
 from attn_jax.config import ModelConfig
 from attn_jax.layers import Linear, dtype_of, param
 from attn_jax.registry import register_mixer
@@ -178,7 +193,7 @@ def _local_bias(rc_BTHS, rb_BSHS, g_q_BTH, g_k_BSH, lam_H, causal_TS):
 # ---------------------------------------------------------------- explicit reference
 
 def sisa_attention_reference(q_BTHD, k_BTHD, v_BTHD, c_BTHS, b_BTHS, g_BTH, phi_BTHP, lam_H, *,
-                             query_idx=None):
+                             query_idx=None, sink_logit_H=None):
   """Explicit O(T^2) SISA attention in fp32 (the ground truth of the tests).
 
   q and k are after RoPE; C and B are *not* rotated; g and Phi are the cumulative sums (Phi
@@ -186,6 +201,7 @@ def sisa_attention_reference(q_BTHD, k_BTHD, v_BTHD, c_BTHS, b_BTHS, g_BTH, phi_
       score_ij = q_i.k_j / sqrt(d_h) + lambda e^{g_i - g_j} C_i^T R(Phi_j - Phi_i) B_j
   with e^{g_i - g_j} from the difference g_i - g_j and the rotation by the pairwise phase
   difference. `query_idx` (int array) restricts the query rows (long sequences).
+  `sink_logit_H`: an explicit extra softmax column (logit sink_h, zero value), then dropped.
   Returns (out [B, Tq, H, Dv], scores [B, H, Tq, T] with -inf above the diagonal).
   """
   f32 = lambda a: a.astype(jnp.promote_types(a.dtype, jnp.float32))
@@ -210,7 +226,11 @@ def sisa_attention_reference(q_BTHD, k_BTHD, v_BTHD, c_BTHS, b_BTHS, g_BTH, phi_
     match = jnp.sum(jnp.cos(dphi) * same + jnp.sin(dphi) * cross, axis=-1)
   scores = qk + f32(lam_H)[None, :, None, None] * dec * match
   scores = jnp.where(causal, scores, -jnp.inf)
-  p = jax.nn.softmax(scores, axis=-1)
+  if sink_logit_H is None:
+    p = jax.nn.softmax(scores, axis=-1)
+  else:
+    col = jnp.broadcast_to(f32(sink_logit_H)[None, :, None, None], scores.shape[:3] + (1,))
+    p = jax.nn.softmax(jnp.concatenate([scores, col], axis=-1), axis=-1)[..., :-1]
   return jnp.einsum("bhij,bjhd->bihd", p, v), scores
 
 
@@ -221,7 +241,7 @@ def _number(v) -> bool:
 
 
 @dataclasses.dataclass(frozen=True)
-class SISAOptions:
+class SISAOptions(SinkOptions):
   d_state: int = 32               # d_s: B/C channels per head (even: pairs are rotated)
   decay_bias_init: float = -5.0   # b of log a = -softplus(w.x + b): half-life ~100 tokens
   lambda_init: float = -1.0       # lambda = softplus(lambda_raw) ~ 0.313
@@ -262,6 +282,7 @@ class SISAOptions:
          f"must be >= 0, got {self.phase_init_std!r}")
     need(_number(self.lambda_lr_mult) and self.lambda_lr_mult >= 0, "lambda_lr_mult",
          f"must be a finite number >= 0, got {self.lambda_lr_mult!r}")
+    self.validate_sinks(where)
 
 
 @register_mixer("sisa")
@@ -289,10 +310,12 @@ class SISA(nnx.Module):
     # lambda: its own (10x lower) learning rate and no weight decay, as the paper trains it.
     self.lambda_raw = param(rngs, nnx.initializers.constant(float(opts.lambda_init)), (H,),
                             ("heads",), pdt, lr_mult=opts.lambda_lr_mult, weight_decay=False)
+    self.sink_logit = make_sink_logit(cfg, opts, rngs)
 
   # -------------------------------------------------------------- per-token features
-  def features(self, x_BTD, positions_BT):
-    """q, k (after RoPE), v, C, B, log a, theta (None without phase), lambda.
+  def features(self, x_BTD, positions_BT, rotate: bool = True):
+    """q, k (after RoPE; before it with rotate=False), v, C, B, log a, theta (None without
+    phase), lambda.
 
     Padding tokens (position -1) get log a = 0 and theta = 0: they leave g and Phi unchanged.
     """
@@ -300,7 +323,10 @@ class SISA(nnx.Module):
     p, f = self.proj, stat_dtype(cfg)
     B, T, _ = x_BTD.shape
     pos_BT = causal_positions(B, T) if positions_BT is None else positions_BT
-    q, k, v = p.rotated_qkv(x_BTD, pos_BT, cfg.rope_theta)
+    if rotate:
+      q, k, v = p.rotated_qkv(x_BTD, pos_BT, cfg.rope_theta)
+    else:
+      q, k, v = p.q(x_BTD), p.k(x_BTD), p.v(x_BTD)
     # C, B, theta and the decay pre-activation in one matmul (their kernels side by side).
     H, D = cfg.n_heads, cfg.d_model
     parts = [self.c_proj, self.b_proj] + [self.phase_proj] * bool(o.use_phase) \
@@ -329,7 +355,9 @@ class SISA(nnx.Module):
   def __call__(self, x_BTD, *, positions_BT=None, state=None, rng=None, train=False):
     del rng, train
     cfg = self.cfg
-    q, k, v, c, b, loga, theta, lam = self.features(x_BTD, positions_BT)
+    ring = state is not None and self.opts.cache != "dense"
+    q, k, v, c, b, loga, theta, lam = self.features(x_BTD, positions_BT, rotate=not ring)
+    sink = sink_logit_of(self.opts, self.sink_logit, cfg.n_heads)
     g, phi = decay_and_phase(loga, theta)      # with a state: sums over the new tokens only
     ell = g
     if state is not None:
@@ -340,11 +368,12 @@ class SISA(nnx.Module):
     qscale = lam * math.sqrt(cfg.head_dim)                      # s^2 = lambda sqrt(d_h)
 
     if state is None:
-      out, chunked = self._full(q, k, v, rc, rb, g, lam, qscale)
+      out, chunked = self._full(q, k, v, rc, rb, g, lam, qscale, sink)
     else:
-      out, state = self._cached(q, k, v, rc, rb, g, ell, lam, qscale, positions_BT, state)
-      if phi is not None:
-        state["phi_last"] = phi[:, -1]
+      cached = self._ring if ring else self._cached
+      out, state = cached(q, k, v, rc, rb, g, ell, lam, qscale, positions_BT, state, sink)
+      if phi is not None:   # the ring wraps the running phase (a rotation is 2 pi periodic)
+        state["phi_last"] = jnp.mod(phi[:, -1], 2 * math.pi) if ring else phi[:, -1]
       chunked = jnp.ones((), jnp.float32)
 
     mean_loga = jnp.mean(loga)
@@ -361,10 +390,10 @@ class SISA(nnx.Module):
     return self.proj.o(out), state, aux
 
   # -------------------------------------------------------------- full sequence
-  def _full(self, q, k, v, rc, rb, g, lam, qscale):
+  def _full(self, q, k, v, rc, rb, g, lam, qscale, sink):
     cfg = self.cfg
     path = self.opts.path
-    args = (q, k, v, rc, rb, g, lam, qscale)
+    args = (q, k, v, rc, rb, g, lam, qscale, sink)
     if path == "fast":
       return self._fast(*args), jnp.zeros((), jnp.float32)
     if path == "chunked":
@@ -380,7 +409,7 @@ class SISA(nnx.Module):
     out = jax.lax.cond(use_fast, fast, jax.checkpoint(lambda a: self._chunked(*a)), args)
     return out, 1.0 - use_fast.astype(jnp.float32)
 
-  def _fast(self, q, k, v, rc, rb, g, lam, qscale):
+  def _fast(self, q, k, v, rc, rb, g, lam, qscale, sink=None):
     """One attend call; reference r = 0 (valid while -g <= fast_max_range)."""
     cfg, dt = self.cfg, q.dtype
     limit = self.fast_range_limit(cfg, self.opts)
@@ -390,9 +419,10 @@ class SISA(nnx.Module):
     kf = jnp.exp(jnp.minimum(-g, limit))                     # [B, T, H] in [1, e^limit]
     qh = jnp.concatenate([q, (qf[..., None] * rc).astype(dt)], axis=-1)
     kh = jnp.concatenate([k, (kf[..., None] * rb).astype(dt)], axis=-1)
-    return attend(qh, kh, v, scale=cfg.head_dim ** -0.5, causal=True, impl=cfg.attention_impl)
+    return attend(qh, kh, v, scale=cfg.head_dim ** -0.5, causal=True, sink_logit_H=sink,
+                  impl=cfg.attention_impl)
 
-  def _chunked(self, q, k, v, rc, rb, g, lam, qscale):
+  def _chunked(self, q, k, v, rc, rb, g, lam, qscale, sink=None):
     """Query chunks with reference g_{a-1}; in-chunk pairs as a difference-form bias."""
     cfg, dt = self.cfg, q.dtype
     B, T, H, _ = q.shape
@@ -415,11 +445,12 @@ class SISA(nnx.Module):
       qpos = jnp.broadcast_to(jnp.arange(a, e, dtype=jnp.int32), (B, e - a))
       kpos = jnp.broadcast_to(jnp.arange(e, dtype=jnp.int32), (B, e))
       outs.append(attend(qh, kh, v[:, :e], scale=cfg.head_dim ** -0.5, causal=True,
-                         q_positions=qpos, kv_positions=kpos, bias=bias, impl=impl))
+                         q_positions=qpos, kv_positions=kpos, bias=bias, sink_logit_H=sink,
+                         impl=impl))
     return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
 
   # -------------------------------------------------------------- decoding
-  def _cached(self, q, k, v, rc, rb, g, ell, lam, qscale, positions_BT, state):
+  def _cached(self, q, k, v, rc, rb, g, ell, lam, qscale, positions_BT, state, sink):
     """T new tokens after the buffered ones: one chunk with reference r = g of the last
     buffered token. Keys are [buffer S ; new T] (`kv_state.with_new`).
 
@@ -445,9 +476,38 @@ class SISA(nnx.Module):
     bias = jnp.pad(loc, ((0, 0), (0, 0), (0, 0), (S, 0)))
     bias = bias.astype(dt if impl == "cudnn" else g.dtype)
     out = attend(qh, keys["k"], keys["v"].astype(dt), scale=cfg.head_dim ** -0.5, causal=True,
-                 q_positions=positions_BT, kv_positions=keys["pos"], bias=bias, impl=impl)
+                 q_positions=positions_BT, kv_positions=keys["pos"], bias=bias,
+                 sink_logit_H=sink, impl=impl)
     new = kv_state.write(state, {"k": k, "v": v, "rb": rb, "g": g}, positions_BT, ring=False)
     new["g_last"] = g[:, -1]     # padding (log a = 0) keeps the last valid token's g
+    return out, new
+
+  def _ring(self, q, k, v, rc, rb, g, ell, lam, qscale, positions_BT, state, sink):
+    """window / streaming cache (module docstring): q, k arrive before RoPE; buffered g_j are
+    relative to the last buffered token (g_last stays 0), so g == ell here."""
+    del g
+    cfg, opts, th, dt = self.cfg, self.opts, self.cfg.rope_theta, q.dtype
+    n, W = opts.ring_sinks, opts.cache_window
+    T = q.shape[1]
+    base, m, first = ring_frame(positions_BT, n, W)
+    rel = positions_BT - base[:, None]
+    past = (state["pos"] >= 0)[..., None]
+    kf = jnp.exp(jnp.where(past, -state["g"], -jnp.inf))              # e^{g_last - g_j} <= 1
+    k_buf = jnp.concatenate([ring_keys(state["k"], state["pos"], base, n, th).astype(dt),
+                             (kf[..., None] * state["rb"].astype(ell.dtype)).astype(dt)], -1)
+    k_new = jnp.concatenate([rope(k, rel, th), jnp.zeros(rb.shape, dt)], axis=-1)
+    q_ssm = ((jnp.exp(ell) * qscale)[..., None] * rc).astype(dt)
+    qh = jnp.concatenate([rope(q, rel, th), q_ssm], axis=-1)
+    qh_sink = jnp.concatenate([rope(q, m, th), q_ssm], axis=-1)
+    causal = jnp.arange(T)[:, None] >= jnp.arange(T)[None, :]
+    loc = _local_bias(rc, rb, ell, ell, lam, causal)                    # in-chunk pairs
+    out = ring_attend(qh, qh_sink, k_buf, state["v"], k_new, v, state["pos"], positions_BT,
+                      first, n_sink=n, window=W, scale=cfg.head_dim ** -0.5,
+                      impl=cfg.attention_impl, sink_logit_H=sink, bias_new_BHTT=loc)
+    last = ell[:, -1]                                                   # [B, H]
+    shifted = dict(state, g=state["g"] - last[:, None].astype(state["g"].dtype))
+    new = kv_state.write(shifted, {"k": k, "v": v, "rb": rb, "g": ell - last[:, None]},
+                         positions_BT, ring=True, sinks=n)
     return out, new
 
   # -------------------------------------------------------------- class-level hooks
@@ -469,16 +529,24 @@ class SISA(nnx.Module):
   def init_state(cls, cfg: ModelConfig, opts: SISAOptions, batch: int, capacity: int,
                  dtype) -> dict:
     H, ds, f = cfg.n_heads, int(opts.d_state), stat_dtype(cfg)
-    state = kv_state.init_kv_state(batch, capacity, cfg.kv_heads, cfg.head_dim, cfg.head_dim,
-                                   dtype, rb=((H, ds), dtype),   # R(Phi_j) B_j per slot
-                                   g=((H,), f))                  # g_j per slot
+    extra = dict(rb=((H, ds), dtype),   # R(Phi_j) B_j per slot
+                 g=((H,), f))           # g_j per slot (the ring: g_j - g_last)
+    if opts.cache != "dense":
+      state = init_ring(cfg, opts, batch, dtype, **extra)
+    else:
+      state = kv_state.init_kv_state(batch, capacity, cfg.kv_heads, cfg.head_dim, cfg.head_dim,
+                                     dtype, **extra)
     state["g_last"] = jnp.zeros((batch, H), f)                   # running g (empty prefix: 0)
     state["phi_last"] = jnp.zeros((batch, H, ds // 2), f)        # running Phi
     return state
 
   @classmethod
-  def stream_limit(cls, cfg: ModelConfig, opts, capacity: int) -> int:
-    return capacity
+  def stream_limit(cls, cfg: ModelConfig, opts, capacity: int) -> int | None:
+    return capacity if opts.cache == "dense" else None
+
+  @classmethod
+  def max_chunk(cls, cfg: ModelConfig, opts, capacity: int) -> int | None:
+    return None if opts.cache == "dense" else opts.cache_window
 
   @classmethod
   def flops_per_token(cls, cfg: ModelConfig, opts: SISAOptions, seq_len: int) -> float:

@@ -1,0 +1,125 @@
+"""Attention-mass diagnostics: how much attention each layer puts on the first tokens
+(the "attention sinks" of StreamingLLM, SPEC.md section 3).
+
+For a few sequences the attention probabilities of every softmax layer are computed
+explicitly (an fp32 reference path: the decoder's own embedding, sink-token prefix, norms and
+the mixers' own projections, scores formed as a dense [T, T] matrix — `core`-style masks, the
+sink column of `sink_logit`, SISA's full score from `sisa_attention_reference`), while the
+residual stream is advanced by the real blocks. Reported per layer (mean over heads,
+sequences and queries at positions >= `min_query`):
+  mass_first[k]  share of attention on the first k positions (k = 1, 4) — sink tokens count
+                 as positions;
+  mass_null      share on the sink-logit column ("nothing"; 0 without sink_logit);
+and a heatmap (layers x first `n_keys` key positions) written as PNG. Mixers without a softmax
+(SSMs) get no row.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from attn_jax.attention import core, sisa
+from attn_jax.attention.mha import sink_logit_of
+
+
+def _probs(mixer, h_BTD):
+  """[B, H, T, T + 1] attention probabilities (last column: the sink logit) or None."""
+  cfg, opts = mixer.cfg, mixer.opts
+  B, T, _ = h_BTD.shape
+  pos = core.causal_positions(B, T)
+  name = getattr(type(mixer), "mixer_name", "")
+  if name == "sisa":
+    q, k, v, c, b, loga, theta, lam = mixer.features(h_BTD, None)
+    g, phi = sisa.decay_and_phase(loga, theta)
+    _, s = sisa.sisa_attention_reference(q, k, v, c, b, g, phi, lam)
+  elif name in ("attention", "sliding_window"):
+    q, k, _ = mixer.proj.rotated_qkv(h_BTD, pos, cfg.rope_theta)
+    k = jnp.repeat(k, cfg.n_heads // cfg.kv_heads, axis=2)
+    s = jnp.einsum("bthd,bshd->bhts", q.astype(jnp.float32), k.astype(jnp.float32))
+    s = s * cfg.head_dim ** -0.5
+    window = getattr(opts, "window", None) if name == "sliding_window" else None
+    s = jnp.where(core.positional_mask(pos, pos, True, window), s, -jnp.inf)
+  else:
+    return None
+  sink = sink_logit_of(opts, getattr(mixer, "sink_logit", None), cfg.n_heads) \
+      if hasattr(opts, "sink_logit") else None
+  col = jnp.full(s.shape[:3] + (1,), -jnp.inf) if sink is None else jnp.broadcast_to(
+      sink[None, :, None, None], s.shape[:3] + (1,))
+  return jax.nn.softmax(jnp.concatenate([s.astype(jnp.float32), col], axis=-1), axis=-1)
+
+
+def attention_maps(model, tokens_BT) -> list:
+  """Per layer (in depth order): [B, H, T', T' + 1] probabilities or None (T' includes the
+  sink tokens)."""
+  cfg = model.cfg
+  x = jnp.take(model.embed[...], tokens_BT, axis=0).astype(jnp.float32)
+  if cfg.sink_tokens:
+    x, _ = model._prepend_sinks(x, None)
+  graphdef, stacked = nnx.split(model.blocks)
+  maps = []
+  for r in range(cfg.n_repeats):
+    period = nnx.merge(graphdef, jax.tree.map(lambda a: a[r], stacked))
+    for blk in period.layers:
+      maps.append(_probs(blk.mixer, blk.mixer_norm(x)))
+      x, _, _ = blk(x, positions_BT=None, state=None, rng=None, train=False)
+  return maps
+
+
+def mass_table(maps, *, min_query: int = 16, n_keys: int = 32) -> dict:
+  layers = []
+  heat = []
+  for i, p in enumerate(maps):
+    if p is None:
+      layers.append({"layer": i, "softmax": False})
+      continue
+    p = np.asarray(p[:, :, min_query:], np.float64)      # [B, H, Tq, T + 1]
+    T = p.shape[-1] - 1
+    per_head = p.mean(axis=(0, 2))                        # [H, T + 1]
+    layers.append({"layer": i, "softmax": True,
+                   "mass_first": {str(k): float(per_head[:, :k].sum(-1).mean()) for k in (1, 4)},
+                   "mass_first_per_head": [float(x) for x in per_head[:, :1].sum(-1)],
+                   "mass_null": float(per_head[:, T].mean())})
+    heat.append(per_head[:, :min(n_keys, T)].mean(0))
+  return {"layers": layers, "heatmap": [h.tolist() for h in heat]}
+
+
+def run(model, tokens: np.ndarray, out_dir: str, *, n_seqs: int = 4, seq_len: int = 128,
+        min_query: int = 16, n_keys: int = 32) -> dict[str, str]:
+  """Diagnostics on `n_seqs` sequences of `seq_len` tokens spread over the stream."""
+  tokens = np.asarray(tokens, np.int32)
+  L = min(seq_len, len(tokens))
+  if L <= min_query:
+    raise ValueError(f"attention mass needs sequences longer than min_query={min_query}, "
+                     f"the stream has {len(tokens)} tokens")
+  starts = np.linspace(0, len(tokens) - L, n_seqs).astype(int)
+  batch = np.stack([tokens[s:s + L] for s in starts])
+  table = mass_table(attention_maps(model, jnp.asarray(batch)), min_query=min_query,
+                     n_keys=n_keys)
+  table["meta"] = {"sequences": int(n_seqs), "seq_len": int(L), "min_query": min_query,
+                   "sink_tokens": int(model.cfg.sink_tokens)}
+  os.makedirs(out_dir, exist_ok=True)
+  paths = {"mass_json": os.path.join(out_dir, "attention_mass.json"),
+           "mass_png": os.path.join(out_dir, "attention_mass.png")}
+  with open(paths["mass_json"], "w") as f:
+    json.dump(table, f, indent=1)
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  heat = np.asarray(table["heatmap"])
+  fig, ax = plt.subplots(figsize=(8, 1 + 0.5 * max(1, len(heat))))
+  im = ax.imshow(heat, aspect="auto", cmap="viridis")
+  ax.set_xlabel("key position (sink tokens first)")
+  ax.set_ylabel("softmax layer")
+  ax.set_title(f"mean attention on the first {heat.shape[-1] if heat.size else 0} positions "
+               f"(queries >= {min_query})")
+  fig.colorbar(im, ax=ax)
+  fig.tight_layout()
+  fig.savefig(paths["mass_png"], dpi=120)
+  plt.close(fig)
+  return paths

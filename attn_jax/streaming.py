@@ -1,0 +1,330 @@
+"""Streaming inference over unbounded token streams: interchangeable KV-cache policies for
+scoring (per-position loss) and generation (SPEC.md section 3, StreamingLLM).
+
+Policies (`Policy(name, window, sinks)`):
+- "dense":     every token stays (the mixers' linear `kv_state`); memory grows with the stream;
+- "window":    the last `window` tokens (a ring; the first tokens are evicted);
+- "recompute": sliding window with re-computation: each token gets a fresh forward over the
+               last `window` tokens (positions 0..window-1 every time) — the paper's strong,
+               slow baseline;
+- "streaming": StreamingLLM, the first `sinks` tokens plus the last `window` tokens, positions
+               assigned inside the cache (see attention/mha.py).
+"window" and "streaming" are the softmax mixers' `cache` option: `with_cache(model, policy)`
+re-merges the same parameters under a config with `cache`, `cache_sinks` and `cache_window`
+replaced for every mixer that has them (attention, SISA); other mixers (SSMs, a sliding-window
+mixer) keep their own bounded states. Their states are fixed-size buffers, so the jitted step
+is compiled once, whatever the stream length.
+
+Scoring (`score_stream`): the stream is fed in chunks of `chunk` tokens (at most the cache
+window) through `model.step`; the last chunk is padded (positions -1), so one compiled shape
+serves the whole stream. losses[i] = -log p(tokens[i+1] | what the policy keeps of
+tokens[..i]) in nats. "recompute" batches its windows ([batch, window] forwards, last logit
+of each): the scores are those of one window per token; `experiments/bench_stream.py` times
+it one token at a time, as a decoder would run it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Iterable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from attn_jax.attention.mha import SinkOptions
+from attn_jax.config import ModelConfig
+from attn_jax.model import mixer_limits
+from attn_jax.registry import get_mixer
+
+POLICIES = ("dense", "window", "recompute", "streaming")
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+  name: str
+  window: int = 1020     # recent tokens kept (query included); unused by "dense"
+  sinks: int = 4         # "streaming": first tokens kept
+
+  def validate(self) -> None:
+    if self.name not in POLICIES:
+      raise ValueError(f"policy {self.name!r} not in {POLICIES}")
+    if not (isinstance(self.window, int) and self.window >= 1):
+      raise ValueError(f"policy {self.name}: window must be an integer >= 1, got {self.window!r}")
+    if not (isinstance(self.sinks, int) and self.sinks >= 0):
+      raise ValueError(f"policy {self.name}: sinks must be an integer >= 0, got {self.sinks!r}")
+
+  @property
+  def label(self) -> str:
+    if self.name == "dense":
+      return "dense"
+    if self.name == "streaming":
+      return f"streaming({self.sinks}+{self.window})"
+    return f"{self.name}({self.window})"
+
+  @property
+  def span(self) -> int:
+    """Most tokens a query sees (itself included); 0 = unbounded."""
+    return {"dense": 0, "streaming": self.sinks + self.window}.get(self.name, self.window)
+
+
+def softmax_mixers(cfg: ModelConfig) -> list[str]:
+  """Mixers of the pattern that take the shared sink/cache options."""
+  return sorted({s.mixer for s in cfg.period
+                 if issubclass(get_mixer(s.mixer).Options, SinkOptions)})
+
+
+def cache_config(cfg: ModelConfig, policy: Policy) -> ModelConfig:
+  """The model config whose softmax mixers use `policy`'s cache (recompute: dense)."""
+  policy.validate()
+  cache = {"dense": "dense", "recompute": "dense", "window": "window",
+           "streaming": "streaming"}[policy.name]
+  for name in softmax_mixers(cfg):
+    over = dict(cache=cache)
+    if cache != "dense":
+      over.update(cache_window=policy.window, cache_sinks=policy.sinks)
+    cfg = cfg.with_options(name, **over)
+  return cfg
+
+
+def with_cache(model, policy: Policy):
+  """The same parameters under `cache_config(model.cfg, policy)` (no copy, no re-init)."""
+  from attn_jax.model import abstract_model
+  cfg = cache_config(model.cfg, policy)
+  graphdef = nnx.split(abstract_model(cfg))[0]
+  return nnx.merge(graphdef, nnx.state(model))
+
+
+def check_policy(cfg: ModelConfig, policy: Policy) -> None:
+  """Clear errors before any work: a window the model cannot hold."""
+  policy.validate()
+  span = policy.span
+  if span and span > cfg.max_seq_len:
+    raise ValueError(f"policy {policy.label}: a window of {span} tokens is larger than the "
+                     f"model holds (model.max_seq_len={cfg.max_seq_len}); use a smaller "
+                     "--window/--sinks")
+  if policy.name in ("window", "streaming") and not softmax_mixers(cfg):
+    raise ValueError(f"policy {policy.label}: the model has no softmax-attention mixer with a "
+                     f"cache option (pattern {[s.mixer for s in cfg.period]})")
+
+
+def state_bytes(state) -> int:
+  """Bytes held by a decoding state (every array leaf)."""
+  return int(sum(np.prod(a.shape) * a.dtype.itemsize for a in jax.tree.leaves(state)))
+
+
+# ------------------------------------------------------------------ reading a stream
+
+def read_stream(paths: str | Iterable[str], tokenizer: str = "bytes", *, tail: float = 0.0,
+                max_tokens: int = 0) -> np.ndarray:
+  """Token ids [N] of the concatenated files (EOS between files). `tail` in (0, 1): only the
+  last fraction of the stream (e.g. a training run's held-out part); `max_tokens`: at most
+  this many (from the start of what is kept)."""
+  from attn_jax.data.tokenizer import get_tokenizer
+  from attn_jax.data.text import split_paths
+  tok = get_tokenizer(tokenizer)
+  ids = []
+  for p in split_paths(paths):
+    if not os.path.isfile(p):
+      raise FileNotFoundError(f"stream file not found: {p!r}")
+    with open(p, encoding="utf-8") as f:
+      ids.extend(tok.encode(f.read()))
+    ids.append(tok.eos_id)
+  arr = np.asarray(ids[:-1] if ids else [], np.int32)
+  if tail:
+    arr = arr[int(len(arr) * (1 - tail)):]
+  if max_tokens:
+    arr = arr[:max_tokens]
+  if arr.size < 2:
+    raise ValueError(f"the stream from {paths!r} is empty (needs >= 2 tokens to score, got "
+                     f"{arr.size})")
+  return arr
+
+
+# ------------------------------------------------------------------ scoring
+
+def _token_losses(logits_BTV, targets_BT):
+  logp = jax.nn.log_softmax(logits_BTV.astype(jnp.float32), axis=-1)
+  return -jnp.take_along_axis(logp, targets_BT[..., None], axis=-1)[..., 0]
+
+
+class CachedScorer:
+  """Feeds one stream (batch 1) chunk by chunk through a cache policy's fixed-size state.
+
+  `trace_limit`: raise if the chunk step is traced more than this many times
+  (`chex.assert_max_traces`; for tests)."""
+
+  def __init__(self, model, policy: Policy, *, chunk: int = 256, capacity: int = 0,
+               trace_limit: int | None = None):
+    check_policy(model.cfg, policy)
+    if policy.name == "recompute":
+      raise ValueError("CachedScorer runs cache policies; recompute has no cache")
+    self.model = with_cache(model, policy)
+    self.policy = policy
+    max_chunk, stream = mixer_limits(self.model.cfg, max(capacity, 1))
+    if stream is not None and capacity < 1:
+      raise ValueError(f"policy {policy.label} needs `capacity` (the stream length)")
+    self.chunk = min(chunk, max_chunk or chunk)
+    self.capacity = capacity
+    self.graphdef, self.params = nnx.split(self.model)
+    self.state = self.model.init_state(1, max(capacity, 1))
+    self.position = 0
+
+    def step(params, state, inputs_T, targets_T, positions_T):
+      model = nnx.merge(self.graphdef, params)
+      logits, state = model.step(inputs_T[None], positions_BT=positions_T[None], state=state)
+      return _token_losses(logits, targets_T[None])[0], state
+
+    if trace_limit is not None:
+      import chex
+      step = chex.assert_max_traces(step, n=trace_limit)
+    self._step = jax.jit(step, donate_argnums=(1,))
+
+  def score(self, inputs: np.ndarray, targets: np.ndarray) -> np.ndarray:
+    """Losses of `targets` given the stream so far and `inputs` (same length <= chunk)."""
+    n, c = len(inputs), self.chunk
+    if not 0 < n <= c or len(targets) != n:
+      raise ValueError(f"a chunk of 1..{c} inputs with as many targets, got {n}/{len(targets)}")
+    pad = c - n
+    pos = np.concatenate([self.position + np.arange(n), np.full(pad, -1)]).astype(np.int32)
+    inp = np.pad(np.asarray(inputs, np.int32), (0, pad))
+    tgt = np.pad(np.asarray(targets, np.int32), (0, pad))
+    losses, self.state = self._step(self.params, self.state, inp, tgt, pos)
+    self.position += n
+    return np.asarray(losses)[:n]
+
+  @property
+  def cache_bytes(self) -> int:
+    return state_bytes(self.state)
+
+
+def _recompute_losses(model, tokens: np.ndarray, window: int, batch: int, progress):
+  """losses[i] from a fresh forward over tokens[max(0, i - window + 1) : i + 1]."""
+  N = len(tokens)
+  fwd = nnx.jit(lambda m, x: m(x))
+  w = min(window, N - 1)
+  first = fwd(model, jnp.asarray(tokens[None, :w]))
+  out = [np.asarray(_token_losses(first, jnp.asarray(tokens[None, 1:w + 1])))[0]]
+  progress.update(w)
+  starts = np.arange(1, N - w)               # window [s, s + w) predicts tokens[s + w]
+  last = nnx.jit(lambda m, x: m(x)[:, -1])
+  for a in range(0, len(starts), batch):
+    s = starts[a:a + batch]
+    pad = batch - len(s)
+    idx = np.pad(s, (0, pad), mode="edge")[:, None] + np.arange(w)[None, :]
+    logits = last(model, jnp.asarray(tokens[idx]))
+    tgt = tokens[np.minimum(idx[:, -1] + 1, N - 1)]
+    out.append(np.asarray(_token_losses(logits[:, None], jnp.asarray(tgt)[:, None]))[:len(s), 0])
+    progress.update(len(s))
+  return np.concatenate(out)
+
+
+def score_stream(model, tokens: np.ndarray, policy: Policy, *, chunk: int = 256,
+                 batch: int = 16, progress: bool = True) -> np.ndarray:
+  """Per-position losses [N - 1] (nats) of a token stream under `policy` (module docstring)."""
+  from tqdm.auto import tqdm
+  tokens = np.asarray(tokens, np.int32)
+  N = len(tokens)
+  if N < 2:
+    raise ValueError(f"the stream is empty (needs >= 2 tokens to score, got {N})")
+  check_policy(model.cfg, policy)
+  bar = tqdm(total=N - 1, desc=policy.label, unit="tok", disable=not progress, leave=False)
+  try:
+    if policy.name == "recompute":
+      return _recompute_losses(model, tokens, policy.window, batch, bar)
+    scorer = CachedScorer(model, policy, chunk=chunk,
+                          capacity=N if policy.name == "dense" else 0)
+    out = []
+    for a in range(0, N - 1, scorer.chunk):
+      e = min(a + scorer.chunk, N - 1)
+      out.append(scorer.score(tokens[a:e], tokens[a + 1:e + 1]))
+      bar.update(e - a)
+    return np.concatenate(out)
+  finally:
+    bar.close()
+
+
+# ------------------------------------------------------------------ generation
+
+def generate(model, prompt: np.ndarray, policy: Policy, *, max_new_tokens: int) -> np.ndarray:
+  """Greedy continuation of one prompt [T] under a policy -> [T + max_new_tokens].
+
+  Cache policies run `decode.generate` (one jitted loop; bounded caches generate any length);
+  "recompute" runs a fresh [1, window] forward per token (positions -1 pad a short window)."""
+  from attn_jax import decode
+  check_policy(model.cfg, policy)
+  prompt = np.asarray(prompt, np.int32)
+  T = len(prompt)
+  if policy.name != "recompute":
+    m = with_cache(model, policy)
+    cache_len = T + max_new_tokens if policy.name == "dense" else 1
+    return np.asarray(decode.generate(m, prompt[None], max_new_tokens=max_new_tokens,
+                                      cache_len=cache_len))[0]
+  W = policy.window
+
+  @nnx.jit
+  def next_token(m, window_1W, n_valid):
+    pos = jnp.where(jnp.arange(W) < n_valid, jnp.arange(W), -1)[None].astype(jnp.int32)
+    logits = m(window_1W, positions_BT=pos)[0]
+    return jnp.argmax(logits[n_valid - 1]).astype(jnp.int32)
+
+  seq = list(prompt)
+  for _ in range(max_new_tokens):
+    ctx = np.asarray(seq[-W:], np.int32)
+    buf = np.pad(ctx, (0, W - len(ctx)))
+    seq.append(int(next_token(model, jnp.asarray(buf[None]), len(ctx))))
+  return np.asarray(seq, np.int32)
+
+
+# ------------------------------------------------------------------ results
+
+def write_results(out_dir: str, results: dict[str, np.ndarray], meta: dict,
+                  smooth: int = 64) -> dict[str, str]:
+  """losses.json ({meta, policies: {label: [loss per position]}}), losses.csv (position,
+  one column per policy) and loss.png (running mean over `smooth` positions vs position)."""
+  import csv
+  import json
+  os.makedirs(out_dir, exist_ok=True)
+  paths = {k: os.path.join(out_dir, f) for k, f in
+           (("json", "losses.json"), ("csv", "losses.csv"), ("png", "loss.png"))}
+  summary = {k: summarize(v) for k, v in results.items()}
+  with open(paths["json"], "w") as f:
+    json.dump({"meta": meta, "summary": summary,
+               "policies": {k: [round(float(x), 5) for x in v] for k, v in results.items()}}, f)
+  n = max(len(v) for v in results.values())
+  with open(paths["csv"], "w", newline="") as f:
+    w = csv.writer(f)
+    w.writerow(["position"] + list(results))
+    for i in range(n):
+      w.writerow([i + 1] + [f"{v[i]:.5f}" if i < len(v) else "" for v in results.values()])
+  plot_losses(paths["png"], results, smooth=smooth, title=meta.get("title", ""))
+  return paths
+
+
+def summarize(losses: np.ndarray, parts: int = 4) -> dict:
+  """Mean loss (nats) over the whole stream and over `parts` consecutive slices."""
+  sl = np.array_split(np.asarray(losses, np.float64), parts)
+  return {"mean": float(np.mean(losses)), "slices": [float(np.mean(s)) for s in sl]}
+
+
+def plot_losses(path: str, results: dict[str, np.ndarray], *, smooth: int = 64,
+                title: str = "") -> None:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(figsize=(8, 4.5))
+  for label, v in results.items():
+    v = np.asarray(v, np.float64)
+    k = max(1, min(smooth, len(v)))
+    mean = np.convolve(v, np.ones(k) / k, mode="valid")
+    ax.plot(np.arange(k, len(v) + 1), mean, label=label, lw=1.2)
+  ax.set_xlabel("position in the stream (tokens)")
+  ax.set_ylabel(f"loss (nats), running mean over {smooth}")
+  ax.set_title(title or "streaming loss per policy")
+  ax.legend()
+  ax.grid(alpha=0.3)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)

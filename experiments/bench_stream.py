@@ -1,0 +1,132 @@
+"""Streaming benchmark (SPEC.md section 3), one run, on a tiny randomly initialised model
+(timings do not depend on the weights):
+
+1. per-token decoding time of StreamingLLM (4 sinks + L-4 recent tokens, one cached step)
+   vs sliding window with re-computation (a fresh forward over the last L tokens per token),
+   at cache sizes L = 1024 and 4096, for attention and SISA (the paper: up to 22.2x on
+   Llama-2-7B at L = 4096);
+2. constant memory: the streaming cache's bytes after 10K and after `--long` tokens (default
+   1M) fed in chunks, the per-chunk time over the stream (first vs last tenth) and the number
+   of traces of the chunk step (`chex.assert_max_traces(n=1)`).
+
+  python experiments/bench_stream.py --out=runs/bench_stream.json
+Prints a table and writes JSON.
+"""
+
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app, flags  # noqa: E402
+
+_OUT = flags.DEFINE_string("out", "runs/bench_stream.json", "JSON output.")
+_CACHES = flags.DEFINE_list("caches", ["1024", "4096"], "Cache sizes L.")
+_MIXERS = flags.DEFINE_list("mixers", ["attention", "sisa"], "Mixers to time.")
+_REPS = flags.DEFINE_integer("reps", 20, "Timed tokens per measurement.")
+_LONG = flags.DEFINE_integer("long", 1_000_000, "Stream length of the memory check (0 = skip).")
+_CHUNK = flags.DEFINE_integer("chunk", 1020, "Chunk of the memory check.")
+
+
+def tiny_cfg(mixer, max_len):
+  from attn_jax.config import ModelConfig
+  cfg = ModelConfig(vocab_size=257, vocab_multiple=1, d_model=64, n_layers=2, n_heads=4,
+                    d_ff=192, max_seq_len=max_len, dtype="float32", mixer=mixer)
+  return cfg.with_options("sisa", d_state=16) if mixer == "sisa" else cfg
+
+
+def _time(fn, reps):
+  import jax
+  jax.block_until_ready(fn())        # compile + warm
+  t0 = time.perf_counter()
+  for _ in range(reps):
+    out = fn()
+  jax.block_until_ready(out)
+  return (time.perf_counter() - t0) / reps
+
+
+def per_token(mixer, L, reps):
+  import jax.numpy as jnp
+  import numpy as np
+  from flax import nnx
+  from attn_jax import streaming
+  from attn_jax.model import build_model
+  model = build_model(tiny_cfg(mixer, L), seed=0)
+  pol = streaming.Policy("streaming", window=L - 4, sinks=4)
+  m = streaming.with_cache(model, pol)
+  tok = jnp.asarray(np.random.default_rng(0).integers(0, 256, (1, 2 * L)), jnp.int32)
+  step = nnx.jit(lambda m, t, p, s: m.step(t, positions_BT=p, state=s))
+  state = m.init_state(1, 1)
+  W = L - 4
+  for a in range(0, L + W, W):      # fill the cache past its size: evicting from now on
+    n = min(W, L + W - a)
+    _, state = step(m, tok[:, a:a + n], jnp.arange(a, a + n, dtype=jnp.int32)[None], state)
+  pos0 = L + W
+  holder = {"state": state, "t": pos0}
+
+  def one():
+    t = holder["t"]
+    lg, holder["state"] = step(m, tok[:, t % (2 * L):t % (2 * L) + 1],
+                               jnp.full((1, 1), t, jnp.int32), holder["state"])
+    holder["t"] += 1
+    return lg
+  t_stream = _time(one, reps)
+  fwd = nnx.jit(lambda m, x: m(x)[:, -1])
+  window = tok[:, :L]
+  t_rec = _time(lambda: fwd(model, window), max(3, reps // 4))
+  return {"mixer": mixer, "cache": L, "streaming_ms": 1e3 * t_stream,
+          "recompute_ms": 1e3 * t_rec, "speedup": t_rec / t_stream}
+
+
+def memory(mixer, n_tokens, chunk):
+  import numpy as np
+  from attn_jax import streaming
+  from attn_jax.model import build_model
+  model = build_model(tiny_cfg(mixer, 1024), seed=0)
+  sc = streaming.CachedScorer(model, streaming.Policy("streaming", window=1020, sinks=4),
+                              chunk=chunk, trace_limit=1)
+  rng = np.random.default_rng(0)
+  tok = rng.integers(0, 256, 2 * chunk + 1).astype(np.int32)
+  times, bytes_at = [], {}
+  for a in range(0, n_tokens, sc.chunk):
+    n = min(sc.chunk, n_tokens - a)
+    t0 = time.perf_counter()
+    sc.score(tok[:n], tok[1:n + 1])
+    times.append((time.perf_counter() - t0) / n)
+    if sc.position >= 10_000 and "10K" not in bytes_at:
+      bytes_at["10K"] = sc.cache_bytes
+  bytes_at[f"{n_tokens}"] = sc.cache_bytes
+  k = max(1, len(times) // 10)
+  return {"mixer": mixer, "tokens": n_tokens, "cache_bytes": bytes_at,
+          "us_per_token_first_tenth": 1e6 * float(np.mean(times[1:k + 1])),
+          "us_per_token_last_tenth": 1e6 * float(np.mean(times[-k:])), "traces_max": 1}
+
+
+def main(argv):
+  del argv
+  import jax
+  res = {"device": str(jax.devices()[0]), "per_token": [], "memory": []}
+  for mixer in _MIXERS.value:
+    for L in map(int, _CACHES.value):
+      r = per_token(mixer, L, _REPS.value)
+      res["per_token"].append(r)
+      print(f"{mixer:<10} cache {L:>5}: streaming {r['streaming_ms']:8.2f} ms/token, "
+            f"recompute {r['recompute_ms']:9.2f} ms/token, speedup {r['speedup']:7.1f}x",
+            flush=True)
+  if _LONG.value:
+    for mixer in _MIXERS.value:
+      r = memory(mixer, _LONG.value, _CHUNK.value)
+      res["memory"].append(r)
+      print(f"{mixer:<10} {r['tokens']} tokens: cache bytes {r['cache_bytes']}, "
+            f"us/token first tenth {r['us_per_token_first_tenth']:.1f}, last tenth "
+            f"{r['us_per_token_last_tenth']:.1f} (one trace)", flush=True)
+  os.makedirs(os.path.dirname(os.path.abspath(_OUT.value)), exist_ok=True)
+  with open(_OUT.value, "w") as f:
+    json.dump(res, f, indent=1)
+  print(f"wrote {_OUT.value}")
+
+
+if __name__ == "__main__":
+  app.run(main)

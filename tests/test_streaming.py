@@ -1,0 +1,232 @@
+"""Streaming caches (SPEC.md section 3): StreamingLLM equals dense attention while nothing is
+evicted and equals its explicit definition (first sinks + last window, positions inside the
+cache) once it evicts, for attention and SISA; fixed-size state, one compiled step; the
+scoring loop, re-computation baseline and its errors."""
+
+import os
+import pathlib
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from attn_jax import decode, streaming
+from attn_jax.attention import kv_state, sisa
+from attn_jax.attention.mha import rope
+from attn_jax.config import ModelConfig
+from attn_jax.model import build_model
+from attn_jax.streaming import Policy
+
+TOL = 2e-5   # fp32, relative to the largest |value|; fixed once
+V, D, H = 61, 32, 4
+SHAKESPEARE = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data" / \
+    "tinyshakespeare" / "input.txt"
+
+
+def _close(a, b, tol=TOL):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  err = np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30)
+  assert err <= tol, f"relative error {err:.3e} > {tol:.0e}"
+
+
+def _model(mixer="attention", n_layers=2, **kw):
+  cfg = ModelConfig(vocab_size=V, d_model=D, n_heads=H, d_ff=48, n_layers=n_layers,
+                    max_seq_len=64, dtype="float32", mixer=mixer, init_std=0.3, **kw)
+  if mixer == "sisa":
+    cfg = cfg.with_options("sisa", d_state=4)
+  return build_model(cfg, seed=0)
+
+
+def _tokens(seed, n):
+  return np.random.default_rng(seed).integers(0, V, n).astype(np.int32)
+
+
+_step = nnx.jit(lambda m, t, p, s: m.step(t, positions_BT=p, state=s))
+
+
+def _stream_logits(model, tokens, chunk):
+  """Feed [1, N] through model.step in chunks -> logits [N, V]."""
+  state = model.init_state(1, len(tokens))
+  outs = []
+  for a in range(0, len(tokens), chunk):
+    t = tokens[a:a + chunk]
+    pos = jnp.arange(a, a + len(t), dtype=jnp.int32)[None]
+    lg, state = _step(model, jnp.asarray(t)[None], pos, state)
+    outs.append(lg[0])
+  return jnp.concatenate(outs)
+
+
+def test_kv_state_sinks_ring_slots():
+  st = kv_state.init_kv_state(1, 5, 1, 1, 1, jnp.float32)
+  for t in range(9):   # 2 sinks + a ring of 3: tokens 0, 1 stay; then the last 3
+    x = jnp.full((1, 1, 1, 1), float(t))
+    st = kv_state.write(st, {"k": x, "v": x}, jnp.full((1, 1), t, jnp.int32), ring=True, sinks=2)
+  assert st["pos"][0].tolist() == [0, 1, 8, 6, 7]
+  # padding anywhere in a chunk: valid tokens still take consecutive stream slots
+  st = kv_state.init_kv_state(1, 4, 1, 1, 1, jnp.float32)
+  x = jnp.zeros((1, 3, 1, 1))
+  st = kv_state.write(st, {"k": x, "v": x}, jnp.asarray([[-1, 0, 1]]), ring=False)
+  assert st["pos"][0].tolist() == [0, 1, -1, -1] and int(st["ptr"][0]) == 2
+
+
+@pytest.mark.parametrize("mixer", ["attention", "sisa"])
+def test_streaming_with_room_for_everything_equals_dense(mixer):
+  model = _model(mixer)
+  tok = _tokens(0, 14)
+  full = model(jnp.asarray(tok)[None])[0]
+  for cache, sinks, window in (("streaming", 4, 10), ("window", 0, 14)):
+    m = streaming.with_cache(model, Policy(cache, window=window, sinks=sinks))
+    _close(_stream_logits(m, tok, 1), full)
+    _close(_stream_logits(m, tok, 5), full)
+
+
+def _reference_streaming_attention(mixer, x_TD, n, W):
+  """Explicit StreamingLLM for one attention layer: query t sees keys {0..n-1} and its last W
+  tokens; visible keys oldest first at positions 0, 1, ..., the query at their count."""
+  cfg = mixer.cfg
+  q, k, v = mixer.proj.q(x_TD[None]), mixer.proj.k(x_TD[None]), mixer.proj.v(x_TD[None])
+  outs = []
+  for t in range(x_TD.shape[0]):
+    keep = sorted(set(range(min(n, t + 1))) | set(range(max(0, t - W + 1), t + 1)))
+    idx = jnp.asarray(keep)
+    pk = jnp.arange(len(keep))[None]
+    kk = rope(k[:, idx], pk, cfg.rope_theta)
+    qq = rope(q[:, t:t + 1], pk[:, -1:], cfg.rope_theta)
+    s = jnp.einsum("bthd,bshd->bhts", qq, kk) * cfg.head_dim ** -0.5
+    outs.append(jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(s, -1), v[:, idx]))
+  return mixer.proj.o(jnp.concatenate(outs, axis=1))[0]
+
+
+def test_streaming_attention_equals_its_definition_after_eviction():
+  """A 1-layer model past its cache: token by token and in chunks, each output equals the
+  explicit StreamingLLM attention; "window" equals a fresh forward over the last W tokens."""
+  model = _model("attention", n_layers=1)
+  n, W, N = 3, 5, 17
+  tok = _tokens(1, N)
+  m = streaming.with_cache(model, Policy("streaming", window=W, sinks=n))
+  blk = nnx.merge(*nnx.split(model.blocks)).layers[0]
+  graphdef, st = nnx.split(model.blocks)
+  blk = nnx.merge(graphdef, jax.tree.map(lambda a: a[0], st)).layers[0]
+  x = blk.mixer_norm(jnp.take(model.embed[...], jnp.asarray(tok), axis=0))
+  ref = _reference_streaming_attention(blk.mixer, x, n, W)
+  state = blk.mixer.init_state(blk.mixer.cfg, m.cfg.options_for("attention"), 1, 1, jnp.float32)
+  ring = type(blk.mixer)(m.cfg, m.cfg.options_for("attention"), rngs=nnx.Rngs(0))
+  nnx.update(ring, nnx.state(blk.mixer))
+  for chunk in (1, 4):
+    state = ring.init_state(ring.cfg, ring.opts, 1, 1, jnp.float32)
+    outs = []
+    for a in range(0, N, chunk):
+      pos = jnp.arange(a, min(a + chunk, N), dtype=jnp.int32)[None]
+      y, state, _ = ring(x[None, a:a + chunk], positions_BT=pos, state=state)
+      outs.append(y[0])
+    _close(jnp.concatenate(outs), ref)
+  # window: the model's logits = a fresh forward over the last W tokens
+  mw = streaming.with_cache(model, Policy("window", window=W))
+  lw = _stream_logits(mw, tok, 1)
+  for t in (W, 11, N - 1):
+    _close(lw[t], model(jnp.asarray(tok[t - W + 1:t + 1])[None])[0, -1])
+
+
+def test_sisa_streaming_keeps_decay_and_phase_and_reassigns_rope():
+  """SISA StreamingLLM, one layer, past its cache: the explicit score per query t over the kept
+  keys j: RoPE part at positions inside the cache, SISA part lambda e^{g_t - g_j}
+  C_t^T R(Phi_j - Phi_t) B_j with g, Phi summed over the WHOLE stream (evicted tokens too)."""
+  model = _model("sisa", n_layers=1)
+  n, W, N = 2, 4, 13
+  opts_s = model.cfg.with_options("sisa", cache="streaming", cache_sinks=n, cache_window=W)
+  graphdef, st = nnx.split(model.blocks)
+  blk = nnx.merge(graphdef, jax.tree.map(lambda a: a[0], st)).layers[0]
+  mixer = blk.mixer
+  tok = _tokens(2, N)
+  x = blk.mixer_norm(jnp.take(model.embed[...], jnp.asarray(tok), axis=0))[None]
+  q, k, v, c, b, loga, theta, lam = mixer.features(x, None, rotate=False)
+  g, phi = sisa.decay_and_phase(loga, theta)
+  cfg = mixer.cfg
+  outs = []
+  for t in range(N):
+    keep = jnp.asarray(sorted(set(range(min(n, t + 1))) | set(range(max(0, t - W + 1), t + 1))))
+    pk = jnp.arange(len(keep))[None]
+    qq = rope(q[:, t:t + 1], pk[:, -1:], cfg.rope_theta)
+    kk = rope(k[:, keep], pk, cfg.rope_theta)
+    # reference over the kept keys, query last: pass g/phi/C/B of [kept ; query]
+    # (the reference's causal mask on the kept list is exact since the query is last)
+    o, _ = sisa.sisa_attention_reference(
+        jnp.concatenate([kk[:, :-1], qq], 1), kk, v[:, keep], c[:, keep], b[:, keep],
+        g[:, keep], phi[:, keep], lam, query_idx=jnp.asarray([len(keep) - 1]))
+    outs.append(o[0, 0])
+  ref = mixer.proj.o(jnp.stack(outs)[None])[0]
+  ring = sisa.SISA(opts_s, opts_s.options_for("sisa"), rngs=nnx.Rngs(0))
+  nnx.update(ring, nnx.state(mixer))
+  for chunk in (1, 3):
+    state = ring.init_state(ring.cfg, ring.opts, 1, 1, jnp.float32)
+    ys = []
+    for a in range(0, N, chunk):
+      pos = jnp.arange(a, min(a + chunk, N), dtype=jnp.int32)[None]
+      y, state, _ = ring(x[:, a:a + chunk], positions_BT=pos, state=state)
+      ys.append(y[0])
+    _close(jnp.concatenate(ys), ref)
+
+
+def test_scoring_loop_fixed_state_one_trace_and_policies():
+  model = _model("attention")
+  N = 40
+  tok = _tokens(3, N)
+  full = model(jnp.asarray(tok)[None])
+  logp = jax.nn.log_softmax(full[0, :-1], -1)
+  dense_ref = -np.take_along_axis(np.asarray(logp), tok[1:, None], -1)[:, 0]
+  _close(streaming.score_stream(model, tok, Policy("dense"), chunk=8, progress=False),
+         dense_ref)
+  _close(streaming.score_stream(model, tok, Policy("streaming", window=40, sinks=4), chunk=7,
+                                progress=False), dense_ref)
+  # recompute: loss i from a fresh forward over the last W tokens, the window sliding
+  W = 6
+  rec = streaming.score_stream(model, tok, Policy("recompute", window=W), batch=4,
+                               progress=False)
+  for i in (0, 4, W, 20, N - 2):
+    lg = model(jnp.asarray(tok[max(0, i - W + 1):i + 1])[None])[0, -1]
+    _close(rec[i], -jax.nn.log_softmax(lg)[tok[i + 1]])
+  # a fixed-size state and a single trace of the chunk step, however long the stream
+  sc = streaming.CachedScorer(model, Policy("streaming", window=6, sinks=2), chunk=4,
+                              trace_limit=1)
+  sizes = set()
+  for a in range(0, 30, 4):
+    sc.score(tok[a:a + 3], tok[a + 1:a + 4])       # 3 < chunk: padded, same shape
+    sizes.add(sc.cache_bytes)
+  assert len(sizes) == 1 and sc.position == 24
+  # generation with the streaming cache: any length in constant memory, == step by step
+  m = streaming.with_cache(model, Policy("streaming", window=6, sinks=2))
+  gen = streaming.generate(model, tok[:5], Policy("streaming", window=6, sinks=2),
+                           max_new_tokens=12)
+  lg = _stream_logits(m, gen[:-1], 1)
+  np.testing.assert_array_equal(np.argmax(np.asarray(lg[4:]), -1), gen[5:])
+  rec_gen = streaming.generate(model, tok[:5], Policy("recompute", window=6), max_new_tokens=3)
+  for i in range(5, 8):
+    ctx = jnp.asarray(rec_gen[max(0, i - 6):i])[None]
+    assert int(jnp.argmax(model(ctx)[0, -1])) == rec_gen[i]
+
+
+def test_clear_errors(tmp_path):
+  model = _model("attention")
+  with pytest.raises(ValueError, match="empty"):
+    streaming.score_stream(model, np.zeros(1, np.int32), Policy("dense"))
+  with pytest.raises(ValueError, match="larger than the model holds"):
+    streaming.check_policy(model.cfg, Policy("streaming", window=100, sinks=4))
+  (tmp_path / "empty.txt").write_text("")
+  with pytest.raises(ValueError, match="empty"):
+    streaming.read_stream(str(tmp_path / "empty.txt"))
+  import importlib.util
+  spec = importlib.util.spec_from_file_location(
+      "stream_cli", pathlib.Path(__file__).resolve().parents[1] / "experiments" / "stream.py")
+  cli = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(cli)
+  with pytest.raises(FileNotFoundError, match="no checkpoint"):
+    cli.run(str(tmp_path / "nope"), str(tmp_path / "empty.txt"))
+
+
+@pytest.mark.skipif(not SHAKESPEARE.exists(), reason=f"{SHAKESPEARE} not present")
+def test_read_stream_on_a_public_text():
+  tok = streaming.read_stream(str(SHAKESPEARE), tail=0.01)
+  assert 10_000 < len(tok) < 12_000 and tok.max() < 256
