@@ -3,7 +3,7 @@
 # numerics, then train-step throughput / MFU of each variant side by side. Results go to stdout
 # and, when $OUT is set (the device tool's output folder), to $OUT/*.txt.
 #
-#   bash experiments/device_check.sh            # ~6-8 minutes on one H200, compile included
+#   bash experiments/device_check.sh            # ~8-10 minutes on one H200, compile included
 #   QUICK=1 bash experiments/device_check.sh    # numerics + one sequence length only
 #   JAX_PLATFORMS=cpu ATTN_JAX_GPU_TESTS_IMPL=xla BENCH_EXTRA="--scale=tiny --dtype=float32 \
 #     --seq_lens=128 --steps=1 --warmup=1 --batch_tokens=4096" bash experiments/device_check.sh  # CPU dry run
@@ -26,11 +26,14 @@ python3 -c "import jax; print(jax.__version__, jax.devices())" | tee "$out/devic
 # fp32 tests compare at 1e-5: keep fp32 matmuls in full precision (no TF32) for them.
 JAX_PLATFORMS="${JAX_PLATFORMS:-cuda}" XLA_FLAGS="" JAX_DEFAULT_MATMUL_PRECISION=highest timeout 240 python3 -m pytest -q -x \
   -p no:cacheprovider tests/test_gpu_paths.py tests/test_attention.py tests/test_decode.py \
-  tests/test_sisa.py 2>&1 | tail -25 | tee "$out/numerics.txt"
+  tests/test_sisa.py tests/test_trunk.py tests/test_ssd.py tests/test_mamba.py \
+  tests/test_sinkhorn.py tests/test_sinks.py tests/test_loss.py 2>&1 | tail -25 \
+  | tee "$out/numerics.txt"
 
 # 2. train-step throughput, MFU (flops.PEAK_FLOPS by device kind), ratios vs the Transformer,
 #    bf16, at the 152M scale; SISA's paths side by side.
 seqs="1024,4096"; [ -n "${QUICK:-}" ] && seqs="1024"
-timeout 420 python3 experiments/bench.py --configs=transformer_152m,sisa_152m,sisa_152m@fast,sisa_152m@chunked \
+# Every variant at 152M: Transformer, SISA (paths), Mamba-2/3, both hybrids, Sinkhorn, sinks.
+timeout 420 python3 experiments/bench.py --configs=transformer_152m,sisa_152m,sisa_152m@fast,sisa_152m@chunked,mamba2_152m,mamba3_152m,hybrid_block_152m,hybrid_head_152m,sinkhorn_152m,transformer_152m_sink \
   --seq_lens="$seqs" --batch_tokens=65536 --steps=5 --warmup=2 ${BENCH_EXTRA:-} 2>&1 | grep -v "^[IW][0-9]" \
   | tee "$out/bench.txt"

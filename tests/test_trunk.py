@@ -164,7 +164,8 @@ def test_mixed_pattern_structure_counts_and_flops():
 
 # The SSM runs compile the chunked scan forward and backward (~1 min each on 2 cores): slow.
 TRAINED = [MIXED] + [pytest.param(p, marks=pytest.mark.slow) for p in (
-    ("mamba2:nomlp",), ("mamba3:nomlp",), ("hybrid_heads",), ("attention", "mamba2:nomlp"))]
+    ("mamba2:nomlp",), ("mamba3:nomlp",), ("hybrid_heads",), ("attention", "mamba2:nomlp"),
+    ("sinkhorn",))]
 
 
 @pytest.mark.parametrize("pattern", TRAINED, ids=lambda p: "+".join(p) if isinstance(p, tuple)
@@ -179,6 +180,7 @@ def test_trains_on_the_quickstart_data_with_falling_loss(tmp_path, pattern):
   c.model.sisa.d_state = 8
   for name in ("mamba2", "mamba3", "hybrid_heads"):
     c.model[name].update(d_state=16, head_dim=16, chunk_size=16)
+  c.model.sinkhorn.update(block_size=16, sortnet_width=32, sort_dim=8)
   c.data.global_batch_size = 16
   c.train.update(steps=60, log_every=10, progress_bar=False)
   c.optim.warmup_steps = 10
