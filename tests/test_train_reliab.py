@@ -300,3 +300,37 @@ def test_a_step_that_does_not_fit_stops_with_the_knobs_or_shrinks_the_micro_batc
   trainer_lib.train_and_evaluate(c, str(tmp_path / "auto"))
   rows = [r for r in read_metrics(str(tmp_path / "auto")) if "loss" in r]
   assert rows and all(r["weighted_tokens"] == 64 * 8 for r in rows), rows
+
+
+# ------------------------------------------------------------------ evaluation
+
+
+def test_niah_lengths_beyond_max_seq_len_warn_and_too_long_ones_are_named(caplog):
+  from attn_jax.eval.run import niah_lengths
+  c = tiny_config()   # model.max_seq_len 64
+  c.eval.niah_lengths = (48, 96, 512)
+  with caplog.at_level(logging.WARNING):
+    assert niah_lengths(c, max_len=128) == (48, 96)
+  msgs = " ".join(r.getMessage() for r in caplog.records)
+  assert "config.eval.niah_lengths" in msgs and "(512,)" in msgs and "max_len=128" in msgs
+  assert "(96,) exceed config.model.max_seq_len=64" in msgs
+  caplog.clear()
+  with caplog.at_level(logging.WARNING):
+    assert niah_lengths(c, max_len=48) == (48,)
+  assert not any("max_seq_len" in r.getMessage() for r in caplog.records)
+  with pytest.raises(ValueError, match="config.eval.niah_lengths"):
+    niah_lengths(c, max_len=32)
+
+
+def test_heldout_batches_are_global_arrays_with_the_batch_sharding():
+  c = tiny_config()
+  c.mesh.shape = (2, 4, 1)
+  setup = trainer_lib.build_setup(c)
+  from attn_jax.data import pipeline
+  batches = trainer_lib.make_heldout_batches(c, setup, num_batches=2)
+  plain = pipeline.make_eval_batches(c.data, seed=c.seed, num_batches=2)
+  for b, p in zip(batches, plain):
+    for k in ("inputs", "targets", "weights"):
+      assert b[k].sharding.is_equivalent_to(trainer_lib.eval_batch_sharding(setup), 2)
+      assert b[k].addressable_shards[0].data.shape == (1, c.data.seq_len)   # 8 row shards
+      np.testing.assert_array_equal(np.asarray(b[k]), p[k])

@@ -9,6 +9,7 @@ settings, the held-out random stream).
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any, Mapping, Sequence
 
@@ -72,6 +73,32 @@ def _check_vocab(tokenizer: Tokenizer, vocab_size: int) -> None:
                      "(config.data.tokenizer)")
 
 
+def niah_lengths(config: ml_collections.ConfigDict, max_len: int) -> tuple[int, ...]:
+  """The NIAH context lengths to run: `config.eval.niah_lengths` up to `max_len`.
+
+  Lengths over `max_len` are dropped with a warning (an error if none is left). A length over
+  `config.model.max_seq_len` is kept (length extrapolation is a fair question for some
+  mixers) with a warning: the model never trained at such positions, and a 0% score there says
+  nothing about retrieval within its range.
+  """
+  asked = tuple(int(x) for x in config.eval.get("niah_lengths", (256, 512)))
+  lengths = tuple(x for x in asked if x <= max_len)
+  if not lengths:
+    raise ValueError(f"config.eval.niah_lengths={asked}: none fits max_len={max_len} "
+                     "(config.eval.max_len, default config.data.seq_len)")
+  if len(lengths) < len(asked):
+    logging.warning("config.eval.niah_lengths=%s: skipping %s, longer than max_len=%d "
+                    "(config.eval.max_len, default config.data.seq_len)", asked,
+                    tuple(x for x in asked if x > max_len), max_len)
+  model_max = int(config.model.get("max_seq_len", 0) or 0)
+  beyond = tuple(x for x in lengths if model_max and x > model_max)
+  if beyond:
+    logging.warning("config.eval.niah_lengths=%s: %s exceed config.model.max_seq_len=%d; the "
+                    "model is evaluated beyond the positions it was built and trained for and "
+                    "typically scores 0%% there", asked, beyond, model_max)
+  return lengths
+
+
 def run_tasks(logits_fn, config: ml_collections.ConfigDict, tasks: Sequence[str], *,
               tokenizer: Tokenizer | None = None,
               data_paths: Mapping[str, Any] | None = None, max_len: int | None = None,
@@ -97,9 +124,7 @@ def run_tasks(logits_fn, config: ml_collections.ConfigDict, tasks: Sequence[str]
                            batch_size=batch_size, limit=limit)
     results.update(out["results"])
   if "niah" in tasks:
-    lengths = tuple(int(x) for x in e.get("niah_lengths", (256, 512)) if int(x) <= max_len)
-    if not lengths:
-      raise ValueError(f"config.eval.niah_lengths: none fits max_len={max_len}")
+    lengths = niah_lengths(config, max_len)
     res = niah.run_niah(logits_fn, tokenizer, context_lengths=lengths,
                         depths=tuple(e.get("niah_depths", (0.0, 0.25, 0.5, 0.75, 1.0))),
                         samples_per_cell=int(e.get("niah_samples", 2)), batch_size=batch_size)
