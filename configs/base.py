@@ -122,6 +122,8 @@ def get_config() -> ml_collections.ConfigDict:
       ("state", None),
       ("layers", None),
       ("norm", None),
+      ("sort_hidden", None),       # Sinkhorn SortNet width (small: replicated)
+      ("sort_dim", None),          # Sinkhorn per-head sort embedding
   )
   return c
 

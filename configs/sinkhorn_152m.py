@@ -13,18 +13,6 @@ import ml_collections
 
 from configs import transformer_152m
 
-# Logical axes of the SortNet (replicated: it is tiny). configs/base.py should carry these.
-SORT_RULES = (("sort_hidden", None), ("sort_dim", None))
-
-
-def sinkhorn_options() -> ml_collections.ConfigDict:
-  """config.model.sinkhorn from the mixer's Options defaults (base.py's job in the new trunk)."""
-  import dataclasses
-
-  from attn_jax.attention.sinkhorn import SinkhornAttention
-  return ml_collections.ConfigDict(dataclasses.asdict(SinkhornAttention.Options()))
-
-
 def sinkhorn_extra_params(c: ml_collections.ConfigDict) -> int:
   m, s = c.model, c.model.sinkhorn
   kv = m.n_kv_heads or m.n_heads
@@ -34,13 +22,10 @@ def sinkhorn_extra_params(c: ml_collections.ConfigDict) -> int:
 
 def to_sinkhorn(c: ml_collections.ConfigDict, match_params: bool = True,
                 **options) -> ml_collections.ConfigDict:
-  """Turn a preset into its Sinkhorn twin: mixer, options, mesh rules, matched d_ff."""
-  if "sinkhorn" not in c.model:
-    c.model.sinkhorn = sinkhorn_options()
+  """Turn a preset into its Sinkhorn twin: mixer, options, matched d_ff (the SortNet's logical
+  axes sort_hidden / sort_dim are replicated by configs/base.py's rules)."""
   c.model.sinkhorn.update(options)
   c.model.mixer = "sinkhorn"
-  have = {name for name, _ in c.mesh.rules}
-  c.mesh.rules = tuple(c.mesh.rules) + tuple(r for r in SORT_RULES if r[0] not in have)
   if match_params and c.model.d_ff:
     d_ff = c.model.d_ff - sinkhorn_extra_params(c) / (3 * c.model.d_model)
     c.model.d_ff = int(4 * round(d_ff / 4))
