@@ -63,6 +63,15 @@ def main(argv):
   for k in ("loss", "accuracy", "eval/loss", "eval/accuracy"):
     if k in result:
       print(f"final {k}: {result[k]:.4f}")
+  if (jax_process_index() == 0 and config.data.source == "synthetic"
+      and config.data.synthetic_task == "mqar"):
+    from attn_jax.eval.mqar import explain_checkpoint
+    print("\n" + "\n".join(explain_checkpoint(result["workdir"])))
+
+
+def jax_process_index() -> int:
+  import jax
+  return jax.process_index()
 
 
 def _main_with_clean_errors(argv):
