@@ -79,3 +79,91 @@ def mqar_accuracy(logits_fn: LogitsFn, examples: Iterable[Mapping[str, np.ndarra
   return dict(acc=float(hits_.sum() / counts_.sum()),
               example_acc=float(np.mean(hits_[scored] == counts_[scored])),
               n_examples=int(hits_.size), n_positions=int(counts_.sum()))
+
+
+def _key_name(key: int) -> str:
+  """Keys as letters (a..z, then A..Z, then k<id>), so they read apart from the values."""
+  letters = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+  return letters[key] if 0 <= key < len(letters) else f"k{key}"
+
+
+def _token_name(token: int, mqar_vocab: int) -> str:
+  """Key ids [0, V) as letters, value ids [V, 2V) as numbers 0..V-1, noise ids as `_`."""
+  if 0 <= token < mqar_vocab:
+    return _key_name(token)
+  if mqar_vocab <= token < 2 * mqar_vocab:
+    return str(token - mqar_vocab)
+  return "_" if 2 * mqar_vocab <= token < 3 * mqar_vocab else f"<{token}>"
+
+
+def describe_examples(logits_fn: LogitsFn, example: Mapping[str, np.ndarray], *,
+                      num_pairs: int, mqar_vocab: int, max_examples: int = 3,
+                      max_queries: int = 4) -> list[str]:
+  """What the model answers on MQAR sequences, in words: one line per sequence,
+
+    pairs: a->7 q->3 ...; asked q, model said 3 (right); asked a, model said 12 (wrong: 7)
+
+  `example` holds [B, L] (or [L]) inputs/targets/weights laid out as
+  attn_jax.data.synthetic.mqar_example writes them: the first `num_pairs` (key, value) pairs
+  at positions 0..2N-1, and every weighted position t asks key inputs[t] with answer
+  targets[t]. Keys print as letters, values as numbers (value id - V). The model's answer is
+  the argmax over the whole vocabulary, so "said" may also be a key or noise token.
+  """
+  rows = list(_rows(example, 0))[:max_examples]
+  if not rows:
+    raise ValueError("no MQAR sequences to describe")
+  inputs = np.stack([r[0] for r in rows]).astype(np.int32)  # [B, L]
+  pred = np.asarray(jnp.argmax(logits_fn(inputs), axis=-1))  # [B, L]
+  name = lambda t: _token_name(int(t), mqar_vocab)
+  lines = []
+  for b, (x, y, m) in enumerate(rows):
+    pairs = " ".join(f"{name(x[2 * i])}->{name(x[2 * i + 1])}" for i in range(num_pairs))
+    asked = []
+    for t in np.flatnonzero(m)[:max_queries]:
+      ok = pred[b, t] == y[t]
+      verdict = "right" if ok else f"wrong: {name(y[t])}"
+      asked.append(f"asked {name(x[t])}, model said {name(pred[b, t])} ({verdict})")
+    lines.append(f"pairs: {pairs}; " + "; ".join(asked))
+  return lines
+
+
+def guess_baselines(num_pairs: int, num_queries: int, mqar_vocab: int) -> dict[str, float]:
+  """Answer accuracies of strategies that do no key->value lookup (MQAR as in
+  attn_jax.data.synthetic: M distinct keys of the N pairs are asked, in random order):
+
+    any_value      1/V                          a random value id, ignoring the sequence
+    among_pairs    1/N                          a random one of the N values in the sequence
+    among_unasked  (1/M) sum_j 1/(N - j)        a random value not asked yet (j = 0..M-1)
+
+  The last is the plateau a small model reaches before it forms the lookup (H_8/8 = 34% for
+  N = M = 8)."""
+  n, m = int(num_pairs), int(num_queries)
+  return {"any_value": 1.0 / int(mqar_vocab), "among_pairs": 1.0 / n,
+          "among_unasked": float(np.mean([1.0 / (n - j) for j in range(m)]))}
+
+
+def explain_checkpoint(workdir: str, *, max_examples: int = 3) -> list[str]:
+  """A newcomer's summary of an MQAR training run: held-out answer accuracy next to the
+  no-lookup baselines, then `describe_examples` on fresh held-out sequences (the eval split's
+  random stream: pairs the model never trained on)."""
+  from attn_jax.data import pipeline
+  from attn_jax.eval.run import ModelScorer
+  from attn_jax.train.checkpoint import load_for_inference
+
+  model, config, step = load_for_inference(workdir)
+  d = config.data
+  n, m, v = int(d.mqar_num_pairs), int(d.mqar_num_queries), int(d.mqar_vocab)
+  batches = pipeline.make_eval_batches(d, seed=config.seed, num_batches=4, batch_size=64)
+  scorer = ModelScorer(model)
+  acc = mqar_accuracy(scorer, batches, batch_size=64)
+  base = guess_baselines(n, m, v)
+  lines = [
+      f"After {step} steps, on {acc['n_examples']} held-out sequences (fresh random pairs), "
+      f"the model answers {acc['acc']:.1%} of the {acc['n_positions']} questions right.",
+      f"Without looking the key up: {base['among_pairs']:.1%} (a random value of the "
+      f"sequence), {base['among_unasked']:.1%} (a random value not asked yet), "
+      f"{base['any_value']:.1%} (any value).",
+      "Examples (keys are letters, values numbers):"]
+  lines += ["  " + s for s in describe_examples(scorer, batches[0], num_pairs=n, mqar_vocab=v,
+                                                max_examples=max_examples)]
+  return lines
