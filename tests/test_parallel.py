@@ -43,6 +43,8 @@ def config(mixer, mesh_shape=(-1, 1, 1)):
   for k, v in TINY.get(mixer, {}).items():
     if k in opts:
       opts[k] = v
+  if mixer == "hybrid_heads":
+    opts.ssm_heads = 8   # its default expand=1 gives 32 / head_dim 8 = 4 SSM heads
   c.mesh.shape = mesh_shape
   c.mesh.axis_names = AXES
   return c
@@ -144,3 +146,11 @@ def test_fsdp_each_device_holds_an_eighth_of_params_and_optimizer_state():
   state_total = sum(x.nbytes for x in jax.tree.leaves(state))
   batch_bytes = 3 * c.data.global_batch_size * L * 4
   assert 0 < mem.argument_size_in_bytes <= (state_total + batch_bytes) / 8 + REPLICATED_SLACK
+
+
+def test_heads_that_do_not_divide_the_tensor_axis_are_a_clear_error():
+  c = config("hybrid_heads", MESHES["tp"])
+  c.model.hybrid_heads.ssm_heads = 4
+  with pytest.raises(ValueError, match=r"mixer/ssm/.*'heads' of size 4 is not divisible by "
+                     r"mesh axes \('tensor',\) \(size 8\)"):
+    trainer_lib.build_setup(c)
