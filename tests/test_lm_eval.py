@@ -267,7 +267,10 @@ def test_loglikelihood_rolling_equals_plain_forward(lm, tiny_model, neox):
     window = seq[max(0, hi - 16):hi + 1]  # 16 inputs + the last target
     ref += _plain_logprob(tiny_model, window, len(window) - (hi - lo))
   got_small, got_again = small.loglikelihood_rolling([req, req])
-  assert got_small == pytest.approx(ref, abs=1e-4) and got_again == got_small
+  # The same request twice in one batch: equal to the same 1e-4 (rows of a batch are not
+  # bitwise identical on the CPU's blocked attention path: 1.5e-5 nats apart here).
+  assert got_small == pytest.approx(ref, abs=1e-4) and got_again == pytest.approx(got_small,
+                                                                                  abs=1e-4)
   assert got_small != pytest.approx(got, abs=1e-2)  # shorter contexts do change the score
 
 

@@ -285,9 +285,10 @@ def test_learn_lambda_switch(learn):
 # ---------------------------------------------------------------- gradients in float64
 
 def _attend64(q, k, v, *, scale, causal=True, q_positions=None, kv_positions=None, bias=None,
-              impl="auto"):
+              impl="auto", sink_logit_H=None):
   """Plain float64 attention (core.attend computes in fp32) for the finite-difference check."""
   del impl
+  assert sink_logit_H is None
   B, T, H, _ = q.shape
   S_ = k.shape[1]
   qp = q_positions if q_positions is not None else _positions(B, T) + (S_ - T)
