@@ -179,6 +179,7 @@ class CachedScorer:
 
     if trace_limit is not None:
       import chex
+      chex.clear_trace_counter()   # chex counts per code location, across scorers
       step = chex.assert_max_traces(step, n=trace_limit)
     self._step = jax.jit(step, donate_argnums=(1,))
 

@@ -3,17 +3,15 @@ evicted and equals its explicit definition (first sinks + last window, positions
 cache) once it evicts, for attention and SISA; fixed-size state, one compiled step; the
 scoring loop, re-computation baseline and its errors."""
 
-import os
 import pathlib
 
-import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from attn_jax import decode, streaming
+from attn_jax import streaming
 from attn_jax.attention import kv_state, sisa
 from attn_jax.attention.mha import rope
 from attn_jax.config import ModelConfig
@@ -107,12 +105,10 @@ def test_streaming_attention_equals_its_definition_after_eviction():
   n, W, N = 3, 5, 17
   tok = _tokens(1, N)
   m = streaming.with_cache(model, Policy("streaming", window=W, sinks=n))
-  blk = nnx.merge(*nnx.split(model.blocks)).layers[0]
   graphdef, st = nnx.split(model.blocks)
   blk = nnx.merge(graphdef, jax.tree.map(lambda a: a[0], st)).layers[0]
   x = blk.mixer_norm(jnp.take(model.embed[...], jnp.asarray(tok), axis=0))
   ref = _reference_streaming_attention(blk.mixer, x, n, W)
-  state = blk.mixer.init_state(blk.mixer.cfg, m.cfg.options_for("attention"), 1, 1, jnp.float32)
   ring = type(blk.mixer)(m.cfg, m.cfg.options_for("attention"), rngs=nnx.Rngs(0))
   nnx.update(ring, nnx.state(blk.mixer))
   for chunk in (1, 4):

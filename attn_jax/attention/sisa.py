@@ -236,6 +236,11 @@ def sisa_attention_reference(q_BTHD, k_BTHD, v_BTHD, c_BTHS, b_BTHS, g_BTH, phi_
 
 # ---------------------------------------------------------------- the mixer
 
+def _sink_kw(sink) -> dict:
+  """attend's sink argument only when there is a sink (keeps the plain call unchanged)."""
+  return {} if sink is None else {"sink_logit_H": sink}
+
+
 def _number(v) -> bool:
   return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
@@ -419,8 +424,8 @@ class SISA(nnx.Module):
     kf = jnp.exp(jnp.minimum(-g, limit))                     # [B, T, H] in [1, e^limit]
     qh = jnp.concatenate([q, (qf[..., None] * rc).astype(dt)], axis=-1)
     kh = jnp.concatenate([k, (kf[..., None] * rb).astype(dt)], axis=-1)
-    return attend(qh, kh, v, scale=cfg.head_dim ** -0.5, causal=True, sink_logit_H=sink,
-                  impl=cfg.attention_impl)
+    return attend(qh, kh, v, scale=cfg.head_dim ** -0.5, causal=True, impl=cfg.attention_impl,
+                  **_sink_kw(sink))
 
   def _chunked(self, q, k, v, rc, rb, g, lam, qscale, sink=None):
     """Query chunks with reference g_{a-1}; in-chunk pairs as a difference-form bias."""
@@ -445,8 +450,8 @@ class SISA(nnx.Module):
       qpos = jnp.broadcast_to(jnp.arange(a, e, dtype=jnp.int32), (B, e - a))
       kpos = jnp.broadcast_to(jnp.arange(e, dtype=jnp.int32), (B, e))
       outs.append(attend(qh, kh, v[:, :e], scale=cfg.head_dim ** -0.5, causal=True,
-                         q_positions=qpos, kv_positions=kpos, bias=bias, sink_logit_H=sink,
-                         impl=impl))
+                         q_positions=qpos, kv_positions=kpos, bias=bias, impl=impl,
+                         **_sink_kw(sink)))
     return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
 
   # -------------------------------------------------------------- decoding
@@ -477,7 +482,7 @@ class SISA(nnx.Module):
     bias = bias.astype(dt if impl == "cudnn" else g.dtype)
     out = attend(qh, keys["k"], keys["v"].astype(dt), scale=cfg.head_dim ** -0.5, causal=True,
                  q_positions=positions_BT, kv_positions=keys["pos"], bias=bias,
-                 sink_logit_H=sink, impl=impl)
+                 impl=impl, **_sink_kw(sink))
     new = kv_state.write(state, {"k": k, "v": v, "rb": rb, "g": g}, positions_BT, ring=False)
     new["g_last"] = g[:, -1]     # padding (log a = 0) keeps the last valid token's g
     return out, new
