@@ -77,12 +77,16 @@ def _main_with_clean_errors(argv):
   """Configuration mistakes (messages starting "config."), a busy workdir or unusable
   checkpoints end in one line on stderr (exit status 2), not a traceback."""
   from attn_jax.train.checkpoint import CheckpointCorruptError
+  from attn_jax.train.trainer import NonFiniteTrainingError
   from attn_jax.train.workdir import WorkdirLockedError
   try:
     return main(argv)
   except (WorkdirLockedError, CheckpointCorruptError) as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
+  except (NonFiniteTrainingError, MemoryError) as e:   # diverged / does not fit: one paragraph
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(3)
   except (ValueError, FileNotFoundError) as e:
     if not str(e).startswith("config."):
       raise
