@@ -7,7 +7,7 @@ not look back at the pairs. In the 1000 steps here a tiny model reaches ~34-36%:
 answering among the values not yet asked (H_8/8 = 34.0%); the real key->value lookup needs an
 induction circuit that forms after a much longer plateau (see README). The run ends by printing
 its held-out accuracy next to these no-lookup baselines and a few held-out sequences with the
-model's answers (attn_jax.eval.mqar.explain_checkpoint).
+model's answers (attn_jax.eval.run.explain_checkpoint).
 
   python experiments/train.py --config=configs/quickstart.py --workdir=runs/quickstart
   python experiments/train.py --config=configs/quickstart.py --config.model.mixer=sisa

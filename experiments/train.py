@@ -6,7 +6,7 @@
 
 Rerunning the same command resumes from the latest checkpoint in --workdir. An MQAR run (the
 quickstart) ends with its held-out answer accuracy next to the no-lookup baselines and a few
-held-out sequences with the model's answers (`attn_jax.eval.mqar.explain_checkpoint`). Multi-host
+held-out sequences with the model's answers (`attn_jax.eval.run.explain_checkpoint`). Multi-host
 launches (SLURM, TPU pod slices): docs/multihost.md. Pre-tokenised corpora:
 experiments/prepare_data.py, then --config.data.source=shards --config.data.paths=<folder>.
 """
@@ -67,7 +67,7 @@ def main(argv):
       print(f"final {k}: {result[k]:.4f}")
   if config.data.source == "synthetic" and config.data.synthetic_task == "mqar":
     import jax
-    from attn_jax.eval.mqar import explain_checkpoint
+    from attn_jax.eval.run import explain_checkpoint
     lines = explain_checkpoint(result["workdir"])  # every process loads (sharded restore)
     if jax.process_index() == 0:
       print("\n" + "\n".join(lines))

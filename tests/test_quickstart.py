@@ -1,6 +1,6 @@
 """The embedded default (configs/quickstart.py): its config is valid, its data is a genuine
 key->value lookup task (checked without a model), and the newcomer's example printer
-(attn_jax.eval.mqar.describe_examples / explain_checkpoint) reports what a model answers.
+(attn_jax.eval.mqar.describe_examples, attn_jax.eval.run.explain_checkpoint) reports what a model answers.
 The full quickstart run is under the slow marker."""
 
 import collections
@@ -13,6 +13,7 @@ import pytest
 from attn_jax.config import validate
 from attn_jax.data import pipeline, synthetic
 from attn_jax.eval import mqar
+from attn_jax.eval.run import explain_checkpoint
 from attn_jax.model import build_model
 from configs import quickstart
 
@@ -180,6 +181,6 @@ def test_quickstart_run_beats_the_no_lookup_baselines_and_explains_itself(tmp_pa
   base = mqar.guess_baselines(c.data.mqar_num_pairs, c.data.mqar_num_queries,
                               c.data.mqar_vocab)
   assert result["eval/accuracy"] > base["among_pairs"] + 0.1
-  lines = mqar.explain_checkpoint(str(tmp_path))
+  lines = explain_checkpoint(str(tmp_path))
   assert lines[0].startswith(f"After {c.train.steps} steps")
   assert sum(1 for s in lines if LINE.match(s.strip())) == 3

@@ -140,30 +140,3 @@ def guess_baselines(num_pairs: int, num_queries: int, mqar_vocab: int) -> dict[s
   n, m = int(num_pairs), int(num_queries)
   return {"any_value": 1.0 / int(mqar_vocab), "among_pairs": 1.0 / n,
           "among_unasked": float(np.mean([1.0 / (n - j) for j in range(m)]))}
-
-
-def explain_checkpoint(workdir: str, *, max_examples: int = 3) -> list[str]:
-  """A newcomer's summary of an MQAR training run: held-out answer accuracy next to the
-  no-lookup baselines, then `describe_examples` on fresh held-out sequences (the eval split's
-  random stream: pairs the model never trained on)."""
-  from attn_jax.data import pipeline
-  from attn_jax.eval.run import ModelScorer
-  from attn_jax.train.checkpoint import load_for_inference
-
-  model, config, step = load_for_inference(workdir)
-  d = config.data
-  n, m, v = int(d.mqar_num_pairs), int(d.mqar_num_queries), int(d.mqar_vocab)
-  batches = pipeline.make_eval_batches(d, seed=config.seed, num_batches=4, batch_size=64)
-  scorer = ModelScorer(model)
-  acc = mqar_accuracy(scorer, batches, batch_size=64)
-  base = guess_baselines(n, m, v)
-  lines = [
-      f"After {step} steps, on {acc['n_examples']} held-out sequences (fresh random pairs), "
-      f"the model answers {acc['acc']:.1%} of the {acc['n_positions']} questions right.",
-      f"Without looking the key up: {base['among_pairs']:.1%} (a random value of the "
-      f"sequence), {base['among_unasked']:.1%} (a random value not asked yet), "
-      f"{base['any_value']:.1%} (any value).",
-      "Examples (keys are letters, values numbers):"]
-  lines += ["  " + s for s in describe_examples(scorer, batches[0], num_pairs=n, mqar_vocab=v,
-                                                max_examples=max_examples)]
-  return lines
