@@ -41,7 +41,7 @@ from flax import nnx
 
 from attn_jax.config import LayerSpec, ModelConfig, validate_model
 from attn_jax.layers import RMSNorm, SwiGLU, dtype_of, param
-from attn_jax.registry import get_mixer
+from attn_jax.registry import get_mixer, optional_hook
 from attn_jax.sharding import constrain, pad_vocab
 
 # The residual stream's logical axes: activation sharding constraints (a no-op outside
@@ -243,8 +243,8 @@ def mixer_limits(cfg: ModelConfig, capacity: int) -> tuple[int | None, int | Non
   chunk = stream = None
   for spec in cfg.period:
     cls, opts = get_mixer(spec.mixer), cfg.options_for(spec.mixer)
-    c = getattr(cls, "max_chunk", lambda *a: None)(cfg, opts, capacity)
-    s = getattr(cls, "stream_limit", lambda *a: None)(cfg, opts, capacity)
+    c = optional_hook(cls, "max_chunk", cfg, opts, capacity)
+    s = optional_hook(cls, "stream_limit", cfg, opts, capacity)
     chunk = c if chunk is None else (chunk if c is None else min(chunk, c))
     stream = s if stream is None else (stream if s is None else min(stream, s))
   if chunk is not None and cfg.sink_tokens:   # a call may carry the sink tokens too

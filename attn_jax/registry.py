@@ -92,6 +92,7 @@ def default_options(name: str) -> dict:
           for f in dataclasses.fields(get_mixer(name).Options)}
 
 
-def max_chunk(cls: type, cfg, opts, capacity: int) -> int | None:
-  fn = getattr(cls, "max_chunk", None)
+def optional_hook(cls: type, name: str, cfg, opts, capacity: int) -> int | None:
+  """A mixer's optional `max_chunk` / `stream_limit` (None = unbounded when not defined)."""
+  fn = getattr(cls, name, None)
   return None if fn is None else fn(cfg, opts, capacity)

@@ -126,7 +126,7 @@ class Mamba2(nnx.Module):
     a_init_max: float = 16.0
 
     def heads(self, cfg: ModelConfig) -> int:
-      return self.n_heads or int(round(self.expand * cfg.d_model)) // self.head_dim
+      return ssd.inner_heads(self, cfg.d_model)
 
     def validate(self, cfg: ModelConfig, where: str = "config.model.mamba2") -> None:
       def need(cond, field, msg):
@@ -134,13 +134,7 @@ class Mamba2(nnx.Module):
           raise ValueError(f"{where}.{field}: {msg}")
       for f in ("d_state", "head_dim", "n_groups", "d_conv", "chunk_size"):
         need(int(getattr(self, f)) >= 1, f, f"must be >= 1, got {getattr(self, f)!r}")
-      need(self.n_heads >= 0, "n_heads", f"must be >= 0, got {self.n_heads}")
-      if not self.n_heads:
-        d_inner = self.expand * cfg.d_model
-        need(d_inner == int(d_inner) and int(d_inner) % self.head_dim == 0, "expand",
-             f"expand * d_model = {d_inner} must be a multiple of head_dim={self.head_dim}")
-      need(self.heads(cfg) % self.n_groups == 0, "n_groups",
-           f"n_heads={self.heads(cfg)} must be a multiple of n_groups={self.n_groups}")
+      ssd.validate_inner_width(self, cfg.d_model, need)
       need(0 < self.dt_min <= self.dt_max, "dt_min", "need 0 < dt_min <= dt_max")
       need(0 < self.a_init_min <= self.a_init_max, "a_init_min",
            "need 0 < a_init_min <= a_init_max")

@@ -156,7 +156,7 @@ class Mamba3(nnx.Module):
     a_floor: float = 1e-4        # A <= -a_floor
 
     def heads(self, cfg: ModelConfig) -> int:
-      return self.n_heads or int(round(self.expand * cfg.d_model)) // self.head_dim
+      return ssd.inner_heads(self, cfg.d_model)
 
     def n_angles(self) -> int:
       return int(self.d_state * self.rope_fraction) // 2
@@ -167,13 +167,7 @@ class Mamba3(nnx.Module):
           raise ValueError(f"{where}.{field}: {msg}")
       for f in ("d_state", "head_dim", "n_groups", "chunk_size"):
         need(int(getattr(self, f)) >= 1, f, f"must be >= 1, got {getattr(self, f)!r}")
-      need(self.n_heads >= 0, "n_heads", f"must be >= 0, got {self.n_heads}")
-      if not self.n_heads:
-        d_inner = self.expand * cfg.d_model
-        need(d_inner == int(d_inner) and int(d_inner) % self.head_dim == 0, "expand",
-             f"expand * d_model = {d_inner} must be a multiple of head_dim={self.head_dim}")
-      need(self.heads(cfg) % self.n_groups == 0, "n_groups",
-           f"n_heads={self.heads(cfg)} must be a multiple of n_groups={self.n_groups}")
+      ssd.validate_inner_width(self, cfg.d_model, need)
       need(self.rope_fraction in (0.5, 1.0) and self.n_angles() >= 1, "rope_fraction",
            f"must be 0.5 or 1.0 with at least one angle, got {self.rope_fraction}")
       need(0 < self.dt_min <= self.dt_max, "dt_min", "need 0 < dt_min <= dt_max")

@@ -176,3 +176,21 @@ def ssd_flops_per_token(*, n_heads: int, head_dim: int, d_state: int, n_groups: 
   Q = max(1, min(chunk, seq_len))
   macs = R * (G * N + H * P) * (Q + 1) / 2 + (R + 1) * H * P * N + H * P * N / Q
   return 2.0 * macs
+
+
+def inner_heads(opts, d_model: int) -> int:
+  """SSM heads of a Mamba block's options: `n_heads`, or expand * d_model / head_dim."""
+  return opts.n_heads or int(round(opts.expand * d_model)) // opts.head_dim
+
+
+def validate_inner_width(opts, d_model: int, need) -> None:
+  """The head/width checks shared by the Mamba-2 and Mamba-3 options (`need(cond, field,
+  msg)` raises naming the field)."""
+  need(opts.n_heads >= 0, "n_heads", f"must be >= 0, got {opts.n_heads}")
+  if not opts.n_heads:
+    d_inner = opts.expand * d_model
+    need(d_inner == int(d_inner) and int(d_inner) % opts.head_dim == 0, "expand",
+         f"expand * d_model = {d_inner} must be a multiple of head_dim={opts.head_dim}")
+  heads = inner_heads(opts, d_model)
+  need(heads % opts.n_groups == 0, "n_groups",
+       f"n_heads={heads} must be a multiple of n_groups={opts.n_groups}")
