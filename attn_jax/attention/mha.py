@@ -3,7 +3,8 @@ plus the attention-sink and streaming-cache options every softmax-attention mixe
 
     q, k, v = x W_q, x W_k, x W_v;  q, k <- RoPE(q, k);  y = softmax(q k^T / sqrt(d_h)) v W_o
 
-Sink options (`SinkOptions`, SPEC.md section 3; `config.model.<mixer>.sink_logit`):
+Sink options (`SinkLogitOptions`, part of `SinkOptions`; SPEC.md section 3;
+`config.model.<mixer>.sink_logit`, also taken by sliding_window and sinkhorn):
 - "none": the plain softmax;
 - "learned": a learnable logit per head, an extra softmax column with a zero value that is then
   dropped (gpt-oss "sinks"): p_ij = e^{s_ij} / (e^{sink_h} + sum_j' e^{s_ij'}). Initialised at
@@ -59,16 +60,26 @@ def _int_at_least(v, lo: int) -> bool:
 
 
 @dataclasses.dataclass(frozen=True)
-class SinkOptions:
-  """Options shared by the softmax-attention mixers (attention, SISA); see the module docstring."""
+class SinkLogitOptions:
+  """The sink-logit option alone, for softmax mixers whose decoding state is their own (a ring
+  for sliding_window, a block buffer for sinkhorn) and so take no `cache` options."""
   sink_logit: str = "none"      # none | learned (per-head logit) | softmax1 (logit fixed at 0)
+
+  def validate_sink_logit(self, where: str) -> None:
+    if self.sink_logit not in SINK_LOGITS:
+      raise ValueError(f"{where}.sink_logit: {self.sink_logit!r} not in {SINK_LOGITS}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SinkOptions(SinkLogitOptions):
+  """Options shared by the softmax-attention mixers with a KV cache (attention, SISA): the sink
+  logit plus the decoding cache; see the module docstring."""
   cache: str = "dense"          # decoding cache: dense | window | streaming (StreamingLLM)
   cache_sinks: int = 4          # streaming: first tokens of the stream kept forever
   cache_window: int = 1020      # window / streaming: most recent tokens kept (query included)
 
   def validate_sinks(self, where: str) -> None:
-    if self.sink_logit not in SINK_LOGITS:
-      raise ValueError(f"{where}.sink_logit: {self.sink_logit!r} not in {SINK_LOGITS}")
+    self.validate_sink_logit(where)
     if self.cache not in CACHES:
       raise ValueError(f"{where}.cache: {self.cache!r} not in {CACHES}")
     if not _int_at_least(self.cache_sinks, 0):
@@ -83,7 +94,7 @@ class SinkOptions:
     return self.cache_sinks if self.cache == "streaming" else 0
 
 
-def make_sink_logit(cfg: ModelConfig, opts: SinkOptions, rngs: nnx.Rngs):
+def make_sink_logit(cfg: ModelConfig, opts: SinkLogitOptions, rngs: nnx.Rngs):
   """The learnable per-head sink logit (None unless sink_logit == "learned")."""
   if opts.sink_logit != "learned":
     return None
@@ -91,7 +102,7 @@ def make_sink_logit(cfg: ModelConfig, opts: SinkOptions, rngs: nnx.Rngs):
                dtype_of(cfg.param_dtype), weight_decay=False)
 
 
-def sink_logit_of(opts: SinkOptions, sink_param, n_heads: int):
+def sink_logit_of(opts: SinkLogitOptions, sink_param, n_heads: int):
   """The [H] sink logit handed to `core.attend` (None for the plain softmax)."""
   if opts.sink_logit == "learned":
     return sink_param[...].astype(jnp.float32)

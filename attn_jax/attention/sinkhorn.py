@@ -90,6 +90,16 @@ What it leaves open, and what this implementation chose:
    block keeps its true relative positions. Stateless calls assume token t of a row sits at
    position t (positions arange(T), right padding as -1).
 
+9. Sink logit (`sink_logit`, `mha.SinkLogitOptions`: "learned" per-head logit s_h, initialised at
+   0 without weight decay, or "softmax1", s_h = 0). Every query's one softmax over [sorted ;
+   local] gets the extra column of logit s_h and zero value, dropped afterwards:
+       y_t = sum_{j in sorted(t) + local(t)} v_j e^{s_tj} / (e^{s_h} + sum_{j'} e^{s_tj'})
+   It goes to `core.attend(sink_logit_H=...)` in `block_attend`, so it holds in every mode (soft,
+   hard, SortCut, non-causal) and in decoding: the column is per query and per head, independent
+   of which blocks were sorted or gathered. A padding query still returns zeros. The sink does
+   not enter the sorting (it is not a block). There is no `cache` option: the decoding state is
+   the mixer's own block buffer.
+
 Decoding (causal mode): the state holds a fixed-capacity K/V buffer (slot = absolute position)
 with per-slot positions (-1 = empty) and the running per-block sums and counts of the mixer
 input (the SortNet summaries). A new token at position p in block i = p // b recomputes the
@@ -113,7 +123,8 @@ import numpy as np
 from flax import nnx
 
 from attn_jax.attention.core import NEG_INF, attend, causal_positions
-from attn_jax.attention.mha import QKVProjection
+from attn_jax.attention.mha import (QKVProjection, SinkLogitOptions, make_sink_logit,
+                                    sink_logit_of)
 from attn_jax.config import ModelConfig
 from attn_jax.layers import Linear, apply_rope, dtype_of, rope_angles
 from attn_jax.registry import register_mixer
@@ -260,8 +271,9 @@ def sort_blocks(k_BNSKD, v_BNSKD, slot_valid_BNS, plan: SortPlan):
 
 
 def block_attend(q_BNQHD, sk_BNSKD, sv_BNSKD, s_valid_BKNS, lk_BNLKD, lv_BNLKD, lpos_BNL,
-                 qpos_BNQ, *, scale, causal, impl):
-  """Each query row of block n attends to [sorted keys ; local keys] under one softmax.
+                 qpos_BNQ, *, scale, causal, impl, sink_logit_H=None):
+  """Each query row of block n attends to [sorted keys ; local keys] under one softmax (with
+  the extra sink column when `sink_logit_H` [H] is given).
 
   Sorted slots are visible iff valid; local keys by position (causal: 0 <= p_k <= p_q)."""
   B, N, Q, H, D = q_BNQHD.shape
@@ -275,7 +287,7 @@ def block_attend(q_BNQHD, sk_BNSKD, sv_BNSKD, s_valid_BKNS, lk_BNLKD, lv_BNLKD, 
     spos = jnp.where(jnp.all(s_valid_BKNS, axis=1), 0, -1).astype(jnp.int32)
     kv_pos = fold(jnp.concatenate([spos, lpos_BNL], axis=-1))
     out = attend(q, k, v, scale=scale, causal=True, q_positions=fold(qpos_BNQ),
-                 kv_positions=kv_pos, impl=impl)
+                 kv_positions=kv_pos, sink_logit_H=sink_logit_H, impl=impl)
   else:       # validity may differ per head: an additive bias on the sorted slots
     # (*_like: new arrays keep the batch sharding of the inputs under explicit meshes)
     spos = jnp.zeros_like(s_valid_BKNS[:, 0], jnp.int32)
@@ -286,18 +298,21 @@ def block_attend(q_BNQHD, sk_BNSKD, sv_BNSKD, s_valid_BKNS, lk_BNLKD, lv_BNLKD, 
     lb = jnp.zeros_like(sb[..., :1]) + jnp.zeros_like(lpos_BNL, jnp.float32)[:, :, None, :]
     bias = jnp.concatenate([sb, lb], axis=-1)
     bias = jnp.broadcast_to(fold(bias)[:, :, None, :], (B * N, H, Q, S + L))
-    out = attend(q, k, v, scale=scale, causal=False, kv_positions=kv_pos, bias=bias, impl=impl)
+    out = attend(q, k, v, scale=scale, causal=False, kv_positions=kv_pos, bias=bias,
+                 sink_logit_H=sink_logit_H, impl=impl)
   return out.reshape(B, N, Q, H, -1)
 
 
 def sinkhorn_attention_reference(q_BTHD, k_BTKD, v_BTKD, valid_BT, W_BKNMN, *, block: int,
-                                 scale: float, causal: bool):
-  """Explicit fp32 reference: for every query t in block i, build the sorted slots
+                                 scale: float, causal: bool, sink_logit_H=None):
+  """Explicit fp64 reference: for every query t in block i, build the sorted slots
   sum_j W[i, r, j] K_j (and V) by a Python loop over blocks, append the local block, mask
-  (invalid keys, causal local keys, sorted slots with no valid source) and softmax densely."""
+  (invalid keys, causal local keys, sorted slots with no valid source) and softmax densely
+  (with the sink column sink_h, value 0, when given; padding queries return zeros)."""
   q, k, v = (np.asarray(a, np.float64) for a in (q_BTHD, k_BTKD, v_BTKD))
   valid = np.asarray(valid_BT)
   W = np.asarray(W_BKNMN, np.float64)
+  sink = None if sink_logit_H is None else np.asarray(sink_logit_H, np.float64)
   B, T, H, _ = q.shape
   K = k.shape[2]
   g = H // K
@@ -327,6 +342,9 @@ def sinkhorn_attention_reference(q_BTHD, k_BTKD, v_BTKD, valid_BT, W_BKNMN, *, b
         sc = np.where(vis, sc, -np.inf)
         if not np.any(vis):
           continue
+        if sink is not None:        # the virtual column: logit sink_h, value 0
+          sc = np.append(sc, sink[h])
+          vals = vals + [np.zeros_like(vals[0])]
         p_ = np.exp(sc - sc.max())
         out[bb, t, h] = (p_ / p_.sum()) @ np.stack(vals)
   return out
@@ -347,7 +365,7 @@ class SinkhornAttention(nnx.Module):
   """Sparse Sinkhorn attention (see the module docstring). Options: config.model.sinkhorn."""
 
   @dataclasses.dataclass(frozen=True)
-  class Options:
+  class Options(SinkLogitOptions):
     block_size: int = 64         # b: tokens per block
     causal: bool = True          # False: sort freely (sets, classification; no decoding)
     n_iters: int = 7             # Sinkhorn iterations (paper's best: 7)
@@ -367,6 +385,8 @@ class SinkhornAttention(nnx.Module):
       def is_int(x):
         return isinstance(x, int) and not isinstance(x, bool)
 
+      self.validate_sink_logit(where)
+
       for f in ("block_size", "n_iters", "sortnet_depth", "sortnet_width", "sort_dim"):
         val = getattr(self, f)
         need(is_int(val) and val >= 1, f, f"must be a positive integer, got {val!r}")
@@ -383,6 +403,7 @@ class SinkhornAttention(nnx.Module):
     opts.validate(cfg, "config.model.sinkhorn")
     self.cfg, self.opts = cfg, opts
     self.proj = QKVProjection(cfg, rngs=rngs)
+    self.sink_logit = make_sink_logit(cfg, opts, rngs)
     pdt = dtype_of(cfg.param_dtype)
     W, D, K, S = opts.sortnet_width, cfg.d_model, cfg.kv_heads, opts.sort_dim
     kw = dict(rngs=rngs, dtype=jnp.float32, param_dtype=pdt)
@@ -472,9 +493,14 @@ class SinkhornAttention(nnx.Module):
     kb, vb = _blocks(k, n, b), _blocks(v, n, b)
     sk, sv, s_valid = sort_blocks(kb, vb, slot_valid, plan)
     y = block_attend(_blocks(q, n, b), sk, sv, s_valid, kb, vb, pos_blk, pos_blk,
-                     scale=cfg.head_dim ** -0.5, causal=o.causal, impl=cfg.attention_impl)
+                     scale=cfg.head_dim ** -0.5, causal=o.causal, impl=cfg.attention_impl,
+                     sink_logit_H=self.sink())
     y = y.reshape(B, n * b, cfg.n_heads, -1)[:, :T]
     return y, dict(q=q, k=k, v=v, plan=plan, logp=logp, n_blocks=n, allowed=allowed)
+
+  def sink(self):
+    """The [H] sink logit for `core.attend` (None without one; docstring 9)."""
+    return sink_logit_of(self.opts, self.sink_logit, self.cfg.n_heads)
 
   @staticmethod
   def sharpness(logp_BKNN, allowed) -> jax.Array:
@@ -528,7 +554,7 @@ class SinkhornAttention(nnx.Module):
     own = jax.vmap(lambda x_N, i_T: x_N[i_T])                 # each token's own block
     y = block_attend(q[:, :, None], sk, sv, s_valid, own(kb, i_BT), own(vb, i_BT), own(pb, i_BT),
                      positions_BT[:, :, None].astype(jnp.int32), scale=cfg.head_dim ** -0.5,
-                     causal=True, impl=cfg.attention_impl)
+                     causal=True, impl=cfg.attention_impl, sink_logit_H=self.sink())
     return self.proj.o(y.reshape(B, T, cfg.n_heads, -1)), new_state, {}
 
   @classmethod
