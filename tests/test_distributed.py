@@ -110,9 +110,19 @@ c.checkpoint.every_steps = 2
 c.eval.every_steps = 0                  # held-out loss at the end only
 c.optim.warmup_steps = 2
 c.mesh.shape = (2, 2, 1)                # data x fsdp over all 4 devices of the cluster
+if spec.get("sigterm", {}).get("process") == jax.process_index():
+  import os, signal                     # this process alone is told to stop during a step
+  real_next, calls = trainer._next_batch, [0]
+  def next_batch(*a, **k):
+    calls[0] += 1
+    if calls[0] == spec["sigterm"]["step"]:
+      os.kill(os.getpid(), signal.SIGTERM)
+    return real_next(*a, **k)
+  trainer._next_batch = next_batch
 res = trainer.train_and_evaluate(c, spec["workdir"])
 out = {"process": jax.process_index(), "count": jax.process_count(),
-       "devices": jax.device_count(), "eval_loss": res["eval/loss"]}
+       "devices": jax.device_count(), "eval_loss": res.get("eval/loss"),
+       "preempted": res.get("preempted"), "step": res.get("step")}
 if spec.get("restore"):                 # one process: restore both runs' final checkpoints
   from attn_jax.train.checkpoint import Checkpointer, load_for_inference
   from flax import nnx
@@ -139,6 +149,21 @@ def _train(spec, env_extra, devices):
   return _run(env_extra, devices, script=TRAIN_WORKER, args=[json.dumps(spec)])
 
 
+def _train_pair(workdir, steps, **spec):
+  port = _free_port()
+  procs = [_train({"workdir": workdir, "steps": steps, **spec},
+                  {distributed.ENV_COORDINATOR: f"127.0.0.1:{port}",
+                   distributed.ENV_NUM_PROCESSES: "2", distributed.ENV_PROCESS_ID: str(i)},
+                  devices=2) for i in range(2)]
+  pair = sorted((_result(p) for p in procs), key=lambda r: r["process"])
+  assert [(r["count"], r["devices"]) for r in pair] == [(2, 4), (2, 4)]
+  return pair
+
+
+def _losses(workdir):
+  return [(m["step"], m["loss"]) for m in read_metrics(workdir) if "loss" in m]
+
+
 def _split(flat, prefix):
   return {k[len(prefix):]: v for k, v in flat.items() if k.startswith(prefix + "[")}
 
@@ -150,22 +175,14 @@ def test_two_processes_train_together_like_one(tmp_path):
   process."""
   steps = 3
   pair_dir, one_dir = str(tmp_path / "pair"), str(tmp_path / "one")
-  port = _free_port()
-  procs = [_train({"workdir": pair_dir, "steps": steps},
-                  {distributed.ENV_COORDINATOR: f"127.0.0.1:{port}",
-                   distributed.ENV_NUM_PROCESSES: "2", distributed.ENV_PROCESS_ID: str(i)},
-                  devices=2) for i in range(2)]
-  pair = sorted((_result(p) for p in procs), key=lambda r: r["process"])
-  assert [(r["count"], r["devices"]) for r in pair] == [(2, 4), (2, 4)]
+  pair = _train_pair(pair_dir, steps)
   npz = str(tmp_path / "states.npz")
   one = _result(_train({"workdir": one_dir, "steps": steps, "restore": npz, "one": one_dir,
                         "pair": pair_dir}, {}, devices=4))
   assert (one["count"], one["devices"]) == (1, 4)
 
   # Only process 0 wrote metrics: every step exactly once, one TensorBoard event file.
-  one_rows, pair_rows = read_metrics(one_dir), read_metrics(pair_dir)
-  loss_pair = [(m["step"], m["loss"]) for m in pair_rows if "loss" in m]
-  loss_one = [(m["step"], m["loss"]) for m in one_rows if "loss" in m]
+  loss_pair, loss_one = _losses(pair_dir), _losses(one_dir)
   assert [s for s, _ in loss_pair] == list(range(1, steps + 1))
   assert len(os.listdir(os.path.join(pair_dir, "tb"))) == 1
   np.testing.assert_allclose([l for _, l in loss_pair], [l for _, l in loss_one], rtol=1e-5)
@@ -182,3 +199,23 @@ def test_two_processes_train_together_like_one(tmp_path):
   inference = _split(flat, "inference")
   for k, v in inference.items():
     np.testing.assert_array_equal(v, pair_state["['params']" + k], err_msg=k)
+
+
+@pytest.mark.slow
+def test_two_processes_stop_on_sigterm_and_resume_together(tmp_path):
+  """SIGTERM reaches process 1 alone during step 3: both processes stop after step 3 (the stop
+  flag is all-gathered) with a checkpoint (state shards from both, one grain iterator state
+  per process); the same command on a new pair resumes to step 4: the same losses as one
+  process training 4 steps straight, each step logged once."""
+  pair_dir, one_dir = str(tmp_path / "pair"), str(tmp_path / "one")
+  stopped = _train_pair(pair_dir, 4, sigterm={"process": 1, "step": 3})
+  assert [r["step"] for r in stopped] == [3, 3] and stopped[1]["preempted"] == "SIGTERM"
+  assert stopped[0]["preempted"]   # process 0 stops too (it only knows that some host was told)
+  pair = _train_pair(pair_dir, 4)
+  assert [r["preempted"] for r in pair] == [None, None]
+  one = _result(_train({"workdir": one_dir, "steps": 4}, {}, devices=4))
+  loss_pair, loss_one = _losses(pair_dir), _losses(one_dir)
+  assert [s for s, _ in loss_pair] == [1, 2, 3, 4]
+  np.testing.assert_allclose([l for _, l in loss_pair], [l for _, l in loss_one], rtol=1e-5)
+  for r in pair:
+    np.testing.assert_allclose(r["eval_loss"], one["eval_loss"], rtol=1e-5)
