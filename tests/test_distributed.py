@@ -32,9 +32,16 @@ global_x = np.arange(40, dtype=np.float32).reshape(shape) ** 1.5
 rows = shd.host_batch_rows(sh, shape)
 x = jax.make_array_from_process_local_data(sh, global_x[rows], shape)
 total = jax.jit(lambda a: jnp.sum(a * a), out_shardings=NamedSharding(mesh, P()))(x)
+# A non-batch axis across hosts: "tensor" first, so each host holds both "data" shards.
+mesh_tp = shd.make_mesh((2, -1), ("tensor", "data"))
+sh_tp = NamedSharding(mesh_tp, P("data", None))
+rows_tp = shd.host_batch_rows(sh_tp, shape)
+x_tp = jax.make_array_from_process_local_data(sh_tp, global_x[rows_tp], shape)
+total_tp = jax.jit(lambda a: jnp.sum(a * a), out_shardings=NamedSharding(mesh_tp, P()))(x_tp)
 print("RESULT " + json.dumps({"process": jax.process_index(), "count": jax.process_count(),
                               "devices": jax.device_count(), "rows": [rows.start, rows.stop],
-                              "sum": float(total)}), flush=True)
+                              "sum": float(total), "rows_tp": [rows_tp.start, rows_tp.stop],
+                              "sum_tp": float(total_tp)}), flush=True)
 """
 
 
@@ -71,8 +78,11 @@ def test_two_processes_form_one_cluster_and_match_one_process():
   assert [r["count"] for r in results] == [2, 2]
   assert [r["devices"] for r in results] == [4, 4]
   assert [r["rows"] for r in results] == [[0, 4], [4, 8]]   # from the sharding: disjoint halves
+  # "tensor" across the hosts: each host's devices hold every row (not process_index * B/P)
+  assert [r["rows_tp"] for r in results] == [[0, 8], [0, 8]]
   for r in results:
     np.testing.assert_allclose(r["sum"], single["sum"], rtol=1e-6)
+    np.testing.assert_allclose(r["sum_tp"], single["sum"], rtol=1e-6)
 
 
 def test_single_process_and_argument_errors():
@@ -110,6 +120,8 @@ c.checkpoint.every_steps = 2
 c.eval.every_steps = 0                  # held-out loss at the end only
 c.optim.warmup_steps = 2
 c.mesh.shape = (2, 2, 1)                # data x fsdp over all 4 devices of the cluster
+if spec.get("tensor_across_hosts"):     # tensor x data, "tensor" first: it spans the hosts
+  c.mesh.axis_names = ("tensor", "data", "fsdp")
 if spec.get("sigterm", {}).get("process") == jax.process_index():
   import os, signal                     # this process alone is told to stop during a step
   real_next, calls = trainer._next_batch, [0]
@@ -216,6 +228,22 @@ def test_two_processes_stop_on_sigterm_and_resume_together(tmp_path):
   one = _result(_train({"workdir": one_dir, "steps": 4}, {}, devices=4))
   loss_pair, loss_one = _losses(pair_dir), _losses(one_dir)
   assert [s for s, _ in loss_pair] == [1, 2, 3, 4]
+  np.testing.assert_allclose([l for _, l in loss_pair], [l for _, l in loss_one], rtol=1e-5)
+  for r in pair:
+    np.testing.assert_allclose(r["eval_loss"], one["eval_loss"], rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_two_processes_train_with_tensor_parallelism_across_hosts(tmp_path):
+  """Mesh axes ("tensor", "data", "fsdp") = (2, 2, 1): the tensor axis spans the two processes,
+  so each host's devices hold all rows of the batch and each feeds all of them; the losses equal
+  one process with the same mesh."""
+  pair_dir, one_dir = str(tmp_path / "pair"), str(tmp_path / "one")
+  pair = _train_pair(pair_dir, 3, tensor_across_hosts=True)
+  one = _result(_train({"workdir": one_dir, "steps": 3, "tensor_across_hosts": True}, {},
+                       devices=4))
+  loss_pair, loss_one = _losses(pair_dir), _losses(one_dir)
+  assert [s for s, _ in loss_pair] == [1, 2, 3]
   np.testing.assert_allclose([l for _, l in loss_pair], [l for _, l in loss_one], rtol=1e-5)
   for r in pair:
     np.testing.assert_allclose(r["eval_loss"], one["eval_loss"], rtol=1e-5)
