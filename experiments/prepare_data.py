@@ -33,7 +33,7 @@ _HF_CONFIG = flags.DEFINE_string("hf_config", None, "--hf_dataset: its configura
 _HF_SPLIT = flags.DEFINE_string("hf_split", "train", "--hf_dataset: the split.")
 _HF_DATA_FILES = flags.DEFINE_list("hf_data_files", None,
                                    "--hf_dataset: data_files for load_dataset (e.g. with json).")
-_DOCS_PER_SHARD = flags.DEFINE_integer("docs_per_shard", 50_000,
+_DOCS_PER_SHARD = flags.DEFINE_integer("docs_per_shard", 20_000,
                                        "--hf_dataset: documents per output shard.")
 _OUTPUT = flags.DEFINE_string("output", None, "Output folder (shards + index.json).",
                               required=True)
@@ -67,8 +67,8 @@ def main(argv):
   try:
     if _HF_DATASET.value is not None:
       out = shards.prepare_hf(_HF_DATASET.value, _OUTPUT.value, split=_HF_SPLIT.value,
-                       config=_HF_CONFIG.value, data_files=_HF_DATA_FILES.value,
-                       docs_per_shard=_DOCS_PER_SHARD.value, **common)
+                              config=_HF_CONFIG.value, data_files=_HF_DATA_FILES.value,
+                              docs_per_shard=_DOCS_PER_SHARD.value, **common)
     else:
       out = shards.prepare(_INPUT.value, _OUTPUT.value, text_document=_TEXT_DOCUMENT.value,
                            **common)

@@ -463,7 +463,7 @@ def _tokenize_chunk(task: dict) -> dict:
 
 def prepare_records(records: Iterable[Mapping[str, Any]], output: str, *, source: str,
                     tokenizer: str = "bytes", text_field: str = "text",
-                    docs_per_shard: int = 50_000, workers: int = 0, on_error: str = "raise",
+                    docs_per_shard: int = 20_000, workers: int = 0, on_error: str = "raise",
                     doc_boundaries: bool = False, overwrite: bool = False,
                     progress: bool = True) -> dict:
   """Tokenises a stream of records (dicts with `text_field`, e.g. `hf_records(...)`) into the
