@@ -1,5 +1,9 @@
 """Two CPU processes on one machine form one JAX cluster (localhost coordinator) and compute the
-same global result as one process; each host reads only its rows of the global batch."""
+same global result as one process; each host reads only its rows of the global batch (from the
+sharding, also when a tensor axis spans the hosts). They train the tiny config together through
+the real trainer with the per-step losses of one process, write one set of metrics, and leave a
+checkpoint that restores in one process; (slow) a SIGTERM to one of them stops both at the same
+step and a new pair resumes; tensor parallelism across the two hosts trains like one process."""
 
 import json
 import os
