@@ -1,5 +1,9 @@
 """Two CPU processes on one machine form one JAX cluster (localhost coordinator) and compute the
-same global result as one process; each host reads only its rows of the global batch."""
+same global result as one process; each host reads only its rows of the global batch (from the
+sharding, also when a tensor axis spans the hosts). They train the tiny config together through
+the real trainer with the per-step losses of one process, write one set of metrics, and leave a
+checkpoint that restores in one process; (slow) a SIGTERM to one of them stops both at the same
+step and a new pair resumes; tensor parallelism across the two hosts trains like one process."""
 
 import json
 import os
@@ -7,10 +11,12 @@ import socket
 import subprocess
 import sys
 
+import chex
 import numpy as np
 import pytest
 
 from attn_jax import distributed
+from attn_jax.train.metrics import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -30,9 +36,16 @@ global_x = np.arange(40, dtype=np.float32).reshape(shape) ** 1.5
 rows = shd.host_batch_rows(sh, shape)
 x = jax.make_array_from_process_local_data(sh, global_x[rows], shape)
 total = jax.jit(lambda a: jnp.sum(a * a), out_shardings=NamedSharding(mesh, P()))(x)
+# A non-batch axis across hosts: "tensor" first, so each host holds both "data" shards.
+mesh_tp = shd.make_mesh((2, -1), ("tensor", "data"))
+sh_tp = NamedSharding(mesh_tp, P("data", None))
+rows_tp = shd.host_batch_rows(sh_tp, shape)
+x_tp = jax.make_array_from_process_local_data(sh_tp, global_x[rows_tp], shape)
+total_tp = jax.jit(lambda a: jnp.sum(a * a), out_shardings=NamedSharding(mesh_tp, P()))(x_tp)
 print("RESULT " + json.dumps({"process": jax.process_index(), "count": jax.process_count(),
                               "devices": jax.device_count(), "rows": [rows.start, rows.stop],
-                              "sum": float(total)}), flush=True)
+                              "sum": float(total), "rows_tp": [rows_tp.start, rows_tp.stop],
+                              "sum_tp": float(total_tp)}), flush=True)
 """
 
 
@@ -42,18 +55,18 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _run(env_extra, devices):
+def _run(env_extra, devices, script=WORKER, args=()):
   env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu",
              XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", **env_extra)
   for k in ("SLURM_NTASKS", "SLURM_NPROCS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE",
             "TPU_WORKER_HOSTNAMES"):
     env.pop(k, None)
-  return subprocess.Popen([sys.executable, "-c", WORKER], env=env, stdout=subprocess.PIPE,
+  return subprocess.Popen([sys.executable, "-c", script, *args], env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True)
 
 
 def _result(p):
-  out, err = p.communicate(timeout=120)
+  out, err = p.communicate(timeout=300)
   assert p.returncode == 0, err[-3000:]
   return json.loads(next(l for l in out.splitlines() if l.startswith("RESULT "))[7:])
 
@@ -69,8 +82,11 @@ def test_two_processes_form_one_cluster_and_match_one_process():
   assert [r["count"] for r in results] == [2, 2]
   assert [r["devices"] for r in results] == [4, 4]
   assert [r["rows"] for r in results] == [[0, 4], [4, 8]]   # from the sharding: disjoint halves
+  # "tensor" across the hosts: each host's devices hold every row (not process_index * B/P)
+  assert [r["rows_tp"] for r in results] == [[0, 8], [0, 8]]
   for r in results:
     np.testing.assert_allclose(r["sum"], single["sum"], rtol=1e-6)
+    np.testing.assert_allclose(r["sum_tp"], single["sum"], rtol=1e-6)
 
 
 def test_single_process_and_argument_errors():
@@ -86,3 +102,152 @@ def test_single_process_and_argument_errors():
     distributed.initialize("h:1", 2, 2, env={})
   with pytest.raises(ValueError, match="ATTN_JAX_NUM_PROCESSES must be an integer"):
     distributed.initialize(env={distributed.ENV_NUM_PROCESSES: "two"})
+
+
+# ------------------------------------------------------------------ training on two hosts
+
+TRAIN_WORKER = r"""
+import json, sys
+from attn_jax import distributed
+distributed.initialize()
+import jax
+import numpy as np
+from attn_jax.train import trainer
+from configs import quickstart
+
+spec = json.loads(sys.argv[1])
+c = quickstart.get_config()
+c.model.update(d_model=32, n_heads=2, d_ff=64, n_layers=2)
+c.data.update(seq_len=32, global_batch_size=8, mqar_num_pairs=4, mqar_num_queries=4)
+c.train.update(steps=spec["steps"], log_every=1, progress_bar=False, grad_accum=2)
+c.checkpoint.every_steps = 2
+c.eval.every_steps = 0                  # held-out loss at the end only
+c.optim.warmup_steps = 2
+c.mesh.shape = (2, 2, 1)                # data x fsdp over all 4 devices of the cluster
+if spec.get("tensor_across_hosts"):     # tensor x data, "tensor" first: it spans the hosts
+  c.mesh.axis_names = ("tensor", "data", "fsdp")
+if spec.get("sigterm", {}).get("process") == jax.process_index():
+  import os, signal                     # this process alone is told to stop during a step
+  real_next, calls = trainer._next_batch, [0]
+  def next_batch(*a, **k):
+    calls[0] += 1
+    if calls[0] == spec["sigterm"]["step"]:
+      os.kill(os.getpid(), signal.SIGTERM)
+    return real_next(*a, **k)
+  trainer._next_batch = next_batch
+res = trainer.train_and_evaluate(c, spec["workdir"])
+out = {"process": jax.process_index(), "count": jax.process_count(),
+       "devices": jax.device_count(), "eval_loss": res.get("eval/loss"),
+       "preempted": res.get("preempted"), "step": res.get("step")}
+if spec.get("restore"):                 # one process: restore both runs' final checkpoints
+  from attn_jax.train.checkpoint import Checkpointer, load_for_inference
+  from flax import nnx
+  setup = trainer.build_setup(c)
+  flat = {}
+  for name in ("one", "pair"):
+    ck = Checkpointer(spec[name])
+    state = ck.restore(setup.abstract_state)          # params, opt_state, step (no data: per host)
+    out[name + "_step"] = ck.restored_step
+    ck.close()
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+      flat[name + jax.tree_util.keystr(path)] = np.asarray(jax.device_get(leaf))
+  model, _, step = load_for_inference(spec["pair"])   # the evaluator's path
+  params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    flat["inference" + jax.tree_util.keystr(path)] = np.asarray(leaf)
+  out["inference_step"] = step
+  np.savez(spec["restore"], **flat)
+print("RESULT " + json.dumps(out), flush=True)
+"""
+
+
+def _train(spec, env_extra, devices):
+  return _run(env_extra, devices, script=TRAIN_WORKER, args=[json.dumps(spec)])
+
+
+def _train_pair(workdir, steps, **spec):
+  port = _free_port()
+  procs = [_train({"workdir": workdir, "steps": steps, **spec},
+                  {distributed.ENV_COORDINATOR: f"127.0.0.1:{port}",
+                   distributed.ENV_NUM_PROCESSES: "2", distributed.ENV_PROCESS_ID: str(i)},
+                  devices=2) for i in range(2)]
+  pair = sorted((_result(p) for p in procs), key=lambda r: r["process"])
+  assert [(r["count"], r["devices"]) for r in pair] == [(2, 4), (2, 4)]
+  return pair
+
+
+def _losses(workdir):
+  return [(m["step"], m["loss"]) for m in read_metrics(workdir) if "loss" in m]
+
+
+def _split(flat, prefix):
+  return {k[len(prefix):]: v for k, v in flat.items() if k.startswith(prefix + "[")}
+
+
+def test_two_processes_train_together_like_one(tmp_path):
+  """Two processes x 2 CPU devices train the tiny config on a data x fsdp mesh (2, 2, 1) that
+  spans both; each feeds only its rows; the per-step losses, the held-out loss and the final
+  checkpoint equal one process with 4 devices, and the pair's checkpoint restores in one
+  process."""
+  steps = 3
+  pair_dir, one_dir = str(tmp_path / "pair"), str(tmp_path / "one")
+  pair = _train_pair(pair_dir, steps)
+  npz = str(tmp_path / "states.npz")
+  one = _result(_train({"workdir": one_dir, "steps": steps, "restore": npz, "one": one_dir,
+                        "pair": pair_dir}, {}, devices=4))
+  assert (one["count"], one["devices"]) == (1, 4)
+
+  # Only process 0 wrote metrics: every step exactly once, one TensorBoard event file.
+  loss_pair, loss_one = _losses(pair_dir), _losses(one_dir)
+  assert [s for s, _ in loss_pair] == list(range(1, steps + 1))
+  assert len(os.listdir(os.path.join(pair_dir, "tb"))) == 1
+  np.testing.assert_allclose([l for _, l in loss_pair], [l for _, l in loss_one], rtol=1e-5)
+  for r in pair:   # both processes computed the same global held-out loss
+    np.testing.assert_allclose(r["eval_loss"], one["eval_loss"], rtol=1e-5)
+
+  # The pair's final checkpoint (each process wrote its shards) restores in one process and
+  # holds the state of the one-process run: parameters, optimizer moments, step.
+  assert one["one_step"] == one["pair_step"] == one["inference_step"] == steps
+  flat = dict(np.load(npz))
+  pair_state, one_state = _split(flat, "pair"), _split(flat, "one")
+  assert pair_state.keys() == one_state.keys() and len(pair_state) > 10
+  chex.assert_trees_all_close(pair_state, one_state, rtol=1e-5, atol=1e-7)
+  inference = _split(flat, "inference")
+  for k, v in inference.items():
+    np.testing.assert_array_equal(v, pair_state["['params']" + k], err_msg=k)
+
+
+@pytest.mark.slow
+def test_two_processes_stop_on_sigterm_and_resume_together(tmp_path):
+  """SIGTERM reaches process 1 alone during step 3: both processes stop after step 3 (the stop
+  flag is all-gathered) with a checkpoint (state shards from both, one grain iterator state
+  per process); the same command on a new pair resumes to step 4: the same losses as one
+  process training 4 steps straight, each step logged once."""
+  pair_dir, one_dir = str(tmp_path / "pair"), str(tmp_path / "one")
+  stopped = _train_pair(pair_dir, 4, sigterm={"process": 1, "step": 3})
+  assert [r["step"] for r in stopped] == [3, 3] and stopped[1]["preempted"] == "SIGTERM"
+  assert stopped[0]["preempted"]   # process 0 stops too (it only knows that some host was told)
+  pair = _train_pair(pair_dir, 4)
+  assert [r["preempted"] for r in pair] == [None, None]
+  one = _result(_train({"workdir": one_dir, "steps": 4}, {}, devices=4))
+  loss_pair, loss_one = _losses(pair_dir), _losses(one_dir)
+  assert [s for s, _ in loss_pair] == [1, 2, 3, 4]
+  np.testing.assert_allclose([l for _, l in loss_pair], [l for _, l in loss_one], rtol=1e-5)
+  for r in pair:
+    np.testing.assert_allclose(r["eval_loss"], one["eval_loss"], rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_two_processes_train_with_tensor_parallelism_across_hosts(tmp_path):
+  """Mesh axes ("tensor", "data", "fsdp") = (2, 2, 1): the tensor axis spans the two processes,
+  so each host's devices hold all rows of the batch and each feeds all of them; the losses equal
+  one process with the same mesh."""
+  pair_dir, one_dir = str(tmp_path / "pair"), str(tmp_path / "one")
+  pair = _train_pair(pair_dir, 3, tensor_across_hosts=True)
+  one = _result(_train({"workdir": one_dir, "steps": 3, "tensor_across_hosts": True}, {},
+                       devices=4))
+  loss_pair, loss_one = _losses(pair_dir), _losses(one_dir)
+  assert [s for s, _ in loss_pair] == [1, 2, 3]
+  np.testing.assert_allclose([l for _, l in loss_pair], [l for _, l in loss_one], rtol=1e-5)
+  for r in pair:
+    np.testing.assert_allclose(r["eval_loss"], one["eval_loss"], rtol=1e-5)

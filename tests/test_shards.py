@@ -118,7 +118,7 @@ def test_large_vocabulary_uses_uint32(tmp_path):
 
 
 def test_parquet_input(tmp_path):
-  pa = pytest.importorskip("pyarrow")
+  pa = pytest.importorskip("pyarrow")  # in the dev extra
   import pyarrow.parquet as pq
   pq.write_table(pa.table({"text": DOCS_B, "n": list(range(20))}), tmp_path / "d.parquet")
   shards.prepare(str(tmp_path / "d.parquet"), str(tmp_path / "out"), workers=1, progress=False)
@@ -131,7 +131,7 @@ def test_parquet_input(tmp_path):
 
 
 def test_zstd_input(tmp_path):
-  zstandard = pytest.importorskip("zstandard")  # not in pyproject yet: skipped without it
+  zstandard = pytest.importorskip("zstandard")  # in the dev extra
   raw = "".join(json.dumps({"text": d}) + "\n" for d in DOCS_A).encode()
   (tmp_path / "a.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(raw))
   shards.prepare(str(tmp_path / "a.jsonl.zst"), str(tmp_path / "out"), workers=1,
@@ -209,3 +209,122 @@ def test_building_the_source_reads_no_token_data(corpus, tmp_path, monkeypatch):
   assert len(pickle.dumps(source)) < 4096    # grain workers get paths, not data
   source[len(source) - 1]
   assert len(opened) >= 1
+
+
+# ------------------------------------------------------------------ record streams (Hugging Face)
+
+RECORDS = ([{"text": d, "id": i} for i, d in enumerate(DOCS_A)]
+           + [{"text": "", "id": -1}]   # an empty document is not a document (as in JSONL)
+           + [{"text": d, "id": 100 + i} for i, d in enumerate(DOCS_B)])
+
+
+def _write_jsonl(path, records):
+  with open(path, "w", encoding="utf-8") as f:
+    for r in records:
+      f.write(json.dumps(r) + "\n")
+
+
+def _shard_files(out):
+  index = json.loads((out / shards.INDEX).read_text())
+  return index, [(out / s["file"]).read_bytes() for s in index["shards"]]
+
+
+def _assert_same_shards(got, want):
+  (gi, gb), (wi, wb) = _shard_files(got), _shard_files(want)
+  assert gb == wb and len(gb) == len(wi["shards"])   # byte-identical shards, same order
+  for key in ("dtype", "tokenizer", "total_tokens", "total_docs"):
+    assert gi[key] == wi[key], key
+  for g, w in zip(gi["shards"], wi["shards"]):   # "bytes"/"source" describe the input
+    assert (g["file"], g["tokens"], g["docs"], g["sha256"]) == (
+        w["file"], w["tokens"], w["docs"], w["sha256"])
+
+
+def _loader(records, calls):
+  """A stand-in for `shards.hf_records`: records from memory, arguments recorded."""
+  def load(name, *, split, config, data_files):
+    calls.append((name, split, config, data_files))
+    return iter(records)
+  return load
+
+
+def test_records_give_the_shards_of_the_same_jsonl(tmp_path):
+  """A record stream (what --hf_dataset streams) and the same records as JSONL: identical
+  shards; with docs_per_shard=k, the shards of k-record JSONL files, tokenised in 2 workers."""
+  _write_jsonl(tmp_path / "all.jsonl", RECORDS)
+  shards.prepare(str(tmp_path / "all.jsonl"), str(tmp_path / "from_jsonl"), workers=1,
+                 progress=False, doc_boundaries=True)
+  calls = []
+  out = shards.prepare_hf("org/corpus", str(tmp_path / "from_hf"), split="train", config="en",
+                          load=_loader(RECORDS, calls), workers=1, progress=False,
+                          doc_boundaries=True)
+  assert calls == [("org/corpus", "train", "en", None)]
+  assert out["shards"][0]["source"] == "hf:org/corpus/en[train] records 1-51"
+  _assert_same_shards(tmp_path / "from_hf", tmp_path / "from_jsonl")
+  np.testing.assert_array_equal(np.load(tmp_path / "from_hf" / "shard_00000.docs.npy"),
+                                np.load(tmp_path / "from_jsonl" / "shard_00000.docs.npy"))
+  stream = shards.TokenShards(str(tmp_path / "from_hf"))
+  np.testing.assert_array_equal(stream.read(0, stream.num_tokens),
+                                reference_stream(DOCS_A + DOCS_B))
+
+  docs = [r for r in RECORDS if r["text"]]
+  parts = tmp_path / "parts"
+  parts.mkdir()
+  for k in range(0, len(docs), 12):
+    _write_jsonl(parts / f"{k:03d}.jsonl", docs[k:k + 12])
+  shards.prepare(str(parts), str(tmp_path / "parts_out"), workers=1, progress=False)
+  out = shards.prepare_records(iter(docs), str(tmp_path / "chunked"), source="mem",
+                               docs_per_shard=12, workers=2, progress=False)
+  assert len(out["shards"]) == 5 and out["total_docs"] == 50
+  _assert_same_shards(tmp_path / "chunked", tmp_path / "parts_out")
+
+
+def test_bad_records_name_the_record(tmp_path):
+  bad = [{"text": "good"}, {"content": "x"}, {"text": 3}, "not a dict", {"text": "fine"}]
+  with pytest.raises(shards.DataError, match=r"hf:d\[train\]:record 2: no field 'text'"):
+    shards.prepare_hf("d", str(tmp_path / "o"), load=_loader(bad, []), workers=1,
+                      progress=False)
+  out = shards.prepare_hf("d", str(tmp_path / "o2"), load=_loader(bad, []), workers=1,
+                          progress=False, on_error="skip")
+  assert out["total_docs"] == 2 and out["skipped_records"] == 3
+  assert "hf:d[train]:record 3: field 'text' is a int, not a string" in out["skipped_examples"]
+  stream = shards.TokenShards(str(tmp_path / "o2"))
+  np.testing.assert_array_equal(stream.read(0, stream.num_tokens),
+                                reference_stream(["good", "fine"]))
+  with pytest.raises(shards.DataError, match=r"no usable documents in hf:d\[train\]"):
+    shards.prepare_hf("d", str(tmp_path / "o3"), load=_loader([{"text": ""}], []), workers=1,
+                      progress=False)
+  with pytest.raises(ValueError, match="docs_per_shard must be >= 1"):
+    shards.prepare_records([], str(tmp_path / "o4"), source="s", docs_per_shard=0)
+
+
+def test_hf_records_without_datasets_names_the_extra(monkeypatch):
+  import sys
+  monkeypatch.setitem(sys.modules, "datasets", None)   # import datasets -> ImportError
+  with pytest.raises(ImportError, match=r'--hf_dataset needs .*pip install "attn_jax\[hf\]"'):
+    shards.hf_records("org/corpus")
+
+
+def test_prepare_data_cli_streams_a_local_hf_json_dataset(tmp_path):
+  """experiments/prepare_data.py --hf_dataset=json --hf_data_files=<local JSONL>: the real
+  `datasets.load_dataset(..., streaming=True)` wrapper, same shards as --input."""
+  pytest.importorskip("datasets")
+  import subprocess
+  import sys
+  _write_jsonl(tmp_path / "all.jsonl", RECORDS)
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  script = os.path.join(root, "experiments", "prepare_data.py")
+  env = dict(os.environ, PYTHONPATH=root, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
+
+  def cli(*args):
+    return subprocess.run([sys.executable, script, "--workers=1", *args], env=env,
+                          capture_output=True, text=True, timeout=300)
+
+  r = cli(f"--input={tmp_path / 'all.jsonl'}", f"--output={tmp_path / 'a'}")
+  assert r.returncode == 0, r.stderr[-2000:]
+  r = cli("--hf_dataset=json", f"--hf_data_files={tmp_path / 'all.jsonl'}",
+          f"--output={tmp_path / 'b'}")
+  assert r.returncode == 0, r.stderr[-2000:]
+  assert "50 documents" in r.stdout
+  _assert_same_shards(tmp_path / "b", tmp_path / "a")
+  r = cli(f"--input={tmp_path / 'all.jsonl'}", "--hf_dataset=json", f"--output={tmp_path / 'c'}")
+  assert r.returncode == 2 and "exactly one of --input and --hf_dataset" in r.stderr
