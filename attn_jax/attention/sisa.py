@@ -46,24 +46,28 @@ fixed T, and no reference point ever depends on a later token:
    - past keys j < a: e^{r_I - g_j} <= 1. A factor can underflow only when the true product
      e^{g_i - g_j} (<= each factor) is below ~1e-38, i.e. negligible;
    - keys inside the chunk, j in [a, i]: their factor e^{r_I - g_j} could overflow (a chunk
-     can hold any amount of decay: softplus is unbounded), so it is never formed. Their SISA
-     channels are zeroed and the in-chunk term lambda e^{g_i - g_j} C.B enters as an additive
-     score bias, with e^{g_i - g_j} computed from the *difference* g_i - g_j <= 0 (the SSD
-     "segsum" idea of Mamba-2). No cap on the decay is needed: the model is exactly the paper's
-     function, with no clamp anywhere;
-   - keys after the chunk are not read (chunk I attends to the key prefix [0, a+c)), so the
-     chunked path also does half the score work of a full-square masked kernel on CPU.
+     can hold any amount of decay: softplus is unbounded), so it is never formed. The chunk's
+     own block is a separate small softmax part: plain q.k scores plus the in-chunk term
+     lambda e^{g_i - g_j} C.B as an additive [c, c] bias, with e^{g_i - g_j} computed from the
+     *difference* g_i - g_j <= 0 (the SSD "segsum" idea of Mamba-2). No cap on the decay is
+     needed: the model is exactly the paper's function, with no clamp anywhere;
+   - the two parts (past keys through one unbiased, unmasked call of the widened Q/K — the
+     fused kernel on GPU —, the chunk's own keys with the bias) are combined exactly by
+     log-sum-exp (`split.py`, the split-KV form of FlashAttention-2). No [T, S] bias exists,
+     and keys after the chunk are never read, so the chunked path does half the score work of
+     a full-square masked kernel;
+   - the chunks run one after another and are rematerialised (`split.sequential`): the
+     residuals are the inputs, the backward recomputes one chunk at a time.
    `jax.lax.cond` on the measured range picks the path at run time (both are compiled); the
    predicate has no gradient, and both paths compute the same function (so the choice, which
    reads the whole sequence, changes outputs only at rounding level; tested). Under autodiff a
    cond returns the residuals of *both* branches as outputs (the untaken one zero-filled), so
-   each branch is rematerialised (`jax.checkpoint`): the cond's residuals are its inputs, and
-   the backward recomputes the taken branch's forward. Measured (CPU, mixer fwd+bwd, 4 heads,
-   T 1024 / 4096, xla core): plain cond 1.41 / 4.66 s, fast path alone 1.30 / 4.26 s, cond of
-   rematerialised branches 1.20 / 3.82 s — recomputing the scores is cheaper than storing and
-   reloading them. With a fused cuDNN core (O(T) residuals) the fast branch is not
-   rematerialised. A forced `path` ("fast" is the caller's promise that the range stays below
-   the limit) is not rematerialised either: `config.model.remat` governs it as any mixer.
+   neither branch may leave [T, S] residuals: the fast branch is rematerialised
+   (`jax.checkpoint`; recomputing the scores is cheaper than storing and reloading them on CPU,
+   `experiments/bench.py`), the chunked one keeps only its inputs by construction. With a fused
+   cuDNN core (O(T) residuals) the fast branch is not rematerialised. A forced `path="fast"`
+   (the caller's promise that the range stays below the limit) is not rematerialised either:
+   `config.model.remat` governs it as any mixer.
 3. Decoding / prefill with a state is the chunked path with one chunk after the buffered
    tokens: reference r = the running g of the last buffered token; buffered keys get
    e^{r - g_j} <= 1, the new block's own pairs go through the difference-form bias. A one-token
@@ -107,6 +111,7 @@ Measured costs (SISA vs the Transformer, path choice) are in the README, produce
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -114,7 +119,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from attn_jax.attention import kv_state
+from attn_jax.attention import kv_state, split
 from attn_jax.attention.core import attend, causal_positions, choose_impl
 from attn_jax.attention.mha import (QKVProjection, SinkOptions, attention_flops_per_token,
                                     causal_keys, init_ring, make_sink_logit, ring_attend,
@@ -406,12 +411,13 @@ class SISA(nnx.Module):
     # g is non-increasing (log a <= 0, and rounding is monotone), so its range from the empty
     # prefix is -g at the last token.
     use_fast = -jnp.min(g[:, -1]) <= self.fast_range_limit(cfg, self.opts)
-    # Both branches rematerialised, so the cond carries no [T, S] residuals (see the module
-    # docstring) — except a fused cuDNN fast branch, whose own residuals are O(T).
+    # Neither branch leaves [T, S] residuals to the cond (see the module docstring): the fast
+    # one is rematerialised (except a fused cuDNN call, whose own residuals are O(T)); the
+    # chunked one keeps only its inputs by construction (`split.sequential`).
     fast = lambda a: self._fast(*a)
     if choose_impl(cfg.attention_impl, q.dtype, q.shape[-1] + rc.shape[-1]) != "cudnn":
       fast = jax.checkpoint(fast)
-    out = jax.lax.cond(use_fast, fast, jax.checkpoint(lambda a: self._chunked(*a)), args)
+    out = jax.lax.cond(use_fast, fast, lambda a: self._chunked(*a), args)
     return out, 1.0 - use_fast.astype(jnp.float32)
 
   def _fast(self, q, k, v, rc, rb, g, lam, qscale, sink=None):
@@ -428,31 +434,35 @@ class SISA(nnx.Module):
                   **_sink_kw(sink))
 
   def _chunked(self, q, k, v, rc, rb, g, lam, qscale, sink=None):
-    """Query chunks with reference g_{a-1}; in-chunk pairs as a difference-form bias."""
-    cfg, dt = self.cfg, q.dtype
-    B, T, H, _ = q.shape
+    """Query chunks with reference g_{a-1}, run one after another and rematerialised
+    (`split.sequential`): the residuals are the full inputs, so memory is linear in T at a
+    fixed chunk length."""
+    T = q.shape[1]
     c = self.chunk_len(self.opts, T)
-    impl = choose_impl(cfg.attention_impl, dt, q.shape[-1] + rc.shape[-1])
-    bias_dt = dt if impl == "cudnn" else g.dtype          # cuDNN wants the q dtype
-    outs = []
-    for a in range(0, T, c):
-      e = min(a + c, T)
-      r = g[:, a - 1] if a > 0 else jnp.zeros_like(g[:, 0])          # [B, H]
+    fns = [functools.partial(self._chunk, a, min(a + c, T)) for a in range(0, T, c)]
+    outs = split.sequential(fns, (q, k, v, rc, rb, g, lam, qscale, sink))
+    out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
+    return out.astype(q.dtype)
+
+  def _chunk(self, a, e, q, k, v, rc, rb, g, lam, qscale, sink):
+    """Queries [a, e): past keys [0, a) through one unbiased, unmasked call (the widened Q/K,
+    key factors e^{r - g_j} <= 1), the chunk's own keys through a small block with the
+    difference-form SISA bias; the two parts combined by log-sum-exp (`split.combine`)."""
+    cfg, dt = self.cfg, q.dtype
+    scale = cfg.head_dim ** -0.5
+    r = g[:, a - 1] if a > 0 else jnp.zeros_like(g[:, 0])              # [B, H]
+    causal = jnp.arange(a, e)[:, None] >= jnp.arange(a, e)[None, :]
+    loc = _local_bias(rc[:, a:e], rb[:, a:e], g[:, a:e], g[:, a:e], lam, causal)
+    parts = [split.partial_attention(q[:, a:e], k[:, a:e], v[:, a:e], scale=scale,
+                                     bias=loc, mask=causal)]
+    if a > 0:
       qf = jnp.exp(g[:, a:e] - r[:, None]) * qscale                     # <= qscale
       qh = jnp.concatenate([q[:, a:e], (qf[..., None] * rc[:, a:e]).astype(dt)], axis=-1)
-      kf = jnp.exp(r[:, None] - g[:, :a])                               # <= 1, past keys
-      ks = jnp.concatenate([kf[..., None] * rb[:, :a],
-                            jnp.zeros((B, e - a) + rb.shape[2:], rb.dtype)], axis=1)
-      kh = jnp.concatenate([k[:, :e], ks.astype(dt)], axis=-1)
-      causal = jnp.arange(a, e)[:, None] >= jnp.arange(a, e)[None, :]
-      loc = _local_bias(rc[:, a:e], rb[:, a:e], g[:, a:e], g[:, a:e], lam, causal)
-      bias = jnp.pad(loc, ((0, 0), (0, 0), (0, 0), (a, 0))).astype(bias_dt)
-      qpos = jnp.broadcast_to(jnp.arange(a, e, dtype=jnp.int32), (B, e - a))
-      kpos = jnp.broadcast_to(jnp.arange(e, dtype=jnp.int32), (B, e))
-      outs.append(attend(qh, kh, v[:, :e], scale=cfg.head_dim ** -0.5, causal=True,
-                         q_positions=qpos, kv_positions=kpos, bias=bias, impl=impl,
-                         **_sink_kw(sink)))
-    return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
+      kf = jnp.exp(r[:, None] - g[:, :a])                               # <= 1
+      kh = jnp.concatenate([k[:, :a], (kf[..., None] * rb[:, :a]).astype(dt)], axis=-1)
+      impl = choose_impl(cfg.attention_impl, dt, qh.shape[-1])
+      parts.append(split.partial_attention(qh, kh, v[:, :a], scale=scale, impl=impl))
+    return split.combine(parts, sink)
 
   # -------------------------------------------------------------- decoding
   def _cached(self, q, k, v, rc, rb, g, ell, lam, qscale, positions_BT, state, sink):

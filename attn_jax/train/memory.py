@@ -152,3 +152,23 @@ def pick_micro_batch(analyze: Callable[[int], Any], global_batch: int, *,
     else:
       lo = mid + 1
   return cands[lo], global_batch // cands[lo]
+
+
+def mixer_memory(cfg, mixer: str, batch: int, seq_len: int) -> Any:
+  """XLA's compiled memory analysis of one mixer layer's forward + backward (loss = sum of
+  squares of its output) on abstract [batch, seq_len, d_model] inputs: nothing is allocated.
+  Compares mixers' own memory, e.g. SISA's chunked path against plain attention."""
+  import jax.numpy as jnp
+  from flax import nnx
+
+  from attn_jax.registry import get_mixer
+
+  cls = get_mixer(mixer)
+  layer = nnx.eval_shape(lambda: cls(cfg, cfg.options_for(mixer), rngs=nnx.Rngs(0)))
+  graphdef, state = nnx.split(layer)
+
+  def loss(state, x):
+    return jnp.sum(nnx.merge(graphdef, state)(x, positions_BT=None)[0].astype(jnp.float32) ** 2)
+
+  x = jax.ShapeDtypeStruct((batch, seq_len, cfg.d_model), jnp.dtype(cfg.dtype))
+  return jax.jit(jax.grad(loss)).lower(state, x).compile().memory_analysis()
