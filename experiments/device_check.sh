@@ -27,7 +27,7 @@ python3 -c "import jax; print(jax.__version__, jax.devices())" | tee "$out/devic
 JAX_PLATFORMS="${JAX_PLATFORMS:-cuda}" XLA_FLAGS="" JAX_DEFAULT_MATMUL_PRECISION=highest timeout 240 python3 -m pytest -q -x \
   -p no:cacheprovider tests/test_gpu_paths.py tests/test_attention.py tests/test_decode.py \
   tests/test_sisa.py tests/test_trunk.py tests/test_ssd.py tests/test_mamba.py \
-  tests/test_sinkhorn.py tests/test_sinks.py tests/test_loss.py 2>&1 | tail -25 \
+  tests/test_sinkhorn.py tests/test_sinks.py tests/test_loss.py tests/test_split.py 2>&1 | tail -25 \
   | tee "$out/numerics.txt"
 
 # 2. train-step throughput, MFU (flops.PEAK_FLOPS by device kind), ratios vs the Transformer,

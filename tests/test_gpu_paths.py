@@ -130,3 +130,36 @@ def test_sisa_bf16_matches_reference(path, decay_bias, chunked):
   assert bool(took_chunked) == chunked
   assert y.dtype == jnp.bfloat16 and bool(jnp.all(jnp.isfinite(y.astype(jnp.float32))))
   assert _rel_err(y, reference(m, x)) <= OUT_TOL
+
+
+def test_split_fused_route_bf16_with_gradients():
+  """attention/split.py's fused route (past keys, no bias): cuDNN's output and lse, with the
+  custom VJP that restores the lse gradient cuDNN's own rule drops, combined with a biased part."""
+  from attn_jax.attention import split
+  B, T, S_, H, D = 2, 64, 192, 4, 80
+  q, k, v = _normal(20, (B, T, H, D)), _normal(21, (B, S_, H, D)), _normal(22, (B, S_, H, 64))
+  cut = 128
+  bias = jnp.where(jnp.arange(T)[:, None] >= jnp.arange(S_ - cut)[None, :], 0.3, 0.0)
+  mask = jnp.arange(T)[:, None] >= jnp.arange(S_ - cut)[None, :]
+  dout = _normal(23, (B, T, H, 64), jnp.float32)
+
+  def ours(q, k, v):
+    parts = [split.partial_attention(q, k[:, :cut], v[:, :cut], scale=D ** -0.5, impl=IMPL),
+             split.partial_attention(q, k[:, cut:], v[:, cut:], scale=D ** -0.5, bias=bias,
+                                     mask=mask)]
+    return split.combine(parts)
+
+  def ref(q, k, v):
+    f = lambda a: a.astype(jnp.float32)
+    full = jnp.concatenate([jnp.zeros((T, cut)), bias], axis=1)[None, None]
+    m = jnp.concatenate([jnp.ones((T, cut), bool), mask], axis=1)
+    s = jnp.einsum("bthd,bshd->bhts", f(q), f(k)) * D ** -0.5 + full
+    s = jnp.where(m, s, -jnp.inf)
+    return jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(s, -1), f(v))
+
+  assert _rel_err(jax.jit(ours)(q, k, v), jax.jit(ref)(q, k, v)) <= OUT_TOL
+  loss = lambda fn: lambda *a: jnp.sum(fn(*a) * dout)
+  g = jax.jit(jax.grad(loss(ours), argnums=(0, 1, 2)))(q, k, v)
+  g_ref = jax.jit(jax.grad(loss(ref), argnums=(0, 1, 2)))(q, k, v)
+  for name, a, b in zip("qkv", g, g_ref):
+    assert _rel_err(a, b) <= GRAD_TOL, f"d{name}"
