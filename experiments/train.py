@@ -53,23 +53,26 @@ def main(argv):
       "runs", os.path.splitext(os.path.basename(flags.FLAGS["config"].config_filename))[0])
   tasks = task_callback(config)   # config.eval.tasks, checked before training starts
   result = train_and_evaluate(config, workdir, eval_callbacks=[tasks] if tasks else [])
+  import jax
+  lead = jax.process_index() == 0      # one summary per job, not one per host
   if result.get("preempted"):  # SIGTERM/SIGINT: checkpoint saved at a step boundary
-    print(f"\nstopped by {result['preempted']} after step {result['step']} (checkpoint saved); "
-          "rerun the same command to resume")
+    if lead:
+      print(f"\nstopped by {result['preempted']} after step {result['step']} (checkpoint "
+            "saved); rerun the same command to resume")
     signum = getattr(signal, str(result["preempted"]), signal.SIGTERM)
     sys.exit(128 + int(signum))   # the shell convention for "terminated by that signal"
   logging.info("done: %s", result)
-  print(f"\nmetrics:     {os.path.join(result['workdir'], 'metrics.jsonl')}")
-  print(f"tensorboard: {os.path.join(result['workdir'], 'tb')}")
-  print(f"checkpoints: {result['checkpoint_dir']}")
-  for k in ("loss", "accuracy", "eval/loss", "eval/accuracy"):
-    if k in result:
-      print(f"final {k}: {result[k]:.4f}")
+  if lead:
+    print(f"\nmetrics:     {os.path.join(result['workdir'], 'metrics.jsonl')}")
+    print(f"tensorboard: {os.path.join(result['workdir'], 'tb')}")
+    print(f"checkpoints: {result['checkpoint_dir']}")
+    for k in ("loss", "accuracy", "eval/loss", "eval/accuracy"):
+      if k in result:
+        print(f"final {k}: {result[k]:.4f}")
   if config.data.source == "synthetic" and config.data.synthetic_task == "mqar":
-    import jax
     from attn_jax.eval.run import explain_checkpoint
     lines = explain_checkpoint(result["workdir"])  # every process loads (sharded restore)
-    if jax.process_index() == 0:
+    if lead:
       print("\n" + "\n".join(lines))
 
 
