@@ -113,9 +113,11 @@ def build_setup(config: ml_collections.ConfigDict, *, devices=None) -> Setup:
                count_params(cfg))
 
 
-def _check_batch(config, mesh, rules) -> int:
-  """Per-host micro-batch size; errors name the config field."""
-  n_proc = jax.process_count()
+def _check_batch(config, mesh, rules) -> None:
+  """The global batch splits evenly over the mesh's batch shards; errors name the config field.
+  (Each host's rows come from the batch sharding, `sharding.host_batch_rows`: a host whose
+  devices hold a replicated batch reads all of it, so no divisibility by the process count is
+  required.)"""
   gbs = config.data.global_batch_size
   axes = rules.get("batch")
   axes = () if axes is None else ((axes,) if isinstance(axes, str) else tuple(axes))
@@ -123,10 +125,6 @@ def _check_batch(config, mesh, rules) -> int:
   if gbs % shards:
     raise ValueError(f"config.data.global_batch_size={gbs} is not divisible by the "
                      f"{shards} batch shards of the mesh {dict(mesh.shape)}")
-  if gbs % n_proc:
-    raise ValueError(f"config.data.global_batch_size={gbs} is not divisible by the "
-                     f"{n_proc} processes")
-  return gbs // n_proc
 
 
 def _next_batch(it, accum: int, batch_sh, global_shape) -> dict:
