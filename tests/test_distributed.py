@@ -117,7 +117,7 @@ from configs import quickstart
 
 spec = json.loads(sys.argv[1])
 c = quickstart.get_config()
-c.model.update(d_model=32, n_heads=2, d_ff=64, n_layers=2)
+c.model.update(d_model=32, n_heads=2, d_ff=64, n_layers=2, pattern=())   # a Transformer
 c.data.update(seq_len=32, global_batch_size=8, mqar_num_pairs=4, mqar_num_queries=4)
 c.train.update(steps=spec["steps"], log_every=1, progress_bar=False, grad_accum=2)
 c.checkpoint.every_steps = 2

@@ -18,7 +18,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def tiny(steps=4):
   c = quickstart.get_config()
-  c.model.update(d_model=32, n_heads=2, d_ff=64, n_layers=1, vocab_size=257, max_seq_len=512)
+  c.model.update(pattern=(), d_model=32, n_heads=2, d_ff=64, n_layers=1, vocab_size=257,
+                 max_seq_len=512)
   c.data.update(source="synthetic", synthetic_task="mqar", seq_len=64, global_batch_size=8,
                 mqar_num_pairs=4, mqar_num_queries=4)
   c.train.update(steps=steps, log_every=2, progress_bar=False)

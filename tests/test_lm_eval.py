@@ -62,7 +62,7 @@ def tiny_model(neox):
   Untied, init_std 0.2: log-likelihoods spread over tens of nats, so a tokenization or
   template difference cannot hide in near-uniform predictions."""
   c = quickstart.get_config()
-  c.model.update(vocab_size=-(-neox.vocab_size // 128) * 128, max_seq_len=MAX_LEN,
+  c.model.update(pattern=(), vocab_size=-(-neox.vocab_size // 128) * 128, max_seq_len=MAX_LEN,
                  tie_embeddings=False, init_std=0.2, dtype="float32")
   return build_model(c.model, seed=0)
 
@@ -326,7 +326,7 @@ def test_cli_on_a_checkpoint(tmp_path, neox, task_manager, shared_data, offline_
   from attn_jax.train import trainer as trainer_lib
 
   c = quickstart.get_config()
-  c.model.update(d_model=32, n_heads=2, d_ff=64, n_layers=1, max_seq_len=128,
+  c.model.update(pattern=(), d_model=32, n_heads=2, d_ff=64, n_layers=1, max_seq_len=128,
                  vocab_size=-(-neox.vocab_size // 128) * 128)
   c.data.update(source="synthetic", synthetic_task="mqar", seq_len=64, global_batch_size=8,
                 mqar_num_pairs=4, mqar_num_queries=4, tokenizer=str(neox.path))

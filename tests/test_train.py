@@ -14,7 +14,7 @@ from configs import quickstart
 
 def tiny_config(steps=6, **data):
   c = quickstart.get_config()
-  c.model.update(d_model=32, n_heads=2, d_ff=64, n_layers=2)
+  c.model.update(d_model=32, n_heads=2, d_ff=64, n_layers=2, pattern=())   # a Transformer
   c.data.update(seq_len=32, global_batch_size=8, mqar_num_pairs=4, mqar_num_queries=4,
                 **data)
   c.train.update(steps=steps, log_every=1, progress_bar=False)

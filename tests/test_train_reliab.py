@@ -197,7 +197,7 @@ CONFIG = f"""
 from configs import quickstart
 def get_config():
   c = quickstart.get_config()
-  c.model.update(d_model=32, n_heads=2, d_ff=64, n_layers=2)
+  c.model.update(d_model=32, n_heads=2, d_ff=64, n_layers=2, pattern=())
   c.data.update(seq_len=32, global_batch_size=8, mqar_num_pairs=4, mqar_num_queries=4)
   c.train.update(steps={STEPS}, log_every=1, progress_bar=False)
   c.checkpoint.every_steps = 7
@@ -290,7 +290,7 @@ def test_a_step_that_does_not_fit_stops_with_the_knobs_or_shrinks_the_micro_batc
   c.train.update(steps=2, log_every=1, progress_bar=False)
   c.eval.every_steps = 0
   c.data.global_batch_size = 64
-  need = trainer_lib._step_memory(trainer_lib.build_setup(c), 64, 1, 64)
+  need = trainer_lib._step_memory(trainer_lib.build_setup(c), 64, 1, c.data.seq_len)
   from attn_jax.train.memory import needed_bytes
   c.train.device_memory_gb = 0.6 * needed_bytes(need) / 2**30   # 64 rows do not fit, 16 do
   with pytest.raises(MemoryError, match=r"needs .* available: .*data\.global_batch_size=64.*"
@@ -307,7 +307,8 @@ def test_a_step_that_does_not_fit_stops_with_the_knobs_or_shrinks_the_micro_batc
 
 def test_niah_lengths_beyond_max_seq_len_warn_and_too_long_ones_are_named(caplog):
   from attn_jax.eval.run import niah_lengths
-  c = tiny_config()   # model.max_seq_len 64
+  c = tiny_config()
+  c.model.max_seq_len = 64
   c.eval.niah_lengths = (48, 96, 512)
   with caplog.at_level(logging.WARNING):
     assert niah_lengths(c, max_len=128) == (48, 96)
