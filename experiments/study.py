@@ -7,7 +7,8 @@ The first trains every variant of `config.study.variants` for every seed (matche
 counts, same data, same trainer and evaluators), measures throughput side by side, and writes
 results.json, tables.md and the PNG plots under --workdir; rerunning it skips finished runs and
 resumes unfinished ones. The second regenerates tables.md, the plots and the README section
-between `<!-- study:begin -->` and `<!-- study:end -->` from results.json alone. Both flags
+between `<!-- study:begin -->` and `<!-- study:end -->` from results.json alone (--assets=docs/study
+copies the PNGs to a tracked folder and links them from there). Both flags
 together (--config ... --readme=README.md) do both.
 """
 
@@ -26,6 +27,8 @@ _WORKDIR = flags.DEFINE_string("workdir", "runs/study", "Study directory.")
 _REPORT = flags.DEFINE_string("report", "", "Only regenerate the report from this study "
                               "directory's results.json.")
 _README = flags.DEFINE_string("readme", "", "README to update between the study markers.")
+_ASSETS = flags.DEFINE_string("assets", "", "With --readme: copy the PNGs to this (tracked) "
+                              "folder and link them from there, e.g. docs/study.")
 
 
 def main(argv):
@@ -40,8 +43,8 @@ def main(argv):
   if not _REPORT.value:
     if _CONFIG.value is None:
       raise app.UsageError("--config=configs/study_tiny.py (train) or --report=<dir> (report)")
-    cmd = "python experiments/study.py " + " ".join(shlex.quote(a) for a in sys.argv[1:]
-                                                    if not a.startswith("--readme"))
+    cmd = "python experiments/study.py " + " ".join(
+        shlex.quote(a) for a in sys.argv[1:] if not a.startswith(("--readme", "--assets")))
     try:
       run_study(_CONFIG.value, workdir, command=cmd)
     except StudyStopped as e:   # SIGTERM/SIGINT: the run in progress saved a checkpoint
@@ -51,7 +54,7 @@ def main(argv):
   print(open(out["tables"]).read())
   print("plots: " + ", ".join(out["plots"]))
   if _README.value:
-    changed = report.update_readme(_README.value, workdir)
+    changed = report.update_readme(_README.value, workdir, _ASSETS.value)
     print(f"{_README.value}: study section {'updated' if changed else 'unchanged'}")
 
 

@@ -153,6 +153,13 @@ def test_readme_section_replaced_only_between_markers_and_idempotent(study, tmp_
     assert f"{os.path.relpath(workdir, str(tmp_path))}/{p})" in section
   assert not report.update_readme(str(readme), workdir)  # idempotent
   assert readme.read_text() == text
+  assets = tmp_path / "docs" / "study"   # PNGs copied to a tracked folder and linked there
+  assert report.update_readme(str(readme), workdir, str(assets))
+  text = readme.read_text()
+  for p in report.PLOTS:
+    assert f"](docs/study/{p})" in text
+    assert (assets / p).read_bytes() == open(os.path.join(workdir, p), "rb").read()
+  assert "--assets=docs/study" in text and text.startswith(head) and text.endswith(tail)
   plain = tmp_path / "R2.md"  # no markers yet: a section is appended, then replaced in place
   plain.write_text("# x\n")
   report.update_readme(str(plain), workdir)
