@@ -10,7 +10,8 @@ and 8 queries in 128 tokens (key/value vocabulary 32, so vocab 96), batch 16, 30
 evaluation every `eval.every_steps` (held-out loss/accuracy, `mqar` = recall accuracy through
 attn_jax.eval.run.task_callback, and the MQAR-space needle grid of attn_jax/study/needle.py).
 The baseline is a 2-layer Transformer; SSM variants use 4 layers without MLP (as the paper's
-Mamba baselines use ~2.5x the layers) and are matched by their expansion, the rest by d_ff
+Mamba baselines use ~2.5x the layers) and are matched by their expansion in whole heads, then
+their d_state; the rest by d_ff
 (attn_jax/study/variants.py). `--config.study.only=transformer,sisa_ds8` runs a subset.
 """
 
