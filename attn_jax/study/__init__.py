@@ -1,0 +1,17 @@
+"""The comparison study (issue #14): every variant through the one trainer and evaluator.
+
+  variants.py    per-variant configs from `config.study.variants`, parameter matching
+  needle.py      needle-in-a-haystack in MQAR's token space (for models trained on MQAR)
+  throughput.py  train-step throughput side by side (tokens/s, CPU time per step)
+  runner.py      run every (variant, seed), resumable; results.json
+  report.py      tables (markdown), PNG plots, the README section between markers
+
+Entry point: experiments/study.py.
+"""
+
+from attn_jax.study.report import write_report, update_readme  # noqa: F401
+from attn_jax.study.runner import run_study  # noqa: F401
+from attn_jax.study.variants import variant_config, match_params, variant_names  # noqa: F401
+
+__all__ = ["write_report", "update_readme", "run_study", "variant_config", "match_params",
+           "variant_names"]

@@ -1,0 +1,307 @@
+"""The study's report, from results.json only: markdown tables, PNG plots (matplotlib, Agg)
+and the README section between `<!-- study:begin -->` and `<!-- study:end -->`.
+
+Spread over seeds: "mean ± std (min–max)", std the sample standard deviation (n - 1); one seed
+shows its value alone. Accuracies are in percent. Nothing here reads the clock or the machine: the same
+results.json always gives the same text, so regenerating the README is idempotent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Sequence
+
+import numpy as np
+
+BEGIN, END = "<!-- study:begin -->", "<!-- study:end -->"
+PLOTS = ("loss.png", "niah.png", "recall.png", "throughput.png")
+
+
+def load_results(workdir: str) -> dict:
+  """results.json; a partial one (written after every run, before the throughput is measured)
+  takes the rows of throughput.json when that was measured for the same variants."""
+  with open(os.path.join(workdir, "results.json")) as f:
+    res = json.load(f)
+  thr = os.path.join(workdir, "throughput.json")
+  if not res.get("throughput") and os.path.isfile(thr):
+    with open(thr) as f:
+      t = json.load(f)
+    if t["key"]["variants"] == list(res["variants"]):
+      res["throughput"] = t["rows"]
+  return res
+
+
+def _variants(res: dict) -> list[str]:
+  return list(res["variants"])
+
+
+def _by_variant(res: dict) -> dict[str, list[dict]]:
+  out = {v: [] for v in _variants(res)}
+  for r in res["runs"]:
+    out.setdefault(r["variant"], []).append(r)
+  return out
+
+
+def spread(values: Sequence[float | None], scale: float = 1.0, digits: int = 1,
+           minmax: bool = True) -> str:
+  """'mean ± std (min–max)' of the non-None values, times `scale`; the value alone for one
+  seed (no spread to show); '-' if none."""
+  x = np.asarray([v for v in values if v is not None], np.float64) * scale
+  if x.size == 0:
+    return "-"
+  if x.size == 1:
+    return f"{x[0]:.{digits}f}"
+  std = float(x.std(ddof=1)) if x.size > 1 else 0.0
+  s = f"{x.mean():.{digits}f} ± {std:.{digits}f}"
+  if minmax and x.size > 1:
+    s += f" ({x.min():.{digits}f}–{x.max():.{digits}f})"
+  return s
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+  lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+  lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+  return "\n".join(lines)
+
+
+def params_table(res: dict) -> str:
+  rows = []
+  for v, info in res["variants"].items():
+    knob = f"{info['match_field']} = {info['match_value']}" if info["match_field"] else "-"
+    rows.append([v, f"{info['params']:,}", f"{info['diff_pct']:+.2f}%", knob])
+  return _table(["variant", "parameters", "vs baseline", "matched by"], rows)
+
+
+def eval_steps(res: dict) -> list[int]:
+  steps = sorted({e["step"] for r in res["runs"] for e in r["evals"]})
+  return steps
+
+
+def metric_at(run: dict, metric: str, step: int):
+  for e in run["evals"]:
+    if e["step"] == step:
+      return e.get(metric)
+  return None
+
+
+def step_table(res: dict, metric: str) -> str:
+  """Rows = variants, columns = evaluation steps, cells = mean ± std over seeds (percent)."""
+  steps = eval_steps(res)
+  rows = []
+  for v, runs in _by_variant(res).items():
+    rows.append([v] + [spread([metric_at(r, metric, s) for r in runs], 100.0, 1, minmax=False)
+                       for s in steps])
+  return _table(["variant"] + [f"step {s}" for s in steps], rows)
+
+
+def final_table(res: dict) -> str:
+  niah = bool(res["meta"].get("niah_metric"))
+  rows = []
+  for v, runs in _by_variant(res).items():
+    row = [v, f"{res['variants'][v]['params']:,}", str(len(runs)),
+           spread([r["final_loss"] for r in runs], 1.0, 3),
+           spread([r["recall_acc"] for r in runs], 100.0, 1)]
+    if niah:
+      row.append(spread([r["niah_acc"] for r in runs], 100.0, 1))
+    row.append(spread([r["train_tokens_per_sec"] for r in runs], 1.0, 0, minmax=False))
+    rows.append(row)
+  head = ["variant", "params", "seeds", "held-out loss", "recall acc %"]
+  head += ["NIAH acc %"] if niah else []
+  return _table(head + ["train tok/s (wall, median of logged intervals)"], rows)
+
+
+def throughput_table(res: dict) -> str:
+  thr = res.get("throughput") or []
+  if not thr:
+    return "(no throughput measured)"
+  lens = sorted({r["seq_len"] for r in thr})
+  cell = {(r["variant"], r["seq_len"]): r for r in thr}
+  rows = []
+  for v in _variants(res):
+    row = [v]
+    for L in lens:
+      r = cell.get((v, L))
+      row.append("-" if r is None else
+                 f"{r['tok_s']:,.0f} tok/s, {r['ratio']:.2f}x wall, {r['cpu_ratio']:.2f}x CPU")
+    rows.append(row)
+  head = ["variant"] + [f"L={L} (batch {cell[(_variants(res)[0], L)]['batch']})" for L in lens]
+  return _table(head, rows)
+
+
+def conditions(res: dict) -> str:
+  m = res["meta"]
+  mc = m["machine"]
+  c = m["config"]
+  mdl, d = c["model"], c["data"]
+  runs = res["runs"]
+  n_all = len(res["variants"]) * len(m["seeds"])
+  partial = ("" if m.get("complete", True) else
+             f"PARTIAL STUDY: {len(runs)} of {n_all} runs finished"
+             f"{'' if res.get('throughput') else ', throughput not measured'} (rerun the "
+             "study command to complete it). ")
+  return (f"{partial}{len(res['variants'])} variants x {len(m['seeds'])} seeds (seeds {m['seeds']}), "
+          f"{m['steps']} steps of {m['batch']} x {m['seq_len']} tokens each, equal data stream "
+          f"({d['source']}/{d.get('synthetic_task', '')}: {d['mqar_num_pairs']} pairs, "
+          f"{d['mqar_num_queries']} queries, key/value vocabulary {d['mqar_vocab']}), "
+          f"d_model {mdl['d_model']}, {mdl['n_heads']} heads, {mdl['dtype']}; evaluation every "
+          f"{m['eval_every']} steps. Machine: {mc['backend']} ({mc['device_kind']}) x"
+          f"{mc['devices']}, {mc['cpu_count']} CPU cores, {mc['platform']}, JAX {mc['jax']}; "
+          f"load average {m['loadavg_start'][0]:.1f} at the start, {m['loadavg_end'][0]:.1f} at "
+          f"the end (the machine is shared: wall times are noisy). Training time over all runs: "
+          f"{sum(r['wall_s'] for r in runs) / 60:.1f} min wall, "
+          f"{sum(r['cpu_s'] for r in runs) / 60:.1f} min CPU; {m['started']} to {m['finished']}.")
+
+
+def tables_markdown(res: dict, *, image_dir: str = "", heading: str = "###") -> str:
+  m = res["meta"]
+  parts = [f"{heading} Parameters (matched to `{m['baseline']}`)", params_table(res)]
+  if m.get("niah_metric"):
+    parts += [f"{heading} NIAH accuracy (%) vs training step (`{m['niah_metric']}`, "
+              "mean ± std over seeds)", step_table(res, m["niah_metric"])]
+  parts += [f"{heading} Recall accuracy (%) vs training step (`{m['recall_metric']}`, "
+            "mean ± std over seeds)", step_table(res, m["recall_metric"]),
+            f"{heading} Final (last evaluation; mean ± std (min–max) over seeds)",
+            final_table(res),
+            f"{heading} Train-step throughput vs `{m['baseline']}` (same process, same shapes; "
+            "ratio > 1 = faster)", throughput_table(res)]
+  if image_dir is not None:
+    parts.append(" ".join(f"![{p[:-4]}]({os.path.join(image_dir, p)})" for p in PLOTS))
+  return "\n\n".join(parts) + "\n"
+
+
+# ---------------------------------------------------------------------------------- plots
+def _curves(runs, metric_fn, steps):
+  y = np.array([[metric_fn(r, s) if metric_fn(r, s) is not None else np.nan for s in steps]
+                for r in runs], np.float64)
+  return np.nanmean(y, 0), np.nanmin(y, 0), np.nanmax(y, 0)
+
+
+def _plot_steps(res, path, title, ylabel, steps_fn, value_fn, scale=1.0):
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(figsize=(7, 4.5), dpi=100)
+  for v, runs in _by_variant(res).items():
+    steps = steps_fn(runs) if runs else []
+    if not steps:
+      continue
+    mean, lo, hi = _curves(runs, value_fn, steps)
+    line, = ax.plot(steps, mean * scale, label=v, lw=1.5)
+    if len(runs) > 1:
+      ax.fill_between(steps, lo * scale, hi * scale, color=line.get_color(), alpha=0.15)
+  ax.set_xlabel("training step")
+  ax.set_ylabel(ylabel)
+  ax.set_title(title, fontsize=10)
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize=7, ncol=2)
+  fig.tight_layout()
+  fig.savefig(path, format="png")
+  plt.close(fig)
+
+
+def _train_at(run, step):
+  for t in run["train"]:
+    if t["step"] == step:
+      return t["loss"]
+  return None
+
+
+def plot_all(res: dict, out_dir: str) -> list[str]:
+  m = res["meta"]
+  seeds = len(m["seeds"])
+  band = f"line: mean over {seeds} seeds, band: min–max"
+  paths = [os.path.join(out_dir, p) for p in PLOTS]
+  _plot_steps(res, paths[0], f"training loss ({band})", "loss (answer tokens)",
+              lambda runs: sorted({t["step"] for t in runs[0]["train"]}), _train_at)
+  for path, metric, name in ((paths[1], m.get("niah_metric"), "NIAH"),
+                             (paths[2], m["recall_metric"], "recall")):
+    _plot_steps(res, path, f"{name} accuracy, `{metric}` ({band})", f"{name} accuracy %",
+                lambda runs: eval_steps({"runs": runs}),
+                lambda r, s, k=metric: metric_at(r, k, s) if k else None, scale=100.0)
+  _plot_throughput(res, paths[3])
+  return paths
+
+
+def _plot_throughput(res, path):
+  """Two panels: tokens per wall second (best step) and per CPU second (median step): on a
+  shared machine the second is the steadier comparison."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, axes = plt.subplots(1, 2, figsize=(11, 4.5), dpi=100)
+  thr = res.get("throughput") or []
+  for ax, key, label in ((axes[0], "wall", "train tokens / wall s (best step)"),
+                         (axes[1], "cpu", "train tokens / CPU s (median step)")):
+    for v in _variants(res):
+      pts = sorted((r["seq_len"], r["tok_s"] if key == "wall" else
+                    r["batch"] * r["seq_len"] / r["cpu_s"]) for r in thr if r["variant"] == v)
+      if pts:
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=v, lw=1.5)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("sequence length (same tokens per step)")
+    ax.set_ylabel(label)
+    ax.grid(alpha=0.3)
+  axes[0].set_title("train-step throughput vs sequence length", fontsize=10)
+  if thr:
+    axes[1].legend(fontsize=7, ncol=2)
+  fig.tight_layout()
+  fig.savefig(path, format="png")
+  plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------- outputs
+def write_report(workdir: str) -> dict:
+  """tables.md and the PNGs in `workdir`, from its results.json; returns their paths."""
+  res = load_results(workdir)
+  pngs = plot_all(res, workdir)
+  md = os.path.join(workdir, "tables.md")
+  with open(md, "w") as f:
+    f.write("# Comparison study\n\n" + conditions(res) + "\n\n"
+            + tables_markdown(res, image_dir="", heading="##"))
+  return {"tables": md, "plots": pngs}
+
+
+def readme_section(res: dict, readme_path: str, workdir: str, assets: str = "") -> str:
+  """The generated section, markers included. Images link into `assets` when given (a
+  tracked folder the PNGs are copied to), else into the study's workdir."""
+  here = os.path.dirname(os.path.abspath(readme_path))
+  rel = os.path.relpath(os.path.abspath(workdir), here)
+  images = os.path.relpath(os.path.abspath(assets), here) if assets else rel
+  cmd = res["meta"].get("command") or "python experiments/study.py ..."
+  regen = (f"python experiments/study.py --report={rel} "
+           f"--readme={os.path.basename(readme_path)}"
+           + (f" --assets={images}" if assets else ""))
+  return (f"{BEGIN}\n<!-- generated by `{regen}` from {rel}/results.json; do not edit by "
+          "hand -->\n"
+          f"Conditions: {conditions(res)}\n\nReproduce (the first command trains and "
+          f"measures, resumable; the second rewrites this section):\n```bash\n{cmd}\n"
+          f"{regen}\n```\n\n"
+          + tables_markdown(res, image_dir=images, heading="####") + END)
+
+
+def update_readme(readme_path: str, workdir: str, assets: str = "") -> bool:
+  """Replace the text between the markers (markers included) with the generated section; a
+  README without the markers gets a "## Comparison study" section appended. Returns whether
+  the file changed. With `assets`, the PNGs of `workdir` are copied there first (runs/ is not
+  tracked by git, so a README that links into it shows no images on a fresh clone)."""
+  res = load_results(workdir)
+  if assets:
+    import shutil
+    os.makedirs(assets, exist_ok=True)
+    for p in PLOTS:
+      shutil.copyfile(os.path.join(workdir, p), os.path.join(assets, p))
+  with open(readme_path) as f:
+    text = f.read()
+  section = readme_section(res, readme_path, workdir, assets)
+  b, e = text.find(BEGIN), text.find(END)
+  if b < 0 and e < 0:
+    new = text.rstrip("\n") + "\n\n## Comparison study\n" + section + "\n"
+  elif b < 0 or e < b:
+    raise ValueError(f"{readme_path}: markers {BEGIN} ... {END} are missing or out of order")
+  else:
+    new = text[:b] + section + text[e + len(END):]
+  if new != text:
+    with open(readme_path, "w") as f:
+      f.write(new)
+  return new != text

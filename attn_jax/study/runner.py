@@ -1,0 +1,238 @@
+"""Run the study: every (variant, seed) through `train_and_evaluate`, then the throughput
+comparison, then results.json and the report.
+
+Layout under the study's workdir:
+  runs/<variant>/seed<k>/   the trainer's workdir (checkpoints, metrics.jsonl, tb/) and
+                            study_run.json once the run has finished (its summary)
+  jax_cache/                JAX's persistent compilation cache: seeds 2..n (and a rerun) load
+                            the compiled train/eval steps of seed 1 instead of recompiling
+  throughput.json           the side-by-side throughput rows (skipped when present with the
+                            same settings)
+  results.json              everything the report reads (`report.write_report`)
+
+Resuming: a run with a study_run.json for `train.steps` steps is skipped; an unfinished one is
+restarted with the same command and the trainer resumes from its latest checkpoint. Equal
+conditions: every variant gets the same data stream (`data.*`, the seed), steps, batch,
+optimizer and evaluation; only the model differs (`attn_jax.study.variants`).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import time
+from typing import Any, Callable
+
+import ml_collections
+import numpy as np
+
+from attn_jax.study import variants as variants_lib
+
+RESULTS = "results.json"
+RUN_SUMMARY = "study_run.json"
+
+
+class StudyStopped(Exception):
+  """A run was stopped by a signal (checkpoint saved); rerunning the study resumes it."""
+
+  def __init__(self, message: str, signal_name: str):
+    super().__init__(message)
+    self.signal_name = signal_name
+
+
+def enable_compilation_cache(workdir: str) -> str:
+  """JAX's persistent compilation cache in <workdir>/jax_cache, unless one is configured
+  already (JAX_COMPILATION_CACHE_DIR), which is then kept."""
+  import jax
+  if jax.config.jax_compilation_cache_dir:
+    return jax.config.jax_compilation_cache_dir
+  path = os.path.join(os.path.abspath(workdir), "jax_cache")
+  os.makedirs(path, exist_ok=True)
+  jax.config.update("jax_compilation_cache_dir", path)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+  return path
+
+
+def machine_info() -> dict:
+  import jax
+  dev = jax.devices()
+  return {"platform": platform.platform(), "python": platform.python_version(),
+          "jax": jax.__version__, "backend": jax.default_backend(), "devices": len(dev),
+          "device_kind": dev[0].device_kind, "cpu_count": os.cpu_count(),
+          "affinity_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+          else None}
+
+
+def _read_jsonl(path: str) -> list[dict]:
+  if not os.path.isfile(path):
+    return []
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def _num(v):
+  return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def summarize_run(run_dir: str, config: ml_collections.ConfigDict, variant: str, info: dict,
+                  *, wall_s: float, cpu_s: float) -> dict:
+  """The run's record for results.json, from its metrics.jsonl."""
+  rows = _read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+  train = [{"step": r["step"], "loss": _num(r["loss"]), "accuracy": _num(r.get("accuracy")),
+            "tokens_per_sec": _num(r.get("tokens_per_sec"))} for r in rows if "loss" in r]
+  evals: dict[int, dict] = {}
+  for r in rows:
+    ev = {k: _num(v) for k, v in r.items() if k.startswith("eval/") and _num(v) is not None}
+    if ev:
+      evals.setdefault(int(r["step"]), {"step": int(r["step"])}).update(ev)
+  evals_l = [evals[s] for s in sorted(evals)]
+  s = config.study
+  last = evals_l[-1] if evals_l else {}
+  tps = [t["tokens_per_sec"] for t in train[1:] if t["tokens_per_sec"]] or \
+        [t["tokens_per_sec"] for t in train if t["tokens_per_sec"]]
+  return {"variant": variant, "seed": int(config.seed), "params": info["params"],
+          "param_diff_pct": info["diff_pct"], "match_field": info["match_field"],
+          "match_value": info["match_value"], "mixer": config.model.mixer,
+          "pattern": list(config.model.pattern), "sink_tokens": int(config.model.sink_tokens),
+          "d_ff": int(config.model.d_ff), "n_layers": int(config.model.n_layers),
+          "steps": int(config.train.steps),
+          "tokens": int(config.train.steps) * int(config.train.grad_accum)
+          * int(config.data.global_batch_size) * int(config.data.seq_len),
+          "train": train, "evals": evals_l,
+          "final_train_loss": train[-1]["loss"] if train else None,
+          "final_loss": last.get("eval/loss"),
+          "recall_acc": last.get(s.recall_metric),
+          "niah_acc": last.get(s.niah_metric) if s.niah_metric else None,
+          "train_tokens_per_sec": float(np.median(tps)) if tps else None,
+          "wall_s": wall_s, "cpu_s": cpu_s, "workdir": os.path.relpath(run_dir)}
+
+
+def eval_callbacks(config: ml_collections.ConfigDict) -> list[Callable]:
+  """The same evaluators for every variant: `task_callback` (config.eval.tasks: MQAR recall,
+  text NIAH, benchmarks) and, with `study.niah == "synthetic"`, the MQAR-space needle grid."""
+  from attn_jax.eval.run import task_callback
+  from attn_jax.study.needle import needle_callback
+  cbs = []
+  tasks = task_callback(config)
+  if tasks is not None:
+    cbs.append(tasks)
+  if config.study.niah == "synthetic":
+    cbs.append(needle_callback(config))
+  elif config.study.niah not in ("text", "none"):
+    raise ValueError(f"config.study.niah: {config.study.niah!r} not in "
+                     "('synthetic', 'text', 'none')")
+  return cbs
+
+
+def _load(path):
+  with open(path) as f:
+    return json.load(f)
+
+
+def _dump(obj, path):
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    json.dump(obj, f, indent=1)
+  os.replace(tmp, path)
+
+
+def run_one(config, variant, info, workdir, log) -> dict:
+  from attn_jax.train.trainer import train_and_evaluate
+  run_dir = os.path.join(workdir, "runs", variant, f"seed{config.seed}")
+  done = os.path.join(run_dir, RUN_SUMMARY)
+  if os.path.isfile(done):
+    rec = _load(done)
+    if rec.get("steps") == int(config.train.steps) and rec.get("params") == info["params"]:
+      log(f"[study] {variant} seed {config.seed}: finished earlier, skipped")
+      return rec
+  log(f"[study] {variant} seed {config.seed}: {info['params']:,} params "
+      f"({info['diff_pct']:+.2f}%), training {config.train.steps} steps")
+  t, c = time.perf_counter(), time.process_time()
+  out = train_and_evaluate(config, run_dir, eval_callbacks=eval_callbacks(config))
+  wall, cpu = time.perf_counter() - t, time.process_time() - c
+  if out.get("preempted"):
+    raise StudyStopped(f"{variant} seed {config.seed}: stopped by {out['preempted']} "
+                       "(checkpoint saved); rerun the same command to resume",
+                       str(out["preempted"]))
+  rec = summarize_run(run_dir, config, variant, info, wall_s=wall, cpu_s=cpu)
+  _dump(rec, done)
+  log(f"[study] {variant} seed {config.seed}: done in {wall:.0f} s (CPU {cpu:.0f} s); "
+      f"loss {rec['final_loss']}, recall {rec['recall_acc']}, niah {rec['niah_acc']}")
+  return rec
+
+
+def run_throughput(config, cfgs: dict, workdir: str, log) -> list[dict]:
+  from attn_jax.study import throughput
+  s = config.study
+  lens = [int(x) for x in s.throughput_seq_lens]
+  if not lens:
+    return []
+  key = {"seq_lens": lens, "batch_tokens": int(s.throughput_batch_tokens),
+         "steps": int(s.throughput_steps), "repeats": int(s.throughput_repeats),
+         "variants": list(cfgs)}
+  path = os.path.join(workdir, "throughput.json")
+  if os.path.isfile(path):
+    prev = _load(path)
+    if prev.get("key") == key:
+      log("[study] throughput: measured earlier, skipped")
+      return prev["rows"]
+  load0 = os.getloadavg()
+  rows = throughput.compare(cfgs, lens, batch_tokens=key["batch_tokens"], steps=key["steps"],
+                            warmup=1, repeats=key["repeats"], log=log)
+  _dump({"key": key, "rows": rows, "loadavg_before": load0,
+         "loadavg_after": os.getloadavg()}, path)
+  return rows
+
+
+def run_study(config: ml_collections.ConfigDict, workdir: str, *, command: str = "",
+              log: Callable[[str], Any] = print) -> dict:
+  """Train every (variant, seed), measure throughput, write results.json; returns it."""
+  workdir = os.path.abspath(workdir)
+  os.makedirs(workdir, exist_ok=True)
+  enable_compilation_cache(workdir)
+  started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+  load0 = os.getloadavg()
+  t0, c0 = time.perf_counter(), time.process_time()
+  cfgs = variants_lib.all_variant_configs(config)
+  for name, (_, info) in cfgs.items():
+    log(f"[study] {name}: {info['params']:,} parameters ({info['diff_pct']:+.2f}% vs "
+        f"{config.study.baseline}; {info['match_field'] or '-'} = {info['match_value']})")
+  runs: list[dict] = []
+
+  def results(thr):
+    return {
+        "meta": {"command": command, "started": started,
+                 "finished": datetime.datetime.now(datetime.timezone.utc).isoformat(
+                     timespec="seconds"),
+                 "complete": len(runs) == len(cfgs) * len(config.study.seeds) and thr is not None,
+                 "machine": machine_info(), "loadavg_start": load0,
+                 "loadavg_end": os.getloadavg(),
+                 "this_invocation": {"wall_s": time.perf_counter() - t0,
+                                     "cpu_s": time.process_time() - c0},
+                 "runs_wall_s": sum(r["wall_s"] for r in runs),
+                 "runs_cpu_s": sum(r["cpu_s"] for r in runs),
+                 "baseline": config.study.baseline, "seeds": list(config.study.seeds),
+                 "recall_metric": config.study.recall_metric,
+                 "niah_metric": config.study.niah_metric, "niah": config.study.niah,
+                 "steps": int(config.train.steps), "eval_every": int(config.eval.every_steps),
+                 "seq_len": int(config.data.seq_len),
+                 "batch": int(config.data.global_batch_size) * int(config.train.grad_accum),
+                 "config": json.loads(json.dumps(config.to_dict(), default=str))},
+        "variants": {n: info for n, (_, info) in cfgs.items()},
+        "runs": list(runs), "throughput": thr or []}
+
+  # Seed-major: after the first pass every variant has one finished seed, so a study stopped
+  # part-way already compares them all (results.json is rewritten after every run).
+  for seed in config.study.seeds:
+    for name, (vc, info) in cfgs.items():
+      c = ml_collections.ConfigDict(vc.to_dict())
+      c.seed = int(seed)
+      runs.append(run_one(c, name, info, workdir, log))
+      _dump(results(None), os.path.join(workdir, RESULTS))
+  thr = run_throughput(config, {n: c for n, (c, _) in cfgs.items()}, workdir, log)
+  out = results(thr)
+  _dump(out, os.path.join(workdir, RESULTS))
+  return out

@@ -1,0 +1,62 @@
+"""The comparison study (issue #14): flags in, `attn_jax.study` out.
+
+  python experiments/study.py --config=configs/study_tiny.py --workdir=runs/study
+  python experiments/study.py --report=runs/study --readme=README.md
+
+The first trains every variant of `config.study.variants` for every seed (matched parameter
+counts, same data, same trainer and evaluators), measures throughput side by side, and writes
+results.json, tables.md and the PNG plots under --workdir; rerunning it skips finished runs and
+resumes unfinished ones. The second regenerates tables.md, the plots and the README section
+between `<!-- study:begin -->` and `<!-- study:end -->` from results.json alone (--assets=docs/study
+copies the PNGs to a tracked folder and links them from there). Both flags
+together (--config ... --readme=README.md) do both.
+"""
+
+import os
+import shlex
+import signal
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app, flags  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Study config (configs/study_*.py).")
+_WORKDIR = flags.DEFINE_string("workdir", "runs/study", "Study directory.")
+_REPORT = flags.DEFINE_string("report", "", "Only regenerate the report from this study "
+                              "directory's results.json.")
+_README = flags.DEFINE_string("readme", "", "README to update between the study markers.")
+_ASSETS = flags.DEFINE_string("assets", "", "With --readme: copy the PNGs to this (tracked) "
+                              "folder and link them from there, e.g. docs/study.")
+
+
+def main(argv):
+  del argv
+  from absl import logging
+
+  from attn_jax.study import report, run_study
+  from attn_jax.study.runner import StudyStopped
+
+  logging.set_verbosity(logging.WARNING)
+  workdir = _REPORT.value or _WORKDIR.value
+  if not _REPORT.value:
+    if _CONFIG.value is None:
+      raise app.UsageError("--config=configs/study_tiny.py (train) or --report=<dir> (report)")
+    cmd = "python experiments/study.py " + " ".join(
+        shlex.quote(a) for a in sys.argv[1:] if not a.startswith(("--readme", "--assets")))
+    try:
+      run_study(_CONFIG.value, workdir, command=cmd)
+    except StudyStopped as e:   # SIGTERM/SIGINT: the run in progress saved a checkpoint
+      print(f"\n{e}")
+      sys.exit(128 + int(getattr(signal, e.signal_name, signal.SIGTERM)))
+  out = report.write_report(workdir)
+  print(open(out["tables"]).read())
+  print("plots: " + ", ".join(out["plots"]))
+  if _README.value:
+    changed = report.update_readme(_README.value, workdir, _ASSETS.value)
+    print(f"{_README.value}: study section {'updated' if changed else 'unchanged'}")
+
+
+if __name__ == "__main__":
+  app.run(main)
