@@ -6,6 +6,13 @@ compiled peak memory, decode tokens/s).
   python experiments/bench.py --configs=transformer_152m,sisa_152m --seq_lens=1024,4096,16384
   python experiments/bench.py --scale=tiny --dtype=float32 --seq_lens=1024,4096 \
       --configs=transformer_152m,sisa_152m,sisa_152m@fast,sisa_152m@chunked   # a 2-core CPU
+  python experiments/bench.py --study=configs/study_tiny.py --seq_lens=256,1024 # every mixer
+  python experiments/bench.py --configs=transformer_152m,transformer_152m@model.attention.cache=streaming
+
+A config suffix `@a.b=v,...` sets any config fields; `--study` benches every variant of a study
+config at its matched parameter count (attn_jax/study/variants.py) plus the window and
+StreamingLLM cache policies of --policy_mixers (their decode tokens/s is the policy's cost; the
+train step is the same model), all in one table with ratios to the study's baseline.
 
 Each config is timed with the jitted train step (forward + backward + clipped AdamW update):
 `attn_jax.train.trainer.build_setup` when that module is present (the real trainer step, with
@@ -75,6 +82,14 @@ _PRESET = flags.DEFINE_enum("preset", "", ["", "issue9"], "issue9: configs trans
 _DECODE_TOKENS = flags.DEFINE_integer("decode_tokens", 128, "Generated tokens (0 = no decode).")
 _DECODE_BATCH = flags.DEFINE_integer("decode_batch", 4, "Largest decode batch.")
 _JSON = flags.DEFINE_string("json", "", "Write the rows to this JSON file.")
+_STUDY = flags.DEFINE_string("study", "", "A study config (e.g. configs/study_tiny.py): bench "
+                             "every variant of the study at its matched parameter count, plus "
+                             "the streaming cache policies of --policy_mixers, in one table.")
+_POLICY_MIXERS = flags.DEFINE_list("policy_mixers", ["transformer", "sisa_ds8"],
+                                   "--study: variants also benched with cache=window and "
+                                   "cache=streaming (decode with a bounded ring cache).")
+_POLICY_WINDOW = flags.DEFINE_integer("policy_window", 256, "--study: cache_window of the "
+                                      "window / streaming rows (cache_sinks 4).")
 
 PRESETS = {"issue9": dict(configs=["transformer_152m", "sisa_152m", "sisa_152m@fast"],
                           seq_lens=["1024"], batch_tokens=4096, d_model=512, n_heads=8,
@@ -168,18 +183,65 @@ def _setup(config):
   return s.cfg, s.step_fn, s.init_fn, s.n_params, "trainer.build_setup"
 
 
-def bench_one(name: str, seq_len: int, decode: bool = True):
+def _set_path(config, path: str, text: str) -> None:
+  """config.<path> = the literal `text` (a Python literal, else the string)."""
+  import ast
+  try:
+    value = ast.literal_eval(text)
+  except (ValueError, SyntaxError):
+    value = text
+  *parents, leaf = path.split(".")
+  node = config
+  for p in parents + [leaf]:
+    if p not in node:
+      raise ValueError(f"config suffix {path}={text}: config.{path} is not a field")
+    if p != leaf:
+      node = node[p]
+  node[leaf] = value
+
+
+def named_config(name: str):
+  """"module", "module@chunked" (SISA path, as before) or "module@a.b=v,c.d=w" (any fields)."""
+  module, _, suffix = name.partition("@")
+  config = importlib.import_module(f"configs.{module}").get_config()
+  _model_overrides(module, config.model)
+  for item in filter(None, suffix.split(",")):
+    if "=" in item:
+      _set_path(config, *item.split("=", 1))
+    else:
+      config.model.sisa.path = item
+  return config
+
+
+def study_configs(path: str) -> dict:
+  """{row name: config} for every study variant (parameters matched to the study's baseline,
+  attn_jax.study.variants) plus cache-policy rows of --policy_mixers."""
+  import runpy
+
+  from attn_jax.study import variants
+  study = runpy.run_path(path)["get_config"]()
+  rows = {name: cfg for name, (cfg, _) in variants.all_variant_configs(study).items()}
+  for name in _POLICY_MIXERS.value:
+    for policy in ("window", "streaming"):
+      c = rows[name].copy_and_resolve_references()
+      for layer in c.model.pattern or (c.model.mixer,):
+        opts = c.model[layer.split(":")[0]]
+        if "cache" in opts:
+          opts.update(cache=policy, cache_window=_POLICY_WINDOW.value, cache_sinks=4)
+      rows[f"{name}@{policy}"] = c
+  return rows
+
+
+def bench_one(name: str, seq_len: int, decode: bool = True, config=None):
   import jax
   import jax.numpy as jnp
   import numpy as np
 
   from attn_jax.train import flops as flops_lib
 
-  module, _, path = name.partition("@")     # "sisa_152m@chunked": force the SISA path
-  config = importlib.import_module(f"configs.{module}").get_config()
-  _model_overrides(module, config.model)
-  if path:
-    config.model.sisa.path = path
+  if config is None:
+    config = named_config(name)
+  config = config.copy_and_resolve_references()
   B = max(1, _BATCH_TOKENS.value // seq_len)
   config.data.seq_len = seq_len
   config.model.max_seq_len = max(config.model.max_seq_len, seq_len)
@@ -290,7 +352,8 @@ def main(argv):
   import jax
   print(f"backend {jax.default_backend()} x{jax.device_count()}, "
         f"{os.cpu_count()} CPU cores, batch_tokens {_BATCH_TOKENS.value}", flush=True)
-  names = list(_CONFIGS.value)
+  prepared = study_configs(_STUDY.value) if _STUDY.value else {}
+  names = list(prepared) or list(_CONFIGS.value)
   out = []
   for L in (int(s) for s in _SEQ_LENS.value):
     best = {}
@@ -298,14 +361,16 @@ def main(argv):
       for name in names:
         if rep and "skipped" in best.get(name, {}):
           continue
-        best[name] = _merge(best.get(name), bench_one(name, L, decode=rep == 0))
+        best[name] = _merge(best.get(name), bench_one(name, L, decode=rep == 0,
+                                                      config=prepared.get(name)))
     _print_table(L, best, names)
     out += [best[n] for n in names]
   if _JSON.value:
     with open(_JSON.value, "w") as f:
       json.dump({"flags": {k: flags.FLAGS[k].value for k in (
           "configs", "seq_lens", "batch_tokens", "d_model", "n_heads", "n_layers",
-          "vocab_size", "dtype", "steps", "repeats", "preset")}, "rows": out}, f, indent=1)
+          "vocab_size", "dtype", "steps", "repeats", "preset", "study")}, "rows": out}, f,
+                indent=1)
     print(f"wrote {_JSON.value}")
 
 

@@ -1,0 +1,42 @@
+"""experiments/bench.py's config plumbing: `@field=value` suffixes and the --study rows (every
+study variant at its matched parameter count plus the cache-policy rows)."""
+
+import os
+import runpy
+import sys
+
+import pytest
+from absl import flags
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def bench():
+  mod = runpy.run_path(os.path.join(ROOT, "experiments", "bench.py"), run_name="bench_test")
+  if not flags.FLAGS.is_parsed():
+    flags.FLAGS(sys.argv[:1])
+  return mod
+
+
+def test_suffix_sets_any_field_and_keeps_the_sisa_path_shorthand(bench):
+  c = bench["named_config"]("transformer_152m@model.attention.cache=streaming,model.n_layers=2")
+  assert c.model.attention.cache == "streaming" and c.model.n_layers == 2
+  assert bench["named_config"]("sisa_152m@chunked").model.sisa.path == "chunked"
+  with pytest.raises(ValueError, match=r"config\.model\.nope\.x is not a field"):
+    bench["named_config"]("transformer_152m@model.nope.x=1")
+
+
+def test_study_rows_cover_every_variant_and_the_cache_policies(bench):
+  from attn_jax.study import variants
+  path = os.path.join(ROOT, "configs", "study_tiny.py")
+  rows = bench["study_configs"](path)
+  study = runpy.run_path(path)["get_config"]()
+  names = variants.variant_names(study)
+  assert list(rows)[:len(names)] == names
+  for mixer in ("transformer", "sisa_ds8"):
+    for policy in ("window", "streaming"):
+      c = rows[f"{mixer}@{policy}"]
+      opts = c.model[c.model.mixer]
+      assert opts.cache == policy and opts.cache_window == 256 and opts.cache_sinks == 4
+      assert rows[mixer].model[c.model.mixer].cache == "dense"   # the variant row is untouched
