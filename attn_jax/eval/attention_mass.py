@@ -22,10 +22,10 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from attn_jax.attention import core, sisa
 from attn_jax.attention.mha import sink_logit_of
+from attn_jax.eval.maps import layer_inputs
 
 
 def _probs(mixer, h_BTD):
@@ -57,18 +57,7 @@ def _probs(mixer, h_BTD):
 def attention_maps(model, tokens_BT) -> list:
   """Per layer (in depth order): [B, H, T', T' + 1] probabilities or None (T' includes the
   sink tokens)."""
-  cfg = model.cfg
-  x = jnp.take(model.embed[...], tokens_BT, axis=0).astype(jnp.float32)
-  if cfg.sink_tokens:
-    x, _ = model._prepend_sinks(x, None)
-  graphdef, stacked = nnx.split(model.blocks)
-  maps = []
-  for r in range(cfg.n_repeats):
-    period = nnx.merge(graphdef, jax.tree.map(lambda a: a[r], stacked))
-    for blk in period.layers:
-      maps.append(_probs(blk.mixer, blk.mixer_norm(x)))
-      x, _, _ = blk(x, positions_BT=None, state=None, rng=None, train=False)
-  return maps
+  return [_probs(mixer, x) for _, mixer, x in layer_inputs(model, tokens_BT)]
 
 
 def mass_table(maps, *, min_query: int = 16, n_keys: int = 32) -> dict:
