@@ -111,6 +111,29 @@ def sink_logit_of(opts: SinkLogitOptions, sink_param, n_heads: int):
   return None
 
 
+def probs_with_sink(scores_BHTS, sink_H):
+  """Explicit softmax over [scores ; sink column] ([B, H, T, S + 1], fp32): what a layer's
+  attention map is (`attention_probs`). The last column is the sink's share (0 without one)."""
+  s = scores_BHTS.astype(jnp.float32)
+  col = jnp.full(s.shape[:3] + (1,), -jnp.inf) if sink_H is None else jnp.broadcast_to(
+      sink_H.astype(jnp.float32)[None, :, None, None], s.shape[:3] + (1,))
+  return jax.nn.softmax(jnp.concatenate([s, col], axis=-1), axis=-1)
+
+
+def qk_probs(mixer, x_BTD, window: int | None = None):
+  """Attention map of a q.k mixer (RoPE at positions 0..T-1, causal, optional window, its sink
+  logit): [B, H, T, T + 1] fp32."""
+  from attn_jax.attention.core import positional_mask
+  cfg = mixer.cfg
+  B, T, _ = x_BTD.shape
+  pos = causal_positions(B, T)
+  q, k, _ = mixer.proj.rotated_qkv(x_BTD, pos, cfg.rope_theta)
+  k = jnp.repeat(k, cfg.n_heads // cfg.kv_heads, axis=2)
+  s = jnp.einsum("bthd,bshd->bhts", q.astype(jnp.float32), k.astype(jnp.float32))
+  s = jnp.where(positional_mask(pos, pos, True, window), s * cfg.head_dim ** -0.5, -jnp.inf)
+  return probs_with_sink(s, sink_logit_of(mixer.opts, mixer.sink_logit, cfg.n_heads))
+
+
 class QKVProjection(nnx.Module):
   """The q/k/v/o projections shared by attention-style mixers."""
 
@@ -267,6 +290,10 @@ class Attention(nnx.Module):
                       sink_logit_H=sink)
     state = kv_state.write(state, {"k": k, "v": v}, positions_BT, ring=True, sinks=n)
     return p.o(out), state, {}
+
+  def attention_probs(self, x_BTD):
+    """[B, H, T, T + 1] attention map of a full forward (last column: the sink); diagnostics."""
+    return qk_probs(self, x_BTD)
 
   @classmethod
   def init_state(cls, cfg: ModelConfig, opts, batch: int, capacity: int, dtype) -> dict:

@@ -122,8 +122,8 @@ from flax import nnx
 from attn_jax.attention import kv_state, split
 from attn_jax.attention.core import attend, causal_positions, choose_impl
 from attn_jax.attention.mha import (QKVProjection, SinkOptions, attention_flops_per_token,
-                                    causal_keys, init_ring, make_sink_logit, ring_attend,
-                                    ring_frame, ring_keys, rope, sink_logit_of)
+                                    causal_keys, init_ring, make_sink_logit, probs_with_sink,
+                                    ring_attend, ring_frame, ring_keys, rope, sink_logit_of)
 from attn_jax.config import ModelConfig
 from attn_jax.layers import Linear, dtype_of, param
 from attn_jax.registry import register_mixer
@@ -524,6 +524,14 @@ class SISA(nnx.Module):
     new = kv_state.write(shifted, {"k": k, "v": v, "rb": rb, "g": ell - last[:, None]},
                          positions_BT, ring=True, sinks=n)
     return out, new
+
+  def attention_probs(self, x_BTD):
+    """[B, H, T, T + 1] attention map of a full forward, from the explicit reference's scores
+    (last column: the sink); diagnostics."""
+    q, k, v, c, b, loga, theta, lam = self.features(x_BTD, None)
+    g, phi = decay_and_phase(loga, theta)
+    _, s = sisa_attention_reference(q, k, v, c, b, g, phi, lam)
+    return probs_with_sink(s, sink_logit_of(self.opts, self.sink_logit, self.cfg.n_heads))
 
   # -------------------------------------------------------------- class-level hooks
   @staticmethod

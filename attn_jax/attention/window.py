@@ -29,6 +29,7 @@ from flax import nnx
 from attn_jax.attention import kv_state
 from attn_jax.attention.core import attend, causal_positions
 from attn_jax.attention.mha import (QKVProjection, SinkLogitOptions, attention_flops_per_token,
+                                    qk_probs,
                                     causal_keys, make_sink_logit, sink_logit_of)
 from attn_jax.config import ModelConfig
 from attn_jax.registry import register_mixer
@@ -71,6 +72,10 @@ class SlidingWindowAttention(nnx.Module):
                  sink_logit_H=sink, impl=cfg.attention_impl)
     state = kv_state.write(state, {"k": k, "v": v}, pos_BT, ring=True)
     return self.proj.o(out), state, {}
+
+  def attention_probs(self, x_BTD):
+    """[B, H, T, T + 1] attention map of a full forward (last column: the sink); diagnostics."""
+    return qk_probs(self, x_BTD, self.opts.window)
 
   @classmethod
   def init_state(cls, cfg: ModelConfig, opts, batch: int, capacity: int, dtype) -> dict:

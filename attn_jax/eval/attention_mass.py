@@ -19,39 +19,17 @@ from __future__ import annotations
 import json
 import os
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attn_jax.attention import core, sisa
-from attn_jax.attention.mha import sink_logit_of
 from attn_jax.eval.maps import layer_inputs
 
 
 def _probs(mixer, h_BTD):
-  """[B, H, T, T + 1] attention probabilities (last column: the sink logit) or None."""
-  cfg, opts = mixer.cfg, mixer.opts
-  B, T, _ = h_BTD.shape
-  pos = core.causal_positions(B, T)
-  name = getattr(type(mixer), "mixer_name", "")
-  if name == "sisa":
-    q, k, v, c, b, loga, theta, lam = mixer.features(h_BTD, None)
-    g, phi = sisa.decay_and_phase(loga, theta)
-    _, s = sisa.sisa_attention_reference(q, k, v, c, b, g, phi, lam)
-  elif name in ("attention", "sliding_window"):
-    q, k, _ = mixer.proj.rotated_qkv(h_BTD, pos, cfg.rope_theta)
-    k = jnp.repeat(k, cfg.n_heads // cfg.kv_heads, axis=2)
-    s = jnp.einsum("bthd,bshd->bhts", q.astype(jnp.float32), k.astype(jnp.float32))
-    s = s * cfg.head_dim ** -0.5
-    window = getattr(opts, "window", None) if name == "sliding_window" else None
-    s = jnp.where(core.positional_mask(pos, pos, True, window), s, -jnp.inf)
-  else:
-    return None
-  sink = sink_logit_of(opts, getattr(mixer, "sink_logit", None), cfg.n_heads) \
-      if hasattr(opts, "sink_logit") else None
-  col = jnp.full(s.shape[:3] + (1,), -jnp.inf) if sink is None else jnp.broadcast_to(
-      sink[None, :, None, None], s.shape[:3] + (1,))
-  return jax.nn.softmax(jnp.concatenate([s.astype(jnp.float32), col], axis=-1), axis=-1)
+  """[B, H, T, T + 1] attention probabilities (last column: the sink logit), from the mixer's
+  optional `attention_probs` hook; None for a mixer without a softmax map (SSMs, Sinkhorn)."""
+  hook = getattr(mixer, "attention_probs", None)
+  return None if hook is None else hook(h_BTD)
 
 
 def attention_maps(model, tokens_BT) -> list:
