@@ -291,7 +291,7 @@ def test_train_step_noise_is_a_function_of_the_step():
   from configs import quickstart
   from attn_jax.train.trainer import build_setup
   c = quickstart.get_config()
-  c.model.update(mixer="_test_noise", n_layers=2)
+  c.model.update(mixer="_test_noise", pattern=(), n_layers=2)
   c.mesh.shape = (1, 1, 1)
   setup = build_setup(c, devices=jax.devices()[:1])
   state = setup.init_fn()
@@ -315,7 +315,7 @@ def test_sisa_lambda_gets_a_tenth_of_the_lr_and_no_decay_through_metadata():
   from configs import quickstart
   from attn_jax.train.trainer import build_setup
   c = quickstart.get_config()
-  c.model.mixer = "sisa"
+  c.model.update(mixer="sisa", pattern=())
   c.optim.update(warmup_steps=0, lr=1e-2, weight_decay=0.1, clip_norm=0.0, eps=1e-12)
   c.mesh.shape = (1, 1, 1)
   setup = build_setup(c, devices=jax.devices()[:1])
