@@ -111,6 +111,14 @@ def sink_logit_of(opts: SinkLogitOptions, sink_param, n_heads: int):
   return None
 
 
+# Attention cores whose backward would otherwise keep the [T, S] probabilities: the full
+# forward recomputes them instead (jax.checkpoint on the core only). On CPU this is faster as
+# well as smaller — recomputing the scores costs less than storing and reloading them
+# (`experiments/bench.py --preset=issue9`, figures in the README). Fused kernels (cuDNN, splash)
+# keep O(T) residuals and are not rematerialised.
+REMAT_CORE_IMPLS = ("einsum", "blocked", "xla")
+
+
 def probs_with_sink(scores_BHTS, sink_H):
   """Explicit softmax over [scores ; sink column] ([B, H, T, S + 1], fp32): what a layer's
   attention map is (`attention_probs`). The last column is the sink's share (0 without one)."""
@@ -265,9 +273,12 @@ class Attention(nnx.Module):
     pos_BT = causal_positions(B, T) if positions_BT is None else positions_BT
     q, k, v = self.proj.rotated_qkv(x_BTD, pos_BT, cfg.rope_theta)
     if state is None:  # positions None: plain 0..T-1, the kernels' fast causal path
-      out = attend(q, k, v, scale=scale, causal=True, q_positions=positions_BT,
-                   kv_positions=positions_BT, sink_logit_H=sink, impl=cfg.attention_impl)
-      return self.proj.o(out), None, {}
+      core_fn = lambda q, k, v, sink: attend(
+          q, k, v, scale=scale, causal=True, q_positions=positions_BT,
+          kv_positions=positions_BT, sink_logit_H=sink, impl=cfg.attention_impl)
+      if choose_impl(cfg.attention_impl, q.dtype, q.shape[-1]) in REMAT_CORE_IMPLS:
+        core_fn = jax.checkpoint(core_fn)
+      return self.proj.o(core_fn(q, k, v, sink)), None, {}
     keys = kv_state.with_new(state, {"k": k, "v": v}, positions_BT)
     out = attend(q, keys["k"].astype(q.dtype), keys["v"].astype(q.dtype), scale=scale,
                  causal=True, q_positions=positions_BT, kv_positions=keys["pos"],

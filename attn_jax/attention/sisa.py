@@ -121,7 +121,8 @@ from flax import nnx
 
 from attn_jax.attention import kv_state, split
 from attn_jax.attention.core import attend, causal_positions, choose_impl
-from attn_jax.attention.mha import (QKVProjection, SinkOptions, attention_flops_per_token,
+from attn_jax.attention.mha import (REMAT_CORE_IMPLS, QKVProjection, SinkOptions,
+                                    attention_flops_per_token,
                                     causal_keys, init_ring, make_sink_logit, probs_with_sink,
                                     ring_attend, ring_frame, ring_keys, rope, sink_logit_of)
 from attn_jax.config import ModelConfig
@@ -415,7 +416,7 @@ class SISA(nnx.Module):
     # one is rematerialised (except a fused cuDNN call, whose own residuals are O(T)); the
     # chunked one keeps only its inputs by construction (`split.sequential`).
     fast = lambda a: self._fast(*a)
-    if choose_impl(cfg.attention_impl, q.dtype, q.shape[-1] + rc.shape[-1]) != "cudnn":
+    if choose_impl(cfg.attention_impl, q.dtype, q.shape[-1] + rc.shape[-1]) in REMAT_CORE_IMPLS:
       fast = jax.checkpoint(fast)
     out = jax.lax.cond(use_fast, fast, lambda a: self._chunked(*a), args)
     return out, 1.0 - use_fast.astype(jnp.float32)
