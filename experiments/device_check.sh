@@ -37,3 +37,10 @@ seqs="1024,4096"; [ -n "${QUICK:-}" ] && seqs="1024"
 timeout 420 python3 experiments/bench.py --configs=transformer_152m,sisa_152m,sisa_152m@fast,sisa_152m@chunked,mamba2_152m,mamba3_152m,hybrid_block_152m,hybrid_head_152m,sinkhorn_152m,transformer_152m_sink \
   --seq_lens="$seqs" --batch_tokens=65536 --steps=5 --warmup=2 ${BENCH_EXTRA:-} 2>&1 | grep -v "^[IW][0-9]" \
   | tee "$out/bench.txt"
+
+# 3. SISA's chunked path (split-KV: fused past keys + biased in-chunk block) against plain
+#    attention, compiled fwd+bwd temporaries of one layer vs length on the GPU core: on cuDNN
+#    both should grow ~linearly (on CPU they grow ~T^2: no O(T)-memory kernel there).
+timeout 240 python3 experiments/mixer_memory.py --mixers=attention,sisa --dtype=bfloat16 \
+  --seq_lens=2048,4096,8192,16384 --batch=4 --d_model=768 --n_heads=12 2>&1 \
+  | grep -v "^[IW][0-9]" | tee "$out/mixer_memory.txt"

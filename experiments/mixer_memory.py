@@ -24,6 +24,7 @@ _HEADS = flags.DEFINE_integer("n_heads", 4, "Heads.")
 _IMPL = flags.DEFINE_string("impl", "auto", "model.attention_impl.")
 _PATH = flags.DEFINE_string("sisa_path", "chunked", "model.sisa.path (auto | fast | chunked).")
 _D_STATE = flags.DEFINE_integer("sisa_d_state", 32, "model.sisa.d_state.")
+_DTYPE = flags.DEFINE_string("dtype", "float32", "model.dtype (bfloat16 for the cuDNN core).")
 
 
 def main(argv):
@@ -34,11 +35,11 @@ def main(argv):
 
   c = base.get_config()
   c.model.update(d_model=_D.value, n_heads=_HEADS.value, n_layers=1, vocab_size=256,
-                 dtype="float32", attention_impl=_IMPL.value,
+                 dtype=_DTYPE.value, attention_impl=_IMPL.value,
                  max_seq_len=max(int(t) for t in _LENS.value))
   c.model.sisa.update(path=_PATH.value, d_state=_D_STATE.value, decay_bias_init=-1.0)
   print(f"fwd+bwd temporaries of one layer, d_model {_D.value}, {_HEADS.value} heads, batch "
-        f"{_BATCH.value}, fp32, impl {_IMPL.value} (MiB; ratio to {_MIXERS.value[0]})")
+        f"{_BATCH.value}, {_DTYPE.value}, impl {_IMPL.value} (MiB; ratio to {_MIXERS.value[0]})")
   for t in _LENS.value:
     row = []
     for name in _MIXERS.value:
