@@ -112,21 +112,13 @@ class CausalConv(nnx.Module):
 class Mamba2(nnx.Module):
 
   @dataclasses.dataclass(frozen=True)
-  class Options:
-    d_state: int = 64            # N
-    expand: float = 2.0          # d_inner = expand * d_model (when n_heads = 0)
-    head_dim: int = 64           # P
-    n_heads: int = 0             # 0: d_inner / head_dim; else overrides expand
-    n_groups: int = 1            # G: B/C groups (heads per group share B, C)
+  class Options(ssd.HeadOptions):   # d_state, expand, head_dim, n_heads, n_groups
     d_conv: int = 4
     chunk_size: int = 64         # Q of the chunked SSD
     dt_min: float = 1e-3
     dt_max: float = 1e-1
     a_init_min: float = 1.0      # A = -exp(A_log), A_log = log U[a_init_min, a_init_max]
     a_init_max: float = 16.0
-
-    def heads(self, cfg: ModelConfig) -> int:
-      return ssd.inner_heads(self, cfg.d_model)
 
     def validate(self, cfg: ModelConfig, where: str = "config.model.mamba2") -> None:
       def need(cond, field, msg):

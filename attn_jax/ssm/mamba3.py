@@ -143,20 +143,12 @@ def trapezoid_recurrent(x_BTHP, a_BTH, gamma_BTH, betap_BTH, k_BTHN, q_BTHN, *, 
 class Mamba3(nnx.Module):
 
   @dataclasses.dataclass(frozen=True)
-  class Options:
-    d_state: int = 64            # N
-    expand: float = 2.0          # d_inner = expand * d_model (when n_heads = 0)
-    head_dim: int = 64           # P
-    n_heads: int = 0             # 0: d_inner / head_dim; else overrides expand
-    n_groups: int = 1            # groups of B/C projections (before the per-head bias/rotation)
+  class Options(ssd.HeadOptions):   # d_state, expand, head_dim, n_heads, n_groups
     rope_fraction: float = 0.5   # fraction of the state dims rotated (R = fraction * N / 2)
     chunk_size: int = 64
     dt_min: float = 1e-3
     dt_max: float = 1e-1
     a_floor: float = 1e-4        # A <= -a_floor
-
-    def heads(self, cfg: ModelConfig) -> int:
-      return ssd.inner_heads(self, cfg.d_model)
 
     def n_angles(self) -> int:
       return int(self.d_state * self.rope_fraction) // 2

@@ -38,6 +38,8 @@ n_groups; Mamba-3 passes G = H since its B, C are rotated per head).
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -176,6 +178,19 @@ def ssd_flops_per_token(*, n_heads: int, head_dim: int, d_state: int, n_groups: 
   Q = max(1, min(chunk, seq_len))
   macs = R * (G * N + H * P) * (Q + 1) / 2 + (R + 1) * H * P * N + H * P * N / Q
   return 2.0 * macs
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadOptions:
+  """The SSM width fields Mamba-2 and Mamba-3 options share (their `Options` extend it)."""
+  d_state: int = 64            # N
+  expand: float = 2.0          # d_inner = expand * d_model (when n_heads = 0)
+  head_dim: int = 64           # P
+  n_heads: int = 0             # 0: d_inner / head_dim; else overrides expand
+  n_groups: int = 1            # G: groups of B/C projections (heads per group share them)
+
+  def heads(self, cfg) -> int:
+    return inner_heads(self, cfg.d_model)
 
 
 def inner_heads(opts, d_model: int) -> int:
