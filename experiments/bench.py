@@ -14,10 +14,10 @@ config at its matched parameter count (attn_jax/study/variants.py) plus the wind
 StreamingLLM cache policies of --policy_mixers (their decode tokens/s is the policy's cost; the
 train step is the same model), all in one table with ratios to the study's baseline.
 
-Each config is timed with the jitted train step (forward + backward + clipped AdamW update):
-`attn_jax.train.trainer.build_setup` when that module is present (the real trainer step, with
-the mixer's optimizer overrides), else a minimal local step (optax AdamW, same loss). The
-first config is the baseline of the ratios. Reported: best wall time of the timed steps
+Each config is timed with the trainer's jitted train step (forward + backward + clipped AdamW
+update with the mixer's optimizer overrides; `attn_jax.train.trainer.build_setup`), compiled
+as the trainer compiles it (`trainer.compile_step`). The first config is the baseline of the
+ratios. Reported: best wall time of the timed steps
 (tok/s, ratio) and the median process CPU time per step (cpu s, cpu ratio) — on a shared
 machine the CPU time is the steadier comparison.
 
@@ -28,7 +28,7 @@ causal lower triangle, (L+1)/2 keys per query; backward = 2 x forward), as compu
 (dense bf16 peak x devices), from `flops.PEAK_FLOPS` by device kind; n/a where the peak is
 unknown (CPU).
 
-Memory: the step is compiled ahead of time (`step_fn.lower(state, batch).compile()`) and its
+Memory: the step is compiled ahead of time (`trainer.compile_step`) and its
 `memory_analysis()` gives the bytes one step needs (`attn_jax.train.memory.needed_bytes`:
 arguments + outputs - donated + temporaries + code); a config/length whose step does not fit
 the device (`train.memory.check_fit`) is skipped with the fit message, so --seq_lens=...,16384
@@ -142,47 +142,6 @@ def _model_overrides(name: str, m) -> None:
       m.sisa.decay_bias_init = _SISA_DECAY_BIAS.value
 
 
-def _local_setup(config):
-  """Minimal stand-in for trainer.build_setup: plain AdamW, same loss and batch layout."""
-  import jax
-  import jax.numpy as jnp
-  import optax
-  from flax import nnx
-
-  from attn_jax.config import validate
-  from attn_jax.model import build_model, count_params
-
-  cfg = validate(config)
-  model = build_model(cfg, seed=0)
-  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-  tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-4, b1=0.9, b2=0.95,
-                                                               weight_decay=0.1))
-  state = {"params": params, "rest": rest, "opt_state": tx.init(params)}
-
-  def loss_fn(params, rest, batch):
-    logits = nnx.merge(graphdef, params, rest)(batch["inputs"][0])
-    logz = jax.nn.logsumexp(logits, axis=-1)
-    tgt = jnp.take_along_axis(logits, batch["targets"][0][..., None], axis=-1)[..., 0]
-    return jnp.mean(logz - tgt)
-
-  def step(state, batch):
-    loss, g = jax.value_and_grad(loss_fn)(state["params"], state["rest"], batch)
-    updates, opt = tx.update(g, state["opt_state"], state["params"])
-    return dict(state, params=optax.apply_updates(state["params"], updates),
-                opt_state=opt), {"loss": loss}
-
-  return cfg, jax.jit(step, donate_argnums=(0,)), lambda: state, count_params(cfg), "local"
-
-
-def _setup(config):
-  try:
-    from attn_jax.train.trainer import build_setup
-  except ImportError:
-    return _local_setup(config)
-  s = build_setup(config)
-  return s.cfg, s.step_fn, s.init_fn, s.n_params, "trainer.build_setup"
-
-
 def _set_path(config, path: str, text: str) -> None:
   """config.<path> = the literal `text` (a Python literal, else the string)."""
   import ast
@@ -234,10 +193,12 @@ def study_configs(path: str) -> dict:
 
 def bench_one(name: str, seq_len: int, decode: bool = True, config=None):
   import jax
-  import jax.numpy as jnp
   import numpy as np
 
+  from attn_jax.study import throughput
   from attn_jax.train import flops as flops_lib
+  from attn_jax.train import memory
+  from attn_jax.train.trainer import build_setup, compile_step
 
   if config is None:
     config = named_config(name)
@@ -248,46 +209,37 @@ def bench_one(name: str, seq_len: int, decode: bool = True, config=None):
   config.data.global_batch_size = B
   config.train.grad_accum = 1
   config.train.steps = 1000
-  cfg, step_fn, init_fn, n_params, kind = _setup(config)
-  state = init_fn()
-  rng = np.random.default_rng(0)
-  toks = rng.integers(0, cfg.vocab_size, size=(1, B, seq_len + 1), dtype=np.int32)
-  batch = {"inputs": jnp.asarray(toks[..., :-1]), "targets": jnp.asarray(toks[..., 1:]),
-           "weights": jnp.ones((1, B, seq_len), jnp.float32)}
-  from attn_jax.train import memory
+  setup = build_setup(config)
+  cfg, n_params = setup.cfg, setup.n_params
+  state = setup.init_fn()
+  toks, batch = throughput.random_batch(cfg.vocab_size, B, seq_len)
   t0 = time.perf_counter()
-  compiled = step_fn.lower(state, batch).compile()
-  mem = compiled.memory_analysis()
-  fit = memory.check_fit(mem, micro_batch=B, grad_accum=1, remat=cfg.remat)
+  compiled = compile_step(setup, batch)
+  fit = memory.check_fit(compiled.memory_analysis(), micro_batch=B, grad_accum=1,
+                         remat=cfg.remat)
   if not fit.fits:
     return {"config": name, "seq_len": seq_len, "batch": B, "skipped": fit.message,
             "mem_gib": fit.needed / memory.GiB}
-  for _ in range(_WARMUP.value):
-    state, metrics = compiled(state, batch)
-  jax.block_until_ready(state)
+  state, _, _, _ = throughput.time_steps(compiled, state, batch, steps=0, warmup=_WARMUP.value)
   compile_s = time.perf_counter() - t0
-  times, cpu = [], []
-  for _ in range(_STEPS.value):
-    t, c = time.perf_counter(), time.process_time()
-    state, metrics = compiled(state, batch)
-    jax.block_until_ready(state)
-    times.append(time.perf_counter() - t)
-    cpu.append(time.process_time() - c)
+  state, metrics, times, cpu = throughput.time_steps(compiled, state, batch,
+                                                     steps=_STEPS.value, warmup=0)
   flops = flops_lib.train_flops_per_token(cfg, n_params, seq_len)
   peak = flops_lib.peak_flops_per_device()
   tok_s = B * seq_len / min(times)
   mfu = tok_s * flops / (peak * jax.device_count()) if peak else None
   aux = metrics.get("aux", {}) if isinstance(metrics, dict) else {}
   extra = {k: float(np.max(np.asarray(v))) for k, v in aux.items()} if aux else {}
-  decode_tok_s = _decode_tok_s(cfg, step_fn, state, toks, seq_len) if decode and _DECODE_TOKENS.value else None
+  decode_tok_s = (_decode_tok_s(cfg, state, toks, seq_len)
+                  if decode and _DECODE_TOKENS.value else None)
   return {"config": name, "seq_len": seq_len, "batch": B, "step_s": min(times),
           "cpu_s": float(np.median(cpu)), "tok_s": tok_s, "mfu": mfu,
           "params": n_params["total"], "flops_tok": flops, "compile_s": compile_s,
-          "kind": kind, "d_ff": cfg.d_ff, "aux": extra,
+          "d_ff": cfg.d_ff, "aux": extra,
           "mem_gib": fit.needed / memory.GiB, "decode_tok_s": decode_tok_s}
 
 
-def _decode_tok_s(cfg, step_fn, state, toks, seq_len):
+def _decode_tok_s(cfg, state, toks, seq_len):
   """Generated tokens/s of decode.generate (prefill of the prompts + --decode_tokens)."""
   import jax
   import jax.numpy as jnp
@@ -320,7 +272,7 @@ def _merge(prev, r):
 
 def _print_table(L, rows, names):
   base = rows[names[0]]
-  print(f"\nseq_len {L} (batch {base['batch']}, step: {base.get('kind', '-')})")
+  print(f"\nseq_len {L} (batch {base['batch']}, step: trainer.build_setup)")
   print(f"{'config':<22}{'params':>12}{'d_ff':>6}{'step s':>9}{'tok/s':>9}{'ratio':>7}"
         f"{'cpu s':>8}{'cpu ratio':>10}{'GFLOP/tok':>10}{'FLOPs ratio':>12}{'MFU':>7}"
         f"{'mem GiB':>8}{'decode tok/s':>13}{'compile s':>10}  aux (max over layers)")

@@ -2,8 +2,9 @@
 
   python experiments/step_memory.py --config=transformer_152m --batch=32 --seq_len=2048
 
-Builds the trainer's step (`attn_jax.train.trainer.build_setup`), lowers it on the abstract
-train state and an abstract [1, batch, seq_len] batch, compiles it and prints XLA's
+Builds the trainer's step (`attn_jax.train.trainer.build_setup`), compiles it as the trainer
+does on the abstract train state and an abstract [1, batch, seq_len] batch
+(`trainer.step_memory`) and prints XLA's
 `memory_analysis()` (arguments, outputs, donated, temporaries, code) and the fit verdict of
 `attn_jax.train.memory.check_fit` on this machine's first device. Run it on two checkouts
 (PYTHONPATH=...) to compare, e.g., the plain and the blockwise cross-entropy.
@@ -26,11 +27,8 @@ _REMAT = flags.DEFINE_string("remat", "", "Override model.remat.")
 
 def main(argv):
   del argv
-  import jax
-  import jax.numpy as jnp
-
   from attn_jax.train import memory
-  from attn_jax.train.trainer import build_setup
+  from attn_jax.train.trainer import build_setup, step_memory
 
   config = importlib.import_module(f"configs.{_CONFIG.value}").get_config()
   config.data.global_batch_size = _BATCH.value
@@ -42,11 +40,7 @@ def main(argv):
   if _REMAT.value:
     config.model.remat = _REMAT.value
   s = build_setup(config)
-  shape = (1, _BATCH.value, _SEQ.value)
-  batch = {"inputs": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=s.batch_sharding),
-           "targets": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=s.batch_sharding),
-           "weights": jax.ShapeDtypeStruct(shape, jnp.float32, sharding=s.batch_sharding)}
-  mem = s.step_fn.lower(s.abstract_state, batch).compile().memory_analysis()
+  mem = step_memory(s, _BATCH.value, 1, _SEQ.value)
   gib = memory.GiB
   print(f"{_CONFIG.value} batch {_BATCH.value} x {_SEQ.value} dtype {s.cfg.dtype} remat "
         f"{s.cfg.remat}: arguments {mem.argument_size_in_bytes / gib:.2f} GiB, outputs "

@@ -290,7 +290,7 @@ def test_a_step_that_does_not_fit_stops_with_the_knobs_or_shrinks_the_micro_batc
   c.train.update(steps=2, log_every=1, progress_bar=False)
   c.eval.every_steps = 0
   c.data.global_batch_size = 64
-  need = trainer_lib._step_memory(trainer_lib.build_setup(c), 64, 1, c.data.seq_len)
+  need = trainer_lib.step_memory(trainer_lib.build_setup(c), 64, 1, c.data.seq_len)
   from attn_jax.train.memory import needed_bytes
   c.train.device_memory_gb = 0.6 * needed_bytes(need) / 2**30   # 64 rows do not fit, 16 do
   with pytest.raises(MemoryError, match=r"needs .* available: .*data\.global_batch_size=64.*"

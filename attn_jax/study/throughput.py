@@ -20,13 +20,38 @@ import ml_collections
 import numpy as np
 
 
+def random_batch(vocab_size: int, batch: int, seq_len: int, seed: int = 0):
+  """(tokens [1, batch, seq_len + 1] numpy, train batch {inputs, targets, weights}): one
+  micro-batch of uniform random tokens, the layout the train step takes."""
+  import jax.numpy as jnp
+  toks = np.random.default_rng(seed).integers(0, vocab_size, size=(1, batch, seq_len + 1),
+                                              dtype=np.int32)
+  return toks, {"inputs": jnp.asarray(toks[..., :-1]), "targets": jnp.asarray(toks[..., 1:]),
+                "weights": jnp.ones((1, batch, seq_len), jnp.float32)}
+
+
+def time_steps(compiled, state, batch, *, steps: int, warmup: int):
+  """Run `warmup` untimed then `steps` timed calls of a compiled train step.
+  Returns (state, last metrics, wall seconds per step, process CPU seconds per step)."""
+  import jax
+  metrics = None
+  for _ in range(warmup):
+    state, metrics = compiled(state, batch)
+  jax.block_until_ready(state)
+  walls, cpus = [], []
+  for _ in range(steps):
+    t, cp = time.perf_counter(), time.process_time()
+    state, metrics = compiled(state, batch)
+    jax.block_until_ready(state)
+    walls.append(time.perf_counter() - t)
+    cpus.append(time.process_time() - cp)
+  return state, metrics, walls, cpus
+
+
 def time_train_step(config: ml_collections.ConfigDict, seq_len: int, *, batch_tokens: int,
                     steps: int = 3, warmup: int = 1) -> dict:
   """{seq_len, batch, step_s (best), cpu_s (median), tok_s, params, compile_s}."""
-  import jax
-  import jax.numpy as jnp
-
-  from attn_jax.train.trainer import build_setup
+  from attn_jax.train.trainer import build_setup, compile_step
 
   c = ml_collections.ConfigDict(config.to_dict())
   B = max(1, int(batch_tokens) // int(seq_len))
@@ -39,25 +64,12 @@ def time_train_step(config: ml_collections.ConfigDict, seq_len: int, *, batch_to
   shards = int(np.prod([setup.mesh.shape[a] for a in axes])) if axes else 1
   B = -(-B // shards) * shards     # whole rows per batch shard
   state = setup.init_fn()
-  rng = np.random.default_rng(0)
-  toks = rng.integers(0, setup.cfg.vocab_size, size=(1, B, seq_len + 1), dtype=np.int32)
-  batch = {"inputs": jnp.asarray(toks[..., :-1]), "targets": jnp.asarray(toks[..., 1:]),
-           "weights": jnp.ones((1, B, seq_len), jnp.float32)}
-  from attn_jax import sharding as shd
+  _, batch = random_batch(setup.cfg.vocab_size, B, seq_len)
   t0 = time.perf_counter()
-  with shd.use_rules(setup.mesh, setup.rules):
-    compiled = setup.step_fn.lower(state, batch).compile()
-    for _ in range(max(1, int(warmup))):
-      state, _ = compiled(state, batch)
-    jax.block_until_ready(state)
-    compile_s = time.perf_counter() - t0
-    walls, cpus = [], []
-    for _ in range(int(steps)):
-      t, cp = time.perf_counter(), time.process_time()
-      state, _ = compiled(state, batch)
-      jax.block_until_ready(state)
-      walls.append(time.perf_counter() - t)
-      cpus.append(time.process_time() - cp)
+  compiled = compile_step(setup, batch)
+  state, _, _, _ = time_steps(compiled, state, batch, steps=0, warmup=max(1, int(warmup)))
+  compile_s = time.perf_counter() - t0
+  _, _, walls, cpus = time_steps(compiled, state, batch, steps=int(steps), warmup=0)
   return {"seq_len": int(seq_len), "batch": B, "step_s": min(walls),
           "cpu_s": float(np.median(cpus)), "tok_s": B * seq_len / min(walls),
           "params": int(setup.n_params["total"]), "compile_s": compile_s}

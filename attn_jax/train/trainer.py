@@ -285,15 +285,22 @@ class LossMonitor:
     self.last_finite_step = state.get("last_finite_step")
 
 
-def _step_memory(setup: Setup, micro_batch: int, accum: int, seq_len: int):
+def compile_step(setup: Setup, batch: dict):
+  """The train step compiled for `batch` (arrays or ShapeDtypeStructs) as the trainer compiles
+  it: traced inside the mesh's logical-axis rules, so the model's activation constraints
+  apply. Benchmarks and memory reports use this, not a bare `step_fn.lower`."""
+  with shd.use_rules(setup.mesh, setup.rules):
+    return setup.step_fn.lower(setup.abstract_state, batch).compile()
+
+
+def step_memory(setup: Setup, micro_batch: int, accum: int, seq_len: int):
   """Compiled memory analysis of the train step for `accum` micro-batches of `micro_batch`
   rows (abstract shapes: nothing runs, nothing is allocated)."""
   abs_batch = {k: jax.ShapeDtypeStruct((accum, micro_batch, seq_len),
                                        jnp.float32 if k == "weights" else jnp.int32,
                                        sharding=setup.batch_sharding)
                for k in ("inputs", "targets", "weights")}
-  with shd.use_rules(setup.mesh, setup.rules):
-    return setup.step_fn.lower(setup.abstract_state, abs_batch).compile().memory_analysis()
+  return compile_step(setup, abs_batch).memory_analysis()
 
 
 def _fit_memory(setup: Setup, config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
@@ -307,7 +314,7 @@ def _fit_memory(setup: Setup, config: ml_collections.ConfigDict) -> ml_collectio
   from attn_jax.train import memory
   t, d = config.train, config.data
   avail = int(t.get("device_memory_gb", 0.0) * 2**30) or None
-  mem = _step_memory(setup, d.global_batch_size, t.grad_accum, d.seq_len)
+  mem = step_memory(setup, d.global_batch_size, t.grad_accum, d.seq_len)
   if mem is None:   # the backend reports no analysis
     return config
   fit = memory.check_fit(mem, available=avail, micro_batch=d.global_batch_size,
@@ -319,7 +326,7 @@ def _fit_memory(setup: Setup, config: ml_collections.ConfigDict) -> ml_collectio
     raise MemoryError(fit.message)
   total = d.global_batch_size * t.grad_accum
   micro, accum = memory.pick_micro_batch(
-      lambda m: _step_memory(setup, m, total // m, d.seq_len), total, available=avail,
+      lambda m: step_memory(setup, m, total // m, d.seq_len), total, available=avail,
       multiple_of=int(np.prod([setup.mesh.shape[a] for a in _batch_axes(setup.rules)])))
   logging.warning("train.auto_microbatch: micro-batch %d x grad_accum %d (was %d x %d) fits",
                   micro, accum, d.global_batch_size, t.grad_accum)
@@ -412,7 +419,7 @@ def _train_and_evaluate(config, workdir, eval_callbacks) -> dict[str, Any]:
             "config.train.nonfinite='skip' to step over isolated events.")
 
   def flush(pending_metrics):
-    nonlocal t_log, step_log, last, diverged
+    nonlocal t_log, step_log, diverged
     step_no, m = pending_metrics
     loss = float(m["loss"])
     nonfinite = bool(float(m["nonfinite"]) > 0)
