@@ -26,7 +26,7 @@ from attn_jax.attention.window import SlidingWindowAttention
 from attn_jax.config import ModelConfig
 from tests.test_trunk import _cfg as _trunk_cfg
 from tests.test_trunk import _close as _trunk_close
-from tests.test_trunk import _full, _model, _step, _tokens
+from tests.test_trunk import _decode, _full, _model, _tokens
 
 TOL = 2e-5        # fp32 outputs, relative to the largest |value|; fixed once
 GRAD_TOL = 1e-4   # fp32 gradients, relative to the largest |gradient| of each leaf
@@ -247,14 +247,7 @@ def test_model_decodes_like_its_full_forward_with_a_sink(name, kind):
   full = _full(model, tok)
   chunk = decode.mixer_limits(cfg, 16)[0]
   for first in (1, chunk):
-    state = model.init_state(B, 16)
-    pos = jnp.broadcast_to(jnp.arange(first, dtype=jnp.int32), (B, first))
-    out, state = _step(model, tok[:, :first], pos, state)
-    outs = [out]
-    for t in range(first, T):
-      lg, state = _step(model, tok[:, t:t + 1], jnp.full((B, 1), t, jnp.int32), state)
-      outs.append(lg)
-    _trunk_close(jnp.concatenate(outs, axis=1), full)
+    _trunk_close(_decode(model, tok, first), full)
 
 
 @pytest.mark.parametrize("name", ["sliding_window", "sinkhorn"])

@@ -93,6 +93,19 @@ def _step(model, tokens, positions, state):
   return model.step(tokens, positions_BT=positions, state=state)
 
 
+def _decode(model, tokens, first: int, capacity: int = 16):
+  """Logits of prefilling tokens[:, :first] in one call, then stepping one token at a time."""
+  B, T = tokens.shape
+  state = model.init_state(B, capacity)
+  pos = jnp.broadcast_to(jnp.arange(first, dtype=jnp.int32), (B, first))
+  out, state = _step(model, tokens[:, :first], pos, state)
+  outs = [out]
+  for t in range(first, T):
+    logits, state = _step(model, tokens[:, t:t + 1], jnp.full((B, 1), t, jnp.int32), state)
+    outs.append(logits)
+  return jnp.concatenate(outs, axis=1)
+
+
 def _patterns():
   names = [n for n in available_mixers() if not n.startswith("_")]
   return [(n,) for n in names] + [MIXED]
@@ -105,23 +118,9 @@ def test_step_by_step_and_chunks_equal_the_full_forward(pattern):
   B, T = 2, 11
   tokens = _tokens(1, (B, T))
   full = _full(model, tokens)
-  # token by token
-  state = model.init_state(B, 16)
-  outs = []
-  for t in range(T):
-    logits, state = _step(model, tokens[:, t:t + 1], jnp.full((B, 1), t, jnp.int32), state)
-    outs.append(logits)
-  _close(jnp.concatenate(outs, axis=1), full)
+  _close(_decode(model, tokens, 1), full)                  # token by token
   # a 6-token prefill chunk (5 for bounded mixers' max_chunk) then steps
-  chunk = min(6, decode.mixer_limits(cfg, 16)[0] or 6)
-  state = model.init_state(B, 16)
-  pos = jnp.broadcast_to(jnp.arange(chunk, dtype=jnp.int32), (B, chunk))
-  pre, state = _step(model, tokens[:, :chunk], pos, state)
-  outs = [pre]
-  for t in range(chunk, T):
-    logits, state = _step(model, tokens[:, t:t + 1], jnp.full((B, 1), t, jnp.int32), state)
-    outs.append(logits)
-  _close(jnp.concatenate(outs, axis=1), full)
+  _close(_decode(model, tokens, min(6, decode.mixer_limits(cfg, 16)[0] or 6)), full)
 
 
 @pytest.mark.parametrize("pattern", _patterns(), ids=lambda p: "+".join(p))
