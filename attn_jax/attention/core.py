@@ -223,7 +223,6 @@ def _causal_block_mask(a, e, s_end):
 def _sink_slot(q, k, v, *, scale, sink_H, mask, bias, plain_causal, pad_to):
   """Express the sink as an extra key slot (see module docstring). Returns q, k, v, mask, bias."""
   B, T, H, D = q.shape
-  S, K = k.shape[1], k.shape[2]
   extra = 1 + (-(D + 1)) % pad_to  # the sink channel plus zero channels up to a multiple
   q_sink = jnp.broadcast_to((sink_H.astype(jnp.float32) / scale).astype(q.dtype)[None, None, :,
                                                                                    None],
@@ -243,7 +242,9 @@ def _sink_slot(q, k, v, *, scale, sink_H, mask, bias, plain_causal, pad_to):
   return q, k, v, mask, bias
 
 
-def _dpa(q, k, v, *, scale, mask, bias, sink_H, plain_causal, impl):
+def dpa(q, k, v, *, scale, impl, mask=None, bias=None, sink_H=None, plain_causal=False):
+  """`jax.nn.dot_product_attention` with `impl` ("xla" / "cudnn"): V narrower than Q/K is
+  zero-padded and the output sliced back; a sink becomes an extra key slot (module docstring)."""
   B, T, H, Dqk = q.shape
   Dv = v.shape[-1]
   if sink_H is not None:
@@ -346,5 +347,5 @@ def attend(q, k, v, *, scale: float, causal: bool = True, q_positions=None, kv_p
                               sink_H=sink_logit_H, chunk=step, prefix=prefix)
   if impl == "splash":
     return _splash(q, k, v, scale=scale, sink_H=sink_logit_H)
-  return _dpa(q, k, v, scale=scale, mask=mask, bias=bias, sink_H=sink_logit_H,
+  return dpa(q, k, v, scale=scale, mask=mask, bias=bias, sink_H=sink_logit_H,
               plain_causal=plain_causal, impl=impl)

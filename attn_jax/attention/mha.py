@@ -46,7 +46,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from attn_jax.attention import kv_state
-from attn_jax.attention.core import attend, causal_positions, choose_impl
+from attn_jax.attention.core import attend, causal_positions, choose_impl, positional_mask
 from attn_jax.config import ModelConfig
 from attn_jax.layers import Linear, apply_rope, dtype_of, param, rope_angles
 from attn_jax.registry import register_mixer
@@ -131,7 +131,6 @@ def probs_with_sink(scores_BHTS, sink_H):
 def qk_probs(mixer, x_BTD, window: int | None = None):
   """Attention map of a q.k mixer (RoPE at positions 0..T-1, causal, optional window, its sink
   logit): [B, H, T, T + 1] fp32."""
-  from attn_jax.attention.core import positional_mask
   cfg = mixer.cfg
   B, T, _ = x_BTD.shape
   pos = causal_positions(B, T)

@@ -34,7 +34,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from attn_jax.attention.core import NEG_INF
+from attn_jax.attention.core import NEG_INF, dpa
 
 
 def _acc(x):
@@ -70,14 +70,6 @@ def _einsum_lse(q, k, v, *, scale, bias, mask):
   return o.reshape(B, T, H, -1), lse[..., 0].transpose(0, 2, 1)
 
 
-def _dpa(q, k, v, scale, impl):
-  """Output of jax.nn.dot_product_attention (V zero-padded to the Q/K width, sliced back)."""
-  dv = v.shape[-1]
-  if dv < q.shape[-1]:
-    v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, q.shape[-1] - dv)))
-  return jax.nn.dot_product_attention(q, k, v, scale=scale, implementation=impl)[..., :dv]
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def _fused_lse(q, k, v, scale, impl):
   return _fused_lse_fwd(q, k, v, scale, impl)[0]
@@ -94,9 +86,9 @@ def _fused_lse_fwd(q, k, v, scale, impl):
 def _fused_lse_bwd(scale, impl, res, cts):
   q, k, v = res
   do, dlse = cts
-  _, vjp_out = jax.vjp(lambda a, b, c: _dpa(a, b, c, scale, impl), q, k, v)
+  _, vjp_out = jax.vjp(lambda a, b, c: dpa(a, b, c, scale=scale, impl=impl), q, k, v)
   dq, dk, dv = vjp_out(do.astype(q.dtype))
-  pk, vjp_val = jax.vjp(lambda c: _dpa(q, k, c, scale, impl), k)       # P K, and c -> P^T c
+  pk, vjp_val = jax.vjp(lambda c: dpa(q, k, c, scale=scale, impl=impl), k)       # P K, and c -> P^T c
   g = dlse[..., None]
   (pt_gq,) = vjp_val((g * q.astype(jnp.float32)).astype(q.dtype))
   dq = dq.astype(jnp.float32) + scale * g * pk.astype(jnp.float32)
