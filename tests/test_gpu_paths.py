@@ -96,7 +96,8 @@ def _sisa(path: str, decay_bias: float):
                  else IMPL)
   c.model.sisa.update(d_state=16, path=path, chunk_size=64,
                        decay_bias_init=decay_bias)
-  m = S.SISA(ModelConfig.from_config(c.model), rngs=nnx.Rngs(params=0))
+  cfg = ModelConfig.from_config(c.model)
+  m = S.SISA(cfg, cfg.options_for("sisa"), rngs=nnx.Rngs(params=0))
   for lin, f in ((m.b_proj, 6.0), (m.c_proj, 6.0), (m.phase_proj, 20.0)):  # SISA term O(1)
     lin.kernel[...] = lin.kernel[...] * f
   return m
@@ -114,7 +115,7 @@ def test_sisa_bf16_matches_reference(path, decay_bias, chunked):
 
   @nnx.jit
   def run(m, x):
-    y, _, aux = m(x, positions=pos)
+    y, _, aux = m(x, positions_BT=pos)
     return y, aux["chunked"]
 
   @nnx.jit
