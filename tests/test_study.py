@@ -31,7 +31,7 @@ def small_config() -> ml_collections.ConfigDict:
   4 steps, 2 seeds (the cheapest pair to compile; every variant is covered by the matching test
   and the slow full study)."""
   c = study_tiny.get_config()
-  c.model.update(d_model=32, n_heads=2, n_layers=1, d_ff=64, max_seq_len=64)
+  c.model.update(d_model=32, n_heads=2, n_layers=1, d_ff=64, max_seq_len=64, pattern=())
   c.data.update(seq_len=32, global_batch_size=8, mqar_num_pairs=4, mqar_num_queries=4,
                 mqar_vocab=16)
   c.model.vocab_size = 48
@@ -118,6 +118,12 @@ def test_tables_match_results(study):
   m = res["meta"]["niah_metric"]
   vals = [report.metric_at(r, m, 2) for r in runs["transformer"]]
   assert f"| transformer | {report.spread(vals, 100.0, 1, minmax=False)} |" in md
+  # the needle grid at the last evaluation: one column per cell, mean ± std over the seeds
+  assert "| variant | C32 d0 | C32 d1 |" in md
+  x = np.array([r["evals"][-1]["eval/needle/C32_d1"] for r in runs["transformer_sink"]]) * 100
+  grid_row = next(line for line in md.splitlines() if line.startswith("| transformer_sink | ")
+                  and line.count("|") == 4)
+  assert grid_row.endswith(f"| {x.mean():.1f} ± {x.std(ddof=1):.1f} |")
   thr = next(r for r in res["throughput"] if r["variant"] == "transformer_sink" and r["seq_len"] == 32)
   assert f"{thr['tok_s']:,.0f} tok/s, {thr['ratio']:.2f}x wall, {thr['cpu_ratio']:.2f}x CPU" in md
 
@@ -209,7 +215,7 @@ def test_param_matching_every_tiny_variant():
 
 def test_match_params_is_closest_on_the_grid():
   c = variants.apply_overrides(study_tiny.get_config(),
-                               (("model.mixer", "sisa"), ("model.sisa.d_state", 8)))
+                               dict((v[0], v[2]) for v in study_tiny.VARIANTS)["sisa_ds8"])
   target = variants.total_params(study_tiny.get_config())
   value, n = variants.match_params(c, "model.d_ff", target)
   counts = {}

@@ -95,6 +95,26 @@ def step_table(res: dict, metric: str) -> str:
   return _table(["variant"] + [f"step {s}" for s in steps], rows)
 
 
+def needle_cells(res: dict) -> list[str]:
+  """The needle grid's cell metrics (`eval/needle/C<length>_d<depth>`) in the last evals."""
+  cells = {k for r in res["runs"] if r["evals"] for k in r["evals"][-1]
+           if k.startswith("eval/needle/C")}
+  def order(k):
+    c, d = k[len("eval/needle/C"):].split("_d")
+    return int(c), float(d)
+  return sorted(cells, key=order)
+
+
+def needle_grid_table(res: dict) -> str:
+  """Rows = variants, columns = needle cells (context length C, depth d), at the last
+  evaluation of each run (mean ± std over seeds, percent)."""
+  cells = needle_cells(res)
+  rows = [[v] + [spread([r["evals"][-1].get(k) if r["evals"] else None for r in runs], 100.0, 1,
+                        minmax=False) for k in cells]
+          for v, runs in _by_variant(res).items()]
+  return _table(["variant"] + [k[len("eval/needle/"):].replace("_", " ") for k in cells], rows)
+
+
 def final_table(res: dict) -> str:
   niah = bool(res["meta"].get("niah_metric"))
   rows = []
@@ -159,6 +179,9 @@ def tables_markdown(res: dict, *, image_dir: str = "", heading: str = "###") -> 
   if m.get("niah_metric"):
     parts += [f"{heading} NIAH accuracy (%) vs training step (`{m['niah_metric']}`, "
               "mean ± std over seeds)", step_table(res, m["niah_metric"])]
+    if needle_cells(res):
+      parts += [f"{heading} NIAH by cell at the last evaluation (%; C = context length, d = "
+                "depth of the needle pair, 0 = written first)", needle_grid_table(res)]
   parts += [f"{heading} Recall accuracy (%) vs training step (`{m['recall_metric']}`, "
             "mean ± std over seeds)", step_table(res, m["recall_metric"]),
             f"{heading} Final (last evaluation; mean ± std (min–max) over seeds)",
