@@ -122,3 +122,26 @@ def test_batch_sharded_hidden_states_give_the_same_loss_and_gradients():
   got = f(jax.device_put(h, sh), w)
   chex.assert_trees_all_close(got, ref, rtol=TOL, atol=TOL)
   assert got[1][0].sharding.is_equivalent_to(sh, 3)  # dh keeps the batch sharding
+
+
+@pytest.mark.parametrize("mode", ["fused", "remat"])
+def test_hit_is_the_target_holding_the_row_maximum_on_every_split(mode):
+  """The accuracy rule: a hit is a target whose logit is the row's maximum. Rows built with an
+  exact tie for the maximum (the target second of the tied columns: a hit here, where argmax
+  would take the first index), a unique maximum on the target (hit) and elsewhere (miss), on
+  the full-vocabulary path and across vocab blocks (the tie split between two blocks)."""
+  V_ = 12
+  w = jnp.eye(V_, dtype=jnp.float32)            # D = V: the logits are the hidden states
+  z = np.zeros((1, 4, V_), np.float32)
+  z[0, 0, [3, 9]] = 5.0                         # tie at 3 and 9 (blocks of 6 split them)
+  z[0, 1, 4] = 2.0                              # unique max at 4
+  z[0, 2, 7] = 1.0                              # unique max at 7
+  z[0, 3, 1] = -1.0                             # max 0 shared by 11 columns, target 1 below
+  y = jnp.asarray([[9, 4, 2, 1]], jnp.int32)
+  expect = np.array([1, 1, 0, 0], np.float32)   # per position
+  for c, vc in ((4, None), (1, None), (4, 6), (2, 5)):
+    for pos in range(4):
+      wt = jnp.asarray(np.eye(4, dtype=np.float32)[pos][None])
+      hits = cross_entropy_from_hidden(jnp.asarray(z), w, y, wt, chunk=c, vocab_chunk=vc,
+                                       mode=mode)[2]
+      assert float(hits) == expect[pos], (c, vc, pos)

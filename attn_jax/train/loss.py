@@ -4,7 +4,7 @@ For tokens n with final hidden state h_n (after the final norm), head matrix W [
 embeddings: W = embed^T), target y_n and weight w_n:
 
     z_n = h_n W  (fp32),   lse_n = log sum_v exp(z_nv),   nll_n = lse_n - z_{n, y_n}
-    returns  sum_n w_n nll_n,   sum_n w_n,   sum_n w_n [argmax_v z_nv == y_n]
+    returns  sum_n w_n nll_n,   sum_n w_n,   sum_n w_n [z_{n, y_n} = max_v z_nv]
 
 The sequence is cut into chunks of `chunk` positions (the last one padded with weight 0); a
 `lax.scan` visits them, each chunk holding the whole batch (so a batch-sharded h stays
@@ -20,10 +20,14 @@ to get the gradient without keeping [B*T, V]:
   chunk's inputs and the backward recomputes its logits: four matmuls (one forward again).
 
 `vocab_chunk` (optional) also splits V: the logsumexp is accumulated online over vocab blocks
-(running max m and sum s: s <- s e^{m - m'} + sum e^{z - m'}), the target logit and the
-argmax (first index of the maximum, as `jnp.argmax`) likewise; "fused" then makes a second
-pass over the vocab blocks for dz, which recomputes the logits once (four matmuls). Padded
-vocab columns (when vocab_chunk does not divide V) are masked out of the softmax and argmax.
+(running max m and sum s: s <- s e^{m - m'} + sum e^{z - m'}) and the target logit likewise;
+"fused" then makes a second pass over the vocab blocks for dz, which recomputes the logits once
+(four matmuls). Padded vocab columns (when vocab_chunk does not divide V) are masked out of the
+softmax and the maximum.
+
+A hit is a target whose logit is the row's maximum (an exact tie for the maximum counts as a
+hit; `jnp.argmax` would take the first index): one comparison per row, where an argmax is a
+(value, index) reduction that XLA:CPU runs as scalar code, as costly as the exp pass.
 
 The model side (a patch for train/step.py): `h = model.hidden(tokens)`,
 `W = model.unembed_matrix()`, `cross_entropy_from_hidden(h, W, targets, weights)`.
@@ -62,44 +66,48 @@ def _vocab_blocks(w_DV, vocab_chunk):
   return w.reshape(D, nv, vocab_chunk).transpose(1, 0, 2), V
 
 
+def _full_vocab(z_cV, y_c):
+  """(lse, target logit, hit, softmax) of logits over the whole vocabulary; the softmax reuses
+  the exp of the logsumexp (one exp per logit for the loss and its gradient); hit: z_y is the
+  row's maximum (module docstring)."""
+  m = jnp.max(z_cV, axis=-1)
+  e = jnp.exp(z_cV - m[:, None])
+  s = jnp.sum(e, axis=-1)
+  tgt = jnp.take_along_axis(z_cV, y_c[:, None], axis=-1)[:, 0]
+  return m + jnp.log(s), tgt, tgt >= m, e * (1.0 / s)[:, None]
+
+
 def _stats(h_cD, w_DV, y_c, vocab_chunk):
-  """(lse, target logit, argmax) of the chunk's logits, over V at once or online over blocks."""
+  """(lse, target logit, hit) of the chunk's logits, over V at once or online over blocks
+  (hit: the target's logit is the largest, see `_full_vocab`)."""
   if vocab_chunk is None or vocab_chunk >= w_DV.shape[1]:
-    z = _logits(h_cD, w_DV)
-    lse = jax.nn.logsumexp(z, axis=-1)
-    tgt = jnp.take_along_axis(z, y_c[:, None], axis=-1)[:, 0]
-    return lse, tgt, jnp.argmax(z, axis=-1)
+    return _full_vocab(_logits(h_cD, w_DV), y_c)[:3]
   blocks, V = _vocab_blocks(w_DV, vocab_chunk)
   c = h_cD.shape[0]
 
   def body(carry, xs):
-    m, s, tgt, best, arg = carry
+    m, s, tgt = carry
     w_blk, start = xs
     z = _logits(h_cD, w_blk)
     col = start + jnp.arange(vocab_chunk)
     z = jnp.where(col[None, :] < V, z, -jnp.inf)
-    zmax = jnp.max(z, axis=-1)
-    m_new = jnp.maximum(m, zmax)
+    m_new = jnp.maximum(m, jnp.max(z, axis=-1))
     s = s * jnp.exp(m - m_new) + jnp.sum(jnp.exp(z - m_new[:, None]), axis=-1)
     local = y_c - start
     inside = (local >= 0) & (local < vocab_chunk)
     t = jnp.take_along_axis(z, jnp.clip(local, 0, vocab_chunk - 1)[:, None], axis=-1)[:, 0]
-    tgt = jnp.where(inside, t, tgt)
-    better = zmax > best
-    arg = jnp.where(better, start + jnp.argmax(z, axis=-1), arg)
-    return (m_new, s, tgt, jnp.maximum(best, zmax), arg), None
+    return (m_new, s, jnp.where(inside, t, tgt)), None
 
-  init = (jnp.full((c,), -jnp.inf), jnp.zeros((c,)), jnp.zeros((c,)), jnp.full((c,), -jnp.inf),
-          jnp.zeros((c,), jnp.int32))
+  init = (jnp.full((c,), -jnp.inf), jnp.zeros((c,)), jnp.zeros((c,)))
   starts = jnp.arange(blocks.shape[0], dtype=jnp.int32) * vocab_chunk
-  (m, s, tgt, _, arg), _ = jax.lax.scan(body, init, (blocks, starts))
-  return m + jnp.log(s), tgt, arg
+  (m, s, tgt), _ = jax.lax.scan(body, init, (blocks, starts))
+  return m + jnp.log(s), tgt, tgt >= m
 
 
 def _chunk_sums(h_cD, w_DV, y_c, wt_c, vocab_chunk):
-  lse, tgt, arg = _stats(h_cD, w_DV, y_c, vocab_chunk)
+  lse, tgt, hit = _stats(h_cD, w_DV, y_c, vocab_chunk)
   nll_c = lse - tgt
-  return nll_c, jnp.sum(nll_c * wt_c), jnp.sum(wt_c), jnp.sum((arg == y_c) * wt_c)
+  return nll_c, jnp.sum(nll_c * wt_c), jnp.sum(wt_c), jnp.sum(hit * wt_c)
 
 
 def _chunked(h_BTD, y_BT, wt_BT, chunk):
@@ -137,17 +145,27 @@ def _remat_ce(h_BTD, w_DV, y_BT, wt_BT, chunk, vocab_chunk):
   return nll, wsum, hits
 
 
-def _chunk_grads(h_cD, w_DV, y_c, wt_c, lse_c, vocab_chunk):
-  """dz = wt (softmax - onehot) contracted at once: (dh [c, D], dW [D, V]) of sum wt nll."""
+def _contract(h_cD, w_DV, dz_cV):
+  """(dh = dz W^T [c, D], dW = h^T dz [D, V]), accumulated in fp32."""
+  dz = dz_cV.astype(h_cD.dtype)
+  dh = jnp.einsum("cv,dv->cd", dz, w_DV.astype(h_cD.dtype), preferred_element_type=jnp.float32)
+  return dh, jnp.einsum("cd,cv->dv", h_cD, dz, preferred_element_type=jnp.float32)
+
+
+def _fused_chunk(h_cD, w_DV, y_c, wt_c, vocab_chunk):
+  """(nll [c], hit [c], dh [c, D], dW [D, V]) of one chunk: dz = wt (softmax - onehot) is
+  formed and contracted at once."""
+  if vocab_chunk is None or vocab_chunk >= w_DV.shape[1]:
+    lse, tgt, hit, p = _full_vocab(_logits(h_cD, w_DV), y_c)
+    dz = p.at[jnp.arange(p.shape[0]), y_c].add(-1.0) * wt_c[:, None]
+    return (lse - tgt, hit) + _contract(h_cD, w_DV, dz)
+  lse, tgt, hit = _stats(h_cD, w_DV, y_c, vocab_chunk)
+  return (lse - tgt, hit) + _vocab_block_grads(h_cD, w_DV, y_c, wt_c, lse, vocab_chunk)
+
+
+def _vocab_block_grads(h_cD, w_DV, y_c, wt_c, lse_c, vocab_chunk):
+  """`_contract` of dz over vocab blocks (the logits recomputed block by block)."""
   D, V = w_DV.shape
-  if vocab_chunk is None or vocab_chunk >= V:
-    z = _logits(h_cD, w_DV)
-    dz = jnp.exp(z - lse_c[:, None])
-    dz = dz.at[jnp.arange(dz.shape[0]), y_c].add(-1.0) * wt_c[:, None]
-    dh = jnp.einsum("cv,dv->cd", dz.astype(h_cD.dtype), w_DV.astype(h_cD.dtype),
-                    preferred_element_type=jnp.float32)
-    dw = jnp.einsum("cd,cv->dv", h_cD, dz.astype(h_cD.dtype), preferred_element_type=jnp.float32)
-    return dh, dw
   blocks, _ = _vocab_blocks(w_DV, vocab_chunk)
 
   def body(dh, xs):
@@ -155,11 +173,8 @@ def _chunk_grads(h_cD, w_DV, y_c, wt_c, lse_c, vocab_chunk):
     z = _logits(h_cD, w_blk)
     col = start + jnp.arange(vocab_chunk)
     p = jnp.where(col[None, :] < V, jnp.exp(z - lse_c[:, None]), 0.0)
-    dz = (p - (col[None, :] == y_c[:, None])) * wt_c[:, None]
-    dh = dh + jnp.einsum("cv,dv->cd", dz.astype(h_cD.dtype), w_blk.astype(h_cD.dtype),
-                         preferred_element_type=jnp.float32)
-    return dh, jnp.einsum("cd,cv->dv", h_cD, dz.astype(h_cD.dtype),
-                          preferred_element_type=jnp.float32)
+    dh_blk, dw_blk = _contract(h_cD, w_blk, (p - (col[None, :] == y_c[:, None])) * wt_c[:, None])
+    return dh + dh_blk, dw_blk
 
   starts = jnp.arange(blocks.shape[0], dtype=jnp.int32) * vocab_chunk
   dh, dw_blocks = jax.lax.scan(body, jnp.zeros((h_cD.shape[0], D), jnp.float32), (blocks, starts))
@@ -178,11 +193,9 @@ def _fused_fwd(h_BTD, w_DV, y_BT, wt_BT, chunk, vocab_chunk):
   def body(carry, xs):
     nll, wsum, hits, dw = carry
     h_c, y_c, wt_c = xs
-    lse, tgt, arg = _stats(h_c, w_DV, y_c, vocab_chunk)
-    nll_c = lse - tgt
-    dh_c, dw_c = _chunk_grads(h_c, w_DV, y_c, wt_c, lse, vocab_chunk)
+    nll_c, hit, dh_c, dw_c = _fused_chunk(h_c, w_DV, y_c, wt_c, vocab_chunk)
     carry = (nll + jnp.sum(nll_c * wt_c), wsum + jnp.sum(wt_c),
-             hits + jnp.sum((arg == y_c) * wt_c), dw + dw_c)
+             hits + jnp.sum(hit * wt_c), dw + dw_c)
     return carry, (dh_c, nll_c)
 
   init = (jnp.zeros(()), jnp.zeros(()), jnp.zeros(()), jnp.zeros(w_DV.shape, jnp.float32))
@@ -195,7 +208,7 @@ def _fused_fwd(h_BTD, w_DV, y_BT, wt_BT, chunk, vocab_chunk):
 def _fused_bwd(chunk, vocab_chunk, res, cots):
   del chunk, vocab_chunk
   dh, dw, nll_tok, y_BT = res
-  g_nll, g_w, _ = cots  # argmax hits have no gradient
+  g_nll, g_w, _ = cots  # hits have no gradient
   d_y = jnp.zeros(y_BT.shape, jax.dtypes.float0)
   return (g_nll.astype(dh.dtype) * dh, g_nll.astype(dw.dtype) * dw, d_y,
           g_nll * nll_tok + g_w)
