@@ -4,9 +4,9 @@
       --sisa_path=chunked
 
 Abstract shapes only (`attn_jax.train.memory.mixer_memory`): prints XLA's temporaries per
-mixer and length, and each mixer's ratio to the first one. On CPU the attention kernels keep
-per-chunk score blocks, so every attention-like mixer grows ~T^2 here; the comparison shows
-what a mixer adds on top of plain attention (e.g. SISA's chunked path: no [T, S] bias).
+mixer and length, and each mixer's ratio to the first one. On CPU plain attention's kernels
+keep per-chunk score blocks and grow ~T^2; SISA's chunked path (blockwise, past blocks through
+attention/flash.py) grows linearly.
 """
 
 import os

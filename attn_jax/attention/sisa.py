@@ -40,10 +40,11 @@ fixed T, and no reference point ever depends on a later token:
    (60 nats; 4 for float16): every factor then lies in [e^-60, e^60], far inside the fp32/bf16
    exponent range (e^+-88), leaving 28 nats (e^28 ~ 1e12) of headroom for |B|, |C|, lambda and
    the backward pass. The product e^{g_i} e^{-g_j} keeps full relative precision.
-2. Chunked path (exact for any range). Query chunk I = [a, a+c) uses the reference r_I =
-   g_{a-1} (the last token before the chunk; 0 for the first chunk):
-   - queries: e^{g_i - r_I} <= 1;
-   - past keys j < a: e^{r_I - g_j} <= 1. A factor can underflow only when the true product
+2. Chunked path (exact for any range). The sequence is cut into blocks of c tokens; the
+   keys a query sees are those of earlier blocks (its *past*) and its own block's prefix.
+   For a query block I and an earlier key block J the reference is r = g at J's last token:
+   - queries i in I: e^{g_i - r} <= 1 (g is non-increasing);
+   - keys j in J: e^{r - g_j} <= 1. A factor can underflow only when the true product
      e^{g_i - g_j} (<= each factor) is below ~1e-38, i.e. negligible;
    - keys inside the chunk, j in [a, i]: their factor e^{r_I - g_j} could overflow (a chunk
      can hold any amount of decay: softplus is unbounded), so it is never formed. The chunk's
@@ -51,20 +52,24 @@ fixed T, and no reference point ever depends on a later token:
      lambda e^{g_i - g_j} C.B as an additive [c, c] bias, with e^{g_i - g_j} computed from the
      *difference* g_i - g_j <= 0 (the SSD "segsum" idea of Mamba-2). No cap on the decay is
      needed: the model is exactly the paper's function, with no clamp anywhere;
-   - the two parts (past keys through one unbiased, unmasked call of the widened Q/K — the
-     fused kernel on GPU —, the chunk's own keys with the bias) are combined exactly by
-     log-sum-exp (`split.py`, the split-KV form of FlashAttention-2). No [T, S] bias exists,
-     and keys after the chunk are never read, so the chunked path does half the score work of
-     a full-square masked kernel;
-   - the chunks run one after another and are rematerialised (`split.sequential`): the
-     residuals are the inputs, the backward recomputes one chunk at a time.
+   - the two parts are combined exactly by log-sum-exp (`split.py`, the split-KV form of
+     FlashAttention-2). The diagonal blocks run as one batch of [c, c] biased blocks; the past
+     runs through `flash.py`'s loops over (query block, earlier key block) pairs with an
+     online softmax and a recomputing backward, the pair's widened Q/K formed inside the loop
+     (`_past_scores`). No [T, S] tensor exists: memory is linear in T at the fixed block
+     (`block_len`, 256), and keys after a block are never read (half the score work of a
+     full-square masked kernel);
+   - with a fused cuDNN core the past instead goes through that kernel: query chunks (at most
+     8) with reference r_I = g_{a-1} (the last token before chunk I = [a, a+c)), each chunk's
+     past keys j < a in one unbiased, unmasked call of the widened Q/K, the chunks run one
+     after another and rematerialised (`split.sequential`: the residuals are the inputs).
    `jax.lax.cond` on the measured range picks the path at run time (both are compiled); the
    predicate has no gradient, and both paths compute the same function (so the choice, which
    reads the whole sequence, changes outputs only at rounding level; tested). Under autodiff a
    cond returns the residuals of *both* branches as outputs (the untaken one zero-filled), so
    neither branch may leave [T, S] residuals: the fast branch is rematerialised
    (`jax.checkpoint`; recomputing the scores is cheaper than storing and reloading them on CPU,
-   `experiments/bench.py`), the chunked one keeps only its inputs by construction. With a fused
+   `experiments/bench.py`), the chunked one keeps O(T) residuals by construction. With a fused
    cuDNN core (O(T) residuals) the fast branch is not rematerialised. A forced `path="fast"`
    (the caller's promise that the range stays below the limit) is not rematerialised either:
    `config.model.remat` governs it as any mixer.
@@ -119,7 +124,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from attn_jax.attention import kv_state, split
+from attn_jax.attention import flash, kv_state, split
 from attn_jax.attention.core import attend, causal_positions, choose_impl
 from attn_jax.attention.mha import (REMAT_CORE_IMPLS, QKVProjection, SinkOptions,
                                     attention_flops_per_token,
@@ -196,6 +201,24 @@ def _local_bias(rc_BTHS, rb_BSHS, g_q_BTH, g_k_BSH, lam_H, causal_TS):
   return lam_H[None, :, None, None] * dec * match
 
 
+def _past_scores(scale, shared, qa, ka):
+  """Score of a (query block, earlier key block) pair for `flash.past_blocks`: the widened
+  q.k with reference r = g at the key block's last token, so query factors e^{g_i - r} <= 1
+  (i after the block) and key factors e^{r - g_j} <= 1 (j in the block). [B, H, c, c] in fp32
+  (fp64 for a float64 model)."""
+  (qscale,) = shared
+  q, rc, g_q = qa
+  k, rb, g_k = ka
+  dt = q.dtype
+  r = g_k[:, -1]                                                       # [B, H]
+  qf = jnp.exp(g_q - r[:, None]) * qscale
+  kf = jnp.exp(r[:, None] - g_k)
+  qh = jnp.concatenate([q, (qf[..., None] * rc).astype(dt)], axis=-1)
+  kh = jnp.concatenate([k, (kf[..., None] * rb).astype(dt)], axis=-1)
+  f = jnp.promote_types(dt, jnp.float32)
+  return jnp.einsum("bthd,bshd->bhts", qh, kh, preferred_element_type=f) * scale
+
+
 # ---------------------------------------------------------------- explicit reference
 
 def sisa_attention_reference(q_BTHD, k_BTHD, v_BTHD, c_BTHS, b_BTHS, g_BTH, phi_BTHP, lam_H, *,
@@ -259,7 +282,8 @@ class SISAOptions(SinkOptions):
   use_decay: bool = True
   use_phase: bool = True
   learn_lambda: bool = True
-  chunk_size: int = 0             # query chunk of the chunked path; 0 = auto (`chunk_len`)
+  chunk_size: int = 0             # block / query chunk of the chunked path; 0 = auto
+                                  # (`block_len`, or `chunk_len` with a cuDNN core)
   path: str = "auto"              # auto (cond on the decay range) | fast | chunked (all exact)
   fast_max_range: float = 60.0    # nats: largest decay range of the one-call fast path (<= 80)
   phase_init_std: float = 0.01    # init std of W_theta (as the authors' code)
@@ -435,9 +459,41 @@ class SISA(nnx.Module):
                   **_sink_kw(sink))
 
   def _chunked(self, q, k, v, rc, rb, g, lam, qscale, sink=None):
+    """The exact path for any decay range: block pairs in O(T) memory (`_blockwise`), or with a
+    fused cuDNN core, query chunks whose past goes through that kernel (`_fused_chunks`)."""
+    if choose_impl(self.cfg.attention_impl, q.dtype, q.shape[-1] + rc.shape[-1]) == "cudnn":
+      return self._fused_chunks(q, k, v, rc, rb, g, lam, qscale, sink)
+    return self._blockwise(q, k, v, rc, rb, g, lam, qscale, sink)
+
+  def _blockwise(self, q, k, v, rc, rb, g, lam, qscale, sink):
+    """Blocks of c tokens (T padded up to a multiple: padded keys sit in the last block, which
+    no query's past contains; padded queries are dropped). Diagonal blocks: all n at once as a
+    batch of [c, c] biased, masked blocks. Past blocks: `flash.past_blocks` with the pair's
+    reference r = g at the key block's last token. Combined by log-sum-exp."""
+    cfg, dt = self.cfg, q.dtype
+    B, T, H, _ = q.shape
+    c = self.block_len(self.opts, T)
+    pad = -T % c
+    if pad:
+      zpad = lambda x: jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))
+      q, k, v, rc, rb = map(zpad, (q, k, v, rc, rb))
+      g = jnp.pad(g, ((0, 0), (0, pad), (0, 0)), mode="edge")
+    n = (T + pad) // c
+    fold = lambda x: x.reshape((B * n, c) + x.shape[2:])
+    unfold = lambda x: x.reshape((B, n * c) + x.shape[2:])
+    causal = jnp.tril(jnp.ones((c, c), bool))
+    loc = _local_bias(fold(rc), fold(rb), fold(g), fold(g), lam, causal)
+    scale = cfg.head_dim ** -0.5
+    diag = split.partial_attention(fold(q), fold(k), fold(v), scale=scale, bias=loc, mask=causal)
+    past = flash.past_blocks(functools.partial(_past_scores, scale), (qscale,), (q, rc, g),
+                             (k, rb, g), v, block=c)
+    out = split.combine([tuple(map(unfold, diag)), past], sink)
+    return out[:, :T].astype(dt)
+
+  def _fused_chunks(self, q, k, v, rc, rb, g, lam, qscale, sink):
     """Query chunks with reference g_{a-1}, run one after another and rematerialised
-    (`split.sequential`): the residuals are the full inputs, so memory is linear in T at a
-    fixed chunk length."""
+    (`split.sequential`): the residuals are the full inputs; each chunk's past keys go through
+    one call of the fused kernel (O(T) memory on GPU)."""
     T = q.shape[1]
     c = self.chunk_len(self.opts, T)
     fns = [functools.partial(self._chunk, a, min(a + c, T)) for a in range(0, T, c)]
@@ -540,9 +596,16 @@ class SISA(nnx.Module):
     return min(float(opts.fast_max_range), _DTYPE_RANGE_LIMIT.get(cfg.dtype, 1e9))
 
   @staticmethod
+  def block_len(opts: SISAOptions, seq_len: int) -> int:
+    """Block of the blockwise chunked path: `chunk_size`, or auto = 256 (fixed, so memory
+    grows linearly with T), at most T rounded up to a multiple of 8."""
+    c = int(opts.chunk_size) if int(opts.chunk_size) > 0 else 256
+    return min(c, -(-seq_len // 8) * 8)
+
+  @staticmethod
   def chunk_len(opts: SISAOptions, seq_len: int) -> int:
-    """Query chunk of the chunked path: `chunk_size`, or auto = max(128, T/8) rounded up to 64
-    (at most 8 unrolled chunks; each reads only its key prefix)."""
+    """Query chunk of the fused-kernel chunked path: `chunk_size`, or auto = max(128, T/8)
+    rounded up to 64 (at most 8 unrolled chunks; each reads only its key prefix)."""
     c = int(opts.chunk_size)
     if c <= 0:
       c = max(128, -(-seq_len // 8))

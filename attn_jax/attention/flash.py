@@ -1,0 +1,183 @@
+"""Attention of every query block over the key blocks before it, in O(T) memory: the
+FlashAttention-2 loops (online softmax forward, recomputing backward) written with
+`jax.lax.fori_loop`, for a score given as a function of one (query block, key block) pair.
+
+With T = n c tokens cut into blocks of c, query block I attends to the keys of blocks J < I
+(the *past* part of a causal attention whose diagonal blocks a caller handles itself, e.g. with
+a bias; `split.combine` joins the parts). For a pair, `score_fn(shared, qa_I, ka_J)` returns
+s [B, H, c, c] fp32 (the scale included); then
+
+    forward   m, l, acc <- online softmax over J < I:  m' = max(m, max_j s),
+              l' = l e^{m - m'} + sum_j e^{s - m'},  acc' = acc e^{m - m'} + e^{s - m'} V_J
+              out_I = acc / l,  lse_I = m + log l          (block 0: no key, lse = NEG_INF, out 0)
+    backward  p = e^{s - lse_I}  (recomputed),  D_I = rowsum(dout_I * out_I)
+              dV_J += p^T dout_I,   dp = dout_I V_J^T,   ds = p (dp - D_I + dlse_I)
+              (d shared, d qa_I, d ka_J) += VJP of score_fn at (shared, qa_I, ka_J) applied to ds
+
+The lse cotangent enters ds because d lse_i / d s_ij = p_ij: the callers combine parts by
+log-sum-exp, so lse is an output with a gradient. The residuals are the inputs, out and lse
+(O(T)); temporaries are one pair's [B, H, c, c] scores, so memory grows linearly with T at a
+fixed block. The loops run exactly the n (n - 1) / 2 causal pairs (trip counts depend on the
+loop index: `fori_loop` becomes a while loop, which needs no reverse-mode rule here because the
+VJP is written out). The score function is differentiated by `jax.vjp` inside the backward, so
+any differentiable score works — SISA's widened Q/K with a per-pair reference (sisa.py), or the
+plain scaled dot product (`dot_scores`).
+
+GQA: V has K <= H heads; query head h reads value head h // (H / K).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from attn_jax.attention.core import NEG_INF
+
+ScoreFn = Callable[[Any, Any, Any], jax.Array]
+
+
+def dot_scores(scale: float) -> ScoreFn:
+  """score_fn of plain attention: scale q_I k_J^T with qa = q [B, c, H, D], ka = k (H heads)."""
+  return functools.partial(_dot_scores, float(scale))
+
+
+def _dot_scores(scale, shared, q, k):
+  del shared
+  return jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=_acc(q.dtype)) * scale
+
+
+def _acc(dtype):
+  """Gradient accumulation dtype: fp32 (fp64 for float64 inputs)."""
+  return jnp.promote_types(dtype, jnp.float32)
+
+
+def _block(tree, i, c):
+  """The i-th block of c along axis 1 of every leaf (i may be traced)."""
+  return jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, i * c, c, axis=1), tree)
+
+
+def _add_block(tree, upd, i, c):
+  """tree with upd added to its i-th block along axis 1."""
+  def add(x, u):
+    cur = jax.lax.dynamic_slice_in_dim(x, i * c, c, axis=1)
+    return jax.lax.dynamic_update_slice_in_dim(x, cur + u.astype(x.dtype), i * c, axis=1)
+  return jax.tree.map(add, tree, upd)
+
+
+def _grouped(p_BHTS, n_kv):
+  B, H, T, S = p_BHTS.shape
+  return p_BHTS.reshape(B, n_kv, H // n_kv, T, S)
+
+
+def _pv(p_BHTS, v_BSKE):
+  """sum_s p v: [B, T, H, E] in p's dtype."""
+  B, H, T, _ = p_BHTS.shape
+  o = jnp.einsum("bkgts,bske->btkge", _grouped(p_BHTS, v_BSKE.shape[2]),
+                 v_BSKE.astype(p_BHTS.dtype))
+  return o.reshape(B, T, H, -1)
+
+
+def _check(qa, ka, v, block):
+  T = jax.tree.leaves(qa)[0].shape[1]
+  for x in jax.tree.leaves(qa) + jax.tree.leaves(ka) + [v]:
+    if x.shape[1] != T:
+      raise ValueError(f"flash: every query/key array needs the same length {T} on axis 1, "
+                       f"got {x.shape}")
+  if block < 1 or T % block:
+    raise ValueError(f"flash: sequence length {T} is not a multiple of the block {block}")
+  return T // block
+
+
+def past_blocks(score_fn: ScoreFn, shared, qa, ka, v_BSKE, *, block: int):
+  """(out [B, T, H, E], lse [B, T, H]) in fp32 (fp64 for float64 v): query block I over the
+  keys of blocks J < I.
+
+  score_fn(shared, qa_I, ka_J) -> [B, H, c, c] scores (fp32, or fp64); qa / ka: pytrees of [B, T, ...]
+  arrays cut along axis 1; shared: a pytree passed whole (e.g. a learned scale). Differentiable
+  in shared, qa, ka and v (custom VJP, module docstring); score_fn must be hashable."""
+  _check(qa, ka, v_BSKE, block)
+  return _past(score_fn, block, shared, qa, ka, v_BSKE)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _past(score_fn, block, shared, qa, ka, v):
+  return _past_fwd(score_fn, block, shared, qa, ka, v)[0]
+
+
+def _past_fwd(score_fn, c, shared, qa, ka, v):
+  B, T, K, E = v.shape
+  n = T // c
+  s0 = jax.eval_shape(lambda: score_fn(shared, _block(qa, 0, c), _block(ka, 0, c)))
+  H, f = s0.shape[1], _acc(v.dtype)
+
+  def query_block(i, carry):
+    out, lse = carry
+    qa_i = _block(qa, i, c)
+
+    def key_block(j, st):
+      m, l, acc = st
+      s = score_fn(shared, qa_i, _block(ka, j, c)).astype(f)
+      m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+      p = jnp.exp(s - m_new[..., None])
+      corr = jnp.exp(m - m_new)
+      acc = acc * corr.transpose(0, 2, 1)[..., None] + _pv(p, _block(v, j, c))
+      return m_new, l * corr + jnp.sum(p, axis=-1), acc
+
+    init = (jnp.full((B, H, c), NEG_INF, f), jnp.zeros((B, H, c), f), jnp.zeros((B, c, H, E), f))
+    m, l, acc = jax.lax.fori_loop(0, i, key_block, init)
+    o = acc / l.transpose(0, 2, 1)[..., None]
+    out = jax.lax.dynamic_update_slice_in_dim(out, o, i * c, axis=1)
+    lse = jax.lax.dynamic_update_slice_in_dim(lse, (m + jnp.log(l)).transpose(0, 2, 1), i * c,
+                                              axis=1)
+    return out, lse
+
+  init = (jnp.zeros((B, T, H, E), f), jnp.full((B, T, H), NEG_INF, f))
+  out, lse = jax.lax.fori_loop(1, n, query_block, init)
+  return (out, lse), (shared, qa, ka, v, out, lse)
+
+
+def _past_bwd(score_fn, c, res, cts):
+  shared, qa, ka, v, out, lse = res
+  dout, dlse = cts
+  f = out.dtype
+  dout = dout.astype(f)
+  B, T, K, E = v.shape
+  n = T // c
+  dsum = jnp.sum(dout * out, axis=-1) - dlse.astype(f)                  # [B, T, H]: D - dlse
+  zeros = lambda t: jax.tree.map(lambda x: jnp.zeros(x.shape, _acc(x.dtype)), t)
+
+  def key_block(j, carry):
+    d_shared, d_qa, d_ka, d_v = carry
+    ka_j, v_j = _block(ka, j, c), _block(v, j, c).astype(f)
+
+    def query_block(i, st):
+      d_shared, d_qa, dka_j, dv_j = st
+      qa_i = _block(qa, i, c)
+      s, vjp = jax.vjp(score_fn, shared, qa_i, ka_j)
+      lse_i = _block(lse, i, c).transpose(0, 2, 1)[..., None]            # [B, H, c, 1]
+      p = jnp.exp(s.astype(f) - lse_i)
+      do_i = _block(dout, i, c)                                          # [B, c, H, E]
+      Hq = p.shape[1]
+      G = Hq // K
+      do_g = do_i.reshape(B, c, K, G, E)
+      dv_j = dv_j + jnp.einsum("bkgts,btkge->bske", _grouped(p, K), do_g)
+      dp = jnp.einsum("btkge,bske->bkgts", do_g, v_j).reshape(p.shape)
+      ds = p * (dp - _block(dsum, i, c).transpose(0, 2, 1)[..., None])
+      g_shared, g_qa, g_ka = vjp(ds.astype(s.dtype))
+      add = lambda acc, g: jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc, g)
+      return add(d_shared, g_shared), _add_block(d_qa, g_qa, i, c), add(dka_j, g_ka), dv_j
+
+    st = (d_shared, d_qa, zeros(ka_j), jnp.zeros((B, c, K, E), f))
+    d_shared, d_qa, dka_j, dv_j = jax.lax.fori_loop(j + 1, n, query_block, st)
+    return d_shared, d_qa, _add_block(d_ka, dka_j, j, c), _add_block(d_v, dv_j, j, c)
+
+  init = (zeros(shared), zeros(qa), zeros(ka), jnp.zeros(v.shape, f))
+  grads = jax.lax.fori_loop(0, n - 1, key_block, init)
+  cast = lambda g, x: jax.tree.map(lambda a, b: a.astype(b.dtype), g, x)
+  return tuple(cast(g, x) for g, x in zip(grads, (shared, qa, ka, v)))
+
+
+_past.defvjp(_past_fwd, _past_bwd)
