@@ -27,7 +27,7 @@ python3 -c "import jax; print(jax.__version__, jax.devices())" | tee "$out/devic
 JAX_PLATFORMS="${JAX_PLATFORMS:-cuda}" XLA_FLAGS="" JAX_DEFAULT_MATMUL_PRECISION=highest timeout 240 python3 -m pytest -q -x \
   -p no:cacheprovider tests/test_gpu_paths.py tests/test_attention.py tests/test_decode.py \
   tests/test_sisa.py tests/test_trunk.py tests/test_ssd.py tests/test_mamba.py \
-  tests/test_sinkhorn.py tests/test_sinks.py tests/test_loss.py tests/test_split.py 2>&1 | tail -25 \
+  tests/test_sinkhorn.py tests/test_sinks.py tests/test_loss.py tests/test_split.py tests/test_flash.py 2>&1 | tail -25 \
   | tee "$out/numerics.txt"
 
 # 2. train-step throughput, MFU (flops.PEAK_FLOPS by device kind), ratios vs the Transformer,
@@ -38,9 +38,10 @@ timeout 420 python3 experiments/bench.py --configs=transformer_152m,sisa_152m,si
   --seq_lens="$seqs" --batch_tokens=65536 --steps=5 --warmup=2 ${BENCH_EXTRA:-} 2>&1 | grep -v "^[IW][0-9]" \
   | tee "$out/bench.txt"
 
-# 3. SISA's chunked path (split-KV: fused past keys + biased in-chunk block) against plain
-#    attention, compiled fwd+bwd temporaries of one layer vs length on the GPU core: on cuDNN
-#    both should grow ~linearly (on CPU they grow ~T^2: no O(T)-memory kernel there).
+# 3. SISA's chunked path (with cuDNN: fused past keys per query chunk + biased in-chunk block)
+#    against plain attention, compiled fwd+bwd temporaries of one layer vs length on the GPU
+#    core: both should grow ~linearly (on CPU attention grows ~T^2, SISA's blockwise path
+#    linearly).
 timeout 240 python3 experiments/mixer_memory.py --mixers=attention,sisa --dtype=bfloat16 \
   --seq_lens=2048,4096,8192,16384 --batch=4 --d_model=768 --n_heads=12 2>&1 \
   | grep -v "^[IW][0-9]" | tee "$out/mixer_memory.txt"

@@ -437,12 +437,14 @@ class SISA(nnx.Module):
     # prefix is -g at the last token.
     use_fast = -jnp.min(g[:, -1]) <= self.fast_range_limit(cfg, self.opts)
     # Neither branch leaves [T, S] residuals to the cond (see the module docstring): the fast
-    # one is rematerialised (except a fused cuDNN call, whose own residuals are O(T)); the
-    # chunked one keeps only its inputs by construction (`split.sequential`).
-    fast = lambda a: self._fast(*a)
+    # one is rematerialised (except a fused cuDNN call, whose own residuals are O(T)); so is
+    # the blockwise chunked one, whose residuals (the diagonal blocks' probabilities, the
+    # flash part's out and lse) the cond would otherwise zero-fill at every step the fast path
+    # is taken; the cuDNN chunked one keeps only its inputs by construction (`split.sequential`).
+    fast, chunked = (lambda a: self._fast(*a)), (lambda a: self._chunked(*a))
     if choose_impl(cfg.attention_impl, q.dtype, q.shape[-1] + rc.shape[-1]) in REMAT_CORE_IMPLS:
-      fast = jax.checkpoint(fast)
-    out = jax.lax.cond(use_fast, fast, lambda a: self._chunked(*a), args)
+      fast, chunked = jax.checkpoint(fast), jax.checkpoint(chunked)
+    out = jax.lax.cond(use_fast, fast, chunked, args)
     return out, 1.0 - use_fast.astype(jnp.float32)
 
   def _fast(self, q, k, v, rc, rb, g, lam, qscale, sink=None):
