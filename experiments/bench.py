@@ -191,6 +191,19 @@ def study_configs(path: str) -> dict:
   return rows
 
 
+def aux_maxima(aux) -> dict:
+  """Each monitor's max over layers: {name: float}; a pattern's per-layer-kind groups
+  ({"1.sisa": {name: [R]}}) become "1.sisa/name"."""
+  import numpy as np
+  out = {}
+  for k, v in (aux or {}).items():
+    if isinstance(v, dict):
+      out.update({f"{k}/{n}": x for n, x in aux_maxima(v).items()})
+    else:
+      out[k] = float(np.max(np.asarray(v)))
+  return out
+
+
 def bench_one(name: str, seq_len: int, decode: bool = True, config=None):
   import jax
   import numpy as np
@@ -229,7 +242,7 @@ def bench_one(name: str, seq_len: int, decode: bool = True, config=None):
   tok_s = B * seq_len / min(times)
   mfu = tok_s * flops / (peak * jax.device_count()) if peak else None
   aux = metrics.get("aux", {}) if isinstance(metrics, dict) else {}
-  extra = {k: float(np.max(np.asarray(v))) for k, v in aux.items()} if aux else {}
+  extra = aux_maxima(aux)
   decode_tok_s = (_decode_tok_s(cfg, state, toks, seq_len)
                   if decode and _DECODE_TOKENS.value else None)
   return {"config": name, "seq_len": seq_len, "batch": B, "step_s": min(times),

@@ -42,3 +42,13 @@ def test_study_rows_cover_every_variant_and_the_cache_policies(bench):
       opts = c.model[lookup]
       assert opts.cache == policy and opts.cache_window == 256 and opts.cache_sinks == 4
       assert rows[mixer].model[lookup].cache == "dense"   # the variant row is untouched
+
+
+def test_aux_maxima_flattens_pattern_groups(bench):
+  """A pattern model's monitors come grouped by layer kind ({"1.sisa": {name: [R]}}); a
+  single-mixer model's flat ({name: [R]}). Each becomes its max over the repeats."""
+  import numpy as np
+  got = bench["aux_maxima"]({"1.sisa": {"lambda": np.array([0.2, 0.5])},
+                             "decay_range": np.array([3.0, 1.0])})
+  assert got == {"1.sisa/lambda": 0.5, "decay_range": 3.0}
+  assert bench["aux_maxima"]({}) == {}
