@@ -95,9 +95,10 @@ def past_blocks(score_fn: ScoreFn, shared, qa, ka, v_BSKE, *, block: int):
   """(out [B, T, H, E], lse [B, T, H]) in fp32 (fp64 for float64 v): query block I over the
   keys of blocks J < I.
 
-  score_fn(shared, qa_I, ka_J) -> [B, H, c, c] scores (fp32, or fp64); qa / ka: pytrees of [B, T, ...]
-  arrays cut along axis 1; shared: a pytree passed whole (e.g. a learned scale). Differentiable
-  in shared, qa, ka and v (custom VJP, module docstring); score_fn must be hashable."""
+  score_fn(shared, qa_I, ka_J) -> [B, H, c, c] scores (fp32, or fp64); qa / ka: pytrees of
+  [B, T, ...] arrays cut along axis 1; shared: a pytree passed whole (e.g. a learned scale).
+  Differentiable in shared, qa, ka and v (custom VJP, module docstring); score_fn must be
+  hashable."""
   _check(qa, ka, v_BSKE, block)
   return _past(score_fn, block, shared, qa, ka, v_BSKE)
 
