@@ -52,16 +52,29 @@ def prefill(model, prompt_BT: jax.Array, lengths_B: jax.Array | None = None, *,
     raise ValueError(f"prompt length {T} exceeds what the decoding state holds ({stream} "
                      "tokens; raise cache_len)")
   chunk = T if chunk is None else min(chunk, T)
-  state = model.init_state(B, capacity)
-  last_BD = None
-  for a in range(0, T, chunk):
-    n = min(chunk, T - a)
-    h_BTD, state = model.step_hidden(prompt_BT[:, a:a + n],
-                                     positions_BT=prompt_positions(lengths_B, a, n), state=state)
+
+  def run(carry, a, toks_BN):
+    """One stateful call on prompt tokens a..a+N-1 (a may be traced)."""
+    state, last_BD = carry
+    n = toks_BN.shape[1]
+    h_BTD, state = model.step_hidden(toks_BN, positions_BT=prompt_positions(lengths_B, a, n),
+                                     state=state)
     idx_B = lengths_B - 1 - a
     here_B = (idx_B >= 0) & (idx_B < n)
     h_BD = jnp.take_along_axis(h_BTD, jnp.clip(idx_B, 0, n - 1)[:, None, None], axis=1)[:, 0]
-    last_BD = h_BD if last_BD is None else jnp.where(here_B[:, None], h_BD, last_BD)
+    return state, (h_BD if last_BD is None else jnp.where(here_B[:, None], h_BD, last_BD))
+
+  # The first chunk, then the other whole chunks in one `lax.scan` (traced once, so compile
+  # time does not grow with the prompt: a ring of window 2 takes T / 2 calls), then the rest.
+  carry = run((model.init_state(B, capacity), None), 0, prompt_BT[:, :chunk])
+  n_full = T // chunk
+  if n_full > 1:
+    chunks = prompt_BT[:, chunk:n_full * chunk].reshape(B, n_full - 1, chunk).swapaxes(0, 1)
+    starts = chunk * jnp.arange(1, n_full, dtype=jnp.int32)
+    carry, _ = jax.lax.scan(lambda c, xs: (run(c, *xs), None), carry, (starts, chunks))
+  if n_full * chunk < T:
+    carry = run(carry, n_full * chunk, prompt_BT[:, n_full * chunk:])
+  state, last_BD = carry
   return model.unembed(last_BD), state
 
 
