@@ -96,8 +96,14 @@ def _sisa_cfg(impl, chunk_size, T):
   return ModelConfig.from_config(c.model)
 
 
-@pytest.mark.parametrize("impl", ["einsum", "blocked", "xla"])
-def test_sisa_chunked_equals_reference_on_every_impl(impl):
+@pytest.mark.parametrize("impl,route", [("einsum", "blockwise"), ("blocked", "blockwise"),
+                                        ("xla", "blockwise"), ("xla", "fused_chunks")])
+def test_sisa_chunked_equals_reference_on_every_impl(impl, route, monkeypatch):
+  """Both routes of the chunked path: blockwise (flash.py past blocks; every non-cuDNN core)
+  and the fused per-chunk route cuDNN takes, run here through XLA's kernel and the same
+  custom VJP (`split._fused_lse`)."""
+  if route == "fused_chunks":
+    monkeypatch.setattr(S.SISA, "_chunked", S.SISA._fused_chunks)
   cfg = _sisa_cfg(impl, 5, 13)
   m = S.SISA(cfg, cfg.options_for("sisa"), rngs=nnx.Rngs(0))
   for lin, f in ((m.b_proj, 6.0), (m.c_proj, 6.0), (m.phase_proj, 20.0)):
