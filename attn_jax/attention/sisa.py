@@ -46,9 +46,9 @@ fixed T, and no reference point ever depends on a later token:
    - queries i in I: e^{g_i - r} <= 1 (g is non-increasing);
    - keys j in J: e^{r - g_j} <= 1. A factor can underflow only when the true product
      e^{g_i - g_j} (<= each factor) is below ~1e-38, i.e. negligible;
-   - keys inside the chunk, j in [a, i]: their factor e^{r_I - g_j} could overflow (a chunk
-     can hold any amount of decay: softplus is unbounded), so it is never formed. The chunk's
-     own block is a separate small softmax part: plain q.k scores plus the in-chunk term
+   - keys in the query's own block, j <= i: a factor e^{r - g_j} with r before them could
+     overflow (a block can hold any amount of decay: softplus is unbounded), so it is never
+     formed. The diagonal block is a separate small softmax part: plain q.k scores plus the term
      lambda e^{g_i - g_j} C.B as an additive [c, c] bias, with e^{g_i - g_j} computed from the
      *difference* g_i - g_j <= 0 (the SSD "segsum" idea of Mamba-2). No cap on the decay is
      needed: the model is exactly the paper's function, with no clamp anywhere;
