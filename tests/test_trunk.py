@@ -6,7 +6,6 @@ alone. Mixers registered later are picked up automatically (their tiny options g
 """
 
 import dataclasses
-import os
 import pathlib
 import subprocess
 import sys
@@ -375,7 +374,6 @@ def test_inference_loading_restores_parameters_only(tmp_path):
   model, config, step = load_for_inference(str(tmp_path))
   assert step == 3 and config.model.d_model == 64
   assert not [p for p, _ in nnx.to_flat_state(nnx.state(model)) if "opt" in str(p)]
-  assert os.environ.get("XLA_FLAGS", "").count("device_count=8")
   tokens = _tokens(3, (2, 8)) % 32
   chex.assert_tree_all_finite(model(tokens))
 
