@@ -211,30 +211,22 @@ def bench_one(name: str, seq_len: int, decode: bool = True, config=None):
   from attn_jax.study import throughput
   from attn_jax.train import flops as flops_lib
   from attn_jax.train import memory
-  from attn_jax.train.trainer import build_setup, compile_step
 
   if config is None:
     config = named_config(name)
   config = config.copy_and_resolve_references()
-  B = max(1, _BATCH_TOKENS.value // seq_len)
-  config.data.seq_len = seq_len
-  config.model.max_seq_len = max(config.model.max_seq_len, seq_len)
-  config.data.global_batch_size = B
-  config.train.grad_accum = 1
   config.train.steps = 1000
-  setup = build_setup(config)
-  cfg, n_params = setup.cfg, setup.n_params
-  state = setup.init_fn()
-  toks, batch = throughput.random_batch(cfg.vocab_size, B, seq_len)
-  t0 = time.perf_counter()
-  compiled = compile_step(setup, batch)
+  setup, state, toks, batch, compiled, compile_s = throughput.prepare_step(
+      config, seq_len, batch_tokens=_BATCH_TOKENS.value)
+  cfg, n_params, B = setup.cfg, setup.n_params, toks.shape[1]
   fit = memory.check_fit(compiled.memory_analysis(), micro_batch=B, grad_accum=1,
                          remat=cfg.remat)
   if not fit.fits:
     return {"config": name, "seq_len": seq_len, "batch": B, "skipped": fit.message,
             "mem_gib": fit.needed / memory.GiB}
+  t0 = time.perf_counter()
   state, _, _, _ = throughput.time_steps(compiled, state, batch, steps=0, warmup=_WARMUP.value)
-  compile_s = time.perf_counter() - t0
+  compile_s += time.perf_counter() - t0
   state, metrics, times, cpu = throughput.time_steps(compiled, state, batch,
                                                      steps=_STEPS.value, warmup=0)
   flops = flops_lib.train_flops_per_token(cfg, n_params, seq_len)

@@ -80,7 +80,8 @@ def _pv(p_BHTS, v_BSKE):
   return o.reshape(B, T, H, -1)
 
 
-def _check(qa, ka, v, block):
+def _check(qa, ka, v, block) -> None:
+  """Every array has the same length on axis 1, a multiple of the block."""
   T = jax.tree.leaves(qa)[0].shape[1]
   for x in jax.tree.leaves(qa) + jax.tree.leaves(ka) + [v]:
     if x.shape[1] != T:
@@ -88,7 +89,6 @@ def _check(qa, ka, v, block):
                        f"got {x.shape}")
   if block < 1 or T % block:
     raise ValueError(f"flash: sequence length {T} is not a multiple of the block {block}")
-  return T // block
 
 
 def past_blocks(score_fn: ScoreFn, shared, qa, ka, v_BSKE, *, block: int):

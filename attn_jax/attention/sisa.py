@@ -201,6 +201,11 @@ def _local_bias(rc_BTHS, rb_BSHS, g_q_BTH, g_k_BSH, lam_H, causal_TS):
   return lam_H[None, :, None, None] * dec * match
 
 
+def _widen(x_BTHD, f_BTH, r_BTHS):
+  """[x ; f r]: q or k widened by its scaled SISA factor (C or B, rotated), in x's dtype."""
+  return jnp.concatenate([x_BTHD, (f_BTH[..., None] * r_BTHS).astype(x_BTHD.dtype)], axis=-1)
+
+
 def _past_scores(scale, shared, qa, ka):
   """Score of a (query block, earlier key block) pair for `flash.past_blocks`: the widened
   q.k with reference r = g at the key block's last token, so query factors e^{g_i - r} <= 1
@@ -213,8 +218,7 @@ def _past_scores(scale, shared, qa, ka):
   r = g_k[:, -1]                                                       # [B, H]
   qf = jnp.exp(g_q - r[:, None]) * qscale
   kf = jnp.exp(r[:, None] - g_k)
-  qh = jnp.concatenate([q, (qf[..., None] * rc).astype(dt)], axis=-1)
-  kh = jnp.concatenate([k, (kf[..., None] * rb).astype(dt)], axis=-1)
+  qh, kh = _widen(q, qf, rc), _widen(k, kf, rb)
   f = jnp.promote_types(dt, jnp.float32)
   return jnp.einsum("bthd,bshd->bhts", qh, kh, preferred_element_type=f) * scale
 
@@ -449,14 +453,13 @@ class SISA(nnx.Module):
 
   def _fast(self, q, k, v, rc, rb, g, lam, qscale, sink=None):
     """One attend call; reference r = 0 (valid while -g <= fast_max_range)."""
-    cfg, dt = self.cfg, q.dtype
+    cfg = self.cfg
     limit = self.fast_range_limit(cfg, self.opts)
     # The clips are no-ops when this path is chosen; they keep a speculative evaluation
     # (e.g. cond under vmap becomes select) free of inf.
     qf = jnp.exp(jnp.maximum(g, -limit)) * qscale            # [B, T, H] <= 1 * qscale
     kf = jnp.exp(jnp.minimum(-g, limit))                     # [B, T, H] in [1, e^limit]
-    qh = jnp.concatenate([q, (qf[..., None] * rc).astype(dt)], axis=-1)
-    kh = jnp.concatenate([k, (kf[..., None] * rb).astype(dt)], axis=-1)
+    qh, kh = _widen(q, qf, rc), _widen(k, kf, rb)
     return attend(qh, kh, v, scale=cfg.head_dim ** -0.5, causal=True, impl=cfg.attention_impl,
                   **_sink_kw(sink))
 
@@ -516,9 +519,9 @@ class SISA(nnx.Module):
                                      bias=loc, mask=causal)]
     if a > 0:
       qf = jnp.exp(g[:, a:e] - r[:, None]) * qscale                     # <= qscale
-      qh = jnp.concatenate([q[:, a:e], (qf[..., None] * rc[:, a:e]).astype(dt)], axis=-1)
+      qh = _widen(q[:, a:e], qf, rc[:, a:e])
       kf = jnp.exp(r[:, None] - g[:, :a])                               # <= 1
-      kh = jnp.concatenate([k[:, :a], (kf[..., None] * rb[:, :a]).astype(dt)], axis=-1)
+      kh = _widen(k[:, :a], kf, rb[:, :a])
       impl = choose_impl(cfg.attention_impl, dt, qh.shape[-1])
       parts.append(split.partial_attention(qh, kh, v[:, :a], scale=scale, impl=impl))
     return split.combine(parts, sink)
@@ -543,7 +546,7 @@ class SISA(nnx.Module):
     keys = kv_state.with_new({"k": k_past, "v": state["v"], "pos": state["pos"]},
                              {"k": k_new, "v": v}, positions_BT)
     qf = jnp.exp(ell) * qscale                                           # <= qscale
-    qh = jnp.concatenate([q, (qf[..., None] * rc).astype(dt)], axis=-1)
+    qh = _widen(q, qf, rc)
     causal = jnp.arange(T)[:, None] >= jnp.arange(T)[None, :]
     loc = _local_bias(rc, rb, ell, ell, lam, causal)                     # [B, H, T, T]
     impl = choose_impl(cfg.attention_impl, dt, qh.shape[-1])

@@ -88,7 +88,8 @@ def _fused_lse_bwd(scale, impl, res, cts):
   do, dlse = cts
   _, vjp_out = jax.vjp(lambda a, b, c: dpa(a, b, c, scale=scale, impl=impl), q, k, v)
   dq, dk, dv = vjp_out(do.astype(q.dtype))
-  pk, vjp_val = jax.vjp(lambda c: dpa(q, k, c, scale=scale, impl=impl), k)       # P K, and c -> P^T c
+  # P K, and the map c -> P^T c
+  pk, vjp_val = jax.vjp(lambda c: dpa(q, k, c, scale=scale, impl=impl), k)
   g = dlse[..., None]
   (pt_gq,) = vjp_val((g * q.astype(jnp.float32)).astype(q.dtype))
   dq = dq.astype(jnp.float32) + scale * g * pk.astype(jnp.float32)

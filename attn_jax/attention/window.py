@@ -29,8 +29,7 @@ from flax import nnx
 from attn_jax.attention import kv_state
 from attn_jax.attention.core import attend, causal_positions
 from attn_jax.attention.mha import (QKVProjection, SinkLogitOptions, attention_flops_per_token,
-                                    qk_probs,
-                                    causal_keys, make_sink_logit, sink_logit_of)
+                                    causal_keys, make_sink_logit, qk_probs, sink_logit_of)
 from attn_jax.config import ModelConfig
 from attn_jax.registry import register_mixer
 

@@ -48,9 +48,10 @@ def time_steps(compiled, state, batch, *, steps: int, warmup: int):
   return state, metrics, walls, cpus
 
 
-def time_train_step(config: ml_collections.ConfigDict, seq_len: int, *, batch_tokens: int,
-                    steps: int = 3, warmup: int = 1) -> dict:
-  """{seq_len, batch, step_s (best), cpu_s (median), tok_s, params, compile_s}."""
+def prepare_step(config: ml_collections.ConfigDict, seq_len: int, *, batch_tokens: int):
+  """The trainer's step for `config` at length `seq_len`, compiled for a random batch of
+  max(1, batch_tokens // seq_len) rows rounded up to whole rows per batch shard.
+  Returns (setup, state, tokens [1, B, L + 1], batch, compiled, compile seconds)."""
   from attn_jax.train.trainer import build_setup, compile_step
 
   c = ml_collections.ConfigDict(config.to_dict())
@@ -64,11 +65,21 @@ def time_train_step(config: ml_collections.ConfigDict, seq_len: int, *, batch_to
   shards = int(np.prod([setup.mesh.shape[a] for a in axes])) if axes else 1
   B = -(-B // shards) * shards     # whole rows per batch shard
   state = setup.init_fn()
-  _, batch = random_batch(setup.cfg.vocab_size, B, seq_len)
+  toks, batch = random_batch(setup.cfg.vocab_size, B, seq_len)
   t0 = time.perf_counter()
   compiled = compile_step(setup, batch)
+  return setup, state, toks, batch, compiled, time.perf_counter() - t0
+
+
+def time_train_step(config: ml_collections.ConfigDict, seq_len: int, *, batch_tokens: int,
+                    steps: int = 3, warmup: int = 1) -> dict:
+  """{seq_len, batch, step_s (best), cpu_s (median), tok_s, params, compile_s}."""
+  setup, state, toks, batch, compiled, compile_s = prepare_step(config, seq_len,
+                                                                batch_tokens=batch_tokens)
+  B = toks.shape[1]
+  t0 = time.perf_counter()
   state, _, _, _ = time_steps(compiled, state, batch, steps=0, warmup=max(1, int(warmup)))
-  compile_s = time.perf_counter() - t0
+  compile_s += time.perf_counter() - t0
   _, _, walls, cpus = time_steps(compiled, state, batch, steps=int(steps), warmup=0)
   return {"seq_len": int(seq_len), "batch": B, "step_s": min(walls),
           "cpu_s": float(np.median(cpus)), "tok_s": B * seq_len / min(walls),

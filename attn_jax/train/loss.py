@@ -66,6 +66,11 @@ def _vocab_blocks(w_DV, vocab_chunk):
   return w.reshape(D, nv, vocab_chunk).transpose(1, 0, 2), V
 
 
+def _whole_vocab(w_DV, vocab_chunk) -> bool:
+  """True when the vocabulary is taken at once (no vocab blocks)."""
+  return vocab_chunk is None or vocab_chunk >= w_DV.shape[1]
+
+
 def _full_vocab(z_cV, y_c):
   """(lse, target logit, hit, softmax) of logits over the whole vocabulary; the softmax reuses
   the exp of the logsumexp (one exp per logit for the loss and its gradient); hit: z_y is the
@@ -80,7 +85,7 @@ def _full_vocab(z_cV, y_c):
 def _stats(h_cD, w_DV, y_c, vocab_chunk):
   """(lse, target logit, hit) of the chunk's logits, over V at once or online over blocks
   (hit: the target's logit is the largest, see `_full_vocab`)."""
-  if vocab_chunk is None or vocab_chunk >= w_DV.shape[1]:
+  if _whole_vocab(w_DV, vocab_chunk):
     return _full_vocab(_logits(h_cD, w_DV), y_c)[:3]
   blocks, V = _vocab_blocks(w_DV, vocab_chunk)
   c = h_cD.shape[0]
@@ -155,7 +160,7 @@ def _contract(h_cD, w_DV, dz_cV):
 def _fused_chunk(h_cD, w_DV, y_c, wt_c, vocab_chunk):
   """(nll [c], hit [c], dh [c, D], dW [D, V]) of one chunk: dz = wt (softmax - onehot) is
   formed and contracted at once."""
-  if vocab_chunk is None or vocab_chunk >= w_DV.shape[1]:
+  if _whole_vocab(w_DV, vocab_chunk):
     lse, tgt, hit, p = _full_vocab(_logits(h_cD, w_DV), y_c)
     dz = p.at[jnp.arange(p.shape[0]), y_c].add(-1.0) * wt_c[:, None]
     return (lse - tgt, hit) + _contract(h_cD, w_DV, dz)
