@@ -24,9 +24,18 @@ machine the CPU time is the steadier comparison.
 Analytic training FLOPs per token (stated convention): 6 N_nonembedding + 6 d V (the LM head
 matmul, also when tied) + 3 x n_layers x mixer.flops_per_token(seq_len) (attention: only the
 causal lower triangle, (L+1)/2 keys per query; backward = 2 x forward), as computed by
-`attn_jax.train.flops.train_flops_per_token` for the trainer's logs. MFU = tok/s x that /
-(dense bf16 peak x devices), from `flops.PEAK_FLOPS` by device kind; n/a where the peak is
-unknown (CPU).
+`attn_jax.train.flops.train_flops_per_token` for the trainer's logs. Against what the machine
+can do (`attn_jax.train.roofline`, measured in the same run, printed before the tables):
+TFLOP/s = tok/s x that; MFU meas = TFLOP/s / (measured matmul peak x devices), the peak being
+the best of 5 square `jnp.dot`s in the model's dtype (n = --peak_n); MFU sheet = the same
+against the datasheet peak (`flops.PEAK_FLOPS` / `PEAK_FLOPS_TF32` by device kind and dtype;
+n/a where unknown, e.g. CPU).
+
+Decode against memory bandwidth: per config and each --decode_step_batches, one jitted loop of
+--decode_steps greedy one-token steps after an untimed prefill of --decode_step_prompt random
+tokens (capacity = prompt + steps), against bound = batch x copy bandwidth / (param bytes +
+state bytes) (`roofline.decode_bytes`: non-embedding parameters + the LM head in the parameter
+dtype, plus the whole decoding state); ratio = tok/s / bound.
 
 Memory: the step is compiled ahead of time (`trainer.compile_step`) and its
 `memory_analysis()` gives the bytes one step needs (`attn_jax.train.memory.needed_bytes`:
@@ -81,6 +90,13 @@ _PRESET = flags.DEFINE_enum("preset", "", ["", "issue9"], "issue9: configs trans
                             "vocab 50277, batch 4 x 1024 (explicit flags still override).")
 _DECODE_TOKENS = flags.DEFINE_integer("decode_tokens", 128, "Generated tokens (0 = no decode).")
 _DECODE_BATCH = flags.DEFINE_integer("decode_batch", 4, "Largest decode batch.")
+_STEP_BATCHES = flags.DEFINE_list("decode_step_batches", ["1", "32"], "Batches of the decode-"
+                                  "step table (bandwidth ratio); empty = no table.")
+_STEP_PROMPT = flags.DEFINE_integer("decode_step_prompt", 128, "Decode-step table: prompt "
+                                    "length of the untimed prefill.")
+_STEP_COUNT = flags.DEFINE_integer("decode_steps", 32, "Decode-step table: timed steps.")
+_PEAK_N = flags.DEFINE_integer("peak_n", 0, "Matmul side of the measured peak (0: 2048 on "
+                               "CPU, 8192 on an accelerator).")
 _JSON = flags.DEFINE_string("json", "", "Write the rows to this JSON file.")
 _STUDY = flags.DEFINE_string("study", "", "A study config (e.g. configs/study_tiny.py): bench "
                              "every variant of the study at its matched parameter count, plus "
@@ -204,13 +220,13 @@ def aux_maxima(aux) -> dict:
   return out
 
 
-def bench_one(name: str, seq_len: int, decode: bool = True, config=None):
+def bench_one(name: str, seq_len: int, decode: bool = True, config=None, limits=None):
   import jax
   import numpy as np
 
   from attn_jax.study import throughput
   from attn_jax.train import flops as flops_lib
-  from attn_jax.train import memory
+  from attn_jax.train import memory, roofline
 
   if config is None:
     config = named_config(name)
@@ -230,31 +246,43 @@ def bench_one(name: str, seq_len: int, decode: bool = True, config=None):
   state, metrics, times, cpu = throughput.time_steps(compiled, state, batch,
                                                      steps=_STEPS.value, warmup=0)
   flops = flops_lib.train_flops_per_token(cfg, n_params, seq_len)
-  peak = flops_lib.peak_flops_per_device()
+  lim = (limits or device_limits)(cfg.dtype)
   tok_s = B * seq_len / min(times)
-  mfu = tok_s * flops / (peak * jax.device_count()) if peak else None
+  n_dev = jax.device_count()
+  mfu = roofline.mfu(tok_s, flops, lim["peak_sheet"], n_dev)
+  mfu_meas = roofline.mfu(tok_s, flops, lim["peak_measured"], n_dev)
   aux = metrics.get("aux", {}) if isinstance(metrics, dict) else {}
   extra = aux_maxima(aux)
   decode_tok_s = (_decode_tok_s(cfg, state, toks, seq_len)
                   if decode and _DECODE_TOKENS.value else None)
+  steps = ([roofline.decode_row(_model(cfg, state), n_params, int(b), _STEP_PROMPT.value,
+                                _STEP_COUNT.value, lim["bandwidth"])
+            for b in _STEP_BATCHES.value] if decode else [])
   return {"config": name, "seq_len": seq_len, "batch": B, "step_s": min(times),
-          "cpu_s": float(np.median(cpu)), "tok_s": tok_s, "mfu": mfu,
+          "cpu_s": float(np.median(cpu)), "tok_s": tok_s, "mfu": mfu, "mfu_measured": mfu_meas,
+          "flops_s": tok_s * flops, "decode_steps": steps,
           "params": n_params["total"], "flops_tok": flops, "compile_s": compile_s,
           "d_ff": cfg.d_ff, "aux": extra,
           "mem_gib": fit.needed / memory.GiB, "decode_tok_s": decode_tok_s}
+
+
+def _model(cfg, state):
+  """The model with the trained state's parameters."""
+  from flax import nnx
+
+  from attn_jax.model import build_model
+  graphdef, _, _ = nnx.split(build_model(cfg, seed=0), nnx.Param, ...)
+  return nnx.merge(graphdef, state["params"], state["rest"])
 
 
 def _decode_tok_s(cfg, state, toks, seq_len):
   """Generated tokens/s of decode.generate (prefill of the prompts + --decode_tokens)."""
   import jax
   import jax.numpy as jnp
-  from flax import nnx
 
   from attn_jax import decode
-  from attn_jax.model import build_model
 
-  graphdef, _, _ = nnx.split(build_model(cfg, seed=0), nnx.Param, ...)
-  model = nnx.merge(graphdef, state["params"], state["rest"])
+  model = _model(cfg, state)
   b = min(toks.shape[1], _DECODE_BATCH.value)
   prompt = jnp.asarray(toks[0, :b, :seq_len])
   n = _DECODE_TOKENS.value
@@ -270,8 +298,10 @@ def _merge(prev, r):
     return r
   r["cpu_s"] = min(r["cpu_s"], prev["cpu_s"])
   r["decode_tok_s"] = prev.get("decode_tok_s") or r.get("decode_tok_s")
+  r["decode_steps"] = prev.get("decode_steps") or r.get("decode_steps")
   if r["step_s"] > prev["step_s"]:
-    r = dict(prev, cpu_s=r["cpu_s"], decode_tok_s=r["decode_tok_s"])
+    r = dict(prev, cpu_s=r["cpu_s"], decode_tok_s=r["decode_tok_s"],
+             decode_steps=r["decode_steps"])
   return r
 
 
@@ -279,15 +309,15 @@ def _print_table(L, rows, names):
   base = rows[names[0]]
   print(f"\nseq_len {L} (batch {base['batch']}, step: trainer.build_setup)")
   print(f"{'config':<22}{'params':>12}{'d_ff':>6}{'step s':>9}{'tok/s':>9}{'ratio':>7}"
-        f"{'cpu s':>8}{'cpu ratio':>10}{'GFLOP/tok':>10}{'FLOPs ratio':>12}{'MFU':>7}"
-        f"{'mem GiB':>8}{'decode tok/s':>13}{'compile s':>10}  aux (max over layers)")
+        f"{'cpu s':>8}{'cpu ratio':>10}{'GFLOP/tok':>10}{'FLOPs ratio':>12}{'TFLOP/s':>9}"
+        f"{'MFU meas':>9}{'MFU sheet':>10}{'mem GiB':>8}{'decode tok/s':>13}{'compile s':>10}  aux (max over layers)")
   for name in names:
     r = rows[name]
     if "skipped" in r:
       print(f"{name:<22} skipped ({r['mem_gib']:.1f} GiB): {r['skipped']}")
       continue
     aux = ", ".join(f"{k}={v:.3g}" for k, v in r["aux"].items())
-    mfu = "n/a" if r["mfu"] is None else f"{r['mfu']:.1%}"  # n/a: peak unknown (CPU)
+    pct = lambda x: "n/a" if x is None else f"{x:.1%}"   # n/a: no datasheet peak (CPU)
     dec = "-" if r.get("decode_tok_s") is None else f"{r['decode_tok_s']:.1f}"
     ratio = cpu_ratio = "-"
     if "skipped" not in base:
@@ -297,8 +327,48 @@ def _print_table(L, rows, names):
     flops_ratio = "-" if "skipped" in base else f"{r['flops_tok'] / base['flops_tok']:.3f}"
     print(f"{name:<22}{r['params']:>12,}{r['d_ff']:>6}{r['step_s']:>9.3f}{r['tok_s']:>9.0f}"
           f"{ratio:>7}{r['cpu_s']:>8.2f}{cpu_ratio:>10}{r['flops_tok'] / 1e9:>10.3f}"
-          f"{flops_ratio:>12}{mfu:>7}{r['mem_gib']:>8.2f}{dec:>13}{r['compile_s']:>10.1f}  {aux}",
+          f"{flops_ratio:>12}{r['flops_s'] / 1e12:>9.3f}{pct(r['mfu_measured']):>9}"
+          f"{pct(r['mfu']):>10}{r['mem_gib']:>8.2f}{dec:>13}{r['compile_s']:>10.1f}  {aux}",
           flush=True)
+  _print_decode_steps(rows, names)
+
+
+def _print_decode_steps(rows, names):
+  """Decode-step tokens/s against the copy-bandwidth bound (attn_jax.train.roofline)."""
+  if not any(rows[n].get("decode_steps") for n in names):
+    return
+  print(f"\ndecode steps after an untimed prefill of {_STEP_PROMPT.value} tokens "
+        f"({_STEP_COUNT.value} steps timed): bound = batch x bandwidth / (param bytes + state "
+        f"bytes)")
+  print(f"{'config':<22}{'batch':>6}{'capacity':>9}{'param MB':>9}{'state MB':>9}"
+        f"{'tok/s':>10}{'bound tok/s':>12}{'ratio':>7}")
+  for name in names:
+    for d in rows[name].get("decode_steps") or ():
+      print(f"{name:<22}{d['batch']:>6}{d['capacity']:>9}{d['param_bytes'] / 1e6:>9.1f}"
+            f"{d['state_bytes'] / 1e6:>9.1f}{d['tok_s']:>10.1f}{d['bound_tok_s']:>12.1f}"
+            f"{d['ratio']:>7.3f}", flush=True)
+
+
+_LIMITS: dict = {}
+
+
+def device_limits(dtype: str) -> dict:
+  """Measured matmul peak for `dtype`, datasheet peak, copy bandwidth (measured once each,
+  printed when first measured)."""
+  from attn_jax.train import flops as flops_lib
+  from attn_jax.train import roofline
+  if "bandwidth" not in _LIMITS:
+    _LIMITS["bandwidth"] = roofline.copy_bandwidth()
+    print(f"copy bandwidth {_LIMITS['bandwidth'] / 1e9:.2f} GB/s (read + write, best of 5)")
+  if dtype not in _LIMITS:
+    measured = roofline.matmul_peak(dtype, n=_PEAK_N.value or None)
+    sheet = flops_lib.peak_flops_per_device(dtype=dtype)
+    _LIMITS[dtype] = {"peak_measured": measured, "peak_sheet": sheet,
+                      "bandwidth": _LIMITS["bandwidth"]}
+    print(f"matmul peak ({dtype}) {measured / 1e12:.3f} TFLOP/s measured (square jnp.dot, "
+          f"best of 5), datasheet {'n/a' if sheet is None else f'{sheet / 1e12:.0f} TFLOP/s'}",
+          flush=True)
+  return _LIMITS[dtype]
 
 
 def main(argv):
@@ -326,7 +396,8 @@ def main(argv):
     with open(_JSON.value, "w") as f:
       json.dump({"flags": {k: flags.FLAGS[k].value for k in (
           "configs", "seq_lens", "batch_tokens", "d_model", "n_heads", "n_layers",
-          "vocab_size", "dtype", "steps", "repeats", "preset", "study")}, "rows": out}, f,
+          "vocab_size", "dtype", "steps", "repeats", "preset", "study")}, "rows": out,
+                 "limits": _LIMITS}, f,
                 indent=1)
     print(f"wrote {_JSON.value}")
 

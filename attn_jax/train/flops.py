@@ -26,16 +26,27 @@ PEAK_FLOPS = {
     "l4": 121e12, "a10": 125e12, "tpu v4": 275e12, "tpu v5 lite": 197e12, "tpu v5e": 197e12,
     "tpu v5p": 459e12, "tpu v5": 459e12, "tpu v6 lite": 918e12, "tpu v6e": 918e12,
 }
+# fp32 matmuls at JAX's default precision run as TF32 on these GPUs: dense TF32 tensor-core
+# peak (datasheets, no sparsity). TPUs are absent: their fp32 rate depends on the precision
+# passes chosen, so no single figure applies.
+PEAK_FLOPS_TF32 = {
+    "h100": 495e12, "h200": 495e12, "gh200": 495e12, "b200": 1100e12, "a100": 156e12,
+    "l4": 60e12, "a10": 62.5e12,
+}
+_PEAKS_BY_DTYPE = {"bfloat16": PEAK_FLOPS, "float16": PEAK_FLOPS, "float32": PEAK_FLOPS_TF32}
 
 
-def peak_flops_per_device(device=None, override: float = 0.0) -> float | None:
-  """Peak FLOP/s of one device, or None when unknown (e.g. CPU): MFU is then not reported."""
+def peak_flops_per_device(device=None, override: float = 0.0,
+                          dtype: str = "bfloat16") -> float | None:
+  """Datasheet peak FLOP/s of one device for matmuls in `dtype`, or None when unknown (e.g.
+  CPU): MFU is then not reported."""
   if override:
     return float(override)
+  table = _PEAKS_BY_DTYPE.get(str(dtype), {})
   kind = (device or jax.devices()[0]).device_kind.lower()
-  for key in sorted(PEAK_FLOPS, key=len, reverse=True):
+  for key in sorted(table, key=len, reverse=True):
     if key in kind:
-      return PEAK_FLOPS[key]
+      return table[key]
   return None
 
 
