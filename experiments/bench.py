@@ -35,7 +35,8 @@ Decode against memory bandwidth: per config and each --decode_step_batches, one 
 --decode_steps greedy one-token steps after an untimed prefill of --decode_step_prompt random
 tokens (capacity = prompt + steps), against bound = batch x copy bandwidth / (param bytes +
 state bytes) (`roofline.decode_bytes`: non-embedding parameters + the LM head in the parameter
-dtype, plus the whole decoding state); ratio = tok/s / bound.
+dtype, plus the whole decoding state); ratio = tok/s / bound. --decode_only prints only this
+table, for freshly initialised parameters (no train step; what device_check.sh runs per mixer).
 
 Memory: the step is compiled ahead of time (`trainer.compile_step`) and its
 `memory_analysis()` gives the bytes one step needs (`attn_jax.train.memory.needed_bytes`:
@@ -95,6 +96,8 @@ _STEP_BATCHES = flags.DEFINE_list("decode_step_batches", ["1", "32"], "Batches o
 _STEP_PROMPT = flags.DEFINE_integer("decode_step_prompt", 128, "Decode-step table: prompt "
                                     "length of the untimed prefill.")
 _STEP_COUNT = flags.DEFINE_integer("decode_steps", 32, "Decode-step table: timed steps.")
+_DECODE_ONLY = flags.DEFINE_bool("decode_only", False, "Only the decode-step table (freshly "
+                                  "initialised parameters, no train step).")
 _PEAK_N = flags.DEFINE_integer("peak_n", 0, "Matmul side of the measured peak (0: 2048 on "
                                "CPU, 8192 on an accelerator).")
 _JSON = flags.DEFINE_string("json", "", "Write the rows to this JSON file.")
@@ -333,20 +336,42 @@ def _print_table(L, rows, names):
   _print_decode_steps(rows, names)
 
 
-def _print_decode_steps(rows, names):
+def _print_decode_steps(rows, names, header=True, width=22):
   """Decode-step tokens/s against the copy-bandwidth bound (attn_jax.train.roofline)."""
   if not any(rows[n].get("decode_steps") for n in names):
     return
+  width = max([width] + [len(n) + 1 for n in names])
+  if header:
+    _decode_header(width)
+  for name in names:
+    for d in rows[name].get("decode_steps") or ():
+      print(f"{name:<{width}}{d['batch']:>6}{d['capacity']:>9}{d['param_bytes'] / 1e6:>9.1f}"
+            f"{d['state_bytes'] / 1e6:>9.1f}{d['tok_s']:>10.1f}{d['bound_tok_s']:>12.1f}"
+            f"{d['ratio']:>7.3f}", flush=True)
+
+
+def _decode_header(width):
   print(f"\ndecode steps after an untimed prefill of {_STEP_PROMPT.value} tokens "
         f"({_STEP_COUNT.value} steps timed): bound = batch x bandwidth / (param bytes + state "
         f"bytes)")
-  print(f"{'config':<22}{'batch':>6}{'capacity':>9}{'param MB':>9}{'state MB':>9}"
+  print(f"{'config':<{width}}{'batch':>6}{'capacity':>9}{'param MB':>9}{'state MB':>9}"
         f"{'tok/s':>10}{'bound tok/s':>12}{'ratio':>7}")
+
+
+def _decode_only(names, prepared):
+  """--decode_only: the decode-step table of every config, at initialisation."""
+  from attn_jax.config import validate
+  from attn_jax.model import build_model, count_params
+  from attn_jax.train import roofline
   for name in names:
-    for d in rows[name].get("decode_steps") or ():
-      print(f"{name:<22}{d['batch']:>6}{d['capacity']:>9}{d['param_bytes'] / 1e6:>9.1f}"
-            f"{d['state_bytes'] / 1e6:>9.1f}{d['tok_s']:>10.1f}{d['bound_tok_s']:>12.1f}"
-            f"{d['ratio']:>7.3f}", flush=True)
+    cfg = validate(prepared.get(name) or named_config(name))
+    lim = device_limits(cfg.dtype)
+    model, n_params = build_model(cfg, seed=0), count_params(cfg)
+    row = {"decode_steps": [
+        roofline.decode_row(model, n_params, int(b), _STEP_PROMPT.value, _STEP_COUNT.value,
+                            lim["bandwidth"]) for b in _STEP_BATCHES.value]}
+    _print_decode_steps({name: row}, [name], header=name == names[0],
+                        width=max(len(n) + 1 for n in names))
 
 
 _LIMITS: dict = {}
@@ -381,6 +406,9 @@ def main(argv):
         f"{os.cpu_count()} CPU cores, batch_tokens {_BATCH_TOKENS.value}", flush=True)
   prepared = study_configs(_STUDY.value) if _STUDY.value else {}
   names = list(prepared) or list(_CONFIGS.value)
+  if _DECODE_ONLY.value:
+    _decode_only(names, prepared)
+    return
   out = []
   for L in (int(s) for s in _SEQ_LENS.value):
     best = {}
@@ -388,7 +416,8 @@ def main(argv):
       for name in names:
         if rep and "skipped" in best.get(name, {}):
           continue
-        best[name] = _merge(best.get(name), bench_one(name, L, decode=rep == 0,
+        decode = rep == 0 and L == int(_SEQ_LENS.value[0])   # decode rows do not depend on L
+        best[name] = _merge(best.get(name), bench_one(name, L, decode=decode,
                                                       config=prepared.get(name)))
     _print_table(L, best, names)
     out += [best[n] for n in names]

@@ -3,7 +3,7 @@
 # numerics, then train-step throughput / MFU of each variant side by side. Results go to stdout
 # and, when $OUT is set (the device tool's output folder), to $OUT/*.txt.
 #
-#   bash experiments/device_check.sh            # ~8-10 minutes on one H200 (timeouts cap it at 14)
+#   bash experiments/device_check.sh            # ~9-11 minutes on one H200 (timeouts cap it at 14)
 #   QUICK=1 bash experiments/device_check.sh    # numerics + one sequence length only
 #   JAX_PLATFORMS=cpu ATTN_JAX_GPU_TESTS_IMPL=xla BENCH_EXTRA="--scale=tiny --dtype=float32 \
 #     --seq_lens=128 --steps=1 --warmup=1 --batch_tokens=4096" bash experiments/device_check.sh  # CPU dry run
@@ -31,24 +31,31 @@ numerics() {  # $1 = timeout s, the rest = test files
   JAX_PLATFORMS="${JAX_PLATFORMS:-cuda}" XLA_FLAGS="" JAX_DEFAULT_MATMUL_PRECISION=highest \
     timeout "$t" python3 -m pytest -q -x -p no:cacheprovider "$@" 2>&1 | tail -25
 }
-numerics 150 tests/test_gpu_paths.py tests/test_flash.py tests/test_split.py tests/test_loss.py \
+numerics 145 tests/test_gpu_paths.py tests/test_flash.py tests/test_split.py tests/test_loss.py \
   | tee "$out/numerics.txt"
-numerics 180 tests/test_attention.py tests/test_decode.py tests/test_sisa.py tests/test_trunk.py \
+numerics 170 tests/test_attention.py tests/test_decode.py tests/test_sisa.py tests/test_trunk.py \
   tests/test_ssd.py tests/test_mamba.py tests/test_sinkhorn.py tests/test_sinks.py \
   | tee -a "$out/numerics.txt"
 
-# 2. train-step throughput, MFU (flops.PEAK_FLOPS by device kind), ratios vs the Transformer,
-#    bf16, at the 152M scale; SISA's paths side by side.
+# 2. train-step throughput, MFU against the bf16 matmul peak measured in the same run and the
+#    datasheet peak (flops.PEAK_FLOPS by device kind), ratios vs the Transformer, bf16, at the
+#    152M scale; SISA's paths side by side. (The decode-step table is its own run, 2b.)
 seqs="1024,4096"; [ -n "${QUICK:-}" ] && seqs="1024"
 # Every variant at 152M: Transformer, SISA (paths), Mamba-2/3, both hybrids, Sinkhorn, sinks.
-timeout 360 python3 experiments/bench.py --configs=transformer_152m,sisa_152m,sisa_152m@fast,sisa_152m@chunked,mamba2_152m,mamba3_152m,hybrid_block_152m,hybrid_head_152m,sinkhorn_152m,transformer_152m_sink \
-  --seq_lens="$seqs" --batch_tokens=65536 --steps=5 --warmup=2 ${BENCH_EXTRA:-} 2>&1 | grep -v "^[IW][0-9]" \
-  | tee "$out/bench.txt"
+timeout 320 python3 experiments/bench.py --configs=transformer_152m,sisa_152m,sisa_152m@fast,sisa_152m@chunked,mamba2_152m,mamba3_152m,hybrid_block_152m,hybrid_head_152m,sinkhorn_152m,transformer_152m_sink \
+  --seq_lens="$seqs" --batch_tokens=65536 --steps=5 --warmup=2 --decode_step_batches= ${BENCH_EXTRA:-} \
+  2>&1 | grep -v "^[IW][0-9]" | tee "$out/bench.txt"
+
+# 2b. decode against memory bandwidth: one-token decode steps (after a 128-token prefill) at
+#     batch 1 and 32 per mixer and cache policy, tokens/s vs copy bandwidth / bytes per step
+#     (parameters + decoding state), with the measured copy bandwidth.
+timeout 100 python3 experiments/bench.py --decode_only --configs=transformer_152m,transformer_152m@model.attention.cache=streaming,sisa_152m,mamba2_152m,mamba3_152m,hybrid_block_152m,hybrid_head_152m,sinkhorn_152m,transformer_152m_sink \
+  --decode_step_batches=1,32 ${BENCH_EXTRA:-} 2>&1 | grep -v "^[IW][0-9]" | tee "$out/decode.txt"
 
 # 3. SISA's chunked path (with cuDNN: fused past keys per query chunk + biased in-chunk block)
 #    against plain attention, compiled fwd+bwd temporaries of one layer vs length on the GPU
 #    core: both should grow ~linearly (on CPU attention grows ~T^2, SISA's blockwise path
 #    linearly).
-timeout 150 python3 experiments/mixer_memory.py --mixers=attention,sisa --dtype=bfloat16 \
+timeout 100 python3 experiments/mixer_memory.py --mixers=attention,sisa --dtype=bfloat16 \
   --seq_lens=2048,4096,8192,16384 --batch=4 --d_model=768 --n_heads=12 2>&1 \
   | grep -v "^[IW][0-9]" | tee "$out/mixer_memory.txt"
