@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from typing import Any
 
@@ -205,6 +206,16 @@ def validate(config: ml_collections.ConfigDict) -> ModelConfig:
   need(d.source in DATA_SOURCES, "data.source", f"{d.source!r} not in {DATA_SOURCES}")
   need(0 <= o.warmup_steps, "optim.warmup_steps", "must be >= 0")
   need(config.checkpoint.every_steps >= 1, "checkpoint.every_steps", "must be >= 1")
+  keep = config.checkpoint.max_to_keep
+  need(isinstance(keep, int) and not isinstance(keep, bool) and keep >= 1,
+       "checkpoint.max_to_keep", f"must be an integer >= 1 (the newest steps kept), got {keep!r}")
+  every = config.eval.get("every_steps", 0) if "eval" in config else 0
+  need(isinstance(every, int) and not isinstance(every, bool) and every >= 0, "eval.every_steps",
+       f"must be an integer >= 0 (0 = only at the end), got {every!r}")
+  if o.warmup_steps >= t.steps:
+    logging.warning("config.optim.warmup_steps=%d >= config.train.steps=%d: the learning rate "
+                    "never reaches optim.lr=%g (warm-up is cut at step %d, then decays)",
+                    o.warmup_steps, t.steps, o.lr, max(t.steps - 1, 0))
   need(len(config.mesh.shape) == len(config.mesh.axis_names), "mesh.shape",
        f"{config.mesh.shape} does not match mesh.axis_names {config.mesh.axis_names}")
   return cfg

@@ -51,7 +51,8 @@ from attn_jax import sharding as shd
 from attn_jax.config import ModelConfig, validate
 from attn_jax.model import build_model, count_params
 from attn_jax.train import flops as flops_lib
-from attn_jax.train.checkpoint import (Checkpointer, PreemptionGuard,
+from attn_jax.train.checkpoint import (Checkpointer, CheckpointMismatchError,
+                                       CheckpointSaveError, PreemptionGuard,
                                        abstract_with_shardings, config_to_json)
 from attn_jax.train.metrics import MetricWriter, flatten_metrics
 from attn_jax.train.workdir import lock_workdir
@@ -340,6 +341,60 @@ def _batch_axes(rules) -> tuple[str, ...]:
   return () if axes is None else ((axes,) if isinstance(axes, str) else tuple(axes))
 
 
+def _flat_config(tree: dict, prefix: str = "") -> dict[str, Any]:
+  out = {}
+  for k, v in tree.items():
+    if isinstance(v, dict):
+      out.update(_flat_config(v, f"{prefix}{k}."))
+    else:
+      out[f"{prefix}{k}"] = v
+  return out
+
+
+def config_changes(saved: dict, now: dict) -> list[str]:
+  """"field: saved -> now" for every config field that differs (JSON forms of two configs)."""
+  a, b = _flat_config(saved), _flat_config(now)
+  return [f"config.{k}: {a.get(k, '(absent)')!r} -> {b.get(k, '(absent)')!r}"
+          for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)]
+
+
+_SCHEDULE_FIELDS = ("config.train.steps", "config.optim.lr", "config.optim.warmup_steps",
+                    "config.optim.min_lr_ratio")
+
+
+def _restore(ckpt: Checkpointer, setup: Setup, data_it, config):
+  """The latest usable checkpoint (or None); a state that does not match this config's model is
+  an error naming the differing arrays and config fields, with every checkpoint left as it was."""
+  try:
+    return ckpt.restore(setup.abstract_state, data_it)
+  except CheckpointMismatchError as e:
+    try:
+      saved = ckpt.restore_meta(e.step).get("config", {})
+      changes = config_changes(saved, config_to_json(config))
+    except Exception:  # the saved config is unreadable: the arrays alone must do
+      changes = []
+    if not changes:
+      raise
+    raise CheckpointMismatchError(
+        f"checkpoint step {e.step} in {ckpt.directory} was saved with another config: "
+        f"{', '.join(changes[:8])}. Nothing was moved or changed: resume with the saved config, "
+        f"or use another --workdir for the new one. Stored vs requested arrays: "
+        f"{'; '.join(e.differences)}", step=e.step, differences=e.differences) from None
+
+
+def _warn_config_changes(saved: dict, now: dict, step: int) -> None:
+  """Resuming with a changed config is allowed (e.g. more steps) but never silent."""
+  changes = config_changes(saved, now) if saved else []
+  if not changes:
+    return
+  logging.warning("resuming at step %d with a config that differs from the checkpoint's: %s",
+                  step, "; ".join(changes[:12]))
+  if any(c.split(":")[0] in _SCHEDULE_FIELDS for c in changes):
+    logging.warning("the learning-rate schedule (warm-up + cosine over config.train.steps) "
+                    "changed with it: from step %d on the run follows the new schedule, not "
+                    "the one it started with", step)
+
+
 def _train_and_evaluate(config, workdir, eval_callbacks) -> dict[str, Any]:
   from attn_jax.data import pipeline
 
@@ -363,13 +418,15 @@ def _train_and_evaluate(config, workdir, eval_callbacks) -> dict[str, Any]:
   host_rows = shd.host_batch_rows(setup.batch_sharding, global_shape, batch_dim=1)
   data_it = pipeline.make_train_iterator(config.data, seed=config.seed, host_rows=host_rows)
   monitor = LossMonitor(config.train.spike_window, config.train.spike_threshold)
-  state = ckpt.restore(setup.abstract_state, data_it)
+  state = _restore(ckpt, setup, data_it, config)
   if state is None:
     state = setup.init_fn()
     start = 0
   else:
     start = int(state["step"])
-    monitor.load(ckpt.restore_meta(ckpt.restored_step).get("monitor"))
+    saved_meta = ckpt.restore_meta(ckpt.restored_step)
+    monitor.load(saved_meta.get("monitor"))
+    _warn_config_changes(saved_meta.get("config", {}), config_to_json(config), start)
     logging.info("resumed from %s at step %d", ckpt.directory, start)
   if monitor.last_finite_step is None:
     monitor.last_finite_step = start
@@ -491,7 +548,8 @@ def _train_and_evaluate(config, workdir, eval_callbacks) -> dict[str, Any]:
         writer.write(step_no, ev)
         last.update(ev)
         last_eval = step_no
-      if guard.poll(step_no):  # SIGTERM/SIGINT: stop at this step boundary (saved below)
+      ckpt.check_saves()   # a background save that failed (disk full) stops the run now
+      if guard.poll(step_no):  # SIGTERM/SIGINT/SIGHUP: stop at this step boundary (saved below)
         preempted = guard.signal_name or "signal"
         logging.warning("%s: stopping after step %d; rerun the same command to resume",
                         preempted, step_no)
@@ -551,7 +609,10 @@ def _on_exit(*, error, flush, pending, state_valid, data_it, data_pos, diverged,
     attempt("logging the last step", log_last)
   if data_pos is not None:  # stopped before this step was dispatched: its micro-batches go back
     attempt("rewinding the data iterator", lambda: data_it.set_state(data_pos))
-  if not state_valid:
+  if isinstance(error, CheckpointSaveError):
+    logging.error("not saving again after a failed save; the resume point is the latest "
+                  "checkpoint in %s (step %s)", ckpt.directory, ckpt.latest_step())
+  elif not state_valid:
     logging.error("not saving: the train step raised (%s) and its input state was donated to "
                   "it; the resume point is the latest checkpoint in %s (step %s)",
                   type(error).__name__ if error is not None else "?", ckpt.directory,
