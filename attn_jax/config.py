@@ -177,6 +177,23 @@ def validate_model(cfg: ModelConfig) -> None:
       opts.validate(cfg, f"config.model.{spec.mixer}")
 
 
+def seq_len_problem(max_seq_len: int, length: int, what: str) -> str | None:
+  """The one rule for every entry point (decode.generate, streaming windows, NIAH contexts): a
+  single forward pass sees at most `model.max_seq_len` tokens, the longest the model was built
+  and trained for. None when `length` is within it, else the message."""
+  if int(length) <= int(max_seq_len):
+    return None
+  return (f"{what}: {int(length)} tokens is longer than the model's max_seq_len="
+          f"{int(max_seq_len)} (config.model.max_seq_len)")
+
+
+def check_seq_len(max_seq_len: int, length: int, what: str) -> None:
+  """ValueError (see `seq_len_problem`) when `length` exceeds `max_seq_len`."""
+  problem = seq_len_problem(max_seq_len, length, what)
+  if problem:
+    raise ValueError(problem)
+
+
 def validate(config: ml_collections.ConfigDict) -> ModelConfig:
   """Check the whole config; returns the typed model config."""
   cfg = ModelConfig.from_config(config.model)
