@@ -17,11 +17,11 @@ Which errors count as the user's (the rule, not a list of messages):
     message naming the field or file lives; a ValueError from deep inside JAX or a library is a
     bug to report, and keeps its traceback.
 
-Leaving: after the message, background threads that are still writing (orbax's asynchronous
-save of a checkpoint that already failed, e.g. on a full disk) would keep the interpreter alive
-for a long time at exit and print unrelated "cannot schedule new futures after shutdown" /
-"Event loop is closed" tracebacks; the process therefore ends with `os._exit` once stdout,
-stderr and the log handlers are flushed, when such threads remain.
+Leaving: after the message the process ends at once (`os._exit`, once stdout, stderr and the log
+handlers are flushed). A normal interpreter exit would run orbax's finalizers and wait for its
+background threads (an asynchronous save that already failed on a full disk keeps writing),
+which keeps the process alive for a long time and prints unrelated "cannot schedule new futures
+after shutdown" / "Event loop is closed" tracebacks under the one line that matters.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import threading
 from typing import Callable
 
 from absl import app, flags
@@ -83,18 +82,14 @@ def one_line(e: BaseException) -> str:
 
 
 def leave(status: int) -> None:
-  """Exit with `status`; without waiting for stuck background writers (see the docstring)."""
+  """Exit with `status` now, without the interpreter's exit-time work (see the docstring)."""
+  logging.shutdown()
   for stream in (sys.stdout, sys.stderr):
     try:
       stream.flush()
     except (OSError, ValueError):
       pass
-  logging.shutdown()
-  busy = [t for t in threading.enumerate()
-          if t is not threading.main_thread() and t.is_alive() and not t.daemon]
-  if busy:
-    os._exit(status)
-  sys.exit(status)
+  os._exit(status)
 
 
 def guarded(main: Callable) -> Callable:

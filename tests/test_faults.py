@@ -168,7 +168,7 @@ def test_sighup_ignored_at_start_stays_ignored_and_sig_ign_comes_back():
 def small_disk(tmp_path):
   mnt = tmp_path / "disk"
   mnt.mkdir()
-  r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)],
+  r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)],
                      capture_output=True, text=True)
   if r.returncode:
     pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip()}); the injected case covers it")
@@ -203,8 +203,8 @@ def _check_full_disk_stop(workdir, started, error, first_bad):
 def test_full_disk_during_a_save_stops_within_seconds_keeping_older_steps(small_disk,
                                                                           monkeypatch):
   started = _timed_saves(monkeypatch)
-  c = run_config(steps=200)
-  c.checkpoint.every_steps = 10
+  c = run_config(steps=400)
+  c.checkpoint.update(every_steps=10, max_to_keep=100)   # ~0.4 MB a step: the disk fills
   with pytest.raises(ckpt_lib.CheckpointSaveError) as e:
     trainer_lib.train_and_evaluate(c, str(small_disk / "run"))
   first_bad = min(s for s in started if s not in Checkpointer(str(small_disk / "run")).all_steps())
@@ -398,3 +398,13 @@ def test_niah_cells_beyond_max_seq_len_are_not_available_not_zero():
   md = report.to_markdown({"results": {"niah": {"acc": res.accuracy,
                                                 "notes": list(res.not_available.values())}}})
   assert "| niah |" in md and "| – |" in md and "n/a: context length 96" in md
+
+
+def test_a_workdir_that_is_a_file_or_unwritable_is_named(tmp_path):
+  from attn_jax.train.workdir import WorkdirLock
+  f = tmp_path / "afile"
+  f.write_text("x")
+  with pytest.raises(NotADirectoryError, match=r"--workdir .*afile is a file"):
+    WorkdirLock(str(f)).acquire()
+  with pytest.raises(OSError, match=r"--workdir .*afile/run is not usable: cannot create"):
+    WorkdirLock(str(f / "run")).acquire()

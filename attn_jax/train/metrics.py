@@ -100,8 +100,11 @@ class MetricWriter:
     # JSON has no NaN/Inf: write them as strings so every line stays valid JSON.
     clean = {k: (str(v) if isinstance(v, float) and not math.isfinite(v) else v)
              for k, v in flat.items()}
-    with open(self.path, "a") as f:
-      f.write(json.dumps(clean) + "\n")
+    try:
+      with open(self.path, "a") as f:
+        f.write(json.dumps(clean) + "\n")
+    except OSError as e:  # e.g. a full disk: name the file
+      raise OSError(e.errno, f"cannot append step {step} to {self.path}: {e.strerror}") from e
     if self._tb_alive():
       for k, v in flat.items():
         if k != "step" and isinstance(v, (int, float)):

@@ -27,6 +27,13 @@ Reliability (the choices):
     given may be gone: nothing is saved from it (the latest checkpoint stays the resume point)
     and the original error propagates; an error while saving on the way out is logged, never
     raised in place of the original one.
+  * Resuming: a checkpoint whose arrays do not fit this config's model is an error naming the
+    changed config fields and the stored vs requested shapes, and nothing is moved (it is the
+    user's mistake, not corruption); a resume with other compatible settings (more steps, a new
+    lr) goes on with a warning listing them, and saying when the LR schedule changed with them.
+  * Failed saves: a background save that failed (a full disk) is noticed at the next step
+    boundary (`Checkpointer.check_saves`) and stops the run with `CheckpointSaveError`; no
+    second save is attempted on the way out, and the older checkpoints stay the resume point.
   * Held-out evaluation batches are global arrays with the batch sharding, built from this
     host's rows (`make_array_from_process_local_data`), as the training batches.
 """
@@ -199,12 +206,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   tasks of `config.eval.tasks` as a callback (`attn_jax.eval.run.task_callback`).
 
   One run per workdir: a second run on the same workdir stops at once (WorkdirLockedError
-  naming the holder's pid). SIGTERM/SIGINT stop at a step boundary with a checkpoint; the
-  result then has `preempted` (the signal's name).
+  naming the holder's pid). SIGTERM/SIGINT/SIGHUP stop at a step boundary with a checkpoint;
+  the result then has `preempted` (the signal's name).
   """
   workdir = os.path.abspath(workdir)
+  lock = lock_workdir(workdir)  # process 0 only; creates workdir, names it when unusable
   os.makedirs(workdir, exist_ok=True)
-  lock = lock_workdir(workdir)  # process 0 only
   try:
     return _train_and_evaluate(config, workdir, eval_callbacks)
   finally:
@@ -364,7 +371,19 @@ _SCHEDULE_FIELDS = ("config.train.steps", "config.optim.lr", "config.optim.warmu
 
 def _restore(ckpt: Checkpointer, setup: Setup, data_it, config):
   """The latest usable checkpoint (or None); a state that does not match this config's model is
-  an error naming the differing arrays and config fields, with every checkpoint left as it was."""
+  an error naming the differing arrays and config fields, with every checkpoint left as it was.
+  On any error the checkpointer is closed before it propagates (no orbax work left at exit)."""
+  try:
+    return _restore_or_explain(ckpt, setup, data_it, config)
+  except BaseException:
+    try:
+      ckpt.close()
+    except Exception as e:  # the restore error is the one that matters
+      logging.error("closing the checkpointer after a failed restore: %s", e)
+    raise
+
+
+def _restore_or_explain(ckpt: Checkpointer, setup: Setup, data_it, config):
   try:
     return ckpt.restore(setup.abstract_state, data_it)
   except CheckpointMismatchError as e:
