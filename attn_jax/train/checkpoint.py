@@ -50,7 +50,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
-from orbax.checkpoint._src.path import atomicity
 
 MANIFEST = "attn_jax_sha256.json"
 # Written by orbax's own commit (after the manifest): not covered by it.
@@ -169,7 +168,7 @@ def verify_manifest(step_dir: str) -> str | None:
 # ------------------------------------------------------------------ checkpointer
 
 
-class _ManifestRename(atomicity.AtomicRenameTemporaryPath):
+class _ManifestRename(ocp.path.atomicity.AtomicRenameTemporaryPath):
   """orbax's atomic rename, with the step's sha256 manifest written into the temporary folder
   first: a step folder that exists under its final name has its manifest. (The per-item
   folders use the same class; only the step folder, named by a bare step number, gets one.)"""
