@@ -416,3 +416,15 @@ def test_a_workdir_that_is_a_file_or_unwritable_is_named(tmp_path):
     WorkdirLock(str(f)).acquire()
   with pytest.raises(OSError, match=r"--workdir .*afile/run is not usable: cannot create"):
     WorkdirLock(str(f / "run")).acquire()
+
+
+def test_an_empty_or_binary_benchmark_file_is_named(tmp_path):
+  from attn_jax.eval import tasks
+  empty = tmp_path / "lambada.jsonl"
+  empty.write_text("")
+  with pytest.raises(ValueError, match=r"benchmark file is empty: '.*lambada\.jsonl'"):
+    list(tasks._iter_jsonl(empty))
+  binary = tmp_path / "arc.jsonl"
+  binary.write_bytes(b'{"a": 1}\n\xff\xfe\n')
+  with pytest.raises(ValueError, match=r"arc\.jsonl:2: not UTF-8 text"):
+    list(tasks._iter_jsonl(binary))
