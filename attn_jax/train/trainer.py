@@ -301,14 +301,19 @@ def compile_step(setup: Setup, batch: dict):
     return setup.step_fn.lower(setup.abstract_state, batch).compile()
 
 
+def abstract_batch(setup: Setup, accum: int, micro_batch: int, seq_len: int) -> dict:
+  """The train step's [accum, micro_batch, seq_len] batch as sharded ShapeDtypeStructs."""
+  return {k: jax.ShapeDtypeStruct((accum, micro_batch, seq_len),
+                                  jnp.float32 if k == "weights" else jnp.int32,
+                                  sharding=setup.batch_sharding)
+          for k in ("inputs", "targets", "weights")}
+
+
 def step_memory(setup: Setup, micro_batch: int, accum: int, seq_len: int):
   """Compiled memory analysis of the train step for `accum` micro-batches of `micro_batch`
   rows (abstract shapes: nothing runs, nothing is allocated)."""
-  abs_batch = {k: jax.ShapeDtypeStruct((accum, micro_batch, seq_len),
-                                       jnp.float32 if k == "weights" else jnp.int32,
-                                       sharding=setup.batch_sharding)
-               for k in ("inputs", "targets", "weights")}
-  return compile_step(setup, abs_batch).memory_analysis()
+  return compile_step(setup, abstract_batch(setup, accum, micro_batch, seq_len)
+                      ).memory_analysis()
 
 
 def _fit_memory(setup: Setup, config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
@@ -450,13 +455,8 @@ def _train_and_evaluate(config, workdir, eval_callbacks) -> dict[str, Any]:
   if monitor.last_finite_step is None:
     monitor.last_finite_step = start
 
-  abs_batch = {k: jax.ShapeDtypeStruct(global_shape,
-                                       jnp.float32 if k == "weights" else jnp.int32,
-                                       sharding=setup.batch_sharding)
-               for k in ("inputs", "targets", "weights")}
   t0 = time.perf_counter()
-  with shd.use_rules(setup.mesh, setup.rules):  # shd.constrain(...) inside the model
-    compiled = setup.step_fn.lower(setup.abstract_state, abs_batch).compile()
+  compiled = compile_step(setup, abstract_batch(setup, *global_shape))
   logging.info("train step compiled in %.1fs", time.perf_counter() - t0)
   try:
     logging.info("memory analysis: %s", compiled.memory_analysis())
