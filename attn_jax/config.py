@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from typing import Any
 
@@ -176,6 +177,23 @@ def validate_model(cfg: ModelConfig) -> None:
       opts.validate(cfg, f"config.model.{spec.mixer}")
 
 
+def seq_len_problem(max_seq_len: int, length: int, what: str) -> str | None:
+  """The one rule for every entry point (decode.generate, streaming windows, NIAH contexts): a
+  single forward pass sees at most `model.max_seq_len` tokens, the longest the model was built
+  and trained for. None when `length` is within it, else the message."""
+  if int(length) <= int(max_seq_len):
+    return None
+  return (f"{what}: {int(length)} tokens is longer than the model's max_seq_len="
+          f"{int(max_seq_len)} (config.model.max_seq_len)")
+
+
+def check_seq_len(max_seq_len: int, length: int, what: str) -> None:
+  """ValueError (see `seq_len_problem`) when `length` exceeds `max_seq_len`."""
+  problem = seq_len_problem(max_seq_len, length, what)
+  if problem:
+    raise ValueError(problem)
+
+
 def validate(config: ml_collections.ConfigDict) -> ModelConfig:
   """Check the whole config; returns the typed model config."""
   cfg = ModelConfig.from_config(config.model)
@@ -205,6 +223,16 @@ def validate(config: ml_collections.ConfigDict) -> ModelConfig:
   need(d.source in DATA_SOURCES, "data.source", f"{d.source!r} not in {DATA_SOURCES}")
   need(0 <= o.warmup_steps, "optim.warmup_steps", "must be >= 0")
   need(config.checkpoint.every_steps >= 1, "checkpoint.every_steps", "must be >= 1")
+  keep = config.checkpoint.max_to_keep
+  need(isinstance(keep, int) and not isinstance(keep, bool) and keep >= 1,
+       "checkpoint.max_to_keep", f"must be an integer >= 1 (the newest steps kept), got {keep!r}")
+  every = config.eval.get("every_steps", 0) if "eval" in config else 0
+  need(isinstance(every, int) and not isinstance(every, bool) and every >= 0, "eval.every_steps",
+       f"must be an integer >= 0 (0 = only at the end), got {every!r}")
+  if o.warmup_steps >= t.steps:
+    logging.warning("config.optim.warmup_steps=%d >= config.train.steps=%d: the learning rate "
+                    "never reaches optim.lr=%g (warm-up is cut at step %d, then decays)",
+                    o.warmup_steps, t.steps, o.lr, max(t.steps - 1, 0))
   need(len(config.mesh.shape) == len(config.mesh.axis_names), "mesh.shape",
        f"{config.mesh.shape} does not match mesh.axis_names {config.mesh.axis_names}")
   return cfg

@@ -11,6 +11,7 @@ script prints one line and exits with status 2 instead of a traceback.
 from __future__ import annotations
 
 import difflib
+import os
 import sys
 from typing import Any, Sequence
 
@@ -76,28 +77,43 @@ def load_config_file(spec: str) -> ml_collections.ConfigDict:
   return ConfigFileFlagParser(name="config").parse(spec)
 
 
+def config_file_problem(config: Any, spec: str, flag_name: str = "config") -> str | None:
+  """Why `--<flag_name>=<spec>` did not load (ml_collections returns a placeholder object that
+  fails on first use, e.g. for a missing file), or None when it did."""
+  error = getattr(config, "_error", None) if type(config).__name__ == "_ErrorConfig" else None
+  if error is None:
+    return None
+  path = spec.split(":", 1)[0]
+  if not os.path.exists(path):
+    return f"--{flag_name}={spec}: config file not found: {path!r}"
+  return f"--{flag_name}={spec}: {type(error).__name__}: {error}"
+
+
 def check_overrides(config: Any, argv: Sequence[str], flag_name: str = "config") -> None:
   for path in override_paths(argv, flag_name):
     check_path(config, path, root=flag_name)
 
 
 def flags_parser(flag_name: str = "config", default: str | None = None):
-  """An `absl.app.run(..., flags_parser=...)` that rejects unknown override fields cleanly."""
+  """An `absl.app.run(..., flags_parser=...)` that rejects a config file that does not load and
+  unknown override fields in one line (exit status 2)."""
   from absl import app
 
   def parse(argv):
     spec = config_argument(argv, flag_name, default)
-    if spec is not None and override_paths(argv, flag_name):
+    if spec is not None:
       try:
         config = load_config_file(spec)
-      except Exception:  # let absl report a bad --config itself, in its own words
-        config = None
-      if config is not None:
-        try:
+        problem = config_file_problem(config, spec, flag_name)
+        if problem is None:
           check_overrides(config, argv, flag_name)
-        except ConfigFieldError as e:
-          print(f"FATAL Flags parsing error: {e}", file=sys.stderr)
-          sys.exit(2)
+      except ConfigFieldError as e:
+        problem = str(e)
+      except Exception as e:  # the config file itself fails (syntax, import): name it
+        problem = f"--{flag_name}={spec}: {type(e).__name__}: {e}"
+      if problem:
+        print(f"FATAL Flags parsing error: {problem}", file=sys.stderr)
+        sys.exit(2)
     return app.parse_flags_with_usage(argv)
 
   return parse

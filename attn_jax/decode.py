@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from attn_jax.config import check_seq_len
 from attn_jax.model import mixer_limits
 
 
@@ -166,6 +167,7 @@ def generate(model, prompt_BT: jax.Array, *, max_new_tokens: int, lengths=None,
   if prompt_BT.ndim != 2:
     raise ValueError(f"prompt must be [batch, length], got shape {prompt_BT.shape}")
   B, T = prompt_BT.shape
+  check_seq_len(model.cfg.max_seq_len, T, "decode.generate: the prompt")
   if T < 1 or max_new_tokens < 1:
     raise ValueError(f"need a non-empty prompt and max_new_tokens >= 1 (got T={T}, "
                      f"max_new_tokens={max_new_tokens})")

@@ -123,14 +123,11 @@ def read_stream(paths: str | Iterable[str], tokenizer: str = "bytes", *, tail: f
   last fraction of the stream (e.g. a training run's held-out part); `max_tokens`: at most
   this many (from the start of what is kept)."""
   from attn_jax.data.tokenizer import get_tokenizer
-  from attn_jax.data.text import split_paths
+  from attn_jax.data.text import read_text_file, split_paths
   tok = get_tokenizer(tokenizer)
   ids = []
   for p in split_paths(paths):
-    if not os.path.isfile(p):
-      raise FileNotFoundError(f"stream file not found: {p!r}")
-    with open(p, encoding="utf-8") as f:
-      ids.extend(tok.encode(f.read()))
+    ids.extend(tok.encode(read_text_file(p, what="stream file", source="--text")))
     ids.append(tok.eos_id)
   arr = np.asarray(ids[:-1] if ids else [], np.int32)
   if tail:

@@ -62,7 +62,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
+
+from attn_jax import cli  # noqa: E402
 
 _CONFIGS = flags.DEFINE_list("configs", ["transformer_152m", "sisa_152m"],
                              "Config modules under configs/; the first is the baseline. "
@@ -432,4 +434,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

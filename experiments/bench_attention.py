@@ -18,7 +18,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
+
+from attn_jax import cli  # noqa: E402
 
 _SEQ = flags.DEFINE_list("seq_lens", ["1024"], "Sequence lengths.")
 _B = flags.DEFINE_integer("batch", 4, "Batch size.")
@@ -87,4 +89,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

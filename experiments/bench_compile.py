@@ -16,7 +16,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
+
+from attn_jax import cli  # noqa: E402
 
 _PATTERN = flags.DEFINE_string("pattern", "attention,mamba2:nomlp", "Comma-separated layer specs.")
 _LAYERS = flags.DEFINE_string("layers", "12,24", "Comma-separated depths.")
@@ -66,4 +68,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -19,7 +19,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
+
+from attn_jax import cli  # noqa: E402
 
 _CONFIG = flags.DEFINE_string("config", "quickstart", "Config module under configs/.")
 _DATA = flags.DEFINE_string("data_dir", None, "Folder laid out like shared/data.", required=True)
@@ -69,4 +71,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -17,7 +17,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
+
+from attn_jax import cli  # noqa: E402
 
 _B = flags.DEFINE_integer("batch", 4, "Sequences per step.")
 _T = flags.DEFINE_integer("seq_len", 1024, "Sequence length.")
@@ -124,4 +126,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

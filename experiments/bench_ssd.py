@@ -14,7 +14,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
+
+from attn_jax import cli  # noqa: E402
 
 _SEQ = flags.DEFINE_list("seq_lens", ["4096"], "Sequence lengths.")
 _B = flags.DEFINE_integer("batch", 1, "Batch size.")
@@ -85,4 +87,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -20,7 +20,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
+
+from attn_jax import cli  # noqa: E402
 
 _OUT = flags.DEFINE_string("out", "runs/bench_stream.json", "JSON output.")
 _CACHES = flags.DEFINE_list("caches", ["1024", "4096"], "Cache sizes L.")
@@ -134,4 +136,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

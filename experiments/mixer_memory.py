@@ -14,7 +14,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
+
+from attn_jax import cli  # noqa: E402
 
 _MIXERS = flags.DEFINE_list("mixers", ["attention", "sisa"], "Mixers to compare.")
 _LENS = flags.DEFINE_list("seq_lens", ["2048", "4096", "8192"], "Sequence lengths.")
@@ -51,4 +53,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -24,7 +24,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
+
+from attn_jax import cli  # noqa: E402
 
 _INPUT = flags.DEFINE_string("input", None, "Input files/folders, comma-separated.")
 _HF_DATASET = flags.DEFINE_string("hf_dataset", None, "A Hugging Face dataset name (streamed), "
@@ -85,4 +87,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -16,7 +16,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
+
+from attn_jax import cli  # noqa: E402
 
 _CONFIG = flags.DEFINE_string("config", "transformer_152m", "Config module under configs/.")
 _BATCH = flags.DEFINE_integer("batch", 32, "Micro-batch (data.global_batch_size).")
@@ -51,4 +53,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -17,9 +17,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from absl import app, flags, logging  # noqa: E402
+from absl import flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
+from attn_jax import cli  # noqa: E402
 from attn_jax import config_flags as checked_flags  # noqa: E402
 
 _DEFAULT_CONFIG = "configs/quickstart.py"
@@ -55,7 +56,7 @@ def main(argv):
   result = train_and_evaluate(config, workdir, eval_callbacks=[tasks] if tasks else [])
   import jax
   lead = jax.process_index() == 0      # one summary per job, not one per host
-  if result.get("preempted"):  # SIGTERM/SIGINT: checkpoint saved at a step boundary
+  if result.get("preempted"):  # SIGTERM/SIGINT/SIGHUP: checkpoint saved at a step boundary
     if lead:
       print(f"\nstopped by {result['preempted']} after step {result['step']} (checkpoint "
             "saved); rerun the same command to resume")
@@ -76,27 +77,7 @@ def main(argv):
       print("\n" + "\n".join(lines))
 
 
-def _main_with_clean_errors(argv):
-  """Configuration mistakes (messages starting "config."), a busy workdir or unusable
-  checkpoints end in one line on stderr (exit status 2), not a traceback."""
-  from attn_jax.train.checkpoint import CheckpointCorruptError
-  from attn_jax.train.trainer import NonFiniteTrainingError
-  from attn_jax.train.workdir import WorkdirLockedError
-  try:
-    return main(argv)
-  except (WorkdirLockedError, CheckpointCorruptError) as e:
-    print(f"error: {e}", file=sys.stderr)
-    sys.exit(2)
-  except (NonFiniteTrainingError, MemoryError) as e:   # diverged / does not fit: one paragraph
-    print(f"error: {e}", file=sys.stderr)
-    sys.exit(3)
-  except (ValueError, FileNotFoundError) as e:
-    if not str(e).startswith("config."):
-      raise
-    print(f"error: {e}", file=sys.stderr)
-    sys.exit(2)
-
-
 if __name__ == "__main__":
-  app.run(_main_with_clean_errors, flags_parser=checked_flags.flags_parser("config",
-                                                                           _DEFAULT_CONFIG))
+  # Mistakes (config fields, data files, a busy workdir, unusable checkpoints, a full disk) end in
+  # one line on stderr with exit status 2 (3: diverged / does not fit); --debug: the traceback.
+  cli.run(main, flags_parser=checked_flags.flags_parser("config", _DEFAULT_CONFIG))

@@ -26,7 +26,12 @@ lazily (in each grain worker; pickling keeps only the paths), so building the so
 O(number of shards) whatever the corpus size, and a window touches only its L + 1 tokens (it may
 span two or more shards). Order, per-host rows and resumption come from `pipeline.py` (grain's
 lazy index shuffle over window indices). Opening checks every shard's size against the index
-(a truncated or missing shard is an error naming it); `verify_shards` re-hashes all of them.
+(a truncated or missing shard is an error naming it) and its sha256 against the index (a
+flipped byte is an error naming the shard, not a silent change of the data). Hashing costs one
+read of the corpus, so it is done once per shard file: a shard whose (path, size, mtime) was
+verified before is trusted, the verified ones being remembered in
+`$ATTN_JAX_CACHE/verified_shards.json` (default `~/.cache/attn_jax`). `verify_shards` re-hashes
+all of them regardless.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import glob
 import hashlib
 import io
 import json
+import logging
 import multiprocessing
 import os
 import time
@@ -535,10 +541,69 @@ def read_index(directory: str) -> dict:
   return index
 
 
+def _sha256_file(path: str) -> str:
+  h = hashlib.sha256()
+  with open(path, "rb") as f:
+    while chunk := f.read(1 << 22):
+      h.update(chunk)
+  return h.hexdigest()
+
+
+def _verified_cache_path() -> str:
+  root = os.environ.get("ATTN_JAX_CACHE") or os.path.join(
+      os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "attn_jax")
+  return os.path.join(root, "verified_shards.json")
+
+
+def _load_verified() -> dict:
+  try:
+    with open(_verified_cache_path()) as f:
+      return dict(json.load(f))
+  except (OSError, ValueError, TypeError):
+    return {}
+
+
+def _save_verified(entries: dict) -> None:
+  """Best effort (a read-only home only costs re-hashing next time)."""
+  path = _verified_cache_path()
+  try:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+      json.dump(entries, f)
+    os.replace(tmp, path)
+  except OSError:
+    pass
+
+
+def _fingerprint(path: str) -> str:
+  st = os.stat(path)
+  return f"{st.st_size}:{st.st_mtime_ns}"
+
+
+def verify_checksums(files: Sequence[str], metas: Sequence[dict]) -> None:
+  """DataError naming the first shard whose sha256 differs from the index; shards verified
+  before with the same size and mtime are skipped (see the module docstring)."""
+  known = _load_verified()
+  todo = [(p, m) for p, m in zip(files, metas) if m.get("sha256")
+          and known.get(p) != [_fingerprint(p), m["sha256"]]]
+  if not todo:
+    return
+  if len(todo) > 4:
+    logging.info("verifying the sha256 of %d token shards (once; remembered in %s)", len(todo),
+                 _verified_cache_path())
+  for path, meta in todo:
+    if _sha256_file(path) != meta["sha256"]:
+      raise DataError(f"corrupt token shard {path}: its sha256 differs from {INDEX} (changed "
+                      "or flipped bytes); prepare the corpus again (experiments/prepare_data.py)")
+    known[path] = [_fingerprint(path), meta["sha256"]]
+  _save_verified(known)
+
+
 class TokenShards:
   """The concatenated token stream of a prepared folder, as lazily opened memmaps."""
 
-  def __init__(self, directory: str):
+  def __init__(self, directory: str, *, verify: bool = True):
     self.directory = os.path.abspath(os.path.expanduser(directory))
     self.index = read_index(self.directory)
     self.dtype = np.dtype(self.index["dtype"]).newbyteorder("<")
@@ -551,6 +616,8 @@ class TokenShards:
       if size != count * self.dtype.itemsize:
         raise ValueError(f"corrupt token shard {path}: {size} bytes, the index says {count} "
                          f"{self.dtype.name} tokens = {count * self.dtype.itemsize} bytes")
+    if verify:
+      verify_checksums(self.files, self.index["shards"])
     self.starts = np.concatenate([[0], np.cumsum(self.counts)]).astype(np.int64)
     self.num_tokens = int(self.starts[-1])
     self._maps: list | None = None
@@ -648,14 +715,10 @@ def shards_vocab_size(data_cfg) -> int:
 
 def verify_shards(directory: str) -> list[str]:
   """Problems found by re-hashing every shard against the index ([] = all good)."""
-  shards = TokenShards(directory)
+  shards = TokenShards(directory, verify=False)
   problems = []
   for path, meta in zip(shards.files, shards.index["shards"]):
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-      while chunk := f.read(1 << 22):
-        h.update(chunk)
-    if h.hexdigest() != meta["sha256"]:
+    if _sha256_file(path) != meta["sha256"]:
       problems.append(f"{path}: sha256 differs from the index (corrupted)")
   return problems
 

@@ -44,16 +44,19 @@ def split_paths(paths: str | Sequence[str]) -> list[str]:
   return [os.path.expanduser(p.strip()) for p in paths if p.strip()]
 
 
-def _read_nonempty_file(path: str) -> str:
+def read_text_file(path: str, *, what: str = "data file", source: str = "data.paths") -> str:
+  """The whole UTF-8 text of `path`; a missing, binary / non-UTF-8 or empty file is an error
+  naming it, the byte offset and where the path came from (`source`: a config field or flag)."""
   if not os.path.isfile(path):
-    raise FileNotFoundError(f"data file not found: {path!r} (from data.paths)")
+    raise FileNotFoundError(f"{what} not found: {path!r} (from {source})")
   try:
     with open(path, encoding="utf-8") as f:
       content = f.read()
   except UnicodeDecodeError as e:
-    raise ValueError(f"data file is not valid UTF-8: {path!r} ({e})") from None
+    raise ValueError(f"{what} {path!r} (from {source}) is not UTF-8 text: byte {e.start} is "
+                     f"{e.object[e.start:e.start + 1]!r} (a binary file?)") from None
   if not content.strip():
-    raise ValueError(f"data file is empty: {path!r}")
+    raise ValueError(f"{what} is empty: {path!r} (from {source})")
   return content
 
 
@@ -62,7 +65,7 @@ def read_text_documents(path: str, *, text_document: str = "line") -> list[str]:
   if text_document not in TEXT_DOCUMENT_MODES:
     raise ValueError(
         f"data.text_document must be one of {TEXT_DOCUMENT_MODES}, got {text_document!r}")
-  content = _read_nonempty_file(path)
+  content = read_text_file(path)
   if text_document == "file":
     return [content]
   # Split on "\n" only (str.splitlines also breaks on \x0c, \u2028, ...).
@@ -71,7 +74,7 @@ def read_text_documents(path: str, *, text_document: str = "line") -> list[str]:
 
 def read_jsonl_documents(path: str, *, text_field: str = "text") -> list[str]:
   """Documents of a JSONL file: field `text_field` of every object. Errors name file:line."""
-  content = _read_nonempty_file(path)
+  content = read_text_file(path)
   documents = []
   for line_number, line in enumerate(content.split("\n"), start=1):
     if not line.strip():

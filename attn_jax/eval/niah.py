@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from attn_jax.config import seq_len_problem
 from attn_jax.data.tokenizer import Tokenizer
 from attn_jax.eval.harness import LogitsFn, ScorerFns, per_logits_fn_cache, scorer_state
 
@@ -72,18 +73,22 @@ class NIAHCase:
 
 @dataclasses.dataclass
 class NIAHResult:
-  grid: np.ndarray  # float [n_lengths, n_depths], accuracy per cell
+  grid: np.ndarray  # float [n_lengths, n_depths], accuracy per cell; NaN = not run (n/a)
   context_lengths: tuple[int, ...]
   depths: tuple[float, ...]
   samples: list[dict]  # one per case: context_length, depth, number, generated, correct
+  not_available: dict[int, str] = dataclasses.field(default_factory=dict)  # length -> why
 
   @property
   def accuracy(self) -> float:
-    return float(np.mean(self.grid))
+    """Mean over the cells that were run (NaN when none was)."""
+    run = self.grid[~np.isnan(self.grid)]
+    return float(np.mean(run)) if run.size else float("nan")
 
   def to_dict(self) -> dict:
     return dict(grid=self.grid.tolist(), context_lengths=list(self.context_lengths),
-                depths=list(self.depths), accuracy=self.accuracy)
+                depths=list(self.depths), accuracy=self.accuracy,
+                not_available={str(k): v for k, v in self.not_available.items()})
 
 
 def _filler_order(seed: int, n: int) -> list[str]:
@@ -176,15 +181,23 @@ def run_niah(logits_fn: LogitsFn, tokenizer: Tokenizer, *,
              context_lengths: Sequence[int] = (256, 512, 1024),
              depths: Sequence[float] = (0.0, 0.25, 0.5, 0.75, 1.0), samples_per_cell: int = 2,
              digits: int = 4, batch_size: int = 16, batch_tokens: int | None = 8192,
-             seed: int = 0) -> NIAHResult:
+             seed: int = 0, max_seq_len: int | None = None) -> NIAHResult:
   """Accuracy grid [len(context_lengths), len(depths)]; see the module docstring.
 
   Rows per forward: batch_size, capped at batch_tokens // context_length (at least 1) so the
-  [rows, C, V] logits stay bounded for long contexts and large vocabularies."""
+  [rows, C, V] logits stay bounded for long contexts and large vocabularies. A context length
+  over `max_seq_len` (the model's) is not run: its row is NaN and `not_available` says why
+  (`config.seq_len_problem`, the rule every entry point follows)."""
   rng = np.random.default_rng(seed)
   grid = np.zeros((len(context_lengths), len(depths)), np.float64)
   samples: list[dict] = []
+  not_available: dict[int, str] = {}
   for li, length in enumerate(context_lengths):
+    problem = max_seq_len and seq_len_problem(max_seq_len, length, f"context length {length}")
+    if problem:
+      grid[li] = np.nan
+      not_available[int(length)] = f"n/a: {problem}"
+      continue
     cases = []
     for di, depth in enumerate(depths):
       for s in range(samples_per_cell):
@@ -203,7 +216,7 @@ def run_niah(logits_fn: LogitsFn, tokenizer: Tokenizer, *,
                           actual_depth=case.actual_depth, number=case.number,
                           prompt_tokens=len(case.prompt_ids), generated=text, correct=correct))
   return NIAHResult(grid, tuple(int(c) for c in context_lengths),
-                    tuple(float(d) for d in depths), samples)
+                    tuple(float(d) for d in depths), samples, not_available)
 
 
 def plot_heatmap(result: NIAHResult | np.ndarray, path: str, *,
@@ -235,7 +248,8 @@ def plot_heatmap(result: NIAHResult | np.ndarray, path: str, *,
   ax.set_title(title)
   for i in range(grid.shape[0]):
     for j in range(grid.shape[1]):
-      ax.text(i, j, f"{grid[i, j]:.2f}", ha="center", va="center", fontsize=8)
+      label = "n/a" if np.isnan(grid[i, j]) else f"{grid[i, j]:.2f}"
+      ax.text(i, j, label, ha="center", va="center", fontsize=8)
   fig.colorbar(im, ax=ax, label="accuracy")
   fig.tight_layout()
   fig.savefig(path, dpi=120)

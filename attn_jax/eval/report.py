@@ -54,6 +54,9 @@ def to_markdown(results: dict) -> str:
   for r in metric_rows(results):
     lines.append(f"| {r['task']} | {_fmt(r['n_docs'])} | {r['metric']} | {_fmt(r['value'])} | "
                  f"{_fmt(r['stderr'])} | {_fmt(r['examples_per_s'], 1)} |")
+  for task, metrics in results.get("results", results).items():
+    for note in (metrics.get("notes", ()) if isinstance(metrics, dict) else ()):
+      lines.append(f"\n{task}: {note}")   # e.g. NIAH cells beyond max_seq_len: n/a
   config = results.get("config")
   if config:
     lines.append("")

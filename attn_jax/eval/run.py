@@ -77,9 +77,9 @@ def niah_lengths(config: ml_collections.ConfigDict, max_len: int) -> tuple[int, 
   """The NIAH context lengths to run: `config.eval.niah_lengths` up to `max_len`.
 
   Lengths over `max_len` are dropped with a warning (an error if none is left). A length over
-  `config.model.max_seq_len` is kept (length extrapolation is a fair question for some
-  mixers) with a warning: the model never trained at such positions, and a 0% score there says
-  nothing about retrieval within its range.
+  `config.model.max_seq_len` stays in the grid but is not run (the one rule of
+  `config.seq_len_problem`): its cells are reported as "n/a: ... longer than the model's
+  max_seq_len", never as a 0% that would say nothing about retrieval within its range.
   """
   asked = tuple(int(x) for x in config.eval.get("niah_lengths", (256, 512)))
   lengths = tuple(x for x in asked if x <= max_len)
@@ -93,9 +93,8 @@ def niah_lengths(config: ml_collections.ConfigDict, max_len: int) -> tuple[int, 
   model_max = int(config.model.get("max_seq_len", 0) or 0)
   beyond = tuple(x for x in lengths if model_max and x > model_max)
   if beyond:
-    logging.warning("config.eval.niah_lengths=%s: %s exceed config.model.max_seq_len=%d; the "
-                    "model is evaluated beyond the positions it was built and trained for and "
-                    "typically scores 0%% there", asked, beyond, model_max)
+    logging.warning("config.eval.niah_lengths=%s: %s exceed config.model.max_seq_len=%d; "
+                    "those cells are not run and are reported as n/a", asked, beyond, model_max)
   return lengths
 
 
@@ -127,9 +126,12 @@ def run_tasks(logits_fn, config: ml_collections.ConfigDict, tasks: Sequence[str]
     lengths = niah_lengths(config, max_len)
     res = niah.run_niah(logits_fn, tokenizer, context_lengths=lengths,
                         depths=tuple(e.get("niah_depths", (0.0, 0.25, 0.5, 0.75, 1.0))),
-                        samples_per_cell=int(e.get("niah_samples", 2)), batch_size=batch_size)
-    results["niah"] = {"acc": float(np.mean(res.grid)), "grid": res.grid.tolist(),
+                        samples_per_cell=int(e.get("niah_samples", 2)), batch_size=batch_size,
+                        max_seq_len=int(config.model.get("max_seq_len", 0) or 0) or None)
+    results["niah"] = {"acc": res.accuracy, "grid": res.grid.tolist(),
                        "context_lengths": list(res.context_lengths), "depths": list(res.depths)}
+    if res.not_available:
+      results["niah"]["notes"] = list(res.not_available.values())
   if "mqar" in tasks:
     from attn_jax.data import pipeline
     if config.data.source != "synthetic" or config.data.synthetic_task != "mqar":

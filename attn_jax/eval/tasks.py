@@ -77,12 +77,20 @@ def _iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[str, int, dict]]:
   path = os.fspath(path)
   if not os.path.isfile(path):
     raise FileNotFoundError(f"benchmark file not found: {path!r}")
-  with open(path, encoding="utf-8") as f:
-    for lineno, line in enumerate(f, start=1):
+  lineno = 0
+  with open(path, "rb") as f:   # decoded line by line: a bad byte is named with its line
+    for lineno, raw in enumerate(f, start=1):
       where = f"{path}:{lineno}"
+      try:
+        line = raw.decode("utf-8")
+      except UnicodeDecodeError as e:
+        raise ValueError(f"{where}: not UTF-8 text ({e.reason} at byte {e.start} of the line; "
+                         "a binary file?)") from None
       if not line.strip():
         raise ValueError(f"{where}: empty line")
       yield where, lineno, parse_object(line, where)
+  if lineno == 0:
+    raise ValueError(f"benchmark file is empty: {path!r}")
 
 
 def _get(record: dict, key: str, kind: type | tuple[type, ...], where: str) -> Any:

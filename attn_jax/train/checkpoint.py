@@ -3,7 +3,7 @@
     <workdir>/checkpoints/<step>/state   params, non-trainable state, optimizer state, step, rng
     <workdir>/checkpoints/<step>/data    the grain iterator position (one JSON file per host)
     <workdir>/checkpoints/<step>/meta    the config that produced it (JSON), for evaluation
-    <workdir>/checkpoints/<step>/attn_jax_sha256.json   checksums, written after the save ended
+    <workdir>/checkpoints/<step>/attn_jax_sha256.json   checksums, written in the save's commit
 
 Restoring takes abstract arrays *with shardings*, so each host reads only its shards.
 
@@ -12,20 +12,32 @@ Reliability (the choices):
     on-device reduction) and names the last finite checkpoint.
   * Never load garbage: orbax writes a step into a temporary folder and renames it when the
     (possibly asynchronous) save is complete, so interrupted saves are not steps; leftover
-    temporary folders are deleted when a Checkpointer opens. After orbax finished a step, process
-    0 writes a sha256 manifest of every file in it. `restore` walks the steps newest first and
-    skips (with a warning naming the step, moving the folder aside to `<step>.corrupt`) any step
-    whose manifest disagrees with the files (truncated, flipped or deleted files), that orbax
-    cannot read, or whose restored values are not finite, and falls back to the previous good one.
-    A step without a manifest (crash between orbax's commit and the manifest, or an older run) is
+    temporary folders are deleted when a Checkpointer opens. The sha256 manifest of every file
+    of a step is written into the temporary folder just before orbax renames it
+    (`_ManifestRename`, part of the commit), so every committed step carries its manifest, the
+    one a crashed run resumes from included. A step without one comes from an older run and is
     trusted to orbax's own validation, with a warning.
-  * Preemption: `PreemptionGuard` turns SIGTERM (what SLURM/Kubernetes/TPU maintenance send) and
-    SIGINT into a flag the training loop polls at step boundaries, so the last step is saved
-    before exit instead of dying mid-step.
+  * Corrupt vs mismatched. `restore` walks the steps newest first. A step whose files disagree
+    with the manifest, that orbax cannot read, or whose values are not finite is corrupt: it is
+    moved aside to `<step>.corrupt` with a warning and the previous step is tried. Only one
+    step is ever moved per restore: a second bad step stops with an error and stays in place (two
+    bad steps in a row point at a cause other than a torn file). A step whose stored arrays have
+    other shapes/dtypes/structure than the requested state is the caller's mistake (a changed
+    model config), not corruption: `CheckpointMismatchError` names the differing leaves and
+    nothing is moved. A step whose files match their checksums but that orbax still cannot
+    restore is not moved either (`CheckpointError`).
+  * Failed saves (a full disk): a save that fails in the background is noticed at the next step
+    boundary (`check_saves`) and raised as `CheckpointSaveError` naming the step, the cause and
+    the older steps, which orbax keeps (it deletes old steps only after a successful commit).
+  * Preemption: `PreemptionGuard` turns SIGTERM (what SLURM/Kubernetes/TPU maintenance send),
+    SIGINT and SIGHUP (a closed terminal or ssh session) into a flag the training loop polls at
+    step boundaries, so the last step is saved before exit instead of dying mid-step.
 """
 
 from __future__ import annotations
 
+import asyncio
+import errno
 import hashlib
 import json
 import logging
@@ -40,11 +52,30 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 MANIFEST = "attn_jax_sha256.json"
+# Written by orbax's own commit (after the manifest): not covered by it.
+_COMMIT_FILES = ("_CHECKPOINT_METADATA", "commit_success.txt")
 _CHUNK = 1 << 22
 
 
-class CheckpointCorruptError(RuntimeError):
-  """A checkpoint that cannot be used (checksum mismatch, unreadable, non-finite)."""
+class CheckpointError(RuntimeError):
+  """A checkpoint step cannot be restored (the message says why and what was left in place)."""
+
+
+class CheckpointCorruptError(CheckpointError):
+  """A checkpoint whose files are damaged (checksum mismatch, unreadable, non-finite)."""
+
+
+class CheckpointMismatchError(CheckpointError, ValueError):
+  """The stored tree differs from the requested one (shapes, dtypes, leaves): a changed config,
+  not corruption. `step` and `differences` (one line per differing leaf) say where."""
+
+  def __init__(self, message: str, *, step: int | None = None, differences=()):
+    super().__init__(message)
+    self.step, self.differences = step, list(differences)
+
+
+class CheckpointSaveError(OSError):
+  """A checkpoint save failed (e.g. the disk is full); older steps are kept."""
 
 
 class NonFiniteStateError(FloatingPointError):
@@ -94,7 +125,7 @@ def _files(step_dir: str) -> list[str]:
   for root, _, names in os.walk(step_dir):
     for name in names:
       rel = os.path.relpath(os.path.join(root, name), step_dir)
-      if rel != MANIFEST:
+      if rel != MANIFEST and rel not in _COMMIT_FILES:
         out.append(rel)
   return sorted(out)
 
@@ -137,19 +168,73 @@ def verify_manifest(step_dir: str) -> str | None:
 # ------------------------------------------------------------------ checkpointer
 
 
+class _ManifestRename(ocp.path.atomicity.AtomicRenameTemporaryPath):
+  """orbax's atomic rename, with the step's sha256 manifest written into the temporary folder
+  first: a step folder that exists under its final name has its manifest. (The per-item
+  folders use the same class; only the step folder, named by a bare step number, gets one.)"""
+
+  async def finalize(self, *args, **kwargs):
+    if self.get_final().name.isdigit():
+      await asyncio.to_thread(write_manifest, os.fspath(self.get()))
+    return await super().finalize(*args, **kwargs)
+
+
+def _short(e: BaseException, limit: int = 300) -> str:
+  text = " ".join(str(e).split())
+  return f"{type(e).__name__}: {text[:limit]}{'...' if len(text) > limit else ''}"
+
+
+def _disk_full(e: BaseException) -> bool:
+  text = str(e)
+  return (getattr(e, "errno", None) == errno.ENOSPC or "No space left" in text
+          or "os_error_code='28'" in text)
+
+
+def _key_name(key) -> str:
+  for attr in ("key", "name", "idx"):
+    if hasattr(key, attr):
+      return str(getattr(key, attr))
+  return str(key)
+
+
+def _leaf_shapes(tree: Any) -> dict[str, tuple]:
+  """{"params/embed": ((V, D), "float32"), ...} for every array leaf of `tree`."""
+  out = {}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+      out["/".join(_key_name(k) for k in path)] = (tuple(leaf.shape), str(np.dtype(leaf.dtype)))
+  return out
+
+
+def tree_differences(stored: Any, requested: Any, limit: int = 4) -> list[str]:
+  """What differs between a stored tree's metadata and the requested abstract tree (parameters
+  first: they say most about the config)."""
+  have, want = _leaf_shapes(stored), _leaf_shapes(requested)
+  order = lambda keys: sorted(keys, key=lambda k: (not k.startswith("params"), k))
+  out = [f"{k}: stored {have[k][0]} {have[k][1]}, requested {want[k][0]} {want[k][1]}"
+         for k in order(have.keys() & want.keys()) if have[k] != want[k]]
+  out += [f"{k}: not in the checkpoint" for k in order(want.keys() - have.keys())]
+  out += [f"{k}: in the checkpoint, not requested" for k in order(have.keys() - want.keys())]
+  return out[:limit] + ([f"... {len(out) - limit} more"] if len(out) > limit else [])
+
+
 class Checkpointer:
   def __init__(self, workdir: str, *, max_to_keep: int = 3, save_interval_steps: int = 1,
                checksums: bool = True):
+    if isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int) or max_to_keep < 1:
+      raise ValueError(f"config.checkpoint.max_to_keep: must be an integer >= 1, got "
+                       f"{max_to_keep!r}")
     self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
     self.checksums = checksums
     self._mngr = ocp.CheckpointManager(
         self.directory,
         item_names=("state", "data", "meta"),
-        options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
-                                             save_interval_steps=save_interval_steps,
-                                             cleanup_tmp_directories=True),
+        options=ocp.CheckpointManagerOptions(
+            max_to_keep=max_to_keep, create=True, save_interval_steps=save_interval_steps,
+            cleanup_tmp_directories=True,
+            temporary_path_class=_ManifestRename if checksums else None),
     )
-    self._unmanifested: list[int] = []   # saved steps whose manifest is not written yet
+    self._pending: int | None = None   # step of a save that may still run in the background
     self.restored_step: int | None = None
 
   def latest_step(self) -> int | None:
@@ -163,107 +248,145 @@ class Checkpointer:
 
   def save(self, step: int, state: Any, data_iter: Any = None, meta: dict | None = None, *,
            force: bool = False) -> bool:
-    """Starts an (asynchronous) save; raises NonFiniteStateError instead of saving NaN/Inf."""
+    """Starts an (asynchronous) save; raises NonFiniteStateError instead of saving NaN/Inf and
+    CheckpointSaveError when this save or the previous one failed."""
     if not all_finite(state):
       good = [s for s in self.all_steps() if s < step]
       last = (f"the last finite checkpoint is step {max(good)} in {self.directory}" if good
               else f"there is no earlier checkpoint in {self.directory}")
       raise NonFiniteStateError(
           f"refusing to save step {step}: non-finite values in {nonfinite_paths(state)}; {last}")
-    self._finish_manifests()
+    self.wait()   # a failure of the previous save surfaces here, with its step
     items = {"state": ocp.args.StandardSave(state),
              "meta": ocp.args.JsonSave(meta or {})}
     if data_iter is not None:
       import grain  # only with a data iterator: benchmarks import the trainer without it
       items["data"] = grain.checkpoint.CheckpointSave(data_iter)
-    saved = self._mngr.save(step, args=ocp.args.Composite(**items), force=force)
-    if saved and self.checksums:
-      self._unmanifested.append(step)
+    try:
+      saved = self._mngr.save(step, args=ocp.args.Composite(**items), force=force)
+    except Exception as e:
+      raise self._save_error(step, e) from e
+    if saved:
+      self._pending = step
     return saved
 
-  def _finish_manifests(self) -> None:
-    """Waits for pending saves, then (process 0) checksums the steps they wrote."""
-    if not self._unmanifested:
-      return
-    self._mngr.wait_until_finished()
-    if jax.process_index() == 0:
-      for step in self._unmanifested:
-        if os.path.isdir(self.step_dir(step)):  # max_to_keep may have removed it already
-          write_manifest(self.step_dir(step))
-    self._unmanifested = []
+  def _save_error(self, step: int, e: BaseException) -> CheckpointSaveError:
+    kept = sorted(s for s in self.all_steps() if s != step)
+    why = ("the disk is full (no space left on the device); free space or point --workdir "
+           "elsewhere, then rerun to resume" if _disk_full(e) else _short(e))
+    return CheckpointSaveError(
+        f"saving checkpoint step {step} in {self.directory} failed: {why}. Older steps are "
+        f"kept: {kept or 'none'}")
+
+  def check_saves(self) -> None:
+    """Raises CheckpointSaveError once a background save has failed (cheap: polled at step
+    boundaries, it waits only for a save that has already ended)."""
+    if self._pending is not None and not self._mngr.is_saving_in_progress():
+      self.wait()
 
   def verify(self, step: int) -> str | None:
     """None if step's files match their manifest (or it has none), else the problem."""
-    self._finish_manifests()
     problem = verify_manifest(self.step_dir(step))
     if problem == "no manifest":
-      logging.warning("checkpoint step %d in %s has no checksum manifest; relying on orbax's "
-                      "validation", step, self.directory)
+      logging.warning("checkpoint step %d in %s has no checksum manifest (saved by an older "
+                      "version); relying on orbax's validation", step, self.directory)
       return None
     return problem
 
-  def _set_aside(self, step: int) -> None:
+  def _set_aside(self, step: int) -> str:
     """Moves a bad step folder to `<step>.corrupt[.n]` so it is neither restored nor in the
-    way of the run saving that step again."""
+    way of the run saving that step again; returns the new path."""
+    target = self.step_dir(step) + ".corrupt"
+    n = 0
+    while os.path.exists(target):
+      n += 1
+      target = f"{self.step_dir(step)}.corrupt.{n}"
     if jax.process_index() == 0:
-      target = self.step_dir(step) + ".corrupt"
-      n = 0
-      while os.path.exists(target):
-        n += 1
-        target = f"{self.step_dir(step)}.corrupt.{n}"
       os.rename(self.step_dir(step), target)
     if jax.process_count() > 1:
       from jax.experimental import multihost_utils
       multihost_utils.sync_global_devices(f"attn_jax_ckpt_set_aside_{step}")
     self._mngr.reload()
+    return target
+
+  def stored_differences(self, step: int, abstract_state: Any) -> list[str] | None:
+    """How step's stored state differs from `abstract_state` ([] when it does not), or None
+    when its metadata cannot be read."""
+    from etils import epath
+    try:
+      stored = ocp.StandardCheckpointHandler().metadata(
+          epath.Path(self.step_dir(step)) / "state")
+    except Exception:  # unreadable metadata: corruption, judged by the caller
+      return None
+    return tree_differences(stored, abstract_state)
 
   def _restore_step(self, step: int, abstract_state: Any, data_iter: Any):
     problem = self.verify(step)
     if problem:
       raise CheckpointCorruptError(problem)
+    manifested = os.path.isfile(os.path.join(self.step_dir(step), MANIFEST))
     items = {"state": ocp.args.StandardRestore(abstract_state)}
     if data_iter is not None:
       import grain
       items["data"] = grain.checkpoint.CheckpointRestore(data_iter)
     try:
       state = self._mngr.restore(step, args=ocp.args.Composite(**items))["state"]
-    except Exception as e:  # orbax/tensorstore: missing metadata, undecodable chunks, ...
-      raise CheckpointCorruptError(f"orbax could not restore it: {type(e).__name__}: "
-                                   f"{str(e)[:300]}") from e
+    except Exception as e:  # orbax/tensorstore: missing metadata, undecodable chunks, shapes
+      raise self._restore_error(step, abstract_state, manifested, e) from e
     if not all_finite(state):
       raise CheckpointCorruptError(f"non-finite values in {nonfinite_paths(state)}")
     return state
 
+  def _restore_error(self, step, abstract_state, manifested, e) -> CheckpointError:
+    """A mismatch (the caller's tree differs), corruption, or neither (files intact)."""
+    diffs = self.stored_differences(step, abstract_state)
+    if diffs:
+      return CheckpointMismatchError(
+          f"checkpoint step {step} in {self.directory} holds a different state than this "
+          f"config builds (nothing was moved or changed): {'; '.join(diffs)}", step=step,
+          differences=diffs)
+    if manifested:
+      return CheckpointError(
+          f"checkpoint step {step} in {self.directory} matches its checksums but orbax cannot "
+          f"restore it ({_short(e)}); left in place")
+    return CheckpointCorruptError(f"orbax could not restore it: {_short(e)}")
+
   def restore(self, abstract_state: Any, data_iter: Any = None, step: int | None = None):
     """The restored state (and `data_iter` restored in place), or None if no checkpoint.
 
-    Without `step`: the newest step that passes verification; bad ones are skipped with a
-    warning and set aside. With `step`: that step or CheckpointCorruptError.
+    Without `step`: the newest step that restores. A corrupt newest step is set aside with a
+    warning and the previous one tried; a second corrupt step is an error (left in place).
+    CheckpointMismatchError (the requested tree differs) moves nothing. With `step`: that step
+    or an error.
     """
     if step is not None:
       state = self._restore_step(step, abstract_state, data_iter)
       self.restored_step = step
       return state
     steps = sorted(self.all_steps(), reverse=True)
-    problems = []
+    moved = None
     for s in steps:
       try:
         state = self._restore_step(s, abstract_state, data_iter)
       except CheckpointCorruptError as e:
-        logging.warning("checkpoint step %d in %s is unusable (%s); skipping it (moved to "
-                        "%s.corrupt) and trying the previous one", s, self.directory, e,
-                        self.step_dir(s))
-        problems.append(f"step {s}: {e}")
-        self._set_aside(s)
+        if moved is not None:
+          raise CheckpointCorruptError(
+              f"no usable checkpoint in {self.directory}: step {moved[0]} was corrupt "
+              f"({moved[1]}) and was moved to {moved[2]}; step {s} is unusable too ({e}) and "
+              "was left in place (two bad steps in a row: check the disk)") from None
+        target = self._set_aside(s)
+        logging.warning("checkpoint step %d in %s is unusable (%s); moved it to %s and trying "
+                        "the previous step", s, self.directory, e, target)
+        moved = (s, e, target)
         continue
-      if problems:
+      if moved is not None:
         logging.warning("resuming from step %d instead of the newest step %d", s, steps[0])
       self.restored_step = s
       return state
-    if problems:
+    if moved is not None:
       raise CheckpointCorruptError(
-          f"no usable checkpoint in {self.directory} (all set aside as <step>.corrupt): "
-          + "; ".join(problems))
+          f"no usable checkpoint in {self.directory}: its only step {moved[0]} was corrupt "
+          f"({moved[1]}) and was moved to {moved[2]}")
     return None
 
   def restore_subtree(self, target: Any, step: int) -> Any:
@@ -280,19 +403,25 @@ class Checkpointer:
     return self._mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
 
   def wait(self) -> None:
-    self._mngr.wait_until_finished()
-    self._finish_manifests()
+    """Waits for a background save; CheckpointSaveError if it failed."""
+    step, self._pending = self._pending, None
+    try:
+      self._mngr.wait_until_finished()
+    except Exception as e:
+      raise self._save_error(step, e) from e
 
   def close(self) -> None:
-    self.wait()
-    self._mngr.close()
+    try:
+      self.wait()
+    finally:
+      self._mngr.close()
 
 
 # ------------------------------------------------------------------ preemption
 
 
 class PreemptionGuard:
-  """SIGTERM/SIGINT -> `should_stop`, polled by the training loop at step boundaries.
+  """SIGTERM/SIGINT/SIGHUP -> `should_stop`, polled by the training loop at step boundaries.
 
       with PreemptionGuard() as guard:
         for step in ...:
@@ -302,11 +431,14 @@ class PreemptionGuard:
             break
 
   A second SIGINT while a stop is pending raises KeyboardInterrupt at once (impatient Ctrl-C).
-  The previous handlers come back on exit. Outside the main thread (where Python cannot install
-  signal handlers) it only warns and `should_stop` stays False.
+  SIGHUP (the terminal or ssh session closed) is a stop request like SIGTERM, unless it was
+  ignored when the guard started (`nohup`: the user asked the run to outlive the terminal).
+  Whatever handlers were installed before (SIG_IGN and SIG_DFL included) come back on exit.
+  Outside the main thread (where Python cannot install signal handlers) it only warns and
+  `should_stop` stays False.
   """
 
-  SIGNALS = (signal.SIGTERM, signal.SIGINT)
+  SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
   def __init__(self, *, sync_every: int = 1):
     self.should_stop = False
@@ -328,12 +460,16 @@ class PreemptionGuard:
       logging.warning("PreemptionGuard outside the main thread: signals are not intercepted")
       return self
     for sig in self.SIGNALS:
+      current = signal.getsignal(sig)
+      if sig == signal.SIGHUP and current is signal.SIG_IGN:
+        continue   # nohup: keep ignoring hangups
       self._previous[sig] = signal.signal(sig, self._handle)
     return self
 
   def __exit__(self, *exc) -> None:
     for sig, handler in self._previous.items():
-      signal.signal(sig, handler)
+      # None: a handler installed outside Python; the default is the closest we can restore.
+      signal.signal(sig, signal.SIG_DFL if handler is None else handler)
     self._previous = {}
 
   def poll(self, step: int) -> bool:
@@ -363,27 +499,55 @@ def load_for_inference(workdir: str, step: int | None = None, *, devices=None):
   The config is read from the checkpoint's `meta`; only the parameters (and non-trainable
   state) are restored — never the optimizer moments (2x the parameters) — sharded over a mesh
   of `devices` (default: all devices) by the config's logical-axis rules, each host reading
-  only its shards.
+  only its shards. Every step is checked against its sha256 manifest first. Without `step`, a
+  damaged newest step is skipped with a warning (left in place: evaluation never moves a run's
+  files) for the newest one that loads; with `step`, a damaged step is CheckpointCorruptError.
   """
+  directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
+  if not os.path.isdir(directory):  # checked first: the manager would create the folder
+    raise FileNotFoundError(f"no checkpoint found under {directory} (is {workdir!r} a "
+                            "training run directory?)")
+  ckpt = Checkpointer(workdir)
+  try:
+    steps = sorted(ckpt.all_steps())
+    if not steps:
+      raise FileNotFoundError(f"no checkpoint found under {ckpt.directory}")
+    if step is not None and step not in steps:
+      raise FileNotFoundError(f"no checkpoint for step {step} under {ckpt.directory} (have "
+                              f"{steps})")
+    problems = []
+    for s in ([step] if step is not None else steps[::-1]):
+      try:
+        model, config = _load_step(ckpt, s, devices)
+      except CheckpointCorruptError as e:
+        problems.append(f"step {s}: {e}")
+        logging.warning("checkpoint step %d in %s is unusable (%s); trying the previous step",
+                        s, ckpt.directory, e)
+        continue
+      if problems:
+        logging.warning("loaded step %d instead of the newest step %d", s, steps[-1])
+      return model, config, s
+    raise CheckpointCorruptError(f"no usable checkpoint in {ckpt.directory}: "
+                                 + "; ".join(problems))
+  finally:
+    ckpt.close()
+
+
+def _load_step(ckpt: Checkpointer, step: int, devices):
+  """(model, config) of one verified step; CheckpointCorruptError when it cannot be read."""
   import ml_collections
   from flax import nnx
 
   from attn_jax import sharding as shd
   from attn_jax.model import abstract_model
 
-  directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
-  if not os.path.isdir(directory):  # checked first: the manager would create the folder
-    raise FileNotFoundError(f"no checkpoint found under {directory} (is {workdir!r} a "
-                            "training run directory?)")
-  ckpt = Checkpointer(workdir)
-  steps = sorted(ckpt.all_steps())
-  if not steps:
-    raise FileNotFoundError(f"no checkpoint found under {ckpt.directory}")
-  step = steps[-1] if step is None else step
-  if step not in steps:
-    raise FileNotFoundError(f"no checkpoint for step {step} under {ckpt.directory} (have "
-                            f"{steps})")
-  config = ml_collections.ConfigDict(_tuples(ckpt.restore_meta(step)["config"]))
+  problem = ckpt.verify(step)
+  if problem:
+    raise CheckpointCorruptError(problem)
+  try:
+    config = ml_collections.ConfigDict(_tuples(ckpt.restore_meta(step)["config"]))
+  except Exception as e:
+    raise CheckpointCorruptError(f"its meta (the saved config) cannot be read: {_short(e)}")
   mesh = shd.make_mesh(config.mesh.shape, config.mesh.axis_names, devices)
   rules = shd.rules_dict(config.mesh.rules)
   graphdef, abs_params, abs_rest = nnx.split(abstract_model(config.model), nnx.Param, ...)
@@ -391,12 +555,14 @@ def load_for_inference(workdir: str, step: int | None = None, *, devices=None):
   for name, abs_part in (("params", abs_params), ("rest", abs_rest)):
     shardings = shd.state_shardings(abs_part, mesh, rules)
     target[name] = abstract_with_shardings(nnx.to_pure_dict(abs_part), shardings)
-  restored = ckpt.restore_subtree(target, step)
-  ckpt.close()
+  try:
+    restored = ckpt.restore_subtree(target, step)
+  except Exception as e:  # tensorstore: undecodable chunks, missing files
+    raise CheckpointCorruptError(f"orbax could not restore it: {_short(e)}") from e
   params, rest = nnx.State(abs_params), nnx.State(abs_rest)
   nnx.replace_by_pure_dict(params, restored["params"])
   nnx.replace_by_pure_dict(rest, restored["rest"])
-  return nnx.merge(graphdef, params, rest), config, step
+  return nnx.merge(graphdef, params, rest), config
 
 
 def _tuples(x):

@@ -88,8 +88,9 @@ class MetricWriter:
       f.writelines(kept)
     os.replace(tmp, self.path)
     if dropped:
-      logging.info("metrics: dropped %d row(s) after step %d (logged before the restart)",
-                   dropped, step)
+      logging.warning("metrics: dropped %d row(s) after step %d from %s (logged by the previous "
+                      "run after its last checkpoint; they are logged again)", dropped, step,
+                      self.path)
     return dropped
 
   def write(self, step: int, metrics: Mapping[str, Any]) -> None:
@@ -99,20 +100,47 @@ class MetricWriter:
     # JSON has no NaN/Inf: write them as strings so every line stays valid JSON.
     clean = {k: (str(v) if isinstance(v, float) and not math.isfinite(v) else v)
              for k, v in flat.items()}
-    with open(self.path, "a") as f:
-      f.write(json.dumps(clean) + "\n")
-    if self._tb is not None:
+    try:
+      with open(self.path, "a") as f:
+        f.write(json.dumps(clean) + "\n")
+    except OSError as e:  # e.g. a full disk: name the file
+      raise OSError(e.errno, f"cannot append step {step} to {self.path}: {e.strerror}") from e
+    if self._tb_alive():
       for k, v in flat.items():
         if k != "step" and isinstance(v, (int, float)):
           self._tb.add_scalar(k, v, step)
 
+  def _tb_alive(self) -> bool:
+    """False once tensorboardX's writer thread has died (e.g. a write failed on a full disk):
+    putting more events in its bounded queue would block the training loop for good, so
+    TensorBoard logging stops there with an error (metrics.jsonl goes on, or fails loudly)."""
+    if self._tb is None:
+      return False
+    writers = (getattr(self._tb, "all_writers", None) or {}).values()
+    workers = [getattr(getattr(w, "event_writer", None), "_worker", None) for w in writers]
+    if any(w is not None and not w.is_alive() for w in workers):
+      self._tb_failed("its writer thread died")
+      return False
+    return True
+
+  def _tb_failed(self, why: str) -> None:
+    logging.error("TensorBoard logging to %s stops: %s (disk full or unwritable?); "
+                  "metrics.jsonl is unaffected", self._tb_dir, why)
+    self._tb = None
+
   def flush(self) -> None:
-    if self._tb is not None:
-      self._tb.flush()
+    if self._tb_alive():
+      try:
+        self._tb.flush()
+      except OSError as e:
+        self._tb_failed(f"{type(e).__name__}: {e}")
 
   def close(self) -> None:
-    if self._tb is not None:
-      self._tb.close()
+    if self._tb_alive():
+      try:
+        self._tb.close()
+      except OSError as e:
+        self._tb_failed(f"{type(e).__name__}: {e}")
 
 
 def read_metrics(workdir: str) -> list[dict]:

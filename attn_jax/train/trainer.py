@@ -27,6 +27,13 @@ Reliability (the choices):
     given may be gone: nothing is saved from it (the latest checkpoint stays the resume point)
     and the original error propagates; an error while saving on the way out is logged, never
     raised in place of the original one.
+  * Resuming: a checkpoint whose arrays do not fit this config's model is an error naming the
+    changed config fields and the stored vs requested shapes, and nothing is moved (it is the
+    user's mistake, not corruption); a resume with other compatible settings (more steps, a new
+    lr) goes on with a warning listing them, and saying when the LR schedule changed with them.
+  * Failed saves: a background save that failed (a full disk) is noticed at the next step
+    boundary (`Checkpointer.check_saves`) and stops the run with `CheckpointSaveError`; no
+    second save is attempted on the way out, and the older checkpoints stay the resume point.
   * Held-out evaluation batches are global arrays with the batch sharding, built from this
     host's rows (`make_array_from_process_local_data`), as the training batches.
 """
@@ -51,7 +58,8 @@ from attn_jax import sharding as shd
 from attn_jax.config import ModelConfig, validate
 from attn_jax.model import build_model, count_params
 from attn_jax.train import flops as flops_lib
-from attn_jax.train.checkpoint import (Checkpointer, PreemptionGuard,
+from attn_jax.train.checkpoint import (Checkpointer, CheckpointMismatchError,
+                                       CheckpointSaveError, PreemptionGuard,
                                        abstract_with_shardings, config_to_json)
 from attn_jax.train.metrics import MetricWriter, flatten_metrics
 from attn_jax.train.workdir import lock_workdir
@@ -198,12 +206,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   tasks of `config.eval.tasks` as a callback (`attn_jax.eval.run.task_callback`).
 
   One run per workdir: a second run on the same workdir stops at once (WorkdirLockedError
-  naming the holder's pid). SIGTERM/SIGINT stop at a step boundary with a checkpoint; the
-  result then has `preempted` (the signal's name).
+  naming the holder's pid). SIGTERM/SIGINT/SIGHUP stop at a step boundary with a checkpoint;
+  the result then has `preempted` (the signal's name).
   """
   workdir = os.path.abspath(workdir)
+  lock = lock_workdir(workdir)  # process 0 only; creates workdir, names it when unusable
   os.makedirs(workdir, exist_ok=True)
-  lock = lock_workdir(workdir)  # process 0 only
   try:
     return _train_and_evaluate(config, workdir, eval_callbacks)
   finally:
@@ -293,14 +301,19 @@ def compile_step(setup: Setup, batch: dict):
     return setup.step_fn.lower(setup.abstract_state, batch).compile()
 
 
+def abstract_batch(setup: Setup, accum: int, micro_batch: int, seq_len: int) -> dict:
+  """The train step's [accum, micro_batch, seq_len] batch as sharded ShapeDtypeStructs."""
+  return {k: jax.ShapeDtypeStruct((accum, micro_batch, seq_len),
+                                  jnp.float32 if k == "weights" else jnp.int32,
+                                  sharding=setup.batch_sharding)
+          for k in ("inputs", "targets", "weights")}
+
+
 def step_memory(setup: Setup, micro_batch: int, accum: int, seq_len: int):
   """Compiled memory analysis of the train step for `accum` micro-batches of `micro_batch`
   rows (abstract shapes: nothing runs, nothing is allocated)."""
-  abs_batch = {k: jax.ShapeDtypeStruct((accum, micro_batch, seq_len),
-                                       jnp.float32 if k == "weights" else jnp.int32,
-                                       sharding=setup.batch_sharding)
-               for k in ("inputs", "targets", "weights")}
-  return compile_step(setup, abs_batch).memory_analysis()
+  return compile_step(setup, abstract_batch(setup, accum, micro_batch, seq_len)
+                      ).memory_analysis()
 
 
 def _fit_memory(setup: Setup, config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
@@ -340,6 +353,72 @@ def _batch_axes(rules) -> tuple[str, ...]:
   return () if axes is None else ((axes,) if isinstance(axes, str) else tuple(axes))
 
 
+def _flat_config(tree: dict, prefix: str = "") -> dict[str, Any]:
+  out = {}
+  for k, v in tree.items():
+    if isinstance(v, dict):
+      out.update(_flat_config(v, f"{prefix}{k}."))
+    else:
+      out[f"{prefix}{k}"] = v
+  return out
+
+
+def config_changes(saved: dict, now: dict) -> list[str]:
+  """"field: saved -> now" for every config field that differs (JSON forms of two configs)."""
+  a, b = _flat_config(saved), _flat_config(now)
+  return [f"config.{k}: {a.get(k, '(absent)')!r} -> {b.get(k, '(absent)')!r}"
+          for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)]
+
+
+_SCHEDULE_FIELDS = ("config.train.steps", "config.optim.lr", "config.optim.warmup_steps",
+                    "config.optim.min_lr_ratio")
+
+
+def _restore(ckpt: Checkpointer, setup: Setup, data_it, config):
+  """The latest usable checkpoint (or None); a state that does not match this config's model is
+  an error naming the differing arrays and config fields, with every checkpoint left as it was.
+  On any error the checkpointer is closed before it propagates (no orbax work left at exit)."""
+  try:
+    return _restore_or_explain(ckpt, setup, data_it, config)
+  except BaseException:
+    try:
+      ckpt.close()
+    except Exception as e:  # the restore error is the one that matters
+      logging.error("closing the checkpointer after a failed restore: %s", e)
+    raise
+
+
+def _restore_or_explain(ckpt: Checkpointer, setup: Setup, data_it, config):
+  try:
+    return ckpt.restore(setup.abstract_state, data_it)
+  except CheckpointMismatchError as e:
+    try:
+      saved = ckpt.restore_meta(e.step).get("config", {})
+      changes = config_changes(saved, config_to_json(config))
+    except Exception:  # the saved config is unreadable: the arrays alone must do
+      changes = []
+    if not changes:
+      raise
+    raise CheckpointMismatchError(
+        f"checkpoint step {e.step} in {ckpt.directory} was saved with another config: "
+        f"{', '.join(changes[:8])}. Nothing was moved or changed: resume with the saved config, "
+        f"or use another --workdir for the new one. Stored vs requested arrays: "
+        f"{'; '.join(e.differences)}", step=e.step, differences=e.differences) from None
+
+
+def _warn_config_changes(saved: dict, now: dict, step: int) -> None:
+  """Resuming with a changed config is allowed (e.g. more steps) but never silent."""
+  changes = config_changes(saved, now) if saved else []
+  if not changes:
+    return
+  logging.warning("resuming at step %d with a config that differs from the checkpoint's: %s",
+                  step, "; ".join(changes[:12]))
+  if any(c.split(":")[0] in _SCHEDULE_FIELDS for c in changes):
+    logging.warning("the learning-rate schedule (warm-up + cosine over config.train.steps) "
+                    "changed with it: from step %d on the run follows the new schedule, not "
+                    "the one it started with", step)
+
+
 def _train_and_evaluate(config, workdir, eval_callbacks) -> dict[str, Any]:
   from attn_jax.data import pipeline
 
@@ -363,24 +442,21 @@ def _train_and_evaluate(config, workdir, eval_callbacks) -> dict[str, Any]:
   host_rows = shd.host_batch_rows(setup.batch_sharding, global_shape, batch_dim=1)
   data_it = pipeline.make_train_iterator(config.data, seed=config.seed, host_rows=host_rows)
   monitor = LossMonitor(config.train.spike_window, config.train.spike_threshold)
-  state = ckpt.restore(setup.abstract_state, data_it)
+  state = _restore(ckpt, setup, data_it, config)
   if state is None:
     state = setup.init_fn()
     start = 0
   else:
     start = int(state["step"])
-    monitor.load(ckpt.restore_meta(ckpt.restored_step).get("monitor"))
+    saved_meta = ckpt.restore_meta(ckpt.restored_step)
+    monitor.load(saved_meta.get("monitor"))
+    _warn_config_changes(saved_meta.get("config", {}), config_to_json(config), start)
     logging.info("resumed from %s at step %d", ckpt.directory, start)
   if monitor.last_finite_step is None:
     monitor.last_finite_step = start
 
-  abs_batch = {k: jax.ShapeDtypeStruct(global_shape,
-                                       jnp.float32 if k == "weights" else jnp.int32,
-                                       sharding=setup.batch_sharding)
-               for k in ("inputs", "targets", "weights")}
   t0 = time.perf_counter()
-  with shd.use_rules(setup.mesh, setup.rules):  # shd.constrain(...) inside the model
-    compiled = setup.step_fn.lower(setup.abstract_state, abs_batch).compile()
+  compiled = compile_step(setup, abstract_batch(setup, *global_shape))
   logging.info("train step compiled in %.1fs", time.perf_counter() - t0)
   try:
     logging.info("memory analysis: %s", compiled.memory_analysis())
@@ -491,7 +567,8 @@ def _train_and_evaluate(config, workdir, eval_callbacks) -> dict[str, Any]:
         writer.write(step_no, ev)
         last.update(ev)
         last_eval = step_no
-      if guard.poll(step_no):  # SIGTERM/SIGINT: stop at this step boundary (saved below)
+      ckpt.check_saves()   # a background save that failed (disk full) stops the run now
+      if guard.poll(step_no):  # SIGTERM/SIGINT/SIGHUP: stop at this step boundary (saved below)
         preempted = guard.signal_name or "signal"
         logging.warning("%s: stopping after step %d; rerun the same command to resume",
                         preempted, step_no)
@@ -551,7 +628,10 @@ def _on_exit(*, error, flush, pending, state_valid, data_it, data_pos, diverged,
     attempt("logging the last step", log_last)
   if data_pos is not None:  # stopped before this step was dispatched: its micro-batches go back
     attempt("rewinding the data iterator", lambda: data_it.set_state(data_pos))
-  if not state_valid:
+  if isinstance(error, CheckpointSaveError):
+    logging.error("not saving again after a failed save; the resume point is the latest "
+                  "checkpoint in %s (step %s)", ckpt.directory, ckpt.latest_step())
+  elif not state_valid:
     logging.error("not saving: the train step raised (%s) and its input state was donated to "
                   "it; the resume point is the latest checkpoint in %s (step %s)",
                   type(error).__name__ if error is not None else "?", ckpt.directory,

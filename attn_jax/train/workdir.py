@@ -47,8 +47,14 @@ class WorkdirLock:
   def acquire(self) -> "WorkdirLock":
     if self._fd is not None:
       return self
-    os.makedirs(self.workdir, exist_ok=True)
-    fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+    if os.path.exists(self.workdir) and not os.path.isdir(self.workdir):
+      raise NotADirectoryError(f"--workdir {self.workdir} is a file, not a directory")
+    try:
+      os.makedirs(self.workdir, exist_ok=True)
+      fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:  # unwritable (permissions, read-only file system, a file in the path)
+      raise OSError(e.errno, f"--workdir {self.workdir} is not usable: cannot create "
+                    f"{self.path}: {e.strerror}") from None
     try:
       fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
