@@ -65,7 +65,7 @@ class HybridHeads(nnx.Module):
     self.cfg, self.opts = cfg, opts
     self.attn = QKVProjection(cfg, rngs=rngs)
     self.attn_norm = param(rngs, nnx.initializers.ones, (cfg.n_heads, cfg.head_dim),
-                           ("heads", "head_dim"), weight_decay=False)
+                           ("heads", "head_dim"), kind="norm")
     self.ssm = Mamba2(cfg, opts.mamba2(), rngs=rngs)
 
   def _attention(self, x_BTD, positions_BT, kv):

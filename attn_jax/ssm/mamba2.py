@@ -87,8 +87,8 @@ class CausalConv(nnx.Module):
     bound = 1.0 / math.sqrt(width)
     self.width = width
     self.kernel = param(rngs, uniform_init(-bound, bound), (width,) + channels,
-                        (None,) + tuple(axes))
-    self.bias = param(rngs, uniform_init(-bound, bound), channels, tuple(axes))
+                        (None,) + tuple(axes), kind="weight")
+    self.bias = param(rngs, uniform_init(-bound, bound), channels, tuple(axes), kind="bias")
 
   def __call__(self, x_BTX: jax.Array, window_BWX=None, n_valid_B=None):
     """-> (y_BTX fp32, new window or None). window = the last width-1 inputs before x."""
@@ -147,12 +147,12 @@ class Mamba2(nnx.Module):
     self.conv_b = CausalConv(opts.d_conv, (G, N), (None, "state"), rngs=rngs)
     self.conv_c = CausalConv(opts.d_conv, (G, N), (None, "state"), rngs=rngs)
     self.dt_bias = param(rngs, dt_bias_init(opts.dt_min, opts.dt_max), (H,), ("heads",),
-                         weight_decay=False)
+                         kind="bias")
     self.A_log = param(rngs, uniform_init(opts.a_init_min, opts.a_init_max, jnp.log), (H,),
-                       ("heads",), weight_decay=False)
-    self.D = param(rngs, nnx.initializers.ones, (H,), ("heads",), weight_decay=False)
+                       ("heads",), kind="scalar")
+    self.D = param(rngs, nnx.initializers.ones, (H,), ("heads",), kind="scalar")
     self.norm_scale = param(rngs, nnx.initializers.ones, (H, P), ("heads", "head_dim"),
-                            weight_decay=False)
+                            kind="norm")
     kw["init_std"] = cfg.init_std / (2 * cfg.n_layers) ** 0.5   # scaled residual init
     self.out = Linear((H, P), (D,), in_axes=("heads", "head_dim"), out_axes=("embed",), **kw)
 

@@ -183,13 +183,13 @@ class Mamba3(nnx.Module):
     self.in_lam = lin((H,), ("heads",))
     self.in_theta = lin((R,), (None,))
     self.dt_bias = param(rngs, dt_bias_init(opts.dt_min, opts.dt_max), (H,), ("heads",),
-                         weight_decay=False)
+                         kind="bias")
     ones = nnx.initializers.ones
-    self.b_bias = param(rngs, ones, (H, N), ("heads", "state"), weight_decay=False)
-    self.c_bias = param(rngs, ones, (H, N), ("heads", "state"), weight_decay=False)
-    self.b_norm = param(rngs, ones, (N,), ("state",), weight_decay=False)
-    self.c_norm = param(rngs, ones, (N,), ("state",), weight_decay=False)
-    self.D = param(rngs, ones, (H,), ("heads",), weight_decay=False)
+    self.b_bias = param(rngs, ones, (H, N), ("heads", "state"), kind="bias")
+    self.c_bias = param(rngs, ones, (H, N), ("heads", "state"), kind="bias")
+    self.b_norm = param(rngs, ones, (N,), ("state",), kind="norm")
+    self.c_norm = param(rngs, ones, (N,), ("state",), kind="norm")
+    self.D = param(rngs, ones, (H,), ("heads",), kind="scalar")
     kw["init_std"] = cfg.init_std / (2 * cfg.n_layers) ** 0.5   # scaled residual init
     self.out = Linear((H, P), (D,), in_axes=("heads", "head_dim"), out_axes=("embed",), **kw)
 
