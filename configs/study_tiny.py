@@ -44,25 +44,47 @@ def _ssm(mixer, extra=()):
   return tuple((f"model.{mixer}.{k}", v) for k, v in SSM_TINY + tuple(extra))
 
 
+def _ssm_only(mixer):
+  """Two blocks of the SSM alone: its own short conv (or none) replaces the window layer."""
+  return (("model.pattern", (mixer, mixer)), ("model.n_layers", 2))
+
+
 def _second(*layers):
   """The pattern: the shared window-2 layer, then `layers`; n_layers follows."""
   return (("model.pattern", (WINDOW,) + layers), ("model.n_layers", 1 + len(layers)))
 
 
+# (name, match field, overrides, declared setting and its source). Each variant runs in its
+# authors' configuration; the lr is not declared: it is swept (study.lrs) for every variant.
 VARIANTS = (
-    ("transformer", "", ()),
-    ("sisa_ds8", "model.d_ff", _second("sisa") + (("model.sisa.d_state", 8),)),
-    ("sisa_ds16", "model.d_ff", _second("sisa") + (("model.sisa.d_state", 16),)),
-    ("mamba2", "model.mamba2.expand,model.mamba2.d_state", _second("mamba2") + _ssm("mamba2")),
-    ("mamba3", "model.mamba3.expand,model.mamba3.d_state", _second("mamba3") + _ssm("mamba3")),
+    ("transformer", "", (),
+     "window-2 layer + attention, the quickstart layout; N(0, 0.02) init (GPT-2)"),
+    ("sisa_ds8", "model.d_ff", _second("sisa") + (("model.sisa.d_state", 8),),
+     "SISA init and lambda treatment of the authors' models/sisa.py (SPEC 1)"),
+    ("sisa_ds16", "model.d_ff", _second("sisa") + (("model.sisa.d_state", 16),),
+     "as sisa_ds8, d_state 16 (the paper's 152M setting)"),
+    ("mamba2", "model.mamba2.expand,model.mamba2.d_state",
+     _ssm_only("mamba2") + _ssm("mamba2"),
+     "two Mamba-2 blocks, their own short conv (d_conv 4) instead of the window layer; "
+     "mamba_ssm init (fan-in projections, dt/A_log/D as modules/mamba2.py)"),
+    ("mamba3", "model.mamba3.expand,model.mamba3.d_state",
+     _ssm_only("mamba3") + _ssm("mamba3"),
+     "two Mamba-3 blocks as the paper stacks them (no conv, no window layer); mamba_ssm init, "
+     "A = -softplus (release modules/mamba3.py)"),
     ("sinkhorn", "model.d_ff",
-     _second("sinkhorn") + (("model.sinkhorn.block_size", 8), ("model.sinkhorn.sortnet_width", 32),
-                            ("model.sinkhorn.sort_dim", 8))),
-    ("hybrid_block", "model.d_ff", _second("attention", "mamba2:nomlp") + _ssm("mamba2")),
-    ("hybrid_heads", "model.d_ff", _second("hybrid_heads") + _ssm("hybrid_heads")),
-    ("transformer_sink", "model.d_ff", (("model.sink_tokens", 1),)),
+     _second("sinkhorn") + (("model.sinkhorn.block_size", 16), ("model.sinkhorn.sortnet_width", 32),
+                            ("model.sinkhorn.sort_dim", 8)),
+     "blocks of 16: with 8 on 31 tokens a query's own block never holds its pair (issue 19); "
+     "7 iterations, tau 0.75 (Tay et al. 2020)"),
+    ("hybrid_block", "model.d_ff", _second("attention", "mamba2:nomlp") + _ssm("mamba2"),
+     "window-2, attention, then a Mamba-2 block without MLP (Jamba/Samba interleave)"),
+    ("hybrid_heads", "model.d_ff", _second("hybrid_heads") + _ssm("hybrid_heads"),
+     "attention and Mamba-2 heads side by side (Hymba)"),
+    ("transformer_sink", "model.d_ff", (("model.sink_tokens", 1),),
+     "one learnable sink token (StreamingLLM, Xiao et al. 2023)"),
     ("sisa_ds8_sink", "model.d_ff",
-     _second("sisa") + (("model.sisa.d_state", 8), ("model.sink_tokens", 1))),
+     _second("sisa") + (("model.sisa.d_state", 8), ("model.sink_tokens", 1)),
+     "sisa_ds8 with one learnable sink token"),
 )
 
 
@@ -72,6 +94,9 @@ def study_defaults() -> ml_collections.ConfigDict:
   s.baseline = "transformer"
   s.only = ""                    # comma-separated subset of the variants ("" = all)
   s.seeds = (0, 1, 2)
+  s.lrs = (1e-3, 3e-3, 1e-2)     # the lr sweep (seed sweep_seed), then all seeds at the best
+  s.sweep_seed = -1              # -1: the first of `seeds`
+  s.sweep_metric = ""            # "" = recall_metric (higher is better)
   s.param_tolerance = 0.02       # |params - baseline| / baseline allowed after matching
   s.d_ff_multiple = 4            # d_ff matched in steps of this
   s.niah = "synthetic"           # synthetic (attn_jax/study/needle.py) | text (eval task niah) | none

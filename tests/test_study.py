@@ -42,6 +42,7 @@ def small_config() -> ml_collections.ConfigDict:
   s = c.study
   s.only = "transformer_sink"
   s.seeds = (0, 1)
+  s.lrs = ()                        # no sweep here (test_lr_sweep has one)
   s.param_tolerance = 0.05
   s.needle_lengths = (32,)
   s.needle_depths = (0.0, 1.0)
@@ -197,6 +198,37 @@ def test_resume_skips_finished_and_resumes_unfinished(study):
   assert a["recall_acc"] == b["recall_acc"] and a["final_loss"] == pytest.approx(b["final_loss"])
 
 
+def test_lr_sweep_then_seeds_at_the_best(tmp_path):
+  """The sweep trains each lr on the sweep seed, keeps the best by the sweep metric (ties:
+  lower loss; recomputed here from the sweep rows), runs the other seeds at it only (the sweep
+  seed's run is reused), reports the sweep table, and a rerun retrains nothing."""
+  c = small_config()
+  c.study.only = "transformer"          # the baseline alone
+  c.study.lrs = (1e-3, 3e-2)
+  c.study.sweep_metric = "eval/loss_neg"   # not a metric: every row ties, the lower loss wins
+  c.study.throughput_seq_lens = ()
+  workdir = str(tmp_path)
+  res = run_study(c, workdir, log=lambda s: None)
+  sw = res["sweep"]
+  assert [(r["lr"], r["seed"]) for r in sw] == [(1e-3, 0), (3e-2, 0)]
+  best = min(sw, key=lambda r: r["final_loss"])["lr"]
+  assert res["variants"]["transformer"]["lr"] == best
+  assert [(r["seed"], r["lr"]) for r in res["runs"]] == [(0, best), (1, best)]
+  assert res["runs"][0]["final_loss"] == next(r for r in sw if r["lr"] == best)["final_loss"]
+  assert os.path.isfile(os.path.join(workdir, "runs", "transformer", f"lr{best:g}", "seed1",
+                                     RUN_SUMMARY))
+  assert res["meta"]["complete"]
+  md = report.tables_markdown(res)
+  assert "Learning-rate sweep" in md
+  row = next(line for line in md.splitlines() if line.startswith("| transformer | ")
+             and "/" in line)
+  chosen = next(r for r in sw if r["lr"] == best)
+  assert f"**{100 * chosen['recall_acc']:.1f} / {chosen['final_loss']:.3f}**" in row
+  logs = []
+  run_study(c, workdir, log=logs.append)
+  assert sum("finished earlier, skipped" in line for line in logs) == 3
+
+
 def test_param_matching_every_tiny_variant():
   c = study_tiny.get_config()
   cfgs = variants.all_variant_configs(c)
@@ -209,7 +241,7 @@ def test_param_matching_every_tiny_variant():
     assert info["diff_pct"] == pytest.approx(100 * (n - target) / target)
     validate(vc)
   # matching did move the knobs (a variant built without it is off by more)
-  raw = variants.apply_overrides(c, dict((v[0], v[2]) for v in study_tiny.VARIANTS)["mamba2"])
+  raw = variants.apply_overrides(c, {v[0]: v[2] for v in study_tiny.VARIANTS}["mamba2"])
   assert abs(variants.total_params(raw) - target) > abs(cfgs["mamba2"][1]["params"] - target)
 
 

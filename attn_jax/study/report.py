@@ -69,8 +69,39 @@ def params_table(res: dict) -> str:
   rows = []
   for v, info in res["variants"].items():
     knob = f"{info['match_field']} = {info['match_value']}" if info["match_field"] else "-"
-    rows.append([v, f"{info['params']:,}", f"{info['diff_pct']:+.2f}%", knob])
-  return _table(["variant", "parameters", "vs baseline", "matched by"], rows)
+    lr = f"{info['lr']:g}" if info.get("lr") else "-"
+    rows.append([v, f"{info['params']:,}", f"{info['diff_pct']:+.2f}%", knob, lr,
+                 info.get("setting") or "-"])
+  return _table(["variant", "parameters", "vs baseline", "matched by", "lr",
+                 "declared setting (source)"], rows)
+
+
+def _sweep_cell(r: dict) -> str:
+  """'recall % / loss' (MQAR) or 'bpb / loss' (LM); 'diverged' without a final loss."""
+  if r.get("final_loss") is None or not np.isfinite(r["final_loss"]):
+    return "diverged"
+  head = (f"{100 * r['recall_acc']:.1f}" if r.get("recall_acc") is not None else
+          f"{r['bpb']:.3f} bpb" if r.get("bpb") is not None else "-")
+  return f"{head} / {r['final_loss']:.3f}"
+
+
+def sweep_table(res: dict) -> str:
+  """Rows = swept variants, columns = learning rates, cells = 'recall % / held-out loss' of
+  the sweep seed's run (the chosen lr in bold)."""
+  rows_in = res.get("sweep") or []
+  lrs = sorted({r["lr"] for r in rows_in})
+  cell = {(r["variant"], r["lr"]): r for r in rows_in}
+  rows = []
+  for v in _variants(res):
+    if not any((v, lr) in cell for lr in lrs):
+      continue
+    row = [v]
+    for lr in lrs:
+      r = cell.get((v, lr))
+      txt = "-" if r is None else _sweep_cell(r)
+      row.append(f"**{txt}**" if r is not None and res["variants"][v].get("lr") == lr else txt)
+    rows.append(row)
+  return _table(["variant"] + [f"lr {lr:g}" for lr in lrs], rows)
 
 
 def eval_steps(res: dict) -> list[int]:
@@ -160,7 +191,11 @@ def conditions(res: dict) -> str:
              f"PARTIAL STUDY: {len(runs)} of {n_all} runs finished"
              f"{'' if res.get('throughput') else ', throughput not measured'} (rerun the "
              "study command to complete it). ")
-  return (f"{partial}{len(res['variants'])} variants x {len(m['seeds'])} seeds (seeds {m['seeds']}), "
+  sw = res.get("sweep") or []
+  sweep = (f"; each variant's lr chosen from {sorted({r['lr'] for r in sw})} on seed "
+           f"{sw[0]['seed']} ({len(sw)} sweep runs)" if sw else "")
+  return (f"{partial}{len(res['variants'])} variants x {len(m['seeds'])} seeds (seeds {m['seeds']}"
+          f"{sweep}), "
           f"{m['steps']} steps of {m['batch']} x {m['seq_len']} tokens each, equal data stream "
           f"({d['source']}/{d.get('synthetic_task', '')}: {d['mqar_num_pairs']} pairs, "
           f"{d['mqar_num_queries']} queries, key/value vocabulary {d['mqar_vocab']}), "
@@ -175,7 +210,12 @@ def conditions(res: dict) -> str:
 
 def tables_markdown(res: dict, *, image_dir: str = "", heading: str = "###") -> str:
   m = res["meta"]
-  parts = [f"{heading} Parameters (matched to `{m['baseline']}`)", params_table(res)]
+  parts = [f"{heading} Parameters (matched to `{m['baseline']}`), lr and declared setting",
+           params_table(res)]
+  if res.get("sweep"):
+    parts += [f"{heading} Learning-rate sweep (seed {res['sweep'][0]['seed']}; recall % / "
+              f"held-out loss at the last evaluation; bold = chosen by "
+              f"`{m.get('sweep_metric') or m['recall_metric']}`)", sweep_table(res)]
   if m.get("niah_metric"):
     parts += [f"{heading} NIAH accuracy (%) vs training step (`{m['niah_metric']}`, "
               "mean ± std over seeds)", step_table(res, m["niah_metric"])]
