@@ -105,6 +105,10 @@ def study_defaults() -> ml_collections.ConfigDict:
   s.needle_lengths = (17,)       # needle grid: context lengths (<= data.seq_len)
   s.needle_depths = (0.0, 0.5, 1.0)
   s.needle_samples = 64
+  s.lm_eval = False              # language-modelling metrics (attn_jax/study/lm.py)
+  s.lm_extrapolate = 4
+  s.lm_windows = 16
+  s.readme_marker = "study"      # the README section: <!-- study:begin --> ... <!-- study:end -->
   s.throughput_seq_lens = (256, 512, 1024)
   s.throughput_batch_tokens = 2048
   s.throughput_steps = 3
