@@ -1,5 +1,6 @@
-"""The comparison study at laptop scale (issue #14): every variant on generated MQAR data, equal
-parameter count, equal tokens, equal seeds, one trainer and one evaluator, on a 2-core CPU.
+"""The comparison study at laptop scale (issues #14, #19): every variant on generated MQAR data,
+equal parameter count, equal tokens, equal seeds, one trainer and one evaluator, on a 2-core CPU;
+each variant in its authors' configuration, at the best lr of a sweep.
 
   python experiments/study.py --config=configs/study_tiny.py --workdir=runs/study
   python experiments/study.py --report=runs/study --readme=README.md --assets=docs/study
@@ -7,29 +8,48 @@ parameter count, equal tokens, equal seeds, one trainer and one evaluator, on a 
 The task and the shared trunk are the quickstart's (configs/quickstart.py, where the reasoning
 is): MQAR with 8 fresh key->value pairs followed by the 8 keys asked again back to back, 31
 tokens, key/value vocabulary 32 (vocab 96); d_model 64, 4 heads (head dim 16), fp32; batch 128,
-AdamW lr 3e-3 with 100 warm-up steps. Every model starts with the same local-attention layer of
-window 2 (each token sees itself and the one before: it writes each key into its value's
-position), then the variant's own layer(s), so what is compared is the layer that has to do the
-lookup:
+AdamW (wd 0.1 on weights and embeddings only: `layers.PARAM_KINDS`) with 100 warm-up steps,
+cosine. The attention variants start with the same local-attention layer of window 2 (each
+token sees itself and the one before: it writes each key into its value's position), then the
+variant's own layer(s); the SSMs use their own short conv (Mamba-2, d_conv 4) or none (Mamba-3)
+instead, as their authors stack them (two blocks):
 
   transformer       sliding_window(2) -> attention
   sisa_ds8/_ds16    sliding_window(2) -> SISA (d_state 8 / 16)
-  mamba2/mamba3     sliding_window(2) -> Mamba-2 / Mamba-3 (with the block's MLP)
-  sinkhorn          sliding_window(2) -> Sinkhorn attention (causal, blocks of 8)
+  mamba2/mamba3     Mamba-2 -> Mamba-2 / Mamba-3 -> Mamba-3 (with the block's MLP)
+  sinkhorn          sliding_window(2) -> Sinkhorn attention (causal, blocks of 16)
   hybrid_block      sliding_window(2) -> attention -> Mamba-2 (no MLP)
   hybrid_heads      sliding_window(2) -> half attention heads, half SSM heads
   *_sink            the Transformer / SISA d_s 8 with one learnable sink token
 
+Every variant declares its setting and source (the 4th entry of VARIANTS, shown in the
+report). Initialisation is each mixer's own (Mamba-2/3: mamba_ssm's fan-in projections, dt,
+A_log, D; module docstrings). Learning rate: swept for every variant over `study.lrs` = 1e-3,
+3e-3, 1e-2 on seed 0 (Zoology sweeps logspace(-4, -2) and reports the best), then seeds 1, 2 at
+the best by held-out recall; the sweep table is in the report.
+
+The published point this scales down: Zoology's MQAR (Arora et al. 2023, section 3 and Fig. 2;
+SPEC section 2): 2-layer models at d_model 64-512, vocab 8192, 4-64 key-value pairs at T 64-256,
+~12k-22k steps, best lr of a sweep, where attention solves MQAR at every width and gated
+convolutions/SSMs need state (width) growing with the number of pairs. Here: T 31 with 8 pairs
+(the smallest pairs-per-token ratio's order), vocab 96, d_model 64, 600 steps (2.4M tokens):
+~20-40x fewer steps than Zoology, the cut that fits 10 variants x (3 sweep lrs + 2 seeds) = 50
+runs in ~90 minutes on 2 cores (~95 s per run on a quiet machine, 47.6 min for 30 runs). At
+this budget the SSMs learn slowly (probes in the report/README notes): the sweep table shows
+where each one stands. The state-size ordering of the Mamba-2 paper (Fig. 8) has its own config,
+configs/study_mqar_state.py.
+
 Parameters are matched to the Transformer's (attn_jax/study/variants.py): by d_ff, or for the
-SSMs by their expansion in whole heads, then their d_state. 600 steps (2.4M tokens) per run,
-3 seeds. Evaluation every `eval.every_steps`: held-out loss/accuracy at the answers, `mqar` =
-recall accuracy over all 8 queries (attn_jax.eval.run.task_callback) and the MQAR-space needle
-(attn_jax/study/needle.py) at context 17: the 8 pairs, then one query, the first of its sequence
-(so the "values not asked yet" shortcut is worth only 1/8), with the needle pair written first
-(depth 0, 16 tokens back), in the middle or last (depth 1). Longer needle contexts put noise
-tokens between the pairs and the query; the back-to-back training data has none, and in a trial
-(C 31) every model scored near chance there, so the grid stays at the training layout.
-`--config.study.only=transformer,sisa_ds8` runs a subset.
+SSMs by their expansion in whole heads, then their d_state. Evaluation every
+`eval.every_steps`: held-out loss/accuracy at the answers, `mqar` = recall accuracy over all 8
+queries (attn_jax.eval.run.task_callback) and the MQAR-space needle (attn_jax/study/needle.py)
+at context 17: the 8 pairs, then one query, the first of its sequence (so the "values not
+asked yet" shortcut is worth only 1/8), with the needle pair written first (depth 0, 16 tokens
+back), in the middle or last (depth 1). Longer needle contexts put noise tokens between the
+pairs and the query; the back-to-back training data has none, and in a trial (C 31) every
+model scored near chance there, so the grid stays at the training layout.
+`--config.study.only=transformer,sisa_ds8` runs a subset; `study.lrs = ()` skips the sweep
+(every variant at optim.lr).
 """
 
 import ml_collections

@@ -17,7 +17,7 @@ import pytest
 from attn_jax.config import validate
 from attn_jax.study import needle, report, variants
 from attn_jax.study.runner import RUN_SUMMARY, run_study
-from configs import study_152m, study_tiny
+from configs import study_152m, study_lm_tiny, study_mqar_state, study_tiny
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -243,6 +243,21 @@ def test_param_matching_every_tiny_variant():
   # matching did move the knobs (a variant built without it is off by more)
   raw = variants.apply_overrides(c, {v[0]: v[2] for v in study_tiny.VARIANTS}["mamba2"])
   assert abs(variants.total_params(raw) - target) > abs(cfgs["mamba2"][1]["params"] - target)
+
+
+@pytest.mark.parametrize("module", [study_mqar_state, study_lm_tiny])
+def test_other_tiny_studies_match_and_validate(module):
+  """The state-size and LM studies: every variant matched and valid; the state study's
+  variants differ in d_state only among the SSM's options (abstract shapes, no training)."""
+  c = module.get_config()
+  cfgs = variants.all_variant_configs(c)
+  for name, (vc, info) in cfgs.items():
+    assert abs(info["diff_pct"]) <= 100 * c.study.param_tolerance, name
+    assert info["setting"], name      # every variant declares its setting
+    validate(vc)
+  if module is study_mqar_state:
+    states = [cfgs[n][0].model.mamba2.d_state for n in cfgs if n.startswith("mamba2")]
+    assert states == [4, 8, 16, 64]
 
 
 def test_match_params_is_closest_on_the_grid():
