@@ -26,24 +26,28 @@ RUN_FIELDS = ("variant", "seed", "params", "param_diff_pct", "train", "evals", "
               "cpu_s", "tokens", "steps")
 
 
+def shrink(c: ml_collections.ConfigDict, eval_every: int) -> ml_collections.ConfigDict:
+  """A study config at toy size (also used by test_study_lm): d 32, 1 layer, seq 32, batch 8,
+  4 steps; the Transformer and its sink-token variant, 2 seeds."""
+  c.model.update(d_model=32, n_heads=2, n_layers=1, d_ff=64, max_seq_len=64, pattern=())
+  c.data.update(seq_len=32, global_batch_size=8)
+  c.train.update(steps=4, log_every=1)
+  c.optim.warmup_steps = 1
+  c.checkpoint.every_steps = 4
+  c.eval.update(every_steps=eval_every, batch_size=8)
+  c.study.update(only="transformer_sink", seeds=(0, 1), param_tolerance=0.05)
+  return c
+
+
 def small_config() -> ml_collections.ConfigDict:
   """study_tiny shrunk: transformer + transformer with a sink token, d 32, 1 layer, seq 32,
   4 steps, 2 seeds (the cheapest pair to compile; every variant is covered by the matching test
   and the slow full study)."""
-  c = study_tiny.get_config()
-  c.model.update(d_model=32, n_heads=2, n_layers=1, d_ff=64, max_seq_len=64, pattern=())
-  c.data.update(seq_len=32, global_batch_size=8, mqar_num_pairs=4, mqar_num_queries=4,
-                mqar_vocab=16)
+  c = shrink(study_tiny.get_config(), eval_every=2)
+  c.data.update(mqar_num_pairs=4, mqar_num_queries=4, mqar_vocab=16)
   c.model.vocab_size = 48
-  c.train.update(steps=4, log_every=1)
-  c.optim.warmup_steps = 1
-  c.checkpoint.every_steps = 4
-  c.eval.update(every_steps=2, batch_size=8)
   s = c.study
-  s.only = "transformer_sink"
-  s.seeds = (0, 1)
   s.lrs = ()                        # no sweep here (test_lr_sweep has one)
-  s.param_tolerance = 0.05
   s.needle_lengths = (32,)
   s.needle_depths = (0.0, 1.0)
   s.needle_samples = 4

@@ -14,24 +14,15 @@ from attn_jax.data.text import split_counts
 from attn_jax.study import lm, report
 from attn_jax.study.runner import run_study
 from configs import study_lm_tiny
+from test_study import shrink
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
 def toy_config(path):
-  c = study_lm_tiny.get_config()
-  c.model.update(d_model=32, n_heads=2, n_layers=1, d_ff=64, max_seq_len=64, pattern=())
-  c.data.update(paths=path, seq_len=32, global_batch_size=8, eval_fraction=0.02)
-  c.train.update(steps=4, log_every=1)
-  c.optim.warmup_steps = 1
-  c.checkpoint.every_steps = 4
-  c.eval.update(every_steps=4, batch_size=8)
-  s = c.study
-  s.only = "transformer_sink"
-  s.seeds = (0, 1)
-  s.param_tolerance = 0.05
-  s.lm_extrapolate = 2
-  s.lm_windows = 4
+  c = shrink(study_lm_tiny.get_config(), eval_every=4)
+  c.data.update(paths=path, eval_fraction=0.02)
+  c.study.update(lm_extrapolate=2, lm_windows=4)
   return c
 
 
