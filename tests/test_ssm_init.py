@@ -154,8 +154,16 @@ def test_mamba3_output_at_least_its_skip_path():
   assert float(jnp.sqrt(jnp.mean(old(_input())[0] ** 2))) < 0.8 * floor
 
 
-def test_mamba3_a_activation():
-  m, _ = _mixer("mamba3")
-  assert m.opts.a_activation == "softplus"
+@pytest.mark.parametrize("act,want", [("softplus", -math.log(2.0)), ("heavy_tail", -1.0)])
+def test_mamba3_a_activation(act, want):
+  """A = -f(A_raw) at A_raw = 0: -ln 2 for the release's softplus (the default), -1 for the
+  reference's later heavy tail."""
+  m, _ = _mixer("mamba3", a_activation=act)
+  m.in_a.kernel[...] = jnp.zeros_like(m.in_a.kernel[...])
+  u = _input(shape=(1, 4, D_MODEL))
+  got = m._inputs(u, jnp.arange(4)[None])
+  dt = jax.nn.softplus(m.in_dt(u) + m.dt_bias[...])
+  np.testing.assert_allclose(np.asarray(got["a"]), want * np.asarray(dt), rtol=1e-6)
+  assert _mixer("mamba3")[0].opts.a_activation == "softplus"
   with pytest.raises(ValueError, match="config.model.mamba3.a_activation"):
     _mixer("mamba3", a_activation="relu")
