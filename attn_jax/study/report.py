@@ -310,7 +310,8 @@ def _plot_steps(res, path, title, ylabel, steps_fn, value_fn, scale=1.0):
   ax.set_ylabel(ylabel)
   ax.set_title(title, fontsize=10)
   ax.grid(alpha=0.3)
-  ax.legend(fontsize=7, ncol=2)
+  if ax.get_legend_handles_labels()[0]:   # nothing drawn when the study has no such metric
+    ax.legend(fontsize=7, ncol=2)
   fig.tight_layout()
   fig.savefig(path, format="png")
   plt.close(fig)
