@@ -5,6 +5,24 @@ Every parameter is an `nnx.Param` whose `out_sharding` metadata holds its *logic
 logical->mesh mapping lives in the config (`config.mesh.rules`, applied in `sharding.py`);
 modules never mention mesh axes. Eager sharding is off: shardings are applied by the trainer's
 jitted init (`out_shardings`), never at construction.
+
+Every parameter also declares its *kind* where it is created (`param(..., kind=)`); the
+optimizer's weight-decay rule is a function of the kind alone (`PARAM_KINDS`), never of the
+parameter's name or number of axes:
+
+  weight          projection matrices, conv kernels                      decayed
+  embedding       token embedding / unembedding tables                   decayed
+  bias            additive biases (Linear/conv biases, Mamba's dt_bias,  not decayed
+                  Mamba-3's B/C biases, SISA's decay bias)
+  norm            norm scales                                            not decayed
+  scalar          per-head / per-channel scalars in the maths (A_log, D,  not decayed
+                  SISA's lambda, learned sink logits)
+  learned_input   learned input vectors with no input to scale          not decayed
+                  (sink-token embeddings)
+
+Sources: AdamW recipes exempt biases and norm gains (GPT-2/nanoGPT grouping); state-spaces/mamba
+marks A_log, D and dt_bias `_no_weight_decay` (`mamba_ssm/modules/mamba2.py`); the SISA paper
+trains lambda without decay (SPEC section 1).
 """
 
 from __future__ import annotations
@@ -18,6 +36,21 @@ from flax import nnx
 
 Initializer = Callable[..., jax.Array]
 
+# kind -> weight-decayed? (module docstring). The only source of the decay rule.
+PARAM_KINDS: dict[str, bool] = {"weight": True, "embedding": True, "bias": False, "norm": False,
+                                "scalar": False, "learned_input": False}
+
+
+def fan_in_uniform(fan_in: int, scale: float = 1.0) -> Initializer:
+  """U(+-scale / sqrt(fan_in)): PyTorch's default for nn.Linear / nn.Conv1d weights
+  (kaiming_uniform with a = sqrt(5) gives bound sqrt(6 / ((1 + 5) fan_in)) = 1 / sqrt(fan_in));
+  std = scale / sqrt(3 fan_in). `scale` < 1 is mamba_ssm's rescaled out_proj."""
+  bound = float(scale) / math.sqrt(fan_in)
+
+  def init(key, shape, dtype=jnp.float32):
+    return jax.random.uniform(key, shape, dtype, -bound, bound)
+  return init
+
 
 def dtype_of(name: str) -> jnp.dtype:
   try:
@@ -27,35 +60,37 @@ def dtype_of(name: str) -> jnp.dtype:
 
 
 def param(rngs: nnx.Rngs, init: Initializer, shape: Sequence[int], axes: Sequence[str | None],
-          dtype=jnp.float32, *, lr_mult: float | None = None,
-          weight_decay: bool | None = None) -> nnx.Param:
+          dtype=jnp.float32, *, kind: str, lr_mult: float | None = None) -> nnx.Param:
   """A parameter initialised with `init(key, shape, dtype)` and tagged with logical `axes`.
 
-  Optimizer treatment travels with the parameter as metadata (read by train/optim.py):
-  `lr_mult` scales its learning rate, `weight_decay` forces decay on/off (default: decay iff
-  the parameter has >= 2 axes besides the stacked `layers` axis).
+  Optimizer treatment travels with the parameter as metadata (read by train/optim.py): `kind`
+  (one of `PARAM_KINDS`) decides weight decay, `lr_mult` scales its learning rate.
   """
   if len(axes) != len(shape):
     raise ValueError(f"logical axes {tuple(axes)} do not match shape {tuple(shape)}")
-  meta = {}
+  if kind not in PARAM_KINDS:
+    raise ValueError(f"parameter kind {kind!r} is not one of {sorted(PARAM_KINDS)}")
+  meta = {"kind": kind}
   if lr_mult is not None:
     meta["lr_mult"] = float(lr_mult)
-  if weight_decay is not None:
-    meta["weight_decay"] = bool(weight_decay)
   return nnx.Param(init(rngs.params(), tuple(shape), dtype), out_sharding=tuple(axes),
                    eager_sharding=False, **meta)
 
 
 class Linear(nnx.Module):
-  """y = x @ W (no bias). W: [*in_shape, *out_shape], computed in `dtype` with fp32 params."""
+  """y = x @ W (no bias). W: [*in_shape, *out_shape], computed in `dtype` with fp32 params.
+
+  Initialised N(0, init_std) unless `init` (an initializer, e.g. `fan_in_uniform`) is given."""
 
   def __init__(self, in_shape: Sequence[int], out_shape: Sequence[int], *,
                in_axes: Sequence[str | None], out_axes: Sequence[str | None], rngs: nnx.Rngs,
-               init_std: float = 0.02, dtype=jnp.bfloat16, param_dtype=jnp.float32):
+               init_std: float = 0.02, init: Initializer | None = None, dtype=jnp.bfloat16,
+               param_dtype=jnp.float32):
     self.in_shape, self.out_shape = tuple(in_shape), tuple(out_shape)
     self.dtype = dtype
-    self.kernel = param(rngs, nnx.initializers.normal(init_std), self.in_shape + self.out_shape,
-                        tuple(in_axes) + tuple(out_axes), param_dtype)
+    self.kernel = param(rngs, init or nnx.initializers.normal(init_std),
+                        self.in_shape + self.out_shape, tuple(in_axes) + tuple(out_axes),
+                        param_dtype, kind="weight")
 
   def __call__(self, x: jax.Array) -> jax.Array:
     # One 2-D matmul [N, K] @ [K, M] (N = leading dims, K = in dims, M = out dims; merging
@@ -77,10 +112,10 @@ class RMSNorm(nnx.Module):
 
   def __init__(self, dim: int, *, rngs: nnx.Rngs, eps: float = 1e-5, dtype=jnp.bfloat16,
                param_dtype=jnp.float32):
-    del rngs
+    del rngs   # ones: no key drawn, so the other parameters' random streams do not move
     self.eps, self.dtype = eps, dtype
     self.scale = nnx.Param(jnp.ones((dim,), param_dtype), out_sharding=("norm",),
-                           eager_sharding=False)
+                           eager_sharding=False, kind="norm")
 
   def __call__(self, x: jax.Array) -> jax.Array:
     x32 = x.astype(jnp.float32)

@@ -103,7 +103,7 @@ class Decoder(nnx.Module):
     # tensor-core friendly); padded rows are never looked up and their logits are sliced off.
     vp = padded_vocab(cfg)
     self.embed = param(rngs, nnx.initializers.normal(cfg.init_std), (vp, cfg.d_model),
-                       ("vocab", "embed"), pdt)
+                       ("vocab", "embed"), pdt, kind="embedding")
 
     @nnx.split_rngs(splits=cfg.n_repeats)
     @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
@@ -114,11 +114,11 @@ class Decoder(nnx.Module):
     if cfg.sink_tokens:
       self.sink_embed = param(rngs, nnx.initializers.normal(cfg.init_std),
                               (cfg.sink_tokens, cfg.d_model), (None, "embed"), pdt,
-                              weight_decay=False)
+                              kind="learned_input")
     self.final_norm = RMSNorm(cfg.d_model, rngs=rngs, eps=cfg.norm_eps, dtype=dt, param_dtype=pdt)
     if not cfg.tie_embeddings:
       self.head = param(rngs, nnx.initializers.normal(cfg.init_std),
-                        (cfg.d_model, vp), ("embed", "vocab"), pdt)
+                        (cfg.d_model, vp), ("embed", "vocab"), pdt, kind="embedding")
 
   # ------------------------------------------------------------------ the stack
   def _layers(self, x_BTD, positions_BT, states, rng, train):

@@ -34,7 +34,7 @@ only ever use it; none of them branches on a mixer's name):
 - `max_chunk`: the most new tokens one stateful call can take with a state of `capacity`
   (None = any); `decode.py` prefills longer prompts in chunks of that size.
 - Optimizer treatment (lr multiplier, weight decay on/off) is metadata on the parameters the
-  mixer creates (`layers.param(..., lr_mult=, weight_decay=)`), read by train/optim.py.
+  mixer creates (`layers.param(..., kind=, lr_mult=)`), read by train/optim.py.
 """
 
 from __future__ import annotations

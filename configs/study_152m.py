@@ -57,6 +57,7 @@ def get_config():
   s = c.study = study_tiny.study_defaults()
   s.variants = VARIANTS
   s.seeds = (0,)
+  s.lrs = ()                     # no sweep at this size: the paper's lr (6e-4, SPEC section 1)
   s.param_tolerance = 0.01
   s.d_ff_multiple = 4
   s.niah = "text"

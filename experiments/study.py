@@ -2,14 +2,17 @@
 
   python experiments/study.py --config=configs/study_tiny.py --workdir=runs/study
   python experiments/study.py --report=runs/study --readme=README.md
+  python experiments/study.py --config=configs/study_lm_tiny.py --workdir=runs/study_lm \
+      --config.data.paths=../shared/data/tinyshakespeare/input.txt     # language modelling
 
 The first trains every variant of `config.study.variants` for every seed (matched parameter
 counts, same data, same trainer and evaluators), measures throughput side by side, and writes
 results.json, tables.md and the PNG plots under --workdir; rerunning it skips finished runs and
-resumes unfinished ones. The second regenerates tables.md, the plots and the README section
-between `<!-- study:begin -->` and `<!-- study:end -->` from results.json alone (--assets=docs/study
-copies the PNGs to a tracked folder and links them from there). Both flags
-together (--config ... --readme=README.md) do both.
+resumes unfinished ones (each variant's lr sweep first when `study.lrs` has several). The
+second regenerates tables.md, the plots and the README section between `<!-- study:begin -->`
+and `<!-- study:end -->` (`<!-- study_lm:... -->` for the LM study) from results.json alone
+(--assets=docs/study copies the PNGs to a tracked folder and links them from there). Both
+flags together (--config ... --readme=README.md) do both.
 """
 
 import os

@@ -279,7 +279,7 @@ def test_learn_lambda_switch(learn):
   g = np.asarray(nnx.state(grads)["lambda_raw"][...])
   assert np.all(g != 0) if learn else np.all(g == 0)
   meta = m.lambda_raw.get_metadata()   # the optimizer's treatment travels with the parameter
-  assert meta["lr_mult"] == 0.1 and meta["weight_decay"] is False
+  assert meta["lr_mult"] == 0.1 and meta["kind"] == "scalar"   # kind "scalar": not decayed
 
 
 # ---------------------------------------------------------------- gradients in float64

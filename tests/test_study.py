@@ -17,7 +17,7 @@ import pytest
 from attn_jax.config import validate
 from attn_jax.study import needle, report, variants
 from attn_jax.study.runner import RUN_SUMMARY, run_study
-from configs import study_152m, study_tiny
+from configs import study_152m, study_lm_tiny, study_mqar_state, study_tiny
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -26,23 +26,28 @@ RUN_FIELDS = ("variant", "seed", "params", "param_diff_pct", "train", "evals", "
               "cpu_s", "tokens", "steps")
 
 
+def shrink(c: ml_collections.ConfigDict, eval_every: int) -> ml_collections.ConfigDict:
+  """A study config at toy size (also used by test_study_lm): d 32, 1 layer, seq 32, batch 8,
+  4 steps; the Transformer and its sink-token variant, 2 seeds."""
+  c.model.update(d_model=32, n_heads=2, n_layers=1, d_ff=64, max_seq_len=64, pattern=())
+  c.data.update(seq_len=32, global_batch_size=8)
+  c.train.update(steps=4, log_every=1)
+  c.optim.warmup_steps = 1
+  c.checkpoint.every_steps = 4
+  c.eval.update(every_steps=eval_every, batch_size=8)
+  c.study.update(only="transformer_sink", seeds=(0, 1), param_tolerance=0.05)
+  return c
+
+
 def small_config() -> ml_collections.ConfigDict:
   """study_tiny shrunk: transformer + transformer with a sink token, d 32, 1 layer, seq 32,
   4 steps, 2 seeds (the cheapest pair to compile; every variant is covered by the matching test
   and the slow full study)."""
-  c = study_tiny.get_config()
-  c.model.update(d_model=32, n_heads=2, n_layers=1, d_ff=64, max_seq_len=64, pattern=())
-  c.data.update(seq_len=32, global_batch_size=8, mqar_num_pairs=4, mqar_num_queries=4,
-                mqar_vocab=16)
+  c = shrink(study_tiny.get_config(), eval_every=2)
+  c.data.update(mqar_num_pairs=4, mqar_num_queries=4, mqar_vocab=16)
   c.model.vocab_size = 48
-  c.train.update(steps=4, log_every=1)
-  c.optim.warmup_steps = 1
-  c.checkpoint.every_steps = 4
-  c.eval.update(every_steps=2, batch_size=8)
   s = c.study
-  s.only = "transformer_sink"
-  s.seeds = (0, 1)
-  s.param_tolerance = 0.05
+  s.lrs = ()                        # no sweep here (test_lr_sweep has one)
   s.needle_lengths = (32,)
   s.needle_depths = (0.0, 1.0)
   s.needle_samples = 4
@@ -197,6 +202,37 @@ def test_resume_skips_finished_and_resumes_unfinished(study):
   assert a["recall_acc"] == b["recall_acc"] and a["final_loss"] == pytest.approx(b["final_loss"])
 
 
+def test_lr_sweep_then_seeds_at_the_best(tmp_path):
+  """The sweep trains each lr on the sweep seed, keeps the best by the sweep metric (ties:
+  lower loss; recomputed here from the sweep rows), runs the other seeds at it only (the sweep
+  seed's run is reused), reports the sweep table, and a rerun retrains nothing."""
+  c = small_config()
+  c.study.only = "transformer"          # the baseline alone
+  c.study.lrs = (1e-3, 3e-2)
+  c.study.sweep_metric = "eval/loss_neg"   # not a metric: every row ties, the lower loss wins
+  c.study.throughput_seq_lens = ()
+  workdir = str(tmp_path)
+  res = run_study(c, workdir, log=lambda s: None)
+  sw = res["sweep"]
+  assert [(r["lr"], r["seed"]) for r in sw] == [(1e-3, 0), (3e-2, 0)]
+  best = min(sw, key=lambda r: r["final_loss"])["lr"]
+  assert res["variants"]["transformer"]["lr"] == best
+  assert [(r["seed"], r["lr"]) for r in res["runs"]] == [(0, best), (1, best)]
+  assert res["runs"][0]["final_loss"] == next(r for r in sw if r["lr"] == best)["final_loss"]
+  assert os.path.isfile(os.path.join(workdir, "runs", "transformer", f"lr{best:g}", "seed1",
+                                     RUN_SUMMARY))
+  assert res["meta"]["complete"]
+  md = report.tables_markdown(res)
+  assert "Learning-rate sweep" in md
+  row = next(line for line in md.splitlines() if line.startswith("| transformer | ")
+             and "/" in line)
+  chosen = next(r for r in sw if r["lr"] == best)
+  assert f"**{100 * chosen['recall_acc']:.1f} / {chosen['final_loss']:.3f}**" in row
+  logs = []
+  run_study(c, workdir, log=logs.append)
+  assert sum("finished earlier, skipped" in line for line in logs) == 3
+
+
 def test_param_matching_every_tiny_variant():
   c = study_tiny.get_config()
   cfgs = variants.all_variant_configs(c)
@@ -209,8 +245,23 @@ def test_param_matching_every_tiny_variant():
     assert info["diff_pct"] == pytest.approx(100 * (n - target) / target)
     validate(vc)
   # matching did move the knobs (a variant built without it is off by more)
-  raw = variants.apply_overrides(c, dict((v[0], v[2]) for v in study_tiny.VARIANTS)["mamba2"])
+  raw = variants.apply_overrides(c, {v[0]: v[2] for v in study_tiny.VARIANTS}["mamba2"])
   assert abs(variants.total_params(raw) - target) > abs(cfgs["mamba2"][1]["params"] - target)
+
+
+@pytest.mark.parametrize("module", [study_mqar_state, study_lm_tiny])
+def test_other_tiny_studies_match_and_validate(module):
+  """The state-size and LM studies: every variant matched and valid; the state study's
+  variants differ in d_state only among the SSM's options (abstract shapes, no training)."""
+  c = module.get_config()
+  cfgs = variants.all_variant_configs(c)
+  for name, (vc, info) in cfgs.items():
+    assert abs(info["diff_pct"]) <= 100 * c.study.param_tolerance, name
+    assert info["setting"], name      # every variant declares its setting
+    validate(vc)
+  if module is study_mqar_state:
+    states = [cfgs[n][0].model.mamba2.d_state for n in cfgs if n.startswith("mamba2")]
+    assert states == [4, 8, 16, 64]
 
 
 def test_match_params_is_closest_on_the_grid():

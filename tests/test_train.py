@@ -132,7 +132,7 @@ def test_weight_decay_groups():
   assert decay["embed"] is True
   assert blk["mixer_norm"]["scale"] is False   # [layers, d]: a vector per layer
   assert decay["final_norm"]["scale"] is False
-  assert blk["mixer"]["lambda_raw"] is False   # metadata: weight_decay=False
+  assert blk["mixer"]["lambda_raw"] is False   # metadata: kind="scalar"
   assert mult["blocks"]["layers"][0]["mixer"]["lambda_raw"] == 0.1
   assert mult["final_norm"]["scale"] == 1.0 and mult["embed"] == 1.0
 

@@ -99,7 +99,7 @@ def make_sink_logit(cfg: ModelConfig, opts: SinkLogitOptions, rngs: nnx.Rngs):
   if opts.sink_logit != "learned":
     return None
   return param(rngs, nnx.initializers.zeros_init(), (cfg.n_heads,), ("heads",),
-               dtype_of(cfg.param_dtype), weight_decay=False)
+               dtype_of(cfg.param_dtype), kind="scalar")
 
 
 def sink_logit_of(opts: SinkLogitOptions, sink_param, n_heads: int):

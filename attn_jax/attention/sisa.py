@@ -345,10 +345,10 @@ class SISA(nnx.Module):
     self.phase_proj = Linear((D,), (H, ds // 2), in_axes=("embed",), out_axes=("heads", "state"),
                              init_std=float(opts.phase_init_std), **kw)
     self.decay_bias = param(rngs, nnx.initializers.constant(float(opts.decay_bias_init)), (H,),
-                            ("heads",), pdt)
+                            ("heads",), pdt, kind="bias")
     # lambda: its own (10x lower) learning rate and no weight decay, as the paper trains it.
     self.lambda_raw = param(rngs, nnx.initializers.constant(float(opts.lambda_init)), (H,),
-                            ("heads",), pdt, lr_mult=opts.lambda_lr_mult, weight_decay=False)
+                            ("heads",), pdt, lr_mult=opts.lambda_lr_mult, kind="scalar")
     self.sink_logit = make_sink_logit(cfg, opts, rngs)
 
   # -------------------------------------------------------------- per-token features

@@ -12,6 +12,8 @@ projections). Hymba averages the two normalised branches with learnable per-chan
 (beta_1, beta_2) before one output projection; with learnable norm scales in front of a shared
 linear projection that average is the same function class as this concatenation, and the
 separate projections let each branch keep its own (and the existing modules') parameters.
+Each branch keeps its own initialisation: the attention heads the Transformer's N(0, init_std),
+the SSM heads Mamba-2's (mamba_ssm's fan-in convention, `mamba2.projection_inits`).
 
 Decoding state: the tuple (attention KV cache, Mamba-2 state). The attention cache here is a
 fixed-size buffer written by position (slot = absolute position, needing position < capacity)
@@ -65,7 +67,7 @@ class HybridHeads(nnx.Module):
     self.cfg, self.opts = cfg, opts
     self.attn = QKVProjection(cfg, rngs=rngs)
     self.attn_norm = param(rngs, nnx.initializers.ones, (cfg.n_heads, cfg.head_dim),
-                           ("heads", "head_dim"), weight_decay=False)
+                           ("heads", "head_dim"), kind="norm")
     self.ssm = Mamba2(cfg, opts.mamba2(), rngs=rngs)
 
   def _attention(self, x_BTD, positions_BT, kv):

@@ -10,9 +10,21 @@ B/C shared by n_heads / n_groups heads):
     out = W_out RMSNorm(y * SiLU(z))                                   (gated RMSNorm over d_inner)
 
 as in state-spaces/mamba `mamba_ssm/modules/mamba2.py` (defaults: expand 2, head_dim 64,
-d_state 64 here, d_conv 4, conv bias, no in/out-projection bias, dt initialised log-uniform in
-[1e-3, 1e-1] through dt_bias, A_log = log U[1, 16], D = 1, RMSNorm of y * SiLU(z) per group of
-d_inner / n_groups channels before the out projection). The in-projection is kept as five
+d_state 64 here, d_conv 4, conv bias, no in/out-projection bias, RMSNorm of y * SiLU(z) per
+group of d_inner / n_groups channels before the out projection).
+
+Initialisation, each as that reference (file names under `mamba_ssm/`):
+  in-projections   U(+-1/sqrt(d_model)), PyTorch's nn.Linear default (`modules/mamba2.py`)
+  out-projection   U(+-1/sqrt(d_inner)) / sqrt(n_residuals * n_layers)
+                   (`models/mixer_seq_simple.py` `_init_weights`); `projection_inits`
+  conv kernel/bias U(+-1/sqrt(d_conv)), PyTorch's nn.Conv1d default (depthwise: fan-in d_conv)
+  dt_bias          softplus^{-1}(dt), dt log-uniform in [dt_min, dt_max] = [1e-3, 1e-1],
+                   floored at 1e-4 (`modules/mamba2.py`)
+  A_log            log U[a_init_min, a_init_max] = log U[1, 16];  D = 1;  norm scale = 1
+Weight decay (`layers.PARAM_KINDS`): projection and conv kernels only; conv biases, dt_bias
+(kind bias), A_log, D (scalar) and the norm scale are exempt, as the reference marks them
+`_no_weight_decay` (and exempts biases by name). `proj_init="normal"` is the Transformer's
+N(0, init_std) instead, kept as an ablation. The in-projection is kept as five
 Linears (z, x, B, C, dt) so each has its own logical axes; it is the same parameter count as
 the fused one.
 
@@ -38,7 +50,7 @@ from flax import nnx
 
 from attn_jax.attention.core import causal_positions
 from attn_jax.config import ModelConfig
-from attn_jax.layers import Linear, dtype_of, param
+from attn_jax.layers import Linear, dtype_of, fan_in_uniform, param
 from attn_jax.registry import register_mixer
 from attn_jax.ssm import ssd
 
@@ -55,6 +67,25 @@ def dt_bias_init(dt_min: float, dt_max: float, floor: float = 1e-4):
     dt = jnp.maximum(dt, floor)
     return (dt + jnp.log(-jnp.expm1(-dt))).astype(dtype)
   return init
+
+
+def projection_inits(cfg: ModelConfig, opts, d_inner: int) -> tuple[dict, dict]:
+  """`Linear` init keywords of an SSM block's (in-projections, out-projection).
+
+  proj_init "fan_in" (default), state-spaces/mamba's convention: the in-projection keeps
+  PyTorch's nn.Linear default U(+-1/sqrt(d_model)) (`modules/mamba2.py`, `modules/mamba3.py`
+  never re-initialise it), the out-projection is that default U(+-1/sqrt(d_inner)) divided by
+  sqrt(n_residuals * n_layers) (`models/mixer_seq_simple.py` `_init_weights`,
+  rescale_prenorm_residual; n_residuals = 2 with an MLP per block (cfg.d_ff > 0), else 1).
+  "normal": the Transformer's N(0, init_std) and N(0, init_std / sqrt(2 n_layers)) (an
+  ablation: at init_std 0.02 it starts Mamba-2's C.h ~150x below its D.x skip, issue 19).
+  """
+  if opts.proj_init == "normal":
+    return ({"init_std": cfg.init_std},
+            {"init_std": cfg.init_std / math.sqrt(2 * cfg.n_layers)})
+  n_res = 2 if cfg.d_ff > 0 else 1
+  return ({"init": fan_in_uniform(cfg.d_model)},
+          {"init": fan_in_uniform(d_inner, 1.0 / math.sqrt(n_res * cfg.n_layers))})
 
 
 def uniform_init(lo: float, hi: float, transform=lambda u: u):
@@ -87,8 +118,8 @@ class CausalConv(nnx.Module):
     bound = 1.0 / math.sqrt(width)
     self.width = width
     self.kernel = param(rngs, uniform_init(-bound, bound), (width,) + channels,
-                        (None,) + tuple(axes))
-    self.bias = param(rngs, uniform_init(-bound, bound), channels, tuple(axes))
+                        (None,) + tuple(axes), kind="weight")
+    self.bias = param(rngs, uniform_init(-bound, bound), channels, tuple(axes), kind="bias")
 
   def __call__(self, x_BTX: jax.Array, window_BWX=None, n_valid_B=None):
     """-> (y_BTX fp32, new window or None). window = the last width-1 inputs before x."""
@@ -137,7 +168,8 @@ class Mamba2(nnx.Module):
     H, P, N, G, D = opts.heads(cfg), opts.head_dim, opts.d_state, opts.n_groups, cfg.d_model
     self.H, self.P, self.N, self.G = H, P, N, G
     dt, pdt = dtype_of(cfg.dtype), dtype_of(cfg.param_dtype)
-    kw = dict(rngs=rngs, dtype=dt, param_dtype=pdt, init_std=cfg.init_std)
+    proj_in, proj_out = projection_inits(cfg, opts, H * P)
+    kw = dict(rngs=rngs, dtype=dt, param_dtype=pdt, **proj_in)
     self.in_z = Linear((D,), (H, P), in_axes=("embed",), out_axes=("heads", "head_dim"), **kw)
     self.in_x = Linear((D,), (H, P), in_axes=("embed",), out_axes=("heads", "head_dim"), **kw)
     self.in_b = Linear((D,), (G, N), in_axes=("embed",), out_axes=(None, "state"), **kw)
@@ -147,13 +179,13 @@ class Mamba2(nnx.Module):
     self.conv_b = CausalConv(opts.d_conv, (G, N), (None, "state"), rngs=rngs)
     self.conv_c = CausalConv(opts.d_conv, (G, N), (None, "state"), rngs=rngs)
     self.dt_bias = param(rngs, dt_bias_init(opts.dt_min, opts.dt_max), (H,), ("heads",),
-                         weight_decay=False)
+                         kind="bias")
     self.A_log = param(rngs, uniform_init(opts.a_init_min, opts.a_init_max, jnp.log), (H,),
-                       ("heads",), weight_decay=False)
-    self.D = param(rngs, nnx.initializers.ones, (H,), ("heads",), weight_decay=False)
+                       ("heads",), kind="scalar")
+    self.D = param(rngs, nnx.initializers.ones, (H,), ("heads",), kind="scalar")
     self.norm_scale = param(rngs, nnx.initializers.ones, (H, P), ("heads", "head_dim"),
-                            weight_decay=False)
-    kw["init_std"] = cfg.init_std / (2 * cfg.n_layers) ** 0.5   # scaled residual init
+                            kind="norm")
+    kw.update(proj_out)   # the rescaled residual init (projection_inits)
     self.out = Linear((H, P), (D,), in_axes=("heads", "head_dim"), out_axes=("embed",), **kw)
 
   # -------------------------------------------------------------- pieces reused by hybrids

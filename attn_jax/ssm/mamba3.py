@@ -5,8 +5,8 @@ Per token (heads of P = head_dim channels, state size N = d_state, R = rope_frac
 rotation angles shared by the heads):
 
     z, x, B, C, dt_raw, A_raw, lam_raw, theta_raw = in-projections of the input
-    dt = softplus(dt_raw + dt_bias) (0 on padding);  A = min(-f(A_raw), -A_floor), with the
-    heavy-tail f(u) = 1 + u (u >= 0), 1 / (1 - u) (u < 0);  a = A dt <= 0,  alpha = exp(a)
+    dt = softplus(dt_raw + dt_bias) (0 on padding);  A = min(-f(A_raw), -A_floor),
+    f = softplus (default) or heavy_tail;  a = A dt <= 0,  alpha = exp(a)
     lam = sigmoid(lam_raw);  gamma = lam dt;  beta = (1 - lam) dt alpha
     B <- RMSNorm_N(B) + B_bias[h],  C <- RMSNorm_N(C) + C_bias[h]          (bias per head, init 1)
     phi_t = (phi_{t-1} + pi tanh(theta_raw_t) dt_t) mod 2 pi                 (R angles per head)
@@ -19,6 +19,19 @@ complex-diagonal SSM written in real arithmetic (the paper's "RoPE trick"). This
 reference recurrence `mamba3_siso_step_ref` in state-spaces/mamba
 (`tests/ops/triton/test_mamba3_siso.py`) and the module `mamba_ssm/modules/mamba3.py`
 (defaults: SISO, rope_fraction 0.5, no output norm, B/C bias init 1, D = 1).
+
+A's activation (`a_activation`): "softplus", A = -softplus(A_raw) (-0.693 at init), is the
+released code the paper's results come from (`modules/mamba3.py` from the release 5235bdc,
+March 2026, to 7438488) and SPEC section 2; "heavy_tail", f(u) = 1 + u (u >= 0), 1 / (1 - u)
+(u < 0) (-1 at init), is the reference's later change (c69aaab, "Stabilize data-dependent A
+with heavy-tail activation", June 2026: for WSD schedules and higher learning rates).
+
+Initialisation as the reference (`mamba2.projection_inits`): in-projections (z, x, B, C, dt,
+A, lambda, theta) U(+-1/sqrt(d_model)), PyTorch's nn.Linear default, which `modules/mamba3.py`
+keeps; out-projection U(+-1/sqrt(d_inner)) / sqrt(n_residuals * n_layers)
+(`models/mixer_seq_simple.py`); dt_bias = softplus^{-1}(dt), dt log-uniform in [1e-3, 1e-1]
+floored at 1e-4; B/C biases 1, B/C norm scales 1, D = 1. Not decayed (`layers.PARAM_KINDS`):
+dt_bias, B/C biases, norm scales, D (the reference marks dt_bias and D `_no_weight_decay`).
 
 Chunked training form: the trapezoid is an SSD with two inputs per token, gamma_t x_t k_t^T
 and beta_t x_{t-1} k_{t-1}^T (the previous token's x and k shifted by one, the first one taken
@@ -52,7 +65,7 @@ from attn_jax.config import ModelConfig
 from attn_jax.layers import Linear, dtype_of, param
 from attn_jax.registry import register_mixer
 from attn_jax.ssm import ssd
-from attn_jax.ssm.mamba2 import dt_bias_init, last_valid_window, valid_mask
+from attn_jax.ssm.mamba2 import dt_bias_init, last_valid_window, projection_inits, valid_mask
 
 f32 = jnp.float32
 TWO_PI = 2.0 * math.pi
@@ -61,6 +74,9 @@ TWO_PI = 2.0 * math.pi
 def heavy_tail(u: jax.Array) -> jax.Array:
   """1 + u for u >= 0, 1 / (1 - u) for u < 0: positive, C^1 at 0 (Mamba-3's A activation)."""
   return jnp.maximum(u, 0.0) + 1.0 / (1.0 - jnp.minimum(u, 0.0))
+
+
+A_ACTIVATIONS = {"softplus": jax.nn.softplus, "heavy_tail": heavy_tail}
 
 
 def wrap(phi: jax.Array) -> jax.Array:
@@ -149,6 +165,7 @@ class Mamba3(nnx.Module):
     dt_min: float = 1e-3
     dt_max: float = 1e-1
     a_floor: float = 1e-4        # A <= -a_floor
+    a_activation: str = "softplus"   # A = -f(A_raw): softplus | heavy_tail (module docstring)
 
     def n_angles(self) -> int:
       return int(self.d_state * self.rope_fraction) // 2
@@ -164,6 +181,8 @@ class Mamba3(nnx.Module):
            f"must be 0.5 or 1.0 with at least one angle, got {self.rope_fraction}")
       need(0 < self.dt_min <= self.dt_max, "dt_min", "need 0 < dt_min <= dt_max")
       need(self.a_floor > 0, "a_floor", "must be > 0")
+      need(self.a_activation in A_ACTIVATIONS, "a_activation",
+           f"must be one of {sorted(A_ACTIVATIONS)}, got {self.a_activation!r}")
 
   def __init__(self, cfg: ModelConfig, opts: "Mamba3.Options", *, rngs: nnx.Rngs):
     opts.validate(cfg)
@@ -172,7 +191,8 @@ class Mamba3(nnx.Module):
     R = opts.n_angles()
     self.H, self.P, self.N, self.G, self.R = H, P, N, G, R
     dt, pdt = dtype_of(cfg.dtype), dtype_of(cfg.param_dtype)
-    kw = dict(rngs=rngs, dtype=dt, param_dtype=pdt, init_std=cfg.init_std)
+    proj_in, proj_out = projection_inits(cfg, opts, H * P)
+    kw = dict(rngs=rngs, dtype=dt, param_dtype=pdt, **proj_in)
     lin = lambda shape, axes: Linear((D,), shape, in_axes=("embed",), out_axes=axes, **kw)
     self.in_z = lin((H, P), ("heads", "head_dim"))
     self.in_x = lin((H, P), ("heads", "head_dim"))
@@ -183,14 +203,14 @@ class Mamba3(nnx.Module):
     self.in_lam = lin((H,), ("heads",))
     self.in_theta = lin((R,), (None,))
     self.dt_bias = param(rngs, dt_bias_init(opts.dt_min, opts.dt_max), (H,), ("heads",),
-                         weight_decay=False)
+                         kind="bias")
     ones = nnx.initializers.ones
-    self.b_bias = param(rngs, ones, (H, N), ("heads", "state"), weight_decay=False)
-    self.c_bias = param(rngs, ones, (H, N), ("heads", "state"), weight_decay=False)
-    self.b_norm = param(rngs, ones, (N,), ("state",), weight_decay=False)
-    self.c_norm = param(rngs, ones, (N,), ("state",), weight_decay=False)
-    self.D = param(rngs, ones, (H,), ("heads",), weight_decay=False)
-    kw["init_std"] = cfg.init_std / (2 * cfg.n_layers) ** 0.5   # scaled residual init
+    self.b_bias = param(rngs, ones, (H, N), ("heads", "state"), kind="bias")
+    self.c_bias = param(rngs, ones, (H, N), ("heads", "state"), kind="bias")
+    self.b_norm = param(rngs, ones, (N,), ("state",), kind="norm")
+    self.c_norm = param(rngs, ones, (N,), ("state",), kind="norm")
+    self.D = param(rngs, ones, (H,), ("heads",), kind="scalar")
+    kw.update(proj_out)   # the rescaled residual init (mamba2.projection_inits)
     self.out = Linear((H, P), (D,), in_axes=("heads", "head_dim"), out_axes=("embed",), **kw)
 
   def _bc(self, u_BTGN, scale, bias):
@@ -205,7 +225,8 @@ class Mamba3(nnx.Module):
     valid = valid_mask(positions_BT)
     dt = jax.nn.softplus(self.in_dt(x_BTD).astype(f32) + self.dt_bias[...].astype(f32))
     dt = jnp.where(valid[..., None], dt, 0.0)
-    A = jnp.minimum(-heavy_tail(self.in_a(x_BTD).astype(f32)), -self.opts.a_floor)
+    A_raw = self.in_a(x_BTD).astype(f32)
+    A = jnp.minimum(-A_ACTIVATIONS[self.opts.a_activation](A_raw), -self.opts.a_floor)
     lam = jax.nn.sigmoid(self.in_lam(x_BTD).astype(f32))
     theta = math.pi * jnp.tanh(self.in_theta(x_BTD).astype(f32))         # [B, T, R]
     return dict(x=self.in_x(x_BTD).astype(f32), a=A * dt, gamma=lam * dt, betap=(1 - lam) * dt,

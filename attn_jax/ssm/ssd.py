@@ -182,15 +182,20 @@ def ssd_flops_per_token(*, n_heads: int, head_dim: int, d_state: int, n_groups: 
 
 @dataclasses.dataclass(frozen=True)
 class HeadOptions:
-  """The SSM width fields Mamba-2 and Mamba-3 options share (their `Options` extend it)."""
+  """The SSM width fields Mamba-2 and Mamba-3 options share (their `Options` extend it), and
+  the projections' initialisation (`mamba2.projection_inits`)."""
   d_state: int = 64            # N
   expand: float = 2.0          # d_inner = expand * d_model (when n_heads = 0)
   head_dim: int = 64           # P
   n_heads: int = 0             # 0: d_inner / head_dim; else overrides expand
   n_groups: int = 1            # G: groups of B/C projections (heads per group share them)
+  proj_init: str = "fan_in"    # fan_in: mamba_ssm's (PyTorch default); normal: N(0, init_std)
 
   def heads(self, cfg) -> int:
     return inner_heads(self, cfg.d_model)
+
+
+PROJ_INITS = ("fan_in", "normal")
 
 
 def inner_heads(opts, d_model: int) -> int:
@@ -209,3 +214,5 @@ def validate_inner_width(opts, d_model: int, need) -> None:
   heads = inner_heads(opts, d_model)
   need(heads % opts.n_groups == 0, "n_groups",
        f"n_heads={heads} must be a multiple of n_groups={opts.n_groups}")
+  need(opts.proj_init in PROJ_INITS, "proj_init",
+       f"must be one of {PROJ_INITS}, got {opts.proj_init!r}")

@@ -16,6 +16,21 @@ import numpy as np
 
 BEGIN, END = "<!-- study:begin -->", "<!-- study:end -->"
 PLOTS = ("loss.png", "niah.png", "recall.png", "throughput.png")
+LM_PLOTS = ("lm_position.png",)   # added when the runs have language-modelling metrics
+
+
+def markers(res: dict) -> tuple[str, str]:
+  """The README markers of this study (`study.readme_marker`, default "study")."""
+  name = res["meta"]["config"].get("study", {}).get("readme_marker") or "study"
+  return f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+
+
+def has_lm(res: dict) -> bool:
+  return any(r.get("bpb") is not None for r in res["runs"])
+
+
+def plot_names(res: dict) -> tuple[str, ...]:
+  return PLOTS + (LM_PLOTS if has_lm(res) else ())
 
 
 def load_results(workdir: str) -> dict:
@@ -69,8 +84,39 @@ def params_table(res: dict) -> str:
   rows = []
   for v, info in res["variants"].items():
     knob = f"{info['match_field']} = {info['match_value']}" if info["match_field"] else "-"
-    rows.append([v, f"{info['params']:,}", f"{info['diff_pct']:+.2f}%", knob])
-  return _table(["variant", "parameters", "vs baseline", "matched by"], rows)
+    lr = f"{info['lr']:g}" if info.get("lr") else "-"
+    rows.append([v, f"{info['params']:,}", f"{info['diff_pct']:+.2f}%", knob, lr,
+                 info.get("setting") or "-"])
+  return _table(["variant", "parameters", "vs baseline", "matched by", "lr",
+                 "declared setting (source)"], rows)
+
+
+def _sweep_cell(r: dict) -> str:
+  """'recall % / loss' (MQAR) or 'bpb / loss' (LM); 'diverged' without a final loss."""
+  if r.get("final_loss") is None or not np.isfinite(r["final_loss"]):
+    return "diverged"
+  head = (f"{100 * r['recall_acc']:.1f}" if r.get("recall_acc") is not None else
+          f"{r['bpb']:.3f} bpb" if r.get("bpb") is not None else "-")
+  return f"{head} / {r['final_loss']:.3f}"
+
+
+def sweep_table(res: dict) -> str:
+  """Rows = swept variants, columns = learning rates, cells = 'recall % / held-out loss' of
+  the sweep seed's run (the chosen lr in bold)."""
+  rows_in = res.get("sweep") or []
+  lrs = sorted({r["lr"] for r in rows_in})
+  cell = {(r["variant"], r["lr"]): r for r in rows_in}
+  rows = []
+  for v in _variants(res):
+    if not any((v, lr) in cell for lr in lrs):
+      continue
+    row = [v]
+    for lr in lrs:
+      r = cell.get((v, lr))
+      txt = "-" if r is None else _sweep_cell(r)
+      row.append(f"**{txt}**" if r is not None and res["variants"][v].get("lr") == lr else txt)
+    rows.append(row)
+  return _table(["variant"] + [f"lr {lr:g}" for lr in lrs], rows)
 
 
 def eval_steps(res: dict) -> list[int]:
@@ -116,19 +162,40 @@ def needle_grid_table(res: dict) -> str:
 
 
 def final_table(res: dict) -> str:
-  niah = bool(res["meta"].get("niah_metric"))
+  niah, recall = bool(res["meta"].get("niah_metric")), bool(res["meta"].get("recall_metric"))
+  lm = has_lm(res)
   rows = []
   for v, runs in _by_variant(res).items():
     row = [v, f"{res['variants'][v]['params']:,}", str(len(runs)),
-           spread([r["final_loss"] for r in runs], 1.0, 3),
-           spread([r["recall_acc"] for r in runs], 100.0, 1)]
+           spread([r["final_loss"] for r in runs], 1.0, 3)]
+    if lm:
+      row.append(spread([r.get("bpb") for r in runs], 1.0, 3))
+    if recall:
+      row.append(spread([r["recall_acc"] for r in runs], 100.0, 1))
     if niah:
       row.append(spread([r["niah_acc"] for r in runs], 100.0, 1))
     row.append(spread([r["train_tokens_per_sec"] for r in runs], 1.0, 0, minmax=False))
     rows.append(row)
-  head = ["variant", "params", "seeds", "held-out loss", "recall acc %"]
+  head = ["variant", "params", "seeds", "held-out loss"]
+  head += ["held-out bits/byte"] if lm else []
+  head += ["recall acc %"] if recall else []
   head += ["NIAH acc %"] if niah else []
   return _table(head + ["train tok/s (wall, median of logged intervals)"], rows)
+
+
+def lm_positions(res: dict) -> list[tuple[int, int]]:
+  """The (a, b) position buckets `eval/lm/pos<a>_<b>` of the last evaluations, in order."""
+  keys = {k for r in res["runs"] if r["evals"] for k in r["evals"][-1]
+          if k.startswith("eval/lm/pos")}
+  return sorted(tuple(int(x) for x in k[len("eval/lm/pos"):].split("_")) for k in keys)
+
+
+def lm_position_table(res: dict) -> str:
+  cols = lm_positions(res)
+  rows = [[v] + [spread([r["evals"][-1].get(f"eval/lm/pos{a}_{b}") if r["evals"] else None
+                         for r in runs], 1.0, 3, minmax=False) for a, b in cols]
+          for v, runs in _by_variant(res).items()]
+  return _table(["variant"] + [f"pos {a}-{b}" for a, b in cols], rows)
 
 
 def throughput_table(res: dict) -> str:
@@ -149,6 +216,14 @@ def throughput_table(res: dict) -> str:
   return _table(head, rows)
 
 
+def _data_text(d: dict) -> str:
+  if d["source"] == "synthetic":
+    return (f"synthetic/{d.get('synthetic_task', '')}: {d['mqar_num_pairs']} pairs, "
+            f"{d['mqar_num_queries']} queries, key/value vocabulary {d['mqar_vocab']}")
+  return (f"{d['source']} {os.path.basename(str(d['paths']).rstrip('/'))}, tokenizer "
+          f"{os.path.basename(str(d['tokenizer']))}, held-out last {d['eval_fraction']:g}")
+
+
 def conditions(res: dict) -> str:
   m = res["meta"]
   mc = m["machine"]
@@ -160,10 +235,13 @@ def conditions(res: dict) -> str:
              f"PARTIAL STUDY: {len(runs)} of {n_all} runs finished"
              f"{'' if res.get('throughput') else ', throughput not measured'} (rerun the "
              "study command to complete it). ")
-  return (f"{partial}{len(res['variants'])} variants x {len(m['seeds'])} seeds (seeds {m['seeds']}), "
+  sw = res.get("sweep") or []
+  sweep = (f"; each variant's lr chosen from {sorted({r['lr'] for r in sw})} on seed "
+           f"{sw[0]['seed']} ({len(sw)} sweep runs)" if sw else "")
+  return (f"{partial}{len(res['variants'])} variants x {len(m['seeds'])} seeds (seeds {m['seeds']}"
+          f"{sweep}), "
           f"{m['steps']} steps of {m['batch']} x {m['seq_len']} tokens each, equal data stream "
-          f"({d['source']}/{d.get('synthetic_task', '')}: {d['mqar_num_pairs']} pairs, "
-          f"{d['mqar_num_queries']} queries, key/value vocabulary {d['mqar_vocab']}), "
+          f"({_data_text(d)}), "
           f"d_model {mdl['d_model']}, {mdl['n_heads']} heads, {mdl['dtype']}; evaluation every "
           f"{m['eval_every']} steps. Machine: {mc['backend']} ({mc['device_kind']}) x"
           f"{mc['devices']}, {mc['cpu_count']} CPU cores, {mc['platform']}, JAX {mc['jax']}; "
@@ -175,21 +253,31 @@ def conditions(res: dict) -> str:
 
 def tables_markdown(res: dict, *, image_dir: str = "", heading: str = "###") -> str:
   m = res["meta"]
-  parts = [f"{heading} Parameters (matched to `{m['baseline']}`)", params_table(res)]
+  parts = [f"{heading} Parameters (matched to `{m['baseline']}`), lr and declared setting",
+           params_table(res)]
+  if res.get("sweep"):
+    parts += [f"{heading} Learning-rate sweep (seed {res['sweep'][0]['seed']}; recall % / "
+              f"held-out loss at the last evaluation; bold = chosen by "
+              f"`{m.get('sweep_metric') or m['recall_metric']}`)", sweep_table(res)]
   if m.get("niah_metric"):
     parts += [f"{heading} NIAH accuracy (%) vs training step (`{m['niah_metric']}`, "
               "mean ± std over seeds)", step_table(res, m["niah_metric"])]
     if needle_cells(res):
       parts += [f"{heading} NIAH by cell at the last evaluation (%; C = context length, d = "
                 "depth of the needle pair, 0 = written first)", needle_grid_table(res)]
-  parts += [f"{heading} Recall accuracy (%) vs training step (`{m['recall_metric']}`, "
-            "mean ± std over seeds)", step_table(res, m["recall_metric"]),
-            f"{heading} Final (last evaluation; mean ± std (min–max) over seeds)",
+  if m.get("recall_metric"):
+    parts += [f"{heading} Recall accuracy (%) vs training step (`{m['recall_metric']}`, "
+              "mean ± std over seeds)", step_table(res, m["recall_metric"])]
+  if has_lm(res):
+    parts += [f"{heading} Held-out bits per byte by target position (last evaluation, windows "
+              f"of {lm_positions(res)[-1][1]} tokens; training length {m['seq_len']}: later "
+              "columns are extrapolation; mean ± std over seeds)", lm_position_table(res)]
+  parts += [f"{heading} Final (last evaluation; mean ± std (min–max) over seeds)",
             final_table(res),
             f"{heading} Train-step throughput vs `{m['baseline']}` (same process, same shapes; "
             "ratio > 1 = faster)", throughput_table(res)]
   if image_dir is not None:
-    parts.append(" ".join(f"![{p[:-4]}]({os.path.join(image_dir, p)})" for p in PLOTS))
+    parts.append(" ".join(f"![{p[:-4]}]({os.path.join(image_dir, p)})" for p in plot_names(res)))
   return "\n\n".join(parts) + "\n"
 
 
@@ -197,6 +285,8 @@ def tables_markdown(res: dict, *, image_dir: str = "", heading: str = "###") -> 
 def _curves(runs, metric_fn, steps):
   y = np.array([[metric_fn(r, s) if metric_fn(r, s) is not None else np.nan for s in steps]
                 for r in runs], np.float64)
+  if np.all(np.isnan(y)):
+    return None
   return np.nanmean(y, 0), np.nanmin(y, 0), np.nanmax(y, 0)
 
 
@@ -209,7 +299,10 @@ def _plot_steps(res, path, title, ylabel, steps_fn, value_fn, scale=1.0):
     steps = steps_fn(runs) if runs else []
     if not steps:
       continue
-    mean, lo, hi = _curves(runs, value_fn, steps)
+    curves = _curves(runs, value_fn, steps)
+    if curves is None:   # no such metric (e.g. no recall task in the LM study)
+      continue
+    mean, lo, hi = curves
     line, = ax.plot(steps, mean * scale, label=v, lw=1.5)
     if len(runs) > 1:
       ax.fill_between(steps, lo * scale, hi * scale, color=line.get_color(), alpha=0.15)
@@ -217,7 +310,8 @@ def _plot_steps(res, path, title, ylabel, steps_fn, value_fn, scale=1.0):
   ax.set_ylabel(ylabel)
   ax.set_title(title, fontsize=10)
   ax.grid(alpha=0.3)
-  ax.legend(fontsize=7, ncol=2)
+  if ax.get_legend_handles_labels()[0]:   # nothing drawn when the study has no such metric
+    ax.legend(fontsize=7, ncol=2)
   fig.tight_layout()
   fig.savefig(path, format="png")
   plt.close(fig)
@@ -243,7 +337,37 @@ def plot_all(res: dict, out_dir: str) -> list[str]:
                 lambda runs: eval_steps({"runs": runs}),
                 lambda r, s, k=metric: metric_at(r, k, s) if k else None, scale=100.0)
   _plot_throughput(res, paths[3])
+  if has_lm(res):
+    paths.append(os.path.join(out_dir, LM_PLOTS[0]))
+    _plot_lm_positions(res, paths[-1])
   return paths
+
+
+def _plot_lm_positions(res, path):
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  cols = lm_positions(res)
+  x = [(a + b) / 2 for a, b in cols]
+  fig, ax = plt.subplots(figsize=(7, 4.5), dpi=100)
+  for v, runs in _by_variant(res).items():
+    y = np.array([[r["evals"][-1].get(f"eval/lm/pos{a}_{b}", np.nan) if r["evals"] else np.nan
+                   for a, b in cols] for r in runs], np.float64)
+    if not runs or np.all(np.isnan(y)):
+      continue
+    line, = ax.plot(x, np.nanmean(y, 0), marker="o", label=v, lw=1.5)
+    if len(runs) > 1:
+      ax.fill_between(x, np.nanmin(y, 0), np.nanmax(y, 0), color=line.get_color(), alpha=0.15)
+  ax.axvline(res["meta"]["seq_len"], color="k", lw=0.8, ls="--")
+  ax.set_xlabel("target position (dashed: training length)")
+  ax.set_ylabel("held-out bits per byte")
+  ax.set_title("loss vs position past the training length (mean, band: min–max over seeds)",
+               fontsize=10)
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize=7, ncol=2)
+  fig.tight_layout()
+  fig.savefig(path, format="png")
+  plt.close(fig)
 
 
 def _plot_throughput(res, path):
@@ -274,13 +398,17 @@ def _plot_throughput(res, path):
 
 
 # ---------------------------------------------------------------------------------- outputs
+def _title(res: dict) -> str:
+  return "Language-modelling study" if has_lm(res) else "Comparison study"
+
+
 def write_report(workdir: str) -> dict:
   """tables.md and the PNGs in `workdir`, from its results.json; returns their paths."""
   res = load_results(workdir)
   pngs = plot_all(res, workdir)
   md = os.path.join(workdir, "tables.md")
   with open(md, "w") as f:
-    f.write("# Comparison study\n\n" + conditions(res) + "\n\n"
+    f.write(f"# {_title(res)}\n\n" + conditions(res) + "\n\n"
             + tables_markdown(res, image_dir="", heading="##"))
   return {"tables": md, "plots": pngs}
 
@@ -295,12 +423,13 @@ def readme_section(res: dict, readme_path: str, workdir: str, assets: str = "") 
   regen = (f"python experiments/study.py --report={rel} "
            f"--readme={os.path.basename(readme_path)}"
            + (f" --assets={images}" if assets else ""))
-  return (f"{BEGIN}\n<!-- generated by `{regen}` from {rel}/results.json; do not edit by "
+  begin, end = markers(res)
+  return (f"{begin}\n<!-- generated by `{regen}` from {rel}/results.json; do not edit by "
           "hand -->\n"
           f"Conditions: {conditions(res)}\n\nReproduce (the first command trains and "
           f"measures, resumable; the second rewrites this section):\n```bash\n{cmd}\n"
           f"{regen}\n```\n\n"
-          + tables_markdown(res, image_dir=images, heading="####") + END)
+          + tables_markdown(res, image_dir=images, heading="####") + end)
 
 
 def update_readme(readme_path: str, workdir: str, assets: str = "") -> bool:
@@ -312,18 +441,19 @@ def update_readme(readme_path: str, workdir: str, assets: str = "") -> bool:
   if assets:
     import shutil
     os.makedirs(assets, exist_ok=True)
-    for p in PLOTS:
+    for p in plot_names(res):
       shutil.copyfile(os.path.join(workdir, p), os.path.join(assets, p))
   with open(readme_path) as f:
     text = f.read()
   section = readme_section(res, readme_path, workdir, assets)
-  b, e = text.find(BEGIN), text.find(END)
+  begin, end = markers(res)
+  b, e = text.find(begin), text.find(end)
   if b < 0 and e < 0:
-    new = text.rstrip("\n") + "\n\n## Comparison study\n" + section + "\n"
+    new = text.rstrip("\n") + f"\n\n## {_title(res)}\n" + section + "\n"
   elif b < 0 or e < b:
-    raise ValueError(f"{readme_path}: markers {BEGIN} ... {END} are missing or out of order")
+    raise ValueError(f"{readme_path}: markers {begin} ... {end} are missing or out of order")
   else:
-    new = text[:b] + section + text[e + len(END):]
+    new = text[:b] + section + text[e + len(end):]
   if new != text:
     with open(readme_path, "w") as f:
       f.write(new)

@@ -1,9 +1,17 @@
 """Run the study: every (variant, seed) through `train_and_evaluate`, then the throughput
 comparison, then results.json and the report.
 
+Protocol: with `study.lrs` (a few log-spaced learning rates; a variant may declare its own
+grid with an override of `study.lrs`), every variant is first trained at each of them on one
+seed (`study.sweep_seed`, default the first), the best by `study.sweep_metric` (higher is
+better; ties: lower held-out loss) is kept, and the other seeds run at that lr only; the sweep
+table goes into the report (Zoology, Arora et al. 2023, reports the best of an lr sweep). With
+one lr (or none: `optim.lr`) there is no sweep.
+
 Layout under the study's workdir:
   runs/<variant>/seed<k>/   the trainer's workdir (checkpoints, metrics.jsonl, tb/) and
-                            study_run.json once the run has finished (its summary)
+                            study_run.json once the run has finished (its summary);
+                            runs/<variant>/lr<lr>/seed<k>/ when the variant's lr is swept
   jax_cache/                JAX's persistent compilation cache: seeds 2..n (and a rerun) load
                             the compiled train/eval steps of seed 1 instead of recompiling
   throughput.json           the side-by-side throughput rows (skipped when present with the
@@ -96,6 +104,7 @@ def summarize_run(run_dir: str, config: ml_collections.ConfigDict, variant: str,
   return {"variant": variant, "seed": int(config.seed), "params": info["params"],
           "param_diff_pct": info["diff_pct"], "match_field": info["match_field"],
           "match_value": info["match_value"], "mixer": config.model.mixer,
+          "lr": float(config.optim.lr),
           "pattern": list(config.model.pattern), "sink_tokens": int(config.model.sink_tokens),
           "d_ff": int(config.model.d_ff), "n_layers": int(config.model.n_layers),
           "steps": int(config.train.steps),
@@ -106,19 +115,25 @@ def summarize_run(run_dir: str, config: ml_collections.ConfigDict, variant: str,
           "final_loss": last.get("eval/loss"),
           "recall_acc": last.get(s.recall_metric),
           "niah_acc": last.get(s.niah_metric) if s.niah_metric else None,
+          "bpb": last.get("eval/lm/bpb"),
           "train_tokens_per_sec": float(np.median(tps)) if tps else None,
           "wall_s": wall_s, "cpu_s": cpu_s, "workdir": os.path.relpath(run_dir)}
 
 
 def eval_callbacks(config: ml_collections.ConfigDict) -> list[Callable]:
   """The same evaluators for every variant: `task_callback` (config.eval.tasks: MQAR recall,
-  text NIAH, benchmarks) and, with `study.niah == "synthetic"`, the MQAR-space needle grid."""
+  text NIAH, benchmarks), with `study.lm_eval` the language-modelling bits per byte and loss
+  by position (attn_jax/study/lm.py), and with `study.niah == "synthetic"` the MQAR-space
+  needle grid."""
   from attn_jax.eval.run import task_callback
   from attn_jax.study.needle import needle_callback
   cbs = []
   tasks = task_callback(config)
   if tasks is not None:
     cbs.append(tasks)
+  if config.study.get("lm_eval", False):
+    from attn_jax.study.lm import lm_callback
+    cbs.append(lm_callback(config))
   if config.study.niah == "synthetic":
     cbs.append(needle_callback(config))
   elif config.study.niah not in ("text", "none"):
@@ -139,17 +154,44 @@ def _dump(obj, path):
   os.replace(tmp, path)
 
 
-def run_one(config, variant, info, workdir, log) -> dict:
+def variant_lrs(config: ml_collections.ConfigDict) -> list[float]:
+  """The learning rates a (variant's) config sweeps: `study.lrs`, or `optim.lr` alone."""
+  lrs = [float(x) for x in (config.study.get("lrs", ()) or ())]
+  if any(not x > 0 for x in lrs) or len(set(lrs)) != len(lrs):
+    raise ValueError(f"config.study.lrs: want distinct positive learning rates, got {lrs}")
+  return lrs or [float(config.optim.lr)]
+
+
+def run_dir_of(workdir: str, variant: str, seed: int, lr: float, swept: bool) -> str:
+  parts = [workdir, "runs", variant] + ([f"lr{lr:g}"] if swept else []) + [f"seed{seed}"]
+  return os.path.join(*parts)
+
+
+def best_lr(rows: list[dict], metric: str) -> float:
+  """The lr of the run record (`summarize_run`) whose last evaluation has the highest
+  `metric` ("-name": the lowest; missing/NaN last; ties: lower held-out loss)."""
+  sign, field = (-1.0, metric[1:]) if metric.startswith("-") else (1.0, metric)
+
+  def key(r):
+    m, loss = (r["evals"][-1] if r.get("evals") else {}).get(field), r.get("final_loss")
+    ok = m is not None and np.isfinite(m)
+    return (ok, sign * m if ok else 0.0,
+            -(loss if loss is not None and np.isfinite(loss) else np.inf))
+  return max(rows, key=key)["lr"]
+
+
+def run_one(config, variant, info, workdir, log, run_dir=None) -> dict:
   from attn_jax.train.trainer import train_and_evaluate
-  run_dir = os.path.join(workdir, "runs", variant, f"seed{config.seed}")
+  run_dir = run_dir or os.path.join(workdir, "runs", variant, f"seed{config.seed}")
   done = os.path.join(run_dir, RUN_SUMMARY)
   if os.path.isfile(done):
     rec = _load(done)
-    if rec.get("steps") == int(config.train.steps) and rec.get("params") == info["params"]:
+    if rec.get("steps") == int(config.train.steps) and rec.get("params") == info["params"] \
+        and rec.get("lr", float(config.optim.lr)) == float(config.optim.lr):
       log(f"[study] {variant} seed {config.seed}: finished earlier, skipped")
       return rec
-  log(f"[study] {variant} seed {config.seed}: {info['params']:,} params "
-      f"({info['diff_pct']:+.2f}%), training {config.train.steps} steps")
+  log(f"[study] {variant} seed {config.seed} lr {config.optim.lr:g}: {info['params']:,} "
+      f"params ({info['diff_pct']:+.2f}%), training {config.train.steps} steps")
   t, c = time.perf_counter(), time.process_time()
   out = train_and_evaluate(config, run_dir, eval_callbacks=eval_callbacks(config))
   wall, cpu = time.perf_counter() - t, time.process_time() - c
@@ -187,9 +229,53 @@ def run_throughput(config, cfgs: dict, workdir: str, log) -> list[dict]:
   return rows
 
 
+def _sweep_row(rec: dict) -> dict:
+  return {k: rec.get(k) for k in ("variant", "seed", "lr", "final_loss", "recall_acc",
+                                  "niah_acc", "bpb", "final_train_loss")}
+
+
+def _runs(config, cfgs, workdir, log, on_run):
+  """Train the sweep, then every seed at each variant's best lr. -> (runs, sweep rows, lrs).
+  `on_run(runs, sweep, lrs)` is called after every run (to rewrite results.json)."""
+  s = config.study
+  metric = s.get("sweep_metric", "") or s.recall_metric
+  seed0 = int(s.get("sweep_seed", -1)) if s.get("sweep_seed", -1) >= 0 else int(s.seeds[0])
+  runs, sweep, chosen, at_best = [], [], {}, {}
+
+  def train(name, vc, info, seed, lr, swept):
+    c = ml_collections.ConfigDict(vc.to_dict())
+    c.seed, c.optim.lr = int(seed), float(lr)
+    return run_one(c, name, info, workdir, log, run_dir_of(workdir, name, seed, lr, swept))
+
+  for name, (vc, info) in cfgs.items():   # the sweep: one seed, every lr of the variant
+    lrs = variant_lrs(vc)
+    if len(lrs) == 1:
+      chosen[name] = lrs[0]
+      continue
+    recs = {lr: train(name, vc, info, seed0, lr, True) for lr in lrs}
+    for lr in lrs:
+      sweep.append(_sweep_row(recs[lr]))
+    chosen[name] = best_lr(list(recs.values()), metric)
+    at_best[name] = recs[chosen[name]]
+    log(f"[study] {name}: best lr {chosen[name]:g} by {metric}")
+    on_run(runs, sweep, chosen)
+  # Seed-major: after the first pass every variant has one finished seed, so a study stopped
+  # part-way already compares them all (results.json is rewritten after every run).
+  for seed in s.seeds:
+    for name, (vc, info) in cfgs.items():
+      swept = name in at_best
+      if swept and int(seed) == seed0:
+        runs.append(at_best[name])
+      else:
+        runs.append(train(name, vc, info, seed, chosen[name], swept))
+      on_run(runs, sweep, chosen)
+  return runs, sweep, chosen
+
+
 def run_study(config: ml_collections.ConfigDict, workdir: str, *, command: str = "",
               log: Callable[[str], Any] = print) -> dict:
-  """Train every (variant, seed), measure throughput, write results.json; returns it."""
+  """Train every (variant, seed) (after the lr sweep), measure throughput, write
+  results.json; returns it."""
   workdir = os.path.abspath(workdir)
   os.makedirs(workdir, exist_ok=True)
   enable_compilation_cache(workdir)
@@ -200,39 +286,36 @@ def run_study(config: ml_collections.ConfigDict, workdir: str, *, command: str =
   for name, (_, info) in cfgs.items():
     log(f"[study] {name}: {info['params']:,} parameters ({info['diff_pct']:+.2f}% vs "
         f"{config.study.baseline}; {info['match_field'] or '-'} = {info['match_value']})")
-  runs: list[dict] = []
 
-  def results(thr):
+  def results(runs, sweep, chosen, thr):
+    m = config.study
+    n_sweep = sum(len(variant_lrs(vc)) for vc, _ in cfgs.values() if len(variant_lrs(vc)) > 1)
     return {
         "meta": {"command": command, "started": started,
                  "finished": datetime.datetime.now(datetime.timezone.utc).isoformat(
                      timespec="seconds"),
-                 "complete": len(runs) == len(cfgs) * len(config.study.seeds) and thr is not None,
+                 "complete": len(runs) == len(cfgs) * len(m.seeds) and thr is not None
+                 and len(sweep) == n_sweep,
                  "machine": machine_info(), "loadavg_start": load0,
                  "loadavg_end": os.getloadavg(),
                  "this_invocation": {"wall_s": time.perf_counter() - t0,
                                      "cpu_s": time.process_time() - c0},
                  "runs_wall_s": sum(r["wall_s"] for r in runs),
                  "runs_cpu_s": sum(r["cpu_s"] for r in runs),
-                 "baseline": config.study.baseline, "seeds": list(config.study.seeds),
-                 "recall_metric": config.study.recall_metric,
-                 "niah_metric": config.study.niah_metric, "niah": config.study.niah,
+                 "baseline": m.baseline, "seeds": list(m.seeds),
+                 "recall_metric": m.recall_metric, "niah_metric": m.niah_metric,
+                 "niah": m.niah, "sweep_metric": m.get("sweep_metric", "") or m.recall_metric,
                  "steps": int(config.train.steps), "eval_every": int(config.eval.every_steps),
                  "seq_len": int(config.data.seq_len),
                  "batch": int(config.data.global_batch_size) * int(config.train.grad_accum),
                  "config": json.loads(json.dumps(config.to_dict(), default=str))},
-        "variants": {n: info for n, (_, info) in cfgs.items()},
-        "runs": list(runs), "throughput": thr or []}
+        "variants": {n: dict(info, lr=chosen.get(n)) for n, (_, info) in cfgs.items()},
+        "runs": list(runs), "sweep": list(sweep), "throughput": thr or []}
 
-  # Seed-major: after the first pass every variant has one finished seed, so a study stopped
-  # part-way already compares them all (results.json is rewritten after every run).
-  for seed in config.study.seeds:
-    for name, (vc, info) in cfgs.items():
-      c = ml_collections.ConfigDict(vc.to_dict())
-      c.seed = int(seed)
-      runs.append(run_one(c, name, info, workdir, log))
-      _dump(results(None), os.path.join(workdir, RESULTS))
+  path = os.path.join(workdir, RESULTS)
+  runs, sweep, chosen = _runs(config, cfgs, workdir, log,
+                              lambda r, s, c: _dump(results(r, s, c, None), path))
   thr = run_throughput(config, {n: c for n, (c, _) in cfgs.items()}, workdir, log)
-  out = results(thr)
-  _dump(out, os.path.join(workdir, RESULTS))
+  out = results(runs, sweep, chosen, thr)
+  _dump(out, path)
   return out

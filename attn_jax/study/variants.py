@@ -1,6 +1,9 @@
 """Per-variant configs of the study and parameter matching.
 
-`config.study.variants` is a tuple of `(name, match_field, overrides)`:
+`config.study.variants` is a tuple of `(name, match_field, overrides[, setting])`:
+  * `setting`: what the variant declares about its configuration (layout, block sizes,
+    initialisation, ...) and the source it follows (paper, reference code); shown in the
+    report next to its parameter count;
   * `overrides`: `((dotted path under config, value), ...)`, applied to a copy of the study's
     config, e.g. `(("model.mixer", "sisa"), ("model.sisa.d_state", 8))`;
   * `match_field`: what is adjusted so that the variant's total parameter count (tied
@@ -51,9 +54,13 @@ def variant_names(config: ml_collections.ConfigDict) -> list[str]:
 
 
 def _spec(config, name):
+  """(match_field, overrides, setting) of the named variant."""
   for v in config.study.variants:
     if v[0] == name:
-      return v
+      if len(v) not in (3, 4):
+        raise ValueError(f"config.study.variants[{name}]: want (name, match_field, overrides"
+                         f"[, setting]), got {len(v)} entries")
+      return v[1], v[2], (v[3] if len(v) == 4 else "")
   raise ValueError(f"config.study.variants: no variant named {name!r}")
 
 
@@ -121,14 +128,14 @@ def variant_config(config: ml_collections.ConfigDict, name: str, *, seed: int | 
                    target: int | None = None) -> tuple[ml_collections.ConfigDict, dict]:
   """The variant's full config (overrides applied, parameters matched to `target`, default
   the baseline's count) and {params, target, diff_pct, match_field, match_value}."""
-  _, field, overrides = _spec(config, name)
+  field, overrides, setting = _spec(config, name)
   c = apply_overrides(config, overrides)
   if seed is not None:
     c.seed = int(seed)
   if target is None:
     base_name = config.study.baseline
     target = total_params(variant_config(config, base_name)[0]) if name != base_name else None
-  info = {"match_field": field, "match_value": None}
+  info = {"match_field": field, "match_value": None, "setting": setting}
   if field and target is not None:
     values = []
     for f in field.split(","):   # coarse knob first, then the fine one

@@ -1,10 +1,12 @@
 """AdamW with warmup + cosine, global-norm clipping, weight-decay exclusions and per-parameter
 learning-rate multipliers.
 
-A parameter's treatment is metadata set where it is created (`layers.param(..., lr_mult=,
-weight_decay=)`, e.g. SISA's lambda_raw: lr x0.1, no decay); the optimizer reads it and knows no
-parameter names. Default: weight decay iff the parameter has >= 2 axes besides the stacked
-`layers` axis (matrices; norm scales and per-head scalars are not decayed), lr multiplier 1.
+A parameter's treatment is metadata set where it is created (`layers.param(..., kind=,
+lr_mult=)`, e.g. SISA's lambda_raw: kind "scalar", lr x0.1); the optimizer reads it and knows no
+parameter names. Weight decay is the rule of the parameter's kind (`layers.PARAM_KINDS`: weights
+and embeddings decayed; biases, norm scales, per-head scalars and learned inputs not); nothing
+is inferred from shapes, and a parameter without a declared kind is an error. lr multiplier
+default 1.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import ml_collections
 import optax
 from flax import nnx
 
-from attn_jax.sharding import logical_axes
+from attn_jax.layers import PARAM_KINDS
 
 
 def lr_schedule(o: ml_collections.ConfigDict, total_steps: int) -> optax.Schedule:
@@ -29,18 +31,20 @@ def lr_schedule(o: ml_collections.ConfigDict, total_steps: int) -> optax.Schedul
 
 def param_groups(abstract_params: Any):
   """(decay mask, lr multiplier) trees (pure dicts) from an nnx State of Params' metadata."""
-  def decay(var):
-    meta = var.get_metadata()
-    if meta.get("weight_decay") is not None:
-      return bool(meta["weight_decay"])
-    return sum(1 for n in logical_axes(var) if n != "layers") >= 2
+  def decay(path, var):
+    kind = var.get_metadata().get("kind")
+    if kind not in PARAM_KINDS:
+      name = "/".join(str(getattr(k, "key", k)) for k in path)
+      raise ValueError(f"parameter {name}: kind {kind!r} is not one of {sorted(PARAM_KINDS)}; "
+                       "declare it where the parameter is created (layers.param(..., kind=))")
+    return PARAM_KINDS[kind]
 
   def mult(var):
     return float(var.get_metadata().get("lr_mult", 1.0))
 
   is_var = lambda x: isinstance(x, nnx.Variable)
   pure = lambda tree: nnx.to_pure_dict(tree) if isinstance(tree, nnx.State) else tree
-  return (pure(jax.tree.map(decay, abstract_params, is_leaf=is_var)),
+  return (pure(jax.tree_util.tree_map_with_path(decay, abstract_params, is_leaf=is_var)),
           pure(jax.tree.map(mult, abstract_params, is_leaf=is_var)))
 
 
