@@ -256,13 +256,16 @@ def test_batch_sharded_forward_equals_unsharded():
 
 # ---------------------------------------------------------------- parameters, config
 
-@pytest.mark.parametrize("size", ["50m", "152m", "369m"])
-def test_configs_match_the_transformer(size):
+@pytest.mark.parametrize("size,override", [("50m", ""), ("152m", ""), ("369m", ""),
+                                           ("152m", "pro")])
+def test_configs_match_the_transformer(size, override):
+  """Within the rounding of d_ff to a multiple of 4 (at most 2 d_ff units: 6 d per layer)."""
   import importlib
-  t = count_params(importlib.import_module(f"configs.transformer_{size}").get_config().model)
-  f = count_params(importlib.import_module(f"configs.fox_{size}").get_config().model)
-  d = importlib.import_module(f"configs.transformer_{size}").get_config().model.d_model
-  assert abs(f["total"] - t["total"]) <= 3 * d * 2 * 24     # d_ff rounded to a multiple of 4
+  tc = importlib.import_module(f"configs.transformer_{size}").get_config().model
+  fc = importlib.import_module(f"configs.fox_{size}").get_config(override).model
+  assert fc.mixer == "fox" and fc.fox.output_gate == (override == "pro")
+  diff = count_params(fc)["total"] - count_params(tc)["total"]
+  assert abs(diff) <= tc.n_layers * 6 * tc.d_model
 
 
 def test_extra_params_are_what_the_mixer_creates():
@@ -277,7 +280,7 @@ def test_extra_params_are_what_the_mixer_creates():
     ("forget_bias_init", float("nan"), "forget_bias_init")])
 def test_validate_names_the_field(field, value, msg):
   with pytest.raises(ValueError, match=f"fox.{msg}"):
-    _cfg(**{field: value})
+    _cfg().with_options("fox", **{field: value})
 
 
 def test_rope_with_a_ring_cache_is_refused():
