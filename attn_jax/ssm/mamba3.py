@@ -333,10 +333,7 @@ class Mamba3(nnx.Module):
     B, T = x_BTD.shape[:2]
     st = state if state is not None else self.init_state(self.cfg, self.opts, B, 0, f32)
     recurrent = recurrent or (state is not None and T == 1)     # decode step: the recurrence
-    if recurrent:
-      phi = _sequential_angles(u["inc"], st["angle"])
-    else:
-      phi = wrapped_cumsum(u["inc"], st["angle"], self.opts.chunk_size)
+    phi = self._angles(u, st, recurrent)
     k, q = rotate_pairs(u["b"], phi), rotate_pairs(u["c"], phi)
     carried = dict(h0_BHPN=st["ssm"], x0_BHP=st["x"].astype(f32), k0_BHN=st["k"].astype(f32))
     args = (u["x"], u["a"], u["gamma"], u["betap"], k, q)
@@ -345,13 +342,20 @@ class Mamba3(nnx.Module):
     else:
       y, h = trapezoid_chunked(*args, chunk=self.opts.chunk_size, **carried)
     y = (y + self.D[...].astype(f32)[:, None] * u["x"]) * jax.nn.silu(u["z"])
-    new_state = None
-    if state is not None:
-      last = lambda prev, new: last_valid_window(prev[:, None], new, u["n_valid"])[:, 0]
-      new_state = {"angle": last(st["angle"], phi), "ssm": h,
-                   "k": last(st["k"], k).astype(st["k"].dtype),
-                   "x": last(st["x"], u["x"]).astype(st["x"].dtype)}
-    return y, new_state
+    return y, None if state is None else self._next_state(st, u, phi, h, k)
+
+  def _angles(self, u, st, recurrent: bool):
+    """Cumulative rotation angles of the new tokens after the carried ones (mod 2 pi)."""
+    if recurrent:
+      return _sequential_angles(u["inc"], st["angle"])
+    return wrapped_cumsum(u["inc"], st["angle"], self.opts.chunk_size)
+
+  def _next_state(self, st, u, phi, h, k):
+    """The decoding state after the call: angle, SSM state, the last valid token's k and x."""
+    last = lambda prev, new: last_valid_window(prev[:, None], new, u["n_valid"])[:, 0]
+    return {"angle": last(st["angle"], phi), "ssm": h,
+            "k": last(st["k"], k).astype(st["k"].dtype),
+            "x": last(st["x"], u["x"]).astype(st["x"].dtype)}
 
   def _mimo_heads(self, x_BTD, *, positions_BT, state=None, recurrent=False):
     """`ssm_heads` with rank-r inputs and outputs (module docstring); same returns."""
@@ -359,10 +363,7 @@ class Mamba3(nnx.Module):
     B, T = x_BTD.shape[:2]
     st = state if state is not None else self.init_state(self.cfg, self.opts, B, 0, f32)
     recurrent = recurrent or (state is not None and T == 1)
-    if recurrent:
-      phi = _sequential_angles(u["inc"], st["angle"])
-    else:
-      phi = wrapped_cumsum(u["inc"], st["angle"], self.opts.chunk_size)
+    phi = self._angles(u, st, recurrent)
     k, q = rotate_pairs(u["b"], phi[..., None, :]), rotate_pairs(u["c"], phi[..., None, :])
     wx, wz, wo = (w[...].astype(f32) for w in (self.mimo_x, self.mimo_z, self.mimo_o))
     xr = u["x"][..., None, :] * wx                                       # [B, T, H, r, P]
@@ -371,13 +372,7 @@ class Mamba3(nnx.Module):
                           x0_BHRP=st["x"].astype(f32)[:, :, None] * wx, k0_BHRN=st["k"])
     y = (y + self.D[...].astype(f32)[:, None, None] * xr) * jax.nn.silu(u["z"][..., None, :] * wz)
     y = jnp.sum(y * wo, axis=3)
-    new_state = None
-    if state is not None:
-      last = lambda prev, new: last_valid_window(prev[:, None], new, u["n_valid"])[:, 0]
-      new_state = {"angle": last(st["angle"], phi), "ssm": h,
-                   "k": last(st["k"], k).astype(st["k"].dtype),
-                   "x": last(st["x"], u["x"]).astype(st["x"].dtype)}
-    return y, new_state
+    return y, None if state is None else self._next_state(st, u, phi, h, k)
 
   def __call__(self, x_BTD, *, positions_BT=None, state=None, rng=None, train=False):
     if positions_BT is None:   # a plain 0..T-1 full forward
