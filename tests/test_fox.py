@@ -199,6 +199,11 @@ def test_decode_matches_full_forward(impl, opts):
   _close(_decode_all(model, tokens, [5, 3, 1, 1, 1, 1], 16), full)
 
 
+@nnx.jit
+def _call(m, x, pos, state):
+  return m(x, positions_BT=pos, state=state)
+
+
 @pytest.mark.parametrize("cache,sinks", [("window", 0), ("streaming", 2)])
 def test_ring_eviction_matches_windowed_reference(cache, sinks):
   """A ring smaller than the stream: each query sees its last W tokens (plus the first n), with
@@ -210,7 +215,7 @@ def test_ring_eviction_matches_windowed_reference(cache, sinks):
   state = F.FoX.init_state(cfg, m.opts, 2, 0, jnp.float32)
   outs, t = [], 0
   for n in (3, 1, 4, 1, 5):
-    y, state, _ = m(x[:, t:t + n], positions_BT=_positions(2, n) + t, state=state)
+    y, state, _ = _call(m, x[:, t:t + n], _positions(2, n) + t, state)
     outs.append(y)
     t += n
   q, k, v, loga, _ = m.features(x, None, None)
@@ -231,12 +236,12 @@ def test_padding_leaves_the_state_unchanged():
   x = _normal(8, (2, 9, 32))
   pos = jnp.asarray([list(range(9)), list(range(6)) + [-1] * 3], jnp.int32)
   st = F.FoX.init_state(cfg, m.opts, 2, 16, jnp.float32)
-  y, st, _ = m(x, positions_BT=pos, state=st)
+  y, st, _ = _call(m, x, pos, st)
   nxt = _normal(9, (2, 1, 32))
-  y2, _, _ = m(nxt, positions_BT=jnp.asarray([[9], [6]], jnp.int32), state=st)
+  y2, _, _ = _call(m, nxt, jnp.asarray([[9], [6]], jnp.int32), st)
   row = F.FoX.init_state(cfg, m.opts, 1, 16, jnp.float32)
-  y1, row, _ = m(x[1:, :6], positions_BT=_positions(1, 6), state=row)
-  y12, _, _ = m(nxt[1:], positions_BT=jnp.asarray([[6]], jnp.int32), state=row)
+  y1, row, _ = _call(m, x[1:, :6], _positions(1, 6), row)
+  y12, _, _ = _call(m, nxt[1:], jnp.asarray([[6]], jnp.int32), row)
   _close(y[1:, :6], y1)
   _close(y2[1:], y12)
 
