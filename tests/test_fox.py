@@ -118,7 +118,8 @@ def _long(T, block=256):
     f64 = lambda a: jnp.asarray(np.asarray(a, np.float64))
     want, _ = F.forget_attention_reference(f64(q), f64(k), f64(v), jnp.cumsum(f64(loga), 1),
                                            scale=8 ** -0.5, query_idx=idx)
-  _close(out[:, idx], want, tol=1e-4)   # |g| ~ 1e5 here: fp32 g carries ~1e-2 nats, see _cmp
+  # fp32 g reaches ~3 T nats; the block offsets carry ~2^-24 |g| each, in-block pairs none
+  _close(out[:, idx], want, tol=1e-4)
   return out, grads
 
 
