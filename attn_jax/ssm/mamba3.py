@@ -49,6 +49,25 @@ the decode step is one token of it. Decoding state: angles [H, R], h [H, P, N] (
 last token's k [H, N] and x [H, P]: constant in the generated length. Padding (position -1):
 dt = 0, so alpha = 1, gamma = beta = 0, the angle does not move, and the carried (x, k) stay
 those of the last valid token (right padding within a call, as in mamba2.py).
+
+MIMO (`mimo_rank` r >= 1; 0 = SISO, the default): the paper's multi-input multi-output state
+update. Per token and head, B and C become r columns (B_t, C_t in R^{N x r}, from a projection
+r times wider, each column RMS-normed with a per-head, per-rank bias), and x enters through r
+per-head channel weights, X_t = [x_t * w^x_1, ..., x_t * w^x_r] in R^{P x r}:
+
+    h_t = alpha_t h_{t-1} + gamma_t X_t K_t^T + beta_t X_{t-1} K_{t-1}^T     (rank-r updates)
+    Y_t = h_t Q_t + D X_t                                                    ([P, r])
+    y_t = sum_i w^o_i * Y_t[:, i] * SiLU(z_t * w^z_i)                        ([P])
+
+with K = Rot(phi) B, Q = Rot(phi) C column by column (the same angles). The state h stays
+[P, N]: MIMO does r times the state-update FLOPs per byte of state (the point of the paper:
+decoding is memory-bound). w^x, w^o start at 1/r and w^z at 1 (as state-spaces/mamba), so with
+r = 1 every weight is 1 and the mixer is the SISO one (tested against it). Chunked form
+(`mimo_chunked`): the two inputs of the trapezoid are 2r input columns (U = [gamma X_t ;
+beta X_{t-1}], keys [K_t ; K_{t-1}]) and the r columns of Q are r outputs of one SSD,
+    Y_{t,o} = sum_{s<=t} L_ts sum_i (Q_{t,o} . K_{s,i}) U_{s,i} + e^{A_t} h_in Q_{t,o},
+with the segment decays of `ssd.segsum_exp` and a scan over chunks; `mimo_recurrent` is the
+token-by-token reference and the decode step. Decoding state: the SISO one with k [H, r, N].
 """
 
 from __future__ import annotations
@@ -155,6 +174,77 @@ def trapezoid_recurrent(x_BTHP, a_BTH, gamma_BTH, betap_BTH, k_BTHN, q_BTHN, *, 
   return jnp.moveaxis(y, 0, 1), h
 
 
+def mimo_chunked(u_BTHIP, a_BTH, k_BTHIN, q_BTHON, *, chunk, h0_BHPN=None):
+  """Chunked MIMO SSD (module docstring): I input columns (u, k), O output columns (q), one
+  [P, N] state per head. -> (y [B, T, H, O, P], h_T [B, H, P, N]) fp32. T need not be a
+  multiple of `chunk` (the tail is padded with a = 0, u = k = q = 0)."""
+  Bsz, T, H, _, P = u_BTHIP.shape
+  N = k_BTHIN.shape[-1]
+  Q = max(1, min(int(chunk), T))
+  nc = -(-T // Q)
+  pad = nc * Q - T
+
+  def chunks(z):
+    z = jnp.pad(z.astype(f32), [(0, 0), (0, pad)] + [(0, 0)] * (z.ndim - 2))
+    return z.reshape((Bsz, nc, Q) + z.shape[2:])
+
+  u, a, k, q = chunks(u_BTHIP), chunks(a_BTH), chunks(k_BTHIN), chunks(q_BTHON)
+  L = ssd.segsum_exp(a)                                               # [B, C, H, Q(t), Q(s)]
+  qk = jnp.einsum("bcthon,bcshin->bchtsoi", q, k)
+  y_diag = jnp.einsum("bchtsoi,bchts,bcship->bcthop", qk, L, u)
+  rev = jnp.cumsum(a[:, :, ::-1], axis=2)[:, :, ::-1]                 # sum_{r>=s} a_r
+  to_end = jnp.exp(jnp.pad(rev[:, :, 1:], ((0, 0), (0, 0), (0, 1), (0, 0))))
+  S = jnp.einsum("bcshin,bcsh,bcship->bchpn", k, to_end, u)           # chunk states
+  decay = jnp.exp(jnp.sum(a, axis=2))                                 # [B, C, H]
+  h0 = jnp.zeros((Bsz, H, P, N), f32) if h0_BHPN is None else h0_BHPN.astype(f32)
+
+  def step(h, inp):
+    dec, s_c = inp
+    return dec[..., None, None] * h + s_c, h
+
+  h_final, h_in = jax.lax.scan(step, h0, (jnp.moveaxis(decay, 1, 0), jnp.moveaxis(S, 1, 0)))
+  from_start = jnp.exp(jnp.cumsum(a, axis=2))                         # [B, C, Q, H]
+  y_off = jnp.einsum("bcthon,cbhpn,bcth->bcthop", q, h_in, from_start)
+  return (y_diag + y_off).reshape(Bsz, nc * Q, H, -1, P)[:, :T], h_final
+
+
+def mimo_recurrent(u_BTHIP, a_BTH, k_BTHIN, q_BTHON, *, h0_BHPN=None):
+  """The MIMO recurrence one token at a time (lax.scan): h = e^a h + sum_i u_i k_i^T,
+  y_o = h q_o. Same returns as `mimo_chunked`."""
+  Bsz, T, H, _, P = u_BTHIP.shape
+  h0 = (jnp.zeros((Bsz, H, P, k_BTHIN.shape[-1]), f32) if h0_BHPN is None
+        else h0_BHPN.astype(f32))
+
+  def step(h, inp):
+    u, a, k, q = inp
+    h = jnp.exp(a)[..., None, None] * h + jnp.einsum("bhip,bhin->bhpn", u, k)
+    return h, jnp.einsum("bhpn,bhon->bhop", h, q)
+
+  seq = tuple(jnp.moveaxis(z.astype(f32), 1, 0) for z in (u_BTHIP, a_BTH, k_BTHIN, q_BTHON))
+  h, y = jax.lax.scan(step, h0, seq)
+  return jnp.moveaxis(y, 0, 1), h
+
+
+def trapezoid_mimo(x_BTHRP, a_BTH, gamma_BTH, betap_BTH, k_BTHRN, q_BTHRN, *, chunk=None,
+                   h0_BHPN=None, x0_BHRP=None, k0_BHRN=None):
+  """The trapezoid with rank-r inputs X (x times w^x) and keys K: 2r input columns
+  [gamma X_t ; beta X_{t-1}] with keys [K_t ; K_{t-1}], beta = beta' e^a; `chunk` None = the
+  recurrence. -> (Y [B, T, H, r, P] without the D skip, h_T)."""
+  B, T, H, r, P = x_BTHRP.shape
+  N = k_BTHRN.shape[-1]
+  x0 = jnp.zeros((B, H, r, P), f32) if x0_BHRP is None else x0_BHRP.astype(f32)
+  k0 = jnp.zeros((B, H, r, N), f32) if k0_BHRN is None else k0_BHRN.astype(f32)
+  x_prev = jnp.concatenate([x0[:, None], x_BTHRP[:, :-1].astype(f32)], axis=1)
+  k_prev = jnp.concatenate([k0[:, None], k_BTHRN[:, :-1].astype(f32)], axis=1)
+  beta = betap_BTH * jnp.exp(a_BTH)
+  u = jnp.concatenate([x_BTHRP * gamma_BTH[..., None, None], x_prev * beta[..., None, None]],
+                      axis=3)
+  k = jnp.concatenate([k_BTHRN.astype(f32), k_prev], axis=3)
+  if chunk is None:
+    return mimo_recurrent(u, a_BTH, k, q_BTHRN, h0_BHPN=h0_BHPN)
+  return mimo_chunked(u, a_BTH, k, q_BTHRN, chunk=chunk, h0_BHPN=h0_BHPN)
+
+
 @register_mixer("mamba3")
 class Mamba3(nnx.Module):
 
@@ -166,6 +256,8 @@ class Mamba3(nnx.Module):
     dt_max: float = 1e-1
     a_floor: float = 1e-4        # A <= -a_floor
     a_activation: str = "softplus"   # A = -f(A_raw): softplus | heavy_tail (module docstring)
+    mimo_rank: int = 0           # MIMO rank r (0 = SISO; the paper's MIMO uses 4, with
+                                 # chunk_size 64 / r)
 
     def n_angles(self) -> int:
       return int(self.d_state * self.rope_fraction) // 2
@@ -183,6 +275,9 @@ class Mamba3(nnx.Module):
       need(self.a_floor > 0, "a_floor", "must be > 0")
       need(self.a_activation in A_ACTIVATIONS, "a_activation",
            f"must be one of {sorted(A_ACTIVATIONS)}, got {self.a_activation!r}")
+      need(isinstance(self.mimo_rank, int) and not isinstance(self.mimo_rank, bool)
+           and self.mimo_rank >= 0, "mimo_rank",
+           f"must be an integer >= 0 (0 = SISO), got {self.mimo_rank!r}")
 
   def __init__(self, cfg: ModelConfig, opts: "Mamba3.Options", *, rngs: nnx.Rngs):
     opts.validate(cfg)
@@ -212,6 +307,23 @@ class Mamba3(nnx.Module):
     self.D = param(rngs, ones, (H,), ("heads",), kind="scalar")
     kw.update(proj_out)   # the rescaled residual init (mamba2.projection_inits)
     self.out = Linear((H, P), (D,), in_axes=("heads", "head_dim"), out_axes=("embed",), **kw)
+    if opts.mimo_rank:
+      self._init_mimo(opts.mimo_rank, rngs)
+
+  def _init_mimo(self, r: int, rngs: nnx.Rngs):
+    """MIMO: B/C projections and biases r columns wide, and the per-head rank weights w^x,
+    w^z, w^o [H, r, P] (module docstring); they replace the SISO B/C parameters."""
+    cfg, (H, P, N, G, D) = self.cfg, (self.H, self.P, self.N, self.G, self.cfg.d_model)
+    proj_in, _ = projection_inits(cfg, self.opts, H * P)
+    kw = dict(rngs=rngs, dtype=dtype_of(cfg.dtype), param_dtype=dtype_of(cfg.param_dtype),
+              in_axes=("embed",), out_axes=(None, None, "state"), **proj_in)
+    self.in_b, self.in_c = Linear((D,), (G, r, N), **kw), Linear((D,), (G, r, N), **kw)
+    ones = nnx.initializers.ones
+    bias = lambda: param(rngs, ones, (H, r, N), ("heads", None, "state"), kind="bias")
+    self.b_bias, self.c_bias = bias(), bias()
+    const = lambda v: param(rngs, nnx.initializers.constant(v), (H, r, P),
+                            ("heads", None, "head_dim"), kind="scalar")
+    self.mimo_x, self.mimo_z, self.mimo_o = const(1.0 / r), const(1.0), const(1.0 / r)
 
   def _bc(self, u_BTGN, scale, bias):
     u = u_BTGN.astype(f32)
@@ -237,14 +349,13 @@ class Mamba3(nnx.Module):
 
   def ssm_heads(self, x_BTD, *, positions_BT, state=None, recurrent=False):
     """-> (gated head outputs [B, T, H, P] fp32, new state). `recurrent`: the scan reference."""
+    if self.opts.mimo_rank:
+      return self._mimo_heads(x_BTD, positions_BT=positions_BT, state=state, recurrent=recurrent)
     u = self._inputs(x_BTD, positions_BT)
     B, T = x_BTD.shape[:2]
     st = state if state is not None else self.init_state(self.cfg, self.opts, B, 0, f32)
     recurrent = recurrent or (state is not None and T == 1)     # decode step: the recurrence
-    if recurrent:
-      phi = _sequential_angles(u["inc"], st["angle"])
-    else:
-      phi = wrapped_cumsum(u["inc"], st["angle"], self.opts.chunk_size)
+    phi = self._angles(u, st, recurrent)
     k, q = rotate_pairs(u["b"], phi), rotate_pairs(u["c"], phi)
     carried = dict(h0_BHPN=st["ssm"], x0_BHP=st["x"].astype(f32), k0_BHN=st["k"].astype(f32))
     args = (u["x"], u["a"], u["gamma"], u["betap"], k, q)
@@ -253,13 +364,37 @@ class Mamba3(nnx.Module):
     else:
       y, h = trapezoid_chunked(*args, chunk=self.opts.chunk_size, **carried)
     y = (y + self.D[...].astype(f32)[:, None] * u["x"]) * jax.nn.silu(u["z"])
-    new_state = None
-    if state is not None:
-      last = lambda prev, new: last_valid_window(prev[:, None], new, u["n_valid"])[:, 0]
-      new_state = {"angle": last(st["angle"], phi), "ssm": h,
-                   "k": last(st["k"], k).astype(st["k"].dtype),
-                   "x": last(st["x"], u["x"]).astype(st["x"].dtype)}
-    return y, new_state
+    return y, None if state is None else self._next_state(st, u, phi, h, k)
+
+  def _angles(self, u, st, recurrent: bool):
+    """Cumulative rotation angles of the new tokens after the carried ones (mod 2 pi)."""
+    if recurrent:
+      return _sequential_angles(u["inc"], st["angle"])
+    return wrapped_cumsum(u["inc"], st["angle"], self.opts.chunk_size)
+
+  def _next_state(self, st, u, phi, h, k):
+    """The decoding state after the call: angle, SSM state, the last valid token's k and x."""
+    last = lambda prev, new: last_valid_window(prev[:, None], new, u["n_valid"])[:, 0]
+    return {"angle": last(st["angle"], phi), "ssm": h,
+            "k": last(st["k"], k).astype(st["k"].dtype),
+            "x": last(st["x"], u["x"]).astype(st["x"].dtype)}
+
+  def _mimo_heads(self, x_BTD, *, positions_BT, state=None, recurrent=False):
+    """`ssm_heads` with rank-r inputs and outputs (module docstring); same returns."""
+    u = self._inputs(x_BTD, positions_BT)                 # b, c: [B, T, H, r, N]
+    B, T = x_BTD.shape[:2]
+    st = state if state is not None else self.init_state(self.cfg, self.opts, B, 0, f32)
+    recurrent = recurrent or (state is not None and T == 1)
+    phi = self._angles(u, st, recurrent)
+    k, q = rotate_pairs(u["b"], phi[..., None, :]), rotate_pairs(u["c"], phi[..., None, :])
+    wx, wz, wo = (w[...].astype(f32) for w in (self.mimo_x, self.mimo_z, self.mimo_o))
+    xr = u["x"][..., None, :] * wx                                       # [B, T, H, r, P]
+    y, h = trapezoid_mimo(xr, u["a"], u["gamma"], u["betap"], k, q,
+                          chunk=None if recurrent else self.opts.chunk_size, h0_BHPN=st["ssm"],
+                          x0_BHRP=st["x"].astype(f32)[:, :, None] * wx, k0_BHRN=st["k"])
+    y = (y + self.D[...].astype(f32)[:, None, None] * xr) * jax.nn.silu(u["z"][..., None, :] * wz)
+    y = jnp.sum(y * wo, axis=3)
+    return y, None if state is None else self._next_state(st, u, phi, h, k)
 
   def __call__(self, x_BTD, *, positions_BT=None, state=None, rng=None, train=False):
     if positions_BT is None:   # a plain 0..T-1 full forward
@@ -281,7 +416,7 @@ class Mamba3(nnx.Module):
     H, P, N = opts.heads(cfg), opts.head_dim, opts.d_state
     return {"angle": jnp.zeros((batch, H, opts.n_angles()), f32),
             "ssm": jnp.zeros((batch, H, P, N), f32),
-            "k": jnp.zeros((batch, H, N), dtype),
+            "k": jnp.zeros((batch, H) + (opts.mimo_rank,) * bool(opts.mimo_rank) + (N,), dtype),
             "x": jnp.zeros((batch, H, P), dtype)}
 
   @classmethod
@@ -289,6 +424,11 @@ class Mamba3(nnx.Module):
     """Chunked SSD with per-head B/C (G = H) and two inputs per token (the trapezoid);
     rotations, norms and gates are elementwise and not counted."""
     H = opts.heads(cfg)
+    if opts.mimo_rank:   # 2r input columns, r output columns (mimo_chunked), one state
+      r, P, N = opts.mimo_rank, opts.head_dim, opts.d_state
+      Q = max(1, min(opts.chunk_size, seq_len))
+      macs = 2 * r * r * H * (N + P) * (Q + 1) / 2 + 3 * r * H * P * N + H * P * N / Q
+      return 2.0 * macs
     return ssd.ssd_flops_per_token(n_heads=H, head_dim=opts.head_dim, d_state=opts.d_state,
                                    n_groups=H, chunk=opts.chunk_size, seq_len=seq_len,
                                    n_inputs=2)

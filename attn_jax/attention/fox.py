@@ -1,0 +1,427 @@
+"""Forgetting Attention (FoX): softmax attention whose logits carry a data-dependent forget gate.
+
+Paper: Lin, Nikishin, He, Courville, "Forgetting Transformer: Softmax Attention with a Forget
+Gate" (ICLR 2025); SPEC.md section 2. Per head h, with x = RMSNorm(input), d_h = d_model / H:
+
+    q, k, v = x W_q, x W_k, x W_v
+    f_t = sigmoid(w_f . x_t + b_f),  log f_t = -softplus(-(w_f . x_t + b_f))   (one per head)
+    g_t = sum_{s<=t} log f_s                                                 (fp32 cumsum)
+    s_ij = q_i.k_j / sqrt(d_h) + (g_i - g_j)  =  q_i.k_j / sqrt(d_h) + sum_{l=j+1..i} log f_l
+    y_i = sum_{j<=i} softmax_j(s_ij) v_j,   out = y W_o
+
+The whole logit decays (SISA instead decays an *added* read/write term, sisa.py): FoX is
+attention with a learned, content-dependent recency prior. b_f starts at 0 (f ~ 1/2 at init,
+the paper's default "full" gate; `forget_bias_init` moves it).
+
+RoPE: off by default (`rope=False`), as in the paper, whose FoX models use no positional
+embedding: g_i - g_j already orders the keys by (learned) distance, and the paper reports
+RoPE adds nothing on top of the gate. Without RoPE the ring caches need no re-assigned
+positions either (below). `rope=True` rotates q and k at their stream positions like
+`attention` (dense cache only).
+
+"Pro" block options (the paper's FoX (Pro)): `qk_norm` (per-head RMSNorm of q and k, its
+scale per head), `key_shift` / `value_shift` (data-dependent token shift on the projected keys
+/ values: k_t <- a_t k_{t-1} + (1 - a_t) k_t, a_t = sigmoid(w . x_t) per kv head, before the
+QK-norm), `output_norm` (per-head RMSNorm of the attention output) and `output_gate`
+(y <- y * sigmoid(x W_g), [H, d_h] per token, before W_o). Each adds parameters
+(`extra_params`); the configs narrow the SwiGLU to match the Transformer.
+
+Exact and causal at any length, with no [T, T] bias (`forget_attention`): the sequence is cut
+into blocks of c tokens (`block_size`, 256). g is kept in two levels, a block offset o_I = g
+at the last token before block I and a local part l_i = g_i - o_I (a cumulative sum inside the
+block, so |l| <= the decay of one block):
+- the diagonal blocks, j <= i in one block: bias l_i - l_j (no offset: the large sums cancel
+  before they are formed), one batch of [c, c] biased, masked blocks (`split.partial_attention`);
+- a query block I over an earlier key block J: s = q.k scale + (o_I - o_J) + l_i - l_j,
+  formed inside `flash.past_blocks`' loops (online softmax forward, recomputing backward);
+- the two parts combined exactly by log-sum-exp (`split.combine`).
+Every bias is g_i - g_j <= 0 for a causal pair, so nothing overflows however strong the
+forgetting: a far key's logit is a large negative number, its weight underflows to 0, and a
+row's own diagonal entry (bias 0) keeps its log-sum-exp finite. Precision: the offsets are an
+fp32 cumulative sum over T / c block totals, so a pair in adjacent blocks carries about one
+rounding of |g| (2^-24 |g|) rather than the (i - j) roundings of a per-token cumulative sum,
+and pairs inside a block none of |g| at all.
+
+Padding (position -1) gets log f = 0: it leaves g unchanged. The full forward is index-causal
+(right-padded rows: padding sits after the row's tokens), as SISA's chunked path.
+
+Decoding (`init_state`): the KV cache (`kv_state`) with g_j per slot, plus the running g of the
+row (`g_last`) and, with a token shift, the last projected key / value. T new tokens attend to
+[buffer ; themselves] with the bias (g_last - g_j) + ell_i for buffered keys and ell_i - ell_j
+among themselves, ell = the cumulative log f over the new tokens only: the new block's decays
+never pass through the large running sum.
+
+Eviction and the forget gate (`cache="window"` / `"streaming"`, the options shared with
+`attention`; `rope=False` only). The ring stores g_j - g_last (<= 0, shifted by the new tokens'
+decay after every call), so a kept key keeps its true decay to the query, accumulated over
+every token in between, evicted ones included. Evicting a key j removes a weight proportional
+to e^{g_i - g_j + q.k scale}: for a head that forgets (g_i - g_{i-W} << 0 across the window)
+the window loses exponentially little, so a ring is close to exact; a head with f ~ 1 loses
+what attention loses. The StreamingLLM sinks are decayed like any old key (their logit
+includes g_i - g_sink, the whole stream's decay), so under forgetting they cannot soak up
+attention mass as they do in a Transformer; the learned sink *logit* (`sink_logit`, a constant
+column, not decayed) still can.
+
+ALiBi (alibi.py) is the same computation with log f = -m_h fixed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from attn_jax.attention import flash, kv_state, split
+from attn_jax.attention.core import attend, causal_positions, choose_impl
+from attn_jax.attention.mha import (QKVProjection, SinkOptions, attention_flops_per_token,
+                                    causal_keys, init_ring, make_sink_logit, probs_with_sink,
+                                    ring_frame, rope, sink_logit_of)
+from attn_jax.attention.sisa import stat_dtype, time_cumsum
+from attn_jax.config import ModelConfig
+from attn_jax.layers import Linear, dtype_of, param
+from attn_jax.registry import register_mixer
+
+DEFAULT_BLOCK = 256
+
+
+# ---------------------------------------------------------------- the attention computation
+
+def _two_level(loga_BTH, c: int):
+  """(o, l) [B, T, H]: o = g at the last token before each block (broadcast over the block),
+  l = g - o (the cumulative sum inside the block). T must be a multiple of c."""
+  B, T, H = loga_BTH.shape
+  n = T // c
+  l_BTH = time_cumsum(loga_BTH.reshape(B * n, c, H)).reshape(B, n, c, H)
+  tot_BNH = l_BTH[:, :, -1]
+  o_BNH = time_cumsum(tot_BNH) - tot_BNH                   # exclusive: blocks before
+  o_BTH = jnp.broadcast_to(o_BNH[:, :, None], (B, n, c, H))
+  return o_BTH.reshape(B, T, H), l_BTH.reshape(B, T, H)
+
+
+def _qk(q_BTHD, k_BSKD, scale):
+  """scale q.k [B, H, T, S] in fp32 (fp64 for float64), query head h on kv head h // G."""
+  B, T, H, D = q_BTHD.shape
+  K = k_BSKD.shape[2]
+  f = jnp.promote_types(q_BTHD.dtype, jnp.float32)
+  s = jnp.einsum("btkgd,bskd->bkgts", q_BTHD.reshape(B, T, K, H // K, D), k_BSKD,
+                 preferred_element_type=f)
+  return s.reshape(B, H, T, -1) * scale
+
+
+def _pair_decay(l_q_BTH, l_k_BSH):
+  """l_i - l_j as [B, H, T, S]."""
+  return l_q_BTH.transpose(0, 2, 1)[..., :, None] - l_k_BSH.transpose(0, 2, 1)[..., None, :]
+
+
+def _past_scores(scale, shared, qa, ka):
+  """Score of (query block I, earlier key block J) for `flash.past_blocks`:
+  q.k scale + (o_I - o_J) + (l_i - l_j), every term <= 0 except q.k."""
+  del shared
+  q, o_q, l_q = qa
+  k, o_k, l_k = ka
+  s = _qk(q, k, scale)
+  off = (o_q[:, 0] - o_k[:, 0]).astype(s.dtype)            # [B, H]: block offsets
+  return s + off[:, :, None, None] + _pair_decay(l_q, l_k).astype(s.dtype)
+
+
+def forget_attention(q_BTHD, k_BTKD, v_BTKE, loga_BTH, *, scale: float, block: int,
+                     sink_logit_H=None):
+  """softmax_j(q_i.k_j scale + g_i - g_j) over j <= i, g = cumsum(log f), blockwise (module
+  docstring): [B, T, H, E] in q's dtype. T is padded up to a multiple of the block."""
+  B, T, H, _ = q_BTHD.shape
+  c = min(int(block), -(-T // 8) * 8)
+  pad = -T % c
+  if pad:
+    zpad = lambda x: jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))
+    q_BTHD, k_BTKD, v_BTKE, loga_BTH = map(zpad, (q_BTHD, k_BTKD, v_BTKE, loga_BTH))
+  n = (T + pad) // c
+  o, l = _two_level(loga_BTH, c)
+  fold = lambda x: x.reshape((B * n, c) + x.shape[2:])
+  unfold = lambda x: x.reshape((B, n * c) + x.shape[2:])
+  causal = jnp.tril(jnp.ones((c, c), bool))
+  bias = jnp.where(causal, _pair_decay(fold(l), fold(l)), 0.0)
+  diag = split.partial_attention(fold(q_BTHD), fold(k_BTKD), fold(v_BTKE), scale=scale,
+                                 bias=bias, mask=causal)
+  past = flash.past_blocks(functools.partial(_past_scores, float(scale)), (),
+                           (q_BTHD, o, l), (k_BTKD, o, l), v_BTKE, block=c)
+  out = split.combine([tuple(map(unfold, diag)), past], sink_logit_H)
+  return out[:, :T].astype(q_BTHD.dtype)
+
+
+def forget_attention_reference(q_BTHD, k_BTKD, v_BTKE, g_BTH, *, scale: float,
+                               sink_logit_H=None, query_idx=None):
+  """Explicit O(T^2) Forgetting Attention (the tests' ground truth), in fp32 (fp64 for
+  float64): masked softmax of q_i.k_j scale + (g_i - g_j), g the cumulative log f, with an
+  optional sink column. `query_idx` restricts the query rows. Returns (out, scores)."""
+  f32 = lambda a: a.astype(jnp.promote_types(a.dtype, jnp.float32))
+  T = k_BTKD.shape[1]
+  idx = jnp.arange(T) if query_idx is None else jnp.asarray(query_idx)
+  G = q_BTHD.shape[2] // k_BTKD.shape[2]
+  k, v = jnp.repeat(f32(k_BTKD), G, axis=2), jnp.repeat(f32(v_BTKE), G, axis=2)
+  g = f32(g_BTH)
+  s = jnp.einsum("bihd,bjhd->bhij", f32(q_BTHD)[:, idx], k) * scale
+  s = s + g[:, idx].transpose(0, 2, 1)[..., :, None] - g.transpose(0, 2, 1)[..., None, :]
+  s = jnp.where(idx[:, None] >= jnp.arange(T)[None, :], s, -jnp.inf)
+  if sink_logit_H is None:
+    p = jax.nn.softmax(s, axis=-1)
+  else:
+    col = jnp.broadcast_to(f32(sink_logit_H)[None, :, None, None], s.shape[:3] + (1,))
+    p = jax.nn.softmax(jnp.concatenate([s, col], axis=-1), axis=-1)[..., :-1]
+  return jnp.einsum("bhij,bjhd->bihd", p, v), s
+
+
+# ---------------------------------------------------------------- options
+
+def _is_int(v, lo: int) -> bool:
+  return isinstance(v, int) and not isinstance(v, bool) and v >= lo
+
+
+@dataclasses.dataclass(frozen=True)
+class BiasOptions(SinkOptions):
+  """Options of the score-bias mixers (fox, alibi): the sink / cache options plus the block."""
+  block_size: int = 0             # block of the blockwise path; 0 = auto (256)
+
+  def validate_bias(self, where: str) -> None:
+    if not _is_int(self.block_size, 0):
+      raise ValueError(f"{where}.block_size: must be an integer >= 0 (0 = auto), got "
+                       f"{self.block_size!r}")
+    self.validate_sinks(where)
+
+  @property
+  def block(self) -> int:
+    return int(self.block_size) or DEFAULT_BLOCK
+
+
+@dataclasses.dataclass(frozen=True)
+class FoXOptions(BiasOptions):
+  forget_bias_init: float = 0.0   # b_f: f = sigmoid(w.x + b_f) ~ 1/2 at init (the paper's)
+  rope: bool = False              # RoPE on q, k (the paper: none; dense cache only)
+  qk_norm: bool = False           # Pro: per-head RMSNorm of q and k
+  key_shift: bool = False         # Pro: data-dependent token shift of the keys
+  value_shift: bool = False       # Pro: ... of the values
+  output_norm: bool = False       # Pro: per-head RMSNorm of the attention output
+  output_gate: bool = False       # Pro: y * sigmoid(x W_g) before W_o
+
+  def validate(self, cfg: ModelConfig, where: str) -> None:
+    del cfg
+    b = self.forget_bias_init
+    if not (isinstance(b, (int, float)) and not isinstance(b, bool) and math.isfinite(b)):
+      raise ValueError(f"{where}.forget_bias_init: must be a finite number, got {b!r}")
+    for name in ("rope", "qk_norm", "key_shift", "value_shift", "output_norm", "output_gate"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"{where}.{name}: must be True or False, got {getattr(self, name)!r}")
+    if self.rope and self.cache != "dense":
+      raise ValueError(f"{where}.cache: {self.cache!r} needs rope=False (the ring caches keep "
+                       "keys without re-assigned RoPE positions; see fox.py)")
+    self.validate_bias(where)
+
+
+def extra_params(d_model: int, n_heads: int, n_kv_heads: int, opts: FoXOptions) -> int:
+  """Parameters FoX adds per layer over attention: the gate (d H + H) and the Pro options."""
+  d, H, K, dh = d_model, n_heads, n_kv_heads, d_model // n_heads
+  n = d * H + H
+  n += opts.qk_norm * (H + K) * dh + opts.output_norm * H * dh + opts.output_gate * d * H * dh
+  return n + (opts.key_shift + opts.value_shift) * d * K
+
+
+def matched_d_ff(transformer_model, extra: int, multiple: int = 4) -> int:
+  """SwiGLU width whose 3 d d_ff weights absorb `extra` mixer parameters per layer."""
+  d = int(transformer_model.d_model)
+  return int(multiple * round((int(transformer_model.d_ff) - extra / (3 * d)) / multiple))
+
+
+# ---------------------------------------------------------------- the shared mixer body
+
+def _rms(x, scale, eps):
+  x32 = x.astype(jnp.float32)
+  y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return (y * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+def token_shift(x_BTKD, alpha_BTK, prev_BKD, valid_BT):
+  """x_t <- a_t x_prev + (1 - a_t) x_t with x_prev the previous valid token of the row (the
+  carried `prev_BKD` for the first); returns (shifted, the last valid token's x = next prev)."""
+  B, T = valid_BT.shape
+  idx_BT = jnp.where(valid_BT, jnp.arange(T)[None, :], -1)
+  last_BT = jax.lax.cummax(idx_BT, axis=1)                       # last valid index <= t
+  before_BT = jnp.pad(last_BT, ((0, 0), (1, 0)), constant_values=-1)[:, :T]
+  gather = lambda i_BT: jnp.take_along_axis(x_BTKD, jnp.maximum(i_BT, 0)[..., None, None], 1)
+  prev = jnp.where((before_BT >= 0)[..., None, None], gather(before_BT),
+                   prev_BKD[:, None].astype(x_BTKD.dtype))
+  a = alpha_BTK[..., None].astype(jnp.float32)
+  out = (a * prev.astype(jnp.float32) + (1 - a) * x_BTKD.astype(jnp.float32))
+  nxt = jnp.where((last_BT[:, -1] >= 0)[:, None, None], gather(last_BT[:, -1:])[:, 0],
+                  prev_BKD.astype(x_BTKD.dtype))
+  return out.astype(x_BTKD.dtype), nxt
+
+
+class ScoreBiasAttention(nnx.Module):
+  """Attention with the logit bias g_i - g_j, g a cumulative per-head log forget rate.
+
+  Subclasses own their parameters and define `features(x, positions, state) -> (q, k, v,
+  log f, carry)` (q, k after any RoPE; carry: extra state entries such as the token-shift
+  keys) and `finish(y, x)` (the output before W_o). Everything else (blockwise forward, caches,
+  hooks) is here."""
+
+  def __call__(self, x_BTD, *, positions_BT=None, state=None, rng=None, train=False):
+    del rng, train
+    cfg, opts = self.cfg, self.opts
+    q, k, v, loga, carry = self.features(x_BTD, positions_BT, state)
+    sink = sink_logit_of(opts, self.sink_logit, cfg.n_heads)
+    scale = cfg.head_dim ** -0.5
+    if state is None:
+      y = forget_attention(q, k, v, loga, scale=scale, block=opts.block, sink_logit_H=sink)
+    else:
+      y, state = self._cached(q, k, v, loga, positions_BT, state, sink)
+      state.update(carry)
+    aux = {"forget": jnp.mean(jnp.exp(loga))}       # mean forget rate (1 = no forgetting)
+    return self.proj.o(self.finish(y, x_BTD)), state, aux
+
+  def _cached(self, q, k, v, loga, positions_BT, state, sink):
+    """T new tokens after the buffer: bias (g_last - g_j) + ell_i on buffered keys, ell_i -
+    ell_j among the new ones (ell: the new tokens' own cumulative log f)."""
+    cfg, opts = self.cfg, self.opts
+    T = q.shape[1]
+    ring = opts.cache != "dense"
+    ell = time_cumsum(loga)                                            # [B, T, H]
+    rel = -state["g"] if ring else state["g_last"][:, None] - state["g"]   # g_last - g_j
+    past = (state["pos"] >= 0)[..., None]
+    rel = jnp.where(past, rel, 0.0).transpose(0, 2, 1)[:, :, None, :]   # [B, H, 1, S]
+    causal = jnp.arange(T)[:, None] >= jnp.arange(T)[None, :]
+    new = jnp.where(causal, _pair_decay(ell, ell), 0.0)                 # [B, H, T, T]
+    bias = jnp.concatenate([ell.transpose(0, 2, 1)[..., None] + rel, new], axis=-1)
+    impl = choose_impl(cfg.attention_impl, q.dtype, q.shape[-1])
+    bias = bias.astype(q.dtype if impl == "cudnn" else ell.dtype)
+    keys = kv_state.with_new(state, {"k": k, "v": v}, positions_BT)
+    kv_pos, window, n = keys["pos"], None, opts.ring_sinks
+    if ring:
+      window = opts.cache_window
+      if n:   # sink slots stay visible: they take the first query's position
+        _, _, first = ring_frame(positions_BT, n, window)
+        is_sink = (jnp.arange(kv_pos.shape[1]) < n)[None, :] & (kv_pos >= 0)
+        kv_pos = jnp.where(is_sink, first[:, None], kv_pos)
+    out = attend(q, keys["k"].astype(q.dtype), keys["v"].astype(q.dtype), scale=cfg.head_dim
+                 ** -0.5, causal=True, q_positions=positions_BT, kv_positions=kv_pos,
+                 window=window, bias=bias, sink_logit_H=sink, impl=cfg.attention_impl)
+    if ring:
+      last = ell[:, -1]
+      shifted = dict(state, g=state["g"] - last[:, None].astype(state["g"].dtype))
+      return out, kv_state.write(shifted, {"k": k, "v": v, "g": ell - last[:, None]},
+                                 positions_BT, ring=True, sinks=n)
+    g = state["g_last"][:, None] + ell
+    new_state = kv_state.write(state, {"k": k, "v": v, "g": g}, positions_BT, ring=False)
+    new_state["g_last"] = g[:, -1]          # padding (log f = 0) keeps the last valid g
+    return out, new_state
+
+  def attention_probs(self, x_BTD):
+    """[B, H, T, T + 1] attention map of a full forward from the explicit reference's scores
+    (last column: the sink); diagnostics."""
+    q, k, v, loga, _ = self.features(x_BTD, None, None)
+    _, s = forget_attention_reference(q, k, v, time_cumsum(loga),
+                                      scale=self.cfg.head_dim ** -0.5)
+    return probs_with_sink(s, sink_logit_of(self.opts, self.sink_logit, self.cfg.n_heads))
+
+  @classmethod
+  def init_state(cls, cfg: ModelConfig, opts, batch: int, capacity: int, dtype) -> dict:
+    extra = dict(g=((cfg.n_heads,), stat_dtype(cfg)))      # g_j per slot (ring: g_j - g_last)
+    if opts.cache != "dense":
+      state = init_ring(cfg, opts, batch, dtype, **extra)
+    else:
+      state = kv_state.init_kv_state(batch, capacity, cfg.kv_heads, cfg.head_dim, cfg.head_dim,
+                                     dtype, **extra)
+    state["g_last"] = jnp.zeros((batch, cfg.n_heads), stat_dtype(cfg))
+    state.update(cls.carry_state(cfg, opts, batch, dtype))
+    return state
+
+  @classmethod
+  def carry_state(cls, cfg, opts, batch, dtype) -> dict:
+    return {}
+
+  @classmethod
+  def max_chunk(cls, cfg: ModelConfig, opts, capacity: int) -> int | None:
+    return None if opts.cache == "dense" else opts.cache_window
+
+  @classmethod
+  def stream_limit(cls, cfg: ModelConfig, opts, capacity: int) -> int | None:
+    return capacity if opts.cache == "dense" else None
+
+  @classmethod
+  def flops_per_token(cls, cfg: ModelConfig, opts, seq_len: int) -> float:
+    return attention_flops_per_token(cfg.n_heads, cfg.head_dim, cfg.head_dim,
+                                     causal_keys(seq_len))
+
+
+# ---------------------------------------------------------------- the mixer
+
+@register_mixer("fox")
+class FoX(ScoreBiasAttention):
+  """Forgetting Attention (module docstring). Options: `config.model.fox`."""
+
+  Options = FoXOptions
+
+  def __init__(self, cfg: ModelConfig, opts: FoXOptions, *, rngs: nnx.Rngs):
+    self.cfg, self.opts = cfg, opts
+    dt, pdt = dtype_of(cfg.dtype), dtype_of(cfg.param_dtype)
+    H, K, Dh, D = cfg.n_heads, cfg.kv_heads, cfg.head_dim, cfg.d_model
+    kw = dict(rngs=rngs, dtype=dt, param_dtype=pdt, init_std=cfg.init_std)
+    self.proj = QKVProjection(cfg, rngs=rngs)
+    self.fgate = Linear((D,), (H,), in_axes=("embed",), out_axes=("heads",), **kw)
+    self.fgate_bias = param(rngs, nnx.initializers.constant(float(opts.forget_bias_init)), (H,),
+                            ("heads",), pdt, kind="bias")
+    ones = nnx.initializers.ones_init()
+    norm = lambda n, ax: param(rngs, ones, (n, Dh), (ax, "head_dim"), pdt, kind="norm")
+    self.q_norm = norm(H, "heads") if opts.qk_norm else None
+    self.k_norm = norm(K, "kv_heads") if opts.qk_norm else None
+    self.out_norm = norm(H, "heads") if opts.output_norm else None
+    shift = lambda: Linear((D,), (K,), in_axes=("embed",), out_axes=("kv_heads",), **kw)
+    self.k_shift = shift() if opts.key_shift else None
+    self.v_shift = shift() if opts.value_shift else None
+    self.ogate = (Linear((D,), (H, Dh), in_axes=("embed",), out_axes=("heads", "head_dim"), **kw)
+                  if opts.output_gate else None)
+    self.sink_logit = make_sink_logit(cfg, opts, rngs)
+
+  def log_forget(self, x_BTD, positions_BT):
+    """log f [B, T, H] in fp32 (fp64 for float64); 0 for padding."""
+    f = stat_dtype(self.cfg)
+    pre = self.fgate(x_BTD).astype(f) + self.fgate_bias[...].astype(f)
+    loga = jax.nn.log_sigmoid(pre)
+    if positions_BT is not None:
+      loga = jnp.where((positions_BT >= 0)[..., None], loga, 0.0)
+    return loga
+
+  def features(self, x_BTD, positions_BT, state):
+    cfg, opts, p = self.cfg, self.opts, self.proj
+    B, T, _ = x_BTD.shape
+    pos = causal_positions(B, T) if positions_BT is None else positions_BT
+    q, k, v = p.q(x_BTD), p.k(x_BTD), p.v(x_BTD)
+    carry = {}
+    for name, lin in (("k", self.k_shift), ("v", self.v_shift)):
+      if lin is None:
+        continue
+      x = k if name == "k" else v
+      prev = (jnp.zeros((B,) + x.shape[2:], x.dtype) if state is None
+              else state[f"{name}_prev"])
+      x, carry[f"{name}_prev"] = token_shift(x, jax.nn.sigmoid(lin(x_BTD).astype(jnp.float32)),
+                                             prev, pos >= 0)
+      k, v = (x, v) if name == "k" else (k, x)
+    if opts.qk_norm:
+      q, k = _rms(q, self.q_norm[...], cfg.norm_eps), _rms(k, self.k_norm[...], cfg.norm_eps)
+    if opts.rope:
+      q, k = rope(q, pos, cfg.rope_theta), rope(k, pos, cfg.rope_theta)
+    return q, k, v, self.log_forget(x_BTD, positions_BT), carry
+
+  def finish(self, y_BTHD, x_BTD):
+    if self.out_norm is not None:
+      y_BTHD = _rms(y_BTHD, self.out_norm[...], self.cfg.norm_eps)
+    if self.ogate is not None:
+      y_BTHD = y_BTHD * jax.nn.sigmoid(self.ogate(x_BTD).astype(jnp.float32)).astype(y_BTHD.dtype)
+    return y_BTHD
+
+  @classmethod
+  def carry_state(cls, cfg, opts, batch, dtype) -> dict:
+    prev = jnp.zeros((batch, cfg.kv_heads, cfg.head_dim), dtype)
+    return {f"{n}_prev": prev for n, on in (("k", opts.key_shift), ("v", opts.value_shift)) if on}

@@ -1,0 +1,10 @@
+"""ALiBi, 50M: the Transformer 50M preset with mixer "alibi" (the bias -m_h (i - j) with the
+paper's slopes instead of RoPE; no extra parameters, so the SwiGLU is unchanged)."""
+
+from configs import transformer_50m
+
+
+def get_config():
+  c = transformer_50m.get_config()
+  c.model.mixer = "alibi"
+  return c

@@ -1,0 +1,8 @@
+"""Forgetting Transformer (FoX), 369M: the Transformer 369M preset with mixer "fox", the SwiGLU
+narrowed to match its parameter count (`configs/fox_152m.py`; `:pro` for the Pro block)."""
+
+from configs import fox_152m, transformer_369m
+
+
+def get_config(config_string: str = ""):
+  return fox_152m.matched(transformer_369m.get_config(), config_string)

@@ -1,0 +1,294 @@
+"""attention/fox.py: Forgetting Attention against its explicit O(T^2) reference, exact and causal
+at any length, decoding == the full forward, sharded == unsharded.
+
+Errors are relative to the largest |value| of the reference (max|a - b| <= TOL * max|b|). The
+forget gate is made strong (bias -> log f of several nats per token on some heads) and q, k are
+boosted so that both the q.k term and the decay matter.
+"""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from attn_jax.attention import fox as F
+from attn_jax.config import ModelConfig
+from attn_jax.model import Decoder, count_params
+from configs import base
+
+TOL = 1e-5            # fp32, relative to the largest |value|; fixed once
+PRO = dict(qk_norm=True, key_shift=True, value_shift=True, output_norm=True, output_gate=True)
+
+
+def _cfg(mixer="fox", d_model=32, n_heads=4, n_kv_heads=0, n_layers=2, impl="einsum",
+         dtype="float32", **opts):
+  c = base.get_config()
+  c.model.update(mixer=mixer, d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv_heads,
+                 n_layers=n_layers, d_ff=64, vocab_size=64, dtype=dtype, max_seq_len=65536,
+                 attention_impl=impl)
+  for k, v in opts.items():
+    c.model[mixer][k] = v
+  return ModelConfig.from_config(c.model)
+
+
+def _normal(seed, shape, dtype=jnp.float32):
+  return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), dtype)
+
+
+def _positions(B, T):
+  return jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+
+
+def _close(a, b, tol=TOL):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  chex.assert_trees_all_close(a, b, atol=tol * float(np.max(np.abs(b))), rtol=0.0)
+
+
+def _boost(m, qk=4.0, gate=20.0):
+  """Larger q.k, and a forget gate whose pre-activation spreads over ~[-4, 4] per token, with
+  per-head biases from no forgetting (f ~ 1) to strong (log f ~ -3)."""
+  m.proj.q.kernel[...] = m.proj.q.kernel[...] * qk
+  m.proj.k.kernel[...] = m.proj.k.kernel[...] * qk
+  m.fgate.kernel[...] = m.fgate.kernel[...] * gate
+  H = m.fgate_bias.shape[-1]
+  m.fgate_bias[...] = jnp.linspace(6.0, -3.0, H)
+  return m
+
+
+def _mixer(cfg, seed=0):
+  return _boost(F.FoX(cfg, cfg.options_for("fox"), rngs=nnx.Rngs(params=seed)))
+
+
+def _reference(m, x, pos=None):
+  """The mixer's own features through the explicit reference, then its output stage."""
+  q, k, v, loga, _ = m.features(x, pos, None)
+  sink = F.sink_logit_of(m.opts, m.sink_logit, m.cfg.n_heads)
+  y, _ = F.forget_attention_reference(q, k, v, jnp.cumsum(loga, axis=1),
+                                      scale=m.cfg.head_dim ** -0.5, sink_logit_H=sink)
+  return m.proj.o(m.finish(y.astype(q.dtype), x))
+
+
+# ---------------------------------------------------------------- the attention function
+
+@pytest.mark.parametrize("T,block,H,K", [(37, 8, 2, 2), (64, 16, 4, 2), (5, 256, 2, 1)])
+def test_forget_attention_matches_reference(T, block, H, K):
+  """Blockwise (diagonal + past loops, T not a multiple of the block, GQA) == explicit."""
+  q, k, v = _normal(0, (2, T, H, 8)), _normal(1, (2, T, K, 8)), _normal(2, (2, T, K, 8))
+  loga = -jnp.abs(_normal(3, (2, T, H))) * 2
+  got = F.forget_attention(q, k, v, loga, scale=8 ** -0.5, block=block)
+  want, _ = F.forget_attention_reference(q, k, v, jnp.cumsum(loga, 1), scale=8 ** -0.5)
+  _close(got, want)
+
+
+def test_gradients_match_reference_and_finite_differences_float64():
+  """d out / d (q, k, v, log f): blockwise == explicit reference, and both == float64 finite
+  differences (check_grads)."""
+  from jax.test_util import check_grads
+  with jax.enable_x64(True):
+    T, H = 11, 2
+    args = (_normal(0, (1, T, H, 4), jnp.float64), _normal(1, (1, T, H, 4), jnp.float64),
+            _normal(2, (1, T, H, 4), jnp.float64), -jnp.abs(_normal(3, (1, T, H), jnp.float64)))
+    w = _normal(4, (1, T, H, 4), jnp.float64)
+    blk = lambda q, k, v, la: jnp.sum(w * F.forget_attention(q, k, v, la, scale=0.5, block=3))
+    ref = lambda q, k, v, la: jnp.sum(w * F.forget_attention_reference(
+        q, k, v, jnp.cumsum(la, 1), scale=0.5)[0])
+    g_blk = jax.grad(blk, argnums=(0, 1, 2, 3))(*args)
+    g_ref = jax.grad(ref, argnums=(0, 1, 2, 3))(*args)
+    for a, b in zip(g_blk, g_ref):
+      np.testing.assert_allclose(a, b, atol=1e-12, rtol=1e-10)
+    check_grads(jax.jit(blk), args, order=1, modes=("rev",), atol=1e-6, rtol=1e-6, eps=1e-5)
+
+
+def _long(T, block=256):
+  """Strong forgetting over T tokens: one head forgets ~3 nats per token (|g| ~ 3 T), the other
+  hardly (f ~ 0.999). fp32 blockwise vs the float64 reference on 48 query rows."""
+  q, k, v = (_normal(s, (1, T, 2, 8)) * 2 for s in range(3))
+  loga = jnp.stack([-3.0 - jnp.abs(_normal(3, (1, T))), jnp.full((1, T), -1e-3)], -1)
+  idx = np.unique(np.concatenate([np.arange(8), np.linspace(0, T - 1, 40).astype(int)]))
+
+  def loss(q, k, v, la):
+    return jnp.sum(F.forget_attention(q, k, v, la, scale=8 ** -0.5, block=block)[:, idx])
+
+  out = jax.jit(lambda *a: F.forget_attention(*a, scale=8 ** -0.5, block=block))(q, k, v, loga)
+  grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, loga)
+  assert np.all(np.isfinite(out)) and all(np.all(np.isfinite(g)) for g in grads)
+  with jax.enable_x64(True):
+    f64 = lambda a: jnp.asarray(np.asarray(a, np.float64))
+    want, _ = F.forget_attention_reference(f64(q), f64(k), f64(v), jnp.cumsum(f64(loga), 1),
+                                           scale=8 ** -0.5, query_idx=idx)
+  # fp32 g reaches ~3 T nats; the block offsets carry ~2^-24 |g| each, in-block pairs none
+  _close(out[:, idx], want, tol=1e-4)
+  return out, grads
+
+
+def test_long_sequence_strong_forgetting_4k():
+  _long(4096, block=256)
+
+
+@pytest.mark.slow
+def test_long_sequence_strong_forgetting_32k():
+  _long(32768, block=512)
+
+
+# ---------------------------------------------------------------- the mixer
+
+@pytest.mark.parametrize("impl", ["einsum", "blocked", "xla"])
+@pytest.mark.parametrize("opts", [dict(block_size=8), dict(block_size=4, rope=True, **PRO),
+                                  dict(block_size=8, sink_logit="learned")])
+def test_mixer_matches_reference_on_every_cpu_core(impl, opts):
+  cfg = _cfg(impl=impl, **opts)
+  m = _mixer(cfg)
+  x = _normal(5, (2, 21, 32))
+  got = m(x, positions_BT=_positions(2, 21))[0]
+  _close(got, _reference(m, x, _positions(2, 21)))
+
+
+def test_gqa_mixer_matches_reference():
+  cfg = _cfg(n_kv_heads=2, block_size=8, **PRO)
+  m = _mixer(cfg)
+  x = _normal(5, (2, 19, 32))
+  _close(m(x, positions_BT=None)[0], _reference(m, x))
+
+
+@pytest.mark.parametrize("opts", [dict(), PRO])
+def test_causal_by_gradient(opts):
+  """d y_t / d x_s = 0 for s > t, and != 0 for s <= t (blockwise path across blocks)."""
+  m = _mixer(_cfg(block_size=4, **opts))
+  x = _normal(6, (1, 13, 32))
+  t = 6
+  g = jax.grad(lambda x: jnp.sum(m(x)[0][:, t]))(x)
+  assert np.all(np.asarray(g[:, t + 1:]) == 0)
+  assert np.all(np.abs(np.asarray(g[:, :t + 1])).sum(-1) > 0)
+
+
+@nnx.jit
+def _decode(model, tokens, state, start):
+  B, T = tokens.shape
+  pos = jnp.broadcast_to(start + jnp.arange(T, dtype=jnp.int32), (B, T))
+  return model.step(tokens, positions_BT=pos, state=state)
+
+
+def _decode_all(model, tokens, chunks, capacity):
+  """Feed the stream in the given chunk lengths; concatenated logits."""
+  cache, outs, t = model.init_state(tokens.shape[0], capacity), [], 0
+  for n in chunks:
+    logits, cache = _decode(model, tokens[:, t:t + n], cache, jnp.asarray(t, jnp.int32))
+    outs.append(logits)
+    t += n
+  return jnp.concatenate(outs, axis=1)
+
+
+def _model(cfg):
+  model = Decoder(cfg, rngs=nnx.Rngs(params=0))
+  _boost(model.blocks.layers[0].mixer)      # the period's one layer (stacked over repeats)
+  return model
+
+
+@pytest.mark.parametrize("impl", ["einsum", "blocked", "xla"])
+@pytest.mark.parametrize("opts", [dict(block_size=4), dict(block_size=4, rope=True, **PRO),
+                                  dict(block_size=4, cache="window", cache_window=16, **PRO)])
+def test_decode_matches_full_forward(impl, opts):
+  """Token by token, and prefill + chunks + steps, equal the full forward (a window as long as
+  the stream evicts nothing)."""
+  model = _model(_cfg(impl=impl, **opts))
+  B, T = 2, 12
+  tokens = jnp.asarray(np.random.default_rng(6).integers(0, 64, (B, T)), jnp.int32)
+  full = nnx.jit(lambda m, t: m.logits_and_aux(t)[0])(model, tokens)
+  _close(_decode_all(model, tokens, [1] * T, 16), full)
+  _close(_decode_all(model, tokens, [5, 3, 1, 1, 1, 1], 16), full)
+
+
+@nnx.jit
+def _call(m, x, pos, state):
+  return m(x, positions_BT=pos, state=state)
+
+
+@pytest.mark.parametrize("cache,sinks", [("window", 0), ("streaming", 2)])
+def test_ring_eviction_matches_windowed_reference(cache, sinks):
+  """A ring smaller than the stream: each query sees its last W tokens (plus the first n), with
+  the true decay g_i - g_j over everything in between (evicted tokens included)."""
+  W, T = 5, 14
+  cfg = _cfg(n_layers=1, cache=cache, cache_window=W, cache_sinks=sinks)
+  m = _mixer(cfg)
+  x = _normal(7, (2, T, 32))
+  state = F.FoX.init_state(cfg, m.opts, 2, 0, jnp.float32)
+  outs, t = [], 0
+  for n in (3, 1, 4, 1, 5):
+    y, state, _ = _call(m, x[:, t:t + n], _positions(2, n) + t, state)
+    outs.append(y)
+    t += n
+  q, k, v, loga, _ = m.features(x, None, None)
+  g = jnp.cumsum(loga, axis=1)
+  i, j = np.arange(T)[:, None], np.arange(T)[None, :]
+  visible = (j <= i) & ((i - j < W) | (j < sinks))
+  s = jnp.einsum("bihd,bjhd->bhij", q, k) * cfg.head_dim ** -0.5
+  s = s + g.transpose(0, 2, 1)[..., :, None] - g.transpose(0, 2, 1)[..., None, :]
+  p = jax.nn.softmax(jnp.where(visible, s, -jnp.inf), axis=-1)
+  want = m.proj.o(jnp.einsum("bhij,bjhd->bihd", p, v))
+  _close(jnp.concatenate(outs, axis=1), want)
+
+
+def test_padding_leaves_the_state_unchanged():
+  """Right-padded prompts of different lengths: each row equals its own unpadded run."""
+  cfg = _cfg(n_layers=1, key_shift=True, value_shift=True)
+  m = _mixer(cfg)
+  x = _normal(8, (2, 9, 32))
+  pos = jnp.asarray([list(range(9)), list(range(6)) + [-1] * 3], jnp.int32)
+  st = F.FoX.init_state(cfg, m.opts, 2, 16, jnp.float32)
+  y, st, _ = _call(m, x, pos, st)
+  nxt = _normal(9, (2, 1, 32))
+  y2, _, _ = _call(m, nxt, jnp.asarray([[9], [6]], jnp.int32), st)
+  row = F.FoX.init_state(cfg, m.opts, 1, 16, jnp.float32)
+  y1, row, _ = _call(m, x[1:, :6], _positions(1, 6), row)
+  y12, _, _ = _call(m, nxt[1:], jnp.asarray([[6]], jnp.int32), row)
+  _close(y[1:, :6], y1)
+  _close(y2[1:], y12)
+
+
+def test_batch_sharded_forward_equals_unsharded():
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  from attn_jax.sharding import make_mesh
+  mesh = make_mesh((-1, 1, 1), ("data", "fsdp", "tensor"))
+  m = _mixer(_cfg(block_size=4, **PRO))
+  x, pos = _normal(10, (8, 11, 32)), _positions(8, 11)
+  want = m(x, positions_BT=pos)[0]
+  put = lambda a: jax.device_put(a, NamedSharding(mesh, P("data")))
+  got = nnx.jit(lambda m_, x_, p_: m_(x_, positions_BT=p_)[0])(m, put(x), put(pos))
+  _close(got, want)
+
+
+# ---------------------------------------------------------------- parameters, config
+
+@pytest.mark.parametrize("size,override", [("50m", ""), ("152m", ""), ("369m", ""),
+                                           ("152m", "pro")])
+def test_configs_match_the_transformer(size, override):
+  """Within the rounding of d_ff to a multiple of 4 (at most 2 d_ff units: 6 d per layer)."""
+  import importlib
+  tc = importlib.import_module(f"configs.transformer_{size}").get_config().model
+  fc = importlib.import_module(f"configs.fox_{size}").get_config(override).model
+  assert fc.mixer == "fox" and fc.fox.output_gate == (override == "pro")
+  diff = count_params(fc)["total"] - count_params(tc)["total"]
+  assert abs(diff) <= tc.n_layers * 6 * tc.d_model
+
+
+def test_extra_params_are_what_the_mixer_creates():
+  cfg = _cfg(n_kv_heads=2, **PRO)
+  plain = _cfg(mixer="attention", n_kv_heads=2)
+  n = lambda c: count_params(c)["total"]
+  assert n(cfg) - n(plain) == 2 * F.extra_params(32, 4, 2, cfg.options_for("fox"))
+
+
+@pytest.mark.parametrize("field,value,msg", [
+    ("block_size", -1, "block_size"), ("rope", 1, "rope"),
+    ("forget_bias_init", float("nan"), "forget_bias_init")])
+def test_validate_names_the_field(field, value, msg):
+  with pytest.raises(ValueError, match=f"fox.{msg}"):
+    _cfg().with_options("fox", **{field: value})
+
+
+def test_rope_with_a_ring_cache_is_refused():
+  with pytest.raises(ValueError, match="fox.cache"):
+    _cfg(rope=True, cache="window")
