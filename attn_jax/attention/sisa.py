@@ -7,7 +7,7 @@ SPEC.md section 1. Per head h, with x = RMSNorm(input), d_h = d_model / H, d_s =
     B_t = W_B x_t,  C_t = W_C x_t                                  ([H, d_s] per token)
     log a_t = -softplus(w_a . x_t + b)                             (one per head; b init -5)
     theta_t = W_theta x_t                                          ([H, d_s/2] angles)
-    g_t = sum_{s<=t} log a_s,  Phi_t = sum_{s<=t} theta_s          (fp32 cumulative sums)
+    g_t = sum_{s<=t} log a_s,  Phi_t = sum_{s<=t} theta_s mod 2 pi (fp32 cumulative sums)
     lambda = softplus(lambda_raw)                                  (fp32, lambda_raw init -1)
 
     score_ij = q_i.k_j / sqrt(d_h) + lambda * e^{g_i - g_j} * (R(Phi_i) C_i) . (R(Phi_j) B_j)
@@ -87,6 +87,15 @@ an absolute error ~ 2^-24 |g| (relative error of a decay factor ~ 1e-4 at |g| ~ 
 exact to fp32 rounding of the cumulative sum, far below bf16 resolution. The explicit reference
 (`sisa_attention_reference`) uses the same g and Phi, formed pairwise as differences.
 
+Precision of Phi: only Phi mod 2 pi matters (a rotation is periodic), and an absolute fp32 angle
+of a few thousand radians (reached within a few thousand tokens at large theta) has a spacing of
+~1e-3 rad, with cos/sin of it no better. So the running phase is wrapped mod 2 pi at every step
+of its scan (`phase_cumsum`, with 2 pi split into two floats so a wrap adds no error of its
+own), and the decoding state keeps it wrapped: every angle stays below a few radians however long
+the sequence. Tested against a float64 reference at 32K tokens (tests/test_sisa.py). On CPU g
+and Phi share one `lax.scan`; elsewhere g keeps `jnp.cumsum` and Phi takes the sequential scan
+(its wrap is not associative), elementwise work on [B, H, d_s/2] per step.
+
 Cumulative sums: on CPU `jnp.cumsum` lowers to a `reduce_window` with a window as long as the
 sequence (O(T^2): 47 ms vs 8.5 ms for [8, 1024, 12, 16] fp32), while a sequential `lax.scan`
 is O(T) and faster than `lax.associative_scan` forward and backward (measured: 8.5 / 9.6 ms
@@ -106,8 +115,8 @@ inside the cache, exactly as for attention (`mha.ring_attend`; the sinks' full w
 q.k and SISA term, enters as the bias). A query therefore still sees the true decay
 e^{g_i - g_j} to a sink, accumulated over every token in between (evicted ones included). In the
 ring the stored g_j are kept relative to the last token (g_j - g_last >= 0, shifted after every
-call), and the running phase is wrapped mod 2 pi (a rotation is periodic), so neither grows with
-the stream.
+call), and the running phase is wrapped mod 2 pi as everywhere, so neither grows with the
+stream.
 
 Measured costs (SISA vs the Transformer, path choice) are in the README, produced by
 `experiments/bench.py`.
@@ -165,13 +174,49 @@ def stat_dtype(cfg: ModelConfig):
   return jnp.promote_types(jnp.float32, dtype_of(cfg.dtype))
 
 
+def _time_scan(step, x_BT: jax.Array) -> jax.Array:
+  """Inclusive scan over axis 1 (`step(carry, x) -> carry`, the carry starting at zero)."""
+  xs = jnp.moveaxis(x_BT, 1, 0)
+  _, ys = jax.lax.scan(lambda c, a: (step(c, a),) * 2, jnp.zeros_like(xs[0]), xs)
+  return jnp.moveaxis(ys, 0, 1)
+
+
 def time_cumsum(x_BT: jax.Array) -> jax.Array:
   """Inclusive cumulative sum over axis 1 (see the module docstring for the choice)."""
   if jax.default_backend() != "cpu":
     return jnp.cumsum(x_BT, axis=1)
-  xs = jnp.moveaxis(x_BT, 1, 0)
-  _, ys = jax.lax.scan(lambda c, a: (c + a, c + a), jnp.zeros_like(xs[0]), xs)
-  return jnp.moveaxis(ys, 0, 1)
+  return _time_scan(jnp.add, x_BT)
+
+
+# 2 pi as a sum of two floats (Cody-Waite): the fp32-rounded 2 pi alone is 1.7e-7 too large, an
+# error every wrap would add to the phase.
+_TWO_PI_HI = float(np.float32(2 * np.pi))
+_TWO_PI_LO = 2 * np.pi - _TWO_PI_HI
+
+
+def wrap_phase(x: jax.Array) -> jax.Array:
+  """x mod 2 pi (approximately in [0, 2 pi)); exact to x's rounding for |x| of a few turns."""
+  k = jnp.floor(x * (1 / (2 * np.pi)))
+  return (x - k * _TWO_PI_HI) - k * _TWO_PI_LO
+
+
+def phase_cumsum(theta_BTHP: jax.Array) -> jax.Array:
+  """Phi_t = sum_{s<=t} theta_s mod 2 pi, the running sum wrapped at every step, so the angle
+  never grows with t and keeps the precision of a few radians (module docstring)."""
+  return _time_scan(lambda c, a: wrap_phase(c + a), theta_BTHP)
+
+
+def decay_and_phase(loga_BTH, theta_BTHP):
+  """g = cumsum(log a) and Phi = `phase_cumsum`(theta) over time (one scan on CPU). theta may
+  be None."""
+  if theta_BTHP is None:
+    return time_cumsum(loga_BTH), None
+  if jax.default_backend() != "cpu":
+    return jnp.cumsum(loga_BTH, axis=1), phase_cumsum(theta_BTHP)
+  both = _time_scan(lambda c, a: jnp.concatenate([c[..., :1] + a[..., :1],
+                                                  wrap_phase(c[..., 1:] + a[..., 1:])], -1),
+                    jnp.concatenate([loga_BTH[..., None], theta_BTHP], axis=-1))
+  return both[..., 0], both[..., 1:]
 
 
 def rotate_pairs(x_BTHS: jax.Array, phi_BTHP: jax.Array) -> jax.Array:
@@ -180,14 +225,6 @@ def rotate_pairs(x_BTHS: jax.Array, phi_BTHP: jax.Array) -> jax.Array:
   c, s = jnp.cos(phi_BTHP), jnp.sin(phi_BTHP)
   x0, x1 = x[..., 0], x[..., 1]
   return jnp.stack([x0 * c - x1 * s, x0 * s + x1 * c], axis=-1).reshape(x_BTHS.shape)
-
-
-def decay_and_phase(loga_BTH, theta_BTHP):
-  """g = cumsum(log a), Phi = cumsum(theta) over time, in one scan. theta may be None."""
-  if theta_BTHP is None:
-    return time_cumsum(loga_BTH), None
-  both = time_cumsum(jnp.concatenate([loga_BTH[..., None], theta_BTHP], axis=-1))
-  return both[..., 0], both[..., 1:]
 
 
 def _local_bias(rc_BTHS, rb_BSHS, g_q_BTH, g_k_BSH, lam_H, causal_TS):
@@ -401,7 +438,7 @@ class SISA(nnx.Module):
     ell = g
     if state is not None:
       g = state["g_last"][:, None] + ell
-      phi = None if phi is None else state["phi_last"][:, None] + phi
+      phi = None if phi is None else wrap_phase(state["phi_last"][:, None] + phi)
     rc = c.astype(g.dtype) if phi is None else rotate_pairs(c, phi)
     rb = b.astype(g.dtype) if phi is None else rotate_pairs(b, phi)
     qscale = lam * math.sqrt(cfg.head_dim)                      # s^2 = lambda sqrt(d_h)
@@ -411,8 +448,8 @@ class SISA(nnx.Module):
     else:
       cached = self._ring if ring else self._cached
       out, state = cached(q, k, v, rc, rb, g, ell, lam, qscale, positions_BT, state, sink)
-      if phi is not None:   # the ring wraps the running phase (a rotation is 2 pi periodic)
-        state["phi_last"] = jnp.mod(phi[:, -1], 2 * math.pi) if ring else phi[:, -1]
+      if phi is not None:
+        state["phi_last"] = phi[:, -1]
       chunked = jnp.ones((), jnp.float32)
 
     mean_loga = jnp.mean(loga)
