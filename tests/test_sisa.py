@@ -318,9 +318,9 @@ def _angles64(positions, dim, theta):
 def test_gradients_match_finite_differences_float64(monkeypatch, path):
   from jax.test_util import check_grads
   monkeypatch.setattr(S, "attend", _attend64)     # fp64 stand-ins for the fp32 shared helpers
-  from attn_jax.attention import mha
-  monkeypatch.setattr(mha, "apply_rope", _rope64)
-  monkeypatch.setattr(mha, "rope_angles", _angles64)
+  from attn_jax.attention import projection
+  monkeypatch.setattr(projection, "apply_rope", _rope64)
+  monkeypatch.setattr(projection, "rope_angles", _angles64)
   with jax.enable_x64(True):
     opts = dict(base.get_config().model.sisa.to_dict(), d_state=4, path=path, chunk_size=3,
                 decay_bias_init=0.0)
@@ -366,10 +366,11 @@ def test_hooks():
   opts = cfg.options_for("sisa")
   assert S.SISA.flops_per_token(cfg, opts, L) == pytest.approx(
       Attention.flops_per_token(cfg, Attention.Options(), L) + 2 * 4 * 8 * (L + 1) / 2)
-  cache = S.SISA.init_state(cfg, opts, 3, 20, jnp.bfloat16)
-  assert cache["k"].shape == (3, 20, 4, 16) and cache["rb"].shape == (3, 20, 4, 8)
-  assert cache["rb"].dtype == jnp.bfloat16 and cache["g"].dtype == jnp.float32
-  assert cache["g_last"].shape == (3, 4) and cache["phi_last"].shape == (3, 4, 4)
+  state = S.SISA.init_state(cfg, opts, 3, 20, jnp.bfloat16)
+  kv = state.cache
+  assert kv.k.shape == (3, 20, 4, 16) and kv.extra.rb.shape == (3, 20, 4, 8)
+  assert kv.extra.rb.dtype == jnp.bfloat16 and kv.extra.g.dtype == jnp.float32
+  assert state.g.shape == (3, 4) and state.phi.shape == (3, 4, 4)
 
 
 @pytest.mark.parametrize("field,value", [

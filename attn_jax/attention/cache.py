@@ -55,6 +55,7 @@ from flax import struct
 
 from attn_jax.attention.core import attend, choose_impl
 from attn_jax.attention.projection import rope
+from attn_jax.options import is_int
 
 
 # ------------------------------------------------------------------ policies
@@ -62,8 +63,8 @@ from attn_jax.attention.projection import rope
 @dataclasses.dataclass(frozen=True)
 class Policy:
   """Base of the cache policies (module docstring). Subclasses set `sinks` / `window`."""
-  sinks: int = 0
-  window: int | None = None     # visible span of stream positions (query included); None: all
+  sinks = 0                     # first tokens kept forever
+  window = None                 # recent tokens kept (query included); None: all
 
   @property
   def bounded(self) -> bool:
@@ -87,10 +88,10 @@ class Policy:
     return None if self.bounded else capacity
 
   def validate(self) -> None:
-    if not (isinstance(self.sinks, int) and not isinstance(self.sinks, bool) and self.sinks >= 0):
+    if not is_int(self.sinks, 0):
       raise ValueError(f"{self.label}: sinks must be an integer >= 0, got {self.sinks!r}")
     w = self.window
-    if w is not None and not (isinstance(w, int) and not isinstance(w, bool) and w >= 1):
+    if w is not None and not is_int(w, 1):
       raise ValueError(f"{self.label}: window must be an integer >= 1, got {w!r}")
 
   @property
@@ -182,8 +183,6 @@ def init_cache(policy: Policy, batch: int, capacity: int, n_kv: int, dk: int, dv
   `jax.ShapeDtypeStruct` (per-key shape and dtype) for the mixer's own per-key data."""
   policy.validate()
   S = policy.slots(capacity)
-  if policy.bounded and policy.window < 1:
-    raise ValueError(f"{policy.label}: needs at least one ring slot")
   zeros = lambda s: jnp.zeros((batch, S) + tuple(s.shape), s.dtype)
   return KVCache(k=jnp.zeros((batch, S, n_kv, dk), dtype), v=jnp.zeros((batch, S, n_kv, dv), dtype),
                  pos=jnp.full((batch, S), -1, jnp.int32), ptr=jnp.zeros((batch,), jnp.int32),
@@ -239,7 +238,7 @@ def cached_attention(cache: KVCache, q_BTHD, k_BTKD, v_BTKV, positions_BT, *, th
     q_sink = None if q_sink is None else cat(q_sink, widen.q)
     k_new = cat(k_new, jnp.zeros(k_new.shape[:-1] + widen.q.shape[-1:], dt))
     if widen.bias_new is not None:
-      bias = jnp.pad(widen.bias_new.astype(jnp.float32), ((0, 0), (0, 0), (0, 0), (S, 0)))
+      bias = jnp.pad(widen.bias_new, ((0, 0), (0, 0), (0, 0), (S, 0)))
   if n:
     s_sink = jnp.pad(_sink_bias(q_sink, k_buf[:, :n], scale),
                      ((0, 0), (0, 0), (0, 0), (0, S - n + k_new.shape[1])))
@@ -272,6 +271,13 @@ class CachedMixer:
   @classmethod
   def cache_policy(cls, cfg, opts, policy: Policy | None) -> Policy:
     return LINEAR if policy is None else policy
+
+  @classmethod
+  def init_state(cls, cfg, opts, batch: int, capacity: int, dtype,
+                 policy: Policy | None = None):
+    """A plain KV cache (q/k/v heads of `cfg`) under `cache_policy`."""
+    return init_cache(cls.cache_policy(cfg, opts, policy), batch, capacity, cfg.kv_heads,
+                      cfg.head_dim, cfg.head_dim, dtype)
 
   @classmethod
   def max_chunk(cls, cfg, opts, capacity: int, policy: Policy | None = None) -> int | None:
