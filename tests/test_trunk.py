@@ -149,8 +149,8 @@ def test_mixed_pattern_structure_counts_and_flops():
   assert counts["mixer"] + counts["mlp"] + sum(v["norms"] for v in kinds.values()) + 32 \
       == counts["non_embedding"]
   state = init_state(cfg, 2, 16)
-  assert len(state) == 3 and state[0]["k"].shape == (2, 2, 16, 4, 8)   # [R, B, S, K, D]
-  assert state[2]["k"].shape == (2, 2, 4, 4, 8)                        # the ring: the window
+  assert len(state) == 3 and state[0].k.shape == (2, 2, 16, 4, 8)   # [R, B, S, K, D]
+  assert state[2].k.shape == (2, 2, 4, 4, 8)                        # the ring: the window
   from attn_jax.train import flops
   n = count_params(cfg)
   per_layer = {s.mixer: get_mixer(s.mixer).flops_per_token(cfg, cfg.options_for(s.mixer), 64)
