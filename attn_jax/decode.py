@@ -4,10 +4,12 @@ Every mixer creates and updates its own decoding state (a KV buffer, a ring buff
 recurrent state, ...), including the positions it needs; this module only passes states and
 per-row positions along:
 
-    state = model.init_state(batch, capacity)
+    state = model.init_state(batch, capacity, policy)
     logits_BTV, state = model.step(tokens_BT, positions_BT=positions, state=state)
 
-so it never computes a cache slot and never branches on a mixer's name.
+so it never computes a cache slot and never branches on a mixer's name. `policy` (default
+linear) is the KV-cache policy of the attention-style mixers (`attention/cache.py`: Linear,
+Ring(W), SinksRing(n, W)), chosen here at decode time for any model.
 
 - Prompts of different lengths share a batch: right-padded to T, with per-row `lengths`; padding
   carries position -1, which every mixer ignores. Row b's new tokens follow its own prompt.
@@ -43,12 +45,12 @@ def prompt_positions(lengths_B: jax.Array, start: int, length: int) -> jax.Array
 
 
 def prefill(model, prompt_BT: jax.Array, lengths_B: jax.Array | None = None, *,
-            capacity: int) -> tuple[jax.Array, Any]:
+            capacity: int, policy=None) -> tuple[jax.Array, Any]:
   """Run right-padded prompts through fresh states of `capacity`, in chunks of at most the
   mixers' `max_chunk`. -> (logits of each row's last prompt token [B, V] fp32, state)."""
   B, T = prompt_BT.shape
   lengths_B = jnp.full((B,), T, jnp.int32) if lengths_B is None else lengths_B.astype(jnp.int32)
-  chunk, stream = mixer_limits(model.cfg, capacity)
+  chunk, stream = mixer_limits(model.cfg, capacity, policy)
   if stream is not None and T > stream:
     raise ValueError(f"prompt length {T} exceeds what the decoding state holds ({stream} "
                      "tokens; raise cache_len)")
@@ -67,7 +69,7 @@ def prefill(model, prompt_BT: jax.Array, lengths_B: jax.Array | None = None, *,
 
   # The first chunk, then the other whole chunks in one `lax.scan` (traced once, so compile
   # time does not grow with the prompt: a ring of window 2 takes T / 2 calls), then the rest.
-  carry = run((model.init_state(B, capacity), None), 0, prompt_BT[:, :chunk])
+  carry = run((model.init_state(B, capacity, policy), None), 0, prompt_BT[:, :chunk])
   n_full = T // chunk
   if n_full > 1:
     chunks = prompt_BT[:, chunk:n_full * chunk].reshape(B, n_full - 1, chunk).swapaxes(0, 1)
@@ -105,9 +107,9 @@ def sample_logits(logits_BV: jax.Array, rng: jax.Array | None, *, temperature=0.
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "cache_len", "greedy",
-                                             "top_k"))
+                                             "top_k", "policy"))
 def _generate_jit(graphdef, state, prompt_BT, lengths_B, rng, temperature, eos_id, pad_id, *,
-                  max_new_tokens: int, cache_len: int, greedy: bool, top_k: int):
+                  max_new_tokens: int, cache_len: int, greedy: bool, top_k: int, policy):
   """eos_id / pad_id: int32 scalars (traced: changing them does not recompile); -1 = no EOS."""
   model = nnx.merge(graphdef, state)
   B, T = prompt_BT.shape
@@ -126,7 +128,7 @@ def _generate_jit(graphdef, state, prompt_BT, lengths_B, rng, temperature, eos_i
   in_prompt_BT = jnp.arange(T)[None, :] < lengths_B[:, None]
   out_BL = jnp.full((B, T + max_new_tokens), pad_id, jnp.int32)
   out_BL = out_BL.at[:, :T].set(jnp.where(in_prompt_BT, prompt_BT, pad_id))
-  logits_BV, dstate = prefill(model, prompt_BT, lengths_B, capacity=cache_len)
+  logits_BV, dstate = prefill(model, prompt_BT, lengths_B, capacity=cache_len, policy=policy)
   tok_B, done_B = finish(sample(logits_BV, 0), jnp.zeros((B,), bool))
   out_BL = out_BL.at[rows_B, lengths_B].set(tok_B)
 
@@ -148,7 +150,7 @@ def _generate_jit(graphdef, state, prompt_BT, lengths_B, rng, temperature, eos_i
 def generate(model, prompt_BT: jax.Array, *, max_new_tokens: int, lengths=None,
              temperature: float = 0.0, top_k: int = 0, rng: jax.Array | None = None,
              eos_id: int | None = None, pad_id: int | None = None,
-             cache_len: int | None = None) -> jax.Array:
+             cache_len: int | None = None, policy=None) -> jax.Array:
   """Extend each prompt by `max_new_tokens` tokens: -> tokens [B, T + max_new_tokens] int32.
 
   - lengths: per-row prompt lengths (right padding; default all T). Row b holds its prompt,
@@ -162,6 +164,8 @@ def generate(model, prompt_BT: jax.Array, *, max_new_tokens: int, lengths=None,
   - cache_len: capacity of the decoding states (default T + max_new_tokens). States that hold
     the whole stream (a linear KV buffer) need >= T + max_new_tokens - 1 (the last token is
     never fed back); bounded states (ring buffers, SSMs) generate any length.
+  - policy: the KV-cache policy (`attention/cache.py`; None = linear); a ring (`Ring(W)`,
+    `SinksRing(n, W)`) generates any length in constant memory.
   """
   prompt_BT = jnp.asarray(prompt_BT, jnp.int32)
   if prompt_BT.ndim != 2:
@@ -181,7 +185,7 @@ def generate(model, prompt_BT: jax.Array, *, max_new_tokens: int, lengths=None,
     raise ValueError(f"temperature must be >= 0, got {temperature}")
   if cache_len is None:
     cache_len = T + max_new_tokens
-  _, stream = mixer_limits(model.cfg, int(cache_len))
+  _, stream = mixer_limits(model.cfg, int(cache_len), policy)
   if stream is not None and stream < T + max_new_tokens - 1:
     raise ValueError(f"cache_len={cache_len} is too small for prompt length {T} + "
                      f"{max_new_tokens} new tokens (needs >= {T + max_new_tokens - 1})")
@@ -200,4 +204,4 @@ def generate(model, prompt_BT: jax.Array, *, max_new_tokens: int, lengths=None,
                        jnp.asarray(temperature, jnp.float32),
                        scalar(-1 if eos_id is None else eos_id), scalar(pad_id),
                        max_new_tokens=int(max_new_tokens), cache_len=int(cache_len),
-                       greedy=greedy, top_k=int(top_k))
+                       greedy=greedy, top_k=int(top_k), policy=policy)

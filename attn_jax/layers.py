@@ -123,6 +123,11 @@ class RMSNorm(nnx.Module):
     return (y * self.scale[...].astype(jnp.float32)).astype(self.dtype)
 
 
+def causal_positions(batch: int, length: int) -> jax.Array:
+  """Positions 0..length-1 of every row, [batch, length] int32 (a plain full forward)."""
+  return jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+
+
 def rope_angles(positions: jax.Array, dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
   """cos/sin for rotary embeddings. positions [B, T] -> ([B, T, dim/2], [B, T, dim/2]) fp32."""
   inv_freq = 1.0 / (theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))

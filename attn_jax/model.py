@@ -18,11 +18,11 @@ Sink tokens (`cfg.sink_tokens` = K > 0; SPEC.md section 3, "a learnable sink tok
 pre-training"): K learned embedding rows are prepended to every sequence before the layers and
 their outputs dropped after the final norm, so every entry point returns one output per real
 token. They take stream positions 0..K-1 and real tokens shift to K, K+1, ... (RoPE is relative,
-so the shift only matters for caches that keep the first tokens: a StreamingLLM cache keeps the
-sink token with `cache_sinks >= K`). When decoding, a call whose row contains stream position 0
-(the start of that row's stream) carries the K sink tokens; in any later call they are padding
-(position -1), so the state holds them exactly once. Decoding states get K extra slots of
-capacity, and the longest stateful chunk shrinks by K.
+so the shift only matters for caches that keep the first tokens: a StreamingLLM cache,
+`cache.SinksRing(n, W)`, keeps the sink tokens with n >= K). When decoding, a call whose row
+contains stream position 0 (the start of that row's stream) carries the K sink tokens; in any
+later call they are padding (position -1), so the state holds them exactly once. Decoding
+states get K extra slots of capacity, and the longest stateful chunk shrinks by K.
 
 RNG: each layer gets `fold_in(fold_in(rng, repeat), index in period)`, so the noise of a layer
 depends only on the caller's key (the train step derives it from the step: the same step gets
@@ -41,7 +41,7 @@ from flax import nnx
 
 from attn_jax.config import LayerSpec, ModelConfig, validate_model
 from attn_jax.layers import RMSNorm, SwiGLU, dtype_of, param
-from attn_jax.registry import get_mixer, optional_hook
+from attn_jax.registry import get_mixer, optional_hook, policy_kw
 from attn_jax.sharding import constrain, pad_vocab
 
 # The residual stream's logical axes: activation sharding constraints (a no-op outside
@@ -210,9 +210,11 @@ class Decoder(nnx.Module):
     return jnp.einsum("...d,dv->...v", h, w.astype(h.dtype), preferred_element_type=jnp.float32)
 
   # ------------------------------------------------------------------ per-layer facts
-  def init_state(self, batch: int, capacity: int) -> tuple:
-    """Decoding state of every layer: a tuple over the period, each stacked over the repeats."""
-    return init_state(self.cfg, batch, capacity)
+  def init_state(self, batch: int, capacity: int, policy=None) -> tuple:
+    """Decoding state of every layer: a tuple over the period, each stacked over the repeats.
+    `policy`: the KV-cache policy (`attention/cache.py`; None = linear), an inference-time
+    choice: the same model decodes under any."""
+    return init_state(self.cfg, batch, capacity, policy)
 
   def aux_metrics(self, aux: tuple) -> dict:
     """Monitors keyed by layer kind: {name: [R]} for a period of one, else
@@ -227,24 +229,26 @@ def padded_vocab(cfg: ModelConfig) -> int:
   return pad_vocab(cfg.vocab_size, cfg.vocab_multiple)
 
 
-def init_state(cfg: ModelConfig, batch: int, capacity: int) -> tuple:
+def init_state(cfg: ModelConfig, batch: int, capacity: int, policy=None) -> tuple:
   capacity = capacity + cfg.sink_tokens   # the sink tokens occupy the first slots
   out = []
   for spec in cfg.period:
     cls = get_mixer(spec.mixer)
-    one = cls.init_state(cfg, cfg.options_for(spec.mixer), batch, capacity, dtype_of(cfg.dtype))
+    one = cls.init_state(cfg, cfg.options_for(spec.mixer), batch, capacity, dtype_of(cfg.dtype),
+                         **policy_kw(cls.init_state, policy))
     out.append(jax.tree.map(lambda a: jnp.broadcast_to(a, (cfg.n_repeats,) + a.shape), one))
   return tuple(out)
 
 
-def mixer_limits(cfg: ModelConfig, capacity: int) -> tuple[int | None, int | None]:
+def mixer_limits(cfg: ModelConfig, capacity: int,
+                 policy=None) -> tuple[int | None, int | None]:
   """(longest chunk one stateful call takes, longest stream the states hold) over all layer
-  kinds; None = unbounded."""
+  kinds under the cache `policy`; None = unbounded."""
   chunk = stream = None
   for spec in cfg.period:
     cls, opts = get_mixer(spec.mixer), cfg.options_for(spec.mixer)
-    c = optional_hook(cls, "max_chunk", cfg, opts, capacity)
-    s = optional_hook(cls, "stream_limit", cfg, opts, capacity)
+    c = optional_hook(cls, "max_chunk", cfg, opts, capacity, policy)
+    s = optional_hook(cls, "stream_limit", cfg, opts, capacity, policy)
     chunk = c if chunk is None else (chunk if c is None else min(chunk, c))
     stream = s if stream is None else (stream if s is None else min(stream, s))
   if chunk is not None and cfg.sink_tokens:   # a call may carry the sink tokens too

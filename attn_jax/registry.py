@@ -16,9 +16,10 @@ only ever use it; none of them branches on a mixer's name):
       def __init__(self, cfg: ModelConfig, opts: Options, *, rngs: nnx.Rngs)
       def __call__(self, x_BTD, *, positions_BT, state=None, rng=None, train=False)
           -> (y_BTD, new_state, aux)
-      @classmethod init_state(cls, cfg, opts, batch, capacity, dtype) -> pytree | None
+      @classmethod init_state(cls, cfg, opts, batch, capacity, dtype[, policy]) -> pytree | None
       @classmethod flops_per_token(cls, cfg, opts, seq_len) -> float
-      @classmethod max_chunk(cls, cfg, opts, capacity) -> int | None      (optional)
+      @classmethod max_chunk(cls, cfg, opts, capacity[, policy]) -> int | None    (optional)
+      @classmethod stream_limit(cls, cfg, opts, capacity[, policy]) -> int | None (optional)
 
 - `positions_BT` [B, T] int32: each token's absolute position in its row's stream; -1 marks
   padding (prompts of different lengths, right-padded), which must neither change the state
@@ -32,7 +33,11 @@ only ever use it; none of them branches on a mixer's name):
 - `flops_per_token`: forward FLOPs per token of the *non-parameter* work (attention scores and
   values, scans); parameter matmuls are counted from the parameter count (train/flops.py).
 - `max_chunk`: the most new tokens one stateful call can take with a state of `capacity`
-  (None = any); `decode.py` prefills longer prompts in chunks of that size.
+  (None = any); `decode.py` prefills longer prompts in chunks of that size. `stream_limit`: the
+  longest stream the state holds (None = any).
+- `policy` (a keyword the state hooks may take): the decode-time cache policy
+  (`attention/cache.py`: Linear, Ring(W), SinksRing(n, W)); a mixer whose state is a KV cache
+  runs it under that policy (`cache.CachedMixer`), the others do not take it.
 - Optimizer treatment (lr multiplier, weight decay on/off) is metadata on the parameters the
   mixer creates (`layers.param(..., kind=, lr_mult=)`), read by train/optim.py.
 """
@@ -41,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 import pkgutil
 from typing import Callable
 
@@ -92,7 +98,13 @@ def default_options(name: str) -> dict:
           for f in dataclasses.fields(get_mixer(name).Options)}
 
 
-def optional_hook(cls: type, name: str, cfg, opts, capacity: int) -> int | None:
+def policy_kw(fn: Callable, policy) -> dict:
+  """{"policy": policy} for a hook that takes the decode-time cache policy (a keyword
+  `policy`: mixers whose state is a `cache.KVCache`), else {} (the others ignore it)."""
+  return {"policy": policy} if "policy" in inspect.signature(fn).parameters else {}
+
+
+def optional_hook(cls: type, name: str, cfg, opts, capacity: int, policy=None) -> int | None:
   """A mixer's optional `max_chunk` / `stream_limit` (None = unbounded when not defined)."""
   fn = getattr(cls, name, None)
-  return None if fn is None else fn(cfg, opts, capacity)
+  return None if fn is None else fn(cfg, opts, capacity, **policy_kw(fn, policy))

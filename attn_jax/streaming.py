@@ -2,18 +2,17 @@
 scoring (per-position loss) and generation (SPEC.md section 3, StreamingLLM).
 
 Policies (`Policy(name, window, sinks)`):
-- "dense":     every token stays (the mixers' linear `kv_state`); memory grows with the stream;
-- "window":    the last `window` tokens (a ring; the first tokens are evicted);
+- "dense":     every token stays (`cache.Linear`); memory grows with the stream;
+- "window":    the last `window` tokens (`cache.Ring(window)`; the first tokens are evicted);
 - "recompute": sliding window with re-computation: each token gets a fresh forward over the
                last `window` tokens (positions 0..window-1 every time) — the paper's strong,
                slow baseline;
 - "streaming": StreamingLLM, the first `sinks` tokens plus the last `window` tokens, positions
-               assigned inside the cache (see attention/mha.py).
-"window" and "streaming" are the softmax mixers' `cache` option: `with_cache(model, policy)`
-re-merges the same parameters under a config with `cache`, `cache_sinks` and `cache_window`
-replaced for every mixer that has them (attention, SISA); other mixers (SSMs, a sliding-window
-mixer) keep their own bounded states. Their states are fixed-size buffers, so the jitted step
-is compiled once, whatever the stream length.
+               assigned inside the cache (`cache.SinksRing(sinks, window)`, attention/cache.py).
+The three cache policies are `Policy.cache`, handed to `model.init_state` at decode time: the
+same model (no rebuild) runs under any; mixers whose state is not a KV cache (SSMs) and those
+whose cache policy is their function (sliding window, Sinkhorn) keep their own states. The
+states are fixed-size buffers, so the jitted step is compiled once, whatever the stream length.
 
 Scoring (`score_stream`): the stream is fed in chunks of `chunk` tokens (at most the cache
 window) through `model.step`; the last chunk is padded (positions -1), so one compiled shape
@@ -34,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from attn_jax.attention.mha import SinkOptions
+from attn_jax.attention import cache as cache_lib
 from attn_jax.config import ModelConfig
 from attn_jax.model import mixer_limits
 from attn_jax.registry import get_mixer
@@ -69,32 +68,18 @@ class Policy:
     """Most tokens a query sees (itself included); 0 = unbounded."""
     return {"dense": 0, "streaming": self.sinks + self.window}.get(self.name, self.window)
 
+  @property
+  def cache(self) -> cache_lib.Policy | None:
+    """The KV-cache policy (None for "recompute": no cache)."""
+    self.validate()
+    return {"dense": cache_lib.LINEAR, "window": cache_lib.Ring(self.window),
+            "streaming": cache_lib.SinksRing(self.sinks, self.window)}.get(self.name)
 
-def softmax_mixers(cfg: ModelConfig) -> list[str]:
-  """Mixers of the pattern that take the shared sink/cache options."""
+
+def cached_mixers(cfg: ModelConfig) -> list[str]:
+  """Mixers of the pattern whose decoding state is a KV cache under the policy asked for."""
   return sorted({s.mixer for s in cfg.period
-                 if issubclass(get_mixer(s.mixer).Options, SinkOptions)})
-
-
-def cache_config(cfg: ModelConfig, policy: Policy) -> ModelConfig:
-  """The model config whose softmax mixers use `policy`'s cache (recompute: dense)."""
-  policy.validate()
-  cache = {"dense": "dense", "recompute": "dense", "window": "window",
-           "streaming": "streaming"}[policy.name]
-  for name in softmax_mixers(cfg):
-    over = dict(cache=cache)
-    if cache != "dense":
-      over.update(cache_window=policy.window, cache_sinks=policy.sinks)
-    cfg = cfg.with_options(name, **over)
-  return cfg
-
-
-def with_cache(model, policy: Policy):
-  """The same parameters under `cache_config(model.cfg, policy)` (no copy, no re-init)."""
-  from attn_jax.model import abstract_model
-  cfg = cache_config(model.cfg, policy)
-  graphdef = nnx.split(abstract_model(cfg))[0]
-  return nnx.merge(graphdef, nnx.state(model))
+                 if getattr(get_mixer(s.mixer), "follows_policy", False)})
 
 
 def check_policy(cfg: ModelConfig, policy: Policy) -> None:
@@ -105,9 +90,9 @@ def check_policy(cfg: ModelConfig, policy: Policy) -> None:
     raise ValueError(f"policy {policy.label}: a window of {span} tokens is larger than the "
                      f"model holds (model.max_seq_len={cfg.max_seq_len}); use a smaller "
                      "--window/--sinks")
-  if policy.name in ("window", "streaming") and not softmax_mixers(cfg):
-    raise ValueError(f"policy {policy.label}: the model has no softmax-attention mixer with a "
-                     f"cache option (pattern {[s.mixer for s in cfg.period]})")
+  if policy.name in ("window", "streaming") and not cached_mixers(cfg):
+    raise ValueError(f"policy {policy.label}: the model has no mixer whose KV cache takes a "
+                     f"policy (pattern {[s.mixer for s in cfg.period]})")
 
 
 def state_bytes(state) -> int:
@@ -158,15 +143,15 @@ class CachedScorer:
     check_policy(model.cfg, policy)
     if policy.name == "recompute":
       raise ValueError("CachedScorer runs cache policies; recompute has no cache")
-    self.model = with_cache(model, policy)
+    self.model = model
     self.policy = policy
-    max_chunk, stream = mixer_limits(self.model.cfg, max(capacity, 1))
+    max_chunk, stream = mixer_limits(model.cfg, max(capacity, 1), policy.cache)
     if stream is not None and capacity < 1:
       raise ValueError(f"policy {policy.label} needs `capacity` (the stream length)")
     self.chunk = min(chunk, max_chunk or chunk)
     self.capacity = capacity
     self.graphdef, self.params = nnx.split(self.model)
-    self.state = self.model.init_state(1, max(capacity, 1))
+    self.state = model.init_state(1, max(capacity, 1), policy.cache)
     self.position = 0
 
     def step(params, state, inputs_T, targets_T, positions_T):
@@ -256,10 +241,9 @@ def generate(model, prompt: np.ndarray, policy: Policy, *, max_new_tokens: int) 
   prompt = np.asarray(prompt, np.int32)
   T = len(prompt)
   if policy.name != "recompute":
-    m = with_cache(model, policy)
     cache_len = T + max_new_tokens if policy.name == "dense" else 1
-    return np.asarray(decode.generate(m, prompt[None], max_new_tokens=max_new_tokens,
-                                      cache_len=cache_len))[0]
+    return np.asarray(decode.generate(model, prompt[None], max_new_tokens=max_new_tokens,
+                                      cache_len=cache_len, policy=policy.cache))[0]
   W = policy.window
 
   @nnx.jit

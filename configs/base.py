@@ -37,6 +37,9 @@ def get_config() -> ml_collections.ConfigDict:
                                  # e.g. ("attention", "mamba2:nomlp"); () = (mixer,)
   # Mixer options live in sub-dicts named after the mixer, built from each mixer's own
   # `Options` defaults (one source of truth), e.g. --config.model.sisa.d_state=16.
+  # `available_mixers()` imports every mixer module (the registry discovers them): this is
+  # deliberate, so that every mixer's options exist in the config and a command-line override
+  # or a pattern naming any mixer finds its sub-dict; the modules are light to import.
   for name in available_mixers():
     m[name] = ml_collections.ConfigDict(default_options(name))
 

@@ -1,6 +1,6 @@
 """Transformer 152M pre-trained with one learnable sink token (SPEC.md section 3: the 160M
 Pythia recipe of the StreamingLLM paper): at inference a StreamingLLM cache keeps just it,
-`cfg.with_options("attention", cache="streaming", cache_sinks=1, cache_window=...)`."""
+`model.init_state(batch, capacity, policy=cache.SinksRing(1, window))` (attention/cache.py)."""
 
 from configs import transformer_152m
 

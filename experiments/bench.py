@@ -7,7 +7,7 @@ compiled peak memory, decode tokens/s).
   python experiments/bench.py --scale=tiny --dtype=float32 --seq_lens=1024,4096 \
       --configs=transformer_152m,sisa_152m,sisa_152m@fast,sisa_152m@chunked   # a 2-core CPU
   python experiments/bench.py --study=configs/study_tiny.py --seq_lens=256,1024 # every mixer
-  python experiments/bench.py --configs=transformer_152m,transformer_152m@model.attention.cache=streaming
+  python experiments/bench.py --configs=transformer_152m,transformer_152m@model.n_layers=4
 
 A config suffix `@a.b=v,...` sets any config fields; `--study` benches every variant of a study
 config at its matched parameter count (attn_jax/study/variants.py) plus the window and
@@ -107,10 +107,10 @@ _STUDY = flags.DEFINE_string("study", "", "A study config (e.g. configs/study_ti
                              "every variant of the study at its matched parameter count, plus "
                              "the streaming cache policies of --policy_mixers, in one table.")
 _POLICY_MIXERS = flags.DEFINE_list("policy_mixers", ["transformer", "sisa_ds8"],
-                                   "--study: variants also benched with cache=window and "
-                                   "cache=streaming (decode with a bounded ring cache).")
-_POLICY_WINDOW = flags.DEFINE_integer("policy_window", 256, "--study: cache_window of the "
-                                      "window / streaming rows (cache_sinks 4).")
+                                   "--study: variants also decoded under the window and "
+                                   "streaming cache policies (a bounded ring).")
+_POLICY_WINDOW = flags.DEFINE_integer("policy_window", 256, "--study: ring window of the "
+                                      "window / streaming rows (streaming: 4 sinks).")
 
 PRESETS = {"issue9": dict(configs=["transformer_152m", "sisa_152m", "sisa_152m@fast"],
                           seq_lens=["1024"], batch_tokens=4096, d_model=512, n_heads=8,
@@ -181,14 +181,16 @@ def _set_path(config, path: str, text: str) -> None:
 
 
 def named_config(name: str):
-  """"module", "module@chunked" (SISA path, as before) or "module@a.b=v,c.d=w" (any fields)."""
+  """"module", "module@chunked" (SISA path, as before), "module@a.b=v,c.d=w" (any fields) or
+  "module@window" / "module@streaming" (the same model, decoded under that cache policy:
+  `row_policy`)."""
   module, _, suffix = name.partition("@")
   config = importlib.import_module(f"configs.{module}").get_config()
   _model_overrides(module, config.model)
   for item in filter(None, suffix.split(",")):
     if "=" in item:
       _set_path(config, *item.split("=", 1))
-    else:
+    elif item not in _ROW_POLICIES:
       config.model.sisa.path = item
   return config
 
@@ -202,14 +204,22 @@ def study_configs(path: str) -> dict:
   study = runpy.run_path(path)["get_config"]()
   rows = {name: cfg for name, (cfg, _) in variants.all_variant_configs(study).items()}
   for name in _POLICY_MIXERS.value:
-    for policy in ("window", "streaming"):
-      c = rows[name].copy_and_resolve_references()
-      for layer in c.model.pattern or (c.model.mixer,):
-        opts = c.model[layer.split(":")[0]]
-        if "cache" in opts:
-          opts.update(cache=policy, cache_window=_POLICY_WINDOW.value, cache_sinks=4)
-      rows[f"{name}@{policy}"] = c
+    for policy in ("window", "streaming"):   # the same model; `row_policy` says how it decodes
+      rows[f"{name}@{policy}"] = rows[name].copy_and_resolve_references()
   return rows
+
+
+def row_policy(name: str):
+  """The decode-time cache policy of a row: "<variant>@window" / "@streaming" (the
+  --policy_window ring, 4 sinks), else None (linear)."""
+  from attn_jax.attention import cache as cache_lib
+  policy = name.rsplit("@", 1)[-1] if "@" in name else ""
+  W = _POLICY_WINDOW.value
+  return {"window": lambda: cache_lib.Ring(W),
+          "streaming": lambda: cache_lib.SinksRing(4, W)}.get(policy, lambda: None)()
+
+
+_ROW_POLICIES = ("window", "streaming")
 
 
 def aux_maxima(aux) -> dict:
@@ -258,10 +268,10 @@ def bench_one(name: str, seq_len: int, decode: bool = True, config=None, limits=
   mfu_meas = roofline.mfu(tok_s, flops, lim["peak_measured"], n_dev)
   aux = metrics.get("aux", {}) if isinstance(metrics, dict) else {}
   extra = aux_maxima(aux)
-  decode_tok_s = (_decode_tok_s(cfg, state, toks, seq_len)
+  decode_tok_s = (_decode_tok_s(cfg, state, toks, seq_len, row_policy(name))
                   if decode and _DECODE_TOKENS.value else None)
   steps = ([roofline.decode_row(_model(cfg, state), n_params, int(b), _STEP_PROMPT.value,
-                                _STEP_COUNT.value, lim["bandwidth"])
+                                _STEP_COUNT.value, lim["bandwidth"], policy=row_policy(name))
             for b in _STEP_BATCHES.value] if decode else [])
   return {"config": name, "seq_len": seq_len, "batch": B, "step_s": min(times),
           "cpu_s": float(np.median(cpu)), "tok_s": tok_s, "mfu": mfu, "mfu_measured": mfu_meas,
@@ -280,8 +290,9 @@ def _model(cfg, state):
   return nnx.merge(graphdef, state["params"], state["rest"])
 
 
-def _decode_tok_s(cfg, state, toks, seq_len):
-  """Generated tokens/s of decode.generate (prefill of the prompts + --decode_tokens)."""
+def _decode_tok_s(cfg, state, toks, seq_len, policy=None):
+  """Generated tokens/s of decode.generate (prefill of the prompts + --decode_tokens) under the
+  cache `policy`."""
   import jax
   import jax.numpy as jnp
 
@@ -291,9 +302,10 @@ def _decode_tok_s(cfg, state, toks, seq_len):
   b = min(toks.shape[1], _DECODE_BATCH.value)
   prompt = jnp.asarray(toks[0, :b, :seq_len])
   n = _DECODE_TOKENS.value
-  jax.block_until_ready(decode.generate(model, prompt, max_new_tokens=n))  # compiles
+  run = lambda: decode.generate(model, prompt, max_new_tokens=n, policy=policy)
+  jax.block_until_ready(run())  # compiles
   t = time.perf_counter()
-  jax.block_until_ready(decode.generate(model, prompt, max_new_tokens=n))
+  jax.block_until_ready(run())
   return b * n / (time.perf_counter() - t)
 
 
@@ -371,7 +383,8 @@ def _decode_only(names, prepared):
     model, n_params = build_model(cfg, seed=0), count_params(cfg)
     row = {"decode_steps": [
         roofline.decode_row(model, n_params, int(b), _STEP_PROMPT.value, _STEP_COUNT.value,
-                            lim["bandwidth"]) for b in _STEP_BATCHES.value]}
+                            lim["bandwidth"], policy=row_policy(name))
+        for b in _STEP_BATCHES.value]}
     _print_decode_steps({name: row}, [name], header=name == names[0],
                         width=max(len(n) + 1 for n in names))
 

@@ -41,7 +41,7 @@ def build(variant, d_model, dtype, L):
   from flax import nnx
 
   from attn_jax.attention.core import attend
-  from attn_jax.attention.mha import QKVProjection
+  from attn_jax.attention.projection import QKVProjection
   from attn_jax.attention.sinkhorn import SinkhornAttention
   from attn_jax.config import ModelConfig
   from attn_jax.layers import apply_rope, rope_angles

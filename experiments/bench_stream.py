@@ -58,13 +58,13 @@ def per_token(mixer, L, reps):
   from attn_jax.model import build_model
   model = build_model(tiny_cfg(mixer, L), seed=0)
   pol = streaming.Policy("streaming", window=L - 4, sinks=4)
-  m = streaming.with_cache(model, pol)
+  m = model
   tok = jnp.asarray(np.random.default_rng(0).integers(0, 256, (1, 2 * L)), jnp.int32)
   # plain jax.jit over (parameters, state): no per-call NNX graph traversal in the timing
   gd, params = nnx.split(m)
   step = jax.jit(lambda p, t, pos, s: nnx.merge(gd, p).step(t, positions_BT=pos, state=s),
                  donate_argnums=(3,))
-  state = m.init_state(1, 1)
+  state = m.init_state(1, 1, pol.cache)
   W = L - 4
   for a in range(0, L + W, W):      # fill the cache past its size: evicting from now on
     n = min(W, L + W - a)

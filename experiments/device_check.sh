@@ -49,7 +49,7 @@ timeout 320 python3 experiments/bench.py --configs=transformer_152m,sisa_152m,si
 # 2b. decode against memory bandwidth: one-token decode steps (after a 128-token prefill) at
 #     batch 1 and 32 per mixer and cache policy, tokens/s vs copy bandwidth / bytes per step
 #     (parameters + decoding state), with the measured copy bandwidth.
-timeout 100 python3 experiments/bench.py --decode_only --configs=transformer_152m,transformer_152m@model.attention.cache=streaming,sisa_152m,mamba2_152m,mamba3_152m,hybrid_block_152m,hybrid_head_152m,sinkhorn_152m,transformer_152m_sink \
+timeout 100 python3 experiments/bench.py --decode_only --configs=transformer_152m,transformer_152m@streaming,sisa_152m,mamba2_152m,mamba3_152m,hybrid_block_152m,hybrid_head_152m,sinkhorn_152m,transformer_152m_sink \
   --decode_step_batches=1,32 ${BENCH_EXTRA:-} 2>&1 | grep -v "^[IW][0-9]" | tee "$out/decode.txt"
 
 # 3. SISA's chunked path (with cuDNN: fused past keys per query chunk + biased in-chunk block)

@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 from attn_jax.attention.alibi import ALiBi, alibi_slopes
+from attn_jax.attention.cache import SinksRing
 from attn_jax.config import ModelConfig
 from attn_jax.model import Decoder, count_params
 from configs import base
@@ -77,14 +78,14 @@ def _decode(model, tokens, state, start):
 
 
 @pytest.mark.parametrize("impl", ["einsum", "blocked", "xla"])
-@pytest.mark.parametrize("opts", [dict(), dict(cache="streaming", cache_sinks=2, cache_window=14)])
-def test_decode_matches_full_forward(impl, opts):
-  model = Decoder(_cfg(impl=impl, block_size=4, **opts), rngs=nnx.Rngs(params=0))
+@pytest.mark.parametrize("policy", [None, SinksRing(2, 14)])
+def test_decode_matches_full_forward(impl, policy):
+  model = Decoder(_cfg(impl=impl, block_size=4), rngs=nnx.Rngs(params=0))
   B, T = 2, 12
   tokens = jnp.asarray(np.random.default_rng(6).integers(0, 64, (B, T)), jnp.int32)
   full = nnx.jit(lambda m, t: m(t))(model, tokens)
   for chunks in ([1] * T, [5, 4, 1, 1, 1]):
-    cache, outs, t = model.init_state(B, 16), [], 0
+    cache, outs, t = model.init_state(B, 16, policy), [], 0
     for n in chunks:
       logits, cache = _decode(model, tokens[:, t:t + n], cache, jnp.asarray(t, jnp.int32))
       outs.append(logits)

@@ -20,8 +20,8 @@ def bench():
 
 
 def test_suffix_sets_any_field_and_keeps_the_sisa_path_shorthand(bench):
-  c = bench["named_config"]("transformer_152m@model.attention.cache=streaming,model.n_layers=2")
-  assert c.model.attention.cache == "streaming" and c.model.n_layers == 2
+  c = bench["named_config"]("transformer_152m@model.attention.sink_logit=learned,model.n_layers=2")
+  assert c.model.attention.sink_logit == "learned" and c.model.n_layers == 2
   assert bench["named_config"]("sisa_152m@chunked").model.sisa.path == "chunked"
   with pytest.raises(ValueError, match=r"config\.model\.nope\.x is not a field"):
     bench["named_config"]("transformer_152m@model.nope.x=1")
@@ -34,14 +34,15 @@ def test_study_rows_cover_every_variant_and_the_cache_policies(bench):
   study = runpy.run_path(path)["get_config"]()
   names = variants.variant_names(study)
   assert list(rows)[:len(names)] == names
+  from attn_jax.attention import cache as cache_lib
   for mixer in ("transformer", "sisa_ds8"):
-    for policy in ("window", "streaming"):
+    for policy, expected in (("window", cache_lib.Ring(256)),
+                             ("streaming", cache_lib.SinksRing(4, 256))):
       c = rows[f"{mixer}@{policy}"]
-      lookup = c.model.pattern[-1]   # the layer after the shared window-2 layer
-      assert lookup in ("attention", "sisa")
-      opts = c.model[lookup]
-      assert opts.cache == policy and opts.cache_window == 256 and opts.cache_sinks == 4
-      assert rows[mixer].model[lookup].cache == "dense"   # the variant row is untouched
+      assert c.model.pattern[-1] in ("attention", "sisa")  # after the shared window-2 layer
+      assert c.to_dict() == rows[mixer].to_dict()    # the same model: only the decode differs
+      assert bench["row_policy"](f"{mixer}@{policy}") == expected
+    assert bench["row_policy"](mixer) is None
 
 
 def test_aux_maxima_flattens_pattern_groups(bench):

@@ -14,6 +14,7 @@ import pytest
 from flax import nnx
 
 from attn_jax.attention import fox as F
+from attn_jax.attention.cache import Ring, SinksRing
 from attn_jax.config import ModelConfig
 from attn_jax.model import Decoder, count_params
 from configs import base
@@ -170,9 +171,9 @@ def _decode(model, tokens, state, start):
   return model.step(tokens, positions_BT=pos, state=state)
 
 
-def _decode_all(model, tokens, chunks, capacity):
-  """Feed the stream in the given chunk lengths; concatenated logits."""
-  cache, outs, t = model.init_state(tokens.shape[0], capacity), [], 0
+def _decode_all(model, tokens, chunks, capacity, policy=None):
+  """Feed the stream in the given chunk lengths under a cache policy; concatenated logits."""
+  cache, outs, t = model.init_state(tokens.shape[0], capacity, policy), [], 0
   for n in chunks:
     logits, cache = _decode(model, tokens[:, t:t + n], cache, jnp.asarray(t, jnp.int32))
     outs.append(logits)
@@ -187,17 +188,18 @@ def _model(cfg):
 
 
 @pytest.mark.parametrize("impl", ["einsum", "blocked", "xla"])
-@pytest.mark.parametrize("opts", [dict(block_size=4), dict(block_size=4, rope=True, **PRO),
-                                  dict(block_size=4, cache="window", cache_window=16, **PRO)])
-def test_decode_matches_full_forward(impl, opts):
+@pytest.mark.parametrize("opts,policy", [(dict(block_size=4), None),
+                                         (dict(block_size=4, rope=True, **PRO), None),
+                                         (dict(block_size=4, **PRO), Ring(16))])
+def test_decode_matches_full_forward(impl, opts, policy):
   """Token by token, and prefill + chunks + steps, equal the full forward (a window as long as
   the stream evicts nothing)."""
   model = _model(_cfg(impl=impl, **opts))
   B, T = 2, 12
   tokens = jnp.asarray(np.random.default_rng(6).integers(0, 64, (B, T)), jnp.int32)
   full = nnx.jit(lambda m, t: m.logits_and_aux(t)[0])(model, tokens)
-  _close(_decode_all(model, tokens, [1] * T, 16), full)
-  _close(_decode_all(model, tokens, [5, 3, 1, 1, 1, 1], 16), full)
+  _close(_decode_all(model, tokens, [1] * T, 16, policy), full)
+  _close(_decode_all(model, tokens, [5, 3, 1, 1, 1, 1], 16, policy), full)
 
 
 @nnx.jit
@@ -205,15 +207,16 @@ def _call(m, x, pos, state):
   return m(x, positions_BT=pos, state=state)
 
 
-@pytest.mark.parametrize("cache,sinks", [("window", 0), ("streaming", 2)])
-def test_ring_eviction_matches_windowed_reference(cache, sinks):
+@pytest.mark.parametrize("sinks", [0, 2])
+def test_ring_eviction_matches_windowed_reference(sinks):
   """A ring smaller than the stream: each query sees its last W tokens (plus the first n), with
   the true decay g_i - g_j over everything in between (evicted tokens included)."""
   W, T = 5, 14
-  cfg = _cfg(n_layers=1, cache=cache, cache_window=W, cache_sinks=sinks)
+  cfg = _cfg(n_layers=1)
   m = _mixer(cfg)
   x = _normal(7, (2, T, 32))
-  state = F.FoX.init_state(cfg, m.opts, 2, 0, jnp.float32)
+  policy = SinksRing(sinks, W) if sinks else Ring(W)
+  state = F.FoX.init_state(cfg, m.opts, 2, 0, jnp.float32, policy=policy)
   outs, t = [], 0
   for n in (3, 1, 4, 1, 5):
     y, state, _ = _call(m, x[:, t:t + n], _positions(2, n) + t, state)
@@ -290,5 +293,6 @@ def test_validate_names_the_field(field, value, msg):
 
 
 def test_rope_with_a_ring_cache_is_refused():
-  with pytest.raises(ValueError, match="fox.cache"):
-    _cfg(rope=True, cache="window")
+  cfg = _cfg(rope=True)
+  with pytest.raises(ValueError, match="fox.rope"):
+    F.FoX.init_state(cfg, cfg.options_for("fox"), 1, 8, jnp.float32, policy=Ring(4))

@@ -153,9 +153,9 @@ def test_hybrid_state_is_kv_cache_plus_constant_ssm_state():
   kv16, ssm16 = cls.init_state(CFG, opts, 2, 16, jnp.float32)
   kv64, ssm64 = cls.init_state(CFG, opts, 2, 64, jnp.float32)
   chex.assert_trees_all_equal_shapes_and_dtypes(ssm16, ssm64)
-  slots = lambda kv: {k: kv[k] for k in ("k", "v", "pos")}   # "ptr" is per row
+  slots = lambda kv: {"k": kv.k, "v": kv.v, "pos": kv.pos}   # "ptr" is per row
   assert _nbytes(slots(kv64)) == 4 * _nbytes(slots(kv16))
-  assert np.all(np.asarray(kv16["pos"]) == -1)
+  assert np.all(np.asarray(kv16.pos) == -1)
 
 
 def test_mamba3_chunked_equals_recurrent_reference():

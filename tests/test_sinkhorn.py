@@ -299,7 +299,7 @@ def test_flops_sortcut_far_below_dense():
 
 def test_configs_build_valid_options_rules_and_matched_parameters():
   from configs import sinkhorn_152m, sinkhorn_tiny, transformer_152m
-  from attn_jax.attention.mha import QKVProjection
+  from attn_jax.attention.projection import QKVProjection
 
   for c in (sinkhorn_152m.get_config(), sinkhorn_152m.get_config("sortcut=2"),
             sinkhorn_tiny.get_config()):

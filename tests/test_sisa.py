@@ -318,9 +318,9 @@ def _angles64(positions, dim, theta):
 def test_gradients_match_finite_differences_float64(monkeypatch, path):
   from jax.test_util import check_grads
   monkeypatch.setattr(S, "attend", _attend64)     # fp64 stand-ins for the fp32 shared helpers
-  from attn_jax.attention import mha
-  monkeypatch.setattr(mha, "apply_rope", _rope64)
-  monkeypatch.setattr(mha, "rope_angles", _angles64)
+  from attn_jax.attention import projection
+  monkeypatch.setattr(projection, "apply_rope", _rope64)
+  monkeypatch.setattr(projection, "rope_angles", _angles64)
   with jax.enable_x64(True):
     opts = dict(base.get_config().model.sisa.to_dict(), d_state=4, path=path, chunk_size=3,
                 decay_bias_init=0.0)
@@ -366,10 +366,11 @@ def test_hooks():
   opts = cfg.options_for("sisa")
   assert S.SISA.flops_per_token(cfg, opts, L) == pytest.approx(
       Attention.flops_per_token(cfg, Attention.Options(), L) + 2 * 4 * 8 * (L + 1) / 2)
-  cache = S.SISA.init_state(cfg, opts, 3, 20, jnp.bfloat16)
-  assert cache["k"].shape == (3, 20, 4, 16) and cache["rb"].shape == (3, 20, 4, 8)
-  assert cache["rb"].dtype == jnp.bfloat16 and cache["g"].dtype == jnp.float32
-  assert cache["g_last"].shape == (3, 4) and cache["phi_last"].shape == (3, 4, 4)
+  state = S.SISA.init_state(cfg, opts, 3, 20, jnp.bfloat16)
+  kv = state.cache
+  assert kv.k.shape == (3, 20, 4, 16) and kv.extra.rb.shape == (3, 20, 4, 8)
+  assert kv.extra.rb.dtype == jnp.bfloat16 and kv.extra.g.dtype == jnp.float32
+  assert state.g.shape == (3, 4) and state.phi.shape == (3, 4, 4)
 
 
 @pytest.mark.parametrize("field,value", [
@@ -425,3 +426,66 @@ class SISAVariantsTest(chex.TestCase):
       chex.assert_shape(y, (1, 11, 32))
       chex.assert_tree_all_finite(y)
       _close(y, _reference(m, x, pos, jnp.arange(11)))
+
+
+# ---------------------------------------------------------------- phase precision (slow)
+
+def _rotate64(x, phi):
+  """R(Phi) x in float64 (numpy): interleaved pairs rotated by the angles."""
+  x0, x1 = x[..., 0::2], x[..., 1::2]
+  out = np.empty_like(x)
+  out[..., 0::2] = x0 * np.cos(phi) - x1 * np.sin(phi)
+  out[..., 1::2] = x0 * np.sin(phi) + x1 * np.cos(phi)
+  return out
+
+
+def _float64_reference(m, x, idx):
+  """The mixer's output at query rows `idx`, everything after the per-token features in numpy
+  float64: g and Phi summed in float64 from the mixer's log a and theta (independent of its
+  cumulative sums), the rotations from those angles, the softmax and W_o."""
+  q, k, v, c, b, loga, theta, lam = (np.asarray(a, np.float64)
+                                     for a in nnx.jit(lambda m, x: m.features(x, None))(m, x))
+  g, phi = np.cumsum(loga, axis=1), np.cumsum(theta, axis=1)
+  rc, rb = _rotate64(c, phi), _rotate64(b, phi)
+  dh = q.shape[-1]
+  s = np.einsum("bihd,bjhd->bhij", q[:, idx], k) / math.sqrt(dh)
+  dec = np.exp(np.minimum(g[:, idx].transpose(0, 2, 1)[..., None]
+                          - g.transpose(0, 2, 1)[:, :, None, :], 0.0))
+  s = s + lam[None, :, None, None] * dec * np.einsum("bihs,bjhs->bhij", rc[:, idx], rb)
+  s = np.where(idx[:, None] >= np.arange(k.shape[1])[None, :], s, -np.inf)
+  p = np.exp(s - s.max(-1, keepdims=True))
+  p /= p.sum(-1, keepdims=True)
+  out = np.einsum("bhij,bjhd->bihd", p, v)
+  return np.einsum("bihd,hde->bie", out, np.asarray(m.proj.o.kernel[...], np.float64))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", ["fast", "chunked", "decode"])
+def test_phase_precision_32k_against_float64(path):
+  """32K tokens, slow decay (~0.03 nats per 100 tokens) and phase_init_std 0.3 on inputs with a
+  mean, so Phi drifts to thousands of radians: the output stays within TOL of a float64
+  reference (the running phase is wrapped mod 2 pi, so its fp32 angle never grows)."""
+  T = 32768
+  m = _boost(S.SISA(*(lambda c: (c, c.options_for("sisa")))(_cfg(
+      d_model=8, n_heads=1, d_state=4, decay_bias_init=-8.0, phase_init_std=0.3,
+      path="chunked" if path == "chunked" else "fast")), rngs=nnx.Rngs(params=3)), bc=20.0,
+      phase=1.0)
+  x = _normal(13, (1, T, 8)) + 1.0
+  idx = np.r_[0:2, 8191, 16384, T - 4:T]
+  if path == "decode":   # prefill in chunks, then one-token steps over the last 4 tokens
+    cache = S.SISA.init_state(m.cfg, m.opts, 1, T, jnp.float32)
+    run = nnx.jit(lambda m, x, p, st: m(x, positions_BT=p, state=st)[:2])
+    pos, ys = _positions(1, T), []
+    for a, e in [(a, min(a + 4096, T - 4)) for a in range(0, T - 4, 4096)] + [
+        (t, t + 1) for t in range(T - 4, T)]:
+      y, cache = run(m, x[:, a:e], pos[:, a:e], cache)
+      ys.append(y)
+    y = jnp.concatenate(ys, axis=1)
+  else:
+    y, aux = _run(m, x, None)
+    assert float(aux["chunked"]) == (path == "chunked")
+  ref = _float64_reference(m, x, idx)
+  phi_end = np.abs(np.sum(np.asarray(nnx.jit(lambda m, x: m.features(x, None))(m, x)[6],
+                                     np.float64), axis=1)).max()
+  assert phi_end > 1000, phi_end
+  _close(y[:, idx], ref)

@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from attn_jax import streaming
-from attn_jax.attention import kv_state, sisa
-from attn_jax.attention.mha import rope
+from attn_jax import decode, streaming
+from attn_jax.attention import cache as cache_lib
+from attn_jax.attention import sisa
+from attn_jax.attention.projection import rope
 from attn_jax.config import ModelConfig
 from attn_jax.model import build_model
 from attn_jax.streaming import Policy
@@ -45,9 +46,9 @@ def _tokens(seed, n):
 _step = nnx.jit(lambda m, t, p, s: m.step(t, positions_BT=p, state=s))
 
 
-def _stream_logits(model, tokens, chunk):
-  """Feed [1, N] through model.step in chunks -> logits [N, V]."""
-  state = model.init_state(1, len(tokens))
+def _stream_logits(model, tokens, chunk, policy=None):
+  """Feed [1, N] through model.step in chunks under a cache policy -> logits [N, V]."""
+  state = model.init_state(1, len(tokens), policy)
   outs = []
   for a in range(0, len(tokens), chunk):
     t = tokens[a:a + chunk]
@@ -57,17 +58,17 @@ def _stream_logits(model, tokens, chunk):
   return jnp.concatenate(outs)
 
 
-def test_kv_state_sinks_ring_slots():
-  st = kv_state.init_kv_state(1, 5, 1, 1, 1, jnp.float32)
+def test_kv_cache_sinks_ring_slots():
+  st = cache_lib.init_cache(cache_lib.SinksRing(2, 3), 1, 0, 1, 1, 1, jnp.float32)
   for t in range(9):   # 2 sinks + a ring of 3: tokens 0, 1 stay; then the last 3
     x = jnp.full((1, 1, 1, 1), float(t))
-    st = kv_state.write(st, {"k": x, "v": x}, jnp.full((1, 1), t, jnp.int32), ring=True, sinks=2)
-  assert st["pos"][0].tolist() == [0, 1, 8, 6, 7]
+    st = st.write(x, x, jnp.full((1, 1), t, jnp.int32))
+  assert st.pos[0].tolist() == [0, 1, 8, 6, 7]
   # padding anywhere in a chunk: valid tokens still take consecutive stream slots
-  st = kv_state.init_kv_state(1, 4, 1, 1, 1, jnp.float32)
+  st = cache_lib.init_cache(cache_lib.LINEAR, 1, 4, 1, 1, 1, jnp.float32)
   x = jnp.zeros((1, 3, 1, 1))
-  st = kv_state.write(st, {"k": x, "v": x}, jnp.asarray([[-1, 0, 1]]), ring=False)
-  assert st["pos"][0].tolist() == [0, 1, -1, -1] and int(st["ptr"][0]) == 2
+  st = st.write(x, x, jnp.asarray([[-1, 0, 1]]))
+  assert st.pos[0].tolist() == [0, 1, -1, -1] and int(st.ptr[0]) == 2
 
 
 @pytest.mark.parametrize("mixer", ["attention", "sisa"])
@@ -76,9 +77,9 @@ def test_streaming_with_room_for_everything_equals_dense(mixer):
   tok = _tokens(0, 14)
   full = model(jnp.asarray(tok)[None])[0]
   for cache, sinks, window in (("streaming", 4, 10), ("window", 0, 14)):
-    m = streaming.with_cache(model, Policy(cache, window=window, sinks=sinks))
-    _close(_stream_logits(m, tok, 1), full)
-    _close(_stream_logits(m, tok, 5), full)
+    pol = Policy(cache, window=window, sinks=sinks).cache
+    _close(_stream_logits(model, tok, 1, pol), full)
+    _close(_stream_logits(model, tok, 5, pol), full)
 
 
 def _reference_streaming_attention(mixer, x_TD, n, W):
@@ -104,15 +105,14 @@ def test_streaming_attention_equals_its_definition_after_eviction():
   model = _model("attention", n_layers=1)
   n, W, N = 3, 5, 17
   tok = _tokens(1, N)
-  m = streaming.with_cache(model, Policy("streaming", window=W, sinks=n))
   graphdef, st = nnx.split(model.blocks)
   blk = nnx.merge(graphdef, jax.tree.map(lambda a: a[0], st)).layers[0]
   x = blk.mixer_norm(jnp.take(model.embed[...], jnp.asarray(tok), axis=0))
   ref = _reference_streaming_attention(blk.mixer, x, n, W)
-  ring = type(blk.mixer)(m.cfg, m.cfg.options_for("attention"), rngs=nnx.Rngs(0))
-  nnx.update(ring, nnx.state(blk.mixer))
+  ring = blk.mixer
   for chunk in (1, 4):
-    state = ring.init_state(ring.cfg, ring.opts, 1, 1, jnp.float32)
+    state = ring.init_state(ring.cfg, ring.opts, 1, 1, jnp.float32,
+                            Policy("streaming", window=W, sinks=n).cache)
     outs = []
     for a in range(0, N, chunk):
       pos = jnp.arange(a, min(a + chunk, N), dtype=jnp.int32)[None]
@@ -120,8 +120,7 @@ def test_streaming_attention_equals_its_definition_after_eviction():
       outs.append(y[0])
     _close(jnp.concatenate(outs), ref)
   # window: the model's logits = a fresh forward over the last W tokens
-  mw = streaming.with_cache(model, Policy("window", window=W))
-  lw = _stream_logits(mw, tok, 1)
+  lw = _stream_logits(model, tok, 1, Policy("window", window=W).cache)
   for t in (W, 11, N - 1):
     _close(lw[t], model(jnp.asarray(tok[t - W + 1:t + 1])[None])[0, -1])
 
@@ -132,7 +131,6 @@ def test_sisa_streaming_keeps_decay_and_phase_and_reassigns_rope():
   C_t^T R(Phi_j - Phi_t) B_j with g, Phi summed over the WHOLE stream (evicted tokens too)."""
   model = _model("sisa", n_layers=1)
   n, W, N = 2, 4, 13
-  opts_s = model.cfg.with_options("sisa", cache="streaming", cache_sinks=n, cache_window=W)
   graphdef, st = nnx.split(model.blocks)
   blk = nnx.merge(graphdef, jax.tree.map(lambda a: a[0], st)).layers[0]
   mixer = blk.mixer
@@ -154,10 +152,10 @@ def test_sisa_streaming_keeps_decay_and_phase_and_reassigns_rope():
         g[:, keep], phi[:, keep], lam, query_idx=jnp.asarray([len(keep) - 1]))
     outs.append(o[0, 0])
   ref = mixer.proj.o(jnp.stack(outs)[None])[0]
-  ring = sisa.SISA(opts_s, opts_s.options_for("sisa"), rngs=nnx.Rngs(0))
-  nnx.update(ring, nnx.state(mixer))
+  ring = mixer
   for chunk in (1, 3):
-    state = ring.init_state(ring.cfg, ring.opts, 1, 1, jnp.float32)
+    state = ring.init_state(ring.cfg, ring.opts, 1, 1, jnp.float32,
+                            Policy("streaming", window=W, sinks=n).cache)
     ys = []
     for a in range(0, N, chunk):
       pos = jnp.arange(a, min(a + chunk, N), dtype=jnp.int32)[None]
@@ -193,10 +191,9 @@ def test_scoring_loop_fixed_state_one_trace_and_policies():
     sizes.add(sc.cache_bytes)
   assert len(sizes) == 1 and sc.position == 24
   # generation with the streaming cache: any length in constant memory, == step by step
-  m = streaming.with_cache(model, Policy("streaming", window=6, sinks=2))
   gen = streaming.generate(model, tok[:5], Policy("streaming", window=6, sinks=2),
                            max_new_tokens=12)
-  lg = _stream_logits(m, gen[:-1], 1)
+  lg = _stream_logits(model, gen[:-1], 1, Policy("streaming", window=6, sinks=2).cache)
   np.testing.assert_array_equal(np.argmax(np.asarray(lg[4:]), -1), gen[5:])
   rec_gen = streaming.generate(model, tok[:5], Policy("recompute", window=6), max_new_tokens=3)
   for i in range(5, 8):
@@ -226,3 +223,32 @@ def test_clear_errors(tmp_path):
 def test_read_stream_on_a_public_text():
   tok = streaming.read_stream(str(SHAKESPEARE), tail=0.01)
   assert 10_000 < len(tok) < 12_000 and tok.max() < 256
+
+
+def test_one_model_decodes_under_every_policy():
+  """One model (attention, SISA, sliding window and Sinkhorn layers), never rebuilt: under every
+  cache policy with room for the whole stream, stepping equals the full forward and greedy
+  generation equals the linear cache's; once a ring evicts, its state keeps its size."""
+  cfg = ModelConfig(vocab_size=V, d_model=D, n_heads=H, d_ff=48, n_layers=4, max_seq_len=64,
+                    dtype="float32", init_std=0.3,
+                    pattern=("attention", "sisa", "sliding_window", "sinkhorn"))
+  cfg = cfg.with_options("sisa", d_state=4).with_options("sliding_window", window=3)
+  cfg = cfg.with_options("sinkhorn", block_size=4)
+  model = build_model(cfg, seed=0)
+  tok = _tokens(4, 16)
+  full = model(jnp.asarray(tok)[None])[0]
+  prompt = jnp.asarray(tok[:5])[None]
+  linear = np.asarray(decode.generate(model, prompt, max_new_tokens=6))
+  for policy in (None, cache_lib.LINEAR, cache_lib.Ring(16), cache_lib.SinksRing(2, 14)):
+    _close(_stream_logits(model, tok, 1, policy), full)
+    _close(_stream_logits(model, tok, 3, policy), full)    # chunk <= the window
+    np.testing.assert_array_equal(
+        np.asarray(decode.generate(model, prompt, max_new_tokens=6, policy=policy)), linear)
+  for policy in (cache_lib.Ring(4), cache_lib.SinksRing(2, 4)):   # evicting: fixed size
+    st = model.init_state(1, 16, policy)
+    before = streaming.state_bytes(st)
+    for t in range(10):
+      _, st = _step(model, jnp.asarray(tok[t:t + 1])[None], jnp.full((1, 1), t, jnp.int32), st)
+    assert streaming.state_bytes(st) == before
+    assert np.asarray(decode.generate(model, prompt, max_new_tokens=6, policy=policy,
+                                      cache_len=16)).shape == (1, 11)

@@ -149,8 +149,8 @@ def test_mixed_pattern_structure_counts_and_flops():
   assert counts["mixer"] + counts["mlp"] + sum(v["norms"] for v in kinds.values()) + 32 \
       == counts["non_embedding"]
   state = init_state(cfg, 2, 16)
-  assert len(state) == 3 and state[0]["k"].shape == (2, 2, 16, 4, 8)   # [R, B, S, K, D]
-  assert state[2]["k"].shape == (2, 2, 4, 4, 8)                        # the ring: the window
+  assert len(state) == 3 and state[0].k.shape == (2, 2, 16, 4, 8)   # [R, B, S, K, D]
+  assert state[2].k.shape == (2, 2, 4, 4, 8)                        # the ring: the window
   from attn_jax.train import flops
   n = count_params(cfg)
   per_layer = {s.mixer: get_mixer(s.mixer).flops_per_token(cfg, cfg.options_for(s.mixer), 64)
@@ -378,23 +378,23 @@ def test_inference_loading_restores_parameters_only(tmp_path):
   chex.assert_tree_all_finite(model(tokens))
 
 
-# ---------------------------------------------------------------- kv_state, with and without jit
+# ---------------------------------------------------------------- the KV cache, jit and no jit
 
 class KVStateTest(chex.TestCase):
 
   @chex.variants(with_jit=True, without_jit=True)
   def test_rows_advance_independently_and_padding_is_never_written(self):
-    from attn_jax.attention import kv_state
-    st = kv_state.init_kv_state(2, 4, 1, 2, 2, jnp.float32)
+    from attn_jax.attention import cache as cache_lib
+    st = cache_lib.init_cache(cache_lib.LINEAR, 2, 4, 1, 2, 2, jnp.float32)
     k = jnp.arange(2 * 3 * 2, dtype=jnp.float32).reshape(2, 3, 1, 2)
     pos = jnp.asarray([[0, 1, 2], [0, -1, -1]], jnp.int32)     # row 1: one token + padding
-    write = self.variant(lambda st, k, pos, ring: kv_state.write(st, {"k": k, "v": k}, pos,
-                                                                  ring=ring), static_argnums=3)
-    st = write(st, k, pos, False)
-    chex.assert_trees_all_equal(st["ptr"], jnp.asarray([3, 1], jnp.int32))
-    chex.assert_trees_all_equal(st["pos"], jnp.asarray([[0, 1, 2, -1], [0, -1, -1, -1]]))
-    chex.assert_trees_all_equal(st["k"][1, 1:], jnp.zeros((3, 1, 2)))
+    write = self.variant(lambda st, k, pos: st.write(k, k, pos))
+    st = write(st, k, pos)
+    chex.assert_trees_all_equal(st.ptr, jnp.asarray([3, 1], jnp.int32))
+    chex.assert_trees_all_equal(st.pos, jnp.asarray([[0, 1, 2, -1], [0, -1, -1, -1]]))
+    chex.assert_trees_all_equal(st.k[1, 1:], jnp.zeros((3, 1, 2)))
     # a ring wraps: row 0's next two tokens go to slots 3 and 0
-    st = write(st, k[:, :2], jnp.asarray([[3, 4], [1, 2]], jnp.int32), True)
-    chex.assert_trees_all_equal(st["pos"][0], jnp.asarray([4, 1, 2, 3], jnp.int32))
-    chex.assert_trees_all_equal(st["pos"][1], jnp.asarray([0, 1, 2, -1], jnp.int32))
+    st = write(st.replace(policy=cache_lib.Ring(4)), k[:, :2],
+               jnp.asarray([[3, 4], [1, 2]], jnp.int32))
+    chex.assert_trees_all_equal(st.pos[0], jnp.asarray([4, 1, 2, 3], jnp.int32))
+    chex.assert_trees_all_equal(st.pos[1], jnp.asarray([0, 1, 2, -1], jnp.int32))

@@ -15,7 +15,7 @@ bias never goes through a [T, T] tensor, the cache stores g_j = -m_h n_j), with 
 attention's RoPE-based caches. Counting tokens rather than subtracting positions makes padding
 (position -1, log f = 0) free: a right-padded row's distances are its own tokens'.
 
-Eviction (`cache="window"` / `"streaming"`): the ring keeps g_j - g_last, so a kept key keeps its
+Eviction (a `Ring` / `SinksRing` policy at decode time): the cache keeps g_j - g_last, so a kept key keeps its
 true distance; with sinks, a sink's bias is -m_h times its full distance (as in a full cache,
 unlike StreamingLLM's re-assigned positions), so low-slope heads still read it and steep heads
 do not.
@@ -31,7 +31,7 @@ import numpy as np
 from flax import nnx
 
 from attn_jax.attention.fox import BiasOptions, ScoreBiasAttention
-from attn_jax.attention.mha import QKVProjection, make_sink_logit
+from attn_jax.attention.projection import QKVProjection, make_sink_logit
 from attn_jax.attention.sisa import stat_dtype
 from attn_jax.config import ModelConfig
 from attn_jax.registry import register_mixer

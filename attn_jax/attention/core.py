@@ -58,13 +58,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from attn_jax.layers import causal_positions  # noqa: F401  (also re-exported)
+
 NEG_INF = -1e30  # finite: masked scores; the softmax floors its row max at NEG_INF / 2
 IMPLS = ("auto", "einsum", "blocked", "xla", "cudnn", "splash")
 DEFAULT_CHUNK = 256  # query rows per block of the "blocked" path
 
-
-def causal_positions(batch: int, length: int) -> jax.Array:
-  return jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+# Attention cores whose backward would otherwise keep the [T, S] probabilities: the full
+# forward recomputes them instead (jax.checkpoint on the core only). On CPU this is faster as
+# well as smaller — recomputing the scores costs less than storing and reloading them
+# (`experiments/bench.py --preset=issue9`, figures in the README). Fused kernels (cuDNN, splash)
+# keep O(T) residuals and are not rematerialised.
+REMAT_CORE_IMPLS = ("einsum", "blocked", "xla")
 
 
 def positional_mask(q_pos_BT: jax.Array, kv_pos_BS: jax.Array, causal: bool,
@@ -349,3 +354,20 @@ def attend(q, k, v, *, scale: float, causal: bool = True, q_positions=None, kv_p
     return _splash(q, k, v, scale=scale, sink_H=sink_logit_H)
   return dpa(q, k, v, scale=scale, mask=mask, bias=bias, sink_H=sink_logit_H,
               plain_causal=plain_causal, impl=impl)
+
+
+# ------------------------------------------------------------------ flops
+
+def attention_flops_per_token(n_heads: int, d_qk: int, d_v: int, keys: float) -> float:
+  """Scores (d_qk) and values (d_v) per query against `keys` keys: 2 FLOPs per MAC."""
+  return 2.0 * n_heads * (d_qk + d_v) * keys
+
+
+def causal_keys(seq_len: int, window: int | None = None) -> float:
+  """Mean keys per query of a causal (optionally windowed) sequence of `seq_len` tokens: the
+  lower triangle only ((L+1)/2 without a window), as in the FlashAttention/MaxText convention."""
+  L = seq_len
+  if window is None or window >= L:
+    return (L + 1) / 2.0
+  w = window  # the first w queries see 1..w keys, the rest w each
+  return (w * (w + 1) / 2.0 + (L - w) * w) / L

@@ -45,16 +45,17 @@ and pairs inside a block none of |g| at all.
 Padding (position -1) gets log f = 0: it leaves g unchanged. The full forward is index-causal
 (right-padded rows: padding sits after the row's tokens), as SISA's chunked path.
 
-Decoding (`init_state`): the KV cache (`kv_state`) with g_j per slot, plus the running g of the
-row (`g_last`) and, with a token shift, the last projected key / value. T new tokens attend to
-[buffer ; themselves] with the bias (g_last - g_j) + ell_i for buffered keys and ell_i - ell_j
-among themselves, ell = the cumulative log f over the new tokens only: the new block's decays
-never pass through the large running sum.
+Decoding (`init_state`, `FoXState`): the typed KV cache (`cache.py`) whose per-key extra is
+s_j = g_j - g_last (<= 0, g_last: the row's running g after its last token), plus, with a token
+shift, the last projected key / value. T new tokens attend to [cache ; themselves] with the
+bias ell_i - s_j for cached keys and ell_i - ell_j among themselves, ell = the cumulative log f
+over the new tokens only; then every s_j moves by the new tokens' decay. The large running sum
+never forms, under any policy.
 
-Eviction and the forget gate (`cache="window"` / `"streaming"`, the options shared with
-`attention`; `rope=False` only). The ring stores g_j - g_last (<= 0, shifted by the new tokens'
-decay after every call), so a kept key keeps its true decay to the query, accumulated over
-every token in between, evicted ones included. Evicting a key j removes a weight proportional
+Eviction and the forget gate (a `Ring(W)` / `SinksRing(n, W)` policy at decode time; with
+`rope=False` only, since FoX's ring keeps keys without RoPE). The cache's s_j is shifted by the
+new tokens' decay after every call, so a kept key keeps its true decay to the query,
+accumulated over every token in between, evicted ones included. Evicting a key j removes a weight proportional
 to e^{g_i - g_j + q.k scale}: for a head that forgets (g_i - g_{i-W} << 0 across the window)
 the window loses exponentially little, so a ring is close to exact; a head with f ~ 1 loses
 what attention loses. The StreamingLLM sinks are decayed like any old key (their logit
@@ -70,19 +71,22 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from attn_jax.attention import flash, kv_state, split
-from attn_jax.attention.core import attend, causal_positions, choose_impl
-from attn_jax.attention.mha import (QKVProjection, SinkOptions, attention_flops_per_token,
-                                    causal_keys, init_ring, make_sink_logit, probs_with_sink,
-                                    ring_frame, rope, sink_logit_of)
+from attn_jax.attention import cache as cache_lib
+from attn_jax.attention import flash, split
+from attn_jax.attention.core import (attend, attention_flops_per_token, causal_keys,
+                                     choose_impl)
+from attn_jax.attention.projection import (QKVProjection, SinkLogitOptions, make_sink_logit,
+                                           probs_with_sink, rope, sink_logit_of)
 from attn_jax.attention.sisa import stat_dtype, time_cumsum
 from attn_jax.config import ModelConfig
-from attn_jax.layers import Linear, dtype_of, param
+from attn_jax.layers import Linear, causal_positions, dtype_of, param
+from attn_jax.options import is_int
 from attn_jax.registry import register_mixer
 
 DEFAULT_BLOCK = 256
@@ -176,20 +180,16 @@ def forget_attention_reference(q_BTHD, k_BTKD, v_BTKE, g_BTH, *, scale: float,
 
 # ---------------------------------------------------------------- options
 
-def _is_int(v, lo: int) -> bool:
-  return isinstance(v, int) and not isinstance(v, bool) and v >= lo
-
-
 @dataclasses.dataclass(frozen=True)
-class BiasOptions(SinkOptions):
-  """Options of the score-bias mixers (fox, alibi): the sink / cache options plus the block."""
+class BiasOptions(SinkLogitOptions):
+  """Options of the score-bias mixers (fox, alibi): the sink logit plus the block."""
   block_size: int = 0             # block of the blockwise path; 0 = auto (256)
 
   def validate_bias(self, where: str) -> None:
-    if not _is_int(self.block_size, 0):
+    if not is_int(self.block_size, 0):
       raise ValueError(f"{where}.block_size: must be an integer >= 0 (0 = auto), got "
                        f"{self.block_size!r}")
-    self.validate_sinks(where)
+    self.validate_sink_logit(where)
 
   @property
   def block(self) -> int:
@@ -199,7 +199,7 @@ class BiasOptions(SinkOptions):
 @dataclasses.dataclass(frozen=True)
 class FoXOptions(BiasOptions):
   forget_bias_init: float = 0.0   # b_f: f = sigmoid(w.x + b_f) ~ 1/2 at init (the paper's)
-  rope: bool = False              # RoPE on q, k (the paper: none; dense cache only)
+  rope: bool = False              # RoPE on q, k (the paper: none; linear cache only)
   qk_norm: bool = False           # Pro: per-head RMSNorm of q and k
   key_shift: bool = False         # Pro: data-dependent token shift of the keys
   value_shift: bool = False       # Pro: ... of the values
@@ -214,9 +214,6 @@ class FoXOptions(BiasOptions):
     for name in ("rope", "qk_norm", "key_shift", "value_shift", "output_norm", "output_gate"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"{where}.{name}: must be True or False, got {getattr(self, name)!r}")
-    if self.rope and self.cache != "dense":
-      raise ValueError(f"{where}.cache: {self.cache!r} needs rope=False (the ring caches keep "
-                       "keys without re-assigned RoPE positions; see fox.py)")
     self.validate_bias(where)
 
 
@@ -259,7 +256,14 @@ def token_shift(x_BTKD, alpha_BTK, prev_BKD, valid_BT):
   return out.astype(x_BTKD.dtype), nxt
 
 
-class ScoreBiasAttention(nnx.Module):
+class FoXState(NamedTuple):
+  """Decoding state of a score-bias mixer: the KV cache, whose per-key extra is g_j - g_last
+  [B, S, H] (fp32; <= 0), and the token-shift carry (previous projected key / value)."""
+  cache: cache_lib.KVCache
+  carry: dict
+
+
+class ScoreBiasAttention(cache_lib.CachedMixer, nnx.Module):
   """Attention with the logit bias g_i - g_j, g a cumulative per-head log forget rate.
 
   Subclasses own their parameters and define `features(x, positions, state) -> (q, k, v,
@@ -276,46 +280,39 @@ class ScoreBiasAttention(nnx.Module):
     if state is None:
       y = forget_attention(q, k, v, loga, scale=scale, block=opts.block, sink_logit_H=sink)
     else:
-      y, state = self._cached(q, k, v, loga, positions_BT, state, sink)
-      state.update(carry)
+      y, kv = self._cached(q, k, v, loga, positions_BT, state.cache, sink)
+      state = FoXState(kv, carry)
     aux = {"forget": jnp.mean(jnp.exp(loga))}       # mean forget rate (1 = no forgetting)
     return self.proj.o(self.finish(y, x_BTD)), state, aux
 
-  def _cached(self, q, k, v, loga, positions_BT, state, sink):
-    """T new tokens after the buffer: bias (g_last - g_j) + ell_i on buffered keys, ell_i -
-    ell_j among the new ones (ell: the new tokens' own cumulative log f)."""
-    cfg, opts = self.cfg, self.opts
+  def _cached(self, q, k, v, loga, positions_BT, kv: cache_lib.KVCache, sink):
+    """T new tokens after the cache: bias ell_i - s_j on cached keys (s_j = g_j - g_last, kept
+    relative under every policy), ell_i - ell_j among the new ones (ell: the new tokens' own
+    cumulative log f); then every s_j moves by the new tokens' decay and the new keys join."""
+    cfg, pol = self.cfg, kv.policy
     T = q.shape[1]
-    ring = opts.cache != "dense"
     ell = time_cumsum(loga)                                            # [B, T, H]
-    rel = -state["g"] if ring else state["g_last"][:, None] - state["g"]   # g_last - g_j
-    past = (state["pos"] >= 0)[..., None]
-    rel = jnp.where(past, rel, 0.0).transpose(0, 2, 1)[:, :, None, :]   # [B, H, 1, S]
+    rel = jnp.where((kv.pos >= 0)[..., None], -kv.extra, 0.0)          # g_last - g_j
+    rel = rel.transpose(0, 2, 1)[:, :, None, :]                        # [B, H, 1, S]
     causal = jnp.arange(T)[:, None] >= jnp.arange(T)[None, :]
     new = jnp.where(causal, _pair_decay(ell, ell), 0.0)                 # [B, H, T, T]
     bias = jnp.concatenate([ell.transpose(0, 2, 1)[..., None] + rel, new], axis=-1)
     impl = choose_impl(cfg.attention_impl, q.dtype, q.shape[-1])
     bias = bias.astype(q.dtype if impl == "cudnn" else ell.dtype)
-    keys = kv_state.with_new(state, {"k": k, "v": v}, positions_BT)
-    kv_pos, window, n = keys["pos"], None, opts.ring_sinks
-    if ring:
-      window = opts.cache_window
-      if n:   # sink slots stay visible: they take the first query's position
-        _, _, first = ring_frame(positions_BT, n, window)
-        is_sink = (jnp.arange(kv_pos.shape[1]) < n)[None, :] & (kv_pos >= 0)
-        kv_pos = jnp.where(is_sink, first[:, None], kv_pos)
-    out = attend(q, keys["k"].astype(q.dtype), keys["v"].astype(q.dtype), scale=cfg.head_dim
-                 ** -0.5, causal=True, q_positions=positions_BT, kv_positions=kv_pos,
-                 window=window, bias=bias, sink_logit_H=sink, impl=cfg.attention_impl)
-    if ring:
-      last = ell[:, -1]
-      shifted = dict(state, g=state["g"] - last[:, None].astype(state["g"].dtype))
-      return out, kv_state.write(shifted, {"k": k, "v": v, "g": ell - last[:, None]},
-                                 positions_BT, ring=True, sinks=n)
-    g = state["g_last"][:, None] + ell
-    new_state = kv_state.write(state, {"k": k, "v": v, "g": g}, positions_BT, ring=False)
-    new_state["g_last"] = g[:, -1]          # padding (log f = 0) keeps the last valid g
-    return out, new_state
+    kv_pos = kv.pos
+    if pol.sinks:   # sink slots stay visible: they take the first query's position
+      _, _, first = pol.frame(positions_BT)
+      is_sink = (jnp.arange(kv_pos.shape[1]) < pol.sinks)[None, :] & (kv_pos >= 0)
+      kv_pos = jnp.where(is_sink, first[:, None], kv_pos)
+    dt = q.dtype
+    out = attend(q, jnp.concatenate([kv.k.astype(dt), k.astype(dt)], axis=1),
+                 jnp.concatenate([kv.v.astype(dt), v.astype(dt)], axis=1),
+                 scale=cfg.head_dim ** -0.5, causal=True, q_positions=positions_BT,
+                 kv_positions=jnp.concatenate([kv_pos, positions_BT.astype(jnp.int32)], axis=1),
+                 window=pol.window, bias=bias, sink_logit_H=sink, impl=cfg.attention_impl)
+    last = ell[:, -1]                       # padding (log f = 0) keeps the last valid g
+    shifted = kv.replace(extra=kv.extra - last[:, None].astype(kv.extra.dtype))
+    return out, shifted.write(k, v, positions_BT, ell - last[:, None])
 
   def attention_probs(self, x_BTD):
     """[B, H, T, T + 1] attention map of a full forward from the explicit reference's scores
@@ -326,28 +323,24 @@ class ScoreBiasAttention(nnx.Module):
     return probs_with_sink(s, sink_logit_of(self.opts, self.sink_logit, self.cfg.n_heads))
 
   @classmethod
-  def init_state(cls, cfg: ModelConfig, opts, batch: int, capacity: int, dtype) -> dict:
-    extra = dict(g=((cfg.n_heads,), stat_dtype(cfg)))      # g_j per slot (ring: g_j - g_last)
-    if opts.cache != "dense":
-      state = init_ring(cfg, opts, batch, dtype, **extra)
-    else:
-      state = kv_state.init_kv_state(batch, capacity, cfg.kv_heads, cfg.head_dim, cfg.head_dim,
-                                     dtype, **extra)
-    state["g_last"] = jnp.zeros((batch, cfg.n_heads), stat_dtype(cfg))
-    state.update(cls.carry_state(cfg, opts, batch, dtype))
-    return state
+  def cache_policy(cls, cfg, opts, policy):
+    policy = super().cache_policy(cfg, opts, policy)
+    if getattr(opts, "rope", False) and policy.bounded:
+      raise ValueError(f"fox.rope: the {policy.label} cache needs rope=False (a ring keeps keys "
+                       "without re-assigned RoPE positions; see fox.py)")
+    return policy
+
+  @classmethod
+  def init_state(cls, cfg: ModelConfig, opts, batch: int, capacity: int, dtype,
+                 policy=None) -> FoXState:
+    g = jax.ShapeDtypeStruct((cfg.n_heads,), stat_dtype(cfg))   # g_j - g_last per key
+    kv = cache_lib.init_cache(cls.cache_policy(cfg, opts, policy), batch, capacity, cfg.kv_heads,
+                              cfg.head_dim, cfg.head_dim, dtype, extra=g)
+    return FoXState(kv, cls.carry_state(cfg, opts, batch, dtype))
 
   @classmethod
   def carry_state(cls, cfg, opts, batch, dtype) -> dict:
     return {}
-
-  @classmethod
-  def max_chunk(cls, cfg: ModelConfig, opts, capacity: int) -> int | None:
-    return None if opts.cache == "dense" else opts.cache_window
-
-  @classmethod
-  def stream_limit(cls, cfg: ModelConfig, opts, capacity: int) -> int | None:
-    return capacity if opts.cache == "dense" else None
 
   @classmethod
   def flops_per_token(cls, cfg: ModelConfig, opts, seq_len: int) -> float:
@@ -404,7 +397,7 @@ class FoX(ScoreBiasAttention):
         continue
       x = k if name == "k" else v
       prev = (jnp.zeros((B,) + x.shape[2:], x.dtype) if state is None
-              else state[f"{name}_prev"])
+              else state.carry[f"{name}_prev"])
       x, carry[f"{name}_prev"] = token_shift(x, jax.nn.sigmoid(lin(x_BTD).astype(jnp.float32)),
                                              prev, pos >= 0)
       k, v = (x, v) if name == "k" else (k, x)

@@ -90,21 +90,21 @@ What it leaves open, and what this implementation chose:
    block keeps its true relative positions. Stateless calls assume token t of a row sits at
    position t (positions arange(T), right padding as -1).
 
-9. Sink logit (`sink_logit`, `mha.SinkLogitOptions`: "learned" per-head logit s_h, initialised at
-   0 without weight decay, or "softmax1", s_h = 0). Every query's one softmax over [sorted ;
+9. Sink logit (`sink_logit`, `projection.SinkLogitOptions`: "learned" per-head logit s_h,
+   initialised at 0 without weight decay, or "softmax1", s_h = 0). Every query's one softmax over [sorted ;
    local] gets the extra column of logit s_h and zero value, dropped afterwards:
        y_t = sum_{j in sorted(t) + local(t)} v_j e^{s_tj} / (e^{s_h} + sum_{j'} e^{s_tj'})
    It goes to `core.attend(sink_logit_H=...)` in `block_attend`, so it holds in every mode (soft,
    hard, SortCut, non-causal) and in decoding: the column is per query and per head, independent
    of which blocks were sorted or gathered. A padding query still returns zeros. The sink does
-   not enter the sorting (it is not a block). There is no `cache` option: the decoding state is
-   the mixer's own block buffer.
+   not enter the sorting (it is not a block).
 
-Decoding (causal mode): the state holds a fixed-capacity K/V buffer (slot = absolute position)
-with per-slot positions (-1 = empty) and the running per-block sums and counts of the mixer
-input (the SortNet summaries). A new token at position p in block i = p // b recomputes the
-block embeddings from the sums, row i of the causal balancing (rows <= i only: unchanged by any
-later token), sorts the buffered past blocks and attends to them and to its buffered block. A
+Decoding (causal mode): the state (`SinkhornState`) holds a `cache.KVCache` under the linear
+policy whatever the decode asks for (the sort reads every block seen so far; keys after RoPE,
+token n in slot n = its position, the blocks are slot ranges) and the running per-block sums
+and counts of the mixer input (the SortNet summaries). A new token at position p in block
+i = p // b recomputes the block embeddings from the sums, row i of the causal balancing (rows
+<= i only: unchanged by any later token), sorts the buffered past blocks and attends to them and to its buffered block. A
 padding token (position -1) writes nothing. `max_chunk` is b: a prefill chunk forms its sorted
 keys per token.
 
@@ -116,17 +116,20 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from attn_jax.attention.core import NEG_INF, attend, causal_positions
-from attn_jax.attention.mha import (QKVProjection, SinkLogitOptions, make_sink_logit,
+from attn_jax.attention import cache as cache_lib
+from attn_jax.attention.core import NEG_INF, attend
+from attn_jax.attention.projection import (QKVProjection, SinkLogitOptions, make_sink_logit,
                                     sink_logit_of)
 from attn_jax.config import ModelConfig
-from attn_jax.layers import Linear, apply_rope, dtype_of, rope_angles
+from attn_jax.layers import Linear, apply_rope, causal_positions, dtype_of, rope_angles
+from attn_jax.options import field_check, is_int, is_number
 from attn_jax.registry import register_mixer
 
 
@@ -360,6 +363,13 @@ def _blocks(x_BT, n: int, b: int, fill=0):
   return x.reshape((x.shape[0], n, b) + x.shape[2:])
 
 
+class SinkhornState(NamedTuple):
+  """Sinkhorn's decoding state: the KV cache and the per-block input sums and counts."""
+  cache: cache_lib.KVCache
+  sums: jax.Array     # [B, N, D] fp32
+  counts: jax.Array   # [B, N] fp32
+
+
 @register_mixer("sinkhorn")
 class SinkhornAttention(nnx.Module):
   """Sparse Sinkhorn attention (see the module docstring). Options: config.model.sinkhorn."""
@@ -378,23 +388,16 @@ class SinkhornAttention(nnx.Module):
     hard_inference: bool = True  # without SortCut: hard sorting when not training
 
     def validate(self, cfg: ModelConfig, where: str) -> None:
-      def need(cond, field, msg):
-        if not cond:
-          raise ValueError(f"{where}.{field}: {msg}")
-
-      def is_int(x):
-        return isinstance(x, int) and not isinstance(x, bool)
-
+      need = field_check(where)
       self.validate_sink_logit(where)
 
       for f in ("block_size", "n_iters", "sortnet_depth", "sortnet_width", "sort_dim"):
         val = getattr(self, f)
-        need(is_int(val) and val >= 1, f, f"must be a positive integer, got {val!r}")
-      need(is_int(self.n_sortcut) and self.n_sortcut >= 0, "n_sortcut",
+        need(is_int(val, 1), f, f"must be a positive integer, got {val!r}")
+      need(is_int(self.n_sortcut, 0), "n_sortcut",
            f"must be an integer >= 0 (0 = soft sorting), got {self.n_sortcut!r}")
       t = self.temperature
-      need(isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t)
-           and t > 0, "temperature", f"must be a positive finite number, got {t!r}")
+      need(is_number(t) and t > 0, "temperature", f"must be a positive finite number, got {t!r}")
       for f in ("causal", "gumbel_noise", "hard_inference"):
         need(isinstance(getattr(self, f), bool), f, f"must be True or False, got "
              f"{getattr(self, f)!r}")
@@ -527,20 +530,17 @@ class SinkhornAttention(nnx.Module):
       raise ValueError("config.model.sinkhorn.causal: decoding needs the causal mode")
     B, T, _ = x_BTD.shape
     b = o.block_size
-    C = state["k"].shape[1]
+    C = state.cache.k.shape[1]
     nb = C // b
     valid = positions_BT >= 0
     q, k, v = self.project(x_BTD, positions_BT)
-    slot = jnp.where(valid, positions_BT, C)                  # C, nb: out of range = dropped
-    blk = jnp.where(valid, positions_BT // b, nb)
-    put = jax.vmap(lambda buf, i, val: buf.at[i].set(val, mode="drop"))
+    kv = state.cache.write(k, v, positions_BT)
+    blk = jnp.where(valid, positions_BT // b, nb)              # nb: out of range = dropped
     add = jax.vmap(lambda buf, i, val: buf.at[i].add(val, mode="drop"))
-    kbuf = put(state["k"], slot, k.astype(state["k"].dtype))
-    vbuf = put(state["v"], slot, v.astype(state["v"].dtype))
-    pbuf = put(state["pos"], slot, positions_BT.astype(jnp.int32))
-    sums = add(state["sums"], blk, x_BTD.astype(jnp.float32))
-    counts = add(state["counts"], blk, jnp.ones_like(blk, jnp.float32))
-    new_state = dict(k=kbuf, v=vbuf, pos=pbuf, sums=sums, counts=counts)
+    sums = add(state.sums, blk, x_BTD.astype(jnp.float32))
+    counts = add(state.counts, blk, jnp.ones_like(blk, jnp.float32))
+    new_state = SinkhornState(kv, sums, counts)
+    kbuf, vbuf, pbuf = kv.k, kv.v, kv.pos
 
     logits = self.sort_logits(sums, counts, rng, train)        # [B, K, nb, nb]
     i_BT = jnp.where(valid, positions_BT // b, 0)
@@ -558,16 +558,16 @@ class SinkhornAttention(nnx.Module):
     return self.proj.o(y.reshape(B, T, cfg.n_heads, -1)), new_state, {}
 
   @classmethod
-  def init_state(cls, cfg, opts, batch: int, capacity: int, dtype):
+  def init_state(cls, cfg, opts, batch: int, capacity: int, dtype, policy=None):
+    del policy   # the sort needs every block: always the linear cache
     if not opts.causal:
       return None
     b = opts.block_size
     C = -(-capacity // b) * b
     K, D = cfg.kv_heads, cfg.head_dim
-    return dict(k=jnp.zeros((batch, C, K, D), dtype), v=jnp.zeros((batch, C, K, D), dtype),
-                pos=jnp.full((batch, C), -1, jnp.int32),
-                sums=jnp.zeros((batch, C // b, cfg.d_model), jnp.float32),
-                counts=jnp.zeros((batch, C // b), jnp.float32))
+    return SinkhornState(cache_lib.init_cache(cache_lib.LINEAR, batch, C, K, D, D, dtype),
+                         sums=jnp.zeros((batch, C // b, cfg.d_model), jnp.float32),
+                         counts=jnp.zeros((batch, C // b), jnp.float32))
 
   @classmethod
   def flops_per_token(cls, cfg, opts, seq_len: int) -> float:

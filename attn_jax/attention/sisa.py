@@ -7,7 +7,7 @@ SPEC.md section 1. Per head h, with x = RMSNorm(input), d_h = d_model / H, d_s =
     B_t = W_B x_t,  C_t = W_C x_t                                  ([H, d_s] per token)
     log a_t = -softplus(w_a . x_t + b)                             (one per head; b init -5)
     theta_t = W_theta x_t                                          ([H, d_s/2] angles)
-    g_t = sum_{s<=t} log a_s,  Phi_t = sum_{s<=t} theta_s          (fp32 cumulative sums)
+    g_t = sum_{s<=t} log a_s,  Phi_t = sum_{s<=t} theta_s mod 2 pi (fp32 cumulative sums)
     lambda = softplus(lambda_raw)                                  (fp32, lambda_raw init -1)
 
     score_ij = q_i.k_j / sqrt(d_h) + lambda * e^{g_i - g_j} * (R(Phi_i) C_i) . (R(Phi_j) B_j)
@@ -22,9 +22,9 @@ the same family, the sign convention of the learned theta differs.
 As in the paper, the extra term is fed to one stock attention call by widening Q and K:
 Q^ = [q ; lambda sqrt(d_h) e^{g_i - r} R(Phi_i) C_i], K^ = [k ; e^{r - g_j} R(Phi_j) B_j],
 scale 1/sqrt(d_h) (not 1/sqrt(d_h + d_s)). V stays d_h wide: core.attend's einsum path takes
-it as is; its jax.nn.dot_product_attention paths ("xla", "cudnn": what "auto" picks) zero-pad
-V to d_h + d_s and slice the output (exact). Measured on CPU (model fwd+bwd, d_h 64, d_s 32):
-the padded "xla" path still beats the unpadded "einsum" one, 8.2 vs 8.6 CPU s per step.
+it as is; its jax.nn.dot_product_attention paths ("xla", "cudnn"; "auto" picks "blocked" on
+CPU and "cudnn"/"xla" on GPU, `core.choose_impl`) zero-pad V to d_h + d_s and slice the output
+(exact): the padding costs less than a narrower but slower kernel would.
 The paper splits the scale symmetrically, s = d_h^{1/4} sqrt(lambda) on both sides; putting
 s^2 = lambda sqrt(d_h) on the query side gives the same products and avoids d sqrt(lambda)/d
 lambda = inf at lambda = 0.
@@ -77,9 +77,10 @@ fixed T, and no reference point ever depends on a later token:
    tokens: reference r = the running g of the last buffered token; buffered keys get
    e^{r - g_j} <= 1, the new block's own pairs go through the difference-form bias. A one-token
    step is thus exact at any length: query factor e^{g_i - g_{i-1}} = a_i <= 1, key factors
-   <= 1. The state is a linear `kv_state` buffer (slots record their positions) holding k
-   (after RoPE), v, R(Phi_j) B_j and g_j per slot, and the running g and Phi per row. Padding
-   tokens (position -1) get log a = 0 and theta = 0, so rows of different lengths keep exact
+   <= 1. The state (`SISAState`) is a `cache.KVCache` holding k, v and, per key
+   (`SISAKeys`), R(Phi_j) B_j and g_j - r (shifted after every call), plus the running g and
+   Phi per row. Padding tokens (position -1) get log a = 0 and theta = 0, so rows of different
+   lengths keep exact
    running sums.
 
 Precision of g: g is an fp32 cumulative sum, so a difference g_i - g_j of two large sums carries
@@ -87,27 +88,32 @@ an absolute error ~ 2^-24 |g| (relative error of a decay factor ~ 1e-4 at |g| ~ 
 exact to fp32 rounding of the cumulative sum, far below bf16 resolution. The explicit reference
 (`sisa_attention_reference`) uses the same g and Phi, formed pairwise as differences.
 
+Precision of Phi: only Phi mod 2 pi matters (a rotation is periodic), and an absolute fp32 angle
+of a few thousand radians (reached within a few thousand tokens at large theta) has a spacing of
+~1e-3 rad, with cos/sin of it no better. So the running phase is wrapped mod 2 pi at every step
+of its scan (`phase_cumsum`, with 2 pi split into two floats so a wrap adds no error of its
+own), and the decoding state keeps it wrapped: every angle stays below a few radians however long
+the sequence. Tested against a float64 reference at 32K tokens (tests/test_sisa.py). On CPU g
+and Phi share one `lax.scan`; elsewhere g keeps `jnp.cumsum` and Phi takes the sequential scan
+(its wrap is not associative), elementwise work on [B, H, d_s/2] per step.
+
 Cumulative sums: on CPU `jnp.cumsum` lowers to a `reduce_window` with a window as long as the
-sequence (O(T^2): 47 ms vs 8.5 ms for [8, 1024, 12, 16] fp32), while a sequential `lax.scan`
-is O(T) and faster than `lax.associative_scan` forward and backward (measured: 8.5 / 9.6 ms
-forward, 49 / 92 ms with its gradient). So CPU uses `lax.scan`; other backends keep
+sequence (O(T^2) work), while a sequential `lax.scan` is O(T) and, on CPU, faster than
+`lax.associative_scan` forward and backward. So CPU uses `lax.scan`; other backends keep
 `jnp.cumsum` (GPU: a dedicated CUB scan lowering; TPU: XLA rewrites the reduce_window into a
 prefix tree) — a sequential scan would be T dependent steps there. log a and theta are summed
 in one scan. C, B, theta and the decay pre-activation come from one matmul (their kernels,
 separate parameters with their own logical axes, concatenated at call time).
 
-Attention sinks and streaming (SPEC.md section 3; the options shared with `attention`, see
-`mha.SinkOptions`): `sink_logit` ("learned" / "softmax1") adds the extra softmax column on every
-path (the column is part of the one softmax over the widened scores). `cache="window"` /
-`"streaming"` keeps the last `cache_window` tokens (plus the first `cache_sinks`) in a ring:
-SISA's decay and phase are cumulative sums of the content, not positions, so a cached key keeps
-its g_j and its rotated R(Phi_j) B_j; only the RoPE positions of the q.k part are re-assigned
-inside the cache, exactly as for attention (`mha.ring_attend`; the sinks' full widened score,
-q.k and SISA term, enters as the bias). A query therefore still sees the true decay
-e^{g_i - g_j} to a sink, accumulated over every token in between (evicted ones included). In the
-ring the stored g_j are kept relative to the last token (g_j - g_last >= 0, shifted after every
-call), and the running phase is wrapped mod 2 pi (a rotation is periodic), so neither grows with
-the stream.
+Attention sinks and cache policies (SPEC.md section 3): `sink_logit` ("learned" / "softmax1",
+`projection.SinkLogitOptions`) adds the extra softmax column on every path (the column is part
+of the one softmax over the widened scores). The decoding cache runs under the policy asked for
+at decode time (`attention/cache.py`: dense, a ring, StreamingLLM's sinks + ring): SISA's decay
+and phase are cumulative sums of the content, not positions, so a cached key keeps its g_j and
+its rotated R(Phi_j) B_j; only the RoPE positions of the q.k part are re-assigned inside a ring,
+exactly as for attention (the sinks' full widened score, q.k and SISA term, enters as their
+bias). A query therefore still sees the true decay e^{g_i - g_j} to a sink, accumulated over
+every token in between (evicted ones included).
 
 Measured costs (SISA vs the Transformer, path choice) are in the README, produced by
 `experiments/bench.py`.
@@ -118,20 +124,22 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from attn_jax.attention import flash, kv_state, split
-from attn_jax.attention.core import attend, causal_positions, choose_impl
-from attn_jax.attention.mha import (REMAT_CORE_IMPLS, QKVProjection, SinkOptions,
-                                    attention_flops_per_token,
-                                    causal_keys, init_ring, make_sink_logit, probs_with_sink,
-                                    ring_attend, ring_frame, ring_keys, rope, sink_logit_of)
+from attn_jax.attention import cache as cache_lib
+from attn_jax.attention import flash, split
+from attn_jax.attention.core import (REMAT_CORE_IMPLS, attend, attention_flops_per_token,
+                                     causal_keys, choose_impl)
+from attn_jax.attention.projection import (QKVProjection, SinkLogitOptions, make_sink_logit,
+                                           probs_with_sink, sink_logit_of)
 from attn_jax.config import ModelConfig
-from attn_jax.layers import Linear, dtype_of, param
+from attn_jax.layers import Linear, causal_positions, dtype_of, param
+from attn_jax.options import field_check, is_int, is_number
 from attn_jax.registry import register_mixer
 
 PATHS = ("auto", "fast", "chunked")
@@ -165,13 +173,49 @@ def stat_dtype(cfg: ModelConfig):
   return jnp.promote_types(jnp.float32, dtype_of(cfg.dtype))
 
 
+def _time_scan(step, x_BT: jax.Array) -> jax.Array:
+  """Inclusive scan over axis 1 (`step(carry, x) -> carry`, the carry starting at zero)."""
+  xs = jnp.moveaxis(x_BT, 1, 0)
+  _, ys = jax.lax.scan(lambda c, a: (step(c, a),) * 2, jnp.zeros_like(xs[0]), xs)
+  return jnp.moveaxis(ys, 0, 1)
+
+
 def time_cumsum(x_BT: jax.Array) -> jax.Array:
   """Inclusive cumulative sum over axis 1 (see the module docstring for the choice)."""
   if jax.default_backend() != "cpu":
     return jnp.cumsum(x_BT, axis=1)
-  xs = jnp.moveaxis(x_BT, 1, 0)
-  _, ys = jax.lax.scan(lambda c, a: (c + a, c + a), jnp.zeros_like(xs[0]), xs)
-  return jnp.moveaxis(ys, 0, 1)
+  return _time_scan(jnp.add, x_BT)
+
+
+# 2 pi as a sum of two floats (Cody-Waite): the fp32-rounded 2 pi alone is 1.7e-7 too large, an
+# error every wrap would add to the phase.
+_TWO_PI_HI = float(np.float32(2 * np.pi))
+_TWO_PI_LO = 2 * np.pi - _TWO_PI_HI
+
+
+def wrap_phase(x: jax.Array) -> jax.Array:
+  """x mod 2 pi (approximately in [0, 2 pi)); exact to x's rounding for |x| of a few turns."""
+  k = jnp.floor(x * (1 / (2 * np.pi)))
+  return (x - k * _TWO_PI_HI) - k * _TWO_PI_LO
+
+
+def phase_cumsum(theta_BTHP: jax.Array) -> jax.Array:
+  """Phi_t = sum_{s<=t} theta_s mod 2 pi, the running sum wrapped at every step, so the angle
+  never grows with t and keeps the precision of a few radians (module docstring)."""
+  return _time_scan(lambda c, a: wrap_phase(c + a), theta_BTHP)
+
+
+def decay_and_phase(loga_BTH, theta_BTHP):
+  """g = cumsum(log a) and Phi = `phase_cumsum`(theta) over time (one scan on CPU). theta may
+  be None."""
+  if theta_BTHP is None:
+    return time_cumsum(loga_BTH), None
+  if jax.default_backend() != "cpu":
+    return jnp.cumsum(loga_BTH, axis=1), phase_cumsum(theta_BTHP)
+  both = _time_scan(lambda c, a: jnp.concatenate([c[..., :1] + a[..., :1],
+                                                  wrap_phase(c[..., 1:] + a[..., 1:])], -1),
+                    jnp.concatenate([loga_BTH[..., None], theta_BTHP], axis=-1))
+  return both[..., 0], both[..., 1:]
 
 
 def rotate_pairs(x_BTHS: jax.Array, phi_BTHP: jax.Array) -> jax.Array:
@@ -180,14 +224,6 @@ def rotate_pairs(x_BTHS: jax.Array, phi_BTHP: jax.Array) -> jax.Array:
   c, s = jnp.cos(phi_BTHP), jnp.sin(phi_BTHP)
   x0, x1 = x[..., 0], x[..., 1]
   return jnp.stack([x0 * c - x1 * s, x0 * s + x1 * c], axis=-1).reshape(x_BTHS.shape)
-
-
-def decay_and_phase(loga_BTH, theta_BTHP):
-  """g = cumsum(log a), Phi = cumsum(theta) over time, in one scan. theta may be None."""
-  if theta_BTHP is None:
-    return time_cumsum(loga_BTH), None
-  both = time_cumsum(jnp.concatenate([loga_BTH[..., None], theta_BTHP], axis=-1))
-  return both[..., 0], both[..., 1:]
 
 
 def _local_bias(rc_BTHS, rb_BSHS, g_q_BTH, g_k_BSH, lam_H, causal_TS):
@@ -269,68 +305,82 @@ def sisa_attention_reference(q_BTHD, k_BTHD, v_BTHD, c_BTHS, b_BTHS, g_BTH, phi_
 
 # ---------------------------------------------------------------- the mixer
 
+class SISAFeatures(NamedTuple):
+  """Per-token features of a SISA layer (`SISA.features`)."""
+  q: jax.Array          # [B, T, H, d_h], after RoPE (before it for a cached call)
+  k: jax.Array          # [B, T, K, d_h], likewise
+  v: jax.Array          # [B, T, K, d_h]
+  c: jax.Array          # [B, T, H, d_s]: C, not rotated
+  b: jax.Array          # [B, T, H, d_s]: B, not rotated
+  loga: jax.Array       # [B, T, H]: log a (0 on padding)
+  theta: jax.Array | None   # [B, T, H, d_s/2]: the phase increments (None without phase)
+  lam: jax.Array        # [H]: lambda
+
+
+class SISAKeys(NamedTuple):
+  """SISA's per-key data in the KV cache."""
+  rb: jax.Array     # [B, S, H, d_s]: R(Phi_j) B_j
+  g: jax.Array      # [B, S, H]: g_j - g of the last cached token (>= 0)
+
+
+class SISAState(NamedTuple):
+  """SISA's decoding state: the KV cache and the running sums per row."""
+  cache: cache_lib.KVCache
+  g: jax.Array      # [B, H]: g of the last token (the stream's total decay; `decay_range`)
+  phi: jax.Array    # [B, H, d_s/2]: Phi of the last token, mod 2 pi
+
 def _sink_kw(sink) -> dict:
   """attend's sink argument only when there is a sink (keeps the plain call unchanged)."""
   return {} if sink is None else {"sink_logit_H": sink}
 
 
-def _number(v) -> bool:
-  return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-@dataclasses.dataclass(frozen=True)
-class SISAOptions(SinkOptions):
-  d_state: int = 32               # d_s: B/C channels per head (even: pairs are rotated)
-  decay_bias_init: float = -5.0   # b of log a = -softplus(w.x + b): half-life ~100 tokens
-  lambda_init: float = -1.0       # lambda = softplus(lambda_raw) ~ 0.313
-  use_decay: bool = True
-  use_phase: bool = True
-  learn_lambda: bool = True
-  chunk_size: int = 0             # block / query chunk of the chunked path; 0 = auto
-                                  # (`block_len`, or `chunk_len` with a cuDNN core)
-  path: str = "auto"              # auto (cond on the decay range) | fast | chunked (all exact)
-  fast_max_range: float = 60.0    # nats: largest decay range of the one-call fast path (<= 80)
-  phase_init_std: float = 0.01    # init std of W_theta (as the authors' code)
-  lambda_lr_mult: float = 0.1     # lambda_raw's learning-rate multiplier (paper: 10x lower)
-
-  def validate(self, cfg: ModelConfig, where: str) -> None:
-    def need(cond, field, msg):
-      if not cond:
-        raise ValueError(f"{where}.{field}: {msg}")
-
-    if cfg.kv_heads != cfg.n_heads:
-      raise ValueError(f"config.model.n_kv_heads: sisa needs one key head per query head "
-                       f"(n_kv_heads 0 or {cfg.n_heads}), got {cfg.n_kv_heads}: B and the "
-                       "decay are per query head")
-    ds = self.d_state
-    need(isinstance(ds, int) and not isinstance(ds, bool) and ds > 0 and ds % 2 == 0,
-         "d_state", f"must be a positive even integer (pairs are rotated), got {ds!r}")
-    for f in ("decay_bias_init", "lambda_init"):
-      need(_number(getattr(self, f)), f, f"must be a finite number, got {getattr(self, f)!r}")
-    for f in ("use_decay", "use_phase", "learn_lambda"):
-      need(isinstance(getattr(self, f), bool), f,
-           f"must be True or False, got {getattr(self, f)!r}")
-    cs = self.chunk_size
-    need(isinstance(cs, int) and not isinstance(cs, bool) and cs >= 0, "chunk_size",
-         f"must be an integer >= 0 (0 = auto), got {cs!r}")
-    need(self.path in PATHS, "path", f"{self.path!r} not in {PATHS}")
-    fr = self.fast_max_range
-    need(_number(fr) and 0 < fr <= 80, "fast_max_range",
-         f"must be in (0, 80] nats (e^80 is near the fp32/bf16 limit e^88.7), got {fr!r}")
-    need(_number(self.phase_init_std) and self.phase_init_std >= 0, "phase_init_std",
-         f"must be >= 0, got {self.phase_init_std!r}")
-    need(_number(self.lambda_lr_mult) and self.lambda_lr_mult >= 0, "lambda_lr_mult",
-         f"must be a finite number >= 0, got {self.lambda_lr_mult!r}")
-    self.validate_sinks(where)
-
-
 @register_mixer("sisa")
-class SISA(nnx.Module):
+class SISA(cache_lib.CachedMixer, nnx.Module):
   """SISA token mixer (see the module docstring). Options: `config.model.sisa`."""
 
-  Options = SISAOptions
+  @dataclasses.dataclass(frozen=True)
+  class Options(SinkLogitOptions):
+    d_state: int = 32               # d_s: B/C channels per head (even: pairs are rotated)
+    decay_bias_init: float = -5.0   # b of log a = -softplus(w.x + b): half-life ~100 tokens
+    lambda_init: float = -1.0       # lambda = softplus(lambda_raw) ~ 0.313
+    use_decay: bool = True
+    use_phase: bool = True
+    learn_lambda: bool = True
+    chunk_size: int = 0             # block / query chunk of the chunked path; 0 = auto
+                                    # (`block_len`, or `chunk_len` with a cuDNN core)
+    path: str = "auto"              # auto (cond on the decay range) | fast | chunked (all exact)
+    fast_max_range: float = 60.0    # nats: largest decay range of the one-call fast path (<= 80)
+    phase_init_std: float = 0.01    # init std of W_theta (as the authors' code)
+    lambda_lr_mult: float = 0.1     # lambda_raw's learning-rate multiplier (paper: 10x lower)
 
-  def __init__(self, cfg: ModelConfig, opts: SISAOptions, *, rngs: nnx.Rngs):
+    def validate(self, cfg: ModelConfig, where: str) -> None:
+      need = field_check(where)
+      if cfg.kv_heads != cfg.n_heads:
+        raise ValueError(f"config.model.n_kv_heads: sisa needs one key head per query head "
+                         f"(n_kv_heads 0 or {cfg.n_heads}), got {cfg.n_kv_heads}: B and the "
+                         "decay are per query head")
+      ds = self.d_state
+      need(is_int(ds, 1) and ds % 2 == 0,
+           "d_state", f"must be a positive even integer (pairs are rotated), got {ds!r}")
+      for f in ("decay_bias_init", "lambda_init"):
+        need(is_number(getattr(self, f)), f, f"must be a finite number, got {getattr(self, f)!r}")
+      for f in ("use_decay", "use_phase", "learn_lambda"):
+        need(isinstance(getattr(self, f), bool), f,
+             f"must be True or False, got {getattr(self, f)!r}")
+      cs = self.chunk_size
+      need(is_int(cs, 0), "chunk_size",
+           f"must be an integer >= 0 (0 = auto), got {cs!r}")
+      need(self.path in PATHS, "path", f"{self.path!r} not in {PATHS}")
+      fr = self.fast_max_range
+      need(is_number(fr) and 0 < fr <= 80, "fast_max_range",
+           f"must be in (0, 80] nats (e^80 is near the fp32/bf16 limit e^88.7), got {fr!r}")
+      need(is_number(self.phase_init_std, 0), "phase_init_std",
+           f"must be >= 0, got {self.phase_init_std!r}")
+      need(is_number(self.lambda_lr_mult, 0), "lambda_lr_mult",
+           f"must be a finite number >= 0, got {self.lambda_lr_mult!r}")
+      self.validate_sink_logit(where)
+
+  def __init__(self, cfg: ModelConfig, opts: "SISA.Options", *, rngs: nnx.Rngs):
     self.cfg, self.opts = cfg, opts
     dt, pdt = dtype_of(cfg.dtype), dtype_of(cfg.param_dtype)
     H, D, ds = cfg.n_heads, cfg.d_model, int(opts.d_state)
@@ -352,7 +402,7 @@ class SISA(nnx.Module):
     self.sink_logit = make_sink_logit(cfg, opts, rngs)
 
   # -------------------------------------------------------------- per-token features
-  def features(self, x_BTD, positions_BT, rotate: bool = True):
+  def features(self, x_BTD, positions_BT, rotate: bool = True) -> "SISAFeatures":
     """q, k (after RoPE; before it with rotate=False), v, C, B, log a, theta (None without
     phase), lambda.
 
@@ -389,19 +439,16 @@ class SISA(nnx.Module):
     lam = jax.nn.softplus(self.lambda_raw[...].astype(f))
     if not o.learn_lambda:
       lam = jax.lax.stop_gradient(lam)
-    return q, k, v, c, b, loga, theta, lam
+    return SISAFeatures(q, k, v, c, b, loga, theta, lam)
 
   def __call__(self, x_BTD, *, positions_BT=None, state=None, rng=None, train=False):
     del rng, train
     cfg = self.cfg
-    ring = state is not None and self.opts.cache != "dense"
-    q, k, v, c, b, loga, theta, lam = self.features(x_BTD, positions_BT, rotate=not ring)
+    q, k, v, c, b, loga, theta, lam = self.features(x_BTD, positions_BT, rotate=state is None)
     sink = sink_logit_of(self.opts, self.sink_logit, cfg.n_heads)
     g, phi = decay_and_phase(loga, theta)      # with a state: sums over the new tokens only
-    ell = g
-    if state is not None:
-      g = state["g_last"][:, None] + ell
-      phi = None if phi is None else state["phi_last"][:, None] + phi
+    if state is not None and phi is not None:
+      phi = wrap_phase(state.phi[:, None] + phi)
     rc = c.astype(g.dtype) if phi is None else rotate_pairs(c, phi)
     rb = b.astype(g.dtype) if phi is None else rotate_pairs(b, phi)
     qscale = lam * math.sqrt(cfg.head_dim)                      # s^2 = lambda sqrt(d_h)
@@ -409,10 +456,9 @@ class SISA(nnx.Module):
     if state is None:
       out, chunked = self._full(q, k, v, rc, rb, g, lam, qscale, sink)
     else:
-      cached = self._ring if ring else self._cached
-      out, state = cached(q, k, v, rc, rb, g, ell, lam, qscale, positions_BT, state, sink)
-      if phi is not None:   # the ring wraps the running phase (a rotation is 2 pi periodic)
-        state["phi_last"] = jnp.mod(phi[:, -1], 2 * math.pi) if ring else phi[:, -1]
+      out, kv = self._cached(q, k, v, rc, rb, g, lam, qscale, positions_BT, state.cache, sink)
+      g = state.g[:, None] + g                   # the running g: only for `decay_range`
+      state = SISAState(kv, g[:, -1], state.phi if phi is None else phi[:, -1])
       chunked = jnp.ones((), jnp.float32)
 
     mean_loga = jnp.mean(loga)
@@ -527,65 +573,27 @@ class SISA(nnx.Module):
     return split.combine(parts, sink)
 
   # -------------------------------------------------------------- decoding
-  def _cached(self, q, k, v, rc, rb, g, ell, lam, qscale, positions_BT, state, sink):
-    """T new tokens after the buffered ones: one chunk with reference r = g of the last
-    buffered token. Keys are [buffer S ; new T] (`kv_state.with_new`).
-
-    ell = g - r is summed over the new tokens only, so the query factors e^ell and the in-block
-    decays e^{ell_i - ell_j} keep full precision however large |g| has grown.
-    """
-    cfg, dt = self.cfg, q.dtype
-    B, T, H, _ = q.shape
-    S = state["pos"].shape[1]
-    r = state["g_last"]                                                 # [B, H]
-    past = (state["pos"] >= 0)[..., None]                               # [B, S, 1]
-    kf = jnp.exp(jnp.where(past, r[:, None] - state["g"], -jnp.inf))   # <= 1; 0 when empty
-    k_past = jnp.concatenate([state["k"].astype(dt),
-                              (kf[..., None] * state["rb"].astype(g.dtype)).astype(dt)], -1)
-    k_new = jnp.concatenate([k, jnp.zeros(rb.shape, dt)], axis=-1)    # in-chunk: the bias
-    keys = kv_state.with_new({"k": k_past, "v": state["v"], "pos": state["pos"]},
-                             {"k": k_new, "v": v}, positions_BT)
-    qf = jnp.exp(ell) * qscale                                           # <= qscale
-    qh = _widen(q, qf, rc)
-    causal = jnp.arange(T)[:, None] >= jnp.arange(T)[None, :]
-    loc = _local_bias(rc, rb, ell, ell, lam, causal)                     # [B, H, T, T]
-    impl = choose_impl(cfg.attention_impl, dt, qh.shape[-1])
-    bias = jnp.pad(loc, ((0, 0), (0, 0), (0, 0), (S, 0)))
-    bias = bias.astype(dt if impl == "cudnn" else g.dtype)
-    out = attend(qh, keys["k"], keys["v"].astype(dt), scale=cfg.head_dim ** -0.5, causal=True,
-                 q_positions=positions_BT, kv_positions=keys["pos"], bias=bias,
-                 impl=impl, **_sink_kw(sink))
-    new = kv_state.write(state, {"k": k, "v": v, "rb": rb, "g": g}, positions_BT, ring=False)
-    new["g_last"] = g[:, -1]     # padding (log a = 0) keeps the last valid token's g
-    return out, new
-
-  def _ring(self, q, k, v, rc, rb, g, ell, lam, qscale, positions_BT, state, sink):
-    """window / streaming cache (module docstring): q, k arrive before RoPE; buffered g_j are
-    relative to the last buffered token (g_last stays 0), so g == ell here."""
-    del g
-    cfg, opts, th, dt = self.cfg, self.opts, self.cfg.rope_theta, q.dtype
-    n, W = opts.ring_sinks, opts.cache_window
+  def _cached(self, q, k, v, rc, rb, ell, lam, qscale, positions_BT, kv, sink):
+    """T new tokens (q, k before RoPE) after the cached ones, under the cache's policy: one
+    chunk with reference r = g of the last cached token. Cached g_j are kept relative to it
+    (g_j - r >= 0, shifted after every call), so key factors e^{r - g_j} <= 1, and ell = g - r
+    is summed over the new tokens only: the query factors e^ell and the in-chunk decays
+    e^{ell_i - ell_j} keep full precision however long the stream. Only the q.k part's RoPE
+    positions depend on the policy (a ring re-assigns them); a cached key keeps its g_j and
+    R(Phi_j) B_j, so a sink still sees the true decay accumulated over every token since."""
+    cfg = self.cfg
     T = q.shape[1]
-    base, m, first = ring_frame(positions_BT, n, W)
-    rel = positions_BT - base[:, None]
-    past = (state["pos"] >= 0)[..., None]
-    kf = jnp.exp(jnp.where(past, -state["g"], -jnp.inf))              # e^{g_last - g_j} <= 1
-    k_buf = jnp.concatenate([ring_keys(state["k"], state["pos"], base, n, th).astype(dt),
-                             (kf[..., None] * state["rb"].astype(ell.dtype)).astype(dt)], -1)
-    k_new = jnp.concatenate([rope(k, rel, th), jnp.zeros(rb.shape, dt)], axis=-1)
-    q_ssm = ((jnp.exp(ell) * qscale)[..., None] * rc).astype(dt)
-    qh = jnp.concatenate([rope(q, rel, th), q_ssm], axis=-1)
-    qh_sink = jnp.concatenate([rope(q, m, th), q_ssm], axis=-1)
+    kf = jnp.exp(jnp.where((kv.pos >= 0)[..., None], -kv.extra.g, -jnp.inf))  # 0 when empty
     causal = jnp.arange(T)[:, None] >= jnp.arange(T)[None, :]
-    loc = _local_bias(rc, rb, ell, ell, lam, causal)                    # in-chunk pairs
-    out = ring_attend(qh, qh_sink, k_buf, state["v"], k_new, v, state["pos"], positions_BT,
-                      first, n_sink=n, window=W, scale=cfg.head_dim ** -0.5,
-                      impl=cfg.attention_impl, sink_logit_H=sink, bias_new_BHTT=loc)
-    last = ell[:, -1]                                                   # [B, H]
-    shifted = dict(state, g=state["g"] - last[:, None].astype(state["g"].dtype))
-    new = kv_state.write(shifted, {"k": k, "v": v, "rb": rb, "g": ell - last[:, None]},
-                         positions_BT, ring=True, sinks=n)
-    return out, new
+    widen = cache_lib.Widening(q=(jnp.exp(ell) * qscale)[..., None] * rc,
+                               k=kf[..., None] * kv.extra.rb.astype(ell.dtype),
+                               bias_new=_local_bias(rc, rb, ell, ell, lam, causal))
+    out, kv = cache_lib.cached_attention(
+        kv, q, k, v, positions_BT, theta=cfg.rope_theta, scale=cfg.head_dim ** -0.5,
+        impl=cfg.attention_impl, sink_logit_H=sink, widen=widen,
+        extra_new=SISAKeys(rb=rb, g=ell))
+    last = ell[:, -1:]     # padding (log a = 0) keeps the last valid token's g
+    return out, kv.replace(extra=kv.extra._replace(g=kv.extra.g - last.astype(kv.extra.g.dtype)))
 
   def attention_probs(self, x_BTD):
     """[B, H, T, T + 1] attention map of a full forward, from the explicit reference's scores
@@ -597,18 +605,18 @@ class SISA(nnx.Module):
 
   # -------------------------------------------------------------- class-level hooks
   @staticmethod
-  def fast_range_limit(cfg: ModelConfig, opts: SISAOptions) -> float:
+  def fast_range_limit(cfg: ModelConfig, opts: "SISA.Options") -> float:
     return min(float(opts.fast_max_range), _DTYPE_RANGE_LIMIT.get(cfg.dtype, 1e9))
 
   @staticmethod
-  def block_len(opts: SISAOptions, seq_len: int) -> int:
+  def block_len(opts: "SISA.Options", seq_len: int) -> int:
     """Block of the blockwise chunked path: `chunk_size`, or auto = 256 (fixed, so memory
     grows linearly with T), at most T rounded up to a multiple of 8."""
     c = int(opts.chunk_size) if int(opts.chunk_size) > 0 else 256
     return min(c, -(-seq_len // 8) * 8)
 
   @staticmethod
-  def chunk_len(opts: SISAOptions, seq_len: int) -> int:
+  def chunk_len(opts: "SISA.Options", seq_len: int) -> int:
     """Query chunk of the fused-kernel chunked path: `chunk_size`, or auto = max(128, T/8)
     rounded up to 64 (at most 8 unrolled chunks; each reads only its key prefix)."""
     c = int(opts.chunk_size)
@@ -618,32 +626,21 @@ class SISA(nnx.Module):
     return min(c, seq_len)
 
   @classmethod
-  def init_state(cls, cfg: ModelConfig, opts: SISAOptions, batch: int, capacity: int,
-                 dtype) -> dict:
+  def init_state(cls, cfg: ModelConfig, opts: "SISA.Options", batch: int, capacity: int, dtype,
+                 policy: cache_lib.Policy | None = None) -> "SISAState":
     H, ds, f = cfg.n_heads, int(opts.d_state), stat_dtype(cfg)
-    extra = dict(rb=((H, ds), dtype),   # R(Phi_j) B_j per slot
-                 g=((H,), f))           # g_j per slot (the ring: g_j - g_last)
-    if opts.cache != "dense":
-      state = init_ring(cfg, opts, batch, dtype, **extra)
-    else:
-      state = kv_state.init_kv_state(batch, capacity, cfg.kv_heads, cfg.head_dim, cfg.head_dim,
-                                     dtype, **extra)
-    state["g_last"] = jnp.zeros((batch, H), f)                   # running g (empty prefix: 0)
-    state["phi_last"] = jnp.zeros((batch, H, ds // 2), f)        # running Phi
-    return state
+    extra = SISAKeys(rb=jax.ShapeDtypeStruct((H, ds), dtype), g=jax.ShapeDtypeStruct((H,), f))
+    kv = cache_lib.init_cache(cls.cache_policy(cfg, opts, policy), batch, capacity,
+                              cfg.kv_heads, cfg.head_dim, cfg.head_dim, dtype, extra=extra)
+    return SISAState(kv, jnp.zeros((batch, H), f), jnp.zeros((batch, H, ds // 2), f))
 
   @classmethod
-  def stream_limit(cls, cfg: ModelConfig, opts, capacity: int) -> int | None:
-    return capacity if opts.cache == "dense" else None
-
-  @classmethod
-  def max_chunk(cls, cfg: ModelConfig, opts, capacity: int) -> int | None:
-    return None if opts.cache == "dense" else opts.cache_window
-
-  @classmethod
-  def flops_per_token(cls, cfg: ModelConfig, opts: SISAOptions, seq_len: int) -> float:
+  def flops_per_token(cls, cfg: ModelConfig, opts: "SISA.Options", seq_len: int) -> float:
     # Q^K^T over d_h + d_s channels and PV over d_h, causal lower triangle as attention's.
     # The elementwise O(H d_s) work per token (cumsums, rotations, decay factors) is not
     # counted, like RoPE and softmax (train/flops.py).
     return attention_flops_per_token(cfg.n_heads, cfg.head_dim + int(opts.d_state),
                                      cfg.head_dim, causal_keys(seq_len))
+
+
+SISAOptions = SISA.Options   # the options under their module-level name

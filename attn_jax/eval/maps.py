@@ -104,22 +104,8 @@ def sinkhorn_sort_matrix(mixer, x_BTD) -> dict:
 
 
 def mamba2_decay(mixer, x_BTD) -> dict:
-  """Mamba-2's decay for a full forward (positions 0..T-1). `mixer`: a Mamba2 module, or a
-  `hybrid_heads` mixer (its SSM branch). Returns decay [B, T, H] (exp(a_t)), dt [B, T, H],
-  L and M [B, H, T, T] (see the module docstring), x [B, T, H, P] (the conv+SiLU input the
-  SSD scans) and mask."""
-  m = getattr(mixer, "ssm", mixer)
-  xs, _ = m.conv_x(m.in_x(x_BTD))
-  bs, _ = m.conv_b(m.in_b(x_BTD))
-  cs, _ = m.conv_c(m.in_c(x_BTD))
-  xs, bs, cs = jax.nn.silu(xs), jax.nn.silu(bs), jax.nn.silu(cs)
-  dt = jax.nn.softplus(m.in_dt(x_BTD).astype(f32) + m.dt_bias[...].astype(f32))
-  a = -jnp.exp(m.A_log[...].astype(f32)) * dt                       # [B, T, H]
-  T, H, G = x_BTD.shape[1], m.H, m.G
-  mask = _causal(T)
-  A = jnp.cumsum(a, axis=1).transpose(0, 2, 1)                      # [B, H, T]
-  L = jnp.exp(jnp.where(mask, A[..., :, None] - A[..., None, :], -jnp.inf))
-  cb = jnp.einsum("bign,bjgn->bgij", cs.astype(f32), bs.astype(f32))   # [B, G, T, T]
-  cb = jnp.repeat(cb, H // G, axis=1)                               # group -> heads
-  M = cb * L * dt.transpose(0, 2, 1)[:, :, None, :]
-  return {"decay": jnp.exp(a), "dt": dt, "L": L, "M": M, "x": xs, "mask": mask}
+  """Mamba-2's decay and SSD matrix for a full forward (positions 0..T-1): the mixer's own
+  `implicit_attention` hook (a Mamba2 module, or a `hybrid_heads` mixer's SSM branch). Returns
+  decay [B, T, H] (exp(a_t)), dt [B, T, H], L and M [B, H, T, T] (see the module docstring),
+  x [B, T, H, P] (the conv+SiLU input the SSD scans) and mask."""
+  return mixer.implicit_attention(x_BTD)

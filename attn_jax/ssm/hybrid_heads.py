@@ -16,10 +16,8 @@ Each branch keeps its own initialisation: the attention heads the Transformer's 
 the SSM heads Mamba-2's (mamba_ssm's fan-in convention, `mamba2.projection_inits`).
 
 Decoding state: the tuple (attention KV cache, Mamba-2 state). The attention cache here is a
-fixed-size buffer written by position (slot = absolute position, needing position < capacity)
-with a per-slot position array (-1 = empty) used as the key mask, so padding tokens (position
--1) are never written nor attended to. It is local to this module until the shared KV-state
-helper of the trunk replaces it.
+`cache.KVCache` under the linear policy (keys after RoPE, per-slot positions as the key
+mask, so padding tokens, position -1, are never written nor attended to).
 """
 
 from __future__ import annotations
@@ -30,11 +28,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from attn_jax.attention import kv_state
-from attn_jax.attention.core import attend, causal_positions
-from attn_jax.attention.mha import QKVProjection
+from attn_jax.attention import cache as cache_lib
+from attn_jax.attention.core import attend
+from attn_jax.attention.projection import QKVProjection
 from attn_jax.config import ModelConfig
-from attn_jax.layers import dtype_of, param
+from attn_jax.layers import causal_positions, dtype_of, param
 from attn_jax.registry import register_mixer
 from attn_jax.ssm.mamba2 import Mamba2
 
@@ -72,17 +70,15 @@ class HybridHeads(nnx.Module):
 
   def _attention(self, x_BTD, positions_BT, kv):
     cfg, p = self.cfg, self.attn
-    q, k, v = p.rotated_qkv(x_BTD, positions_BT, cfg.rope_theta)
     scale = cfg.head_dim ** -0.5
     if kv is None:
+      q, k, v = p.rotated_qkv(x_BTD, positions_BT, cfg.rope_theta)
       out = attend(q, k, v, scale=scale, causal=True, q_positions=positions_BT,
                    kv_positions=positions_BT, impl=cfg.attention_impl)
-    else:   # the shared linear KV buffer (attention/kv_state.py), as the attention mixer
-      keys = kv_state.with_new(kv, {"k": k, "v": v}, positions_BT)
-      out = attend(q, keys["k"].astype(q.dtype), keys["v"].astype(q.dtype), scale=scale,
-                   causal=True, q_positions=positions_BT, kv_positions=keys["pos"],
-                   impl=cfg.attention_impl)
-      kv = kv_state.write(kv, {"k": k, "v": v}, positions_BT, ring=False)
+    else:   # the shared KV cache (attention/cache.py), as the attention mixer
+      out, kv = cache_lib.cached_attention(kv, p.q(x_BTD), p.k(x_BTD), p.v(x_BTD), positions_BT,
+                                           theta=cfg.rope_theta, scale=scale,
+                                           impl=cfg.attention_impl)
     o = out.astype(f32)
     o = o * jax.lax.rsqrt(jnp.mean(o * o, axis=(-2, -1), keepdims=True) + cfg.norm_eps)
     o = o * self.attn_norm[...].astype(f32)
@@ -98,12 +94,16 @@ class HybridHeads(nnx.Module):
     y = ya + self.ssm.out(hs)
     return y, (None if state is None else (kv, ss)), {}
 
+  def implicit_attention(self, x_BTD) -> dict:
+    """The Mamba-2 branch's implicit attention matrix (`Mamba2.implicit_attention`)."""
+    return self.ssm.implicit_attention(x_BTD)
+
   @classmethod
   def init_state(cls, cfg: ModelConfig, opts: "HybridHeads.Options", batch: int, capacity: int,
                  dtype):
     """(KV cache of `capacity` slots, Mamba-2 state of fixed size)."""
-    return (kv_state.init_kv_state(batch, capacity, cfg.kv_heads, cfg.head_dim, cfg.head_dim,
-                                   dtype),
+    return (cache_lib.init_cache(cache_lib.LINEAR, batch, capacity, cfg.kv_heads, cfg.head_dim,
+                                 cfg.head_dim, dtype),
             Mamba2.init_state(cfg, opts.mamba2(), batch, capacity, dtype))
 
   @classmethod

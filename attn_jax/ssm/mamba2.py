@@ -48,9 +48,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from attn_jax.attention.core import causal_positions
 from attn_jax.config import ModelConfig
-from attn_jax.layers import Linear, dtype_of, fan_in_uniform, param
+from attn_jax.layers import Linear, causal_positions, dtype_of, fan_in_uniform, param
 from attn_jax.registry import register_mixer
 from attn_jax.ssm import ssd
 
@@ -220,6 +219,26 @@ class Mamba2(nnx.Module):
     if state is not None:
       new_state = {"conv_x": w_x, "conv_b": w_b, "conv_c": w_c, "ssm": h}
     return y.astype(dtype_of(cfg.dtype)), new_state
+
+  def implicit_attention(self, x_BTD) -> dict:
+    """The SSD's attention-like matrix of a full forward (positions 0..T-1), for diagnostics
+    (eval/maps.py): decay [B, T, H] (exp(a_t)), dt [B, T, H], the cumulative decay L and
+    M_ij = (C_i . B_j) L_ij dt_j ([B, H, T, T]), x [B, T, H, P] (the conv+SiLU input the SSD
+    scans, y_i = sum_j M_ij x_j before the D skip, gate and norm) and the causal mask."""
+    xs, _ = self.conv_x(self.in_x(x_BTD))
+    bs, _ = self.conv_b(self.in_b(x_BTD))
+    cs, _ = self.conv_c(self.in_c(x_BTD))
+    xs, bs, cs = jax.nn.silu(xs), jax.nn.silu(bs), jax.nn.silu(cs)
+    dt = jax.nn.softplus(self.in_dt(x_BTD).astype(f32) + self.dt_bias[...].astype(f32))
+    a = -jnp.exp(self.A_log[...].astype(f32)) * dt                  # [B, T, H]
+    T = x_BTD.shape[1]
+    mask = jnp.arange(T)[:, None] >= jnp.arange(T)[None, :]
+    A = jnp.cumsum(a, axis=1).transpose(0, 2, 1)                    # [B, H, T]
+    L = jnp.exp(jnp.where(mask, A[..., :, None] - A[..., None, :], -jnp.inf))
+    cb = jnp.einsum("bign,bjgn->bgij", cs.astype(f32), bs.astype(f32))   # [B, G, T, T]
+    cb = jnp.repeat(cb, self.H // self.G, axis=1)                   # group -> heads
+    M = cb * L * dt.transpose(0, 2, 1)[:, :, None, :]
+    return {"decay": jnp.exp(a), "dt": dt, "L": L, "M": M, "x": xs, "mask": mask}
 
   def __call__(self, x_BTD, *, positions_BT=None, state=None, rng=None, train=False):
     if positions_BT is None:   # a plain 0..T-1 full forward

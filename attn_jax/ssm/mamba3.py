@@ -79,9 +79,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from attn_jax.attention.core import causal_positions
 from attn_jax.config import ModelConfig
-from attn_jax.layers import Linear, dtype_of, param
+from attn_jax.layers import Linear, causal_positions, dtype_of, param
 from attn_jax.registry import register_mixer
 from attn_jax.ssm import ssd
 from attn_jax.ssm.mamba2 import dt_bias_init, last_valid_window, projection_inits, valid_mask

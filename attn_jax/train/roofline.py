@@ -97,13 +97,14 @@ def _tree_bytes(tree: Any) -> int:
                  for a in jax.tree.leaves(tree)))
 
 
-def decode_bytes(cfg: ModelConfig, n_params: dict, batch: int, capacity: int) -> dict:
-  """Bytes one decode step of `batch` rows reads (module docstring):
+def decode_bytes(cfg: ModelConfig, n_params: dict, batch: int, capacity: int,
+                 policy=None) -> dict:
+  """Bytes one decode step of `batch` rows reads under the cache `policy` (module docstring):
   {"params", "state" (all rows), "total"}."""
   from attn_jax.model import init_state
   params = (n_params["non_embedding"] + cfg.d_model * cfg.vocab_size) * \
       jnp.dtype(dtype_of(cfg.param_dtype)).itemsize
-  state = _tree_bytes(jax.eval_shape(lambda: init_state(cfg, int(batch), int(capacity))))
+  state = _tree_bytes(jax.eval_shape(lambda: init_state(cfg, int(batch), int(capacity), policy)))
   return {"params": int(params), "state": state, "total": int(params) + state}
 
 
@@ -112,7 +113,8 @@ def decode_bound_tok_s(bytes_per_step: float, batch: int, bandwidth: float) -> f
   return batch * bandwidth / bytes_per_step
 
 
-def decode_step_tok_s(model, prompt_BT: jax.Array, steps: int, repeats: int = 2) -> float:
+def decode_step_tok_s(model, prompt_BT: jax.Array, steps: int, repeats: int = 2,
+                      policy=None) -> float:
   """Generated tokens/s of `steps` greedy one-token decode steps (one jitted loop), after a
   prefill of `prompt_BT` that is not timed; capacity = prompt length + steps."""
   from flax import nnx
@@ -124,7 +126,7 @@ def decode_step_tok_s(model, prompt_BT: jax.Array, steps: int, repeats: int = 2)
   @jax.jit
   def start(state, prompt_BT):
     logits_BV, dstate = decode.prefill(nnx.merge(graphdef, state), prompt_BT,
-                                       capacity=T + steps)
+                                       capacity=T + steps, policy=policy)
     return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32), dstate
 
   @jax.jit
@@ -144,13 +146,14 @@ def decode_step_tok_s(model, prompt_BT: jax.Array, steps: int, repeats: int = 2)
 
 
 def decode_row(model, n_params: dict, batch: int, prompt_len: int, steps: int,
-               bandwidth: float, seed: int = 0) -> dict:
+               bandwidth: float, seed: int = 0, policy=None) -> dict:
   """Decode-step tokens/s of `model` at `batch` rows after a random prompt of `prompt_len`,
-  the bytes one step reads at capacity prompt_len + steps, the bandwidth bound and the ratio."""
+  the bytes one step reads at capacity prompt_len + steps (under the cache `policy`), the
+  bandwidth bound and the ratio."""
   cfg = model.cfg
   prompt = np.random.default_rng(seed).integers(0, cfg.vocab_size, (batch, prompt_len))
-  tok_s = decode_step_tok_s(model, jnp.asarray(prompt, jnp.int32), steps)
-  nbytes = decode_bytes(cfg, n_params, batch, prompt_len + steps)
+  tok_s = decode_step_tok_s(model, jnp.asarray(prompt, jnp.int32), steps, policy=policy)
+  nbytes = decode_bytes(cfg, n_params, batch, prompt_len + steps, policy)
   bound = decode_bound_tok_s(nbytes["total"], batch, bandwidth)
   return {"batch": batch, "capacity": prompt_len + steps, "tok_s": tok_s, "bound_tok_s": bound,
           "ratio": tok_s / bound, "param_bytes": nbytes["params"],

@@ -1,0 +1,288 @@
+"""Decoding caches: one typed KV cache, and the policies that decide what it keeps.
+
+    cache = init_cache(policy, batch, capacity, n_kv, d_k, d_v, dtype, extra=...)
+    out, cache = cached_attention(cache, q, k, v, positions_BT, theta=..., scale=..., impl=...)
+
+`KVCache` (a pytree; its policy is static): k [B, S, K, Dk], v [B, S, K, Dv], pos [B, S]
+int32 (the stream position each slot holds, -1 = empty), ptr [B] int32 (valid tokens written
+so far, per row) and `extra`, a mixer's own per-key data (any pytree of [B, S, ...] arrays, e.g.
+SISA's g_j and R(Phi_j) B_j), written slot for slot with the keys. Slots are not positions:
+masks come from `pos` (`core.positional_mask`), so a caller never computes a slot.
+
+A `Policy` is an inference-time choice (the parameters do not depend on it), passed when the
+state is made (`model.init_state(batch, capacity, policy=...)`); it owns three things:
+- slot writes: `Linear()` puts token n of a row in slot n (capacity = the longest stream);
+  `Ring(W)` in slot n mod W (the last W tokens, constant memory); `SinksRing(n, W)`
+  (StreamingLLM, Xiao et al. 2023) keeps tokens 0..n-1 in slots 0..n-1 forever and token
+  n' >= n in slot n + (n' - n) mod W;
+- the visible-key set: every cached key, plus the new tokens themselves, within the policy's
+  window of stream positions (W, query included; none for `Linear`);
+- the RoPE frame. `Linear` caches keys after RoPE at their stream positions. The rings cache
+  keys BEFORE RoPE and rotate them at call time by positions assigned inside the cache, as in
+  the paper: the visible keys of a query, oldest first, sit at 0, 1, ..., and the query at
+  m = their number (cache [0,1,2,3,6,7,8] decoding token 9 uses 0..7). For a query at stream
+  position p: m = min(p, n + W - 1). A window key j gets m - (p - j): its true distance p - j;
+  a sink key j gets j: distance m - j. So only the sinks' distances are rewritten.
+  Implementation, exact for chunks of any length <= W (each query has its own m):
+  * queries and non-sink keys are rotated by stream position minus one per-row base
+    b = max(0, p_first - (n + W - 1)) (p_first: the row's first valid query): every relative
+    distance is the true one, and every angle stays below n + 2W however long the stream
+    (fp32 RoPE angles of positions ~1e6 would lose ~0.1 rad);
+  * the n sink slots take part in the one `attend` call with a zero key and their exact score
+    as an additive bias: scale * R(m_p) q_p . R(j) k_j, an [B, H, T, n] einsum;
+  * masking uses stream positions: a sink slot is given the first query's position (always
+    causal and inside the window for the chunk), other keys their own, window = W.
+  With n + W >= the stream length nothing is evicted, m = p, and the result is dense attention.
+
+New tokens attend to [cache ; themselves] before they are written, so a ring takes a chunk of
+up to W tokens at once without the chunk overwriting keys its own queries still need
+(`Policy.max_chunk`). Rows advance independently (prompts of different lengths); padding
+tokens (position -1) are never written and never advance a row.
+
+Queries and keys may be wider than the values (`q_extra`, `k_extra`: extra channels appended to
+the rotated q and to the cached keys, zero on the new keys, whose share goes in `bias_new`):
+that is how SISA feeds its state term to the same call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from attn_jax.attention.core import attend, choose_impl
+from attn_jax.attention.projection import rope
+from attn_jax.options import is_int
+
+
+# ------------------------------------------------------------------ policies
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+  """Base of the cache policies (module docstring). Subclasses set `sinks` / `window`."""
+  sinks = 0                     # first tokens kept forever
+  window = None                 # recent tokens kept (query included); None: all
+
+  @property
+  def bounded(self) -> bool:
+    return self.window is not None
+
+  @property
+  def rotated_keys(self) -> bool:
+    """Keys cached after RoPE at their stream positions (True) or before it (rings)."""
+    return not self.bounded
+
+  def slots(self, capacity: int) -> int:
+    return capacity if self.window is None else self.sinks + self.window
+
+  @property
+  def max_chunk(self) -> int | None:
+    """Most new tokens one call takes (a ring: its window; None = any)."""
+    return self.window
+
+  def stream_limit(self, capacity: int) -> int | None:
+    """Longest stream the cache holds (None = any)."""
+    return None if self.bounded else capacity
+
+  def validate(self) -> None:
+    if not is_int(self.sinks, 0):
+      raise ValueError(f"{self.label}: sinks must be an integer >= 0, got {self.sinks!r}")
+    w = self.window
+    if w is not None and not is_int(w, 1):
+      raise ValueError(f"{self.label}: window must be an integer >= 1, got {w!r}")
+
+  @property
+  def label(self) -> str:
+    return type(self).__name__.lower()
+
+  def slot_of(self, n_BT: jax.Array, S: int) -> jax.Array:
+    """Slot of a row's n-th token (n counted from 0 over valid tokens)."""
+    if self.window is None:
+      return n_BT                       # past the capacity: dropped by the write
+    n = self.sinks
+    return jnp.where(n_BT < n, n_BT, n + (n_BT - n) % (S - n))
+
+  def frame(self, positions_BT: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(base [B], m [B, T], first [B]): RoPE positions in the cache are stream position - base;
+    a query's position as the sinks see it is m; first: each row's first valid position."""
+    valid = positions_BT >= 0
+    first = jnp.min(jnp.where(valid, positions_BT, jnp.iinfo(jnp.int32).max), axis=1)
+    first = jnp.where(jnp.any(valid, axis=1), first, 0)
+    if self.window is None:
+      return jnp.zeros_like(first), positions_BT, first
+    span = self.sinks + self.window - 1
+    return jnp.maximum(first - span, 0), jnp.minimum(positions_BT, span), first
+
+
+@dataclasses.dataclass(frozen=True)
+class Linear(Policy):
+  """Every token stays: slot n for token n (a dense cache of `capacity` slots)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Ring(Policy):
+  """The last `window` tokens (query included): slot n mod window."""
+  window: int = 1020
+
+  @property
+  def label(self) -> str:
+    return f"ring({self.window})"
+
+
+@dataclasses.dataclass(frozen=True)
+class SinksRing(Policy):
+  """StreamingLLM: the first `sinks` tokens plus the last `window` tokens."""
+  sinks: int = 4
+  window: int = 1020
+
+  @property
+  def label(self) -> str:
+    return f"sinks+ring({self.sinks}+{self.window})"
+
+
+LINEAR = Linear()
+
+
+# ------------------------------------------------------------------ the cache
+
+@struct.dataclass
+class KVCache:
+  """A fixed-size KV buffer that knows its positions (module docstring)."""
+  k: jax.Array            # [B, S, K, Dk]: after RoPE (Linear) or before it (rings)
+  v: jax.Array            # [B, S, K, Dv]
+  pos: jax.Array          # [B, S] int32, -1 = empty slot
+  ptr: jax.Array          # [B] int32, valid tokens written so far
+  extra: Any = None       # the mixer's per-key data: a pytree of [B, S, ...] arrays
+  policy: Policy = struct.field(pytree_node=False, default=LINEAR)
+
+  def write(self, k_BTKD, v_BTKD, positions_BT, extra=None) -> "KVCache":
+    """Write the valid new tokens (position >= 0) after each row's pointer, in order (padding
+    may sit anywhere), into the policy's slots; `extra`: their per-key data (as `self.extra`)."""
+    B, T = positions_BT.shape
+    S = self.pos.shape[1]
+    if self.policy.bounded and T > S - self.policy.sinks:
+      raise ValueError(f"{self.policy.label}: a chunk of {T} tokens is longer than the ring "
+                       f"({S - self.policy.sinks} slots); feed at most `max_chunk` tokens")
+    valid_BT = positions_BT >= 0
+    n_BT = self.ptr[:, None] + jnp.cumsum(valid_BT, axis=1, dtype=jnp.int32) - 1
+    slot_BT = jnp.where(valid_BT, self.policy.slot_of(n_BT, S), S)   # out of range: dropped
+    rows_BT = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
+    put = lambda buf, new: buf.at[rows_BT, slot_BT].set(new.astype(buf.dtype), mode="drop")
+    return self.replace(
+        k=put(self.k, k_BTKD), v=put(self.v, v_BTKD), pos=put(self.pos, positions_BT),
+        ptr=self.ptr + jnp.sum(valid_BT, axis=1, dtype=jnp.int32),
+        extra=self.extra if extra is None else jax.tree.map(put, self.extra, extra))
+
+
+def init_cache(policy: Policy, batch: int, capacity: int, n_kv: int, dk: int, dv: int, dtype,
+               extra=None) -> KVCache:
+  """An empty cache of `policy.slots(capacity)` slots; `extra`: a pytree of
+  `jax.ShapeDtypeStruct` (per-key shape and dtype) for the mixer's own per-key data."""
+  policy.validate()
+  S = policy.slots(capacity)
+  zeros = lambda s: jnp.zeros((batch, S) + tuple(s.shape), s.dtype)
+  return KVCache(k=jnp.zeros((batch, S, n_kv, dk), dtype), v=jnp.zeros((batch, S, n_kv, dv), dtype),
+                 pos=jnp.full((batch, S), -1, jnp.int32), ptr=jnp.zeros((batch,), jnp.int32),
+                 extra=None if extra is None else jax.tree.map(zeros, extra), policy=policy)
+
+
+# ------------------------------------------------------------------ attending to it
+
+class Widening(NamedTuple):
+  """Extra q/k channels beyond the rotated q.k (SISA's state term): `q` [B, T, H, E] appended
+  to every query, `k` [B, S, K, E] to the cached keys (zero on the new ones), `bias_new`
+  [B, H, T, T] the new keys' share of the score."""
+  q: jax.Array
+  k: jax.Array
+  bias_new: jax.Array | None = None
+
+
+def _cached_keys(cache: KVCache, base_B, theta: float):
+  """Cached keys in the call's frame: as stored (Linear), or rotated now (rings): sink slots by
+  their stream position, the others by stream position - base."""
+  if cache.policy.rotated_keys:
+    return cache.k
+  slot_sink = (jnp.arange(cache.k.shape[1]) < cache.policy.sinks)[None, :]
+  return rope(cache.k, jnp.where(slot_sink, cache.pos, cache.pos - base_B[:, None]), theta)
+
+
+def _sink_bias(q_sink_BTHE, k_sink_BnKE, scale: float):
+  """The sink slots' exact scores, [B, H, T, n] fp32 (queries rotated by m)."""
+  B, T, H, _ = q_sink_BTHE.shape
+  n, K = k_sink_BnKE.shape[1], k_sink_BnKE.shape[2]
+  qs = q_sink_BTHE.reshape(B, T, K, H // K, -1)
+  s = jnp.einsum("btkge,bske->bkgts", qs, k_sink_BnKE, preferred_element_type=jnp.float32)
+  return s.reshape(B, H, T, n) * scale
+
+
+def cached_attention(cache: KVCache, q_BTHD, k_BTKD, v_BTKV, positions_BT, *, theta: float,
+                     scale: float, impl: str, sink_logit_H=None, widen: Widening | None = None,
+                     extra_new=None, window: int | None = None):
+  """New tokens (q, k before RoPE) attend to [cache ; themselves] under the cache's policy, then
+  are written. -> (out [B, T, H, Dv], new cache). `window`: a mixer's own sliding window (a
+  mask on stream positions, with the policy's); `extra_new`: the new tokens' per-key data."""
+  pol, S, n = cache.policy, cache.k.shape[1], cache.policy.sinks
+  base, m, first = pol.frame(positions_BT)
+  rel = positions_BT - base[:, None]
+  q, k_new = rope(q_BTHD, rel, theta), rope(k_BTKD, rel, theta)
+  dt = q.dtype
+  k_buf = _cached_keys(cache, base, theta).astype(dt)
+  q_sink = rope(q_BTHD, m, theta) if n else None
+  bias, mask_pos = None, cache.pos
+  if widen is not None:
+    cat = lambda x, e: jnp.concatenate([x, e.astype(dt)], axis=-1)
+    q, k_buf = cat(q, widen.q), cat(k_buf, widen.k)
+    q_sink = None if q_sink is None else cat(q_sink, widen.q)
+    k_new = cat(k_new, jnp.zeros(k_new.shape[:-1] + widen.q.shape[-1:], dt))
+    if widen.bias_new is not None:
+      bias = jnp.pad(widen.bias_new, ((0, 0), (0, 0), (0, 0), (S, 0)))
+  if n:
+    s_sink = jnp.pad(_sink_bias(q_sink, k_buf[:, :n], scale),
+                     ((0, 0), (0, 0), (0, 0), (0, S - n + k_new.shape[1])))
+    bias = s_sink if bias is None else bias + s_sink
+    k_buf = k_buf.at[:, :n].set(0)
+    mask_pos = jnp.where((jnp.arange(S) < n)[None, :] & (cache.pos >= 0), first[:, None],
+                         cache.pos)
+  impl = choose_impl(impl, dt, q.shape[-1])
+  if bias is not None and impl == "cudnn":
+    bias = bias.astype(dt)
+  spans = [w for w in (pol.window, window) if w is not None]
+  out = attend(q, jnp.concatenate([k_buf, k_new.astype(dt)], axis=1),
+               jnp.concatenate([cache.v.astype(dt), v_BTKV.astype(dt)], axis=1), scale=scale,
+               causal=True, q_positions=positions_BT,
+               kv_positions=jnp.concatenate([mask_pos, positions_BT.astype(jnp.int32)], axis=1),
+               window=min(spans) if spans else None, bias=bias, sink_logit_H=sink_logit_H,
+               impl=impl)
+  stored = rope(k_BTKD, positions_BT, theta) if pol.rotated_keys else k_BTKD
+  return out, cache.write(stored, v_BTKV, positions_BT, extra_new)
+
+
+# ------------------------------------------------------------------ mixers with a KV cache
+
+class CachedMixer:
+  """Class-level decoding hooks of a mixer whose state is a `KVCache` (attention, SISA, sliding
+  window): the capacity limits follow from the policy it runs under (`cache_policy`: the one
+  asked for, unless `follows_policy` is False and the mixer's function fixes it)."""
+  follows_policy = True
+
+  @classmethod
+  def cache_policy(cls, cfg, opts, policy: Policy | None) -> Policy:
+    return LINEAR if policy is None else policy
+
+  @classmethod
+  def init_state(cls, cfg, opts, batch: int, capacity: int, dtype,
+                 policy: Policy | None = None):
+    """A plain KV cache (q/k/v heads of `cfg`) under `cache_policy`."""
+    return init_cache(cls.cache_policy(cfg, opts, policy), batch, capacity, cfg.kv_heads,
+                      cfg.head_dim, cfg.head_dim, dtype)
+
+  @classmethod
+  def max_chunk(cls, cfg, opts, capacity: int, policy: Policy | None = None) -> int | None:
+    return cls.cache_policy(cfg, opts, policy).max_chunk
+
+  @classmethod
+  def stream_limit(cls, cfg, opts, capacity: int, policy: Policy | None = None) -> int | None:
+    return cls.cache_policy(cfg, opts, policy).stream_limit(capacity)

@@ -1,0 +1,100 @@
+"""What every attention-style mixer shares: the q/k/v/o projections with RoPE, and the
+attention-sink logit (SPEC.md section 3; `config.model.<mixer>.sink_logit`):
+
+- "none": the plain softmax;
+- "learned": a learnable logit per head, an extra softmax column with a zero value that is then
+  dropped (gpt-oss "sinks"): p_ij = e^{s_ij} / (e^{sink_h} + sum_j' e^{s_ij'}). Initialised at
+  0, no weight decay;
+- "softmax1": the same column with the logit fixed at 0 ("Attention is off by one").
+All three go to `core.attend(sink_logit_H=...)`, which every implementation supports natively.
+
+Plus the explicit attention map of a q.k mixer (`qk_probs`, `probs_with_sink`), for
+diagnostics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from attn_jax.attention.core import positional_mask
+from attn_jax.config import ModelConfig
+from attn_jax.layers import Linear, apply_rope, causal_positions, dtype_of, param, rope_angles
+
+SINK_LOGITS = ("none", "learned", "softmax1")
+
+
+@dataclasses.dataclass(frozen=True)
+class SinkLogitOptions:
+  """The sink-logit option of the softmax mixers (module docstring)."""
+  sink_logit: str = "none"      # none | learned (per-head logit) | softmax1 (logit fixed at 0)
+
+  def validate_sink_logit(self, where: str) -> None:
+    if self.sink_logit not in SINK_LOGITS:
+      raise ValueError(f"{where}.sink_logit: {self.sink_logit!r} not in {SINK_LOGITS}")
+
+
+def make_sink_logit(cfg: ModelConfig, opts: SinkLogitOptions, rngs: nnx.Rngs):
+  """The learnable per-head sink logit (None unless sink_logit == "learned")."""
+  if opts.sink_logit != "learned":
+    return None
+  return param(rngs, nnx.initializers.zeros_init(), (cfg.n_heads,), ("heads",),
+               dtype_of(cfg.param_dtype), kind="scalar")
+
+
+def sink_logit_of(opts: SinkLogitOptions, sink_param, n_heads: int):
+  """The [H] sink logit handed to `core.attend` (None for the plain softmax)."""
+  if opts.sink_logit == "learned":
+    return sink_param[...].astype(jnp.float32)
+  if opts.sink_logit == "softmax1":
+    return jnp.zeros((n_heads,), jnp.float32)
+  return None
+
+
+def probs_with_sink(scores_BHTS, sink_H):
+  """Explicit softmax over [scores ; sink column] ([B, H, T, S + 1], fp32): what a layer's
+  attention map is (`attention_probs`). The last column is the sink's share (0 without one)."""
+  s = scores_BHTS.astype(jnp.float32)
+  col = jnp.full(s.shape[:3] + (1,), -jnp.inf) if sink_H is None else jnp.broadcast_to(
+      sink_H.astype(jnp.float32)[None, :, None, None], s.shape[:3] + (1,))
+  return jax.nn.softmax(jnp.concatenate([s, col], axis=-1), axis=-1)
+
+
+def qk_probs(mixer, x_BTD, window: int | None = None):
+  """Attention map of a q.k mixer (RoPE at positions 0..T-1, causal, optional window, its sink
+  logit): [B, H, T, T + 1] fp32."""
+  cfg = mixer.cfg
+  B, T, _ = x_BTD.shape
+  pos = causal_positions(B, T)
+  q, k, _ = mixer.proj.rotated_qkv(x_BTD, pos, cfg.rope_theta)
+  k = jnp.repeat(k, cfg.n_heads // cfg.kv_heads, axis=2)
+  s = jnp.einsum("bthd,bshd->bhts", q.astype(jnp.float32), k.astype(jnp.float32))
+  s = jnp.where(positional_mask(pos, pos, True, window), s * cfg.head_dim ** -0.5, -jnp.inf)
+  return probs_with_sink(s, sink_logit_of(mixer.opts, mixer.sink_logit, cfg.n_heads))
+
+
+class QKVProjection(nnx.Module):
+  """The q/k/v/o projections shared by attention-style mixers."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    dt, pdt = dtype_of(cfg.dtype), dtype_of(cfg.param_dtype)
+    H, K, Dh, D = cfg.n_heads, cfg.kv_heads, cfg.head_dim, cfg.d_model
+    kw = dict(rngs=rngs, dtype=dt, param_dtype=pdt, init_std=cfg.init_std)
+    self.q = Linear((D,), (H, Dh), in_axes=("embed",), out_axes=("heads", "head_dim"), **kw)
+    self.k = Linear((D,), (K, Dh), in_axes=("embed",), out_axes=("kv_heads", "head_dim"), **kw)
+    self.v = Linear((D,), (K, Dh), in_axes=("embed",), out_axes=("kv_heads", "head_dim"), **kw)
+    kw["init_std"] = cfg.init_std / (2 * cfg.n_layers) ** 0.5  # scaled residual init
+    self.o = Linear((H, Dh), (D,), in_axes=("heads", "head_dim"), out_axes=("embed",), **kw)
+
+  def rotated_qkv(self, x_BTD, positions_BT, rope_theta: float):
+    """q, k after RoPE at `positions` (padding's -1 rotates harmlessly: it is masked), and v."""
+    q, k, v = self.q(x_BTD), self.k(x_BTD), self.v(x_BTD)
+    return rope(q, positions_BT, rope_theta), rope(k, positions_BT, rope_theta), v
+
+
+def rope(x_BTHD, positions_BT, theta: float):
+  cos, sin = rope_angles(positions_BT, x_BTHD.shape[-1], theta)
+  return apply_rope(x_BTHD, cos, sin)
