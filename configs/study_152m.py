@@ -41,6 +41,8 @@ VARIANTS = (
      + _ssm("mamba2")),
     ("hybrid_heads", "model.d_ff",
      (("model.pattern", ("hybrid_heads",)),) + _ssm("hybrid_heads", (("expand", 1.0),))),
+    ("fox", "model.d_ff", (("model.mixer", "fox"),)),
+    ("alibi", "model.d_ff", (("model.mixer", "alibi"),)),
     ("transformer_sink", "model.d_ff", (("model.sink_tokens", 1),)),
     ("sisa_ds16_sink", "model.d_ff",
      (("model.mixer", "sisa"), ("model.sisa.d_state", 16), ("model.sink_tokens", 1))),

@@ -100,6 +100,11 @@ VARIANTS = (
      "window-2, attention, then a Mamba-2 block without MLP (Jamba/Samba interleave)"),
     ("hybrid_heads", "model.d_ff", _second("hybrid_heads") + _ssm("hybrid_heads"),
      "attention and Mamba-2 heads side by side (Hymba)"),
+    ("fox", "model.d_ff", _second("fox"),
+     "Forgetting Attention (Lin et al. 2025): window-2 layer + FoX, no RoPE, forget-gate bias 0 "
+     "as the paper; the gate's d H + H parameters come out of the MLP"),
+    ("alibi", "model.d_ff", _second("alibi"),
+     "ALiBi (Press et al. 2022): window-2 layer + attention with the paper's slopes, no RoPE"),
     ("transformer_sink", "model.d_ff", (("model.sink_tokens", 1),),
      "one learnable sink token (StreamingLLM, Xiao et al. 2023)"),
     ("sisa_ds8_sink", "model.d_ff",
