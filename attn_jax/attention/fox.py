@@ -170,11 +170,7 @@ def forget_attention_reference(q_BTHD, k_BTKD, v_BTKE, g_BTH, *, scale: float,
   s = jnp.einsum("bihd,bjhd->bhij", f32(q_BTHD)[:, idx], k) * scale
   s = s + g[:, idx].transpose(0, 2, 1)[..., :, None] - g.transpose(0, 2, 1)[..., None, :]
   s = jnp.where(idx[:, None] >= jnp.arange(T)[None, :], s, -jnp.inf)
-  if sink_logit_H is None:
-    p = jax.nn.softmax(s, axis=-1)
-  else:
-    col = jnp.broadcast_to(f32(sink_logit_H)[None, :, None, None], s.shape[:3] + (1,))
-    p = jax.nn.softmax(jnp.concatenate([s, col], axis=-1), axis=-1)[..., :-1]
+  p = probs_with_sink(s, sink_logit_H)[..., :-1]
   return jnp.einsum("bhij,bjhd->bihd", p, v), s
 
 

@@ -55,11 +55,13 @@ def sink_logit_of(opts: SinkLogitOptions, sink_param, n_heads: int):
 
 
 def probs_with_sink(scores_BHTS, sink_H):
-  """Explicit softmax over [scores ; sink column] ([B, H, T, S + 1], fp32): what a layer's
-  attention map is (`attention_probs`). The last column is the sink's share (0 without one)."""
-  s = scores_BHTS.astype(jnp.float32)
-  col = jnp.full(s.shape[:3] + (1,), -jnp.inf) if sink_H is None else jnp.broadcast_to(
-      sink_H.astype(jnp.float32)[None, :, None, None], s.shape[:3] + (1,))
+  """Explicit softmax over [scores ; sink column] ([B, H, T, S + 1], fp32 or wider): what a
+  layer's attention map is (`attention_probs`), and the explicit references' softmax. The last
+  column is the sink's share (0 without one)."""
+  dt = jnp.promote_types(scores_BHTS.dtype, jnp.float32)
+  s = scores_BHTS.astype(dt)
+  col = jnp.full(s.shape[:3] + (1,), -jnp.inf, dt) if sink_H is None else jnp.broadcast_to(
+      sink_H.astype(dt)[None, :, None, None], s.shape[:3] + (1,))
   return jax.nn.softmax(jnp.concatenate([s, col], axis=-1), axis=-1)
 
 

@@ -295,11 +295,7 @@ def sisa_attention_reference(q_BTHD, k_BTHD, v_BTHD, c_BTHS, b_BTHS, g_BTH, phi_
     match = jnp.sum(jnp.cos(dphi) * same + jnp.sin(dphi) * cross, axis=-1)
   scores = qk + f32(lam_H)[None, :, None, None] * dec * match
   scores = jnp.where(causal, scores, -jnp.inf)
-  if sink_logit_H is None:
-    p = jax.nn.softmax(scores, axis=-1)
-  else:
-    col = jnp.broadcast_to(f32(sink_logit_H)[None, :, None, None], scores.shape[:3] + (1,))
-    p = jax.nn.softmax(jnp.concatenate([scores, col], axis=-1), axis=-1)[..., :-1]
+  p = probs_with_sink(scores, sink_logit_H)[..., :-1]
   return jnp.einsum("bhij,bjhd->bihd", p, v), scores
 
 

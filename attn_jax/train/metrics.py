@@ -128,19 +128,18 @@ class MetricWriter:
                   "metrics.jsonl is unaffected", self._tb_dir, why)
     self._tb = None
 
-  def flush(self) -> None:
+  def _tb_call(self, method: str) -> None:
     if self._tb_alive():
       try:
-        self._tb.flush()
+        getattr(self._tb, method)()
       except OSError as e:
         self._tb_failed(f"{type(e).__name__}: {e}")
 
+  def flush(self) -> None:
+    self._tb_call("flush")
+
   def close(self) -> None:
-    if self._tb_alive():
-      try:
-        self._tb.close()
-      except OSError as e:
-        self._tb_failed(f"{type(e).__name__}: {e}")
+    self._tb_call("close")
 
 
 def read_metrics(workdir: str) -> list[dict]:
