@@ -204,7 +204,7 @@ def study_configs(path: str) -> dict:
   study = runpy.run_path(path)["get_config"]()
   rows = {name: cfg for name, (cfg, _) in variants.all_variant_configs(study).items()}
   for name in _POLICY_MIXERS.value:
-    for policy in ("window", "streaming"):   # the same model; `row_policy` says how it decodes
+    for policy in _ROW_POLICIES:   # the same model; `row_policy` says how it decodes
       rows[f"{name}@{policy}"] = rows[name].copy_and_resolve_references()
   return rows
 
