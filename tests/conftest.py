@@ -8,10 +8,13 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Many tests compile the same programs (e.g. a run, then its resumption): share them through
 # the persistent compilation cache (same executables, so results are unchanged). One cache per
-# checkout: suites of several checkouts running at once (worktrees) must not read each other's
-# half-written entries (an xdist worker segfaulted in XLA's executable deserialisation so).
+# checkout *and per xdist worker*: JAX writes entries in place, so a process that reads an entry
+# another process is still writing dies in XLA's executable deserialisation (CI lost a worker so,
+# with both workers of one suite compiling the same program into one directory).
 _CHECKOUT = hashlib.sha1(str(pathlib.Path(__file__).resolve().parents[1]).encode()).hexdigest()
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", "/tmp/attn_jax_test_jax_cache/" + _CHECKOUT[:12])
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "main")
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
+                      f"/tmp/attn_jax_test_jax_cache/{_CHECKOUT[:12]}-{_WORKER}")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
