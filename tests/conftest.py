@@ -6,6 +6,11 @@ import pathlib
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The suite's cost is compilation (tiny shapes, hundreds of distinct programs), not execution:
+# JAX's switch for test suites turns off XLA's backend (LLVM) optimisations, which changes no
+# floating-point semantics (no fast-math) and cut tests/test_ssd.py from 146 to 64 CPU-seconds.
+# Subprocesses the tests start (quickstart, faults) inherit it. Benchmarks never run under it.
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 # Many tests compile the same programs (e.g. a run, then its resumption): share them through
 # the persistent compilation cache (same executables, so results are unchanged). One cache per
 # checkout *and per xdist worker*: JAX writes entries in place, so a process that reads an entry

@@ -467,7 +467,8 @@ def _train_and_evaluate(config, workdir, eval_callbacks) -> dict[str, Any]:
   writer.truncate_after(start)  # rows an interrupted run logged after its last checkpoint
   tokens_per_step = accum * config.data.global_batch_size * L
   flops_per_tok = flops_lib.train_flops_per_token(cfg, n, L)
-  peak = flops_lib.peak_flops_per_device(override=config.train.peak_flops)
+  peak = flops_lib.peak_flops_per_device(override=config.train.peak_flops,
+                                         dtype=config.model.dtype)  # fp32: the TF32 peak
   n_dev = jax.device_count()
   base_meta = {"config": config_to_json(config), "n_params": n}
   evaluator = _Evaluator(setup, make_heldout_batches(config, setup), eval_callbacks)
