@@ -15,7 +15,7 @@ from attn_jax.data import pipeline, text
 from attn_jax.data.tokenizer import ByteTokenizer
 from attn_jax.train import trainer as trainer_lib
 from attn_jax.train.step import make_loss_fn
-from tests.test_train import PARAM_ATOL, losses, tiny_config
+from tests.test_train import PARAM_ATOL, losses, run_interrupted, tiny_config
 from tests.test_trunk import TOL, _cfg, _close, _model
 
 # Lengths 6, 1, 9, 5, 3, 12, 1, 4 (two of length 1); rows of 16 cut documents at row starts.
@@ -114,18 +114,7 @@ def test_resume_with_document_mask_repeats_the_run(tmp_path, monkeypatch):
   c = text_config(tmp_path, steps=4)
   full = trainer_lib.train_and_evaluate(c, str(tmp_path / "full"))
   assert np.isfinite(full["eval/loss"])       # held-out windows packed the same way
-  real_next, calls = trainer_lib._next_batch, {"n": 0}
-
-  def interrupting(*a, **k):
-    calls["n"] += 1
-    if calls["n"] == 3:
-      raise KeyboardInterrupt
-    return real_next(*a, **k)
-
-  monkeypatch.setattr(trainer_lib, "_next_batch", interrupting)
-  with pytest.raises(KeyboardInterrupt):
-    trainer_lib.train_and_evaluate(c, str(tmp_path / "resumed"))
-  monkeypatch.setattr(trainer_lib, "_next_batch", real_next)
+  run_interrupted(c, tmp_path / "resumed", monkeypatch, at_batch=3)
   resumed = trainer_lib.train_and_evaluate(c, str(tmp_path / "resumed"))
   assert losses(tmp_path / "resumed") == losses(tmp_path / "full")
   assert resumed["eval/loss"] == full["eval/loss"]
