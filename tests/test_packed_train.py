@@ -118,3 +118,19 @@ def test_resume_with_document_mask_repeats_the_run(tmp_path, monkeypatch):
   resumed = trainer_lib.train_and_evaluate(c, str(tmp_path / "resumed"))
   assert losses(tmp_path / "resumed") == losses(tmp_path / "full")
   assert resumed["eval/loss"] == full["eval/loss"]
+
+
+@pytest.mark.slow
+def test_checkpoint_from_before_the_switch_resumes_and_loads(tmp_path):
+  """A run whose saved config has no data.document_mask (older code): resuming with today's
+  config (the field present, off) continues it, and the evaluator's loader reads it."""
+  from attn_jax.train.checkpoint import load_for_inference
+  old = tiny_config(steps=2)
+  del old.data["document_mask"]
+  trainer_lib.train_and_evaluate(old, str(tmp_path))
+  new = tiny_config(steps=3)
+  assert new.data.document_mask is False
+  trainer_lib.train_and_evaluate(new, str(tmp_path))
+  assert [s for s, _ in losses(tmp_path)] == [1, 2, 3]
+  _, config, step = load_for_inference(str(tmp_path))
+  assert step == 3 and config.data.document_mask is False
