@@ -83,14 +83,18 @@ def text_config(tmp_path, steps=6):
   path.write_text("".join(d * (1 + i % 3) + "\n" for i, d in enumerate(DOCS * 24)))
   c = tiny_config(steps=steps, source="text", paths=str(path), tokenizer="bytes",
                   document_mask=True, eval_fraction=0.15)
-  c.model.vocab_size = 257
+  c.model.update(vocab_size=257, n_layers=1)
   return c
 
 
-def _two_steps(c, devices, batch):
+def _two_steps(c, devices):
+  """Two train steps on the first batch, assembled as the trainer does (`_next_batch`)."""
   setup = trainer_lib.build_setup(c, devices=devices)
-  assert set(setup.batch_keys) == set(batch)
-  b = {k: jax.device_put(v, setup.batch_sharding) for k, v in batch.items()}
+  it = pipeline.make_train_iterator(c.data, seed=0)
+  b = trainer_lib._next_batch(it, 1, setup.batch_sharding, (1, 8, c.data.seq_len),
+                              setup.batch_keys)
+  assert set(b) == {"inputs", "targets", "weights", "segment_ids", "positions"}
+  assert int(b["segment_ids"].max()) >= 3               # several documents per row
   state = setup.init_fn()
   state, _ = setup.step_fn(state, b)
   state, m = setup.step_fn(state, b)
@@ -100,16 +104,14 @@ def _two_steps(c, devices, batch):
 def test_sharded_equals_unsharded_with_segment_ids(tmp_path):
   assert jax.device_count() == 8
   c = text_config(tmp_path)
-  it = pipeline.make_train_iterator(c.data, seed=0)
-  batch = {k: v[None] for k, v in next(it).items()}    # [1, 8, 32]
-  assert batch["segment_ids"].max() >= 3                # several documents per row
-  loss1, p1 = _two_steps(c, jax.devices()[:1], batch)
+  loss1, p1 = _two_steps(c, jax.devices()[:1])
   c.mesh.shape = (2, 4, 1)                              # data x fsdp over 8 devices
-  loss8, p8 = _two_steps(c, jax.devices(), batch)
+  loss8, p8 = _two_steps(c, jax.devices())
   np.testing.assert_allclose(loss8, loss1, rtol=1e-5)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=PARAM_ATOL), p8, p1)
 
 
+@pytest.mark.slow
 def test_resume_with_document_mask_repeats_the_run(tmp_path, monkeypatch):
   c = text_config(tmp_path, steps=4)
   full = trainer_lib.train_and_evaluate(c, str(tmp_path / "full"))
