@@ -235,4 +235,24 @@ def validate(config: ml_collections.ConfigDict) -> ModelConfig:
                     o.warmup_steps, t.steps, o.lr, max(t.steps - 1, 0))
   need(len(config.mesh.shape) == len(config.mesh.axis_names), "mesh.shape",
        f"{config.mesh.shape} does not match mesh.axis_names {config.mesh.axis_names}")
+  check_document_mask(cfg, d)
   return cfg
+
+
+def check_document_mask(cfg: ModelConfig, data_cfg) -> None:
+  """`data.document_mask` (packed rows, data/documents.py) with `model.sink_tokens` > 0: the
+  sink tokens are the shared prefix of every document, so every layer's mixer must read that
+  prefix per document exactly (`reads_shared_prefix`, registry.py); a mixer that restarts a
+  recurrent state at each document's first token cannot."""
+  from attn_jax.data.documents import document_mask
+  from attn_jax.registry import get_mixer
+  if not document_mask(data_cfg) or not cfg.sink_tokens:
+    return
+  lacking = sorted({s.mixer for s in cfg.period
+                    if not getattr(get_mixer(s.mixer), "reads_shared_prefix", False)})
+  if lacking:
+    raise ValueError(
+        f"config.data.document_mask: with model.sink_tokens={cfg.sink_tokens} every layer's "
+        f"mixer must give each packed document the shared sink prefix (reads_shared_prefix, "
+        f"attn_jax/registry.py), and {', '.join(lacking)} does not; set data.document_mask="
+        "False or model.sink_tokens=0")

@@ -123,6 +123,20 @@ class RMSNorm(nnx.Module):
     return (y * self.scale[...].astype(jnp.float32)).astype(self.dtype)
 
 
+# Packed rows (several documents in one row): `segment_ids_BT` [B, T] int32 numbers each token's
+# document from 1; SHARED_SEGMENT marks a shared prefix every document reads (the decoder's
+# learned sink tokens). Positions restart at 0 in every document.
+SHARED_SEGMENT = 0
+
+
+def segment_starts(segment_ids_BT: jax.Array) -> jax.Array:
+  """[B, T] bool: the token starts a new document (its id differs from the previous token's;
+  False at t = 0, where every row starts fresh anyway). Recurrent mixers reset their state and
+  their convolution window there."""
+  prev_BT = jnp.pad(segment_ids_BT[:, :-1], ((0, 0), (1, 0)), mode="edge")
+  return segment_ids_BT != prev_BT
+
+
 def causal_positions(batch: int, length: int) -> jax.Array:
   """Positions 0..length-1 of every row, [batch, length] int32 (a plain full forward)."""
   return jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))

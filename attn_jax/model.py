@@ -24,6 +24,12 @@ contains stream position 0 (the start of that row's stream) carries the K sink t
 later call they are padding (position -1), so the state holds them exactly once. Decoding
 states get K extra slots of capacity, and the longest stateful chunk shrinks by K.
 
+Packed rows (`segment_ids_BT`, full forwards only; `layers.SHARED_SEGMENT`): several documents
+share a row; every token carries its document id (from 1) and its position in its document
+(restarting at 0), and every mixer makes the boundary exact — the outputs of a document equal
+those of the document run alone in a row of its own (registry.py). Sink tokens are the shared
+prefix of every document (segment 0): each document reads them exactly as it would alone.
+
 RNG: each layer gets `fold_in(fold_in(rng, repeat), index in period)`, so the noise of a layer
 depends only on the caller's key (the train step derives it from the step: the same step gets
 the same noise after a resume).
@@ -40,7 +46,7 @@ import ml_collections
 from flax import nnx
 
 from attn_jax.config import LayerSpec, ModelConfig, validate_model
-from attn_jax.layers import RMSNorm, SwiGLU, dtype_of, param
+from attn_jax.layers import SHARED_SEGMENT, RMSNorm, SwiGLU, dtype_of, param
 from attn_jax.registry import get_mixer, optional_hook, policy_kw
 from attn_jax.sharding import constrain, pad_vocab
 
@@ -69,9 +75,9 @@ class Block(nnx.Module):
                         out_std=cfg.init_std / math.sqrt(2 * cfg.n_layers), dtype=dt,
                         param_dtype=pdt)
 
-  def __call__(self, x_BTD, *, positions_BT, state, rng, train):
-    h, state, aux = self.mixer(self.mixer_norm(x_BTD), positions_BT=positions_BT, state=state,
-                               rng=rng, train=train)
+  def __call__(self, x_BTD, *, positions_BT, segment_ids_BT, state, rng, train):
+    h, state, aux = self.mixer(self.mixer_norm(x_BTD), positions_BT=positions_BT,
+                               segment_ids_BT=segment_ids_BT, state=state, rng=rng, train=train)
     x_BTD = x_BTD + h.astype(x_BTD.dtype)
     if self.has_mlp:
       x_BTD = x_BTD + self.mlp(self.mlp_norm(x_BTD)).astype(x_BTD.dtype)
@@ -84,12 +90,12 @@ class Period(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     self.layers = nnx.List([Block(cfg, spec, rngs=rngs) for spec in cfg.period])
 
-  def __call__(self, x_BTD, *, positions_BT, states, rng, train):
+  def __call__(self, x_BTD, *, positions_BT, segment_ids_BT, states, rng, train):
     new_states, auxes = [], []
     for p, blk in enumerate(self.layers):
       key = None if rng is None else jax.random.fold_in(rng, p)
-      x_BTD, st, aux = blk(x_BTD, positions_BT=positions_BT, state=states[p], rng=key,
-                           train=train)
+      x_BTD, st, aux = blk(x_BTD, positions_BT=positions_BT, segment_ids_BT=segment_ids_BT,
+                           state=states[p], rng=key, train=train)
       new_states.append(st)
       auxes.append(aux)
     return x_BTD, tuple(new_states), tuple(auxes)
@@ -121,7 +127,7 @@ class Decoder(nnx.Module):
                         (cfg.d_model, vp), ("embed", "vocab"), pdt, kind="embedding")
 
   # ------------------------------------------------------------------ the stack
-  def _layers(self, x_BTD, positions_BT, states, rng, train):
+  def _layers(self, x_BTD, positions_BT, segment_ids_BT, states, rng, train):
     """Scan the R repeats of the period. states: tuple over the period (stacked over R)."""
     cfg = self.cfg
     graphdef, block_state = nnx.split(self.blocks)
@@ -132,8 +138,8 @@ class Decoder(nnx.Module):
       params, layer_states, r = layer
       key = None if rng is None else jax.random.fold_in(rng, r)
       period = nnx.merge(graphdef, params)
-      x, new_states, aux = period(x, positions_BT=positions_BT, states=layer_states, rng=key,
-                                  train=train)
+      x, new_states, aux = period(x, positions_BT=positions_BT, segment_ids_BT=segment_ids_BT,
+                                  states=layer_states, rng=key, train=train)
       return constrain(x, RESIDUAL_AXES), (new_states, aux)
 
     if cfg.remat != "none":
@@ -148,14 +154,18 @@ class Decoder(nnx.Module):
       outs.append(out)
     return x_BTD, jax.tree.map(lambda *a: jnp.stack(a), *outs)
 
-  def _forward(self, tokens_BT, positions_BT, states, rng, train):
+  def _forward(self, tokens_BT, positions_BT, states, rng, train, segment_ids_BT=None):
     """-> (final-norm hidden [B, T, D], new states, aux)."""
+    if segment_ids_BT is not None:
+      check_packed(tokens_BT, positions_BT, segment_ids_BT, states)
     x = jnp.take(self.embed[...], tokens_BT, axis=0).astype(dtype_of(self.cfg.dtype))
     n = self.cfg.sink_tokens
     if n:
       x, positions_BT = self._prepend_sinks(x, positions_BT)
+      if segment_ids_BT is not None:  # the sink rows: the shared prefix of every document
+        segment_ids_BT = jnp.pad(segment_ids_BT, ((0, 0), (n, 0)), constant_values=SHARED_SEGMENT)
     x = constrain(x, RESIDUAL_AXES)
-    x, (new_states, aux) = self._layers(x, positions_BT, states, rng, train)
+    x, (new_states, aux) = self._layers(x, positions_BT, segment_ids_BT, states, rng, train)
     return self.final_norm(x[:, n:]), new_states, aux
 
   def _prepend_sinks(self, x_BTD, positions_BT):
@@ -171,22 +181,28 @@ class Decoder(nnx.Module):
     return x_BTD, jnp.concatenate([sink_pos, real_pos], axis=1)
 
   # ------------------------------------------------------------------ entry points
-  def __call__(self, tokens_BT: jax.Array, *, positions_BT=None, rng=None,
+  def __call__(self, tokens_BT: jax.Array, *, positions_BT=None, segment_ids_BT=None, rng=None,
                train: bool = False) -> jax.Array:
-    """tokens [B, T] -> logits [B, T, V] fp32 (a full causal forward)."""
-    return self.unembed(self.hidden(tokens_BT, positions_BT=positions_BT, rng=rng, train=train))
+    """tokens [B, T] -> logits [B, T, V] fp32 (a full causal forward). Packed rows: pass each
+    token's position in its document and its document id (module docstring)."""
+    return self.unembed(self.hidden(tokens_BT, positions_BT=positions_BT,
+                                    segment_ids_BT=segment_ids_BT, rng=rng, train=train))
 
-  def hidden(self, tokens_BT, *, positions_BT=None, rng=None, train=False) -> jax.Array:
+  def hidden(self, tokens_BT, *, positions_BT=None, segment_ids_BT=None, rng=None,
+             train=False) -> jax.Array:
     """Final-norm hidden states [B, T, D] (the LM head is `unembed`)."""
-    return self._forward(tokens_BT, positions_BT, None, rng, train)[0]
+    return self._forward(tokens_BT, positions_BT, None, rng, train, segment_ids_BT)[0]
 
-  def hidden_and_aux(self, tokens_BT, *, positions_BT=None, rng=None, train=False):
+  def hidden_and_aux(self, tokens_BT, *, positions_BT=None, segment_ids_BT=None, rng=None,
+                     train=False):
     """(final-norm hidden [B, T, D], aux monitors: see `aux_metrics`)."""
-    h, _, aux = self._forward(tokens_BT, positions_BT, None, rng, train)
+    h, _, aux = self._forward(tokens_BT, positions_BT, None, rng, train, segment_ids_BT)
     return h, self.aux_metrics(aux)
 
-  def logits_and_aux(self, tokens_BT, *, positions_BT=None, rng=None, train=False):
-    h, aux = self.hidden_and_aux(tokens_BT, positions_BT=positions_BT, rng=rng, train=train)
+  def logits_and_aux(self, tokens_BT, *, positions_BT=None, segment_ids_BT=None, rng=None,
+                     train=False):
+    h, aux = self.hidden_and_aux(tokens_BT, positions_BT=positions_BT,
+                                 segment_ids_BT=segment_ids_BT, rng=rng, train=train)
     return self.unembed(h), aux
 
   def step(self, tokens_BT, *, positions_BT, state) -> tuple[jax.Array, Any]:
@@ -223,6 +239,18 @@ class Decoder(nnx.Module):
     if len(period) == 1:
       return dict(aux[0])
     return {f"{p}.{spec.mixer}": dict(a) for p, (spec, a) in enumerate(zip(period, aux)) if a}
+
+
+def check_packed(tokens_BT, positions_BT, segment_ids_BT, states) -> None:
+  """Shape/usage checks of a packed-row call (a clear error instead of one from inside a mixer)."""
+  if states is not None:
+    raise ValueError("segment_ids_BT is for full forwards of packed rows; decoding states hold "
+                     "one stream per row")
+  for name, a in (("positions_BT", positions_BT), ("segment_ids_BT", segment_ids_BT)):
+    if a is None or tuple(a.shape) != tuple(tokens_BT.shape):
+      got = None if a is None else tuple(a.shape)
+      raise ValueError(f"packed rows need {name} of the tokens' shape {tuple(tokens_BT.shape)} "
+                       f"(got {got}): positions restart at 0 in every document")
 
 
 def padded_vocab(cfg: ModelConfig) -> int:

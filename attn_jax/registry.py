@@ -14,7 +14,8 @@ only ever use it; none of them branches on a mixer's name):
         def validate(self, cfg, where): ...  # raise ValueError(f"{where}.<field>: ...")
 
       def __init__(self, cfg: ModelConfig, opts: Options, *, rngs: nnx.Rngs)
-      def __call__(self, x_BTD, *, positions_BT, state=None, rng=None, train=False)
+      def __call__(self, x_BTD, *, positions_BT, segment_ids_BT=None, state=None, rng=None,
+                   train=False)
           -> (y_BTD, new_state, aux)
       @classmethod init_state(cls, cfg, opts, batch, capacity, dtype[, policy]) -> pytree | None
       @classmethod flops_per_token(cls, cfg, opts, seq_len) -> float
@@ -24,6 +25,17 @@ only ever use it; none of them branches on a mixer's name):
 - `positions_BT` [B, T] int32: each token's absolute position in its row's stream; -1 marks
   padding (prompts of different lengths, right-padded), which must neither change the state
   nor be attended to.
+- `segment_ids_BT` [B, T] int32 or None: packed rows (full forwards only, `state` is None):
+  each token's document id, from 1 (`layers.SHARED_SEGMENT` = 0: a shared prefix, the decoder's
+  sink tokens, which every document reads); `positions_BT` then restart at 0 in every document.
+  The mixer makes the boundary exact: a document's outputs (and gradients) equal those of the
+  document alone in a row of its own — attention-like mixers mask keys of other documents
+  (`core.attend(q_segments=, kv_segments=)`), recurrent ones restart their state and
+  convolution window where a document starts (`layers.segment_starts`). None: one stream per
+  row (today's plain concatenation, and every decoding call).
+  `reads_shared_prefix` (class attribute, default False): the mixer gives every document the
+  shared prefix exactly as it would alone (attention masks do; a recurrent state restarted at
+  a document's first token cannot), so sink tokens with packed rows need it on every layer.
 - `state`: None for a full forward; else the layer's decoding state (fixed-shape arrays from
   `init_state`); the T new tokens continue the stream it holds and the updated state is
   returned. The state owns whatever positions/pointers it needs: the caller never computes

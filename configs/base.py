@@ -61,6 +61,11 @@ def get_config() -> ml_collections.ConfigDict:
   d.random_vocab = 256           # synthetic_task=random: tokens uniform in [0, random_vocab)
   d.text_document = "line"       # source=text: "line" = one document per non-blank line; "file" = per file
   d.eval_fraction = 0.01         # text/jsonl: last fraction of packed sequences held out for eval
+  d.document_mask = False        # packed rows: False = plain concatenation (documents joined by
+                                 # EOS, every mixer reads across them: what the SISA paper's
+                                 # authors trained with); True = each document exact as if alone
+                                 # (batches add `segment_ids`, `positions` restarting at 0; the
+                                 # EOS ending a document is the next one's BOS; data/documents.py)
   d.read_threads = 4             # grain threads building batches (0 = in the training thread)
   d.prefetch_batches = 8         # batches read ahead per process
 

@@ -47,6 +47,15 @@ the sequence length (batch = min(batch, --decode_batch)) by --decode_tokens gree
 reported as generated tokens per second of the whole call (prefill included), after one
 compiling call. --json writes every row.
 
+Document masking (--document_mask, instead of the tables above): per config and length, the
+same train step (same model, same parameters) on the same random tokens, once as plain rows and
+once as packed rows of --document_len-token documents (`data.document_mask`: segment ids and
+positions restarting per document, data/documents.py), alternated --repeats times in one
+process; reported: both best step times and masked / unmasked (wall and median CPU time). A
+mixer that does not take segment ids yet (NotImplementedError), or a config the switch does
+not allow (sink tokens with a mixer that cannot read the shared prefix), is a "skipped" row
+with the reason.
+
 --scale=tiny keeps the architecture family at CPU size: d_model 256, 4 heads (d_h 64, as at
 152M), 4 layers, vocab 4096, Transformer d_ff 4 d; SISA's d_ff is recomputed with
 `matched_d_ff` so both models have the same parameter count. Explicit --d_model, --n_heads,
@@ -111,6 +120,11 @@ _POLICY_MIXERS = flags.DEFINE_list("policy_mixers", ["transformer", "sisa_ds8"],
                                    "streaming cache policies (a bounded ring).")
 _POLICY_WINDOW = flags.DEFINE_integer("policy_window", 256, "--study: ring window of the "
                                       "window / streaming rows (streaming: 4 sinks).")
+
+_DOCUMENT_MASK = flags.DEFINE_bool("document_mask", False, "Only the document-masking table: "
+                                   "each config's step on packed rows next to plain rows.")
+_DOCUMENT_LEN = flags.DEFINE_integer("document_len", 0, "--document_mask: tokens per packed "
+                                     "document (0 = seq_len // 4).")
 
 PRESETS = {"issue9": dict(configs=["transformer_152m", "sisa_152m", "sisa_152m@fast"],
                           seq_lens=["1024"], batch_tokens=4096, d_model=512, n_heads=8,
@@ -281,6 +295,68 @@ def bench_one(name: str, seq_len: int, decode: bool = True, config=None, limits=
           "mem_gib": fit.needed / memory.GiB, "decode_tok_s": decode_tok_s}
 
 
+def packed_fields(batch: dict, doc_len: int) -> dict:
+  """`segment_ids` / `positions` [1, B, L] of rows of consecutive `doc_len`-token documents."""
+  import jax.numpy as jnp
+  import numpy as np
+
+  from attn_jax.data.documents import document_fields
+  _, B, L = batch["inputs"].shape
+  fields = document_fields(np.arange(doc_len, L, doc_len), L)
+  return {k: jnp.broadcast_to(jnp.asarray(v), (1, B, L)) for k, v in fields.items()}
+
+
+def bench_document_mask(name: str, seq_len: int, config=None) -> dict:
+  """One row of the --document_mask table (see the module docstring)."""
+  import ml_collections
+  import numpy as np
+
+  from attn_jax.config import check_document_mask
+  from attn_jax.study import throughput
+  from attn_jax.train.trainer import compile_step
+
+  config = ml_collections.ConfigDict((config or named_config(name)).to_dict())
+  config.train.steps = 1000
+  setup, state, _, plain, compiled, _ = throughput.prepare_step(
+      config, seq_len, batch_tokens=_BATCH_TOKENS.value)
+  doc_len = _DOCUMENT_LEN.value or max(1, seq_len // 4)
+  row = {"config": name, "seq_len": seq_len, "batch": plain["inputs"].shape[1],
+         "doc_len": doc_len}
+  config.data.document_mask = True
+  packed = dict(plain, **packed_fields(plain, doc_len))
+  try:
+    check_document_mask(setup.cfg, config.data)
+    compiled_packed = compile_step(setup, packed)   # the same step; the batch has the keys
+  except (NotImplementedError, ValueError) as e:
+    return dict(row, skipped=f"{type(e).__name__}: {e}")
+  best = {"plain": (np.inf, np.inf), "packed": (np.inf, np.inf)}
+  for _ in range(max(1, _REPEATS.value)):     # alternated: load bursts hit both
+    for kind, fn, batch in (("plain", compiled, plain), ("packed", compiled_packed, packed)):
+      state, _, _, _ = throughput.time_steps(fn, state, batch, steps=0, warmup=_WARMUP.value)
+      state, _, walls, cpus = throughput.time_steps(fn, state, batch, steps=_STEPS.value,
+                                                    warmup=0)
+      wall, cpu = best[kind]
+      best[kind] = (min(wall, min(walls)), min(cpu, float(np.median(cpus))))
+  (pw, pc), (mw, mc) = best["plain"], best["packed"]
+  return dict(row, plain_s=pw, packed_s=mw, ratio=mw / pw, plain_cpu_s=pc, packed_cpu_s=mc,
+              cpu_ratio=mc / pc)
+
+
+def _print_document_mask(rows) -> None:
+  print(f"\ndocument masking: packed rows (data.document_mask) vs plain rows, same step and "
+        f"parameters; ratio = packed / plain (> 1: masking costs)")
+  print(f"{'config':<26}{'seq_len':>8}{'batch':>6}{'doc len':>8}{'plain s':>9}{'packed s':>9}"
+        f"{'ratio':>7}{'plain cpu':>10}{'packed cpu':>11}{'cpu ratio':>10}")
+  for r in rows:
+    head = f"{r['config']:<26}{r['seq_len']:>8}{r['batch']:>6}{r['doc_len']:>8}"
+    if "skipped" in r:
+      print(f"{head}  skipped: {r['skipped']}", flush=True)
+      continue
+    print(f"{head}{r['plain_s']:>9.3f}{r['packed_s']:>9.3f}{r['ratio']:>7.3f}"
+          f"{r['plain_cpu_s']:>10.3f}{r['packed_cpu_s']:>11.3f}{r['cpu_ratio']:>10.3f}",
+          flush=True)
+
+
 def _model(cfg, state):
   """The model with the trained state's parameters."""
   from flax import nnx
@@ -414,8 +490,6 @@ def device_limits(dtype: str) -> dict:
 def main(argv):
   del argv
   _apply_preset(flags.FLAGS)
-  import json
-
   import jax
   print(f"backend {jax.default_backend()} x{jax.device_count()}, "
         f"{os.cpu_count()} CPU cores, batch_tokens {_BATCH_TOKENS.value}", flush=True)
@@ -423,6 +497,12 @@ def main(argv):
   names = list(prepared) or list(_CONFIGS.value)
   if _DECODE_ONLY.value:
     _decode_only(names, prepared)
+    return
+  if _DOCUMENT_MASK.value:
+    rows = [bench_document_mask(n, int(L), prepared.get(n)) for L in _SEQ_LENS.value
+            for n in names]
+    _print_document_mask(rows)
+    _write_json(rows)
     return
   out = []
   for L in (int(s) for s in _SEQ_LENS.value):
@@ -436,14 +516,19 @@ def main(argv):
                                                       config=prepared.get(name)))
     _print_table(L, best, names)
     out += [best[n] for n in names]
-  if _JSON.value:
-    with open(_JSON.value, "w") as f:
-      json.dump({"flags": {k: flags.FLAGS[k].value for k in (
-          "configs", "seq_lens", "batch_tokens", "d_model", "n_heads", "n_layers",
-          "vocab_size", "dtype", "steps", "repeats", "preset", "study")}, "rows": out,
-                 "limits": _LIMITS}, f,
-                indent=1)
-    print(f"wrote {_JSON.value}")
+  _write_json(out)
+
+
+def _write_json(rows) -> None:
+  import json
+  if not _JSON.value:
+    return
+  with open(_JSON.value, "w") as f:
+    json.dump({"flags": {k: flags.FLAGS[k].value for k in (
+        "configs", "seq_lens", "batch_tokens", "d_model", "n_heads", "n_layers",
+        "vocab_size", "dtype", "steps", "repeats", "preset", "study", "document_mask",
+        "document_len")}, "rows": rows, "limits": _LIMITS}, f, indent=1)
+  print(f"wrote {_JSON.value}")
 
 
 if __name__ == "__main__":

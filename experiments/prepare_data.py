@@ -46,8 +46,9 @@ _TEXT_DOCUMENT = flags.DEFINE_enum("text_document", "line", ["line", "file"],
 _WORKERS = flags.DEFINE_integer("workers", 0, "Worker processes (0 = min(files, CPUs)).")
 _ON_ERROR = flags.DEFINE_enum("on_error", "raise", ["raise", "skip"],
                               "Bad records: stop with file:line, or count and skip.")
-_DOC_BOUNDARIES = flags.DEFINE_bool("doc_boundaries", False,
-                                    "Also write each shard's document end offsets (.docs.npy).")
+_DOC_BOUNDARIES = flags.DEFINE_bool(
+    "doc_boundaries", True, "Also write each shard's document end offsets (.docs.npy), which "
+    "data.document_mask reads (--nodoc_boundaries: it falls back to EOS tokens).")
 _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace an existing prepared folder.")
 _VERIFY = flags.DEFINE_bool("verify", False, "Only re-hash the shards of --output and report.")
 

@@ -53,3 +53,18 @@ def test_aux_maxima_flattens_pattern_groups(bench):
                              "decay_range": np.array([3.0, 1.0])})
   assert got == {"1.sisa/lambda": 0.5, "decay_range": 3.0}
   assert bench["aux_maxima"]({}) == {}
+
+
+def test_document_mask_rows_pack_documents_and_print_skips(bench, capsys):
+  import numpy as np
+  batch = {"inputs": np.zeros((1, 2, 10), np.int32)}
+  f = bench["packed_fields"](batch, 4)
+  np.testing.assert_array_equal(f["segment_ids"][0, 1], [1, 1, 1, 1, 2, 2, 2, 2, 3, 3])
+  np.testing.assert_array_equal(f["positions"][0, 0], [0, 1, 2, 3, 0, 1, 2, 3, 0, 1])
+  bench["_print_document_mask"]([
+      {"config": "mamba2_152m", "seq_len": 512, "batch": 4, "doc_len": 128,
+       "skipped": "NotImplementedError: not yet"},
+      {"config": "transformer_152m", "seq_len": 512, "batch": 4, "doc_len": 128, "plain_s": 1.0,
+       "packed_s": 1.1, "ratio": 1.1, "plain_cpu_s": 2.0, "packed_cpu_s": 2.2, "cpu_ratio": 1.1}])
+  out = capsys.readouterr().out
+  assert "skipped: NotImplementedError: not yet" in out and "1.100" in out

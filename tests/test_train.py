@@ -28,6 +28,23 @@ def losses(workdir):
   return [(m["step"], m["loss"]) for m in read_metrics(workdir) if "loss" in m]
 
 
+def run_interrupted(c, workdir, monkeypatch, *, at_batch):
+  """A run stopped by a KeyboardInterrupt while it pulls its `at_batch`-th batch."""
+  real_next = trainer_lib._next_batch
+  calls = {"n": 0}
+
+  def interrupting(*a, **k):
+    calls["n"] += 1
+    if calls["n"] == at_batch:
+      raise KeyboardInterrupt
+    return real_next(*a, **k)
+
+  monkeypatch.setattr(trainer_lib, "_next_batch", interrupting)
+  with pytest.raises(KeyboardInterrupt):
+    trainer_lib.train_and_evaluate(c, str(workdir))
+  monkeypatch.setattr(trainer_lib, "_next_batch", real_next)
+
+
 def test_resume_is_bit_identical(tmp_path, monkeypatch):
   c = tiny_config(steps=6)
   trainer_lib.train_and_evaluate(c, str(tmp_path / "full"))
@@ -35,19 +52,7 @@ def test_resume_is_bit_identical(tmp_path, monkeypatch):
   assert [s for s, _ in full] == list(range(1, 7))
 
   # Interrupt the second run after 3 steps (as a Ctrl-C would), then rerun the same command.
-  real_next = trainer_lib._next_batch
-  calls = {"n": 0}
-
-  def interrupting(*a, **k):
-    calls["n"] += 1
-    if calls["n"] == 4:
-      raise KeyboardInterrupt
-    return real_next(*a, **k)
-
-  monkeypatch.setattr(trainer_lib, "_next_batch", interrupting)
-  with pytest.raises(KeyboardInterrupt):
-    trainer_lib.train_and_evaluate(c, str(tmp_path / "resumed"))
-  monkeypatch.setattr(trainer_lib, "_next_batch", real_next)
+  run_interrupted(c, tmp_path / "resumed", monkeypatch, at_batch=4)
   from attn_jax.train.checkpoint import Checkpointer
   assert Checkpointer(str(tmp_path / "resumed")).latest_step() == 3  # work was not lost
   trainer_lib.train_and_evaluate(c, str(tmp_path / "resumed"))

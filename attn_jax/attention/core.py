@@ -15,7 +15,14 @@ Without a sink the term exp(sink_h) is absent.
 Masking is positional: a key at position p_k is visible to a query at position p_q iff
 0 <= p_k <= p_q (causal) — or iff 0 <= p_k (non-causal). Empty cache slots carry position -1.
 When neither q nor kv positions are given and the call is causal, the standard lower-triangular
-mask is used. A query that sees no key (e.g. a padding query at position -1) returns zeros in
+mask is used.
+
+Documents (packed rows, `q_segments` / `kv_segments`, [B, T] / [B, S] int32): a key is visible
+only to queries of its own document, i.e. iff seg_k == seg_q, or seg_k == SHARED_SEGMENT (0):
+a shared prefix every document may read (the decoder's learned sink tokens). Documents are
+numbered from 1. Segments only ever remove keys, so every implementation below keeps its
+structure (the blocked path still skips the upper triangle); the plain-causal fast paths
+become masked ones. A query that sees no key (e.g. a padding query at position -1) returns zeros in
 every implementation, as the reference does.
 
 Implementations (`impl`):
@@ -58,7 +65,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attn_jax.layers import causal_positions  # noqa: F401  (also re-exported)
+from attn_jax.layers import SHARED_SEGMENT, causal_positions  # noqa: F401  (also re-exported)
 
 NEG_INF = -1e30  # finite: masked scores; the softmax floors its row max at NEG_INF / 2
 IMPLS = ("auto", "einsum", "blocked", "xla", "cudnn", "splash")
@@ -72,20 +79,33 @@ DEFAULT_CHUNK = 256  # query rows per block of the "blocked" path
 REMAT_CORE_IMPLS = ("einsum", "blocked", "xla")
 
 
+def segment_mask(q_seg_BT: jax.Array, kv_seg_BS: jax.Array) -> jax.Array:
+  """[B, T, S] boolean: key in the query's document, or in the shared prefix (segment 0)."""
+  kv = kv_seg_BS[:, None, :]
+  return (kv == q_seg_BT[:, :, None]) | (kv == SHARED_SEGMENT)
+
+
 def positional_mask(q_pos_BT: jax.Array, kv_pos_BS: jax.Array, causal: bool,
-                    window: int | None = None) -> jax.Array:
+                    window: int | None = None, q_seg_BT: jax.Array | None = None,
+                    kv_seg_BS: jax.Array | None = None) -> jax.Array:
   """[B, 1, T, S] boolean: key visible to query. `window`: only keys with q_pos - k_pos <
-  window (a sliding window of that many tokens, the query included)."""
+  window (a sliding window of that many tokens, the query included). Segments (both or
+  neither): only keys of the query's document or of the shared prefix (`segment_mask`)."""
   valid = kv_pos_BS[:, None, :] >= 0
   if causal:
     valid = valid & (kv_pos_BS[:, None, :] <= q_pos_BT[:, :, None])
   if window is not None:
     valid = valid & (q_pos_BT[:, :, None] - kv_pos_BS[:, None, :] < window)
+  if (q_seg_BT is None) != (kv_seg_BS is None):
+    raise ValueError("q and kv segment ids come together (both or neither)")
+  if q_seg_BT is not None:
+    valid = valid & segment_mask(q_seg_BT, kv_seg_BS)
   return valid[:, None, :, :]
 
 
 def attention_reference(q, k, v, *, scale, causal=True, q_positions=None, kv_positions=None,
-                        bias=None, sink_logit_H=None, window=None):
+                        bias=None, sink_logit_H=None, window=None, q_segments=None,
+                        kv_segments=None):
   """Explicit O(T*S) attention in fp32 with repeated kv heads: the ground truth for tests.
 
   The sink is an explicit extra softmax column (logit sink_h, value 0) that is then dropped;
@@ -102,7 +122,7 @@ def attention_reference(q, k, v, *, scale, causal=True, q_positions=None, kv_pos
     q_positions = causal_positions(B, T) + (S - T)
   if kv_positions is None:
     kv_positions = causal_positions(B, S)
-  m = positional_mask(q_positions, kv_positions, causal, window)
+  m = positional_mask(q_positions, kv_positions, causal, window, q_segments, kv_segments)
   s = jnp.where(m, s, -jnp.inf)
   if sink_logit_H is not None:
     col = jnp.broadcast_to(sink_logit_H.astype(jnp.float32)[None, :, None, None], (B, H, T, 1))
@@ -313,31 +333,37 @@ def choose_impl(impl: str, q_dtype, dqk: int) -> str:
 
 def attend(q, k, v, *, scale: float, causal: bool = True, q_positions=None, kv_positions=None,
            bias=None, sink_logit_H=None, prefix_causal: bool = False, impl: str = "auto",
-           chunk: int | None = None, window: int | None = None) -> jax.Array:
+           chunk: int | None = None, window: int | None = None, q_segments=None,
+           kv_segments=None) -> jax.Array:
   """Multi-head attention; see the module docstring. Returns [B, T, H, Dv] in q's dtype.
 
   `prefix_causal`: q and kv are one stream (T == S, valid positions increasing, -1 padding),
   so key j > query i is never visible; lets the blocked path skip the upper triangle with
   positional masks. `chunk`: query rows per block of the blocked path. `window`: keys with
-  q_pos - k_pos < window only (sliding-window attention)."""
+  q_pos - k_pos < window only (sliding-window attention). `q_segments` / `kv_segments`: document
+  ids of packed rows (module docstring); with them, `prefix_causal` still holds when positions
+  restart per document (a later key of the same document has a larger position, one of
+  another document is masked)."""
   B, T, H, Dqk = q.shape
   S, K, Dv = k.shape[1], k.shape[2], v.shape[-1]
   if k.shape[-1] != Dqk or H % K or v.shape[:3] != k.shape[:3]:
     raise ValueError(f"attention shapes do not fit: q {q.shape}, k {k.shape}, v {v.shape}")
   if sink_logit_H is not None and jnp.shape(sink_logit_H) != (H,):
     raise ValueError(f"sink_logit_H must have shape ({H},), got {jnp.shape(sink_logit_H)}")
+  segmented = q_segments is not None or kv_segments is not None
   plain_causal = (causal and q_positions is None and kv_positions is None and T == S
-                  and window is None)
+                  and window is None and not segmented)
   impl = choose_impl(impl, q.dtype, Dqk)
   if impl == "splash" and not (plain_causal and bias is None and Dqk == Dv and T % 128 == 0):
     impl = "xla"
   mask = None
-  if not plain_causal and (causal or kv_positions is not None or window is not None):
+  if not plain_causal and (causal or kv_positions is not None or window is not None
+                           or segmented):
     if q_positions is None:
       q_positions = causal_positions(B, T) + (S - T)
     if kv_positions is None:
       kv_positions = causal_positions(B, S)
-    mask = positional_mask(q_positions, kv_positions, causal, window)
+    mask = positional_mask(q_positions, kv_positions, causal, window, q_segments, kv_segments)
 
   if impl in ("einsum", "blocked"):
     prefix = impl == "blocked" and causal and T == S and (plain_causal or prefix_causal)

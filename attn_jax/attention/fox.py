@@ -267,7 +267,10 @@ class ScoreBiasAttention(cache_lib.CachedMixer, nnx.Module):
   keys) and `finish(y, x)` (the output before W_o). Everything else (blockwise forward, caches,
   hooks) is here."""
 
-  def __call__(self, x_BTD, *, positions_BT=None, state=None, rng=None, train=False):
+  def __call__(self, x_BTD, *, positions_BT=None, segment_ids_BT=None, state=None, rng=None,
+               train=False):
+    if segment_ids_BT is not None:  # TODO(packing): make the document boundary exact
+      raise NotImplementedError(f"{type(self).__name__}: packed rows (segment_ids_BT)")
     del rng, train
     cfg, opts = self.cfg, self.opts
     q, k, v, loga, carry = self.features(x_BTD, positions_BT, state)

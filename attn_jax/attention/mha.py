@@ -38,7 +38,10 @@ class Attention(cache_lib.CachedMixer, nnx.Module):
     self.proj = QKVProjection(cfg, rngs=rngs)
     self.sink_logit = make_sink_logit(cfg, opts, rngs)
 
-  def __call__(self, x_BTD, *, positions_BT, state=None, rng=None, train=False):
+  reads_shared_prefix = True   # packed rows: a masked key set (registry.py)
+
+  def __call__(self, x_BTD, *, positions_BT, segment_ids_BT=None, state=None, rng=None,
+               train=False):
     del rng, train
     cfg, p = self.cfg, self.proj
     scale = cfg.head_dim ** -0.5
@@ -53,7 +56,8 @@ class Attention(cache_lib.CachedMixer, nnx.Module):
     q, k, v = p.rotated_qkv(x_BTD, pos_BT, cfg.rope_theta)
     core_fn = lambda q, k, v, sink: attend(   # positions None: the kernels' fast causal path
         q, k, v, scale=scale, causal=True, q_positions=positions_BT, kv_positions=positions_BT,
-        sink_logit_H=sink, impl=cfg.attention_impl)
+        sink_logit_H=sink, impl=cfg.attention_impl, prefix_causal=True,
+        q_segments=segment_ids_BT, kv_segments=segment_ids_BT)
     if choose_impl(cfg.attention_impl, q.dtype, q.shape[-1]) in REMAT_CORE_IMPLS:
       core_fn = jax.checkpoint(core_fn)
     return p.o(core_fn(q, k, v, sink)), None, {}

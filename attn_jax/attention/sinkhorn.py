@@ -514,7 +514,10 @@ class SinkhornAttention(nnx.Module):
     return jnp.sum(jnp.where(rows, top, 0.0)) / jnp.maximum(jnp.sum(rows), 1)
 
   # ---------------------------------------------------------------- interface
-  def __call__(self, x_BTD, *, positions_BT=None, state=None, rng=None, train=False):
+  def __call__(self, x_BTD, *, positions_BT=None, segment_ids_BT=None, state=None, rng=None,
+               train=False):
+    if segment_ids_BT is not None:  # TODO(packing): make the document boundary exact
+      raise NotImplementedError(f"{type(self).__name__}: packed rows (segment_ids_BT)")
     if positions_BT is None:   # a plain 0..T-1 full forward
       positions_BT = causal_positions(*x_BTD.shape[:2])
     if state is not None:

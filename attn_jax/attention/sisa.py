@@ -437,7 +437,10 @@ class SISA(cache_lib.CachedMixer, nnx.Module):
       lam = jax.lax.stop_gradient(lam)
     return SISAFeatures(q, k, v, c, b, loga, theta, lam)
 
-  def __call__(self, x_BTD, *, positions_BT=None, state=None, rng=None, train=False):
+  def __call__(self, x_BTD, *, positions_BT=None, segment_ids_BT=None, state=None, rng=None,
+               train=False):
+    if segment_ids_BT is not None:  # TODO(packing): make the document boundary exact
+      raise NotImplementedError(f"{type(self).__name__}: packed rows (segment_ids_BT)")
     del rng, train
     cfg = self.cfg
     q, k, v, c, b, loga, theta, lam = self.features(x_BTD, positions_BT, rotate=state is None)

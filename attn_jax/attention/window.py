@@ -54,7 +54,10 @@ class SlidingWindowAttention(cache_lib.CachedMixer, nnx.Module):
     self.proj = QKVProjection(cfg, rngs=rngs)
     self.sink_logit = make_sink_logit(cfg, opts, rngs)
 
-  def __call__(self, x_BTD, *, positions_BT, state=None, rng=None, train=False):
+  def __call__(self, x_BTD, *, positions_BT, segment_ids_BT=None, state=None, rng=None,
+               train=False):
+    if segment_ids_BT is not None:  # TODO(packing): make the document boundary exact
+      raise NotImplementedError(f"{type(self).__name__}: packed rows (segment_ids_BT)")
     del rng, train
     cfg, w, p = self.cfg, self.opts.window, self.proj
     scale = cfg.head_dim ** -0.5

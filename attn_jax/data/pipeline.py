@@ -4,6 +4,9 @@ Every batch is a dict of numpy arrays, B_host = `data.global_batch_size // proce
     inputs  int32   [B_host, L]
     targets int32   [B_host, L]   (next token of inputs)
     weights float32 [B_host, L]   (loss/accuracy weight per position)
+  and with `data.document_mask` (packed rows, documents.py; `documents.batch_keys`):
+    segment_ids int32 [B_host, L] (each input token's document, from 1 in its row)
+    positions   int32 [B_host, L] (its position in that document, from 0)
 
 Order of the global example stream (one epoch = one pass over the source):
   * text/jsonl/shards: the packed training sequences (shards: windows of pre-tokenised

@@ -5,7 +5,8 @@ parallel worker processes (one input file = one task = one output shard), into
 
     <out>/shard_00000.bin ...   raw little-endian token ids, uint16 if the vocabulary fits
                                 (<= 65536 ids), else uint32; every document followed by EOS
-    <out>/shard_00000.docs.npy  (optional, --doc_boundaries) int64 end offset of every document
+    <out>/shard_00000.docs.npy  int64 end offset of every document in the shard (written by
+                                default; --nodoc_boundaries leaves it out)
     <out>/index.json            written last: shards (file, source, tokens, docs, bytes, sha256),
                                 total tokens, dtype, tokenizer (spec, vocab_size, eos_id, id),
                                 counted skips (file:line and why)
@@ -17,6 +18,13 @@ stream of records (`prepare_records`), e.g. a Hugging Face dataset streamed by `
 (an undecodable line, invalid JSON, a missing/non-string text field, an empty file, a corrupt
 compressed file) is an error naming file and line, or with `on_error="skip"` a counted skip
 (the first few listed in the index and the summary).
+
+Document masking (`data.document_mask`): windows also carry `segment_ids` and `positions`
+(documents.py: the EOS ending a document is the BOS of the next), from each shard's
+`.docs.npy` (memory-mapped too, checked against the index: its count and last end), which is
+exact even where the EOS id also occurs inside a document. A shard without one (prepared with
+--nodoc_boundaries, or before boundaries were the default) falls back to the EOS tokens of the
+window, with a warning naming the folder.
 
 Reading (`data.source = "shards"`, `data.paths` = the output folder). The shards concatenated in
 index order form one stream t[0:T]; window i is t[i*L : i*L + L + 1] (L = `data.seq_len`;
@@ -50,6 +58,7 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
+from attn_jax.data import documents as doc_lib
 from attn_jax.data.tokenizer import ByteTokenizer, Tokenizer, get_tokenizer
 
 INDEX = "index.json"
@@ -356,7 +365,7 @@ def _finish_output(output: str, results: list[dict], *, tokenizer: str, tok: Tok
 
 def prepare(inputs: str | Sequence[str], output: str, *, tokenizer: str = "bytes",
             text_field: str = "text", text_document: str = "line", workers: int = 0,
-            on_error: str = "raise", doc_boundaries: bool = False, overwrite: bool = False,
+            on_error: str = "raise", doc_boundaries: bool = True, overwrite: bool = False,
             progress: bool = True) -> dict:
   """Tokenises `inputs` into token shards + index.json under `output`; returns the index
   (plus "seconds" and "tokens_per_sec")."""
@@ -470,7 +479,7 @@ def _tokenize_chunk(task: dict) -> dict:
 def prepare_records(records: Iterable[Mapping[str, Any]], output: str, *, source: str,
                     tokenizer: str = "bytes", text_field: str = "text",
                     docs_per_shard: int = 20_000, workers: int = 0, on_error: str = "raise",
-                    doc_boundaries: bool = False, overwrite: bool = False,
+                    doc_boundaries: bool = True, overwrite: bool = False,
                     progress: bool = True) -> dict:
   """Tokenises a stream of records (dicts with `text_field`, e.g. `hf_records(...)`) into the
   shards + index.json that `prepare` writes for files: every `docs_per_shard` documents become
@@ -620,11 +629,16 @@ class TokenShards:
       verify_checksums(self.files, self.index["shards"])
     self.starts = np.concatenate([[0], np.cumsum(self.counts)]).astype(np.int64)
     self.num_tokens = int(self.starts[-1])
+    self.eos_id = int(self.index["tokenizer"].get("eos_id", -1))
+    self.doc_files = [p[: -len(".bin")] + ".docs.npy" if p.endswith(".bin") else None
+                      for p in self.files]
+    self.has_ends = [f is not None and os.path.isfile(f) for f in self.doc_files]
     self._maps: list | None = None
+    self._ends: list | None = None
 
   def __getstate__(self):  # grain workers reopen the files; never pickle the data
     state = dict(self.__dict__)
-    state["_maps"] = None
+    state["_maps"] = state["_ends"] = None
     return state
 
   def _map(self, i: int) -> np.ndarray:
@@ -633,6 +647,42 @@ class TokenShards:
     if self._maps[i] is None:
       self._maps[i] = np.memmap(self.files[i], dtype=self.dtype, mode="r")
     return self._maps[i]
+
+  def ends(self, i: int) -> np.ndarray:
+    """Shard i's document end offsets (its `.docs.npy`, memory-mapped, checked once)."""
+    if self._ends is None:
+      self._ends = [None] * len(self.files)
+    if self._ends[i] is None:
+      path, meta = self.doc_files[i], self.index["shards"][i]
+      try:
+        ends = np.load(path, mmap_mode="r")
+      except (OSError, ValueError) as e:
+        raise DataError(f"{path}: not a readable document-boundary file ({e})") from None
+      docs = meta.get("docs")
+      if (ends.ndim != 1 or not len(ends) or int(ends[-1]) != self.counts[i]
+          or (docs is not None and len(ends) != int(docs)) or np.any(np.diff(ends) <= 0)):
+        raise DataError(
+            f"{path}: document boundaries do not match {INDEX} (need {docs} increasing ends, "
+            f"the last = the shard's {self.counts[i]} tokens); prepare the corpus again")
+      self._ends[i] = ends
+    return self._ends[i]
+
+  def document_starts(self, start: int, inputs: np.ndarray) -> np.ndarray:
+    """Window indices j in [1, len(inputs)) where a document begins (documents.py), for the
+    window whose inputs are stream[start : start + len(inputs)]: from the shards' stored
+    ends, or from the window's EOS tokens in a shard without them."""
+    stop = start + len(inputs)
+    found = []
+    i = bisect.bisect_right(self.starts, start + 1) - 1
+    while i < len(self.files) and self.starts[i] < stop:
+      base = int(self.starts[i])
+      lo, hi = max(start + 1, base), min(stop, int(self.starts[i + 1]))
+      if self.has_ends[i]:
+        found.append(doc_lib.eos_offsets(self.ends(i), lo - base, hi - base) + (base - start))
+      else:
+        found.append(np.flatnonzero(inputs[lo - start: hi - start] == self.eos_id) + (lo - start))
+      i += 1
+    return np.concatenate(found) if found else np.zeros(0, np.int64)
 
   def read(self, start: int, stop: int) -> np.ndarray:
     """Tokens [start, stop) of the stream as int32."""
@@ -653,10 +703,18 @@ class TokenShards:
 class ShardWindows:
   """Random-access source of windows `first + i` of a TokenShards stream (grain protocol)."""
 
-  def __init__(self, shards: TokenShards, *, seq_len: int, first: int, count: int):
+  def __init__(self, shards: TokenShards, *, seq_len: int, first: int, count: int,
+               document_mask: bool = False):
     if (first + count) * seq_len + 1 > shards.num_tokens:
       raise ValueError("ShardWindows range exceeds the token stream")
     self.shards, self.seq_len, self.first, self.count = shards, seq_len, first, count
+    self.document_mask = document_mask
+    missing = len(shards.has_ends) - sum(shards.has_ends)
+    if document_mask and missing:
+      logging.warning("data.document_mask: %d of the %d token shards in %s have no document "
+                      "boundary file (.docs.npy; prepared with --nodoc_boundaries?): their "
+                      "documents are split at EOS tokens instead", missing,
+                      len(shards.has_ends), shards.directory)
 
   def __len__(self) -> int:
     return self.count
@@ -667,8 +725,12 @@ class ShardWindows:
       raise IndexError(f"window index {index} out of range [0, {self.count})")
     start = (self.first + index) * self.seq_len
     window_T = self.shards.read(start, start + self.seq_len + 1)
-    return {"inputs": window_T[:-1], "targets": window_T[1:],
-            "weights": np.ones(self.seq_len, np.float32)}
+    example = {"inputs": window_T[:-1], "targets": window_T[1:],
+               "weights": np.ones(self.seq_len, np.float32)}
+    if self.document_mask:
+      example.update(doc_lib.document_fields(
+          self.shards.document_starts(start, example["inputs"]), self.seq_len))
+    return example
 
   def __repr__(self) -> str:
     return (f"ShardWindows({self.shards.directory}, first={self.first}, count={self.count}, "
@@ -699,13 +761,13 @@ def make_shard_source(data_cfg, *, split: str = "train") -> ShardWindows:
   shards = TokenShards(directory)
   check_tokenizer(shards.index, data_cfg)
   num_train, num_eval = split_counts(shards.num_tokens, data_cfg)
-  seq_len = int(data_cfg.seq_len)
+  kw = dict(seq_len=int(data_cfg.seq_len), document_mask=doc_lib.document_mask(data_cfg))
   if split == "train":
-    return ShardWindows(shards, seq_len=seq_len, first=0, count=num_train)
+    return ShardWindows(shards, first=0, count=num_train, **kw)
   if split == "eval":
     if num_eval == 0:
       raise ValueError("no eval split: data.eval_fraction is 0")
-    return ShardWindows(shards, seq_len=seq_len, first=num_train, count=num_eval)
+    return ShardWindows(shards, first=num_train, count=num_eval, **kw)
   raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
 
 

@@ -24,6 +24,9 @@ at most 1/N (guessing among the values it has seen) and 1/V without any context.
 The `random` task gives uniform tokens in [0, `random_vocab`) with all weights 1 (for
 throughput runs; its loss floor is log(random_vocab)).
 
+With `data.document_mask` every example is one document: `segment_ids` all 1 and `positions`
+0..L-1 (documents.py), i.e. exactly what the model sees without the switch.
+
 Examples are a pure function of (seed, split, index): `np.random.default_rng([seed, split,
 index])`, so the sources below are random-access grain data sources and the train and eval
 splits are disjoint random streams of the same task.
@@ -32,6 +35,8 @@ splits are disjoint random streams of the same task.
 from __future__ import annotations
 
 import numpy as np
+
+from attn_jax.data import documents as doc_lib
 
 # Synthetic sources have no natural end; this length is "infinite" for any training run
 # (and below sys.maxsize, which grain reserves for repeated datasets).
@@ -146,6 +151,7 @@ class SyntheticSource:
           f"data.synthetic_task must be one of {SYNTHETIC_TASKS}, got {self.task!r}")
     self.seed = int(seed)
     self.split = split
+    self.document_mask = doc_lib.document_mask(data_cfg)
 
   def __len__(self) -> int:
     return SYNTHETIC_LENGTH
@@ -155,7 +161,10 @@ class SyntheticSource:
     if not 0 <= index < SYNTHETIC_LENGTH:
       raise IndexError(f"synthetic example index {index} out of range")
     rng = np.random.default_rng([self.seed, SPLIT_STREAMS[self.split], index])
-    return self._make_example(rng, **self._example_kwargs)
+    example = self._make_example(rng, **self._example_kwargs)
+    if self.document_mask:
+      example.update(doc_lib.single_document(self.seq_len))
+    return example
 
   def __repr__(self) -> str:
     return f"SyntheticSource(task={self.task!r}, split={self.split!r}, seed={self.seed})"

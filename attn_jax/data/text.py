@@ -13,6 +13,10 @@ share one token: inputs = window[:-1], targets = window[1:], weights = 1. Every 
 t[0] is a target exactly once, and the inputs of sequences 0, 1, ... concatenated are the
 stream itself. There are n = (T - 1) // L sequences; the tail that does not fill one is dropped.
 
+Document masking (`data.document_mask`): every sequence also carries `segment_ids` and
+`positions` (documents.py: the EOS ending a document is the BOS of the next), from the document
+ends recorded while tokenizing (exact whatever the documents contain).
+
 Held-out split. The last ceil(n * `data.eval_fraction`) sequences are the eval split and are
 never trained on (the first eval window's first token is the last train window's last target
 token, nothing more is shared).
@@ -30,6 +34,7 @@ from typing import Sequence
 
 import numpy as np
 
+from attn_jax.data import documents as doc_lib
 from attn_jax.data.jsonl import parse_object
 from attn_jax.data.tokenizer import Tokenizer, get_tokenizer
 
@@ -114,7 +119,14 @@ def read_documents(
 
 
 def tokenize_documents(tokenizer: Tokenizer, documents: Sequence[str]) -> np.ndarray:
-  """int32 [T]: each document's ids followed by `tokenizer.eos_id`, all concatenated.
+  """int32 [T]: each document's ids followed by `tokenizer.eos_id`, all concatenated."""
+  return pack_documents(tokenizer, documents)[0]
+
+
+def pack_documents(tokenizer: Tokenizer, documents: Sequence[str]
+                   ) -> tuple[np.ndarray, np.ndarray]:
+  """(tokens int32 [T], ends int64 [D]): the stream of `tokenize_documents` and the exclusive
+  end offset of every document in it (its EOS sits at end - 1).
 
   Uses the tokenizer's `encode_batch` (parallel in `tokenizers`) when it has one.
   """
@@ -130,24 +142,30 @@ def tokenize_documents(tokenizer: Tokenizer, documents: Sequence[str]) -> np.nda
   for ids, end in zip(ids_per_document, ends_D):
     tokens_T[end - 1 - len(ids) : end - 1] = ids
   tokens_T[ends_D - 1] = tokenizer.eos_id
-  return tokens_T
+  return tokens_T, ends_D
 
 
 @functools.lru_cache(maxsize=4)
-def _cached_token_stream(
+def _cached_corpus(
     paths: tuple[str, ...], file_stamps: tuple, source: str, text_field: str,
     text_document: str, tokenizer_spec: str
-) -> np.ndarray:
+) -> tuple[np.ndarray, np.ndarray]:
   del file_stamps  # only part of the cache key
   documents = read_documents(paths, source=source, text_field=text_field,
                              text_document=text_document)
-  tokens_T = tokenize_documents(get_tokenizer(tokenizer_spec), documents)
+  tokens_T, ends_D = pack_documents(get_tokenizer(tokenizer_spec), documents)
   tokens_T.setflags(write=False)  # shared by every caller of the cache
-  return tokens_T
+  ends_D.setflags(write=False)
+  return tokens_T, ends_D
 
 
 def load_token_stream(data_cfg) -> np.ndarray:
   """The corpus of `data.paths` as one read-only int32 [T] stream (tokenized once, cached)."""
+  return load_corpus(data_cfg)[0]
+
+
+def load_corpus(data_cfg) -> tuple[np.ndarray, np.ndarray]:
+  """(read-only token stream int32 [T], document ends int64 [D]) of `data.paths` (cached)."""
   paths = tuple(split_paths(data_cfg.paths))
   source = str(data_cfg.source)
   if source not in TEXT_SOURCES:
@@ -160,7 +178,7 @@ def load_token_stream(data_cfg) -> np.ndarray:
       raise FileNotFoundError(f"data file not found: {path!r} (from data.paths)")
     stat = os.stat(path)
     file_stamps.append((stat.st_size, stat.st_mtime_ns))
-  return _cached_token_stream(
+  return _cached_corpus(
       paths, tuple(file_stamps), source, str(data_cfg.text_field),
       str(data_cfg.text_document), str(data_cfg.tokenizer))
 
@@ -168,16 +186,19 @@ def load_token_stream(data_cfg) -> np.ndarray:
 class PackedSequences:
   """Random-access source of packed windows: item i = stream window `first + i` (see above).
 
-  Satisfies grain's RandomAccessDataSource protocol.
+  `doc_ends` (the documents' end offsets, `pack_documents`): items also carry `segment_ids`
+  and `positions` (documents.py). Satisfies grain's RandomAccessDataSource protocol.
   """
 
-  def __init__(self, tokens_T: np.ndarray, *, seq_len: int, first: int, count: int):
+  def __init__(self, tokens_T: np.ndarray, *, seq_len: int, first: int, count: int,
+               doc_ends: np.ndarray | None = None):
     if (first + count) * seq_len + 1 > len(tokens_T):
       raise ValueError("PackedSequences range exceeds the token stream")
     self.tokens_T = tokens_T
     self.seq_len = seq_len
     self.first = first
     self.count = count
+    self.doc_ends = doc_ends
 
   def __len__(self) -> int:
     return self.count
@@ -188,11 +209,15 @@ class PackedSequences:
       raise IndexError(f"sequence index {index} out of range [0, {self.count})")
     start = (self.first + index) * self.seq_len
     window_T = self.tokens_T[start : start + self.seq_len + 1]
-    return {
+    example = {
         "inputs": window_T[:-1].copy(),
         "targets": window_T[1:].copy(),
         "weights": np.ones(self.seq_len, np.float32),
     }
+    if self.doc_ends is not None:
+      example.update(doc_lib.document_fields(
+          doc_lib.starts_from_ends(self.doc_ends, start, self.seq_len), self.seq_len))
+    return example
 
   def __repr__(self) -> str:
     return f"PackedSequences(first={self.first}, count={self.count}, seq_len={self.seq_len})"
@@ -222,13 +247,14 @@ def split_counts(num_tokens: int, data_cfg) -> tuple[int, int]:
 
 def make_text_source(data_cfg, *, split: str = "train") -> PackedSequences:
   """The packed train or eval split of the corpus in `data.paths`."""
-  tokens_T = load_token_stream(data_cfg)
+  tokens_T, ends_D = load_corpus(data_cfg)
   num_train, num_eval = split_counts(len(tokens_T), data_cfg)
-  seq_len = int(data_cfg.seq_len)
+  kw = dict(seq_len=int(data_cfg.seq_len),
+            doc_ends=ends_D if doc_lib.document_mask(data_cfg) else None)
   if split == "train":
-    return PackedSequences(tokens_T, seq_len=seq_len, first=0, count=num_train)
+    return PackedSequences(tokens_T, first=0, count=num_train, **kw)
   if split == "eval":
     if num_eval == 0:
       raise ValueError("no eval split: data.eval_fraction is 0")
-    return PackedSequences(tokens_T, seq_len=seq_len, first=num_train, count=num_eval)
+    return PackedSequences(tokens_T, first=num_train, count=num_eval, **kw)
   raise ValueError(f"split must be 'train' or 'eval', got {split!r}")

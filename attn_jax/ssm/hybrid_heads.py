@@ -84,7 +84,10 @@ class HybridHeads(nnx.Module):
     o = o * self.attn_norm[...].astype(f32)
     return p.o(o.astype(dtype_of(cfg.dtype))), kv
 
-  def __call__(self, x_BTD, *, positions_BT, state=None, rng=None, train=False):
+  def __call__(self, x_BTD, *, positions_BT, segment_ids_BT=None, state=None, rng=None,
+               train=False):
+    if segment_ids_BT is not None:  # TODO(packing): make the document boundary exact
+      raise NotImplementedError(f"{type(self).__name__}: packed rows (segment_ids_BT)")
     del rng, train
     if positions_BT is None:
       positions_BT = causal_positions(*x_BTD.shape[:2])

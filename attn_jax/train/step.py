@@ -31,11 +31,19 @@ from flax import nnx
 from attn_jax.train.loss import cross_entropy_from_hidden
 
 
+def packing_kw(batch) -> dict:
+  """The model's packed-row arguments of a batch: its `positions` and `segment_ids` when it
+  has them (`data.document_mask`, data/documents.py), else none (one stream per row)."""
+  if "segment_ids" not in batch:
+    return {}
+  return {"positions_BT": batch["positions"], "segment_ids_BT": batch["segment_ids"]}
+
+
 def make_loss_fn(graphdef: nnx.GraphDef) -> Callable:
   def loss_fn(params, rest, batch, total_weight, rng=None):
     model = nnx.merge(graphdef, params, rest)
     # Blockwise over sequence chunks (train/loss.py): no [B, T, V] fp32 logits ever exist.
-    h, aux = model.hidden_and_aux(batch["inputs"], rng=rng, train=True)
+    h, aux = model.hidden_and_aux(batch["inputs"], rng=rng, train=True, **packing_kw(batch))
     nll, w, hits = cross_entropy_from_hidden(h, model.unembed_matrix(), batch["targets"],
                                              batch["weights"])
     return nll / total_weight, (nll, w, hits, aux)
@@ -54,7 +62,8 @@ def step_is_finite(loss, grads, new_params) -> jax.Array:
 
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
                     lr_schedule: Callable | None = None) -> Callable:
-  """step(state, batch) -> (state, metrics). Batch arrays are [A, B, L] (A micro-batches).
+  """step(state, batch) -> (state, metrics). Batch arrays are [A, B, L] (A micro-batches);
+  with `data.document_mask` the batch also holds `positions` and `segment_ids` (packed rows).
 
   The loss is the mean over *all* weighted tokens of the A micro-batches (not a mean of
   per-micro-batch means), so accumulation gives exactly the gradient of the big batch.
@@ -117,9 +126,10 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
 
 
 def make_eval_step(graphdef: nnx.GraphDef) -> Callable:
-  """eval(params, rest, batch [B, L]) -> (sum nll, sum weights, sum hits)."""
+  """eval(params, rest, batch [B, L]) -> (sum nll, sum weights, sum hits). Held-out windows
+  of a `data.document_mask` run are packed the way training packs them (same segment ids)."""
   def eval_step(params, rest, batch):
     model = nnx.merge(graphdef, params, rest)
-    return cross_entropy_from_hidden(model.hidden(batch["inputs"]), model.unembed_matrix(),
-                                     batch["targets"], batch["weights"])
+    return cross_entropy_from_hidden(model.hidden(batch["inputs"], **packing_kw(batch)),
+                                     model.unembed_matrix(), batch["targets"], batch["weights"])
   return eval_step

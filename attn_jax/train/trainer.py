@@ -56,6 +56,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from attn_jax import sharding as shd
 from attn_jax.config import ModelConfig, validate
+from attn_jax.data.documents import batch_keys
 from attn_jax.model import build_model, count_params
 from attn_jax.train import flops as flops_lib
 from attn_jax.train.checkpoint import (Checkpointer, CheckpointMismatchError,
@@ -65,6 +66,9 @@ from attn_jax.train.metrics import MetricWriter, flatten_metrics
 from attn_jax.train.workdir import lock_workdir
 from attn_jax.train.optim import make_optimizer
 from attn_jax.train.step import make_eval_step, make_train_step
+
+
+BASE_KEYS = ("inputs", "targets", "weights")
 
 
 @dataclasses.dataclass
@@ -82,6 +86,7 @@ class Setup:
   step_fn: Any          # jitted (state, batch[A, B, L]) -> (state, metrics)
   batch_sharding: Any   # for [A, B, L] arrays
   n_params: dict
+  batch_keys: tuple[str, ...] = BASE_KEYS   # the batch dict's keys (data.document_mask adds two)
 
 
 def build_setup(config: ml_collections.ConfigDict, *, devices=None) -> Setup:
@@ -118,7 +123,7 @@ def build_setup(config: ml_collections.ConfigDict, *, devices=None) -> Setup:
   init_fn = jax.jit(init, out_shardings=state_sh)
   return Setup(cfg, mesh, rules, graphdef, tx, sched, state_sh,
                abstract_with_shardings(abstract, state_sh), init_fn, step_fn, batch_sh,
-               count_params(cfg))
+               count_params(cfg), batch_keys(config.data))
 
 
 def _check_batch(config, mesh, rules) -> None:
@@ -135,11 +140,11 @@ def _check_batch(config, mesh, rules) -> None:
                      f"{shards} batch shards of the mesh {dict(mesh.shape)}")
 
 
-def _next_batch(it, accum: int, batch_sh, global_shape) -> dict:
+def _next_batch(it, accum: int, batch_sh, global_shape, keys=BASE_KEYS) -> dict:
   """Pull `accum` host micro-batches (this host's rows), stack to [A, B_host, L], build global
-  [A, B, L] arrays."""
+  [A, B, L] arrays of `keys` (`Setup.batch_keys`)."""
   mbs = [next(it) for _ in range(accum)]
-  local = {k: np.stack([mb[k] for mb in mbs]) for k in ("inputs", "targets", "weights")}
+  local = {k: np.stack([mb[k] for mb in mbs]) for k in keys}
   return {k: jax.make_array_from_process_local_data(batch_sh, v, global_shape)
           for k, v in local.items()}
 
@@ -306,7 +311,7 @@ def abstract_batch(setup: Setup, accum: int, micro_batch: int, seq_len: int) -> 
   return {k: jax.ShapeDtypeStruct((accum, micro_batch, seq_len),
                                   jnp.float32 if k == "weights" else jnp.int32,
                                   sharding=setup.batch_sharding)
-          for k in ("inputs", "targets", "weights")}
+          for k in setup.batch_keys}
 
 
 def step_memory(setup: Setup, micro_batch: int, accum: int, seq_len: int):
@@ -549,7 +554,8 @@ def _train_and_evaluate(config, workdir, eval_callbacks) -> dict[str, Any]:
   try:
     for step_no in range(start + 1, config.train.steps + 1):
       data_pos = data_it.get_state()
-      batch = _next_batch(data_it, accum, setup.batch_sharding, global_shape)
+      batch = _next_batch(data_it, accum, setup.batch_sharding, global_shape,
+                          setup.batch_keys)
       state_valid = False
       state, metrics = compiled(state, batch)
       state_valid, data_pos = True, None
