@@ -129,8 +129,10 @@ def test_chunked_with_resets_equals_each_document_alone(chunk):
   state (the first one from h0), outputs and final state."""
   x, a, b, c, h0 = _inputs(jax.random.PRNGKey(10), T=21)
   _, reset, spans = _docs()
-  y, h = ssd.ssd_chunked(x, a, b, c, chunk=chunk, h0_BHPN=h0, reset_BT=reset)
-  y_rec, h_rec = ssd.ssd_recurrent(x, a, b, c, h0_BHPN=h0, reset_BT=reset)
+  y, h = jax.jit(lambda *z: ssd.ssd_chunked(*z, chunk=chunk, h0_BHPN=h0, reset_BT=reset))(
+      x, a, b, c)
+  y_rec, h_rec = jax.jit(lambda *z: ssd.ssd_recurrent(*z, h0_BHPN=h0, reset_BT=reset))(
+      x, a, b, c)
   chex.assert_trees_all_close((y, h), (y_rec, h_rec), **TOL)
   for r, row in enumerate(spans):
     for i, (s, e) in enumerate(row):
@@ -154,8 +156,8 @@ def test_chunked_with_resets_gradients_are_finite_and_exact():
 
   chunked = lambda *z: ssd.ssd_chunked(*z, chunk=4, h0_BHPN=h0, reset_BT=reset)
   recurrent = lambda *z: ssd.ssd_recurrent(*z, h0_BHPN=h0, reset_BT=reset)
-  g = jax.grad(lambda *z: loss(chunked, *z), argnums=(0, 1, 2, 3))(x, a, b, c)
-  g_ref = jax.grad(lambda *z: loss(recurrent, *z), argnums=(0, 1, 2, 3))(x, a, b, c)
+  g = jax.jit(jax.grad(lambda *z: loss(chunked, *z), argnums=(0, 1, 2, 3)))(x, a, b, c)
+  g_ref = jax.jit(jax.grad(lambda *z: loss(recurrent, *z), argnums=(0, 1, 2, 3)))(x, a, b, c)
   chex.assert_tree_all_finite(g)
   chex.assert_trees_all_close(g, g_ref, atol=1e-4, rtol=1e-4)
   assert np.all(np.asarray(g[1])[np.asarray(reset)] == 0.0)
@@ -208,8 +210,8 @@ def test_trapezoid_with_resets_equals_each_document_alone():
   (x, a, g, bp, k, q), carried = _trap_inputs(jax.random.PRNGKey(13), T=21)
   _, reset, spans = _docs()
   args = (x, a, g, bp, k, q)
-  y, h = trapezoid_chunked(*args, chunk=4, reset_BT=reset, **carried)
-  y_rec, h_rec = trapezoid_recurrent(*args, reset_BT=reset, **carried)
+  y, h = jax.jit(lambda *z: trapezoid_chunked(*z, chunk=4, reset_BT=reset, **carried))(*args)
+  y_rec, h_rec = jax.jit(lambda *z: trapezoid_recurrent(*z, reset_BT=reset, **carried))(*args)
   chex.assert_trees_all_close((y, h), (y_rec, h_rec), **TOL)
   for r, row in enumerate(spans):
     for i, (s, e) in enumerate(row):
@@ -226,9 +228,9 @@ def test_wrapped_angles_restart_at_resets():
   phi0 = jax.random.uniform(jax.random.PRNGKey(15), (2, 3, 2), maxval=6.0)
   _, reset, spans = _docs()
   circle = lambda p: (jnp.cos(p), jnp.sin(p))
-  phi = wrapped_cumsum(inc, phi0, chunk=4, reset_BT=reset)
-  chex.assert_trees_all_close(circle(phi), circle(_sequential_angles(inc, phi0, reset)),
-                              atol=1e-5)
+  phi = jax.jit(lambda i: wrapped_cumsum(i, phi0, chunk=4, reset_BT=reset))(inc)
+  seq = jax.jit(lambda i: _sequential_angles(i, phi0, reset))(inc)
+  chex.assert_trees_all_close(circle(phi), circle(seq), atol=1e-5)
   for r, row in enumerate(spans):
     for i, (s, e) in enumerate(row):
       want = np.cumsum(np.asarray(inc[r, s:e]), axis=0) + (np.asarray(phi0[r]) if i == 0 else 0)

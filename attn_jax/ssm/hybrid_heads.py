@@ -42,7 +42,7 @@ from attn_jax.attention.projection import QKVProjection
 from attn_jax.config import ModelConfig
 from attn_jax.layers import causal_positions, dtype_of, param
 from attn_jax.registry import register_mixer
-from attn_jax.ssm.mamba2 import Mamba2
+from attn_jax.ssm.mamba2 import Mamba2, document_resets
 
 f32 = jnp.float32
 
@@ -97,12 +97,13 @@ class HybridHeads(nnx.Module):
   def __call__(self, x_BTD, *, positions_BT, segment_ids_BT=None, state=None, rng=None,
                train=False):
     del rng, train
+    document_resets(segment_ids_BT, state, type(self).__name__)   # packed: full forwards only
     if positions_BT is None:
       positions_BT = causal_positions(*x_BTD.shape[:2])
     kv, ss = (None, None) if state is None else state
     ya, kv = self._attention(x_BTD, positions_BT, kv, segment_ids_BT)
     hs, ss = self.ssm.ssm_heads(x_BTD, positions_BT=positions_BT, state=ss,
-                                segment_ids_BT=segment_ids_BT)   # refuses a state with them
+                                segment_ids_BT=segment_ids_BT)
     y = ya + self.ssm.out(hs)
     return y, (None if state is None else (kv, ss)), {}
 

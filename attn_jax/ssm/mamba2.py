@@ -151,12 +151,17 @@ class CausalConv(nnx.Module):
             else window_BWX.astype(f32))
     cat = jnp.concatenate([prev, xf], axis=1)                       # [B, K-1+T, ...]
     w = self.kernel[...].astype(f32)
-    taps = [cat[:, k:k + T] for k in range(K)]                      # tap k reads x_{t-(K-1-k)}
     if segment_ids_BT is not None:
-      seg = jnp.pad(segment_ids_BT, ((0, 0), (K - 1, 0)), mode="edge")   # t < 0: zeros anyway
-      same = lambda k: (seg[:, k:k + T] == segment_ids_BT).reshape((B, T) + (1,) * (xf.ndim - 2))
-      taps = [jnp.where(same(k), tap, 0.0) for k, tap in enumerate(taps[:-1])] + taps[-1:]
-    y = self.bias[...].astype(f32) + sum(w[k] * tap for k, tap in enumerate(taps))
+      seg = jnp.pad(segment_ids_BT, ((0, 0), (K - 1, 0)), mode="edge")   # t < 0 reads 0 anyway
+
+    def tap(k):   # x_{t-(K-1-k)} for every t; 0 where that token is in another document
+      x_k = cat[:, k:k + T]
+      if segment_ids_BT is None or k == K - 1:
+        return x_k
+      same = seg[:, k:k + T] == segment_ids_BT
+      return jnp.where(same.reshape((B, T) + (1,) * (xf.ndim - 2)), x_k, 0.0)
+
+    y = self.bias[...].astype(f32) + sum(w[k] * tap(k) for k in range(K))
     new_window = None
     if window_BWX is not None:
       new_window = last_valid_window(window_BWX, x_BTX, n_valid_B).astype(window_BWX.dtype)
