@@ -29,19 +29,18 @@ of a segsum matmul over chunks (quadratic), and the decay to the chunk end is a 
 `ssd_chunked(..., extra=(x2, B2))` adds a second input x2_t B2_t^T per token (Mamba-3).
 
 Document boundaries (packed rows; `reset_BT` [B, T] bool, True at a document's first token t0,
-`layers.segment_starts`): the state restarts, h_{t0} = x_{t0} B_{t0}^T, exactly as at the start
-of a fresh row. The chunked form gets this by setting a_{t0} = -inf (decay factor exp(a_{t0}) =
-0): every term that carries something from before t0 to t0 or later has a_{t0} in its exponent,
-and only those do —
-  segsum   L_ts, s < t0 <= t: a_{s+1} + ... + a_t includes a_{t0}, -> 0;
-  to_end   exp(a_{s+1} + ... + a_end) for s < t0 <= end: -> 0 (such s add nothing to S_c);
+`layers.segment_starts`): the state restarts, h_{t0} = x_{t0} B_{t0}^T, as at the start of a
+fresh row. The chunked form sets a_{t0} = -inf (decay factor exp(a_{t0}) = 0). Every term that
+carries something from before t0 to t0 or later has a_{t0} in its exponent, so it is 0:
+  segsum   L_ts, s < t0 <= t: a_{s+1} + ... + a_t includes a_{t0};
+  to_end   exp(a_{s+1} + ... + a_end), s < t0 <= end: such s add nothing to the chunk state S_c;
   scan     exp(A_end(c)) = 0 for a chunk holding a start: H_{c+1} = S_c, nothing older;
-  output   exp(A_t) H_c for t >= t0 in chunk c: -> 0 —
-while a term inside one document never contains a_{t0} (its sums run over (s, t], s >= t0), so
-it is computed exactly as in the document alone (and a_{t0} itself, like the first token's decay
-of a fresh row, reaches nothing: its gradient is 0 in both). The exponents are sums of values
-<= 0 and -inf (never inf - inf), and exp(-inf) = 0 has derivative 0, so neither the forward nor
-the backward pass meets a NaN; a chunk boundary at t0 changes nothing (the sums are the same).
+  output   exp(A_t) H_c, t >= t0 in chunk c (also when t0 is the chunk's first token).
+A term within one document sums a_r over (s, t] with s >= t0, never a_{t0}: it is the term of
+the document alone (the same exponents; only where chunk boundaries fall, i.e. rounding,
+differs). a_{t0} itself reaches nothing, as the first token's decay of a fresh row (gradient 0
+in both). Exponents are sums of values <= 0 and -inf (never inf - inf), and exp(-inf) = 0 with
+derivative 0, so neither pass meets a NaN.
 `ssd_recurrent(reset_BT=)` instead zeroes h before the start token's update (the reference).
 
 `ssd_recurrent` is the explicit step-by-step recurrence (a `lax.scan` over time): the reference
