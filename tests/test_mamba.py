@@ -127,6 +127,59 @@ def test_causal_by_gradient(mixer):
   assert np.all(norms[~future] > 0.0)
 
 
+# Packed rows (chunk_size 4): documents of length 1 (twice), one crossing a chunk boundary,
+# one starting exactly at one (token 8) and crossing two more.
+DOCS = (1, 6, 1, 9, 4)
+
+
+def _packed(docs=DOCS):
+  """(positions, segment ids) [1, T] of one packed row; positions of the documents alone as
+  rows of the same length, right-padded (position -1: the padding changes no state, test
+  above), and a last row of one plain stream 0..T-1."""
+  T = sum(docs)
+  pos = np.concatenate([np.arange(n) for n in docs])
+  seg = np.concatenate([np.full(n, i + 1) for i, n in enumerate(docs)])
+  alone = np.full((len(docs) + 1, T), -1)
+  for i, n in enumerate(docs + (T,)):
+    alone[i, :n] = np.arange(n)
+  return tuple(jnp.asarray(z[None] if z.ndim == 1 else z, jnp.int32) for z in (pos, seg, alone))
+
+
+@nnx.jit
+def _packed_forward_and_grads(m, x, positions, segments, w):
+  """(y, gradients of sum(y * w) w.r.t. the mixer's parameters) of a packed row."""
+  def loss(m):
+    y = m(x, positions_BT=positions, segment_ids_BT=segments)[0]
+    return jnp.sum(y * w), y
+  (_, y), g = nnx.value_and_grad(loss, has_aux=True)(m)
+  return y, g
+
+
+def test_packed_row_equals_each_document_alone(mixer):
+  """Conv window, state (and for hybrid_heads the attention heads) restart per document: each
+  document's outputs equal those of the document alone; parameter gradients are finite."""
+  _, _, m = mixer
+  pos, seg, alone_pos = _packed()
+  T = pos.shape[1]
+  x = _x(1, T, seed=8)
+  y, grads = _packed_forward_and_grads(m, x, pos, seg, _x(1, T, seed=9))
+  starts = np.cumsum((0,) + DOCS)
+  x_alone = jnp.stack([jnp.roll(x[0], -int(s), axis=0) for s in starts])   # doc first; plain
+  y_alone = run(m, x_alone, alone_pos)[0]
+  for i, (s, e) in enumerate(zip(starts[:-1], starts[1:])):
+    chex.assert_trees_all_close(y[0, s:e], y_alone[i, :e - s], **TOL)
+  chex.assert_tree_all_finite(grads)
+  y_plain = y_alone[-1]                                # one stream: the documents mix
+  assert float(jnp.max(jnp.abs(y_plain[1:] - y[0, 1:]))) > 1e-3
+
+
+def test_packed_rows_refuse_a_decoding_state(mixer):
+  cls, opts, m = mixer
+  pos, seg, _ = _packed()
+  with pytest.raises(ValueError, match="segment_ids_BT"):
+    m(_x(1, pos.shape[1]), positions_BT=pos, segment_ids_BT=seg, state=_state(cls, opts, 1))
+
+
 def _nbytes(tree):
   return sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree))
 
@@ -169,6 +222,17 @@ def test_mamba3_chunked_equals_recurrent_reference():
   y2, st2 = run(m, x[:, 10:], pos[:, 10:], st1)
   r2, rs2 = ref(m, x[:, 10:], pos[:, 10:], rs1)
   chex.assert_trees_all_close((y1, y2, st2), (r1, r2, rs2), **TOL)
+
+
+def test_mamba3_packed_chunked_equals_recurrent_reference():
+  """With documents, the chunked form (segmented angles, -inf decay, zeroed previous token)
+  equals the token-by-token recurrence with explicit resets."""
+  _, _, m = _build("mamba3")
+  pos, seg, _ = _packed()
+  x = _x(1, pos.shape[1], seed=10)
+  y = nnx.jit(lambda m, x: m(x, positions_BT=pos, segment_ids_BT=seg)[0])(m, x)
+  ref = nnx.jit(lambda m, x: m.reference(x, positions_BT=pos, segment_ids_BT=seg)[0])(m, x)
+  chex.assert_trees_all_close(y, ref, **TOL)
 
 
 def test_flops_per_token():

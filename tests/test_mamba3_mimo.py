@@ -81,6 +81,28 @@ def test_mixer_chunked_equals_recurrent_reference(chunk, rank):
   chex.assert_trees_all_close((y1, y2, s2), (r1, r2, q2), **TOL)
 
 
+def test_packed_row_chunked_equals_reference_and_each_document_alone():
+  """Documents (chunk 3: lengths 1, 5, 1, 6 = one crossing two chunk boundaries, one starting
+  at token 6, exactly on one, and one of length 1 starting at 12): the chunked MIMO form equals
+  the recurrence with resets, and each document's outputs those of the document alone."""
+  m = _mixer(chunk_size=3, mimo_rank=2)
+  docs = (1, 5, 1, 6)
+  pos = jnp.asarray([np.concatenate([np.arange(n) for n in docs])], jnp.int32)
+  seg = jnp.asarray([np.concatenate([np.full(n, i + 1) for i, n in enumerate(docs)])], jnp.int32)
+  x = _x(1, pos.shape[1], seed=11)
+  y = nnx.jit(lambda m, x: m(x, positions_BT=pos, segment_ids_BT=seg)[0])(m, x)
+  ref = nnx.jit(lambda m, x: m.reference(x, positions_BT=pos, segment_ids_BT=seg)[0])(m, x)
+  chex.assert_trees_all_close(y, ref, **TOL)
+  starts = np.cumsum((0,) + docs)
+  alone = np.full((len(docs), pos.shape[1]), -1)          # right-padded rows, doc first
+  for i, n in enumerate(docs):
+    alone[i, :n] = np.arange(n)
+  x_alone = jnp.stack([jnp.roll(x[0], -int(s), axis=0) for s in starts[:-1]])
+  y_alone = _run(m, x_alone, jnp.asarray(alone, jnp.int32), None)[0]
+  for i, (s, e) in enumerate(zip(starts[:-1], starts[1:])):
+    chex.assert_trees_all_close(y[0, s:e], y_alone[i, :e - s], **TOL)
+
+
 def test_decode_matches_full_forward():
   """Token by token and prefill + steps (with right padding in the prefill) == full forward."""
   m = _mixer()

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from attn_jax.layers import segment_starts
 from attn_jax.ssm import ssd
 from attn_jax.ssm.mamba3 import (rotate_pairs, trapezoid_chunked, trapezoid_recurrent, wrap,
                                  wrapped_cumsum, _sequential_angles)
@@ -91,6 +92,78 @@ def test_no_overflow_at_32k_tokens():
   chex.assert_tree_all_finite(g)
 
 
+# ----------------------------------------------------------------------- document boundaries
+
+# Two packed rows of 21 tokens. With chunk 4: row 0 has documents of length 1 (twice), one
+# crossing a chunk boundary (tokens 1..6), one starting exactly at one (8) and crossing two;
+# row 1 another layout. Chunk 1 puts every start on a boundary, chunk 8 crosses fewer.
+PACKED = ((1, 6, 1, 9, 4), (5, 3, 12, 1))
+
+
+def _docs():
+  """(segment ids [2, 21], reset [2, 21] = layers.segment_starts, spans per row)."""
+  seg, spans = [], []
+  for docs in PACKED:
+    seg.append(np.concatenate([np.full(n, d + 1) for d, n in enumerate(docs)]))
+    ends = np.cumsum(docs)
+    spans.append(list(zip(ends - np.asarray(docs), ends)))
+  seg = jnp.asarray(np.stack(seg), jnp.int32)
+  return seg, segment_starts(seg), spans
+
+
+def _ssd_explicit(x, a, b, c, h):
+  """The recurrence in numpy, one row: h = e^a h + x B^T, y = h C (groups repeated to heads)."""
+  x, a, b, c, h = map(np.asarray, (x, a, b, c, h))
+  J = x.shape[1] // b.shape[1]
+  ys = []
+  for t in range(x.shape[0]):
+    bt, ct = np.repeat(b[t], J, axis=0), np.repeat(c[t], J, axis=0)   # [H, N]
+    h = np.exp(a[t])[:, None, None] * h + x[t][:, :, None] * bt[:, None, :]
+    ys.append(np.einsum("hpn,hn->hp", h, ct))
+  return np.stack(ys), h
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 8])
+def test_chunked_with_resets_equals_each_document_alone(chunk):
+  """Resets: chunked == the recurrence with resets == each document run alone from a zero
+  state (the first one from h0), outputs and final state."""
+  x, a, b, c, h0 = _inputs(jax.random.PRNGKey(10), T=21)
+  _, reset, spans = _docs()
+  y, h = jax.jit(lambda *z: ssd.ssd_chunked(*z, chunk=chunk, h0_BHPN=h0, reset_BT=reset))(
+      x, a, b, c)
+  y_rec, h_rec = jax.jit(lambda *z: ssd.ssd_recurrent(*z, h0_BHPN=h0, reset_BT=reset))(
+      x, a, b, c)
+  chex.assert_trees_all_close((y, h), (y_rec, h_rec), **TOL)
+  for r, row in enumerate(spans):
+    for i, (s, e) in enumerate(row):
+      start = np.asarray(h0[r]) if i == 0 else np.zeros(h0.shape[1:], np.float32)
+      y_doc, h_doc = _ssd_explicit(x[r, s:e], a[r, s:e], b[r, s:e], c[r, s:e], start)
+      chex.assert_trees_all_close(y[r, s:e], y_doc, **TOL)
+    chex.assert_trees_all_close(h[r], h_doc, **TOL)
+
+
+def test_chunked_with_resets_gradients_are_finite_and_exact():
+  """Strong decay and resets (a = -inf inside): no NaN/inf in the gradients, equal to the
+  recurrence's; a reset token's own log-decay reaches nothing (zero gradient, as the first
+  token's of a fresh row)."""
+  x, a, b, c, h0 = _inputs(jax.random.PRNGKey(11), T=21, decay_scale=40.0)
+  _, reset, _ = _docs()
+  w = jax.random.normal(jax.random.PRNGKey(12), x.shape)
+
+  def loss(fn, *z):
+    y, h = fn(*z)
+    return jnp.sum(y * w) + jnp.sum(h)
+
+  chunked = lambda *z: ssd.ssd_chunked(*z, chunk=4, h0_BHPN=h0, reset_BT=reset)
+  recurrent = lambda *z: ssd.ssd_recurrent(*z, h0_BHPN=h0, reset_BT=reset)
+  g = jax.jit(jax.grad(lambda *z: loss(chunked, *z), argnums=(0, 1, 2, 3)))(x, a, b, c)
+  g_ref = jax.jit(jax.grad(lambda *z: loss(recurrent, *z), argnums=(0, 1, 2, 3)))(x, a, b, c)
+  chex.assert_tree_all_finite(g)
+  chex.assert_trees_all_close(g, g_ref, atol=1e-4, rtol=1e-4)
+  assert np.all(np.asarray(g[1])[np.asarray(reset)] == 0.0)
+  assert np.abs(np.asarray(g[1])[~np.asarray(reset)]).max() > 0
+
+
 # ----------------------------------------------------------------------- Mamba-3's trapezoid
 
 def _trap_inputs(key, B=2, T=23, H=3, P=4, N=8):
@@ -129,6 +202,39 @@ def test_trapezoid_chunked_equals_recurrence(chunk):
   y, h = trapezoid_chunked(*args, chunk=chunk, **carried)
   chex.assert_trees_all_close((y_rec, h_rec), (y_np, h_np), **TOL)
   chex.assert_trees_all_close((y, h), (y_np, h_np), **TOL)
+
+
+def test_trapezoid_with_resets_equals_each_document_alone():
+  """Resets restart h and the previous-token term: chunked == recurrence == each document in
+  numpy from zeros (the first one from the carried state)."""
+  (x, a, g, bp, k, q), carried = _trap_inputs(jax.random.PRNGKey(13), T=21)
+  _, reset, spans = _docs()
+  args = (x, a, g, bp, k, q)
+  y, h = jax.jit(lambda *z: trapezoid_chunked(*z, chunk=4, reset_BT=reset, **carried))(*args)
+  y_rec, h_rec = jax.jit(lambda *z: trapezoid_recurrent(*z, reset_BT=reset, **carried))(*args)
+  chex.assert_trees_all_close((y, h), (y_rec, h_rec), **TOL)
+  for r, row in enumerate(spans):
+    for i, (s, e) in enumerate(row):
+      one = {n: v[r:r + 1] * (i == 0) for n, v in carried.items()}      # zeros after the first
+      y_doc, h_doc = _trap_explicit(*(z[r:r + 1, s:e] for z in args), **one)
+      chex.assert_trees_all_close(y[r:r + 1, s:e], y_doc, **TOL)
+    chex.assert_trees_all_close(h[r:r + 1], h_doc, **TOL)
+
+
+def test_wrapped_angles_restart_at_resets():
+  """With resets the angles restart (phi = inc at a document's first token): chunked ==
+  sequential == each document's own cumulative sum from 0 (the first from phi0)."""
+  inc = jax.random.uniform(jax.random.PRNGKey(14), (2, 21, 3, 2), maxval=3.0)
+  phi0 = jax.random.uniform(jax.random.PRNGKey(15), (2, 3, 2), maxval=6.0)
+  _, reset, spans = _docs()
+  circle = lambda p: (jnp.cos(p), jnp.sin(p))
+  phi = jax.jit(lambda i: wrapped_cumsum(i, phi0, chunk=4, reset_BT=reset))(inc)
+  seq = jax.jit(lambda i: _sequential_angles(i, phi0, reset))(inc)
+  chex.assert_trees_all_close(circle(phi), circle(seq), atol=1e-5)
+  for r, row in enumerate(spans):
+    for i, (s, e) in enumerate(row):
+      want = np.cumsum(np.asarray(inc[r, s:e]), axis=0) + (np.asarray(phi0[r]) if i == 0 else 0)
+      chex.assert_trees_all_close(circle(phi[r, s:e]), circle(jnp.asarray(want)), atol=1e-5)
 
 
 def test_wrapped_angles_match_sequential_and_stay_in_range():

@@ -18,6 +18,14 @@ the SSM heads Mamba-2's (mamba_ssm's fan-in convention, `mamba2.projection_inits
 Decoding state: the tuple (attention KV cache, Mamba-2 state). The attention cache here is a
 `cache.KVCache` under the linear policy (keys after RoPE, per-slot positions as the key
 mask, so padding tokens, position -1, are never written nor attended to).
+
+Packed rows (`segment_ids_BT`, full forwards, positions restarting at 0 per document): both
+branches keep to a token's document. The attention heads mask every key of another document
+(`core.attend(q_segments=, kv_segments=)`, as the attention mixer; with positions restarting,
+a later key of the same document still has a larger position, so `prefix_causal` holds); the
+Mamba-2 heads restart their conv window and state at the document's first token
+(`mamba2.Mamba2.ssm_heads`). The SSM heads cannot give every document a shared prefix, so
+`reads_shared_prefix` stays False (registry.py).
 """
 
 from __future__ import annotations
@@ -34,7 +42,7 @@ from attn_jax.attention.projection import QKVProjection
 from attn_jax.config import ModelConfig
 from attn_jax.layers import causal_positions, dtype_of, param
 from attn_jax.registry import register_mixer
-from attn_jax.ssm.mamba2 import Mamba2
+from attn_jax.ssm.mamba2 import Mamba2, document_resets
 
 f32 = jnp.float32
 
@@ -68,13 +76,15 @@ class HybridHeads(nnx.Module):
                            ("heads", "head_dim"), kind="norm")
     self.ssm = Mamba2(cfg, opts.mamba2(), rngs=rngs)
 
-  def _attention(self, x_BTD, positions_BT, kv):
+  def _attention(self, x_BTD, positions_BT, kv, segment_ids_BT=None):
     cfg, p = self.cfg, self.attn
     scale = cfg.head_dim ** -0.5
     if kv is None:
       q, k, v = p.rotated_qkv(x_BTD, positions_BT, cfg.rope_theta)
+      docs = {} if segment_ids_BT is None else dict(
+          q_segments=segment_ids_BT, kv_segments=segment_ids_BT, prefix_causal=True)
       out = attend(q, k, v, scale=scale, causal=True, q_positions=positions_BT,
-                   kv_positions=positions_BT, impl=cfg.attention_impl)
+                   kv_positions=positions_BT, impl=cfg.attention_impl, **docs)
     else:   # the shared KV cache (attention/cache.py), as the attention mixer
       out, kv = cache_lib.cached_attention(kv, p.q(x_BTD), p.k(x_BTD), p.v(x_BTD), positions_BT,
                                            theta=cfg.rope_theta, scale=scale,
@@ -86,14 +96,14 @@ class HybridHeads(nnx.Module):
 
   def __call__(self, x_BTD, *, positions_BT, segment_ids_BT=None, state=None, rng=None,
                train=False):
-    if segment_ids_BT is not None:  # TODO(packing): make the document boundary exact
-      raise NotImplementedError(f"{type(self).__name__}: packed rows (segment_ids_BT)")
     del rng, train
+    document_resets(segment_ids_BT, state, type(self).__name__)   # packed: full forwards only
     if positions_BT is None:
       positions_BT = causal_positions(*x_BTD.shape[:2])
     kv, ss = (None, None) if state is None else state
-    ya, kv = self._attention(x_BTD, positions_BT, kv)
-    hs, ss = self.ssm.ssm_heads(x_BTD, positions_BT=positions_BT, state=ss)
+    ya, kv = self._attention(x_BTD, positions_BT, kv, segment_ids_BT)
+    hs, ss = self.ssm.ssm_heads(x_BTD, positions_BT=positions_BT, state=ss,
+                                segment_ids_BT=segment_ids_BT)
     y = ya + self.ssm.out(hs)
     return y, (None if state is None else (kv, ss)), {}
 

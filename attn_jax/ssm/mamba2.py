@@ -37,6 +37,15 @@ Padding (position -1): dt = 0, so the token neither decays nor writes the state.
 assumed to be right padding within a call (pads after the valid tokens of a row, as
 decode.py produces); the conv window carried out is the last d_conv - 1 *valid* inputs, so a
 row that is all padding in a call leaves its whole state unchanged.
+
+Packed rows (`segment_ids_BT`, full forwards): at a document's first token t0 both memories
+restart, so each document is computed as in a row of its own.
+  conv   y_t = b + sum_{d<K} w_{K-1-d} x_{t-d} [seg_{t-d} = seg_t]: a tap reaching into another
+         document reads 0, as the zero left padding of a fresh row (`CausalConv`);
+  SSD    a_{t0} = -inf, so exp(a_{t0}) = 0 and h_{t0} = dt x_{t0} B_{t0}^T
+         (`ssd.ssd_chunked(reset_BT=)`, whose docstring shows this exact in the chunked form).
+The D skip, gate and norm are per token. A state restarted at t0 cannot also hold a prefix
+shared by every document, so `reads_shared_prefix` stays False (registry.py).
 """
 
 from __future__ import annotations
@@ -49,7 +58,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from attn_jax.config import ModelConfig
-from attn_jax.layers import Linear, causal_positions, dtype_of, fan_in_uniform, param
+from attn_jax.layers import (Linear, causal_positions, dtype_of, fan_in_uniform, param,
+                             segment_starts)
 from attn_jax.registry import register_mixer
 from attn_jax.ssm import ssd
 
@@ -97,6 +107,17 @@ def valid_mask(positions_BT: jax.Array) -> jax.Array:
   return positions_BT >= 0
 
 
+def document_resets(segment_ids_BT, state, owner: str):
+  """[B, T] bool, True at each document's first token (`layers.segment_starts`), or None for
+  one stream per row. Packed rows are full forwards: a decoding state is refused."""
+  if segment_ids_BT is None:
+    return None
+  if state is not None:
+    raise ValueError(f"{owner}: segment_ids_BT (packed rows) is for full forwards; got a "
+                     "decoding state too")
+  return segment_starts(segment_ids_BT)
+
+
 def last_valid_window(prev_BWX: jax.Array, new_BTX: jax.Array, n_valid_B: jax.Array) -> jax.Array:
   """The last W entries of concat(prev, new[:n_valid]) per row (right-padded `new`)."""
   W = prev_BWX.shape[1]
@@ -120,8 +141,9 @@ class CausalConv(nnx.Module):
                         (None,) + tuple(axes), kind="weight")
     self.bias = param(rngs, uniform_init(-bound, bound), channels, tuple(axes), kind="bias")
 
-  def __call__(self, x_BTX: jax.Array, window_BWX=None, n_valid_B=None):
-    """-> (y_BTX fp32, new window or None). window = the last width-1 inputs before x."""
+  def __call__(self, x_BTX: jax.Array, window_BWX=None, n_valid_B=None, segment_ids_BT=None):
+    """-> (y_BTX fp32, new window or None). window = the last width-1 inputs before x.
+    `segment_ids_BT` (packed rows, no window): a tap reaching into another document reads 0."""
     K = self.width
     B, T = x_BTX.shape[:2]
     xf = x_BTX.astype(f32)
@@ -129,7 +151,17 @@ class CausalConv(nnx.Module):
             else window_BWX.astype(f32))
     cat = jnp.concatenate([prev, xf], axis=1)                       # [B, K-1+T, ...]
     w = self.kernel[...].astype(f32)
-    y = self.bias[...].astype(f32) + sum(w[k] * cat[:, k:k + T] for k in range(K))
+    if segment_ids_BT is not None:
+      seg = jnp.pad(segment_ids_BT, ((0, 0), (K - 1, 0)), mode="edge")   # t < 0 reads 0 anyway
+
+    def tap(k):   # x_{t-(K-1-k)} for every t; 0 where that token is in another document
+      x_k = cat[:, k:k + T]
+      if segment_ids_BT is None or k == K - 1:
+        return x_k
+      same = seg[:, k:k + T] == segment_ids_BT
+      return jnp.where(same.reshape((B, T) + (1,) * (xf.ndim - 2)), x_k, 0.0)
+
+    y = self.bias[...].astype(f32) + sum(w[k] * tap(k) for k in range(K))
     new_window = None
     if window_BWX is not None:
       new_window = last_valid_window(window_BWX, x_BTX, n_valid_B).astype(window_BWX.dtype)
@@ -188,16 +220,18 @@ class Mamba2(nnx.Module):
     self.out = Linear((H, P), (D,), in_axes=("heads", "head_dim"), out_axes=("embed",), **kw)
 
   # -------------------------------------------------------------- pieces reused by hybrids
-  def ssm_heads(self, x_BTD, *, positions_BT, state=None):
-    """-> (gated-normed head outputs [B, T, H, P] in the compute dtype, new state)."""
+  def ssm_heads(self, x_BTD, *, positions_BT, state=None, segment_ids_BT=None):
+    """-> (gated-normed head outputs [B, T, H, P] in the compute dtype, new state).
+    `segment_ids_BT`: packed rows, conv and state restart per document (module docstring)."""
     opts, cfg = self.opts, self.cfg
+    reset = document_resets(segment_ids_BT, state, type(self).__name__)
     valid = valid_mask(positions_BT)
     n_valid = valid.sum(axis=1).astype(jnp.int32)
     st = state or {}
     z = self.in_z(x_BTD)
-    xs, w_x = self.conv_x(self.in_x(x_BTD), st.get("conv_x"), n_valid)
-    bs, w_b = self.conv_b(self.in_b(x_BTD), st.get("conv_b"), n_valid)
-    cs, w_c = self.conv_c(self.in_c(x_BTD), st.get("conv_c"), n_valid)
+    xs, w_x = self.conv_x(self.in_x(x_BTD), st.get("conv_x"), n_valid, segment_ids_BT)
+    bs, w_b = self.conv_b(self.in_b(x_BTD), st.get("conv_b"), n_valid, segment_ids_BT)
+    cs, w_c = self.conv_c(self.in_c(x_BTD), st.get("conv_c"), n_valid, segment_ids_BT)
     xs, bs, cs = jax.nn.silu(xs), jax.nn.silu(bs), jax.nn.silu(cs)
     dt = jax.nn.softplus(self.in_dt(x_BTD).astype(f32) + self.dt_bias[...].astype(f32))
     dt = jnp.where(valid[..., None], dt, 0.0)                      # padding: state unchanged
@@ -208,7 +242,8 @@ class Mamba2(nnx.Module):
       y, h = ssd.ssd_step(h0, x_in[:, 0], a[:, 0], bs[:, 0], cs[:, 0])
       y = y[:, None]
     else:
-      y, h = ssd.ssd_chunked(x_in, a, bs, cs, chunk=opts.chunk_size, h0_BHPN=h0)
+      y, h = ssd.ssd_chunked(x_in, a, bs, cs, chunk=opts.chunk_size, h0_BHPN=h0,
+                             reset_BT=reset)
     y = y + self.D[...].astype(f32)[:, None] * xs
     y = y * jax.nn.silu(z.astype(f32))
     Bsz, T = y.shape[:2]
@@ -242,12 +277,11 @@ class Mamba2(nnx.Module):
 
   def __call__(self, x_BTD, *, positions_BT=None, segment_ids_BT=None, state=None, rng=None,
                train=False):
-    if segment_ids_BT is not None:  # TODO(packing): make the document boundary exact
-      raise NotImplementedError(f"{type(self).__name__}: packed rows (segment_ids_BT)")
     if positions_BT is None:   # a plain 0..T-1 full forward
       positions_BT = causal_positions(*x_BTD.shape[:2])
     del rng, train
-    y, state = self.ssm_heads(x_BTD, positions_BT=positions_BT, state=state)
+    y, state = self.ssm_heads(x_BTD, positions_BT=positions_BT, state=state,
+                              segment_ids_BT=segment_ids_BT)
     return self.out(y), state, {}
 
   # -------------------------------------------------------------- class hooks

@@ -68,6 +68,19 @@ beta X_{t-1}], keys [K_t ; K_{t-1}]) and the r columns of Q are r outputs of one
     Y_{t,o} = sum_{s<=t} L_ts sum_i (Q_{t,o} . K_{s,i}) U_{s,i} + e^{A_t} h_in Q_{t,o},
 with the segment decays of `ssd.segsum_exp` and a scan over chunks; `mimo_recurrent` is the
 token-by-token reference and the decode step. Decoding state: the SISO one with k [H, r, N].
+
+Packed rows (`segment_ids_BT`, full forwards): at a document's first token t0 every term that
+crosses time restarts, so the document is computed as in a row of its own (h_0 = 0, x_0 = k_0 =
+0, phi_0 = 0 there):
+  state      alpha_{t0} = 0 (a_{t0} = -inf in the chunked forms, `ssd.ssd_chunked(reset_BT=)`
+             and `mimo_chunked`; h zeroed before the update in the recurrences);
+  trapezoid  x_{t0-1}, k_{t0-1} (the previous document's last token) replaced by 0, so
+             beta_{t0} x_{t0-1} k_{t0-1}^T = 0 (`previous_token`);
+  angles     phi_{t0} = inc_{t0}: the cumulative sum restarts (a segmented cumulative sum
+             within chunks, the carry across chunks dropped after a start; `wrapped_cumsum`).
+(The angles enter only as differences phi_t - phi_s within a document, so their restart is
+exact in algebra even without it; restarting keeps the rounding of the document alone.)
+`reads_shared_prefix` stays False: a restarted state holds no prefix shared by every document.
 """
 
 from __future__ import annotations
@@ -83,7 +96,8 @@ from attn_jax.config import ModelConfig
 from attn_jax.layers import Linear, causal_positions, dtype_of, param
 from attn_jax.registry import register_mixer
 from attn_jax.ssm import ssd
-from attn_jax.ssm.mamba2 import dt_bias_init, last_valid_window, projection_inits, valid_mask
+from attn_jax.ssm.mamba2 import (document_resets, dt_bias_init, last_valid_window,
+                                 projection_inits, valid_mask)
 
 f32 = jnp.float32
 TWO_PI = 2.0 * math.pi
@@ -111,36 +125,69 @@ def rotate_pairs(x_XN: jax.Array, phi_XR: jax.Array) -> jax.Array:
   return jnp.concatenate([rot, x_XN[..., 2 * R:]], axis=-1)
 
 
-def wrapped_cumsum(inc_BTX: jax.Array, phi0_BX: jax.Array, chunk: int) -> jax.Array:
-  """phi_t = (phi0 + sum_{r<=t} inc_r) mod 2 pi: cumsum within chunks, carry wrapped by a scan."""
+def wrapped_cumsum(inc_BTX: jax.Array, phi0_BX: jax.Array, chunk: int,
+                   reset_BT=None) -> jax.Array:
+  """phi_t = (phi0 + sum_{r<=t} inc_r) mod 2 pi: cumsum within chunks, carry wrapped by a scan.
+  `reset_BT`: the sum restarts at these tokens (phi_t = inc_t there; `phi0` and earlier
+  increments reach no token at or after a reset)."""
   B, T = inc_BTX.shape[:2]
   Q = max(1, min(chunk, T))
   nc = -(-T // Q)
-  inc = jnp.pad(inc_BTX.astype(f32), [(0, 0), (0, nc * Q - T)] + [(0, 0)] * (inc_BTX.ndim - 2))
-  local = jnp.cumsum(inc.reshape((B, nc, Q) + inc_BTX.shape[2:]), axis=2)
+  tail = [(0, 0)] * (inc_BTX.ndim - 2)
+  inc = jnp.pad(inc_BTX.astype(f32), [(0, 0), (0, nc * Q - T)] + tail)
+  inc = inc.reshape((B, nc, Q) + inc_BTX.shape[2:])
+  if reset_BT is None:
+    local = jnp.cumsum(inc, axis=2)
 
-  def step(carry, loc):
-    return wrap(carry + loc[:, -1]), wrap(carry[:, None] + loc)
+    def step(carry, loc):
+      return wrap(carry + loc[:, -1]), wrap(carry[:, None] + loc)
+    xs = jnp.moveaxis(local, 1, 0)
+  else:   # a segmented sum within the chunk; the carry only where no reset precedes in it
+    r = jnp.pad(reset_BT, ((0, 0), (0, nc * Q - T))).reshape((B, nc, Q) + (1,) * len(tail))
+    local, seen = _segmented_cumsum(inc, jnp.broadcast_to(r, inc.shape), axis=2)
 
-  _, phi = jax.lax.scan(step, phi0_BX.astype(f32), jnp.moveaxis(local, 1, 0))
+    def step(carry, inp):
+      loc, sn = inp
+      phi = jnp.where(sn, loc, carry[:, None] + loc)
+      return wrap(phi[:, -1]), wrap(phi)
+    xs = (jnp.moveaxis(local, 1, 0), jnp.moveaxis(seen, 1, 0))
+
+  _, phi = jax.lax.scan(step, phi0_BX.astype(f32), xs)
   return jnp.moveaxis(phi, 0, 1).reshape((B, nc * Q) + inc_BTX.shape[2:])[:, :T]
 
 
+def _segmented_cumsum(x, reset, axis):
+  """(sum of x since the latest reset at or before t, whether there was one), along `axis`."""
+  add = lambda u, v: (jnp.where(v[1], v[0], u[0] + v[0]), u[1] | v[1])
+  return jax.lax.associative_scan(add, (x, reset), axis=axis)
+
+
+def previous_token(z_BTX, z0_BX, reset_BT=None):
+  """z_{t-1} for every t (z0 before the first), 0 at reset tokens (a document's first token
+  has no previous one, as at the start of a fresh row)."""
+  prev = jnp.concatenate([z0_BX[:, None].astype(f32), z_BTX[:, :-1].astype(f32)], axis=1)
+  if reset_BT is None:
+    return prev
+  return jnp.where(reset_BT.reshape(reset_BT.shape + (1,) * (prev.ndim - 2)), 0.0, prev)
+
+
 def trapezoid_chunked(x_BTHP, a_BTH, gamma_BTH, betap_BTH, k_BTHN, q_BTHN, *, chunk,
-                      h0_BHPN=None, x0_BHP=None, k0_BHN=None):
+                      h0_BHPN=None, x0_BHP=None, k0_BHN=None, reset_BT=None):
   """Chunked trapezoidal SSM: one SSD with two inputs (see module docstring).
 
   -> (y_BTHP without the D skip, h_T) fp32. (x0, k0): the token before the first (zeros if
   None); the second input is beta_t x_{t-1} k_{t-1}^T with beta_t = beta'_t exp(a_t).
+  `reset_BT`: documents restart at these tokens (module docstring).
   """
   B, T, H, P = x_BTHP.shape
   x0 = jnp.zeros((B, H, P), f32) if x0_BHP is None else x0_BHP.astype(f32)
   k0 = jnp.zeros((B, H, k_BTHN.shape[-1]), f32) if k0_BHN is None else k0_BHN.astype(f32)
-  x_prev = jnp.concatenate([x0[:, None], x_BTHP[:, :-1]], axis=1)
-  k_prev = jnp.concatenate([k0[:, None], k_BTHN[:, :-1]], axis=1)
+  x_prev = previous_token(x_BTHP, x0, reset_BT)
+  k_prev = previous_token(k_BTHN, k0, reset_BT)
   beta = betap_BTH * jnp.exp(a_BTH)
   return ssd.ssd_chunked(x_BTHP * gamma_BTH[..., None], a_BTH, k_BTHN, q_BTHN, chunk=chunk,
-                         h0_BHPN=h0_BHPN, extra=(x_prev * beta[..., None], k_prev))
+                         h0_BHPN=h0_BHPN, extra=(x_prev * beta[..., None], k_prev),
+                         reset_BT=reset_BT)
 
 
 def trapezoid_step(h_BHPN, x0_BHP, k0_BHN, x_BHP, a_BH, gamma_BH, betap_BH, k_BHN, q_BHN):
@@ -153,8 +200,9 @@ def trapezoid_step(h_BHPN, x0_BHP, k0_BHN, x_BHP, a_BH, gamma_BH, betap_BH, k_BH
 
 
 def trapezoid_recurrent(x_BTHP, a_BTH, gamma_BTH, betap_BTH, k_BTHN, q_BTHN, *, h0_BHPN=None,
-                        x0_BHP=None, k0_BHN=None):
-  """The explicit recurrence, one token at a time (lax.scan over T); same returns as chunked."""
+                        x0_BHP=None, k0_BHN=None, reset_BT=None):
+  """The explicit recurrence, one token at a time (lax.scan over T); same returns as chunked.
+  `reset_BT`: the carried (h, x, k) are set to 0 before these tokens' update."""
   B, T, H, P = x_BTHP.shape
   N = k_BTHN.shape[-1]
   h0 = jnp.zeros((B, H, P, N), f32) if h0_BHPN is None else h0_BHPN
@@ -162,6 +210,10 @@ def trapezoid_recurrent(x_BTHP, a_BTH, gamma_BTH, betap_BTH, k_BTHN, q_BTHN, *, 
   k0 = jnp.zeros((B, H, N), f32) if k0_BHN is None else k0_BHN
 
   def step(carry, inp):
+    if reset_BT is not None:
+      r, *inp = inp
+      carry = jax.tree.map(lambda c: jnp.where(r.reshape((B,) + (1,) * (c.ndim - 1)), 0.0, c),
+                           carry)
     h, xp, kp = carry
     x, a, g, bp, k, q = inp
     y, h = trapezoid_step(h, xp, kp, x, a, g, bp, k, q)
@@ -169,16 +221,20 @@ def trapezoid_recurrent(x_BTHP, a_BTH, gamma_BTH, betap_BTH, k_BTHN, q_BTHN, *, 
 
   seq = tuple(jnp.moveaxis(z.astype(f32), 1, 0)
               for z in (x_BTHP, a_BTH, gamma_BTH, betap_BTH, k_BTHN, q_BTHN))
+  if reset_BT is not None:
+    seq = (jnp.moveaxis(reset_BT, 1, 0),) + seq
   (h, _, _), y = jax.lax.scan(step, (h0, x0, k0), seq)
   return jnp.moveaxis(y, 0, 1), h
 
 
-def mimo_chunked(u_BTHIP, a_BTH, k_BTHIN, q_BTHON, *, chunk, h0_BHPN=None):
+def mimo_chunked(u_BTHIP, a_BTH, k_BTHIN, q_BTHON, *, chunk, h0_BHPN=None, reset_BT=None):
   """Chunked MIMO SSD (module docstring): I input columns (u, k), O output columns (q), one
   [P, N] state per head. -> (y [B, T, H, O, P], h_T [B, H, P, N]) fp32. T need not be a
-  multiple of `chunk` (the tail is padded with a = 0, u = k = q = 0)."""
+  multiple of `chunk` (the tail is padded with a = 0, u = k = q = 0). `reset_BT`: the state
+  restarts there (a = -inf, as `ssd.ssd_chunked`)."""
   Bsz, T, H, _, P = u_BTHIP.shape
   N = k_BTHIN.shape[-1]
+  a_BTH = ssd.restart_decay(a_BTH, reset_BT)
   Q = max(1, min(int(chunk), T))
   nc = -(-T // Q)
   pad = nc * Q - T
@@ -207,41 +263,46 @@ def mimo_chunked(u_BTHIP, a_BTH, k_BTHIN, q_BTHON, *, chunk, h0_BHPN=None):
   return (y_diag + y_off).reshape(Bsz, nc * Q, H, -1, P)[:, :T], h_final
 
 
-def mimo_recurrent(u_BTHIP, a_BTH, k_BTHIN, q_BTHON, *, h0_BHPN=None):
+def mimo_recurrent(u_BTHIP, a_BTH, k_BTHIN, q_BTHON, *, h0_BHPN=None, reset_BT=None):
   """The MIMO recurrence one token at a time (lax.scan): h = e^a h + sum_i u_i k_i^T,
-  y_o = h q_o. Same returns as `mimo_chunked`."""
+  y_o = h q_o. Same returns as `mimo_chunked`. `reset_BT`: h = 0 before these tokens."""
   Bsz, T, H, _, P = u_BTHIP.shape
   h0 = (jnp.zeros((Bsz, H, P, k_BTHIN.shape[-1]), f32) if h0_BHPN is None
         else h0_BHPN.astype(f32))
 
   def step(h, inp):
+    if reset_BT is not None:
+      r, *inp = inp
+      h = jnp.where(r[:, None, None, None], 0.0, h)
     u, a, k, q = inp
     h = jnp.exp(a)[..., None, None] * h + jnp.einsum("bhip,bhin->bhpn", u, k)
     return h, jnp.einsum("bhpn,bhon->bhop", h, q)
 
   seq = tuple(jnp.moveaxis(z.astype(f32), 1, 0) for z in (u_BTHIP, a_BTH, k_BTHIN, q_BTHON))
+  if reset_BT is not None:
+    seq = (jnp.moveaxis(reset_BT, 1, 0),) + seq
   h, y = jax.lax.scan(step, h0, seq)
   return jnp.moveaxis(y, 0, 1), h
 
 
 def trapezoid_mimo(x_BTHRP, a_BTH, gamma_BTH, betap_BTH, k_BTHRN, q_BTHRN, *, chunk=None,
-                   h0_BHPN=None, x0_BHRP=None, k0_BHRN=None):
+                   h0_BHPN=None, x0_BHRP=None, k0_BHRN=None, reset_BT=None):
   """The trapezoid with rank-r inputs X (x times w^x) and keys K: 2r input columns
   [gamma X_t ; beta X_{t-1}] with keys [K_t ; K_{t-1}], beta = beta' e^a; `chunk` None = the
-  recurrence. -> (Y [B, T, H, r, P] without the D skip, h_T)."""
+  recurrence. -> (Y [B, T, H, r, P] without the D skip, h_T). `reset_BT`: documents restart
+  at these tokens (module docstring)."""
   B, T, H, r, P = x_BTHRP.shape
   N = k_BTHRN.shape[-1]
   x0 = jnp.zeros((B, H, r, P), f32) if x0_BHRP is None else x0_BHRP.astype(f32)
   k0 = jnp.zeros((B, H, r, N), f32) if k0_BHRN is None else k0_BHRN.astype(f32)
-  x_prev = jnp.concatenate([x0[:, None], x_BTHRP[:, :-1].astype(f32)], axis=1)
-  k_prev = jnp.concatenate([k0[:, None], k_BTHRN[:, :-1].astype(f32)], axis=1)
+  x_prev, k_prev = previous_token(x_BTHRP, x0, reset_BT), previous_token(k_BTHRN, k0, reset_BT)
   beta = betap_BTH * jnp.exp(a_BTH)
   u = jnp.concatenate([x_BTHRP * gamma_BTH[..., None, None], x_prev * beta[..., None, None]],
                       axis=3)
   k = jnp.concatenate([k_BTHRN.astype(f32), k_prev], axis=3)
   if chunk is None:
-    return mimo_recurrent(u, a_BTH, k, q_BTHRN, h0_BHPN=h0_BHPN)
-  return mimo_chunked(u, a_BTH, k, q_BTHRN, chunk=chunk, h0_BHPN=h0_BHPN)
+    return mimo_recurrent(u, a_BTH, k, q_BTHRN, h0_BHPN=h0_BHPN, reset_BT=reset_BT)
+  return mimo_chunked(u, a_BTH, k, q_BTHRN, chunk=chunk, h0_BHPN=h0_BHPN, reset_BT=reset_BT)
 
 
 @register_mixer("mamba3")
@@ -346,17 +407,21 @@ class Mamba3(nnx.Module):
                 inc=theta[:, :, None, :] * dt[..., None], z=self.in_z(x_BTD).astype(f32),
                 n_valid=valid.sum(axis=1).astype(jnp.int32))
 
-  def ssm_heads(self, x_BTD, *, positions_BT, state=None, recurrent=False):
-    """-> (gated head outputs [B, T, H, P] fp32, new state). `recurrent`: the scan reference."""
+  def ssm_heads(self, x_BTD, *, positions_BT, state=None, recurrent=False, segment_ids_BT=None):
+    """-> (gated head outputs [B, T, H, P] fp32, new state). `recurrent`: the scan reference.
+    `segment_ids_BT`: packed rows, everything restarts per document (module docstring)."""
+    reset = document_resets(segment_ids_BT, state, type(self).__name__)
     if self.opts.mimo_rank:
-      return self._mimo_heads(x_BTD, positions_BT=positions_BT, state=state, recurrent=recurrent)
+      return self._mimo_heads(x_BTD, positions_BT=positions_BT, state=state, recurrent=recurrent,
+                              reset_BT=reset)
     u = self._inputs(x_BTD, positions_BT)
     B, T = x_BTD.shape[:2]
     st = state if state is not None else self.init_state(self.cfg, self.opts, B, 0, f32)
     recurrent = recurrent or (state is not None and T == 1)     # decode step: the recurrence
-    phi = self._angles(u, st, recurrent)
+    phi = self._angles(u, st, recurrent, reset)
     k, q = rotate_pairs(u["b"], phi), rotate_pairs(u["c"], phi)
-    carried = dict(h0_BHPN=st["ssm"], x0_BHP=st["x"].astype(f32), k0_BHN=st["k"].astype(f32))
+    carried = dict(h0_BHPN=st["ssm"], x0_BHP=st["x"].astype(f32), k0_BHN=st["k"].astype(f32),
+                   reset_BT=reset)
     args = (u["x"], u["a"], u["gamma"], u["betap"], k, q)
     if recurrent:
       y, h = trapezoid_recurrent(*args, **carried)
@@ -365,11 +430,12 @@ class Mamba3(nnx.Module):
     y = (y + self.D[...].astype(f32)[:, None] * u["x"]) * jax.nn.silu(u["z"])
     return y, None if state is None else self._next_state(st, u, phi, h, k)
 
-  def _angles(self, u, st, recurrent: bool):
-    """Cumulative rotation angles of the new tokens after the carried ones (mod 2 pi)."""
+  def _angles(self, u, st, recurrent: bool, reset_BT=None):
+    """Cumulative rotation angles of the new tokens after the carried ones (mod 2 pi),
+    restarting at `reset_BT` (documents)."""
     if recurrent:
-      return _sequential_angles(u["inc"], st["angle"])
-    return wrapped_cumsum(u["inc"], st["angle"], self.opts.chunk_size)
+      return _sequential_angles(u["inc"], st["angle"], reset_BT)
+    return wrapped_cumsum(u["inc"], st["angle"], self.opts.chunk_size, reset_BT)
 
   def _next_state(self, st, u, phi, h, k):
     """The decoding state after the call: angle, SSM state, the last valid token's k and x."""
@@ -378,36 +444,37 @@ class Mamba3(nnx.Module):
             "k": last(st["k"], k).astype(st["k"].dtype),
             "x": last(st["x"], u["x"]).astype(st["x"].dtype)}
 
-  def _mimo_heads(self, x_BTD, *, positions_BT, state=None, recurrent=False):
+  def _mimo_heads(self, x_BTD, *, positions_BT, state=None, recurrent=False, reset_BT=None):
     """`ssm_heads` with rank-r inputs and outputs (module docstring); same returns."""
     u = self._inputs(x_BTD, positions_BT)                 # b, c: [B, T, H, r, N]
     B, T = x_BTD.shape[:2]
     st = state if state is not None else self.init_state(self.cfg, self.opts, B, 0, f32)
     recurrent = recurrent or (state is not None and T == 1)
-    phi = self._angles(u, st, recurrent)
+    phi = self._angles(u, st, recurrent, reset_BT)
     k, q = rotate_pairs(u["b"], phi[..., None, :]), rotate_pairs(u["c"], phi[..., None, :])
     wx, wz, wo = (w[...].astype(f32) for w in (self.mimo_x, self.mimo_z, self.mimo_o))
     xr = u["x"][..., None, :] * wx                                       # [B, T, H, r, P]
     y, h = trapezoid_mimo(xr, u["a"], u["gamma"], u["betap"], k, q,
                           chunk=None if recurrent else self.opts.chunk_size, h0_BHPN=st["ssm"],
-                          x0_BHRP=st["x"].astype(f32)[:, :, None] * wx, k0_BHRN=st["k"])
+                          x0_BHRP=st["x"].astype(f32)[:, :, None] * wx, k0_BHRN=st["k"],
+                          reset_BT=reset_BT)
     y = (y + self.D[...].astype(f32)[:, None, None] * xr) * jax.nn.silu(u["z"][..., None, :] * wz)
     y = jnp.sum(y * wo, axis=3)
     return y, None if state is None else self._next_state(st, u, phi, h, k)
 
   def __call__(self, x_BTD, *, positions_BT=None, segment_ids_BT=None, state=None, rng=None,
                train=False):
-    if segment_ids_BT is not None:  # TODO(packing): make the document boundary exact
-      raise NotImplementedError(f"{type(self).__name__}: packed rows (segment_ids_BT)")
     if positions_BT is None:   # a plain 0..T-1 full forward
       positions_BT = causal_positions(*x_BTD.shape[:2])
     del rng, train
-    y, state = self.ssm_heads(x_BTD, positions_BT=positions_BT, state=state)
+    y, state = self.ssm_heads(x_BTD, positions_BT=positions_BT, state=state,
+                              segment_ids_BT=segment_ids_BT)
     return self.out(y.astype(dtype_of(self.cfg.dtype))), state, {}
 
-  def reference(self, x_BTD, *, positions_BT, state=None):
+  def reference(self, x_BTD, *, positions_BT, state=None, segment_ids_BT=None):
     """The same mixer through the token-by-token recurrence (test reference)."""
-    y, state = self.ssm_heads(x_BTD, positions_BT=positions_BT, state=state, recurrent=True)
+    y, state = self.ssm_heads(x_BTD, positions_BT=positions_BT, state=state, recurrent=True,
+                              segment_ids_BT=segment_ids_BT)
     return self.out(y.astype(dtype_of(self.cfg.dtype))), state
 
   @classmethod
@@ -440,10 +507,19 @@ class Mamba3(nnx.Module):
     return None
 
 
-def _sequential_angles(inc_BTHR, phi0_BHR):
-  """phi_t = (phi_{t-1} + inc_t) mod 2 pi, one token at a time (the reference's order)."""
-  def step(phi, inc):
+def _sequential_angles(inc_BTHR, phi0_BHR, reset_BT=None):
+  """phi_t = (phi_{t-1} + inc_t) mod 2 pi, one token at a time (the reference's order);
+  phi_{t-1} is taken as 0 at `reset_BT` tokens."""
+  def step(phi, inp):
+    if reset_BT is None:
+      inc = inp
+    else:
+      r, inc = inp
+      phi = jnp.where(r.reshape(r.shape + (1,) * (phi.ndim - 1)), 0.0, phi)
     phi = wrap(phi + inc)
     return phi, phi
-  _, phi = jax.lax.scan(step, phi0_BHR.astype(f32), jnp.moveaxis(inc_BTHR, 1, 0))
+  xs = jnp.moveaxis(inc_BTHR, 1, 0)
+  if reset_BT is not None:
+    xs = (jnp.moveaxis(reset_BT, 1, 0), xs)
+  _, phi = jax.lax.scan(step, phi0_BHR.astype(f32), xs)
   return jnp.moveaxis(phi, 0, 1)

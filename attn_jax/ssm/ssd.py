@@ -28,6 +28,21 @@ Listing 1 of the paper), except that step 3 is a scan (linear in the number of c
 of a segsum matmul over chunks (quadratic), and the decay to the chunk end is a direct sum.
 `ssd_chunked(..., extra=(x2, B2))` adds a second input x2_t B2_t^T per token (Mamba-3).
 
+Document boundaries (packed rows; `reset_BT` [B, T] bool, True at a document's first token t0,
+`layers.segment_starts`): the state restarts, h_{t0} = x_{t0} B_{t0}^T, as at the start of a
+fresh row. The chunked form sets a_{t0} = -inf (decay factor exp(a_{t0}) = 0). Every term that
+carries something from before t0 to t0 or later has a_{t0} in its exponent, so it is 0:
+  segsum   L_ts, s < t0 <= t: a_{s+1} + ... + a_t includes a_{t0};
+  to_end   exp(a_{s+1} + ... + a_end), s < t0 <= end: such s add nothing to the chunk state S_c;
+  scan     exp(A_end(c)) = 0 for a chunk holding a start: H_{c+1} = S_c, nothing older;
+  output   exp(A_t) H_c, t >= t0 in chunk c (also when t0 is the chunk's first token).
+A term within one document sums a_r over (s, t] with s >= t0, never a_{t0}: it is the term of
+the document alone (the same exponents; only where chunk boundaries fall, i.e. rounding,
+differs). a_{t0} itself reaches nothing, as the first token's decay of a fresh row (gradient 0
+in both). Exponents are sums of values <= 0 and -inf (never inf - inf), and exp(-inf) = 0 with
+derivative 0, so neither pass meets a NaN.
+`ssd_recurrent(reset_BT=)` instead zeroes h before the start token's update (the reference).
+
 `ssd_recurrent` is the explicit step-by-step recurrence (a `lax.scan` over time): the reference
 for tests and the naive baseline of `experiments/bench_ssd.py`. `ssd_step` is one token of it
 (the decode step). All three compute in fp32.
@@ -73,8 +88,21 @@ def segsum_exp(a_BCQH: jax.Array) -> jax.Array:
   return jnp.exp(jnp.where(jnp.tril(jnp.ones((Q, Q), bool)), seg, -jnp.inf))
 
 
-def ssd_chunked(x_BTHP, a_BTH, b_BTGN, c_BTGN, *, chunk: int, h0_BHPN=None, extra=None):
+def restart_decay(a_BTH: jax.Array, reset_BT) -> jax.Array:
+  """a with -inf at the reset tokens (decay factor 0: nothing before them survives); a itself
+  when `reset_BT` is None (no op added to the program)."""
+  if reset_BT is None:
+    return a_BTH
+  if reset_BT.shape != a_BTH.shape[:2]:
+    raise ValueError(f"reset_BT must have shape {a_BTH.shape[:2]}, got {reset_BT.shape}")
+  return jnp.where(reset_BT[:, :, None], -jnp.inf, a_BTH.astype(f32))
+
+
+def ssd_chunked(x_BTHP, a_BTH, b_BTGN, c_BTGN, *, chunk: int, h0_BHPN=None, extra=None,
+                reset_BT=None):
   """Chunked SSD (see module docstring). Returns (y_BTHP fp32, final state h_BHPN fp32).
+
+  `reset_BT` [B, T] bool: the state restarts at these tokens (documents, module docstring).
 
   `extra = (x2_BTHP, b2_BTGN)` adds a second input, h_t = exp(a_t) h_{t-1} + x_t B_t^T +
   x2_t B2_t^T (Mamba-3's trapezoid): it goes through steps 1 and 2 like the first.
@@ -84,6 +112,7 @@ def ssd_chunked(x_BTHP, a_BTH, b_BTGN, c_BTGN, *, chunk: int, h0_BHPN=None, extr
   """
   Bsz, T, H, G = _check(x_BTHP, a_BTH, b_BTGN, c_BTGN)
   P, N, J = x_BTHP.shape[-1], b_BTGN.shape[-1], H // G
+  a_BTH = restart_decay(a_BTH, reset_BT)
   Q = max(1, min(int(chunk), T))
   nc = -(-T // Q)
   pad = nc * Q - T
@@ -149,17 +178,23 @@ def ssd_step(h_BHPN, x_BHP, a_BH, b_BGN, c_BGN):
   return y.reshape(Bsz, H, P), h.reshape(Bsz, H, P, N)
 
 
-def ssd_recurrent(x_BTHP, a_BTH, b_BTGN, c_BTGN, *, h0_BHPN=None):
-  """The explicit recurrence, one token at a time (lax.scan over T). Same returns as ssd_chunked."""
+def ssd_recurrent(x_BTHP, a_BTH, b_BTGN, c_BTGN, *, h0_BHPN=None, reset_BT=None):
+  """The explicit recurrence, one token at a time (lax.scan over T). Same returns as ssd_chunked.
+  `reset_BT`: h is set to 0 before the update of these tokens (a document's first token)."""
   Bsz, T, H, G = _check(x_BTHP, a_BTH, b_BTGN, c_BTGN)
   P, N = x_BTHP.shape[-1], b_BTGN.shape[-1]
   h0 = jnp.zeros((Bsz, H, P, N), f32) if h0_BHPN is None else h0_BHPN.astype(f32)
 
   def step(h, inp):
+    if reset_BT is not None:
+      r, *inp = inp
+      h = jnp.where(r[:, None, None, None], 0.0, h)
     y, h = ssd_step(h, *inp)
     return h, y
 
-  seq = tuple(jnp.moveaxis(z, 1, 0) for z in (x_BTHP, a_BTH, b_BTGN, c_BTGN))
+  seq = (x_BTHP, a_BTH, b_BTGN, c_BTGN) if reset_BT is None else (reset_BT, x_BTHP, a_BTH,
+                                                                  b_BTGN, c_BTGN)
+  seq = tuple(jnp.moveaxis(z, 1, 0) for z in seq)
   h, y_TBHP = jax.lax.scan(step, h0, seq)
   return jnp.moveaxis(y_TBHP, 0, 1), h
 
