@@ -34,3 +34,21 @@ def shared_data() -> pathlib.Path:
   if not SHARED_DATA.is_dir():
     pytest.skip(f"shared test data not found at {SHARED_DATA} (only present in the dev/CI sandbox)")
   return SHARED_DATA
+
+
+_SLOW_LIST = pathlib.Path(__file__).with_name("slow_tests.txt")
+
+
+def slow_test_ids() -> set[str]:
+  """The test ids tests/slow_tests.txt lists (its header says how they were chosen)."""
+  lines = _SLOW_LIST.read_text().splitlines() if _SLOW_LIST.exists() else []
+  return {line.split()[1] for line in lines if line.strip() and not line.startswith("#")}
+
+
+@pytest.hookimpl(tryfirst=True)   # before `-m 'not slow'` deselects
+def pytest_collection_modifyitems(config, items):
+  del config
+  slow = slow_test_ids()
+  for item in items:
+    if item.nodeid in slow:
+      item.add_marker(pytest.mark.slow)

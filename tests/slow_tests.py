@@ -1,0 +1,35 @@
+"""Rewrites tests/slow_tests.txt from a `pytest --durations=0` log (see that file's header).
+
+    python tests/slow_tests.py durations.log [--threshold=20]
+
+Keeps the header and the hand-kept entries (lines not starting with a number of seconds, e.g.
+the users of a costly module fixture); replaces the measured ones by the tests of the log whose
+call took >= threshold seconds, except those in KEEP (default-run tests no cheaper test covers).
+"""
+
+import pathlib
+import re
+import sys
+
+KEEP = ("test_resume_is_bit_identical", "test_train.py::test_sharded_equals_unsharded",
+        "test_metrics_jsonl_and_loss_decreases", "attention-fsdp",
+        "test_interrupt_in_the_middle_of_gradient_accumulation")
+_ROW = re.compile(r"^([0-9.]+)s call\s+(\S+)")
+
+
+def main(log: str, threshold: float = 20.0) -> None:
+  out = pathlib.Path(__file__).with_name("slow_tests.txt")
+  old = out.read_text().splitlines()
+  header = [l for l in old if l.startswith("#")]
+  hand = [l for l in old if l.strip() and not l.startswith("#") and not re.match(r"^[0-9.]+s ", l)]
+  rows = [m.groups() for m in map(_ROW.match, pathlib.Path(log).read_text().splitlines()) if m]
+  measured = sorted(((float(s), t) for s, t in rows
+                     if float(s) >= threshold and not any(k in t for k in KEEP)), reverse=True)
+  out.write_text("\n".join(header + [f"{s:.2f}s {t}" for s, t in measured] + hand) + "\n")
+  print(f"{len(measured)} measured slow tests written to {out}")
+
+
+if __name__ == "__main__":
+  args = [a for a in sys.argv[1:] if not a.startswith("--threshold=")]
+  thr = [float(a.split("=", 1)[1]) for a in sys.argv[1:] if a.startswith("--threshold=")]
+  main(args[0], *thr)
