@@ -296,3 +296,49 @@ def test_rope_with_a_ring_cache_is_refused():
   cfg = _cfg(rope=True)
   with pytest.raises(ValueError, match="fox.rope"):
     F.FoX.init_state(cfg, cfg.options_for("fox"), 1, 8, jnp.float32, policy=Ring(4))
+
+
+# ---------------------------------------------------------------- packed rows
+
+def _spans(docs):
+  ends = np.cumsum(docs)
+  return list(zip(ends - np.asarray(docs), ends))
+
+
+def packed_segments(docs) -> jax.Array:
+  """[1, T] document ids (from 1) of one row packing documents of these lengths."""
+  return jnp.asarray(np.concatenate([np.full(n, d + 1) for d, n in enumerate(docs)])[None],
+                     jnp.int32)
+
+
+@pytest.mark.parametrize("docs,block", [((1, 6, 9, 5), 4), ((12, 9), 8)])
+def test_packed_rows_match_reference_and_each_document_alone(docs, block):
+  """Segment ids: blockwise == the explicit reference (pairs of other documents masked, g
+  restarted per document), each document == itself alone, forward and gradients; strong
+  forgetting, so pairs across a restart carry large positive (masked) biases; a gradient
+  never crosses a boundary (exact zeros)."""
+  from attn_jax.layers import segment_starts
+  T = sum(docs)
+  seg = packed_segments(docs)
+  q, k, v = _normal(0, (1, T, 4, 8)) * 2, _normal(1, (1, T, 2, 8)) * 2, _normal(2, (1, T, 2, 8))
+  loga = -jnp.abs(_normal(3, (1, T, 4))) * 6
+  w = _normal(4, (1, T, 4, 8))
+  blk = lambda q, k, v, la: F.forget_attention(q, k, v, la, scale=8 ** -0.5, block=block,
+                                               segment_ids_BT=seg)
+  ref = lambda q, k, v, la: F.forget_attention_reference(
+      q, k, v, F.time_cumsum(la, segment_starts(seg)), scale=8 ** -0.5, segment_ids_BT=seg)[0]
+  _close(blk(q, k, v, loga), ref(q, k, v, loga))
+  g_blk = jax.grad(lambda *a: jnp.sum(w * blk(*a)), argnums=(0, 1, 2, 3))(q, k, v, loga)
+  g_ref = jax.grad(lambda *a: jnp.sum(w * ref(*a)), argnums=(0, 1, 2, 3))(q, k, v, loga)
+  for a, b in zip(g_blk, g_ref):
+    assert np.all(np.isfinite(a))
+    _close(a, b)
+  out = blk(q, k, v, loga)
+  for a, e in _spans(docs):
+    alone = F.forget_attention(q[:, a:e], k[:, a:e], v[:, a:e], loga[:, a:e], scale=8 ** -0.5,
+                               block=block)
+    _close(out[:, a:e], alone)
+    g = jax.grad(lambda *x: jnp.sum((w * blk(*x))[:, a:e]), argnums=(0, 1, 2, 3))(q, k, v, loga)
+    outside = np.ones(T, bool)
+    outside[a:e] = False
+    assert all(np.all(np.asarray(gi)[:, outside] == 0) for gi in g), (a, e)

@@ -489,3 +489,58 @@ def test_phase_precision_32k_against_float64(path):
                                      np.float64), axis=1)).max()
   assert phi_end > 1000, phi_end
   _close(y[:, idx], ref)
+
+
+# ---------------------------------------------------------------- packed rows
+
+DOCS = (1, 6, 9, 5)   # one of length 1; with chunk_size 4, documents start mid-block
+
+
+def _packed(docs):
+  """(positions [1, T], segment ids [1, T], spans) of one row packing these documents."""
+  pos = np.concatenate([np.arange(n) for n in docs])
+  seg = np.concatenate([np.full(n, d + 1) for d, n in enumerate(docs)])
+  ends = np.cumsum(docs)
+  return (jnp.asarray(pos[None], jnp.int32), jnp.asarray(seg[None], jnp.int32),
+          list(zip(ends - np.asarray(docs), ends)))
+
+
+@pytest.mark.parametrize("path,decay_bias,route", [
+    ("fast", -1.0, "blocked"),
+    ("chunked", 12.0, "blockwise"),      # ~12 nats per token: e^{+100} across a restart
+    ("chunked", 12.0, "fused_chunks"),   # the cuDNN route's chunking (masked einsum past)
+])
+def test_packed_rows_match_reference_and_each_document_alone(monkeypatch, path, decay_bias,
+                                                             route):
+  """Segment ids: every path == the explicit reference (g, Phi restarted per document, pairs
+  of other documents masked), each document == itself alone; d out / d x is finite (a masked
+  pair's decay exponent across a restart is > 0, ~100 nats on the chunked rows) and exactly
+  zero outside the output's document."""
+  if route == "fused_chunks":   # what a cuDNN core picks (its past parts then run on CPU)
+    monkeypatch.setattr(S.SISA, "_chunked", lambda self, *a: self._fused_chunks(*a))
+  m = _mixer(_cfg(path=path, chunk_size=4, decay_bias_init=decay_bias))
+  pos, seg, spans = _packed(DOCS)
+  T = pos.shape[1]
+  x = _normal(5, (1, T, 32))
+
+  def run(x, p, s):
+    return m(x, positions_BT=p, segment_ids_BT=s)[0]
+
+  def reference(x):
+    q, k, v, c, b, loga, theta, lam = m.features(x, pos)
+    g, phi = S.decay_and_phase(loga, theta, S.segment_starts(seg))
+    out, _ = S.sisa_attention_reference(q, k, v, c, b, g, phi, lam, segment_ids_BT=seg)
+    return m.proj.o(out)
+
+  y = run(x, pos, seg)
+  _close(y, reference(x))
+  for a, e in spans:
+    _close(y[:, a:e], run(x[:, a:e], pos[:, a:e], None))
+    w = _normal(6, y[:, a:e].shape)
+    g = jax.grad(lambda x: jnp.sum(w * run(x, pos, seg)[:, a:e]))(x)
+    g_ref = jax.grad(lambda x: jnp.sum(w * reference(x)[:, a:e]))(x)
+    assert np.all(np.isfinite(g))
+    _close(g, g_ref)
+    outside = np.ones(T, bool)
+    outside[a:e] = False
+    assert np.all(np.asarray(g)[:, outside] == 0), (a, e)
