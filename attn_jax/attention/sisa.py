@@ -83,6 +83,24 @@ fixed T, and no reference point ever depends on a later token:
    lengths keep exact
    running sums.
 
+Packed rows (`segment_ids_BT`, full forwards): g and Phi restart at every document start
+(segmented scans, `time_cumsum(starts_BT=)`), and pairs of different documents are masked
+(`core.segment_mask`) on every path: the fast call's mask, the diagonal blocks' mask and local
+bias, the flash loops' visibility, the fused route's past parts (which then take the masked
+einsum route of `split.partial_attention`). Masking the pair is exact: only g_i - g_j and
+Phi_j - Phi_i with i, j in one document enter, and with the restart they are formed from that
+document's own sums, exactly as alone (value and gradient: no cotangent crosses a restart).
+Bounds: within a document g is still non-increasing and starts at 0, so the fast path's factors
+keep their bounds with the range now the largest document's (`decay_range`: -min g). On the
+chunked path a reference r (g at a key block's last token, or at the token before a query
+chunk) may lie in another document than the query or key, where g_i - r or r - g_j can be
+> 0 (up to a document's whole decay): those exponents are clamped at 0 by a select
+(`_nonpositive`), a no-op on every visible pair (there i, j and the reference token lie in one
+document, in that order), so a masked pair's factor stays <= 1 and its zero cotangent gives
+zero gradients, never inf * 0. The in-block bias e^{g_i - g_j} is masked before the exp.
+`reads_shared_prefix` is False: the decay from a shared prefix (sink tokens) to a document
+would be summed over the documents in between.
+
 Precision of g: g is an fp32 cumulative sum, so a difference g_i - g_j of two large sums carries
 an absolute error ~ 2^-24 |g| (relative error of a decay factor ~ 1e-4 at |g| ~ 2000 nats):
 exact to fp32 rounding of the cumulative sum, far below bf16 resolution. The explicit reference
