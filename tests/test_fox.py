@@ -18,6 +18,7 @@ from attn_jax.attention.cache import Ring, SinksRing
 from attn_jax.config import ModelConfig
 from attn_jax.model import Decoder, count_params
 from configs import base
+from tests.test_packing import one_row
 
 TOL = 1e-5            # fp32, relative to the largest |value|; fixed once
 PRO = dict(qk_norm=True, key_shift=True, value_shift=True, output_norm=True, output_gate=True)
@@ -300,17 +301,6 @@ def test_rope_with_a_ring_cache_is_refused():
 
 # ---------------------------------------------------------------- packed rows
 
-def _spans(docs):
-  ends = np.cumsum(docs)
-  return list(zip(ends - np.asarray(docs), ends))
-
-
-def packed_segments(docs) -> jax.Array:
-  """[1, T] document ids (from 1) of one row packing documents of these lengths."""
-  return jnp.asarray(np.concatenate([np.full(n, d + 1) for d, n in enumerate(docs)])[None],
-                     jnp.int32)
-
-
 @pytest.mark.parametrize("docs,block", [((1, 6, 9, 5), 4), ((12, 9), 8)])
 def test_packed_rows_match_reference_and_each_document_alone(docs, block):
   """Segment ids: blockwise == the explicit reference (pairs of other documents masked, g
@@ -319,7 +309,7 @@ def test_packed_rows_match_reference_and_each_document_alone(docs, block):
   never crosses a boundary (exact zeros)."""
   from attn_jax.layers import segment_starts
   T = sum(docs)
-  seg = packed_segments(docs)
+  _, seg, spans = one_row(docs)
   q, k, v = _normal(0, (1, T, 4, 8)) * 2, _normal(1, (1, T, 2, 8)) * 2, _normal(2, (1, T, 2, 8))
   loga = -jnp.abs(_normal(3, (1, T, 4))) * 6
   w = _normal(4, (1, T, 4, 8))
@@ -334,7 +324,7 @@ def test_packed_rows_match_reference_and_each_document_alone(docs, block):
     assert np.all(np.isfinite(a))
     _close(a, b)
   out = blk(q, k, v, loga)
-  for a, e in _spans(docs):
+  for a, e in spans:
     alone = F.forget_attention(q[:, a:e], k[:, a:e], v[:, a:e], loga[:, a:e], scale=8 ** -0.5,
                                block=block)
     _close(out[:, a:e], alone)

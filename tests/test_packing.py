@@ -61,6 +61,14 @@ def packed_layout(docs_per_row) -> tuple[jax.Array, jax.Array]:
   return jnp.asarray(np.stack(pos), jnp.int32), jnp.asarray(np.stack(seg), jnp.int32)
 
 
+def one_row(docs):
+  """(positions [1, T], segment ids [1, T], [(start, end)] per document) of one row packing
+  documents of these lengths (T = their sum; the mixers' own packed tests use it)."""
+  pos = np.concatenate([np.arange(n) for n in docs])
+  seg = np.concatenate([np.full(n, d + 1) for d, n in enumerate(docs)])
+  return (jnp.asarray(pos[None], jnp.int32), jnp.asarray(seg[None], jnp.int32), _spans(docs))
+
+
 def _spans(docs):
   starts = np.cumsum((0,) + tuple(docs))
   return list(zip(starts[:-1], starts[1:]))

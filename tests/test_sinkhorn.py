@@ -14,6 +14,7 @@ from attn_jax.attention.sinkhorn import (SinkhornAttention, SortPlan, _blocks, _
                                          causal_sort_row, greedy_permutation, sinkhorn_log,
                                          sinkhorn_attention_reference, sort_blocks)
 from attn_jax.config import ModelConfig
+from tests.test_packing import one_row
 
 Opts = SinkhornAttention.Options
 CFG = ModelConfig(d_model=32, n_heads=4, n_kv_heads=2, n_layers=2, dtype="float32",
@@ -350,21 +351,12 @@ PACKED_MODES = [dict(hard_inference=False), dict(), dict(n_sortcut=2), dict(caus
                 dict(causal=False, n_sortcut=2)]
 
 
-def _packed(docs):
-  """(positions [1, T], segment ids [1, T], spans) of one row packing these documents."""
-  pos = np.concatenate([np.arange(n) for n in docs])
-  seg = np.concatenate([np.full(n, d + 1) for d, n in enumerate(docs)])
-  ends = np.cumsum(docs)
-  return (jnp.asarray(pos[None], jnp.int32), jnp.asarray(seg[None], jnp.int32),
-          list(zip(ends - np.asarray(docs), ends)))
-
-
 @pytest.mark.parametrize("mode", PACKED_MODES)
 def test_block_aligned_documents_equal_each_document_alone(mode):
   """Documents starting at block boundaries (the last one ending inside a block): each one's
   output == the document alone, in every sorting mode (soft, hard, SortCut, non-causal)."""
   m = make(Opts(block_size=4, **mode))
-  pos, seg, spans = _packed((8, 4, 12, 3))
+  pos, seg, spans = one_row((8, 4, 12, 3))
   x, _ = inputs(B=1, T=pos.shape[1])
   run = jax.jit(lambda x_, p, s: m(x_, positions_BT=p, segment_ids_BT=s)[0])
   y = run(x, pos, seg)
@@ -378,7 +370,7 @@ def test_spanning_blocks_attend_only_within_their_document(mode):
   another document (no attention weight, no sort decision crosses), and for s > t in causal
   modes; soft sorting in training with Gumbel noise too. Plain concatenation does leak."""
   m = make(Opts(block_size=4, **mode))
-  pos, seg, _ = _packed((1, 6, 9, 5))
+  pos, seg, _ = one_row((1, 6, 9, 5))
   T = pos.shape[1]
   x, _ = inputs(B=1, T=T)
   train = mode == PACKED_MODES[0]

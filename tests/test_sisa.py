@@ -20,6 +20,7 @@ from attn_jax.attention.mha import Attention
 from attn_jax.config import ModelConfig, validate_model
 from attn_jax.model import Decoder, count_params
 from configs import base
+from tests.test_packing import one_row
 
 TOL = 1e-5            # fp32, relative to the largest |value|; fixed once
 HALF_LIFE_10 = math.log(math.expm1(math.log(2) / 10))   # decay bias: -log a = ln2/10 (~ -2.63)
@@ -496,15 +497,6 @@ def test_phase_precision_32k_against_float64(path):
 DOCS = (1, 6, 9, 5)   # one of length 1; with chunk_size 4, documents start mid-block
 
 
-def _packed(docs):
-  """(positions [1, T], segment ids [1, T], spans) of one row packing these documents."""
-  pos = np.concatenate([np.arange(n) for n in docs])
-  seg = np.concatenate([np.full(n, d + 1) for d, n in enumerate(docs)])
-  ends = np.cumsum(docs)
-  return (jnp.asarray(pos[None], jnp.int32), jnp.asarray(seg[None], jnp.int32),
-          list(zip(ends - np.asarray(docs), ends)))
-
-
 @pytest.mark.parametrize("path,decay_bias,route", [
     ("fast", -1.0, "blocked"),
     ("chunked", 12.0, "blockwise"),      # ~12 nats per token: e^{+100} across a restart
@@ -519,7 +511,7 @@ def test_packed_rows_match_reference_and_each_document_alone(monkeypatch, path, 
   if route == "fused_chunks":   # what a cuDNN core picks (its past parts then run on CPU)
     monkeypatch.setattr(S.SISA, "_chunked", lambda self, *a: self._fused_chunks(*a))
   m = _mixer(_cfg(path=path, chunk_size=4, decay_bias_init=decay_bias))
-  pos, seg, spans = _packed(DOCS)
+  pos, seg, spans = one_row(DOCS)
   T = pos.shape[1]
   x = _normal(5, (1, T, 32))
 
