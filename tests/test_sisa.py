@@ -524,13 +524,20 @@ def test_packed_rows_match_reference_and_each_document_alone(monkeypatch, path, 
     out, _ = S.sisa_attention_reference(q, k, v, c, b, g, phi, lam, segment_ids_BT=seg)
     return m.proj.o(out)
 
-  y = run(x, pos, seg)
-  _close(y, reference(x))
+  w = _normal(6, (1, T, 32))
+
+  @jax.jit
+  def packed(x, mask):   # outputs, and d sum(mask w y) / dx of ours and of the reference
+    loss = lambda f: lambda x: jnp.sum(mask * w * f(x))
+    return (run(x, pos, seg), reference(x), jax.grad(loss(lambda x: run(x, pos, seg)))(x),
+            jax.grad(loss(reference))(x))
+
+  alone = jax.jit(lambda x, p: run(x, p, None))
   for a, e in spans:
-    _close(y[:, a:e], run(x[:, a:e], pos[:, a:e], None))
-    w = _normal(6, y[:, a:e].shape)
-    g = jax.grad(lambda x: jnp.sum(w * run(x, pos, seg)[:, a:e]))(x)
-    g_ref = jax.grad(lambda x: jnp.sum(w * reference(x)[:, a:e]))(x)
+    mask = jnp.zeros((1, T, 1)).at[:, a:e].set(1.0)
+    y, y_ref, g, g_ref = packed(x, mask)
+    _close(y, y_ref)
+    _close(y[:, a:e], alone(x[:, a:e], pos[:, a:e]))
     assert np.all(np.isfinite(g))
     _close(g, g_ref)
     outside = np.ones(T, bool)
