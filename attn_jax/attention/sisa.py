@@ -293,8 +293,9 @@ def _nonpositive(x):
 
 
 def _segment_kw(seg) -> dict:
-  """attend's segment arguments of a packed row (none without one)."""
-  return {} if seg is None else {"q_segments": seg, "kv_segments": seg}
+  """attend's segment arguments of a packed row (none without one: the plain causal call).
+  One stream, so `prefix_causal` holds: the blocked core keeps skipping the upper triangle."""
+  return {} if seg is None else {"q_segments": seg, "kv_segments": seg, "prefix_causal": True}
 
 
 def _widen(x_BTHD, f_BTH, r_BTHS):
@@ -571,7 +572,7 @@ class SISA(cache_lib.CachedMixer, nnx.Module):
     kf = jnp.exp(jnp.minimum(-g, limit))                     # [B, T, H] in [1, e^limit]
     qh, kh = _widen(q, qf, rc), _widen(k, kf, rb)
     return attend(qh, kh, v, scale=cfg.head_dim ** -0.5, causal=True, impl=cfg.attention_impl,
-                  prefix_causal=True, **_sink_kw(sink), **_segment_kw(seg))
+                  **_sink_kw(sink), **_segment_kw(seg))
 
   def _chunked(self, q, k, v, rc, rb, g, lam, qscale, sink=None, seg=None):
     """The exact path for any decay range: block pairs in O(T) memory (`_blockwise`), or with a
