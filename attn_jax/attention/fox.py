@@ -54,8 +54,10 @@ finite), and a finite score with p_ij = 0 has a zero cotangent. A query whose
 document starts inside its block sees no past block (lse NEG_INF) and its diagonal entry keeps
 the combination finite. The token shift (`key_shift` / `value_shift`) restarts at a document's
 first token (its previous token is the zero carry, as at the start of a row). A shared prefix
-(segment 0, the decoder's sink tokens) would be read with g_i - g_sink summed over every
-document in between, not the document's own: `reads_shared_prefix` stays False.
+(segment 0, the decoder's sink tokens) is visible by `core.segment_mask`, but g_i - g_sink
+then mixes the document's restarted sum with the prefix's own, not the alone decay (which
+sums over the tokens in between): `reads_shared_prefix` stays False, and packed rows with
+sink tokens are not exact for FoX / ALiBi.
 
 Padding (position -1) gets log f = 0: it leaves g unchanged. The full forward is index-causal
 (right-padded rows: padding sits after the row's tokens), as SISA's chunked path.

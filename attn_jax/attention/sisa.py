@@ -98,8 +98,10 @@ chunk) may lie in another document than the query or key, where g_i - r or r - g
 (`_nonpositive`), a no-op on every visible pair (there i, j and the reference token lie in one
 document, in that order), so a masked pair's factor stays <= 1 and its zero cotangent gives
 zero gradients, never inf * 0. The in-block bias e^{g_i - g_j} is masked before the exp.
-`reads_shared_prefix` is False: the decay from a shared prefix (sink tokens) to a document
-would be summed over the documents in between.
+`reads_shared_prefix` is False: a shared prefix (segment 0, sink tokens) is visible to every
+document by `core.segment_mask`, but its pairs have no meaningful decay here (g restarts at the
+document, the prefix keeps its own sums, and the clamp above is no longer a no-op for them), so
+packed rows with sink tokens are not exact for SISA; the decoder has to refuse that pairing.
 
 Precision of g: g is an fp32 cumulative sum, so a difference g_i - g_j of two large sums carries
 an absolute error ~ 2^-24 |g| (relative error of a decay factor ~ 1e-4 at |g| ~ 2000 nats):
