@@ -129,3 +129,33 @@ def test_bad_lengths_error():
     flash.past_blocks(flash.dot_scores(1.0), (), q, q, q, block=4)
   with pytest.raises(ValueError, match="same length"):
     flash.past_blocks(flash.dot_scores(1.0), (), q, q[:, :8], q, block=2)
+
+
+def test_segments_mask_other_documents_values_and_gradients():
+  """segment_ids_BT: pairs of different documents get p = 0; rows whose document has no key in
+  an earlier block get (0, NEG_INF); values and gradients == the explicit form masked by
+  document (documents of 1, 6, 2 and 3 tokens: one inside a block, ones spanning blocks)."""
+  q, k, v, gout, glse = _data()
+  seg = jnp.asarray(np.repeat(np.arange(1, 5), (1, 6, 2, 3))[None].repeat(2, 0), jnp.int32)
+  seg = seg.at[1].set(1)                                     # row 1: one document
+  scale, block = 0.37, 3
+
+  def ours(q, k, v):
+    return flash.past_blocks(flash.dot_scores(scale), (), q, k, v, block=block,
+                             segment_ids_BT=seg)
+
+  def ref(q, k, v):
+    s = jnp.einsum("bthd,bshd->bhts", q, k) * scale
+    same = (seg[:, :, None] == seg[:, None, :])[:, None]
+    return _reference(jnp.where(same, s, -jnp.inf), v, block)
+
+  got, want = jax.jit(ours)(q, k, v), ref(q, k, v)
+  chex.assert_trees_all_close(got, want, rtol=TOL, atol=TOL)
+  # token 7 opens document 3 inside block 2: no key of its document in an earlier block
+  assert np.all(np.asarray(got[1])[0, 7] == NEG_INF) and np.all(np.asarray(got[0])[0, 7] == 0)
+  assert np.all(np.asarray(got[1])[0, 6] > NEG_INF / 2)   # token 6 (document 2) has some
+  g1 = jax.jit(jax.grad(functools.partial(_objective, ours, gout=gout, glse=glse),
+                        argnums=(0, 1, 2)))(q, k, v)
+  g2 = jax.grad(functools.partial(_objective, ref, gout=gout, glse=glse), argnums=(0, 1, 2))(
+      q, k, v)
+  chex.assert_trees_all_close(g1, g2, rtol=TOL, atol=TOL)

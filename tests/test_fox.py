@@ -18,6 +18,7 @@ from attn_jax.attention.cache import Ring, SinksRing
 from attn_jax.config import ModelConfig
 from attn_jax.model import Decoder, count_params
 from configs import base
+from tests.test_packing import one_row
 
 TOL = 1e-5            # fp32, relative to the largest |value|; fixed once
 PRO = dict(qk_norm=True, key_shift=True, value_shift=True, output_norm=True, output_gate=True)
@@ -296,3 +297,44 @@ def test_rope_with_a_ring_cache_is_refused():
   cfg = _cfg(rope=True)
   with pytest.raises(ValueError, match="fox.rope"):
     F.FoX.init_state(cfg, cfg.options_for("fox"), 1, 8, jnp.float32, policy=Ring(4))
+
+
+# ---------------------------------------------------------------- packed rows
+
+def test_packed_rows_match_reference_and_each_document_alone():
+  """Segment ids (documents of 1, 6, 9, 5 tokens, blocks of 4: documents start inside
+  blocks, one spans three): blockwise == the explicit reference (pairs of other documents
+  masked, g restarted per document), each document == itself alone, forward and gradients;
+  strong forgetting, so pairs across a restart carry large positive (masked) biases; a
+  gradient never crosses a boundary (exact zeros)."""
+  from attn_jax.layers import segment_starts
+  docs, block = (1, 6, 9, 5), 4
+  T = sum(docs)
+  _, seg, spans = one_row(docs)
+  q, k, v = _normal(0, (1, T, 4, 8)) * 2, _normal(1, (1, T, 2, 8)) * 2, _normal(2, (1, T, 2, 8))
+  loga = -jnp.abs(_normal(3, (1, T, 4))) * 6
+  w = _normal(4, (1, T, 4, 8))
+  blk = lambda q, k, v, la, s=seg: F.forget_attention(q, k, v, la, scale=8 ** -0.5, block=block,
+                                                      segment_ids_BT=s)
+  ref = lambda q, k, v, la: F.forget_attention_reference(
+      q, k, v, F.time_cumsum(la, segment_starts(seg)), scale=8 ** -0.5, segment_ids_BT=seg)[0]
+  grads = lambda f, mask: jax.grad(lambda *a: jnp.sum(mask * w * f(*a)), argnums=(0, 1, 2, 3))
+  args = (q, k, v, loga)
+
+  @jax.jit
+  def packed(*a):
+    return blk(*a), ref(*a), grads(blk, 1.0)(*a), grads(ref, 1.0)(*a)
+
+  out, want, g_blk, g_ref = packed(*args)
+  _close(out, want)
+  for a, b in zip(g_blk, g_ref):
+    assert np.all(np.isfinite(a))
+    _close(a, b)
+  in_doc = jax.jit(lambda mask, *a: grads(blk, mask)(*a))
+  for a, e in spans:
+    alone = jax.jit(lambda *x: blk(*x, s=None))(q[:, a:e], k[:, a:e], v[:, a:e], loga[:, a:e])
+    _close(out[:, a:e], alone)
+    mask = jnp.zeros((1, T, 1, 1)).at[:, a:e].set(1.0)
+    outside = np.ones(T, bool)
+    outside[a:e] = False
+    assert all(np.all(np.asarray(gi)[:, outside] == 0) for gi in in_doc(mask, *args)), (a, e)

@@ -122,12 +122,12 @@ def test_sink_tokens_are_prepended_and_dropped():
   assert logits.shape == (2, 7, 61)
   x = jnp.take(model.embed[...], tok, axis=0)
   x = jnp.concatenate([jnp.broadcast_to(model.sink_embed[...], (2, 2, D)), x], axis=1)
-  h, _ = model._layers(x, None, None, None, False)
+  h, _ = model._layers(x, None, None, None, None, False)
   _close(logits, model.unembed(model.final_norm(h[:, 2:])))
   # the sink embedding influences every position; a later token never influences an earlier one
   g = nnx.grad(lambda m: jnp.sum(m(tok)[:, 0] ** 2))(model)
   assert float(jnp.abs(g["sink_embed"][...]).max()) > 0
-  gx = jax.jacrev(lambda x: model._layers(x, None, None, None, False)[0][0, 3])(x)
+  gx = jax.jacrev(lambda x: model._layers(x, None, None, None, None, False)[0][0, 3])(x)
   assert float(jnp.abs(gx[:, 0, 4:]).max()) == 0
 
 

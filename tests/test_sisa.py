@@ -20,6 +20,7 @@ from attn_jax.attention.mha import Attention
 from attn_jax.config import ModelConfig, validate_model
 from attn_jax.model import Decoder, count_params
 from configs import base
+from tests.test_packing import one_row
 
 TOL = 1e-5            # fp32, relative to the largest |value|; fixed once
 HALF_LIFE_10 = math.log(math.expm1(math.log(2) / 10))   # decay bias: -log a = ln2/10 (~ -2.63)
@@ -489,3 +490,56 @@ def test_phase_precision_32k_against_float64(path):
                                      np.float64), axis=1)).max()
   assert phi_end > 1000, phi_end
   _close(y[:, idx], ref)
+
+
+# ---------------------------------------------------------------- packed rows
+
+DOCS = (1, 6, 9, 5)   # one of length 1; with chunk_size 4, documents start mid-block
+
+
+@pytest.mark.parametrize("path,decay_bias,route", [
+    ("fast", -1.0, "blocked"),
+    ("chunked", 12.0, "blockwise"),      # ~12 nats per token: e^{+100} across a restart
+    ("chunked", 12.0, "fused_chunks"),   # the cuDNN route's chunking (masked einsum past)
+])
+def test_packed_rows_match_reference_and_each_document_alone(monkeypatch, path, decay_bias,
+                                                             route):
+  """Segment ids: every path == the explicit reference (g, Phi restarted per document, pairs
+  of other documents masked), each document == itself alone; d out / d x is finite (a masked
+  pair's decay exponent across a restart is > 0, ~100 nats on the chunked rows) and exactly
+  zero outside the output's document."""
+  if route == "fused_chunks":   # what a cuDNN core picks (its past parts then run on CPU)
+    monkeypatch.setattr(S.SISA, "_chunked", lambda self, *a: self._fused_chunks(*a))
+  m = _mixer(_cfg(path=path, chunk_size=4, decay_bias_init=decay_bias))
+  pos, seg, spans = one_row(DOCS)
+  T = pos.shape[1]
+  x = _normal(5, (1, T, 32))
+
+  def run(x, p, s):
+    return m(x, positions_BT=p, segment_ids_BT=s)[0]
+
+  def reference(x):
+    q, k, v, c, b, loga, theta, lam = m.features(x, pos)
+    g, phi = S.decay_and_phase(loga, theta, S.segment_starts(seg))
+    out, _ = S.sisa_attention_reference(q, k, v, c, b, g, phi, lam, segment_ids_BT=seg)
+    return m.proj.o(out)
+
+  w = _normal(6, (1, T, 32))
+
+  @jax.jit
+  def packed(x, mask):   # outputs, and d sum(mask w y) / dx of ours and of the reference
+    loss = lambda f: lambda x: jnp.sum(mask * w * f(x))
+    return (run(x, pos, seg), reference(x), jax.grad(loss(lambda x: run(x, pos, seg)))(x),
+            jax.grad(loss(reference))(x))
+
+  alone = jax.jit(lambda x, p: run(x, p, None))
+  for a, e in spans:
+    mask = jnp.zeros((1, T, 1)).at[:, a:e].set(1.0)
+    y, y_ref, g, g_ref = packed(x, mask)
+    _close(y, y_ref)
+    _close(y[:, a:e], alone(x[:, a:e], pos[:, a:e]))
+    assert np.all(np.isfinite(g))
+    _close(g, g_ref)
+    outside = np.ones(T, bool)
+    outside[a:e] = False
+    assert np.all(np.asarray(g)[:, outside] == 0), (a, e)

@@ -15,6 +15,9 @@ bias never goes through a [T, T] tensor, the cache stores g_j = -m_h n_j), with 
 attention's RoPE-based caches. Counting tokens rather than subtracting positions makes padding
 (position -1, log f = 0) free: a right-padded row's distances are its own tokens'.
 
+Packed rows: as FoX (fox.py): pairs of different documents are masked, and within a document
+g_i - g_j = -m_h (i - j) counts only that document's tokens, exactly its alone value.
+
 Eviction (a `Ring` / `SinksRing` policy at decode time): the cache keeps g_j - g_last, so a kept key keeps its
 true distance; with sinks, a sink's bias is -m_h times its full distance (as in a full cache,
 unlike StreamingLLM's re-assigned positions), so low-slope heads still read it and steep heads
@@ -66,8 +69,8 @@ class ALiBi(ScoreBiasAttention):
     self.proj = QKVProjection(cfg, rngs=rngs)
     self.sink_logit = make_sink_logit(cfg, opts, rngs)
 
-  def features(self, x_BTD, positions_BT, state):
-    del state
+  def features(self, x_BTD, positions_BT, state, segment_ids_BT=None):
+    del state, segment_ids_BT   # no token shift: the masks of fox.forget_attention suffice
     p, f = self.proj, stat_dtype(self.cfg)
     B, T, _ = x_BTD.shape
     loga = jnp.broadcast_to(-jnp.asarray(alibi_slopes(self.cfg.n_heads), f), (B, T,

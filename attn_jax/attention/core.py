@@ -52,6 +52,15 @@ ds = p * (g - sum_j g_j p_j) (the sink column's output is dropped, so its cotang
 d sink = -sum_i p_sink,i * sum_j g_ij p_ij; the row maximum is floored at NEG_INF / 2 so a
 fully-masked row gives exp(NEG_INF / 2) = 0 for every entry and a zero output.
 
+Segments by implementation: "einsum" / "blocked" / "xla" / "cudnn" take them through the
+boolean mask (`positional_mask`); the blocked path keeps skipping the upper triangle when the
+caller promises `prefix_causal` (every mixer's full forward does), but a block masked only by
+segments is still computed (which blocks are empty depends on the traced ids). cuDNN: through
+`jax.nn.dot_product_attention(mask=)`, its API having no segment ids (a mask costs a [T, S]
+bias on that path). TPU "splash": segmented calls fall back to "xla" like every non-plain call
+(the kernel has native `SegmentIds`, but without a TPU to test it here the fallback is what is
+shipped). A fully masked query row returns zeros on every path.
+
 "auto" picks by platform, from `experiments/bench_attention.py` (fwd + bwd): CPU -> "blocked",
 GPU -> "cudnn" for bf16/fp16 inputs with head dims cuDNN supports (else "xla"), TPU ->
 "splash" where it applies (else "xla").

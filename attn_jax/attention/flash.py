@@ -24,6 +24,17 @@ any differentiable score works — SISA's widened Q/K with a per-pair reference 
 plain scaled dot product (`dot_scores`).
 
 GQA: V has K <= H heads; query head h reads value head h // (H / K).
+
+Packed rows (`segment_ids_BT`, [B, T] int32, `core.segment_mask`): a pair (i, j) is visible
+iff key j is in query i's document (or the shared prefix, segment 0). Invisible pairs get
+p_ij = 0 exactly, in the forward (the online softmax's e^{s - m'} is replaced by 0, so a block
+of another document adds nothing even while m is still NEG_INF) and in the backward
+(p = e^{s - lse} is recomputed as 0 there, so ds = 0 and the score function's VJP sees a zero
+cotangent). A query with no visible past key (the first block of a document, or any query of
+a document that starts inside its block) keeps l = 0: out = 0 and lse = NEG_INF, weight 0 in
+`split.combine`. The score function is still evaluated on invisible pairs, so it must be finite
+there (the callers' are: every factor is bounded whatever the pair, fox.py / sisa.py); a
+finite score with a zero cotangent contributes exactly 0 to every gradient.
 """
 
 from __future__ import annotations
@@ -34,7 +45,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from attn_jax.attention.core import NEG_INF
+from attn_jax.attention.core import NEG_INF, segment_mask
 
 ScoreFn = Callable[[Any, Any, Any], jax.Array]
 
@@ -91,24 +102,36 @@ def _check(qa, ka, v, block) -> None:
     raise ValueError(f"flash: sequence length {T} is not a multiple of the block {block}")
 
 
-def past_blocks(score_fn: ScoreFn, shared, qa, ka, v_BSKE, *, block: int):
+def past_blocks(score_fn: ScoreFn, shared, qa, ka, v_BSKE, *, block: int,
+                segment_ids_BT=None):
   """(out [B, T, H, E], lse [B, T, H]) in fp32 (fp64 for float64 v): query block I over the
   keys of blocks J < I.
 
   score_fn(shared, qa_I, ka_J) -> [B, H, c, c] scores (fp32, or fp64); qa / ka: pytrees of
   [B, T, ...] arrays cut along axis 1; shared: a pytree passed whole (e.g. a learned scale).
-  Differentiable in shared, qa, ka and v (custom VJP, module docstring); score_fn must be
-  hashable."""
+  `segment_ids_BT`: document ids of a packed row (queries and keys are one stream; module
+  docstring), or None. Differentiable in shared, qa, ka and v (custom VJP, module docstring);
+  score_fn must be hashable."""
   _check(qa, ka, v_BSKE, block)
-  return _past(score_fn, block, shared, qa, ka, v_BSKE)
+  if segment_ids_BT is not None and segment_ids_BT.shape != v_BSKE.shape[:2]:
+    raise ValueError(f"flash: segment ids {segment_ids_BT.shape} do not match the sequence "
+                     f"{v_BSKE.shape[:2]}")
+  return _past(score_fn, block, shared, qa, ka, v_BSKE, segment_ids_BT)
+
+
+def _visible(seg, i, j, c):
+  """[B, 1, c, c] bool: pair (query of block i, key of block j) visible; None without segments."""
+  if seg is None:
+    return None
+  return segment_mask(_block(seg, i, c), _block(seg, j, c))[:, None]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _past(score_fn, block, shared, qa, ka, v):
-  return _past_fwd(score_fn, block, shared, qa, ka, v)[0]
+def _past(score_fn, block, shared, qa, ka, v, seg):
+  return _past_fwd(score_fn, block, shared, qa, ka, v, seg)[0]
 
 
-def _past_fwd(score_fn, c, shared, qa, ka, v):
+def _past_fwd(score_fn, c, shared, qa, ka, v, seg):
   B, T, K, E = v.shape
   n = T // c
   s0 = jax.eval_shape(lambda: score_fn(shared, _block(qa, 0, c), _block(ka, 0, c)))
@@ -121,14 +144,23 @@ def _past_fwd(score_fn, c, shared, qa, ka, v):
     def key_block(j, st):
       m, l, acc = st
       s = score_fn(shared, qa_i, _block(ka, j, c)).astype(f)
+      vis = _visible(seg, i, j, c)
+      if vis is not None:
+        s = jnp.where(vis, s, NEG_INF)
       m_new = jnp.maximum(m, jnp.max(s, axis=-1))
       p = jnp.exp(s - m_new[..., None])
+      if vis is not None:
+        p = jnp.where(vis, p, 0.0)
       corr = jnp.exp(m - m_new)
       acc = acc * corr.transpose(0, 2, 1)[..., None] + _pv(p, _block(v, j, c))
       return m_new, l * corr + jnp.sum(p, axis=-1), acc
 
     init = (jnp.full((B, H, c), NEG_INF, f), jnp.zeros((B, H, c), f), jnp.zeros((B, c, H, E), f))
     m, l, acc = jax.lax.fori_loop(0, i, key_block, init)
+    if seg is not None:   # rows with no visible key: out 0, lse NEG_INF
+      seen = l > 0
+      l = jnp.where(seen, l, 1.0)
+      m = jnp.where(seen, m, NEG_INF)
     o = acc / l.transpose(0, 2, 1)[..., None]
     out = jax.lax.dynamic_update_slice_in_dim(out, o, i * c, axis=1)
     lse = jax.lax.dynamic_update_slice_in_dim(lse, (m + jnp.log(l)).transpose(0, 2, 1), i * c,
@@ -137,11 +169,11 @@ def _past_fwd(score_fn, c, shared, qa, ka, v):
 
   init = (jnp.zeros((B, T, H, E), f), jnp.full((B, T, H), NEG_INF, f))
   out, lse = jax.lax.fori_loop(1, n, query_block, init)
-  return (out, lse), (shared, qa, ka, v, out, lse)
+  return (out, lse), (shared, qa, ka, v, seg, out, lse)
 
 
 def _past_bwd(score_fn, c, res, cts):
-  shared, qa, ka, v, out, lse = res
+  shared, qa, ka, v, seg, out, lse = res
   dout, dlse = cts
   f = out.dtype
   dout = dout.astype(f)
@@ -160,6 +192,9 @@ def _past_bwd(score_fn, c, res, cts):
       s, vjp = jax.vjp(score_fn, shared, qa_i, ka_j)
       lse_i = _block(lse, i, c).transpose(0, 2, 1)[..., None]            # [B, H, c, 1]
       p = jnp.exp(s.astype(f) - lse_i)
+      vis = _visible(seg, i, j, c)
+      if vis is not None:
+        p = jnp.where(vis, p, 0.0)
       do_i = _block(dout, i, c)                                          # [B, c, H, E]
       Hq = p.shape[1]
       G = Hq // K
@@ -178,7 +213,7 @@ def _past_bwd(score_fn, c, res, cts):
   init = (zeros(shared), zeros(qa), zeros(ka), jnp.zeros(v.shape, f))
   grads = jax.lax.fori_loop(0, n - 1, key_block, init)
   cast = lambda g, x: jax.tree.map(lambda a, b: a.astype(b.dtype), g, x)
-  return tuple(cast(g, x) for g, x in zip(grads, (shared, qa, ka, v)))
+  return tuple(cast(g, x) for g, x in zip(grads, (shared, qa, ka, v))) + (None,)
 
 
 _past.defvjp(_past_fwd, _past_bwd)

@@ -42,6 +42,23 @@ fp32 cumulative sum over T / c block totals, so a pair in adjacent blocks carrie
 rounding of |g| (2^-24 |g|) rather than the (i - j) roundings of a per-token cumulative sum,
 and pairs inside a block none of |g| at all.
 
+Packed rows (`segment_ids_BT`, full forwards): a pair (i, j) of different documents is masked
+(`core.segment_mask`: p_ij = 0) on both parts, the diagonal blocks' mask and the flash loops'
+visibility, and g restarts at every document start (segmented sums in both levels,
+`_two_level`). For j <= i in one document g_i - g_j = sum_{l=j+1..i} log f_l reads only that
+document's gates: exactly the document's alone value, and no gradient crosses a boundary even
+at rounding level (a cumulative sum over the whole row would be the same function, but its
+gradients would carry cancelling terms from earlier documents). Masked pairs cannot produce
+inf/NaN: their bias is a difference of finite sums (it may be > 0 across a restart, but it is
+finite), and a finite score with p_ij = 0 has a zero cotangent. A query whose
+document starts inside its block sees no past block (lse NEG_INF) and its diagonal entry keeps
+the combination finite. The token shift (`key_shift` / `value_shift`) restarts at a document's
+first token (its previous token is the zero carry, as at the start of a row). A shared prefix
+(segment 0, the decoder's sink tokens) is visible by `core.segment_mask`, but g_i - g_sink
+then mixes the document's restarted sum with the prefix's own, not the alone decay (which
+sums over the tokens in between): `reads_shared_prefix` stays False, and packed rows with
+sink tokens are not exact for FoX / ALiBi.
+
 Padding (position -1) gets log f = 0: it leaves g unchanged. The full forward is index-causal
 (right-padded rows: padding sits after the row's tokens), as SISA's chunked path.
 
@@ -80,12 +97,12 @@ from flax import nnx
 from attn_jax.attention import cache as cache_lib
 from attn_jax.attention import flash, split
 from attn_jax.attention.core import (attend, attention_flops_per_token, causal_keys,
-                                     choose_impl)
+                                     choose_impl, segment_mask)
 from attn_jax.attention.projection import (QKVProjection, SinkLogitOptions, make_sink_logit,
                                            probs_with_sink, rope, sink_logit_of)
 from attn_jax.attention.sisa import stat_dtype, time_cumsum
 from attn_jax.config import ModelConfig
-from attn_jax.layers import Linear, causal_positions, dtype_of, param
+from attn_jax.layers import Linear, causal_positions, dtype_of, param, segment_starts
 from attn_jax.options import is_int
 from attn_jax.registry import register_mixer
 
@@ -94,15 +111,30 @@ DEFAULT_BLOCK = 256
 
 # ---------------------------------------------------------------- the attention computation
 
-def _two_level(loga_BTH, c: int):
+def _two_level(loga_BTH, c: int, starts_BT=None):
   """(o, l) [B, T, H]: o = g at the last token before each block (broadcast over the block),
-  l = g - o (the cumulative sum inside the block). T must be a multiple of c."""
+  l = g - o (the cumulative sum inside the block). T must be a multiple of c.
+
+  `starts_BT` (packed rows, `layers.segment_starts`): g restarts at every document start. l
+  restarts there too (a segmented sum inside the block); a token's o is the decay of its
+  document before its block, O_I, or 0 when its document starts inside the block. O_I is an
+  exclusive segmented sum of the block totals (the last run of each block), restarting after
+  every block that holds a start: E_I = [no start in I] E_{I-1} + tot_I, O_I = E_{I-1}."""
   B, T, H = loga_BTH.shape
   n = T // c
-  l_BTH = time_cumsum(loga_BTH.reshape(B * n, c, H)).reshape(B, n, c, H)
-  tot_BNH = l_BTH[:, :, -1]
-  o_BNH = time_cumsum(tot_BNH) - tot_BNH                   # exclusive: blocks before
-  o_BTH = jnp.broadcast_to(o_BNH[:, :, None], (B, n, c, H))
+  if starts_BT is None:
+    l_BTH = time_cumsum(loga_BTH.reshape(B * n, c, H)).reshape(B, n, c, H)
+    tot_BNH = l_BTH[:, :, -1]
+    o_BNH = time_cumsum(tot_BNH) - tot_BNH                 # exclusive: blocks before
+    o_BTH = jnp.broadcast_to(o_BNH[:, :, None], (B, n, c, H))
+    return o_BTH.reshape(B, T, H), l_BTH.reshape(B, T, H)
+  st_BNC = starts_BT.reshape(B * n, c)
+  l_BTH = time_cumsum(loga_BTH.reshape(B * n, c, H), st_BNC).reshape(B, n, c, H)
+  st_BNC = st_BNC.reshape(B, n, c)
+  e_BNH = time_cumsum(l_BTH[:, :, -1], jnp.any(st_BNC, axis=2))
+  o_BNH = jnp.pad(e_BNH[:, :-1], ((0, 0), (1, 0), (0, 0)))
+  began_BNC = jax.lax.cummax(st_BNC.astype(jnp.int32), axis=2) > 0   # own document began here
+  o_BTH = jnp.where(began_BNC[..., None], 0.0, o_BNH[:, :, None]).astype(l_BTH.dtype)
   return o_BTH.reshape(B, T, H), l_BTH.reshape(B, T, H)
 
 
@@ -123,44 +155,51 @@ def _pair_decay(l_q_BTH, l_k_BSH):
 
 def _past_scores(scale, shared, qa, ka):
   """Score of (query block I, earlier key block J) for `flash.past_blocks`:
-  q.k scale + (o_I - o_J) + (l_i - l_j), every term <= 0 except q.k."""
+  q.k scale + (o_i - o_j) + (l_i - l_j), the decay terms summing to g_i - g_j <= 0 (o is one
+  value per block, except in packed rows where a document starting inside a block has o = 0:
+  hence pairwise)."""
   del shared
   q, o_q, l_q = qa
   k, o_k, l_k = ka
   s = _qk(q, k, scale)
-  off = (o_q[:, 0] - o_k[:, 0]).astype(s.dtype)            # [B, H]: block offsets
-  return s + off[:, :, None, None] + _pair_decay(l_q, l_k).astype(s.dtype)
+  return s + _pair_decay(o_q, o_k).astype(s.dtype) + _pair_decay(l_q, l_k).astype(s.dtype)
 
 
 def forget_attention(q_BTHD, k_BTKD, v_BTKE, loga_BTH, *, scale: float, block: int,
-                     sink_logit_H=None):
+                     sink_logit_H=None, segment_ids_BT=None):
   """softmax_j(q_i.k_j scale + g_i - g_j) over j <= i, g = cumsum(log f), blockwise (module
-  docstring): [B, T, H, E] in q's dtype. T is padded up to a multiple of the block."""
+  docstring): [B, T, H, E] in q's dtype. T is padded up to a multiple of the block.
+  `segment_ids_BT`: packed rows, pairs of different documents masked (module docstring)."""
   B, T, H, _ = q_BTHD.shape
   c = min(int(block), -(-T // 8) * 8)
   pad = -T % c
+  seg = segment_ids_BT
   if pad:
     zpad = lambda x: jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))
     q_BTHD, k_BTKD, v_BTKE, loga_BTH = map(zpad, (q_BTHD, k_BTKD, v_BTKE, loga_BTH))
+    if seg is not None:   # padded tokens: a document of their own (never read by a real query)
+      seg = jnp.pad(seg, ((0, 0), (0, pad)), constant_values=-1)
   n = (T + pad) // c
-  o, l = _two_level(loga_BTH, c)
+  o, l = _two_level(loga_BTH, c, None if seg is None else segment_starts(seg))
   fold = lambda x: x.reshape((B * n, c) + x.shape[2:])
   unfold = lambda x: x.reshape((B, n * c) + x.shape[2:])
   causal = jnp.tril(jnp.ones((c, c), bool))
   bias = jnp.where(causal, _pair_decay(fold(l), fold(l)), 0.0)
+  mask = causal if seg is None else causal & segment_mask(fold(seg), fold(seg))[:, None]
   diag = split.partial_attention(fold(q_BTHD), fold(k_BTKD), fold(v_BTKE), scale=scale,
-                                 bias=bias, mask=causal)
+                                 bias=bias, mask=mask)
   past = flash.past_blocks(functools.partial(_past_scores, float(scale)), (),
-                           (q_BTHD, o, l), (k_BTKD, o, l), v_BTKE, block=c)
+                           (q_BTHD, o, l), (k_BTKD, o, l), v_BTKE, block=c, segment_ids_BT=seg)
   out = split.combine([tuple(map(unfold, diag)), past], sink_logit_H)
   return out[:, :T].astype(q_BTHD.dtype)
 
 
 def forget_attention_reference(q_BTHD, k_BTKD, v_BTKE, g_BTH, *, scale: float,
-                               sink_logit_H=None, query_idx=None):
+                               sink_logit_H=None, query_idx=None, segment_ids_BT=None):
   """Explicit O(T^2) Forgetting Attention (the tests' ground truth), in fp32 (fp64 for
   float64): masked softmax of q_i.k_j scale + (g_i - g_j), g the cumulative log f, with an
-  optional sink column. `query_idx` restricts the query rows. Returns (out, scores)."""
+  optional sink column. `query_idx` restricts the query rows; `segment_ids_BT` masks pairs of
+  different documents. Returns (out, scores)."""
   f32 = lambda a: a.astype(jnp.promote_types(a.dtype, jnp.float32))
   T = k_BTKD.shape[1]
   idx = jnp.arange(T) if query_idx is None else jnp.asarray(query_idx)
@@ -169,7 +208,10 @@ def forget_attention_reference(q_BTHD, k_BTKD, v_BTKE, g_BTH, *, scale: float,
   g = f32(g_BTH)
   s = jnp.einsum("bihd,bjhd->bhij", f32(q_BTHD)[:, idx], k) * scale
   s = s + g[:, idx].transpose(0, 2, 1)[..., :, None] - g.transpose(0, 2, 1)[..., None, :]
-  s = jnp.where(idx[:, None] >= jnp.arange(T)[None, :], s, -jnp.inf)
+  vis = idx[:, None] >= jnp.arange(T)[None, :]
+  if segment_ids_BT is not None:
+    vis = vis & segment_mask(segment_ids_BT[:, idx], segment_ids_BT)[:, None]
+  s = jnp.where(vis, s, -jnp.inf)
   p = probs_with_sink(s, sink_logit_H)[..., :-1]
   return jnp.einsum("bhij,bjhd->bihd", p, v), s
 
@@ -235,13 +277,17 @@ def _rms(x, scale, eps):
   return (y * scale.astype(jnp.float32)).astype(x.dtype)
 
 
-def token_shift(x_BTKD, alpha_BTK, prev_BKD, valid_BT):
+def token_shift(x_BTKD, alpha_BTK, prev_BKD, valid_BT, segment_ids_BT=None):
   """x_t <- a_t x_prev + (1 - a_t) x_t with x_prev the previous valid token of the row (the
-  carried `prev_BKD` for the first); returns (shifted, the last valid token's x = next prev)."""
+  carried `prev_BKD` for the first, and for a document's first token in a packed row);
+  returns (shifted, the last valid token's x = next prev)."""
   B, T = valid_BT.shape
   idx_BT = jnp.where(valid_BT, jnp.arange(T)[None, :], -1)
   last_BT = jax.lax.cummax(idx_BT, axis=1)                       # last valid index <= t
   before_BT = jnp.pad(last_BT, ((0, 0), (1, 0)), constant_values=-1)[:, :T]
+  if segment_ids_BT is not None:   # the previous token belongs to another document: none
+    seg_before = jnp.take_along_axis(segment_ids_BT, jnp.maximum(before_BT, 0), axis=1)
+    before_BT = jnp.where(seg_before == segment_ids_BT, before_BT, -1)
   gather = lambda i_BT: jnp.take_along_axis(x_BTKD, jnp.maximum(i_BT, 0)[..., None, None], 1)
   prev = jnp.where((before_BT >= 0)[..., None, None], gather(before_BT),
                    prev_BKD[:, None].astype(x_BTKD.dtype))
@@ -262,22 +308,21 @@ class FoXState(NamedTuple):
 class ScoreBiasAttention(cache_lib.CachedMixer, nnx.Module):
   """Attention with the logit bias g_i - g_j, g a cumulative per-head log forget rate.
 
-  Subclasses own their parameters and define `features(x, positions, state) -> (q, k, v,
-  log f, carry)` (q, k after any RoPE; carry: extra state entries such as the token-shift
+  Subclasses own their parameters and define `features(x, positions, state, segment_ids=None)
+  -> (q, k, v, log f, carry)` (q, k after any RoPE; carry: extra state entries such as the token-shift
   keys) and `finish(y, x)` (the output before W_o). Everything else (blockwise forward, caches,
   hooks) is here."""
 
   def __call__(self, x_BTD, *, positions_BT=None, segment_ids_BT=None, state=None, rng=None,
                train=False):
-    if segment_ids_BT is not None:  # TODO(packing): make the document boundary exact
-      raise NotImplementedError(f"{type(self).__name__}: packed rows (segment_ids_BT)")
     del rng, train
     cfg, opts = self.cfg, self.opts
-    q, k, v, loga, carry = self.features(x_BTD, positions_BT, state)
+    q, k, v, loga, carry = self.features(x_BTD, positions_BT, state, segment_ids_BT)
     sink = sink_logit_of(opts, self.sink_logit, cfg.n_heads)
     scale = cfg.head_dim ** -0.5
     if state is None:
-      y = forget_attention(q, k, v, loga, scale=scale, block=opts.block, sink_logit_H=sink)
+      y = forget_attention(q, k, v, loga, scale=scale, block=opts.block, sink_logit_H=sink,
+                           segment_ids_BT=segment_ids_BT)
     else:
       y, kv = self._cached(q, k, v, loga, positions_BT, state.cache, sink)
       state = FoXState(kv, carry)
@@ -385,7 +430,7 @@ class FoX(ScoreBiasAttention):
       loga = jnp.where((positions_BT >= 0)[..., None], loga, 0.0)
     return loga
 
-  def features(self, x_BTD, positions_BT, state):
+  def features(self, x_BTD, positions_BT, state, segment_ids_BT=None):
     cfg, opts, p = self.cfg, self.opts, self.proj
     B, T, _ = x_BTD.shape
     pos = causal_positions(B, T) if positions_BT is None else positions_BT
@@ -398,7 +443,7 @@ class FoX(ScoreBiasAttention):
       prev = (jnp.zeros((B,) + x.shape[2:], x.dtype) if state is None
               else state.carry[f"{name}_prev"])
       x, carry[f"{name}_prev"] = token_shift(x, jax.nn.sigmoid(lin(x_BTD).astype(jnp.float32)),
-                                             prev, pos >= 0)
+                                             prev, pos >= 0, segment_ids_BT)
       k, v = (x, v) if name == "k" else (k, x)
     if opts.qk_norm:
       q, k = _rms(q, self.q_norm[...], cfg.norm_eps), _rms(k, self.k_norm[...], cfg.norm_eps)

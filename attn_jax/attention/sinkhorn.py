@@ -99,6 +99,31 @@ What it leaves open, and what this implementation chose:
    of which blocks were sorted or gathered. A padding query still returns zeros. The sink does
    not enter the sorting (it is not a block).
 
+10. Packed rows (`segment_ids_BT`, full forwards). Blocks stay contiguous blocks of the *row*,
+   so a block may span a document boundary. What a spanning block means here: the sort of
+   block i serves the document of its first token (its *owner*), the only document in the
+   block with any tokens before it; a block is a sort source, and a query-side summary, only
+   for the document all its valid tokens belong to (a *pure* block). So row i may take block j
+   iff j < i (causal; any j in non-causal mode, where row i must be pure itself) and j is a
+   pure block of i's owner: its logits then read summaries of that document only (u_i reads
+   block i-1, which is then pure), the balancing is the prefix problem of that document's
+   pure blocks (`causal_prefix_problem(start=)`: rows and columns from its first pure block,
+   targets re-based there), and the sorted slots hold that document's keys and values only.
+   Token-level attention is masked by segment (`core.attend` q/kv segments): local keys of
+   another document are invisible, and the sorted slots (document = the owner) are invisible
+   to a query of any other document: a document that starts inside a block reads only its own
+   local tokens there, and sorts from its first pure block on. No attention weight and no sort
+   decision crosses a boundary (d y / d x is exactly zero across documents, tested). The
+   summaries of mixed blocks are computed but enter no allowed entry. Exactness: when every
+   document starts at a block boundary, every block is pure and a document's blocks, logits,
+   balancing and attention are exactly those of the document alone (tested in every mode);
+   otherwise a document's blocks are cut differently from its alone run, so its outputs
+   differ from that run (the function of a packed row is then Sinkhorn attention over the
+   row's blocks restricted to documents, not the alone function). Training with Gumbel noise:
+   the noise is drawn for the row's [N, N] logits, so it differs from an alone run's draw.
+   `reads_shared_prefix` is False (the sink tokens would be a block's worth of shared prefix
+   only when they fill whole blocks; not supported).
+
 Decoding (causal mode): the state (`SinkhornState`) holds a `cache.KVCache` under the linear
 policy whatever the decode asks for (the sort reads every block seen so far; keys after RoPE,
 token n in slot n = its position, the blocks are slot ranges) and the running per-block sums
@@ -170,12 +195,19 @@ def _harmonic(n: int) -> np.ndarray:
   return np.concatenate([[0.0], np.cumsum(1.0 / np.arange(1, n + 1))]).astype(np.float32)
 
 
-def causal_prefix_problem(n: int, i):
+def causal_prefix_problem(n: int, i, start=None):
   """Mask and log targets of the causal balancing of rows 1..i (see docstring 3).
 
   Allowed: j < r <= i. Row targets 1, column targets H_i - H_j for j < i (the column sums of
   the uniform causal matrix). `i` may be traced. Returns (mask [n, n], log_row [n], log_col [n]).
+
+  `start` ([B] int, packed rows, docstring 10): the problem of a document whose sorting blocks
+  begin at block `start`: allowed start <= j < r <= i, column targets H_{i-start} - H_{j-start};
+  exactly the problem of rows 1..i-start of that document alone. Returns (mask [B, 1, n, n],
+  log_row [n], log_col [B, 1, n]).
   """
+  if start is not None:
+    return _document_prefix_problem(n, i, start)
   r = jnp.arange(n)[:, None]
   j = jnp.arange(n)[None, :]
   mask = (j < r) & (r <= i)
@@ -188,21 +220,45 @@ def causal_prefix_problem(n: int, i):
   return mask, jnp.zeros((n,), jnp.float32), log_col
 
 
-def causal_sort_row(logits_KNN, i, n_iters: int):
+def _document_prefix_problem(n: int, i, start_B):
+  """`causal_prefix_problem` of a document whose sorting blocks begin at `start_B` [B]."""
+  st = start_B[:, None, None, None]                      # [B, 1, 1, 1]
+  r = jnp.arange(n)[:, None]
+  j = jnp.arange(n)[None, :]
+  mask = (j >= st) & (j < r) & (r <= i)                  # [B, 1, n, n]
+  recip = 1.0 / jnp.arange(1, n + 1, dtype=jnp.float32)  # 1/r, r = 1..n
+  harm = lambda m_BN: jnp.sum(jnp.where(jnp.arange(1, n + 1) <= m_BN[..., None], recip, 0.0),
+                              axis=-1)                   # H_m by masked sums (no gather)
+  st = start_B[:, None]                                  # [B, 1]
+  cols = jnp.arange(n)[None, :]
+  h_i = harm(jnp.maximum(i - st, 0))                     # [B, 1]
+  h_j = harm(jnp.maximum(cols - st, 0))                  # [B, n]
+  ok = (cols >= st) & (cols < i)
+  log_col = jnp.where(ok, jnp.log(jnp.where(ok, h_i - h_j, 1.0)), 0.0)
+  return mask, jnp.zeros((n,), jnp.float32), log_col[:, None, :]
+
+
+def causal_sort_row(logits_KNN, i, n_iters: int, start=None):
   """Row i of the causal sort matrix (log space, -inf where j >= i): the last row of the
-  balanced prefix problem on rows 1..i. logits [..., N, N]; i a scalar (may be traced)."""
+  balanced prefix problem on rows 1..i. logits [..., N, N]; i a scalar (may be traced).
+  `start` [B]: packed rows, the row's document's first sorting block (logits [B, K, N, N])."""
   n = logits_KNN.shape[-1]
-  mask, lr, lc = causal_prefix_problem(n, i)
+  mask, lr, lc = causal_prefix_problem(n, i, start)
   logp = sinkhorn_log(logits_KNN, mask, lr, lc, n_iters)
   pick = (jnp.arange(n) == i)[:, None]     # select row i by a mask (no gather on i)
   return jnp.where(jnp.any(pick), jnp.sum(jnp.where(pick, logp, 0.0), axis=-2), -jnp.inf)
 
 
-def causal_sinkhorn_rows(logits_BKNN, n_iters: int):
-  """All rows of the causal sort matrix [B, K, N, N] (log space); row i from prefix i only."""
+def causal_sinkhorn_rows(logits_BKNN, n_iters: int, starts_BN=None):
+  """All rows of the causal sort matrix [B, K, N, N] (log space); row i from prefix i only.
+  `starts_BN`: packed rows, each row's document's first sorting block (docstring 10)."""
   n = logits_BKNN.shape[-1]
-  row = jax.checkpoint(lambda i: causal_sort_row(logits_BKNN, i, n_iters))
-  rows = jax.lax.map(row, jnp.arange(n))            # [N, B, K, N]
+  if starts_BN is None:
+    row = jax.checkpoint(lambda i: causal_sort_row(logits_BKNN, i, n_iters))
+    rows = jax.lax.map(row, jnp.arange(n))          # [N, B, K, N]
+  else:
+    row = jax.checkpoint(lambda a: causal_sort_row(logits_BKNN, a[0], n_iters, a[1]))
+    rows = jax.lax.map(row, (jnp.arange(n), jnp.moveaxis(starts_BN, 1, 0)))
   return jnp.moveaxis(rows, 0, -2)
 
 
@@ -274,11 +330,13 @@ def sort_blocks(k_BNSKD, v_BNSKD, slot_valid_BNS, plan: SortPlan):
 
 
 def block_attend(q_BNQHD, sk_BNSKD, sv_BNSKD, s_valid_BKNS, lk_BNLKD, lv_BNLKD, lpos_BNL,
-                 qpos_BNQ, *, scale, causal, impl, sink_logit_H=None):
+                 qpos_BNQ, *, scale, causal, impl, sink_logit_H=None, segments=None):
   """Each query row of block n attends to [sorted keys ; local keys] under one softmax (with
   the extra sink column when `sink_logit_H` [H] is given).
 
-  Sorted slots are visible iff valid; local keys by position (causal: 0 <= p_k <= p_q)."""
+  Sorted slots are visible iff valid; local keys by position (causal: 0 <= p_k <= p_q).
+  `segments` (packed rows, docstring 10): (query segments [B, N, Q], the sorted slots' document
+  [B, N], local keys' segments [B, N, L]); a key is then visible only to its document."""
   B, N, Q, H, D = q_BNQHD.shape
   S, K = sk_BNSKD.shape[2], sk_BNSKD.shape[3]
   L = lk_BNLKD.shape[2]
@@ -286,11 +344,16 @@ def block_attend(q_BNQHD, sk_BNSKD, sv_BNSKD, s_valid_BKNS, lk_BNLKD, lv_BNLKD, 
   k = fold(jnp.concatenate([sk_BNSKD, lk_BNLKD.astype(sk_BNSKD.dtype)], axis=2))
   v = fold(jnp.concatenate([sv_BNSKD, lv_BNLKD.astype(sv_BNSKD.dtype)], axis=2))
   q = fold(q_BNQHD)
+  seg_kw = {}
+  if segments is not None:
+    q_seg, s_doc, l_seg = segments
+    kv_seg = jnp.concatenate([jnp.broadcast_to(s_doc[..., None], s_doc.shape + (S,)), l_seg], -1)
+    seg_kw = dict(q_segments=fold(q_seg), kv_segments=fold(kv_seg))
   if causal:  # a causal sorted slot only holds past blocks: visible to every valid query
     spos = jnp.where(jnp.all(s_valid_BKNS, axis=1), 0, -1).astype(jnp.int32)
     kv_pos = fold(jnp.concatenate([spos, lpos_BNL], axis=-1))
     out = attend(q, k, v, scale=scale, causal=True, q_positions=fold(qpos_BNQ),
-                 kv_positions=kv_pos, sink_logit_H=sink_logit_H, impl=impl)
+                 kv_positions=kv_pos, sink_logit_H=sink_logit_H, impl=impl, **seg_kw)
   else:       # validity may differ per head: an additive bias on the sorted slots
     # (*_like: new arrays keep the batch sharding of the inputs under explicit meshes)
     spos = jnp.zeros_like(s_valid_BKNS[:, 0], jnp.int32)
@@ -302,7 +365,7 @@ def block_attend(q_BNQHD, sk_BNSKD, sv_BNSKD, s_valid_BKNS, lk_BNLKD, lv_BNLKD, 
     bias = jnp.concatenate([sb, lb], axis=-1)
     bias = jnp.broadcast_to(fold(bias)[:, :, None, :], (B * N, H, Q, S + L))
     out = attend(q, k, v, scale=scale, causal=False, kv_positions=kv_pos, bias=bias,
-                 sink_logit_H=sink_logit_H, impl=impl)
+                 sink_logit_H=sink_logit_H, impl=impl, **seg_kw)
   return out.reshape(B, N, Q, H, -1)
 
 
@@ -351,6 +414,25 @@ def sinkhorn_attention_reference(q_BTHD, k_BTKD, v_BTKD, valid_BT, W_BKNMN, *, b
         p_ = np.exp(sc - sc.max())
         out[bb, t, h] = (p_ / p_.sum()) @ np.stack(vals)
   return out
+
+
+# ---------------------------------------------------------------- packed rows
+
+class DocumentBlocks(NamedTuple):
+  """Which blocks of a packed row may sort into which (docstring 10)."""
+  seg: jax.Array      # [B, N, b] segment ids by block (-1: the pad to a multiple of b)
+  owner: jax.Array    # [B, N]: the document of the block's first token
+  pure: jax.Array     # [B, N]: every valid token of the block is of the owner's document
+  same: jax.Array     # [B, N, N]: block j is pure and of block i's owner's document
+
+
+def document_blocks(seg_BNb, slot_valid_BNb) -> DocumentBlocks:
+  """The blocks' documents: a block is a sort source (and a query-side summary) only for the
+  document all its tokens belong to."""
+  owner = seg_BNb[:, :, 0]
+  pure = slot_valid_BNb[:, :, 0] & jnp.all((seg_BNb == owner[..., None]) | ~slot_valid_BNb, -1)
+  same = pure[:, None, :] & (owner[:, None, :] == owner[:, :, None])
+  return DocumentBlocks(seg_BNb, owner, pure, same)
 
 
 # ---------------------------------------------------------------- the mixer
@@ -470,7 +552,7 @@ class SinkhornAttention(nnx.Module):
     w = 1.0 + (p - jax.lax.stop_gradient(p))                # 1 forward, dp backward
     return SortPlan(idx=idx.astype(jnp.int32), w=w, ok=ok)
 
-  def core(self, x_BTD, positions_BT, rng=None, train=False):
+  def core(self, x_BTD, positions_BT, rng=None, train=False, segment_ids_BT=None):
     """Full-sequence forward before the output projection.
 
     Returns (y [B,T,H,D], aux dict with q, k, v, the plan and the log sort matrix)."""
@@ -484,12 +566,21 @@ class SinkhornAttention(nnx.Module):
     slot_valid = pos_blk >= 0
     xs = _blocks(jnp.where(valid[..., None], x_BTD.astype(jnp.float32), 0.0), n, b)
     logits = self.sort_logits(xs.sum(2), slot_valid.sum(2).astype(jnp.float32), rng, train)
+    docs = None if segment_ids_BT is None else document_blocks(
+        _blocks(segment_ids_BT, n, b, fill=-1), slot_valid)
     if o.causal:
-      logp = causal_sinkhorn_rows(logits, o.n_iters)
       allowed = jnp.tril(jnp.ones((n, n), bool), -1)[None, None]
+      starts = None
+      if docs is not None:
+        allowed = allowed & docs.same[:, None]
+        starts = jnp.min(jnp.where(allowed[:, 0], jnp.arange(n)[None, None, :],
+                                   jnp.arange(n)[None, :, None]), axis=-1)   # [B, N]
+      logp = causal_sinkhorn_rows(logits, o.n_iters, starts)
     else:
       bv = jnp.any(slot_valid, axis=2)                         # [B, N] block has a token
       allowed = (bv[:, :, None] & bv[:, None, :])[:, None]
+      if docs is not None:
+        allowed = allowed & (docs.same & docs.pure[:, :, None])[:, None]
       zeros = jnp.zeros((B, 1, n), jnp.float32)
       logp = sinkhorn_log(logits, allowed, zeros, zeros, o.n_iters)
     plan = self.plan(logp, allowed, train, full_square=True)
@@ -497,7 +588,8 @@ class SinkhornAttention(nnx.Module):
     sk, sv, s_valid = sort_blocks(kb, vb, slot_valid, plan)
     y = block_attend(_blocks(q, n, b), sk, sv, s_valid, kb, vb, pos_blk, pos_blk,
                      scale=cfg.head_dim ** -0.5, causal=o.causal, impl=cfg.attention_impl,
-                     sink_logit_H=self.sink())
+                     sink_logit_H=self.sink(),
+                     segments=None if docs is None else (docs.seg, docs.owner, docs.seg))
     y = y.reshape(B, n * b, cfg.n_heads, -1)[:, :T]
     return y, dict(q=q, k=k, v=v, plan=plan, logp=logp, n_blocks=n, allowed=allowed)
 
@@ -516,13 +608,11 @@ class SinkhornAttention(nnx.Module):
   # ---------------------------------------------------------------- interface
   def __call__(self, x_BTD, *, positions_BT=None, segment_ids_BT=None, state=None, rng=None,
                train=False):
-    if segment_ids_BT is not None:  # TODO(packing): make the document boundary exact
-      raise NotImplementedError(f"{type(self).__name__}: packed rows (segment_ids_BT)")
     if positions_BT is None:   # a plain 0..T-1 full forward
       positions_BT = causal_positions(*x_BTD.shape[:2])
     if state is not None:
       return self._step(x_BTD, positions_BT, state, rng, train)
-    y, aux = self.core(x_BTD, positions_BT, rng, train)
+    y, aux = self.core(x_BTD, positions_BT, rng, train, segment_ids_BT)
     sharp = jax.lax.stop_gradient(self.sharpness(aux["logp"], aux["allowed"]))
     return self.proj.o(y), None, {"sinkhorn_sharpness": sharp}
 

@@ -83,6 +83,26 @@ fixed T, and no reference point ever depends on a later token:
    lengths keep exact
    running sums.
 
+Packed rows (`segment_ids_BT`, full forwards): g and Phi restart at every document start
+(segmented scans, `time_cumsum(starts_BT=)`), and pairs of different documents are masked
+(`core.segment_mask`) on every path: the fast call's mask, the diagonal blocks' mask and local
+bias, the flash loops' visibility, the fused route's past parts (which then take the masked
+einsum route of `split.partial_attention`). Masking the pair is exact: only g_i - g_j and
+Phi_j - Phi_i with i, j in one document enter, and with the restart they are formed from that
+document's own sums, exactly as alone (value and gradient: no cotangent crosses a restart).
+Bounds: within a document g is still non-increasing and starts at 0, so the fast path's factors
+keep their bounds with the range now the largest document's (`decay_range`: -min g). On the
+chunked path a reference r (g at a key block's last token, or at the token before a query
+chunk) may lie in another document than the query or key, where g_i - r or r - g_j can be
+> 0 (up to a document's whole decay): those exponents are clamped at 0 by a select
+(`_nonpositive`), a no-op on every visible pair (there i, j and the reference token lie in one
+document, in that order), so a masked pair's factor stays <= 1 and its zero cotangent gives
+zero gradients, never inf * 0. The in-block bias e^{g_i - g_j} is masked before the exp.
+`reads_shared_prefix` is False: a shared prefix (segment 0, sink tokens) is visible to every
+document by `core.segment_mask`, but its pairs have no meaningful decay here (g restarts at the
+document, the prefix keeps its own sums, and the clamp above is no longer a no-op for them), so
+packed rows with sink tokens are not exact for SISA; the decoder has to refuse that pairing.
+
 Precision of g: g is an fp32 cumulative sum, so a difference g_i - g_j of two large sums carries
 an absolute error ~ 2^-24 |g| (relative error of a decay factor ~ 1e-4 at |g| ~ 2000 nats):
 exact to fp32 rounding of the cumulative sum, far below bf16 resolution. The explicit reference
@@ -134,11 +154,11 @@ from flax import nnx
 from attn_jax.attention import cache as cache_lib
 from attn_jax.attention import flash, split
 from attn_jax.attention.core import (REMAT_CORE_IMPLS, attend, attention_flops_per_token,
-                                     causal_keys, choose_impl)
+                                     causal_keys, choose_impl, segment_mask)
 from attn_jax.attention.projection import (QKVProjection, SinkLogitOptions, make_sink_logit,
                                            probs_with_sink, sink_logit_of)
 from attn_jax.config import ModelConfig
-from attn_jax.layers import Linear, causal_positions, dtype_of, param
+from attn_jax.layers import Linear, causal_positions, dtype_of, param, segment_starts
 from attn_jax.options import field_check, is_int, is_number
 from attn_jax.registry import register_mixer
 
@@ -173,18 +193,46 @@ def stat_dtype(cfg: ModelConfig):
   return jnp.promote_types(jnp.float32, dtype_of(cfg.dtype))
 
 
-def _time_scan(step, x_BT: jax.Array) -> jax.Array:
-  """Inclusive scan over axis 1 (`step(carry, x) -> carry`, the carry starting at zero)."""
+def _time_scan(step, x_BT: jax.Array, starts_BT=None) -> jax.Array:
+  """Inclusive scan over axis 1 (`step(carry, x) -> carry`, the carry starting at zero, and
+  reset to zero before every token where `starts_BT` [B, T] is True)."""
   xs = jnp.moveaxis(x_BT, 1, 0)
-  _, ys = jax.lax.scan(lambda c, a: (step(c, a),) * 2, jnp.zeros_like(xs[0]), xs)
+  if starts_BT is None:
+    _, ys = jax.lax.scan(lambda c, a: (step(c, a),) * 2, jnp.zeros_like(xs[0]), xs)
+    return jnp.moveaxis(ys, 0, 1)
+  rs = jnp.moveaxis(_expand(starts_BT, x_BT), 1, 0)
+
+  def body(c, ar):
+    a, r = ar
+    c = step(jnp.where(r, jnp.zeros_like(c), c), a)
+    return c, c
+
+  _, ys = jax.lax.scan(body, jnp.zeros_like(xs[0]), (xs, rs))
   return jnp.moveaxis(ys, 0, 1)
 
 
-def time_cumsum(x_BT: jax.Array) -> jax.Array:
-  """Inclusive cumulative sum over axis 1 (see the module docstring for the choice)."""
-  if jax.default_backend() != "cpu":
-    return jnp.cumsum(x_BT, axis=1)
-  return _time_scan(jnp.add, x_BT)
+def _expand(starts_BT, x_BT):
+  """[B, T] flags broadcast against x [B, T, ...]."""
+  return starts_BT.reshape(starts_BT.shape + (1,) * (x_BT.ndim - 2))
+
+
+def time_cumsum(x_BT: jax.Array, starts_BT=None) -> jax.Array:
+  """Inclusive cumulative sum over axis 1 (see the module docstring for the choice). With
+  `starts_BT` ([B, T] bool, `layers.segment_starts`): a segmented sum restarting at every True
+  (a packed row's documents), whose value and gradient read only the own segment (the resets
+  are selects, so a cotangent never crosses one: exact zeros, not cancellations)."""
+  if starts_BT is None:
+    if jax.default_backend() != "cpu":
+      return jnp.cumsum(x_BT, axis=1)
+    return _time_scan(jnp.add, x_BT)
+  if jax.default_backend() == "cpu":
+    return _time_scan(jnp.add, x_BT, starts_BT)
+
+  def op(a, b):   # (reset, sum) pairs: a segment's sum restarts at its reset
+    return a[0] | b[0], jnp.where(b[0], b[1], a[1] + b[1])
+
+  r = jnp.broadcast_to(_expand(starts_BT, x_BT), x_BT.shape)
+  return jax.lax.associative_scan(op, (r, x_BT), axis=1)[1]
 
 
 # 2 pi as a sum of two floats (Cody-Waite): the fp32-rounded 2 pi alone is 1.7e-7 too large, an
@@ -199,22 +247,23 @@ def wrap_phase(x: jax.Array) -> jax.Array:
   return (x - k * _TWO_PI_HI) - k * _TWO_PI_LO
 
 
-def phase_cumsum(theta_BTHP: jax.Array) -> jax.Array:
+def phase_cumsum(theta_BTHP: jax.Array, starts_BT=None) -> jax.Array:
   """Phi_t = sum_{s<=t} theta_s mod 2 pi, the running sum wrapped at every step, so the angle
-  never grows with t and keeps the precision of a few radians (module docstring)."""
-  return _time_scan(lambda c, a: wrap_phase(c + a), theta_BTHP)
+  never grows with t and keeps the precision of a few radians (module docstring); restarting
+  at every `starts_BT` (packed rows)."""
+  return _time_scan(lambda c, a: wrap_phase(c + a), theta_BTHP, starts_BT)
 
 
-def decay_and_phase(loga_BTH, theta_BTHP):
+def decay_and_phase(loga_BTH, theta_BTHP, starts_BT=None):
   """g = cumsum(log a) and Phi = `phase_cumsum`(theta) over time (one scan on CPU). theta may
-  be None."""
+  be None. `starts_BT`: both restart at every document start of a packed row."""
   if theta_BTHP is None:
-    return time_cumsum(loga_BTH), None
+    return time_cumsum(loga_BTH, starts_BT), None
   if jax.default_backend() != "cpu":
-    return jnp.cumsum(loga_BTH, axis=1), phase_cumsum(theta_BTHP)
+    return time_cumsum(loga_BTH, starts_BT), phase_cumsum(theta_BTHP, starts_BT)
   both = _time_scan(lambda c, a: jnp.concatenate([c[..., :1] + a[..., :1],
                                                   wrap_phase(c[..., 1:] + a[..., 1:])], -1),
-                    jnp.concatenate([loga_BTH[..., None], theta_BTHP], axis=-1))
+                    jnp.concatenate([loga_BTH[..., None], theta_BTHP], axis=-1), starts_BT)
   return both[..., 0], both[..., 1:]
 
 
@@ -237,6 +286,20 @@ def _local_bias(rc_BTHS, rb_BSHS, g_q_BTH, g_k_BSH, lam_H, causal_TS):
   return lam_H[None, :, None, None] * dec * match
 
 
+def _nonpositive(x):
+  """x where x <= 0, else 0: a decay exponent that is <= 0 on every visible pair; in a packed
+  row g restarts at a document start, so a masked pair's exponent may be > 0, and this keeps its
+  factor <= 1 (no inf, hence no NaN in the masked pair's zero-cotangent backward). A select,
+  not a clamp: the gradient passes unchanged wherever x <= 0."""
+  return jnp.where(x <= 0, x, jnp.zeros_like(x))
+
+
+def _segment_kw(seg) -> dict:
+  """attend's segment arguments of a packed row (none without one: the plain causal call).
+  One stream, so `prefix_causal` holds: the blocked core keeps skipping the upper triangle."""
+  return {} if seg is None else {"q_segments": seg, "kv_segments": seg, "prefix_causal": True}
+
+
 def _widen(x_BTHD, f_BTH, r_BTHS):
   """[x ; f r]: q or k widened by its scaled SISA factor (C or B, rotated), in x's dtype."""
   return jnp.concatenate([x_BTHD, (f_BTH[..., None] * r_BTHS).astype(x_BTHD.dtype)], axis=-1)
@@ -252,8 +315,8 @@ def _past_scores(scale, shared, qa, ka):
   k, rb, g_k = ka
   dt = q.dtype
   r = g_k[:, -1]                                                       # [B, H]
-  qf = jnp.exp(g_q - r[:, None]) * qscale
-  kf = jnp.exp(r[:, None] - g_k)
+  qf = jnp.exp(_nonpositive(g_q - r[:, None])) * qscale
+  kf = jnp.exp(_nonpositive(r[:, None] - g_k))
   qh, kh = _widen(q, qf, rc), _widen(k, kf, rb)
   f = jnp.promote_types(dt, jnp.float32)
   return jnp.einsum("bthd,bshd->bhts", qh, kh, preferred_element_type=f) * scale
@@ -262,7 +325,7 @@ def _past_scores(scale, shared, qa, ka):
 # ---------------------------------------------------------------- explicit reference
 
 def sisa_attention_reference(q_BTHD, k_BTHD, v_BTHD, c_BTHS, b_BTHS, g_BTH, phi_BTHP, lam_H, *,
-                             query_idx=None, sink_logit_H=None):
+                             query_idx=None, sink_logit_H=None, segment_ids_BT=None):
   """Explicit O(T^2) SISA attention in fp32 (the ground truth of the tests).
 
   q and k are after RoPE; C and B are *not* rotated; g and Phi are the cumulative sums (Phi
@@ -271,6 +334,8 @@ def sisa_attention_reference(q_BTHD, k_BTHD, v_BTHD, c_BTHS, b_BTHS, g_BTH, phi_
   with e^{g_i - g_j} from the difference g_i - g_j and the rotation by the pairwise phase
   difference. `query_idx` (int array) restricts the query rows (long sequences).
   `sink_logit_H`: an explicit extra softmax column (logit sink_h, zero value), then dropped.
+  `segment_ids_BT`: a packed row, pairs of different documents masked (g and Phi as given:
+  the caller restarts them per document).
   Returns (out [B, Tq, H, Dv], scores [B, H, Tq, T] with -inf above the diagonal).
   """
   f32 = lambda a: a.astype(jnp.promote_types(a.dtype, jnp.float32))
@@ -280,6 +345,8 @@ def sisa_attention_reference(q_BTHD, k_BTHD, v_BTHD, c_BTHS, b_BTHS, g_BTH, phi_
   c, b = f32(c_BTHS)[:, idx], f32(b_BTHS)
   gq, gk = f32(g_BTH)[:, idx], f32(g_BTH)
   causal = idx[:, None] >= jnp.arange(T)[None, :]                          # [Tq, T]
+  if segment_ids_BT is not None:                                           # [B, 1, Tq, T]
+    causal = causal & segment_mask(segment_ids_BT[:, idx], segment_ids_BT)[:, None]
   qk = jnp.einsum("bihd,bjhd->bhij", q, k) / math.sqrt(q.shape[-1])
   dg = gq.transpose(0, 2, 1)[..., :, None] - gk.transpose(0, 2, 1)[..., None, :]
   dec = jnp.exp(jnp.where(causal, dg, -jnp.inf))                         # [B, H, Tq, T]
@@ -439,13 +506,12 @@ class SISA(cache_lib.CachedMixer, nnx.Module):
 
   def __call__(self, x_BTD, *, positions_BT=None, segment_ids_BT=None, state=None, rng=None,
                train=False):
-    if segment_ids_BT is not None:  # TODO(packing): make the document boundary exact
-      raise NotImplementedError(f"{type(self).__name__}: packed rows (segment_ids_BT)")
     del rng, train
-    cfg = self.cfg
+    cfg, seg = self.cfg, segment_ids_BT
     q, k, v, c, b, loga, theta, lam = self.features(x_BTD, positions_BT, rotate=state is None)
     sink = sink_logit_of(self.opts, self.sink_logit, cfg.n_heads)
-    g, phi = decay_and_phase(loga, theta)      # with a state: sums over the new tokens only
+    # with a state: sums over the new tokens only; packed rows: restarted per document
+    g, phi = decay_and_phase(loga, theta, None if seg is None else segment_starts(seg))
     if state is not None and phi is not None:
       phi = wrap_phase(state.phi[:, None] + phi)
     rc = c.astype(g.dtype) if phi is None else rotate_pairs(c, phi)
@@ -453,7 +519,7 @@ class SISA(cache_lib.CachedMixer, nnx.Module):
     qscale = lam * math.sqrt(cfg.head_dim)                      # s^2 = lambda sqrt(d_h)
 
     if state is None:
-      out, chunked = self._full(q, k, v, rc, rb, g, lam, qscale, sink)
+      out, chunked = self._full(q, k, v, rc, rb, g, lam, qscale, sink, seg)
     else:
       out, kv = self._cached(q, k, v, rc, rb, g, lam, qscale, positions_BT, state.cache, sink)
       g = state.g[:, None] + g                   # the running g: only for `decay_range`
@@ -466,25 +532,26 @@ class SISA(cache_lib.CachedMixer, nnx.Module):
         # tokens for the mean decay to halve a weight; inf without decay
         "half_life": jnp.where(mean_loga < 0, math.log(0.5) / jnp.minimum(mean_loga, -1e-30),
                                jnp.inf),
-        # total decay from the sequence start (g_-1 = 0) to the last token, max over batch and
-        # heads: max(g) - min(g) with the empty prefix included; decides the path
-        "decay_range": -jnp.min(g[:, -1]),
+        # total decay from the sequence start (g_-1 = 0) to the last token (packed rows: of
+        # the longest-decaying document), max over batch and heads: max(g) - min(g) with the
+        # empty prefix included; decides the path
+        "decay_range": -jnp.min(g),
         "chunked": chunked,
     }
     return self.proj.o(out), state, aux
 
   # -------------------------------------------------------------- full sequence
-  def _full(self, q, k, v, rc, rb, g, lam, qscale, sink):
+  def _full(self, q, k, v, rc, rb, g, lam, qscale, sink, seg=None):
     cfg = self.cfg
     path = self.opts.path
-    args = (q, k, v, rc, rb, g, lam, qscale, sink)
+    args = (q, k, v, rc, rb, g, lam, qscale, sink, seg)
     if path == "fast":
       return self._fast(*args), jnp.zeros((), jnp.float32)
     if path == "chunked":
       return self._chunked(*args), jnp.ones((), jnp.float32)
     # g is non-increasing (log a <= 0, and rounding is monotone), so its range from the empty
-    # prefix is -g at the last token.
-    use_fast = -jnp.min(g[:, -1]) <= self.fast_range_limit(cfg, self.opts)
+    # prefix is -g at the last token (packed rows: at the last token of each document).
+    use_fast = -jnp.min(g) <= self.fast_range_limit(cfg, self.opts)
     # Neither branch leaves [T, S] residuals to the cond (see the module docstring): the fast
     # one is rematerialised (except a fused cuDNN call, whose own residuals are O(T)); so is
     # the blockwise chunked one, whose residuals (the diagonal blocks' probabilities, the
@@ -496,8 +563,9 @@ class SISA(cache_lib.CachedMixer, nnx.Module):
     out = jax.lax.cond(use_fast, fast, chunked, args)
     return out, 1.0 - use_fast.astype(jnp.float32)
 
-  def _fast(self, q, k, v, rc, rb, g, lam, qscale, sink=None):
-    """One attend call; reference r = 0 (valid while -g <= fast_max_range)."""
+  def _fast(self, q, k, v, rc, rb, g, lam, qscale, sink=None, seg=None):
+    """One attend call; reference r = 0 (valid while -g <= fast_max_range; packed rows: g
+    restarts at 0 in every document, and pairs of other documents are masked)."""
     cfg = self.cfg
     limit = self.fast_range_limit(cfg, self.opts)
     # The clips are no-ops when this path is chosen; they keep a speculative evaluation
@@ -506,16 +574,16 @@ class SISA(cache_lib.CachedMixer, nnx.Module):
     kf = jnp.exp(jnp.minimum(-g, limit))                     # [B, T, H] in [1, e^limit]
     qh, kh = _widen(q, qf, rc), _widen(k, kf, rb)
     return attend(qh, kh, v, scale=cfg.head_dim ** -0.5, causal=True, impl=cfg.attention_impl,
-                  **_sink_kw(sink))
+                  **_sink_kw(sink), **_segment_kw(seg))
 
-  def _chunked(self, q, k, v, rc, rb, g, lam, qscale, sink=None):
+  def _chunked(self, q, k, v, rc, rb, g, lam, qscale, sink=None, seg=None):
     """The exact path for any decay range: block pairs in O(T) memory (`_blockwise`), or with a
     fused cuDNN core, query chunks whose past goes through that kernel (`_fused_chunks`)."""
     if choose_impl(self.cfg.attention_impl, q.dtype, q.shape[-1] + rc.shape[-1]) == "cudnn":
-      return self._fused_chunks(q, k, v, rc, rb, g, lam, qscale, sink)
-    return self._blockwise(q, k, v, rc, rb, g, lam, qscale, sink)
+      return self._fused_chunks(q, k, v, rc, rb, g, lam, qscale, sink, seg)
+    return self._blockwise(q, k, v, rc, rb, g, lam, qscale, sink, seg)
 
-  def _blockwise(self, q, k, v, rc, rb, g, lam, qscale, sink):
+  def _blockwise(self, q, k, v, rc, rb, g, lam, qscale, sink, seg=None):
     """Blocks of c tokens (T padded up to a multiple: padded keys sit in the last block, which
     no query's past contains; padded queries are dropped). Diagonal blocks: all n at once as a
     batch of [c, c] biased, masked blocks. Past blocks: `flash.past_blocks` with the pair's
@@ -528,47 +596,58 @@ class SISA(cache_lib.CachedMixer, nnx.Module):
       zpad = lambda x: jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))
       q, k, v, rc, rb = map(zpad, (q, k, v, rc, rb))
       g = jnp.pad(g, ((0, 0), (0, pad), (0, 0)), mode="edge")
+      if seg is not None:   # padded tokens: a document of their own
+        seg = jnp.pad(seg, ((0, 0), (0, pad)), constant_values=-1)
     n = (T + pad) // c
     fold = lambda x: x.reshape((B * n, c) + x.shape[2:])
     unfold = lambda x: x.reshape((B, n * c) + x.shape[2:])
     causal = jnp.tril(jnp.ones((c, c), bool))
+    if seg is not None:
+      causal = causal & segment_mask(fold(seg), fold(seg))[:, None]
     loc = _local_bias(fold(rc), fold(rb), fold(g), fold(g), lam, causal)
     scale = cfg.head_dim ** -0.5
     diag = split.partial_attention(fold(q), fold(k), fold(v), scale=scale, bias=loc, mask=causal)
     past = flash.past_blocks(functools.partial(_past_scores, scale), (qscale,), (q, rc, g),
-                             (k, rb, g), v, block=c)
+                             (k, rb, g), v, block=c, segment_ids_BT=seg)
     out = split.combine([tuple(map(unfold, diag)), past], sink)
     return out[:, :T].astype(dt)
 
-  def _fused_chunks(self, q, k, v, rc, rb, g, lam, qscale, sink):
+  def _fused_chunks(self, q, k, v, rc, rb, g, lam, qscale, sink, seg=None):
     """Query chunks with reference g_{a-1}, run one after another and rematerialised
     (`split.sequential`): the residuals are the full inputs; each chunk's past keys go through
     one call of the fused kernel (O(T) memory on GPU)."""
     T = q.shape[1]
     c = self.chunk_len(self.opts, T)
     fns = [functools.partial(self._chunk, a, min(a + c, T)) for a in range(0, T, c)]
-    outs = split.sequential(fns, (q, k, v, rc, rb, g, lam, qscale, sink))
+    outs = split.sequential(fns, (q, k, v, rc, rb, g, lam, qscale, sink, seg))
     out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
     return out.astype(q.dtype)
 
-  def _chunk(self, a, e, q, k, v, rc, rb, g, lam, qscale, sink):
+  def _chunk(self, a, e, q, k, v, rc, rb, g, lam, qscale, sink, seg=None):
     """Queries [a, e): past keys [0, a) through one unbiased, unmasked call (the widened Q/K,
     key factors e^{r - g_j} <= 1), the chunk's own keys through a small block with the
-    difference-form SISA bias; the two parts combined by log-sum-exp (`split.combine`)."""
+    difference-form SISA bias; the two parts combined by log-sum-exp (`split.combine`).
+    Packed rows: both parts masked by document (the past then takes the masked einsum route),
+    the factors' exponents clamped at 0 (a no-op on every visible pair, module docstring)."""
     cfg, dt = self.cfg, q.dtype
     scale = cfg.head_dim ** -0.5
     r = g[:, a - 1] if a > 0 else jnp.zeros_like(g[:, 0])              # [B, H]
     causal = jnp.arange(a, e)[:, None] >= jnp.arange(a, e)[None, :]
+    past_mask = None
+    if seg is not None:
+      causal = causal & segment_mask(seg[:, a:e], seg[:, a:e])[:, None]
+      past_mask = segment_mask(seg[:, a:e], seg[:, :a])[:, None]
     loc = _local_bias(rc[:, a:e], rb[:, a:e], g[:, a:e], g[:, a:e], lam, causal)
     parts = [split.partial_attention(q[:, a:e], k[:, a:e], v[:, a:e], scale=scale,
                                      bias=loc, mask=causal)]
     if a > 0:
-      qf = jnp.exp(g[:, a:e] - r[:, None]) * qscale                     # <= qscale
+      qf = jnp.exp(_nonpositive(g[:, a:e] - r[:, None])) * qscale       # <= qscale
       qh = _widen(q[:, a:e], qf, rc[:, a:e])
-      kf = jnp.exp(r[:, None] - g[:, :a])                               # <= 1
+      kf = jnp.exp(_nonpositive(r[:, None] - g[:, :a]))                 # <= 1
       kh = _widen(k[:, :a], kf, rb[:, :a])
       impl = choose_impl(cfg.attention_impl, dt, qh.shape[-1])
-      parts.append(split.partial_attention(qh, kh, v[:, :a], scale=scale, impl=impl))
+      parts.append(split.partial_attention(qh, kh, v[:, :a], scale=scale, impl=impl,
+                                           mask=past_mask))
     return split.combine(parts, sink)
 
   # -------------------------------------------------------------- decoding

@@ -33,6 +33,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from attn_jax.attention.core import NEG_INF, dpa
 
@@ -169,13 +170,16 @@ def _sequential_fwd(fns, args):
 
 
 def _sequential_bwd(fns, args, cts):
+  """Integer leaves of `args` (a packed row's segment ids) get float0 zero cotangents."""
+  inexact = lambda x: jnp.issubdtype(x.dtype, jnp.inexact)
   acc = jax.tree.map(jnp.zeros_like, args)
   a = args
   for f, ct in zip(reversed(fns), reversed(cts)):
     _, vjp = jax.vjp(f, *a)
-    acc = jax.tree.map(jnp.add, acc, vjp(ct))
+    acc = jax.tree.map(lambda s, g: s + g if inexact(s) else s, acc, vjp(ct))
     a = _after(args, jax.tree.leaves(acc)[0])
-  return (acc,)
+  return (jax.tree.map(lambda s: s if inexact(s) else np.zeros(s.shape, jax.dtypes.float0),
+                       acc),)
 
 
 _sequential.defvjp(_sequential_fwd, _sequential_bwd)

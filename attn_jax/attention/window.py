@@ -18,6 +18,14 @@ step alike:
 
 It goes to `core.attend(sink_logit_H=...)` like in `attention`. The virtual column belongs to the
 softmax, not to the stream, so the ring's window is unchanged.
+
+Packed rows (`segment_ids_BT`): the window's mask is intersected with the document mask
+(`core.segment_mask`): a query sees keys j with p_i - p_j < w *and* in its own document (or
+the shared prefix of sink tokens, at positions 0..n-1 before every document's, so a document
+reads them exactly as alone). Positions restart per document, so the window counts tokens of
+the document only: exactly the document alone. The sink logit stays one column per query.
+The full forward passes `prefix_causal` (queries and keys are one stream), so the blocked CPU
+core reads only each query chunk's key prefix.
 """
 
 from __future__ import annotations
@@ -49,6 +57,8 @@ class SlidingWindowAttention(cache_lib.CachedMixer, nnx.Module):
       w = self.window
       field_check(where)(is_int(w, 1), "window", f"must be an integer >= 1, got {w!r}")
 
+  reads_shared_prefix = True   # packed rows: a masked key set (registry.py)
+
   def __init__(self, cfg: ModelConfig, opts: Options, *, rngs: nnx.Rngs):
     self.cfg, self.opts = cfg, opts
     self.proj = QKVProjection(cfg, rngs=rngs)
@@ -56,8 +66,6 @@ class SlidingWindowAttention(cache_lib.CachedMixer, nnx.Module):
 
   def __call__(self, x_BTD, *, positions_BT, segment_ids_BT=None, state=None, rng=None,
                train=False):
-    if segment_ids_BT is not None:  # TODO(packing): make the document boundary exact
-      raise NotImplementedError(f"{type(self).__name__}: packed rows (segment_ids_BT)")
     del rng, train
     cfg, w, p = self.cfg, self.opts.window, self.proj
     scale = cfg.head_dim ** -0.5
@@ -71,7 +79,8 @@ class SlidingWindowAttention(cache_lib.CachedMixer, nnx.Module):
     pos_BT = causal_positions(B, T) if positions_BT is None else positions_BT
     q, k, v = p.rotated_qkv(x_BTD, pos_BT, cfg.rope_theta)
     out = attend(q, k, v, scale=scale, causal=True, q_positions=pos_BT, kv_positions=pos_BT,
-                 window=w, sink_logit_H=sink, impl=cfg.attention_impl)
+                 window=w, sink_logit_H=sink, impl=cfg.attention_impl, prefix_causal=True,
+                 q_segments=segment_ids_BT, kv_segments=segment_ids_BT)
     return p.o(out), None, {}
 
   def attention_probs(self, x_BTD):
