@@ -75,7 +75,7 @@ class Block(nnx.Module):
                         out_std=cfg.init_std / math.sqrt(2 * cfg.n_layers), dtype=dt,
                         param_dtype=pdt)
 
-  def __call__(self, x_BTD, *, positions_BT, segment_ids_BT, state, rng, train):
+  def __call__(self, x_BTD, *, positions_BT, state, rng, train, segment_ids_BT=None):
     h, state, aux = self.mixer(self.mixer_norm(x_BTD), positions_BT=positions_BT,
                                segment_ids_BT=segment_ids_BT, state=state, rng=rng, train=train)
     x_BTD = x_BTD + h.astype(x_BTD.dtype)
@@ -90,7 +90,7 @@ class Period(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     self.layers = nnx.List([Block(cfg, spec, rngs=rngs) for spec in cfg.period])
 
-  def __call__(self, x_BTD, *, positions_BT, segment_ids_BT, states, rng, train):
+  def __call__(self, x_BTD, *, positions_BT, states, rng, train, segment_ids_BT=None):
     new_states, auxes = [], []
     for p, blk in enumerate(self.layers):
       key = None if rng is None else jax.random.fold_in(rng, p)

@@ -256,7 +256,9 @@ class _NoiseMixer(nnx.Module):
     self.lin = Linear((cfg.d_model,), (cfg.d_model,), in_axes=("embed",), out_axes=("embed",),
                       rngs=rngs, dtype=jnp.float32)
 
-  def __call__(self, x_BTD, *, positions_BT=None, state=None, rng=None, train=False):
+  def __call__(self, x_BTD, *, positions_BT=None, segment_ids_BT=None, state=None, rng=None,
+               train=False):
+    del segment_ids_BT   # token-wise: nothing crosses a document boundary
     y = self.lin(x_BTD)
     if train and rng is not None:
       y = y + jax.random.uniform(rng, y.shape)

@@ -58,7 +58,8 @@ def layer_inputs(model, tokens_BT) -> list:
     for blk in period.layers:
       out.append((len(out), blk.mixer, blk.mixer_norm(x)))
       if len(out) < cfg.n_layers:      # the last block's output is not needed
-        x, _, _ = blk(x, positions_BT=None, state=None, rng=None, train=False)
+        x, _, _ = blk(x, positions_BT=None, segment_ids_BT=None, state=None, rng=None,
+                      train=False)
   return out
 
 
