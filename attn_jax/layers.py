@@ -137,6 +137,13 @@ def segment_starts(segment_ids_BT: jax.Array) -> jax.Array:
   return segment_ids_BT != prev_BT
 
 
+def segmented_cumsum(x: jax.Array, reset: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
+  """(sum of x since the latest reset at or before t, whether there was one) along `axis`;
+  `reset` bool, x's shape. The restarts are selects: no cotangent crosses one (exact zeros)."""
+  add = lambda u, v: (jnp.where(v[1], v[0], u[0] + v[0]), u[1] | v[1])
+  return jax.lax.associative_scan(add, (x, reset), axis=axis)
+
+
 def causal_positions(batch: int, length: int) -> jax.Array:
   """Positions 0..length-1 of every row, [batch, length] int32 (a plain full forward)."""
   return jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))

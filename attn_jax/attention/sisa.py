@@ -158,7 +158,8 @@ from attn_jax.attention.core import (REMAT_CORE_IMPLS, attend, attention_flops_p
 from attn_jax.attention.projection import (QKVProjection, SinkLogitOptions, make_sink_logit,
                                            probs_with_sink, sink_logit_of)
 from attn_jax.config import ModelConfig
-from attn_jax.layers import Linear, causal_positions, dtype_of, param, segment_starts
+from attn_jax.layers import (Linear, causal_positions, dtype_of, param, segment_starts,
+                             segmented_cumsum)
 from attn_jax.options import field_check, is_int, is_number
 from attn_jax.registry import register_mixer
 
@@ -227,12 +228,8 @@ def time_cumsum(x_BT: jax.Array, starts_BT=None) -> jax.Array:
     return _time_scan(jnp.add, x_BT)
   if jax.default_backend() == "cpu":
     return _time_scan(jnp.add, x_BT, starts_BT)
-
-  def op(a, b):   # (reset, sum) pairs: a segment's sum restarts at its reset
-    return a[0] | b[0], jnp.where(b[0], b[1], a[1] + b[1])
-
   r = jnp.broadcast_to(_expand(starts_BT, x_BT), x_BT.shape)
-  return jax.lax.associative_scan(op, (r, x_BT), axis=1)[1]
+  return segmented_cumsum(x_BT, r, axis=1)[0]
 
 
 # 2 pi as a sum of two floats (Cody-Waite): the fp32-rounded 2 pi alone is 1.7e-7 too large, an

@@ -93,7 +93,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from attn_jax.config import ModelConfig
-from attn_jax.layers import Linear, causal_positions, dtype_of, param
+from attn_jax.layers import Linear, causal_positions, dtype_of, param, segmented_cumsum
 from attn_jax.registry import register_mixer
 from attn_jax.ssm import ssd
 from attn_jax.ssm.mamba2 import (document_resets, dt_bias_init, last_valid_window,
@@ -144,7 +144,7 @@ def wrapped_cumsum(inc_BTX: jax.Array, phi0_BX: jax.Array, chunk: int,
     xs = jnp.moveaxis(local, 1, 0)
   else:   # a segmented sum within the chunk; the carry only where no reset precedes in it
     r = jnp.pad(reset_BT, ((0, 0), (0, nc * Q - T))).reshape((B, nc, Q) + (1,) * len(tail))
-    local, seen = _segmented_cumsum(inc, jnp.broadcast_to(r, inc.shape), axis=2)
+    local, seen = segmented_cumsum(inc, jnp.broadcast_to(r, inc.shape), axis=2)
 
     def step(carry, inp):
       loc, sn = inp
@@ -154,12 +154,6 @@ def wrapped_cumsum(inc_BTX: jax.Array, phi0_BX: jax.Array, chunk: int,
 
   _, phi = jax.lax.scan(step, phi0_BX.astype(f32), xs)
   return jnp.moveaxis(phi, 0, 1).reshape((B, nc * Q) + inc_BTX.shape[2:])[:, :T]
-
-
-def _segmented_cumsum(x, reset, axis):
-  """(sum of x since the latest reset at or before t, whether there was one), along `axis`."""
-  add = lambda u, v: (jnp.where(v[1], v[0], u[0] + v[0]), u[1] | v[1])
-  return jax.lax.associative_scan(add, (x, reset), axis=axis)
 
 
 def previous_token(z_BTX, z0_BX, reset_BT=None):
