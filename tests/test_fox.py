@@ -74,17 +74,35 @@ def _reference(m, x, pos=None):
 
 # ---------------------------------------------------------------- the attention function
 
+PATHS = ("blocked", "flash")
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("sink", [False, True])
 @pytest.mark.parametrize("T,block,H,K", [(37, 8, 2, 2), (64, 16, 4, 2), (5, 256, 2, 1)])
-def test_forget_attention_matches_reference(T, block, H, K):
-  """Blockwise (diagonal + past loops, T not a multiple of the block, GQA) == explicit."""
+def test_forget_attention_matches_reference(T, block, H, K, sink, path):
+  """Both paths (blocked: query blocks over all their keys; flash: diagonal blocks + past
+  loops), T not a multiple of the block, GQA, with and without a sink column == explicit."""
   q, k, v = _normal(0, (2, T, H, 8)), _normal(1, (2, T, K, 8)), _normal(2, (2, T, K, 8))
   loga = -jnp.abs(_normal(3, (2, T, H))) * 2
-  got = F.forget_attention(q, k, v, loga, scale=8 ** -0.5, block=block)
-  want, _ = F.forget_attention_reference(q, k, v, jnp.cumsum(loga, 1), scale=8 ** -0.5)
+  s = _normal(5, (H,)) if sink else None
+  got = F.forget_attention(q, k, v, loga, scale=8 ** -0.5, block=block, sink_logit_H=s,
+                           path=path)
+  want, _ = F.forget_attention_reference(q, k, v, jnp.cumsum(loga, 1), scale=8 ** -0.5,
+                                         sink_logit_H=s)
   _close(got, want)
 
 
-def test_gradients_match_reference_and_finite_differences_float64():
+def test_auto_path_is_blocked_up_to_its_length_then_flash():
+  assert F.choose_path("auto", F.BLOCKED_MAX_LEN) == "blocked"
+  assert F.choose_path("auto", F.BLOCKED_MAX_LEN + 256) == "flash"
+  assert F.choose_path("flash", 8) == "flash"
+  with pytest.raises(ValueError, match="unknown path 'fast'"):
+    F.choose_path("fast", 8)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_gradients_match_reference_and_finite_differences_float64(path):
   """d out / d (q, k, v, log f): blockwise == explicit reference, and both == float64 finite
   differences (check_grads)."""
   from jax.test_util import check_grads
@@ -93,7 +111,8 @@ def test_gradients_match_reference_and_finite_differences_float64():
     args = (_normal(0, (1, T, H, 4), jnp.float64), _normal(1, (1, T, H, 4), jnp.float64),
             _normal(2, (1, T, H, 4), jnp.float64), -jnp.abs(_normal(3, (1, T, H), jnp.float64)))
     w = _normal(4, (1, T, H, 4), jnp.float64)
-    blk = lambda q, k, v, la: jnp.sum(w * F.forget_attention(q, k, v, la, scale=0.5, block=3))
+    blk = lambda q, k, v, la: jnp.sum(w * F.forget_attention(q, k, v, la, scale=0.5, block=3,
+                                                             path=path))
     ref = lambda q, k, v, la: jnp.sum(w * F.forget_attention_reference(
         q, k, v, jnp.cumsum(la, 1), scale=0.5)[0])
     g_blk = jax.grad(blk, argnums=(0, 1, 2, 3))(*args)
@@ -103,7 +122,7 @@ def test_gradients_match_reference_and_finite_differences_float64():
     check_grads(jax.jit(blk), args, order=1, modes=("rev",), atol=1e-6, rtol=1e-6, eps=1e-5)
 
 
-def _long(T, block=256):
+def _long(T, block=256, path="auto"):
   """Strong forgetting over T tokens: one head forgets ~3 nats per token (|g| ~ 3 T), the other
   hardly (f ~ 0.999). fp32 blockwise vs the float64 reference on 48 query rows."""
   q, k, v = (_normal(s, (1, T, 2, 8)) * 2 for s in range(3))
@@ -111,9 +130,11 @@ def _long(T, block=256):
   idx = np.unique(np.concatenate([np.arange(8), np.linspace(0, T - 1, 40).astype(int)]))
 
   def loss(q, k, v, la):
-    return jnp.sum(F.forget_attention(q, k, v, la, scale=8 ** -0.5, block=block)[:, idx])
+    return jnp.sum(F.forget_attention(q, k, v, la, scale=8 ** -0.5, block=block,
+                                      path=path)[:, idx])
 
-  out = jax.jit(lambda *a: F.forget_attention(*a, scale=8 ** -0.5, block=block))(q, k, v, loga)
+  out = jax.jit(lambda *a: F.forget_attention(*a, scale=8 ** -0.5, block=block, path=path))(
+      q, k, v, loga)
   grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, loga)
   assert np.all(np.isfinite(out)) and all(np.all(np.isfinite(g)) for g in grads)
   with jax.enable_x64(True):
@@ -125,8 +146,9 @@ def _long(T, block=256):
   return out, grads
 
 
-def test_long_sequence_strong_forgetting_4k():
-  _long(4096, block=256)
+@pytest.mark.parametrize("path", PATHS)
+def test_long_sequence_strong_forgetting_4k(path):
+  _long(4096, block=256, path=path)
 
 
 @pytest.mark.slow
@@ -301,7 +323,8 @@ def test_rope_with_a_ring_cache_is_refused():
 
 # ---------------------------------------------------------------- packed rows
 
-def test_packed_rows_match_reference_and_each_document_alone():
+@pytest.mark.parametrize("path", PATHS)
+def test_packed_rows_match_reference_and_each_document_alone(path):
   """Segment ids (documents of 1, 6, 9, 5 tokens, blocks of 4: documents start inside
   blocks, one spans three): blockwise == the explicit reference (pairs of other documents
   masked, g restarted per document), each document == itself alone, forward and gradients;
@@ -315,7 +338,7 @@ def test_packed_rows_match_reference_and_each_document_alone():
   loga = -jnp.abs(_normal(3, (1, T, 4))) * 6
   w = _normal(4, (1, T, 4, 8))
   blk = lambda q, k, v, la, s=seg: F.forget_attention(q, k, v, la, scale=8 ** -0.5, block=block,
-                                                      segment_ids_BT=s)
+                                                      segment_ids_BT=s, path=path)
   ref = lambda q, k, v, la: F.forget_attention_reference(
       q, k, v, F.time_cumsum(la, segment_starts(seg)), scale=8 ** -0.5, segment_ids_BT=seg)[0]
   grads = lambda f, mask: jax.grad(lambda *a: jnp.sum(mask * w * f(*a)), argnums=(0, 1, 2, 3))

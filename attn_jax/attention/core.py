@@ -193,51 +193,54 @@ def _rows(x, G):
 
 
 def _chunk(q_BKMD, k_BKSD, v_BKSE, *, scale, mask, bias, sink, v_dtype):
-  """One block of M = G*c query rows against S keys: [B, K, M, E] fp32 output.
+  """One block of M = G*c query rows against S keys: [B, K, M, E] fp32 output (fp64 for float64).
 
   Everything is 4-D, [B, K, G*c, .] (the G query heads of a kv head times c rows form one
   matrix dimension): the two matmuls are plain batched matmuls for XLA."""
-  s = jnp.einsum("bkmd,bksd->bkms", q_BKMD, k_BKSD, preferred_element_type=jnp.float32)
+  f = jnp.promote_types(q_BKMD.dtype, jnp.float32)   # fp32 (fp64 for float64 inputs)
+  s = jnp.einsum("bkmd,bksd->bkms", q_BKMD, k_BKSD, preferred_element_type=f)
   s = s * scale
   if bias is not None:
     s = s + bias
   if mask is not None:
     s = jnp.where(mask, s, NEG_INF)
   p = _softmax(s, sink).astype(v_dtype)
-  return jnp.einsum("bkms,bkse->bkme", p, v_BKSE, preferred_element_type=jnp.float32)
+  return jnp.einsum("bkms,bkse->bkme", p, v_BKSE, preferred_element_type=f)
 
 
-def _blocked_attention(q, k, v, *, scale, mask_fn, bias, sink_H, chunk, prefix):
-  """Query chunks of `chunk` rows; with `prefix`, chunk [a, e) reads keys [0, e) only.
+def blocked_attention(q, k, v, *, scale: float, mask_fn=None, bias_fn=None, sink_logit_H=None,
+                      chunk: int = DEFAULT_CHUNK, prefix: bool = False):
+  """The "blocked" path with the bias and mask given per query chunk: [B, T, H, E] in q's dtype.
 
-  mask_fn(a, e, s_end) -> bool mask broadcastable to [B, 1, e - a, s_end], or None."""
+  Query chunks of `chunk` rows; with `prefix` (q and k one causal stream), chunk [a, e) reads
+  keys [0, e) only, skipping the upper triangle. mask_fn(a, e, s_end) -> bool mask
+  broadcastable to [B, 1, e - a, s_end] or None; bias_fn(a, e, s_end) -> fp32 bias
+  broadcastable to [B, H, e - a, s_end] or None. A caller whose bias has structure (a rank-1
+  decay, fox.py) forms each chunk's bias from O(T) vectors and never holds a [T, T] one; the
+  chunk's probabilities are the backward's residual (O(T^2 / 2) over the chunks, as for any
+  blocked attention)."""
   B, T, H, D = q.shape
   S, K, E = k.shape[1], k.shape[2], v.shape[-1]
   G = H // K
   q5 = q.reshape(B, T, K, G, D).transpose(0, 2, 3, 1, 4)  # [B, K, G, T, D]
   kt = k.transpose(0, 2, 1, 3)                            # [B, K, S, D]
   vt = v.transpose(0, 2, 1, 3)                            # [B, K, S, E]
-  sink_KG = None if sink_H is None else sink_H.astype(jnp.float32).reshape(K, G, 1, 1)
-  bias5 = None
-  if bias is not None:  # [B|1, H|1, T, S] -> [B|1, K|1, G|1, T, S]
-    b = bias.astype(jnp.float32)
-    bias5 = b[:, :, None] if b.shape[1] == 1 else b.reshape(b.shape[0], K, G, T, b.shape[-1])
+  f = jnp.promote_types(q.dtype, jnp.float32)   # scores, bias, sink: fp32 (fp64 for float64)
+  sink_KG = None if sink_logit_H is None else sink_logit_H.astype(f).reshape(K, G, 1, 1)
   outs = []
   for a in range(0, T, chunk):
     e = min(a + chunk, T)
     c, s_end = e - a, (e if prefix else S)
     qc = q5[:, :, :, a:e].reshape(B, K, G * c, D)
-    mask = mask_fn(a, e, s_end)
+    mask = None if mask_fn is None else mask_fn(a, e, s_end)
     if mask is not None:
       mask = _rows(mask, G)
     sink = None
     if sink_KG is not None:
       sink = jnp.broadcast_to(sink_KG, (K, G, c, 1)).reshape(K, G * c, 1)
-    bc = None
-    if bias5 is not None:
-      bc = bias5[..., a:e, :s_end]
-      bc = jnp.broadcast_to(bc, bc.shape[:2] + (G,) + bc.shape[3:])
-      bc = bc.reshape(bc.shape[0], bc.shape[1], G * c, s_end)
+    bc = None if bias_fn is None else bias_fn(a, e, s_end)
+    if bc is not None:
+      bc = _bias_rows(jnp.asarray(bc, f), K, G, c)
     o = _chunk(qc, kt[:, :, :s_end], vt[:, :, :s_end], scale=scale, mask=mask, bias=bc,
                sink=sink, v_dtype=v.dtype)
     outs.append(o.reshape(B, K, G, c, E))
@@ -245,7 +248,16 @@ def _blocked_attention(q, k, v, *, scale, mask_fn, bias, sink_H, chunk, prefix):
   return o.transpose(0, 3, 1, 2, 4).reshape(B, T, H, E).astype(q.dtype)
 
 
-def _causal_block_mask(a, e, s_end):
+def _bias_rows(b, K, G, c):
+  """A chunk's bias [B|1, H|1, c|1, S] in the [B|1, K|1, G*c|1, S] row layout of `_chunk`."""
+  if b.shape[1] == 1:   # one bias for every head: the G heads' rows repeat it
+    return _rows(b, G)
+  b5 = b.reshape(b.shape[0], K, G, b.shape[-2], b.shape[-1])
+  b5 = jnp.broadcast_to(b5, b5.shape[:3] + (c,) + b5.shape[4:])
+  return b5.reshape(b5.shape[0], K, G * c, b5.shape[4])
+
+
+def causal_block_mask(a, e, s_end):
   """Static lower-triangular mask of rows [a, e) over keys [0, s_end) (None if all visible)."""
   if s_end <= a + 1:
     return None
@@ -378,13 +390,14 @@ def attend(q, k, v, *, scale: float, causal: bool = True, q_positions=None, kv_p
     prefix = impl == "blocked" and causal and T == S and (plain_causal or prefix_causal)
     step = (chunk or DEFAULT_CHUNK) if prefix else T
     if plain_causal:
-      mask_fn = _causal_block_mask
+      mask_fn = causal_block_mask
     elif mask is not None:
       mask_fn = lambda a, e, s_end: mask[..., a:e, :s_end]
     else:
       mask_fn = lambda a, e, s_end: None
-    return _blocked_attention(q, k, v, scale=scale, mask_fn=mask_fn, bias=bias,
-                              sink_H=sink_logit_H, chunk=step, prefix=prefix)
+    bias_fn = None if bias is None else (lambda a, e, s_end: bias[..., a:e, :s_end])
+    return blocked_attention(q, k, v, scale=scale, mask_fn=mask_fn, bias_fn=bias_fn,
+                             sink_logit_H=sink_logit_H, chunk=step, prefix=prefix)
   if impl == "splash":
     return _splash(q, k, v, scale=scale, sink_H=sink_logit_H)
   return dpa(q, k, v, scale=scale, mask=mask, bias=bias, sink_H=sink_logit_H,

@@ -29,23 +29,33 @@ QK-norm), `output_norm` (per-head RMSNorm of the attention output) and `output_g
 Exact and causal at any length, with no [T, T] bias (`forget_attention`): the sequence is cut
 into blocks of c tokens (`block_size`, 256). g is kept in two levels, a block offset o_I = g
 at the last token before block I and a local part l_i = g_i - o_I (a cumulative sum inside the
-block, so |l| <= the decay of one block):
-- the diagonal blocks, j <= i in one block: bias l_i - l_j (no offset: the large sums cancel
-  before they are formed), one batch of [c, c] biased, masked blocks (`split.partial_attention`);
-- a query block I over an earlier key block J: s = q.k scale + (o_I - o_J) + l_i - l_j,
-  formed inside `flash.past_blocks`' loops (online softmax forward, recomputing backward);
-- the two parts combined exactly by log-sum-exp (`split.combine`).
+block, so |l| <= the decay of one block); g_i - g_j = (o_I - o_J) + (l_i - l_j), so the pairs
+of one block (o_I - o_J = 0 exactly) carry no rounding of the large sums at all. Two paths
+compute the same softmax (`path`; "auto" = `choose_path`):
+- "blocked" (T <= BLOCKED_MAX_LEN under "auto"): query block I over keys [0, e_I) in one
+  `core.blocked_attention` call per block, as the Transformer's CPU core does (two large
+  matmuls per block, the upper triangle skipped). Without packed rows the bias is
+  l_i - kappa_j with kappa_j = (o_J - o_I) + l_j, a row term plus a column term formed from
+  O(T) vectors; the row term l_i is the same for every key of row i, so it cancels in the
+  softmax and is dropped unless a sink column is present. The backward keeps each block's
+  probabilities (O(T^2 / 2) over the blocks, like any blocked attention): hence the length
+  limit of "auto".
+- "flash" (longer T): the diagonal blocks, j <= i in one block, as one batch of [c, c] biased,
+  masked blocks (`split.partial_attention`); a query block I over an earlier key block J,
+  s = q.k scale + (o_I - o_J) + l_i - l_j, formed inside `flash.past_blocks`' loops (online
+  softmax forward, recomputing backward, O(T) memory); the two parts combined exactly by
+  log-sum-exp (`split.combine`).
 Every bias is g_i - g_j <= 0 for a causal pair, so nothing overflows however strong the
 forgetting: a far key's logit is a large negative number, its weight underflows to 0, and a
 row's own diagonal entry (bias 0) keeps its log-sum-exp finite. Precision: the offsets are an
-fp32 cumulative sum over T / c block totals, so a pair in adjacent blocks carries about one
+fp32 cumulative sum over T / c block totals, so a pair in different blocks carries about one
 rounding of |g| (2^-24 |g|) rather than the (i - j) roundings of a per-token cumulative sum,
 and pairs inside a block none of |g| at all.
 
 Packed rows (`segment_ids_BT`, full forwards): a pair (i, j) of different documents is masked
-(`core.segment_mask`: p_ij = 0) on both parts, the diagonal blocks' mask and the flash loops'
-visibility, and g restarts at every document start (segmented sums in both levels,
-`_two_level`). For j <= i in one document g_i - g_j = sum_{l=j+1..i} log f_l reads only that
+(`core.segment_mask`: p_ij = 0) on every part (the blocked path's mask; the flash path's
+diagonal-block mask and its loops' visibility), and g restarts at every document start
+(segmented sums in both levels, `_two_level`). For j <= i in one document g_i - g_j = sum_{l=j+1..i} log f_l reads only that
 document's gates: exactly the document's alone value, and no gradient crosses a boundary even
 at rounding level (a cumulative sum over the whole row would be the same function, but its
 gradients would carry cancelling terms from earlier documents). Masked pairs cannot produce
@@ -96,8 +106,8 @@ from flax import nnx
 
 from attn_jax.attention import cache as cache_lib
 from attn_jax.attention import flash, split
-from attn_jax.attention.core import (attend, attention_flops_per_token, causal_keys,
-                                     choose_impl, segment_mask)
+from attn_jax.attention.core import (attend, attention_flops_per_token, blocked_attention,
+                                     causal_block_mask, causal_keys, choose_impl, segment_mask)
 from attn_jax.attention.projection import (QKVProjection, SinkLogitOptions, make_sink_logit,
                                            probs_with_sink, rope, sink_logit_of)
 from attn_jax.attention.sisa import stat_dtype, time_cumsum
@@ -166,10 +176,12 @@ def _past_scores(scale, shared, qa, ka):
 
 
 def forget_attention(q_BTHD, k_BTKD, v_BTKE, loga_BTH, *, scale: float, block: int,
-                     sink_logit_H=None, segment_ids_BT=None):
+                     sink_logit_H=None, segment_ids_BT=None, path: str = "auto"):
   """softmax_j(q_i.k_j scale + g_i - g_j) over j <= i, g = cumsum(log f), blockwise (module
   docstring): [B, T, H, E] in q's dtype. T is padded up to a multiple of the block.
-  `segment_ids_BT`: packed rows, pairs of different documents masked (module docstring)."""
+  `segment_ids_BT`: packed rows, pairs of different documents masked (module docstring).
+  `path`: "blocked" (query blocks over all their keys), "flash" (diagonal blocks + the O(T)
+  loops over earlier blocks) or "auto" (`choose_path`)."""
   B, T, H, _ = q_BTHD.shape
   c = min(int(block), -(-T // 8) * 8)
   pad = -T % c
@@ -179,19 +191,68 @@ def forget_attention(q_BTHD, k_BTKD, v_BTKE, loga_BTH, *, scale: float, block: i
     q_BTHD, k_BTKD, v_BTKE, loga_BTH = map(zpad, (q_BTHD, k_BTKD, v_BTKE, loga_BTH))
     if seg is not None:   # padded tokens: a document of their own (never read by a real query)
       seg = jnp.pad(seg, ((0, 0), (0, pad)), constant_values=-1)
-  n = (T + pad) // c
   o, l = _two_level(loga_BTH, c, None if seg is None else segment_starts(seg))
+  run = _blocked if choose_path(path, T + pad) == "blocked" else _flash
+  out = run(q_BTHD, k_BTKD, v_BTKE, o, l, scale=scale, c=c, sink_logit_H=sink_logit_H, seg=seg)
+  return out[:, :T].astype(q_BTHD.dtype)
+
+
+PATHS = ("auto", "blocked", "flash")
+BLOCKED_MAX_LEN = 4096   # "auto": the blocked path up to this (padded) length, flash beyond
+
+
+def choose_path(path: str, T: int) -> str:
+  """"auto" -> "blocked" for T <= BLOCKED_MAX_LEN, else "flash" (module docstring: the blocked
+  path keeps every block's probabilities for the backward, O(T^2 / 2), as the Transformer's
+  blocked core does; the flash loops keep O(T))."""
+  if path not in PATHS:
+    raise ValueError(f"forget_attention: unknown path {path!r} ({' | '.join(PATHS)})")
+  if path != "auto":
+    return path
+  return "blocked" if T <= BLOCKED_MAX_LEN else "flash"
+
+
+def _flash(q, k, v, o, l, *, scale, c, sink_logit_H, seg):
+  """The diagonal blocks as one batch of biased [c, c] blocks, the earlier blocks through
+  `flash.past_blocks`, joined by log-sum-exp."""
+  B, T = q.shape[:2]
+  n = T // c
   fold = lambda x: x.reshape((B * n, c) + x.shape[2:])
   unfold = lambda x: x.reshape((B, n * c) + x.shape[2:])
   causal = jnp.tril(jnp.ones((c, c), bool))
   bias = jnp.where(causal, _pair_decay(fold(l), fold(l)), 0.0)
   mask = causal if seg is None else causal & segment_mask(fold(seg), fold(seg))[:, None]
-  diag = split.partial_attention(fold(q_BTHD), fold(k_BTKD), fold(v_BTKE), scale=scale,
-                                 bias=bias, mask=mask)
+  diag = split.partial_attention(fold(q), fold(k), fold(v), scale=scale, bias=bias, mask=mask)
   past = flash.past_blocks(functools.partial(_past_scores, float(scale)), (),
-                           (q_BTHD, o, l), (k_BTKD, o, l), v_BTKE, block=c, segment_ids_BT=seg)
-  out = split.combine([tuple(map(unfold, diag)), past], sink_logit_H)
-  return out[:, :T].astype(q_BTHD.dtype)
+                           (q, o, l), (k, o, l), v, block=c, segment_ids_BT=seg)
+  return split.combine([tuple(map(unfold, diag)), past], sink_logit_H)
+
+
+def _blocked(q, k, v, o, l, *, scale, c, sink_logit_H, seg):
+  """Query block I = [a, a + c) over keys [0, a + c) (`core.blocked_attention`), the bias of
+  each block formed from the O(T) vectors o, l. Without packed rows o is one value o_I per
+  block, so g_i - g_j = (l_i) - ((o_j - o_I) + l_j): a row term, which cancels in the softmax
+  unless a sink column is present (then it is kept), minus a column term kappa_j; in block I
+  itself o_j - o_I = 0 exactly, so the diagonal pairs carry l_i - l_j with no rounding of |g|.
+  Packed rows (o per token) take the pairwise (o_i - o_j) + (l_i - l_j) of the flash path."""
+  rows = lambda x, a, e: x[:, a:e].transpose(0, 2, 1)[..., :, None]     # [B, H, c, 1]
+  cols = lambda x, e: x[:, :e].transpose(0, 2, 1)[..., None, :]         # [B, H, 1, e]
+
+  def bias_fn(a, e, s_end):
+    if seg is not None:
+      return (rows(o, a, e) - cols(o, s_end)) + (rows(l, a, e) - cols(l, s_end))
+    kappa = cols(o, s_end) - o[:, a][..., None, None] + cols(l, s_end)
+    return -kappa if sink_logit_H is None else rows(l, a, e) - kappa
+
+  def mask_fn(a, e, s_end):
+    causal = causal_block_mask(a, e, s_end)
+    if seg is None:
+      return causal
+    vis = segment_mask(seg[:, a:e], seg[:, :s_end])[:, None]
+    return vis if causal is None else vis & causal
+
+  return blocked_attention(q, k, v, scale=scale, mask_fn=mask_fn, bias_fn=bias_fn,
+                           sink_logit_H=sink_logit_H, chunk=c, prefix=True)
 
 
 def forget_attention_reference(q_BTHD, k_BTKD, v_BTKE, g_BTH, *, scale: float,
@@ -222,11 +283,14 @@ def forget_attention_reference(q_BTHD, k_BTKD, v_BTKE, g_BTH, *, scale: float,
 class BiasOptions(SinkLogitOptions):
   """Options of the score-bias mixers (fox, alibi): the sink logit plus the block."""
   block_size: int = 0             # block of the blockwise path; 0 = auto (256)
+  path: str = "auto"              # blocked | flash | auto (blocked up to BLOCKED_MAX_LEN)
 
   def validate_bias(self, where: str) -> None:
     if not is_int(self.block_size, 0):
       raise ValueError(f"{where}.block_size: must be an integer >= 0 (0 = auto), got "
                        f"{self.block_size!r}")
+    if self.path not in PATHS:
+      raise ValueError(f"{where}.path: must be one of {' | '.join(PATHS)}, got {self.path!r}")
     self.validate_sink_logit(where)
 
   @property
@@ -322,7 +386,7 @@ class ScoreBiasAttention(cache_lib.CachedMixer, nnx.Module):
     scale = cfg.head_dim ** -0.5
     if state is None:
       y = forget_attention(q, k, v, loga, scale=scale, block=opts.block, sink_logit_H=sink,
-                           segment_ids_BT=segment_ids_BT)
+                           segment_ids_BT=segment_ids_BT, path=opts.path)
     else:
       y, kv = self._cached(q, k, v, loga, positions_BT, state.cache, sink)
       state = FoXState(kv, carry)
