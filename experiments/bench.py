@@ -59,7 +59,8 @@ with the reason.
 --scale=tiny keeps the architecture family at CPU size: d_model 256, 4 heads (d_h 64, as at
 152M), 4 layers, vocab 4096, Transformer d_ff 4 d; SISA's d_ff is recomputed with
 `matched_d_ff` so both models have the same parameter count. Explicit --d_model, --n_heads,
---n_layers, --vocab_size, --d_ff (Transformer width; SISA matched) override it.
+--n_layers, --vocab_size, --d_ff (Transformer width; SISA and the Transformer twins with a
+`matched` function, fox_*, re-matched) override it.
 """
 
 from __future__ import annotations
@@ -175,6 +176,11 @@ def _model_overrides(name: str, m) -> None:
       m.sisa.path = _SISA_PATH.value
     if _SISA_DECAY_BIAS.value is not None:
       m.sisa.decay_bias_init = _SISA_DECAY_BIAS.value
+  twin = importlib.import_module(f"configs.{name}")
+  if hasattr(twin, "matched") and (d or h):  # a Transformer twin (fox_*): re-match its d_ff too
+    ref = importlib.import_module(f"configs.transformer_{name.split('_', 1)[1]}").get_config()
+    ref.model.update(d_model=m.d_model, d_ff=_D_FF.value or 4 * m.d_model, n_heads=m.n_heads)
+    m.d_ff = twin.matched(ref).model.d_ff
 
 
 def _set_path(config, path: str, text: str) -> None:
