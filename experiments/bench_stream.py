@@ -4,10 +4,12 @@
 1. per-token decoding time of StreamingLLM (4 sinks + L-4 recent tokens, one cached step)
    vs sliding window with re-computation (a fresh forward over the last L tokens per token),
    at cache sizes L = 1024 and 4096, for attention and SISA (the paper: up to 22.2x on
-   Llama-2-7B at L = 4096);
+   Llama-2-7B at L = 4096); the two are timed alternately `--repeats` times and the medians
+   are reported (speedup = median recompute / median streaming);
 2. constant memory: the streaming cache's bytes after 10K and after `--long` tokens (default
-   1M) fed in chunks, the per-chunk time over the stream (first vs last tenth) and the number
-   of traces of the chunk step (`chex.assert_max_traces(n=1)`).
+   1M) fed in chunks, the per-token time over the stream (median of the chunks of the first
+   tenth after the cache is full vs median of the last tenth) and the number of traces of the
+   chunk step (`chex.assert_max_traces(n=1)`).
 
   python experiments/bench_stream.py --out=runs/bench_stream.json
 Prints a table and writes JSON.
@@ -28,6 +30,7 @@ _OUT = flags.DEFINE_string("out", "runs/bench_stream.json", "JSON output.")
 _CACHES = flags.DEFINE_list("caches", ["1024", "4096"], "Cache sizes L.")
 _MIXERS = flags.DEFINE_list("mixers", ["attention", "sisa"], "Mixers to time.")
 _REPS = flags.DEFINE_integer("reps", 20, "Timed tokens per measurement.")
+_REPEATS = flags.DEFINE_integer("repeats", 5, "Alternated measurements (medians reported).")
 _LONG = flags.DEFINE_integer("long", 1_000_000, "Stream length of the memory check (0 = skip).")
 _CHUNK = flags.DEFINE_integer("chunk", 1020, "Chunk of the memory check.")
 
@@ -49,7 +52,7 @@ def _time(fn, reps):
   return (time.perf_counter() - t0) / reps
 
 
-def per_token(mixer, L, reps):
+def per_token(mixer, L, reps, repeats=1):
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -78,13 +81,17 @@ def per_token(mixer, L, reps):
                                jnp.full((1, 1), t, jnp.int32), holder["state"])
     holder["t"] += 1
     return lg
-  t_stream = _time(one, reps)
   gd0, params0 = nnx.split(model)
   fwd = jax.jit(lambda p, x: nnx.merge(gd0, p)(x)[:, -1])
   window = tok[:, :L]
-  t_rec = _time(lambda: fwd(params0, window), max(3, reps // 4))
+  rec = lambda: fwd(params0, window)
+  t_stream, t_rec = [], []
+  for _ in range(repeats):   # alternated, so both see the same machine
+    t_stream.append(_time(one, reps))
+    t_rec.append(_time(rec, max(3, reps // 4)))
+  t_stream, t_rec = float(np.median(t_stream)), float(np.median(t_rec))
   return {"mixer": mixer, "cache": L, "streaming_ms": 1e3 * t_stream,
-          "recompute_ms": 1e3 * t_rec, "speedup": t_rec / t_stream}
+          "recompute_ms": 1e3 * t_rec, "speedup": t_rec / t_stream, "repeats": repeats}
 
 
 def memory(mixer, n_tokens, chunk):
@@ -105,10 +112,13 @@ def memory(mixer, n_tokens, chunk):
     if sc.position >= 10_000 and "10K" not in bytes_at:
       bytes_at["10K"] = sc.cache_bytes
   bytes_at[f"{n_tokens}"] = sc.cache_bytes
-  k = max(1, len(times) // 10)
+  full = -(-(sc.policy.sinks + sc.policy.window) // sc.chunk) + 1   # first chunk after full
+  k = max(1, (len(times) - full) // 10)
+  first, last = np.median(times[full:full + k]), np.median(times[-k:])
   return {"mixer": mixer, "tokens": n_tokens, "cache_bytes": bytes_at,
-          "us_per_token_first_tenth": 1e6 * float(np.mean(times[1:k + 1])),
-          "us_per_token_last_tenth": 1e6 * float(np.mean(times[-k:])), "traces_max": 1}
+          "us_per_token_first_tenth": 1e6 * float(first),
+          "us_per_token_last_tenth": 1e6 * float(last), "last_over_first": float(last / first),
+          "traces_max": 1}
 
 
 def main(argv):
@@ -117,7 +127,7 @@ def main(argv):
   res = {"device": str(jax.devices()[0]), "per_token": [], "memory": []}
   for mixer in _MIXERS.value:
     for L in map(int, _CACHES.value):
-      r = per_token(mixer, L, _REPS.value)
+      r = per_token(mixer, L, _REPS.value, _REPEATS.value)
       res["per_token"].append(r)
       print(f"{mixer:<10} cache {L:>5}: streaming {r['streaming_ms']:8.2f} ms/token, "
             f"recompute {r['recompute_ms']:9.2f} ms/token, speedup {r['speedup']:7.1f}x",
@@ -128,7 +138,8 @@ def main(argv):
       res["memory"].append(r)
       print(f"{mixer:<10} {r['tokens']} tokens: cache bytes {r['cache_bytes']}, "
             f"us/token first tenth {r['us_per_token_first_tenth']:.1f}, last tenth "
-            f"{r['us_per_token_last_tenth']:.1f} (one trace)", flush=True)
+            f"{r['us_per_token_last_tenth']:.1f} ({r['last_over_first']:.2f}x; medians; one "
+            "trace)", flush=True)
   os.makedirs(os.path.dirname(os.path.abspath(_OUT.value)), exist_ok=True)
   with open(_OUT.value, "w") as f:
     json.dump(res, f, indent=1)

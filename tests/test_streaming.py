@@ -101,9 +101,10 @@ def _reference_streaming_attention(mixer, x_TD, n, W):
 
 def test_streaming_attention_equals_its_definition_after_eviction():
   """A 1-layer model past its cache: token by token and in chunks, each output equals the
-  explicit StreamingLLM attention; "window" equals a fresh forward over the last W tokens."""
+  explicit StreamingLLM attention; "window" equals a fresh forward over the last W tokens.
+  30 tokens: the ring's RoPE frame moves twice (cache.py: once its lag passes W)."""
   model = _model("attention", n_layers=1)
-  n, W, N = 3, 5, 17
+  n, W, N = 3, 5, 30
   tok = _tokens(1, N)
   graphdef, st = nnx.split(model.blocks)
   blk = nnx.merge(graphdef, jax.tree.map(lambda a: a[0], st)).layers[0]

@@ -5,7 +5,8 @@
 
 `KVCache` (a pytree; its policy is static): k [B, S, K, Dk], v [B, S, K, Dv], pos [B, S]
 int32 (the stream position each slot holds, -1 = empty), ptr [B] int32 (valid tokens written
-so far, per row) and `extra`, a mixer's own per-key data (any pytree of [B, S, ...] arrays, e.g.
+so far, per row), base [B] int32 (the rings' RoPE frame, below; 0 for `Linear`) and `extra`,
+a mixer's own per-key data (any pytree of [B, S, ...] arrays, e.g.
 SISA's g_j and R(Phi_j) B_j), written slot for slot with the keys. Slots are not positions:
 masks come from `pos` (`core.positional_mask`), so a caller never computes a slot.
 
@@ -17,19 +18,23 @@ state is made (`model.init_state(batch, capacity, policy=...)`); it owns three t
   n' >= n in slot n + (n' - n) mod W;
 - the visible-key set: every cached key, plus the new tokens themselves, within the policy's
   window of stream positions (W, query included; none for `Linear`);
-- the RoPE frame. `Linear` caches keys after RoPE at their stream positions. The rings cache
-  keys BEFORE RoPE and rotate them at call time by positions assigned inside the cache, as in
-  the paper: the visible keys of a query, oldest first, sit at 0, 1, ..., and the query at
-  m = their number (cache [0,1,2,3,6,7,8] decoding token 9 uses 0..7). For a query at stream
-  position p: m = min(p, n + W - 1). A window key j gets m - (p - j): its true distance p - j;
-  a sink key j gets j: distance m - j. So only the sinks' distances are rewritten.
-  Implementation, exact for chunks of any length <= W (each query has its own m):
-  * queries and non-sink keys are rotated by stream position minus one per-row base
-    b = max(0, p_first - (n + W - 1)) (p_first: the row's first valid query): every relative
-    distance is the true one, and every angle stays below n + 2W however long the stream
-    (fp32 RoPE angles of positions ~1e6 would lose ~0.1 rad);
-  * the n sink slots take part in the one `attend` call with a zero key and their exact score
-    as an additive bias: scale * R(m_p) q_p . R(j) k_j, an [B, H, T, n] einsum;
+- the RoPE frame. `Linear` caches keys after RoPE at their stream positions. The rings use
+  positions assigned inside the cache, as in the paper: the visible keys of a query, oldest
+  first, sit at 0, 1, ..., and the query at m = their number (cache [0,1,2,3,6,7,8] decoding
+  token 9 uses 0..7). For a query at stream position p: m = min(p, n + W - 1). A window key j
+  gets m - (p - j): its true distance p - j; a sink key j gets j: distance m - j. So only the
+  sinks' distances are rewritten. Implementation, exact for chunks of any length <= W (each
+  query has its own m), with no per-call rotation of the cache:
+  * the window keys are cached after RoPE in a per-row frame `base` [B]: key j rotated by
+    p_j - base, and the queries by p - base, so every relative distance is the true one. The
+    frame is kept while it lags the ideal one, max(0, p_first - (n + W - 1)) (p_first: the
+    row's first valid query), by at most W; then it moves there and the cached window keys
+    are rotated once by the difference (a `lax.cond`: once per W tokens when streaming). Every
+    angle stays below n + 3W however long the stream (fp32 RoPE angles of positions ~1e6 would
+    lose ~0.1 rad);
+  * the n sink slots hold their keys rotated by their own stream position j; they take part in
+    the one `attend` call with a zero key and their exact score as an additive bias:
+    scale * R(m_p) q_p . R(j) k_j, an [B, H, T, n] einsum;
   * masking uses stream positions: a sink slot is given the first query's position (always
     causal and inside the window for the chunk), other keys their own, window = W.
   With n + W >= the stream length nothing is evicted, m = p, and the result is dense attention.
@@ -70,11 +75,6 @@ class Policy:
   def bounded(self) -> bool:
     return self.window is not None
 
-  @property
-  def rotated_keys(self) -> bool:
-    """Keys cached after RoPE at their stream positions (True) or before it (rings)."""
-    return not self.bounded
-
   def slots(self, capacity: int) -> int:
     return capacity if self.window is None else self.sinks + self.window
 
@@ -106,8 +106,10 @@ class Policy:
     return jnp.where(n_BT < n, n_BT, n + (n_BT - n) % (S - n))
 
   def frame(self, positions_BT: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(base [B], m [B, T], first [B]): RoPE positions in the cache are stream position - base;
-    a query's position as the sinks see it is m; first: each row's first valid position."""
+    """(base [B], m [B, T], first [B]): base = the ideal RoPE frame of a call (positions in
+    the cache are stream position - base; a ring keeps its stored frame while it lags this one
+    by at most W, module docstring); a query's position as the sinks see it is m; first: each
+    row's first valid position."""
     valid = positions_BT >= 0
     first = jnp.min(jnp.where(valid, positions_BT, jnp.iinfo(jnp.int32).max), axis=1)
     first = jnp.where(jnp.any(valid, axis=1), first, 0)
@@ -151,11 +153,13 @@ LINEAR = Linear()
 @struct.dataclass
 class KVCache:
   """A fixed-size KV buffer that knows its positions (module docstring)."""
-  k: jax.Array            # [B, S, K, Dk]: after RoPE (Linear) or before it (rings)
+  k: jax.Array            # [B, S, K, Dk] after RoPE: at stream positions (Linear, sink slots)
+                          # or at stream position - base (the rings' window slots)
   v: jax.Array            # [B, S, K, Dv]
   pos: jax.Array          # [B, S] int32, -1 = empty slot
   ptr: jax.Array          # [B] int32, valid tokens written so far
   extra: Any = None       # the mixer's per-key data: a pytree of [B, S, ...] arrays
+  base: Any = None        # [B] int32: the RoPE frame of the window slots (rings; module doc)
   policy: Policy = struct.field(pytree_node=False, default=LINEAR)
 
   def write(self, k_BTKD, v_BTKD, positions_BT, extra=None) -> "KVCache":
@@ -186,7 +190,8 @@ def init_cache(policy: Policy, batch: int, capacity: int, n_kv: int, dk: int, dv
   zeros = lambda s: jnp.zeros((batch, S) + tuple(s.shape), s.dtype)
   return KVCache(k=jnp.zeros((batch, S, n_kv, dk), dtype), v=jnp.zeros((batch, S, n_kv, dv), dtype),
                  pos=jnp.full((batch, S), -1, jnp.int32), ptr=jnp.zeros((batch,), jnp.int32),
-                 extra=None if extra is None else jax.tree.map(zeros, extra), policy=policy)
+                 extra=None if extra is None else jax.tree.map(zeros, extra),
+                 base=jnp.zeros((batch,), jnp.int32), policy=policy)
 
 
 # ------------------------------------------------------------------ attending to it
@@ -200,13 +205,29 @@ class Widening(NamedTuple):
   bias_new: jax.Array | None = None
 
 
-def _cached_keys(cache: KVCache, base_B, theta: float):
-  """Cached keys in the call's frame: as stored (Linear), or rotated now (rings): sink slots by
-  their stream position, the others by stream position - base."""
-  if cache.policy.rotated_keys:
-    return cache.k
-  slot_sink = (jnp.arange(cache.k.shape[1]) < cache.policy.sinks)[None, :]
-  return rope(cache.k, jnp.where(slot_sink, cache.pos, cache.pos - base_B[:, None]), theta)
+def _in_frame(cache: KVCache, ideal_B, theta: float) -> KVCache:
+  """A ring's cache with its window keys in the call's frame: the stored one while it lags the
+  ideal frame `ideal_B` by at most W, else the ideal one, the cached window keys rotated once
+  by the difference (skipped by `lax.cond` when no row moves)."""
+  pol, S = cache.policy, cache.k.shape[1]
+  base = jnp.zeros_like(ideal_B) if cache.base is None else cache.base
+  new_B = jnp.where(ideal_B - base > pol.window, ideal_B, base)
+  window_S = jnp.arange(S) >= pol.sinks
+  turn_BS = jnp.where(window_S[None, :], (base - new_B)[:, None], 0)   # -(new - old) per slot
+  k = jax.lax.cond(jnp.any(new_B != base), lambda k: rope(k, turn_BS, theta),
+                   lambda k: k, cache.k)
+  return cache.replace(k=k, base=new_B)
+
+
+def _stored_keys(cache: KVCache, k_BTKD, k_frame_BTKD, positions_BT, theta: float):
+  """New keys as the cache keeps them: in the call's frame (`k_frame`), except those bound for
+  a ring's sink slots, rotated by their stream position."""
+  pol = cache.policy
+  if not (pol.bounded and pol.sinks):
+    return k_frame_BTKD
+  n_BT = cache.ptr[:, None] + jnp.cumsum(positions_BT >= 0, axis=1, dtype=jnp.int32) - 1
+  sink_BT = (positions_BT >= 0) & (n_BT < pol.sinks)
+  return jnp.where(sink_BT[..., None, None], rope(k_BTKD, positions_BT, theta), k_frame_BTKD)
 
 
 def _sink_bias(q_sink_BTHE, k_sink_BnKE, scale: float):
@@ -226,10 +247,14 @@ def cached_attention(cache: KVCache, q_BTHD, k_BTKD, v_BTKV, positions_BT, *, th
   mask on stream positions, with the policy's); `extra_new`: the new tokens' per-key data."""
   pol, S, n = cache.policy, cache.k.shape[1], cache.policy.sinks
   base, m, first = pol.frame(positions_BT)
+  if pol.bounded:
+    cache = _in_frame(cache, base, theta)
+    base = cache.base
   rel = positions_BT - base[:, None]
   q, k_new = rope(q_BTHD, rel, theta), rope(k_BTKD, rel, theta)
+  stored = _stored_keys(cache, k_BTKD, k_new, positions_BT, theta)
   dt = q.dtype
-  k_buf = _cached_keys(cache, base, theta).astype(dt)
+  k_buf = cache.k.astype(dt)
   q_sink = rope(q_BTHD, m, theta) if n else None
   bias, mask_pos = None, cache.pos
   if widen is not None:
@@ -256,7 +281,6 @@ def cached_attention(cache: KVCache, q_BTHD, k_BTKD, v_BTKV, positions_BT, *, th
                kv_positions=jnp.concatenate([mask_pos, positions_BT.astype(jnp.int32)], axis=1),
                window=min(spans) if spans else None, bias=bias, sink_logit_H=sink_logit_H,
                impl=impl)
-  stored = rope(k_BTKD, positions_BT, theta) if pol.rotated_keys else k_BTKD
   return out, cache.write(stored, v_BTKV, positions_BT, extra_new)
 
 
