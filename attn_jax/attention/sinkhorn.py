@@ -485,7 +485,6 @@ class SinkhornAttention(nnx.Module):
              f"{getattr(self, f)!r}")
 
   def __init__(self, cfg: ModelConfig, opts: "SinkhornAttention.Options", *, rngs: nnx.Rngs):
-    opts.validate(cfg, "config.model.sinkhorn")
     self.cfg, self.opts = cfg, opts
     self.proj = QKVProjection(cfg, rngs=rngs)
     self.sink_logit = make_sink_logit(cfg, opts, rngs)

@@ -297,6 +297,16 @@ def _segment_kw(seg) -> dict:
   return {} if seg is None else {"q_segments": seg, "kv_segments": seg, "prefix_causal": True}
 
 
+def _pad_operands(ops, pad: int):
+  """`SISAOperands` with `pad` tokens appended: zeros, g repeated (no decay), and a document
+  id of their own (-1) in a packed row."""
+  zpad = lambda x: jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))
+  seg = None if ops.seg is None else jnp.pad(ops.seg, ((0, 0), (0, pad)), constant_values=-1)
+  return ops._replace(q=zpad(ops.q), k=zpad(ops.k), v=zpad(ops.v), rc=zpad(ops.rc),
+                      rb=zpad(ops.rb), g=jnp.pad(ops.g, ((0, 0), (0, pad), (0, 0)), mode="edge"),
+                      seg=seg)
+
+
 def _widen(x_BTHD, f_BTH, r_BTHS):
   """[x ; f r]: q or k widened by its scaled SISA factor (C or B, rotated), in x's dtype."""
   return jnp.concatenate([x_BTHD, (f_BTH[..., None] * r_BTHS).astype(x_BTHD.dtype)], axis=-1)
@@ -375,6 +385,22 @@ class SISAFeatures(NamedTuple):
   loga: jax.Array       # [B, T, H]: log a (0 on padding)
   theta: jax.Array | None   # [B, T, H, d_s/2]: the phase increments (None without phase)
   lam: jax.Array        # [H]: lambda
+
+
+class SISAOperands(NamedTuple):
+  """What every attention path of the mixer reads (`SISA._operands`): the features after the
+  cumulative sums, C and B rotated. A full forward's g is measured from the empty prefix; a
+  cached call's from the last cached token (`SISA._cached`)."""
+  q: jax.Array          # [B, T, H, d_h]: after RoPE (before it for a cached call)
+  k: jax.Array          # [B, T, K, d_h]: likewise
+  v: jax.Array          # [B, T, K, d_h]
+  rc: jax.Array         # [B, T, H, d_s]: R(Phi_i) C_i (C itself without phase), stat dtype
+  rb: jax.Array         # [B, T, H, d_s]: R(Phi_j) B_j
+  g: jax.Array          # [B, T, H]: cumulative log-decay from the reference
+  lam: jax.Array        # [H]: lambda
+  qscale: jax.Array     # [H]: lambda sqrt(d_h), the query side's scale s^2
+  sink: jax.Array | None = None   # [H]: the sink logit (None: no sink column)
+  seg: jax.Array | None = None    # [B, T]: document ids of a packed row (None: one stream)
 
 
 class SISAKeys(NamedTuple):
@@ -504,28 +530,25 @@ class SISA(cache_lib.CachedMixer, nnx.Module):
   def __call__(self, x_BTD, *, positions_BT=None, segment_ids_BT=None, state=None, rng=None,
                train=False):
     del rng, train
-    cfg, seg = self.cfg, segment_ids_BT
-    q, k, v, c, b, loga, theta, lam = self.features(x_BTD, positions_BT, rotate=state is None)
-    sink = sink_logit_of(self.opts, self.sink_logit, cfg.n_heads)
+    seg = segment_ids_BT
+    f = self.features(x_BTD, positions_BT, rotate=state is None)
     # with a state: sums over the new tokens only; packed rows: restarted per document
-    g, phi = decay_and_phase(loga, theta, None if seg is None else segment_starts(seg))
+    g, phi = decay_and_phase(f.loga, f.theta, None if seg is None else segment_starts(seg))
     if state is not None and phi is not None:
       phi = wrap_phase(state.phi[:, None] + phi)
-    rc = c.astype(g.dtype) if phi is None else rotate_pairs(c, phi)
-    rb = b.astype(g.dtype) if phi is None else rotate_pairs(b, phi)
-    qscale = lam * math.sqrt(cfg.head_dim)                      # s^2 = lambda sqrt(d_h)
+    ops = self._operands(f, g, phi, seg)
 
     if state is None:
-      out, chunked = self._full(q, k, v, rc, rb, g, lam, qscale, sink, seg)
+      out, chunked = self._full(ops)
     else:
-      out, kv = self._cached(q, k, v, rc, rb, g, lam, qscale, positions_BT, state.cache, sink)
+      out, kv = self._cached(ops, positions_BT, state.cache)
       g = state.g[:, None] + g                   # the running g: only for `decay_range`
       state = SISAState(kv, g[:, -1], state.phi if phi is None else phi[:, -1])
       chunked = jnp.ones((), jnp.float32)
 
-    mean_loga = jnp.mean(loga)
+    mean_loga = jnp.mean(f.loga)
     aux = {
-        "lambda": jnp.mean(lam),
+        "lambda": jnp.mean(f.lam),
         # tokens for the mean decay to halve a weight; inf without decay
         "half_life": jnp.where(mean_loga < 0, math.log(0.5) / jnp.minimum(mean_loga, -1e-30),
                                jnp.inf),
@@ -537,96 +560,106 @@ class SISA(cache_lib.CachedMixer, nnx.Module):
     }
     return self.proj.o(out), state, aux
 
+  def _operands(self, f: SISAFeatures, g, phi, seg=None) -> SISAOperands:
+    """The paths' operands from the features and the cumulative sums g, Phi (None: no phase)."""
+    rc = f.c.astype(g.dtype) if phi is None else rotate_pairs(f.c, phi)
+    rb = f.b.astype(g.dtype) if phi is None else rotate_pairs(f.b, phi)
+    qscale = f.lam * math.sqrt(self.cfg.head_dim)               # s^2 = lambda sqrt(d_h)
+    sink = sink_logit_of(self.opts, self.sink_logit, self.cfg.n_heads)
+    return SISAOperands(f.q, f.k, f.v, rc, rb, g, f.lam, qscale, sink, seg)
+
   # -------------------------------------------------------------- full sequence
-  def _full(self, q, k, v, rc, rb, g, lam, qscale, sink, seg=None):
+  def _full(self, ops: SISAOperands):
+    """-> (out, chunked flag): the path asked for, or (auto) a cond on the decay range."""
     cfg = self.cfg
     path = self.opts.path
-    args = (q, k, v, rc, rb, g, lam, qscale, sink, seg)
     if path == "fast":
-      return self._fast(*args), jnp.zeros((), jnp.float32)
+      return self._fast(ops), jnp.zeros((), jnp.float32)
     if path == "chunked":
-      return self._chunked(*args), jnp.ones((), jnp.float32)
+      return self._chunked(ops), jnp.ones((), jnp.float32)
     # g is non-increasing (log a <= 0, and rounding is monotone), so its range from the empty
     # prefix is -g at the last token (packed rows: at the last token of each document).
-    use_fast = -jnp.min(g) <= self.fast_range_limit(cfg, self.opts)
+    use_fast = -jnp.min(ops.g) <= self.fast_range_limit(cfg, self.opts)
     # Neither branch leaves [T, S] residuals to the cond (see the module docstring): the fast
     # one is rematerialised (except a fused cuDNN call, whose own residuals are O(T)); so is
     # the blockwise chunked one, whose residuals (the diagonal blocks' probabilities, the
     # flash part's out and lse) the cond would otherwise zero-fill at every step the fast path
     # is taken; the cuDNN chunked one keeps only its inputs by construction (`split.sequential`).
-    fast, chunked = (lambda a: self._fast(*a)), (lambda a: self._chunked(*a))
-    if choose_impl(cfg.attention_impl, q.dtype, q.shape[-1] + rc.shape[-1]) in REMAT_CORE_IMPLS:
+    fast, chunked = self._fast, self._chunked
+    if self._core_impl(ops) in REMAT_CORE_IMPLS:
       fast, chunked = jax.checkpoint(fast), jax.checkpoint(chunked)
-    out = jax.lax.cond(use_fast, fast, chunked, args)
+    out = jax.lax.cond(use_fast, fast, chunked, ops)
     return out, 1.0 - use_fast.astype(jnp.float32)
 
-  def _fast(self, q, k, v, rc, rb, g, lam, qscale, sink=None, seg=None):
+  def _core_impl(self, ops: SISAOperands) -> str:
+    """The attention core a call of the widened Q/K (d_h + d_s channels) runs on."""
+    return choose_impl(self.cfg.attention_impl, ops.q.dtype, ops.q.shape[-1] + ops.rc.shape[-1])
+
+  def _fast(self, ops: SISAOperands):
     """One attend call; reference r = 0 (valid while -g <= fast_max_range; packed rows: g
     restarts at 0 in every document, and pairs of other documents are masked)."""
     cfg = self.cfg
     limit = self.fast_range_limit(cfg, self.opts)
     # The clips are no-ops when this path is chosen; they keep a speculative evaluation
     # (e.g. cond under vmap becomes select) free of inf.
-    qf = jnp.exp(jnp.maximum(g, -limit)) * qscale            # [B, T, H] <= 1 * qscale
-    kf = jnp.exp(jnp.minimum(-g, limit))                     # [B, T, H] in [1, e^limit]
-    qh, kh = _widen(q, qf, rc), _widen(k, kf, rb)
-    return attend(qh, kh, v, scale=cfg.head_dim ** -0.5, causal=True, impl=cfg.attention_impl,
-                  **_sink_kw(sink), **_segment_kw(seg))
+    qf = jnp.exp(jnp.maximum(ops.g, -limit)) * ops.qscale    # [B, T, H] <= 1 * qscale
+    kf = jnp.exp(jnp.minimum(-ops.g, limit))                 # [B, T, H] in [1, e^limit]
+    qh, kh = _widen(ops.q, qf, ops.rc), _widen(ops.k, kf, ops.rb)
+    return attend(qh, kh, ops.v, scale=cfg.head_dim ** -0.5, causal=True,
+                  impl=cfg.attention_impl, **_sink_kw(ops.sink), **_segment_kw(ops.seg))
 
-  def _chunked(self, q, k, v, rc, rb, g, lam, qscale, sink=None, seg=None):
+  def _chunked(self, ops: SISAOperands):
     """The exact path for any decay range: block pairs in O(T) memory (`_blockwise`), or with a
     fused cuDNN core, query chunks whose past goes through that kernel (`_fused_chunks`)."""
-    if choose_impl(self.cfg.attention_impl, q.dtype, q.shape[-1] + rc.shape[-1]) == "cudnn":
-      return self._fused_chunks(q, k, v, rc, rb, g, lam, qscale, sink, seg)
-    return self._blockwise(q, k, v, rc, rb, g, lam, qscale, sink, seg)
+    if self._core_impl(ops) == "cudnn":
+      return self._fused_chunks(ops)
+    return self._blockwise(ops)
 
-  def _blockwise(self, q, k, v, rc, rb, g, lam, qscale, sink, seg=None):
+  def _blockwise(self, ops: SISAOperands):
     """Blocks of c tokens (T padded up to a multiple: padded keys sit in the last block, which
     no query's past contains; padded queries are dropped). Diagonal blocks: all n at once as a
     batch of [c, c] biased, masked blocks. Past blocks: `flash.past_blocks` with the pair's
     reference r = g at the key block's last token. Combined by log-sum-exp."""
-    cfg, dt = self.cfg, q.dtype
-    B, T, H, _ = q.shape
+    cfg, dt = self.cfg, ops.q.dtype
+    B, T, H, _ = ops.q.shape
     c = self.block_len(self.opts, T)
     pad = -T % c
     if pad:
-      zpad = lambda x: jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))
-      q, k, v, rc, rb = map(zpad, (q, k, v, rc, rb))
-      g = jnp.pad(g, ((0, 0), (0, pad), (0, 0)), mode="edge")
-      if seg is not None:   # padded tokens: a document of their own
-        seg = jnp.pad(seg, ((0, 0), (0, pad)), constant_values=-1)
+      ops = _pad_operands(ops, pad)
+    q, k, v, rc, rb, g, seg = ops.q, ops.k, ops.v, ops.rc, ops.rb, ops.g, ops.seg
     n = (T + pad) // c
     fold = lambda x: x.reshape((B * n, c) + x.shape[2:])
     unfold = lambda x: x.reshape((B, n * c) + x.shape[2:])
     causal = jnp.tril(jnp.ones((c, c), bool))
     if seg is not None:
       causal = causal & segment_mask(fold(seg), fold(seg))[:, None]
-    loc = _local_bias(fold(rc), fold(rb), fold(g), fold(g), lam, causal)
+    loc = _local_bias(fold(rc), fold(rb), fold(g), fold(g), ops.lam, causal)
     scale = cfg.head_dim ** -0.5
     diag = split.partial_attention(fold(q), fold(k), fold(v), scale=scale, bias=loc, mask=causal)
-    past = flash.past_blocks(functools.partial(_past_scores, scale), (qscale,), (q, rc, g),
+    past = flash.past_blocks(functools.partial(_past_scores, scale), (ops.qscale,), (q, rc, g),
                              (k, rb, g), v, block=c, segment_ids_BT=seg)
-    out = split.combine([tuple(map(unfold, diag)), past], sink)
+    out = split.combine([tuple(map(unfold, diag)), past], ops.sink)
     return out[:, :T].astype(dt)
 
-  def _fused_chunks(self, q, k, v, rc, rb, g, lam, qscale, sink, seg=None):
+  def _fused_chunks(self, ops: SISAOperands):
     """Query chunks with reference g_{a-1}, run one after another and rematerialised
     (`split.sequential`): the residuals are the full inputs; each chunk's past keys go through
     one call of the fused kernel (O(T) memory on GPU)."""
-    T = q.shape[1]
+    T = ops.q.shape[1]
     c = self.chunk_len(self.opts, T)
     fns = [functools.partial(self._chunk, a, min(a + c, T)) for a in range(0, T, c)]
-    outs = split.sequential(fns, (q, k, v, rc, rb, g, lam, qscale, sink, seg))
+    outs = split.sequential(fns, (ops,))
     out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
-    return out.astype(q.dtype)
+    return out.astype(ops.q.dtype)
 
-  def _chunk(self, a, e, q, k, v, rc, rb, g, lam, qscale, sink, seg=None):
+  def _chunk(self, a: int, e: int, ops: SISAOperands):
     """Queries [a, e): past keys [0, a) through one unbiased, unmasked call (the widened Q/K,
     key factors e^{r - g_j} <= 1), the chunk's own keys through a small block with the
     difference-form SISA bias; the two parts combined by log-sum-exp (`split.combine`).
     Packed rows: both parts masked by document (the past then takes the masked einsum route),
     the factors' exponents clamped at 0 (a no-op on every visible pair, module docstring)."""
-    cfg, dt = self.cfg, q.dtype
+    cfg, dt = self.cfg, ops.q.dtype
+    q, k, v, rc, rb, g, seg = ops.q, ops.k, ops.v, ops.rc, ops.rb, ops.g, ops.seg
     scale = cfg.head_dim ** -0.5
     r = g[:, a - 1] if a > 0 else jnp.zeros_like(g[:, 0])              # [B, H]
     causal = jnp.arange(a, e)[:, None] >= jnp.arange(a, e)[None, :]
@@ -634,38 +667,40 @@ class SISA(cache_lib.CachedMixer, nnx.Module):
     if seg is not None:
       causal = causal & segment_mask(seg[:, a:e], seg[:, a:e])[:, None]
       past_mask = segment_mask(seg[:, a:e], seg[:, :a])[:, None]
-    loc = _local_bias(rc[:, a:e], rb[:, a:e], g[:, a:e], g[:, a:e], lam, causal)
+    loc = _local_bias(rc[:, a:e], rb[:, a:e], g[:, a:e], g[:, a:e], ops.lam, causal)
     parts = [split.partial_attention(q[:, a:e], k[:, a:e], v[:, a:e], scale=scale,
                                      bias=loc, mask=causal)]
     if a > 0:
-      qf = jnp.exp(_nonpositive(g[:, a:e] - r[:, None])) * qscale       # <= qscale
+      qf = jnp.exp(_nonpositive(g[:, a:e] - r[:, None])) * ops.qscale   # <= qscale
       qh = _widen(q[:, a:e], qf, rc[:, a:e])
       kf = jnp.exp(_nonpositive(r[:, None] - g[:, :a]))                 # <= 1
       kh = _widen(k[:, :a], kf, rb[:, :a])
       impl = choose_impl(cfg.attention_impl, dt, qh.shape[-1])
       parts.append(split.partial_attention(qh, kh, v[:, :a], scale=scale, impl=impl,
                                            mask=past_mask))
-    return split.combine(parts, sink)
+    return split.combine(parts, ops.sink)
 
   # -------------------------------------------------------------- decoding
-  def _cached(self, q, k, v, rc, rb, ell, lam, qscale, positions_BT, kv, sink):
+  def _cached(self, ops: SISAOperands, positions_BT, kv: cache_lib.KVCache):
     """T new tokens (q, k before RoPE) after the cached ones, under the cache's policy: one
     chunk with reference r = g of the last cached token. Cached g_j are kept relative to it
     (g_j - r >= 0, shifted after every call), so key factors e^{r - g_j} <= 1, and ell = g - r
     is summed over the new tokens only: the query factors e^ell and the in-chunk decays
     e^{ell_i - ell_j} keep full precision however long the stream. Only the q.k part's RoPE
     positions depend on the policy (a ring re-assigns them); a cached key keeps its g_j and
-    R(Phi_j) B_j, so a sink still sees the true decay accumulated over every token since."""
+    R(Phi_j) B_j, so a sink still sees the true decay accumulated over every token since.
+    `ops.g` is ell."""
     cfg = self.cfg
+    q, k, v, rc, rb, ell = ops.q, ops.k, ops.v, ops.rc, ops.rb, ops.g
     T = q.shape[1]
     kf = jnp.exp(jnp.where((kv.pos >= 0)[..., None], -kv.extra.g, -jnp.inf))  # 0 when empty
     causal = jnp.arange(T)[:, None] >= jnp.arange(T)[None, :]
-    widen = cache_lib.Widening(q=(jnp.exp(ell) * qscale)[..., None] * rc,
+    widen = cache_lib.Widening(q=(jnp.exp(ell) * ops.qscale)[..., None] * rc,
                                k=kf[..., None] * kv.extra.rb.astype(ell.dtype),
-                               bias_new=_local_bias(rc, rb, ell, ell, lam, causal))
+                               bias_new=_local_bias(rc, rb, ell, ell, ops.lam, causal))
     out, kv = cache_lib.cached_attention(
         kv, q, k, v, positions_BT, theta=cfg.rope_theta, scale=cfg.head_dim ** -0.5,
-        impl=cfg.attention_impl, sink_logit_H=sink, widen=widen,
+        impl=cfg.attention_impl, sink_logit_H=ops.sink, widen=widen,
         extra_new=SISAKeys(rb=rb, g=ell))
     last = ell[:, -1:]     # padding (log a = 0) keeps the last valid token's g
     return out, kv.replace(extra=kv.extra._replace(g=kv.extra.g - last.astype(kv.extra.g.dtype)))
@@ -673,9 +708,9 @@ class SISA(cache_lib.CachedMixer, nnx.Module):
   def attention_probs(self, x_BTD):
     """[B, H, T, T + 1] attention map of a full forward, from the explicit reference's scores
     (last column: the sink); diagnostics."""
-    q, k, v, c, b, loga, theta, lam = self.features(x_BTD, None)
-    g, phi = decay_and_phase(loga, theta)
-    _, s = sisa_attention_reference(q, k, v, c, b, g, phi, lam)
+    f = self.features(x_BTD, None)
+    g, phi = decay_and_phase(f.loga, f.theta)
+    _, s = sisa_attention_reference(f.q, f.k, f.v, f.c, f.b, g, phi, f.lam)
     return probs_with_sink(s, sink_logit_of(self.opts, self.sink_logit, self.cfg.n_heads))
 
   # -------------------------------------------------------------- class-level hooks
@@ -717,5 +752,3 @@ class SISA(cache_lib.CachedMixer, nnx.Module):
     return attention_flops_per_token(cfg.n_heads, cfg.head_dim + int(opts.d_state),
                                      cfg.head_dim, causal_keys(seq_len))
 
-
-SISAOptions = SISA.Options   # the options under their module-level name
