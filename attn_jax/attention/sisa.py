@@ -14,128 +14,54 @@ SPEC.md section 1. Per head h, with x = RMSNorm(input), d_h = d_model / H, d_s =
     y_i = sum_{j<=i} softmax_j(score_ij) v_j,   out = y W_o
 
 R(Phi) rotates the interleaved pairs (0,1), (2,3), ... of a d_s vector by the d_s/2 angles of
-Phi (a data-dependent RoPE, as in Mamba-3). Since R(a)^T R(b) = R(b - a), the read/write match
-(R(Phi_i) C_i) . (R(Phi_j) B_j) = C_i^T R(Phi_j - Phi_i) B_j depends on the phase difference
-only; SPEC writes it C_i^T R(Phi_i - Phi_j) B_j, i.e. with the angle measured the other way —
-the same family, the sign convention of the learned theta differs.
+Phi (a data-dependent RoPE, as in Mamba-3); the match depends on Phi_j - Phi_i only.
 
-As in the paper, the extra term is fed to one stock attention call by widening Q and K:
-Q^ = [q ; lambda sqrt(d_h) e^{g_i - r} R(Phi_i) C_i], K^ = [k ; e^{r - g_j} R(Phi_j) B_j],
-scale 1/sqrt(d_h) (not 1/sqrt(d_h + d_s)). V stays d_h wide: core.attend's einsum path takes
-it as is; its jax.nn.dot_product_attention paths ("xla", "cudnn"; "auto" picks "blocked" on
-CPU and "cudnn"/"xla" on GPU, `core.choose_impl`) zero-pad V to d_h + d_s and slice the output
-(exact): the padding costs less than a narrower but slower kernel would.
-The paper splits the scale symmetrically, s = d_h^{1/4} sqrt(lambda) on both sides; putting
-s^2 = lambda sqrt(d_h) on the query side gives the same products and avoids d sqrt(lambda)/d
-lambda = inf at lambda = 0.
+One attention call, as in the paper: with a reference r (below),
+    Q^ = [q ; lambda sqrt(d_h) e^{g_i - r} R(Phi_i) C_i],   K^ = [k ; e^{r - g_j} R(Phi_j) B_j],
+scale 1/sqrt(d_h); V stays d_h wide (cores that need it as wide as Q are given it zero-padded,
+exact). s^2 = lambda sqrt(d_h) sits on the query side (the paper splits s = d_h^{1/4}
+sqrt(lambda) over both): the same products, without d sqrt(lambda)/d lambda = inf at 0.
 
-Exactness at any length (the authors' code subtracts c = (max g + min g)/2 over the whole
-sequence and clamps g - c to [-11, 11]: wrong once the decay range exceeds 22 nats, and c reads
-future tokens). Here every exponential that is evaluated is either <= 1, or <= e^T with a
-fixed T, and no reference point ever depends on a later token:
+Exact at any length, with no clamp (the authors' code clamps g - c to [-11, 11] with c read
+from the whole sequence: wrong past 22 nats of decay, and not causal). Every exponential that
+is evaluated is <= 1 or <= e^T for a fixed T, and no reference reads a later token:
 
-1. Fast path (one attend call, no bias). The reference r = 0 is the empty prefix, so query
-   factors e^{g_i} <= 1 and key factors e^{-g_j} >= 1. It is valid while the whole-sequence
-   decay range max_t(-g_t) = -g_{T-1} (g is non-increasing) is <= T = `fast_max_range`
-   (60 nats; 4 for float16): every factor then lies in [e^-60, e^60], far inside the fp32/bf16
-   exponent range (e^+-88), leaving 28 nats (e^28 ~ 1e12) of headroom for |B|, |C|, lambda and
-   the backward pass. The product e^{g_i} e^{-g_j} keeps full relative precision.
-2. Chunked path (exact for any range). The sequence is cut into blocks of c tokens; the
-   keys a query sees are those of earlier blocks (its *past*) and its own block's prefix.
-   For a query block I and an earlier key block J the reference is r = g at J's last token:
-   - queries i in I: e^{g_i - r} <= 1 (g is non-increasing);
-   - keys j in J: e^{r - g_j} <= 1. A factor can underflow only when the true product
-     e^{g_i - g_j} (<= each factor) is below ~1e-38, i.e. negligible;
-   - keys in the query's own block, j <= i: a factor e^{r - g_j} with r before them could
-     overflow (a block can hold any amount of decay: softplus is unbounded), so it is never
-     formed. The diagonal block is a separate small softmax part: plain q.k scores plus the term
-     lambda e^{g_i - g_j} C.B as an additive [c, c] bias, with e^{g_i - g_j} computed from the
-     *difference* g_i - g_j <= 0 (the SSD "segsum" idea of Mamba-2). No cap on the decay is
-     needed: the model is exactly the paper's function, with no clamp anywhere;
-   - the two parts are combined exactly by log-sum-exp (`split.py`, the split-KV form of
-     FlashAttention-2). The diagonal blocks run as one batch of [c, c] biased blocks; the past
-     runs through `flash.py`'s loops over (query block, earlier key block) pairs with an
-     online softmax and a recomputing backward, the pair's widened Q/K formed inside the loop
-     (`_past_scores`). No [T, S] tensor exists: memory is linear in T at the fixed block
-     (`block_len`, 256), and keys after a block are never read (half the score work of a
-     full-square masked kernel);
-   - with a fused cuDNN core the past instead goes through that kernel: query chunks (at most
-     8) with reference r_I = g_{a-1} (the last token before chunk I = [a, a+c)), each chunk's
-     past keys j < a in one unbiased, unmasked call of the widened Q/K, the chunks run one
-     after another and rematerialised (`split.sequential`: the residuals are the inputs).
-   `jax.lax.cond` on the measured range picks the path at run time (both are compiled); the
-   predicate has no gradient, and both paths compute the same function (so the choice, which
-   reads the whole sequence, changes outputs only at rounding level; tested). Under autodiff a
-   cond returns the residuals of *both* branches as outputs (the untaken one zero-filled), so
-   neither branch may leave [T, S] residuals: the fast branch is rematerialised
-   (`jax.checkpoint`; recomputing the scores is cheaper than storing and reloading them on CPU,
-   `experiments/bench.py`), the chunked one keeps O(T) residuals by construction. With a fused
-   cuDNN core (O(T) residuals) the fast branch is not rematerialised. A forced `path="fast"`
-   (the caller's promise that the range stays below the limit) is not rematerialised either:
-   `config.model.remat` governs it as any mixer.
-3. Decoding / prefill with a state is the chunked path with one chunk after the buffered
-   tokens: reference r = the running g of the last buffered token; buffered keys get
-   e^{r - g_j} <= 1, the new block's own pairs go through the difference-form bias. A one-token
-   step is thus exact at any length: query factor e^{g_i - g_{i-1}} = a_i <= 1, key factors
-   <= 1. The state (`SISAState`) is a `cache.KVCache` holding k, v and, per key
-   (`SISAKeys`), R(Phi_j) B_j and g_j - r (shifted after every call), plus the running g and
-   Phi per row. Padding tokens (position -1) get log a = 0 and theta = 0, so rows of different
-   lengths keep exact
-   running sums.
+- fast path (`_fast`): r = 0, one attend call; query factors e^{g_i} <= 1, key factors
+  e^{-g_j} <= e^T, valid while the decay range -g_{T-1} <= T = `fast_max_range` (60 nats,
+  4 for float16): inside the fp32/bf16 exponent range with headroom for B, C and lambda.
+- chunked path (`_chunked`): blocks of c tokens (`block_len`); a query block and an earlier key
+  block take r = g at the key block's last token, so both factors are <= 1; a block's own
+  pairs enter as a [c, c] bias lambda e^{g_i - g_j} C.B formed from the difference
+  g_i - g_j <= 0 (Mamba-2's segsum); the parts are combined by log-sum-exp (`split.py`), the
+  past through `flash.past_blocks` (O(T) memory), or, with a fused cuDNN core, query chunks
+  whose past goes through that kernel (`_fused_chunks`).
+- `path="auto"`: a `jax.lax.cond` on the measured range -min g (both paths compute the same
+  function). A cond keeps both branches' residuals, so with a core in
+  `core.REMAT_CORE_IMPLS` both branches are rematerialised; fused cores keep O(T) residuals.
+- decoding / prefill (`_cached`): the chunked path with one chunk after the cache, r = g of
+  the last cached token; cached g_j are stored relative to it, so a one-token step has factors
+  a_i <= 1 and <= 1 at any length. The state (`SISAState`) is a `cache.KVCache` with SISA's
+  per-key R(Phi_j) B_j and g_j - r (`SISAKeys`) plus the running g and Phi. The cache policy
+  (`attention/cache.py`, chosen at decode time) re-assigns only the q.k part's RoPE positions:
+  a key keeps its g_j and R(Phi_j) B_j, so a sink sees the true decay since it.
 
-Packed rows (`segment_ids_BT`, full forwards): g and Phi restart at every document start
-(segmented scans, `time_cumsum(starts_BT=)`), and pairs of different documents are masked
-(`core.segment_mask`) on every path: the fast call's mask, the diagonal blocks' mask and local
-bias, the flash loops' visibility, the fused route's past parts (which then take the masked
-einsum route of `split.partial_attention`). Masking the pair is exact: only g_i - g_j and
-Phi_j - Phi_i with i, j in one document enter, and with the restart they are formed from that
-document's own sums, exactly as alone (value and gradient: no cotangent crosses a restart).
-Bounds: within a document g is still non-increasing and starts at 0, so the fast path's factors
-keep their bounds with the range now the largest document's (`decay_range`: -min g). On the
-chunked path a reference r (g at a key block's last token, or at the token before a query
-chunk) may lie in another document than the query or key, where g_i - r or r - g_j can be
-> 0 (up to a document's whole decay): those exponents are clamped at 0 by a select
-(`_nonpositive`), a no-op on every visible pair (there i, j and the reference token lie in one
-document, in that order), so a masked pair's factor stays <= 1 and its zero cotangent gives
-zero gradients, never inf * 0. The in-block bias e^{g_i - g_j} is masked before the exp.
-`reads_shared_prefix` is False: a shared prefix (segment 0, sink tokens) is visible to every
-document by `core.segment_mask`, but its pairs have no meaningful decay here (g restarts at the
-document, the prefix keeps its own sums, and the clamp above is no longer a no-op for them), so
-packed rows with sink tokens are not exact for SISA; the decoder has to refuse that pairing.
+Padding tokens (position -1) get log a = 0 and theta = 0: they leave g and Phi unchanged.
+Packed rows (`segment_ids_BT`): g and Phi restart at every document start and pairs of other
+documents are masked on every path; a chunked reference that lies in another document is
+clamped to a factor <= 1 (`_nonpositive`, a no-op on visible pairs). `reads_shared_prefix` is
+False (a shared prefix has no meaningful decay to a restarted g).
 
-Precision of g: g is an fp32 cumulative sum, so a difference g_i - g_j of two large sums carries
-an absolute error ~ 2^-24 |g| (relative error of a decay factor ~ 1e-4 at |g| ~ 2000 nats):
-exact to fp32 rounding of the cumulative sum, far below bf16 resolution. The explicit reference
-(`sisa_attention_reference`) uses the same g and Phi, formed pairwise as differences.
+Precision: g and Phi are fp32 cumulative sums (fp64 for a float64 model); g_i - g_j carries an
+absolute error ~2^-24 |g|. Phi is wrapped mod 2 pi at every step (`phase_cumsum`, 2 pi split
+in two floats), so angles stay below a few radians at any length (tested against float64 at
+32K tokens). CPU sums with `lax.scan` (`jnp.cumsum` is an O(T^2) reduce_window there), other
+backends keep `jnp.cumsum` for g. C, B, theta and the decay come from one matmul.
 
-Precision of Phi: only Phi mod 2 pi matters (a rotation is periodic), and an absolute fp32 angle
-of a few thousand radians (reached within a few thousand tokens at large theta) has a spacing of
-~1e-3 rad, with cos/sin of it no better. So the running phase is wrapped mod 2 pi at every step
-of its scan (`phase_cumsum`, with 2 pi split into two floats so a wrap adds no error of its
-own), and the decoding state keeps it wrapped: every angle stays below a few radians however long
-the sequence. Tested against a float64 reference at 32K tokens (tests/test_sisa.py). On CPU g
-and Phi share one `lax.scan`; elsewhere g keeps `jnp.cumsum` and Phi takes the sequential scan
-(its wrap is not associative), elementwise work on [B, H, d_s/2] per step.
+Sink logit (`sink_logit`, `projection.SinkLogitOptions`): the extra softmax column on every
+path, part of the one softmax over the widened scores.
 
-Cumulative sums: on CPU `jnp.cumsum` lowers to a `reduce_window` with a window as long as the
-sequence (O(T^2) work), while a sequential `lax.scan` is O(T) and, on CPU, faster than
-`lax.associative_scan` forward and backward. So CPU uses `lax.scan`; other backends keep
-`jnp.cumsum` (GPU: a dedicated CUB scan lowering; TPU: XLA rewrites the reduce_window into a
-prefix tree) — a sequential scan would be T dependent steps there. log a and theta are summed
-in one scan. C, B, theta and the decay pre-activation come from one matmul (their kernels,
-separate parameters with their own logical axes, concatenated at call time).
-
-Attention sinks and cache policies (SPEC.md section 3): `sink_logit` ("learned" / "softmax1",
-`projection.SinkLogitOptions`) adds the extra softmax column on every path (the column is part
-of the one softmax over the widened scores). The decoding cache runs under the policy asked for
-at decode time (`attention/cache.py`: dense, a ring, StreamingLLM's sinks + ring): SISA's decay
-and phase are cumulative sums of the content, not positions, so a cached key keeps its g_j and
-its rotated R(Phi_j) B_j; only the RoPE positions of the q.k part are re-assigned inside a ring,
-exactly as for attention (the sinks' full widened score, q.k and SISA term, enters as their
-bias). A query therefore still sees the true decay e^{g_i - g_j} to a sink, accumulated over
-every token in between (evicted ones included).
-
-Measured costs (SISA vs the Transformer, path choice) are in the README, produced by
+The derivations (each path's bounds, the residuals under a cond, decoding, packed rows, the
+cumulative sums by backend) are in docs/sisa.md; measured costs in the README, produced by
 `experiments/bench.py`.
 """
 
