@@ -506,8 +506,8 @@ class SISA(cache_lib.CachedMixer, nnx.Module):
     # g is non-increasing (log a <= 0, and rounding is monotone), so its range from the empty
     # prefix is -g at the last token (packed rows: at the last token of each document).
     use_fast = -jnp.min(ops.g) <= self.fast_range_limit(cfg, self.opts)
-    # Neither branch leaves [T, S] residuals to the cond (see the module docstring): the fast
-    # one is rematerialised (except a fused cuDNN call, whose own residuals are O(T)); so is
+    # Neither branch leaves [T, S] residuals to the cond (docs/sisa.md, "Picking the path"): the
+    # fast one is rematerialised (except a fused cuDNN call, whose own residuals are O(T)); so is
     # the blockwise chunked one, whose residuals (the diagonal blocks' probabilities, the
     # flash part's out and lse) the cond would otherwise zero-fill at every step the fast path
     # is taken; the cuDNN chunked one keeps only its inputs by construction (`split.sequential`).
