@@ -44,6 +44,11 @@ reach past outputs through rounding, which the causality test detects.) The cumu
 are computed per chunk and carried across chunks mod 2 pi (a scan), so they stay in range at
 any length.
 
+Implicit attention (`Mamba3.implicit_attention`, for eval/maps.py): unrolling the trapezoid
+from a zero state, y_t = sum_{j<=t} M_tj x_j + D x_t with
+M_tj = (q_t . k_j) L_tj (gamma_j + [j<t] beta'_{j+1}), L_tj = exp(a_{j+1} + ... + a_t): the
+input of token j enters h_j with gamma_j and h_{j+1} with beta'_{j+1} alpha_{j+1}.
+
 `trapezoid_recurrent` is the explicit recurrence (lax.scan over time, the test reference) and
 the decode step is one token of it. Decoding state: angles [H, R], h [H, P, N] (fp32), and the
 last token's k [H, N] and x [H, P]: constant in the generated length. Padding (position -1):
