@@ -22,6 +22,13 @@ only ever use it; none of them branches on a mixer's name):
       @classmethod max_chunk(cls, cfg, opts, capacity[, policy]) -> int | None    (optional)
       @classmethod stream_limit(cls, cfg, opts, capacity[, policy]) -> int | None (optional)
 
+- `Options`: a frozen dataclass nested in the mixer class (`Mixer.Options`; a shared base such
+  as `projection.SinkLogitOptions` may live elsewhere). `validate` runs once, where the model
+  config is made: `ModelConfig.from_config`, `ModelConfig.with_options` and
+  `config.validate_model` (which `model.build_model` runs) call it for every mixer of the
+  pattern with `where = "config.model.<name>"`. `__init__` trusts the options it is given and
+  does not validate them again (a test or notebook building a mixer directly validates through
+  those entry points).
 - `positions_BT` [B, T] int32: each token's absolute position in its row's stream; -1 marks
   padding (prompts of different lengths, right-padded), which must neither change the state
   nor be attended to.

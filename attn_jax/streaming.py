@@ -36,6 +36,7 @@ from flax import nnx
 from attn_jax.attention import cache as cache_lib
 from attn_jax.config import ModelConfig
 from attn_jax.model import mixer_limits
+from attn_jax.options import is_int
 from attn_jax.registry import get_mixer
 
 POLICIES = ("dense", "window", "recompute", "streaming")
@@ -50,9 +51,9 @@ class Policy:
   def validate(self) -> None:
     if self.name not in POLICIES:
       raise ValueError(f"policy {self.name!r} not in {POLICIES}")
-    if not (isinstance(self.window, int) and self.window >= 1):
+    if not is_int(self.window, 1):
       raise ValueError(f"policy {self.name}: window must be an integer >= 1, got {self.window!r}")
-    if not (isinstance(self.sinks, int) and self.sinks >= 0):
+    if not is_int(self.sinks, 0):
       raise ValueError(f"policy {self.name}: sinks must be an integer >= 0, got {self.sinks!r}")
 
   @property

@@ -18,7 +18,7 @@ def matched(c, config_string: str = ""):
     raise ValueError(f"fox preset override: {config_string!r} (use nothing or 'pro')")
   for name in PRO:
     c.model.fox[name] = config_string == "pro"
-  opts = fox.FoXOptions(**c.model.fox.to_dict())
+  opts = fox.FoX.Options(**c.model.fox.to_dict())
   m = c.model
   extra = fox.extra_params(m.d_model, m.n_heads, m.n_kv_heads or m.n_heads, opts)
   c.model.update(mixer="fox", d_ff=fox.matched_d_ff(m, extra))

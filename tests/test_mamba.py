@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from attn_jax.config import ModelConfig
+from attn_jax.config import ModelConfig, validate_model
 from attn_jax.model import count_params
 from attn_jax.ssm.hybrid_heads import HybridHeads
 from attn_jax.ssm.mamba2 import Mamba2
@@ -247,13 +247,23 @@ def test_flops_per_token():
   assert hh.flops_per_token(CFG, oh, 2048) == attn + m2.flops_per_token(CFG, oh.mamba2(), 2048)
 
 
+def _validate(name, opts):
+  """The model's validation (`config.validate_model`, which `build_model` runs), for a
+  one-mixer model with these options."""
+  validate_model(CFG.replace(mixer=name, options=((name, opts),)))
+
+
 def test_options_validation_names_the_field():
   with pytest.raises(ValueError, match=r"config\.model\.mamba2\.expand"):
-    Mamba2(CFG, Mamba2.Options(head_dim=48), rngs=nnx.Rngs(0))
+    _validate("mamba2", Mamba2.Options(head_dim=48))
   with pytest.raises(ValueError, match=r"config\.model\.mamba3\.n_groups"):
-    Mamba3(CFG, Mamba3.Options(head_dim=8, n_groups=3), rngs=nnx.Rngs(0))
+    _validate("mamba3", Mamba3.Options(head_dim=8, n_groups=3))
   with pytest.raises(ValueError, match=r"config\.model\.hybrid_heads\.d_state"):
-    HybridHeads(CFG, HybridHeads.Options(d_state=0, head_dim=8), rngs=nnx.Rngs(0))
+    _validate("hybrid_heads", HybridHeads.Options(d_state=0, head_dim=8))
+  with pytest.raises(ValueError, match=r"config\.model\.mamba2\.d_conv"):
+    _validate("mamba2", Mamba2.Options(d_conv=True))         # a bool is not an integer
+  for name, cls in (("mamba2", Mamba2), ("mamba3", Mamba3), ("hybrid_heads", HybridHeads)):
+    _validate(name, cls.Options(head_dim=8))
 
 
 # ----------------------------------------------------------------------- parameter counts

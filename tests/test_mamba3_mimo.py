@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from attn_jax.config import ModelConfig
+from attn_jax.config import ModelConfig, validate_model
 from attn_jax.ssm import mamba3 as M
 from attn_jax.ssm.mamba3 import Mamba3
 
@@ -157,8 +157,8 @@ def test_causal_by_gradient():
 
 
 def test_validate_names_the_field():
-  with pytest.raises(ValueError, match=r"mamba3\.mimo_rank"):
-    Mamba3(CFG, _opts(mimo_rank=-1), rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=r"config\.model\.mamba3\.mimo_rank"):
+    validate_model(CFG.replace(mixer="mamba3", options=(("mamba3", _opts(mimo_rank=-1)),)))
 
 
 def test_flops_grow_with_the_rank():

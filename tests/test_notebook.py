@@ -231,6 +231,39 @@ def test_mamba2_decay_matrix_reproduces_the_mixers_output(mixer_name):
   assert np.all(L[..., ~np.asarray(out["mask"])] == 0)
 
 
+
+@pytest.mark.parametrize("mimo_rank", [0, 2])
+def test_mamba3_implicit_attention_reproduces_the_mixers_output(mimo_rank):
+  """y = W_out(sum_o w^o ((M x + D x) * SiLU(z w^z))) with M from the hook equals the mixer's
+  output (the chunked trapezoid; SISO: one output column, no weights); L is the product of
+  the per-token decays."""
+  cfg, m, x = _mixer("mamba3", d_state=8, head_dim=16, chunk_size=8, n_groups=2, expand=2.0,
+                     dt_min=0.05, dt_max=0.5, mimo_rank=mimo_rank)
+  out = maps.implicit_attention(m, x)
+  M, xs, D, z = out["M"], out["x"], m.D[...], m.in_z(x)
+  if mimo_rank:
+    Y = jnp.einsum("bhtjoi,bjhip->bthop", M, xs) + D[:, None, None] * xs
+    y = jnp.sum(m.mimo_o[...] * Y * jax.nn.silu(z[..., None, :] * m.mimo_z[...]), axis=3)
+  else:
+    y = (jnp.einsum("bhtj,bjhp->bthp", M, xs) + D[:, None] * xs) * jax.nn.silu(z)
+  chex.assert_trees_all_close(m.out(y), m(x, positions_BT=None)[0], rtol=1e-4, atol=1e-6)
+  decay = np.asarray(out["decay"])
+  assert np.all((decay > 0) & (decay < 1))
+  L, mask = np.asarray(out["L"]), np.asarray(out["mask"])
+  i, j = 9, 3
+  np.testing.assert_allclose(L[:, :, i, j], np.prod(decay[:, j + 1:i + 1], axis=1), rtol=1e-5)
+  assert np.all(L[..., ~mask] == 0) and np.all(np.asarray(M)[:, :, ~mask] == 0)
+
+
+def test_mamba3_implicit_attention_through_maps_only():
+  """maps.implicit_attention reads nothing but the hook (a stand-in mixer with only the hook)."""
+  class HookOnly:
+    def implicit_attention(self, x_BTD):
+      return {"M": x_BTD}
+  x = jnp.ones((1, 2, 3))
+  assert maps.implicit_attention(HookOnly(), x)["M"] is x
+
+
 if __name__ == "__main__":
   if sys.argv[1:] == ["--strip"]:
     strip_outputs()

@@ -75,7 +75,7 @@ def test_attention_sink_logit_equals_the_explicit_formula_with_gradients(impl, k
 @pytest.mark.parametrize("path", ["fast", "chunked"])
 def test_sisa_sink_logit_equals_the_explicit_formula(path):
   cfg = _cfg(attention_impl="einsum", init_std=0.3)
-  opts = sisa.SISAOptions(d_state=4, path=path, chunk_size=4, sink_logit="learned")
+  opts = sisa.SISA.Options(d_state=4, path=path, chunk_size=4, sink_logit="learned")
   mixer = sisa.SISA(cfg, opts, rngs=nnx.Rngs(0))
   mixer.sink_logit[...] = _x(4, (H,))
   x = _x(5, (2, 10, D))

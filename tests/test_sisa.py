@@ -327,7 +327,7 @@ def test_gradients_match_finite_differences_float64(monkeypatch, path):
                 decay_bias_init=0.0)
     cfg = ModelConfig(mixer="sisa", d_model=8, n_heads=2, n_layers=1, d_ff=16, vocab_size=16,
                       dtype="float64", param_dtype="float64",
-                      options=(("sisa", S.SISAOptions(**opts)),))
+                      options=(("sisa", S.SISA.Options(**opts)),))
     m = _boost(S.SISA(cfg, cfg.options_for("sisa"), rngs=nnx.Rngs(params=0)), bc=4.0, qk=4.0, phase=10.0)
     graphdef, state = nnx.split(m)
     T = 7
@@ -387,10 +387,10 @@ def test_validate_names_the_field(field, value):
   else:
     opts[field], name = value, f"config.model.sisa.{field}"
   cfg = ModelConfig(mixer="sisa", d_model=32, n_heads=2,
-                    options=(("sisa", S.SISAOptions(**opts)),), **kw)
+                    options=(("sisa", S.SISA.Options(**opts)),), **kw)
   with pytest.raises(ValueError, match=name.replace(".", r"\.")):
     validate_model(cfg)
-  validate_model(cfg.replace(n_kv_heads=0, options=(("sisa", S.SISAOptions()),)))
+  validate_model(cfg.replace(n_kv_heads=0, options=(("sisa", S.SISA.Options()),)))
 
 
 # ---------------------------------------------------------------- long (slow)

@@ -51,20 +51,17 @@ def alibi_slopes(n_heads: int) -> np.ndarray:
   return np.concatenate([power_of_two(n), power_of_two(2 * n)[0::2][:n_heads - n]])
 
 
-@dataclasses.dataclass(frozen=True)
-class ALiBiOptions(BiasOptions):
-  def validate(self, cfg: ModelConfig, where: str) -> None:
-    del cfg
-    self.validate_bias(where)
-
-
 @register_mixer("alibi")
 class ALiBi(ScoreBiasAttention):
   """ALiBi attention (module docstring). Options: `config.model.alibi`."""
 
-  Options = ALiBiOptions
+  @dataclasses.dataclass(frozen=True)
+  class Options(BiasOptions):     # the block and the sink logit only (fox.BiasOptions)
+    def validate(self, cfg: ModelConfig, where: str) -> None:
+      del cfg
+      self.validate_bias(where)
 
-  def __init__(self, cfg: ModelConfig, opts: ALiBiOptions, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, opts: "ALiBi.Options", *, rngs: nnx.Rngs):
     self.cfg, self.opts = cfg, opts
     self.proj = QKVProjection(cfg, rngs=rngs)
     self.sink_logit = make_sink_logit(cfg, opts, rngs)

@@ -97,7 +97,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import NamedTuple
 
 import jax
@@ -113,7 +112,7 @@ from attn_jax.attention.projection import (QKVProjection, SinkLogitOptions, make
 from attn_jax.attention.sisa import stat_dtype, time_cumsum
 from attn_jax.config import ModelConfig
 from attn_jax.layers import Linear, causal_positions, dtype_of, param, segment_starts
-from attn_jax.options import is_int
+from attn_jax.options import field_check, is_int, is_number
 from attn_jax.registry import register_mixer
 
 DEFAULT_BLOCK = 256
@@ -286,11 +285,10 @@ class BiasOptions(SinkLogitOptions):
   path: str = "auto"              # blocked | flash | auto (blocked up to BLOCKED_MAX_LEN)
 
   def validate_bias(self, where: str) -> None:
-    if not is_int(self.block_size, 0):
-      raise ValueError(f"{where}.block_size: must be an integer >= 0 (0 = auto), got "
-                       f"{self.block_size!r}")
-    if self.path not in PATHS:
-      raise ValueError(f"{where}.path: must be one of {' | '.join(PATHS)}, got {self.path!r}")
+    check = field_check(where)
+    check(is_int(self.block_size, 0), "block_size",
+          f"must be an integer >= 0 (0 = auto), got {self.block_size!r}")
+    check(self.path in PATHS, "path", f"must be one of {' | '.join(PATHS)}, got {self.path!r}")
     self.validate_sink_logit(where)
 
   @property
@@ -298,28 +296,7 @@ class BiasOptions(SinkLogitOptions):
     return int(self.block_size) or DEFAULT_BLOCK
 
 
-@dataclasses.dataclass(frozen=True)
-class FoXOptions(BiasOptions):
-  forget_bias_init: float = 0.0   # b_f: f = sigmoid(w.x + b_f) ~ 1/2 at init (the paper's)
-  rope: bool = False              # RoPE on q, k (the paper: none; linear cache only)
-  qk_norm: bool = False           # Pro: per-head RMSNorm of q and k
-  key_shift: bool = False         # Pro: data-dependent token shift of the keys
-  value_shift: bool = False       # Pro: ... of the values
-  output_norm: bool = False       # Pro: per-head RMSNorm of the attention output
-  output_gate: bool = False       # Pro: y * sigmoid(x W_g) before W_o
-
-  def validate(self, cfg: ModelConfig, where: str) -> None:
-    del cfg
-    b = self.forget_bias_init
-    if not (isinstance(b, (int, float)) and not isinstance(b, bool) and math.isfinite(b)):
-      raise ValueError(f"{where}.forget_bias_init: must be a finite number, got {b!r}")
-    for name in ("rope", "qk_norm", "key_shift", "value_shift", "output_norm", "output_gate"):
-      if not isinstance(getattr(self, name), bool):
-        raise ValueError(f"{where}.{name}: must be True or False, got {getattr(self, name)!r}")
-    self.validate_bias(where)
-
-
-def extra_params(d_model: int, n_heads: int, n_kv_heads: int, opts: FoXOptions) -> int:
+def extra_params(d_model: int, n_heads: int, n_kv_heads: int, opts: "FoX.Options") -> int:
   """Parameters FoX adds per layer over attention: the gate (d H + H) and the Pro options."""
   d, H, K, dh = d_model, n_heads, n_kv_heads, d_model // n_heads
   n = d * H + H
@@ -462,9 +439,27 @@ class ScoreBiasAttention(cache_lib.CachedMixer, nnx.Module):
 class FoX(ScoreBiasAttention):
   """Forgetting Attention (module docstring). Options: `config.model.fox`."""
 
-  Options = FoXOptions
+  @dataclasses.dataclass(frozen=True)
+  class Options(BiasOptions):
+    forget_bias_init: float = 0.0   # b_f: f = sigmoid(w.x + b_f) ~ 1/2 at init (the paper's)
+    rope: bool = False              # RoPE on q, k (the paper: none; linear cache only)
+    qk_norm: bool = False           # Pro: per-head RMSNorm of q and k
+    key_shift: bool = False         # Pro: data-dependent token shift of the keys
+    value_shift: bool = False       # Pro: ... of the values
+    output_norm: bool = False       # Pro: per-head RMSNorm of the attention output
+    output_gate: bool = False       # Pro: y * sigmoid(x W_g) before W_o
 
-  def __init__(self, cfg: ModelConfig, opts: FoXOptions, *, rngs: nnx.Rngs):
+    def validate(self, cfg: ModelConfig, where: str) -> None:
+      del cfg
+      need = field_check(where)
+      b = self.forget_bias_init
+      need(is_number(b), "forget_bias_init", f"must be a finite number, got {b!r}")
+      for name in ("rope", "qk_norm", "key_shift", "value_shift", "output_norm", "output_gate"):
+        need(isinstance(getattr(self, name), bool), name,
+             f"must be True or False, got {getattr(self, name)!r}")
+      self.validate_bias(where)
+
+  def __init__(self, cfg: ModelConfig, opts: "FoX.Options", *, rngs: nnx.Rngs):
     self.cfg, self.opts = cfg, opts
     dt, pdt = dtype_of(cfg.dtype), dtype_of(cfg.param_dtype)
     H, K, Dh, D = cfg.n_heads, cfg.kv_heads, cfg.head_dim, cfg.d_model

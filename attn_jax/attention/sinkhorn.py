@@ -12,129 +12,44 @@ blocks X_0 .. X_{N-1}. Per kv head:
 with Gumbel noise added to R in training (`gumbel_noise`, only when `train` and an rng are
 given). Cost: O(T (m+1) b) scores instead of O(T^2) (m = 1 sorted block without SortCut); the
 soft mix forms N sorted blocks from N blocks each, O(N^2 b d) = O(T^2 d / b) multiply-adds in
-O(T d) memory (SortCut gathers instead: O(T m d)); the sorting itself is O(N^2 d_s) scores plus
-the Sinkhorn iterations (see 3b). Measured against dense attention by
-`python experiments/bench_sinkhorn.py` (time, compiled memory, crossover length).
+O(T d) memory (SortCut gathers instead: O(T m d)); the sorting is O(N^2 d_s) scores plus the
+Sinkhorn iterations (causal: O(n_iters N^3) per kv head). Measured against dense attention by
+`python experiments/bench_sinkhorn.py` (time, compiled memory, crossover length; README).
 
-What the paper specifies: contiguous blocks; a SortNet of block sums followed by an MLP; Sinkhorn
-normalisation in log space with temperature and Gumbel noise (best: 7 iterations, tau 0.75); each
-query block attends to its sorted block and its local block under one softmax; a causal variant
-("Causal Sinkhorn Balancing": the sort matrix only takes from past blocks, local attention is
-causal); SortCut (truncate to the first k sorted blocks); hard sorting at inference.
+Choices where the paper leaves room (reasons in docs/sinkhorn.md):
 
-What it leaves open, and what this implementation chose:
+1. SortNet: R is a bilinear score of query- and key-side embeddings of the block means over
+   valid tokens (`sort_dim` per kv head), not an MLP to N logits: any length, per-block
+   decoding. One sort per kv head.
+2. Causal: the query side of block i reads the summary of block i-1 (q(i) = i - 1), the key
+   side of a past block its own: P_i may depend only on tokens before block i.
+3. Causal balancing: rows take strictly earlier blocks; column targets t_j = H_i - H_j (H the
+   harmonic numbers: the column sums of the uniform causal matrix), since no doubly
+   stochastic matrix lives on the strict lower triangle; row i is the last row of the
+   balanced prefix problem on rows 1..i (`causal_prefix_problem`), so it reads no later block.
+   The iterations end with a row normalisation (every row a convex combination).
+4. Hard sorting at inference (`hard_inference`, without SortCut): a greedy permutation
+   (non-causal), the argmax past block (causal).
+5. SortCut (`n_sortcut` = m > 0): per query block the top-m blocks of the balanced matrix are
+   gathered; gradient through w = 1 + (p - stop_gradient(p)) on the selected blocks.
+6. Padding (position -1, and the pad to a multiple of b): zero keys and values, left out of
+   the means, masked as keys; fully padded blocks leave the non-causal Sinkhorn.
+7. aux["sinkhorn_sharpness"]: the mean largest weight of a sort row.
+8. Positions: RoPE at absolute positions before sorting.
+9. Sink logit (`sink_logit`, `projection.SinkLogitOptions`): the extra column of every query's
+   one softmax over [sorted ; local] (`core.attend(sink_logit_H=)`), in every mode; not sorted.
+10. Packed rows (`segment_ids_BT`): a block sorts for the document of its first token, from
+   that document's pure blocks only, attention masked by segment: nothing crosses a document
+   boundary; exact against a document alone when documents start at block boundaries.
+   `reads_shared_prefix` is False.
 
-1. SortNet output. The paper's MLP maps a block summary to N logits, tying the weights to one
-   sequence length. Here R is a bilinear score of a query-side and a key-side embedding of the
-   block summaries (d_s = `sort_dim` per kv head), so any length works and decoding needs only
-   per-block vectors. Block summaries are means over the valid tokens (sums scale with how many
-   tokens a partial block holds); the MLP is `sortnet_depth` GELU layers of `sortnet_width`,
-   fan-in initialised so the logits are not all ~0 at init. One sort per kv head (the query heads
-   of a group share the sorted keys they read).
+Decoding (causal mode): `SinkhornState` holds a `cache.KVCache` under the linear policy
+whatever the decode asks for (the sort reads every block seen so far) and the running
+per-block sums and counts of the mixer input; a new token recomputes its block's row of the
+causal balancing. `max_chunk` is b.
 
-2. What block i may use to decide its sort (causal). Every token of block i shares row P_i, so P_i
-   may only depend on what the *first* token of block i may see: tokens before the block. The
-   query side of block i therefore reads the summary of block i-1 (u_i = W_u s_{i-1}), the key
-   side of a past block j < i its own summary (complete before block i starts). Pooling block i
-   itself would let the first token of block i see later tokens of block i through P.
-
-3. Causal balancing. Rows take from past blocks only (P_ij = 0 for j >= i; block 0 has no past:
-   its row is empty and it attends to its local block alone). Two facts shape the rest:
-   (a) A doubly stochastic matrix supported on the strict lower triangle does not exist
-       non-degenerately: with rows 1..N-1 summing to 1 and columns 0..N-2 summing to 1, row 1 has
-       one allowed entry (so P_10 = 1, column 0 is full), then row 2 must take block 1, ... -- the
-       only solution is "block i takes block i-1". So the column targets cannot all be 1.
-       Column j here has the target t_j = H_n - H_j (H the harmonic numbers, n the last row):
-       the column sums of the uniform causal matrix (row i spreads 1/i over its i past blocks).
-       The uniform matrix is then exactly balanced, the problem is feasible and interior, and
-       Sinkhorn converges; the column constraint still stops every block from taking the same
-       popular past block.
-   (b) Column normalisation sums over rows, i.e. over *later* blocks: one Sinkhorn over the whole
-       N x N matrix would make row i depend on rows > i (the future). Here row i is the last row
-       of the balanced *prefix* problem on rows 1..i (targets 1 and H_i - H_j): it depends only on
-       blocks before i, equals the last row of a whole-sequence causal balancing when i = N-1,
-       and a decoder computes it from the blocks it has seen. Cost O(n_iters N^3) per kv head
-       (rows mapped with `lax.map`, each rematerialised: O(N^2) memory); N = T / b is small.
-   The iterations end with a row normalisation, so every row is exactly a convex combination;
-   columns reach their targets only as the iterations converge (after the paper's 7 they are
-   approximate, more so for the causal targets than for the uniform non-causal ones: tests check
-   the targets after 20-50 iterations and the exact rows after 7).
-
-4. Hard sorting at inference (`hard_inference`, only without SortCut): non-causal mode uses a
-   greedy permutation (repeatedly take the largest remaining entry of the balanced log matrix,
-   retire its row and column: O(N^3), no Hungarian algorithm); causal rows take their argmax past
-   block (a causal "permutation" is not a permutation, see 3a). As in the paper this makes
-   inference differ from soft training; `hard_inference=False` keeps the soft sort throughout.
-
-5. SortCut (`n_sortcut` = m > 0): per query block, the m past (causal) or any (non-causal) blocks
-   with the largest balanced weight are *gathered* (not mixed) and attended next to the local
-   block: linear memory, no N x N x b mixing. The paper truncates one sorted sequence for all
-   query blocks (an encoder device); the per-query-block top-m also works causally. Estimator:
-   the selection is the top-m of the balanced matrix computed from Gumbel-perturbed logits
-   (Gumbel-top-k sampling in training, deterministic top-m at inference), and each gathered block
-   is scaled by w = 1 + (p - stop_gradient(p)), p its balanced weight: exactly 1 in the forward
-   pass, dp in the backward pass (a straight-through estimator restricted to the selected blocks;
-   the full straight-through would need every block's keys in the backward pass, which is the
-   quadratic memory SortCut avoids).
-
-6. Padding. Tokens at position -1 (and the pad to a multiple of b) have zero keys and values, are
-   left out of the block means and are masked as keys. A fully padded block is left out of the
-   non-causal Sinkhorn (rows and columns). A sorted slot is attended iff a source with non-zero
-   weight has a valid token in that slot (soft mix) or the gathered block has one (hard/SortCut);
-   in non-causal mode this can differ per head and enters as an additive score bias.
-
-7. Monitor: aux["sinkhorn_sharpness"] is the mean largest weight of a sort row (1/#choices
-   for a uniform sort, 1 for a hard one).
-
-8. Positions. Queries and keys get RoPE at their absolute positions before sorting, so a gathered
-   block keeps its true relative positions. Stateless calls assume token t of a row sits at
-   position t (positions arange(T), right padding as -1).
-
-9. Sink logit (`sink_logit`, `projection.SinkLogitOptions`: "learned" per-head logit s_h,
-   initialised at 0 without weight decay, or "softmax1", s_h = 0). Every query's one softmax over [sorted ;
-   local] gets the extra column of logit s_h and zero value, dropped afterwards:
-       y_t = sum_{j in sorted(t) + local(t)} v_j e^{s_tj} / (e^{s_h} + sum_{j'} e^{s_tj'})
-   It goes to `core.attend(sink_logit_H=...)` in `block_attend`, so it holds in every mode (soft,
-   hard, SortCut, non-causal) and in decoding: the column is per query and per head, independent
-   of which blocks were sorted or gathered. A padding query still returns zeros. The sink does
-   not enter the sorting (it is not a block).
-
-10. Packed rows (`segment_ids_BT`, full forwards). Blocks stay contiguous blocks of the *row*,
-   so a block may span a document boundary. What a spanning block means here: the sort of
-   block i serves the document of its first token (its *owner*), the only document in the
-   block with any tokens before it; a block is a sort source, and a query-side summary, only
-   for the document all its valid tokens belong to (a *pure* block). So row i may take block j
-   iff j < i (causal; any j in non-causal mode, where row i must be pure itself) and j is a
-   pure block of i's owner: its logits then read summaries of that document only (u_i reads
-   block i-1, which is then pure), the balancing is the prefix problem of that document's
-   pure blocks (`causal_prefix_problem(start=)`: rows and columns from its first pure block,
-   targets re-based there), and the sorted slots hold that document's keys and values only.
-   Token-level attention is masked by segment (`core.attend` q/kv segments): local keys of
-   another document are invisible, and the sorted slots (document = the owner) are invisible
-   to a query of any other document: a document that starts inside a block reads only its own
-   local tokens there, and sorts from its first pure block on. No attention weight and no sort
-   decision crosses a boundary (d y / d x is exactly zero across documents, tested). The
-   summaries of mixed blocks are computed but enter no allowed entry. Exactness: when every
-   document starts at a block boundary, every block is pure and a document's blocks, logits,
-   balancing and attention are exactly those of the document alone (tested in every mode);
-   otherwise a document's blocks are cut differently from its alone run, so its outputs
-   differ from that run (the function of a packed row is then Sinkhorn attention over the
-   row's blocks restricted to documents, not the alone function). Training with Gumbel noise:
-   the noise is drawn for the row's [N, N] logits, so it differs from an alone run's draw.
-   `reads_shared_prefix` is False (the sink tokens would be a block's worth of shared prefix
-   only when they fill whole blocks; not supported).
-
-Decoding (causal mode): the state (`SinkhornState`) holds a `cache.KVCache` under the linear
-policy whatever the decode asks for (the sort reads every block seen so far; keys after RoPE,
-token n in slot n = its position, the blocks are slot ranges) and the running per-block sums
-and counts of the mixer input (the SortNet summaries). A new token at position p in block
-i = p // b recomputes the block embeddings from the sums, row i of the causal balancing (rows
-<= i only: unchanged by any later token), sorts the buffered past blocks and attends to them and to its buffered block. A
-padding token (position -1) writes nothing. `max_chunk` is b: a prefill chunk forms its sorted
-keys per token.
-
-Logical axes: the SortNet hidden width is "sort_hidden", the per-head sorting embedding
-"sort_dim" (both replicated: the SortNet is tiny), plus the usual "embed" and "kv_heads".
+Logical axes: "sort_hidden" (the SortNet width) and "sort_dim" (replicated), plus "embed" and
+"kv_heads".
 """
 
 from __future__ import annotations
@@ -485,7 +400,6 @@ class SinkhornAttention(nnx.Module):
              f"{getattr(self, f)!r}")
 
   def __init__(self, cfg: ModelConfig, opts: "SinkhornAttention.Options", *, rngs: nnx.Rngs):
-    opts.validate(cfg, "config.model.sinkhorn")
     self.cfg, self.opts = cfg, opts
     self.proj = QKVProjection(cfg, rngs=rngs)
     self.sink_logit = make_sink_logit(cfg, opts, rngs)

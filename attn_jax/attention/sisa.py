@@ -14,128 +14,54 @@ SPEC.md section 1. Per head h, with x = RMSNorm(input), d_h = d_model / H, d_s =
     y_i = sum_{j<=i} softmax_j(score_ij) v_j,   out = y W_o
 
 R(Phi) rotates the interleaved pairs (0,1), (2,3), ... of a d_s vector by the d_s/2 angles of
-Phi (a data-dependent RoPE, as in Mamba-3). Since R(a)^T R(b) = R(b - a), the read/write match
-(R(Phi_i) C_i) . (R(Phi_j) B_j) = C_i^T R(Phi_j - Phi_i) B_j depends on the phase difference
-only; SPEC writes it C_i^T R(Phi_i - Phi_j) B_j, i.e. with the angle measured the other way —
-the same family, the sign convention of the learned theta differs.
+Phi (a data-dependent RoPE, as in Mamba-3); the match depends on Phi_j - Phi_i only.
 
-As in the paper, the extra term is fed to one stock attention call by widening Q and K:
-Q^ = [q ; lambda sqrt(d_h) e^{g_i - r} R(Phi_i) C_i], K^ = [k ; e^{r - g_j} R(Phi_j) B_j],
-scale 1/sqrt(d_h) (not 1/sqrt(d_h + d_s)). V stays d_h wide: core.attend's einsum path takes
-it as is; its jax.nn.dot_product_attention paths ("xla", "cudnn"; "auto" picks "blocked" on
-CPU and "cudnn"/"xla" on GPU, `core.choose_impl`) zero-pad V to d_h + d_s and slice the output
-(exact): the padding costs less than a narrower but slower kernel would.
-The paper splits the scale symmetrically, s = d_h^{1/4} sqrt(lambda) on both sides; putting
-s^2 = lambda sqrt(d_h) on the query side gives the same products and avoids d sqrt(lambda)/d
-lambda = inf at lambda = 0.
+One attention call, as in the paper: with a reference r (below),
+    Q^ = [q ; lambda sqrt(d_h) e^{g_i - r} R(Phi_i) C_i],   K^ = [k ; e^{r - g_j} R(Phi_j) B_j],
+scale 1/sqrt(d_h); V stays d_h wide (cores that need it as wide as Q are given it zero-padded,
+exact). s^2 = lambda sqrt(d_h) sits on the query side (the paper splits s = d_h^{1/4}
+sqrt(lambda) over both): the same products, without d sqrt(lambda)/d lambda = inf at 0.
 
-Exactness at any length (the authors' code subtracts c = (max g + min g)/2 over the whole
-sequence and clamps g - c to [-11, 11]: wrong once the decay range exceeds 22 nats, and c reads
-future tokens). Here every exponential that is evaluated is either <= 1, or <= e^T with a
-fixed T, and no reference point ever depends on a later token:
+Exact at any length, with no clamp (the authors' code clamps g - c to [-11, 11] with c read
+from the whole sequence: wrong past 22 nats of decay, and not causal). Every exponential that
+is evaluated is <= 1 or <= e^T for a fixed T, and no reference reads a later token:
 
-1. Fast path (one attend call, no bias). The reference r = 0 is the empty prefix, so query
-   factors e^{g_i} <= 1 and key factors e^{-g_j} >= 1. It is valid while the whole-sequence
-   decay range max_t(-g_t) = -g_{T-1} (g is non-increasing) is <= T = `fast_max_range`
-   (60 nats; 4 for float16): every factor then lies in [e^-60, e^60], far inside the fp32/bf16
-   exponent range (e^+-88), leaving 28 nats (e^28 ~ 1e12) of headroom for |B|, |C|, lambda and
-   the backward pass. The product e^{g_i} e^{-g_j} keeps full relative precision.
-2. Chunked path (exact for any range). The sequence is cut into blocks of c tokens; the
-   keys a query sees are those of earlier blocks (its *past*) and its own block's prefix.
-   For a query block I and an earlier key block J the reference is r = g at J's last token:
-   - queries i in I: e^{g_i - r} <= 1 (g is non-increasing);
-   - keys j in J: e^{r - g_j} <= 1. A factor can underflow only when the true product
-     e^{g_i - g_j} (<= each factor) is below ~1e-38, i.e. negligible;
-   - keys in the query's own block, j <= i: a factor e^{r - g_j} with r before them could
-     overflow (a block can hold any amount of decay: softplus is unbounded), so it is never
-     formed. The diagonal block is a separate small softmax part: plain q.k scores plus the term
-     lambda e^{g_i - g_j} C.B as an additive [c, c] bias, with e^{g_i - g_j} computed from the
-     *difference* g_i - g_j <= 0 (the SSD "segsum" idea of Mamba-2). No cap on the decay is
-     needed: the model is exactly the paper's function, with no clamp anywhere;
-   - the two parts are combined exactly by log-sum-exp (`split.py`, the split-KV form of
-     FlashAttention-2). The diagonal blocks run as one batch of [c, c] biased blocks; the past
-     runs through `flash.py`'s loops over (query block, earlier key block) pairs with an
-     online softmax and a recomputing backward, the pair's widened Q/K formed inside the loop
-     (`_past_scores`). No [T, S] tensor exists: memory is linear in T at the fixed block
-     (`block_len`, 256), and keys after a block are never read (half the score work of a
-     full-square masked kernel);
-   - with a fused cuDNN core the past instead goes through that kernel: query chunks (at most
-     8) with reference r_I = g_{a-1} (the last token before chunk I = [a, a+c)), each chunk's
-     past keys j < a in one unbiased, unmasked call of the widened Q/K, the chunks run one
-     after another and rematerialised (`split.sequential`: the residuals are the inputs).
-   `jax.lax.cond` on the measured range picks the path at run time (both are compiled); the
-   predicate has no gradient, and both paths compute the same function (so the choice, which
-   reads the whole sequence, changes outputs only at rounding level; tested). Under autodiff a
-   cond returns the residuals of *both* branches as outputs (the untaken one zero-filled), so
-   neither branch may leave [T, S] residuals: the fast branch is rematerialised
-   (`jax.checkpoint`; recomputing the scores is cheaper than storing and reloading them on CPU,
-   `experiments/bench.py`), the chunked one keeps O(T) residuals by construction. With a fused
-   cuDNN core (O(T) residuals) the fast branch is not rematerialised. A forced `path="fast"`
-   (the caller's promise that the range stays below the limit) is not rematerialised either:
-   `config.model.remat` governs it as any mixer.
-3. Decoding / prefill with a state is the chunked path with one chunk after the buffered
-   tokens: reference r = the running g of the last buffered token; buffered keys get
-   e^{r - g_j} <= 1, the new block's own pairs go through the difference-form bias. A one-token
-   step is thus exact at any length: query factor e^{g_i - g_{i-1}} = a_i <= 1, key factors
-   <= 1. The state (`SISAState`) is a `cache.KVCache` holding k, v and, per key
-   (`SISAKeys`), R(Phi_j) B_j and g_j - r (shifted after every call), plus the running g and
-   Phi per row. Padding tokens (position -1) get log a = 0 and theta = 0, so rows of different
-   lengths keep exact
-   running sums.
+- fast path (`_fast`): r = 0, one attend call; query factors e^{g_i} <= 1, key factors
+  e^{-g_j} <= e^T, valid while the decay range -g_{T-1} <= T = `fast_max_range` (60 nats,
+  4 for float16): inside the fp32/bf16 exponent range with headroom for B, C and lambda.
+- chunked path (`_chunked`): blocks of c tokens (`block_len`); a query block and an earlier key
+  block take r = g at the key block's last token, so both factors are <= 1; a block's own
+  pairs enter as a [c, c] bias lambda e^{g_i - g_j} C.B formed from the difference
+  g_i - g_j <= 0 (Mamba-2's segsum); the parts are combined by log-sum-exp (`split.py`), the
+  past through `flash.past_blocks` (O(T) memory), or, with a fused cuDNN core, query chunks
+  whose past goes through that kernel (`_fused_chunks`).
+- `path="auto"`: a `jax.lax.cond` on the measured range -min g (both paths compute the same
+  function). A cond keeps both branches' residuals, so with a core in
+  `core.REMAT_CORE_IMPLS` both branches are rematerialised; fused cores keep O(T) residuals.
+- decoding / prefill (`_cached`): the chunked path with one chunk after the cache, r = g of
+  the last cached token; cached g_j are stored relative to it, so a one-token step has factors
+  a_i <= 1 and <= 1 at any length. The state (`SISAState`) is a `cache.KVCache` with SISA's
+  per-key R(Phi_j) B_j and g_j - r (`SISAKeys`) plus the running g and Phi. The cache policy
+  (`attention/cache.py`, chosen at decode time) re-assigns only the q.k part's RoPE positions:
+  a key keeps its g_j and R(Phi_j) B_j, so a sink sees the true decay since it.
 
-Packed rows (`segment_ids_BT`, full forwards): g and Phi restart at every document start
-(segmented scans, `time_cumsum(starts_BT=)`), and pairs of different documents are masked
-(`core.segment_mask`) on every path: the fast call's mask, the diagonal blocks' mask and local
-bias, the flash loops' visibility, the fused route's past parts (which then take the masked
-einsum route of `split.partial_attention`). Masking the pair is exact: only g_i - g_j and
-Phi_j - Phi_i with i, j in one document enter, and with the restart they are formed from that
-document's own sums, exactly as alone (value and gradient: no cotangent crosses a restart).
-Bounds: within a document g is still non-increasing and starts at 0, so the fast path's factors
-keep their bounds with the range now the largest document's (`decay_range`: -min g). On the
-chunked path a reference r (g at a key block's last token, or at the token before a query
-chunk) may lie in another document than the query or key, where g_i - r or r - g_j can be
-> 0 (up to a document's whole decay): those exponents are clamped at 0 by a select
-(`_nonpositive`), a no-op on every visible pair (there i, j and the reference token lie in one
-document, in that order), so a masked pair's factor stays <= 1 and its zero cotangent gives
-zero gradients, never inf * 0. The in-block bias e^{g_i - g_j} is masked before the exp.
-`reads_shared_prefix` is False: a shared prefix (segment 0, sink tokens) is visible to every
-document by `core.segment_mask`, but its pairs have no meaningful decay here (g restarts at the
-document, the prefix keeps its own sums, and the clamp above is no longer a no-op for them), so
-packed rows with sink tokens are not exact for SISA; the decoder has to refuse that pairing.
+Padding tokens (position -1) get log a = 0 and theta = 0: they leave g and Phi unchanged.
+Packed rows (`segment_ids_BT`): g and Phi restart at every document start and pairs of other
+documents are masked on every path; a chunked reference that lies in another document is
+clamped to a factor <= 1 (`_nonpositive`, a no-op on visible pairs). `reads_shared_prefix` is
+False (a shared prefix has no meaningful decay to a restarted g).
 
-Precision of g: g is an fp32 cumulative sum, so a difference g_i - g_j of two large sums carries
-an absolute error ~ 2^-24 |g| (relative error of a decay factor ~ 1e-4 at |g| ~ 2000 nats):
-exact to fp32 rounding of the cumulative sum, far below bf16 resolution. The explicit reference
-(`sisa_attention_reference`) uses the same g and Phi, formed pairwise as differences.
+Precision: g and Phi are fp32 cumulative sums (fp64 for a float64 model); g_i - g_j carries an
+absolute error ~2^-24 |g|. Phi is wrapped mod 2 pi at every step (`phase_cumsum`, 2 pi split
+in two floats), so angles stay below a few radians at any length (tested against float64 at
+32K tokens). CPU sums with `lax.scan` (`jnp.cumsum` is an O(T^2) reduce_window there), other
+backends keep `jnp.cumsum` for g. C, B, theta and the decay come from one matmul.
 
-Precision of Phi: only Phi mod 2 pi matters (a rotation is periodic), and an absolute fp32 angle
-of a few thousand radians (reached within a few thousand tokens at large theta) has a spacing of
-~1e-3 rad, with cos/sin of it no better. So the running phase is wrapped mod 2 pi at every step
-of its scan (`phase_cumsum`, with 2 pi split into two floats so a wrap adds no error of its
-own), and the decoding state keeps it wrapped: every angle stays below a few radians however long
-the sequence. Tested against a float64 reference at 32K tokens (tests/test_sisa.py). On CPU g
-and Phi share one `lax.scan`; elsewhere g keeps `jnp.cumsum` and Phi takes the sequential scan
-(its wrap is not associative), elementwise work on [B, H, d_s/2] per step.
+Sink logit (`sink_logit`, `projection.SinkLogitOptions`): the extra softmax column on every
+path, part of the one softmax over the widened scores.
 
-Cumulative sums: on CPU `jnp.cumsum` lowers to a `reduce_window` with a window as long as the
-sequence (O(T^2) work), while a sequential `lax.scan` is O(T) and, on CPU, faster than
-`lax.associative_scan` forward and backward. So CPU uses `lax.scan`; other backends keep
-`jnp.cumsum` (GPU: a dedicated CUB scan lowering; TPU: XLA rewrites the reduce_window into a
-prefix tree) — a sequential scan would be T dependent steps there. log a and theta are summed
-in one scan. C, B, theta and the decay pre-activation come from one matmul (their kernels,
-separate parameters with their own logical axes, concatenated at call time).
-
-Attention sinks and cache policies (SPEC.md section 3): `sink_logit` ("learned" / "softmax1",
-`projection.SinkLogitOptions`) adds the extra softmax column on every path (the column is part
-of the one softmax over the widened scores). The decoding cache runs under the policy asked for
-at decode time (`attention/cache.py`: dense, a ring, StreamingLLM's sinks + ring): SISA's decay
-and phase are cumulative sums of the content, not positions, so a cached key keeps its g_j and
-its rotated R(Phi_j) B_j; only the RoPE positions of the q.k part are re-assigned inside a ring,
-exactly as for attention (the sinks' full widened score, q.k and SISA term, enters as their
-bias). A query therefore still sees the true decay e^{g_i - g_j} to a sink, accumulated over
-every token in between (evicted ones included).
-
-Measured costs (SISA vs the Transformer, path choice) are in the README, produced by
+The derivations (each path's bounds, the residuals under a cond, decoding, packed rows, the
+cumulative sums by backend) are in docs/sisa.md; measured costs in the README, produced by
 `experiments/bench.py`.
 """
 
@@ -297,6 +223,16 @@ def _segment_kw(seg) -> dict:
   return {} if seg is None else {"q_segments": seg, "kv_segments": seg, "prefix_causal": True}
 
 
+def _pad_operands(ops, pad: int):
+  """`SISAOperands` with `pad` tokens appended: zeros, g repeated (no decay), and a document
+  id of their own (-1) in a packed row."""
+  zpad = lambda x: jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))
+  seg = None if ops.seg is None else jnp.pad(ops.seg, ((0, 0), (0, pad)), constant_values=-1)
+  return ops._replace(q=zpad(ops.q), k=zpad(ops.k), v=zpad(ops.v), rc=zpad(ops.rc),
+                      rb=zpad(ops.rb), g=jnp.pad(ops.g, ((0, 0), (0, pad), (0, 0)), mode="edge"),
+                      seg=seg)
+
+
 def _widen(x_BTHD, f_BTH, r_BTHS):
   """[x ; f r]: q or k widened by its scaled SISA factor (C or B, rotated), in x's dtype."""
   return jnp.concatenate([x_BTHD, (f_BTH[..., None] * r_BTHS).astype(x_BTHD.dtype)], axis=-1)
@@ -375,6 +311,22 @@ class SISAFeatures(NamedTuple):
   loga: jax.Array       # [B, T, H]: log a (0 on padding)
   theta: jax.Array | None   # [B, T, H, d_s/2]: the phase increments (None without phase)
   lam: jax.Array        # [H]: lambda
+
+
+class SISAOperands(NamedTuple):
+  """What every attention path of the mixer reads (`SISA._operands`): the features after the
+  cumulative sums, C and B rotated. A full forward's g is measured from the empty prefix; a
+  cached call's from the last cached token (`SISA._cached`)."""
+  q: jax.Array          # [B, T, H, d_h]: after RoPE (before it for a cached call)
+  k: jax.Array          # [B, T, K, d_h]: likewise
+  v: jax.Array          # [B, T, K, d_h]
+  rc: jax.Array         # [B, T, H, d_s]: R(Phi_i) C_i (C itself without phase), stat dtype
+  rb: jax.Array         # [B, T, H, d_s]: R(Phi_j) B_j
+  g: jax.Array          # [B, T, H]: cumulative log-decay from the reference
+  lam: jax.Array        # [H]: lambda
+  qscale: jax.Array     # [H]: lambda sqrt(d_h), the query side's scale s^2
+  sink: jax.Array | None = None   # [H]: the sink logit (None: no sink column)
+  seg: jax.Array | None = None    # [B, T]: document ids of a packed row (None: one stream)
 
 
 class SISAKeys(NamedTuple):
@@ -504,28 +456,25 @@ class SISA(cache_lib.CachedMixer, nnx.Module):
   def __call__(self, x_BTD, *, positions_BT=None, segment_ids_BT=None, state=None, rng=None,
                train=False):
     del rng, train
-    cfg, seg = self.cfg, segment_ids_BT
-    q, k, v, c, b, loga, theta, lam = self.features(x_BTD, positions_BT, rotate=state is None)
-    sink = sink_logit_of(self.opts, self.sink_logit, cfg.n_heads)
+    seg = segment_ids_BT
+    f = self.features(x_BTD, positions_BT, rotate=state is None)
     # with a state: sums over the new tokens only; packed rows: restarted per document
-    g, phi = decay_and_phase(loga, theta, None if seg is None else segment_starts(seg))
+    g, phi = decay_and_phase(f.loga, f.theta, None if seg is None else segment_starts(seg))
     if state is not None and phi is not None:
       phi = wrap_phase(state.phi[:, None] + phi)
-    rc = c.astype(g.dtype) if phi is None else rotate_pairs(c, phi)
-    rb = b.astype(g.dtype) if phi is None else rotate_pairs(b, phi)
-    qscale = lam * math.sqrt(cfg.head_dim)                      # s^2 = lambda sqrt(d_h)
+    ops = self._operands(f, g, phi, seg)
 
     if state is None:
-      out, chunked = self._full(q, k, v, rc, rb, g, lam, qscale, sink, seg)
+      out, chunked = self._full(ops)
     else:
-      out, kv = self._cached(q, k, v, rc, rb, g, lam, qscale, positions_BT, state.cache, sink)
+      out, kv = self._cached(ops, positions_BT, state.cache)
       g = state.g[:, None] + g                   # the running g: only for `decay_range`
       state = SISAState(kv, g[:, -1], state.phi if phi is None else phi[:, -1])
       chunked = jnp.ones((), jnp.float32)
 
-    mean_loga = jnp.mean(loga)
+    mean_loga = jnp.mean(f.loga)
     aux = {
-        "lambda": jnp.mean(lam),
+        "lambda": jnp.mean(f.lam),
         # tokens for the mean decay to halve a weight; inf without decay
         "half_life": jnp.where(mean_loga < 0, math.log(0.5) / jnp.minimum(mean_loga, -1e-30),
                                jnp.inf),
@@ -537,96 +486,106 @@ class SISA(cache_lib.CachedMixer, nnx.Module):
     }
     return self.proj.o(out), state, aux
 
+  def _operands(self, f: SISAFeatures, g, phi, seg=None) -> SISAOperands:
+    """The paths' operands from the features and the cumulative sums g, Phi (None: no phase)."""
+    rc = f.c.astype(g.dtype) if phi is None else rotate_pairs(f.c, phi)
+    rb = f.b.astype(g.dtype) if phi is None else rotate_pairs(f.b, phi)
+    qscale = f.lam * math.sqrt(self.cfg.head_dim)               # s^2 = lambda sqrt(d_h)
+    sink = sink_logit_of(self.opts, self.sink_logit, self.cfg.n_heads)
+    return SISAOperands(f.q, f.k, f.v, rc, rb, g, f.lam, qscale, sink, seg)
+
   # -------------------------------------------------------------- full sequence
-  def _full(self, q, k, v, rc, rb, g, lam, qscale, sink, seg=None):
+  def _full(self, ops: SISAOperands):
+    """-> (out, chunked flag): the path asked for, or (auto) a cond on the decay range."""
     cfg = self.cfg
     path = self.opts.path
-    args = (q, k, v, rc, rb, g, lam, qscale, sink, seg)
     if path == "fast":
-      return self._fast(*args), jnp.zeros((), jnp.float32)
+      return self._fast(ops), jnp.zeros((), jnp.float32)
     if path == "chunked":
-      return self._chunked(*args), jnp.ones((), jnp.float32)
+      return self._chunked(ops), jnp.ones((), jnp.float32)
     # g is non-increasing (log a <= 0, and rounding is monotone), so its range from the empty
     # prefix is -g at the last token (packed rows: at the last token of each document).
-    use_fast = -jnp.min(g) <= self.fast_range_limit(cfg, self.opts)
-    # Neither branch leaves [T, S] residuals to the cond (see the module docstring): the fast
-    # one is rematerialised (except a fused cuDNN call, whose own residuals are O(T)); so is
+    use_fast = -jnp.min(ops.g) <= self.fast_range_limit(cfg, self.opts)
+    # Neither branch leaves [T, S] residuals to the cond (docs/sisa.md, "Picking the path"): the
+    # fast one is rematerialised (except a fused cuDNN call, whose own residuals are O(T)); so is
     # the blockwise chunked one, whose residuals (the diagonal blocks' probabilities, the
     # flash part's out and lse) the cond would otherwise zero-fill at every step the fast path
     # is taken; the cuDNN chunked one keeps only its inputs by construction (`split.sequential`).
-    fast, chunked = (lambda a: self._fast(*a)), (lambda a: self._chunked(*a))
-    if choose_impl(cfg.attention_impl, q.dtype, q.shape[-1] + rc.shape[-1]) in REMAT_CORE_IMPLS:
+    fast, chunked = self._fast, self._chunked
+    if self._core_impl(ops) in REMAT_CORE_IMPLS:
       fast, chunked = jax.checkpoint(fast), jax.checkpoint(chunked)
-    out = jax.lax.cond(use_fast, fast, chunked, args)
+    out = jax.lax.cond(use_fast, fast, chunked, ops)
     return out, 1.0 - use_fast.astype(jnp.float32)
 
-  def _fast(self, q, k, v, rc, rb, g, lam, qscale, sink=None, seg=None):
+  def _core_impl(self, ops: SISAOperands) -> str:
+    """The attention core a call of the widened Q/K (d_h + d_s channels) runs on."""
+    return choose_impl(self.cfg.attention_impl, ops.q.dtype, ops.q.shape[-1] + ops.rc.shape[-1])
+
+  def _fast(self, ops: SISAOperands):
     """One attend call; reference r = 0 (valid while -g <= fast_max_range; packed rows: g
     restarts at 0 in every document, and pairs of other documents are masked)."""
     cfg = self.cfg
     limit = self.fast_range_limit(cfg, self.opts)
     # The clips are no-ops when this path is chosen; they keep a speculative evaluation
     # (e.g. cond under vmap becomes select) free of inf.
-    qf = jnp.exp(jnp.maximum(g, -limit)) * qscale            # [B, T, H] <= 1 * qscale
-    kf = jnp.exp(jnp.minimum(-g, limit))                     # [B, T, H] in [1, e^limit]
-    qh, kh = _widen(q, qf, rc), _widen(k, kf, rb)
-    return attend(qh, kh, v, scale=cfg.head_dim ** -0.5, causal=True, impl=cfg.attention_impl,
-                  **_sink_kw(sink), **_segment_kw(seg))
+    qf = jnp.exp(jnp.maximum(ops.g, -limit)) * ops.qscale    # [B, T, H] <= 1 * qscale
+    kf = jnp.exp(jnp.minimum(-ops.g, limit))                 # [B, T, H] in [1, e^limit]
+    qh, kh = _widen(ops.q, qf, ops.rc), _widen(ops.k, kf, ops.rb)
+    return attend(qh, kh, ops.v, scale=cfg.head_dim ** -0.5, causal=True,
+                  impl=cfg.attention_impl, **_sink_kw(ops.sink), **_segment_kw(ops.seg))
 
-  def _chunked(self, q, k, v, rc, rb, g, lam, qscale, sink=None, seg=None):
+  def _chunked(self, ops: SISAOperands):
     """The exact path for any decay range: block pairs in O(T) memory (`_blockwise`), or with a
     fused cuDNN core, query chunks whose past goes through that kernel (`_fused_chunks`)."""
-    if choose_impl(self.cfg.attention_impl, q.dtype, q.shape[-1] + rc.shape[-1]) == "cudnn":
-      return self._fused_chunks(q, k, v, rc, rb, g, lam, qscale, sink, seg)
-    return self._blockwise(q, k, v, rc, rb, g, lam, qscale, sink, seg)
+    if self._core_impl(ops) == "cudnn":
+      return self._fused_chunks(ops)
+    return self._blockwise(ops)
 
-  def _blockwise(self, q, k, v, rc, rb, g, lam, qscale, sink, seg=None):
+  def _blockwise(self, ops: SISAOperands):
     """Blocks of c tokens (T padded up to a multiple: padded keys sit in the last block, which
     no query's past contains; padded queries are dropped). Diagonal blocks: all n at once as a
     batch of [c, c] biased, masked blocks. Past blocks: `flash.past_blocks` with the pair's
     reference r = g at the key block's last token. Combined by log-sum-exp."""
-    cfg, dt = self.cfg, q.dtype
-    B, T, H, _ = q.shape
+    cfg, dt = self.cfg, ops.q.dtype
+    B, T, H, _ = ops.q.shape
     c = self.block_len(self.opts, T)
     pad = -T % c
     if pad:
-      zpad = lambda x: jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))
-      q, k, v, rc, rb = map(zpad, (q, k, v, rc, rb))
-      g = jnp.pad(g, ((0, 0), (0, pad), (0, 0)), mode="edge")
-      if seg is not None:   # padded tokens: a document of their own
-        seg = jnp.pad(seg, ((0, 0), (0, pad)), constant_values=-1)
+      ops = _pad_operands(ops, pad)
+    q, k, v, rc, rb, g, seg = ops.q, ops.k, ops.v, ops.rc, ops.rb, ops.g, ops.seg
     n = (T + pad) // c
     fold = lambda x: x.reshape((B * n, c) + x.shape[2:])
     unfold = lambda x: x.reshape((B, n * c) + x.shape[2:])
     causal = jnp.tril(jnp.ones((c, c), bool))
     if seg is not None:
       causal = causal & segment_mask(fold(seg), fold(seg))[:, None]
-    loc = _local_bias(fold(rc), fold(rb), fold(g), fold(g), lam, causal)
+    loc = _local_bias(fold(rc), fold(rb), fold(g), fold(g), ops.lam, causal)
     scale = cfg.head_dim ** -0.5
     diag = split.partial_attention(fold(q), fold(k), fold(v), scale=scale, bias=loc, mask=causal)
-    past = flash.past_blocks(functools.partial(_past_scores, scale), (qscale,), (q, rc, g),
+    past = flash.past_blocks(functools.partial(_past_scores, scale), (ops.qscale,), (q, rc, g),
                              (k, rb, g), v, block=c, segment_ids_BT=seg)
-    out = split.combine([tuple(map(unfold, diag)), past], sink)
+    out = split.combine([tuple(map(unfold, diag)), past], ops.sink)
     return out[:, :T].astype(dt)
 
-  def _fused_chunks(self, q, k, v, rc, rb, g, lam, qscale, sink, seg=None):
+  def _fused_chunks(self, ops: SISAOperands):
     """Query chunks with reference g_{a-1}, run one after another and rematerialised
     (`split.sequential`): the residuals are the full inputs; each chunk's past keys go through
     one call of the fused kernel (O(T) memory on GPU)."""
-    T = q.shape[1]
+    T = ops.q.shape[1]
     c = self.chunk_len(self.opts, T)
     fns = [functools.partial(self._chunk, a, min(a + c, T)) for a in range(0, T, c)]
-    outs = split.sequential(fns, (q, k, v, rc, rb, g, lam, qscale, sink, seg))
+    outs = split.sequential(fns, (ops,))
     out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
-    return out.astype(q.dtype)
+    return out.astype(ops.q.dtype)
 
-  def _chunk(self, a, e, q, k, v, rc, rb, g, lam, qscale, sink, seg=None):
+  def _chunk(self, a: int, e: int, ops: SISAOperands):
     """Queries [a, e): past keys [0, a) through one unbiased, unmasked call (the widened Q/K,
     key factors e^{r - g_j} <= 1), the chunk's own keys through a small block with the
     difference-form SISA bias; the two parts combined by log-sum-exp (`split.combine`).
     Packed rows: both parts masked by document (the past then takes the masked einsum route),
     the factors' exponents clamped at 0 (a no-op on every visible pair, module docstring)."""
-    cfg, dt = self.cfg, q.dtype
+    cfg, dt = self.cfg, ops.q.dtype
+    q, k, v, rc, rb, g, seg = ops.q, ops.k, ops.v, ops.rc, ops.rb, ops.g, ops.seg
     scale = cfg.head_dim ** -0.5
     r = g[:, a - 1] if a > 0 else jnp.zeros_like(g[:, 0])              # [B, H]
     causal = jnp.arange(a, e)[:, None] >= jnp.arange(a, e)[None, :]
@@ -634,38 +593,40 @@ class SISA(cache_lib.CachedMixer, nnx.Module):
     if seg is not None:
       causal = causal & segment_mask(seg[:, a:e], seg[:, a:e])[:, None]
       past_mask = segment_mask(seg[:, a:e], seg[:, :a])[:, None]
-    loc = _local_bias(rc[:, a:e], rb[:, a:e], g[:, a:e], g[:, a:e], lam, causal)
+    loc = _local_bias(rc[:, a:e], rb[:, a:e], g[:, a:e], g[:, a:e], ops.lam, causal)
     parts = [split.partial_attention(q[:, a:e], k[:, a:e], v[:, a:e], scale=scale,
                                      bias=loc, mask=causal)]
     if a > 0:
-      qf = jnp.exp(_nonpositive(g[:, a:e] - r[:, None])) * qscale       # <= qscale
+      qf = jnp.exp(_nonpositive(g[:, a:e] - r[:, None])) * ops.qscale   # <= qscale
       qh = _widen(q[:, a:e], qf, rc[:, a:e])
       kf = jnp.exp(_nonpositive(r[:, None] - g[:, :a]))                 # <= 1
       kh = _widen(k[:, :a], kf, rb[:, :a])
       impl = choose_impl(cfg.attention_impl, dt, qh.shape[-1])
       parts.append(split.partial_attention(qh, kh, v[:, :a], scale=scale, impl=impl,
                                            mask=past_mask))
-    return split.combine(parts, sink)
+    return split.combine(parts, ops.sink)
 
   # -------------------------------------------------------------- decoding
-  def _cached(self, q, k, v, rc, rb, ell, lam, qscale, positions_BT, kv, sink):
+  def _cached(self, ops: SISAOperands, positions_BT, kv: cache_lib.KVCache):
     """T new tokens (q, k before RoPE) after the cached ones, under the cache's policy: one
     chunk with reference r = g of the last cached token. Cached g_j are kept relative to it
     (g_j - r >= 0, shifted after every call), so key factors e^{r - g_j} <= 1, and ell = g - r
     is summed over the new tokens only: the query factors e^ell and the in-chunk decays
     e^{ell_i - ell_j} keep full precision however long the stream. Only the q.k part's RoPE
     positions depend on the policy (a ring re-assigns them); a cached key keeps its g_j and
-    R(Phi_j) B_j, so a sink still sees the true decay accumulated over every token since."""
+    R(Phi_j) B_j, so a sink still sees the true decay accumulated over every token since.
+    `ops.g` is ell."""
     cfg = self.cfg
+    q, k, v, rc, rb, ell = ops.q, ops.k, ops.v, ops.rc, ops.rb, ops.g
     T = q.shape[1]
     kf = jnp.exp(jnp.where((kv.pos >= 0)[..., None], -kv.extra.g, -jnp.inf))  # 0 when empty
     causal = jnp.arange(T)[:, None] >= jnp.arange(T)[None, :]
-    widen = cache_lib.Widening(q=(jnp.exp(ell) * qscale)[..., None] * rc,
+    widen = cache_lib.Widening(q=(jnp.exp(ell) * ops.qscale)[..., None] * rc,
                                k=kf[..., None] * kv.extra.rb.astype(ell.dtype),
-                               bias_new=_local_bias(rc, rb, ell, ell, lam, causal))
+                               bias_new=_local_bias(rc, rb, ell, ell, ops.lam, causal))
     out, kv = cache_lib.cached_attention(
         kv, q, k, v, positions_BT, theta=cfg.rope_theta, scale=cfg.head_dim ** -0.5,
-        impl=cfg.attention_impl, sink_logit_H=sink, widen=widen,
+        impl=cfg.attention_impl, sink_logit_H=ops.sink, widen=widen,
         extra_new=SISAKeys(rb=rb, g=ell))
     last = ell[:, -1:]     # padding (log a = 0) keeps the last valid token's g
     return out, kv.replace(extra=kv.extra._replace(g=kv.extra.g - last.astype(kv.extra.g.dtype)))
@@ -673,9 +634,9 @@ class SISA(cache_lib.CachedMixer, nnx.Module):
   def attention_probs(self, x_BTD):
     """[B, H, T, T + 1] attention map of a full forward, from the explicit reference's scores
     (last column: the sink); diagnostics."""
-    q, k, v, c, b, loga, theta, lam = self.features(x_BTD, None)
-    g, phi = decay_and_phase(loga, theta)
-    _, s = sisa_attention_reference(q, k, v, c, b, g, phi, lam)
+    f = self.features(x_BTD, None)
+    g, phi = decay_and_phase(f.loga, f.theta)
+    _, s = sisa_attention_reference(f.q, f.k, f.v, f.c, f.b, g, phi, f.lam)
     return probs_with_sink(s, sink_logit_of(self.opts, self.sink_logit, self.cfg.n_heads))
 
   # -------------------------------------------------------------- class-level hooks
@@ -717,5 +678,3 @@ class SISA(cache_lib.CachedMixer, nnx.Module):
     return attention_flops_per_token(cfg.n_heads, cfg.head_dim + int(opts.d_state),
                                      cfg.head_dim, causal_keys(seq_len))
 
-
-SISAOptions = SISA.Options   # the options under their module-level name

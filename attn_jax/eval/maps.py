@@ -26,6 +26,11 @@ L_ij = exp(a_{j+1} + ... + a_i) (j <= i), and the SSD's attention-like matrix
 M_ij = (C_i . B_j) L_ij dt_j, with which the scan's output is y_i = sum_j M_ij x_j
 (state-space duality, Dao & Gu 2024, section 3).
 
+`implicit_attention(mixer, x)`: the same through any SSM mixer's own `implicit_attention` hook
+(Mamba-2, the SSM branch of `hybrid_heads`, Mamba-3 SISO and MIMO: ssm/mamba3.py, whose
+trapezoid gives M_ij = (q_i . k_j) L_ij (gamma_j + [j<i] beta'_{j+1}) on the un-convolved x);
+nothing here reads a mixer's parameters.
+
 Every matrix is [B, H, T, T] (Sinkhorn: [B, K, N, N] over kv heads and blocks) with zeros
 above the diagonal where the quantity is causal, plus the boolean `mask` of defined entries.
 """
@@ -104,9 +109,17 @@ def sinkhorn_sort_matrix(mixer, x_BTD) -> dict:
   return {"P": P, "mask": mask, "row_sums": P.sum(-1), "col_sums": P.sum(-2), "hard": hard}
 
 
-def mamba2_decay(mixer, x_BTD) -> dict:
-  """Mamba-2's decay and SSD matrix for a full forward (positions 0..T-1): the mixer's own
-  `implicit_attention` hook (a Mamba2 module, or a `hybrid_heads` mixer's SSM branch). Returns
-  decay [B, T, H] (exp(a_t)), dt [B, T, H], L and M [B, H, T, T] (see the module docstring),
-  x [B, T, H, P] (the conv+SiLU input the SSD scans) and mask."""
+def implicit_attention(mixer, x_BTD) -> dict:
+  """An SSM mixer's decay and attention-like matrix for a full forward (positions 0..T-1),
+  from its own `implicit_attention` hook: decay [B, T, H], L and M [B, H, T, T] (Mamba-3 MIMO:
+  M [B, H, T, T, r, r]), the input x that M multiplies, mask, and the mixer's extras (Mamba-2:
+  dt)."""
   return mixer.implicit_attention(x_BTD)
+
+
+def mamba2_decay(mixer, x_BTD) -> dict:
+  """Mamba-2's decay and SSD matrix (`implicit_attention` of a Mamba2 module, or of a
+  `hybrid_heads` mixer's SSM branch): decay [B, T, H] (exp(a_t)), dt [B, T, H], L and M
+  [B, H, T, T] (see the module docstring), x [B, T, H, P] (the conv+SiLU input the SSD scans)
+  and mask."""
+  return implicit_attention(mixer, x_BTD)

@@ -65,11 +65,10 @@ class HybridHeads(nnx.Module):
                             n_heads=self.ssm_heads, n_groups=self.n_groups, d_conv=self.d_conv,
                             chunk_size=self.chunk_size)
 
-    def validate(self, cfg: ModelConfig, where: str = "config.model.hybrid_heads") -> None:
+    def validate(self, cfg: ModelConfig, where: str) -> None:
       self.mamba2().validate(cfg, where)
 
   def __init__(self, cfg: ModelConfig, opts: "HybridHeads.Options", *, rngs: nnx.Rngs):
-    opts.validate(cfg)
     self.cfg, self.opts = cfg, opts
     self.attn = QKVProjection(cfg, rngs=rngs)
     self.attn_norm = param(rngs, nnx.initializers.ones, (cfg.n_heads, cfg.head_dim),

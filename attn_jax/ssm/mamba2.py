@@ -60,6 +60,7 @@ from flax import nnx
 from attn_jax.config import ModelConfig
 from attn_jax.layers import (Linear, causal_positions, dtype_of, fan_in_uniform, param,
                              segment_starts)
+from attn_jax.options import field_check, is_int, is_number
 from attn_jax.registry import register_mixer
 from attn_jax.ssm import ssd
 
@@ -182,19 +183,18 @@ class Mamba2(nnx.Module):
     a_init_min: float = 1.0      # A = -exp(A_log), A_log = log U[a_init_min, a_init_max]
     a_init_max: float = 16.0
 
-    def validate(self, cfg: ModelConfig, where: str = "config.model.mamba2") -> None:
-      def need(cond, field, msg):
-        if not cond:
-          raise ValueError(f"{where}.{field}: {msg}")
+    def validate(self, cfg: ModelConfig, where: str) -> None:
+      need = field_check(where)
       for f in ("d_state", "head_dim", "n_groups", "d_conv", "chunk_size"):
-        need(int(getattr(self, f)) >= 1, f, f"must be >= 1, got {getattr(self, f)!r}")
+        need(is_int(getattr(self, f), 1), f, f"must be an integer >= 1, got {getattr(self, f)!r}")
       ssd.validate_inner_width(self, cfg.d_model, need)
-      need(0 < self.dt_min <= self.dt_max, "dt_min", "need 0 < dt_min <= dt_max")
-      need(0 < self.a_init_min <= self.a_init_max, "a_init_min",
+      need(is_number(self.dt_min) and is_number(self.dt_max) and 0 < self.dt_min <= self.dt_max,
+           "dt_min", "need 0 < dt_min <= dt_max")
+      need(is_number(self.a_init_min) and is_number(self.a_init_max)
+           and 0 < self.a_init_min <= self.a_init_max, "a_init_min",
            "need 0 < a_init_min <= a_init_max")
 
   def __init__(self, cfg: ModelConfig, opts: "Mamba2.Options", *, rngs: nnx.Rngs):
-    opts.validate(cfg)
     self.cfg, self.opts = cfg, opts
     H, P, N, G, D = opts.heads(cfg), opts.head_dim, opts.d_state, opts.n_groups, cfg.d_model
     self.H, self.P, self.N, self.G = H, P, N, G

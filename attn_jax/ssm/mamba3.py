@@ -44,6 +44,11 @@ reach past outputs through rounding, which the causality test detects.) The cumu
 are computed per chunk and carried across chunks mod 2 pi (a scan), so they stay in range at
 any length.
 
+Implicit attention (`Mamba3.implicit_attention`, for eval/maps.py): unrolling the trapezoid
+from a zero state, y_t = sum_{j<=t} M_tj x_j + D x_t with
+M_tj = (q_t . k_j) L_tj (gamma_j + [j<t] beta'_{j+1}), L_tj = exp(a_{j+1} + ... + a_t): the
+input of token j enters h_j with gamma_j and h_{j+1} with beta'_{j+1} alpha_{j+1}.
+
 `trapezoid_recurrent` is the explicit recurrence (lax.scan over time, the test reference) and
 the decode step is one token of it. Decoding state: angles [H, R], h [H, P, N] (fp32), and the
 last token's k [H, N] and x [H, P]: constant in the generated length. Padding (position -1):
@@ -94,6 +99,7 @@ from flax import nnx
 
 from attn_jax.config import ModelConfig
 from attn_jax.layers import Linear, causal_positions, dtype_of, param, segmented_cumsum
+from attn_jax.options import field_check, is_int, is_number
 from attn_jax.registry import register_mixer
 from attn_jax.ssm import ssd
 from attn_jax.ssm.mamba2 import (document_resets, dt_bias_init, last_valid_window,
@@ -316,25 +322,23 @@ class Mamba3(nnx.Module):
     def n_angles(self) -> int:
       return int(self.d_state * self.rope_fraction) // 2
 
-    def validate(self, cfg: ModelConfig, where: str = "config.model.mamba3") -> None:
-      def need(cond, field, msg):
-        if not cond:
-          raise ValueError(f"{where}.{field}: {msg}")
+    def validate(self, cfg: ModelConfig, where: str) -> None:
+      need = field_check(where)
       for f in ("d_state", "head_dim", "n_groups", "chunk_size"):
-        need(int(getattr(self, f)) >= 1, f, f"must be >= 1, got {getattr(self, f)!r}")
+        need(is_int(getattr(self, f), 1), f, f"must be an integer >= 1, got {getattr(self, f)!r}")
       ssd.validate_inner_width(self, cfg.d_model, need)
       need(self.rope_fraction in (0.5, 1.0) and self.n_angles() >= 1, "rope_fraction",
            f"must be 0.5 or 1.0 with at least one angle, got {self.rope_fraction}")
-      need(0 < self.dt_min <= self.dt_max, "dt_min", "need 0 < dt_min <= dt_max")
-      need(self.a_floor > 0, "a_floor", "must be > 0")
+      need(is_number(self.dt_min) and is_number(self.dt_max) and 0 < self.dt_min <= self.dt_max,
+           "dt_min", "need 0 < dt_min <= dt_max")
+      need(is_number(self.a_floor) and self.a_floor > 0, "a_floor",
+           f"must be a number > 0, got {self.a_floor!r}")
       need(self.a_activation in A_ACTIVATIONS, "a_activation",
            f"must be one of {sorted(A_ACTIVATIONS)}, got {self.a_activation!r}")
-      need(isinstance(self.mimo_rank, int) and not isinstance(self.mimo_rank, bool)
-           and self.mimo_rank >= 0, "mimo_rank",
+      need(is_int(self.mimo_rank, 0), "mimo_rank",
            f"must be an integer >= 0 (0 = SISO), got {self.mimo_rank!r}")
 
   def __init__(self, cfg: ModelConfig, opts: "Mamba3.Options", *, rngs: nnx.Rngs):
-    opts.validate(cfg)
     self.cfg, self.opts = cfg, opts
     H, P, N, G, D = opts.heads(cfg), opts.head_dim, opts.d_state, opts.n_groups, cfg.d_model
     R = opts.n_angles()
@@ -455,6 +459,38 @@ class Mamba3(nnx.Module):
     y = (y + self.D[...].astype(f32)[:, None, None] * xr) * jax.nn.silu(u["z"][..., None, :] * wz)
     y = jnp.sum(y * wo, axis=3)
     return y, None if state is None else self._next_state(st, u, phi, h, k)
+
+  def implicit_attention(self, x_BTD) -> dict:
+    """The trapezoid's attention-like matrix of a full forward (positions 0..T-1), for
+    diagnostics (eval/maps.py). Unrolled from h = 0 (module docstring's recurrence), the input
+    x_j k_j^T enters h_j with weight gamma_j and h_{j+1} with beta'_{j+1} alpha_{j+1}, and
+    L_{t,j+1} alpha_{j+1} = L_tj carries both to t:
+        y_t = sum_{j<=t} M_tj x_j + D x_t,   M_tj = (q_t . k_j) L_tj (gamma_j + [j<t] beta'_{j+1})
+    with L_tj = exp(a_{j+1} + ... + a_t), q, k the rotated C, B. MIMO: one matrix per (output
+    column o, input column i), M_tjoi = (Q_to . K_ji) L_tj (...), acting on X_j[:, i].
+    Returns decay [B, T, H] (alpha_t), L [B, H, T, T], M [B, H, T, T] (MIMO: [B, H, T, T, r, r],
+    axes (o, i)), x (the input: [B, T, H, P]; MIMO X = x w^x, [B, T, H, r, P]) and mask; the
+    output is then (y + D x) * SiLU(z) (MIMO: summed over o with w^o, z scaled by w^z)."""
+    B, T = x_BTD.shape[:2]
+    u = self._inputs(x_BTD, causal_positions(B, T))
+    phi = self._angles(u, self.init_state(self.cfg, self.opts, B, 0, f32), recurrent=False)
+    r = self.opts.mimo_rank
+    ang = phi[..., None, :] if r else phi
+    k, q = rotate_pairs(u["b"], ang), rotate_pairs(u["c"], ang)
+    mask = jnp.arange(T)[:, None] >= jnp.arange(T)[None, :]
+    A = jnp.cumsum(u["a"], axis=1).transpose(0, 2, 1)                  # [B, H, T]
+    L = jnp.exp(jnp.where(mask, A[..., :, None] - A[..., None, :], -jnp.inf))
+    betap_next = jnp.pad(u["betap"][:, 1:], ((0, 0), (0, 1), (0, 0))).transpose(0, 2, 1)
+    strict = jnp.arange(T)[:, None] > jnp.arange(T)[None, :]
+    weight = u["gamma"].transpose(0, 2, 1)[:, :, None, :] + jnp.where(
+        strict, betap_next[:, :, None, :], 0.0)                         # [B, H, T, T]
+    if r:
+      qk = jnp.einsum("bthon,bjhin->bhtjoi", q, k)
+      M = qk * (L * weight)[..., None, None]
+      x = u["x"][..., None, :] * self.mimo_x[...].astype(f32)
+    else:
+      M, x = jnp.einsum("bthn,bjhn->bhtj", q, k) * L * weight, u["x"]
+    return {"decay": jnp.exp(u["a"]), "L": L, "M": M, "x": x, "mask": mask}
 
   def __call__(self, x_BTD, *, positions_BT=None, segment_ids_BT=None, state=None, rng=None,
                train=False):

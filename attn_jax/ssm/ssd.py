@@ -58,6 +58,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from attn_jax.options import is_int, is_number
+
 f32 = jnp.float32
 
 
@@ -241,8 +243,10 @@ def inner_heads(opts, d_model: int) -> int:
 def validate_inner_width(opts, d_model: int, need) -> None:
   """The head/width checks shared by the Mamba-2 and Mamba-3 options (`need(cond, field,
   msg)` raises naming the field)."""
-  need(opts.n_heads >= 0, "n_heads", f"must be >= 0, got {opts.n_heads}")
+  need(is_int(opts.n_heads, 0), "n_heads", f"must be an integer >= 0, got {opts.n_heads!r}")
   if not opts.n_heads:
+    need(is_number(opts.expand) and opts.expand > 0, "expand",
+         f"must be a number > 0, got {opts.expand!r}")
     d_inner = opts.expand * d_model
     need(d_inner == int(d_inner) and int(d_inner) % opts.head_dim == 0, "expand",
          f"expand * d_model = {d_inner} must be a multiple of head_dim={opts.head_dim}")
