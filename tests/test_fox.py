@@ -308,7 +308,7 @@ def test_extra_params_are_what_the_mixer_creates():
 
 
 @pytest.mark.parametrize("field,value,msg", [
-    ("block_size", -1, "block_size"), ("rope", 1, "rope"),
+    ("block_size", -1, "block_size"), ("rope", 1, "rope"), ("path", "fast", "path"),
     ("forget_bias_init", float("nan"), "forget_bias_init")])
 def test_validate_names_the_field(field, value, msg):
   with pytest.raises(ValueError, match=f"fox.{msg}"):
