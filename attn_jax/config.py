@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 from typing import Any
 
 import ml_collections
+
+from attn_jax.options import field_check, is_int, is_number
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,11 +136,7 @@ _REMAT = ("none", "full", "dots", "dots_no_batch")
 
 def validate_model(cfg: ModelConfig) -> None:
   from attn_jax.registry import get_mixer
-
-  def need(cond, field, msg):
-    if not cond:
-      raise ValueError(f"config.model.{field}: {msg}")
-
+  need = field_check("config.model")
   for f in ("vocab_size", "vocab_multiple", "d_model", "n_layers", "n_heads", "max_seq_len"):
     need(int(getattr(cfg, f)) > 0, f, f"must be a positive integer, got {getattr(cfg, f)!r}")
   need(cfg.d_model % cfg.n_heads == 0, "d_model",
@@ -154,8 +151,7 @@ def validate_model(cfg: ModelConfig) -> None:
     need(getattr(cfg, f) in ("float32", "bfloat16", "float16"), f,
          f"{getattr(cfg, f)!r} not in (float32, bfloat16, float16)")
   need(cfg.d_ff >= 0, "d_ff", f"must be >= 0 (0 = no MLP), got {cfg.d_ff}")
-  need(isinstance(cfg.sink_tokens, int) and not isinstance(cfg.sink_tokens, bool)
-       and cfg.sink_tokens >= 0, "sink_tokens",
+  need(is_int(cfg.sink_tokens, 0), "sink_tokens",
        f"must be an integer >= 0 (0 = none), got {cfg.sink_tokens!r}")
   need(not (cfg.pattern and cfg.mixer != "attention"), "pattern",
        f"set either model.mixer ({cfg.mixer!r}) or model.pattern ({cfg.pattern!r}), not both")
@@ -198,11 +194,7 @@ def validate(config: ml_collections.ConfigDict) -> ModelConfig:
   """Check the whole config; returns the typed model config."""
   cfg = ModelConfig.from_config(config.model)
   d, t, o = config.data, config.train, config.optim
-
-  def need(cond, field, msg):
-    if not cond:
-      raise ValueError(f"config.{field}: {msg}")
-
+  need = field_check("config")
   need(d.seq_len > 0, "data.seq_len", "must be positive")
   need(d.seq_len <= cfg.max_seq_len, "data.seq_len",
        f"{d.seq_len} exceeds model.max_seq_len={cfg.max_seq_len}")
@@ -210,24 +202,24 @@ def validate(config: ml_collections.ConfigDict) -> ModelConfig:
   need(t.steps > 0, "train.steps", "must be positive")
   need(t.grad_accum >= 1, "train.grad_accum", "must be >= 1")
   need(t.log_every >= 1, "train.log_every", "must be >= 1")
-  fin = lambda x: isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-  need(fin(o.lr) and o.lr > 0, "optim.lr", f"must be a finite positive number, got {o.lr!r}")
-  need(fin(o.min_lr_ratio) and 0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio",
+  need(is_number(o.lr) and o.lr > 0, "optim.lr", f"must be a finite positive number, got {o.lr!r}")
+  need(is_number(o.min_lr_ratio, 0) and o.min_lr_ratio <= 1, "optim.min_lr_ratio",
        f"must be in [0, 1], got {o.min_lr_ratio!r}")
   for f in ("b1", "b2"):
-    need(fin(o[f]) and 0 <= o[f] < 1, f"optim.{f}", f"must be in [0, 1), got {o[f]!r}")
-  need(fin(o.eps) and o.eps > 0, "optim.eps", f"must be a finite positive number, got {o.eps!r}")
+    need(is_number(o[f], 0) and o[f] < 1, f"optim.{f}", f"must be in [0, 1), got {o[f]!r}")
+  need(is_number(o.eps) and o.eps > 0, "optim.eps",
+       f"must be a finite positive number, got {o.eps!r}")
   for f in ("weight_decay", "clip_norm"):
-    need(fin(o[f]) and o[f] >= 0, f"optim.{f}", f"must be a finite number >= 0, got {o[f]!r}")
+    need(is_number(o[f], 0), f"optim.{f}", f"must be a finite number >= 0, got {o[f]!r}")
   from attn_jax.data.pipeline import DATA_SOURCES
   need(d.source in DATA_SOURCES, "data.source", f"{d.source!r} not in {DATA_SOURCES}")
   need(0 <= o.warmup_steps, "optim.warmup_steps", "must be >= 0")
   need(config.checkpoint.every_steps >= 1, "checkpoint.every_steps", "must be >= 1")
   keep = config.checkpoint.max_to_keep
-  need(isinstance(keep, int) and not isinstance(keep, bool) and keep >= 1,
-       "checkpoint.max_to_keep", f"must be an integer >= 1 (the newest steps kept), got {keep!r}")
+  need(is_int(keep, 1), "checkpoint.max_to_keep",
+       f"must be an integer >= 1 (the newest steps kept), got {keep!r}")
   every = config.eval.get("every_steps", 0) if "eval" in config else 0
-  need(isinstance(every, int) and not isinstance(every, bool) and every >= 0, "eval.every_steps",
+  need(is_int(every, 0), "eval.every_steps",
        f"must be an integer >= 0 (0 = only at the end), got {every!r}")
   if o.warmup_steps >= t.steps:
     logging.warning("config.optim.warmup_steps=%d >= config.train.steps=%d: the learning rate "

@@ -162,8 +162,20 @@ def state_shardings(abstract_state: Any, mesh: Mesh, rules: Mapping[str, MeshAxe
   return nnx.to_pure_dict(specs) if isinstance(specs, nnx.State) else specs
 
 
+def batch_axes(rules: Mapping[str, MeshAxes]) -> tuple[str, ...]:
+  """The mesh axes a batch is split over: the `batch` rule's value as a tuple (() = replicated)."""
+  return _flat(rules.get("batch", None))
+
+
+def batch_shards(mesh: Mesh, rules: Mapping[str, MeshAxes]) -> int:
+  """Into how many shards the `batch` rule splits a batch's rows on `mesh`."""
+  return _axis_size(mesh, batch_axes(rules))
+
+
 def batch_sharding(mesh: Mesh, rules: Mapping[str, MeshAxes], ndim: int = 2,
                    batch_dim: int = 0) -> NamedSharding:
+  """Rows (dimension `batch_dim` of `ndim`) over the `batch` rule's mesh axes, the rest
+  replicated: the sharding of every training and evaluation batch."""
   spec = [None] * ndim
   spec[batch_dim] = rules.get("batch", None)
   return NamedSharding(mesh, P(*spec))

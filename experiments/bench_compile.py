@@ -28,21 +28,18 @@ _OUT = flags.DEFINE_string("out", "", "JSON output path.")
 
 def compile_seconds(pattern: tuple[str, ...], n_layers: int) -> float:
   import jax
-  import jax.numpy as jnp
 
-  from attn_jax.train.trainer import build_setup
+  from attn_jax.train.trainer import abstract_batch, build_setup, compile_step
   from configs import quickstart
 
   c = quickstart.get_config()
   c.model.update(pattern=pattern, n_layers=n_layers, d_model=128, n_heads=4, d_ff=256)
   c.mesh.shape = (1, 1, 1)
   setup = build_setup(c, devices=jax.devices()[:1])
-  batch = {k: jax.ShapeDtypeStruct((1, 8, 64), jnp.float32 if k == "weights" else jnp.int32,
-                                   sharding=setup.batch_sharding)
-           for k in ("inputs", "targets", "weights")}
+  batch = abstract_batch(setup, 1, 8, 64)
   jax.clear_caches()
   t0 = time.perf_counter()
-  setup.step_fn.lower(setup.abstract_state, batch).compile()
+  compile_step(setup, batch)   # as the trainer compiles it (inside the mesh's rules)
   return time.perf_counter() - t0
 
 

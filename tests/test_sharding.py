@@ -145,3 +145,19 @@ def test_host_rows_follow_the_sharding_not_the_process_index():
   repl = shd.batch_sharding(mesh, {"batch": None}, ndim=3, batch_dim=1)
   assert shd.rows_for_devices(repl, shape, devices[:1], batch_dim=1) == slice(0, 16)
   del batch_rules
+
+
+def test_batch_axes_and_shards_from_the_one_batch_rule():
+  """Every batch (train [A, B, L], held-out [B, L]) and every divisibility check reads the batch
+  split from `batch_axes` / `batch_shards`: a string, a tuple and None (replicated) rule."""
+  mesh = shd.make_mesh((2, 4, 1), ("data", "fsdp", "tensor"))
+  for rule, axes, shards in ((("data", "fsdp"), ("data", "fsdp"), 8), ("fsdp", ("fsdp",), 4),
+                             (None, (), 1), (("data", "tensor"), ("data", "tensor"), 2)):
+    rules = {"batch": rule}
+    assert shd.batch_axes(rules) == axes and shd.batch_shards(mesh, rules) == shards
+    sh = shd.batch_sharding(mesh, rules, ndim=3, batch_dim=1)
+    assert sh.spec == P(None, rule, None)
+    # A [A, B, L] batch is cut into exactly `shards` distinct row blocks.
+    blocks = {idx[1].indices(16) for idx in sh.devices_indices_map((2, 16, 4)).values()}
+    assert len(blocks) == shards
+  assert shd.batch_axes({}) == () and shd.batch_shards(mesh, {}) == 1

@@ -173,3 +173,20 @@ def test_unknown_config_field_via_flags(tmp_path):
                      cwd=root, capture_output=True, text=True, timeout=120)
   assert r.returncode != 0
   assert "not_a_field" in r.stderr
+
+
+def test_batch_geometry_rewrites_only_the_batch_fields_of_a_copy():
+  """`_fit_memory` returns a BatchGeometry; `apply` gives the run's config: the same object when
+  the batch is the config's own, else a copy with the micro-batch and accumulation replaced."""
+  c = tiny_config()
+  geo = trainer_lib.BatchGeometry.of(c)
+  assert geo.shape == (1, 8, 32) and geo.tokens == 8 * 32
+  assert geo.apply(c) is c
+  smaller = trainer_lib.BatchGeometry(accum=4, micro=2, seq_len=32)
+  c2 = smaller.apply(c)
+  assert (c2.data.global_batch_size, c2.train.grad_accum) == (2, 4)
+  assert (c.data.global_batch_size, c.train.grad_accum) == (8, 1)   # the caller's is untouched
+  assert smaller.tokens == geo.tokens
+  rest = lambda cfg: {k: v for k, v in cfg.to_dict().items() if k not in ("data", "train")}
+  assert rest(c2) == rest(c)
+  assert trainer_lib.BatchGeometry.of(c2) == smaller

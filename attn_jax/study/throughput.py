@@ -52,6 +52,7 @@ def prepare_step(config: ml_collections.ConfigDict, seq_len: int, *, batch_token
   """The trainer's step for `config` at length `seq_len`, compiled for a random batch of
   max(1, batch_tokens // seq_len) rows rounded up to whole rows per batch shard.
   Returns (setup, state, tokens [1, B, L + 1], batch, compiled, compile seconds)."""
+  from attn_jax import sharding as shd
   from attn_jax.train.trainer import build_setup, compile_step
 
   c = ml_collections.ConfigDict(config.to_dict())
@@ -60,9 +61,7 @@ def prepare_step(config: ml_collections.ConfigDict, seq_len: int, *, batch_token
   c.model.max_seq_len = max(int(c.model.max_seq_len), int(seq_len))
   c.train.grad_accum = 1
   setup = build_setup(c)
-  axes = setup.rules.get("batch")
-  axes = () if axes is None else ((axes,) if isinstance(axes, str) else tuple(axes))
-  shards = int(np.prod([setup.mesh.shape[a] for a in axes])) if axes else 1
+  shards = shd.batch_shards(setup.mesh, setup.rules)
   B = -(-B // shards) * shards     # whole rows per batch shard
   state = setup.init_fn()
   toks, batch = random_batch(setup.cfg.vocab_size, B, seq_len)

@@ -1,9 +1,13 @@
 """`train_and_evaluate(config, workdir)`: the whole training run, importable from a notebook.
 
-Order of work (abstract first, nothing materialised unsharded):
-  validate config -> mesh -> abstract model/state -> shardings -> jitted init (out_shardings)
-  or restore from the latest checkpoint -> data iterator (restored position) -> AOT-compiled
-  step (explicit in/out shardings, state donated; memory analysis logged) -> loop.
+Order of work (abstract first, nothing materialised unsharded), as `_train_and_evaluate` reads:
+  `build_setup` (config.validate -> mesh -> abstract model/state -> shardings -> jitted init
+  and step) -> `validate_for_training` (the checks that need the setup) -> `_fit_memory` (the
+  batch geometry whose compiled step fits the device; the run's config is rewritten to it) ->
+  `_Run` (checkpointer, data iterator) -> restore from the latest checkpoint (state, data
+  position, loss monitor) or jitted init (out_shardings) -> `compile_step` for that geometry
+  (explicit in/out shardings, state donated; memory analysis logged) -> loop -> `_Run.on_exit`
+  (last row, data rewind, final save) -> final evaluation.
 
 Loop hygiene: step t+1 is dispatched before the metrics of step t are read; a checkpoint is
 written every `checkpoint.every_steps`, at the end, and when the run is interrupted, so work is
@@ -52,12 +56,13 @@ import ml_collections
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
 
 from attn_jax import sharding as shd
 from attn_jax.config import ModelConfig, validate
 from attn_jax.data.documents import batch_keys
 from attn_jax.model import build_model, count_params
+from attn_jax.options import field_check
 from attn_jax.train import flops as flops_lib
 from attn_jax.train.checkpoint import (Checkpointer, CheckpointMismatchError,
                                        CheckpointSaveError, PreemptionGuard,
@@ -115,8 +120,7 @@ def build_setup(config: ml_collections.ConfigDict, *, devices=None) -> Setup:
                                  transform_non_params=lambda _: repl)
   state_sh = {"params": param_sh, "rest": rest_sh, "opt_state": opt_sh, "step": repl,
               "rng": repl}
-  batch_axes = rules.get("batch")
-  batch_sh = NamedSharding(mesh, P(None, batch_axes, None))
+  batch_sh = shd.batch_sharding(mesh, rules, ndim=3, batch_dim=1)   # [A, B, L]
   step = make_train_step(graphdef, tx, sched)
   step_fn = jax.jit(step, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, repl),
                     donate_argnums=(0,))
@@ -124,20 +128,6 @@ def build_setup(config: ml_collections.ConfigDict, *, devices=None) -> Setup:
   return Setup(cfg, mesh, rules, graphdef, tx, sched, state_sh,
                abstract_with_shardings(abstract, state_sh), init_fn, step_fn, batch_sh,
                count_params(cfg), batch_keys(config.data))
-
-
-def _check_batch(config, mesh, rules) -> None:
-  """The global batch splits evenly over the mesh's batch shards; errors name the config field.
-  (Each host's rows come from the batch sharding, `sharding.host_batch_rows`: a host whose
-  devices hold a replicated batch reads all of it, so no divisibility by the process count is
-  required.)"""
-  gbs = config.data.global_batch_size
-  axes = rules.get("batch")
-  axes = () if axes is None else ((axes,) if isinstance(axes, str) else tuple(axes))
-  shards = int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
-  if gbs % shards:
-    raise ValueError(f"config.data.global_batch_size={gbs} is not divisible by the "
-                     f"{shards} batch shards of the mesh {dict(mesh.shape)}")
 
 
 def _next_batch(it, accum: int, batch_sh, global_shape, keys=BASE_KEYS) -> dict:
@@ -157,7 +147,7 @@ way (`attn_jax.eval.run.task_callback`), so the trainer never imports the evalua
 
 def eval_batch_sharding(setup: Setup) -> NamedSharding:
   """The sharding of a held-out [B, L] batch: rows over the `batch` rule's mesh axes."""
-  return NamedSharding(setup.mesh, P(setup.rules.get("batch"), None))
+  return shd.batch_sharding(setup.mesh, setup.rules)
 
 
 def make_heldout_batches(config: ml_collections.ConfigDict, setup: Setup,
@@ -231,18 +221,31 @@ class NonFiniteTrainingError(FloatingPointError):
 NONFINITE_MODES = ("skip", "halt")
 
 
-def _check_train(config) -> None:
+def validate_for_training(config: ml_collections.ConfigDict, setup: Setup) -> None:
+  """What a training run checks beyond `config.validate` (which `build_setup` ran): the
+  non-finite and spike options, the vocabulary against the data's, and the global batch against
+  the mesh's batch shards; every error names the config field.
+  (Each host's rows come from the batch sharding, `sharding.host_batch_rows`: a host whose
+  devices hold a replicated batch reads all of it, so no divisibility by the process count is
+  required.)"""
+  from attn_jax.data import pipeline
   t = config.train
-  if t.nonfinite not in NONFINITE_MODES:
-    raise ValueError(f"config.train.nonfinite: {t.nonfinite!r} not in {NONFINITE_MODES}")
-  if int(t.nonfinite_max_consecutive) < 1:
-    raise ValueError(f"config.train.nonfinite_max_consecutive: must be >= 1, got "
-                     f"{t.nonfinite_max_consecutive!r}")
-  if int(t.spike_window) < 0 or int(t.spike_window) == 1:
-    raise ValueError(f"config.train.spike_window: must be 0 (off) or >= 2, got "
-                     f"{t.spike_window!r}")
-  if not float(t.spike_threshold) > 0:
-    raise ValueError(f"config.train.spike_threshold: must be > 0, got {t.spike_threshold!r}")
+  need = field_check("config.train")
+  need(t.nonfinite in NONFINITE_MODES, "nonfinite", f"{t.nonfinite!r} not in {NONFINITE_MODES}")
+  need(int(t.nonfinite_max_consecutive) >= 1, "nonfinite_max_consecutive",
+       f"must be >= 1, got {t.nonfinite_max_consecutive!r}")
+  need(int(t.spike_window) >= 0 and int(t.spike_window) != 1, "spike_window",
+       f"must be 0 (off) or >= 2, got {t.spike_window!r}")
+  need(float(t.spike_threshold) > 0, "spike_threshold",
+       f"must be > 0, got {t.spike_threshold!r}")
+  vocab = pipeline.vocab_size_needed(config.data)
+  if vocab > setup.cfg.vocab_size:
+    raise ValueError(f"config.model.vocab_size={setup.cfg.vocab_size} is smaller than the data's "
+                     f"vocabulary ({vocab}, from config.data.tokenizer/source)")
+  gbs, shards = config.data.global_batch_size, shd.batch_shards(setup.mesh, setup.rules)
+  if gbs % shards:
+    raise ValueError(f"config.data.global_batch_size={gbs} is not divisible by the "
+                     f"{shards} batch shards of the mesh {dict(setup.mesh.shape)}")
 
 
 class LossMonitor:
@@ -321,41 +324,90 @@ def step_memory(setup: Setup, micro_batch: int, accum: int, seq_len: int):
                       ).memory_analysis()
 
 
-def _fit_memory(setup: Setup, config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-  """Compare the compiled step's memory with the device's before the first step.
+@dataclasses.dataclass(frozen=True)
+class BatchGeometry:
+  """One optimizer step's batch: `accum` micro-batches of `micro` rows of `seq_len` tokens, the
+  global [accum, micro, seq_len] arrays the step takes.
 
-  Does not fit: with `train.auto_microbatch`, pick the largest micro-batch that fits (same
-  tokens per optimizer step through `train.grad_accum`) and log it; else stop with a
-  MemoryError whose one paragraph names the needed and available memory and the knobs.
-  `train.device_memory_gb` (> 0) overrides the detected memory (e.g. to size a run for
-  another device)."""
-  from attn_jax.train import memory
-  t, d = config.train, config.data
-  avail = int(t.get("device_memory_gb", 0.0) * 2**30) or None
-  mem = step_memory(setup, d.global_batch_size, t.grad_accum, d.seq_len)
-  if mem is None:   # the backend reports no analysis
+  `Setup` does not depend on it (the step is traced per batch shape), so memory fitting can pick
+  it after `build_setup`; the run's config is then rewritten to it (`apply`) before anything
+  reads the config's batch: the data iterator, the held-out batches and the config saved with
+  every checkpoint all see the batch the run trains on."""
+  accum: int
+  micro: int
+  seq_len: int
+
+  @classmethod
+  def of(cls, config: ml_collections.ConfigDict) -> "BatchGeometry":
+    return cls(config.train.grad_accum, config.data.global_batch_size, config.data.seq_len)
+
+  @property
+  def shape(self) -> tuple[int, int, int]:
+    return (self.accum, self.micro, self.seq_len)
+
+  @property
+  def tokens(self) -> int:
+    """Tokens per optimizer step."""
+    return self.accum * self.micro * self.seq_len
+
+  def apply(self, config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """`config` itself when its batch is this one, else a copy with data.global_batch_size and
+    train.grad_accum set to it."""
+    if BatchGeometry.of(config) == self:
+      return config
+    config = ml_collections.ConfigDict(config.to_dict())
+    config.data.global_batch_size, config.train.grad_accum = self.micro, self.accum
     return config
-  fit = memory.check_fit(mem, available=avail, micro_batch=d.global_batch_size,
-                         grad_accum=t.grad_accum, remat=setup.cfg.remat)
+
+
+def _fit_memory(setup: Setup, config: ml_collections.ConfigDict) -> BatchGeometry:
+  """The batch geometry to train with, after comparing the compiled step's memory with the
+  device's (before the first step).
+
+  Fits (or the backend reports no analysis): the config's own geometry. Does not fit: with
+  `train.auto_microbatch`, the largest micro-batch that fits (same tokens per optimizer step
+  through `train.grad_accum`), logged; else stop with a MemoryError whose one paragraph names
+  the needed and available memory and the knobs. `train.device_memory_gb` (> 0) overrides the
+  detected memory (e.g. to size a run for another device)."""
+  from attn_jax.train import memory
+  t, geo = config.train, BatchGeometry.of(config)
+  avail = int(t.get("device_memory_gb", 0.0) * 2**30) or None
+  mem = step_memory(setup, geo.micro, geo.accum, geo.seq_len)
+  if mem is None:   # the backend reports no analysis
+    return geo
+  fit = memory.check_fit(mem, available=avail, micro_batch=geo.micro, grad_accum=geo.accum,
+                         remat=setup.cfg.remat)
   logging.info("%s", fit.message)
   if fit.fits:
-    return config
+    return geo
   if not t.get("auto_microbatch", False):
     raise MemoryError(fit.message)
-  total = d.global_batch_size * t.grad_accum
+  total = geo.micro * geo.accum
   micro, accum = memory.pick_micro_batch(
-      lambda m: step_memory(setup, m, total // m, d.seq_len), total, available=avail,
-      multiple_of=int(np.prod([setup.mesh.shape[a] for a in _batch_axes(setup.rules)])))
+      lambda m: step_memory(setup, m, total // m, geo.seq_len), total, available=avail,
+      multiple_of=shd.batch_shards(setup.mesh, setup.rules))
   logging.warning("train.auto_microbatch: micro-batch %d x grad_accum %d (was %d x %d) fits",
-                  micro, accum, d.global_batch_size, t.grad_accum)
-  config = ml_collections.ConfigDict(config.to_dict())
-  config.data.global_batch_size, config.train.grad_accum = micro, accum
-  return config
+                  micro, accum, geo.micro, geo.accum)
+  return dataclasses.replace(geo, micro=micro, accum=accum)
 
 
-def _batch_axes(rules) -> tuple[str, ...]:
-  axes = rules.get("batch")
-  return () if axes is None else ((axes,) if isinstance(axes, str) else tuple(axes))
+def _compile(setup: Setup, geo: BatchGeometry):
+  """The loop's step: `compile_step` for the run's batch, its compile time and memory logged."""
+  t0 = time.perf_counter()
+  compiled = compile_step(setup, abstract_batch(setup, *geo.shape))
+  logging.info("train step compiled in %.1fs", time.perf_counter() - t0)
+  try:
+    logging.info("memory analysis: %s", compiled.memory_analysis())
+  except Exception:  # not every backend reports it
+    pass
+  return compiled
+
+
+def _log_setup(setup: Setup) -> None:
+  n = setup.n_params
+  logging.info("devices: %s; mesh %s", jax.devices(), dict(setup.mesh.shape))
+  logging.info("parameters: total %s, non-embedding %s, mixer %s, mlp %s", f"{n['total']:,}",
+               f"{n['non_embedding']:,}", f"{n['mixer']:,}", f"{n['mlp']:,}")
 
 
 def _flat_config(tree: dict, prefix: str = "") -> dict[str, Any]:
@@ -425,228 +477,251 @@ def _warn_config_changes(saved: dict, now: dict, step: int) -> None:
 
 
 def _train_and_evaluate(config, workdir, eval_callbacks) -> dict[str, Any]:
-  from attn_jax.data import pipeline
-
-  setup = build_setup(config)
-  cfg = setup.cfg
-  _check_train(config)
-  need = pipeline.vocab_size_needed(config.data)
-  if need > cfg.vocab_size:
-    raise ValueError(f"config.model.vocab_size={cfg.vocab_size} is smaller than the data's "
-                     f"vocabulary ({need}, from config.data.tokenizer/source)")
-  _check_batch(config, setup.mesh, setup.rules)
-  config = _fit_memory(setup, config)   # before any data is read: may change the micro-batch
-  logging.info("devices: %s; mesh %s", jax.devices(), dict(setup.mesh.shape))
-  n = setup.n_params
-  logging.info("parameters: total %s, non-embedding %s, mixer %s, mlp %s", f"{n['total']:,}",
-               f"{n['non_embedding']:,}", f"{n['mixer']:,}", f"{n['mlp']:,}")
-
-  ckpt = Checkpointer(workdir, max_to_keep=config.checkpoint.max_to_keep)
-  accum, L = config.train.grad_accum, config.data.seq_len
-  global_shape = (accum, config.data.global_batch_size, L)
-  host_rows = shd.host_batch_rows(setup.batch_sharding, global_shape, batch_dim=1)
-  data_it = pipeline.make_train_iterator(config.data, seed=config.seed, host_rows=host_rows)
-  monitor = LossMonitor(config.train.spike_window, config.train.spike_threshold)
-  state = _restore(ckpt, setup, data_it, config)
-  if state is None:
-    state = setup.init_fn()
-    start = 0
-  else:
-    start = int(state["step"])
-    saved_meta = ckpt.restore_meta(ckpt.restored_step)
-    monitor.load(saved_meta.get("monitor"))
-    _warn_config_changes(saved_meta.get("config", {}), config_to_json(config), start)
-    logging.info("resumed from %s at step %d", ckpt.directory, start)
-  if monitor.last_finite_step is None:
-    monitor.last_finite_step = start
-
-  t0 = time.perf_counter()
-  compiled = compile_step(setup, abstract_batch(setup, *global_shape))
-  logging.info("train step compiled in %.1fs", time.perf_counter() - t0)
-  try:
-    logging.info("memory analysis: %s", compiled.memory_analysis())
-  except Exception:  # not every backend reports it
-    pass
-
-  writer = MetricWriter(workdir)
-  writer.truncate_after(start)  # rows an interrupted run logged after its last checkpoint
-  tokens_per_step = accum * config.data.global_batch_size * L
-  flops_per_tok = flops_lib.train_flops_per_token(cfg, n, L)
-  peak = flops_lib.peak_flops_per_device(override=config.train.peak_flops,
-                                         dtype=config.model.dtype)  # fp32: the TF32 peak
-  n_dev = jax.device_count()
-  base_meta = {"config": config_to_json(config), "n_params": n}
-  evaluator = _Evaluator(setup, make_heldout_batches(config, setup), eval_callbacks)
-
-  bar = None
-  if config.train.progress_bar and jax.process_index() == 0:
-    from tqdm import tqdm
-    bar = tqdm(total=config.train.steps, initial=start, unit="step", dynamic_ncols=True)
-
-  last_saved = start
-  pending = None          # (step, metrics) of the step dispatched before the current one
-  t_log, step_log = time.perf_counter(), start
-  last: dict[str, Any] = {}
-  diverged = False
-  last_eval = -1
-
-  def halt_message(step_no, loss, why):
-    saved = [s for s in ckpt.all_steps() if s < step_no]
-    where = (f"the latest checkpoint (from before it) is step {max(saved)} in {ckpt.directory}"
-             if saved else f"there is no checkpoint yet in {ckpt.directory}")
-    return (f"step {step_no}: the loss ({loss}), a gradient or the parameter update is not "
-            f"finite; {why}. The update was not applied. The last finite step is "
-            f"{monitor.last_finite_step}; {where} (no checkpoint ever holds non-finite values). "
-            "Lower config.optim.lr / raise optim.warmup_steps, or set "
-            "config.train.nonfinite='skip' to step over isolated events.")
-
-  def flush(pending_metrics):
-    nonlocal t_log, step_log, diverged
-    step_no, m = pending_metrics
-    loss = float(m["loss"])
-    nonfinite = bool(float(m["nonfinite"]) > 0)
-    spike = monitor.update(step_no, loss, nonfinite)
-    halt = None
-    if nonfinite:
-      if config.train.nonfinite == "halt":
-        halt = "stopping (config.train.nonfinite='halt')"
-      elif monitor.consecutive_nonfinite >= config.train.nonfinite_max_consecutive:
-        halt = (f"{monitor.consecutive_nonfinite} non-finite steps in a row (config.train."
-                f"nonfinite_max_consecutive={config.train.nonfinite_max_consecutive})")
-      else:
-        logging.warning("step %d: non-finite loss (%s), gradient or update; update skipped "
-                        "(%d non-finite steps so far)", step_no, loss, monitor.nonfinite_steps)
-    if spike:
-      logging.warning("step %d: loss spike %.4f (above mean + %g std of the last %d losses; "
-                      "%d spikes so far)", step_no, loss, monitor.threshold,
-                      len(monitor.losses) - 1, monitor.loss_spikes)
-    if (step_no % config.train.log_every == 0 or step_no == config.train.steps or nonfinite
-        or spike):
-      now = time.perf_counter()
-      dt = max(now - t_log, 1e-9)
-      tps = tokens_per_step * (step_no - step_log) / dt
-      out = flatten_metrics(m)
-      out["tokens_per_sec"] = tps
-      out["tokens_seen"] = step_no * tokens_per_step
-      out["loss_spike"] = float(spike)
-      out["loss_spikes"] = monitor.loss_spikes
-      out["nonfinite_steps"] = monitor.nonfinite_steps
-      if peak:
-        out["mfu"] = tps * flops_per_tok / (peak * n_dev)
-      writer.write(step_no, out)
-      last.update(out)
-      t_log, step_log = now, step_no
-      if bar is not None:
-        bar.set_postfix(loss=f"{loss:.4f}", acc=f"{out['accuracy']:.3f}",
-                        tok_s=f"{tps:,.0f}")
-    if halt is not None:   # after logging the row of the step that stops the run
-      diverged = True
-      raise NonFiniteTrainingError(halt_message(step_no, loss, halt))
-
-  def save(step_no):
-    ckpt.save(step_no, state, data_it, dict(base_meta, monitor=monitor.state()), force=True)
+  setup = build_setup(config)                 # runs config.validate
+  validate_for_training(config, setup)
+  geo = _fit_memory(setup, config)            # before any data is read: may shrink the micro-batch
+  config = geo.apply(config)                  # from here on the config holds the run's batch
+  _log_setup(setup)
+  run = _Run(config, workdir, setup, geo)     # checkpointer, data iterator, loss monitor
+  run.restore()                               # or a fresh init
+  compiled = _compile(setup, geo)
+  run.open_outputs(eval_callbacks)            # metrics file, evaluator, progress bar
 
   guard = PreemptionGuard().__enter__()
-  preempted = None
   error: BaseException | None = None
-  state_valid = True   # False while `state` may be donated to a step that has not returned
-  data_pos = None      # iterator position before this step's micro-batches, until dispatched
   try:
-    for step_no in range(start + 1, config.train.steps + 1):
-      data_pos = data_it.get_state()
-      batch = _next_batch(data_it, accum, setup.batch_sharding, global_shape,
-                          setup.batch_keys)
-      state_valid = False
-      state, metrics = compiled(state, batch)
-      state_valid, data_pos = True, None
-      if pending is not None:
-        flush(pending)
-      pending = (step_no, metrics)
-      if bar is not None:
-        bar.update(1)
-      if step_no % config.checkpoint.every_steps == 0:
-        flush(pending)
-        pending = None
-        save(step_no)
-        last_saved = step_no
-      if config.eval.every_steps and step_no % config.eval.every_steps == 0:
-        ev = evaluator(state, step_no)
-        writer.write(step_no, ev)
-        last.update(ev)
-        last_eval = step_no
-      ckpt.check_saves()   # a background save that failed (disk full) stops the run now
-      if guard.poll(step_no):  # SIGTERM/SIGINT/SIGHUP: stop at this step boundary (saved below)
-        preempted = guard.signal_name or "signal"
-        logging.warning("%s: stopping after step %d; rerun the same command to resume",
-                        preempted, step_no)
+    for step in range(run.start + 1, config.train.steps + 1):
+      run.train_step(compiled, step)          # logs the previous step's row
+      if step % config.checkpoint.every_steps == 0:
+        run.save(step)
+      if config.eval.every_steps and step % config.eval.every_steps == 0:
+        run.evaluate(step)
+      run.ckpt.check_saves()   # a background save that failed (disk full) stops the run now
+      if run.preempted_at(guard, step):   # SIGTERM/SIGINT/SIGHUP: stop here (saved on exit)
         break
-    if pending is not None:
-      flush(pending)
-      pending = None
+    run.flush()
   except BaseException as e:
     error = e
     raise
   finally:
     guard.__exit__(None, None, None)
-    _on_exit(error=error, flush=flush, pending=pending, state_valid=state_valid,
-             data_it=data_it, data_pos=data_pos, diverged=lambda: diverged,
-             done=lambda: int(state["step"]), last_saved=last_saved, save=save, ckpt=ckpt)
-    writer.flush()
-    if bar is not None:
-      bar.close()
-
-  if preempted is not None:
-    writer.close()
-    return dict(last, workdir=workdir, checkpoint_dir=ckpt.directory, preempted=preempted,
-                step=int(state["step"]))
-  if last_eval != int(state["step"]):
-    ev = evaluator(state, int(state["step"]))
-    writer.write(int(state["step"]), ev)
-    last.update(ev)
-  writer.close()
-  last["workdir"] = workdir
-  last["checkpoint_dir"] = ckpt.directory
-  return last
+    run.on_exit(error)        # last row, data rewind, final save: never in place of `error`
+  return run.result()         # final evaluation unless preempted
 
 
-def _on_exit(*, error, flush, pending, state_valid, data_it, data_pos, diverged, done,
-             last_saved, save, ckpt) -> None:
-  """The final save of `_train_and_evaluate` (normal end, preemption or an exception).
+class _Run:
+  """One training run from restore to exit: the train state and everything the loop carries
+  between steps. The step's metrics are read one step late (`pending`, logged by `flush`), so
+  step t+1 is dispatched before the host waits for step t."""
 
-  Saves the last step when it is newer than the last checkpoint, the state is not possibly
-  donated, and the run did not stop for non-finite values. With an exception in flight
-  (`error`), anything failing here is logged and the original exception is what propagates.
-  """
-  def attempt(what, fn):
+  def __init__(self, config, workdir: str, setup: Setup, geo: BatchGeometry):
+    from attn_jax.data import pipeline
+    self.config, self.workdir, self.setup, self.geo = config, workdir, setup, geo
+    self.ckpt = Checkpointer(workdir, max_to_keep=config.checkpoint.max_to_keep)
+    rows = shd.host_batch_rows(setup.batch_sharding, geo.shape, batch_dim=1)
+    self.data_it = pipeline.make_train_iterator(config.data, seed=config.seed, host_rows=rows)
+    self.monitor = LossMonitor(config.train.spike_window, config.train.spike_threshold)
+    self.state: Any = None
+    self.start = self.last_saved = 0
+    self.pending = None      # (step, metrics) of the step dispatched before the current one
+    self.state_valid = True  # False while `state` may be donated to a step that has not returned
+    self.data_pos = None     # iterator position before this step's micro-batches, until dispatched
+    self.diverged = False    # stopped for non-finite values: nothing more is saved
+    self.preempted: str | None = None
+    self.last: dict[str, Any] = {}
+    self.last_eval = -1
+    self.writer = self.evaluator = self.bar = None
+
+  def restore(self) -> None:
+    """The latest checkpoint's state, data position and loss monitor, or a fresh state."""
+    state = _restore(self.ckpt, self.setup, self.data_it, self.config)
+    if state is None:
+      state, self.start = self.setup.init_fn(), 0
+    else:
+      self.start = int(state["step"])
+      meta = self.ckpt.restore_meta(self.ckpt.restored_step)
+      self.monitor.load(meta.get("monitor"))
+      _warn_config_changes(meta.get("config", {}), config_to_json(self.config), self.start)
+      logging.info("resumed from %s at step %d", self.ckpt.directory, self.start)
+    if self.monitor.last_finite_step is None:
+      self.monitor.last_finite_step = self.start
+    self.state, self.last_saved = state, self.start
+
+  def open_outputs(self, eval_callbacks: Sequence[EvalCallback]) -> None:
+    """Metrics file (rows an interrupted run logged after its last checkpoint dropped), the
+    throughput constants, the evaluator and the progress bar."""
+    c, n = self.config, self.setup.n_params
+    self.writer = MetricWriter(self.workdir)
+    self.writer.truncate_after(self.start)
+    self.flops_per_tok = flops_lib.train_flops_per_token(self.setup.cfg, n, self.geo.seq_len)
+    self.peak = flops_lib.peak_flops_per_device(override=c.train.peak_flops,
+                                                dtype=c.model.dtype)  # fp32: the TF32 peak
+    self.n_dev = jax.device_count()
+    self.base_meta = {"config": config_to_json(c), "n_params": n}
+    self.evaluator = _Evaluator(self.setup, make_heldout_batches(c, self.setup), eval_callbacks)
+    if c.train.progress_bar and jax.process_index() == 0:
+      from tqdm import tqdm
+      self.bar = tqdm(total=c.train.steps, initial=self.start, unit="step", dynamic_ncols=True)
+    self.t_log, self.step_log = time.perf_counter(), self.start
+
+  def train_step(self, compiled, step: int) -> None:
+    """Dispatch `step` (its micro-batches pulled first), then log the step before it."""
+    self.data_pos = self.data_it.get_state()
+    batch = _next_batch(self.data_it, self.geo.accum, self.setup.batch_sharding, self.geo.shape,
+                        self.setup.batch_keys)
+    self.state_valid = False
+    self.state, metrics = compiled(self.state, batch)
+    self.state_valid, self.data_pos = True, None
+    self.flush()
+    self.pending = (step, metrics)
+    if self.bar is not None:
+      self.bar.update(1)
+
+  def flush(self) -> None:
+    """Log the pending step; NonFiniteTrainingError when it stops the run."""
+    if self.pending is not None:
+      self._log(*self.pending)
+      self.pending = None
+
+  def save(self, step: int) -> None:
+    self.flush()
+    self._checkpoint(step)
+
+  def _checkpoint(self, step: int) -> None:
+    self.ckpt.save(step, self.state, self.data_it,
+                   dict(self.base_meta, monitor=self.monitor.state()), force=True)
+    self.last_saved = step
+
+  def evaluate(self, step: int) -> None:
+    ev = self.evaluator(self.state, step)
+    self.writer.write(step, ev)
+    self.last.update(ev)
+    self.last_eval = step
+
+  def preempted_at(self, guard: PreemptionGuard, step: int) -> bool:
+    if not guard.poll(step):
+      return False
+    self.preempted = guard.signal_name or "signal"
+    logging.warning("%s: stopping after step %d; rerun the same command to resume",
+                    self.preempted, step)
+    return True
+
+  def _log(self, step: int, m: dict) -> None:
+    """The monitor's verdict on `step` and its metrics row (every `log_every` steps, the last
+    one, and every non-finite or spiking one); after writing the row of a step that stops the
+    run, raises NonFiniteTrainingError."""
+    t = self.config.train
+    loss, nonfinite = float(m["loss"]), bool(float(m["nonfinite"]) > 0)
+    spike = self.monitor.update(step, loss, nonfinite)
+    halt = self._halt_reason() if nonfinite else None
+    if nonfinite and halt is None:
+      logging.warning("step %d: non-finite loss (%s), gradient or update; update skipped "
+                      "(%d non-finite steps so far)", step, loss, self.monitor.nonfinite_steps)
+    if spike:
+      logging.warning("step %d: loss spike %.4f (above mean + %g std of the last %d losses; "
+                      "%d spikes so far)", step, loss, self.monitor.threshold,
+                      len(self.monitor.losses) - 1, self.monitor.loss_spikes)
+    if step % t.log_every == 0 or step == t.steps or nonfinite or spike:
+      self._write_row(step, m, spike)
+    if halt is not None:
+      self.diverged = True
+      raise NonFiniteTrainingError(self._halt_message(step, loss, halt))
+
+  def _halt_reason(self) -> str | None:
+    """Why a non-finite step stops the run, or None when it is skipped."""
+    t, consecutive = self.config.train, self.monitor.consecutive_nonfinite
+    if t.nonfinite == "halt":
+      return "stopping (config.train.nonfinite='halt')"
+    if consecutive >= t.nonfinite_max_consecutive:
+      return (f"{consecutive} non-finite steps in a row (config.train."
+              f"nonfinite_max_consecutive={t.nonfinite_max_consecutive})")
+    return None
+
+  def _halt_message(self, step: int, loss: float, why: str) -> str:
+    saved = [s for s in self.ckpt.all_steps() if s < step]
+    where = (f"the latest checkpoint (from before it) is step {max(saved)} in "
+             f"{self.ckpt.directory}" if saved
+             else f"there is no checkpoint yet in {self.ckpt.directory}")
+    return (f"step {step}: the loss ({loss}), a gradient or the parameter update is not "
+            f"finite; {why}. The update was not applied. The last finite step is "
+            f"{self.monitor.last_finite_step}; {where} (no checkpoint ever holds non-finite "
+            "values). Lower config.optim.lr / raise optim.warmup_steps, or set "
+            "config.train.nonfinite='skip' to step over isolated events.")
+
+  def _write_row(self, step: int, m: dict, spike: bool) -> None:
+    now = time.perf_counter()
+    tps = self.geo.tokens * (step - self.step_log) / max(now - self.t_log, 1e-9)
+    out = flatten_metrics(m)
+    out.update(tokens_per_sec=tps, tokens_seen=step * self.geo.tokens, loss_spike=float(spike),
+               loss_spikes=self.monitor.loss_spikes,
+               nonfinite_steps=self.monitor.nonfinite_steps)
+    if self.peak:
+      out["mfu"] = tps * self.flops_per_tok / (self.peak * self.n_dev)
+    self.writer.write(step, out)
+    self.last.update(out)
+    self.t_log, self.step_log = now, step
+    if self.bar is not None:
+      self.bar.set_postfix(loss=f"{float(m['loss']):.4f}", acc=f"{out['accuracy']:.3f}",
+                           tok_s=f"{tps:,.0f}")
+
+  def on_exit(self, error: BaseException | None) -> None:
+    """The way out (normal end, preemption or an exception): log the last dispatched step, put
+    back the micro-batches of a step that was never dispatched, save the last step when it is
+    newer than the last checkpoint, the state is not possibly donated and the run did not stop
+    for non-finite values; close the checkpointer. With an exception in flight (`error`),
+    anything failing here is logged and the original exception is what propagates."""
+    attempt = lambda what, fn: _attempt(error, what, fn)
+    if self.pending is not None and self.state_valid and not self.diverged:
+      attempt("logging the last step", self._log_last)
+    if self.data_pos is not None:  # stopped before this step was dispatched: rewind
+      attempt("rewinding the data iterator", lambda: self.data_it.set_state(self.data_pos))
+    if isinstance(error, CheckpointSaveError):
+      logging.error("not saving again after a failed save; the resume point is the latest "
+                    "checkpoint in %s (step %s)", self.ckpt.directory, self.ckpt.latest_step())
+    elif not self.state_valid:
+      logging.error("not saving: the train step raised (%s) and its input state was donated "
+                    "to it; the resume point is the latest checkpoint in %s (step %s)",
+                    type(error).__name__ if error is not None else "?", self.ckpt.directory,
+                    self.ckpt.latest_step())
+    elif not self.diverged:
+      attempt("the final checkpoint", self._final_save)
+    attempt("closing the checkpointer", self.ckpt.close)
+    self.writer.flush()
+    if self.bar is not None:
+      self.bar.close()
+
+  def _log_last(self) -> None:
+    """The last dispatched step's row, even when interrupted (a halt is logged, not raised)."""
     try:
-      fn()
-    except Exception as e:
-      if error is None:
-        raise
-      logging.error("while stopping after %s: %s failed: %s: %s", type(error).__name__, what,
-                    type(e).__name__, e)
+      self.flush()
+    except NonFiniteTrainingError as e:
+      logging.error("%s", e)
 
-  if pending is not None and state_valid and not diverged():
-    def log_last():  # the last dispatched step, even when interrupted
-      try:
-        flush(pending)
-      except NonFiniteTrainingError as e:
-        logging.error("%s", e)
-    attempt("logging the last step", log_last)
-  if data_pos is not None:  # stopped before this step was dispatched: its micro-batches go back
-    attempt("rewinding the data iterator", lambda: data_it.set_state(data_pos))
-  if isinstance(error, CheckpointSaveError):
-    logging.error("not saving again after a failed save; the resume point is the latest "
-                  "checkpoint in %s (step %s)", ckpt.directory, ckpt.latest_step())
-  elif not state_valid:
-    logging.error("not saving: the train step raised (%s) and its input state was donated to "
-                  "it; the resume point is the latest checkpoint in %s (step %s)",
-                  type(error).__name__ if error is not None else "?", ckpt.directory,
-                  ckpt.latest_step())
-  elif not diverged():
-    def final_save():
-      step = done()
-      if step > last_saved:  # interrupted or finished: never lose work
-        save(step)
-    attempt("the final checkpoint", final_save)
-  attempt("closing the checkpointer", ckpt.close)
+  def _final_save(self) -> None:
+    step = int(self.state["step"])
+    if step > self.last_saved:  # interrupted or finished: never lose work
+      self._checkpoint(step)
+
+  def result(self) -> dict[str, Any]:
+    """The final metrics: after a final evaluation, or as they stand when preempted."""
+    step = int(self.state["step"])
+    if self.preempted is not None:
+      self.writer.close()
+      return dict(self.last, workdir=self.workdir, checkpoint_dir=self.ckpt.directory,
+                  preempted=self.preempted, step=step)
+    if self.last_eval != step:
+      self.evaluate(step)
+    self.writer.close()
+    return dict(self.last, workdir=self.workdir, checkpoint_dir=self.ckpt.directory)
+
+
+def _attempt(error: BaseException | None, what: str, fn: Callable[[], Any]) -> None:
+  """`fn()`; with `error` in flight a failure is logged instead of raised (the original error is
+  the one that matters)."""
+  try:
+    fn()
+  except Exception as e:
+    if error is None:
+      raise
+    logging.error("while stopping after %s: %s failed: %s: %s", type(error).__name__, what,
+                  type(e).__name__, e)
