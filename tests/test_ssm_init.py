@@ -166,4 +166,4 @@ def test_mamba3_a_activation(act, want):
   np.testing.assert_allclose(np.asarray(got["a"]), want * np.asarray(dt), rtol=1e-6)
   assert _mixer("mamba3")[0].opts.a_activation == "softplus"
   with pytest.raises(ValueError, match="config.model.mamba3.a_activation"):
-    _mixer("mamba3", a_activation="relu")
+    _cfg().replace(mixer="mamba3").with_options("mamba3", a_activation="relu")   # with the config
