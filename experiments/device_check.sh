@@ -34,22 +34,23 @@ numerics() {  # $1 = timeout s, the rest = test files
 numerics 145 tests/test_gpu_paths.py tests/test_flash.py tests/test_split.py tests/test_loss.py \
   | tee "$out/numerics.txt"
 numerics 170 tests/test_attention.py tests/test_decode.py tests/test_sisa.py tests/test_trunk.py \
-  tests/test_ssd.py tests/test_mamba.py tests/test_sinkhorn.py tests/test_sinks.py \
+  tests/test_ssd.py tests/test_mamba.py tests/test_sinkhorn.py tests/test_sinks.py tests/test_fox.py \
+  tests/test_mamba3_mimo.py \
   | tee -a "$out/numerics.txt"
 
 # 2. train-step throughput, MFU against the bf16 matmul peak measured in the same run and the
 #    datasheet peak (flops.PEAK_FLOPS by device kind), ratios vs the Transformer, bf16, at the
 #    152M scale; SISA's paths side by side. (The decode-step table is its own run, 2b.)
 seqs="1024,4096"; [ -n "${QUICK:-}" ] && seqs="1024"
-# Every variant at 152M: Transformer, SISA (paths), Mamba-2/3, both hybrids, Sinkhorn, sinks.
-timeout 320 python3 experiments/bench.py --configs=transformer_152m,sisa_152m,sisa_152m@fast,sisa_152m@chunked,mamba2_152m,mamba3_152m,hybrid_block_152m,hybrid_head_152m,sinkhorn_152m,transformer_152m_sink \
+# Every variant at 152M: Transformer, SISA (paths), Mamba-2/3, both hybrids, Sinkhorn, sinks, FoX, ALiBi.
+timeout 320 python3 experiments/bench.py --configs=transformer_152m,sisa_152m,sisa_152m@fast,sisa_152m@chunked,mamba2_152m,mamba3_152m,hybrid_block_152m,hybrid_head_152m,sinkhorn_152m,transformer_152m_sink,fox_152m,alibi_152m \
   --seq_lens="$seqs" --batch_tokens=65536 --steps=5 --warmup=2 --decode_step_batches= ${BENCH_EXTRA:-} \
   2>&1 | grep -v "^[IW][0-9]" | tee "$out/bench.txt"
 
 # 2b. decode against memory bandwidth: one-token decode steps (after a 128-token prefill) at
 #     batch 1 and 32 per mixer and cache policy, tokens/s vs copy bandwidth / bytes per step
 #     (parameters + decoding state), with the measured copy bandwidth.
-timeout 100 python3 experiments/bench.py --decode_only --configs=transformer_152m,transformer_152m@streaming,sisa_152m,mamba2_152m,mamba3_152m,hybrid_block_152m,hybrid_head_152m,sinkhorn_152m,transformer_152m_sink \
+timeout 100 python3 experiments/bench.py --decode_only --configs=transformer_152m,transformer_152m@streaming,sisa_152m,mamba2_152m,mamba3_152m,hybrid_block_152m,hybrid_head_152m,sinkhorn_152m,transformer_152m_sink,fox_152m,alibi_152m \
   --decode_step_batches=1,32 ${BENCH_EXTRA:-} 2>&1 | grep -v "^[IW][0-9]" | tee "$out/decode.txt"
 
 # 3. SISA's chunked path (with cuDNN: fused past keys per query chunk + biased in-chunk block)
