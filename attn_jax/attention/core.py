@@ -389,12 +389,11 @@ def attend(q, k, v, *, scale: float, causal: bool = True, q_positions=None, kv_p
   if impl in ("einsum", "blocked"):
     prefix = impl == "blocked" and causal and T == S and (plain_causal or prefix_causal)
     step = (chunk or DEFAULT_CHUNK) if prefix else T
+    mask_fn = None
     if plain_causal:
       mask_fn = causal_block_mask
     elif mask is not None:
       mask_fn = lambda a, e, s_end: mask[..., a:e, :s_end]
-    else:
-      mask_fn = lambda a, e, s_end: None
     bias_fn = None if bias is None else (lambda a, e, s_end: bias[..., a:e, :s_end])
     return blocked_attention(q, k, v, scale=scale, mask_fn=mask_fn, bias_fn=bias_fn,
                              sink_logit_H=sink_logit_H, chunk=step, prefix=prefix)

@@ -55,10 +55,11 @@ and pairs inside a block none of |g| at all.
 Packed rows (`segment_ids_BT`, full forwards): a pair (i, j) of different documents is masked
 (`core.segment_mask`: p_ij = 0) on every part (the blocked path's mask; the flash path's
 diagonal-block mask and its loops' visibility), and g restarts at every document start
-(segmented sums in both levels, `_two_level`). For j <= i in one document g_i - g_j = sum_{l=j+1..i} log f_l reads only that
-document's gates: exactly the document's alone value, and no gradient crosses a boundary even
-at rounding level (a cumulative sum over the whole row would be the same function, but its
-gradients would carry cancelling terms from earlier documents). Masked pairs cannot produce
+(segmented sums in both levels, `_two_level`). For j <= i in one document
+g_i - g_j = sum_{l=j+1..i} log f_l reads only that document's gates: exactly the document's
+alone value, and no gradient crosses a boundary even at rounding level (a cumulative sum over
+the whole row would be the same function, but its gradients would carry cancelling terms from
+earlier documents). Masked pairs cannot produce
 inf/NaN: their bias is a difference of finite sums (it may be > 0 across a restart, but it is
 finite), and a finite score with p_ij = 0 has a zero cotangent. A query whose
 document starts inside its block sees no past block (lse NEG_INF) and its diagonal entry keeps
@@ -81,14 +82,14 @@ never forms, under any policy.
 
 Eviction and the forget gate (a `Ring(W)` / `SinksRing(n, W)` policy at decode time; with
 `rope=False` only, since FoX's ring keeps keys without RoPE). The cache's s_j is shifted by the
-new tokens' decay after every call, so a kept key keeps its true decay to the query,
-accumulated over every token in between, evicted ones included. Evicting a key j removes a weight proportional
-to e^{g_i - g_j + q.k scale}: for a head that forgets (g_i - g_{i-W} << 0 across the window)
-the window loses exponentially little, so a ring is close to exact; a head with f ~ 1 loses
-what attention loses. The StreamingLLM sinks are decayed like any old key (their logit
-includes g_i - g_sink, the whole stream's decay), so under forgetting they cannot soak up
-attention mass as they do in a Transformer; the learned sink *logit* (`sink_logit`, a constant
-column, not decayed) still can.
+new tokens' decay after every call, so a kept key keeps its true decay to the query, accumulated
+over every token in between, evicted ones included. Evicting a key j removes a weight proportional
+to e^{g_i - g_j + q.k scale}: for a head that forgets (g_i - g_{i-W} << 0 across the window) the
+window loses exponentially little, so a ring is close to exact; a head with f ~ 1 loses what
+attention loses. The StreamingLLM sinks are decayed like any old key (their logit includes
+g_i - g_sink, the whole stream's decay), so under forgetting they cannot soak up attention mass as
+they do in a Transformer; the learned sink *logit* (`sink_logit`, a constant column, not decayed)
+still can.
 
 ALiBi (alibi.py) is the same computation with log f = -m_h fixed.
 """
@@ -350,9 +351,9 @@ class ScoreBiasAttention(cache_lib.CachedMixer, nnx.Module):
   """Attention with the logit bias g_i - g_j, g a cumulative per-head log forget rate.
 
   Subclasses own their parameters and define `features(x, positions, state, segment_ids=None)
-  -> (q, k, v, log f, carry)` (q, k after any RoPE; carry: extra state entries such as the token-shift
-  keys) and `finish(y, x)` (the output before W_o). Everything else (blockwise forward, caches,
-  hooks) is here."""
+  -> (q, k, v, log f, carry)` (q, k after any RoPE; carry: extra state entries such as the
+  token-shift keys) and `finish(y, x)` (the output before W_o). Everything else (blockwise
+  forward, caches, hooks) is here."""
 
   def __call__(self, x_BTD, *, positions_BT=None, segment_ids_BT=None, state=None, rng=None,
                train=False):
