@@ -24,6 +24,10 @@ from converged; the comparison is at equal, small budget).
 from configs import study_tiny
 
 SEQ = 128
+# The methods whose claims are about language modelling and length: the Transformer, SISA, the
+# SSMs, FoX and ALiBi (the decay / position-prior relatives). `--config.study.only=` runs every
+# study_tiny variant.
+LM_VARIANTS = "transformer,sisa_ds8,mamba2,mamba3,fox,alibi"
 
 
 def get_config():
@@ -36,6 +40,7 @@ def get_config():
   c.eval.update(every_steps=200, tasks="", batch_size=32)
   s = c.study
   s.lrs = ()
+  s.only = LM_VARIANTS
   s.niah = "none"
   s.niah_metric = ""
   s.recall_metric = ""

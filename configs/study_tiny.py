@@ -17,10 +17,18 @@ instead, as their authors stack them (two blocks):
   transformer       sliding_window(2) -> attention
   sisa_ds8/_ds16    sliding_window(2) -> SISA (d_state 8 / 16)
   mamba2/mamba3     Mamba-2 -> Mamba-2 / Mamba-3 -> Mamba-3 (with the block's MLP)
+  mamba3_mimo       as mamba3, MIMO rank 4
   sinkhorn          sliding_window(2) -> Sinkhorn attention (causal, blocks of 16)
   hybrid_block      sliding_window(2) -> attention -> Mamba-2 (no MLP)
   hybrid_heads      sliding_window(2) -> half attention heads, half SSM heads
+  fox / alibi       sliding_window(2) -> Forgetting Attention / ALiBi (no RoPE)
   *_sink            the Transformer / SISA d_s 8 with one learnable sink token
+
+The default run (`study.only` = CORE) is every method once: sisa_ds16, hybrid_block and the two
+sink-token variants (EXTRA) are the cut that keeps it within 90 minutes on 2 cores, sweep
+included; `--config.study.only=` runs all 13. The SSMs' chunk is 32 >= T, so SSD is one chunk
+(its quadratic form; the output does not depend on the chunk size, tests/test_ssd.py), the
+fastest on CPU at this length.
 
 Every variant declares its setting and source (the 4th entry of VARIANTS, shown in the
 report). Initialisation is each mixer's own (Mamba-2/3: mamba_ssm's fan-in projections, dt,
@@ -33,14 +41,14 @@ SPEC section 2): 2-layer models at d_model 64-512, vocab 8192, 4-64 key-value pa
 ~12k-22k steps, best lr of a sweep, where attention solves MQAR at every width and gated
 convolutions/SSMs need state (width) growing with the number of pairs. Here: T 31 with 8 pairs
 (the smallest pairs-per-token ratio's order), vocab 96, d_model 64, 600 steps (2.4M tokens):
-~20-40x fewer steps than Zoology, the cut that fits 10 variants x (3 sweep lrs + 2 seeds) = 50
-runs in ~90 minutes on 2 cores (~95 s per run on a quiet machine, 47.6 min for 30 runs). At
-this budget the SSMs learn slowly (probes in the report/README notes): the sweep table shows
+~20-40x fewer steps than Zoology; 9 variants x (3 sweep lrs + 2 seeds) = 45 runs of 80-180 s
+each on a quiet 2-core machine. At this budget the SSMs learn slowly: the sweep table shows
 where each one stands. The state-size ordering of the Mamba-2 paper (Fig. 8) has its own config,
 configs/study_mqar_state.py.
 
-Parameters are matched to the Transformer's (attn_jax/study/variants.py): by d_ff, or for the
-SSMs by their expansion in whole heads, then their d_state. Evaluation every
+Parameters are matched to the Transformer's (attn_jax/study/variants.py): by d_ff (Mamba-2 and
+the MIMO variant keep their declared expansion and state), or for Mamba-3 by its expansion in
+whole heads, then its d_state. Evaluation every
 `eval.every_steps`: held-out loss/accuracy at the answers, `mqar` = recall accuracy over all 8
 queries (attn_jax.eval.run.task_callback) and the MQAR-space needle (attn_jax/study/needle.py)
 at context 17: the 8 pairs, then one query, the first of its sequence (so the "values not
@@ -57,7 +65,7 @@ import ml_collections
 from configs import base
 
 WINDOW = "sliding_window"
-SSM_TINY = (("d_state", 16), ("head_dim", 16), ("chunk_size", 16))
+SSM_TINY = (("d_state", 16), ("head_dim", 16), ("chunk_size", 32))
 
 
 def _ssm(mixer, extra=()):
@@ -83,14 +91,19 @@ VARIANTS = (
      "SISA init and lambda treatment of the authors' models/sisa.py (SPEC 1)"),
     ("sisa_ds16", "model.d_ff", _second("sisa") + (("model.sisa.d_state", 16),),
      "as sisa_ds8, d_state 16 (the paper's 152M setting)"),
-    ("mamba2", "model.mamba2.expand,model.mamba2.d_state",
-     _ssm_only("mamba2") + _ssm("mamba2"),
-     "two Mamba-2 blocks, their own short conv (d_conv 4) instead of the window layer; "
+    ("mamba2", "model.d_ff",
+     _ssm_only("mamba2") + _ssm("mamba2", (("d_state", 64), ("expand", 2.0))),
+     "two Mamba-2 blocks, their own short conv (d_conv 4) instead of the window layer; expand 2 "
+     "(mamba_ssm's default), d_state 64 (the middle state of the Mamba-2 paper's MQAR figure); "
      "mamba_ssm init (fan-in projections, dt/A_log/D as modules/mamba2.py)"),
     ("mamba3", "model.mamba3.expand,model.mamba3.d_state",
      _ssm_only("mamba3") + _ssm("mamba3"),
      "two Mamba-3 blocks as the paper stacks them (no conv, no window layer); mamba_ssm init, "
      "A = -softplus (release modules/mamba3.py)"),
+    ("mamba3_mimo", "model.d_ff",
+     _ssm_only("mamba3") + _ssm("mamba3", (("mimo_rank", 4), ("expand", 1.0))),
+     "as mamba3 (4 heads), MIMO rank 4 as the Mamba-3 paper; its wider B/C projections come "
+     "out of the MLP, as the paper matches MIMO's parameters"),
     ("sinkhorn", "model.d_ff",
      _second("sinkhorn") + (("model.sinkhorn.block_size", 16), ("model.sinkhorn.sortnet_width", 32),
                             ("model.sinkhorn.sort_dim", 8)),
@@ -113,11 +126,18 @@ VARIANTS = (
 )
 
 
+# What the default study runs (the cut that keeps it, sweep included, within 90 minutes on 2
+# cores): every method once. `--config.study.only=` (empty) adds the second SISA state size,
+# the block hybrid and the two sink-token variants.
+EXTRA = ("sisa_ds16", "hybrid_block", "transformer_sink", "sisa_ds8_sink")
+CORE = ",".join(v[0] for v in VARIANTS if v[0] not in EXTRA)
+
+
 def study_defaults() -> ml_collections.ConfigDict:
   s = ml_collections.ConfigDict()
   s.variants = VARIANTS
   s.baseline = "transformer"
-  s.only = ""                    # comma-separated subset of the variants ("" = all)
+  s.only = CORE                  # comma-separated subset of the variants ("" = all of them)
   s.seeds = (0, 1, 2)
   s.lrs = (1e-3, 3e-3, 1e-2)     # the lr sweep (seed sweep_seed), then all seeds at the best
   s.sweep_seed = -1              # -1: the first of `seeds`

@@ -75,10 +75,11 @@ def _causal(T: int) -> jax.Array:
 def sisa_score_parts(mixer, x_BTD) -> dict:
   """SISA's score terms for a full forward of `x_BTD` (positions 0..T-1), [B, H, T, T] fp32:
   qk, importance, decay (e^{g_i - g_j}), match ((R C_i).(R B_j)), plus lam [H] and mask."""
-  q, k, _, c, b, loga, theta, lam = mixer.features(x_BTD, None)
-  g, phi = sisa_lib.decay_and_phase(loga, theta)
-  rc = c.astype(f32) if phi is None else sisa_lib.rotate_pairs(c, phi)
-  rb = b.astype(f32) if phi is None else sisa_lib.rotate_pairs(b, phi)
+  f = mixer.features(x_BTD, None)
+  q, k, lam = f.q, f.k, f.lam
+  g, phi = sisa_lib.decay_and_phase(f.loga, f.theta)
+  rc = f.c.astype(f32) if phi is None else sisa_lib.rotate_pairs(f.c, phi)
+  rb = f.b.astype(f32) if phi is None else sisa_lib.rotate_pairs(f.b, phi)
   T = x_BTD.shape[1]
   mask = _causal(T)
   qk = jnp.einsum("bihd,bjhd->bhij", q.astype(f32), k.astype(f32)) / math.sqrt(q.shape[-1])
