@@ -202,6 +202,22 @@ def test_resume_skips_finished_and_resumes_unfinished(study):
   assert a["recall_acc"] == b["recall_acc"] and a["final_loss"] == pytest.approx(b["final_loss"])
 
 
+def test_a_finished_run_of_another_config_is_an_error_not_reused(study, tmp_path):
+  """Which runs a study does (study.only, seeds, ...) may change between invocations; what a
+  finished run computed may not: a changed config is an error naming the run."""
+  import shutil
+  workdir = str(tmp_path / "study")
+  shutil.copytree(study[0], workdir)   # the fixture's results.json stays as the other tests see it
+  c = small_config()
+  c.study.update(only="transformer", seeds=(0,), throughput_seq_lens=())
+  logs = []
+  run_study(c, workdir, log=logs.append)
+  assert sum("finished earlier, skipped" in line for line in logs) == 1
+  c.optim.weight_decay = 0.05
+  with pytest.raises(ValueError, match=r"transformer.seed0.*another config"):
+    run_study(c, workdir, log=lambda s: None)
+
+
 def test_lr_sweep_then_seeds_at_the_best(tmp_path):
   """The sweep trains each lr on the sweep seed, keeps the best by the sweep metric (ties:
   lower loss; recomputed here from the sweep rows), runs the other seeds at it only (the sweep
@@ -262,7 +278,8 @@ def test_other_tiny_studies_match_and_validate(module):
     validate(vc)
   if module is study_mqar_state:
     states = [cfgs[n][0].model.mamba2.d_state for n in cfgs if n.startswith("mamba2")]
-    assert states == [4, 8, 16, 64]
+    assert states == list(study_mqar_state.STATES)
+    assert sorted(states) == states and len(states) >= 3
 
 
 def test_match_params_is_closest_on_the_grid():

@@ -18,8 +18,11 @@ Layout under the study's workdir:
                             same settings)
   results.json              everything the report reads (`report.write_report`)
 
-Resuming: a run with a study_run.json for `train.steps` steps is skipped; an unfinished one is
-restarted with the same command and the trainer resumes from its latest checkpoint. Equal
+Resuming: a run with a study_run.json of the same run config (its digest: every field but
+the study's selection fields, `SELECTION_FIELDS`) is skipped; a summary without a digest (older
+studies) is matched on steps, parameters and lr. An unfinished run is restarted with the same
+command and the trainer resumes from its latest checkpoint. A finished run whose config has
+changed since is an error naming the run, never silently reused. Equal
 conditions: every variant gets the same data stream (`data.*`, the seed), steps, batch,
 optimizer and evaluation; only the model differs (`attn_jax.study.variants`).
 """
@@ -27,6 +30,7 @@ optimizer and evaluation; only the model differs (`attn_jax.study.variants`).
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import os
 import platform
@@ -180,16 +184,39 @@ def best_lr(rows: list[dict], metric: str) -> float:
   return max(rows, key=key)["lr"]
 
 
+# study.* fields that choose which runs to do, or how to report them, not what a run computes
+# (its evaluation settings, e.g. study.needle_*, stay in the digest).
+SELECTION_FIELDS = ("variants", "baseline", "only", "seeds", "lrs", "sweep_seed", "sweep_metric",
+                    "param_tolerance", "d_ff_multiple", "readme_marker", "throughput_seq_lens",
+                    "throughput_batch_tokens", "throughput_steps", "throughput_repeats")
+
+
+def config_digest(config: ml_collections.ConfigDict) -> str:
+  """sha256 of what a run computes: its config without the study's selection fields."""
+  d = config.to_dict()
+  d["study"] = {k: v for k, v in d.get("study", {}).items() if k not in SELECTION_FIELDS}
+  return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _finished(rec: dict, config, info) -> bool:
+  """Whether a finished run's summary is this run (module docstring, "Resuming")."""
+  if "config_digest" in rec:
+    return rec["config_digest"] == config_digest(config)
+  return (rec.get("steps") == int(config.train.steps) and rec.get("params") == info["params"]
+          and rec.get("lr", float(config.optim.lr)) == float(config.optim.lr))
+
+
 def run_one(config, variant, info, workdir, log, run_dir=None) -> dict:
   from attn_jax.train.trainer import train_and_evaluate
   run_dir = run_dir or os.path.join(workdir, "runs", variant, f"seed{config.seed}")
   done = os.path.join(run_dir, RUN_SUMMARY)
   if os.path.isfile(done):
-    rec = _load(done)
-    if rec.get("steps") == int(config.train.steps) and rec.get("params") == info["params"] \
-        and rec.get("lr", float(config.optim.lr)) == float(config.optim.lr):
-      log(f"[study] {variant} seed {config.seed}: finished earlier, skipped")
-      return rec
+    if not _finished(_load(done), config, info):
+      raise ValueError(f"{done}: this finished run was made with another config than the "
+                       f"study's {variant} seed {config.seed} now has; move {run_dir} aside "
+                       "(or use another --workdir) to retrain it")
+    log(f"[study] {variant} seed {config.seed}: finished earlier, skipped")
+    return _load(done)
   log(f"[study] {variant} seed {config.seed} lr {config.optim.lr:g}: {info['params']:,} "
       f"params ({info['diff_pct']:+.2f}%), training {config.train.steps} steps")
   t, c = time.perf_counter(), time.process_time()
@@ -200,6 +227,7 @@ def run_one(config, variant, info, workdir, log, run_dir=None) -> dict:
                        "(checkpoint saved); rerun the same command to resume",
                        str(out["preempted"]))
   rec = summarize_run(run_dir, config, variant, info, wall_s=wall, cpu_s=cpu)
+  rec["config_digest"] = config_digest(config)
   _dump(rec, done)
   log(f"[study] {variant} seed {config.seed}: done in {wall:.0f} s (CPU {cpu:.0f} s); "
       f"loss {rec['final_loss']}, recall {rec['recall_acc']}, niah {rec['niah_acc']}")
