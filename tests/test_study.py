@@ -238,6 +238,11 @@ def test_lr_sweep_then_seeds_at_the_best(tmp_path):
   assert os.path.isfile(os.path.join(workdir, "runs", "transformer", f"lr{best:g}", "seed1",
                                      RUN_SUMMARY))
   assert res["meta"]["complete"]
+  # the study's training time counts every distinct run once: 2 sweep runs + seed 1
+  t = res["meta"]["training"]
+  assert t["runs"] == 3
+  assert t["wall_s"] == pytest.approx(sum(r["wall_s"] for r in sw) + res["runs"][1]["wall_s"])
+  assert "over all 3 runs (sweep included)" in report.conditions(res)
   md = report.tables_markdown(res)
   assert "Learning-rate sweep" in md
   row = next(line for line in md.splitlines() if line.startswith("| transformer | ")

@@ -246,9 +246,20 @@ def conditions(res: dict) -> str:
           f"{m['eval_every']} steps. Machine: {mc['backend']} ({mc['device_kind']}) x"
           f"{mc['devices']}, {mc['cpu_count']} CPU cores, {mc['platform']}, JAX {mc['jax']}; "
           f"load average {m['loadavg_start'][0]:.1f} at the start, {m['loadavg_end'][0]:.1f} at "
-          f"the end (the machine is shared: wall times are noisy). Training time over all runs: "
-          f"{sum(r['wall_s'] for r in runs) / 60:.1f} min wall, "
-          f"{sum(r['cpu_s'] for r in runs) / 60:.1f} min CPU; {m['started']} to {m['finished']}.")
+          f"the end (the machine is shared: wall times are noisy). {_time_text(m, runs)}; "
+          f"{m['started']} to {m['finished']}.")
+
+
+def _time_text(m: dict, runs: list[dict]) -> str:
+  """Training time: every distinct run (sweep included) and the throughput comparison."""
+  t = m.get("training") or {"runs": len(runs), "wall_s": sum(r["wall_s"] for r in runs),
+                            "cpu_s": sum(r["cpu_s"] for r in runs)}
+  txt = (f"Training time over all {t['runs']} runs (sweep included): {t['wall_s'] / 60:.1f} min "
+         f"wall, {t['cpu_s'] / 60:.1f} min CPU")
+  if m.get("throughput_wall_s"):
+    txt += (f"; with the throughput comparison {(t['wall_s'] + m['throughput_wall_s']) / 60:.1f}"
+            " min wall")
+  return txt
 
 
 def tables_markdown(res: dict, *, image_dir: str = "", heading: str = "###") -> str:

@@ -249,17 +249,36 @@ def run_throughput(config, cfgs: dict, workdir: str, log) -> list[dict]:
     if prev.get("key") == key:
       log("[study] throughput: measured earlier, skipped")
       return prev["rows"]
-  load0 = os.getloadavg()
+  load0, t0 = os.getloadavg(), time.perf_counter()
   rows = throughput.compare(cfgs, lens, batch_tokens=key["batch_tokens"], steps=key["steps"],
                             warmup=1, repeats=key["repeats"], log=log)
-  _dump({"key": key, "rows": rows, "loadavg_before": load0,
-         "loadavg_after": os.getloadavg()}, path)
+  _dump({"key": key, "rows": rows, "loadavg_before": load0, "loadavg_after": os.getloadavg(),
+         "wall_s": time.perf_counter() - t0}, path)
   return rows
+
+
+def throughput_wall_s(workdir: str) -> float | None:
+  """How long the throughput comparison took when it was measured (None: not measured)."""
+  path = os.path.join(workdir, "throughput.json")
+  return _load(path).get("wall_s") if os.path.isfile(path) else None
 
 
 def _sweep_row(rec: dict) -> dict:
   return {k: rec.get(k) for k in ("variant", "seed", "lr", "final_loss", "recall_acc",
-                                  "niah_acc", "bpb", "final_train_loss")}
+                                  "niah_acc", "bpb", "final_train_loss", "wall_s", "cpu_s")}
+
+
+def training_time(runs: list[dict], sweep: list[dict]) -> dict:
+  """Wall and CPU seconds of every distinct run the study trained: all sweep runs, plus the
+  runs at the chosen lr that the sweep did not already count (a sweep seed's best run is in
+  both lists). A resumed run counts the time of its last invocation only."""
+  key = lambda r: (r["variant"], r["seed"], r["lr"])
+  seen = {key(r): r for r in sweep}
+  for r in runs:
+    seen.setdefault(key(r), r)
+  recs = list(seen.values())
+  return {"runs": len(recs), "wall_s": sum(r.get("wall_s") or 0.0 for r in recs),
+          "cpu_s": sum(r.get("cpu_s") or 0.0 for r in recs)}
 
 
 def _runs(config, cfgs, workdir, log, on_run):
@@ -330,6 +349,8 @@ def run_study(config: ml_collections.ConfigDict, workdir: str, *, command: str =
                                      "cpu_s": time.process_time() - c0},
                  "runs_wall_s": sum(r["wall_s"] for r in runs),
                  "runs_cpu_s": sum(r["cpu_s"] for r in runs),
+                 "training": training_time(runs, sweep),
+                 "throughput_wall_s": throughput_wall_s(workdir),
                  "baseline": m.baseline, "seeds": list(m.seeds),
                  "recall_metric": m.recall_metric, "niah_metric": m.niah_metric,
                  "niah": m.niah, "sweep_metric": m.get("sweep_metric", "") or m.recall_metric,
