@@ -145,7 +145,7 @@ VARIANTS = (
 
 # What the default study runs (the cut that keeps it, sweep included, within 90 minutes on 2
 # cores): every method once. `--config.study.only=` (empty) adds the second SISA state size,
-# the block hybrid and the two sink-token variants.
+# Mamba-3 MIMO, the block hybrid and the two sink-token variants.
 EXTRA = ("sisa_ds16", "mamba3_mimo", "hybrid_block", "transformer_sink", "sisa_ds8_sink")
 CORE = ",".join(v[0] for v in VARIANTS if v[0] not in EXTRA)
 

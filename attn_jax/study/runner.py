@@ -44,6 +44,7 @@ from attn_jax.study import variants as variants_lib
 
 RESULTS = "results.json"
 RUN_SUMMARY = "study_run.json"
+THROUGHPUT = "throughput.json"
 
 
 class StudyStopped(Exception):
@@ -211,12 +212,13 @@ def run_one(config, variant, info, workdir, log, run_dir=None) -> dict:
   run_dir = run_dir or os.path.join(workdir, "runs", variant, f"seed{config.seed}")
   done = os.path.join(run_dir, RUN_SUMMARY)
   if os.path.isfile(done):
-    if not _finished(_load(done), config, info):
+    rec = _load(done)
+    if not _finished(rec, config, info):
       raise ValueError(f"{done}: this finished run was made with another config than the "
                        f"study's {variant} seed {config.seed} now has; move {run_dir} aside "
                        "(or use another --workdir) to retrain it")
     log(f"[study] {variant} seed {config.seed}: finished earlier, skipped")
-    return _load(done)
+    return rec
   log(f"[study] {variant} seed {config.seed} lr {config.optim.lr:g}: {info['params']:,} "
       f"params ({info['diff_pct']:+.2f}%), training {config.train.steps} steps")
   t, c = time.perf_counter(), time.process_time()
@@ -243,7 +245,7 @@ def run_throughput(config, cfgs: dict, workdir: str, log) -> list[dict]:
   key = {"seq_lens": lens, "batch_tokens": int(s.throughput_batch_tokens),
          "steps": int(s.throughput_steps), "repeats": int(s.throughput_repeats),
          "variants": list(cfgs)}
-  path = os.path.join(workdir, "throughput.json")
+  path = os.path.join(workdir, THROUGHPUT)
   if os.path.isfile(path):
     prev = _load(path)
     if prev.get("key") == key:
@@ -259,7 +261,7 @@ def run_throughput(config, cfgs: dict, workdir: str, log) -> list[dict]:
 
 def throughput_wall_s(workdir: str) -> float | None:
   """How long the throughput comparison took when it was measured (None: not measured)."""
-  path = os.path.join(workdir, "throughput.json")
+  path = os.path.join(workdir, THROUGHPUT)
   return _load(path).get("wall_s") if os.path.isfile(path) else None
 
 
