@@ -11,8 +11,8 @@ expand 1 (4 heads of 16), each matched to the Transformer's parameter count by i
 (d_ff), so the state is what differs. The published claim to reproduce: recall grows with N and
 the largest state comes closest to attention.
 
-What is cut to fit (4 variants x 3 seeds = 12 runs, ~30 minutes on 2 quiet cores): no lr sweep
-of its own. Each model runs at its family's best lr in study_tiny's sweep (the Transformer
+What is cut to fit (4 variants x 3 seeds = 12 runs; the README section gives their time): no lr
+sweep of its own. Each model runs at its family's best lr in study_tiny's sweep (the Transformer
 3e-3, Mamba-2 1e-3; `--config.study.lrs=1e-3,3e-3` restores the sweep), and N = 8 is left out
 (`STATES` below). The Transformer here is study_tiny's baseline run for run (same config and
 seeds).

@@ -112,9 +112,11 @@ VARIANTS = (
      "two Mamba-3 blocks as the paper stacks them (no conv, no window layer); mamba_ssm init, "
      "A = -softplus (release modules/mamba3.py)"),
     ("mamba3_mimo", "model.d_ff",
-     _ssm_only("mamba3") + _ssm("mamba3", (("mimo_rank", 4), ("expand", 1.0))),
+     _ssm_only("mamba3") + _ssm("mamba3", (("mimo_rank", 4), ("expand", 1.0),
+                                           ("chunk_size", 8))),
      "as mamba3 (4 heads), MIMO rank 4 as the Mamba-3 paper; its wider B/C projections come "
-     "out of the MLP, as the paper matches MIMO's parameters"),
+     "out of the MLP, as the paper matches MIMO's parameters; chunk 8 (the result does not "
+     "depend on it; 1.9x faster than 32 here)"),
     ("sinkhorn", "model.d_ff",
      _second("sinkhorn") + (("model.sinkhorn.block_size", 16), ("model.sinkhorn.sortnet_width", 32),
                             ("model.sinkhorn.sort_dim", 8)),

@@ -84,12 +84,16 @@ def test_lm_study_end_to_end(corpus, tmp_path):
   assert "Recall accuracy" not in md
   png = [p for p in out["plots"] if p.endswith("lm_position.png")]
   assert len(png) == 1 and open(png[0], "rb").read()[:8] == PNG
+  # no recall / NIAH metric and no throughput measured: those plots are neither drawn nor linked
+  assert [os.path.basename(p) for p in out["plots"]] == ["loss.png", "lm_position.png"]
   readme = tmp_path / "README.md"
   readme.write_text("# x\n\n<!-- study:begin -->\nMQAR\n<!-- study:end -->\n")
   assert report.update_readme(str(readme), workdir)
   text = readme.read_text()
   assert "<!-- study:begin -->\nMQAR\n<!-- study:end -->" in text   # the MQAR section untouched
   assert text.count("<!-- study_lm:begin -->") == 1 and "## Language-modelling study" in text
+  assert "loss.png)" in text and not any(f"{p})" in text for p in ("niah.png", "recall.png",
+                                                                    "throughput.png"))
   assert not report.update_readme(str(readme), workdir)
   with open(os.path.join(workdir, "results.json")) as f:
     assert json.load(f)["runs"][0]["bpb"] == res["runs"][0]["bpb"]

@@ -29,8 +29,17 @@ def has_lm(res: dict) -> bool:
   return any(r.get("bpb") is not None for r in res["runs"])
 
 
+def _has_metric(res: dict, metric: str | None) -> bool:
+  return bool(metric) and any(metric in e for r in res["runs"] for e in r.get("evals", ()))
+
+
 def plot_names(res: dict) -> tuple[str, ...]:
-  return PLOTS + (LM_PLOTS if has_lm(res) else ())
+  """The plots this study has data for (no empty NIAH / recall / throughput panels)."""
+  m = res["meta"]
+  has = {"loss.png": True, "niah.png": _has_metric(res, m.get("niah_metric")),
+         "recall.png": _has_metric(res, m.get("recall_metric")),
+         "throughput.png": bool(res.get("throughput"))}
+  return tuple(p for p in PLOTS if has[p]) + (LM_PLOTS if has_lm(res) else ())
 
 
 def load_results(workdir: str) -> dict:
@@ -336,21 +345,27 @@ def _train_at(run, step):
 
 
 def plot_all(res: dict, out_dir: str) -> list[str]:
+  """The PNGs of `plot_names` in `out_dir`; returns their paths."""
   m = res["meta"]
-  seeds = len(m["seeds"])
-  band = f"line: mean over {seeds} seeds, band: min–max"
-  paths = [os.path.join(out_dir, p) for p in PLOTS]
-  _plot_steps(res, paths[0], f"training loss ({band})", "loss (answer tokens)",
-              lambda runs: sorted({t["step"] for t in runs[0]["train"]}), _train_at)
-  for path, metric, name in ((paths[1], m.get("niah_metric"), "NIAH"),
-                             (paths[2], m["recall_metric"], "recall")):
-    _plot_steps(res, path, f"{name} accuracy, `{metric}` ({band})", f"{name} accuracy %",
-                lambda runs: eval_steps({"runs": runs}),
-                lambda r, s, k=metric: metric_at(r, k, s) if k else None, scale=100.0)
-  _plot_throughput(res, paths[3])
-  if has_lm(res):
-    paths.append(os.path.join(out_dir, LM_PLOTS[0]))
-    _plot_lm_positions(res, paths[-1])
+  band = f"line: mean over {len(m['seeds'])} seeds, band: min–max"
+
+  def steps_plot(metric, name):
+    return lambda path: _plot_steps(
+        res, path, f"{name} accuracy, `{metric}` ({band})", f"{name} accuracy %",
+        lambda runs: eval_steps({"runs": runs}),
+        lambda r, s, k=metric: metric_at(r, k, s) if k else None, scale=100.0)
+  makers = {
+      "loss.png": lambda path: _plot_steps(
+          res, path, f"training loss ({band})", "loss (answer tokens)",
+          lambda runs: sorted({t["step"] for t in runs[0]["train"]}), _train_at),
+      "niah.png": steps_plot(m.get("niah_metric"), "NIAH"),
+      "recall.png": steps_plot(m["recall_metric"], "recall"),
+      "throughput.png": lambda path: _plot_throughput(res, path),
+      LM_PLOTS[0]: lambda path: _plot_lm_positions(res, path)}
+  paths = []
+  for name in plot_names(res):
+    paths.append(os.path.join(out_dir, name))
+    makers[name](paths[-1])
   return paths
 
 
