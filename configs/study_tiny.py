@@ -25,12 +25,12 @@ instead, as their authors stack them (two blocks):
   fox_open          fox with its forget gate opened at init (decay time 1024 tokens)
   *_sink            the Transformer / SISA d_s 8 with one learnable sink token
 
-The default run (`study.only` = CORE) is every method once: sisa_ds16, the MIMO variant (one
-run of it takes 682 s here, 4x Mamba-3 SISO), hybrid_block and the two sink-token variants
-(EXTRA) are the cut that keeps it within 90 minutes on 2 cores, sweep included;
-`--config.study.only=` runs all 14. The SSMs' chunk is 32 >= T, so SSD is one chunk
-(its quadratic form; the output does not depend on the chunk size, tests/test_ssd.py), the
-fastest on CPU at this length.
+The default run (`study.only` = CORE) is every method once: sisa_ds16, the MIMO variant (one run
+of it takes ~290 s here at chunk 8, ~2.7x Mamba-3 SISO), hybrid_block and the two sink-token
+variants (EXTRA) are the cut that keeps it within 90 minutes on 2 cores, sweep included;
+`--config.study.only=` runs all 14. The SSMs' chunk is 32 >= T, so SSD is one chunk (its
+quadratic form; the output does not depend on the chunk size, tests/test_ssd.py), the fastest on
+CPU at this length; MIMO's is 8, 1.9x faster than 32 for its rank-4 update.
 
 Every variant declares its setting and source (the 4th entry of VARIANTS, shown in the
 report). Initialisation is each mixer's own (Mamba-2/3: mamba_ssm's fan-in projections, dt,
