@@ -353,7 +353,7 @@ def plot_all(res: dict, out_dir: str) -> list[str]:
     return lambda path: _plot_steps(
         res, path, f"{name} accuracy, `{metric}` ({band})", f"{name} accuracy %",
         lambda runs: eval_steps({"runs": runs}),
-        lambda r, s, k=metric: metric_at(r, k, s) if k else None, scale=100.0)
+        lambda r, s: metric_at(r, metric, s), scale=100.0)
   makers = {
       "loss.png": lambda path: _plot_steps(
           res, path, f"training loss ({band})", "loss (answer tokens)",
@@ -403,7 +403,7 @@ def _plot_throughput(res, path):
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   fig, axes = plt.subplots(1, 2, figsize=(11, 4.5), dpi=100)
-  thr = res.get("throughput") or []
+  thr = res["throughput"]   # `plot_names` lists this plot only when it was measured
   for ax, key, label in ((axes[0], "wall", "train tokens / wall s (best step)"),
                          (axes[1], "cpu", "train tokens / CPU s (median step)")):
     for v in _variants(res):
@@ -416,8 +416,7 @@ def _plot_throughput(res, path):
     ax.set_ylabel(label)
     ax.grid(alpha=0.3)
   axes[0].set_title("train-step throughput vs sequence length", fontsize=10)
-  if thr:
-    axes[1].legend(fontsize=7, ncol=2)
+  axes[1].legend(fontsize=7, ncol=2)
   fig.tight_layout()
   fig.savefig(path, format="png")
   plt.close(fig)
