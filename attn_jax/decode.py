@@ -19,7 +19,7 @@ Ring(W), SinksRing(n, W)), chosen here at decode time for any model.
   `cache_len` in constant memory; for the others `cache_len` must hold the whole stream.
 
 `generate` runs prefill and the decode loop inside one `jax.jit` (`nnx.split` once; graphdef
-static; `nnx.merge` inside) with a `jax.lax.while_loop` over steps, so `decode_step` is traced
+static; `nnx.merge` inside; compiled with `state_compiler_options`, so states update in place) with a `jax.lax.while_loop` over steps, so `decode_step` is traced
 once per generation shape, never once per token (tests guard it with `chex.assert_max_traces`).
 Sampling: greedy (`temperature == 0`) is argmax; otherwise logits / temperature, optionally
 restricted to the `top_k` largest, sampled with `jax.random.categorical`.
@@ -36,6 +36,22 @@ from flax import nnx
 
 from attn_jax.config import check_seq_len
 from attn_jax.model import mixer_limits
+
+
+def state_compiler_options() -> dict:
+  """XLA options for compiling a step that reads a decoding state and updates it: on CPU, copy
+  insertion with region analysis (off there by default, for compile time). Without it XLA
+  copies every KV buffer that is read before its in-place write (twice over for a batch of
+  one); with it the write happens in place (`experiments/bench_stream.py`). Other platforms:
+  none."""
+  if jax.default_backend() == "cpu":
+    return {"xla_cpu_copy_insertion_use_region_analysis": True}
+  return {}
+
+
+def jit_stateful(fn, **kw):
+  """`jax.jit` with `state_compiler_options` (for steps that carry a decoding state)."""
+  return jax.jit(fn, compiler_options=state_compiler_options(), **kw)
 
 
 def prompt_positions(lengths_B: jax.Array, start: int, length: int) -> jax.Array:
@@ -106,8 +122,14 @@ def sample_logits(logits_BV: jax.Array, rng: jax.Array | None, *, temperature=0.
   return jax.random.categorical(rng, logits, axis=-1).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "cache_len", "greedy",
-                                             "top_k", "policy"))
+@functools.cache
+def _generate_jitted():
+  """`_generate_jit` compiled with the platform's `state_compiler_options` (known only once a
+  backend is up, so not at import)."""
+  return jit_stateful(_generate_jit, static_argnames=(
+      "graphdef", "max_new_tokens", "cache_len", "greedy", "top_k", "policy"))
+
+
 def _generate_jit(graphdef, state, prompt_BT, lengths_B, rng, temperature, eos_id, pad_id, *,
                   max_new_tokens: int, cache_len: int, greedy: bool, top_k: int, policy):
   """eos_id / pad_id: int32 scalars (traced: changing them does not recompile); -1 = no EOS."""
@@ -200,7 +222,7 @@ def generate(model, prompt_BT: jax.Array, *, max_new_tokens: int, lengths=None,
     rng = jax.random.key(0)  # unused when greedy; keeps the jitted signature fixed
   graphdef, state = nnx.split(model)
   scalar = lambda x: jnp.asarray(x, jnp.int32)
-  return _generate_jit(graphdef, state, prompt_BT, lengths, rng,
+  return _generate_jitted()(graphdef, state, prompt_BT, lengths, rng,
                        jnp.asarray(temperature, jnp.float32),
                        scalar(-1 if eos_id is None else eos_id), scalar(pad_id),
                        max_new_tokens=int(max_new_tokens), cache_len=int(cache_len),

@@ -156,12 +156,14 @@ def rope_angles(positions: jax.Array, dim: int, theta: float) -> tuple[jax.Array
   return jnp.cos(ang), jnp.sin(ang)
 
 
-def apply_rope(x_BTHD: jax.Array, cos_BTK: jax.Array, sin_BTK: jax.Array) -> jax.Array:
-  """Rotate the two halves of the head dim (GPT-NeoX layout) by the given angles, in fp32."""
+def apply_rope(x_BTHD: jax.Array, cos_BTK: jax.Array, sin_BTK: jax.Array,
+               head_axis: int = 2) -> jax.Array:
+  """Rotate the two halves of the head dim (GPT-NeoX layout) by the given angles, in fp32.
+  `head_axis`: where x's head axis is (1 for a head-major [B, H, T, D])."""
   d2 = x_BTHD.shape[-1] // 2
   x = x_BTHD.astype(jnp.float32)
   x1, x2 = x[..., :d2], x[..., d2:]
-  c, s = cos_BTK[:, :, None, :], sin_BTK[:, :, None, :]
+  c, s = jnp.expand_dims(cos_BTK, head_axis), jnp.expand_dims(sin_BTK, head_axis)
   return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x_BTHD.dtype)
 
 

@@ -7,10 +7,12 @@ or ("mamba2:nomlp",) * 7 + ("attention",), Jamba-like). One `Period` module hold
 of a period; R = n_layers / P copies of it are created stacked (one leading `layers` axis on
 every parameter, via `nnx.vmap`) and run with `jax.lax.scan` (MaxText's way with mixed layers),
 so compile time depends on P, not on depth. `cfg.remat` picks the rematerialisation policy of
-one period.
+one period. Decoding unrolls the repeats instead (`step`: a few ops per layer, in-place state
+updates; compile time grows with depth there).
 
-Per-layer results follow the pattern: the decoding state is a tuple over the period, each
-entry stacked over the R repeats; monitors (aux) likewise. Entry points return one type each:
+Per-layer results: the decoding state is a tuple with one entry per layer, each in buffers of
+its own (so a donated state is updated in place); monitors (aux) are a tuple over the period,
+each stacked over the R repeats. Entry points return one type each:
 `__call__` -> logits, `hidden` -> final-norm hidden states, `logits_and_aux`, `step` (decoding
 with a state) -> (logits, state).
 
@@ -128,11 +130,12 @@ class Decoder(nnx.Module):
 
   # ------------------------------------------------------------------ the stack
   def _layers(self, x_BTD, positions_BT, segment_ids_BT, states, rng, train):
-    """Scan the R repeats of the period. states: tuple over the period (stacked over R)."""
+    """Scan the R repeats of the period (decoding: `_decode_layers`)."""
     cfg = self.cfg
+    if states is not None:
+      return self._decode_layers(x_BTD, positions_BT, states)
     graphdef, block_state = nnx.split(self.blocks)
-    if states is None:
-      states = (None,) * len(cfg.period)
+    states = (None,) * len(cfg.period)
 
     def body(x, layer):
       params, layer_states, r = layer
@@ -153,6 +156,26 @@ class Decoder(nnx.Module):
       x_BTD, out = body(x_BTD, jax.tree.map(lambda a: a[r], xs))
       outs.append(out)
     return x_BTD, jax.tree.map(lambda *a: jnp.stack(a), *outs)
+
+  def _decode_layers(self, x_BTD, positions_BT, states):
+    """The layers unrolled over per-layer states (`init_state`): each layer's state is a buffer
+    of its own, so a donated state is updated in place (a scan over states stacked over the
+    repeats slices each layer's state out and stacks it back: a copy of every cache per call).
+    The parameters stay stacked; repeat r reads its static slice."""
+    cfg, P = self.cfg, len(self.cfg.period)
+    if len(states) != cfg.n_layers:
+      raise ValueError(f"a decoding state holds one entry per layer ({cfg.n_layers}), got "
+                       f"{len(states)}: make it with model.init_state")
+    graphdef, block_state = nnx.split(self.blocks)
+    new_states, auxes = [], []
+    for r in range(cfg.n_repeats):
+      period = nnx.merge(graphdef, jax.tree.map(lambda a: a[r], block_state))
+      x_BTD, st, aux = period(x_BTD, positions_BT=positions_BT, states=states[r * P:(r + 1) * P],
+                              rng=None, train=False)
+      x_BTD = constrain(x_BTD, RESIDUAL_AXES)
+      new_states.extend(st)
+      auxes.append(aux)
+    return x_BTD, (tuple(new_states), jax.tree.map(lambda *a: jnp.stack(a), *auxes))
 
   def _forward(self, tokens_BT, positions_BT, states, rng, train, segment_ids_BT=None):
     """-> (final-norm hidden [B, T, D], new states, aux)."""
@@ -227,7 +250,7 @@ class Decoder(nnx.Module):
 
   # ------------------------------------------------------------------ per-layer facts
   def init_state(self, batch: int, capacity: int, policy=None) -> tuple:
-    """Decoding state of every layer: a tuple over the period, each stacked over the repeats.
+    """Decoding state: a tuple with one entry per layer (module `init_state`).
     `policy`: the KV-cache policy (`attention/cache.py`; None = linear), an inference-time
     choice: the same model decodes under any."""
     return init_state(self.cfg, batch, capacity, policy)
@@ -258,13 +281,15 @@ def padded_vocab(cfg: ModelConfig) -> int:
 
 
 def init_state(cfg: ModelConfig, batch: int, capacity: int, policy=None) -> tuple:
+  """One entry per layer (layer i = repeat i // P, entry i % P of the period), each made by its
+  mixer and held in buffers of its own (`Decoder._decode_layers`)."""
   capacity = capacity + cfg.sink_tokens   # the sink tokens occupy the first slots
   out = []
-  for spec in cfg.period:
+  for i in range(cfg.n_layers):
+    spec = cfg.period[i % len(cfg.period)]
     cls = get_mixer(spec.mixer)
-    one = cls.init_state(cfg, cfg.options_for(spec.mixer), batch, capacity, dtype_of(cfg.dtype),
-                         **policy_kw(cls.init_state, policy))
-    out.append(jax.tree.map(lambda a: jnp.broadcast_to(a, (cfg.n_repeats,) + a.shape), one))
+    out.append(cls.init_state(cfg, cfg.options_for(spec.mixer), batch, capacity,
+                              dtype_of(cfg.dtype), **policy_kw(cls.init_state, policy)))
   return tuple(out)
 
 

@@ -35,6 +35,7 @@ from flax import nnx
 
 from attn_jax.attention import cache as cache_lib
 from attn_jax.config import ModelConfig
+from attn_jax.decode import jit_stateful
 from attn_jax.model import mixer_limits
 from attn_jax.options import is_int
 from attn_jax.registry import get_mixer
@@ -164,7 +165,7 @@ class CachedScorer:
       import chex
       chex.clear_trace_counter()   # chex counts per code location, across scorers
       step = chex.assert_max_traces(step, n=trace_limit)
-    self._step = jax.jit(step, donate_argnums=(1,))
+    self._step = jit_stateful(step, donate_argnums=(1,))
 
   def score(self, inputs: np.ndarray, targets: np.ndarray) -> np.ndarray:
     """Losses of `targets` given the stream so far and `inputs` (same length <= chunk)."""

@@ -149,8 +149,9 @@ def test_mixed_pattern_structure_counts_and_flops():
   assert counts["mixer"] + counts["mlp"] + sum(v["norms"] for v in kinds.values()) + 32 \
       == counts["non_embedding"]
   state = init_state(cfg, 2, 16)
-  assert len(state) == 3 and state[0].k.shape == (2, 2, 16, 4, 8)   # [R, B, S, K, D]
-  assert state[2].k.shape == (2, 2, 4, 4, 8)                        # the ring: the window
+  assert len(state) == 6 and state[0].k.shape == (2, 4, 16, 8)   # per layer: [B, K, S, D]
+  assert state[2].k.shape == (2, 4, 4, 8)                        # the ring: the window
+  assert state[5].k.shape == (2, 4, 4, 8) and state[3].k is not state[0].k   # own buffers
   from attn_jax.train import flops
   n = count_params(cfg)
   per_layer = {s.mixer: get_mixer(s.mixer).flops_per_token(cfg, cfg.options_for(s.mixer), 64)
@@ -394,7 +395,8 @@ class KVStateTest(chex.TestCase):
     st = write(st, k, pos)
     chex.assert_trees_all_equal(st.ptr, jnp.asarray([3, 1], jnp.int32))
     chex.assert_trees_all_equal(st.pos, jnp.asarray([[0, 1, 2, -1], [0, -1, -1, -1]]))
-    chex.assert_trees_all_equal(st.k[1, 1:], jnp.zeros((3, 1, 2)))
+    chex.assert_trees_all_equal(st.k[1, :, 1:], jnp.zeros((1, 3, 2)))   # head-major [B, K, S, D]
+    chex.assert_trees_all_equal(st.k[0, 0, :3], k[0, :, 0])
     # a ring wraps: row 0's next two tokens go to slots 3 and 0
     st = write(st.replace(policy=cache_lib.Ring(4)), k[:, :2],
                jnp.asarray([[3, 4], [1, 2]], jnp.int32))

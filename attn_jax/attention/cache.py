@@ -1,9 +1,10 @@
 """Decoding caches: one typed KV cache, and the policies that decide what it keeps.
 
     cache = init_cache(policy, batch, capacity, n_kv, d_k, d_v, dtype, extra=...)
-    out, cache = cached_attention(cache, q, k, v, positions_BT, theta=..., scale=..., impl=...)
+    out, cache = cached_attention(cache, q, k, v, positions_BT, theta=..., scale=...)
 
-`KVCache` (a pytree; its policy is static): k [B, S, K, Dk], v [B, S, K, Dv], pos [B, S]
+`KVCache` (a pytree; its policy is static): k [B, K, S, Dk], v [B, K, S, Dv] (head-major:
+the layout the score and value products read without a transpose), pos [B, S]
 int32 (the stream position each slot holds, -1 = empty), ptr [B] int32 (valid tokens written
 so far, per row), base [B] int32 (the rings' RoPE frame, below; 0 for `Linear`) and `extra`,
 a mixer's own per-key data (any pytree of [B, S, ...] arrays, e.g.
@@ -32,9 +33,9 @@ state is made (`model.init_state(batch, capacity, policy=...)`); it owns three t
     are rotated once by the difference (a `lax.cond`: once per W tokens when streaming). Every
     angle stays below n + 3W however long the stream (fp32 RoPE angles of positions ~1e6 would
     lose ~0.1 rad);
-  * the n sink slots hold their keys rotated by their own stream position j; they take part in
-    the one `attend` call with a zero key and their exact score as an additive bias:
-    scale * R(m_p) q_p . R(j) k_j, an [B, H, T, n] einsum;
+  * the n sink slots hold their keys rotated by their own stream position j; their columns of
+    the score are the exact scale * R(m_p) q_p . R(j) k_j (a second, [B, H, T, n] product with
+    the query rotated by m);
   * masking uses stream positions: a sink slot is given the first query's position (always
     causal and inside the window for the chunk), other keys their own, window = W.
   With n + W >= the stream length nothing is evicted, m = p, and the result is dense attention.
@@ -44,9 +45,9 @@ up to W tokens at once without the chunk overwriting keys its own queries still 
 (`Policy.max_chunk`). Rows advance independently (prompts of different lengths); padding
 tokens (position -1) are never written and never advance a row.
 
-Queries and keys may be wider than the values (`q_extra`, `k_extra`: extra channels appended to
-the rotated q and to the cached keys, zero on the new keys, whose share goes in `bias_new`):
-that is how SISA feeds its state term to the same call.
+Queries and keys may carry extra channels beside the rotated q.k (`Widening`: scored apart and
+added, the cached keys' channels with an optional per-key factor; the new keys' share comes as
+`bias_new`): that is how SISA feeds its state term to the same softmax.
 """
 
 from __future__ import annotations
@@ -58,8 +59,9 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from attn_jax.attention.core import attend, choose_impl
+from attn_jax.attention.core import from_rows, positional_mask, rows_softmax, to_rows
 from attn_jax.attention.projection import rope
+from attn_jax.layers import apply_rope, rope_angles
 from attn_jax.options import is_int
 
 
@@ -153,9 +155,9 @@ LINEAR = Linear()
 @struct.dataclass
 class KVCache:
   """A fixed-size KV buffer that knows its positions (module docstring)."""
-  k: jax.Array            # [B, S, K, Dk] after RoPE: at stream positions (Linear, sink slots)
+  k: jax.Array            # [B, K, S, Dk] after RoPE: at stream positions (Linear, sink slots)
                           # or at stream position - base (the rings' window slots)
-  v: jax.Array            # [B, S, K, Dv]
+  v: jax.Array            # [B, K, S, Dv]
   pos: jax.Array          # [B, S] int32, -1 = empty slot
   ptr: jax.Array          # [B] int32, valid tokens written so far
   extra: Any = None       # the mixer's per-key data: a pytree of [B, S, ...] arrays
@@ -175,8 +177,10 @@ class KVCache:
     slot_BT = jnp.where(valid_BT, self.policy.slot_of(n_BT, S), S)   # out of range: dropped
     rows_BT = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
     put = lambda buf, new: buf.at[rows_BT, slot_BT].set(new.astype(buf.dtype), mode="drop")
+    # head-major k / v: the indexed axes 0 and 2 come first in the update ([B, T, K, D])
+    put_kv = lambda buf, new: buf.at[rows_BT, :, slot_BT].set(new.astype(buf.dtype), mode="drop")
     return self.replace(
-        k=put(self.k, k_BTKD), v=put(self.v, v_BTKD), pos=put(self.pos, positions_BT),
+        k=put_kv(self.k, k_BTKD), v=put_kv(self.v, v_BTKD), pos=put(self.pos, positions_BT),
         ptr=self.ptr + jnp.sum(valid_BT, axis=1, dtype=jnp.int32),
         extra=self.extra if extra is None else jax.tree.map(put, self.extra, extra))
 
@@ -188,7 +192,7 @@ def init_cache(policy: Policy, batch: int, capacity: int, n_kv: int, dk: int, dv
   policy.validate()
   S = policy.slots(capacity)
   zeros = lambda s: jnp.zeros((batch, S) + tuple(s.shape), s.dtype)
-  return KVCache(k=jnp.zeros((batch, S, n_kv, dk), dtype), v=jnp.zeros((batch, S, n_kv, dv), dtype),
+  return KVCache(k=jnp.zeros((batch, n_kv, S, dk), dtype), v=jnp.zeros((batch, n_kv, S, dv), dtype),
                  pos=jnp.full((batch, S), -1, jnp.int32), ptr=jnp.zeros((batch,), jnp.int32),
                  extra=None if extra is None else jax.tree.map(zeros, extra),
                  base=jnp.zeros((batch,), jnp.int32), policy=policy)
@@ -197,25 +201,28 @@ def init_cache(policy: Policy, batch: int, capacity: int, n_kv: int, dk: int, dv
 # ------------------------------------------------------------------ attending to it
 
 class Widening(NamedTuple):
-  """Extra q/k channels beyond the rotated q.k (SISA's state term): `q` [B, T, H, E] appended
-  to every query, `k` [B, S, K, E] to the cached keys (zero on the new ones), `bias_new`
-  [B, H, T, T] the new keys' share of the score."""
+  """Extra q/k channels beyond the rotated q.k (SISA's state term), scored beside it: `q`
+  [B, T, H, E] for every query, `k` [B, S, K, E] the cached keys' channels (slot-major, as a
+  mixer's `extra`), `k_scale` [B, S, K] an optional per-key factor of their score (so the
+  channels are not rescaled key by key), `bias_new` [B, H, T, T] the new keys' share of the
+  score (their channels are not in the cache yet)."""
   q: jax.Array
   k: jax.Array
   bias_new: jax.Array | None = None
+  k_scale: jax.Array | None = None
 
 
 def _in_frame(cache: KVCache, ideal_B, theta: float) -> KVCache:
   """A ring's cache with its window keys in the call's frame: the stored one while it lags the
   ideal frame `ideal_B` by at most W, else the ideal one, the cached window keys rotated once
   by the difference (skipped by `lax.cond` when no row moves)."""
-  pol, S = cache.policy, cache.k.shape[1]
+  pol, S = cache.policy, cache.pos.shape[1]
   base = jnp.zeros_like(ideal_B) if cache.base is None else cache.base
   new_B = jnp.where(ideal_B - base > pol.window, ideal_B, base)
   window_S = jnp.arange(S) >= pol.sinks
   turn_BS = jnp.where(window_S[None, :], (base - new_B)[:, None], 0)   # -(new - old) per slot
-  k = jax.lax.cond(jnp.any(new_B != base), lambda k: rope(k, turn_BS, theta),
-                   lambda k: k, cache.k)
+  turn = lambda k: apply_rope(k, *rope_angles(turn_BS, k.shape[-1], theta), head_axis=1)
+  k = jax.lax.cond(jnp.any(new_B != base), turn, lambda k: k, cache.k)
   return cache.replace(k=k, base=new_B)
 
 
@@ -230,58 +237,69 @@ def _stored_keys(cache: KVCache, k_BTKD, k_frame_BTKD, positions_BT, theta: floa
   return jnp.where(sink_BT[..., None, None], rope(k_BTKD, positions_BT, theta), k_frame_BTKD)
 
 
-def _sink_bias(q_sink_BTHE, k_sink_BnKE, scale: float):
-  """The sink slots' exact scores, [B, H, T, n] fp32 (queries rotated by m)."""
-  B, T, H, _ = q_sink_BTHE.shape
-  n, K = k_sink_BnKE.shape[1], k_sink_BnKE.shape[2]
-  qs = q_sink_BTHE.reshape(B, T, K, H // K, -1)
-  s = jnp.einsum("btkge,bske->bkgts", qs, k_sink_BnKE, preferred_element_type=jnp.float32)
-  return s.reshape(B, H, T, n) * scale
+def _cache_scores(cache: KVCache, q_BTHD, q_sink_BTHD, widen: Widening | None, f):
+  """Unscaled scores of the T queries against the S cached keys, [B, K, G*T, S] (`to_rows`
+  layout): q.k in the cache's frame, the n sink slots with their own query (rotated by m),
+  plus the widening channels' score."""
+  K, T, n = cache.k.shape[1], q_BTHD.shape[1], cache.policy.sinks
+  kbuf = cache.k.astype(q_BTHD.dtype)
+  dot = lambda q, k: jnp.einsum("bkmd,bksd->bkms", to_rows(q, K), k, preferred_element_type=f)
+  s = dot(q_BTHD, kbuf)
+  if n:   # the sink slots: exact scores with the query at m (module docstring)
+    s = jnp.concatenate([dot(q_sink_BTHD, kbuf[:, :, :n]), s[..., n:]], axis=-1)
+  if widen is not None:
+    w = jnp.einsum("bkme,bske->bkms", to_rows(widen.q.astype(q_BTHD.dtype), K),
+                   widen.k.astype(q_BTHD.dtype), preferred_element_type=f)
+    if widen.k_scale is not None:
+      w = w * widen.k_scale.astype(f).transpose(0, 2, 1)[:, :, None, :]
+    s = s + w
+  return s
 
 
 def cached_attention(cache: KVCache, q_BTHD, k_BTKD, v_BTKV, positions_BT, *, theta: float,
-                     scale: float, impl: str, sink_logit_H=None, widen: Widening | None = None,
+                     scale: float, sink_logit_H=None, widen: Widening | None = None,
                      extra_new=None, window: int | None = None):
-  """New tokens (q, k before RoPE) attend to [cache ; themselves] under the cache's policy, then
+  """New tokens (q, k before RoPE) attend to [cache ; themselves] under the cache's policy, and
   are written. -> (out [B, T, H, Dv], new cache). `window`: a mixer's own sliding window (a
-  mask on stream positions, with the policy's); `extra_new`: the new tokens' per-key data."""
-  pol, S, n = cache.policy, cache.k.shape[1], cache.policy.sinks
+  mask on stream positions, with the policy's); `extra_new`: the new tokens' per-key data.
+
+  The cached keys and the new ones are scored apart (no [cache ; new] buffer is formed; the
+  head-major cache is read where it lies) and share one fp32 softmax over their S + T columns
+  (`core.rows_softmax`), the same arithmetic on every platform: decoding reads the cache once
+  per token, a bandwidth-bound product rather than a fused kernel's. The cache is read before
+  the new tokens are written (a ring's writes may evict keys the chunk's earlier queries see);
+  compiled with `decode.state_compiler_options`, the write then happens in place."""
+  pol, S, n = cache.policy, cache.pos.shape[1], cache.policy.sinks
+  T, K = q_BTHD.shape[1], cache.k.shape[1]
   base, m, first = pol.frame(positions_BT)
   if pol.bounded:
     cache = _in_frame(cache, base, theta)
     base = cache.base
   rel = positions_BT - base[:, None]
   q, k_new = rope(q_BTHD, rel, theta), rope(k_BTKD, rel, theta)
-  stored = _stored_keys(cache, k_BTKD, k_new, positions_BT, theta)
-  dt = q.dtype
-  k_buf = cache.k.astype(dt)
-  q_sink = rope(q_BTHD, m, theta) if n else None
-  bias, mask_pos = None, cache.pos
-  if widen is not None:
-    cat = lambda x, e: jnp.concatenate([x, e.astype(dt)], axis=-1)
-    q, k_buf = cat(q, widen.q), cat(k_buf, widen.k)
-    q_sink = None if q_sink is None else cat(q_sink, widen.q)
-    k_new = cat(k_new, jnp.zeros(k_new.shape[:-1] + widen.q.shape[-1:], dt))
-    if widen.bias_new is not None:
-      bias = jnp.pad(widen.bias_new, ((0, 0), (0, 0), (0, 0), (S, 0)))
-  if n:
-    s_sink = jnp.pad(_sink_bias(q_sink, k_buf[:, :n], scale),
-                     ((0, 0), (0, 0), (0, 0), (0, S - n + k_new.shape[1])))
-    bias = s_sink if bias is None else bias + s_sink
-    k_buf = k_buf.at[:, :n].set(0)
-    mask_pos = jnp.where((jnp.arange(S) < n)[None, :] & (cache.pos >= 0), first[:, None],
-                         cache.pos)
-  impl = choose_impl(impl, dt, q.shape[-1])
-  if bias is not None and impl == "cudnn":
-    bias = bias.astype(dt)
+  written = cache.write(_stored_keys(cache, k_BTKD, k_new, positions_BT, theta), v_BTKV,
+                        positions_BT, extra_new)
+  f = jnp.promote_types(q.dtype, jnp.float32)
+  s_cache = _cache_scores(cache, q, rope(q_BTHD, m, theta) if n else None, widen, f)
+  s_new = jnp.einsum("bkmd,btkd->bkmt", to_rows(q, K), k_new.astype(q.dtype),
+                     preferred_element_type=f)
+  bias = None
+  if widen is not None and widen.bias_new is not None:
+    bias = jnp.pad(widen.bias_new.astype(f), ((0, 0), (0, 0), (0, 0), (S, 0)))
+  mask_pos = cache.pos
+  if n:   # sink slots are visible to every query of the call (module docstring)
+    mask_pos = jnp.where((jnp.arange(S) < n)[None, :] & (mask_pos >= 0), first[:, None],
+                         mask_pos)
   spans = [w for w in (pol.window, window) if w is not None]
-  out = attend(q, jnp.concatenate([k_buf, k_new.astype(dt)], axis=1),
-               jnp.concatenate([cache.v.astype(dt), v_BTKV.astype(dt)], axis=1), scale=scale,
-               causal=True, q_positions=positions_BT,
-               kv_positions=jnp.concatenate([mask_pos, positions_BT.astype(jnp.int32)], axis=1),
-               window=min(spans) if spans else None, bias=bias, sink_logit_H=sink_logit_H,
-               impl=impl)
-  return out, cache.write(stored, v_BTKV, positions_BT, extra_new)
+  kv_pos = jnp.concatenate([mask_pos, positions_BT.astype(jnp.int32)], axis=1)
+  mask = positional_mask(positions_BT, kv_pos, True, min(spans) if spans else None)
+  p = rows_softmax(jnp.concatenate([s_cache, s_new], axis=-1) * scale, mask=mask, bias=bias,
+                   sink_logit_H=sink_logit_H, T=T)
+  vd = v_BTKV.dtype
+  o = jnp.einsum("bkms,bkse->bkme", p[..., :S].astype(vd), cache.v.astype(vd),
+                 preferred_element_type=f)
+  o = o + jnp.einsum("bkmt,btke->bkme", p[..., S:].astype(vd), v_BTKV, preferred_element_type=f)
+  return from_rows(o, T).astype(q_BTHD.dtype), written
 
 
 # ------------------------------------------------------------------ mixers with a KV cache

@@ -248,6 +248,36 @@ def blocked_attention(q, k, v, *, scale: float, mask_fn=None, bias_fn=None, sink
   return o.transpose(0, 3, 1, 2, 4).reshape(B, T, H, E).astype(q.dtype)
 
 
+def to_rows(x_BTHE: jax.Array, K: int) -> jax.Array:
+  """[B, T, H, E] -> the row layout [B, K, G*T, E] of `_chunk` (row g*T + t: query t of head
+  k*G + g), so a kv head's G query heads form one matrix with its keys."""
+  B, T, H, E = x_BTHE.shape
+  return x_BTHE.reshape(B, T, K, H // K, E).transpose(0, 2, 3, 1, 4).reshape(B, K, -1, E)
+
+
+def from_rows(o_BKME: jax.Array, T: int) -> jax.Array:
+  """The inverse of `to_rows`: [B, K, G*T, E] -> [B, T, H, E]."""
+  B, K, M, E = o_BKME.shape
+  return o_BKME.reshape(B, K, M // T, T, E).transpose(0, 3, 1, 2, 4).reshape(B, T, -1, E)
+
+
+def rows_softmax(s_BKMS, *, mask=None, bias=None, sink_logit_H=None, T: int):
+  """Probabilities of fp32 scores in the row layout (`to_rows`, T queries per head): `mask`
+  [B|1, 1, T, S] boolean, `bias` [B|1, H|1, T|1, S] added first, the sink column as everywhere
+  in this module (`_softmax`)."""
+  B, K, M, S = s_BKMS.shape
+  G = M // T
+  if bias is not None:
+    s_BKMS = s_BKMS + _bias_rows(jnp.asarray(bias, s_BKMS.dtype), K, G, T)
+  if mask is not None:
+    s_BKMS = jnp.where(_rows(mask, G), s_BKMS, NEG_INF)
+  sink = None
+  if sink_logit_H is not None:
+    sink = jnp.broadcast_to(sink_logit_H.astype(s_BKMS.dtype).reshape(K, G, 1, 1), (K, G, T, 1))
+    sink = sink.reshape(K, M, 1)
+  return _softmax(s_BKMS, sink)
+
+
 def _bias_rows(b, K, G, c):
   """A chunk's bias [B|1, H|1, c|1, S] in the [B|1, K|1, G*c|1, S] row layout of `_chunk`."""
   if b.shape[1] == 1:   # one bias for every head: the G heads' rows repeat it

@@ -391,8 +391,9 @@ class ScoreBiasAttention(cache_lib.CachedMixer, nnx.Module):
       is_sink = (jnp.arange(kv_pos.shape[1]) < pol.sinks)[None, :] & (kv_pos >= 0)
       kv_pos = jnp.where(is_sink, first[:, None], kv_pos)
     dt = q.dtype
-    out = attend(q, jnp.concatenate([kv.k.astype(dt), k.astype(dt)], axis=1),
-                 jnp.concatenate([kv.v.astype(dt), v.astype(dt)], axis=1),
+    slot_major = lambda buf: buf.swapaxes(1, 2).astype(dt)        # the cache is head-major
+    out = attend(q, jnp.concatenate([slot_major(kv.k), k.astype(dt)], axis=1),
+                 jnp.concatenate([slot_major(kv.v), v.astype(dt)], axis=1),
                  scale=cfg.head_dim ** -0.5, causal=True, q_positions=positions_BT,
                  kv_positions=jnp.concatenate([kv_pos, positions_BT.astype(jnp.int32)], axis=1),
                  window=pol.window, bias=bias, sink_logit_H=sink, impl=cfg.attention_impl)

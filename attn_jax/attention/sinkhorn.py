@@ -537,7 +537,7 @@ class SinkhornAttention(nnx.Module):
       raise ValueError("config.model.sinkhorn.causal: decoding needs the causal mode")
     B, T, _ = x_BTD.shape
     b = o.block_size
-    C = state.cache.k.shape[1]
+    C = state.cache.pos.shape[1]
     nb = C // b
     valid = positions_BT >= 0
     q, k, v = self.project(x_BTD, positions_BT)
@@ -547,7 +547,7 @@ class SinkhornAttention(nnx.Module):
     sums = add(state.sums, blk, x_BTD.astype(jnp.float32))
     counts = add(state.counts, blk, jnp.ones_like(blk, jnp.float32))
     new_state = SinkhornState(kv, sums, counts)
-    kbuf, vbuf, pbuf = kv.k, kv.v, kv.pos
+    kbuf, vbuf, pbuf = kv.k.swapaxes(1, 2), kv.v.swapaxes(1, 2), kv.pos   # slot-major
 
     logits = self.sort_logits(sums, counts, rng, train)        # [B, K, nb, nb]
     i_BT = jnp.where(valid, positions_BT // b, 0)

@@ -622,11 +622,11 @@ class SISA(cache_lib.CachedMixer, nnx.Module):
     kf = jnp.exp(jnp.where((kv.pos >= 0)[..., None], -kv.extra.g, -jnp.inf))  # 0 when empty
     causal = jnp.arange(T)[:, None] >= jnp.arange(T)[None, :]
     widen = cache_lib.Widening(q=(jnp.exp(ell) * ops.qscale)[..., None] * rc,
-                               k=kf[..., None] * kv.extra.rb.astype(ell.dtype),
+                               k=kv.extra.rb, k_scale=kf,
                                bias_new=_local_bias(rc, rb, ell, ell, ops.lam, causal))
     out, kv = cache_lib.cached_attention(
         kv, q, k, v, positions_BT, theta=cfg.rope_theta, scale=cfg.head_dim ** -0.5,
-        impl=cfg.attention_impl, sink_logit_H=ops.sink, widen=widen,
+        sink_logit_H=ops.sink, widen=widen,
         extra_new=SISAKeys(rb=rb, g=ell))
     last = ell[:, -1:]     # padding (log a = 0) keeps the last valid token's g
     return out, kv.replace(extra=kv.extra._replace(g=kv.extra.g - last.astype(kv.extra.g.dtype)))

@@ -73,7 +73,7 @@ class SlidingWindowAttention(cache_lib.CachedMixer, nnx.Module):
     if state is not None:
       out, state = cache_lib.cached_attention(
           state, p.q(x_BTD), p.k(x_BTD), p.v(x_BTD), positions_BT, theta=cfg.rope_theta,
-          scale=scale, impl=cfg.attention_impl, sink_logit_H=sink, window=w)
+          scale=scale, sink_logit_H=sink, window=w)
       return p.o(out), state, {}
     B, T, _ = x_BTD.shape
     pos_BT = causal_positions(B, T) if positions_BT is None else positions_BT

@@ -86,8 +86,7 @@ class HybridHeads(nnx.Module):
                    kv_positions=positions_BT, impl=cfg.attention_impl, **docs)
     else:   # the shared KV cache (attention/cache.py), as the attention mixer
       out, kv = cache_lib.cached_attention(kv, p.q(x_BTD), p.k(x_BTD), p.v(x_BTD), positions_BT,
-                                           theta=cfg.rope_theta, scale=scale,
-                                           impl=cfg.attention_impl)
+                                           theta=cfg.rope_theta, scale=scale)
     o = out.astype(f32)
     o = o * jax.lax.rsqrt(jnp.mean(o * o, axis=(-2, -1), keepdims=True) + cfg.norm_eps)
     o = o * self.attn_norm[...].astype(f32)

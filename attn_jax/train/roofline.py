@@ -123,13 +123,13 @@ def decode_step_tok_s(model, prompt_BT: jax.Array, steps: int, repeats: int = 2,
   graphdef, state = nnx.split(model)
   B, T = prompt_BT.shape
 
-  @jax.jit
+  @decode.jit_stateful
   def start(state, prompt_BT):
     logits_BV, dstate = decode.prefill(nnx.merge(graphdef, state), prompt_BT,
                                        capacity=T + steps, policy=policy)
     return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32), dstate
 
-  @jax.jit
+  @decode.jit_stateful
   def run(state, tok_B, dstate):
     m = nnx.merge(graphdef, state)
 
