@@ -122,12 +122,15 @@ def sample_logits(logits_BV: jax.Array, rng: jax.Array | None, *, temperature=0.
   return jax.random.categorical(rng, logits, axis=-1).astype(jnp.int32)
 
 
+_GENERATE_STATIC = ("graphdef", "max_new_tokens", "cache_len", "greedy", "top_k", "policy")
+
+
 @functools.cache
-def _generate_jitted():
-  """`_generate_jit` compiled with the platform's `state_compiler_options` (known only once a
-  backend is up, so not at import)."""
-  return jit_stateful(_generate_jit, static_argnames=(
-      "graphdef", "max_new_tokens", "cache_len", "greedy", "top_k", "policy"))
+def _generate_jitted(options: tuple):
+  """`_generate_jit` compiled with these XLA options (`state_compiler_options` at the top
+  level, none inside another jit, whose options hold)."""
+  return jax.jit(_generate_jit, static_argnames=_GENERATE_STATIC,
+                 compiler_options=dict(options) or None)
 
 
 def _generate_jit(graphdef, state, prompt_BT, lengths_B, rng, temperature, eos_id, pad_id, *,
@@ -222,7 +225,9 @@ def generate(model, prompt_BT: jax.Array, *, max_new_tokens: int, lengths=None,
     rng = jax.random.key(0)  # unused when greedy; keeps the jitted signature fixed
   graphdef, state = nnx.split(model)
   scalar = lambda x: jnp.asarray(x, jnp.int32)
-  return _generate_jitted()(graphdef, state, prompt_BT, lengths, rng,
+  nested = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((state, prompt_BT)))
+  options = () if nested else tuple(sorted(state_compiler_options().items()))
+  return _generate_jitted(options)(graphdef, state, prompt_BT, lengths, rng,
                        jnp.asarray(temperature, jnp.float32),
                        scalar(-1 if eos_id is None else eos_id), scalar(pad_id),
                        max_new_tokens=int(max_new_tokens), cache_len=int(cache_len),
