@@ -253,3 +253,24 @@ def test_one_model_decodes_under_every_policy():
     assert streaming.state_bytes(st) == before
     assert np.asarray(decode.generate(model, prompt, max_new_tokens=6, policy=policy,
                                       cache_len=16)).shape == (1, 11)
+
+
+@pytest.mark.parametrize("mixer", ["attention", "sisa"])
+def test_one_token_step_updates_the_cache_in_place(mixer):
+  """The compiled one-token streaming step (batch 1, donated state, `decode.jit_stateful`)
+  copies no KV buffer except through the ring's frame move (a `lax.cond` over each layer's
+  keys): the state is read where it lies and written in place. Without the options XLA copied
+  each buffer several times per call."""
+  model = _model(mixer)
+  graphdef, params = nnx.split(model)
+  state = model.init_state(1, 1, cache_lib.SinksRing(2, 14))
+  fn = lambda p, t, pos, s: nnx.merge(graphdef, p).step(t, positions_BT=pos, state=s)
+  one = jnp.zeros((1, 1), jnp.int32)
+
+  def kv_copies(jitted):
+    text = jitted.lower(params, one, one, state).compile().as_text()
+    kv = f"[1,{H},16,{D // H}]"          # a layer's k or v: [B, K, S, Dh]
+    return sum(" copy(" in line and kv in line for line in text.splitlines())
+  if decode.state_compiler_options():
+    assert kv_copies(jax.jit(fn, donate_argnums=(3,))) > 2 * model.cfg.n_layers
+  assert kv_copies(decode.jit_stateful(fn, donate_argnums=(3,))) <= model.cfg.n_layers
