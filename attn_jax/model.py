@@ -244,9 +244,16 @@ class Decoder(nnx.Module):
     return w[:, :self.cfg.vocab_size]
 
   def unembed(self, h: jax.Array) -> jax.Array:
-    """Final hidden states [..., D] -> fp32 logits [..., V] (the LM head)."""
-    w = self.unembed_matrix()
-    return jnp.einsum("...d,dv->...v", h, w.astype(h.dtype), preferred_element_type=jnp.float32)
+    """Final hidden states [..., D] -> fp32 logits [..., V] (the LM head). The table is read as
+    it is stored (the embedding [V', D] when tied, else the head [D, V']) and the padded
+    vocabulary is sliced off the logits: `unembed_matrix` would materialise a transposed,
+    sliced copy of the table per call, most of a batch-1 decoding step at 50K tokens."""
+    f32 = jnp.float32
+    if self.cfg.tie_embeddings:
+      z = jnp.einsum("...d,vd->...v", h, self.embed[...].astype(h.dtype), preferred_element_type=f32)
+    else:
+      z = jnp.einsum("...d,dv->...v", h, self.head[...].astype(h.dtype), preferred_element_type=f32)
+    return z[..., :self.cfg.vocab_size]
 
   # ------------------------------------------------------------------ per-layer facts
   def init_state(self, batch: int, capacity: int, policy=None) -> tuple:
