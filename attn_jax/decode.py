@@ -61,9 +61,10 @@ def prompt_positions(lengths_B: jax.Array, start: int, length: int) -> jax.Array
 
 
 def prefill(model, prompt_BT: jax.Array, lengths_B: jax.Array | None = None, *,
-            capacity: int, policy=None) -> tuple[jax.Array, Any]:
+            capacity: int, policy=None, layer_params=None) -> tuple[jax.Array, Any]:
   """Run right-padded prompts through fresh states of `capacity`, in chunks of at most the
-  mixers' `max_chunk`. -> (logits of each row's last prompt token [B, V] fp32, state)."""
+  mixers' `max_chunk`. -> (logits of each row's last prompt token [B, V] fp32, state).
+  `layer_params`: `model.layer_params()`, made once for the calls (`Decoder.layer_params`)."""
   B, T = prompt_BT.shape
   lengths_B = jnp.full((B,), T, jnp.int32) if lengths_B is None else lengths_B.astype(jnp.int32)
   chunk, stream = mixer_limits(model.cfg, capacity, policy)
@@ -77,7 +78,7 @@ def prefill(model, prompt_BT: jax.Array, lengths_B: jax.Array | None = None, *,
     state, last_BD = carry
     n = toks_BN.shape[1]
     h_BTD, state = model.step_hidden(toks_BN, positions_BT=prompt_positions(lengths_B, a, n),
-                                     state=state)
+                                     state=state, layer_params=layer_params)
     idx_B = lengths_B - 1 - a
     here_B = (idx_B >= 0) & (idx_B < n)
     h_BD = jnp.take_along_axis(h_BTD, jnp.clip(idx_B, 0, n - 1)[:, None, None], axis=1)[:, 0]
@@ -97,10 +98,12 @@ def prefill(model, prompt_BT: jax.Array, lengths_B: jax.Array | None = None, *,
   return model.unembed(last_BD), state
 
 
-def decode_step(model, token_B: jax.Array, positions_B: jax.Array, state: Any
-                ) -> tuple[jax.Array, Any]:
-  """Feed one token per row at its position: -> (logits [B, V] fp32, new state)."""
-  logits_B1V, state = model.step(token_B[:, None], positions_BT=positions_B[:, None], state=state)
+def decode_step(model, token_B: jax.Array, positions_B: jax.Array, state: Any,
+                layer_params=None) -> tuple[jax.Array, Any]:
+  """Feed one token per row at its position: -> (logits [B, V] fp32, new state).
+  `layer_params`: `model.layer_params()`, made once before a decoding loop."""
+  logits_B1V, state = model.step(token_B[:, None], positions_BT=positions_B[:, None], state=state,
+                                 layer_params=layer_params)
   return logits_B1V[:, 0], state
 
 
@@ -153,7 +156,9 @@ def _generate_jit(graphdef, state, prompt_BT, lengths_B, rng, temperature, eos_i
   in_prompt_BT = jnp.arange(T)[None, :] < lengths_B[:, None]
   out_BL = jnp.full((B, T + max_new_tokens), pad_id, jnp.int32)
   out_BL = out_BL.at[:, :T].set(jnp.where(in_prompt_BT, prompt_BT, pad_id))
-  logits_BV, dstate = prefill(model, prompt_BT, lengths_B, capacity=cache_len, policy=policy)
+  layer_params = model.layer_params()   # sliced once, not in every step of the loop
+  logits_BV, dstate = prefill(model, prompt_BT, lengths_B, capacity=cache_len, policy=policy,
+                              layer_params=layer_params)
   tok_B, done_B = finish(sample(logits_BV, 0), jnp.zeros((B,), bool))
   out_BL = out_BL.at[rows_B, lengths_B].set(tok_B)
 
@@ -163,7 +168,7 @@ def _generate_jit(graphdef, state, prompt_BT, lengths_B, rng, temperature, eos_i
 
   def body(carry):
     step, out_BL, dstate, tok_B, done_B = carry
-    logits_BV, dstate = decode_step(model, tok_B, lengths_B + step - 1, dstate)
+    logits_BV, dstate = decode_step(model, tok_B, lengths_B + step - 1, dstate, layer_params)
     tok_B, done_B = finish(sample(logits_BV, step), done_B)
     out_BL = out_BL.at[rows_B, lengths_B + step].set(tok_B)
     return step + 1, out_BL, dstate, tok_B, done_B

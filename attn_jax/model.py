@@ -129,11 +129,11 @@ class Decoder(nnx.Module):
                         (cfg.d_model, vp), ("embed", "vocab"), pdt, kind="embedding")
 
   # ------------------------------------------------------------------ the stack
-  def _layers(self, x_BTD, positions_BT, segment_ids_BT, states, rng, train):
+  def _layers(self, x_BTD, positions_BT, segment_ids_BT, states, rng, train, layer_params=None):
     """Scan the R repeats of the period (decoding: `_decode_layers`)."""
     cfg = self.cfg
     if states is not None:
-      return self._decode_layers(x_BTD, positions_BT, states)
+      return self._decode_layers(x_BTD, positions_BT, states, layer_params)
     graphdef, block_state = nnx.split(self.blocks)
     states = (None,) * len(cfg.period)
 
@@ -157,19 +157,25 @@ class Decoder(nnx.Module):
       outs.append(out)
     return x_BTD, jax.tree.map(lambda *a: jnp.stack(a), *outs)
 
-  def _decode_layers(self, x_BTD, positions_BT, states):
+  def _decode_layers(self, x_BTD, positions_BT, states, layer_params=None):
     """The layers unrolled over per-layer states (`init_state`): each layer's state is a buffer
     of its own, so a donated state is updated in place (a scan over states stacked over the
     repeats slices each layer's state out and stacks it back: a copy of every cache per call).
-    The parameters stay stacked; repeat r reads its static slice."""
+    Repeat r reads `layer_params[r]` (default: its slice of the stacked parameters, which XLA
+    copies every call; see `layer_params`)."""
     cfg, P = self.cfg, len(self.cfg.period)
     if len(states) != cfg.n_layers:
       raise ValueError(f"a decoding state holds one entry per layer ({cfg.n_layers}), got "
                        f"{len(states)}: make it with model.init_state")
-    graphdef, block_state = nnx.split(self.blocks)
+    if layer_params is None:
+      layer_params = self.layer_params()
+    elif len(layer_params) != cfg.n_repeats:
+      raise ValueError(f"layer_params holds one entry per repeat of the period "
+                       f"({cfg.n_repeats}), got {len(layer_params)}: use model.layer_params()")
+    graphdef = nnx.graphdef(self.blocks)
     new_states, auxes = [], []
     for r in range(cfg.n_repeats):
-      period = nnx.merge(graphdef, jax.tree.map(lambda a: a[r], block_state))
+      period = nnx.merge(graphdef, layer_params[r])
       x_BTD, st, aux = period(x_BTD, positions_BT=positions_BT, states=states[r * P:(r + 1) * P],
                               rng=None, train=False)
       x_BTD = constrain(x_BTD, RESIDUAL_AXES)
@@ -177,7 +183,8 @@ class Decoder(nnx.Module):
       auxes.append(aux)
     return x_BTD, (tuple(new_states), jax.tree.map(lambda *a: jnp.stack(a), *auxes))
 
-  def _forward(self, tokens_BT, positions_BT, states, rng, train, segment_ids_BT=None):
+  def _forward(self, tokens_BT, positions_BT, states, rng, train, segment_ids_BT=None,
+               layer_params=None):
     """-> (final-norm hidden [B, T, D], new states, aux)."""
     if segment_ids_BT is not None:
       check_packed(tokens_BT, positions_BT, segment_ids_BT, states)
@@ -188,7 +195,8 @@ class Decoder(nnx.Module):
       if segment_ids_BT is not None:  # the sink rows: the shared prefix of every document
         segment_ids_BT = jnp.pad(segment_ids_BT, ((0, 0), (n, 0)), constant_values=SHARED_SEGMENT)
     x = constrain(x, RESIDUAL_AXES)
-    x, (new_states, aux) = self._layers(x, positions_BT, segment_ids_BT, states, rng, train)
+    x, (new_states, aux) = self._layers(x, positions_BT, segment_ids_BT, states, rng, train,
+                                        layer_params)
     return self.final_norm(x[:, n:]), new_states, aux
 
   def _prepend_sinks(self, x_BTD, positions_BT):
@@ -228,15 +236,27 @@ class Decoder(nnx.Module):
                                  segment_ids_BT=segment_ids_BT, rng=rng, train=train)
     return self.unembed(h), aux
 
-  def step(self, tokens_BT, *, positions_BT, state) -> tuple[jax.Array, Any]:
+  def step(self, tokens_BT, *, positions_BT, state, layer_params=None) -> tuple[jax.Array, Any]:
     """Decoding: T new tokens per row at `positions_BT` (-1 = padding) continue the streams
-    held in `state` (from `init_state`). -> (logits [B, T, V] fp32, new state)."""
-    h, state = self.step_hidden(tokens_BT, positions_BT=positions_BT, state=state)
+    held in `state` (from `init_state`). -> (logits [B, T, V] fp32, new state).
+    `layer_params`: `self.layer_params()` made once for many steps (see there)."""
+    h, state = self.step_hidden(tokens_BT, positions_BT=positions_BT, state=state,
+                                layer_params=layer_params)
     return self.unembed(h), state
 
-  def step_hidden(self, tokens_BT, *, positions_BT, state):
-    h, state, _ = self._forward(tokens_BT, positions_BT, state, None, False)
+  def step_hidden(self, tokens_BT, *, positions_BT, state, layer_params=None):
+    h, state, _ = self._forward(tokens_BT, positions_BT, state, None, False,
+                                layer_params=layer_params)
     return h, state
+
+  def layer_params(self) -> tuple:
+    """The blocks' parameters split by repeat of the period (a tuple of R states, repeat r =
+    every stacked parameter's slice r), for decoding: a step reads each layer's weights once,
+    and XLA materialises a slice of the stacked arrays every time a step takes one, inside a
+    decoding loop too (most of a batch-1 step at the issue-9 setting). Made once, before a
+    loop (or outside `jit`: a copy of the block parameters) and passed to every `step`."""
+    block_state = nnx.state(self.blocks)
+    return tuple(jax.tree.map(lambda a: a[r], block_state) for r in range(self.cfg.n_repeats))
 
   def unembed_matrix(self) -> jax.Array:
     """The LM head as [D, V] (the embedding transposed when tied; padding rows dropped)."""

@@ -153,19 +153,21 @@ class CachedScorer:
     self.chunk = min(chunk, max_chunk or chunk)
     self.capacity = capacity
     self.graphdef, self.params = nnx.split(self.model)
+    self.layer_params = model.layer_params()   # sliced once (Decoder.layer_params)
     self.state = model.init_state(1, max(capacity, 1), policy.cache)
     self.position = 0
 
-    def step(params, state, inputs_T, targets_T, positions_T):
+    def step(params, layer_params, state, inputs_T, targets_T, positions_T):
       model = nnx.merge(self.graphdef, params)
-      logits, state = model.step(inputs_T[None], positions_BT=positions_T[None], state=state)
+      logits, state = model.step(inputs_T[None], positions_BT=positions_T[None], state=state,
+                                 layer_params=layer_params)
       return _token_losses(logits, targets_T[None])[0], state
 
     if trace_limit is not None:
       import chex
       chex.clear_trace_counter()   # chex counts per code location, across scorers
       step = chex.assert_max_traces(step, n=trace_limit)
-    self._step = jit_stateful(step, donate_argnums=(1,))
+    self._step = jit_stateful(step, donate_argnums=(2,))
 
   def score(self, inputs: np.ndarray, targets: np.ndarray) -> np.ndarray:
     """Losses of `targets` given the stream so far and `inputs` (same length <= chunk)."""
@@ -176,7 +178,7 @@ class CachedScorer:
     pos = np.concatenate([self.position + np.arange(n), np.full(pad, -1)]).astype(np.int32)
     inp = np.pad(np.asarray(inputs, np.int32), (0, pad))
     tgt = np.pad(np.asarray(targets, np.int32), (0, pad))
-    losses, self.state = self._step(self.params, self.state, inp, tgt, pos)
+    losses, self.state = self._step(self.params, self.layer_params, self.state, inp, tgt, pos)
     self.position += n
     return np.asarray(losses)[:n]
 

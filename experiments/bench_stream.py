@@ -7,7 +7,8 @@
    Llama-2-7B at L = 4096); the two are timed alternately `--repeats` times and the medians
    are reported (speedup = median recompute / median streaming). Both are timed as a decoder
    runs them: one compiled call per token on inputs made beforehand, the parameters passed as
-   a flat list of arrays; the streaming step donates its state and is compiled with
+   a flat list of arrays; the streaming step takes the per-layer parameters made once
+   (`Decoder.layer_params`), donates its state and is compiled with
    `decode.state_compiler_options` (the cache is updated in place);
 2. constant memory: the streaming cache's bytes after 10K and after `--long` tokens (default
    1M) fed in chunks, the per-token time over the stream (median of the chunks of the first
@@ -65,18 +66,24 @@ def per_token(mixer, L, reps, repeats=1):
   model = build_model(tiny_cfg(mixer, L), seed=0)
   pol = streaming.Policy("streaming", window=L - 4, sinks=4)
   # Both sides take the parameters as a flat list of arrays (nnx.split and flatten once: no
-  # per-call NNX pytree traversal) and inputs made before the timed loop.
+  # per-call NNX pytree traversal) and inputs made before the timed loop; the streaming step
+  # also takes the per-layer parameters made once (`Decoder.layer_params`), as a decoder does.
   gd, params = nnx.split(model)
   leaves, tree = jax.tree.flatten(params)
+  per_layer, layer_tree = jax.tree.flatten(model.layer_params())
   model_of = lambda lv: nnx.merge(gd, jax.tree.unflatten(tree, lv))
-  step = decode.jit_stateful(lambda lv, t, pos, s: model_of(lv).step(t, positions_BT=pos, state=s),
-                             donate_argnums=(3,))
+
+  def step_fn(lv, pl, t, pos, s):
+    return model_of(lv).step(t, positions_BT=pos, state=s,
+                             layer_params=jax.tree.unflatten(layer_tree, pl))
+  step = decode.jit_stateful(step_fn, donate_argnums=(4,))
   state = model.init_state(1, 1, pol.cache)
   tok = np.random.default_rng(0).integers(0, 256, (1, 2 * L)).astype(np.int32)
   W = L - 4
   for a in range(0, L + W, W):      # fill the cache past its size: evicting from now on
     n = min(W, L + W - a)
-    _, state = step(leaves, tok[:, a:a + n], np.arange(a, a + n, dtype=np.int32)[None], state)
+    _, state = step(leaves, per_layer, tok[:, a:a + n], np.arange(a, a + n, dtype=np.int32)[None],
+                    state)
   t0 = L + W
   n_tok = repeats * (reps + 1)      # every timed token and each measurement's warm-up
   feed = [(jnp.asarray(tok[:, (t0 + i) % (2 * L)][:, None]), jnp.full((1, 1), t0 + i, jnp.int32))
@@ -85,7 +92,7 @@ def per_token(mixer, L, reps, repeats=1):
 
   def one():
     t, pos = feed[holder["i"]]
-    lg, holder["state"] = step(leaves, t, pos, holder["state"])
+    lg, holder["state"] = step(leaves, per_layer, t, pos, holder["state"])
     holder["i"] += 1
     return lg
   fwd = jax.jit(lambda lv, x: model_of(lv)(x)[:, -1])

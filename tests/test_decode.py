@@ -276,3 +276,22 @@ def test_prefill_program_does_not_grow_with_the_prompt():
   size = lambda T: len(jax.make_jaxpr(
       lambda t: decode.prefill(model, t, capacity=T))(jnp.zeros((2, T), jnp.int32)).eqns)
   assert size(16) == size(64)
+
+
+def test_layer_params_made_once_give_the_same_steps():
+  """`Decoder.layer_params` (the stacked block parameters split per repeat, made once for a
+  decoding loop) gives exactly the steps of the default per-call slices; a wrong count is a
+  clear error."""
+  model = _model("gqa")
+  lp = model.layer_params()
+  assert len(lp) == model.cfg.n_repeats == 2
+  tok = _tokens(3, (B, T))
+  pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+  step = nnx.jit(lambda m, t, p, s, lp: m.step(t, positions_BT=p, state=s, layer_params=lp))
+  a, sa = step(model, tok, pos, model.init_state(B, L), None)
+  b, sb = step(model, tok, pos, model.init_state(B, L), lp)
+  chex.assert_trees_all_equal((a, sa), (b, sb))
+  with pytest.raises(ValueError, match="layer_params holds one entry per repeat"):
+    model.step(tok, positions_BT=pos, state=model.init_state(B, L), layer_params=lp[:1])
+  with pytest.raises(ValueError, match="one entry per layer"):
+    model.step(tok, positions_BT=pos, state=model.init_state(B, L)[:1])

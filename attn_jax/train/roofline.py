@@ -132,11 +132,12 @@ def decode_step_tok_s(model, prompt_BT: jax.Array, steps: int, repeats: int = 2,
   @decode.jit_stateful
   def run(state, tok_B, dstate):
     m = nnx.merge(graphdef, state)
+    layer_params = m.layer_params()   # sliced once per run, as `decode.generate` does
 
     def body(i, carry):
       tok_B, dstate = carry
       logits_BV, dstate = decode.decode_step(m, tok_B, jnp.full((B,), T + i, jnp.int32),
-                                             dstate)
+                                             dstate, layer_params)
       return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32), dstate
 
     return jax.lax.fori_loop(0, steps, body, (tok_B, dstate))
