@@ -19,8 +19,10 @@ Ring(W), SinksRing(n, W)), chosen here at decode time for any model.
   `cache_len` in constant memory; for the others `cache_len` must hold the whole stream.
 
 `generate` runs prefill and the decode loop inside one `jax.jit` (`nnx.split` once; graphdef
-static; `nnx.merge` inside; compiled with `state_compiler_options`, so states update in place) with a `jax.lax.while_loop` over steps, so `decode_step` is traced
-once per generation shape, never once per token (tests guard it with `chex.assert_max_traces`).
+static; `nnx.merge` inside; compiled with `state_compiler_options`, so states update in place;
+`model.layer_params()` sliced once before the loop) with a `jax.lax.while_loop` over steps, so
+`decode_step` is traced once per generation shape, never once per token (tests guard it with
+`chex.assert_max_traces`).
 Sampling: greedy (`temperature == 0`) is argmax; otherwise logits / temperature, optionally
 restricted to the `top_k` largest, sampled with `jax.random.categorical`.
 """

@@ -268,11 +268,11 @@ class Decoder(nnx.Module):
     it is stored (the embedding [V', D] when tied, else the head [D, V']) and the padded
     vocabulary is sliced off the logits: `unembed_matrix` would materialise a transposed,
     sliced copy of the table per call, most of a batch-1 decoding step at 50K tokens."""
-    f32 = jnp.float32
     if self.cfg.tie_embeddings:
-      z = jnp.einsum("...d,vd->...v", h, self.embed[...].astype(h.dtype), preferred_element_type=f32)
+      spec, table = "...d,vd->...v", self.embed[...]
     else:
-      z = jnp.einsum("...d,dv->...v", h, self.head[...].astype(h.dtype), preferred_element_type=f32)
+      spec, table = "...d,dv->...v", self.head[...]
+    z = jnp.einsum(spec, h, table.astype(h.dtype), preferred_element_type=jnp.float32)
     return z[..., :self.cfg.vocab_size]
 
   # ------------------------------------------------------------------ per-layer facts
