@@ -241,7 +241,7 @@ def _cache_scores(cache: KVCache, q_BTHD, q_sink_BTHD, widen: Widening | None, f
   """Unscaled scores of the T queries against the S cached keys, [B, K, G*T, S] (`to_rows`
   layout): q.k in the cache's frame, the n sink slots with their own query (rotated by m),
   plus the widening channels' score."""
-  K, T, n = cache.k.shape[1], q_BTHD.shape[1], cache.policy.sinks
+  K, n = cache.k.shape[1], cache.policy.sinks
   kbuf = cache.k.astype(q_BTHD.dtype)
   dot = lambda q, k: jnp.einsum("bkmd,bksd->bkms", to_rows(q, K), k, preferred_element_type=f)
   s = dot(q_BTHD, kbuf)
@@ -256,38 +256,32 @@ def _cache_scores(cache: KVCache, q_BTHD, q_sink_BTHD, widen: Widening | None, f
   return s
 
 
-def cached_attention(cache: KVCache, q_BTHD, k_BTKD, v_BTKV, positions_BT, *, theta: float,
-                     scale: float, sink_logit_H=None, widen: Widening | None = None,
-                     extra_new=None, window: int | None = None):
-  """New tokens (q, k before RoPE) attend to [cache ; themselves] under the cache's policy, and
-  are written. -> (out [B, T, H, Dv], new cache). `window`: a mixer's own sliding window (a
-  mask on stream positions, with the policy's); `extra_new`: the new tokens' per-key data.
+def attend_cache(cache: KVCache, q_BTHD, k_BTKD, v_BTKV, positions_BT, *, scale: float,
+                 q_sink_BTHD=None, widen: Widening | None = None, bias=None, sink_logit_H=None,
+                 window: int | None = None):
+  """New tokens (q, k as the cache keeps them: after any rotation) attend to [cache ; themselves]
+  under the cache's policy, nothing written: -> out [B, T, H, Dv].
 
   The cached keys and the new ones are scored apart (no [cache ; new] buffer is formed; the
   head-major cache is read where it lies) and share one fp32 softmax over their S + T columns
   (`core.rows_softmax`), the same arithmetic on every platform: decoding reads the cache once
-  per token, a bandwidth-bound product rather than a fused kernel's. The cache is read before
-  the new tokens are written (a ring's writes may evict keys the chunk's earlier queries see);
-  compiled with `decode.state_compiler_options`, the write then happens in place."""
+  per token, a bandwidth-bound product rather than a fused kernel's. `q_sink_BTHD`: the query
+  the sink slots are scored with (default q); `bias` [B|1, H|1, T|1, S + T]: added to the scores
+  of [cache ; new]; sink slots are visible to every query of the call (module docstring);
+  `window`: a mixer's own sliding window, with the policy's."""
   pol, S, n = cache.policy, cache.pos.shape[1], cache.policy.sinks
   T, K = q_BTHD.shape[1], cache.k.shape[1]
-  base, m, first = pol.frame(positions_BT)
-  if pol.bounded:
-    cache = _in_frame(cache, base, theta)
-    base = cache.base
-  rel = positions_BT - base[:, None]
-  q, k_new = rope(q_BTHD, rel, theta), rope(k_BTKD, rel, theta)
-  written = cache.write(_stored_keys(cache, k_BTKD, k_new, positions_BT, theta), v_BTKV,
-                        positions_BT, extra_new)
-  f = jnp.promote_types(q.dtype, jnp.float32)
-  s_cache = _cache_scores(cache, q, rope(q_BTHD, m, theta) if n else None, widen, f)
-  s_new = jnp.einsum("bkmd,btkd->bkmt", to_rows(q, K), k_new.astype(q.dtype),
+  f = jnp.promote_types(q_BTHD.dtype, jnp.float32)
+  q_sink = q_BTHD if q_sink_BTHD is None else q_sink_BTHD
+  s_cache = _cache_scores(cache, q_BTHD, q_sink if n else None, widen, f)
+  s_new = jnp.einsum("bkmd,btkd->bkmt", to_rows(q_BTHD, K), k_BTKD.astype(q_BTHD.dtype),
                      preferred_element_type=f)
-  bias = None
   if widen is not None and widen.bias_new is not None:
-    bias = jnp.pad(widen.bias_new.astype(f), ((0, 0), (0, 0), (0, 0), (S, 0)))
+    new = jnp.pad(widen.bias_new.astype(f), ((0, 0), (0, 0), (0, 0), (S, 0)))
+    bias = new if bias is None else bias + new
   mask_pos = cache.pos
-  if n:   # sink slots are visible to every query of the call (module docstring)
+  if n:
+    _, _, first = pol.frame(positions_BT)
     mask_pos = jnp.where((jnp.arange(S) < n)[None, :] & (mask_pos >= 0), first[:, None],
                          mask_pos)
   spans = [w for w in (pol.window, window) if w is not None]
@@ -299,7 +293,31 @@ def cached_attention(cache: KVCache, q_BTHD, k_BTKD, v_BTKV, positions_BT, *, th
   o = jnp.einsum("bkms,bkse->bkme", p[..., :S].astype(vd), cache.v.astype(vd),
                  preferred_element_type=f)
   o = o + jnp.einsum("bkmt,btke->bkme", p[..., S:].astype(vd), v_BTKV, preferred_element_type=f)
-  return from_rows(o, T).astype(q_BTHD.dtype), written
+  return from_rows(o, T).astype(q_BTHD.dtype)
+
+
+def cached_attention(cache: KVCache, q_BTHD, k_BTKD, v_BTKV, positions_BT, *, theta: float,
+                     scale: float, sink_logit_H=None, widen: Widening | None = None,
+                     extra_new=None, window: int | None = None):
+  """New tokens (q, k before RoPE) attend to [cache ; themselves] under the cache's policy
+  (`attend_cache`, RoPE as the module docstring says), and are written. -> (out [B, T, H, Dv],
+  new cache). `window`: a mixer's own sliding window (a mask on stream positions, with the
+  policy's); `extra_new`: the new tokens' per-key data. The cache is read before the new tokens
+  are written (a ring's writes may evict keys the chunk's earlier queries see); compiled with
+  `decode.state_compiler_options`, the write then happens in place."""
+  pol = cache.policy
+  base, m, _ = pol.frame(positions_BT)
+  if pol.bounded:
+    cache = _in_frame(cache, base, theta)
+    base = cache.base
+  rel = positions_BT - base[:, None]
+  q, k_new = rope(q_BTHD, rel, theta), rope(k_BTKD, rel, theta)
+  out = attend_cache(cache, q, k_new, v_BTKV, positions_BT, scale=scale,
+                     q_sink_BTHD=rope(q_BTHD, m, theta) if pol.sinks else None, widen=widen,
+                     sink_logit_H=sink_logit_H, window=window)
+  written = cache.write(_stored_keys(cache, k_BTKD, k_new, positions_BT, theta), v_BTKV,
+                        positions_BT, extra_new)
+  return out, written
 
 
 # ------------------------------------------------------------------ mixers with a KV cache

@@ -106,8 +106,8 @@ from flax import nnx
 
 from attn_jax.attention import cache as cache_lib
 from attn_jax.attention import flash, split
-from attn_jax.attention.core import (attend, attention_flops_per_token, blocked_attention,
-                                     causal_block_mask, causal_keys, choose_impl, segment_mask)
+from attn_jax.attention.core import (attention_flops_per_token, blocked_attention,
+                                     causal_block_mask, causal_keys, segment_mask)
 from attn_jax.attention.projection import (QKVProjection, SinkLogitOptions, make_sink_logit,
                                            probs_with_sink, rope, sink_logit_of)
 from attn_jax.attention.sisa import stat_dtype, time_cumsum
@@ -375,28 +375,15 @@ class ScoreBiasAttention(cache_lib.CachedMixer, nnx.Module):
     """T new tokens after the cache: bias ell_i - s_j on cached keys (s_j = g_j - g_last, kept
     relative under every policy), ell_i - ell_j among the new ones (ell: the new tokens' own
     cumulative log f); then every s_j moves by the new tokens' decay and the new keys join."""
-    cfg, pol = self.cfg, kv.policy
-    T = q.shape[1]
+    cfg, T = self.cfg, q.shape[1]
     ell = time_cumsum(loga)                                            # [B, T, H]
     rel = jnp.where((kv.pos >= 0)[..., None], -kv.extra, 0.0)          # g_last - g_j
     rel = rel.transpose(0, 2, 1)[:, :, None, :]                        # [B, H, 1, S]
     causal = jnp.arange(T)[:, None] >= jnp.arange(T)[None, :]
     new = jnp.where(causal, _pair_decay(ell, ell), 0.0)                 # [B, H, T, T]
     bias = jnp.concatenate([ell.transpose(0, 2, 1)[..., None] + rel, new], axis=-1)
-    impl = choose_impl(cfg.attention_impl, q.dtype, q.shape[-1])
-    bias = bias.astype(q.dtype if impl == "cudnn" else ell.dtype)
-    kv_pos = kv.pos
-    if pol.sinks:   # sink slots stay visible: they take the first query's position
-      _, _, first = pol.frame(positions_BT)
-      is_sink = (jnp.arange(kv_pos.shape[1]) < pol.sinks)[None, :] & (kv_pos >= 0)
-      kv_pos = jnp.where(is_sink, first[:, None], kv_pos)
-    dt = q.dtype
-    slot_major = lambda buf: buf.swapaxes(1, 2).astype(dt)        # the cache is head-major
-    out = attend(q, jnp.concatenate([slot_major(kv.k), k.astype(dt)], axis=1),
-                 jnp.concatenate([slot_major(kv.v), v.astype(dt)], axis=1),
-                 scale=cfg.head_dim ** -0.5, causal=True, q_positions=positions_BT,
-                 kv_positions=jnp.concatenate([kv_pos, positions_BT.astype(jnp.int32)], axis=1),
-                 window=pol.window, bias=bias, sink_logit_H=sink, impl=cfg.attention_impl)
+    out = cache_lib.attend_cache(kv, q, k, v, positions_BT, scale=cfg.head_dim ** -0.5,
+                                 bias=bias, sink_logit_H=sink)
     last = ell[:, -1]                       # padding (log f = 0) keeps the last valid g
     shifted = kv.replace(extra=kv.extra - last[:, None].astype(kv.extra.dtype))
     return out, shifted.write(k, v, positions_BT, ell - last[:, None])
