@@ -1,7 +1,11 @@
 """Decoding caches: one typed KV cache, and the policies that decide what it keeps.
 
     cache = init_cache(policy, batch, capacity, n_kv, d_k, d_v, dtype, extra=...)
-    out, cache = cached_attention(cache, q, k, v, positions_BT, theta=..., scale=...)
+    out, cache = cached_attention(cache, q, k, v, positions_BT, theta=..., scale=...)  # RoPE'd
+    out = attend_cache(cache, q, k, v, positions_BT, scale=..., bias=...)   # then cache.write
+
+(`cached_attention`: RoPE mixers, the policy's frame and sinks below; `attend_cache`: the
+scoring core it calls, for mixers that rotate nothing or carry their own bias, e.g. FoX.)
 
 `KVCache` (a pytree; its policy is static): k [B, K, S, Dk], v [B, K, S, Dv] (head-major:
 the layout the score and value products read without a transpose), pos [B, S]
