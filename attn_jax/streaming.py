@@ -136,6 +136,8 @@ def _token_losses(logits_BTV, targets_BT):
 
 class CachedScorer:
   """Feeds one stream (batch 1) chunk by chunk through a cache policy's fixed-size state.
+  It holds the block parameters split per layer (`Decoder.layer_params`: one more copy of them)
+  so that no chunk step slices them again.
 
   `trace_limit`: raise if the chunk step is traced more than this many times
   (`chex.assert_max_traces`; for tests)."""
