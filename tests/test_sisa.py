@@ -369,8 +369,9 @@ def test_hooks():
       Attention.flops_per_token(cfg, Attention.Options(), L) + 2 * 4 * 8 * (L + 1) / 2)
   state = S.SISA.init_state(cfg, opts, 3, 20, jnp.bfloat16)
   kv = state.cache
-  assert kv.k.shape == (3, 4, 20, 16) and kv.extra.rb.shape == (3, 20, 4, 8)
-  assert kv.extra.rb.dtype == jnp.bfloat16 and kv.extra.g.dtype == jnp.float32
+  assert kv.k.shape == (3, 4, 20, 16) and kv.kx.shape == (3, 4, 20, 8)   # R(Phi) B: head-major
+  assert kv.kx.dtype == jnp.bfloat16 and kv.extra.g.dtype == jnp.float32
+  assert kv.extra.g.shape == (3, 20, 4)
   assert state.g.shape == (3, 4) and state.phi.shape == (3, 4, 4)
 
 

@@ -166,11 +166,14 @@ class KVCache:
   ptr: jax.Array          # [B] int32, valid tokens written so far
   extra: Any = None       # the mixer's per-key data: a pytree of [B, S, ...] arrays
   base: Any = None        # [B] int32: the RoPE frame of the window slots (rings; module doc)
+  kx: Any = None          # [B, K, S, E] extra key channels scored beside q.k (`Widening`),
+                          # head-major like k, written with the keys, never rotated
   policy: Policy = struct.field(pytree_node=False, default=LINEAR)
 
-  def write(self, k_BTKD, v_BTKD, positions_BT, extra=None) -> "KVCache":
+  def write(self, k_BTKD, v_BTKD, positions_BT, extra=None, kx_BTKE=None) -> "KVCache":
     """Write the valid new tokens (position >= 0) after each row's pointer, in order (padding
-    may sit anywhere), into the policy's slots; `extra`: their per-key data (as `self.extra`)."""
+    may sit anywhere), into the policy's slots; `extra`: their per-key data (as `self.extra`);
+    `kx_BTKE`: their extra key channels (a cache made with `kx_dim`)."""
     B, T = positions_BT.shape
     S = self.pos.shape[1]
     if self.policy.bounded and T > S - self.policy.sinks:
@@ -186,32 +189,34 @@ class KVCache:
     return self.replace(
         k=put_kv(self.k, k_BTKD), v=put_kv(self.v, v_BTKD), pos=put(self.pos, positions_BT),
         ptr=self.ptr + jnp.sum(valid_BT, axis=1, dtype=jnp.int32),
-        extra=self.extra if extra is None else jax.tree.map(put, self.extra, extra))
+        extra=self.extra if extra is None else jax.tree.map(put, self.extra, extra),
+        kx=self.kx if kx_BTKE is None else put_kv(self.kx, kx_BTKE))
 
 
 def init_cache(policy: Policy, batch: int, capacity: int, n_kv: int, dk: int, dv: int, dtype,
-               extra=None) -> KVCache:
+               extra=None, kx_dim: int = 0) -> KVCache:
   """An empty cache of `policy.slots(capacity)` slots; `extra`: a pytree of
-  `jax.ShapeDtypeStruct` (per-key shape and dtype) for the mixer's own per-key data."""
+  `jax.ShapeDtypeStruct` (per-key shape and dtype) for the mixer's own per-key data; `kx_dim`:
+  extra key channels per kv head (`KVCache.kx`, for `Widening`; 0 = none)."""
   policy.validate()
   S = policy.slots(capacity)
   zeros = lambda s: jnp.zeros((batch, S) + tuple(s.shape), s.dtype)
   return KVCache(k=jnp.zeros((batch, n_kv, S, dk), dtype), v=jnp.zeros((batch, n_kv, S, dv), dtype),
                  pos=jnp.full((batch, S), -1, jnp.int32), ptr=jnp.zeros((batch,), jnp.int32),
                  extra=None if extra is None else jax.tree.map(zeros, extra),
-                 base=jnp.zeros((batch,), jnp.int32), policy=policy)
+                 base=jnp.zeros((batch,), jnp.int32), policy=policy,
+                 kx=jnp.zeros((batch, n_kv, S, kx_dim), dtype) if kx_dim else None)
 
 
 # ------------------------------------------------------------------ attending to it
 
 class Widening(NamedTuple):
   """Extra q/k channels beyond the rotated q.k (SISA's state term), scored beside it: `q`
-  [B, T, H, E] for every query, `k` [B, S, K, E] the cached keys' channels (slot-major, as a
-  mixer's `extra`), `k_scale` [B, S, K] an optional per-key factor of their score (so the
-  channels are not rescaled key by key), `bias_new` [B, H, T, T] the new keys' share of the
-  score (their channels are not in the cache yet)."""
+  [B, T, H, E] for every query against the cached keys' channels (`KVCache.kx`), `k_scale`
+  [B, S, K] an optional per-key factor of their score (so the channels are not rescaled key by
+  key), `bias_new` [B, H, T, T] the new keys' share of the score (their channels are not in the
+  cache yet)."""
   q: jax.Array
-  k: jax.Array
   bias_new: jax.Array | None = None
   k_scale: jax.Array | None = None
 
@@ -252,8 +257,11 @@ def _cache_scores(cache: KVCache, q_BTHD, q_sink_BTHD, widen: Widening | None, f
   if n:   # the sink slots: exact scores with the query at m (module docstring)
     s = jnp.concatenate([dot(q_sink_BTHD, kbuf[:, :, :n]), s[..., n:]], axis=-1)
   if widen is not None:
-    w = jnp.einsum("bkme,bske->bkms", to_rows(widen.q.astype(q_BTHD.dtype), K),
-                   widen.k.astype(q_BTHD.dtype), preferred_element_type=f)
+    if cache.kx is None:
+      raise ValueError("a widened call needs extra key channels in the cache (init_cache's "
+                       "kx_dim)")
+    w = jnp.einsum("bkme,bkse->bkms", to_rows(widen.q.astype(q_BTHD.dtype), K),
+                   cache.kx.astype(q_BTHD.dtype), preferred_element_type=f)
     if widen.k_scale is not None:
       w = w * widen.k_scale.astype(f).transpose(0, 2, 1)[:, :, None, :]
     s = s + w
@@ -302,11 +310,12 @@ def attend_cache(cache: KVCache, q_BTHD, k_BTKD, v_BTKV, positions_BT, *, scale:
 
 def cached_attention(cache: KVCache, q_BTHD, k_BTKD, v_BTKV, positions_BT, *, theta: float,
                      scale: float, sink_logit_H=None, widen: Widening | None = None,
-                     extra_new=None, window: int | None = None):
+                     extra_new=None, kx_new=None, window: int | None = None):
   """New tokens (q, k before RoPE) attend to [cache ; themselves] under the cache's policy
   (`attend_cache`, RoPE as the module docstring says), and are written. -> (out [B, T, H, Dv],
   new cache). `window`: a mixer's own sliding window (a mask on stream positions, with the
-  policy's); `extra_new`: the new tokens' per-key data. The cache is read before the new tokens
+  policy's); `extra_new` / `kx_new`: the new tokens' per-key data and extra key channels
+  ([B, T, K, E]). The cache is read before the new tokens
   are written (a ring's writes may evict keys the chunk's earlier queries see); compiled with
   `decode.state_compiler_options`, the write then happens in place."""
   pol = cache.policy
@@ -320,7 +329,7 @@ def cached_attention(cache: KVCache, q_BTHD, k_BTKD, v_BTKV, positions_BT, *, th
                      q_sink_BTHD=rope(q_BTHD, m, theta) if pol.sinks else None, widen=widen,
                      sink_logit_H=sink_logit_H, window=window)
   written = cache.write(_stored_keys(cache, k_BTKD, k_new, positions_BT, theta), v_BTKV,
-                        positions_BT, extra_new)
+                        positions_BT, extra_new, kx_new)
   return out, written
 
 

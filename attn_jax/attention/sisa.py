@@ -41,7 +41,8 @@ is evaluated is <= 1 or <= e^T for a fixed T, and no reference reads a later tok
 - decoding / prefill (`_cached`): the chunked path with one chunk after the cache, r = g of
   the last cached token; cached g_j are stored relative to it, so a one-token step has factors
   a_i <= 1 and <= 1 at any length. The state (`SISAState`) is a `cache.KVCache` with SISA's
-  per-key R(Phi_j) B_j and g_j - r (`SISAKeys`) plus the running g and Phi. The cache policy
+  per-key R(Phi_j) B_j (its extra key channels, `kx`) and g_j - r (`SISAKeys`) plus the
+  running g and Phi. The cache policy
   (`attention/cache.py`, chosen at decode time) re-assigns only the q.k part's RoPE positions:
   a key keeps its g_j and R(Phi_j) B_j, so a sink sees the true decay since it.
 
@@ -330,8 +331,8 @@ class SISAOperands(NamedTuple):
 
 
 class SISAKeys(NamedTuple):
-  """SISA's per-key data in the KV cache."""
-  rb: jax.Array     # [B, S, H, d_s]: R(Phi_j) B_j
+  """SISA's per-key data in the KV cache (beside it, R(Phi_j) B_j: the cache's extra key
+  channels `kx`, [B, H, S, d_s], head-major like the keys)."""
   g: jax.Array      # [B, S, H]: g_j - g of the last cached token (>= 0)
 
 
@@ -621,13 +622,12 @@ class SISA(cache_lib.CachedMixer, nnx.Module):
     T = q.shape[1]
     kf = jnp.exp(jnp.where((kv.pos >= 0)[..., None], -kv.extra.g, -jnp.inf))  # 0 when empty
     causal = jnp.arange(T)[:, None] >= jnp.arange(T)[None, :]
-    widen = cache_lib.Widening(q=(jnp.exp(ell) * ops.qscale)[..., None] * rc,
-                               k=kv.extra.rb, k_scale=kf,
+    widen = cache_lib.Widening(q=(jnp.exp(ell) * ops.qscale)[..., None] * rc, k_scale=kf,
                                bias_new=_local_bias(rc, rb, ell, ell, ops.lam, causal))
     out, kv = cache_lib.cached_attention(
         kv, q, k, v, positions_BT, theta=cfg.rope_theta, scale=cfg.head_dim ** -0.5,
         sink_logit_H=ops.sink, widen=widen,
-        extra_new=SISAKeys(rb=rb, g=ell))
+        extra_new=SISAKeys(g=ell), kx_new=rb)
     last = ell[:, -1:]     # padding (log a = 0) keeps the last valid token's g
     return out, kv.replace(extra=kv.extra._replace(g=kv.extra.g - last.astype(kv.extra.g.dtype)))
 
@@ -665,9 +665,10 @@ class SISA(cache_lib.CachedMixer, nnx.Module):
   def init_state(cls, cfg: ModelConfig, opts: "SISA.Options", batch: int, capacity: int, dtype,
                  policy: cache_lib.Policy | None = None) -> "SISAState":
     H, ds, f = cfg.n_heads, int(opts.d_state), stat_dtype(cfg)
-    extra = SISAKeys(rb=jax.ShapeDtypeStruct((H, ds), dtype), g=jax.ShapeDtypeStruct((H,), f))
+    extra = SISAKeys(g=jax.ShapeDtypeStruct((H,), f))   # R(Phi_j) B_j: the cache's kx
     kv = cache_lib.init_cache(cls.cache_policy(cfg, opts, policy), batch, capacity,
-                              cfg.kv_heads, cfg.head_dim, cfg.head_dim, dtype, extra=extra)
+                              cfg.kv_heads, cfg.head_dim, cfg.head_dim, dtype, extra=extra,
+                              kx_dim=ds)
     return SISAState(kv, jnp.zeros((batch, H), f), jnp.zeros((batch, H, ds // 2), f))
 
   @classmethod
