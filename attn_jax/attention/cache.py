@@ -248,13 +248,13 @@ def _stored_keys(cache: KVCache, k_BTKD, k_frame_BTKD, positions_BT, theta: floa
 
 def _cache_scores(cache: KVCache, q_BTHD, q_sink_BTHD, widen: Widening | None, f):
   """Unscaled scores of the T queries against the S cached keys, [B, K, G*T, S] (`to_rows`
-  layout): q.k in the cache's frame, the n sink slots with their own query (rotated by m),
-  plus the widening channels' score."""
+  layout): q.k in the cache's frame, the n sink slots with their own query if one is given
+  (rotated by m), plus the widening channels' score."""
   K, n = cache.k.shape[1], cache.policy.sinks
   kbuf = cache.k.astype(q_BTHD.dtype)
   dot = lambda q, k: jnp.einsum("bkmd,bksd->bkms", to_rows(q, K), k, preferred_element_type=f)
   s = dot(q_BTHD, kbuf)
-  if n:   # the sink slots: exact scores with the query at m (module docstring)
+  if n and q_sink_BTHD is not None:   # the sink slots: exact scores, query at m (module doc)
     s = jnp.concatenate([dot(q_sink_BTHD, kbuf[:, :, :n]), s[..., n:]], axis=-1)
   if widen is not None:
     if cache.kx is None:
@@ -284,8 +284,7 @@ def attend_cache(cache: KVCache, q_BTHD, k_BTKD, v_BTKV, positions_BT, *, scale:
   pol, S, n = cache.policy, cache.pos.shape[1], cache.policy.sinks
   T, K = q_BTHD.shape[1], cache.k.shape[1]
   f = jnp.promote_types(q_BTHD.dtype, jnp.float32)
-  q_sink = q_BTHD if q_sink_BTHD is None else q_sink_BTHD
-  s_cache = _cache_scores(cache, q_BTHD, q_sink if n else None, widen, f)
+  s_cache = _cache_scores(cache, q_BTHD, q_sink_BTHD, widen, f)
   s_new = jnp.einsum("bkmd,btkd->bkmt", to_rows(q_BTHD, K), k_BTKD.astype(q_BTHD.dtype),
                      preferred_element_type=f)
   if widen is not None and widen.bias_new is not None:

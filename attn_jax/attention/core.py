@@ -192,20 +192,16 @@ def _rows(x, G):
   return x if G == 1 or x.shape[-2] == 1 else jnp.concatenate([x] * G, axis=-2)
 
 
-def _chunk(q_BKMD, k_BKSD, v_BKSE, *, scale, mask, bias, sink, v_dtype):
+def _chunk(q_BKMD, k_BKSD, v_BKSE, *, scale, mask, bias, sink_logit_H, c, v_dtype):
   """One block of M = G*c query rows against S keys: [B, K, M, E] fp32 output (fp64 for float64).
+  `mask`, `bias`: the chunk's, in query layout ([B|1, 1, c, S], [B|1, H|1, c|1, S]).
 
   Everything is 4-D, [B, K, G*c, .] (the G query heads of a kv head times c rows form one
   matrix dimension): the two matmuls are plain batched matmuls for XLA."""
   f = jnp.promote_types(q_BKMD.dtype, jnp.float32)   # fp32 (fp64 for float64 inputs)
   s = jnp.einsum("bkmd,bksd->bkms", q_BKMD, k_BKSD, preferred_element_type=f)
-  s = s * scale
-  if bias is not None:
-    s = s + bias
-  if mask is not None:
-    s = jnp.where(mask, s, NEG_INF)
-  p = _softmax(s, sink).astype(v_dtype)
-  return jnp.einsum("bkms,bkse->bkme", p, v_BKSE, preferred_element_type=f)
+  p = rows_softmax(s * scale, mask=mask, bias=bias, sink_logit_H=sink_logit_H, T=c)
+  return jnp.einsum("bkms,bkse->bkme", p.astype(v_dtype), v_BKSE, preferred_element_type=f)
 
 
 def blocked_attention(q, k, v, *, scale: float, mask_fn=None, bias_fn=None, sink_logit_H=None,
@@ -225,24 +221,15 @@ def blocked_attention(q, k, v, *, scale: float, mask_fn=None, bias_fn=None, sink
   q5 = q.reshape(B, T, K, G, D).transpose(0, 2, 3, 1, 4)  # [B, K, G, T, D]
   kt = k.transpose(0, 2, 1, 3)                            # [B, K, S, D]
   vt = v.transpose(0, 2, 1, 3)                            # [B, K, S, E]
-  f = jnp.promote_types(q.dtype, jnp.float32)   # scores, bias, sink: fp32 (fp64 for float64)
-  sink_KG = None if sink_logit_H is None else sink_logit_H.astype(f).reshape(K, G, 1, 1)
   outs = []
-  for a in range(0, T, chunk):
+  for a in range(0, T, chunk):   # scores, bias, sink: fp32 (fp64 for float64; `_chunk`)
     e = min(a + chunk, T)
     c, s_end = e - a, (e if prefix else S)
     qc = q5[:, :, :, a:e].reshape(B, K, G * c, D)
     mask = None if mask_fn is None else mask_fn(a, e, s_end)
-    if mask is not None:
-      mask = _rows(mask, G)
-    sink = None
-    if sink_KG is not None:
-      sink = jnp.broadcast_to(sink_KG, (K, G, c, 1)).reshape(K, G * c, 1)
     bc = None if bias_fn is None else bias_fn(a, e, s_end)
-    if bc is not None:
-      bc = _bias_rows(jnp.asarray(bc, f), K, G, c)
     o = _chunk(qc, kt[:, :, :s_end], vt[:, :, :s_end], scale=scale, mask=mask, bias=bc,
-               sink=sink, v_dtype=v.dtype)
+               sink_logit_H=sink_logit_H, c=c, v_dtype=v.dtype)
     outs.append(o.reshape(B, K, G, c, E))
   o = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=3)
   return o.transpose(0, 3, 1, 2, 4).reshape(B, T, H, E).astype(q.dtype)
@@ -264,7 +251,8 @@ def from_rows(o_BKME: jax.Array, T: int) -> jax.Array:
 def rows_softmax(s_BKMS, *, mask=None, bias=None, sink_logit_H=None, T: int):
   """Probabilities of fp32 scores in the row layout (`to_rows`, T queries per head): `mask`
   [B|1, 1, T, S] boolean, `bias` [B|1, H|1, T|1, S] added first, the sink column as everywhere
-  in this module (`_softmax`)."""
+  in this module (`_softmax`). The blocked path (`_chunk`) and the KV cache's core
+  (`cache.attend_cache`) both end here."""
   B, K, M, S = s_BKMS.shape
   G = M // T
   if bias is not None:
