@@ -49,7 +49,7 @@ from flax import nnx
 
 from attn_jax.config import LayerSpec, ModelConfig, validate_model
 from attn_jax.layers import SHARED_SEGMENT, RMSNorm, SwiGLU, dtype_of, param
-from attn_jax.registry import get_mixer, optional_hook, policy_kw
+from attn_jax.registry import get_mixer
 from attn_jax.sharding import constrain, pad_vocab
 
 # The residual stream's logical axes: activation sharding constraints (a no-op outside
@@ -316,7 +316,7 @@ def init_state(cfg: ModelConfig, batch: int, capacity: int, policy=None) -> tupl
     spec = cfg.period[i % len(cfg.period)]
     cls = get_mixer(spec.mixer)
     out.append(cls.init_state(cfg, cfg.options_for(spec.mixer), batch, capacity,
-                              dtype_of(cfg.dtype), **policy_kw(cls.init_state, policy)))
+                              dtype_of(cfg.dtype), policy=policy))
   return tuple(out)
 
 
@@ -327,8 +327,8 @@ def mixer_limits(cfg: ModelConfig, capacity: int,
   chunk = stream = None
   for spec in cfg.period:
     cls, opts = get_mixer(spec.mixer), cfg.options_for(spec.mixer)
-    c = optional_hook(cls, "max_chunk", cfg, opts, capacity, policy)
-    s = optional_hook(cls, "stream_limit", cfg, opts, capacity, policy)
+    c = cls.max_chunk(cfg, opts, capacity, policy=policy)
+    s = cls.stream_limit(cfg, opts, capacity, policy=policy)
     chunk = c if chunk is None else (chunk if c is None else min(chunk, c))
     stream = s if stream is None else (stream if s is None else min(stream, s))
   if chunk is not None and cfg.sink_tokens:   # a call may carry the sink tokens too

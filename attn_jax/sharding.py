@@ -72,8 +72,35 @@ def pad_vocab(vocab_size: int, multiple: int = 128) -> int:
   return -(-vocab_size // multiple) * multiple
 
 
+# The trunk's logical axes (embedding, MLP, attention heads, stacked layers, norms) -> mesh
+# axes. A mixer introducing an axis of its own declares its rule (`Mixer.axis_rules`).
+TRUNK_RULES: tuple[tuple[str, MeshAxes], ...] = (
+    ("batch", ("data", "fsdp")),
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("mlp", "tensor"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("head_dim", None),
+    ("state", None),
+    ("layers", None),
+    ("norm", None),
+)
+
+
 def rules_dict(rules: Sequence[tuple[str, MeshAxes]]) -> dict[str, MeshAxes]:
   return {name: (tuple(ax) if isinstance(ax, list) else ax) for name, ax in rules}
+
+
+def config_rules(config) -> dict[str, MeshAxes]:
+  """The logical-axis rules of a run: those the pattern's mixers declare (`Mixer.axis_rules`),
+  overridden by `config.mesh.rules` (the trunk's, from configs/base.py, plus any the user
+  sets)."""
+  from attn_jax.config import LayerSpec
+  from attn_jax.registry import axis_rules
+  m = config.model
+  names = [LayerSpec.parse(s).mixer for s in (tuple(m.pattern) or (m.mixer,))]
+  return {**axis_rules(names), **rules_dict(config.mesh.rules)}
 
 
 def _flat(axes: MeshAxes) -> tuple[str, ...]:

@@ -6,6 +6,7 @@ Mesh axes and logical->mesh rules are tuples (config_flags cannot override lists
 import ml_collections
 
 from attn_jax.registry import available_mixers, default_options
+from attn_jax.sharding import TRUNK_RULES
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -119,20 +120,9 @@ def get_config() -> ml_collections.ConfigDict:
                                  # to replicate when their size does not divide their mesh axes;
                                  # anything else is an error naming the parameter
   # logical axis -> mesh axis (or None = replicated). Batch goes over data+fsdp.
-  s.rules = (
-      ("batch", ("data", "fsdp")),
-      ("vocab", "tensor"),
-      ("embed", "fsdp"),
-      ("mlp", "tensor"),
-      ("heads", "tensor"),
-      ("kv_heads", "tensor"),
-      ("head_dim", None),
-      ("state", None),
-      ("layers", None),
-      ("norm", None),
-      ("sort_hidden", None),       # Sinkhorn SortNet width (small: replicated)
-      ("sort_dim", None),          # Sinkhorn per-head sort embedding
-  )
+  # Mixers' own axes come from their `axis_rules` (sharding.config_rules); a rule here, for
+  # either kind, overrides.
+  s.rules = TRUNK_RULES
   return c
 
 

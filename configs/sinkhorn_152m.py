@@ -23,9 +23,9 @@ def sinkhorn_extra_params(c: ml_collections.ConfigDict) -> int:
 def to_sinkhorn(c: ml_collections.ConfigDict, match_params: bool = True,
                 **options) -> ml_collections.ConfigDict:
   """Turn a preset into its Sinkhorn twin: mixer, options, matched d_ff (the SortNet's logical
-  axes sort_hidden / sort_dim are replicated by configs/base.py's rules)."""
+  axes sort_hidden / sort_dim are replicated by the mixer's own `axis_rules`)."""
   c.model.sinkhorn.update(options)
-  c.model.mixer = "sinkhorn"
+  c.model.update(mixer="sinkhorn", pattern=())   # every layer Sinkhorn (a preset's pattern goes)
   if match_params and c.model.d_ff:
     d_ff = c.model.d_ff - sinkhorn_extra_params(c) / (3 * c.model.d_model)
     c.model.d_ff = int(4 * round(d_ff / 4))

@@ -1,5 +1,5 @@
-"""A tiny causal Sinkhorn LM for the CPU: the quickstart's MQAR set-up (seq 64, d 64, 2 layers)
-with Sinkhorn attention in blocks of 8 (8 blocks per sequence).
+"""A tiny causal Sinkhorn model for the CPU: the quickstart's MQAR set-up (31 tokens, d 64, 2
+layers), both layers Sinkhorn attention in blocks of 8 (4 blocks per sequence).
 
   python experiments/train.py --config=configs/sinkhorn_tiny.py --workdir=runs/sinkhorn_tiny
 """

@@ -48,16 +48,12 @@ from attn_jax.model import abstract_model
 from attn_jax.registry import available_mixers
 from attn_jax.train import trainer as trainer_lib
 from configs import quickstart
+from tests.test_trunk import set_tiny
 
 SEQ_LEN = 128          # splash takes T % 128 == 0
 BATCH = 8              # one row per simulated device
 PROMPT, NEW = 5, 3     # decoding: prompt length, generated tokens
 # Small options per mixer (a mixer not listed runs with its defaults: new mixers are covered).
-TINY = {"sisa": {"d_state": 8}, "sliding_window": {"window": 8},
-        "mamba2": {"d_state": 8, "head_dim": 16, "chunk_size": 32},
-        "mamba3": {"d_state": 8, "head_dim": 16, "chunk_size": 32},
-        "hybrid_heads": {"d_state": 8, "head_dim": 16, "chunk_size": 32},
-        "sinkhorn": {"block_size": 32}}
 PATTERNS = {m: (m,) for m in available_mixers()}
 PATTERNS["hybrid_block"] = ("attention", "mamba2:nomlp")
 # (export platform, attention_impl, the platform name `auto` is resolved for)
@@ -79,10 +75,7 @@ def config(name: str, impl: str):
   pattern = PATTERNS[name]
   c.model.update(d_model=64, n_heads=4, d_ff=128, n_layers=len(pattern), pattern=pattern,
                  max_seq_len=SEQ_LEN, dtype="bfloat16", attention_impl=impl)
-  for layer in {p.split(":")[0] for p in pattern}:
-    for k, v in TINY.get(layer, {}).items():
-      if k in c.model[layer]:
-        c.model[layer][k] = v
+  set_tiny(c.model, {p.split(":")[0] for p in pattern})
   c.data.update(seq_len=SEQ_LEN, global_batch_size=BATCH)
   return c
 

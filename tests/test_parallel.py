@@ -24,7 +24,7 @@ from attn_jax.model import abstract_model
 from attn_jax.registry import available_mixers
 from attn_jax.train import trainer as trainer_lib
 from tests.test_train import PARAM_ATOL, _batch, tiny_config
-from tests.test_trunk import TINY
+from tests.test_trunk import set_tiny
 
 AXES = ("data", "fsdp", "tensor")
 MESHES = {"dp": (8, 1, 1), "fsdp": (1, 8, 1), "tp": (1, 1, 8), "fsdp_tp": (1, 4, 2)}
@@ -39,12 +39,9 @@ def config(mixer, mesh_shape=(-1, 1, 1)):
   the SSM heads divide a tensor axis of 8), tiny mixer options."""
   c = tiny_config()
   c.model.update(mixer=mixer, n_heads=8, n_layers=1)
-  opts = c.model[mixer]
-  for k, v in TINY.get(mixer, {}).items():
-    if k in opts:
-      opts[k] = v
+  set_tiny(c.model, [mixer])
   if mixer == "hybrid_heads":
-    opts.ssm_heads = 8   # its default expand=1 gives 32 / head_dim 8 = 4 SSM heads
+    c.model[mixer].ssm_heads = 8   # its default expand=1 gives 32 / head_dim 8 = 4 SSM heads
   c.mesh.shape = mesh_shape
   c.mesh.axis_names = AXES
   return c
@@ -108,7 +105,7 @@ def test_parallel_run_equals_single_device_and_follows_the_rules(mixer, mesh):
                jax.device_get(state["params"]), jax.device_get(ref["params"]))
 
   names = logical_names(mixer)
-  rules = shd.rules_dict(config(mixer).mesh.rules)
+  rules = shd.config_rules(config(mixer))
   mu = state["opt_state"][1].mu   # clip, adam, ...: Adam's moments mirror the parameters
 
   def check(path, arr, names_, moment):

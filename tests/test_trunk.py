@@ -2,7 +2,7 @@
 
 Every registered mixer (and a mixed pattern) must decode step by step exactly as its full
 forward, and a batch of prompts of different lengths must generate what each prompt generates
-alone. Mixers registered later are picked up automatically (their tiny options go in TINY).
+alone. Mixers registered later are picked up automatically (each mixer's `tiny()` options).
 """
 
 import dataclasses
@@ -21,27 +21,24 @@ from attn_jax import decode
 from attn_jax.config import ModelConfig, validate_model
 from attn_jax.layers import Linear
 from attn_jax.model import build_model, count_params, init_state
+from attn_jax.mixer import Mixer
 from attn_jax.registry import available_mixers, get_mixer, register_mixer
 
 TOL = 2e-5  # fp32, relative to the largest |logit|; fixed once
 VOCAB = 61
 # Small options per mixer for these tests (a mixer not listed runs with its defaults).
-TINY = {"sisa": {"d_state": 4}, "sliding_window": {"window": 4},
-        "mamba2": {"d_state": 8, "head_dim": 8, "chunk_size": 4},
-        "mamba3": {"d_state": 8, "head_dim": 8, "chunk_size": 4},
-        "hybrid_heads": {"d_state": 8, "head_dim": 8, "chunk_size": 4},
-        "sinkhorn": {"block_size": 4}}
 MIXED = ("attention", "sisa", "sliding_window:nomlp")
 
 
 def _options(names):
-  out = []
-  for name in sorted(set(names)):
-    opts = get_mixer(name).Options()
-    fields = {f.name for f in dataclasses.fields(opts)}
-    over = {k: v for k, v in TINY.get(name, {}).items() if k in fields}
-    out.append((name, dataclasses.replace(opts, **over)))
-  return tuple(out)
+  """(name, the mixer's test-sized options) for each mixer named (`Mixer.tiny`)."""
+  return tuple((name, get_mixer(name).tiny()) for name in sorted(set(names)))
+
+
+def set_tiny(model_config, names) -> None:
+  """Write each named mixer's `tiny()` options into a ConfigDict's `model.<name>` sub-dict."""
+  for name in set(names):
+    model_config[name].update(dataclasses.asdict(get_mixer(name).tiny()))
 
 
 def _cfg(pattern, n_layers=None, **kw) -> ModelConfig:
@@ -246,12 +243,8 @@ def test_program_size_is_flat_in_depth():
 # ---------------------------------------------------------------- RNG and mode
 
 @register_mixer("_test_noise")
-class _NoiseMixer(nnx.Module):
+class _NoiseMixer(Mixer):
   """Identity projection plus uniform noise in training: shows where the rng comes from."""
-
-  @dataclasses.dataclass(frozen=True)
-  class Options:
-    pass
 
   def __init__(self, cfg, opts, *, rngs):
     self.lin = Linear((cfg.d_model,), (cfg.d_model,), in_axes=("embed",), out_axes=("embed",),
@@ -264,10 +257,6 @@ class _NoiseMixer(nnx.Module):
     if train and rng is not None:
       y = y + jax.random.uniform(rng, y.shape)
     return y, state, {}
-
-  @classmethod
-  def init_state(cls, cfg, opts, batch, capacity, dtype):
-    return None
 
   @classmethod
   def flops_per_token(cls, cfg, opts, seq_len):

@@ -66,6 +66,7 @@ from flax import struct
 from attn_jax.attention.core import from_rows, positional_mask, rows_softmax, to_rows
 from attn_jax.attention.projection import rope
 from attn_jax.layers import apply_rope, rope_angles
+from attn_jax.mixer import Mixer
 from attn_jax.options import is_int
 
 
@@ -334,7 +335,7 @@ def cached_attention(cache: KVCache, q_BTHD, k_BTKD, v_BTKV, positions_BT, *, th
 
 # ------------------------------------------------------------------ mixers with a KV cache
 
-class CachedMixer:
+class CachedMixer(Mixer):
   """Class-level decoding hooks of a mixer whose state is a `KVCache` (attention, SISA, sliding
   window): the capacity limits follow from the policy it runs under (`cache_policy`: the one
   asked for, unless `follows_policy` is False and the mixer's function fixes it)."""

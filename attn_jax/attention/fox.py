@@ -347,7 +347,7 @@ class FoXState(NamedTuple):
   carry: dict
 
 
-class ScoreBiasAttention(cache_lib.CachedMixer, nnx.Module):
+class ScoreBiasAttention(cache_lib.CachedMixer):
   """Attention with the logit bias g_i - g_j, g a cumulative per-head log forget rate.
 
   Subclasses own their parameters and define `features(x, positions, state, segment_ids=None)
@@ -395,6 +395,12 @@ class ScoreBiasAttention(cache_lib.CachedMixer, nnx.Module):
     _, s = forget_attention_reference(q, k, v, time_cumsum(loga),
                                       scale=self.cfg.head_dim ** -0.5)
     return probs_with_sink(s, sink_logit_of(self.opts, self.sink_logit, self.cfg.n_heads))
+
+  @classmethod
+  def tiny(cls):
+    """Options for test-sized models (d_model 32, 4 heads): blocks of 8 so
+    that short test sequences take the blocked path."""
+    return dataclasses.replace(cls.Options(), block_size=8)
 
   @classmethod
   def cache_policy(cls, cfg, opts, policy):

@@ -25,7 +25,7 @@ from attn_jax.registry import register_mixer
 
 
 @register_mixer("attention")
-class Attention(cache_lib.CachedMixer, nnx.Module):
+class Attention(cache_lib.CachedMixer):
 
   @dataclasses.dataclass(frozen=True)
   class Options(SinkLogitOptions):

@@ -69,6 +69,7 @@ from attn_jax.attention.projection import (QKVProjection, SinkLogitOptions, make
                                     sink_logit_of)
 from attn_jax.config import ModelConfig
 from attn_jax.layers import Linear, apply_rope, causal_positions, dtype_of, rope_angles
+from attn_jax.mixer import Mixer
 from attn_jax.options import field_check, is_int, is_number
 from attn_jax.registry import register_mixer
 
@@ -368,8 +369,10 @@ class SinkhornState(NamedTuple):
 
 
 @register_mixer("sinkhorn")
-class SinkhornAttention(nnx.Module):
+class SinkhornAttention(Mixer):
   """Sparse Sinkhorn attention (see the module docstring). Options: config.model.sinkhorn."""
+  # The SortNet's hidden width and the per-head sort embedding: small, replicated.
+  axis_rules = (("sort_hidden", None), ("sort_dim", None))
 
   @dataclasses.dataclass(frozen=True)
   class Options(SinkLogitOptions):
@@ -398,6 +401,11 @@ class SinkhornAttention(nnx.Module):
       for f in ("causal", "gumbel_noise", "hard_inference"):
         need(isinstance(getattr(self, f), bool), f, f"must be True or False, got "
              f"{getattr(self, f)!r}")
+
+  @classmethod
+  def tiny(cls):
+    """Options for test-sized models (d_model 32, 4 heads)."""
+    return dataclasses.replace(cls.Options(), block_size=4, sortnet_width=16, sort_dim=8)
 
   def __init__(self, cfg: ModelConfig, opts: "SinkhornAttention.Options", *, rngs: nnx.Rngs):
     self.cfg, self.opts = cfg, opts
@@ -592,9 +600,9 @@ class SinkhornAttention(nnx.Module):
     return attn + mix + sink
 
   @classmethod
-  def max_chunk(cls, cfg, opts, capacity: int) -> int | None:
+  def max_chunk(cls, cfg, opts, capacity: int, policy=None) -> int | None:
     return opts.block_size
 
   @classmethod
-  def stream_limit(cls, cfg, opts, capacity: int) -> int:
+  def stream_limit(cls, cfg, opts, capacity: int, policy=None) -> int:
     return capacity   # the buffer keeps every block seen so far

@@ -348,7 +348,7 @@ def _sink_kw(sink) -> dict:
 
 
 @register_mixer("sisa")
-class SISA(cache_lib.CachedMixer, nnx.Module):
+class SISA(cache_lib.CachedMixer):
   """SISA token mixer (see the module docstring). Options: `config.model.sisa`."""
 
   @dataclasses.dataclass(frozen=True)
@@ -392,6 +392,11 @@ class SISA(cache_lib.CachedMixer, nnx.Module):
       need(is_number(self.lambda_lr_mult, 0), "lambda_lr_mult",
            f"must be a finite number >= 0, got {self.lambda_lr_mult!r}")
       self.validate_sink_logit(where)
+
+  @classmethod
+  def tiny(cls):
+    """Options for test-sized models (d_model 32, 4 heads)."""
+    return dataclasses.replace(cls.Options(), d_state=4)
 
   def __init__(self, cfg: ModelConfig, opts: "SISA.Options", *, rngs: nnx.Rngs):
     self.cfg, self.opts = cfg, opts

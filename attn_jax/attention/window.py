@@ -45,7 +45,7 @@ from attn_jax.registry import register_mixer
 
 
 @register_mixer("sliding_window")
-class SlidingWindowAttention(cache_lib.CachedMixer, nnx.Module):
+class SlidingWindowAttention(cache_lib.CachedMixer):
 
   @dataclasses.dataclass(frozen=True)
   class Options(SinkLogitOptions):
@@ -58,6 +58,11 @@ class SlidingWindowAttention(cache_lib.CachedMixer, nnx.Module):
       field_check(where)(is_int(w, 1), "window", f"must be an integer >= 1, got {w!r}")
 
   reads_shared_prefix = True   # packed rows: a masked key set (registry.py)
+
+  @classmethod
+  def tiny(cls):
+    """Options for test-sized models (d_model 32, 4 heads)."""
+    return dataclasses.replace(cls.Options(), window=4)
 
   def __init__(self, cfg: ModelConfig, opts: Options, *, rngs: nnx.Rngs):
     self.cfg, self.opts = cfg, opts

@@ -41,6 +41,7 @@ from attn_jax.attention.core import attend
 from attn_jax.attention.projection import QKVProjection
 from attn_jax.config import ModelConfig
 from attn_jax.layers import causal_positions, dtype_of, param
+from attn_jax.mixer import Mixer
 from attn_jax.registry import register_mixer
 from attn_jax.ssm.mamba2 import Mamba2, document_resets
 
@@ -48,7 +49,7 @@ f32 = jnp.float32
 
 
 @register_mixer("hybrid_heads")
-class HybridHeads(nnx.Module):
+class HybridHeads(Mixer):
 
   @dataclasses.dataclass(frozen=True)
   class Options:                 # the SSM branch (the attention branch uses cfg's heads)
@@ -67,6 +68,11 @@ class HybridHeads(nnx.Module):
 
     def validate(self, cfg: ModelConfig, where: str) -> None:
       self.mamba2().validate(cfg, where)
+
+  @classmethod
+  def tiny(cls):
+    """Options for test-sized models (d_model 32, 4 heads)."""
+    return dataclasses.replace(cls.Options(), d_state=8, head_dim=8, chunk_size=4)
 
   def __init__(self, cfg: ModelConfig, opts: "HybridHeads.Options", *, rngs: nnx.Rngs):
     self.cfg, self.opts = cfg, opts
@@ -111,7 +117,7 @@ class HybridHeads(nnx.Module):
 
   @classmethod
   def init_state(cls, cfg: ModelConfig, opts: "HybridHeads.Options", batch: int, capacity: int,
-                 dtype):
+                 dtype, policy=None):
     """(KV cache of `capacity` slots, Mamba-2 state of fixed size)."""
     return (cache_lib.init_cache(cache_lib.LINEAR, batch, capacity, cfg.kv_heads, cfg.head_dim,
                                  cfg.head_dim, dtype),
@@ -124,9 +130,9 @@ class HybridHeads(nnx.Module):
     return attn + Mamba2.flops_per_token(cfg, opts.mamba2(), seq_len)
 
   @classmethod
-  def max_chunk(cls, cfg, opts, capacity: int):
+  def max_chunk(cls, cfg, opts, capacity: int, policy=None):
     return None   # any number of new tokens
 
   @classmethod
-  def stream_limit(cls, cfg, opts, capacity: int) -> int:
+  def stream_limit(cls, cfg, opts, capacity: int, policy=None) -> int:
     return capacity   # the attention heads' linear KV buffer holds the whole stream

@@ -60,6 +60,7 @@ from flax import nnx
 from attn_jax.config import ModelConfig
 from attn_jax.layers import (Linear, causal_positions, dtype_of, fan_in_uniform, param,
                              segment_starts)
+from attn_jax.mixer import Mixer
 from attn_jax.options import field_check, is_int, is_number
 from attn_jax.registry import register_mixer
 from attn_jax.ssm import ssd
@@ -172,7 +173,7 @@ class CausalConv(nnx.Module):
 # ----------------------------------------------------------------------- the mixer
 
 @register_mixer("mamba2")
-class Mamba2(nnx.Module):
+class Mamba2(Mixer):
 
   @dataclasses.dataclass(frozen=True)
   class Options(ssd.HeadOptions):   # d_state, expand, head_dim, n_heads, n_groups
@@ -193,6 +194,11 @@ class Mamba2(nnx.Module):
       need(is_number(self.a_init_min) and is_number(self.a_init_max)
            and 0 < self.a_init_min <= self.a_init_max, "a_init_min",
            "need 0 < a_init_min <= a_init_max")
+
+  @classmethod
+  def tiny(cls):
+    """Options for test-sized models (d_model 32, 4 heads)."""
+    return dataclasses.replace(cls.Options(), d_state=8, head_dim=8, chunk_size=4)
 
   def __init__(self, cfg: ModelConfig, opts: "Mamba2.Options", *, rngs: nnx.Rngs):
     self.cfg, self.opts = cfg, opts
@@ -287,7 +293,7 @@ class Mamba2(nnx.Module):
   # -------------------------------------------------------------- class hooks
   @classmethod
   def init_state(cls, cfg: ModelConfig, opts: "Mamba2.Options", batch: int, capacity: int,
-                 dtype):
+                 dtype, policy=None):
     """Conv windows (last d_conv-1 inputs, in `dtype`) + SSM state (fp32); no `capacity`."""
     del capacity
     H, P, N, G, W = opts.heads(cfg), opts.head_dim, opts.d_state, opts.n_groups, opts.d_conv - 1
@@ -305,5 +311,5 @@ class Mamba2(nnx.Module):
                                    chunk=opts.chunk_size, seq_len=seq_len)
 
   @classmethod
-  def max_chunk(cls, cfg, opts, capacity: int):
+  def max_chunk(cls, cfg, opts, capacity: int, policy=None):
     return None

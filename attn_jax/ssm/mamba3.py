@@ -99,6 +99,7 @@ from flax import nnx
 
 from attn_jax.config import ModelConfig
 from attn_jax.layers import Linear, causal_positions, dtype_of, param, segmented_cumsum
+from attn_jax.mixer import Mixer
 from attn_jax.options import field_check, is_int, is_number
 from attn_jax.registry import register_mixer
 from attn_jax.ssm import ssd
@@ -306,7 +307,7 @@ def trapezoid_mimo(x_BTHRP, a_BTH, gamma_BTH, betap_BTH, k_BTHRN, q_BTHRN, *, ch
 
 
 @register_mixer("mamba3")
-class Mamba3(nnx.Module):
+class Mamba3(Mixer):
 
   @dataclasses.dataclass(frozen=True)
   class Options(ssd.HeadOptions):   # d_state, expand, head_dim, n_heads, n_groups
@@ -337,6 +338,11 @@ class Mamba3(nnx.Module):
            f"must be one of {sorted(A_ACTIVATIONS)}, got {self.a_activation!r}")
       need(is_int(self.mimo_rank, 0), "mimo_rank",
            f"must be an integer >= 0 (0 = SISO), got {self.mimo_rank!r}")
+
+  @classmethod
+  def tiny(cls):
+    """Options for test-sized models (d_model 32, 4 heads)."""
+    return dataclasses.replace(cls.Options(), d_state=8, head_dim=8, chunk_size=4)
 
   def __init__(self, cfg: ModelConfig, opts: "Mamba3.Options", *, rngs: nnx.Rngs):
     self.cfg, self.opts = cfg, opts
@@ -509,7 +515,7 @@ class Mamba3(nnx.Module):
 
   @classmethod
   def init_state(cls, cfg: ModelConfig, opts: "Mamba3.Options", batch: int, capacity: int,
-                 dtype):
+                 dtype, policy=None):
     """Angles and SSM state in fp32, last token's k and x in `dtype`; no `capacity`."""
     del capacity
     H, P, N = opts.heads(cfg), opts.head_dim, opts.d_state
@@ -533,7 +539,7 @@ class Mamba3(nnx.Module):
                                    n_inputs=2)
 
   @classmethod
-  def max_chunk(cls, cfg, opts, capacity: int):
+  def max_chunk(cls, cfg, opts, capacity: int, policy=None):
     return None
 
 

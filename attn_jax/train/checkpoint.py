@@ -549,7 +549,7 @@ def _load_step(ckpt: Checkpointer, step: int, devices):
   except Exception as e:
     raise CheckpointCorruptError(f"its meta (the saved config) cannot be read: {_short(e)}")
   mesh = shd.make_mesh(config.mesh.shape, config.mesh.axis_names, devices)
-  rules = shd.rules_dict(config.mesh.rules)
+  rules = shd.config_rules(config)
   graphdef, abs_params, abs_rest = nnx.split(abstract_model(config.model), nnx.Param, ...)
   target = {}
   for name, abs_part in (("params", abs_params), ("rest", abs_rest)):

@@ -97,7 +97,7 @@ class Setup:
 def build_setup(config: ml_collections.ConfigDict, *, devices=None) -> Setup:
   cfg = validate(config)
   mesh = shd.make_mesh(config.mesh.shape, config.mesh.axis_names, devices)
-  rules = shd.rules_dict(config.mesh.rules)
+  rules = shd.config_rules(config)
   abs_model = nnx.eval_shape(lambda: build_model(cfg, seed=config.seed))
   graphdef, abs_params, abs_rest = nnx.split(abs_model, nnx.Param, ...)
   tx, sched = make_optimizer(config, abs_params)   # per-parameter treatment from metadata
