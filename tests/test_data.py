@@ -226,21 +226,39 @@ def test_eval_batches_are_held_out_and_fixed(small_corpus):
   assert not np.array_equal(synthetic_eval[0]["inputs"], train_batch["inputs"])
 
 
-def test_tinyshakespeare_with_neox_tokenizer(shared_data):
-  tokenizer_path = shared_data / "tokenizer_neox" / "20B_tokenizer.json"
-  corpus_path = shared_data / "tinyshakespeare" / "input.txt"
+def _check_text_with_tokenizer(corpus_path, tokenizer_path):
+  """One document per non-blank line, each followed by EOS: the stream is exactly the
+  tokenizer's encoding of the lines; returns (stream, tokenizer, config)."""
   cfg = data_config(source="text", paths=str(corpus_path), tokenizer=str(tokenizer_path),
                     seq_len=256)
-  start = time.perf_counter()
   stream = text.load_token_stream(cfg)
-  assert time.perf_counter() - start < 15.0
   tokenizer = get_tokenizer(str(tokenizer_path))
-  assert pipeline.vocab_size_needed(cfg) == tokenizer.vocab_size == 50277
-  assert 250_000 < len(stream) < 400_000 and stream.max() < tokenizer.vocab_size
+  assert pipeline.vocab_size_needed(cfg) == tokenizer.vocab_size
+  assert stream.max() < tokenizer.vocab_size
   first_eos = int(np.flatnonzero(stream == tokenizer.eos_id)[0])
   assert tokenizer.decode(stream[:first_eos]) == "First Citizen:"
   batch = next(pipeline.make_train_iterator(cfg, seed=0))
   assert batch["inputs"].shape == (8, 256)
+  return stream, tokenizer, cfg
+
+
+def test_tinyshakespeare_excerpt_with_a_bpe_tokenizer(bench_data, tiny_bpe_path):
+  corpus = bench_data / "tinyshakespeare" / "input.txt"
+  stream, tokenizer, _ = _check_text_with_tokenizer(corpus, tiny_bpe_path)
+  lines = [ln for ln in corpus.read_text(encoding="utf-8").split("\n") if ln.strip()]
+  want = [i for ln in lines for i in tokenizer.encode(ln) + [tokenizer.eos_id]]
+  np.testing.assert_array_equal(stream, want)
+  assert tokenizer.vocab_size == 1024
+
+
+def test_tinyshakespeare_with_neox_tokenizer(full_data):
+  """The whole file with the real NeoX tokenizer: its size, and the load time."""
+  start = time.perf_counter()
+  stream, tokenizer, _ = _check_text_with_tokenizer(
+      full_data / "tinyshakespeare" / "input.txt",
+      full_data / "tokenizer_neox" / "20B_tokenizer.json")
+  assert time.perf_counter() - start < 15.0
+  assert tokenizer.vocab_size == 50277 and 250_000 < len(stream) < 400_000
 
 
 # ------------------------------------------------------------------------------ hosts

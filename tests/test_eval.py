@@ -1,5 +1,6 @@
-"""Tests for attn_jax.eval: loaders on the real benchmark files, harness scoring (equal to an
-unbatched forward, bounded compilations), chance and oracle accuracies, NIAH, MQAR, report."""
+"""Tests for attn_jax.eval: loaders on the benchmark files (the excerpts in tests/data by
+default, the full files under `-m full_data`), harness scoring (equal to an unbatched forward,
+bounded compilations), chance and oracle accuracies, NIAH, MQAR, report."""
 
 import gc
 import json
@@ -11,11 +12,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from attn_jax.data.tokenizer import ByteTokenizer, HFTokenizer
+from attn_jax.data.tokenizer import ByteTokenizer
 from attn_jax.eval import harness, mqar, niah, report, tasks
 
-EXPECTED_COUNTS = {"lambada_openai": 5153, "arc_easy": 2376, "winogrande": 1267,
-                   "hellaswag": 1000}
+# documents per task: the full files (tests/data/SOURCES.md) and their excerpts in tests/data
+# (the first 40 records; ARC-Easy's also holds its 11 questions with 3 or 5 choices)
+FULL_COUNTS = {"lambada_openai": 5153, "arc_easy": 2376, "winogrande": 1267, "hellaswag": 1000,
+               "arc_challenge": 1172}
+SHIPPED_COUNTS = {"lambada_openai": 40, "arc_easy": 51, "winogrande": 40, "hellaswag": 40,
+                  "arc_challenge": 19}
+TASKS = ("lambada_openai", "arc_easy", "winogrande", "hellaswag")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -84,34 +90,49 @@ def gold_sequences(docs, tokenizer):
 
 
 @pytest.fixture(scope="module")
-def paths(shared_data):
-  return tasks.shared_data_paths(shared_data)
+def paths(bench_data):
+  return tasks.shared_data_paths(bench_data)
+
+
+def _load_all(paths):
+  return {name: tasks.load_task(name, paths[name]) for name in TASKS}
 
 
 @pytest.fixture(scope="module")
 def all_docs(paths):
-  return {name: tasks.load_task(name, paths[name]) for name in EXPECTED_COUNTS}
+  return _load_all(paths)
 
 
 @pytest.fixture(scope="module")
-def neox(shared_data):
-  return HFTokenizer(shared_data / "tokenizer_neox" / "20B_tokenizer.json")
+def full_docs(full_data):
+  return _load_all(tasks.shared_data_paths(full_data))
 
 
 # ---------------------------------------------------------------------------------------------
 # loaders
 
 
-def test_counts_on_real_files(all_docs, shared_data):
-  for name, n in EXPECTED_COUNTS.items():
-    assert len(all_docs[name]) == n, name
+def _check_counts_and_layouts(root, docs, counts):
+  for name in TASKS:
+    assert len(docs[name]) == counts[name], name
   # both ARC layouts give identical docs; WinoGrande labels from the .lst agree with `answer`
-  hf = tasks.load_arc(shared_data / "arc" / "hf_ai2_arc" / "ARC-Easy-test.jsonl")
-  assert hf == all_docs["arc_easy"]
-  wino = tasks.load_winogrande(shared_data / "winogrande" / "dev.jsonl",
-                               shared_data / "winogrande" / "dev-labels.lst")
-  assert wino == all_docs["winogrande"]
-  assert len(tasks.load_arc(shared_data / "arc" / "ARC-Challenge-Test.jsonl")) == 1172
+  for level, name in (("Easy", "arc_easy"), ("Challenge", "arc_challenge")):
+    official = tasks.load_arc(root / "arc" / f"ARC-{level}-Test.jsonl")
+    assert len(official) == counts[name], name
+    assert tasks.load_arc(root / "arc" / "hf_ai2_arc" / f"ARC-{level}-test.jsonl") == official
+  assert official != docs["arc_easy"][:len(official)]   # Challenge is not Easy again
+  wino = tasks.load_winogrande(root / "winogrande" / "dev.jsonl",
+                               root / "winogrande" / "dev-labels.lst")
+  assert wino == docs["winogrande"]
+  assert {d.gold for d in wino} == {0, 1}
+
+
+def test_counts_and_layouts_of_the_excerpts(bench_data, all_docs):
+  _check_counts_and_layouts(bench_data, all_docs, SHIPPED_COUNTS)
+
+
+def test_counts_and_layouts_of_the_full_files(full_data, full_docs):
+  _check_counts_and_layouts(full_data, full_docs, FULL_COUNTS)
 
 
 def test_harness_templates(all_docs):
@@ -169,13 +190,14 @@ def test_malformed_line_reports_file_and_line(paths, tmp_path, name, corrupt):
 # harness
 
 
-def test_encode_pairs_follows_harness(neox):
+def test_encode_pairs_follows_harness(tiny_bpe):
   # trailing context whitespace moves into the continuation; the split follows the joint BPE
-  assert harness.encode_pairs([("Hello world ", "again")], neox) == \
-      harness.encode_pairs([("Hello world", " again")], neox)
-  (ctx, cont), = harness.encode_pairs([("The cat", " sat down")], neox)
-  assert ctx + cont == neox.encode("The cat sat down") and ctx == neox.encode("The cat")
-  assert harness.encode_pairs([("", " hi")], neox) == [([neox.eos_id], neox.encode(" hi"))]
+  assert harness.encode_pairs([("Hello world ", "again")], tiny_bpe) == \
+      harness.encode_pairs([("Hello world", " again")], tiny_bpe)
+  (ctx, cont), = harness.encode_pairs([("The cat", " sat down")], tiny_bpe)
+  assert ctx + cont == tiny_bpe.encode("The cat sat down") and ctx == tiny_bpe.encode("The cat")
+  assert harness.encode_pairs([("", " hi")], tiny_bpe) == [([tiny_bpe.eos_id],
+                                                            tiny_bpe.encode(" hi"))]
 
 
 def _reference_loglikelihood(reference, ctx, cont, max_len):
@@ -190,15 +212,15 @@ def _reference_loglikelihood(reference, ctx, cont, max_len):
           bool(np.all(np.argmax(logp, axis=-1) == tgt)))
 
 
-def test_batched_bucketed_equals_plain_forward(all_docs, neox):
+def test_batched_bucketed_equals_plain_forward(all_docs, tiny_bpe):
   docs = (all_docs["arc_easy"][:6] + all_docs["hellaswag"][:3] + all_docs["winogrande"][:3]
           + all_docs["lambada_openai"][:4])
   requests = harness.doc_requests(docs)
-  model = tiny_causal_lm(neox.vocab_size, dim=8)
+  model = tiny_causal_lm(tiny_bpe.vocab_size, dim=8)
   max_len = 64  # LAMBADA / HellaSwag requests get left-truncated
-  got = harness.loglikelihood(requests, model, neox, max_len=max_len, batch_size=5,
+  got = harness.loglikelihood(requests, model, tiny_bpe, max_len=max_len, batch_size=5,
                               buckets=(16, 32, 64))
-  pairs = harness.encode_pairs(requests, neox)
+  pairs = harness.encode_pairs(requests, tiny_bpe)
   assert any(len(c) + len(k) > max_len + 1 for c, k in pairs)  # truncation is exercised
   for (ctx, cont), (ll, greedy) in zip(pairs, got):
     ref_ll, ref_greedy = _reference_loglikelihood(model.reference, ctx, cont, max_len)
@@ -206,8 +228,9 @@ def test_batched_bucketed_equals_plain_forward(all_docs, neox):
     assert greedy == ref_greedy
   # order and batch size do not matter either (batch_tokens=96: 3, 3 and 1 rows per bucket)
   perm = np.random.default_rng(0).permutation(len(requests))
-  again = harness.loglikelihood([requests[i] for i in perm], model, neox, max_len=max_len,
-                                batch_size=3, buckets=(16, 32, 64), batch_tokens=96)
+  again = harness.loglikelihood([requests[i] for i in perm], model, tiny_bpe,
+                                max_len=max_len, batch_size=3, buckets=(16, 32, 64),
+                                batch_tokens=96)
   np.testing.assert_allclose([again[j][0] for j in np.argsort(perm)], [g[0] for g in got],
                              rtol=1e-5, atol=1e-5)
 
@@ -246,7 +269,9 @@ def test_stderr_matches_harness_formula():
   assert harness.mean_stderr(x) == pytest.approx(expected, rel=1e-12)
 
 
-def test_random_model_scores_near_chance(all_docs):
+def test_random_model_scores_near_chance(full_docs):
+  """On the full files: 1000 / 1267 documents put chance within a few points."""
+  all_docs = full_docs
   tok = ByteTokenizer()
   model = tiny_causal_lm(tok.vocab_size, dim=16, seed=1)
   for name, chance in (("hellaswag", 0.25), ("winogrande", 0.5)):
@@ -358,16 +383,16 @@ def test_niah_oracle_and_random_model():
   assert not niah.answer_is_correct(" 482", 4821)
 
 
-def test_niah_case_depth_and_length(neox):
+def test_niah_case_depth_and_length(tiny_bpe):
   for depth in (0.0, 0.3, 1.0):
-    case = niah.build_case(neox, 512, depth, 1234, seed=1)
+    case = niah.build_case(tiny_bpe, 512, depth, 1234, seed=1)
     assert len(case.prompt_ids) <= 512 - case.max_new_tokens
     assert len(case.prompt_ids) > 512 - case.max_new_tokens - 40  # the haystack fills it
     assert abs(case.actual_depth - depth) < 0.1
-    text = neox.decode(case.prompt_ids)
+    text = tiny_bpe.decode(case.prompt_ids)
     assert text.count("The secret number is 1234.") == 1 and text.endswith(niah.QUESTION)
-  assert niah.build_case(neox, 512, 0.0, 1234, seed=1).prompt_ids[:4] == \
-      tuple(neox.encode("The secret number is 1234."))[:4]
+  assert niah.build_case(tiny_bpe, 512, 0.0, 1234, seed=1).prompt_ids[:4] == \
+      tuple(tiny_bpe.encode("The secret number is 1234."))[:4]
 
 
 def test_plot_heatmap(tmp_path, capsys):

@@ -27,10 +27,10 @@ def tiny(steps=4):
   return c
 
 
-def test_in_training_eval_and_checkpoint_eval(tmp_path, shared_data):
+def test_in_training_eval_and_checkpoint_eval(tmp_path, bench_data):
   c = tiny()
   # a benchmark task too: the harness on the trainer's (8-way data-parallel) state
-  c.eval.update(tasks="mqar,arc_easy", data_dir=str(shared_data), limit=8, max_len=128)
+  c.eval.update(tasks="mqar,arc_easy", data_dir=str(bench_data), limit=8, max_len=128)
   c.data.tokenizer = "bytes"
   from attn_jax.eval.run import task_callback
   trainer_lib.train_and_evaluate(c, str(tmp_path), eval_callbacks=[task_callback(c)])
@@ -42,7 +42,7 @@ def test_in_training_eval_and_checkpoint_eval(tmp_path, shared_data):
              for r in evs)
 
   out = evaluate_checkpoint(str(tmp_path), "arc_easy,winogrande,mqar", limit=12,
-                            data_dir=str(shared_data), max_len=128)
+                            data_dir=str(bench_data), max_len=128)
   res = out["results"]
   assert res["arc_easy"]["n_docs"] == 12 and res["winogrande"]["n_docs"] == 12
   assert "acc_norm" in res["arc_easy"] and "acc_stderr" in res["winogrande"]
@@ -57,7 +57,7 @@ def test_in_training_eval_and_checkpoint_eval(tmp_path, shared_data):
   assert not missing.exists()  # nothing created on the way
 
   r = subprocess.run([sys.executable, "experiments/eval.py", f"--checkpoint={tmp_path}",
-                      "--tasks=winogrande", "--limit=8", f"--data_dir={shared_data}",
+                      "--tasks=winogrande", "--limit=8", f"--data_dir={bench_data}",
                       "--max_len=128"], cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert r.returncode == 0, r.stderr[-2000:]
   assert "winogrande" in r.stdout
@@ -80,7 +80,7 @@ def test_bad_task_names_and_missing_data(tmp_path):
     run_tasks(lambda tokens: None, c, ["arc_easy"])
 
 
-def test_head_on_selected_rows_equals_full_logits(shared_data):
+def test_head_on_selected_rows_equals_full_logits(bench_data):
   """ModelScorer's hidden/head path (LM head on continuation rows only) gives the same
   per-example log-likelihoods and greedy flags as scoring from the full logits."""
   import numpy as np
@@ -92,7 +92,7 @@ def test_head_on_selected_rows_equals_full_logits(shared_data):
 
   model = build_model(ModelConfig(vocab_size=257, d_model=32, n_layers=2, n_heads=2, d_ff=64,
                                   max_seq_len=256, dtype="float32"))
-  docs = tasks.load_arc(shared_data / "arc" / "ARC-Easy-Test.jsonl")[:10]
+  docs = tasks.load_arc(bench_data / "arc" / "ARC-Easy-Test.jsonl")[:10]
   reqs = harness.doc_requests(docs)
   scorer = ModelScorer(model)
   plain = lambda toks: scorer(toks)  # a plain callable: full-logits path
@@ -103,7 +103,7 @@ def test_head_on_selected_rows_equals_full_logits(shared_data):
   assert [f[1] for f in fast] == [s[1] for s in slow]
 
 
-def test_scorer_set_state_reuses_compilations(shared_data):
+def test_scorer_set_state_reuses_compilations(bench_data):
   """New parameters through `set_state` (as at each in-training evaluation) give exactly the
   scores of a scorer built on the new model, and compile nothing new."""
   import numpy as np
@@ -118,7 +118,7 @@ def test_scorer_set_state_reuses_compilations(shared_data):
   cfg = ModelConfig(vocab_size=257, d_model=32, n_layers=1, n_heads=2, d_ff=64,
                     max_seq_len=128, dtype="float32", tie_embeddings=False)
   a, b = build_model(cfg, seed=0), build_model(cfg, seed=1)
-  reqs = harness.doc_requests(tasks.load_arc(shared_data / "arc" / "ARC-Easy-Test.jsonl")[:4])
+  reqs = harness.doc_requests(tasks.load_arc(bench_data / "arc" / "ARC-Easy-Test.jsonl")[:4])
   tok = ByteTokenizer()
   score = lambda s: harness.loglikelihood(reqs, s, tok, max_len=128, batch_size=4)
   graphdef, params, rest = nnx.split(a, nnx.Param, ...)
@@ -144,8 +144,8 @@ def test_scorer_set_state_reuses_compilations(shared_data):
   assert got == mqar.mqar_accuracy(ModelScorer(b), ex, batch_size=4) and got["acc"] < 0.5
 
 
-def test_bench_eval_script_runs(shared_data):
-  r = subprocess.run([sys.executable, "experiments/bench_eval.py", f"--data_dir={shared_data}",
+def test_bench_eval_script_runs(bench_data):
+  r = subprocess.run([sys.executable, "experiments/bench_eval.py", f"--data_dir={bench_data}",
                       "--tasks=arc_easy,winogrande", "--limit=8", "--passes=1", "--max_len=128",
                       "--batch_size=8"], cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert r.returncode == 0, r.stderr[-2000:]

@@ -2,9 +2,11 @@
 own evaluator against lm-eval: lm-eval's OWN task definitions (its YAML, templates and
 preprocessing, only the dataset pointed at the local files), run through `simple_evaluate` with
 the adapter, must give the same requests, per-request log-likelihoods, greedy flags and metrics
-as `tasks.load_task` + `harness.doc_requests` + `harness.loglikelihood` on the same documents.
+as `tasks.load_task` + `harness.doc_requests` + `harness.loglikelihood` on the same documents:
+the excerpts in tests/data with a BPE trained on them (conftest.tiny_bpe) by default, every
+document of the full files under `-m full_data`.
 
-Skips without lm-eval (`pip install -e '.[lmeval]'`) or without shared/data. Runs offline."""
+Skips without lm-eval (`pip install -e '.[lmeval]'`). Runs offline."""
 
 import os
 import subprocess
@@ -22,7 +24,6 @@ from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
 from attn_jax import decode  # noqa: E402
-from attn_jax.data.tokenizer import HFTokenizer  # noqa: E402
 from attn_jax.eval import harness, tasks  # noqa: E402
 from attn_jax.eval import lm_eval_adapter  # noqa: E402
 from attn_jax.eval.lm_eval_adapter import AttnJaxLM  # noqa: E402
@@ -34,8 +35,8 @@ MAX_LEN = 256
 LIMIT = 12  # documents per task in the cross-check
 LL_ATOL = 1e-4  # float32 log-likelihoods: same model, possibly different batch composition
 
-# task -> (split lm-eval reads, file in shared/data in the layout lm-eval's YAML expects,
-#          file our own loader reads)
+# task -> (split lm-eval reads, file (under tests/data or the full data folder) in the layout
+#          lm-eval's YAML expects, file our own loader reads)
 TASK_FILES = {
     "arc_easy": ("test", "arc/hf_ai2_arc/ARC-Easy-test.jsonl", "arc/ARC-Easy-Test.jsonl"),
     "arc_challenge": ("test", "arc/hf_ai2_arc/ARC-Challenge-test.jsonl",
@@ -52,24 +53,25 @@ CROSS_CHECK = ("arc_easy", "hellaswag", "winogrande", "lambada_openai")
 
 
 @pytest.fixture(scope="module")
-def neox(shared_data):
-  return HFTokenizer(shared_data / "tokenizer_neox" / "20B_tokenizer.json")
+def tok(tiny_bpe):
+  """A byte-level BPE: lm-eval's TemplateLM and our harness must split requests alike."""
+  return tiny_bpe
 
 
 @pytest.fixture(scope="module")
-def tiny_model(neox):
-  """A random 2-layer quickstart Transformer with the NeoX vocabulary (rounded up to 128).
+def tiny_model(tok):
+  """A random 2-layer quickstart Transformer with the tokenizer's vocabulary (rounded up to 128).
   Untied, init_std 0.2: log-likelihoods spread over tens of nats, so a tokenization or
   template difference cannot hide in near-uniform predictions."""
   c = quickstart.get_config()
-  c.model.update(pattern=(), vocab_size=-(-neox.vocab_size // 128) * 128, max_seq_len=MAX_LEN,
+  c.model.update(pattern=(), vocab_size=-(-tok.vocab_size // 128) * 128, max_seq_len=MAX_LEN,
                  tie_embeddings=False, init_std=0.2, dtype="float32")
   return build_model(c.model, seed=0)
 
 
 @pytest.fixture(scope="module")
-def lm(tiny_model, neox):
-  return AttnJaxLM.from_model(tiny_model, neox, max_len=MAX_LEN, batch_size=16)
+def lm(tiny_model, tok):
+  return AttnJaxLM.from_model(tiny_model, tok, max_len=MAX_LEN, batch_size=16)
 
 
 @pytest.fixture(scope="module")
@@ -98,26 +100,30 @@ def _lm_eval_yaml_paths(names):
   return {n: Path(index[n].yaml_path) for n in names}
 
 
-@pytest.fixture(scope="module")
-def task_manager(shared_data, offline_hf):
+def _task_manager(data, folder, cache):
   """lm-eval's own task YAML (`include:`d, so its templates and process_docs apply) with only
-  the dataset redirected to the local files."""
-  folder = offline_hf / "tasks"
+  the dataset redirected to the local files under `data`."""
   folder.mkdir()
   for name, yaml_path in _lm_eval_yaml_paths(list(TASK_FILES)).items():
     split, path, _ = TASK_FILES[name]
     cfg = {"include": str(yaml_path), "task": name, "dataset_path": "json",
            "dataset_name": None,
-           "dataset_kwargs": {"data_files": {split: str(shared_data / path)},
-                              "cache_dir": str(offline_hf / "datasets")},
+           "dataset_kwargs": {"data_files": {split: str(data / path)},
+                              "cache_dir": str(cache)},
            "training_split": None, "validation_split": None, "test_split": None,
            "fewshot_split": None, f"{split}_split": split}
     (folder / f"{name}.yaml").write_text(yaml.safe_dump(cfg), encoding="utf-8")
   return TaskManager(include_defaults=False, include_path=str(folder))
 
 
-def _own_docs(shared_data, name, limit=None):
-  docs = tasks.load_task(name, shared_data / TASK_FILES[name][2])
+@pytest.fixture(scope="module")
+def task_manager(bench_data, offline_hf):
+  """lm-eval's task definitions on the excerpts in tests/data."""
+  return _task_manager(bench_data, offline_hf / "tasks", offline_hf / "datasets")
+
+
+def _own_docs(data, name, limit=None):
+  docs = tasks.load_task(name, data / TASK_FILES[name][2])
   return docs if limit is None else docs[:limit]
 
 
@@ -132,7 +138,7 @@ def _first_difference(ours, theirs):
 # the cross-check
 
 
-def test_lm_eval_tasks_match_own_harness(lm, neox, task_manager, shared_data):
+def test_lm_eval_tasks_match_own_harness(lm, tok, task_manager, bench_data):
   out = lm_eval.simple_evaluate(model=lm, tasks=list(CROSS_CHECK), task_manager=task_manager,
                                 limit=LIMIT, log_samples=True, bootstrap_iters=0)
   for name in CROSS_CHECK:
@@ -141,18 +147,18 @@ def test_lm_eval_tasks_match_own_harness(lm, neox, task_manager, shared_data):
     theirs_req = [tuple(a) for s in samples for a in s["arguments"]]
     theirs = [tuple(r[0]) for s in samples for r in s["resps"]]
 
-    docs = _own_docs(shared_data, name, LIMIT)
+    docs = _own_docs(bench_data, name, LIMIT)
     ours_req = harness.doc_requests(docs)
     assert ours_req == theirs_req, \
         f"{name}: template differs, {_first_difference(ours_req, theirs_req)}"
-    ours = harness.loglikelihood(ours_req, lm.scorer, neox, max_len=lm.max_length,
+    ours = harness.loglikelihood(ours_req, lm.scorer, tok, max_len=lm.max_length,
                                  batch_size=lm.batch_size)
     np.testing.assert_allclose([o[0] for o in ours], [t[0] for t in theirs], rtol=0,
                                atol=LL_ATOL, err_msg=name)
     assert [o[1] for o in ours] == [bool(t[1]) for t in theirs], name
 
     # metrics: lm-eval's aggregation of its results == our evaluate_task
-    mine = harness.evaluate_task(name, docs, lm.scorer, neox, max_len=lm.max_length,
+    mine = harness.evaluate_task(name, docs, lm.scorer, tok, max_len=lm.max_length,
                                  batch_size=lm.batch_size, bootstrap_iters=2)
     res = out["results"][name]
     for metric in tasks.get_task(name).metrics:
@@ -165,17 +171,24 @@ def test_lm_eval_tasks_match_own_harness(lm, neox, task_manager, shared_data):
   assert np.std(lls) > 1.0
 
 
-@pytest.mark.slow
-def test_templates_tokens_and_gold_agree_on_every_document(lm, neox, task_manager, shared_data,
-                                                           monkeypatch):
+@pytest.mark.parametrize("data", ["excerpts", pytest.param("full", marks=pytest.mark.full_data)])
+def test_templates_tokens_and_gold_agree_on_every_document(lm, tok, task_manager, bench_data,
+                                                           offline_hf, monkeypatch, request,
+                                                           data):
   """No model: lm-eval's requests (strings), its TemplateLM tokenization and its gold indices
-  against ours, on every document of the five tasks (~45 s, mostly LAMBADA's Jinja templates)."""
+  against ours, on every document of the five tasks: the excerpts, or (full_data) the full
+  files, mostly LAMBADA's Jinja templates there."""
+  if data == "full":
+    root = request.getfixturevalue("full_data")
+    task_manager = _task_manager(root, offline_hf / "tasks_full", offline_hf / "datasets_full")
+  else:
+    root = bench_data
   loaded = task_manager.load(list(TASK_FILES))["tasks"]
   for name in TASK_FILES:
     task = loaded[name]
     task.build_all_requests(limit=None, rank=0, world_size=1)
     inst = sorted(task.instances, key=lambda i: (i.doc_id, i.idx))
-    docs = _own_docs(shared_data, name)
+    docs = _own_docs(root, name)
     ours_req = harness.doc_requests(docs)
     theirs_req = [tuple(i.args) for i in inst]
     assert ours_req == theirs_req, f"{name}: {_first_difference(ours_req, theirs_req)}"
@@ -185,7 +198,7 @@ def test_templates_tokens_and_gold_agree_on_every_document(lm, neox, task_manage
       mp.setattr(lm, "_loglikelihood_tokens", lambda reqs, **kw: captured.extend(reqs) or [])
       lm.loglikelihood(inst, disable_tqdm=True)
     theirs_tok = [(list(c), list(k)) for _, c, k in captured]
-    assert harness.encode_pairs(ours_req, neox) == theirs_tok, name
+    assert harness.encode_pairs(ours_req, tok) == theirs_tok, name
     if name == "lambada_openai":
       continue
     first = [i for i in inst if i.idx == 0]
@@ -207,15 +220,15 @@ def _greedy_reference(model, ids, n, copies=1):
   return np.asarray(out)[0, len(ids):].tolist()
 
 
-def test_generate_until_is_greedy_decode_and_honours_stop(lm, tiny_model, neox):
+def test_generate_until_is_greedy_decode_and_honours_stop(lm, tiny_model, tok):
   context = "The capital of France is"
   n = 12
-  ref_ids = _greedy_reference(tiny_model, neox.encode(context), n, copies=3)
-  if neox.eos_id in ref_ids:
-    ref_ids = ref_ids[:ref_ids.index(neox.eos_id)]
-  full = neox.decode(ref_ids)
+  ref_ids = _greedy_reference(tiny_model, tok.encode(context), n, copies=3)
+  if tok.eos_id in ref_ids:
+    ref_ids = ref_ids[:ref_ids.index(tok.eos_id)]
+  full = tok.decode(ref_ids)
   # a stop string that occurs inside the greedy continuation (the text of its 5th token)
-  stop = next(s for s in (neox.decode(ref_ids[k:k + 1]) for k in range(4, len(ref_ids)))
+  stop = next(s for s in (tok.decode(ref_ids[k:k + 1]) for k in range(4, len(ref_ids)))
               if s.strip())
   reqs = [Instance("generate_until", {}, (context, {"until": [], "max_gen_toks": n}), 0),
           Instance("generate_until", {}, (context, {"until": [stop], "max_gen_toks": n,
@@ -226,9 +239,10 @@ def test_generate_until_is_greedy_decode_and_honours_stop(lm, tiny_model, neox):
   assert got[1] == full[:full.index(stop)] and len(got[1]) < len(full)
 
   # the greedy continuation is greedy for loglikelihood too; one changed token is not
-  ctx_ids = neox.encode(context)
+  ctx_ids = tok.encode(context)
+  changed = ref_ids[:-1] + [(ref_ids[-1] + 1) % tok.vocab_size]
   (ll, greedy), (_, greedy2) = lm._loglikelihood_tokens(
-      [(None, ctx_ids, ref_ids), (None, ctx_ids, ref_ids[:-1] + [(ref_ids[-1] + 1) % 50000])])
+      [(None, ctx_ids, ref_ids), (None, ctx_ids, changed)])
   assert greedy and not greedy2
   assert ll == pytest.approx(_plain_logprob(tiny_model, ctx_ids + ref_ids, len(ctx_ids)),
                              abs=1e-4)
@@ -248,20 +262,20 @@ def _plain_logprob(model, ids, start):
   return float(logp[t - 1, np.asarray(ids)[t]].sum())
 
 
-def test_loglikelihood_rolling_equals_plain_forward(lm, tiny_model, neox):
+def test_loglikelihood_rolling_equals_plain_forward(lm, tiny_model, tok):
   text = ("It was the best of times, it was the worst of times, it was the age of wisdom, "
           "it was the age of foolishness, it was the epoch of belief.")
-  ids = neox.encode(text)
+  ids = tok.encode(text)
   assert 30 < len(ids) < MAX_LEN
   req = Instance("loglikelihood_rolling", {}, (text,), 0)
   # one window: every token conditioned on EOS + all earlier tokens
   (got,) = lm.loglikelihood_rolling([req])
-  assert got == pytest.approx(_plain_logprob(tiny_model, [neox.eos_id] + ids, 1), abs=1e-4)
+  assert got == pytest.approx(_plain_logprob(tiny_model, [tok.eos_id] + ids, 1), abs=1e-4)
   # windows of 16 inputs: tokens [lo, hi) are scored once each, the forward seeing only the 16
   # tokens before hi (of EOS + text); the last, partial window still gets a full 16 of context
-  small = AttnJaxLM.from_model(tiny_model, neox, max_len=16, batch_size=4)
+  small = AttnJaxLM.from_model(tiny_model, tok, max_len=16, batch_size=4)
   assert len(small.rolling_windows(text)) == -(-len(ids) // 16) and len(ids) % 16
-  seq, ref = [neox.eos_id] + ids, 0.0
+  seq, ref = [tok.eos_id] + ids, 0.0
   for lo in range(0, len(ids), 16):
     hi = min(lo + 16, len(ids))
     window = seq[max(0, hi - 16):hi + 1]  # 16 inputs + the last target
@@ -318,18 +332,18 @@ def test_attn_jax_does_not_need_lm_eval():
 
 
 @pytest.mark.slow
-def test_cli_on_a_checkpoint(tmp_path, neox, task_manager, shared_data, offline_hf):
-  """Train a tiny run whose config names the NeoX tokenizer, then evaluate its checkpoint with
+def test_cli_on_a_checkpoint(tmp_path, tok, task_manager, bench_data, offline_hf):
+  """Train a tiny run whose config names a tokenizers JSON file, then evaluate its checkpoint with
   `python -m attn_jax.eval.lm_eval_adapter` (model_args checkpoint=..., tokenizer from the
-  training config) on lm-eval's arc_easy (local data), and compare with our evaluator."""
+  training config) on lm-eval's arc_easy (tests/data), and compare with our evaluator."""
   from attn_jax.eval.run import evaluate_checkpoint
   from attn_jax.train import trainer as trainer_lib
 
   c = quickstart.get_config()
   c.model.update(pattern=(), d_model=32, n_heads=2, d_ff=64, n_layers=1, max_seq_len=128,
-                 vocab_size=-(-neox.vocab_size // 128) * 128)
+                 vocab_size=-(-tok.vocab_size // 128) * 128)
   c.data.update(source="synthetic", synthetic_task="mqar", seq_len=64, global_batch_size=8,
-                mqar_num_pairs=4, mqar_num_queries=4, tokenizer=str(neox.path))
+                mqar_num_pairs=4, mqar_num_queries=4, tokenizer=str(tok.path))
   c.train.update(steps=2, log_every=1, progress_bar=False)
   c.eval.update(every_steps=0, tasks="")
   run = tmp_path / "run"
@@ -347,7 +361,7 @@ def test_cli_on_a_checkpoint(tmp_path, neox, task_manager, shared_data, offline_
 
   (result_file,) = list(out.rglob("results*.json"))
   res = json.loads(result_file.read_text())["results"]["arc_easy"]
-  mine = evaluate_checkpoint(str(run), "arc_easy", limit=8, data_dir=str(shared_data),
+  mine = evaluate_checkpoint(str(run), "arc_easy", limit=8, data_dir=str(bench_data),
                              max_len=64, batch_size=8, out_dir=str(tmp_path / "own"))
   assert mine["results"]["arc_easy"]["acc"] == res["acc,none"]
   assert mine["results"]["arc_easy"]["acc_norm"] == res["acc_norm,none"]

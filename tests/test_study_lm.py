@@ -1,5 +1,5 @@
 """The language-modelling study (configs/study_lm_tiny.py, attn_jax/study/lm.py) at toy size on
-tinyshakespeare (skipped when ../shared/data is absent): the held-out stream is exactly the
+the tinyshakespeare excerpt in tests/data: the held-out stream is exactly the
 file's tail after the training windows, bits per byte counts bytes (EOS = 0), position buckets
 partition the long windows, and a 2-variant x 2-seed study writes bpb and by-position tables,
 the extra plot and its own README section."""
@@ -27,15 +27,9 @@ def toy_config(path):
 
 
 @pytest.fixture(scope="module")
-def corpus():
-  """../shared/data/tinyshakespeare/input.txt next to the checkout (conftest.SHARED_DATA), or
-  under $ATTN_JAX_SHARED_DATA (a worktree elsewhere); skipped when absent."""
-  from conftest import SHARED_DATA
-  root = os.environ.get("ATTN_JAX_SHARED_DATA") or str(SHARED_DATA)
-  path = os.path.join(root, "tinyshakespeare", "input.txt")
-  if not os.path.isfile(path):
-    pytest.skip(f"{path} not found (shared test data only in the dev/CI sandbox)")
-  return path
+def corpus(bench_data):
+  """The first 800 lines of tinyshakespeare (tests/data/SOURCES.md)."""
+  return str(bench_data / "tinyshakespeare" / "input.txt")
 
 
 def test_heldout_stream_is_the_tail_of_the_file(corpus):
