@@ -1,0 +1,70 @@
+"""A loaded checkpoint as a run directory, the layout `experiments/train.py` leaves, so that
+`train.checkpoint.load_for_inference` (and through it experiments/eval.py, stream.py, the
+notebook, `decode.generate` on the loaded model) reads it like any trained run:
+
+    <workdir>/checkpoints/0/          orbax step 0: state {"params", "rest"} + meta {"config"}
+    <workdir>/tokenizer.json          the checkpoint's tokenizer (config.data.tokenizer)
+    <workdir>/pretrained.json         where it came from and its hyper-parameters
+
+The config is the caller's base config (configs/base.py `get_config()`) with `model` set from
+the checkpoint and `data.tokenizer` pointing at the copied tokenizer (an absolute path: move
+the folder and that field must follow). `data.seq_len` is the model's context length. Step 0
+holds no optimizer state: the run is for inference (fine-tuning it would start a new run
+from these parameters).
+
+Everything is written into a temporary folder beside `workdir` and renamed at the end
+(`loader.staged_dir`), so a failure leaves nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import jax
+import ml_collections
+from flax import nnx
+
+from attn_jax.pretrained.loader import Pretrained, staged_dir
+
+TOKENIZER_FILE = "tokenizer.json"
+INFO_FILE = "pretrained.json"
+
+
+def run_config(pre: Pretrained, base: ml_collections.ConfigDict,
+               workdir: str) -> ml_collections.ConfigDict:
+  """`base` with the model and tokenizer of `pre` (module docstring); validated."""
+  from attn_jax.config import validate
+  config = ml_collections.ConfigDict(base.to_dict())
+  fields = dataclasses.asdict(pre.cfg)
+  fields.pop("options")
+  for key, value in fields.items():
+    config.model[key] = tuple(value) if isinstance(value, list) else value
+  config.data.tokenizer = os.path.join(os.path.abspath(workdir), TOKENIZER_FILE)
+  config.data.seq_len = int(pre.cfg.max_seq_len)
+  config.eval.max_len = int(pre.cfg.max_seq_len)
+  validate(config)
+  return config
+
+
+def write_workdir(pre: Pretrained, workdir: str, base: ml_collections.ConfigDict) -> str:
+  """Writes the run directory of `pre` (module docstring); returns its absolute path."""
+  from attn_jax.train.checkpoint import Checkpointer, config_to_json
+  config = run_config(pre, base, workdir)
+  _, params, rest = nnx.split(pre.model, nnx.Param, ...)
+  state = {"params": nnx.to_pure_dict(params), "rest": nnx.to_pure_dict(rest)}
+  info = {"source": pre.source, "kind": pre.kind, "spec": dataclasses.asdict(pre.spec)}
+  with staged_dir(workdir) as tmp:
+    with open(os.path.join(tmp, TOKENIZER_FILE), "w") as f:
+      f.write(pre.tokenizer.to_str())
+    with open(os.path.join(tmp, INFO_FILE), "w") as f:
+      json.dump(info, f, indent=1)
+    ckpt = Checkpointer(tmp, max_to_keep=1)
+    try:
+      ckpt.save(0, state, meta={"config": config_to_json(config), "pretrained": info},
+                force=True)
+    finally:
+      ckpt.close()
+    jax.block_until_ready(state)
+  return os.path.abspath(workdir)
