@@ -234,7 +234,7 @@ def validate(config: ml_collections.ConfigDict) -> ModelConfig:
 def check_document_mask(cfg: ModelConfig, data_cfg) -> None:
   """`data.document_mask` (packed rows, data/documents.py) with `model.sink_tokens` > 0: the
   sink tokens are the shared prefix of every document, so every layer's mixer must read that
-  prefix per document exactly (`reads_shared_prefix`, registry.py); a mixer that restarts a
+  prefix per document exactly (`reads_shared_prefix`, mixer.py); a mixer that restarts a
   recurrent state at each document's first token cannot."""
   from attn_jax.data.documents import document_mask
   from attn_jax.registry import get_mixer
@@ -246,5 +246,5 @@ def check_document_mask(cfg: ModelConfig, data_cfg) -> None:
     raise ValueError(
         f"config.data.document_mask: with model.sink_tokens={cfg.sink_tokens} every layer's "
         f"mixer must give each packed document the shared sink prefix (reads_shared_prefix, "
-        f"attn_jax/registry.py), and {', '.join(lacking)} does not; set data.document_mask="
+        f"attn_jax/mixer.py), and {', '.join(lacking)} does not; set data.document_mask="
         "False or model.sink_tokens=0")

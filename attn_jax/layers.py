@@ -144,6 +144,53 @@ def segmented_cumsum(x: jax.Array, reset: jax.Array, axis: int) -> tuple[jax.Arr
   return jax.lax.associative_scan(add, (x, reset), axis=axis)
 
 
+# ------------------------------------------------------------ running sums over time (axis 1)
+# Shared by the mixers that carry a cumulative log-decay or phase (SISA, FoX, ALiBi).
+
+def stat_dtype(cfg):
+  """Dtype of g, Phi, lambda and the decay factors: fp32 (fp64 for a float64 model)."""
+  return jnp.promote_types(jnp.float32, dtype_of(cfg.dtype))
+
+
+def time_scan(step, x_BT: jax.Array, starts_BT=None) -> jax.Array:
+  """Inclusive scan over axis 1 (`step(carry, x) -> carry`, the carry starting at zero, and
+  reset to zero before every token where `starts_BT` [B, T] is True)."""
+  xs = jnp.moveaxis(x_BT, 1, 0)
+  if starts_BT is None:
+    _, ys = jax.lax.scan(lambda c, a: (step(c, a),) * 2, jnp.zeros_like(xs[0]), xs)
+    return jnp.moveaxis(ys, 0, 1)
+  rs = jnp.moveaxis(_expand(starts_BT, x_BT), 1, 0)
+
+  def body(c, ar):
+    a, r = ar
+    c = step(jnp.where(r, jnp.zeros_like(c), c), a)
+    return c, c
+
+  _, ys = jax.lax.scan(body, jnp.zeros_like(xs[0]), (xs, rs))
+  return jnp.moveaxis(ys, 0, 1)
+
+
+def _expand(starts_BT, x_BT):
+  """[B, T] flags broadcast against x [B, T, ...]."""
+  return starts_BT.reshape(starts_BT.shape + (1,) * (x_BT.ndim - 2))
+
+
+def time_cumsum(x_BT: jax.Array, starts_BT=None) -> jax.Array:
+  """Inclusive cumulative sum over axis 1: `lax.scan` on CPU (where `jnp.cumsum` lowers to an
+  O(T^2) reduce_window), `jnp.cumsum` elsewhere. With
+  `starts_BT` ([B, T] bool, `layers.segment_starts`): a segmented sum restarting at every True
+  (a packed row's documents), whose value and gradient read only the own segment (the resets
+  are selects, so a cotangent never crosses one: exact zeros, not cancellations)."""
+  if starts_BT is None:
+    if jax.default_backend() != "cpu":
+      return jnp.cumsum(x_BT, axis=1)
+    return time_scan(jnp.add, x_BT)
+  if jax.default_backend() == "cpu":
+    return time_scan(jnp.add, x_BT, starts_BT)
+  r = jnp.broadcast_to(_expand(starts_BT, x_BT), x_BT.shape)
+  return segmented_cumsum(x_BT, r, axis=1)[0]
+
+
 def causal_positions(batch: int, length: int) -> jax.Array:
   """Positions 0..length-1 of every row, [batch, length] int32 (a plain full forward)."""
   return jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))

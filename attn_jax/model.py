@@ -29,7 +29,7 @@ states get K extra slots of capacity, and the longest stateful chunk shrinks by 
 Packed rows (`segment_ids_BT`, full forwards only; `layers.SHARED_SEGMENT`): several documents
 share a row; every token carries its document id (from 1) and its position in its document
 (restarting at 0), and every mixer makes the boundary exact — the outputs of a document equal
-those of the document run alone in a row of its own (registry.py). Sink tokens are the shared
+those of the document run alone in a row of its own (mixer.py). Sink tokens are the shared
 prefix of every document (segment 0): each document reads them exactly as it would alone.
 
 RNG: each layer gets `fold_in(fold_in(rng, repeat), index in period)`, so the noise of a layer

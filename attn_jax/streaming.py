@@ -1,7 +1,8 @@
 """Streaming inference over unbounded token streams: interchangeable KV-cache policies for
 scoring (per-position loss) and generation (SPEC.md section 3, StreamingLLM).
 
-Policies (`Policy(name, window, sinks)`):
+Stream policies (`StreamPolicy(name, window, sinks)`; each but "recompute" runs a KV-cache
+policy, `cache.CachePolicy`, underneath):
 - "dense":     every token stays (`cache.Linear`); memory grows with the stream;
 - "window":    the last `window` tokens (`cache.Ring(window)`; the first tokens are evicted);
 - "recompute": sliding window with re-computation: each token gets a fresh forward over the
@@ -9,7 +10,7 @@ Policies (`Policy(name, window, sinks)`):
                slow baseline;
 - "streaming": StreamingLLM, the first `sinks` tokens plus the last `window` tokens, positions
                assigned inside the cache (`cache.SinksRing(sinks, window)`, attention/cache.py).
-The three cache policies are `Policy.cache`, handed to `model.init_state` at decode time: the
+The three cache policies are `StreamPolicy.cache`, handed to `model.init_state` at decode time: the
 same model (no rebuild) runs under any; mixers whose state is not a KV cache (SSMs) and those
 whose cache policy is their function (sliding window, Sinkhorn) keep their own states. The
 states are fixed-size buffers, so the jitted step is compiled once, whatever the stream length.
@@ -44,7 +45,7 @@ POLICIES = ("dense", "window", "recompute", "streaming")
 
 
 @dataclasses.dataclass(frozen=True)
-class Policy:
+class StreamPolicy:
   name: str
   window: int = 1020     # recent tokens kept (query included); unused by "dense"
   sinks: int = 4         # "streaming": first tokens kept
@@ -71,7 +72,7 @@ class Policy:
     return {"dense": 0, "streaming": self.sinks + self.window}.get(self.name, self.window)
 
   @property
-  def cache(self) -> cache_lib.Policy | None:
+  def cache(self) -> cache_lib.CachePolicy | None:
     """The KV-cache policy (None for "recompute": no cache)."""
     self.validate()
     return {"dense": cache_lib.LINEAR, "window": cache_lib.Ring(self.window),
@@ -84,7 +85,7 @@ def cached_mixers(cfg: ModelConfig) -> list[str]:
                  if getattr(get_mixer(s.mixer), "follows_policy", False)})
 
 
-def check_policy(cfg: ModelConfig, policy: Policy) -> None:
+def check_policy(cfg: ModelConfig, policy: StreamPolicy) -> None:
   """Clear errors before any work: a window the model cannot hold."""
   policy.validate()
   span = policy.span
@@ -142,7 +143,7 @@ class CachedScorer:
   `trace_limit`: raise if the chunk step is traced more than this many times
   (`chex.assert_max_traces`; for tests)."""
 
-  def __init__(self, model, policy: Policy, *, chunk: int = 256, capacity: int = 0,
+  def __init__(self, model, policy: StreamPolicy, *, chunk: int = 256, capacity: int = 0,
                trace_limit: int | None = None):
     check_policy(model.cfg, policy)
     if policy.name == "recompute":
@@ -210,7 +211,7 @@ def _recompute_losses(model, tokens: np.ndarray, window: int, batch: int, progre
   return np.concatenate(out)
 
 
-def score_stream(model, tokens: np.ndarray, policy: Policy, *, chunk: int = 256,
+def score_stream(model, tokens: np.ndarray, policy: StreamPolicy, *, chunk: int = 256,
                  batch: int = 16, progress: bool = True) -> np.ndarray:
   """Per-position losses [N - 1] (nats) of a token stream under `policy` (module docstring)."""
   from tqdm.auto import tqdm
@@ -237,7 +238,8 @@ def score_stream(model, tokens: np.ndarray, policy: Policy, *, chunk: int = 256,
 
 # ------------------------------------------------------------------ generation
 
-def generate(model, prompt: np.ndarray, policy: Policy, *, max_new_tokens: int) -> np.ndarray:
+def generate(model, prompt: np.ndarray, policy: StreamPolicy, *,
+             max_new_tokens: int) -> np.ndarray:
   """Greedy continuation of one prompt [T] under a policy -> [T + max_new_tokens].
 
   Cache policies run `decode.generate` (one jitted loop; bounded caches generate any length);

@@ -29,7 +29,7 @@ convolution in front of H3/Mamba-style mixers, here as plain attention with a 2-
 (`mqar_example` with a longer seq_len) window-2 + attention did not get off the plateau at
 this budget.
 With plain attention as the second layer the same recipe also works, but less reliably across
-seeds (see the README's measured table).
+seeds (docs/guide.md, "What the quickstart shows").
 
 The run ends by printing its held-out accuracy next to the no-lookup baselines and a few
 held-out sequences with the model's answers (attn_jax.eval.run.explain_checkpoint).

@@ -6,7 +6,7 @@ paper's LAMBADA claim; configs/study_152m.py is the GPU/TPU version on the real 
 
   python experiments/study.py --config=configs/study_lm_tiny.py \\
       --config.data.paths=../shared/data/tinyshakespeare/input.txt --workdir=runs/study_lm
-  python experiments/study.py --report=runs/study_lm --readme=README.md
+  python experiments/study.py --report=runs/study_lm --readme=docs/studies.md
 
 Data: `data.source` text (one document per non-blank line; `data.text_document=file` for
 whole files), jsonl (`data.text_field`) or shards (a folder from experiments/prepare_data.py);

@@ -3,7 +3,7 @@ equal parameter count, equal tokens, equal seeds, one trainer and one evaluator,
 each variant in its authors' configuration, at the best lr of a sweep.
 
   python experiments/study.py --config=configs/study_tiny.py --workdir=runs/study
-  python experiments/study.py --report=runs/study --readme=README.md --assets=docs/study
+  python experiments/study.py --report=runs/study --readme=docs/studies.md --assets=docs/study
 
 The task and the shared trunk are the quickstart's (configs/quickstart.py, where the reasoning
 is): MQAR with 8 fresh key->value pairs followed by the 8 keys asked again back to back, 31

@@ -66,7 +66,7 @@ def per_token(mixer, L, reps, repeats=1):
   from attn_jax import decode, streaming
   from attn_jax.model import build_model
   model = build_model(tiny_cfg(mixer, L), seed=0)
-  pol = streaming.Policy("streaming", window=L - 4, sinks=4)
+  pol = streaming.StreamPolicy("streaming", window=L - 4, sinks=4)
   # Both sides take the parameters as a flat list of arrays (nnx.split and flatten once: no
   # per-call NNX pytree traversal) and inputs made before the timed loop; the streaming step
   # also takes the per-layer parameters made once (`Decoder.layer_params`), as a decoder does.
@@ -116,7 +116,7 @@ def memory(mixer, n_tokens, chunk):
   from attn_jax import streaming
   from attn_jax.model import build_model
   model = build_model(tiny_cfg(mixer, 1024), seed=0)
-  policy = streaming.Policy("streaming", window=1020, sinks=4)
+  policy = streaming.StreamPolicy("streaming", window=1020, sinks=4)
   sc = streaming.CachedScorer(model, policy, chunk=chunk, trace_limit=1)
   rng = np.random.default_rng(0)
   tok = rng.integers(0, 256, 2 * chunk + 1).astype(np.int32)

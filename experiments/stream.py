@@ -43,15 +43,15 @@ _PROGRESS = flags.DEFINE_bool("progress", True, "Progress bar.")
 
 
 def policies(names, window, sinks):
-  from attn_jax.streaming import Policy
+  from attn_jax.streaming import StreamPolicy
   out = []
   for name in names:
     if name == "streaming":
-      out.append(Policy("streaming", window=window, sinks=sinks))
+      out.append(StreamPolicy("streaming", window=window, sinks=sinks))
     elif name == "dense":
-      out.append(Policy("dense"))
+      out.append(StreamPolicy("dense"))
     else:
-      out.append(Policy(name, window=window + sinks))
+      out.append(StreamPolicy(name, window=window + sinks))
   for p in out:
     p.validate()
   return out

@@ -1,7 +1,7 @@
 """The comparison study (issue #14): flags in, `attn_jax.study` out.
 
   python experiments/study.py --config=configs/study_tiny.py --workdir=runs/study
-  python experiments/study.py --report=runs/study --readme=README.md
+  python experiments/study.py --report=runs/study --readme=docs/studies.md
   python experiments/study.py --config=configs/study_lm_tiny.py --workdir=runs/study_lm \
       --config.data.paths=../shared/data/tinyshakespeare/input.txt     # language modelling
 
@@ -9,10 +9,11 @@ The first trains every variant of `config.study.variants` for every seed (matche
 counts, same data, same trainer and evaluators), measures throughput side by side, and writes
 results.json, tables.md and the PNG plots under --workdir; rerunning it skips finished runs and
 resumes unfinished ones (each variant's lr sweep first when `study.lrs` has several). The
-second regenerates tables.md, the plots and the README section between `<!-- study:begin -->`
-and `<!-- study:end -->` (`<!-- study_lm:... -->` for the LM study) from results.json alone
+second regenerates tables.md, the plots and the section of docs/studies.md between
+`<!-- study:begin -->` and `<!-- study:end -->` (`<!-- study_lm:... -->` for the LM study) from
+results.json alone
 (--assets=docs/study copies the PNGs to a tracked folder and links them from there). Both
-flags together (--config ... --readme=README.md) do both.
+flags together (--config ... --readme=docs/studies.md) do both.
 """
 
 import os
@@ -31,7 +32,8 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "Study config (configs
 _WORKDIR = flags.DEFINE_string("workdir", "runs/study", "Study directory.")
 _REPORT = flags.DEFINE_string("report", "", "Only regenerate the report from this study "
                               "directory's results.json.")
-_README = flags.DEFINE_string("readme", "", "README to update between the study markers.")
+_README = flags.DEFINE_string("readme", "", "Markdown page to update between the study markers "
+                               "(docs/studies.md).")
 _ASSETS = flags.DEFINE_string("assets", "", "With --readme: copy the PNGs to this (tracked) "
                               "folder and link them from there, e.g. docs/study.")
 

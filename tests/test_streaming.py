@@ -17,7 +17,7 @@ from attn_jax.attention import sisa
 from attn_jax.attention.projection import rope
 from attn_jax.config import ModelConfig
 from attn_jax.model import build_model
-from attn_jax.streaming import Policy
+from attn_jax.streaming import StreamPolicy
 
 TOL = 2e-5   # fp32, relative to the largest |value|; fixed once
 V, D, H = 61, 32, 4
@@ -76,7 +76,7 @@ def test_streaming_with_room_for_everything_equals_dense(mixer):
   tok = _tokens(0, 14)
   full = model(jnp.asarray(tok)[None])[0]
   for cache, sinks, window in (("streaming", 4, 10), ("window", 0, 14)):
-    pol = Policy(cache, window=window, sinks=sinks).cache
+    pol = StreamPolicy(cache, window=window, sinks=sinks).cache
     _close(_stream_logits(model, tok, 1, pol), full)
     _close(_stream_logits(model, tok, 5, pol), full)
 
@@ -112,7 +112,7 @@ def test_streaming_attention_equals_its_definition_after_eviction():
   ring = blk.mixer
   for chunk in (1, 4):
     state = ring.init_state(ring.cfg, ring.opts, 1, 1, jnp.float32,
-                            Policy("streaming", window=W, sinks=n).cache)
+                            StreamPolicy("streaming", window=W, sinks=n).cache)
     outs = []
     for a in range(0, N, chunk):
       pos = jnp.arange(a, min(a + chunk, N), dtype=jnp.int32)[None]
@@ -120,7 +120,7 @@ def test_streaming_attention_equals_its_definition_after_eviction():
       outs.append(y[0])
     _close(jnp.concatenate(outs), ref)
   # window: the model's logits = a fresh forward over the last W tokens
-  lw = _stream_logits(model, tok, 1, Policy("window", window=W).cache)
+  lw = _stream_logits(model, tok, 1, StreamPolicy("window", window=W).cache)
   for t in (W, 11, N - 1):
     _close(lw[t], model(jnp.asarray(tok[t - W + 1:t + 1])[None])[0, -1])
 
@@ -155,7 +155,7 @@ def test_sisa_streaming_keeps_decay_and_phase_and_reassigns_rope():
   ring = mixer
   for chunk in (1, 3):
     state = ring.init_state(ring.cfg, ring.opts, 1, 1, jnp.float32,
-                            Policy("streaming", window=W, sinks=n).cache)
+                            StreamPolicy("streaming", window=W, sinks=n).cache)
     ys = []
     for a in range(0, N, chunk):
       pos = jnp.arange(a, min(a + chunk, N), dtype=jnp.int32)[None]
@@ -171,19 +171,19 @@ def test_scoring_loop_fixed_state_one_trace_and_policies():
   full = model(jnp.asarray(tok)[None])
   logp = jax.nn.log_softmax(full[0, :-1], -1)
   dense_ref = -np.take_along_axis(np.asarray(logp), tok[1:, None], -1)[:, 0]
-  _close(streaming.score_stream(model, tok, Policy("dense"), chunk=8, progress=False),
+  _close(streaming.score_stream(model, tok, StreamPolicy("dense"), chunk=8, progress=False),
          dense_ref)
-  _close(streaming.score_stream(model, tok, Policy("streaming", window=40, sinks=4), chunk=7,
+  _close(streaming.score_stream(model, tok, StreamPolicy("streaming", window=40, sinks=4), chunk=7,
                                 progress=False), dense_ref)
   # recompute: loss i from a fresh forward over the last W tokens, the window sliding
   W = 6
-  rec = streaming.score_stream(model, tok, Policy("recompute", window=W), batch=4,
+  rec = streaming.score_stream(model, tok, StreamPolicy("recompute", window=W), batch=4,
                                progress=False)
   for i in (0, 4, W, 20, N - 2):
     lg = model(jnp.asarray(tok[max(0, i - W + 1):i + 1])[None])[0, -1]
     _close(rec[i], -jax.nn.log_softmax(lg)[tok[i + 1]])
   # a fixed-size state and a single trace of the chunk step, however long the stream
-  sc = streaming.CachedScorer(model, Policy("streaming", window=6, sinks=2), chunk=4,
+  sc = streaming.CachedScorer(model, StreamPolicy("streaming", window=6, sinks=2), chunk=4,
                               trace_limit=1)
   sizes = set()
   for a in range(0, 30, 4):
@@ -191,11 +191,12 @@ def test_scoring_loop_fixed_state_one_trace_and_policies():
     sizes.add(sc.cache_bytes)
   assert len(sizes) == 1 and sc.position == 24
   # generation with the streaming cache: any length in constant memory, == step by step
-  gen = streaming.generate(model, tok[:5], Policy("streaming", window=6, sinks=2),
+  gen = streaming.generate(model, tok[:5], StreamPolicy("streaming", window=6, sinks=2),
                            max_new_tokens=12)
-  lg = _stream_logits(model, gen[:-1], 1, Policy("streaming", window=6, sinks=2).cache)
+  lg = _stream_logits(model, gen[:-1], 1, StreamPolicy("streaming", window=6, sinks=2).cache)
   np.testing.assert_array_equal(np.argmax(np.asarray(lg[4:]), -1), gen[5:])
-  rec_gen = streaming.generate(model, tok[:5], Policy("recompute", window=6), max_new_tokens=3)
+  rec_gen = streaming.generate(model, tok[:5], StreamPolicy("recompute", window=6),
+                               max_new_tokens=3)
   for i in range(5, 8):
     ctx = jnp.asarray(rec_gen[max(0, i - 6):i])[None]
     assert int(jnp.argmax(model(ctx)[0, -1])) == rec_gen[i]
@@ -204,9 +205,9 @@ def test_scoring_loop_fixed_state_one_trace_and_policies():
 def test_clear_errors(tmp_path):
   model = _model("attention")
   with pytest.raises(ValueError, match="empty"):
-    streaming.score_stream(model, np.zeros(1, np.int32), Policy("dense"))
+    streaming.score_stream(model, np.zeros(1, np.int32), StreamPolicy("dense"))
   with pytest.raises(ValueError, match="larger than the model holds"):
-    streaming.check_policy(model.cfg, Policy("streaming", window=100, sinks=4))
+    streaming.check_policy(model.cfg, StreamPolicy("streaming", window=100, sinks=4))
   (tmp_path / "empty.txt").write_text("")
   with pytest.raises(ValueError, match="empty"):
     streaming.read_stream(str(tmp_path / "empty.txt"))

@@ -35,8 +35,8 @@ from flax import nnx
 
 from attn_jax.attention.fox import BiasOptions, ScoreBiasAttention
 from attn_jax.attention.projection import QKVProjection, make_sink_logit
-from attn_jax.attention.sisa import stat_dtype
 from attn_jax.config import ModelConfig
+from attn_jax.layers import stat_dtype
 from attn_jax.registry import register_mixer
 
 

@@ -15,7 +15,7 @@ a mixer's own per-key data (any pytree of [B, S, ...] arrays, e.g.
 SISA's g_j and R(Phi_j) B_j), written slot for slot with the keys. Slots are not positions:
 masks come from `pos` (`core.positional_mask`), so a caller never computes a slot.
 
-A `Policy` is an inference-time choice (the parameters do not depend on it), passed when the
+A `CachePolicy` is an inference-time choice (the parameters do not depend on it), passed when the
 state is made (`model.init_state(batch, capacity, policy=...)`); it owns three things:
 - slot writes: `Linear()` puts token n of a row in slot n (capacity = the longest stream);
   `Ring(W)` in slot n mod W (the last W tokens, constant memory); `SinksRing(n, W)`
@@ -46,7 +46,7 @@ state is made (`model.init_state(batch, capacity, policy=...)`); it owns three t
 
 New tokens attend to [cache ; themselves] before they are written, so a ring takes a chunk of
 up to W tokens at once without the chunk overwriting keys its own queries still need
-(`Policy.max_chunk`). Rows advance independently (prompts of different lengths); padding
+(`CachePolicy.max_chunk`). Rows advance independently (prompts of different lengths); padding
 tokens (position -1) are never written and never advance a row.
 
 Queries and keys may carry extra channels beside the rotated q.k (`Widening`: scored apart and
@@ -73,7 +73,7 @@ from attn_jax.options import is_int
 # ------------------------------------------------------------------ policies
 
 @dataclasses.dataclass(frozen=True)
-class Policy:
+class CachePolicy:
   """Base of the cache policies (module docstring). Subclasses set `sinks` / `window`."""
   sinks = 0                     # first tokens kept forever
   window = None                 # recent tokens kept (query included); None: all
@@ -127,12 +127,12 @@ class Policy:
 
 
 @dataclasses.dataclass(frozen=True)
-class Linear(Policy):
+class Linear(CachePolicy):
   """Every token stays: slot n for token n (a dense cache of `capacity` slots)."""
 
 
 @dataclasses.dataclass(frozen=True)
-class Ring(Policy):
+class Ring(CachePolicy):
   """The last `window` tokens (query included): slot n mod window."""
   window: int = 1020
 
@@ -142,7 +142,7 @@ class Ring(Policy):
 
 
 @dataclasses.dataclass(frozen=True)
-class SinksRing(Policy):
+class SinksRing(CachePolicy):
   """StreamingLLM: the first `sinks` tokens plus the last `window` tokens."""
   sinks: int = 4
   window: int = 1020
@@ -169,7 +169,7 @@ class KVCache:
   base: Any = None        # [B] int32: the RoPE frame of the window slots (rings; module doc)
   kx: Any = None          # [B, K, S, E] extra key channels scored beside q.k (`Widening`),
                           # head-major like k, written with the keys, never rotated
-  policy: Policy = struct.field(pytree_node=False, default=LINEAR)
+  policy: CachePolicy = struct.field(pytree_node=False, default=LINEAR)
 
   def write(self, k_BTKD, v_BTKD, positions_BT, extra=None, kx_BTKE=None) -> "KVCache":
     """Write the valid new tokens (position >= 0) after each row's pointer, in order (padding
@@ -194,7 +194,7 @@ class KVCache:
         kx=self.kx if kx_BTKE is None else put_kv(self.kx, kx_BTKE))
 
 
-def init_cache(policy: Policy, batch: int, capacity: int, n_kv: int, dk: int, dv: int, dtype,
+def init_cache(policy: CachePolicy, batch: int, capacity: int, n_kv: int, dk: int, dv: int, dtype,
                extra=None, kx_dim: int = 0) -> KVCache:
   """An empty cache of `policy.slots(capacity)` slots; `extra`: a pytree of
   `jax.ShapeDtypeStruct` (per-key shape and dtype) for the mixer's own per-key data; `kx_dim`:
@@ -342,20 +342,20 @@ class CachedMixer(Mixer):
   follows_policy = True
 
   @classmethod
-  def cache_policy(cls, cfg, opts, policy: Policy | None) -> Policy:
+  def cache_policy(cls, cfg, opts, policy: CachePolicy | None) -> CachePolicy:
     return LINEAR if policy is None else policy
 
   @classmethod
   def init_state(cls, cfg, opts, batch: int, capacity: int, dtype,
-                 policy: Policy | None = None):
+                 policy: CachePolicy | None = None):
     """A plain KV cache (q/k/v heads of `cfg`) under `cache_policy`."""
     return init_cache(cls.cache_policy(cfg, opts, policy), batch, capacity, cfg.kv_heads,
                       cfg.head_dim, cfg.head_dim, dtype)
 
   @classmethod
-  def max_chunk(cls, cfg, opts, capacity: int, policy: Policy | None = None) -> int | None:
+  def max_chunk(cls, cfg, opts, capacity: int, policy: CachePolicy | None = None) -> int | None:
     return cls.cache_policy(cfg, opts, policy).max_chunk
 
   @classmethod
-  def stream_limit(cls, cfg, opts, capacity: int, policy: Policy | None = None) -> int | None:
+  def stream_limit(cls, cfg, opts, capacity: int, policy: CachePolicy | None = None) -> int | None:
     return cls.cache_policy(cfg, opts, policy).stream_limit(capacity)

@@ -38,7 +38,7 @@ class Attention(cache_lib.CachedMixer):
     self.proj = QKVProjection(cfg, rngs=rngs)
     self.sink_logit = make_sink_logit(cfg, opts, rngs)
 
-  reads_shared_prefix = True   # packed rows: a masked key set (registry.py)
+  reads_shared_prefix = True   # packed rows: a masked key set (mixer.py)
 
   def __call__(self, x_BTD, *, positions_BT, segment_ids_BT=None, state=None, rng=None,
                train=False):

@@ -14,7 +14,7 @@ given). Cost: O(T (m+1) b) scores instead of O(T^2) (m = 1 sorted block without 
 soft mix forms N sorted blocks from N blocks each, O(N^2 b d) = O(T^2 d / b) multiply-adds in
 O(T d) memory (SortCut gathers instead: O(T m d)); the sorting is O(N^2 d_s) scores plus the
 Sinkhorn iterations (causal: O(n_iters N^3) per kv head). Measured against dense attention by
-`python experiments/bench_sinkhorn.py` (time, compiled memory, crossover length; README).
+`python experiments/bench_sinkhorn.py` (time, compiled memory, crossover length; docs/benchmarks.md).
 
 Choices where the paper leaves room (reasons in docs/sinkhorn.md):
 

@@ -62,8 +62,8 @@ Sink logit (`sink_logit`, `projection.SinkLogitOptions`): the extra softmax colu
 path, part of the one softmax over the widened scores.
 
 The derivations (each path's bounds, the residuals under a cond, decoding, packed rows, the
-cumulative sums by backend) are in docs/sisa.md; measured costs in the README, produced by
-`experiments/bench.py`.
+cumulative sums by backend) are in docs/sisa.md; measured costs in docs/benchmarks.md, produced
+by `experiments/bench.py`.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ from attn_jax.attention.projection import (QKVProjection, SinkLogitOptions, make
                                            probs_with_sink, sink_logit_of)
 from attn_jax.config import ModelConfig
 from attn_jax.layers import (Linear, causal_positions, dtype_of, param, segment_starts,
-                             segmented_cumsum)
+                             stat_dtype, time_cumsum, time_scan)
 from attn_jax.options import field_check, is_int, is_number
 from attn_jax.registry import register_mixer
 
@@ -116,49 +116,6 @@ def matched_d_ff(transformer_cfg, d_state: int, multiple: int = 4) -> int:
 
 # ---------------------------------------------------------------- elementwise pieces
 
-def stat_dtype(cfg: ModelConfig):
-  """Dtype of g, Phi, lambda and the decay factors: fp32 (fp64 for a float64 model)."""
-  return jnp.promote_types(jnp.float32, dtype_of(cfg.dtype))
-
-
-def _time_scan(step, x_BT: jax.Array, starts_BT=None) -> jax.Array:
-  """Inclusive scan over axis 1 (`step(carry, x) -> carry`, the carry starting at zero, and
-  reset to zero before every token where `starts_BT` [B, T] is True)."""
-  xs = jnp.moveaxis(x_BT, 1, 0)
-  if starts_BT is None:
-    _, ys = jax.lax.scan(lambda c, a: (step(c, a),) * 2, jnp.zeros_like(xs[0]), xs)
-    return jnp.moveaxis(ys, 0, 1)
-  rs = jnp.moveaxis(_expand(starts_BT, x_BT), 1, 0)
-
-  def body(c, ar):
-    a, r = ar
-    c = step(jnp.where(r, jnp.zeros_like(c), c), a)
-    return c, c
-
-  _, ys = jax.lax.scan(body, jnp.zeros_like(xs[0]), (xs, rs))
-  return jnp.moveaxis(ys, 0, 1)
-
-
-def _expand(starts_BT, x_BT):
-  """[B, T] flags broadcast against x [B, T, ...]."""
-  return starts_BT.reshape(starts_BT.shape + (1,) * (x_BT.ndim - 2))
-
-
-def time_cumsum(x_BT: jax.Array, starts_BT=None) -> jax.Array:
-  """Inclusive cumulative sum over axis 1 (see the module docstring for the choice). With
-  `starts_BT` ([B, T] bool, `layers.segment_starts`): a segmented sum restarting at every True
-  (a packed row's documents), whose value and gradient read only the own segment (the resets
-  are selects, so a cotangent never crosses one: exact zeros, not cancellations)."""
-  if starts_BT is None:
-    if jax.default_backend() != "cpu":
-      return jnp.cumsum(x_BT, axis=1)
-    return _time_scan(jnp.add, x_BT)
-  if jax.default_backend() == "cpu":
-    return _time_scan(jnp.add, x_BT, starts_BT)
-  r = jnp.broadcast_to(_expand(starts_BT, x_BT), x_BT.shape)
-  return segmented_cumsum(x_BT, r, axis=1)[0]
-
-
 # 2 pi as a sum of two floats (Cody-Waite): the fp32-rounded 2 pi alone is 1.7e-7 too large, an
 # error every wrap would add to the phase.
 _TWO_PI_HI = float(np.float32(2 * np.pi))
@@ -175,7 +132,7 @@ def phase_cumsum(theta_BTHP: jax.Array, starts_BT=None) -> jax.Array:
   """Phi_t = sum_{s<=t} theta_s mod 2 pi, the running sum wrapped at every step, so the angle
   never grows with t and keeps the precision of a few radians (module docstring); restarting
   at every `starts_BT` (packed rows)."""
-  return _time_scan(lambda c, a: wrap_phase(c + a), theta_BTHP, starts_BT)
+  return time_scan(lambda c, a: wrap_phase(c + a), theta_BTHP, starts_BT)
 
 
 def decay_and_phase(loga_BTH, theta_BTHP, starts_BT=None):
@@ -185,7 +142,7 @@ def decay_and_phase(loga_BTH, theta_BTHP, starts_BT=None):
     return time_cumsum(loga_BTH, starts_BT), None
   if jax.default_backend() != "cpu":
     return time_cumsum(loga_BTH, starts_BT), phase_cumsum(theta_BTHP, starts_BT)
-  both = _time_scan(lambda c, a: jnp.concatenate([c[..., :1] + a[..., :1],
+  both = time_scan(lambda c, a: jnp.concatenate([c[..., :1] + a[..., :1],
                                                   wrap_phase(c[..., 1:] + a[..., 1:])], -1),
                     jnp.concatenate([loga_BTH[..., None], theta_BTHP], axis=-1), starts_BT)
   return both[..., 0], both[..., 1:]
@@ -668,7 +625,7 @@ class SISA(cache_lib.CachedMixer):
 
   @classmethod
   def init_state(cls, cfg: ModelConfig, opts: "SISA.Options", batch: int, capacity: int, dtype,
-                 policy: cache_lib.Policy | None = None) -> "SISAState":
+                 policy: cache_lib.CachePolicy | None = None) -> "SISAState":
     H, ds, f = cfg.n_heads, int(opts.d_state), stat_dtype(cfg)
     extra = SISAKeys(g=jax.ShapeDtypeStruct((H,), f))   # R(Phi_j) B_j: the cache's kx
     kv = cache_lib.init_cache(cls.cache_policy(cfg, opts, policy), batch, capacity,

@@ -57,7 +57,7 @@ class SlidingWindowAttention(cache_lib.CachedMixer):
       w = self.window
       field_check(where)(is_int(w, 1), "window", f"must be an integer >= 1, got {w!r}")
 
-  reads_shared_prefix = True   # packed rows: a masked key set (registry.py)
+  reads_shared_prefix = True   # packed rows: a masked key set (mixer.py)
 
   @classmethod
   def tiny(cls):
@@ -95,7 +95,7 @@ class SlidingWindowAttention(cache_lib.CachedMixer):
   follows_policy = False
 
   @classmethod
-  def cache_policy(cls, cfg: ModelConfig, opts, policy) -> cache_lib.Policy:
+  def cache_policy(cls, cfg: ModelConfig, opts, policy) -> cache_lib.CachePolicy:
     del cfg, policy   # the ring of the window, whatever the decode asks for
     return cache_lib.Ring(opts.window)
 

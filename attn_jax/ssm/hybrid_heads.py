@@ -25,7 +25,7 @@ branches keep to a token's document. The attention heads mask every key of anoth
 a later key of the same document still has a larger position, so `prefix_causal` holds); the
 Mamba-2 heads restart their conv window and state at the document's first token
 (`mamba2.Mamba2.ssm_heads`). The SSM heads cannot give every document a shared prefix, so
-`reads_shared_prefix` stays False (registry.py).
+`reads_shared_prefix` stays False (mixer.py).
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ restart, so each document is computed as in a row of its own.
   SSD    a_{t0} = -inf, so exp(a_{t0}) = 0 and h_{t0} = dt x_{t0} B_{t0}^T
          (`ssd.ssd_chunked(reset_BT=)`, whose docstring shows this exact in the chunked form).
 The D skip, gate and norm are per token. A state restarted at t0 cannot also hold a prefix
-shared by every document, so `reads_shared_prefix` stays False (registry.py).
+shared by every document, so `reads_shared_prefix` stays False (mixer.py).
 """
 
 from __future__ import annotations
