@@ -91,6 +91,21 @@ def hf_tied(torch_tf, tiny_tok, tmp_path_factory):
   return path, make_hf_dir(torch_tf, tiny_tok, path, tie=True, seed=1)
 
 
+@pytest.fixture(scope="module")
+def plain_hf_dir(tiny_tok, tmp_path_factory):
+  """A HF folder written by attn_jax itself (no torch needed): the bad-input tests' source."""
+  from attn_jax.model import build_model
+  from attn_jax.pretrained.llama import model_config
+  from attn_jax.pretrained.loader import hf_tensors
+  path = str(tmp_path_factory.mktemp("plain") / "hf")
+  cfg = model_config(hf_lib.spec_from_config(
+      {"model_type": "llama", "vocab_size": tiny_tok.get_vocab_size(), "hidden_size": 64,
+       "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+       "num_key_value_heads": 2, "max_position_embeddings": 128}, "test"))
+  export_hf(build_model(cfg.replace(init_std=0.1), seed=5), path, tokenizer=tiny_tok)
+  return path
+
+
 def torch_logits(torch_tf, model, ids):
   torch, _ = torch_tf
   with torch.no_grad():
@@ -315,8 +330,8 @@ def assert_nothing_written(parent, before):
   assert sorted(os.listdir(parent)) == before
 
 
-def test_truncated_gguf_is_one_line_and_nothing_written(hf_untied, tiny_tok, tmp_path):
-  path = write_tiny_gguf(hf_untied[0], tiny_tok, tmp_path / "full.gguf", "F32")
+def test_truncated_gguf_is_one_line_and_nothing_written(plain_hf_dir, tiny_tok, tmp_path):
+  path = write_tiny_gguf(plain_hf_dir, tiny_tok, tmp_path / "full.gguf", "F32")
   data = open(path, "rb").read()
   for cut, name in ((len(data) - 100, "cut_data.gguf"), (2000, "cut_header.gguf")):
     bad = tmp_path / name
@@ -327,8 +342,8 @@ def test_truncated_gguf_is_one_line_and_nothing_written(hf_untied, tiny_tok, tmp
     assert str(bad) in msg and ("truncated" in msg) and "\n" not in msg
 
 
-def test_convert_cli_reports_one_line_and_writes_nothing(hf_untied, tiny_tok, tmp_path):
-  path = write_tiny_gguf(hf_untied[0], tiny_tok, tmp_path / "full.gguf", "F32")
+def test_convert_cli_reports_one_line_and_writes_nothing(plain_hf_dir, tiny_tok, tmp_path):
+  path = write_tiny_gguf(plain_hf_dir, tiny_tok, tmp_path / "full.gguf", "F32")
   bad = tmp_path / "bad.gguf"
   bad.write_bytes(open(path, "rb").read()[:-64])
   before = sorted(os.listdir(tmp_path))
@@ -341,7 +356,7 @@ def test_convert_cli_reports_one_line_and_writes_nothing(hf_untied, tiny_tok, tm
   assert_nothing_written(tmp_path, before)
 
 
-def test_non_llama_architectures_are_refused_naming_the_field(hf_untied, tmp_path):
+def test_non_llama_architectures_are_refused_naming_the_field(tmp_path):
   import gguf
   path = tmp_path / "qwen.gguf"
   w = gguf.GGUFWriter(str(path), "qwen2")
@@ -365,8 +380,8 @@ def test_non_llama_architectures_are_refused_naming_the_field(hf_untied, tmp_pat
     ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5}}, "rope_type"),
     ({"head_dim": 32}, "head_dim"),
 ])
-def test_hf_config_fields_without_a_counterpart_are_named(hf_untied, tmp_path, edit, words):
-  src, _ = hf_untied
+def test_hf_config_fields_without_a_counterpart_are_named(plain_hf_dir, tmp_path, edit, words):
+  src = plain_hf_dir
   c = json.loads(open(os.path.join(src, "config.json")).read())
   c.update(edit)
   (tmp_path / "config.json").write_text(json.dumps(c))
@@ -374,9 +389,9 @@ def test_hf_config_fields_without_a_counterpart_are_named(hf_untied, tmp_path, e
     hf_lib.spec_from_config(c, str(tmp_path / "config.json"))
 
 
-def test_a_bias_tensor_is_named(hf_untied, tmp_path):
+def test_a_bias_tensor_is_named(plain_hf_dir, tmp_path):
   from safetensors.numpy import save_file
-  src, _ = hf_untied
+  src = plain_hf_dir
   tensors = hf_lib.read_tensors(src)
   tensors["model.layers.0.self_attn.q_proj.bias"] = np.zeros(64, np.float32)
   out = tmp_path / "biased"
@@ -388,10 +403,10 @@ def test_a_bias_tensor_is_named(hf_untied, tmp_path):
     load(str(out))
 
 
-def test_vocabulary_tokenizer_mismatch_is_refused(torch_tf, hf_untied, tiny_tok, tmp_path):
+def test_vocabulary_tokenizer_mismatch_is_refused(plain_hf_dir, tmp_path):
   from attn_jax.pretrained.convert import convert
   from configs.base import get_config
-  src, _ = hf_untied
+  src = plain_hf_dir
   big = train_tiny_bpe((TEST_DATA / "tinyshakespeare" / "input.txt").read_text(), 400)
   bad = tmp_path / "hf"
   bad.mkdir()
@@ -410,8 +425,8 @@ def test_vocabulary_tokenizer_mismatch_is_refused(torch_tf, hf_untied, tiny_tok,
     load(str(path))
 
 
-def test_export_gguf_refuses_an_existing_file(hf_untied, tiny_tok, tmp_path):
-  pre = load(hf_untied[0])
+def test_export_gguf_refuses_an_existing_file(plain_hf_dir, tmp_path):
+  pre = load(plain_hf_dir)
   target = tmp_path / "x.gguf"
   target.write_bytes(b"keep")
   with pytest.raises(PretrainedError, match="exists"):
