@@ -242,7 +242,7 @@ def test_gguf_rows_are_permuted_as_llama_cpp_expects(torch_tf, hf_untied, tiny_t
   assert not np.array_equal(raw, original["model.layers.0.self_attn.q_proj.weight"])
 
 
-@pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
+@pytest.mark.parametrize("qtype", ["F32", "F16", "Q8_0"])
 def test_gguf_import_equals_the_hf_model(torch_tf, hf_untied, tiny_tok, tmp_path, qtype):
   hf_dir, ref = hf_untied
   path = write_tiny_gguf(hf_dir, tiny_tok, tmp_path / f"m_{qtype}.gguf", qtype)
@@ -255,7 +255,7 @@ def test_gguf_import_equals_the_hf_model(torch_tf, hf_untied, tiny_tok, tmp_path
     np.testing.assert_array_equal(ours[name], theirs[name], err_msg=name)
     if qtype == "F32" or w.ndim == 1:
       np.testing.assert_array_equal(ours[name], w, err_msg=name)
-    else:   # Q8_0: 8-bit blocks of 32 with a per-block scale, ~0.4% of the block's max
+    else:   # F16, or Q8_0's 8-bit blocks of 32 with a scale each (~0.4% of a block's max)
       assert 0 < np.abs(ours[name] - w).max() <= 0.01 * np.abs(w).max(), name
   ids = ids_batch(pre.cfg.vocab_size, seed=3)
   logits = np.asarray(pre.model(jnp.asarray(ids)))
@@ -320,7 +320,13 @@ def test_converted_run_directory_loads_like_a_trained_run(hf_untied, tmp_path):
   gen = np.asarray(decode.generate(model, prompt, max_new_tokens=4))
   full = np.asarray(model(jnp.asarray(gen[:, :-1])))   # greedy = argmax of the causal forward
   np.testing.assert_array_equal(gen[0, 6:], full[0, 5:].argmax(-1))
-  assert sorted(os.listdir(tmp_path)) == ["run"]
+  back = convert(out["workdir"], hf_out=str(tmp_path / "hf"), gguf_out=str(tmp_path / "m.gguf"))
+  original = hf_lib.read_tensors(hf_dir)
+  for name, w in hf_lib.read_tensors(back["hf"]).items():
+    np.testing.assert_array_equal(w, original[name], err_msg=name)
+  assert json.loads(open(os.path.join(back["hf"], "config.json")).read())["eos_token_id"] == 0
+  assert load(back["gguf"]).spec == pre.spec
+  assert sorted(os.listdir(tmp_path)) == ["hf", "m.gguf", "run"]
 
 
 # ------------------------------------------------------------------ bad inputs

@@ -106,8 +106,8 @@ def read_spec(reader, path: str) -> LlamaSpec:
       n_kv_heads=int(field(reader, "llama.attention.head_count_kv", n_heads)),
       head_dim=int(field(reader, "llama.attention.key_length", d_model // max(n_heads, 1))),
       d_ff=int(need("feed_forward_length")), max_seq_len=int(need("context_length")),
-      rope_theta=float(field(reader, "llama.rope.freq_base", 10000.0)),
-      norm_eps=float(need("attention.layer_norm_rms_epsilon")),
+      rope_theta=_f32_decimal(field(reader, "llama.rope.freq_base", 10000.0)),
+      norm_eps=_f32_decimal(need("attention.layer_norm_rms_epsilon")),
       tie_embeddings=not any(t.name == "output.weight" for t in reader.tensors),
       bos_id=_opt_int(field(reader, "tokenizer.ggml.bos_token_id")),
       eos_id=_opt_int(field(reader, "tokenizer.ggml.eos_token_id")))
@@ -146,6 +146,12 @@ def _required(reader, path: str, key: str):
   if v is None:
     raise PretrainedError(f"{path}: metadata key {key} is missing")
   return v
+
+
+def _f32_decimal(v) -> float:
+  """A float32 metadata value as the shortest decimal that rounds to it (1e-05, not
+  9.999999747378752e-06): the value the checkpoint's author wrote, and the same float32."""
+  return float(np.format_float_scientific(np.float32(v), unique=True))
 
 
 def _opt_int(v) -> int | None:
