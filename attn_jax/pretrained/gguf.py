@@ -50,7 +50,7 @@ _LAYER_NAMES = {
 }
 _TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
               "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
-_SPEC_KEYS = {"d_model": "embedding_length", "n_layers": "block_count",
+_GGUF_KEYS = {"d_model": "embedding_length", "n_layers": "block_count",
               "n_heads": "attention.head_count", "n_kv_heads": "attention.head_count_kv",
               "d_ff": "feed_forward_length", "max_seq_len": "context_length",
               "rope_theta": "rope.freq_base", "norm_eps": "attention.layer_norm_rms_epsilon"}
@@ -111,7 +111,7 @@ def read_spec(reader, path: str) -> LlamaSpec:
       tie_embeddings=not any(t.name == "output.weight" for t in reader.tensors),
       bos_id=_opt_int(field(reader, "tokenizer.ggml.bos_token_id")),
       eos_id=_opt_int(field(reader, "tokenizer.ggml.eos_token_id")))
-  keys = {k: f"llama.{v}" for k, v in _SPEC_KEYS.items()}
+  keys = {k: f"llama.{v}" for k, v in _GGUF_KEYS.items()}
   keys.update(vocab_size="token_embd.weight rows", head_dim="llama.attention.key_length")
   check_spec(spec, path, keys)
   _check_unmapped(reader, path, spec)

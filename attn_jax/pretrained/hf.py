@@ -34,7 +34,7 @@ INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 TOKENIZER = "tokenizer.json"
 
-_SPEC_FIELDS = {"vocab_size": "vocab_size", "d_model": "hidden_size",
+_HF_FIELDS = {"vocab_size": "vocab_size", "d_model": "hidden_size",
                 "n_layers": "num_hidden_layers", "n_heads": "num_attention_heads",
                 "n_kv_heads": "num_key_value_heads", "head_dim": "head_dim",
                 "d_ff": "intermediate_size", "max_seq_len": "max_position_embeddings",
@@ -89,7 +89,7 @@ def spec_from_config(c: Mapping[str, Any], path: str) -> LlamaSpec:
       norm_eps=float(c.get("rms_norm_eps", 1e-6)),
       tie_embeddings=bool(c.get("tie_word_embeddings", False)),
       bos_id=_first_int(c.get("bos_token_id")), eos_id=_first_int(c.get("eos_token_id")))
-  check_spec(spec, path, _SPEC_FIELDS)
+  check_spec(spec, path, _HF_FIELDS)
   return spec
 
 

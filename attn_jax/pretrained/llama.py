@@ -112,6 +112,7 @@ _LAYER_TENSORS = {
     "mlp.up_proj.weight": ("mlp/up/kernel", "t"),
     "mlp.down_proj.weight": ("mlp/down/kernel", "t"),
 }
+_TOP_TENSORS = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
 # Tensors some Llama exports carry that hold no weights (RoPE caches).
 _IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 
@@ -159,7 +160,18 @@ def params_from_hf(tensors: Mapping[str, np.ndarray], spec: LlamaSpec, cfg: Mode
   """Hugging Face-named arrays -> the pure-dict parameters of `model.Decoder(cfg)` (fp32).
   Every tensor is accounted for: an unknown, missing or misshapen one is a PretrainedError
   naming it and `source`."""
-  from attn_jax.model import padded_vocab
+  per_layer, top = _sort_tensors(tensors, spec, source)
+  params = _top_params(top, spec, cfg, source)
+  block: dict = {}
+  for key, (path, how) in _LAYER_TENSORS.items():
+    stacked = np.stack([_to_kernel(_f32(a), how, spec) for a in per_layer[key]])
+    _set(block, path, stacked)
+  params["blocks"] = {"layers": {0: block}}
+  return params
+
+
+def _sort_tensors(tensors, spec: LlamaSpec, source: str):
+  """({per-layer name: [array of layer i]}, {top-level name: array}), every layer complete."""
   want = _expected_shapes(spec)
   per_layer: dict[str, list] = {k: [None] * spec.n_layers for k in want}
   top: dict[str, np.ndarray] = {}
@@ -167,11 +179,13 @@ def params_from_hf(tensors: Mapping[str, np.ndarray], spec: LlamaSpec, cfg: Mode
     m = _LAYER.fullmatch(name)
     if _IGNORED.fullmatch(name):
       continue
-    if m and m.group(2) in want and int(m.group(1)) < spec.n_layers:
-      key = m.group(2)
-      _check_shape(name, arr, want[key], source)
-      per_layer[key][int(m.group(1))] = arr
-    elif name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+    if m and m.group(2) in want:
+      if int(m.group(1)) >= spec.n_layers:
+        raise PretrainedError(f"{source}: tensor {name}: layer {m.group(1)} of a model with "
+                              f"{spec.n_layers} layers (num_hidden_layers / block_count)")
+      _check_shape(name, arr, want[m.group(2)], source)
+      per_layer[m.group(2)][int(m.group(1))] = arr
+    elif name in _TOP_TENSORS:
       top[name] = arr
     else:
       raise PretrainedError(f"{source}: tensor {name}: {_unknown_tensor(name)}")
@@ -180,31 +194,30 @@ def params_from_hf(tensors: Mapping[str, np.ndarray], spec: LlamaSpec, cfg: Mode
     if missing:
       raise PretrainedError(f"{source}: tensor model.layers.{missing[0]}.{key} is missing "
                             f"({len(missing)} of {spec.n_layers} layers lack it)")
+  return per_layer, top
+
+
+def _top_params(top: dict, spec: LlamaSpec, cfg: ModelConfig, source: str) -> dict:
+  """embed (padded), final_norm and the untied head; the tying checked against the tensors."""
+  from attn_jax.model import padded_vocab
   V, D = spec.vocab_size, spec.d_model
-  for name in ("model.embed_tokens.weight", "model.norm.weight"):
+  for name, shape in (("model.embed_tokens.weight", (V, D)), ("model.norm.weight", (D,))):
     if name not in top:
       raise PretrainedError(f"{source}: tensor {name} is missing")
-  _check_shape("model.embed_tokens.weight", top["model.embed_tokens.weight"], (V, D), source)
-  _check_shape("model.norm.weight", top["model.norm.weight"], (D,), source)
+    _check_shape(name, top[name], shape, source)
   vp = padded_vocab(cfg)
-  params: dict = {}
-  params["embed"] = _pad_rows(top["model.embed_tokens.weight"], vp)
-  params["final_norm"] = {"scale": _f32(top["model.norm.weight"])}
+  params = {"embed": _pad_rows(top["model.embed_tokens.weight"], vp),
+            "final_norm": {"scale": _f32(top["model.norm.weight"])}}
+  head = top.get("lm_head.weight")
   if not spec.tie_embeddings:
-    if "lm_head.weight" not in top:
+    if head is None:
       raise PretrainedError(f"{source}: tensor lm_head.weight is missing and the embeddings "
                             "are not tied (tie_word_embeddings is false)")
-    _check_shape("lm_head.weight", top["lm_head.weight"], (V, D), source)
-    params["head"] = _pad_rows(top["lm_head.weight"], vp).T.copy()
-  elif "lm_head.weight" in top and not np.array_equal(top["lm_head.weight"],
-                                                     top["model.embed_tokens.weight"]):
+    _check_shape("lm_head.weight", head, (V, D), source)
+    params["head"] = _pad_rows(head, vp).T.copy()
+  elif head is not None and not np.array_equal(head, top["model.embed_tokens.weight"]):
     raise PretrainedError(f"{source}: tensor lm_head.weight differs from the embedding but "
                           "tie_word_embeddings is true")
-  block: dict = {}
-  for key, (path, how) in _LAYER_TENSORS.items():
-    stacked = np.stack([_to_kernel(_f32(a), how, spec) for a in per_layer[key]])
-    _set(block, path, stacked)
-  params["blocks"] = {"layers": {0: block}}
   return params
 
 

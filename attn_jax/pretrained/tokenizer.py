@@ -60,31 +60,7 @@ def from_gguf(reader, source: str):
   from tokenizers import AddedToken, Tokenizer, decoders, models, processors
 
   from attn_jax.pretrained.gguf import field
-  kind = field(reader, "tokenizer.ggml.model")
-  if kind is None:
-    raise PretrainedError(f"{source}: no tokenizer in the file (tokenizer.ggml.model is "
-                          "missing); pass a tokenizer.json")
-  if kind != "gpt2":
-    raise PretrainedError(f"{source}: tokenizer.ggml.model={kind!r}: only byte-level BPE "
-                          "('gpt2') vocabularies are rebuilt; pass a tokenizer.json")
-  tokens = field(reader, "tokenizer.ggml.tokens")
-  merges = field(reader, "tokenizer.ggml.merges") or []
-  types = field(reader, "tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
-  if len(types) != len(tokens):
-    raise PretrainedError(f"{source}: tokenizer.ggml.token_type has {len(types)} entries for "
-                          f"{len(tokens)} tokens")
-  vocab = {}
-  for i, t in enumerate(tokens):
-    vocab.setdefault(t, i)
-  if len(vocab) != len(tokens):
-    raise PretrainedError(f"{source}: tokenizer.ggml.tokens repeats a token ({len(tokens)} "
-                          f"entries, {len(vocab)} distinct)")
-  pairs = []
-  for m in merges:
-    a, sep, b = m.partition(" ")
-    if not sep:
-      raise PretrainedError(f"{source}: tokenizer.ggml.merges entry {m!r} is not 'a b'")
-    pairs.append((a, b))
+  tokens, types, vocab, pairs = _gguf_vocab(reader, source)
   tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
   tok.pre_tokenizer = pre_tokenizer(field(reader, "tokenizer.ggml.pre", ""), source)
   tok.decoder = decoders.ByteLevel()
@@ -98,6 +74,34 @@ def from_gguf(reader, source: str):
   if user:
     tok.add_tokens(user)
   return tok
+
+
+def _gguf_vocab(reader, source: str):
+  """(tokens, their types, {token: id}, merge pairs) of a byte-level BPE GGUF, checked."""
+  from attn_jax.pretrained.gguf import field
+  kind = field(reader, "tokenizer.ggml.model")
+  if kind is None:
+    raise PretrainedError(f"{source}: no tokenizer in the file (tokenizer.ggml.model is "
+                          "missing); pass a tokenizer.json")
+  if kind != "gpt2":
+    raise PretrainedError(f"{source}: tokenizer.ggml.model={kind!r}: only byte-level BPE "
+                          "('gpt2') vocabularies are rebuilt; pass a tokenizer.json")
+  tokens = field(reader, "tokenizer.ggml.tokens")
+  types = field(reader, "tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
+  if len(types) != len(tokens):
+    raise PretrainedError(f"{source}: tokenizer.ggml.token_type has {len(types)} entries for "
+                          f"{len(tokens)} tokens")
+  vocab = {t: i for i, t in reversed(list(enumerate(tokens)))}
+  if len(vocab) != len(tokens):
+    raise PretrainedError(f"{source}: tokenizer.ggml.tokens repeats a token ({len(tokens)} "
+                          f"entries, {len(vocab)} distinct)")
+  pairs = []
+  for m in field(reader, "tokenizer.ggml.merges") or []:
+    a, sep, b = m.partition(" ")
+    if not sep:
+      raise PretrainedError(f"{source}: tokenizer.ggml.merges entry {m!r} is not 'a b'")
+    pairs.append((a, b))
+  return tokens, types, vocab, pairs
 
 
 def load_json(path: str):
