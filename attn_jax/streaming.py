@@ -20,7 +20,12 @@ window) through `model.step`; the last chunk is padded (positions -1), so one co
 serves the whole stream. losses[i] = -log p(tokens[i+1] | what the policy keeps of
 tokens[..i]) in nats. "recompute" batches its windows ([batch, window] forwards, last logit
 of each): the scores are those of one window per token; `experiments/bench_stream.py` times
-it one token at a time, as a decoder would run it.
+it one token at a time, as a decoder would run it. It costs one window forward per scored
+token, so on a large model it can be subsampled: `stride` s scores the first window in one
+forward (positions 0..window-1, where recompute is dense attention) and after it only every
+s-th position (losses NaN elsewhere). Every scored loss is exactly the stride-1 one; summaries
+(`summarize`, `summarize_ranges`) average the scored positions, and a policy compared with it
+should be compared at the same positions (`paired`).
 """
 
 from __future__ import annotations
@@ -96,6 +101,24 @@ def check_policy(cfg: ModelConfig, policy: StreamPolicy) -> None:
   if policy.name in ("window", "streaming") and not cached_mixers(cfg):
     raise ValueError(f"policy {policy.label}: the model has no mixer whose KV cache takes a "
                      f"policy (pattern {[s.mixer for s in cfg.period]})")
+
+
+def with_max_seq_len(model, max_seq_len: int):
+  """The same parameters under `model.max_seq_len` raised (a config override at inference:
+  the parameters do not depend on it, RoPE has no table). Dense attention then runs positions
+  past the length the model was trained at; nothing else changes."""
+  from attn_jax.config import validate_model
+  from attn_jax.model import abstract_model
+  if not is_int(max_seq_len, 1):
+    raise ValueError(f"max_seq_len must be an integer >= 1, got {max_seq_len!r}")
+  cfg = dataclasses.replace(model.cfg, max_seq_len=int(max_seq_len))
+  validate_model(cfg)
+  graphdef, abstract = nnx.split(abstract_model(cfg))
+  state = nnx.state(model)
+  if jax.tree.structure(abstract) != jax.tree.structure(state):
+    raise ValueError(f"model.max_seq_len={max_seq_len}: the model's parameters depend on it "
+                     "(a position table?); it cannot be raised at inference")
+  return nnx.merge(graphdef, state)
 
 
 def state_bytes(state) -> int:
@@ -190,40 +213,47 @@ class CachedScorer:
     return state_bytes(self.state)
 
 
-def _recompute_losses(model, tokens: np.ndarray, window: int, batch: int, progress):
-  """losses[i] from a fresh forward over tokens[max(0, i - window + 1) : i + 1]."""
+def _recompute_losses(model, tokens: np.ndarray, window: int, batch: int, progress,
+                      stride: int = 1):
+  """losses[i] from a fresh forward over tokens[max(0, i - window + 1) : i + 1], for i < window
+  and every `stride`-th i after (NaN at the others)."""
   N = len(tokens)
   fwd = nnx.jit(lambda m, x: m(x))
   w = min(window, N - 1)
   first = fwd(model, jnp.asarray(tokens[None, :w]))
-  out = [np.asarray(_token_losses(first, jnp.asarray(tokens[None, 1:w + 1])))[0]]
+  out = np.full(N - 1, np.nan, np.float32)
+  out[:w] = np.asarray(_token_losses(first, jnp.asarray(tokens[None, 1:w + 1])))[0]
   progress.update(w)
-  starts = np.arange(1, N - w)               # window [s, s + w) predicts tokens[s + w]
-  last = nnx.jit(lambda m, x: m(x)[:, -1])
+  starts = np.arange(1, N - w, stride)       # window [s, s + w) predicts tokens[s + w]
+  last = nnx.jit(lambda m, x: m.unembed(m.hidden(x)[:, -1]))   # the head for one row only
   for a in range(0, len(starts), batch):
     s = starts[a:a + batch]
     pad = batch - len(s)
     idx = np.pad(s, (0, pad), mode="edge")[:, None] + np.arange(w)[None, :]
     logits = last(model, jnp.asarray(tokens[idx]))
     tgt = tokens[np.minimum(idx[:, -1] + 1, N - 1)]
-    out.append(np.asarray(_token_losses(logits[:, None], jnp.asarray(tgt)[:, None]))[:len(s), 0])
-    progress.update(len(s))
-  return np.concatenate(out)
+    out[s + w - 1] = np.asarray(_token_losses(logits[:, None],
+                                              jnp.asarray(tgt)[:, None]))[:len(s), 0]
+    progress.update(min(len(s) * stride, N - 1 - progress.n))
+  return out
 
 
 def score_stream(model, tokens: np.ndarray, policy: StreamPolicy, *, chunk: int = 256,
-                 batch: int = 16, progress: bool = True) -> np.ndarray:
-  """Per-position losses [N - 1] (nats) of a token stream under `policy` (module docstring)."""
+                 batch: int = 16, progress: bool = True, stride: int = 1) -> np.ndarray:
+  """Per-position losses [N - 1] (nats) of a token stream under `policy` (module docstring).
+  `stride`: "recompute" scores every stride-th position past its first window (NaN between)."""
   from tqdm.auto import tqdm
   tokens = np.asarray(tokens, np.int32)
   N = len(tokens)
   if N < 2:
     raise ValueError(f"the stream is empty (needs >= 2 tokens to score, got {N})")
   check_policy(model.cfg, policy)
+  if not is_int(stride, 1):
+    raise ValueError(f"stride must be an integer >= 1, got {stride!r}")
   bar = tqdm(total=N - 1, desc=policy.label, unit="tok", disable=not progress, leave=False)
   try:
     if policy.name == "recompute":
-      return _recompute_losses(model, tokens, policy.window, batch, bar)
+      return _recompute_losses(model, tokens, policy.window, batch, bar, stride)
     scorer = CachedScorer(model, policy, chunk=chunk,
                           capacity=N if policy.name == "dense" else 0)
     out = []
@@ -280,23 +310,70 @@ def write_results(out_dir: str, results: dict[str, np.ndarray], meta: dict,
   paths = {k: os.path.join(out_dir, f) for k, f in
            (("json", "losses.json"), ("csv", "losses.csv"), ("png", "loss.png"))}
   summary = {k: summarize(v) for k, v in results.items()}
-  with open(paths["json"], "w") as f:
+  with open(paths["json"], "w") as f:   # unscored positions (NaN) as null
     json.dump({"meta": meta, "summary": summary,
-               "policies": {k: [round(float(x), 5) for x in v] for k, v in results.items()}}, f)
+               "policies": {k: [None if np.isnan(x) else round(float(x), 5) for x in v]
+                            for k, v in results.items()}}, f)
   n = max(len(v) for v in results.values())
   with open(paths["csv"], "w", newline="") as f:
     w = csv.writer(f)
     w.writerow(["position"] + list(results))
     for i in range(n):
-      w.writerow([i + 1] + [f"{v[i]:.5f}" if i < len(v) else "" for v in results.values()])
+      w.writerow([i + 1] + [f"{v[i]:.5f}" if i < len(v) and not np.isnan(v[i]) else ""
+                            for v in results.values()])
   plot_losses(paths["png"], results, smooth=smooth, title=meta.get("title", ""))
   return paths
 
 
+def _nanmean(x) -> float:
+  x = np.asarray(x, np.float64)
+  x = x[~np.isnan(x)]
+  return float(x.mean()) if x.size else float("nan")
+
+
 def summarize(losses: np.ndarray, parts: int = 4) -> dict:
-  """Mean loss (nats) over the whole stream and over `parts` consecutive slices."""
+  """Mean loss (nats) over the whole stream and over `parts` consecutive slices (scored
+  positions only: NaN = not scored)."""
   sl = np.array_split(np.asarray(losses, np.float64), parts)
-  return {"mean": float(np.mean(losses)), "slices": [float(np.mean(s)) for s in sl]}
+  return {"mean": _nanmean(losses), "slices": [_nanmean(s) for s in sl]}
+
+
+def summarize_ranges(losses: np.ndarray, edges) -> list[dict]:
+  """Mean loss and perplexity over position ranges [e_k, e_{k+1}) of the predicted token
+  (losses[i] predicts position i + 1; `edges` are the inner boundaries, the stream's ends are
+  added), scored positions only. -> [{"start", "end", "n", "mean", "ppl"}]."""
+  v = np.asarray(losses, np.float64)
+  pos = np.arange(1, len(v) + 1)
+  cuts = [0] + sorted(int(e) for e in edges if 0 < int(e) <= len(v)) + [len(v) + 1]
+  out = []
+  for a, b in zip(cuts[:-1], cuts[1:]):
+    sel = v[(pos >= a) & (pos < b)]
+    sel = sel[~np.isnan(sel)]
+    mean = float(sel.mean()) if sel.size else float("nan")
+    out.append({"start": a, "end": min(b, len(v) + 1), "n": int(sel.size), "mean": mean,
+                "ppl": float(np.exp(mean))})
+  return out
+
+
+def paired(results: dict[str, np.ndarray], reference: str) -> dict[str, float]:
+  """Mean loss of every policy at the positions `reference` scored (a subsampled recompute):
+  a side-by-side comparison on the same tokens."""
+  mask = ~np.isnan(np.asarray(results[reference], np.float64))
+  return {k: _nanmean(np.asarray(v, np.float64)[mask[:len(v)]]) for k, v in results.items()}
+
+
+def binned_means(losses: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+  """(bin centres, mean loss of the scored positions in each bin of `width` positions)."""
+  v = np.asarray(losses, np.float64)
+  n = -(-len(v) // width)
+  centres, means = [], []
+  for b in range(n):
+    part = v[b * width:(b + 1) * width]
+    part = part[~np.isnan(part)]
+    if part.size:
+      centres.append(b * width + (min((b + 1) * width, len(v)) - b * width) / 2)
+      means.append(part.mean())
+  return np.asarray(centres), np.asarray(means)
 
 
 def plot_losses(path: str, results: dict[str, np.ndarray], *, smooth: int = 64,
@@ -307,14 +384,138 @@ def plot_losses(path: str, results: dict[str, np.ndarray], *, smooth: int = 64,
   fig, ax = plt.subplots(figsize=(8, 4.5))
   for label, v in results.items():
     v = np.asarray(v, np.float64)
+    if np.isnan(v).any():     # subsampled: the mean of the scored positions per bin
+      x, mean = binned_means(v, max(1, smooth))
+      ax.plot(x, mean, label=label, lw=1.2, marker=".", ms=3)
+      continue
     k = max(1, min(smooth, len(v)))
     mean = np.convolve(v, np.ones(k) / k, mode="valid")
     ax.plot(np.arange(k, len(v) + 1), mean, label=label, lw=1.2)
   ax.set_xlabel("position in the stream (tokens)")
-  ax.set_ylabel(f"loss (nats), running mean over {smooth}")
+  ax.set_ylabel(f"loss (nats), mean over {smooth} positions")
   ax.set_title(title or "streaming loss per policy")
   ax.legend()
   ax.grid(alpha=0.3)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+# ------------------------------------------------------------------ reports over several runs
+
+def read_results(out_dirs: Iterable[str]) -> tuple[dict[str, np.ndarray], int]:
+  """({label: losses (NaN = not scored)}, tokens) from the losses.json of several
+  `write_results` folders, which must have scored the same stream."""
+  import json
+  results, tokens = {}, None
+  for d in out_dirs:
+    path = os.path.join(d, "losses.json")
+    if not os.path.isfile(path):
+      raise FileNotFoundError(f"{path}: no losses.json (an experiments/stream.py output folder?)")
+    with open(path) as f:
+      data = json.load(f)
+    n = int(data["meta"]["tokens"])
+    if tokens is not None and n != tokens:
+      raise ValueError(f"{path}: scored {n} tokens, the runs before it {tokens}; a report "
+                       "compares one stream")
+    tokens = n
+    for label, vals in data["policies"].items():
+      if label in results:
+        raise ValueError(f"{path}: policy {label} is in two of the runs")
+      results[label] = np.asarray([np.nan if x is None else x for x in vals], np.float64)
+  return results, int(tokens or 0)
+
+
+def cache_of(label: str) -> int | None:
+  """Tokens a policy label keeps ("streaming(4+1020)" -> 1024; "dense" -> None)."""
+  if "(" not in label:
+    return None
+  inner = label[label.index("(") + 1:label.rindex(")")]
+  return sum(int(x) for x in inner.split("+"))
+
+
+def report_table(results: dict[str, np.ndarray], edges) -> dict:
+  """Per policy: scored positions, mean NLL and perplexity overall and per range
+  (`summarize_ranges`); per subsampled policy: every policy's mean at its positions."""
+  rows = []
+  for label, v in results.items():
+    mean = _nanmean(v)
+    rows.append({"label": label, "cache": cache_of(label),
+                 "scored": int(np.count_nonzero(~np.isnan(v))), "mean": mean,
+                 "ppl": float(np.exp(mean)), "ranges": summarize_ranges(v, edges)})
+  subsampled = [k for k, v in results.items() if np.isnan(v).any()]
+  return {"rows": rows, "paired": {k: paired(results, k) for k in subsampled}}
+
+
+def table_markdown(table: dict, tokens: int) -> str:
+  rows = table["rows"]
+  ranges = rows[0]["ranges"] if rows else []
+  head = ["policy", "cache", "scored", "NLL", "ppl"] + [
+      f"NLL {r['start']}-{r['end'] - 1}" for r in ranges]
+  lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+  for r in rows:
+    cells = [r["label"], str(r["cache"] or "all"), str(r["scored"]), f"{r['mean']:.3f}",
+             f"{r['ppl']:.2f}"]
+    cells += ["-" if not x["n"] else f"{x['mean']:.3f}" for x in r["ranges"]]
+    lines.append("| " + " | ".join(cells) + " |")
+  out = "\n".join(lines)
+  if table["paired"]:
+    labels = [r["label"] for r in rows]
+    lines = ["", f"Mean NLL at the positions each subsampled policy scored ({tokens} tokens):",
+             "", "| positions of | " + " | ".join(labels) + " |",
+             "|---|" + "---|" * len(labels)]
+    for ref, means in table["paired"].items():
+      lines.append(f"| {ref} | " + " | ".join(f"{means[k]:.3f}" for k in labels) + " |")
+    out += "\n".join(lines)
+  return out
+
+
+def plot_report(path: str, eviction_path: str, results: dict[str, np.ndarray], *,
+                bin_width: int = 512, smooth: int = 64, zoom: int = 4096, mark: int = 0) -> None:
+  """`path`: binned mean NLL vs position, one panel per cache size (dense in each);
+  `eviction_path`: the first `zoom` positions, running mean over `smooth` (scored-only)."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  caches = sorted({c for c in map(cache_of, results) if c})
+  style = {"dense": ("black", "-"), "window": ("tab:red", "-"), "recompute": ("tab:green", ""),
+           "streaming": ("tab:blue", "-")}
+
+  def draw(ax, label, x, y):
+    color, ls = style.get(label.split("(")[0], ("gray", "-"))
+    ax.plot(x, y, color=color, ls=ls or "none", marker="." if not ls else None,
+            ms=4, lw=1.1, label=label)
+
+  fig, axes = plt.subplots(1, max(1, len(caches)), figsize=(6 * max(1, len(caches)), 4),
+                           sharey=True, squeeze=False)
+  for ax, c in zip(axes[0], caches or [None]):
+    for label, v in results.items():
+      if cache_of(label) in (None, c):
+        draw(ax, label, *binned_means(v, bin_width))
+    if mark:
+      ax.axvline(mark, color="gray", lw=0.8, ls=":")
+    ax.set_title(f"cache {c} tokens" if c else "", fontsize=9)
+    ax.set_xlabel("position (tokens)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+  axes[0][0].set_ylabel(f"NLL (nats), mean per {bin_width} positions")
+  fig.tight_layout()
+  fig.savefig(path, dpi=90)
+  plt.close(fig)
+
+  fig, ax = plt.subplots(figsize=(7, 3.6))
+  for label, v in results.items():
+    v = np.asarray(v[:zoom], np.float64)
+    if np.isnan(v).any():
+      continue
+    k = max(1, min(smooth, len(v)))
+    draw(ax, label, np.arange(k, len(v) + 1), np.convolve(v, np.ones(k) / k, mode="valid"))
+  for c in caches:
+    ax.axvline(c, color="gray", lw=0.6, ls=":")
+  ax.set_xlabel("position (tokens); dotted: the cache sizes (first eviction)")
+  ax.set_ylabel(f"NLL, running mean over {smooth}")
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize=7, ncol=2)
+  fig.tight_layout()
+  fig.savefig(eviction_path, dpi=90)
   plt.close(fig)

@@ -12,6 +12,22 @@ attention each layer puts on the first tokens for N sequences of the stream
 (attention_mass.json + attention_mass.png, `attn_jax.eval.attention_mass`).
 Policy windows: "window" and "recompute" keep --window + --sinks tokens (the same cache size as
 "streaming", which keeps --sinks first tokens + --window recent ones).
+
+A pretrained model (a run directory of experiments/convert.py; docs/pretrained_streaming.md):
+
+  python experiments/stream.py --workdir=runs/smollm2 --text=input.txt --max_tokens=20481 \
+      --policies=dense,window,streaming --window=1020 --sinks=4 --max_seq_len=20480 \
+      --ranges=8192,16384 --out=runs/smollm2_stream
+
+--max_seq_len raises the loaded run's config.model.max_seq_len (`streaming.with_max_seq_len`):
+"dense" refuses a stream longer than the model's max_seq_len without it, since past it dense
+attention runs positions the model was not trained at. --recompute_stride=S scores "recompute"
+at every S-th position past its first window (one window forward per scored token); the
+summary then also compares every policy at those positions. --ranges: position boundaries of
+the per-range summary (summary.json). --sink_mass=N writes the per-layer mass on token 0, the
+first 4 tokens and the last --mass_local tokens for N sequences of --mass_len tokens
+(sink_mass.json, sink_mass.png, sink_mass_heads.png; `attention_mass.sink_profile`);
+--policies= (empty) skips the scoring.
 """
 
 import json
@@ -38,6 +54,18 @@ _CHUNK = flags.DEFINE_integer("chunk", 256, "Tokens per scoring call (capped at 
 _BATCH = flags.DEFINE_integer("batch", 64, "Windows per forward of the recompute policy.")
 _SMOOTH = flags.DEFINE_integer("smooth", 64, "Running-mean width of the plot.")
 _MASS = flags.DEFINE_integer("attention_mass", 0, "Sequences for the attention-mass diagnostic.")
+_MAX_SEQ_LEN = flags.DEFINE_integer("max_seq_len", 0, "Raise config.model.max_seq_len of the "
+                                    "run to this (a config override; 0 = as trained).")
+_STRIDE = flags.DEFINE_integer("recompute_stride", 1, "Score recompute at every S-th position "
+                               "past its first window.")
+_RANGES = flags.DEFINE_list("ranges", [], "Position boundaries of the per-range summary.")
+_SINK_MASS = flags.DEFINE_integer("sink_mass", 0, "Sequences for the per-layer sink profile.")
+_MASS_LEN = flags.DEFINE_integer("mass_len", 0, "Tokens per attention-mass sequence (0 = the "
+                                 "run's data.seq_len).")
+_MASS_LOCAL = flags.DEFINE_integer("mass_local", 32, "Sink profile: the local neighbourhood "
+                                   "(most recent keys, the query included).")
+_MASS_MIN_QUERY = flags.DEFINE_integer("mass_min_query", 64, "Sink profile: first query "
+                                       "position counted.")
 _OUT = flags.DEFINE_string("out", None, "Output folder (default: <workdir>/stream).")
 _PROGRESS = flags.DEFINE_bool("progress", True, "Progress bar.")
 
@@ -57,9 +85,26 @@ def policies(names, window, sinks):
   return out
 
 
+def check_dense_length(cfg, pols, n_tokens: int) -> None:
+  """Dense attention over a stream longer than the model's max_seq_len runs untrained
+  positions: only when asked for (--max_seq_len)."""
+  if any(p.name == "dense" for p in pols) and n_tokens > cfg.max_seq_len:
+    raise ValueError(f"policy dense: the stream has {n_tokens} tokens, more than "
+                     f"model.max_seq_len={cfg.max_seq_len}; pass --max_seq_len={n_tokens} to "
+                     "score positions past the model's length, or --max_tokens")
+
+
+def _ranges(values) -> list[int]:
+  try:
+    return [int(v) for v in values]
+  except ValueError:
+    raise ValueError(f"--ranges must be integers (positions), got {list(values)}") from None
+
+
 def run(workdir, text, *, step=None, tokenizer=None, tail=0.0, max_tokens=0,
         names=("dense", "window", "recompute", "streaming"), window=1020, sinks=4, chunk=256,
-        batch=64, smooth=64, mass=0, out=None, progress=True) -> dict:
+        batch=64, smooth=64, mass=0, out=None, progress=True, max_seq_len=0, stride=1,
+        ranges=(), sink_mass=0, mass_len=0, mass_local=32, mass_min_query=64) -> dict:
   if not workdir:
     raise ValueError("--workdir is required (a run directory of experiments/train.py)")
   if not text:
@@ -67,27 +112,51 @@ def run(workdir, text, *, step=None, tokenizer=None, tail=0.0, max_tokens=0,
   from attn_jax import streaming
   from attn_jax.train.checkpoint import load_for_inference
   pols = policies(names, window, sinks)
+  edges = _ranges(ranges)
+  if stride < 1:
+    raise ValueError(f"--recompute_stride must be >= 1, got {stride}")
   model, config, ckpt_step = load_for_inference(workdir, step)
+  trained_len = int(model.cfg.max_seq_len)
+  if max_seq_len:
+    model = streaming.with_max_seq_len(model, max_seq_len)
   for p in pols:    # clear errors before any scoring
     streaming.check_policy(model.cfg, p)
   tokens = streaming.read_stream(text, tokenizer or config.data.tokenizer, tail=tail,
                                  max_tokens=max_tokens)
+  check_dense_length(model.cfg, pols, len(tokens))
   results = {}
   for p in pols:
     results[p.label] = streaming.score_stream(model, tokens, p, chunk=chunk, batch=batch,
-                                              progress=progress)
+                                              progress=progress, stride=stride)
   out = out or os.path.join(workdir, "stream")
   meta = {"workdir": os.path.abspath(workdir), "step": int(ckpt_step), "text": text,
           "tokens": int(len(tokens)), "train_seq_len": int(config.data.seq_len),
-          "sink_tokens": int(model.cfg.sink_tokens),
+          "model_max_seq_len": trained_len, "max_seq_len_override": int(max_seq_len),
+          "recompute_stride": int(stride), "sink_tokens": int(model.cfg.sink_tokens),
           "title": f"{os.path.basename(os.path.abspath(workdir))}: {len(tokens)} tokens, "
                    f"trained at {config.data.seq_len}"}
-  paths = streaming.write_results(out, results, meta, smooth=smooth)
+  summary = {k: streaming.summarize(v) for k, v in results.items()}
+  paths = {}
+  if results:
+    paths = streaming.write_results(out, results, meta, smooth=smooth)
+    for k, v in results.items():
+      if edges:
+        summary[k]["ranges"] = streaming.summarize_ranges(v, edges)
+    sub = [p.label for p in pols if p.name == "recompute" and stride > 1]
+    extra = {"paired": {ref: streaming.paired(results, ref) for ref in sub}}
+    paths["summary"] = os.path.join(out, "summary.json")
+    with open(paths["summary"], "w") as f:
+      json.dump({"meta": meta, "summary": summary, **extra}, f, indent=1)
+  mass_len = int(mass_len or config.data.seq_len)
   if mass:
     from attn_jax.eval import attention_mass
-    paths.update(attention_mass.run(model, tokens, out, n_seqs=mass,
-                                    seq_len=int(config.data.seq_len)))
-  return {"paths": paths, "summary": {k: streaming.summarize(v) for k, v in results.items()}}
+    paths.update(attention_mass.run(model, tokens, out, n_seqs=mass, seq_len=mass_len))
+  if sink_mass:
+    from attn_jax.eval import attention_mass
+    paths.update(attention_mass.run_sink_profile(model, tokens, out, n_seqs=sink_mass,
+                                                 seq_len=mass_len, local=mass_local,
+                                                 min_query=mass_min_query))
+  return {"paths": paths, "summary": summary}
 
 
 def main(argv):
@@ -95,10 +164,14 @@ def main(argv):
   res = run(_WORKDIR.value, _TEXT.value, step=_STEP.value, tokenizer=_TOKENIZER.value,
             tail=_TAIL.value, max_tokens=_MAX_TOKENS.value, names=_POLICIES.value,
             window=_WINDOW.value, sinks=_SINKS.value, chunk=_CHUNK.value, batch=_BATCH.value,
-            smooth=_SMOOTH.value, mass=_MASS.value, out=_OUT.value, progress=_PROGRESS.value)
-  print(f"{'policy':<24}{'mean':>8}  quarters")
+            smooth=_SMOOTH.value, mass=_MASS.value, out=_OUT.value, progress=_PROGRESS.value,
+            max_seq_len=_MAX_SEQ_LEN.value, stride=_STRIDE.value, ranges=_RANGES.value,
+            sink_mass=_SINK_MASS.value, mass_len=_MASS_LEN.value, mass_local=_MASS_LOCAL.value,
+            mass_min_query=_MASS_MIN_QUERY.value)
+  print(f"{'policy':<24}{'mean':>8}  quarters / ranges")
   for label, s in res["summary"].items():
-    print(f"{label:<24}{s['mean']:8.3f}  " + " ".join(f"{x:.3f}" for x in s["slices"]))
+    parts = s.get("ranges") or [{"mean": x} for x in s["slices"]]
+    print(f"{label:<24}{s['mean']:8.3f}  " + " ".join(f"{x['mean']:.3f}" for x in parts))
   print(json.dumps(res["paths"], indent=1))
 
 

@@ -12,6 +12,11 @@ sequences and queries at positions >= `min_query`):
   mass_null      share on the sink-logit column ("nothing"; 0 without sink_logit);
 and a heatmap (layers x first `n_keys` key positions) written as PNG. Mixers without a softmax
 (SSMs) get no row.
+
+`sink_profile` is the per-layer test of the attention-sink picture on a long sequence: the
+mass on token 0, on the first four tokens and on the query's local neighbourhood, per head
+(`profile_of` defines each), computed one layer at a time so that maps of thousands of
+positions fit in memory.
 """
 
 from __future__ import annotations
@@ -90,3 +95,115 @@ def run(model, tokens: np.ndarray, out_dir: str, *, n_seqs: int = 4, seq_len: in
   fig.savefig(paths["mass_png"], dpi=120)
   plt.close(fig)
   return paths
+
+
+# ------------------------------------------------------------------ sink profile per layer
+
+PROFILE = ("token0", "first4", "local")
+
+
+def profile_of(p_BHTK, *, local: int = 32, min_query: int = 64) -> dict[str, np.ndarray]:
+  """Per-head attention mass [H] of one layer's map p [B, H, T, T + 1] (rows = queries i,
+  columns = keys j, the last one the sink logit), averaged over the batch and the queries
+  i >= `min_query`:
+    token0  p[i, 0]                          (the first position)
+    first4  sum_{j < 4} p[i, j]              (the first four positions)
+    local   sum_{i - local < j <= i} p[i, j] (the `local` most recent keys, the query included)
+    null    p[i, T]                          (the sink-logit column; 0 without one)
+  `min_query` >= local + 4 keeps the first four and the local keys apart."""
+  if min_query < local + 4:
+    raise ValueError(f"min_query={min_query} must be >= local + 4 = {local + 4} (the first "
+                     "tokens and the local neighbourhood would overlap)")
+  p = jnp.asarray(p_BHTK, jnp.float32)
+  T = p.shape[-1] - 1
+  if T <= min_query:
+    raise ValueError(f"sequences of {T} positions leave no query >= min_query={min_query}")
+  p = p[:, :, min_query:]                               # [B, H, Q, T + 1]
+  i = jnp.arange(min_query, T)[:, None]
+  j = jnp.arange(T)[None, :]
+  near = ((i - j >= 0) & (i - j < local)).astype(p.dtype)   # [Q, T]
+  out = {"token0": p[..., 0], "first4": p[..., :4].sum(-1),
+         "local": jnp.einsum("bhqk,qk->bhq", p[..., :T], near), "null": p[..., T]}
+  return {k: np.asarray(v.mean(axis=(0, 2)), np.float64) for k, v in out.items()}
+
+
+def sink_profile(model, tokens_BT, *, local: int = 32, min_query: int = 64) -> dict:
+  """`profile_of` for every softmax layer of `model` on `tokens_BT` (one layer's map at a time:
+  a [B, H, T, T] map of a long sequence is large). -> {"layers": [{"layer", "softmax",
+  token0/first4/local/null (head means), "per_head": {name: [H]}}]}."""
+  layers = []
+  for i, mixer, x in layer_inputs(model, tokens_BT):
+    p = _probs(mixer, x)
+    if p is None:
+      layers.append({"layer": i, "softmax": False})
+      continue
+    prof = profile_of(p, local=local, min_query=min_query)
+    del p
+    row = {"layer": i, "softmax": True}
+    row.update({k: float(v.mean()) for k, v in prof.items()})
+    row["per_head"] = {k: [float(x) for x in v] for k, v in prof.items()}
+    layers.append(row)
+  return {"layers": layers}
+
+
+def run_sink_profile(model, tokens: np.ndarray, out_dir: str, *, n_seqs: int = 2,
+                     seq_len: int = 2048, local: int = 32, min_query: int = 64) -> dict[str, str]:
+  """`sink_profile` on `n_seqs` sequences of `seq_len` tokens spread over the stream (the
+  first starts at token 0); writes sink_mass.json, sink_mass.png (layers x token0 / first4 /
+  local, head means) and sink_mass_heads.png (layers x heads, first4 and local)."""
+  tokens = np.asarray(tokens, np.int32)
+  L = min(seq_len, len(tokens))
+  starts = np.linspace(0, len(tokens) - L, n_seqs).astype(int)
+  batch = np.stack([tokens[s:s + L] for s in starts])
+  table = sink_profile(model, jnp.asarray(batch), local=local, min_query=min_query)
+  table["meta"] = {"sequences": int(n_seqs), "seq_len": int(L), "starts": starts.tolist(),
+                   "local": int(local), "min_query": int(min_query),
+                   "queries": int(n_seqs * (L + model.cfg.sink_tokens - min_query)),
+                   "sink_tokens": int(model.cfg.sink_tokens)}
+  os.makedirs(out_dir, exist_ok=True)
+  paths = {"sink_json": os.path.join(out_dir, "sink_mass.json"),
+           "sink_png": os.path.join(out_dir, "sink_mass.png"),
+           "sink_heads_png": os.path.join(out_dir, "sink_mass_heads.png")}
+  with open(paths["sink_json"], "w") as f:
+    json.dump(table, f, indent=1)
+  plot_sink_profile(table, paths["sink_png"], paths["sink_heads_png"])
+  return paths
+
+
+def plot_sink_profile(table: dict, path: str, heads_path: str | None = None) -> None:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  rows = [r for r in table["layers"] if r["softmax"]]
+  meta = table.get("meta", {})
+  local = meta.get("local", "?")
+  names = ["token 0", "tokens 0-3", f"last {local} (local)"]
+  heat = np.asarray([[r[k] for k in PROFILE] for r in rows])
+  fig, ax = plt.subplots(figsize=(4.6, 1.2 + 0.22 * len(rows)))
+  im = ax.imshow(heat, aspect="auto", cmap="magma", vmin=0, vmax=1)
+  for (y, x), v in np.ndenumerate(heat):
+    ax.text(x, y, f"{v:.2f}", ha="center", va="center", fontsize=6,
+            color="black" if v > 0.5 else "white")
+  ax.set_xticks(range(3), names, fontsize=8)
+  ax.set_yticks(range(len(rows)), [str(r["layer"]) for r in rows], fontsize=6)
+  ax.set_ylabel("layer")
+  ax.set_title(f"attention mass (head mean, {meta.get('queries', '?')} queries)", fontsize=8)
+  fig.colorbar(im, ax=ax, fraction=0.05)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  if not heads_path:
+    return
+  fig, axes = plt.subplots(1, 2, figsize=(7, 1.2 + 0.22 * len(rows)), sharey=True)
+  for ax, key, name in zip(axes, ("first4", "local"), names[1:]):
+    h = np.asarray([r["per_head"][key] for r in rows])
+    im = ax.imshow(h, aspect="auto", cmap="magma", vmin=0, vmax=1)
+    ax.set_title(name, fontsize=8)
+    ax.set_xlabel("head", fontsize=8)
+    ax.set_xticks(range(h.shape[1]))
+    ax.tick_params(labelsize=6)
+  axes[0].set_yticks(range(len(rows)), [str(r["layer"]) for r in rows])
+  axes[0].set_ylabel("layer")
+  fig.colorbar(im, ax=axes, fraction=0.04)
+  fig.savefig(heads_path, dpi=110, bbox_inches="tight")
+  plt.close(fig)
