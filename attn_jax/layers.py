@@ -22,7 +22,7 @@ parameter's name or number of axes:
 
 Sources: AdamW recipes exempt biases and norm gains (GPT-2/nanoGPT grouping); state-spaces/mamba
 marks A_log, D and dt_bias `_no_weight_decay` (`mamba_ssm/modules/mamba2.py`); the SISA paper
-trains lambda without decay (SPEC section 1).
+trains lambda without decay (docs/papers.md §1.1).
 """
 
 from __future__ import annotations

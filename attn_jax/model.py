@@ -16,8 +16,8 @@ each stacked over the R repeats. Entry points return one type each:
 `__call__` -> logits, `hidden` -> final-norm hidden states, `logits_and_aux`, `step` (decoding
 with a state) -> (logits, state).
 
-Sink tokens (`cfg.sink_tokens` = K > 0; SPEC.md section 3, "a learnable sink token in
-pre-training"): K learned embedding rows are prepended to every sequence before the layers and
+Sink tokens (`cfg.sink_tokens` = K > 0; docs/papers.md §3.3, a learnable sink token in
+pre-training): K learned embedding rows are prepended to every sequence before the layers and
 their outputs dropped after the final norm, so every entry point returns one output per real
 token. They take stream positions 0..K-1 and real tokens shift to K, K+1, ... (RoPE is relative,
 so the shift only matters for caches that keep the first tokens: a StreamingLLM cache,

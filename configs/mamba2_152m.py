@@ -1,4 +1,5 @@
-"""Mamba-2 baseline, 152M (SPEC.md table: d 768, 31 layers, d_state 64; expand 2, head dim 64).
+"""Mamba-2 baseline, 152M (docs/papers.md §1.4: d 768, 31 layers, d_state 64; expand 2,
+head dim 64).
 
 Every layer is a Mamba-2 block without MLP (`pattern ("mamba2:nomlp",)`; d_ff is unused).
 Parameters: 152,271,160 vs the Transformer's 151,878,144 (+0.26%, tests/test_mamba.py).

@@ -1,4 +1,5 @@
-"""Mamba-2 baseline, 369M (SPEC.md table: d 1024, 49 layers, d_state 64; expand 2, head dim 64).
+"""Mamba-2 baseline, 369M (docs/papers.md §1.4: d 1024, 49 layers, d_state 64; expand 2,
+head dim 64).
 
 Parameters: 368,482,528 vs the Transformer's 369,252,352 (-0.21%). lr 3e-4 as the Transformer.
 """

@@ -1,4 +1,4 @@
-"""Mamba-2 baseline, 50M (SPEC.md table: d 512, 14 layers, d_state 64).
+"""Mamba-2 baseline, 50M (docs/papers.md §1.4: d 512, 14 layers, d_state 64).
 
 At expand 2 / head dim 64 (16 heads) the model has 48,897,440 parameters, 3.96% under the
 Transformer's 50,914,304; one more head (17) is still 1.23% under, two (18) 1.49% over. Widening

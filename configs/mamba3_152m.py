@@ -1,4 +1,4 @@
-"""Mamba-3 (SISO) baseline, 152M (SPEC.md table: d 768, 30 layers, d_state 64, expand 2).
+"""Mamba-3 (SISO) baseline, 152M (docs/papers.md §1.4: d 768, 30 layers, d_state 64, expand 2).
 
 At the defaults (head dim 64, one B/C group) the model has 149,878,944 parameters, 1.32% under
 the Transformer's 151,878,144 (one more head: +1.64%). Two B/C groups (each shared by 12

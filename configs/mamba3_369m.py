@@ -1,4 +1,4 @@
-"""Mamba-3 (SISO) baseline, 369M (SPEC.md table: d 1024, 48 layers, d_state 64, expand 2).
+"""Mamba-3 (SISO) baseline, 369M (docs/papers.md §1.4: d 1024, 48 layers, d_state 64, expand 2).
 
 Defaults give 365,526,016 parameters (-1.01% vs the Transformer's 369,252,352); two B/C groups,
 as at 152M, give 371,817,472 (+0.69%). lr 3e-4 as the Transformer.

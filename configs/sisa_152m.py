@@ -1,4 +1,4 @@
-"""SISA, 152M (SPEC.md section 1): the Transformer 152M preset with mixer "sisa" and a narrower
+"""SISA, 152M (docs/papers.md §1): the Transformer 152M preset with mixer "sisa" and a narrower
 SwiGLU so that the parameter count matches (d_ff 2748 at d_state 32).
 
 Preset override of d_state (16 / 32 / 64 / 128; d_ff is recomputed by `matched_d_ff`):

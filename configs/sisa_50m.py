@@ -1,4 +1,4 @@
-"""SISA, 50M (SPEC.md section 1): the Transformer 50M preset with mixer "sisa" and a narrower
+"""SISA, 50M (docs/papers.md §1): the Transformer 50M preset with mixer "sisa" and a narrower
 SwiGLU so that the parameter count matches (d_ff 1832 at d_state 32).
 
 Preset override of d_state (16 / 32 / 64 / 128; d_ff is recomputed by `matched_d_ff`):

@@ -1,4 +1,4 @@
-"""A tiny byte-level Transformer for the streaming experiments (SPEC.md section 3), trained on
+"""A tiny byte-level Transformer for the streaming experiments (docs/papers.md §3), trained on
 CPU in a few minutes on one plain text file (the whole file is one document, packed into
 128-byte windows: the training length the streams then run far past).
 

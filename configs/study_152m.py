@@ -1,5 +1,5 @@
-"""The comparison study at the paper's size (SPEC.md: 152M, seq 2048, ~5B tokens of
-SlimPajama with the GPT-NeoX tokenizer) on a GPU/TPU: the same variants, code path, tables and
+"""The comparison study at the paper's size (docs/papers.md §1.4: 152M, seq 2048, ~5B tokens
+of SlimPajama with the GPT-NeoX tokenizer) on a GPU/TPU: the same variants, code path, tables and
 plots as configs/study_tiny.py, with the real data loader (pre-tokenised shards from
 experiments/prepare_data.py) and the text NIAH of attn_jax/eval/niah.py.
 
@@ -7,7 +7,7 @@ experiments/prepare_data.py) and the text NIAH of attn_jax/eval/niah.py.
       --config.data.paths=/data/slimpajama_shards --config.data.tokenizer=/data/20B_tokenizer.json
 
 Variants as in the 152M presets (configs/*_152m.py): SISA d_s 16 and 32 (d_ff matched),
-Mamba-2 31 layers and Mamba-3 30 layers (SPEC.md's table: d_state 64, expand 2; not moved, they
+Mamba-2 31 layers and Mamba-3 30 layers (docs/papers.md §1.4: d_state 64, expand 2; not moved, they
 are within the 1% tolerance), Sinkhorn
 (blocks of 64), block hybrid (attention, mamba2:nomlp) x 8, head hybrid (hybrid_heads), and the
 Transformer and SISA with a sink token. One seed by default (a 152M run is hours of a GPU);
@@ -27,8 +27,8 @@ VARIANTS = (
     ("transformer", "", ()),
     ("sisa_ds16", "model.d_ff", (("model.mixer", "sisa"), ("model.sisa.d_state", 16))),
     ("sisa_ds32", "model.d_ff", (("model.mixer", "sisa"), ("model.sisa.d_state", 32))),
-    # SPEC.md's table as it is (no knob moved): +0.26% and +0.63% (two B/C groups, as in
-    # configs/mamba3_152m.py), inside study.param_tolerance.
+    # The paper's table as it is (docs/papers.md §1.4; no knob moved): +0.26% and +0.63% (two B/C
+    # groups, as in configs/mamba3_152m.py), inside study.param_tolerance.
     ("mamba2", "", (("model.pattern", ("mamba2:nomlp",)), ("model.n_layers", 31))
      + _ssm("mamba2", (("expand", 2.0),))),
     ("mamba3", "", (("model.pattern", ("mamba3:nomlp",)), ("model.n_layers", 30))
@@ -59,7 +59,7 @@ def get_config():
   s = c.study = study_tiny.study_defaults()
   s.variants = VARIANTS
   s.seeds = (0,)
-  s.lrs = ()                     # no sweep at this size: the paper's lr (6e-4, SPEC section 1)
+  s.lrs = ()                     # no sweep at this size: the paper's 6e-4 (docs/papers.md §1.4)
   s.param_tolerance = 0.01
   s.d_ff_multiple = 4
   s.niah = "text"

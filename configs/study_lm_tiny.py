@@ -1,5 +1,5 @@
-"""Language modelling on real text at laptop scale (issue 19): the study_tiny variants (same
-layouts, declared settings, parameter matching) trained on a text corpus the user gives, equal
+"""Language modelling on real text at laptop scale: the study_tiny variants (same layouts,
+declared settings, parameter matching) trained on a text corpus the user gives, equal
 parameters and tokens, 2 seeds; held-out bits per byte with spread, and bits per byte by
 position on windows 4x the training length (length extrapolation). The laptop analogue of the
 paper's LAMBADA claim; configs/study_152m.py is the GPU/TPU version on the real loader.
@@ -19,8 +19,8 @@ tinyshakespeare's 1.1 MB); one lr for every variant (3e-3, study_tiny's Transfor
 no sweep, which would take the study past 90 minutes (`--config.study.lrs=1e-3,3e-3,1e-2`
 adds it). What is cut to fit: seq 128 and 600 steps (a byte-level model this small is far
 from converged; the comparison is at equal, small budget), six variants (LM_VARIANTS) and two
-seeds (`--config.study.seeds=0,1,2` adds the third). Mamba-2's 600 steps take ~3x the
-Transformer's here.
+seeds (`--config.study.seeds=0,1,2` adds the third). Mamba-2 is the slowest variant to train
+here (its tokens/s are in docs/studies.md).
 """
 
 from configs import study_tiny

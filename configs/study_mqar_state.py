@@ -1,7 +1,7 @@
-"""MQAR recall against SSM state size (issue 19): the ordering of the Mamba-2 paper's MQAR
-figure (Dao & Gu 2024, Fig. 8: Mamba-2 improves with state size N = 16 -> 64 -> 256 and
-approaches attention at N = 256; T 256-1024 there) scaled to study_tiny's task and budget on a
-2-core CPU.
+"""MQAR recall against SSM state size: the ordering of the Mamba-2 paper's MQAR figure
+(docs/papers.md §2.3; Dao & Gu 2024, Fig. 8: Mamba-2 improves with state size
+N = 16 -> 64 -> 256 and approaches attention at N = 256; T 256-1024 there) scaled to study_tiny's
+task and budget on a 2-core CPU.
 
   python experiments/study.py --config=configs/study_mqar_state.py --workdir=runs/study_state
 
@@ -11,7 +11,7 @@ expand 1 (4 heads of 16), each matched to the Transformer's parameter count by i
 (d_ff), so the state is what differs. The published claim to reproduce: recall grows with N and
 the largest state comes closest to attention.
 
-What is cut to fit (4 variants x 3 seeds = 12 runs; the README section gives their time): no lr
+What is cut to fit (4 variants x 3 seeds = 12 runs; docs/studies.md gives their time): no lr
 sweep of its own. Each model runs at its family's best lr in study_tiny's sweep (the Transformer
 3e-3, Mamba-2 1e-3; `--config.study.lrs=1e-3,3e-3` restores the sweep), and N = 8 is left out
 (`STATES` below). The Transformer here is study_tiny's baseline run for run (same config and

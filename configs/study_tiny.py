@@ -1,5 +1,5 @@
-"""The comparison study at laptop scale (issues #14, #19): every variant on generated MQAR data,
-equal parameter count, equal tokens, equal seeds, one trainer and one evaluator, on a 2-core CPU;
+"""The comparison study at laptop scale: every variant on generated MQAR data, equal parameter
+count, equal tokens, equal seeds, one trainer and one evaluator, on a 2-core CPU;
 each variant in its authors' configuration, at the best lr of a sweep.
 
   python experiments/study.py --config=configs/study_tiny.py --workdir=runs/study
@@ -25,28 +25,28 @@ instead, as their authors stack them (two blocks):
   fox_open          fox with its forget gate opened at init (decay time 1024 tokens)
   *_sink            the Transformer / SISA d_s 8 with one learnable sink token
 
-The default run (`study.only` = CORE) is every method once: sisa_ds16, the MIMO variant (one run
-of it takes ~290 s here at chunk 8, ~2.7x Mamba-3 SISO), hybrid_block and the two sink-token
-variants (EXTRA) are the cut that keeps it within 90 minutes on 2 cores, sweep included;
-`--config.study.only=` runs all 14. The SSMs' chunk is 32 >= T, so SSD is one chunk (its
-quadratic form; the output does not depend on the chunk size, tests/test_ssd.py), the fastest on
-CPU at this length; MIMO's is 8, 1.9x faster than 32 for its rank-4 update.
+The default run (`study.only` = CORE) is every method once: sisa_ds16, the MIMO variant (the
+costliest run: its rank-4 update), hybrid_block and the two sink-token variants (EXTRA) are the
+cut that keeps it within a 90-minute budget on 2 cores, sweep included; `--config.study.only=`
+runs all 14. The SSMs' chunk is 32 >= T, so SSD is one chunk (its quadratic form; the output
+does not depend on the chunk size, tests/test_ssd.py), the fastest form on CPU at this length;
+MIMO's is 8, where its rank-4 update runs faster than at 32 (docs/studies.md).
 
 Every variant declares its setting and source (the 4th entry of VARIANTS, shown in the
 report). Initialisation is each mixer's own (Mamba-2/3: mamba_ssm's fan-in projections, dt,
 A_log, D; module docstrings). Learning rate: swept for every variant over `study.lrs` = 1e-3,
 3e-3 on seed 0 (Zoology sweeps logspace(-4, -2) and reports the best), then seeds 1, 2 at the
-best by held-out recall; the sweep table is in the report. 1e-2 was in the sweep until it lost
-for each of the first three variants (Transformer 6.1%, SISA 4.4%, Mamba-2 8.6% recall against
-99-100% / 28% at a lower lr; 2026-12-01 run, README) and was cut to fit the 90 minutes.
+best by held-out recall; the sweep table is in the report. 1e-2 is left out of the sweep to fit
+the budget: it lost to a lower lr for the Transformer, SISA and Mamba-2 alike (the figures
+are in docs/studies.md).
 
 The published point this scales down: Zoology's MQAR (Arora et al. 2023, section 3 and Fig. 2;
-SPEC section 2): 2-layer models at d_model 64-512, vocab 8192, 4-64 key-value pairs at T 64-256,
-~12k-22k steps, best lr of a sweep, where attention solves MQAR at every width and gated
+docs/papers.md §8.3): 2-layer models at d_model 64-512, vocab 8192, 4-64 key-value pairs at
+T 64-256, ~12k-22k steps, best lr of a sweep, where attention solves MQAR at every width and gated
 convolutions/SSMs need state (width) growing with the number of pairs. Here: T 31 with 8 pairs
 (the smallest pairs-per-token ratio's order), vocab 96, d_model 64, 600 steps (2.4M tokens):
-~20-40x fewer steps than Zoology; 9 variants x (2 sweep lrs + 2 seeds) = 36 runs of 80-190 s
-each on a quiet 2-core machine. At this budget the SSMs learn slowly: the sweep table shows
+~20-40x fewer steps than Zoology; 9 variants x (2 sweep lrs + 2 seeds) = 36 runs
+(docs/studies.md gives their time). At this budget the SSMs learn slowly: the sweep table shows
 where each one stands. The state-size ordering of the Mamba-2 paper (Fig. 8) has its own config,
 configs/study_mqar_state.py.
 
@@ -99,7 +99,7 @@ VARIANTS = (
     ("transformer", "", (),
      "window-2 layer + attention, the quickstart layout; N(0, 0.02) init (GPT-2)"),
     ("sisa_ds8", "model.d_ff", _second("sisa") + (("model.sisa.d_state", 8),),
-     "SISA init and lambda treatment of the authors' models/sisa.py (SPEC 1)"),
+     "SISA init and lambda treatment of the authors' models/sisa.py (docs/papers.md §1.1)"),
     ("sisa_ds16", "model.d_ff", _second("sisa") + (("model.sisa.d_state", 16),),
      "as sisa_ds8, d_state 16 (the paper's 152M setting)"),
     ("mamba2", "model.d_ff",
@@ -116,11 +116,11 @@ VARIANTS = (
                                            ("chunk_size", 8))),
      "as mamba3 (4 heads), MIMO rank 4 as the Mamba-3 paper; its wider B/C projections come "
      "out of the MLP, as the paper matches MIMO's parameters; chunk 8 (the result does not "
-     "depend on it; 1.9x faster than 32 here)"),
+     "depend on it; faster than 32 on CPU)"),
     ("sinkhorn", "model.d_ff",
      _second("sinkhorn") + (("model.sinkhorn.block_size", 16), ("model.sinkhorn.sortnet_width", 32),
                             ("model.sinkhorn.sort_dim", 8)),
-     "blocks of 16: with 8 on 31 tokens a query's own block never holds its pair (issue 19); "
+     "blocks of 16: with 8 on 31 tokens a query's own block never holds its pair; "
      "7 iterations, tau 0.75 (Tay et al. 2020)"),
     ("hybrid_block", "model.d_ff", _second("attention", "mamba2:nomlp") + _ssm("mamba2"),
      "window-2, attention, then a Mamba-2 block without MLP (Jamba/Samba interleave)"),
@@ -134,7 +134,7 @@ VARIANTS = (
      f"{FOX_OPEN_TAU} tokens (the authors' decay-time formula, which their code applies to "
      "data-independent gates only): it starts as attention without positions and learns to "
      "forget. The paper's b_f = 0 gives f = 1/2, a one-token half-life at init; tau = 32 "
-     "reached 14% recall at 600 steps in a first run"),
+     "left recall at 14% after 600 steps"),
     ("alibi", "model.d_ff", _second("alibi"),
      "ALiBi (Press et al. 2022): window-2 layer + attention with the paper's slopes, no RoPE"),
     ("transformer_sink", "model.d_ff", (("model.sink_tokens", 1),),
@@ -145,9 +145,9 @@ VARIANTS = (
 )
 
 
-# What the default study runs (the cut that keeps it, sweep included, within 90 minutes on 2
-# cores): every method once. `--config.study.only=` (empty) adds the second SISA state size,
-# Mamba-3 MIMO, the block hybrid and the two sink-token variants.
+# What the default study runs (the cut that keeps it, sweep included, within its 90-minute
+# budget on 2 cores): every method once. `--config.study.only=` (empty) adds the second SISA
+# state size, Mamba-3 MIMO, the block hybrid and the two sink-token variants.
 EXTRA = ("sisa_ds16", "mamba3_mimo", "hybrid_block", "transformer_sink", "sisa_ds8_sink")
 CORE = ",".join(v[0] for v in VARIANTS if v[0] not in EXTRA)
 

@@ -1,4 +1,4 @@
-"""Transformer baseline, 152M (SPEC.md table: d 768, 12 heads, 12 layers, d_ff 3072)."""
+"""Transformer baseline, 152M (docs/papers.md §1.4: d 768, 12 heads, 12 layers, d_ff 3072)."""
 
 from configs import base
 

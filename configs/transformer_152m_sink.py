@@ -1,4 +1,4 @@
-"""Transformer 152M pre-trained with one learnable sink token (SPEC.md section 3: the 160M
+"""Transformer 152M pre-trained with one learnable sink token (docs/papers.md §3.3: the 160M
 Pythia recipe of the StreamingLLM paper): at inference a StreamingLLM cache keeps just it,
 `model.init_state(batch, capacity, policy=cache.SinksRing(1, window))` (attention/cache.py)."""
 

@@ -1,4 +1,5 @@
-"""Transformer baseline, 369M (SPEC.md table: d 1024, 16 heads, 24 layers, d_ff 2944, lr 3e-4)."""
+"""Transformer baseline, 369M (docs/papers.md §1.4: d 1024, 16 heads, 24 layers, d_ff 2944,
+lr 3e-4)."""
 
 from configs import transformer_152m
 

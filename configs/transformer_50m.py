@@ -1,4 +1,4 @@
-"""Transformer baseline, 50M (SPEC.md table: d 512, 8 heads, 6 layers, d_ff 2048)."""
+"""Transformer baseline, 50M (docs/papers.md §1.4: d 512, 8 heads, 6 layers, d_ff 2048)."""
 
 from configs import transformer_152m
 

@@ -1,4 +1,4 @@
-"""Streaming benchmark (SPEC.md section 3), one run, on a tiny randomly initialised model
+"""Streaming benchmark (docs/papers.md §3.2), one run, on a tiny randomly initialised model
 (timings do not depend on the weights):
 
 1. per-token decoding time of StreamingLLM (4 sinks + L-4 recent tokens, one cached step)

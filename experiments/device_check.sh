@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# One prepared run for a session that is lent a GPU (or TPU) machine: the accelerator-only
+# One prepared run on a GPU (or TPU) machine: the accelerator-only
 # numerics, then train-step throughput / MFU of each variant side by side. Results go to stdout
 # and, when $OUT is set (the device tool's output folder), to $OUT/*.txt.
 #
-#   bash experiments/device_check.sh            # ~9-11 minutes on one H200 (timeouts cap it at 14)
+#   bash experiments/device_check.sh            # everything (the steps' timeouts cap it at 14 min)
 #   QUICK=1 bash experiments/device_check.sh    # numerics + one sequence length only
 #   JAX_PLATFORMS=cpu ATTN_JAX_GPU_TESTS_IMPL=xla BENCH_EXTRA="--scale=tiny --dtype=float32 \
 #     --seq_lens=128 --steps=1 --warmup=1 --batch_tokens=4096" bash experiments/device_check.sh  # CPU dry run

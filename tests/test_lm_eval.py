@@ -89,7 +89,7 @@ def offline_hf(tmp_path_factory):
 
 def _lm_eval_yaml_paths(names):
   """Where lm-eval keeps its YAML for `names`: index only the folders that hold them (the full
-  index of all tasks takes ~12 s), or everything if this lm-eval version moved them."""
+  index of all tasks is slow to build), or everything if this lm-eval version moved them."""
   import lm_eval.tasks
 
   root = Path(lm_eval.tasks.__file__).parent

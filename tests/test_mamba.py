@@ -287,4 +287,4 @@ def test_config_params_match_transformer_within_1pct(name):
   layers = {"50m": 14, "152m": (31 if "mamba2" in name else 30), "369m": (49 if "mamba2" in name
                                                                          else 48)}
   if not name.startswith("hybrid"):
-    assert c.model.n_layers == layers[name.rsplit("_", 1)[1]]      # SPEC.md's table
+    assert c.model.n_layers == layers[name.rsplit("_", 1)[1]]      # docs/papers.md §1.4

@@ -191,8 +191,9 @@ def test_every_param_has_logical_axis_names(bf16_model):
 
 
 # (preset, exact count today, the paper's nominal size, relative tolerance). The 50M preset
-# (SPEC table: d 512, 8 heads, 6 layers, d_ff 2048, tied 50277-token embedding) counts 50.91M,
-# 1.8% above its nominal "50M": the paper rounds, so that one gets 2%; the others are within 1%.
+# (docs/papers.md §1.4: d 512, 8 heads, 6 layers, d_ff 2048, tied 50277-token embedding) counts
+# 50.91M, 1.8% above its nominal "50M": the paper rounds, so that one gets 2%; the others are
+# within 1%.
 PRESET_SIZES = [
     (transformer_50m, 50_914_304, 50e6, 0.02),
     (transformer_152m, 151_878_144, 152e6, 0.01),

@@ -89,7 +89,7 @@ def _cases():
   out = []
   for mixer in MIXERS:
     for mesh in MESHES:
-      fast = mixer == "attention"   # the SSM mixers compile for ~1 min each on 2 CPU cores
+      fast = mixer == "attention"   # the rest are slow to compile (the SSMs' most)
       out.append(pytest.param(mixer, mesh, id=f"{mixer}-{mesh}",
                               marks=() if fast else pytest.mark.slow))
   return out

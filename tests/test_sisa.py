@@ -350,7 +350,7 @@ def test_param_count_matches_transformer(size, d_ff_32):
   sisa_mod = importlib.import_module(f"configs.sisa_{size}")
   trans = importlib.import_module(f"configs.transformer_{size}").get_config().model
   n_t = count_params(trans)
-  assert sisa_mod.get_config().model.d_ff == d_ff_32                 # SPEC table, d_s = 32
+  assert sisa_mod.get_config().model.d_ff == d_ff_32   # docs/papers.md §1.3, d_s = 32
   for d_state in (16, 32, 64, 128):
     for arg in (str(d_state), f"d_state={d_state}"):
       m = sisa_mod.get_config(arg).model

@@ -1,4 +1,4 @@
-"""Streaming caches (SPEC.md section 3): StreamingLLM equals dense attention while nothing is
+"""Streaming caches (docs/papers.md §3.2): StreamingLLM equals dense attention while nothing is
 evicted and equals its explicit definition (first sinks + last window, positions inside the
 cache) once it evicts, for attention and SISA; fixed-size state, one compiled step; the
 scoring loop, re-computation baseline and its errors."""

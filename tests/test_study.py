@@ -311,7 +311,7 @@ def test_study_152m_configs_validate():
     cfg = validate(vc)
     assert abs(info["diff_pct"]) <= 100 * c.study.param_tolerance, name
     assert vc.data.seq_len == 2048 and cfg.d_model == 768
-  assert cfgs["sisa_ds32"][0].model.d_ff == 2748   # SPEC.md's table
+  assert cfgs["sisa_ds32"][0].model.d_ff == 2748   # docs/papers.md §1.4
   # the text NIAH runs through the evaluator's task list
   from attn_jax.eval.run import parse_tasks
   assert parse_tasks(c.eval.tasks) == ["niah", "mqar"]

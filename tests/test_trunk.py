@@ -158,7 +158,7 @@ def test_mixed_pattern_structure_counts_and_flops():
   assert per_layer["sliding_window"] < per_layer["attention"] < per_layer["sisa"]
 
 
-# The SSM runs compile the chunked scan forward and backward (~1 min each on 2 cores): slow.
+# The SSM runs compile the chunked scan forward and backward, the costliest compiles: slow.
 TRAINED = [MIXED] + [pytest.param(p, marks=pytest.mark.slow) for p in (
     ("mamba2:nomlp",), ("mamba3:nomlp",), ("hybrid_heads",), ("attention", "mamba2:nomlp"),
     ("sinkhorn",))]

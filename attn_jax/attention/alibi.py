@@ -1,5 +1,5 @@
 """ALiBi (Press, Smith, Lewis, "Train Short, Test Long: Attention with Linear Biases", ICLR
-2022): the position-prior baseline of the score-bias family (SPEC.md section 2).
+2022): the position-prior baseline of the score-bias family (docs/papers.md §6.3).
 
     s_ij = q_i.k_j / sqrt(d_h) - m_h (i - j)        (j <= i; no RoPE, no positional embedding)
 

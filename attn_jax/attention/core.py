@@ -83,8 +83,8 @@ DEFAULT_CHUNK = 256  # query rows per block of the "blocked" path
 # Attention cores whose backward would otherwise keep the [T, S] probabilities: the full
 # forward recomputes them instead (jax.checkpoint on the core only). On CPU this is faster as
 # well as smaller — recomputing the scores costs less than storing and reloading them
-# (`experiments/bench.py --preset=issue9`, figures in the README). Fused kernels (cuDNN, splash)
-# keep O(T) residuals and are not rematerialised.
+# (`experiments/bench.py --preset=cpu_50m_fp32`, docs/benchmarks.md). Fused kernels (cuDNN,
+# splash) keep O(T) residuals and are not rematerialised.
 REMAT_CORE_IMPLS = ("einsum", "blocked", "xla")
 
 

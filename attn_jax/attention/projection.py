@@ -1,5 +1,5 @@
 """What every attention-style mixer shares: the q/k/v/o projections with RoPE, and the
-attention-sink logit (SPEC.md section 3; `config.model.<mixer>.sink_logit`):
+attention-sink logit (docs/papers.md §3.4; `config.model.<mixer>.sink_logit`):
 
 - "none": the plain softmax;
 - "learned": a learnable logit per head, an extra softmax column with a zero value that is then

@@ -1,7 +1,7 @@
 """SISA: SSM-informed softmax attention, exact and causal at any length.
 
 Paper: "Forget Attention: Importance-Aware Attention Is All You Need" (arXiv 2606.02332, 2026);
-SPEC.md section 1. Per head h, with x = RMSNorm(input), d_h = d_model / H, d_s = d_state:
+docs/papers.md §1. Per head h, with x = RMSNorm(input), d_h = d_model / H, d_s = d_state:
 
     q, k, v = x W_q, x W_k, x W_v;  q, k <- RoPE(q, k)            (ordinary positions)
     B_t = W_B x_t,  C_t = W_C x_t                                  ([H, d_s] per token)
@@ -106,8 +106,8 @@ def matched_d_ff(transformer_cfg, d_state: int, multiple: int = 4) -> int:
   """SwiGLU width that makes SISA's parameter count equal the Transformer's.
 
   The SwiGLU has 3 d d_ff weights, so d_ff shrinks by extra / (3 d), rounded to the nearest
-  `multiple` (4 reproduces SPEC's 1832 / 2748 / 2512 at d_s = 32). `transformer_cfg` is any
-  object with d_model, n_heads and d_ff (ModelConfig or config.model).
+  `multiple` (4 reproduces the paper's 1832 / 2748 / 2512 at d_s = 32, docs/papers.md §1.3).
+  `transformer_cfg` is any object with d_model, n_heads and d_ff (ModelConfig or config.model).
   """
   d = int(transformer_cfg.d_model)
   extra = sisa_extra_params(d, int(transformer_cfg.n_heads), int(d_state))

@@ -1,4 +1,4 @@
-"""The comparison study (issue #14): every variant through the one trainer and evaluator.
+"""The comparison study: every variant through the one trainer and evaluator.
 
   variants.py    per-variant configs from `config.study.variants`, parameter matching
   needle.py      needle-in-a-haystack in MQAR's token space (for models trained on MQAR)
