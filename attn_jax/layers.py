@@ -97,7 +97,7 @@ class Linear(nnx.Module):
     # contiguous dims is a free reshape). With [B, T, K] inputs the weight gradient contracts
     # over two dims (B and T), and XLA:CPU then transposes the [B, T, M] cotangent into
     # [M, B*T] before the matmul, a strided copy as large as the activation; with one leading
-    # dim dW = x^T g is a plain matmul. Same FLOPs, same result (README, issue-9 table).
+    # dim dW = x^T g is a plain matmul. Same FLOPs, same result (docs/benchmarks.md).
     lead = x.shape[:x.ndim - len(self.in_shape)]
     if x.shape[len(lead):] != self.in_shape:
       raise ValueError(f"Linear: input trailing shape {x.shape[len(lead):]} != {self.in_shape}")

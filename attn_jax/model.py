@@ -253,8 +253,9 @@ class Decoder(nnx.Module):
     """The blocks' parameters split by repeat of the period (a tuple of R states, repeat r =
     every stacked parameter's slice r), for decoding: a step reads each layer's weights once,
     and XLA materialises a slice of the stacked arrays every time a step takes one, inside a
-    decoding loop too (most of a batch-1 step at the issue-9 setting). Made once, before a
-    loop (or outside `jit`: a copy of the block parameters) and passed to every `step`."""
+    decoding loop too (most of a batch-1 step at bench.py's cpu_50m_fp32 shapes). Made once,
+    before a loop (or outside `jit`: a copy of the block parameters) and passed to every
+    `step`."""
     block_state = nnx.state(self.blocks)
     return tuple(jax.tree.map(lambda a: a[r], block_state) for r in range(self.cfg.n_repeats))
 

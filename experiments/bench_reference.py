@@ -1,6 +1,6 @@
 """A plain-JAX reference Transformer train step, to compare attn_jax's step against.
 
-  python experiments/bench_reference.py                        # the issue's setting (#9)
+  python experiments/bench_reference.py                        # bench.py's cpu_50m_fp32 shapes
   python experiments/bench_reference.py --attention=blocked    # same, attn_jax's attention core
 
 Same architecture as attn_jax's Transformer: pre-norm RMSNorm blocks, RoPE (GPT-NeoX halves),

@@ -129,7 +129,7 @@ def test_mamba2_ssm_path_scale_matches_the_convention():
   lo, hi = draws.min(axis=0) / 1.25, draws.max(axis=0) * 1.25     # (C.h, D.x) bands
   got = np.array(_module_scales(m, u))
   assert np.all((lo <= got) & (got <= hi)), (got, lo, hi)
-  old, _ = _mixer("mamba2", proj_init="normal")   # the N(0, 0.02) start the issue diagnosed
+  old, _ = _mixer("mamba2", proj_init="normal")   # the Transformer's N(0, 0.02) start
   assert np.all(np.array(_module_scales(old, u)) < lo)
 
 

@@ -347,7 +347,7 @@ def test_bad_study_config_errors_name_the_field():
 
 @pytest.mark.slow
 def test_full_tiny_study(tmp_path):
-  """The README's command end to end (tens of minutes on 2 cores)."""
+  """The study command of docs/studies.md end to end (a whole study: slow)."""
   cmd = [sys.executable, os.path.join(ROOT, "experiments", "study.py"),
          "--config=" + os.path.join(ROOT, "configs", "study_tiny.py"),
          f"--workdir={tmp_path}"]
