@@ -242,10 +242,27 @@ def test_gguf_rows_are_permuted_as_llama_cpp_expects(torch_tf, hf_untied, tiny_t
   assert not np.array_equal(raw, original["model.layers.0.self_attn.q_proj.weight"])
 
 
+def assert_parse_equals_gguf_reader(path):
+  """gguf_file.parse reads what gguf.GGUFReader reads: every key's value, every tensor."""
+  from gguf import GGUFReader
+  ref = GGUFReader(path)
+  ours = gguf_lib.open_reader(path)
+  keys = [k for k in ref.fields if not k.startswith("GGUF.")]
+  assert sorted(keys) == sorted(ours.metadata)
+  for k in keys:
+    assert ours.metadata[k] == ref.fields[k].contents(), k
+  assert [t.name for t in ours.tensors] == [t.name for t in ref.tensors]
+  for a, b in zip(ours.tensors, ref.tensors):
+    assert (a.tensor_type, a.shape, a.data_offset, a.n_bytes) == (
+        b.tensor_type, tuple(int(n) for n in b.shape), b.data_offset, b.n_bytes), a.name
+    np.testing.assert_array_equal(a.data.reshape(-1), b.data.view(np.uint8).reshape(-1))
+
+
 @pytest.mark.parametrize("qtype", ["F32", "F16", "Q8_0"])
 def test_gguf_import_equals_the_hf_model(torch_tf, hf_untied, tiny_tok, tmp_path, qtype):
   hf_dir, ref = hf_untied
   path = write_tiny_gguf(hf_dir, tiny_tok, tmp_path / f"m_{qtype}.gguf", qtype)
+  assert_parse_equals_gguf_reader(path)
   pre = load(path)
   assert pre.kind == "gguf" and not pre.cfg.tie_embeddings
   cfg, theirs = transformers_gguf_tensors(torch_tf, path)
@@ -456,6 +473,7 @@ def smollm2_path():
 @pytest.mark.slow
 def test_smollm2_logits_and_tokens_equal_transformers(torch_tf, smollm2_path):
   torch, transformers = torch_tf
+  assert_parse_equals_gguf_reader(smollm2_path)
   pre = load("smollm2")
   assert pre.source == smollm2_path
   c = pre.cfg

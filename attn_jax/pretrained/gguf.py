@@ -2,8 +2,9 @@
 
 A GGUF holds key/value metadata (`<arch>.block_count`, `tokenizer.ggml.tokens`, ...) and named
 tensors, each stored in its own ggml type (F32, F16, BF16 or a block quantisation: Q8_0,
-Q4_1, Q4_K, ...). The `gguf` package parses the file and dequantises every type it knows to
-fp32; this module maps names and layouts onto Hugging Face's (`llama.py` takes it from there):
+Q4_1, Q4_K, ...). `gguf_file.py` parses the file, the `gguf` package dequantises every type it
+knows to fp32 (and writes files); this module maps names and layouts onto Hugging Face's
+(`llama.py` takes it from there):
 
     token_embd.weight      model.embed_tokens.weight     output_norm.weight  model.norm.weight
     output.weight          lm_head.weight (absent: tied)
@@ -24,12 +25,14 @@ half-split row i * Dh/2 + j of a head is stored at row 2 j + i. `unpermute_rows`
 it: [H, 2, Dh/2, D] <- [H, Dh/2, 2, D]. V and O are stored as they are.
 
 Truncated or foreign files are refused before any weight is read: the magic bytes, the
-reader's own parse, and every tensor's byte range against the file size.
+header's parse, and every tensor's byte range against the file size.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import struct
 from typing import Any
 
 import numpy as np
@@ -56,13 +59,22 @@ _GGUF_KEYS = {"d_model": "embedding_length", "n_layers": "block_count",
               "rope_theta": "rope.freq_base", "norm_eps": "attention.layer_norm_rms_epsilon"}
 
 
-def open_reader(path: str):
-  """A `gguf.GGUFReader` of a complete GGUF file, or a PretrainedError naming the file."""
+@dataclasses.dataclass
+class GGUFFile:
+  """A parsed GGUF file (`gguf_file.parse`): its metadata and its tensors."""
+  path: str
+  metadata: dict
+  tensors: list
+
+
+def open_reader(path: str) -> GGUFFile:
+  """The parsed GGUF file, or a PretrainedError naming the file (not one, truncated, damaged)."""
   try:
-    from gguf import GGUFReader
+    import gguf  # noqa: F401  (the ggml type table and the dequantisers)
   except ImportError:
     raise PretrainedError("reading GGUF files needs the `gguf` package: pip install "
                           "'attn_jax[pretrained]'") from None
+  from attn_jax.pretrained import gguf_file
   if not os.path.isfile(path):
     raise PretrainedError(f"{path}: no such file")
   with open(path, "rb") as f:
@@ -70,24 +82,18 @@ def open_reader(path: str):
   if magic != GGUF_MAGIC:
     raise PretrainedError(f"{path}: not a GGUF file (starts with {magic!r}, not {GGUF_MAGIC!r})")
   try:
-    reader = GGUFReader(path)
-  except Exception as e:   # the reader raises bare ValueError/IndexError on short files
-    raise PretrainedError(f"{path}: unreadable GGUF (truncated or damaged?): "
-                          f"{type(e).__name__}: {' '.join(str(e).split())[:200]}") from None
-  size = os.path.getsize(path)
-  for t in reader.tensors:
-    if t.data_offset + t.n_bytes > size or t.data.nbytes != t.n_bytes:
-      raise PretrainedError(f"{path}: truncated: tensor {t.name} needs bytes up to "
-                            f"{t.data_offset + t.n_bytes}, the file has {size}")
-  return reader
+    metadata, tensors = gguf_file.parse(path)
+  except (ValueError, struct.error, UnicodeDecodeError, OverflowError, MemoryError) as e:
+    why = " ".join(str(e).split())[:200]
+    if why.startswith("truncated"):
+      raise PretrainedError(f"{path}: {why}") from None
+    raise PretrainedError(f"{path}: unreadable GGUF (damaged?): {why}") from None
+  return GGUFFile(path, metadata, tensors)
 
 
-def field(reader, key: str, default: Any = None) -> Any:
+def field(reader: GGUFFile, key: str, default: Any = None) -> Any:
   """A metadata value (a str, number, bool or list), `default` when absent."""
-  f = reader.fields.get(key)
-  if f is None:
-    return default
-  return f.contents()
+  return reader.metadata.get(key, default)
 
 
 def read_spec(reader, path: str) -> LlamaSpec:
