@@ -22,6 +22,17 @@ handlers are flushed). A normal interpreter exit would run orbax's finalizers an
 background threads (an asynchronous save that already failed on a full disk keeps writing),
 which keeps the process alive for a long time and prints unrelated "cannot schedule new futures
 after shutdown" / "Event loop is closed" tracebacks under the one line that matters.
+
+Library noise (`quiet_libraries`, installed by `guarded` unless --debug): the INFO records of
+orbax, grain, etils, tensorstore and JAX's internals are dropped, and so is everything orbax
+logs below CRITICAL. Every orbax failure reaches the user through the project's own exception
+raised from it (CheckpointSaveError, CheckpointError: the step, the cause, what was kept),
+while orbax's background threads log that same failure three or four times with tracebacks
+(a full disk: ~400 lines before the one that says so). Likewise tensorstore reporting the end
+of a read into an orbax event loop that has already closed (a restore that stopped part-way)
+goes through `sys.unraisablehook` as "RuntimeError: Event loop is closed" tracebacks, and the
+read coroutines of such a restore report their error again when they are collected: those are
+dropped, every other unraisable exception is shown as before.
 """
 
 from __future__ import annotations
@@ -92,10 +103,61 @@ def leave(status: int) -> None:
   os._exit(status)
 
 
+_LIBRARIES = ("orbax", "grain", "jax/_src", "etils", "tensorstore")
+
+
+class QuietLibraries(logging.Filter):
+  """Drops the libraries' INFO records and orbax's records below CRITICAL (see the docstring);
+  the project's records and every other warning pass."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    path = record.pathname.replace(os.sep, "/")
+    if "/orbax/" in path:
+      return record.levelno >= logging.CRITICAL
+    return record.levelno >= logging.WARNING or not any(n in path for n in _LIBRARIES)
+
+
+def _orbax_leftover(unraisable) -> bool:
+  """What a restore that stopped part-way leaves behind: tensorstore's completion callback
+  finding an orbax event loop already closed, or one of orbax's read coroutines collected with
+  its read error (the error the project has already reported, naming the step)."""
+  e, obj = unraisable.exc_value, unraisable.object
+  if isinstance(e, RuntimeError) and str(e) == "Event loop is closed":
+    return True
+  code = getattr(obj, "cr_code", None)
+  return code is not None and "/orbax/" in code.co_filename.replace(os.sep, "/")
+
+
+def quiet_libraries() -> None:
+  """Installs `QuietLibraries` on the log handlers (absl's included) and the unraisable-hook
+  filter; idempotent."""
+  from absl import logging as absl_logging
+  handlers = list(logging.getLogger().handlers)
+  absl = absl_logging.get_absl_handler()
+  if absl not in handlers:
+    handlers.append(absl)
+  for h in handlers:
+    if not any(isinstance(f, QuietLibraries) for f in h.filters):
+      h.addFilter(QuietLibraries())
+  previous = sys.unraisablehook
+  if getattr(previous, "_attn_jax_quiet", False):
+    return
+
+  def hook(unraisable):
+    if not _orbax_leftover(unraisable):
+      previous(unraisable)
+
+  hook._attn_jax_quiet = True
+  sys.unraisablehook = hook
+
+
 def guarded(main: Callable) -> Callable:
-  """`main` with the project's errors turned into one line and an exit status."""
+  """`main` with the project's errors turned into one line and an exit status, and the
+  libraries' log noise dropped (`quiet_libraries`) unless --debug."""
 
   def wrapped(argv):
+    if not debug_requested():
+      quiet_libraries()
     try:
       return main(argv)
     except KeyboardInterrupt:

@@ -200,12 +200,23 @@ def _set_path(config, path: str, text: str) -> None:
   node[leaf] = value
 
 
+def _config_module(name: str, module: str):
+  """configs/<module>.py, or a ValueError naming the config and the ones there are."""
+  import importlib.util
+  if not module.isidentifier() or importlib.util.find_spec(f"configs.{module}") is None:
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+    have = sorted(f[:-3] for f in os.listdir(root) if f.endswith(".py") and f[0] != "_")
+    raise ValueError(f"--configs: unknown config {name!r}: there is no configs/{module}.py "
+                     f"(configs: {', '.join(have)})")
+  return importlib.import_module(f"configs.{module}")
+
+
 def named_config(name: str):
   """"module", "module@chunked" (SISA path, as before), "module@a.b=v,c.d=w" (any fields) or
   "module@window" / "module@streaming" (the same model, decoded under that cache policy:
   `row_policy`)."""
   module, _, suffix = name.partition("@")
-  config = importlib.import_module(f"configs.{module}").get_config()
+  config = _config_module(name, module).get_config()
   _model_overrides(module, config.model)
   for item in filter(None, suffix.split(",")):
     if "=" in item:
@@ -496,11 +507,13 @@ def device_limits(dtype: str) -> dict:
 def main(argv):
   del argv
   _apply_preset(flags.FLAGS)
+  prepared = study_configs(_STUDY.value) if _STUDY.value else {}
+  names = list(prepared) or list(_CONFIGS.value)
+  # Every config is built first: an unknown name or field is one line before anything compiles.
+  prepared = {n: prepared.get(n) or named_config(n) for n in names}
   import jax
   print(f"backend {jax.default_backend()} x{jax.device_count()}, "
         f"{os.cpu_count()} CPU cores, batch_tokens {_BATCH_TOKENS.value}", flush=True)
-  prepared = study_configs(_STUDY.value) if _STUDY.value else {}
-  names = list(prepared) or list(_CONFIGS.value)
   if _DECODE_ONLY.value:
     _decode_only(names, prepared)
     return

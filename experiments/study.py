@@ -1,4 +1,4 @@
-"""The comparison study (issue #14): flags in, `attn_jax.study` out.
+"""The comparison study: flags in, `attn_jax.study` out.
 
   python experiments/study.py --config=configs/study_tiny.py --workdir=runs/study
   python experiments/study.py --report=runs/study --readme=docs/studies.md
@@ -38,6 +38,18 @@ _ASSETS = flags.DEFINE_string("assets", "", "With --readme: copy the PNGs to thi
                               "folder and link them from there, e.g. docs/study.")
 
 
+def _refuse_a_training_run(workdir: str, flag: str) -> None:
+  """A study folder holds results.json and runs/<variant>/seed<k>/; one training run's own
+  folder (experiments/train.py --workdir) holds checkpoints/ and metrics.jsonl at its top. A
+  study started there would mix its runs into that run's files."""
+  marks = [n for n in ("checkpoints", "metrics.jsonl")
+           if os.path.exists(os.path.join(workdir, n))]
+  if marks and not os.path.isfile(os.path.join(workdir, "results.json")):
+    raise ValueError(f"{flag}={workdir} is a training run's folder (it holds "
+                     f"{' and '.join(marks)}), not a study folder: give the study a folder of "
+                     "its own (it trains its runs under <folder>/runs/)")
+
+
 def main(argv):
   del argv
   from absl import logging
@@ -47,6 +59,7 @@ def main(argv):
 
   logging.set_verbosity(logging.WARNING)
   workdir = _REPORT.value or _WORKDIR.value
+  _refuse_a_training_run(workdir, "--report" if _REPORT.value else "--workdir")
   if not _REPORT.value:
     if _CONFIG.value is None:
       raise app.UsageError("--config=configs/study_tiny.py (train) or --report=<dir> (report)")

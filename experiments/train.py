@@ -33,17 +33,8 @@ _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Multi-process: pro
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "Multi-process: this process's index.")
 
 
-class _QuietLibraries:
-  """Drop INFO chatter of orbax/grain/jax (absl logging); keep ours and every warning."""
-
-  def filter(self, record) -> bool:
-    noisy = ("orbax", "grain", "jax/_src", "etils")
-    return record.levelno >= 30 or not any(n in record.pathname for n in noisy)
-
-
 def main(argv):
-  del argv
-  logging.get_absl_handler().addFilter(_QuietLibraries())
+  del argv   # cli.run drops the libraries' log chatter (cli.quiet_libraries)
   from attn_jax import distributed
   distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
   from attn_jax.eval.run import task_callback

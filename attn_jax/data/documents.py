@@ -24,6 +24,8 @@ also occurs inside a document) or, without them, from the EOS tokens of the wind
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 
 SEGMENT_KEYS = ("segment_ids", "positions")   # the batch keys added by data.document_mask
@@ -64,6 +66,20 @@ def starts_from_ends(ends: np.ndarray, first: int, length: int) -> np.ndarray:
 def single_document(length: int) -> dict[str, np.ndarray]:
   """The fields of a row that is one document (synthetic examples)."""
   return document_fields(np.zeros(0, np.int64), length)
+
+
+def warn_if_one_document(num_documents: int, data_cfg) -> None:
+  """`data.document_mask` on a corpus of a single document masks nothing (every segment id is
+  1): said once, when the training split is built, with how to get documents."""
+  if num_documents > 1 or not document_mask(data_cfg):
+    return
+  how = ("data.text_document='file' makes each file one document; with 'line' every non-blank "
+         "line is one" if str(data_cfg.get("source", "")) == "text" else
+         "documents come from the corpus's records / EOS-separated texts")
+  logging.warning("config.data.document_mask=True, but data.paths=%r holds %d document (%s): "
+                  "every row lies inside it, all segment ids are 1 and the mask changes "
+                  "nothing; split the corpus into documents or set data.document_mask=False",
+                  str(data_cfg.get("paths", "")), num_documents, how)
 
 
 def document_mask(data_cfg) -> bool:

@@ -763,6 +763,9 @@ def make_shard_source(data_cfg, *, split: str = "train") -> ShardWindows:
   num_train, num_eval = split_counts(shards.num_tokens, data_cfg)
   kw = dict(seq_len=int(data_cfg.seq_len), document_mask=doc_lib.document_mask(data_cfg))
   if split == "train":
+    counts = [meta.get("docs") for meta in shards.index["shards"]]
+    if all(c is not None for c in counts):
+      doc_lib.warn_if_one_document(sum(int(c) for c in counts), data_cfg)
     return ShardWindows(shards, first=0, count=num_train, **kw)
   if split == "eval":
     if num_eval == 0:

@@ -252,6 +252,7 @@ def make_text_source(data_cfg, *, split: str = "train") -> PackedSequences:
   kw = dict(seq_len=int(data_cfg.seq_len),
             doc_ends=ends_D if doc_lib.document_mask(data_cfg) else None)
   if split == "train":
+    doc_lib.warn_if_one_document(len(ends_D), data_cfg)
     return PackedSequences(tokens_T, first=0, count=num_train, **kw)
   if split == "eval":
     if num_eval == 0:

@@ -15,8 +15,9 @@ Reliability (the choices):
     temporary folders are deleted when a Checkpointer opens. The sha256 manifest of every file
     of a step is written into the temporary folder just before orbax renames it
     (`_ManifestRename`, part of the commit), so every committed step carries its manifest, the
-    one a crashed run resumes from included. A step without one comes from an older run and is
-    trusted to orbax's own validation, with a warning.
+    one a crashed run resumes from included. A step without one (copied without it, or written
+    by other code) cannot be verified: orbax's own checks and the finiteness check still run,
+    and a warning says plainly that the step is unverified.
   * Corrupt vs mismatched. `restore` walks the steps newest first. A step whose files disagree
     with the manifest, that orbax cannot read, or whose values are not finite is corrupt: it is
     moved aside to `<step>.corrupt` with a warning and the previous step is tried. Only one
@@ -24,14 +25,19 @@ Reliability (the choices):
     bad steps in a row point at a cause other than a torn file). A step whose stored arrays have
     other shapes/dtypes/structure than the requested state is the caller's mistake (a changed
     model config), not corruption: `CheckpointMismatchError` names the differing leaves and
-    nothing is moved. A step whose files match their checksums but that orbax still cannot
-    restore is not moved either (`CheckpointError`).
+    nothing is moved. The comparison is made on orbax's metadata before any array is read, and
+    it is strict: every stored leaf must be requested and the other way round (no partial
+    restore that would drop or invent parameters). A step whose files match their checksums
+    but that orbax still cannot restore is not moved either (`CheckpointError`).
   * Failed saves (a full disk): a save that fails in the background is noticed at the next step
     boundary (`check_saves`) and raised as `CheckpointSaveError` naming the step, the cause and
     the older steps, which orbax keeps (it deletes old steps only after a successful commit).
   * Preemption: `PreemptionGuard` turns SIGTERM (what SLURM/Kubernetes/TPU maintenance send),
     SIGINT and SIGHUP (a closed terminal or ssh session) into a flag the training loop polls at
-    step boundaries, so the last step is saved before exit instead of dying mid-step.
+    step boundaries, so the last step is saved before exit instead of dying mid-step; SIGINT
+    and SIGHUP that the parent process ignored (a background job, `nohup`) stay ignored.
+  * Readers never write: `load_for_inference` (evaluation, streaming, notebooks) opens the
+    folder read-only and takes no lock, so it can run beside the training run that writes it.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from typing import Any
 
 import jax
@@ -190,6 +197,29 @@ def _disk_full(e: BaseException) -> bool:
           or "os_error_code='28'" in text)
 
 
+def _unwritable(directory: str) -> str | None:
+  """None when a file can be created in `directory` (made if missing), else why not."""
+  import tempfile
+  try:
+    os.makedirs(directory, exist_ok=True)
+    fd, probe = tempfile.mkstemp(prefix=".attn_jax_write_probe", dir=directory)
+    os.close(fd)
+    os.remove(probe)
+  except OSError as e:
+    return e.strerror or str(e)
+  return None
+
+
+def check_writable(directory: str) -> None:
+  """A run's checkpoint folder must be writable before it trains: orbax only finds out at the
+  first save, in a background thread, and then waits for its directory-creation signal until
+  a timeout (minutes) before the save fails with that timeout."""
+  why = _unwritable(directory)
+  if why:
+    raise CheckpointSaveError(f"checkpoint folder {directory} is not writable ({why}); make "
+                              "it writable or point --workdir elsewhere")
+
+
 def _key_name(key) -> str:
   for attr in ("key", "name", "idx"):
     if hasattr(key, attr):
@@ -219,21 +249,30 @@ def tree_differences(stored: Any, requested: Any, limit: int = 4) -> list[str]:
 
 
 class Checkpointer:
+  """One run directory's checkpoints. `read_only=True` (evaluation, notebooks): the folder is
+  only read, never created, cleaned or pruned, and no save is possible, so a training run that
+  is saving into it at the same time is not disturbed (orbax lists committed steps only: a save
+  in progress is a temporary folder until its rename)."""
+
   def __init__(self, workdir: str, *, max_to_keep: int = 3, save_interval_steps: int = 1,
-               checksums: bool = True):
+               checksums: bool = True, read_only: bool = False):
     if isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int) or max_to_keep < 1:
       raise ValueError(f"config.checkpoint.max_to_keep: must be an integer >= 1, got "
                        f"{max_to_keep!r}")
     self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
-    self.checksums = checksums
-    self._mngr = ocp.CheckpointManager(
-        self.directory,
-        item_names=("state", "data", "meta"),
-        options=ocp.CheckpointManagerOptions(
-            max_to_keep=max_to_keep, create=True, save_interval_steps=save_interval_steps,
-            cleanup_tmp_directories=True,
-            temporary_path_class=_ManifestRename if checksums else None),
-    )
+    self.checksums, self.read_only = checksums, read_only
+    if read_only:   # every option that would write, clean or prune, off (orbax warns otherwise)
+      options = ocp.CheckpointManagerOptions(
+          read_only=True, create=False, cleanup_tmp_directories=False, max_to_keep=None,
+          save_interval_steps=0, save_root_metadata=False)
+    else:
+      check_writable(self.directory)
+      options = ocp.CheckpointManagerOptions(
+          max_to_keep=max_to_keep, create=True, save_interval_steps=save_interval_steps,
+          cleanup_tmp_directories=True,
+          temporary_path_class=_ManifestRename if checksums else None)
+    self._mngr = ocp.CheckpointManager(self.directory, item_names=("state", "data", "meta"),
+                                       options=options)
     self._pending: int | None = None   # step of a save that may still run in the background
     self.restored_step: int | None = None
 
@@ -250,6 +289,8 @@ class Checkpointer:
            force: bool = False) -> bool:
     """Starts an (asynchronous) save; raises NonFiniteStateError instead of saving NaN/Inf and
     CheckpointSaveError when this save or the previous one failed."""
+    if self.read_only:
+      raise CheckpointError(f"{self.directory} was opened read-only: nothing can be saved")
     if not all_finite(state):
       good = [s for s in self.all_steps() if s < step]
       last = (f"the last finite checkpoint is step {max(good)} in {self.directory}" if good
@@ -272,8 +313,14 @@ class Checkpointer:
 
   def _save_error(self, step: int, e: BaseException) -> CheckpointSaveError:
     kept = sorted(s for s in self.all_steps() if s != step)
-    why = ("the disk is full (no space left on the device); free space or point --workdir "
-           "elsewhere, then rerun to resume" if _disk_full(e) else _short(e))
+    unwritable = _unwritable(self.directory)
+    if _disk_full(e):
+      why = ("the disk is full (no space left on the device); free space or point --workdir "
+             "elsewhere, then rerun to resume")
+    elif unwritable:   # orbax reports a folder it could not create as a timeout
+      why = f"the folder is not writable any more ({unwritable}); {_short(e)}"
+    else:
+      why = _short(e)
     return CheckpointSaveError(
         f"saving checkpoint step {step} in {self.directory} failed: {why}. Older steps are "
         f"kept: {kept or 'none'}")
@@ -285,13 +332,22 @@ class Checkpointer:
       self.wait()
 
   def verify(self, step: int) -> str | None:
-    """None if step's files match their manifest (or it has none), else the problem."""
+    """None if step's files match their manifest or it has none (`has_manifest`: such a step
+    cannot be verified, `warn_unverified` says so once it has loaded), else the problem."""
     problem = verify_manifest(self.step_dir(step))
-    if problem == "no manifest":
-      logging.warning("checkpoint step %d in %s has no checksum manifest (saved by an older "
-                      "version); relying on orbax's validation", step, self.directory)
-      return None
-    return problem
+    return None if problem == "no manifest" else problem
+
+  def has_manifest(self, step: int) -> bool:
+    return os.path.isfile(os.path.join(self.step_dir(step), MANIFEST))
+
+  def warn_unverified(self, step: int) -> None:
+    """The warning for a step without a checksum manifest that orbax read without complaint."""
+    logging.warning(
+        "checkpoint step %d in %s is UNVERIFIED: it has no checksum manifest (%s), so damaged "
+        "bytes in its arrays cannot be detected. Only orbax's own checks ran (its metadata and "
+        "every array read back at the shapes and dtypes expected) and all values are finite. "
+        "Steps saved by attn_jax carry a manifest; this one was copied without it or written "
+        "by other code.", step, self.directory, MANIFEST)
 
   def _set_aside(self, step: int) -> str:
     """Moves a bad step folder to `<step>.corrupt[.n]` so it is neither restored nor in the
@@ -301,6 +357,7 @@ class Checkpointer:
     while os.path.exists(target):
       n += 1
       target = f"{self.step_dir(step)}.corrupt.{n}"
+    assert not self.read_only, "a read-only Checkpointer never moves a step"
     if jax.process_index() == 0:
       os.rename(self.step_dir(step), target)
     if jax.process_count() > 1:
@@ -309,22 +366,42 @@ class Checkpointer:
     self._mngr.reload()
     return target
 
-  def stored_differences(self, step: int, abstract_state: Any) -> list[str] | None:
+  def stored_differences(self, step: int, abstract_state: Any,
+                         only: tuple[str, ...] = ()) -> list[str] | None:
     """How step's stored state differs from `abstract_state` ([] when it does not), or None
-    when its metadata cannot be read."""
+    when its metadata cannot be read. `only`: compare just these top-level entries (e.g.
+    ("params", "rest") for the parameters without the optimizer state)."""
     from etils import epath
     try:
       stored = ocp.StandardCheckpointHandler().metadata(
           epath.Path(self.step_dir(step)) / "state")
     except Exception:  # unreadable metadata: corruption, judged by the caller
       return None
+    if only:
+      tree = getattr(stored, "tree", stored)
+      try:
+        stored = {k: tree[k] for k in only if k in tree}
+      except TypeError:  # not a mapping: let the comparison below name what differs
+        pass
     return tree_differences(stored, abstract_state)
+
+  def _check_matches(self, step: int, abstract_state: Any) -> None:
+    """CheckpointMismatchError when step's stored arrays differ from the requested ones; checked
+    on the metadata, before orbax reads any array (a restore that fails part-way leaves
+    tensorstore reads behind that report into a closed event loop)."""
+    diffs = self.stored_differences(step, abstract_state)
+    if diffs:
+      raise CheckpointMismatchError(
+          f"checkpoint step {step} in {self.directory} holds a different state than this "
+          f"config builds (nothing was moved or changed): {'; '.join(diffs)}", step=step,
+          differences=diffs)
 
   def _restore_step(self, step: int, abstract_state: Any, data_iter: Any):
     problem = self.verify(step)
     if problem:
       raise CheckpointCorruptError(problem)
-    manifested = os.path.isfile(os.path.join(self.step_dir(step), MANIFEST))
+    manifested = self.has_manifest(step)
+    self._check_matches(step, abstract_state)
     items = {"state": ocp.args.StandardRestore(abstract_state)}
     if data_iter is not None:
       import grain
@@ -335,6 +412,8 @@ class Checkpointer:
       raise self._restore_error(step, abstract_state, manifested, e) from e
     if not all_finite(state):
       raise CheckpointCorruptError(f"non-finite values in {nonfinite_paths(state)}")
+    if not manifested:
+      self.warn_unverified(step)
     return state
 
   def _restore_error(self, step, abstract_state, manifested, e) -> CheckpointError:
@@ -391,7 +470,9 @@ class Checkpointer:
 
   def restore_subtree(self, target: Any, step: int) -> Any:
     """Restore only the leaves of `target` (a sub-tree of the saved state, abstract arrays with
-    shardings), e.g. the parameters without the optimizer state."""
+    shardings), e.g. the parameters without the optimizer state. orbax's partial restore skips
+    stored leaves that `target` lacks, so callers first check that the entries they ask for
+    match the stored ones leaf for leaf (`stored_differences(..., only=...)`)."""
     out = self._mngr.restore(step, args=ocp.args.Composite(
         state=ocp.args.PyTreeRestore(item=target, partial_restore=True,
                                      restore_args=ocp.checkpoint_utils.construct_restore_args(
@@ -403,10 +484,24 @@ class Checkpointer:
     return self._mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
 
   def wait(self) -> None:
-    """Waits for a background save; CheckpointSaveError if it failed."""
+    """Waits for a background save; CheckpointSaveError if it failed. Ctrl-C while a save is
+    being committed first lets that commit finish (a process that exits now would leave the
+    step as an uncommitted temporary folder: lost), then re-raises; a second Ctrl-C abandons
+    it."""
     step, self._pending = self._pending, None
     try:
-      self._mngr.wait_until_finished()
+      try:
+        self._mngr.wait_until_finished()
+      except KeyboardInterrupt:
+        logging.warning("interrupted while checkpoint step %s in %s was being committed: "
+                        "finishing that commit before stopping (Ctrl-C again abandons it)",
+                        step, self.directory)
+        # Not a second wait_until_finished: Python's Thread.join, interrupted while the thread
+        # runs, marks that thread stopped (bpo-45274's fix), so joining it again returns at
+        # once. orbax clears its save-in-progress flag when the commit has ended.
+        while self._mngr.is_saving_in_progress():
+          time.sleep(0.02)
+        raise
     except Exception as e:
       raise self._save_error(step, e) from e
 
@@ -431,14 +526,18 @@ class PreemptionGuard:
             break
 
   A second SIGINT while a stop is pending raises KeyboardInterrupt at once (impatient Ctrl-C).
-  SIGHUP (the terminal or ssh session closed) is a stop request like SIGTERM, unless it was
-  ignored when the guard started (`nohup`: the user asked the run to outlive the terminal).
+  SIGHUP (the terminal or ssh session closed) is a stop request like SIGTERM. SIGHUP and
+  SIGINT that were ignored when the guard started stay ignored: `nohup` asked the run to
+  outlive the terminal, and a shell starts a script's background job (`cmd &`) with SIGINT
+  ignored so that the terminal's Ctrl-C does not reach it (Python itself then installs no
+  KeyboardInterrupt handler). SIGTERM, the scheduler's notice, is always a stop request.
   Whatever handlers were installed before (SIG_IGN and SIG_DFL included) come back on exit.
   Outside the main thread (where Python cannot install signal handlers) it only warns and
   `should_stop` stays False.
   """
 
   SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+  KEEP_IGNORED = (signal.SIGINT, signal.SIGHUP)
 
   def __init__(self, *, sync_every: int = 1):
     self.should_stop = False
@@ -461,8 +560,8 @@ class PreemptionGuard:
       return self
     for sig in self.SIGNALS:
       current = signal.getsignal(sig)
-      if sig == signal.SIGHUP and current is signal.SIG_IGN:
-        continue   # nohup: keep ignoring hangups
+      if sig in self.KEEP_IGNORED and current is signal.SIG_IGN:
+        continue   # nohup / a background job: the parent asked for these to be ignored
       self._previous[sig] = signal.signal(sig, self._handle)
     return self
 
@@ -496,45 +595,66 @@ def config_to_json(config) -> dict:
 def load_for_inference(workdir: str, step: int | None = None, *, devices=None):
   """(model, config, step) from a training run directory, for a notebook or the evaluator.
 
+  Read-only: the run directory is opened with `Checkpointer(read_only=True)` (no folder
+  created, no temporary folder cleaned, nothing pruned or moved) and its lock is not taken, so
+  a training run that is saving into it at the same time goes on undisturbed; only committed
+  steps are seen (a save in progress is a temporary folder until orbax renames it).
+
   The config is read from the checkpoint's `meta`; only the parameters (and non-trainable
   state) are restored — never the optimizer moments (2x the parameters) — sharded over a mesh
   of `devices` (default: all devices) by the config's logical-axis rules, each host reading
-  only its shards. Every step is checked against its sha256 manifest first. Without `step`, a
-  damaged newest step is skipped with a warning (left in place: evaluation never moves a run's
-  files) for the newest one that loads; with `step`, a damaged step is CheckpointCorruptError.
+  only its shards. The stored parameters must be exactly the ones that config builds (same
+  leaves, shapes, dtypes): otherwise CheckpointMismatchError names the differing arrays, since
+  loading the shared subset would run, e.g., FoX weights as plain attention. Every step is
+  checked against its sha256 manifest first (a step without one loads with a warning that it
+  is unverified). Without `step`, a damaged newest step is skipped with a warning (left in
+  place) for the newest one that loads, and a step that the training run deleted while it was
+  being read (`checkpoint.max_to_keep`) is replaced by the newest committed one; with `step`, a
+  damaged step is CheckpointCorruptError.
   """
   directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
-  if not os.path.isdir(directory):  # checked first: the manager would create the folder
+  if not os.path.isdir(directory):
     raise FileNotFoundError(f"no checkpoint found under {directory} (is {workdir!r} a "
                             "training run directory?)")
-  ckpt = Checkpointer(workdir)
+  ckpt = Checkpointer(workdir, read_only=True)
   try:
-    steps = sorted(ckpt.all_steps())
-    if not steps:
-      raise FileNotFoundError(f"no checkpoint found under {ckpt.directory}")
-    if step is not None and step not in steps:
-      raise FileNotFoundError(f"no checkpoint for step {step} under {ckpt.directory} (have "
-                              f"{steps})")
-    problems = []
-    for s in ([step] if step is not None else steps[::-1]):
-      try:
-        model, config = _load_step(ckpt, s, devices)
-      except CheckpointCorruptError as e:
-        problems.append(f"step {s}: {e}")
-        logging.warning("checkpoint step %d in %s is unusable (%s); trying the previous step",
-                        s, ckpt.directory, e)
-        continue
-      if problems:
-        logging.warning("loaded step %d instead of the newest step %d", s, steps[-1])
-      return model, config, s
-    raise CheckpointCorruptError(f"no usable checkpoint in {ckpt.directory}: "
-                                 + "; ".join(problems))
+    return _load_newest(ckpt, step, devices)
   finally:
     ckpt.close()
 
 
+def _load_newest(ckpt: Checkpointer, step: int | None, devices, retries: int = 3):
+  steps = sorted(ckpt.all_steps())
+  if not steps:
+    raise FileNotFoundError(f"no checkpoint found under {ckpt.directory}")
+  if step is not None and step not in steps:
+    raise FileNotFoundError(f"no checkpoint for step {step} under {ckpt.directory} (have "
+                            f"{steps})")
+  problems = []
+  for s in ([step] if step is not None else steps[::-1]):
+    try:
+      model, config = _load_step(ckpt, s, devices)
+    except CheckpointCorruptError as e:
+      if step is None and retries and not os.path.isdir(ckpt.step_dir(s)):
+        logging.warning("checkpoint step %d in %s was deleted while it was read (the training "
+                        "run keeps checkpoint.max_to_keep steps); loading the newest again", s,
+                        ckpt.directory)
+        ckpt._mngr.reload()
+        return _load_newest(ckpt, None, devices, retries - 1)
+      problems.append(f"step {s}: {e}")
+      logging.warning("checkpoint step %d in %s is unusable (%s); trying the previous step",
+                      s, ckpt.directory, e)
+      continue
+    if problems:
+      logging.warning("loaded step %d instead of the newest step %d", s, steps[-1])
+    return model, config, s
+  raise CheckpointCorruptError(f"no usable checkpoint in {ckpt.directory}: "
+                               + "; ".join(problems))
+
+
 def _load_step(ckpt: Checkpointer, step: int, devices):
-  """(model, config) of one verified step; CheckpointCorruptError when it cannot be read."""
+  """(model, config) of one verified step; CheckpointCorruptError when it cannot be read,
+  CheckpointMismatchError when its saved config does not build its stored parameters."""
   import ml_collections
   from flax import nnx
 
@@ -555,14 +675,32 @@ def _load_step(ckpt: Checkpointer, step: int, devices):
   for name, abs_part in (("params", abs_params), ("rest", abs_rest)):
     shardings = shd.state_shardings(abs_part, mesh, rules)
     target[name] = abstract_with_shardings(nnx.to_pure_dict(abs_part), shardings)
+  _check_meta_matches(ckpt, step, config, target)
   try:
     restored = ckpt.restore_subtree(target, step)
   except Exception as e:  # tensorstore: undecodable chunks, missing files
     raise CheckpointCorruptError(f"orbax could not restore it: {_short(e)}") from e
+  if not ckpt.has_manifest(step):
+    ckpt.warn_unverified(step)
   params, rest = nnx.State(abs_params), nnx.State(abs_rest)
   nnx.replace_by_pure_dict(params, restored["params"])
   nnx.replace_by_pure_dict(rest, restored["rest"])
   return nnx.merge(graphdef, params, rest), config
+
+
+def _check_meta_matches(ckpt: Checkpointer, step: int, config, target: dict) -> None:
+  """The parameters the saved config builds must be the stored ones, leaf for leaf."""
+  diffs = ckpt.stored_differences(step, target, only=tuple(target))
+  if diffs is None:
+    raise CheckpointCorruptError("orbax cannot read the metadata of its arrays")
+  if diffs:
+    m = config.model
+    raise CheckpointMismatchError(
+        f"checkpoint step {step} in {ckpt.directory}: the config saved with it (its meta: "
+        f"model.mixer={m.get('mixer')!r}, model.pattern={tuple(m.get('pattern', ()))!r}, "
+        f"d_model={m.get('d_model')}, n_layers={m.get('n_layers')}) does not build the "
+        f"parameters stored in it, so nothing was loaded (was the meta edited, or written by "
+        f"other code?): {'; '.join(diffs)}", step=step, differences=diffs)
 
 
 def _tuples(x):

@@ -35,6 +35,10 @@ Reliability (the choices):
     changed config fields and the stored vs requested shapes, and nothing is moved (it is the
     user's mistake, not corruption); a resume with other compatible settings (more steps, a new
     lr) goes on with a warning listing them, and saying when the LR schedule changed with them.
+  * History: a resumed run drops the metric rows logged after its checkpoint (they are logged
+    again); a run that starts at step 0 where an earlier run left metrics (all its checkpoints
+    corrupt and set aside, or none ever written) moves them to metrics.jsonl.<k> / tb.<k>/ and
+    says so, so no history is ever cut.
   * Failed saves: a background save that failed (a full disk) is noticed at the next step
     boundary (`Checkpointer.check_saves`) and stops the run with `CheckpointSaveError`; no
     second save is attempted on the way out, and the older checkpoints stay the resume point.
@@ -66,9 +70,9 @@ from attn_jax.options import field_check
 from attn_jax.train import flops as flops_lib
 from attn_jax.train.checkpoint import (Checkpointer, CheckpointMismatchError,
                                        CheckpointSaveError, PreemptionGuard,
-                                       abstract_with_shardings, config_to_json)
+                                       abstract_with_shardings, check_writable, config_to_json)
 from attn_jax.train.metrics import MetricWriter, flatten_metrics
-from attn_jax.train.workdir import lock_workdir
+from attn_jax.train.workdir import TB_LOCK, lock_tensorboard, lock_workdir
 from attn_jax.train.optim import make_optimizer
 from attn_jax.train.step import make_eval_step, make_train_step
 
@@ -200,18 +204,24 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   at the end (every_steps 0: only at the end). `experiments/train.py` passes the benchmark
   tasks of `config.eval.tasks` as a callback (`attn_jax.eval.run.task_callback`).
 
-  One run per workdir: a second run on the same workdir stops at once (WorkdirLockedError
-  naming the holder's pid). SIGTERM/SIGINT/SIGHUP stop at a step boundary with a checkpoint;
-  the result then has `preempted` (the signal's name).
+  One run per workdir: a second run on the same workdir (or writing the same TensorBoard
+  folder) stops at once (WorkdirLockedError naming the holder's pid). A run that starts at step
+  0 in a workdir holding an earlier run's metrics moves them aside first (`rotate_history`).
+  SIGTERM/SIGINT/SIGHUP stop at a step boundary with a checkpoint; the result then has
+  `preempted` (the signal's name).
   """
   workdir = os.path.abspath(workdir)
   lock = lock_workdir(workdir)  # process 0 only; creates workdir, names it when unusable
   os.makedirs(workdir, exist_ok=True)
+  locks = [lock]
   try:
+    locks.append(lock_tensorboard(workdir))   # tb/ reached by another run through a symlink
+    check_writable(os.path.join(workdir, "checkpoints"))   # not at the first save, minutes in
     return _train_and_evaluate(config, workdir, eval_callbacks)
   finally:
-    if lock is not None:
-      lock.release()
+    for held in reversed(locks):
+      if held is not None:
+        held.release()
 
 
 class NonFiniteTrainingError(FloatingPointError):
@@ -449,18 +459,43 @@ def _restore_or_explain(ckpt: Checkpointer, setup: Setup, data_it, config):
   try:
     return ckpt.restore(setup.abstract_state, data_it)
   except CheckpointMismatchError as e:
-    try:
-      saved = ckpt.restore_meta(e.step).get("config", {})
-      changes = config_changes(saved, config_to_json(config))
-    except Exception:  # the saved config is unreadable: the arrays alone must do
-      changes = []
-    if not changes:
-      raise
-    raise CheckpointMismatchError(
-        f"checkpoint step {e.step} in {ckpt.directory} was saved with another config: "
-        f"{', '.join(changes[:8])}. Nothing was moved or changed: resume with the saved config, "
-        f"or use another --workdir for the new one. Stored vs requested arrays: "
-        f"{'; '.join(e.differences)}", step=e.step, differences=e.differences) from None
+    raise _explained(ckpt, e, config) from None
+
+
+def _explained(ckpt: Checkpointer, e: CheckpointMismatchError, config) -> BaseException:
+  """`e` with the config fields that differ from the checkpoint's saved config named."""
+  try:
+    saved = ckpt.restore_meta(e.step).get("config", {})
+    changes = config_changes(saved, config_to_json(config))
+  except Exception:  # the saved config is unreadable: the arrays alone must do
+    changes = []
+  if not changes:
+    return e
+  return CheckpointMismatchError(
+      f"checkpoint step {e.step} in {ckpt.directory} was saved with another config: "
+      f"{', '.join(changes[:8])}. Nothing was moved or changed: resume with the saved config, "
+      f"or use another --workdir for the new one. Stored vs requested arrays: "
+      f"{'; '.join(e.differences)}", step=e.step, differences=e.differences)
+
+
+def check_resumable(workdir: str, setup: Setup, config) -> None:
+  """Before anything is compiled: the newest checkpoint's stored arrays (orbax's metadata, no
+  array read) against the state this config builds; CheckpointMismatchError naming the changed
+  config fields. A step whose metadata cannot be read is left to the restore, which judges
+  corruption. Opened read-only: nothing is cleaned or moved here."""
+  if not os.path.isdir(os.path.join(workdir, "checkpoints")):
+    return
+  ckpt = Checkpointer(workdir, read_only=True)
+  try:
+    step = ckpt.latest_step()
+    diffs = None if step is None else ckpt.stored_differences(step, setup.abstract_state)
+    if diffs:
+      raise _explained(ckpt, CheckpointMismatchError(
+          f"checkpoint step {step} in {ckpt.directory} holds a different state than this "
+          f"config builds (nothing was moved or changed): {'; '.join(diffs)}", step=step,
+          differences=diffs), config)
+  finally:
+    ckpt.close()
 
 
 def _warn_config_changes(saved: dict, now: dict, step: int) -> None:
@@ -479,6 +514,7 @@ def _warn_config_changes(saved: dict, now: dict, step: int) -> None:
 def _train_and_evaluate(config, workdir, eval_callbacks) -> dict[str, Any]:
   setup = build_setup(config)                 # runs config.validate
   validate_for_training(config, setup)
+  check_resumable(workdir, setup, config)     # a changed model config: stop before compiling
   geo = _fit_memory(setup, config)            # before any data is read: may shrink the micro-batch
   config = geo.apply(config)                  # from here on the config holds the run's batch
   _log_setup(setup)
@@ -548,11 +584,15 @@ class _Run:
     self.state, self.last_saved = state, self.start
 
   def open_outputs(self, eval_callbacks: Sequence[EvalCallback]) -> None:
-    """Metrics file (rows an interrupted run logged after its last checkpoint dropped), the
-    throughput constants, the evaluator and the progress bar."""
+    """Metrics file (a resumed run: rows an interrupted run logged after its last checkpoint
+    dropped; a run from step 0: an earlier run's rows moved aside), the throughput constants,
+    the evaluator and the progress bar."""
     c, n = self.config, self.setup.n_params
+    if self.start == 0 and jax.process_index() == 0:
+      rotate_history(self.workdir, self.ckpt.directory)
     self.writer = MetricWriter(self.workdir)
-    self.writer.truncate_after(self.start)
+    if self.start:
+      self.writer.truncate_after(self.start)
     self.flops_per_tok = flops_lib.train_flops_per_token(self.setup.cfg, n, self.geo.seq_len)
     self.peak = flops_lib.peak_flops_per_device(override=c.train.peak_flops,
                                                 dtype=c.model.dtype)  # fp32: the TF32 peak
@@ -713,6 +753,71 @@ class _Run:
       self.evaluate(step)
     self.writer.close()
     return dict(self.last, workdir=self.workdir, checkpoint_dir=self.ckpt.directory)
+
+
+HISTORY = ("metrics.jsonl", "tb")
+
+
+def _history_entries(workdir: str) -> dict[str, list[str]]:
+  """{"metrics.jsonl": [it], "tb": [its event files...]} for the non-empty ones."""
+  out = {}
+  metrics = os.path.join(workdir, "metrics.jsonl")
+  if os.path.isfile(metrics) and os.path.getsize(metrics) > 0:
+    out["metrics.jsonl"] = [metrics]
+  tb = os.path.join(workdir, "tb")
+  if os.path.isdir(tb):
+    names = sorted(n for n in os.listdir(tb) if n != TB_LOCK)
+    if names:
+      out["tb"] = [os.path.join(tb, n) for n in names]
+  return out
+
+
+def _metric_steps(path: str) -> list[int]:
+  import json
+  steps = []
+  with open(path) as f:
+    for line in f:
+      try:
+        steps.append(int(json.loads(line)["step"]))
+      except (ValueError, KeyError, TypeError):
+        pass
+  return steps
+
+
+def rotate_history(workdir: str, checkpoint_dir: str = "") -> dict[str, str]:
+  """Before a run starts at step 0 in `workdir`: an earlier run's metrics.jsonl and TensorBoard
+  events (its checkpoints are gone or were set aside as corrupt) are moved to metrics.jsonl.<k>
+  and tb.<k>/ (k: the first number free for both), with a warning saying so; nothing is
+  deleted. (The TensorBoard folder stays where it is with its lock; its files move.) Returns
+  {old path: new path}."""
+  found = _history_entries(workdir)
+  if not found:
+    return {}
+  k = 1
+  while any(os.path.exists(os.path.join(workdir, f"{n}.{k}")) for n in HISTORY):
+    k += 1
+  moved = {}
+  if "metrics.jsonl" in found:
+    steps = _metric_steps(found["metrics.jsonl"][0])
+    rows = (f"{len(steps)} metric rows" + (f", steps {min(steps)}-{max(steps)}" if steps
+                                            else ""))
+    moved[found["metrics.jsonl"][0]] = os.path.join(workdir, f"metrics.jsonl.{k}")
+  else:
+    rows = "TensorBoard events"
+  if "tb" in found:
+    target = os.path.join(workdir, f"tb.{k}")
+    os.makedirs(target)
+    moved.update({p: os.path.join(target, os.path.basename(p)) for p in found["tb"]})
+  for old, new in moved.items():
+    os.rename(old, new)
+  corrupt = sorted(n for n in (os.listdir(checkpoint_dir) if os.path.isdir(checkpoint_dir)
+                               else ()) if ".corrupt" in n)
+  why = (f"its checkpoints were set aside as corrupt ({', '.join(corrupt)})" if corrupt
+         else "it left no checkpoint to resume from")
+  logging.warning("starting at step 0 in %s, which holds an earlier run's history (%s; %s): "
+                  "moved it aside to %s, nothing was deleted", workdir, rows, why,
+                  " and ".join(sorted({os.path.join(workdir, f"{n}.{k}") for n in found})))
+  return moved
 
 
 def _attempt(error: BaseException | None, what: str, fn: Callable[[], Any]) -> None:

@@ -9,6 +9,11 @@ once, naming the first. Choices:
     taken over with a warning naming that pid. Released locks are emptied, not deleted (deleting
     would let two processes lock two different files of the same name).
   * Only process 0 of a multi-host run takes it (every host shares the workdir).
+  * The TensorBoard folder `<workdir>/tb` gets a lock of its own (`tb/.writer.lock`,
+    `lock_tensorboard`): two runs can only reach one folder through a symlink or a bind mount
+    (their workdirs differ), and their curves would interleave in it, so the second run stops
+    naming the first. TensorBoard reads only event files and ignores it.
+  * Readers (evaluation, streaming) take no lock: they never write a run's files.
 """
 
 from __future__ import annotations
@@ -35,25 +40,27 @@ def _read(fd: int) -> dict:
 
 
 class WorkdirLock:
-  """`with WorkdirLock(workdir): train(...)`; or `.acquire()` / `.release()`."""
+  """`with WorkdirLock(workdir): train(...)`; or `.acquire()` / `.release()`. `filename` and
+  `what` (how messages name the folder) lock another folder the same way."""
 
   FILENAME = ".lock"
 
-  def __init__(self, workdir: str):
+  def __init__(self, workdir: str, *, filename: str = FILENAME, what: str = "--workdir"):
     self.workdir = os.path.abspath(workdir)
-    self.path = os.path.join(self.workdir, self.FILENAME)
+    self.path = os.path.join(self.workdir, filename)
+    self.what = what
     self._fd: int | None = None
 
   def acquire(self) -> "WorkdirLock":
     if self._fd is not None:
       return self
     if os.path.exists(self.workdir) and not os.path.isdir(self.workdir):
-      raise NotADirectoryError(f"--workdir {self.workdir} is a file, not a directory")
+      raise NotADirectoryError(f"{self.what} {self.workdir} is a file, not a directory")
     try:
       os.makedirs(self.workdir, exist_ok=True)
       fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as e:  # unwritable (permissions, read-only file system, a file in the path)
-      raise OSError(e.errno, f"--workdir {self.workdir} is not usable: cannot create "
+      raise OSError(e.errno, f"{self.what} {self.workdir} is not usable: cannot create "
                     f"{self.path}: {e.strerror}") from None
     try:
       fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -61,9 +68,10 @@ class WorkdirLock:
       holder = _read(fd)
       os.close(fd)
       raise WorkdirLockedError(
-          f"--workdir {self.workdir} is in use by pid {holder.get('pid', '?')} on host "
-          f"{holder.get('host', '?')} (since {holder.get('started', '?')}); lock file "
-          f"{self.path}. Stop that run or choose another --workdir.") from None
+          f"{self.what} {self.workdir}{self._resolved()} is in use by pid "
+          f"{holder.get('pid', '?')} on host {holder.get('host', '?')} (since "
+          f"{holder.get('started', '?')}); lock file {self.path}. Stop that run or choose "
+          "another --workdir.") from None
     previous = _read(fd)
     if previous.get("pid") is not None:
       logging.warning("taking over the stale lock of pid %s on host %s in %s (that run ended "
@@ -76,6 +84,10 @@ class WorkdirLock:
     os.fsync(fd)
     self._fd = fd
     return self
+
+  def _resolved(self) -> str:
+    real = os.path.realpath(self.workdir)
+    return "" if real == self.workdir else f" (= {real})"
 
   def release(self) -> None:
     if self._fd is None:
@@ -100,3 +112,18 @@ def lock_workdir(workdir: str, *, process_index: int | None = None) -> WorkdirLo
   if process_index != 0:
     return None
   return WorkdirLock(workdir).acquire()
+
+
+TB_LOCK = ".writer.lock"
+
+
+def lock_tensorboard(workdir: str, *, process_index: int | None = None) -> WorkdirLock | None:
+  """Takes the lock of `<workdir>/tb` on process 0; WorkdirLockedError when another live run
+  writes the same folder (reached through a symlink or a bind mount)."""
+  if process_index is None:
+    import jax
+    process_index = jax.process_index()
+  if process_index != 0:
+    return None
+  return WorkdirLock(os.path.join(workdir, "tb"), filename=TB_LOCK,
+                     what="the TensorBoard folder").acquire()
