@@ -389,3 +389,21 @@ def test_too_few_tokens_error(tmp_path):
   with pytest.raises(ValueError, match=r"too few tokens .* leaving none to train on"):
     pipeline.make_train_iterator(text_config(path), seed=0)
   next(pipeline.make_train_iterator(text_config(path, eval_fraction=0.0), seed=0))
+
+
+@pytest.mark.parametrize("eos", ["<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>"])
+def test_hf_tokenizer_finds_the_eos_of_each_family(tmp_path, eos):
+  from tokenizers import Tokenizer, models
+  from attn_jax.data.tokenizer import HFTokenizer
+  tok = Tokenizer(models.BPE(vocab={"a": 0, "b": 1}, merges=[]))
+  tok.add_special_tokens(["<pad>", eos])
+  tok.save(str(tmp_path / "tok.json"))
+  assert HFTokenizer(tmp_path / "tok.json").eos_id == tok.token_to_id(eos) == 3
+
+
+def test_hf_tokenizer_without_eos_names_the_file(tmp_path):
+  from tokenizers import Tokenizer, models
+  from attn_jax.data.tokenizer import HFTokenizer
+  Tokenizer(models.BPE(vocab={"a": 0}, merges=[])).save(str(tmp_path / "tok.json"))
+  with pytest.raises(ValueError, match="tok.json.*no EOS token"):
+    HFTokenizer(tmp_path / "tok.json")

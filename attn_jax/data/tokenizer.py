@@ -29,8 +29,12 @@ class ByteTokenizer:
     return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
 
 
+_EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
+
+
 class HFTokenizer:
-  """A `tokenizers` JSON file. EOS is `<|endoftext|>` when present (GPT-2/NeoX), else `</s>`."""
+  """A `tokenizers` JSON file. EOS is the first of `<|endoftext|>` (GPT-2, NeoX, SmolLM),
+  `<|end_of_text|>` (Llama 3), `</s>` (Llama 2, Mistral) and `<eos>` (Gemma) it holds."""
 
   def __init__(self, path: str | os.PathLike):
     from tokenizers import Tokenizer as _Tok
@@ -46,12 +50,12 @@ class HFTokenizer:
                        f"data.tokenizer): {e}") from None
     self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
     eos = None
-    for name in ("<|endoftext|>", "</s>", "<eos>"):
+    for name in _EOS_NAMES:
       eos = self._tok.token_to_id(name)
       if eos is not None:
         break
     if eos is None:
-      raise ValueError(f"tokenizer {path!r} has no EOS token (<|endoftext|>, </s> or <eos>)")
+      raise ValueError(f"tokenizer {path!r} has no EOS token (none of {', '.join(_EOS_NAMES)})")
     self.eos_id = int(eos)
 
   def encode(self, text: str) -> list[int]:
