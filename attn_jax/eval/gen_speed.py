@@ -1,0 +1,196 @@
+"""Batch-1 greedy generation speed of one set of weights in several engines, side by side.
+
+Each engine offers two calls on the same prompt of T tokens:
+
+  prefill(ids)        the prompt through a fresh KV cache, logits of the last token only;
+  generate(ids, N)    prefill, then N - 1 one-token steps with the KV cache, greedy argmax,
+                      exactly N new tokens (no EOS stop) -> the new token ids.
+
+and the measured wall times (after an untimed warm-up call of each, which compiles ours) give
+
+  prefill tokens/s = T / t_prefill
+  decode tokens/s  = (N - 1) / (t_generate - t_prefill)
+
+(the first new token comes out of the prefill, so a generate call holds N - 1 decode steps).
+Repeats run the engines alternately, the order rotating each round, so that a machine whose
+load drifts during the run (a shared one) slows each engine alike; the table reports the
+median and the spread (min-max) over repeats, and the ratios of the medians. Decode tokens/s
+uses t_prefill of the same round.
+
+Engines: ours (`attn_jax.decode.generate`, and `decode.prefill` jitted with
+`decode.jit_stateful` as experiments/bench.py's decode rows do), transformers
+(`LlamaForCausalLM.generate`, greedy, its default dynamic KV cache, torch.inference_mode), and
+llama.cpp through llama-cpp-python (`Llama.eval` of the prompt, then one token per `eval`,
+argmax of the last logits) when it is installed. All in fp32 on the same weights.
+
+Each engine's greedy tokens are kept; `agreement` counts how many leading tokens two engines
+share (fp32 engines that sum in different orders can split at a near-tie of the argmax, after
+which the continuations differ legitimately; a wrong model differs from the first token).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from typing import Callable, Sequence
+
+import numpy as np
+
+
+@dataclasses.dataclass
+class Engine:
+  """`prefill(ids) -> None` and `generate(ids, n) -> list[int]` (n new token ids), both
+  blocking until their results are computed."""
+  name: str
+  prefill: Callable[[list[int]], None]
+  generate: Callable[[list[int], int], list[int]]
+
+
+def ours_engine(model, name: str = "attn_jax") -> Engine:
+  """attn_jax's decoding path on an in-memory `Decoder`."""
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+
+  from attn_jax import decode
+
+  graphdef, state = nnx.split(model)
+  compiled = {}
+
+  def prefill_fn(capacity):
+    if capacity not in compiled:
+      @decode.jit_stateful
+      def run(state, prompt_BT):
+        logits_BV, dstate = decode.prefill(nnx.merge(graphdef, state), prompt_BT,
+                                           capacity=capacity)
+        return jnp.argmax(logits_BV, axis=-1), dstate
+      compiled[capacity] = run
+    return compiled[capacity]
+
+  def prefill(ids):
+    prompt = jnp.asarray([ids], jnp.int32)
+    jax.block_until_ready(prefill_fn(len(ids))(state, prompt))
+
+  def generate(ids, n):
+    out = decode.generate(model, jnp.asarray([ids], jnp.int32), max_new_tokens=n)
+    return np.asarray(out)[0, len(ids):].tolist()
+
+  return Engine(name, prefill, generate)
+
+
+def transformers_engine(model, name: str = "transformers") -> Engine:
+  """A transformers causal LM (`LlamaForCausalLM`, fp32, eval mode)."""
+  import torch
+
+  def prefill(ids):
+    with torch.inference_mode():
+      model(torch.tensor([ids]), use_cache=True, logits_to_keep=1)
+
+  def generate(ids, n):
+    with torch.inference_mode():
+      out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids),
+                                                                           dtype=torch.long),
+                           max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                           use_cache=True, num_beams=1, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+  return Engine(name, prefill, generate)
+
+
+def llama_cpp_engine(llm, name: str = "llama.cpp") -> Engine:
+  """A `llama_cpp.Llama` (its own n_threads) on a GGUF file."""
+
+  def prefill(ids):
+    llm.reset()
+    llm.eval(ids)
+
+  def generate(ids, n):
+    llm.reset()
+    llm.eval(ids)
+    out = []
+    for i in range(n):
+      tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+      out.append(tok)
+      if i < n - 1:
+        llm.eval([tok])
+    return out
+
+  return Engine(name, prefill, generate)
+
+
+def _timed(fn, *args):
+  t = time.perf_counter()
+  out = fn(*args)
+  return time.perf_counter() - t, out
+
+
+def agreement(a: Sequence[int], b: Sequence[int]) -> int:
+  """Number of leading tokens `a` and `b` share."""
+  n = 0
+  for x, y in zip(a, b):
+    if x != y:
+      break
+    n += 1
+  return n
+
+
+def measure(engines: Sequence[Engine], prompt: Sequence[int], new_tokens: int,
+            repeats: int) -> dict:
+  """Alternated timings of every engine (module docstring). Returns {"rows": [per engine:
+  prefill/decode tok/s median, min, max, and the raw seconds], "tokens": {engine: new ids},
+  "agreement": {engine: leading tokens shared with the first engine}, "config"}."""
+  if new_tokens < 2:
+    raise ValueError(f"new_tokens must be at least 2 (one decode step), got {new_tokens}")
+  if repeats < 1:
+    raise ValueError(f"repeats must be at least 1, got {repeats}")
+  ids = [int(t) for t in prompt]
+  tokens, raw = {}, {e.name: {"prefill_s": [], "generate_s": []} for e in engines}
+  for e in engines:  # warm-up (compiles ours; first-call allocations elsewhere)
+    e.prefill(ids)
+    tokens[e.name] = [int(t) for t in e.generate(ids, new_tokens)]
+  for r in range(repeats):
+    k = r % len(engines)
+    for e in list(engines[k:]) + list(engines[:k]):
+      t_pre, _ = _timed(e.prefill, ids)
+      t_gen, got = _timed(e.generate, ids, new_tokens)
+      raw[e.name]["prefill_s"].append(t_pre)
+      raw[e.name]["generate_s"].append(t_gen)
+      if [int(t) for t in got] != tokens[e.name]:
+        raise RuntimeError(f"{e.name}: greedy tokens changed between repeats")
+  rows = []
+  for e in engines:
+    pre = [len(ids) / t for t in raw[e.name]["prefill_s"]]
+    dec = [(new_tokens - 1) / max(g - p, 1e-9)
+           for g, p in zip(raw[e.name]["generate_s"], raw[e.name]["prefill_s"])]
+    rows.append({"engine": e.name, "prefill_tok_s": statistics.median(pre),
+                 "prefill_min": min(pre), "prefill_max": max(pre),
+                 "decode_tok_s": statistics.median(dec), "decode_min": min(dec),
+                 "decode_max": max(dec), **raw[e.name]})
+  first = engines[0].name
+  return {"rows": rows, "tokens": tokens,
+          "agreement": {e.name: agreement(tokens[first], tokens[e.name]) for e in engines},
+          "config": {"prompt_len": len(ids), "new_tokens": new_tokens, "repeats": repeats}}
+
+
+def to_markdown(result: dict) -> str:
+  """The speed table: per engine median (min-max) tok/s and the ratio of ours (the first row)
+  to each engine."""
+  rows = result["rows"]
+  base = rows[0]
+  n = result["config"]["new_tokens"]
+  lines = [f"| engine | prefill tok/s | decode tok/s | {base['engine']} / engine, prefill | "
+           f"{base['engine']} / engine, decode | greedy tokens equal to {base['engine']}'s |",
+           "|---|---|---|---|---|---|"]
+  for r in rows:
+    lines.append(
+        f"| {r['engine']} | {r['prefill_tok_s']:.0f} ({r['prefill_min']:.0f}-"
+        f"{r['prefill_max']:.0f}) | {r['decode_tok_s']:.1f} ({r['decode_min']:.1f}-"
+        f"{r['decode_max']:.1f}) | {base['prefill_tok_s'] / r['prefill_tok_s']:.2f}x | "
+        f"{base['decode_tok_s'] / r['decode_tok_s']:.2f}x | "
+        f"{result['agreement'][r['engine']]} / {n} |")
+  return "\n".join(lines)
+
+
+__all__ = ["Engine", "ours_engine", "transformers_engine", "llama_cpp_engine", "agreement",
+           "measure", "to_markdown"]
