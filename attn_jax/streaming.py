@@ -355,10 +355,12 @@ def summarize_ranges(losses: np.ndarray, edges) -> list[dict]:
   return out
 
 
-def paired(results: dict[str, np.ndarray], reference: str) -> dict[str, float]:
-  """Mean loss of every policy at the positions `reference` scored (a subsampled recompute):
+def paired(results: dict[str, np.ndarray], reference: str, start: int = 0) -> dict[str, float]:
+  """Mean loss of every policy at the positions `reference` scored (a subsampled recompute),
+  from loss index `start` on (its first window, where the cache policies agree, left out):
   a side-by-side comparison on the same tokens."""
   mask = ~np.isnan(np.asarray(results[reference], np.float64))
+  mask[:start] = False
   return {k: _nanmean(np.asarray(v, np.float64)[mask[:len(v)]]) for k, v in results.items()}
 
 
@@ -435,37 +437,47 @@ def cache_of(label: str) -> int | None:
 
 
 def report_table(results: dict[str, np.ndarray], edges) -> dict:
-  """Per policy: scored positions, mean NLL and perplexity overall and per range
-  (`summarize_ranges`); per subsampled policy: every policy's mean at its positions."""
+  """Per policy: scored positions, mean NLL and perplexity overall, past its first eviction
+  (loss index >= its cache size: the context no longer fits) and per range
+  (`summarize_ranges`); per subsampled policy: every policy's mean at the positions it scored
+  past its first window, and how many."""
   rows = []
   for label, v in results.items():
-    mean = _nanmean(v)
-    rows.append({"label": label, "cache": cache_of(label),
+    mean, c = _nanmean(v), cache_of(label)
+    rows.append({"label": label, "cache": c,
                  "scored": int(np.count_nonzero(~np.isnan(v))), "mean": mean,
-                 "ppl": float(np.exp(mean)), "ranges": summarize_ranges(v, edges)})
-  subsampled = [k for k, v in results.items() if np.isnan(v).any()]
-  return {"rows": rows, "paired": {k: paired(results, k) for k in subsampled}}
+                 "ppl": float(np.exp(mean)), "past": _nanmean(v[c:]) if c else None,
+                 "ranges": summarize_ranges(v, edges)})
+  out = {}
+  for k, v in results.items():
+    if np.isnan(v).any():
+      c = cache_of(k) or 0
+      out[k] = {"n": int(np.count_nonzero(~np.isnan(v[c:]))),
+                "means": paired(results, k, start=c)}
+  return {"rows": rows, "paired": out}
 
 
 def table_markdown(table: dict, tokens: int) -> str:
   rows = table["rows"]
   ranges = rows[0]["ranges"] if rows else []
-  head = ["policy", "cache", "scored", "NLL", "ppl"] + [
+  head = ["policy", "cache", "scored", "NLL", "ppl", "NLL past eviction"] + [
       f"NLL {r['start']}-{r['end'] - 1}" for r in ranges]
   lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
   for r in rows:
     cells = [r["label"], str(r["cache"] or "all"), str(r["scored"]), f"{r['mean']:.3f}",
-             f"{r['ppl']:.2f}"]
+             f"{r['ppl']:.2f}", "-" if r["past"] is None else f"{r['past']:.3f}"]
     cells += ["-" if not x["n"] else f"{x['mean']:.3f}" for x in r["ranges"]]
     lines.append("| " + " | ".join(cells) + " |")
   out = "\n".join(lines)
   if table["paired"]:
     labels = [r["label"] for r in rows]
-    lines = ["", f"Mean NLL at the positions each subsampled policy scored ({tokens} tokens):",
-             "", "| positions of | " + " | ".join(labels) + " |",
-             "|---|" + "---|" * len(labels)]
-    for ref, means in table["paired"].items():
-      lines.append(f"| {ref} | " + " | ".join(f"{means[k]:.3f}" for k in labels) + " |")
+    lines = ["", "", f"Mean NLL at the positions each subsampled policy scored past its first "
+             f"window ({tokens} tokens):", "",
+             "| positions of | n | " + " | ".join(labels) + " |",
+             "|---|---|" + "---|" * len(labels)]
+    for ref, p in table["paired"].items():
+      lines.append(f"| {ref} | {p['n']} | " + " | ".join(
+          "-" if np.isnan(p["means"][k]) else f"{p['means'][k]:.3f}" for k in labels) + " |")
     out += "\n".join(lines)
   return out
 

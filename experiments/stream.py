@@ -87,11 +87,13 @@ def policies(names, window, sinks):
 
 def check_dense_length(cfg, pols, n_tokens: int) -> None:
   """Dense attention over a stream longer than the model's max_seq_len runs untrained
-  positions: only when asked for (--max_seq_len)."""
-  if any(p.name == "dense" for p in pols) and n_tokens > cfg.max_seq_len:
-    raise ValueError(f"policy dense: the stream has {n_tokens} tokens, more than "
-                     f"model.max_seq_len={cfg.max_seq_len}; pass --max_seq_len={n_tokens} to "
-                     "score positions past the model's length, or --max_tokens")
+  positions: only when asked for (--max_seq_len). The model reads all tokens but the last
+  (which is only predicted): positions 0..n_tokens - 2."""
+  if any(p.name == "dense" for p in pols) and n_tokens - 1 > cfg.max_seq_len:
+    raise ValueError(f"policy dense: the stream feeds {n_tokens - 1} tokens to the model, more "
+                     f"than model.max_seq_len={cfg.max_seq_len}; pass --max_seq_len="
+                     f"{n_tokens - 1} to score positions past the model's length, or "
+                     "--max_tokens")
 
 
 def _ranges(values) -> list[int]:
@@ -142,8 +144,9 @@ def run(workdir, text, *, step=None, tokenizer=None, tail=0.0, max_tokens=0,
     for k, v in results.items():
       if edges:
         summary[k]["ranges"] = streaming.summarize_ranges(v, edges)
-    sub = [p.label for p in pols if p.name == "recompute" and stride > 1]
-    extra = {"paired": {ref: streaming.paired(results, ref) for ref in sub}}
+    sub = [p for p in pols if p.name == "recompute" and stride > 1]
+    extra = {"paired": {p.label: streaming.paired(results, p.label, start=p.window)
+                        for p in sub}}   # past recompute's first window
     paths["summary"] = os.path.join(out, "summary.json")
     with open(paths["summary"], "w") as f:
       json.dump({"meta": meta, "summary": summary, **extra}, f, indent=1)

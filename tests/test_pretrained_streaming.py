@@ -170,6 +170,7 @@ def test_summaries_over_ranges_and_paired_positions():
   other[0] = 4.0
   pr = streaming.paired({"sub": v, "other": other}, "sub")
   assert pr["other"] == pytest.approx((4.0 + 2.0 * 7) / 8) and pr["sub"] == np.nanmean(v)
+  assert streaming.paired({"sub": v, "other": other}, "sub", start=1)["other"] == 2.0
   centres, means = streaming.binned_means(v, 4)
   assert centres.tolist() == [2.0, 6.0, 9.0] and means.tolist() == [2.0, 6.0, 9.5]
 
@@ -190,9 +191,13 @@ def test_report_over_several_runs(tmp_path):
   assert [rows[k]["cache"] for k in results] == [8, 8, 8, None]
   assert rows["recompute(8)"]["scored"] == 30 - len(range(9, 30, 2))
   assert rows["dense"]["ranges"][1]["mean"] == pytest.approx(b["dense"][15:].mean(), abs=1e-5)
+  assert rows["window(8)"]["past"] == pytest.approx(a["window(8)"][8:].mean(), abs=1e-5)
+  assert rows["dense"]["past"] is None
   mask = ~np.isnan(rec)
-  assert table["paired"]["recompute(8)"]["window(8)"] == pytest.approx(
-      a["window(8)"][mask].mean(), abs=1e-5)
+  mask[:8] = False                                        # recompute's first window
+  pr = table["paired"]["recompute(8)"]
+  assert pr["n"] == int(mask.sum()) == 1 + len(range(10, 30, 2))
+  assert pr["means"]["window(8)"] == pytest.approx(a["window(8)"][mask].mean(), abs=1e-5)
   md = streaming.table_markdown(table, tokens)
   assert "| streaming(2+6) | 8 | 30 |" in md and "positions each subsampled policy" in md
   streaming.plot_report(str(tmp_path / "r.png"), str(tmp_path / "e.png"), results,
@@ -223,10 +228,14 @@ def test_raised_max_seq_len_scores_dense_past_the_old_length():
 def test_stream_refuses_dense_past_max_seq_len_without_the_override(tiny_llama):
   import stream
   _, _, run_dir, _ = tiny_llama
-  with pytest.raises(ValueError, match=r"more than model.max_seq_len=96; pass --max_seq_len="):
-    stream.run(run_dir, str(SHAKESPEARE), names=["dense"], max_tokens=120, progress=False,
+  with pytest.raises(ValueError, match=r"feeds 97 tokens to the model, more than "
+                     r"model.max_seq_len=96; pass --max_seq_len=97 "):
+    stream.run(run_dir, str(SHAKESPEARE), names=["dense"], max_tokens=98, progress=False,
                out=os.path.join(run_dir, "never"))
   assert not os.path.exists(os.path.join(run_dir, "never"))
+  with pytest.raises(ValueError, match=r"max_seq_len must be an integer >= 1, got -3"):
+    stream.run(run_dir, str(SHAKESPEARE), names=["dense"], max_tokens=98, max_seq_len=-3,
+               progress=False, out=os.path.join(run_dir, "never"))
 
 
 # ------------------------------------------------------------------ experiments/stream.py
@@ -254,8 +263,9 @@ def test_stream_end_to_end_on_a_converted_llama(tiny_llama, tmp_path):
   rec = np.array([np.nan if x is None else x for x in data["policies"]["recompute(16)"]])
   assert np.count_nonzero(~np.isnan(rec)) == 16 + len(range(16, 149, 5))
   dense = np.array(data["policies"]["dense"])
-  assert summ["paired"]["recompute(16)"]["dense"] == pytest.approx(
-      dense[~np.isnan(rec)].mean(), abs=1e-5)
+  past = ~np.isnan(rec)
+  past[:16] = False                                       # recompute's first window
+  assert summ["paired"]["recompute(16)"]["dense"] == pytest.approx(dense[past].mean(), abs=1e-5)
   sink = json.load(open(res["paths"]["sink_json"]))
   assert len(sink["layers"]) == 3 and sink["meta"]["queries"] == 48 - 16
 
