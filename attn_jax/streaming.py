@@ -361,7 +361,8 @@ def paired(results: dict[str, np.ndarray], reference: str, start: int = 0) -> di
   a side-by-side comparison on the same tokens."""
   mask = ~np.isnan(np.asarray(results[reference], np.float64))
   mask[:start] = False
-  return {k: _nanmean(np.asarray(v, np.float64)[mask[:len(v)]]) for k, v in results.items()}
+  return {k: _nanmean(np.asarray(v, np.float64)[mask]) if len(v) >= len(mask) else float("nan")
+          for k, v in results.items()}   # NaN: a policy scored a shorter prefix
 
 
 def binned_means(losses: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
@@ -406,26 +407,28 @@ def plot_losses(path: str, results: dict[str, np.ndarray], *, smooth: int = 64,
 # ------------------------------------------------------------------ reports over several runs
 
 def read_results(out_dirs: Iterable[str]) -> tuple[dict[str, np.ndarray], int]:
-  """({label: losses (NaN = not scored)}, tokens) from the losses.json of several
-  `write_results` folders, which must have scored the same stream."""
+  """({label: losses (NaN = not scored)}, longest stream's tokens) from the losses.json of
+  several `write_results` folders, which must have read the same text (meta "text", "tail");
+  a run may score fewer tokens of it (--max_tokens: a prefix of the same stream)."""
   import json
-  results, tokens = {}, None
+  results, source, tokens = {}, None, 0
   for d in out_dirs:
     path = os.path.join(d, "losses.json")
     if not os.path.isfile(path):
       raise FileNotFoundError(f"{path}: no losses.json (an experiments/stream.py output folder?)")
     with open(path) as f:
       data = json.load(f)
-    n = int(data["meta"]["tokens"])
-    if tokens is not None and n != tokens:
-      raise ValueError(f"{path}: scored {n} tokens, the runs before it {tokens}; a report "
-                       "compares one stream")
-    tokens = n
+    meta = data["meta"]
+    src = (meta.get("text"), meta.get("tail", 0.0))
+    if source is not None and src != source:
+      raise ValueError(f"{path}: read {src[0]!r} (tail {src[1]}), the runs before it "
+                       f"{source[0]!r} (tail {source[1]}); a report compares one stream")
+    source, tokens = src, max(tokens, int(meta["tokens"]))
     for label, vals in data["policies"].items():
       if label in results:
         raise ValueError(f"{path}: policy {label} is in two of the runs")
       results[label] = np.asarray([np.nan if x is None else x for x in vals], np.float64)
-  return results, int(tokens or 0)
+  return results, tokens
 
 
 def cache_of(label: str) -> int | None:
@@ -483,26 +486,43 @@ def table_markdown(table: dict, tokens: int) -> str:
 
 
 def plot_report(path: str, eviction_path: str, results: dict[str, np.ndarray], *,
-                bin_width: int = 512, smooth: int = 64, zoom: int = 4096, mark: int = 0) -> None:
-  """`path`: binned mean NLL vs position, one panel per cache size (dense in each);
-  `eviction_path`: the first `zoom` positions, running mean over `smooth` (scored-only)."""
+                bin_width: int = 512, smooth: int = 64, zoom: int = 4096, mark: int = 0,
+                sparse_mean: int = 8) -> None:
+  """`path`: binned mean NLL vs position, one panel per cache size (dense in each); a
+  subsampled policy: its first window binned, then running means of `sparse_mean` consecutive
+  scored positions. `eviction_path`: the first `zoom` positions, running mean over `smooth`
+  (fully scored policies only; lighter shades for smaller caches)."""
   import matplotlib
   matplotlib.use("Agg")
+  import matplotlib.colors as mcolors
   import matplotlib.pyplot as plt
   caches = sorted({c for c in map(cache_of, results) if c})
-  style = {"dense": ("black", "-"), "window": ("tab:red", "-"), "recompute": ("tab:green", ""),
-           "streaming": ("tab:blue", "-")}
+  base = {"dense": "black", "window": "tab:red", "recompute": "tab:green",
+          "streaming": "tab:blue"}
 
-  def draw(ax, label, x, y):
-    color, ls = style.get(label.split("(")[0], ("gray", "-"))
-    ax.plot(x, y, color=color, ls=ls or "none", marker="." if not ls else None,
-            ms=4, lw=1.1, label=label)
+  def draw(ax, label, x, y, marker=None):
+    rgb = np.asarray(mcolors.to_rgb(base.get(label.split("(")[0], "gray")))
+    c = cache_of(label)
+    fade = 0.0 if not c else 0.55 * (len(caches) - 1 - caches.index(c)) / max(1, len(caches) - 1)
+    ax.plot(x, y, color=tuple(rgb + (1 - rgb) * fade), marker=marker, ms=3, lw=1.1, label=label)
+
+  def sparse(v, c):
+    head_x, head_y = binned_means(v[:c], bin_width)
+    idx = np.flatnonzero(~np.isnan(v[c:])) + c
+    k = max(1, min(sparse_mean, len(idx)))
+    run = np.convolve(v[idx], np.ones(k) / k, mode="valid")
+    pos = np.convolve(idx + 1.0, np.ones(k) / k, mode="valid")
+    return np.concatenate([head_x, pos]), np.concatenate([head_y, run])
 
   fig, axes = plt.subplots(1, max(1, len(caches)), figsize=(6 * max(1, len(caches)), 4),
                            sharey=True, squeeze=False)
   for ax, c in zip(axes[0], caches or [None]):
     for label, v in results.items():
-      if cache_of(label) in (None, c):
+      if cache_of(label) not in (None, c):
+        continue
+      if np.isnan(v).any():
+        draw(ax, f"{label}, mean of {sparse_mean} samples", *sparse(v, c or 0), marker=".")
+      else:
         draw(ax, label, *binned_means(v, bin_width))
     if mark:
       ax.axvline(mark, color="gray", lw=0.8, ls=":")

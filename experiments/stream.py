@@ -132,7 +132,7 @@ def run(workdir, text, *, step=None, tokenizer=None, tail=0.0, max_tokens=0,
                                               progress=progress, stride=stride)
   out = out or os.path.join(workdir, "stream")
   meta = {"workdir": os.path.abspath(workdir), "step": int(ckpt_step), "text": text,
-          "tokens": int(len(tokens)), "train_seq_len": int(config.data.seq_len),
+          "tail": float(tail), "tokens": int(len(tokens)), "train_seq_len": int(config.data.seq_len),
           "model_max_seq_len": trained_len, "max_seq_len_override": int(max_seq_len),
           "recompute_stride": int(stride), "sink_tokens": int(model.cfg.sink_tokens),
           "title": f"{os.path.basename(os.path.abspath(workdir))}: {len(tokens)} tokens, "

@@ -182,7 +182,7 @@ def test_report_over_several_runs(tmp_path):
   rec[9::2] = np.nan
   b = {"recompute(8)": rec, "dense": rng.random(30)}
   for name, res in (("a", a), ("b", b)):
-    streaming.write_results(str(tmp_path / name), res, {"tokens": 31}, smooth=4)
+    streaming.write_results(str(tmp_path / name), res, {"tokens": 31, "text": "t"}, smooth=4)
   results, tokens = streaming.read_results([str(tmp_path / "a"), str(tmp_path / "b")])
   assert tokens == 31 and list(results) == ["window(8)", "streaming(2+6)", "recompute(8)",
                                             "dense"]
@@ -203,9 +203,17 @@ def test_report_over_several_runs(tmp_path):
   streaming.plot_report(str(tmp_path / "r.png"), str(tmp_path / "e.png"), results,
                         bin_width=8, smooth=4, zoom=20, mark=16)
   assert os.path.getsize(tmp_path / "r.png") > 0 and os.path.getsize(tmp_path / "e.png") > 0
-  streaming.write_results(str(tmp_path / "c"), {"dense": rng.random(20)}, {"tokens": 21})
-  with pytest.raises(ValueError, match="scored 21 tokens, the runs before it 31"):
-    streaming.read_results([str(tmp_path / "a"), str(tmp_path / "c")])
+  short = {"window(4)": rng.random(20)}      # the same text, fewer tokens: allowed
+  streaming.write_results(str(tmp_path / "c"), short, {"tokens": 21, "text": "t"})
+  results, tokens = streaming.read_results([str(tmp_path / n) for n in "abc"])
+  table = streaming.report_table(results, [16])
+  assert tokens == 31 and np.isnan(table["paired"]["recompute(8)"]["means"]["window(4)"])
+  assert table["rows"][-1]["ranges"][1]["mean"] == pytest.approx(short["window(4)"][15:].mean(),
+                                                                 abs=1e-5)
+  streaming.write_results(str(tmp_path / "d"), {"dense": rng.random(20)},
+                          {"tokens": 21, "text": "u"})
+  with pytest.raises(ValueError, match="read 'u' \\(tail 0.0\\), the runs before it 't'"):
+    streaming.read_results([str(tmp_path / "a"), str(tmp_path / "d")])
   with pytest.raises(ValueError, match="policy window\\(8\\) is in two of the runs"):
     streaming.read_results([str(tmp_path / "a"), str(tmp_path / "a")])
 
