@@ -55,8 +55,13 @@ def scale_by_tree(multipliers: Any) -> optax.GradientTransformation:
 
 def make_optimizer(config: ml_collections.ConfigDict, abstract_params: Any):
   """Returns (optax transform, lr schedule). `abstract_params` is an nnx.State of Params."""
+  return optimizer_from_groups(config, *param_groups(abstract_params))
+
+
+def optimizer_from_groups(config: ml_collections.ConfigDict, decay_mask: Any, lr_mult: Any):
+  """`make_optimizer`'s chain from explicit (decay mask, lr multiplier) trees, for parameters
+  that are not nnx Params (a plain-JAX model trained with the same optimizer)."""
   o = config.optim
-  decay_mask, lr_mult = param_groups(abstract_params)
   sched = lr_schedule(o, config.train.steps)
   chain = [optax.clip_by_global_norm(o.clip_norm)] if o.clip_norm > 0 else []
   chain += [
