@@ -25,6 +25,12 @@ plain scaled dot product (`dot_scores`).
 
 GQA: V has K <= H heads; query head h reads value head h // (H / K).
 
+Block-pair term (`block_bias_BHNN`, [B, H, n, n]): an optional constant per head and (query
+block I, key block J), added to every score of that pair after the score function (FoX's decay
+between the two blocks, fox.py). Its gradient is the sum of the pair's ds, written once per
+pair into the [B, H, n, n] cotangent (each pair is visited once). It is n^2 per head, not
+O(T): smaller than one [T, d_h] head while T < c^2 d_h.
+
 Packed rows (`segment_ids_BT`, [B, T] int32, `core.segment_mask`): a pair (i, j) is visible
 iff key j is in query i's document (or the shared prefix, segment 0). Invisible pairs get
 p_ij = 0 exactly, in the forward (the online softmax's e^{s - m'} is replaced by 0, so a block
@@ -103,20 +109,25 @@ def _check(qa, ka, v, block) -> None:
 
 
 def past_blocks(score_fn: ScoreFn, shared, qa, ka, v_BSKE, *, block: int,
-                segment_ids_BT=None):
+                segment_ids_BT=None, block_bias_BHNN=None):
   """(out [B, T, H, E], lse [B, T, H]) in fp32 (fp64 for float64 v): query block I over the
   keys of blocks J < I.
 
   score_fn(shared, qa_I, ka_J) -> [B, H, c, c] scores (fp32, or fp64); qa / ka: pytrees of
   [B, T, ...] arrays cut along axis 1; shared: a pytree passed whole (e.g. a learned scale).
   `segment_ids_BT`: document ids of a packed row (queries and keys are one stream; module
-  docstring), or None. Differentiable in shared, qa, ka and v (custom VJP, module docstring);
+  docstring), or None. `block_bias_BHNN`: the block-pair term (module docstring), or None.
+  Differentiable in shared, qa, ka, v and the block-pair term (custom VJP, module docstring);
   score_fn must be hashable."""
   _check(qa, ka, v_BSKE, block)
   if segment_ids_BT is not None and segment_ids_BT.shape != v_BSKE.shape[:2]:
     raise ValueError(f"flash: segment ids {segment_ids_BT.shape} do not match the sequence "
                      f"{v_BSKE.shape[:2]}")
-  return _past(score_fn, block, shared, qa, ka, v_BSKE, segment_ids_BT)
+  n = v_BSKE.shape[1] // block
+  bb = block_bias_BHNN
+  if bb is not None and (bb.ndim != 4 or bb.shape[2:] != (n, n)):
+    raise ValueError(f"flash: the block-pair term needs shape [B, H, {n}, {n}], got {bb.shape}")
+  return _past(score_fn, block, shared, qa, ka, v_BSKE, bb, segment_ids_BT)
 
 
 def _visible(seg, i, j, c):
@@ -126,12 +137,18 @@ def _visible(seg, i, j, c):
   return segment_mask(_block(seg, i, c), _block(seg, j, c))[:, None]
 
 
+def _pair_term(bb, i, j):
+  """[B, H, 1, 1]: the block-pair term of (query block i, key block j)."""
+  B, H = bb.shape[:2]
+  return jax.lax.dynamic_slice(bb, (0, 0, i, j), (B, H, 1, 1))
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _past(score_fn, block, shared, qa, ka, v, seg):
-  return _past_fwd(score_fn, block, shared, qa, ka, v, seg)[0]
+def _past(score_fn, block, shared, qa, ka, v, bb, seg):
+  return _past_fwd(score_fn, block, shared, qa, ka, v, bb, seg)[0]
 
 
-def _past_fwd(score_fn, c, shared, qa, ka, v, seg):
+def _past_fwd(score_fn, c, shared, qa, ka, v, bb, seg):
   B, T, K, E = v.shape
   n = T // c
   s0 = jax.eval_shape(lambda: score_fn(shared, _block(qa, 0, c), _block(ka, 0, c)))
@@ -144,6 +161,8 @@ def _past_fwd(score_fn, c, shared, qa, ka, v, seg):
     def key_block(j, st):
       m, l, acc = st
       s = score_fn(shared, qa_i, _block(ka, j, c)).astype(f)
+      if bb is not None:
+        s = s + _pair_term(bb, i, j).astype(f)
       vis = _visible(seg, i, j, c)
       if vis is not None:
         s = jnp.where(vis, s, NEG_INF)
@@ -169,11 +188,11 @@ def _past_fwd(score_fn, c, shared, qa, ka, v, seg):
 
   init = (jnp.zeros((B, T, H, E), f), jnp.full((B, T, H), NEG_INF, f))
   out, lse = jax.lax.fori_loop(1, n, query_block, init)
-  return (out, lse), (shared, qa, ka, v, seg, out, lse)
+  return (out, lse), (shared, qa, ka, v, bb, seg, out, lse)
 
 
 def _past_bwd(score_fn, c, res, cts):
-  shared, qa, ka, v, seg, out, lse = res
+  shared, qa, ka, v, bb, seg, out, lse = res
   dout, dlse = cts
   f = out.dtype
   dout = dout.astype(f)
@@ -183,15 +202,16 @@ def _past_bwd(score_fn, c, res, cts):
   zeros = lambda t: jax.tree.map(lambda x: jnp.zeros(x.shape, _acc(x.dtype)), t)
 
   def key_block(j, carry):
-    d_shared, d_qa, d_ka, d_v = carry
+    d_shared, d_qa, d_ka, d_v, d_bb = carry
     ka_j, v_j = _block(ka, j, c), _block(v, j, c).astype(f)
 
     def query_block(i, st):
-      d_shared, d_qa, dka_j, dv_j = st
+      d_shared, d_qa, dka_j, dv_j, d_bb = st
       qa_i = _block(qa, i, c)
       s, vjp = jax.vjp(score_fn, shared, qa_i, ka_j)
       lse_i = _block(lse, i, c).transpose(0, 2, 1)[..., None]            # [B, H, c, 1]
-      p = jnp.exp(s.astype(f) - lse_i)
+      full = s.astype(f) if bb is None else s.astype(f) + _pair_term(bb, i, j).astype(f)
+      p = jnp.exp(full - lse_i)
       vis = _visible(seg, i, j, c)
       if vis is not None:
         p = jnp.where(vis, p, 0.0)
@@ -204,16 +224,21 @@ def _past_bwd(score_fn, c, res, cts):
       ds = p * (dp - _block(dsum, i, c).transpose(0, 2, 1)[..., None])
       g_shared, g_qa, g_ka = vjp(ds.astype(s.dtype))
       add = lambda acc, g: jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc, g)
-      return add(d_shared, g_shared), _add_block(d_qa, g_qa, i, c), add(dka_j, g_ka), dv_j
+      if d_bb is not None:   # each pair once: its entry is written, not accumulated
+        d_bb = jax.lax.dynamic_update_slice(
+            d_bb, jnp.sum(ds, axis=(2, 3), keepdims=True).astype(d_bb.dtype), (0, 0, i, j))
+      return (add(d_shared, g_shared), _add_block(d_qa, g_qa, i, c), add(dka_j, g_ka), dv_j,
+              d_bb)
 
-    st = (d_shared, d_qa, zeros(ka_j), jnp.zeros((B, c, K, E), f))
-    d_shared, d_qa, dka_j, dv_j = jax.lax.fori_loop(j + 1, n, query_block, st)
-    return d_shared, d_qa, _add_block(d_ka, dka_j, j, c), _add_block(d_v, dv_j, j, c)
+    st = (d_shared, d_qa, zeros(ka_j), jnp.zeros((B, c, K, E), f), d_bb)
+    d_shared, d_qa, dka_j, dv_j, d_bb = jax.lax.fori_loop(j + 1, n, query_block, st)
+    return d_shared, d_qa, _add_block(d_ka, dka_j, j, c), _add_block(d_v, dv_j, j, c), d_bb
 
-  init = (zeros(shared), zeros(qa), zeros(ka), jnp.zeros(v.shape, f))
+  init = (zeros(shared), zeros(qa), zeros(ka), jnp.zeros(v.shape, f),
+          None if bb is None else zeros(bb))
   grads = jax.lax.fori_loop(0, n - 1, key_block, init)
   cast = lambda g, x: jax.tree.map(lambda a, b: a.astype(b.dtype), g, x)
-  return tuple(cast(g, x) for g, x in zip(grads, (shared, qa, ka, v))) + (None,)
+  return tuple(cast(g, x) for g, x in zip(grads, (shared, qa, ka, v, bb))) + (None,)
 
 
 _past.defvjp(_past_fwd, _past_bwd)

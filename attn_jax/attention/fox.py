@@ -27,48 +27,56 @@ QK-norm), `output_norm` (per-head RMSNorm of the attention output) and `output_g
 (`extra_params`); the configs narrow the SwiGLU to match the Transformer.
 
 Exact and causal at any length, with no [T, T] bias (`forget_attention`): the sequence is cut
-into blocks of c tokens (`block_size`, 256). g is kept in two levels, a block offset o_I = g
-at the last token before block I and a local part l_i = g_i - o_I (a cumulative sum inside the
-block, so |l| <= the decay of one block); g_i - g_j = (o_I - o_J) + (l_i - l_j), so the pairs
-of one block (o_I - o_J = 0 exactly) carry no rounding of the large sums at all. Two paths
+into blocks of c tokens (`block_size`, 256), and every pair's decay g_i - g_j (i in block I,
+j in block J) is assembled from sums over disjoint ranges, never as the difference of two long
+prefix sums (`_decay_parts`):
+- J = I: l_i - l_j, l the cumulative sum inside the block (from the block's first token), kept
+  as a double word (hi, lo) by a compensated (TwoSum) scan: (hi_i - hi_j) + (lo_i - lo_j) is
+  the pair's decay rounded once at its own size, not at the size of the block's decay.
+- J < I: l_i + M[I, J] + r_j, with r_j the sum over the rest of block J after j and M[I, J]
+  the sum of the totals of the blocks strictly between (an [n, n] suffix sum per query block,
+  n = T / c, each entry adding only its own blocks). All three terms are <= 0, so each is at
+  most |g_i - g_j| and the pair carries a rounding of its own decay only.
+Why it matters: under strong forgetting (log f ~ -8 to -20 nats per token) |g| grows to ~10^5
+at 8K tokens, and an fp32 prefix sum is rounded at 2^-24 |g| ~ 4e-3 nats, so a difference of
+two of them puts that error on the logits of neighbouring keys, whose weights are not small;
+a pair in one block would likewise carry the rounding of the whole block's decay. Two paths
 compute the same softmax (`path`; "auto" = `choose_path`):
 - "blocked" (T <= BLOCKED_MAX_LEN under "auto"): query block I over keys [0, e_I) in one
   `core.blocked_attention` call per block, as the Transformer's CPU core does (two large
-  matmuls per block, the upper triangle skipped). Without packed rows the bias is
-  l_i - kappa_j with kappa_j = (o_J - o_I) + l_j, a row term plus a column term formed from
-  O(T) vectors; the row term l_i is the same for every key of row i, so it cancels in the
-  softmax and is dropped unless a sink column is present. The backward keeps each block's
-  probabilities (O(T^2 / 2) over the blocks, like any blocked attention): hence the length
-  limit of "auto".
+  matmuls per block, the upper triangle skipped). The bias is a row term l_i plus a column
+  term (M[I, J] + r_j for earlier keys, -l_j in block I), formed from O(T + n^2) vectors. The
+  row term cancels in exact arithmetic but is kept: without it the logits of row i are shifted
+  by -l_i (up to a block's decay) and the softmax rounds them at that size. The backward keeps
+  each block's probabilities (O(T^2 / 2) over the blocks, like any blocked attention): hence
+  the length limit of "auto".
 - "flash" (longer T): the diagonal blocks, j <= i in one block, as one batch of [c, c] biased,
   masked blocks (`split.partial_attention`); a query block I over an earlier key block J,
-  s = q.k scale + (o_I - o_J) + l_i - l_j, formed inside `flash.past_blocks`' loops (online
-  softmax forward, recomputing backward, O(T) memory); the two parts combined exactly by
-  log-sum-exp (`split.combine`).
+  s = q.k scale + l_i + r_j formed inside `flash.past_blocks`' loops, plus M[I, J] as its
+  block-pair term (online softmax forward, recomputing backward; O(T) memory beside the
+  n^2 block-pair terms); the two parts combined exactly by log-sum-exp (`split.combine`).
 Every bias is g_i - g_j <= 0 for a causal pair, so nothing overflows however strong the
 forgetting: a far key's logit is a large negative number, its weight underflows to 0, and a
-row's own diagonal entry (bias 0) keeps its log-sum-exp finite. Precision: the offsets are an
-fp32 cumulative sum over T / c block totals, so a pair in different blocks carries about one
-rounding of |g| (2^-24 |g|) rather than the (i - j) roundings of a per-token cumulative sum,
-and pairs inside a block none of |g| at all.
+row's own diagonal entry (bias 0) keeps its log-sum-exp finite. Measured against a float64
+reference written from the paper (tests/test_fox.py: log f down to -20 nats per token, T up to
+8192, both paths) the output is within 1e-5 of the largest |value|.
 
 Packed rows (`segment_ids_BT`, full forwards): a pair (i, j) of different documents is masked
 (`core.segment_mask`: p_ij = 0) on every part (the blocked path's mask; the flash path's
-diagonal-block mask and its loops' visibility), and g restarts at every document start
-(segmented sums in both levels, `_two_level`). For j <= i in one document
-g_i - g_j = sum_{l=j+1..i} log f_l reads only that document's gates: exactly the document's
-alone value, and no gradient crosses a boundary even at rounding level (a cumulative sum over
-the whole row would be the same function, but its gradients would carry cancelling terms from
-earlier documents). Masked pairs cannot produce
-inf/NaN: their bias is a difference of finite sums (it may be > 0 across a restart, but it is
-finite), and a finite score with p_ij = 0 has a zero cotangent. A query whose
-document starts inside its block sees no past block (lse NEG_INF) and its diagonal entry keeps
-the combination finite. The token shift (`key_shift` / `value_shift`) restarts at a document's
-first token (its previous token is the zero carry, as at the start of a row). A shared prefix
-(segment 0, the decoder's sink tokens) is visible by `core.segment_mask`, but g_i - g_sink
-then mixes the document's restarted sum with the prefix's own, not the alone decay (which
-sums over the tokens in between): `reads_shared_prefix` stays False, and packed rows with
-sink tokens are not exact for FoX / ALiBi.
+diagonal-block mask and its loops' visibility), l restarts at every document start and r
+stops at every document end (segmented sums, `_decay_parts`). A visible pair has no document
+start in (j, i], so its l_i, M[I, J] and r_j sum only that document's gates:
+g_i - g_j = sum_{l=j+1..i} log f_l is exactly the document's alone value, and no gradient
+crosses a boundary (M is not segmented, but the pairs whose blocks between hold a start are
+masked, and a finite score with p_ij = 0 has a zero cotangent). Masked pairs cannot produce
+inf/NaN: their bias is a sum of finite sums. A query whose document starts inside its block
+sees no past block (lse NEG_INF) and its diagonal entry keeps the combination finite. The
+token shift (`key_shift` / `value_shift`) restarts at a document's first token (its previous
+token is the zero carry, as at the start of a row). A shared prefix (segment 0, the decoder's
+sink tokens) is visible by `core.segment_mask`, but its pairs cross a document start, so their
+bias mixes restarted sums, not the alone decay (which sums over the tokens in between):
+`reads_shared_prefix` stays False, and packed rows with sink tokens are not exact for FoX /
+ALiBi.
 
 Padding (position -1) gets log f = 0: it leaves g unchanged. The full forward is index-causal
 (right-padded rows: padding sits after the row's tokens), as SISA's chunked path.
@@ -121,31 +129,74 @@ DEFAULT_BLOCK = 256
 
 # ---------------------------------------------------------------- the attention computation
 
-def _two_level(loga_BTH, c: int, starts_BT=None):
-  """(o, l) [B, T, H]: o = g at the last token before each block (broadcast over the block),
-  l = g - o (the cumulative sum inside the block). T must be a multiple of c.
+def _two_sum(a, b):
+  """(s, e) with s = fl(a + b) and s + e = a + b exactly (Knuth's TwoSum, no branch)."""
+  s = a + b
+  bb = s - a
+  return s, (a - (s - bb)) + (b - bb)
 
-  `starts_BT` (packed rows, `layers.segment_starts`): g restarts at every document start. l
-  restarts there too (a segmented sum inside the block); a token's o is the decay of its
-  document before its block, O_I, or 0 when its document starts inside the block. O_I is an
-  exclusive segmented sum of the block totals (the last run of each block), restarting after
-  every block that holds a start: E_I = [no start in I] E_{I-1} + tot_I, O_I = E_{I-1}."""
+
+def _add2(u, w):
+  """Double-word sum of (hi, lo, reset) pairs for a segmented associative scan: w restarts the
+  sum when its reset is set; otherwise hi + lo carries the sum to ~2^-48 of its size."""
+  (uh, ul, ur), (wh, wl, wr) = u, w
+  s, e = _two_sum(uh, wh)
+  e = e + (ul + wl)
+  hi = s + e
+  lo = e - (hi - s)
+  return jnp.where(wr, wh, hi), jnp.where(wr, wl, lo), ur | wr
+
+
+def _cumsum2(x_BTH, starts_BT=None):
+  """Inclusive cumulative sum over axis 1 as a double word (hi, lo), hi + lo within ~2^-48 of
+  the exact sum of the fp32 terms: then hi_i - hi_j is exact for nearby i, j (Sterbenz) and
+  (hi_i - hi_j) + (lo_i - lo_j) is a difference of two long sums rounded once, at its own size
+  rather than the sums'. Restarts where `starts_BT` is True (selects: exact zeros)."""
+  r = jnp.zeros(x_BTH.shape, bool) if starts_BT is None else jnp.broadcast_to(
+      starts_BT[..., None], x_BTH.shape)
+  hi, lo, _ = jax.lax.associative_scan(_add2, (x_BTH, jnp.zeros_like(x_BTH), r), axis=1)
+  return hi, lo
+
+
+def _decay_parts(loga_BTH, c: int, starts_BT=None):
+  """(l [B, T, H] as a double word (hi, lo), r [B, T, H], M [B, H, n, n]): the sums every
+  pair's decay is built from (module docstring). T must be a multiple of c, n = T / c.
+
+  l_i = sum of log f from the start of i's block to i (inclusive); r_j = sum over (j, end of
+  j's block] (exclusive); M[I, J] = sum of the block totals strictly between J and I (J < I,
+  0 elsewhere), each entry summed over its own blocks only. `starts_BT` (packed rows,
+  `layers.segment_starts`): l restarts at every document start and r stops at every document
+  end, so both read only their own document's gates (segmented sums whose restarts are
+  selects); a visible pair has no document start in (j, i], so its three terms are then
+  exactly its document's sums. M is not segmented: the pairs whose blocks between hold a start
+  are masked."""
   B, T, H = loga_BTH.shape
   n = T // c
-  if starts_BT is None:
-    l_BTH = time_cumsum(loga_BTH.reshape(B * n, c, H)).reshape(B, n, c, H)
-    tot_BNH = l_BTH[:, :, -1]
-    o_BNH = time_cumsum(tot_BNH) - tot_BNH                 # exclusive: blocks before
-    o_BTH = jnp.broadcast_to(o_BNH[:, :, None], (B, n, c, H))
-    return o_BTH.reshape(B, T, H), l_BTH.reshape(B, T, H)
-  st_BNC = starts_BT.reshape(B * n, c)
-  l_BTH = time_cumsum(loga_BTH.reshape(B * n, c, H), st_BNC).reshape(B, n, c, H)
-  st_BNC = st_BNC.reshape(B, n, c)
-  e_BNH = time_cumsum(l_BTH[:, :, -1], jnp.any(st_BNC, axis=2))
-  o_BNH = jnp.pad(e_BNH[:, :-1], ((0, 0), (1, 0), (0, 0)))
-  began_BNC = jax.lax.cummax(st_BNC.astype(jnp.int32), axis=2) > 0   # own document began here
-  o_BTH = jnp.where(began_BNC[..., None], 0.0, o_BNH[:, :, None]).astype(l_BTH.dtype)
-  return o_BTH.reshape(B, T, H), l_BTH.reshape(B, T, H)
+  x_MCH = loga_BTH.reshape(B * n, c, H)
+  st_MC = None if starts_BT is None else starts_BT.reshape(B * n, c)
+  l_MCH = _cumsum2(x_MCH, st_MC)
+  # suffix sums: a cumulative sum over the reversed block, restarting at each document's end
+  nxt_MC = None if st_MC is None else jnp.pad(st_MC[:, 1:], ((0, 0), (0, 1)))
+  rev = None if nxt_MC is None else nxt_MC[:, ::-1]
+  incl_MCH = time_cumsum(x_MCH[:, ::-1], rev)[:, ::-1]       # sum over [m, end]
+  r_MCH = jnp.pad(incl_MCH[:, 1:], ((0, 0), (0, 1), (0, 0)))  # sum over (m, end]
+  if nxt_MC is not None:    # m is its document's last token: nothing of it follows
+    r_MCH = jnp.where(nxt_MC[..., None], 0.0, r_MCH)
+  tot_BNH = jnp.sum(x_MCH, axis=1).reshape(B, n, H)
+  unfold = lambda a: a.reshape(B, T, H)
+  return tuple(map(unfold, l_MCH)), unfold(r_MCH), _between(tot_BNH)
+
+
+def _between(tot_BNH):
+  """M [B, H, n, n], M[I, J] = sum_{J < K < I} tot_K (0 unless J < I): for each I a suffix sum
+  over K of the totals of the blocks before I (zeros from K = I on), so each entry adds the
+  blocks between its pair and nothing else (no difference of two long prefix sums)."""
+  B, n, H = tot_BNH.shape
+  before_NN = jnp.arange(n)[None, :] < jnp.arange(n)[:, None]          # [I, K]: K < I
+  a_BNNH = jnp.where(before_NN[None, :, :, None], tot_BNH[:, None], 0.0)
+  suf = time_cumsum(a_BNNH.reshape(B * n, n, H)[:, ::-1])[:, ::-1]     # sum over K >= J
+  m_BNNH = jnp.pad(suf[:, 1:], ((0, 0), (0, 1), (0, 0))).reshape(B, n, n, H)   # K > J
+  return m_BNNH.transpose(0, 3, 1, 2).astype(tot_BNH.dtype)
 
 
 def _qk(q_BTHD, k_BSKD, scale):
@@ -158,21 +209,30 @@ def _qk(q_BTHD, k_BSKD, scale):
   return s.reshape(B, H, T, -1) * scale
 
 
+def _heads_first(x_BTH):
+  """[B, T, H] -> [B, H, T]."""
+  return x_BTH.transpose(0, 2, 1)
+
+
 def _pair_decay(l_q_BTH, l_k_BSH):
   """l_i - l_j as [B, H, T, S]."""
-  return l_q_BTH.transpose(0, 2, 1)[..., :, None] - l_k_BSH.transpose(0, 2, 1)[..., None, :]
+  return _heads_first(l_q_BTH)[..., :, None] - _heads_first(l_k_BSH)[..., None, :]
+
+
+def _pair_decay2(lq, lk):
+  """l_i - l_j [B, H, T, S] of double words: (hi_i - hi_j) + (lo_i - lo_j)."""
+  return _pair_decay(lq[0], lk[0]) + _pair_decay(lq[1], lk[1])
 
 
 def _past_scores(scale, shared, qa, ka):
   """Score of (query block I, earlier key block J) for `flash.past_blocks`:
-  q.k scale + (o_i - o_j) + (l_i - l_j), the decay terms summing to g_i - g_j <= 0 (o is one
-  value per block, except in packed rows where a document starting inside a block has o = 0:
-  hence pairwise)."""
+  q.k scale + l_i + r_j; past_blocks adds the pair's M[I, J], so that the decay is
+  l_i + M[I, J] + r_j = g_i - g_j, three sums over disjoint ranges, each <= 0."""
   del shared
-  q, o_q, l_q = qa
-  k, o_k, l_k = ka
+  q, l_q = qa
+  k, r_k = ka
   s = _qk(q, k, scale)
-  return s + _pair_decay(o_q, o_k).astype(s.dtype) + _pair_decay(l_q, l_k).astype(s.dtype)
+  return s + (_heads_first(l_q)[..., :, None] + _heads_first(r_k)[..., None, :]).astype(s.dtype)
 
 
 def forget_attention(q_BTHD, k_BTKD, v_BTKE, loga_BTH, *, scale: float, block: int,
@@ -191,9 +251,10 @@ def forget_attention(q_BTHD, k_BTKD, v_BTKE, loga_BTH, *, scale: float, block: i
     q_BTHD, k_BTKD, v_BTKE, loga_BTH = map(zpad, (q_BTHD, k_BTKD, v_BTKE, loga_BTH))
     if seg is not None:   # padded tokens: a document of their own (never read by a real query)
       seg = jnp.pad(seg, ((0, 0), (0, pad)), constant_values=-1)
-  o, l = _two_level(loga_BTH, c, None if seg is None else segment_starts(seg))
+  l, r, m = _decay_parts(loga_BTH, c, None if seg is None else segment_starts(seg))
   run = _blocked if choose_path(path, T + pad) == "blocked" else _flash
-  out = run(q_BTHD, k_BTKD, v_BTKE, o, l, scale=scale, c=c, sink_logit_H=sink_logit_H, seg=seg)
+  out = run(q_BTHD, k_BTKD, v_BTKE, l, r, m, scale=scale, c=c, sink_logit_H=sink_logit_H,
+            seg=seg)
   return out[:, :T].astype(q_BTHD.dtype)
 
 
@@ -212,37 +273,41 @@ def choose_path(path: str, T: int) -> str:
   return "blocked" if T <= BLOCKED_MAX_LEN else "flash"
 
 
-def _flash(q, k, v, o, l, *, scale, c, sink_logit_H, seg):
-  """The diagonal blocks as one batch of biased [c, c] blocks, the earlier blocks through
-  `flash.past_blocks`, joined by log-sum-exp."""
+def _flash(q, k, v, l, r, m, *, scale, c, sink_logit_H, seg):
+  """The diagonal blocks as one batch of biased [c, c] blocks (l_i - l_j), the earlier blocks
+  through `flash.past_blocks` (l_i + r_j per pair, M[I, J] per block pair), joined by
+  log-sum-exp."""
   B, T = q.shape[:2]
   n = T // c
   fold = lambda x: x.reshape((B * n, c) + x.shape[2:])
   unfold = lambda x: x.reshape((B, n * c) + x.shape[2:])
   causal = jnp.tril(jnp.ones((c, c), bool))
-  bias = jnp.where(causal, _pair_decay(fold(l), fold(l)), 0.0)
+  lf = tuple(map(fold, l))
+  bias = jnp.where(causal, _pair_decay2(lf, lf), 0.0)
   mask = causal if seg is None else causal & segment_mask(fold(seg), fold(seg))[:, None]
   diag = split.partial_attention(fold(q), fold(k), fold(v), scale=scale, bias=bias, mask=mask)
-  past = flash.past_blocks(functools.partial(_past_scores, float(scale)), (),
-                           (q, o, l), (k, o, l), v, block=c, segment_ids_BT=seg)
+  past = flash.past_blocks(functools.partial(_past_scores, float(scale)), (), (q, l[0] + l[1]),
+                           (k, r), v, block=c, segment_ids_BT=seg, block_bias_BHNN=m)
   return split.combine([tuple(map(unfold, diag)), past], sink_logit_H)
 
 
-def _blocked(q, k, v, o, l, *, scale, c, sink_logit_H, seg):
+def _blocked(q, k, v, l, r, m, *, scale, c, sink_logit_H, seg):
   """Query block I = [a, a + c) over keys [0, a + c) (`core.blocked_attention`), the bias of
-  each block formed from the O(T) vectors o, l. Without packed rows o is one value o_I per
-  block, so g_i - g_j = (l_i) - ((o_j - o_I) + l_j): a row term, which cancels in the softmax
-  unless a sink column is present (then it is kept), minus a column term kappa_j; in block I
-  itself o_j - o_I = 0 exactly, so the diagonal pairs carry l_i - l_j with no rounding of |g|.
-  Packed rows (o per token) take the pairwise (o_i - o_j) + (l_i - l_j) of the flash path."""
-  rows = lambda x, a, e: x[:, a:e].transpose(0, 2, 1)[..., :, None]     # [B, H, c, 1]
-  cols = lambda x, e: x[:, :e].transpose(0, 2, 1)[..., None, :]         # [B, H, 1, e]
+  each block a row term plus a column term: l_i + (M[I, J] + r_j) for a key in an earlier
+  block J, l_i - l_j in block I itself. The row term l_i is kept: it cancels in exact
+  arithmetic, but without it the logits of one row are shifted by -l_i (up to a block's whole
+  decay) and carry that magnitude's rounding into the softmax."""
+  rows = lambda x, a, e: _heads_first(x[:, a:e])[..., :, None]          # [B, H, c, 1]
+  hi, lo = l
 
   def bias_fn(a, e, s_end):
-    if seg is not None:
-      return (rows(o, a, e) - cols(o, s_end)) + (rows(l, a, e) - cols(l, s_end))
-    kappa = cols(o, s_end) - o[:, a][..., None, None] + cols(l, s_end)
-    return -kappa if sink_logit_H is None else rows(l, a, e) - kappa
+    del s_end
+    col_hi, col_lo = -_heads_first(hi[:, a:e]), -_heads_first(lo[:, a:e])   # [B, H, c]
+    if a:
+      past = jnp.repeat(m[:, :, a // c, :a // c], c, axis=-1) + _heads_first(r[:, :a])
+      col_hi = jnp.concatenate([past, col_hi], axis=-1)                 # [B, H, e]
+      col_lo = jnp.pad(col_lo, ((0, 0), (0, 0), (a, 0)))
+    return (rows(hi, a, e) + col_hi[..., None, :]) + (rows(lo, a, e) + col_lo[..., None, :])
 
   def mask_fn(a, e, s_end):
     causal = causal_block_mask(a, e, s_end)
