@@ -300,6 +300,7 @@ def test_a_changed_config_resume_is_one_line(reference, tmp_path):
   r = _script("train.py", write_config(tmp_path / "cfg.py", model={"d_model": 64}),
               f"--workdir={d}")
   lines = _check_clean(r, 2, "error: checkpoint step 4")
+  assert r.stderr.strip().splitlines() == lines   # refused before the run logs anything
   assert len(lines) == 1 and "config.model.d_model: 32 -> 64" in lines[0]
   assert "Event loop is closed" not in r.stderr
 
@@ -312,7 +313,7 @@ def test_a_read_only_checkpoint_folder_is_one_line_before_training(reference, tm
   finally:
     undo()
   lines = _check_clean(r, 2, f"error: checkpoint folder {d / 'checkpoints'} is not writable")
-  assert len(lines) == 1, lines
+  assert r.stderr.strip().splitlines() == lines and len(lines) == 1, r.stderr
   assert listing(d / "checkpoints") == ["2", "4"]
 
 
