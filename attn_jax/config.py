@@ -232,13 +232,20 @@ def validate(config: ml_collections.ConfigDict) -> ModelConfig:
 
 
 def check_document_mask(cfg: ModelConfig, data_cfg) -> None:
-  """`data.document_mask` (packed rows, data/documents.py) with `model.sink_tokens` > 0: the
-  sink tokens are the shared prefix of every document, so every layer's mixer must read that
-  prefix per document exactly (`reads_shared_prefix`, mixer.py); a mixer that restarts a
-  recurrent state at each document's first token cannot."""
+  """`data.document_mask` (packed rows, data/documents.py): refused for a mixer whose
+  `packed_rows_problem(opts)` names a reason (sinkhorn's non-causal mode). With
+  `model.sink_tokens` > 0: the sink tokens are the shared prefix of every document, so every
+  layer's mixer must read that prefix per document exactly (`reads_shared_prefix`, mixer.py);
+  a mixer that restarts a recurrent state at each document's first token cannot."""
   from attn_jax.data.documents import document_mask
   from attn_jax.registry import get_mixer
-  if not document_mask(data_cfg) or not cfg.sink_tokens:
+  if not document_mask(data_cfg):
+    return
+  for name in sorted({s.mixer for s in cfg.period}):
+    why = get_mixer(name).packed_rows_problem(cfg.options_for(name))
+    if why:
+      raise ValueError(f"config.data.document_mask: {why}; set data.document_mask=False")
+  if not cfg.sink_tokens:
     return
   lacking = sorted({s.mixer for s in cfg.period
                     if not getattr(get_mixer(s.mixer), "reads_shared_prefix", False)})

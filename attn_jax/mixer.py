@@ -51,6 +51,9 @@ Class-level hooks (defaults below; override what applies):
 - `reads_shared_prefix`: the mixer gives every packed document the shared prefix exactly as it
   would alone (attention masks do; a recurrent state restarted at a document's first token
   cannot), so sink tokens with packed rows need it on every layer.
+- `packed_rows_problem(opts)`: None if packed rows are exact with these options, else a short
+  reason; `config.validate` then refuses `data.document_mask` with it (sinkhorn's non-causal
+  mode).
 - `init_state(cfg, opts, batch, capacity, dtype, policy=None)`: the decoding state (a pytree;
   None if the mixer is stateless). `policy` is the decode-time KV-cache policy
   (`attention/cache.py`: Linear, Ring(W), SinksRing(n, W)); a mixer whose state is not a KV
@@ -95,6 +98,12 @@ class Mixer(nnx.Module):
   def tiny(cls) -> Any:
     """Options for test-sized models; the defaults unless a mixer says otherwise."""
     return cls.Options()
+
+  @classmethod
+  def packed_rows_problem(cls, opts) -> str | None:
+    """Why packed rows would not be exact with these options (None: they are)."""
+    del opts
+    return None
 
   @classmethod
   def init_state(cls, cfg, opts, batch: int, capacity: int, dtype, policy=None) -> Any:

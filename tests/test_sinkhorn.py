@@ -365,6 +365,43 @@ def test_block_aligned_documents_equal_each_document_alone(mode):
     np.testing.assert_allclose(y[:, a:e], run(x[:, a:e], pos[:, a:e], None), atol=ATOL)
 
 
+def _unaligned_alone(mode, docs, block):
+  m = make(Opts(block_size=block, **mode))
+  pos, seg, spans = one_row(docs)
+  x, _ = inputs(B=1, T=pos.shape[1])
+  run = jax.jit(lambda x_, p, s: m(x_, positions_BT=p, segment_ids_BT=s)[0])
+  y = run(x, pos, seg)
+  for a, e in spans:
+    np.testing.assert_allclose(y[:, a:e], run(x[:, a:e], pos[:, a:e], None), atol=ATOL)
+
+
+def test_unaligned_documents_equal_each_document_alone():
+  """Documents at arbitrary offsets (starting inside blocks, one shorter than a block, one of
+  length 1), soft sorting: each one's output == the document alone (the mixer moves them to
+  block boundaries, sinkhorn.document_layout; without that the spanning ones differ by ~0.3)."""
+  _unaligned_alone(PACKED_MODES[0], (1, 6, 9, 2, 5), 4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", PACKED_MODES[:3])
+@pytest.mark.parametrize("docs,block", [((37, 64, 27), 16), ((1, 6, 9, 2, 5), 4)])
+def test_unaligned_documents_alone_in_every_causal_mode(mode, docs, block):
+  """The same in the causal modes (soft, hard, SortCut), also for 37 / 64 / 27 tokens in
+  blocks of 16."""
+  _unaligned_alone(mode, docs, block)
+
+
+def test_document_layout_starts_long_documents_at_block_boundaries():
+  """A document that does not fit in the rest of its block starts the next one; the others
+  stay packed; every index is below 2 T."""
+  from attn_jax.attention.sinkhorn import document_layout
+  _, seg, spans = one_row((3, 2, 6, 1, 4, 4))
+  dest = np.asarray(document_layout(seg, 4))[0]
+  assert [int(dest[a]) for a, _ in spans] == [0, 4, 8, 14, 16, 20]
+  assert all(np.all(np.diff(dest[a:e]) == 1) for a, e in spans)
+  assert dest.max() < 2 * seg.shape[1]
+
+
 @pytest.mark.parametrize("mode", PACKED_MODES[:2] + PACKED_MODES[3:4])
 def test_spanning_blocks_attend_only_within_their_document(mode):
   """Documents starting inside blocks (one of length 1): d y_t / d x_s is exactly zero for s in
@@ -388,3 +425,18 @@ def test_spanning_blocks_attend_only_within_their_document(mode):
   assert deps["packed"][~allowed].max() == 0.0
   assert np.all(np.diag(deps["packed"]) > 0)
   assert deps["plain"][~allowed].max() > 1e-6
+
+
+def test_document_mask_refuses_the_non_causal_mode():
+  """Packed rows are exact in the causal mode only (docstring 10): config.validate says so in
+  one line naming the field and the block size."""
+  from attn_jax.config import validate
+  from configs.base import get_config
+  c = get_config()
+  c.model.update(mixer="sinkhorn", max_seq_len=64)
+  c.data.update(document_mask=True, seq_len=64)
+  validate(c)
+  c.model.sinkhorn.causal = False
+  with pytest.raises(ValueError, match=r"^config\.data\.document_mask: sinkhorn\.causal=False "
+                                       r"keeps the packed blocks of block_size=64, [^\n]*$"):
+    validate(c)

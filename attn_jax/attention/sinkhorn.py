@@ -40,8 +40,16 @@ Choices where the paper leaves room (reasons in docs/sinkhorn.md):
    one softmax over [sorted ; local] (`core.attend(sink_logit_H=)`), in every mode; not sorted.
 10. Packed rows (`segment_ids_BT`): a block sorts for the document of its first token, from
    that document's pure blocks only, attention masked by segment: nothing crosses a document
-   boundary; exact against a document alone when documents start at block boundaries.
-   `reads_shared_prefix` is False.
+   boundary, and a document that starts at a block boundary (or lies inside one block) gets
+   exactly its alone outputs. Documents packed at arbitrary offsets would not (their blocks
+   would be cut differently from their alone blocks, and the blocks they share are not sort
+   sources), so the causal mode first moves them (`document_layout`): in a row of 2 N blocks,
+   every document that does not fit in the rest of the current block starts a fresh block;
+   the outputs are gathered back to the packed positions. Each document's outputs then equal
+   the document alone (up to rounding; the Gumbel noise of training is drawn for the wider
+   sort matrix, so it is not the alone draw). The cost is that of 2 N blocks. The non-causal
+   mode keeps the packed blocks (exact for block-aligned documents only), and
+   `config.validate` refuses it with `data.document_mask`. `reads_shared_prefix` is False.
 
 Decoding (causal mode): `SinkhornState` holds a `cache.KVCache` under the linear policy
 whatever the decode asks for (the sort reads every block seen so far) and the running
@@ -68,7 +76,8 @@ from attn_jax.attention.core import NEG_INF, attend
 from attn_jax.attention.projection import (QKVProjection, SinkLogitOptions, make_sink_logit,
                                     sink_logit_of)
 from attn_jax.config import ModelConfig
-from attn_jax.layers import Linear, apply_rope, causal_positions, dtype_of, rope_angles
+from attn_jax.layers import (Linear, apply_rope, causal_positions, dtype_of, rope_angles,
+                             segment_starts)
 from attn_jax.mixer import Mixer
 from attn_jax.options import field_check, is_int, is_number
 from attn_jax.registry import register_mixer
@@ -351,6 +360,32 @@ def document_blocks(seg_BNb, slot_valid_BNb) -> DocumentBlocks:
   return DocumentBlocks(seg_BNb, owner, pure, same)
 
 
+def document_layout(segment_ids_BT, b: int):
+  """[B, T] int32: each token's index in a row of 2 ceil(T / b) blocks where a document that
+  does not fit in the rest of the current block starts a fresh one (docstring 10): every
+  document then either starts at a block boundary or lies inside one block.
+
+  Bound: a document moves only when it is longer than the gap it leaves (< b), so the gaps add
+  up to less than T and every index is < 2 T. The placement of a document depends on the ones
+  before it, so it is a scan over the tokens with one cursor per row."""
+  B, T = segment_ids_BT.shape
+  t = jnp.arange(T, dtype=jnp.int32)
+  starts = segment_starts(segment_ids_BT) | (t == 0)[None]
+  nxt = jnp.where(starts, t[None], T)                    # the next start after t
+  after = jnp.pad(jax.lax.cummin(nxt[:, ::-1], axis=1)[:, ::-1][:, 1:], ((0, 0), (0, 1)),
+                  constant_values=T)
+  length = after - t[None]                               # at a start: its document's length
+
+  def step(p, a):
+    st, n = a
+    off = p % b
+    p = jnp.where(st & (off != 0) & (off + n > b), p + b - off, p)
+    return p + 1, p
+
+  _, dest = jax.lax.scan(step, jnp.zeros((B,), jnp.int32), (starts.T, length.T))
+  return dest.T
+
+
 # ---------------------------------------------------------------- the mixer
 
 def _blocks(x_BT, n: int, b: int, fill=0):
@@ -401,6 +436,14 @@ class SinkhornAttention(Mixer):
       for f in ("causal", "gumbel_noise", "hard_inference"):
         need(isinstance(getattr(self, f), bool), f, f"must be True or False, got "
              f"{getattr(self, f)!r}")
+
+  @classmethod
+  def packed_rows_problem(cls, opts) -> str | None:
+    """Why packed rows (`data.document_mask`) would not be exact, or None (docstring 10)."""
+    if opts.causal:
+      return None
+    return (f"sinkhorn.causal=False keeps the packed blocks of block_size={opts.block_size}, "
+            "exact only for documents that start at multiples of it")
 
   @classmethod
   def tiny(cls):
@@ -477,7 +520,25 @@ class SinkhornAttention(Mixer):
   def core(self, x_BTD, positions_BT, rng=None, train=False, segment_ids_BT=None):
     """Full-sequence forward before the output projection.
 
-    Returns (y [B,T,H,D], aux dict with q, k, v, the plan and the log sort matrix)."""
+    Returns (y [B,T,H,D], aux dict with q, k, v, the plan and the log sort matrix). Causal
+    packed rows run in the `document_layout` row (twice as many blocks; aux then describes
+    that row) and come back by a gather (docstring 10)."""
+    if segment_ids_BT is None or not self.opts.causal:
+      return self._core(x_BTD, positions_BT, rng, train, segment_ids_BT)
+    B = x_BTD.shape[0]
+    n = -(-x_BTD.shape[1] // self.opts.block_size)
+    dest_BT = document_layout(segment_ids_BT, self.opts.block_size)
+    rows = jnp.arange(B)[:, None]
+    wide = 2 * n * self.opts.block_size
+
+    def put(a, fill):
+      return jnp.full((B, wide) + a.shape[2:], fill, a.dtype).at[rows, dest_BT].set(a)
+
+    y, aux = self._core(put(x_BTD, 0), put(positions_BT, -1), rng, train,
+                        put(segment_ids_BT, -1))
+    return y[rows, dest_BT], aux
+
+  def _core(self, x_BTD, positions_BT, rng, train, segment_ids_BT):
     cfg, o = self.cfg, self.opts
     B, T, _ = x_BTD.shape
     b = o.block_size
