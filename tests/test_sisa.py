@@ -461,19 +461,34 @@ def _float64_reference(m, x, idx):
   return np.einsum("bihd,hde->bie", out, np.asarray(m.proj.o.kernel[...], np.float64))
 
 
+_REFERENCE_32K = {}
+
+
+def _float64_reference_all_rows(m, x, rows=512):
+  """`_float64_reference` on every row, in slices of `rows` queries (memory), computed once:
+  the three paths share the features (the path option changes none of them)."""
+  key = int(x.shape[1])
+  if key not in _REFERENCE_32K:
+    T = x.shape[1]
+    _REFERENCE_32K[key] = np.concatenate(
+        [_float64_reference(m, x, np.arange(a, min(a + rows, T))) for a in range(0, T, rows)],
+        axis=1)
+  return _REFERENCE_32K[key]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("path", ["fast", "chunked", "decode"])
 def test_phase_precision_32k_against_float64(path):
   """32K tokens, slow decay (~0.03 nats per 100 tokens) and phase_init_std 0.3 on inputs with a
-  mean, so Phi drifts to thousands of radians: the output stays within TOL of a float64
-  reference (the running phase is wrapped mod 2 pi, so its fp32 angle never grows)."""
+  mean, so Phi drifts to thousands of radians: every one of the 32,768 output rows is within
+  TOL of a float64 reference, the norm being max |error| / max |reference| over the whole
+  output (the running phase is wrapped mod 2 pi, so its fp32 angle never grows)."""
   T = 32768
   m = _boost(S.SISA(*(lambda c: (c, c.options_for("sisa")))(_cfg(
       d_model=8, n_heads=1, d_state=4, decay_bias_init=-8.0, phase_init_std=0.3,
       path="chunked" if path == "chunked" else "fast")), rngs=nnx.Rngs(params=3)), bc=20.0,
       phase=1.0)
   x = _normal(13, (1, T, 8)) + 1.0
-  idx = np.r_[0:2, 8191, 16384, T - 4:T]
   if path == "decode":   # prefill in chunks, then one-token steps over the last 4 tokens
     cache = S.SISA.init_state(m.cfg, m.opts, 1, T, jnp.float32)
     run = nnx.jit(lambda m, x, p, st: m(x, positions_BT=p, state=st)[:2])
@@ -486,11 +501,10 @@ def test_phase_precision_32k_against_float64(path):
   else:
     y, aux = _run(m, x, None)
     assert float(aux["chunked"]) == (path == "chunked")
-  ref = _float64_reference(m, x, idx)
   phi_end = np.abs(np.sum(np.asarray(nnx.jit(lambda m, x: m.features(x, None))(m, x)[6],
                                      np.float64), axis=1)).max()
   assert phi_end > 1000, phi_end
-  _close(y[:, idx], ref)
+  _close(y, _float64_reference_all_rows(m, x))
 
 
 # ---------------------------------------------------------------- packed rows
