@@ -166,6 +166,9 @@ def test_summaries_over_ranges_and_paired_positions():
   assert [(r["start"], r["end"], r["n"]) for r in rng] == [(0, 4, 3), (4, 8, 3), (8, 11, 2)]
   assert [r["mean"] for r in rng] == [2.0, 6.0, 9.5]
   assert rng[0]["ppl"] == pytest.approx(np.exp(2.0))
+  past = streaming.summarize_ranges(v, [4, 8, 16])        # a range past the stream's end
+  assert [(r["start"], r["end"], r["n"]) for r in past][2:] == [(8, 16, 2), (16, 17, 0)]
+  assert np.isnan(past[3]["mean"])
   other = np.full(10, 2.0)
   other[0] = 4.0
   pr = streaming.paired({"sub": v, "other": other}, "sub")
