@@ -339,15 +339,15 @@ def summarize(losses: np.ndarray, parts: int = 4) -> dict:
 
 
 def summarize_ranges(losses: np.ndarray, edges) -> list[dict]:
-  """Mean loss and perplexity over position ranges [e_k, e_{k+1}) of the predicted token
-  (losses[i] predicts position i + 1; `edges` are the inner boundaries, the stream's ends are
-  added), scored positions only; a range past the end of a shorter stream has n = 0 (mean
-  NaN), so that runs of different lengths give the same ranges.
-  -> [{"start", "end", "n", "mean", "ppl"}]."""
+  """Mean loss and perplexity over ranges [e_k, e_{k+1}) of the query's position (losses[i]
+  is computed at position i, from tokens 0..i, and predicts token i + 1; `edges` are the
+  inner boundaries, the stream's ends are added), scored positions only; a range past the
+  end of a shorter stream has n = 0 (mean NaN), so that runs of different lengths give the
+  same ranges. -> [{"start", "end" (exclusive), "n", "mean", "ppl"}]."""
   v = np.asarray(losses, np.float64)
-  pos = np.arange(1, len(v) + 1)
+  pos = np.arange(len(v))
   inner = sorted(int(e) for e in edges if int(e) > 0)
-  cuts = [0] + inner + [max([len(v) + 1] + [e + 1 for e in inner])]
+  cuts = [0] + inner + [max([len(v)] + [e + 1 for e in inner])]
   out = []
   for a, b in zip(cuts[:-1], cuts[1:]):
     sel = v[(pos >= a) & (pos < b)]

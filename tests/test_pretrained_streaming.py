@@ -160,10 +160,10 @@ def test_recompute_stride_scores_the_stride_one_losses():
 
 
 def test_summaries_over_ranges_and_paired_positions():
-  v = np.arange(1.0, 11.0)                                # losses[i] predicts position i + 1
+  v = np.arange(1.0, 11.0)                                # losses[i]: the query at position i
   v[[3, 7]] = np.nan
   rng = streaming.summarize_ranges(v, [4, 8])
-  assert [(r["start"], r["end"], r["n"]) for r in rng] == [(0, 4, 3), (4, 8, 3), (8, 11, 2)]
+  assert [(r["start"], r["end"], r["n"]) for r in rng] == [(0, 4, 3), (4, 8, 3), (8, 10, 2)]
   assert [r["mean"] for r in rng] == [2.0, 6.0, 9.5]
   assert rng[0]["ppl"] == pytest.approx(np.exp(2.0))
   past = streaming.summarize_ranges(v, [4, 8, 16])        # a range past the stream's end
@@ -193,7 +193,7 @@ def test_report_over_several_runs(tmp_path):
   rows = {r["label"]: r for r in table["rows"]}
   assert [rows[k]["cache"] for k in results] == [8, 8, 8, None]
   assert rows["recompute(8)"]["scored"] == 30 - len(range(9, 30, 2))
-  assert rows["dense"]["ranges"][1]["mean"] == pytest.approx(b["dense"][15:].mean(), abs=1e-5)
+  assert rows["dense"]["ranges"][1]["mean"] == pytest.approx(b["dense"][16:].mean(), abs=1e-5)
   assert rows["window(8)"]["past"] == pytest.approx(a["window(8)"][8:].mean(), abs=1e-5)
   assert rows["dense"]["past"] is None
   mask = ~np.isnan(rec)
@@ -211,7 +211,7 @@ def test_report_over_several_runs(tmp_path):
   results, tokens = streaming.read_results([str(tmp_path / n) for n in "abc"])
   table = streaming.report_table(results, [16])
   assert tokens == 31 and np.isnan(table["paired"]["recompute(8)"]["means"]["window(4)"])
-  assert table["rows"][-1]["ranges"][1]["mean"] == pytest.approx(short["window(4)"][15:].mean(),
+  assert table["rows"][-1]["ranges"][1]["mean"] == pytest.approx(short["window(4)"][16:].mean(),
                                                                  abs=1e-5)
   streaming.write_results(str(tmp_path / "d"), {"dense": rng.random(20)},
                           {"tokens": 21, "text": "u"})
@@ -268,7 +268,7 @@ def test_stream_end_to_end_on_a_converted_llama(tiny_llama, tmp_path):
     v = np.array([np.nan if x is None else x for x in vals])
     assert len(v) == 149
     for r in summ["summary"][label]["ranges"]:
-      part = v[r["start"] - 1 if r["start"] else 0:r["end"] - 1]
+      part = v[r["start"]:r["end"]]
       assert r["n"] == np.count_nonzero(~np.isnan(part))
       assert r["mean"] == pytest.approx(np.nanmean(part), abs=1e-5)   # json rounds to 5 places
   rec = np.array([np.nan if x is None else x for x in data["policies"]["recompute(16)"]])
