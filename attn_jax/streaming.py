@@ -472,7 +472,10 @@ def table_markdown(table: dict, tokens: int) -> str:
   for r in rows:
     cells = [r["label"], str(r["cache"] or "all"), str(r["scored"]), f"{r['mean']:.3f}",
              f"{r['ppl']:.2f}", "-" if r["past"] is None else f"{r['past']:.3f}"]
-    cells += ["-" if not x["n"] else f"{x['mean']:.3f}" for x in r["ranges"]]
+    sparse = any(x["n"] < min(x["end"], r["scored"]) - x["start"] for x in r["ranges"]
+                 if x["n"])   # subsampled: say how many positions each mean has
+    cells += ["-" if not x["n"] else f"{x['mean']:.3f}" + (f" (n={x['n']})" if sparse else "")
+              for x in r["ranges"]]
     lines.append("| " + " | ".join(cells) + " |")
   out = "\n".join(lines)
   if table["paired"]:
@@ -490,11 +493,12 @@ def table_markdown(table: dict, tokens: int) -> str:
 
 def plot_report(path: str, eviction_path: str, results: dict[str, np.ndarray], *,
                 bin_width: int = 512, smooth: int = 64, zoom: int = 4096, mark: int = 0,
-                sparse_mean: int = 8) -> None:
-  """`path`: binned mean NLL vs position, one panel per cache size (dense in each); a
-  subsampled policy: its first window binned, then running means of `sparse_mean` consecutive
-  scored positions. `eviction_path`: the first `zoom` positions, running mean over `smooth`
-  (fully scored policies only; lighter shades for smaller caches)."""
+                paired_path: str | None = None) -> None:
+  """`path`: binned mean NLL vs position, one panel per cache size (dense in each; subsampled
+  policies left out: single tokens are too noisy to draw against position).
+  `eviction_path`: the first `zoom` positions, running mean over `smooth` (lighter shades for
+  smaller caches). `paired_path`: per subsampled policy, the loss of each policy of its cache
+  size against its own, token by token at the positions it scored past its first window."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.colors as mcolors
@@ -509,23 +513,12 @@ def plot_report(path: str, eviction_path: str, results: dict[str, np.ndarray], *
     fade = 0.0 if not c else 0.55 * (len(caches) - 1 - caches.index(c)) / max(1, len(caches) - 1)
     ax.plot(x, y, color=tuple(rgb + (1 - rgb) * fade), marker=marker, ms=3, lw=1.1, label=label)
 
-  def sparse(v, c):
-    head_x, head_y = binned_means(v[:c], bin_width)
-    idx = np.flatnonzero(~np.isnan(v[c:])) + c
-    k = max(1, min(sparse_mean, len(idx)))
-    run = np.convolve(v[idx], np.ones(k) / k, mode="valid")
-    pos = np.convolve(idx + 1.0, np.ones(k) / k, mode="valid")
-    return np.concatenate([head_x, pos]), np.concatenate([head_y, run])
 
   fig, axes = plt.subplots(1, max(1, len(caches)), figsize=(6 * max(1, len(caches)), 4),
                            sharey=True, squeeze=False)
   for ax, c in zip(axes[0], caches or [None]):
     for label, v in results.items():
-      if cache_of(label) not in (None, c):
-        continue
-      if np.isnan(v).any():
-        draw(ax, f"{label}, mean of {sparse_mean} samples", *sparse(v, c or 0), marker=".")
-      else:
+      if cache_of(label) in (None, c) and not np.isnan(v).any():
         draw(ax, label, *binned_means(v, bin_width))
     if mark:
       ax.axvline(mark, color="gray", lw=0.8, ls=":")
@@ -553,4 +546,27 @@ def plot_report(path: str, eviction_path: str, results: dict[str, np.ndarray], *
   ax.legend(fontsize=7, ncol=2)
   fig.tight_layout()
   fig.savefig(eviction_path, dpi=90)
+  plt.close(fig)
+  refs = [k for k, v in results.items() if np.isnan(v).any()]
+  if not (paired_path and refs):
+    return
+  fig, axes = plt.subplots(1, len(refs), figsize=(4 * len(refs), 4), squeeze=False)
+  for ax, ref in zip(axes[0], refs):
+    c = cache_of(ref) or 0
+    mask = ~np.isnan(results[ref])
+    mask[:c] = False
+    x = results[ref][mask]
+    for label, v in results.items():
+      if label != ref and cache_of(label) == c and len(v) >= len(mask):
+        rgb = mcolors.to_rgb(base.get(label.split("(")[0], "gray"))
+        ax.scatter(x, v[mask], s=10, color=rgb, label=label)
+    lim = [0, float(np.nanmax([x.max()] + [v[mask].max() for v in results.values()
+                                           if len(v) >= len(mask)])) + 0.5]
+    ax.plot(lim, lim, color="gray", lw=0.8)
+    ax.set_xlabel(f"{ref} NLL ({int(mask.sum())} tokens)")
+    ax.set_ylabel("NLL of the same token")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(paired_path, dpi=90)
   plt.close(fig)

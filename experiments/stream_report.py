@@ -11,6 +11,8 @@ scored the same stream (same token count), and writes under --out:
   <name>.png   mean NLL per bin of --bin positions against position, one panel per cache size;
   <name>_eviction.png   the first --zoom positions, running mean over --smooth (the first
                eviction of each cache);
+  <name>_paired.png     per subsampled policy (recompute), each policy's loss of the same
+               tokens against its loss;
   <name>.json  the numbers of the table.
 """
 
@@ -48,7 +50,8 @@ def main(argv):
   with open(stem + ".json", "w") as f:
     json.dump({"tokens": tokens, "runs": _RUNS.value, "table": table}, f, indent=1)
   streaming.plot_report(stem + ".png", stem + "_eviction.png", results, bin_width=_BIN.value,
-                        smooth=_SMOOTH.value, zoom=_ZOOM.value, mark=_MARK.value)
+                        smooth=_SMOOTH.value, zoom=_ZOOM.value, mark=_MARK.value,
+                        paired_path=stem + "_paired.png")
   print(open(stem + ".md").read())
 
 

@@ -204,8 +204,8 @@ def test_report_over_several_runs(tmp_path):
   md = streaming.table_markdown(table, tokens)
   assert "| streaming(2+6) | 8 | 30 |" in md and "positions each subsampled policy" in md
   streaming.plot_report(str(tmp_path / "r.png"), str(tmp_path / "e.png"), results,
-                        bin_width=8, smooth=4, zoom=20, mark=16)
-  assert os.path.getsize(tmp_path / "r.png") > 0 and os.path.getsize(tmp_path / "e.png") > 0
+                        bin_width=8, smooth=4, zoom=20, mark=16, paired_path=str(tmp_path / "p.png"))
+  assert all(os.path.getsize(tmp_path / f) > 0 for f in ("r.png", "e.png", "p.png"))
   short = {"window(4)": rng.random(20)}      # the same text, fewer tokens: allowed
   streaming.write_results(str(tmp_path / "c"), short, {"tokens": 21, "text": "t"})
   results, tokens = streaming.read_results([str(tmp_path / n) for n in "abc"])
