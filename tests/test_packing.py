@@ -1,8 +1,8 @@
 """Packed rows: every mixer makes a document boundary exact.
 
-A row packing documents of lengths DOCS (one of length 1; one longer than the tiny chunk /
-block / window sizes of tests/test_trunk.TINY, so it crosses a chunk boundary of the chunked
-scans) must give, for each document, the logits, loss and parameter gradients of that document
+A row packing documents of lengths DOCS (one of length 1; one longer than the chunk / block /
+window sizes of each mixer's `tiny()` options, so it crosses a chunk boundary of the chunked
+scans, and none aligned to a block boundary but the first) must give, for each document, the logits, loss and parameter gradients of that document
 run alone in a row of its own (all documents alone form one right-padded batch, so each
 pattern compiles three programs whatever the documents' lengths); without segment ids (plain
 concatenation) they must differ, so the test can fail. Causality by gradient is checked with segment ids: an output depends on an
@@ -21,13 +21,6 @@ from tests.test_trunk import TOL, _cfg, _close, _model, _tokens
 
 DOCS = ((1, 6, 9, 5), (12, 9))     # two packed rows of 21 tokens
 T = 21
-# Sinkhorn's sort summarises whole blocks, so a document equals itself alone only when it starts
-# at a block boundary (sinkhorn.py, docstring 10): its rows start documents at multiples of
-# TINY's block of 4 (still one document of length 1, and ones spanning several blocks).
-# Spanning blocks: the causality test below (DOCS), and tests/test_sinkhorn.py.
-BLOCK_ALIGNED_DOCS = ((4, 8, 8, 1), (12, 9))
-# Blocks the packed rows cross, beyond TINY's (FoX / ALiBi: their flash loops over block pairs).
-PACKED_OPTIONS = {"fox": {"block_size": 8}, "alibi": {"block_size": 8}}
 
 
 def _patterns():
@@ -36,11 +29,6 @@ def _patterns():
 
 
 PATTERNS = [pytest.param(p, id="+".join(p)) for p in _patterns()]
-
-
-def _docs(pattern):
-  names = {p.split(":")[0] for p in pattern}
-  return BLOCK_ALIGNED_DOCS if "sinkhorn" in names else DOCS
 
 
 def packed_layout(docs_per_row) -> tuple[jax.Array, jax.Array]:
@@ -67,11 +55,8 @@ def _spans(docs):
 
 
 def _pcfg(pattern, **kw):
-  """The test config of `pattern` (tests/test_trunk._cfg) with PACKED_OPTIONS applied."""
-  cfg = _cfg(pattern, n_layers=len(pattern), max_seq_len=32, **kw)
-  for name in {p.split(":")[0] for p in pattern} & set(PACKED_OPTIONS):
-    cfg = cfg.with_options(name, **PACKED_OPTIONS[name])
-  return cfg
+  """The test config of `pattern` (tests/test_trunk._cfg: each mixer's `tiny()` options)."""
+  return _cfg(pattern, n_layers=len(pattern), max_seq_len=32, **kw)
 
 
 def _alone_rows(tokens, docs_per_row):
@@ -110,7 +95,7 @@ def test_packed_rows_equal_each_document_alone(pattern):
   """Logits, summed loss and parameter gradients of packed rows equal those of every document
   alone in a row of its own; plain concatenation (no segment ids) differs."""
   model = _model(_pcfg(pattern), seed=3)
-  docs_per_row = _docs(pattern)
+  docs_per_row = DOCS
   tokens = _tokens(4, (len(docs_per_row), T))
   targets = _tokens(5, (len(docs_per_row), T))
   positions, segments = packed_layout(docs_per_row)
