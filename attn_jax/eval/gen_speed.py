@@ -12,6 +12,9 @@ and the measured wall times (after an untimed warm-up call of each, which compil
   decode tokens/s  = (N - 1) / (t_generate - t_prefill)
 
 (the first new token comes out of the prefill, so a generate call holds N - 1 decode steps).
+The same with the process's CPU time (all its threads) in place of wall time gives tokens per
+CPU-second, which a busy machine disturbs less than wall time (a descheduled engine loses
+wall time, not CPU time; both engines use the same number of threads).
 Repeats run the engines alternately, the order rotating each round, so that a machine whose
 load drifts during the run (a shared one) slows each engine alike; the table reports the
 median and the spread (min-max) over repeats, and the ratios of the medians. Decode tokens/s
@@ -31,6 +34,7 @@ which the continuations differ legitimately; a wrong model differs from the firs
 from __future__ import annotations
 
 import dataclasses
+import logging
 import statistics
 import time
 from typing import Callable, Sequence
@@ -120,9 +124,10 @@ def llama_cpp_engine(llm, name: str = "llama.cpp") -> Engine:
 
 
 def _timed(fn, *args):
-  t = time.perf_counter()
+  """(wall seconds, process CPU seconds, fn(*args))."""
+  t, c = time.perf_counter(), time.process_time()
   out = fn(*args)
-  return time.perf_counter() - t, out
+  return time.perf_counter() - t, time.process_time() - c, out
 
 
 def agreement(a: Sequence[int], b: Sequence[int]) -> int:
@@ -145,25 +150,37 @@ def measure(engines: Sequence[Engine], prompt: Sequence[int], new_tokens: int,
   if repeats < 1:
     raise ValueError(f"repeats must be at least 1, got {repeats}")
   ids = [int(t) for t in prompt]
-  tokens, raw = {}, {e.name: {"prefill_s": [], "generate_s": []} for e in engines}
+  tokens = {}
+  raw = {e.name: {"prefill_s": [], "generate_s": [], "prefill_cpu_s": [], "generate_cpu_s": []}
+         for e in engines}
   for e in engines:  # warm-up (compiles ours; first-call allocations elsewhere)
-    e.prefill(ids)
+    t_warm, _, _ = _timed(e.prefill, ids)
     tokens[e.name] = [int(t) for t in e.generate(ids, new_tokens)]
+    logging.info("warm-up %s done (prefill %.3f s)", e.name, t_warm)
   for r in range(repeats):
     k = r % len(engines)
     for e in list(engines[k:]) + list(engines[:k]):
-      t_pre, _ = _timed(e.prefill, ids)
-      t_gen, got = _timed(e.generate, ids, new_tokens)
-      raw[e.name]["prefill_s"].append(t_pre)
-      raw[e.name]["generate_s"].append(t_gen)
+      t_pre, c_pre, _ = _timed(e.prefill, ids)
+      t_gen, c_gen, got = _timed(e.generate, ids, new_tokens)
+      for key, value in (("prefill_s", t_pre), ("generate_s", t_gen),
+                         ("prefill_cpu_s", c_pre), ("generate_cpu_s", c_gen)):
+        raw[e.name][key].append(value)
       if [int(t) for t in got] != tokens[e.name]:
         raise RuntimeError(f"{e.name}: greedy tokens changed between repeats")
+      logging.info("round %d/%d %s: prefill %.3f s, generate %.3f s", r + 1, repeats, e.name,
+                   t_pre, t_gen)
   rows = []
   for e in engines:
     pre = [len(ids) / t for t in raw[e.name]["prefill_s"]]
     dec = [(new_tokens - 1) / max(g - p, 1e-9)
            for g, p in zip(raw[e.name]["generate_s"], raw[e.name]["prefill_s"])]
+    cpu = raw[e.name]
+    dec_cpu = [(new_tokens - 1) / max(g - p, 1e-9)
+               for g, p in zip(cpu["generate_cpu_s"], cpu["prefill_cpu_s"])]
     rows.append({"engine": e.name, "prefill_tok_s": statistics.median(pre),
+                 "prefill_tok_cpu_s": statistics.median(len(ids) / max(t, 1e-9)
+                                                        for t in cpu["prefill_cpu_s"]),
+                 "decode_tok_cpu_s": statistics.median(dec_cpu),
                  "prefill_min": min(pre), "prefill_max": max(pre),
                  "decode_tok_s": statistics.median(dec), "decode_min": min(dec),
                  "decode_max": max(dec), **raw[e.name]})
@@ -180,14 +197,17 @@ def to_markdown(result: dict) -> str:
   base = rows[0]
   n = result["config"]["new_tokens"]
   lines = [f"| engine | prefill tok/s | decode tok/s | {base['engine']} / engine, prefill | "
-           f"{base['engine']} / engine, decode | greedy tokens equal to {base['engine']}'s |",
-           "|---|---|---|---|---|---|"]
+           f"{base['engine']} / engine, decode | same, per CPU-second: prefill / decode | "
+           f"greedy tokens equal to {base['engine']}'s |",
+           "|---|---|---|---|---|---|---|"]
   for r in rows:
     lines.append(
         f"| {r['engine']} | {r['prefill_tok_s']:.0f} ({r['prefill_min']:.0f}-"
         f"{r['prefill_max']:.0f}) | {r['decode_tok_s']:.1f} ({r['decode_min']:.1f}-"
         f"{r['decode_max']:.1f}) | {base['prefill_tok_s'] / r['prefill_tok_s']:.2f}x | "
         f"{base['decode_tok_s'] / r['decode_tok_s']:.2f}x | "
+        f"{base['prefill_tok_cpu_s'] / r['prefill_tok_cpu_s']:.2f}x / "
+        f"{base['decode_tok_cpu_s'] / r['decode_tok_cpu_s']:.2f}x | "
         f"{result['agreement'][r['engine']]} / {n} |")
   return "\n".join(lines)
 
