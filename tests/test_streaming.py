@@ -211,11 +211,12 @@ def test_clear_errors(tmp_path):
   (tmp_path / "empty.txt").write_text("")
   with pytest.raises(ValueError, match="empty"):
     streaming.read_stream(str(tmp_path / "empty.txt"))
-  import importlib.util
-  spec = importlib.util.spec_from_file_location(
-      "stream_cli", pathlib.Path(__file__).resolve().parents[1] / "experiments" / "stream.py")
-  cli = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(cli)
+  import importlib
+  import sys
+  # One import of the entry point per process (its absl flags are global): the same module
+  # other tests import as `stream`.
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "experiments"))
+  cli = importlib.import_module("stream")
   with pytest.raises(FileNotFoundError, match="no checkpoint"):
     cli.run(str(tmp_path / "nope"), str(tmp_path / "empty.txt"))
 
