@@ -1,5 +1,5 @@
 """Streaming inference over unbounded token streams: interchangeable KV-cache policies for
-scoring (per-position loss) and generation (SPEC.md section 3, StreamingLLM).
+scoring (per-position loss) and generation (StreamingLLM, docs/papers.md §3.2).
 
 Stream policies (`StreamPolicy(name, window, sinks)`; each but "recompute" runs a KV-cache
 policy, `cache.CachePolicy`, underneath):

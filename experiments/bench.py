@@ -1,8 +1,9 @@
 """Train-step throughput of several configs side by side (tokens/s, ratio, analytic FLOPs,
 compiled peak memory, decode tokens/s).
 
-  python experiments/bench.py --preset=issue9      # issue #9: fp32, d 512 / 8 heads / 6 layers /
-                                                   # vocab 50277, batch 4 x 1024, on a 2-core CPU
+  python experiments/bench.py --preset=cpu_50m_fp32   # the 50M Transformer's shapes (d 512 /
+                                                      # 8 heads / 6 layers / vocab 50277) in
+                                                      # fp32, batch 4 x 1024: sized for a CPU
   python experiments/bench.py --configs=transformer_152m,sisa_152m --seq_lens=1024,4096,16384
   python experiments/bench.py --scale=tiny --dtype=float32 --seq_lens=1024,4096 \
       --configs=transformer_152m,sisa_152m,sisa_152m@fast,sisa_152m@chunked   # a 2-core CPU
@@ -98,9 +99,10 @@ _SISA_PATH = flags.DEFINE_enum("sisa_path", "", ["", "auto", "fast", "chunked"],
 _SISA_DECAY_BIAS = flags.DEFINE_float("sisa_decay_bias", None, "Override decay_bias_init "
                                       "(e.g. -2.63: half-life ~10 tokens, long decay range).")
 _REMAT = flags.DEFINE_string("remat", "", "Override model.remat.")
-_PRESET = flags.DEFINE_enum("preset", "", ["", "issue9"], "issue9: configs transformer_152m, "
-                            "sisa_152m, sisa_152m@fast at fp32, d 512 / 8 heads / 6 layers / "
-                            "vocab 50277, batch 4 x 1024 (explicit flags still override).")
+_PRESET = flags.DEFINE_enum("preset", "", ["", "cpu_50m_fp32"], "cpu_50m_fp32: configs "
+                            "transformer_152m, sisa_152m, sisa_152m@fast at the 50M shapes "
+                            "(d 512 / 8 heads / 6 layers / vocab 50277), fp32, batch 4 x 1024 "
+                            "(explicit flags still override).")
 _DECODE_TOKENS = flags.DEFINE_integer("decode_tokens", 128, "Generated tokens (0 = no decode).")
 _DECODE_BATCH = flags.DEFINE_integer("decode_batch", 4, "Largest decode batch.")
 _STEP_BATCHES = flags.DEFINE_list("decode_step_batches", ["1", "32"], "Batches of the decode-"
@@ -127,9 +129,9 @@ _DOCUMENT_MASK = flags.DEFINE_bool("document_mask", False, "Only the document-ma
 _DOCUMENT_LEN = flags.DEFINE_integer("document_len", 0, "--document_mask: tokens per packed "
                                      "document (0 = seq_len // 4).")
 
-PRESETS = {"issue9": dict(configs=["transformer_152m", "sisa_152m", "sisa_152m@fast"],
-                          seq_lens=["1024"], batch_tokens=4096, d_model=512, n_heads=8,
-                          n_layers=6, vocab_size=50277, dtype="float32")}
+PRESETS = {"cpu_50m_fp32": dict(configs=["transformer_152m", "sisa_152m", "sisa_152m@fast"],
+                                seq_lens=["1024"], batch_tokens=4096, d_model=512, n_heads=8,
+                                n_layers=6, vocab_size=50277, dtype="float32")}
 
 
 def _apply_preset(argv_flags) -> None:

@@ -1,4 +1,4 @@
-"""Streaming perplexity of a trained model under KV-cache policies (SPEC.md section 3).
+"""Streaming perplexity of a trained model under KV-cache policies (docs/papers.md §3.2, §8.4).
 
   python experiments/stream.py --workdir=runs/stream_tiny --text=input.txt --tail=0.01 \
       --policies=dense,window,recompute,streaming --window=60 --sinks=4 --out=runs/stream_eval

@@ -17,8 +17,8 @@ os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 # Many tests compile the same programs (e.g. a run, then its resumption): share them through
 # the persistent compilation cache (same executables, so results are unchanged). One cache per
 # checkout *and per xdist worker*: JAX writes entries in place, so a process that reads an entry
-# another process is still writing dies in XLA's executable deserialisation (CI lost a worker so,
-# with both workers of one suite compiling the same program into one directory).
+# another process is still writing dies in XLA's executable deserialisation (as when the two
+# workers of one suite compile the same program into one shared directory).
 _CHECKOUT = hashlib.sha1(str(pathlib.Path(__file__).resolve().parents[1]).encode()).hexdigest()
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER", "main")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",

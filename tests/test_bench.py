@@ -45,6 +45,21 @@ def test_study_rows_cover_every_variant_and_the_cache_policies(bench):
     assert bench["row_policy"](mixer) is None
 
 
+def test_the_cpu_50m_fp32_preset_is_what_its_name_says(bench):
+  """The preset runs the 152M configs at the 50M Transformer's shapes (configs/transformer_50m.py,
+  docs/papers.md §1.4) in float32; the flag accepts no other name."""
+  import importlib
+  (name,) = bench["PRESETS"]
+  assert name == "cpu_50m_fp32"
+  p = bench["PRESETS"][name]
+  m50 = importlib.import_module("configs.transformer_50m").get_config().model
+  assert (p["d_model"], p["n_heads"], p["n_layers"], p["vocab_size"]) == (
+      m50.d_model, m50.n_heads, m50.n_layers, m50.vocab_size)
+  assert 4 * p["d_model"] == m50.d_ff   # bench.py's d_ff for an overridden d_model
+  assert p["dtype"] == "float32"
+  assert flags.FLAGS["preset"].parser.enum_values == ["", name]
+
+
 def test_aux_maxima_flattens_pattern_groups(bench):
   """A pattern model's monitors come grouped by layer kind ({"1.sisa": {name: [R]}}); a
   single-mixer model's flat ({name: [R]}). Each becomes its max over the repeats."""

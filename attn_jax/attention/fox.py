@@ -1,7 +1,7 @@
 """Forgetting Attention (FoX): softmax attention whose logits carry a data-dependent forget gate.
 
 Paper: Lin, Nikishin, He, Courville, "Forgetting Transformer: Softmax Attention with a Forget
-Gate" (ICLR 2025); SPEC.md section 2. Per head h, with x = RMSNorm(input), d_h = d_model / H:
+Gate" (ICLR 2025); docs/papers.md §6.1. Per head h, with x = RMSNorm(input), d_h = d_model / H:
 
     q, k, v = x W_q, x W_k, x W_v
     f_t = sigmoid(w_f . x_t + b_f),  log f_t = -softplus(-(w_f . x_t + b_f))   (one per head)

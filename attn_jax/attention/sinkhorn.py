@@ -1,4 +1,4 @@
-"""Sparse Sinkhorn attention (Tay et al. 2020, arXiv 2002.11296; SPEC.md section 4).
+"""Sparse Sinkhorn attention (Tay et al. 2020, arXiv 2002.11296; docs/papers.md §4).
 
 The sequence (length T, padded to N = ceil(T / b) blocks of b tokens) is cut into contiguous
 blocks X_0 .. X_{N-1}. Per kv head:

@@ -1,5 +1,5 @@
 """Attention-mass diagnostics: how much attention each layer puts on the first tokens
-(the "attention sinks" of StreamingLLM, SPEC.md section 3).
+(the "attention sinks" of StreamingLLM, docs/papers.md §3.1).
 
 For a few sequences the attention probabilities of every softmax layer are computed
 explicitly (an fp32 reference path: the decoder's own embedding, sink-token prefix, norms and

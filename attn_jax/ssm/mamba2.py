@@ -89,7 +89,7 @@ def projection_inits(cfg: ModelConfig, opts, d_inner: int) -> tuple[dict, dict]:
   sqrt(n_residuals * n_layers) (`models/mixer_seq_simple.py` `_init_weights`,
   rescale_prenorm_residual; n_residuals = 2 with an MLP per block (cfg.d_ff > 0), else 1).
   "normal": the Transformer's N(0, init_std) and N(0, init_std / sqrt(2 n_layers)) (an
-  ablation: at init_std 0.02 it starts Mamba-2's C.h ~150x below its D.x skip, issue 19).
+  ablation: at init_std 0.02 it starts Mamba-2's C.h ~150x below its D.x skip).
   """
   if opts.proj_init == "normal":
     return ({"init_std": cfg.init_std},

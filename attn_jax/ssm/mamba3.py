@@ -22,7 +22,7 @@ reference recurrence `mamba3_siso_step_ref` in state-spaces/mamba
 
 A's activation (`a_activation`): "softplus", A = -softplus(A_raw) (-0.693 at init), is the
 released code the paper's results come from (`modules/mamba3.py` from the release 5235bdc,
-March 2026, to 7438488) and SPEC section 2; "heavy_tail", f(u) = 1 + u (u >= 0), 1 / (1 - u)
+March 2026, to 7438488; docs/papers.md §5.3); "heavy_tail", f(u) = 1 + u (u >= 0), 1 / (1 - u)
 (u < 0) (-1 at init), is the reference's later change (c69aaab, "Stabilize data-dependent A
 with heavy-tail activation", June 2026: for WSD schedules and higher learning rates).
 
