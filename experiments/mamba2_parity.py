@@ -67,7 +67,8 @@ from attn_jax.train.loss import cross_entropy  # noqa: E402
 
 f32 = jnp.float32
 
-# The single-layer setting: 4 heads of 16 (expand 1), d_state 24, d_ff 192.
+# The minimal model's single-layer setting (docs/mamba_parity.md): 4 heads of 16 (expand 1),
+# d_state 24, d_ff 192.
 SETTING = {"d_model": 64, "expand": 1.0, "head_dim": 16, "d_state": 24, "d_ff": 192,
            "n_layers": 1, "lr": 3e-3}
 
