@@ -25,15 +25,10 @@ from attn_jax.train import trainer as trainer_lib
 from attn_jax.train.checkpoint import Checkpointer
 from attn_jax.train.workdir import WorkdirLockedError, lock_tensorboard
 from tests.test_checkpoint import _flip_bytes
+from tests.test_faults import run_config
 from tests.test_train import losses, tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def run_config(steps=4):
-  c = tiny_config(steps=steps)
-  c.checkpoint.every_steps = 2
-  return c
 
 
 @pytest.fixture(scope="module")

@@ -391,10 +391,13 @@ class Checkpointer:
     tensorstore reads behind that report into a closed event loop)."""
     diffs = self.stored_differences(step, abstract_state)
     if diffs:
-      raise CheckpointMismatchError(
-          f"checkpoint step {step} in {self.directory} holds a different state than this "
-          f"config builds (nothing was moved or changed): {'; '.join(diffs)}", step=step,
-          differences=diffs)
+      raise self._mismatch(step, diffs)
+
+  def _mismatch(self, step: int, diffs: list) -> "CheckpointMismatchError":
+    return CheckpointMismatchError(
+        f"checkpoint step {step} in {self.directory} holds a different state than this "
+        f"config builds (nothing was moved or changed): {'; '.join(diffs)}", step=step,
+        differences=diffs)
 
   def _restore_step(self, step: int, abstract_state: Any, data_iter: Any):
     problem = self.verify(step)
@@ -420,10 +423,7 @@ class Checkpointer:
     """A mismatch (the caller's tree differs), corruption, or neither (files intact)."""
     diffs = self.stored_differences(step, abstract_state)
     if diffs:
-      return CheckpointMismatchError(
-          f"checkpoint step {step} in {self.directory} holds a different state than this "
-          f"config builds (nothing was moved or changed): {'; '.join(diffs)}", step=step,
-          differences=diffs)
+      return self._mismatch(step, diffs)
     if manifested:
       return CheckpointError(
           f"checkpoint step {step} in {self.directory} matches its checksums but orbax cannot "
