@@ -168,16 +168,21 @@ def test_sighup_ignored_at_start_stays_ignored_and_sig_ign_comes_back():
 # ------------------------------------------------------------------ 4. full disk
 
 
-@pytest.fixture
-def small_disk(tmp_path):
+def tmpfs(tmp_path, size: str):
+  """A tmpfs of `size` mounted under tmp_path (skips where mounting is not allowed)."""
   mnt = tmp_path / "disk"
   mnt.mkdir()
-  r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)],
+  r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)],
                      capture_output=True, text=True)
   if r.returncode:
     pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip()}); the injected case covers it")
   yield mnt
   subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+  yield from tmpfs(tmp_path, "3m")
 
 
 def _timed_saves(monkeypatch):

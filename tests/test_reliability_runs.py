@@ -25,7 +25,7 @@ from attn_jax.train import trainer as trainer_lib
 from attn_jax.train.checkpoint import Checkpointer
 from attn_jax.train.workdir import WorkdirLockedError, lock_tensorboard
 from tests.test_checkpoint import _flip_bytes
-from tests.test_faults import run_config
+from tests.test_faults import run_config, tmpfs
 from tests.test_train import losses, tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -335,14 +335,7 @@ runpy.run_path(os.path.join("experiments", script), run_name="__main__")
 
 @pytest.fixture
 def small_disk(tmp_path):
-  mnt = tmp_path / "disk"
-  mnt.mkdir()
-  r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)],
-                     capture_output=True, text=True)
-  if r.returncode:
-    pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip()}); the injected case covers it")
-  yield mnt
-  subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+  yield from tmpfs(tmp_path, "1m")
 
 
 @pytest.mark.slow   # a training subprocess (or one beside it): > 10 s

@@ -7,8 +7,6 @@ alone. Mixers registered later are picked up automatically (each mixer's `tiny()
 
 import dataclasses
 import pathlib
-import subprocess
-import sys
 
 import chex
 import jax
