@@ -60,7 +60,6 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from attn_jax.data import pipeline  # noqa: E402
-from attn_jax.data.synthetic import SyntheticSource  # noqa: E402
 from attn_jax.model import build_model  # noqa: E402
 from attn_jax.train import optim  # noqa: E402
 from attn_jax.train.loss import cross_entropy  # noqa: E402
@@ -131,14 +130,11 @@ def dims_of(c: ml_collections.ConfigDict) -> dict:
 # ----------------------------------------------------------------------- data
 
 def train_batches(c: ml_collections.ConfigDict, steps: int) -> dict[str, np.ndarray]:
-  """[steps, B, T] arrays: batch i holds train examples [iB, (i+1)B) (the trainer's order)."""
-  src = SyntheticSource(c.data, seed=int(c.seed), split="train")
-  B = int(c.data.global_batch_size)
-  ex = [src[i] for i in range(steps * B)]
-  out = {}
-  for k in ("inputs", "targets", "weights"):
-    out[k] = np.stack([e[k] for e in ex]).reshape((steps, B) + ex[0][k].shape)
-  return out
+  """[steps, B, T] arrays: the trainer's first `steps` batches (`pipeline.make_train_dataset`;
+  batch i holds train examples [iB, (i+1)B))."""
+  ds = pipeline.make_train_dataset(c.data, seed=int(c.seed))
+  bs = [ds[i] for i in range(steps)]
+  return {k: np.stack([np.asarray(b[k]) for b in bs]) for k in ("inputs", "targets", "weights")}
 
 
 def eval_batches(c: ml_collections.ConfigDict) -> list[dict]:
