@@ -43,6 +43,14 @@ def attention_maps(model, tokens_BT) -> list:
   return [_probs(mixer, x) for _, mixer, x in layer_inputs(model, tokens_BT)]
 
 
+def _spread(tokens, n_seqs: int, L: int) -> tuple[np.ndarray, np.ndarray]:
+  """([n_seqs, L] int32 sequences spread evenly over the stream, the first at token 0, the last
+  ending at its end; their start positions)."""
+  tokens = np.asarray(tokens, np.int32)
+  starts = np.linspace(0, len(tokens) - L, n_seqs).astype(int)
+  return np.stack([tokens[s:s + L] for s in starts]), starts
+
+
 def mass_table(maps, *, min_query: int = 16, n_keys: int = 32) -> dict:
   layers = []
   heat = []
@@ -64,13 +72,11 @@ def mass_table(maps, *, min_query: int = 16, n_keys: int = 32) -> dict:
 def run(model, tokens: np.ndarray, out_dir: str, *, n_seqs: int = 4, seq_len: int = 128,
         min_query: int = 16, n_keys: int = 32) -> dict[str, str]:
   """Diagnostics on `n_seqs` sequences of `seq_len` tokens spread over the stream."""
-  tokens = np.asarray(tokens, np.int32)
   L = min(seq_len, len(tokens))
   if L <= min_query:
     raise ValueError(f"attention mass needs sequences longer than min_query={min_query}, "
                      f"the stream has {len(tokens)} tokens")
-  starts = np.linspace(0, len(tokens) - L, n_seqs).astype(int)
-  batch = np.stack([tokens[s:s + L] for s in starts])
+  batch, _ = _spread(tokens, n_seqs, L)
   table = mass_table(attention_maps(model, jnp.asarray(batch)), min_query=min_query,
                      n_keys=n_keys)
   table["meta"] = {"sequences": int(n_seqs), "seq_len": int(L), "min_query": min_query,
@@ -151,10 +157,8 @@ def run_sink_profile(model, tokens: np.ndarray, out_dir: str, *, n_seqs: int = 2
   """`sink_profile` on `n_seqs` sequences of `seq_len` tokens spread over the stream (the
   first starts at token 0); writes sink_mass.json, sink_mass.png (layers x token0 / first4 /
   local, head means) and sink_mass_heads.png (layers x heads, first4 and local)."""
-  tokens = np.asarray(tokens, np.int32)
   L = min(seq_len, len(tokens))
-  starts = np.linspace(0, len(tokens) - L, n_seqs).astype(int)
-  batch = np.stack([tokens[s:s + L] for s in starts])
+  batch, starts = _spread(tokens, n_seqs, L)
   table = sink_profile(model, jnp.asarray(batch), local=local, min_query=min_query)
   table["meta"] = {"sequences": int(n_seqs), "seq_len": int(L), "starts": starts.tolist(),
                    "local": int(local), "min_query": int(min_query),
