@@ -60,6 +60,7 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from attn_jax.data import pipeline  # noqa: E402
+from attn_jax.eval import mqar  # noqa: E402
 from attn_jax.model import build_model  # noqa: E402
 from attn_jax.train import optim  # noqa: E402
 from attn_jax.train.loss import cross_entropy  # noqa: E402
@@ -343,20 +344,24 @@ def resolve(spec: str) -> dict | str | None:
 
 # ----------------------------------------------------------------------- training
 
-def recall(logits_fn, params, batches) -> float:
-  f = jax.jit(logits_fn)
-  hits = total = 0.0
-  for b in batches:
-    logits = f(params, jnp.asarray(b["inputs"]))
-    w = np.asarray(b["weights"])
-    hits += float(np.sum((np.argmax(np.asarray(logits), -1) == b["targets"]) * w))
-    total += float(np.sum(w))
-  return hits / total
+class _Scorer:
+  """`logits_fn(params, tokens)` as the evaluators' scorer (`harness.scorer_fns`): the
+  parameters are its `state`, so every evaluation of a run reuses one compilation."""
+
+  def __init__(self, logits_fn):
+    self.logits_apply, self.state = logits_fn, ()
+
+
+def recall(scorer: _Scorer, params, batches) -> float:
+  """The trainer's MQAR accuracy (`eval.mqar.mqar_accuracy`) of `params` on `batches`."""
+  scorer.state = params
+  return mqar.mqar_accuracy(scorer, batches, batch_size=len(batches[0]["inputs"]))["acc"]
 
 
 def train(c, logits_fn, params, decay, mult, batches, evals, *, every: int):
   """The optax chain of the trainer over `batches`; -> (final params, curve rows)."""
   tx, _ = optim.optimizer_from_groups(c, decay, mult)
+  scorer = _Scorer(logits_fn)
 
   def loss_fn(p, b):
     nll, w, _ = cross_entropy(logits_fn(p, b["inputs"]), b["targets"], b["weights"])
@@ -375,7 +380,7 @@ def train(c, logits_fn, params, decay, mult, batches, evals, *, every: int):
     chunk = {k: jnp.asarray(v[start:start + every]) for k, v in batches.items()}
     (params, opt_state), losses = run(params, opt_state, chunk)
     rows.append({"step": start + len(losses), "train_loss": float(np.mean(losses[-10:])),
-                 "recall": recall(logits_fn, params, evals)})
+                 "recall": recall(scorer, params, evals)})
   return params, rows
 
 
