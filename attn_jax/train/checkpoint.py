@@ -412,18 +412,16 @@ class Checkpointer:
     try:
       state = self._mngr.restore(step, args=ocp.args.Composite(**items))["state"]
     except Exception as e:  # orbax/tensorstore: missing metadata, undecodable chunks, shapes
-      raise self._restore_error(step, abstract_state, manifested, e) from e
+      raise self._restore_error(step, manifested, e) from e
     if not all_finite(state):
       raise CheckpointCorruptError(f"non-finite values in {nonfinite_paths(state)}")
     if not manifested:
       self.warn_unverified(step)
     return state
 
-  def _restore_error(self, step, abstract_state, manifested, e) -> CheckpointError:
-    """A mismatch (the caller's tree differs), corruption, or neither (files intact)."""
-    diffs = self.stored_differences(step, abstract_state)
-    if diffs:
-      return self._mismatch(step, diffs)
+  def _restore_error(self, step, manifested, e) -> CheckpointError:
+    """Corruption, or neither (files intact); a mismatch was ruled out before the read
+    (`_check_matches`)."""
     if manifested:
       return CheckpointError(
           f"checkpoint step {step} in {self.directory} matches its checksums but orbax cannot "
