@@ -96,10 +96,9 @@ def config_rules(config) -> dict[str, MeshAxes]:
   """The logical-axis rules of a run: those the pattern's mixers declare (`Mixer.axis_rules`),
   overridden by `config.mesh.rules` (the trunk's, from configs/base.py, plus any the user
   sets)."""
-  from attn_jax.config import LayerSpec
+  from attn_jax.config import ModelConfig
   from attn_jax.registry import axis_rules
-  m = config.model
-  names = [LayerSpec.parse(s).mixer for s in (tuple(m.pattern) or (m.mixer,))]
+  names = [spec.mixer for spec in ModelConfig.from_config(config.model).period]
   return {**axis_rules(names), **rules_dict(config.mesh.rules)}
 
 

@@ -130,9 +130,5 @@ class HybridHeads(Mixer):
     return attn + Mamba2.flops_per_token(cfg, opts.mamba2(), seq_len)
 
   @classmethod
-  def max_chunk(cls, cfg, opts, capacity: int, policy=None):
-    return None   # any number of new tokens
-
-  @classmethod
   def stream_limit(cls, cfg, opts, capacity: int, policy=None) -> int:
     return capacity   # the attention heads' linear KV buffer holds the whole stream

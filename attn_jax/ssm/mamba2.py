@@ -309,7 +309,3 @@ class Mamba2(Mixer):
     return ssd.ssd_flops_per_token(n_heads=opts.heads(cfg), head_dim=opts.head_dim,
                                    d_state=opts.d_state, n_groups=opts.n_groups,
                                    chunk=opts.chunk_size, seq_len=seq_len)
-
-  @classmethod
-  def max_chunk(cls, cfg, opts, capacity: int, policy=None):
-    return None

@@ -538,10 +538,6 @@ class Mamba3(Mixer):
                                    n_groups=H, chunk=opts.chunk_size, seq_len=seq_len,
                                    n_inputs=2)
 
-  @classmethod
-  def max_chunk(cls, cfg, opts, capacity: int, policy=None):
-    return None
-
 
 def _sequential_angles(inc_BTHR, phi0_BHR, reset_BT=None):
   """phi_t = (phi_{t-1} + inc_t) mod 2 pi, one token at a time (the reference's order);
