@@ -385,7 +385,7 @@ class Checkpointer:
         pass
     return tree_differences(stored, abstract_state)
 
-  def _check_matches(self, step: int, abstract_state: Any) -> None:
+  def check_matches(self, step: int, abstract_state: Any) -> None:
     """CheckpointMismatchError when step's stored arrays differ from the requested ones; checked
     on the metadata, before orbax reads any array (a restore that fails part-way leaves
     tensorstore reads behind that report into a closed event loop)."""
@@ -404,7 +404,7 @@ class Checkpointer:
     if problem:
       raise CheckpointCorruptError(problem)
     manifested = self.has_manifest(step)
-    self._check_matches(step, abstract_state)
+    self.check_matches(step, abstract_state)
     items = {"state": ocp.args.StandardRestore(abstract_state)}
     if data_iter is not None:
       import grain
@@ -421,7 +421,7 @@ class Checkpointer:
 
   def _restore_error(self, step, manifested, e) -> CheckpointError:
     """Corruption, or neither (files intact); a mismatch was ruled out before the read
-    (`_check_matches`)."""
+    (`check_matches`)."""
     if manifested:
       return CheckpointError(
           f"checkpoint step {step} in {self.directory} matches its checksums but orbax cannot "

@@ -488,12 +488,10 @@ def check_resumable(workdir: str, setup: Setup, config) -> None:
   ckpt = Checkpointer(workdir, read_only=True)
   try:
     step = ckpt.latest_step()
-    diffs = None if step is None else ckpt.stored_differences(step, setup.abstract_state)
-    if diffs:
-      raise _explained(ckpt, CheckpointMismatchError(
-          f"checkpoint step {step} in {ckpt.directory} holds a different state than this "
-          f"config builds (nothing was moved or changed): {'; '.join(diffs)}", step=step,
-          differences=diffs), config)
+    if step is not None:
+      ckpt.check_matches(step, setup.abstract_state)
+  except CheckpointMismatchError as e:
+    raise _explained(ckpt, e, config) from None
   finally:
     ckpt.close()
 
