@@ -382,6 +382,14 @@ def binned_means(losses: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray
   return np.asarray(centres), np.asarray(means)
 
 
+def running_mean(losses: np.ndarray, smooth: int) -> tuple[np.ndarray, np.ndarray]:
+  """(positions k..N, mean loss over the `smooth` positions ending at each; k = the window,
+  at most N) of a fully scored stream."""
+  v = np.asarray(losses, np.float64)
+  k = max(1, min(smooth, len(v)))
+  return np.arange(k, len(v) + 1), np.convolve(v, np.ones(k) / k, mode="valid")
+
+
 def plot_losses(path: str, results: dict[str, np.ndarray], *, smooth: int = 64,
                 title: str = "") -> None:
   import matplotlib
@@ -394,9 +402,7 @@ def plot_losses(path: str, results: dict[str, np.ndarray], *, smooth: int = 64,
       x, mean = binned_means(v, max(1, smooth))
       ax.plot(x, mean, label=label, lw=1.2, marker=".", ms=3)
       continue
-    k = max(1, min(smooth, len(v)))
-    mean = np.convolve(v, np.ones(k) / k, mode="valid")
-    ax.plot(np.arange(k, len(v) + 1), mean, label=label, lw=1.2)
+    ax.plot(*running_mean(v, smooth), label=label, lw=1.2)
   ax.set_xlabel("position in the stream (tokens)")
   ax.set_ylabel(f"loss (nats), mean over {smooth} positions")
   ax.set_title(title or "streaming loss per policy")
@@ -536,8 +542,7 @@ def plot_report(path: str, eviction_path: str, results: dict[str, np.ndarray], *
     v = np.asarray(v[:zoom], np.float64)
     if np.isnan(v).any():
       continue
-    k = max(1, min(smooth, len(v)))
-    draw(ax, label, np.arange(k, len(v) + 1), np.convolve(v, np.ones(k) / k, mode="valid"))
+    draw(ax, label, *running_mean(v, smooth))
   for c in caches:
     ax.axvline(c, color="gray", lw=0.6, ls=":")
   ax.set_xlabel("position (tokens); dotted: the cache sizes (first eviction)")
