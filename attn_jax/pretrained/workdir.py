@@ -22,7 +22,6 @@ import dataclasses
 import json
 import os
 
-import jax
 import ml_collections
 from flax import nnx
 
@@ -66,5 +65,4 @@ def write_workdir(pre: Pretrained, workdir: str, base: ml_collections.ConfigDict
                 force=True)
     finally:
       ckpt.close()
-    jax.block_until_ready(state)
   return os.path.abspath(workdir)
