@@ -25,9 +25,10 @@ def is_run_dir(path: str) -> bool:
   return os.path.isdir(os.path.join(path, "checkpoints"))
 
 
-def load_run(workdir: str, step: int | None = None) -> loader.Pretrained:
-  """A run directory as a `Pretrained` (its tokenizer from config.data.tokenizer; None for the
-  byte tokenizer, which has no tokenizers JSON)."""
+def load_run(workdir: str, step: int | None = None,
+             tokenizer: str | None = None) -> loader.Pretrained:
+  """A run directory as a `Pretrained` (its tokenizer `tokenizer`, else config.data.tokenizer;
+  None for the byte tokenizer, which has no tokenizers JSON)."""
   from attn_jax.train.checkpoint import load_for_inference
   model, config, _ = load_for_inference(workdir, step)
   spec_ids = {}
@@ -37,7 +38,10 @@ def load_run(workdir: str, step: int | None = None) -> loader.Pretrained:
       s = json.load(f).get("spec", {})
     spec_ids = {"bos_id": s.get("bos_id"), "eos_id": s.get("eos_id")}
   tok_spec = config.data.tokenizer
-  tok = None if tok_spec in ("bytes", "byte", "") else loader.as_tokenizer(tok_spec)
+  if tokenizer:
+    tok = loader.as_tokenizer(tokenizer)
+  else:
+    tok = None if tok_spec in ("bytes", "byte", "") else loader.as_tokenizer(tok_spec)
   spec = (loader.spec_of(model.cfg, **spec_ids) if not exportable_problem(model.cfg) else
           None)
   return loader.Pretrained(model, tok, spec, os.path.abspath(workdir), "run")
@@ -56,9 +60,7 @@ def convert(src: str, *, workdir: str = "", hf_out: str = "", gguf_out: str = ""
     if out and os.path.exists(out) and not (os.path.isdir(out) and not os.listdir(out)):
       raise PretrainedError(f"{os.path.abspath(out)}: exists; choose a new output path")
   if is_run_dir(src):
-    pre = load_run(src, step)
-    if tokenizer:
-      pre.tokenizer = loader.as_tokenizer(tokenizer)
+    pre = load_run(src, step, tokenizer)
   else:
     pre = loader.load(src, dtype=dtype, tokenizer=tokenizer)
   bos, eos = (pre.spec.bos_id, pre.spec.eos_id) if pre.spec else (None, None)
