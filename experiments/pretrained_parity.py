@@ -54,10 +54,15 @@ def main(argv):
   import jax.numpy as jnp
   import numpy as np
   import torch
+  from flax import nnx
 
+  from attn_jax.model import abstract_model
   from attn_jax.pretrained import load
   from attn_jax.pretrained.loader import hf_tensors
   pre = load(_SRC.value)
+  # the same fp32 parameters computing in bfloat16 (no second read of the file)
+  graphdef16 = nnx.split(abstract_model(pre.cfg.replace(dtype="bfloat16")))[0]
+  model16 = nnx.merge(graphdef16, nnx.state(pre.model))
   ref, ref_tensors, ref_tok = reference(pre.source)
   ours = hf_tensors(pre.model)
   w_diff = max(float(np.abs(ours[k] - w).max()) for k, w in ref_tensors.items())
@@ -68,7 +73,7 @@ def main(argv):
   with torch.no_grad():
     z_ref = ref(torch.tensor(ids[None])).logits.numpy()
   z32 = np.asarray(pre.model(jnp.asarray(ids[None])))
-  z16 = np.asarray(load(_SRC.value, dtype="bfloat16").model(jnp.asarray(ids[None])))
+  z16 = np.asarray(model16(jnp.asarray(ids[None])))
   rel = lambda z: float(np.abs(z - z_ref).max() / np.abs(z_ref).max())
   agree = lambda z: float((z.argmax(-1) == z_ref.argmax(-1)).mean())
   print(f"{pre.source}: {len(ids_ours)} tokens in {_TEXT.value} (ids equal to transformers': "
