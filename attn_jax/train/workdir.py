@@ -104,14 +104,17 @@ class WorkdirLock:
     self.release()
 
 
-def lock_workdir(workdir: str, *, process_index: int | None = None) -> WorkdirLock | None:
-  """Takes the lock on process 0 (others return None); raises WorkdirLockedError if held."""
+def _on_process_0(lock: WorkdirLock, process_index: int | None) -> WorkdirLock | None:
+  """`lock` taken on process 0; the other processes return None (every host shares it)."""
   if process_index is None:
     import jax
     process_index = jax.process_index()
-  if process_index != 0:
-    return None
-  return WorkdirLock(workdir).acquire()
+  return lock.acquire() if process_index == 0 else None
+
+
+def lock_workdir(workdir: str, *, process_index: int | None = None) -> WorkdirLock | None:
+  """Takes the lock on process 0 (others return None); raises WorkdirLockedError if held."""
+  return _on_process_0(WorkdirLock(workdir), process_index)
 
 
 TB_LOCK = ".writer.lock"
@@ -120,10 +123,5 @@ TB_LOCK = ".writer.lock"
 def lock_tensorboard(workdir: str, *, process_index: int | None = None) -> WorkdirLock | None:
   """Takes the lock of `<workdir>/tb` on process 0; WorkdirLockedError when another live run
   writes the same folder (reached through a symlink or a bind mount)."""
-  if process_index is None:
-    import jax
-    process_index = jax.process_index()
-  if process_index != 0:
-    return None
-  return WorkdirLock(os.path.join(workdir, "tb"), filename=TB_LOCK,
-                     what="the TensorBoard folder").acquire()
+  return _on_process_0(WorkdirLock(os.path.join(workdir, "tb"), filename=TB_LOCK,
+                                   what="the TensorBoard folder"), process_index)
