@@ -358,12 +358,18 @@ def summarize_ranges(losses: np.ndarray, edges) -> list[dict]:
   return out
 
 
+def scored_from(losses: np.ndarray, start: int) -> np.ndarray:
+  """Mask of the scored (not NaN) loss indices >= `start`."""
+  mask = ~np.isnan(np.asarray(losses, np.float64))
+  mask[:start] = False
+  return mask
+
+
 def paired(results: dict[str, np.ndarray], reference: str, start: int = 0) -> dict[str, float]:
   """Mean loss of every policy at the positions `reference` scored (a subsampled recompute),
   from loss index `start` on (its first window, where the cache policies agree, left out):
   a side-by-side comparison on the same tokens."""
-  mask = ~np.isnan(np.asarray(results[reference], np.float64))
-  mask[:start] = False
+  mask = scored_from(results[reference], start)
   return {k: _nanmean(np.asarray(v, np.float64)[mask]) if len(v) >= len(mask) else float("nan")
           for k, v in results.items()}   # NaN: a policy scored a shorter prefix
 
@@ -464,7 +470,7 @@ def report_table(results: dict[str, np.ndarray], edges) -> dict:
   for k, v in results.items():
     if np.isnan(v).any():
       c = cache_of(k) or 0
-      out[k] = {"n": int(np.count_nonzero(~np.isnan(v[c:]))),
+      out[k] = {"n": int(scored_from(v, c).sum()),
                 "means": paired(results, k, start=c)}
   return {"rows": rows, "paired": out}
 
@@ -558,8 +564,7 @@ def plot_report(path: str, eviction_path: str, results: dict[str, np.ndarray], *
   fig, axes = plt.subplots(1, len(refs), figsize=(4 * len(refs), 4), squeeze=False)
   for ax, ref in zip(axes[0], refs):
     c = cache_of(ref) or 0
-    mask = ~np.isnan(results[ref])
-    mask[:c] = False
+    mask = scored_from(results[ref], c)
     x = results[ref][mask]
     for label, v in results.items():
       if label != ref and cache_of(label) == c and len(v) >= len(mask):
