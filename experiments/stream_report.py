@@ -45,14 +45,15 @@ def main(argv):
   table = streaming.report_table(results, edges)
   os.makedirs(_OUT.value, exist_ok=True)
   stem = os.path.join(_OUT.value, _NAME.value)
+  markdown = streaming.table_markdown(table, tokens) + "\n"
   with open(stem + ".md", "w") as f:
-    f.write(streaming.table_markdown(table, tokens) + "\n")
+    f.write(markdown)
   with open(stem + ".json", "w") as f:
     json.dump({"tokens": tokens, "runs": _RUNS.value, "table": table}, f, indent=1)
   streaming.plot_report(stem + ".png", stem + "_eviction.png", results, bin_width=_BIN.value,
                         smooth=_SMOOTH.value, zoom=_ZOOM.value, mark=_MARK.value,
                         paired_path=stem + "_paired.png")
-  print(open(stem + ".md").read())
+  print(markdown)
 
 
 if __name__ == "__main__":
