@@ -313,11 +313,10 @@ class Checkpointer:
 
   def _save_error(self, step: int, e: BaseException) -> CheckpointSaveError:
     kept = sorted(s for s in self.all_steps() if s != step)
-    unwritable = _unwritable(self.directory)
     if _disk_full(e):
       why = ("the disk is full (no space left on the device); free space or point --workdir "
              "elsewhere, then rerun to resume")
-    elif unwritable:   # orbax reports a folder it could not create as a timeout
+    elif unwritable := _unwritable(self.directory):   # orbax reports it as a timeout
       why = f"the folder is not writable any more ({unwritable}); {_short(e)}"
     else:
       why = _short(e)
