@@ -3,7 +3,7 @@ at any length, decoding == the full forward, sharded == unsharded.
 
 Errors are relative to the largest |value| of the reference (max|a - b| <= TOL * max|b|). The
 forget gate is made strong (bias -> log f of several nats per token on some heads, down to -20
-in the strong-forgetting tests, checked against a float64 reference written from the paper) and
+in the strong-forgetting tests, checked against the explicit reference in float64) and
 q, k are boosted so that both the q.k term and the decay matter.
 """
 
@@ -132,22 +132,20 @@ def _strong_gates(seed, B, T, H):
   return jnp.asarray(np.maximum(-np.logaddexp(0.0, -z), -20.0), jnp.float32)
 
 
-def _paper_reference(q, k, v, loga, idx, scale):
-  """Forgetting Attention written from the paper in float64 numpy (independent of fox.py):
-  g = cumsum(log f), s_ij = scale q_i.k_j + g_i - g_j for j <= i, softmax over j, rows idx."""
-  q, k, v, la = (np.asarray(a, np.float64) for a in (q, k, v, loga))
-  G = q.shape[2] // k.shape[2]
-  k, v = np.repeat(k, G, axis=2), np.repeat(v, G, axis=2)
-  g = np.cumsum(la, axis=1)
-  s = np.einsum("bihd,bjhd->bhij", q[:, idx], k) * scale
-  s = s + g[:, idx].transpose(0, 2, 1)[..., :, None] - g.transpose(0, 2, 1)[..., None, :]
-  s = np.where(idx[:, None] >= np.arange(k.shape[1])[None, :], s, -np.inf)
-  p = np.exp(s - s.max(axis=-1, keepdims=True))
-  return np.einsum("bhij,bjhd->bihd", p / p.sum(axis=-1, keepdims=True), v)
+def _f64_reference(q, k, v, loga, idx, scale):
+  """The explicit reference (`F.forget_attention_reference`: g = cumsum(log f),
+  s_ij = scale q_i.k_j + g_i - g_j for j <= i, softmax over j) in float64, rows idx; g is
+  summed in float64 numpy."""
+  f64 = lambda a: np.asarray(a, np.float64)
+  with jax.enable_x64(True):
+    out, _ = F.forget_attention_reference(
+        *(jnp.asarray(f64(a)) for a in (q, k, v)), jnp.asarray(np.cumsum(f64(loga), axis=1)),
+        scale=scale, query_idx=idx)
+    return np.asarray(out)
 
 
 def _strong_forgetting(T, block, path, rows=None):
-  """fp32 forget_attention vs the float64 paper reference (inputs rounded to fp32 first) under
+  """fp32 forget_attention vs the float64 explicit reference (inputs rounded to fp32 first) under
   strong forgetting; max |error| <= TOL * max |reference| over the checked rows (all, or
   every 7th plus both sides of every block boundary)."""
   q, k, v = _normal(0, (1, T, 4, 16)) * 2, _normal(1, (1, T, 2, 16)) * 2, _normal(2, (1, T, 2, 16))
@@ -156,14 +154,14 @@ def _strong_forgetting(T, block, path, rows=None):
   out = run(q, k, v, loga)
   idx = np.arange(T) if rows is None else np.unique(np.concatenate(
       [np.arange(0, T, 7), np.arange(block - 2, T, block), np.arange(block, T, block)]))
-  _close(np.asarray(out)[:, idx], _paper_reference(q, k, v, loga, idx, 0.25))
+  _close(np.asarray(out)[:, idx], _f64_reference(q, k, v, loga, idx, 0.25))
   return q, k, v, loga
 
 
 @pytest.mark.parametrize("path", PATHS)
 def test_strong_forgetting_across_block_boundaries(path):
   """log f down to -20 nats per token, 8 blocks of 128 (|g| ~ 8,000 nats): within TOL of the
-  float64 paper reference on every row; decay differences taken from two long fp32 prefix
+  float64 explicit reference on every row; decay differences taken from two long fp32 prefix
   sums miss it by 2x here, and by 10x at 2K tokens."""
   _strong_forgetting(1024, 128, path)
 
@@ -191,7 +189,7 @@ def _long(T, block=256, path="auto"):
       q, k, v, loga)
   grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, loga)
   assert np.all(np.isfinite(out)) and all(np.all(np.isfinite(g)) for g in grads)
-  _close(out[:, idx], _paper_reference(q, k, v, loga, idx, 8 ** -0.5))
+  _close(out[:, idx], _f64_reference(q, k, v, loga, idx, 8 ** -0.5))
   return out, grads
 
 

@@ -57,9 +57,9 @@ compute the same softmax (`path`; "auto" = `choose_path`):
   n^2 block-pair terms); the two parts combined exactly by log-sum-exp (`split.combine`).
 Every bias is g_i - g_j <= 0 for a causal pair, so nothing overflows however strong the
 forgetting: a far key's logit is a large negative number, its weight underflows to 0, and a
-row's own diagonal entry (bias 0) keeps its log-sum-exp finite. Measured against a float64
-reference written from the paper (tests/test_fox.py: log f down to -20 nats per token, T up to
-8192, both paths) the output is within 1e-5 of the largest |value|.
+row's own diagonal entry (bias 0) keeps its log-sum-exp finite. Measured against the explicit
+reference in float64 (`forget_attention_reference`; tests/test_fox.py: log f down to -20 nats
+per token, T up to 8192, both paths) the output is within 1e-5 of the largest |value|.
 
 Packed rows (`segment_ids_BT`, full forwards): a pair (i, j) of different documents is masked
 (`core.segment_mask`: p_ij = 0) on every part (the blocked path's mask; the flash path's
