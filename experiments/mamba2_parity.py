@@ -358,14 +358,19 @@ def recall(scorer: _Scorer, params, batches) -> float:
   return mqar.mqar_accuracy(scorer, batches, batch_size=len(batches[0]["inputs"]))["acc"]
 
 
+def mean_nll(logits_fn):
+  """loss(params, batch): the weighted mean token NLL (`loss.cross_entropy`)."""
+  def loss_fn(p, b):
+    nll, w, _ = cross_entropy(logits_fn(p, b["inputs"]), b["targets"], b["weights"])
+    return nll / w
+  return loss_fn
+
+
 def train(c, logits_fn, params, decay, mult, batches, evals, *, every: int):
   """The optax chain of the trainer over `batches`; -> (final params, curve rows)."""
   tx, _ = optim.optimizer_from_groups(c, decay, mult)
   scorer = _Scorer(logits_fn)
-
-  def loss_fn(p, b):
-    nll, w, _ = cross_entropy(logits_fn(p, b["inputs"]), b["targets"], b["weights"])
-    return nll / w
+  loss_fn = mean_nll(logits_fn)
 
   def one(carry, b):
     p, s = carry

@@ -14,7 +14,6 @@ import pytest
 from flax import nnx
 
 from attn_jax.data import pipeline
-from attn_jax.train.loss import cross_entropy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _spec = importlib.util.spec_from_file_location(
@@ -36,10 +35,7 @@ def _config(seed=0, steps=4, groups=2, chunk=8):
 
 
 def _loss(logits_fn, batch):
-  def f(p):
-    nll, w, _ = cross_entropy(logits_fn(p, batch["inputs"]), batch["targets"], batch["weights"])
-    return nll / w
-  return f
+  return lambda p: mp.mean_nll(logits_fn)(p, batch)
 
 
 @pytest.fixture(scope="module")
