@@ -19,12 +19,11 @@ import pytest
 lm_eval = pytest.importorskip(
     "lm_eval", reason="lm-evaluation-harness not installed (pip install -e '.[lmeval]')")
 
-import yaml  # noqa: E402  (PyYAML comes with lm-eval)
 from lm_eval.api.instance import Instance  # noqa: E402
-from lm_eval.tasks import TaskManager  # noqa: E402
 
 from attn_jax import decode  # noqa: E402
-from attn_jax.eval import harness, tasks  # noqa: E402
+from attn_jax.eval import crosscheck, harness, tasks  # noqa: E402
+from attn_jax.eval.crosscheck import TASK_FILES  # noqa: E402
 from attn_jax.eval import lm_eval_adapter  # noqa: E402
 from attn_jax.eval.lm_eval_adapter import AttnJaxLM  # noqa: E402
 from attn_jax.model import build_model  # noqa: E402
@@ -35,16 +34,6 @@ MAX_LEN = 256
 LIMIT = 12  # documents per task in the cross-check
 LL_ATOL = 1e-4  # float32 log-likelihoods: same model, possibly different batch composition
 
-# task -> (split lm-eval reads, file (under tests/data or the full data folder) in the layout
-#          lm-eval's YAML expects, file our own loader reads)
-TASK_FILES = {
-    "arc_easy": ("test", "arc/hf_ai2_arc/ARC-Easy-test.jsonl", "arc/ARC-Easy-Test.jsonl"),
-    "arc_challenge": ("test", "arc/hf_ai2_arc/ARC-Challenge-test.jsonl",
-                      "arc/ARC-Challenge-Test.jsonl"),
-    "hellaswag": ("validation", "hellaswag/hellaswag.jsonl", "hellaswag/hellaswag.jsonl"),
-    "winogrande": ("validation", "winogrande/dev.jsonl", "winogrande/dev.jsonl"),
-    "lambada_openai": ("test", "lambada/lambada_test.jsonl", "lambada/lambada_test.jsonl"),
-}
 CROSS_CHECK = ("arc_easy", "hellaswag", "winogrande", "lambada_openai")
 
 
@@ -87,33 +76,10 @@ def offline_hf(tmp_path_factory):
     yield root
 
 
-def _lm_eval_yaml_paths(names):
-  """Where lm-eval keeps its YAML for `names`: index only the folders that hold them (the full
-  index of all tasks is slow to build), or everything if this lm-eval version moved them."""
-  import lm_eval.tasks
-
-  root = Path(lm_eval.tasks.__file__).parent
-  dirs = [root / d for d in ("arc", "hellaswag", "winogrande", "lambada") if (root / d).is_dir()]
-  index = TaskManager(include_defaults=False, include_path=dirs).task_index
-  if not all(n in index for n in names):
-    index = TaskManager().task_index
-  return {n: Path(index[n].yaml_path) for n in names}
-
-
 def _task_manager(data, folder, cache):
-  """lm-eval's own task YAML (`include:`d, so its templates and process_docs apply) with only
-  the dataset redirected to the local files under `data`."""
-  folder.mkdir()
-  for name, yaml_path in _lm_eval_yaml_paths(list(TASK_FILES)).items():
-    split, path, _ = TASK_FILES[name]
-    cfg = {"include": str(yaml_path), "task": name, "dataset_path": "json",
-           "dataset_name": None,
-           "dataset_kwargs": {"data_files": {split: str(data / path)},
-                              "cache_dir": str(cache)},
-           "training_split": None, "validation_split": None, "test_split": None,
-           "fewshot_split": None, f"{split}_split": split}
-    (folder / f"{name}.yaml").write_text(yaml.safe_dump(cfg), encoding="utf-8")
-  return TaskManager(include_defaults=False, include_path=str(folder))
+  """lm-eval's own task YAML for every task of TASK_FILES, datasets read from `data`
+  (`crosscheck.lm_eval_task_manager`, the evaluator cross-check's own)."""
+  return crosscheck.lm_eval_task_manager(data, list(TASK_FILES), folder, cache)
 
 
 @pytest.fixture(scope="module")
