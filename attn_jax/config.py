@@ -51,6 +51,7 @@ class ModelConfig:
   tie_embeddings: bool = True
   norm_eps: float = 1e-5
   init_std: float = 0.02
+  embed_init_std: float = 0.0    # std of the token table's N(0, s) draw; 0 = init_std
   dtype: str = "bfloat16"
   param_dtype: str = "float32"
   remat: str = "none"
@@ -58,6 +59,11 @@ class ModelConfig:
   attention_impl: str = "auto"
   sink_tokens: int = 0           # learnable sink tokens prepended to every sequence (model.py)
   options: tuple[tuple[str, Any], ...] = ()   # (mixer name, its Options instance)
+
+  @property
+  def embed_std(self) -> float:
+    """The token table's init std: `embed_init_std`, or `init_std` when that is 0."""
+    return float(self.embed_init_std or self.init_std)
 
   @property
   def head_dim(self) -> int:
@@ -150,6 +156,8 @@ def validate_model(cfg: ModelConfig) -> None:
   for f in ("dtype", "param_dtype"):
     need(getattr(cfg, f) in ("float32", "bfloat16", "float16"), f,
          f"{getattr(cfg, f)!r} not in (float32, bfloat16, float16)")
+  need(is_number(cfg.embed_init_std, 0), "embed_init_std",
+       f"must be a number >= 0 (0 = init_std), got {cfg.embed_init_std!r}")
   need(cfg.d_ff >= 0, "d_ff", f"must be >= 0 (0 = no MLP), got {cfg.d_ff}")
   need(is_int(cfg.sink_tokens, 0), "sink_tokens",
        f"must be an integer >= 0 (0 = none), got {cfg.sink_tokens!r}")

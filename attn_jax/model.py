@@ -110,7 +110,7 @@ class Decoder(nnx.Module):
     # The table is padded to a multiple of `vocab_multiple` rows (shardable over a tensor axis,
     # tensor-core friendly); padded rows are never looked up and their logits are sliced off.
     vp = padded_vocab(cfg)
-    self.embed = param(rngs, nnx.initializers.normal(cfg.init_std), (vp, cfg.d_model),
+    self.embed = param(rngs, nnx.initializers.normal(cfg.embed_std), (vp, cfg.d_model),
                        ("vocab", "embed"), pdt, kind="embedding")
 
     @nnx.split_rngs(splits=cfg.n_repeats)

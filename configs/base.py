@@ -28,6 +28,7 @@ def get_config() -> ml_collections.ConfigDict:
   m.tie_embeddings = True
   m.norm_eps = 1e-5
   m.init_std = 0.02
+  m.embed_init_std = 0.0         # the token table's init std; 0 = init_std (GPT-2, mamba_ssm's LM)
   m.dtype = "bfloat16"           # compute dtype
   m.param_dtype = "float32"      # master weights
   m.remat = "none"               # none | full | dots (save matmul outputs)

@@ -254,3 +254,28 @@ def test_unknown_config_field_is_named():
   m.n_layer = 4  # typo of n_layers: ConfigDict accepts new fields, the typed config must not
   with pytest.raises(ValueError, match=r"config\.model\.n_layer: unknown field"):
     ModelConfig.from_config(m)
+
+
+def test_embed_init_std_draws_only_the_token_table():
+  """embed_init_std sets the table's N(0, s) draw; every other tensor is drawn as before (the
+  same rng stream), and 0 means init_std."""
+  base_cfg = _tiny_config(d_model=64)
+  wide = nnx.state(build_model(base_cfg.replace(embed_init_std=1.0)))
+  ref = nnx.state(build_model(base_cfg))
+  same = nnx.state(build_model(base_cfg.replace(embed_init_std=0.02)))
+  assert abs(float(jnp.std(wide["embed"][...])) - 1.0) < 0.05
+  assert abs(float(jnp.std(ref["embed"][...])) - 0.02) < 0.001
+  np.testing.assert_array_equal(np.asarray(wide["embed"][...]) * 0.02,
+                                np.asarray(ref["embed"][...]) * 1.0)
+  flat_w, flat_r = dict(nnx.to_flat_state(wide)), dict(nnx.to_flat_state(ref))
+  for path, v in flat_r.items():
+    if path[0] != "embed":
+      np.testing.assert_array_equal(np.asarray(flat_w[path][...]), np.asarray(v[...]),
+                                    err_msg=str(path))
+  for a, b in zip(jax.tree.leaves(same), jax.tree.leaves(ref)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_negative_embed_init_std_is_named():
+  with pytest.raises(ValueError, match=r"config\.model\.embed_init_std: must be a number >= 0"):
+    ModelConfig.from_config(_model_config_dict(embed_init_std=-1.0))
