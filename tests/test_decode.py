@@ -295,3 +295,38 @@ def test_layer_params_made_once_give_the_same_steps():
     model.step(tok, positions_BT=pos, state=model.init_state(B, L), layer_params=lp[:1])
   with pytest.raises(ValueError, match="one entry per layer"):
     model.step(tok, positions_BT=pos, state=model.init_state(B, L)[:1])
+
+
+@pytest.mark.parametrize("policy", ["linear", "ring", "sinks_ring"])
+def test_empty_cache_chunk_scores_only_its_own_keys(policy):
+  """attend_cache on a cache with no valid slot takes the path that scores the chunk's own keys
+  only (it never reads the empty slots); with every option it takes (a bias over [cache ; new], a widening's bias_new, a sink
+  logit, padding, a window) it equals the path over all S + T columns (float64)."""
+  from attn_jax.attention import cache as C
+  pol = {"linear": C.Linear(), "ring": C.Ring(6), "sinks_ring": C.SinksRing(2, 6)}[policy]
+  Bq, Tq, H, K, D, cap = 2, 5, 4, 2, 8, 16
+  rng = np.random.default_rng(0)
+  arr = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float64)
+  with jax.enable_x64():
+    cache = C.init_cache(pol, Bq, cap, K, D, D, jnp.float64, kx_dim=3)
+    S = cache.pos.shape[1]
+    q, k, v = arr(Bq, Tq, H, D), arr(Bq, Tq, K, D), arr(Bq, Tq, K, D)
+    pos = jnp.asarray([[0, 1, 2, 3, 4], [-1, 0, 1, 2, 3]], jnp.int32)   # row 1 left-padded
+    kw = dict(scale=D ** -0.5, bias=arr(Bq, H, Tq, S + Tq), sink_logit_H=arr(H),
+              widen=C.Widening(q=arr(Bq, Tq, H, 3), bias_new=arr(Bq, H, Tq, Tq)), window=4)
+    # NaN in the empty slots' values: only a path that never reads them stays finite
+    got = C.attend_cache(cache.replace(v=jnp.full_like(cache.v, jnp.nan)), q, k, v, pos, **kw)
+    spans = [w for w in (pol.window, kw["window"]) if w is not None]
+    want = C._attend_all(cache, q, k, v, pos, kw["scale"], None, kw["widen"], kw["bias"],
+                         kw["sink_logit_H"], min(spans))
+    valid = np.asarray(pos >= 0)
+    np.testing.assert_allclose(np.asarray(got)[valid], np.asarray(want)[valid], rtol=1e-12,
+                               atol=1e-12)
+    # one valid slot: the full path (the cached key is visible)
+    written = cache.write(arr(Bq, 1, K, D), arr(Bq, 1, K, D), jnp.zeros((Bq, 1), jnp.int32))
+    later = pos + 1
+    got = C.attend_cache(written, q, k, v, later, **kw)
+    want = C._attend_all(written, q, k, v, later, kw["scale"], None, kw["widen"], kw["bias"],
+                         kw["sink_logit_H"], min(spans))
+    np.testing.assert_allclose(np.asarray(got)[valid], np.asarray(want)[valid], rtol=1e-12,
+                               atol=1e-12)

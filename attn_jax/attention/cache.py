@@ -281,7 +281,46 @@ def attend_cache(cache: KVCache, q_BTHD, k_BTKD, v_BTKV, positions_BT, *, scale:
   per token, a bandwidth-bound product rather than a fused kernel's. `q_sink_BTHD`: the query
   the sink slots are scored with (default q); `bias` [B|1, H|1, T|1, S + T]: added to the scores
   of [cache ; new]; sink slots are visible to every query of the call (module docstring);
-  `window`: a mixer's own sliding window, with the policy's."""
+  `window`: a mixer's own sliding window, with the policy's.
+
+  A chunk of several tokens into a cache with no valid slot (a prompt's first chunk) scores
+  only its own T keys: every cached column would be masked, so dropping them changes no
+  probability and saves the [T, S] products (a prefill into a cache of 8K slots would
+  otherwise score 8K empty keys per query). A `lax.cond` on the cache's `pos` picks the path
+  at run time, so the state's structure does not change."""
+  spans = [w for w in (cache.policy.window, window) if w is not None]
+  span = min(spans) if spans else None
+  full = lambda: _attend_all(cache, q_BTHD, k_BTKD, v_BTKV, positions_BT, scale, q_sink_BTHD,
+                             widen, bias, sink_logit_H, span)
+  if q_BTHD.shape[1] == 1:
+    return full()
+  S = cache.pos.shape[1]
+  new_bias = None if bias is None else jnp.asarray(bias)[..., S:]
+  if widen is not None and widen.bias_new is not None:
+    b = widen.bias_new.astype(jnp.promote_types(q_BTHD.dtype, jnp.float32))
+    new_bias = b if new_bias is None else new_bias + b
+  own = lambda: _attend_new(q_BTHD, k_BTKD, v_BTKV, positions_BT, scale, new_bias,
+                            sink_logit_H, span)
+  return jax.lax.cond(jnp.all(cache.pos < 0), own, full)
+
+
+def _attend_new(q_BTHD, k_BTKD, v_BTKV, positions_BT, scale, bias, sink_logit_H, span):
+  """`attend_cache` on an empty cache: the T new tokens attend to themselves alone."""
+  T, K = q_BTHD.shape[1], k_BTKD.shape[2]
+  f = jnp.promote_types(q_BTHD.dtype, jnp.float32)
+  s = jnp.einsum("bkmd,btkd->bkmt", to_rows(q_BTHD, K), k_BTKD.astype(q_BTHD.dtype),
+                 preferred_element_type=f)
+  pos = positions_BT.astype(jnp.int32)
+  p = rows_softmax(s * scale, mask=positional_mask(pos, pos, True, span), bias=bias,
+                   sink_logit_H=sink_logit_H, T=T)
+  vd = v_BTKV.dtype
+  o = jnp.einsum("bkmt,btke->bkme", p.astype(vd), v_BTKV, preferred_element_type=f)
+  return from_rows(o, T).astype(q_BTHD.dtype)
+
+
+def _attend_all(cache, q_BTHD, k_BTKD, v_BTKV, positions_BT, scale, q_sink_BTHD, widen, bias,
+                sink_logit_H, span):
+  """`attend_cache` over the S cached columns and the T new ones."""
   pol, S, n = cache.policy, cache.pos.shape[1], cache.policy.sinks
   T, K = q_BTHD.shape[1], cache.k.shape[1]
   f = jnp.promote_types(q_BTHD.dtype, jnp.float32)
@@ -296,9 +335,8 @@ def attend_cache(cache: KVCache, q_BTHD, k_BTKD, v_BTKV, positions_BT, *, scale:
     _, _, first = pol.frame(positions_BT)
     mask_pos = jnp.where((jnp.arange(S) < n)[None, :] & (mask_pos >= 0), first[:, None],
                          mask_pos)
-  spans = [w for w in (pol.window, window) if w is not None]
   kv_pos = jnp.concatenate([mask_pos, positions_BT.astype(jnp.int32)], axis=1)
-  mask = positional_mask(positions_BT, kv_pos, True, min(spans) if spans else None)
+  mask = positional_mask(positions_BT, kv_pos, True, span)
   p = rows_softmax(jnp.concatenate([s_cache, s_new], axis=-1) * scale, mask=mask, bias=bias,
                    sink_logit_H=sink_logit_H, T=T)
   vd = v_BTKV.dtype
