@@ -2,7 +2,8 @@
 
 Each engine offers two calls on the same prompt of T tokens:
 
-  prefill(ids)        the prompt through a fresh KV cache, logits of the last token only;
+  prefill(ids, N)     the prompt through a fresh KV cache made for N new tokens (ours: the
+                      capacity `generate` gives it, T + N), logits of the last token only;
   generate(ids, N)    prefill, then N - 1 one-token steps with the KV cache, greedy argmax,
                       exactly N new tokens (no EOS stop) -> the new token ids.
 
@@ -44,10 +45,10 @@ import numpy as np
 
 @dataclasses.dataclass
 class Engine:
-  """`prefill(ids) -> None` and `generate(ids, n) -> list[int]` (n new token ids), both
-  blocking until their results are computed."""
+  """`prefill(ids, n) -> None` (a state made for n new tokens) and `generate(ids, n) ->
+  list[int]` (n new token ids), both blocking until their results are computed."""
   name: str
-  prefill: Callable[[list[int]], None]
+  prefill: Callable[[list[int], int], None]
   generate: Callable[[list[int], int], list[int]]
 
 
@@ -72,9 +73,9 @@ def ours_engine(model, name: str = "attn_jax") -> Engine:
       compiled[capacity] = run
     return compiled[capacity]
 
-  def prefill(ids):
+  def prefill(ids, n):   # the capacity decode.generate uses (its cache_len default)
     prompt = jnp.asarray([ids], jnp.int32)
-    jax.block_until_ready(prefill_fn(len(ids))(state, prompt))
+    jax.block_until_ready(prefill_fn(len(ids) + n)(state, prompt))
 
   def generate(ids, n):
     out = decode.generate(model, jnp.asarray([ids], jnp.int32), max_new_tokens=n)
@@ -87,7 +88,8 @@ def transformers_engine(model, name: str = "transformers") -> Engine:
   """A transformers causal LM (`LlamaForCausalLM`, fp32, eval mode)."""
   import torch
 
-  def prefill(ids):
+  def prefill(ids, n):
+    del n   # a dynamic cache grows as it goes
     with torch.inference_mode():
       model(torch.tensor([ids]), use_cache=True, logits_to_keep=1)
 
@@ -105,7 +107,8 @@ def transformers_engine(model, name: str = "transformers") -> Engine:
 def llama_cpp_engine(llm, name: str = "llama.cpp") -> Engine:
   """A `llama_cpp.Llama` (its own n_threads) on a GGUF file."""
 
-  def prefill(ids):
+  def prefill(ids, n):
+    del n   # the context (n_ctx) is fixed when the model is loaded
     llm.reset()
     llm.eval(ids)
 
@@ -154,13 +157,13 @@ def measure(engines: Sequence[Engine], prompt: Sequence[int], new_tokens: int,
   raw = {e.name: {"prefill_s": [], "generate_s": [], "prefill_cpu_s": [], "generate_cpu_s": []}
          for e in engines}
   for e in engines:  # warm-up (compiles ours; first-call allocations elsewhere)
-    t_warm, _, _ = _timed(e.prefill, ids)
+    t_warm, _, _ = _timed(e.prefill, ids, new_tokens)
     tokens[e.name] = [int(t) for t in e.generate(ids, new_tokens)]
     logging.info("warm-up %s done (prefill %.3f s)", e.name, t_warm)
   for r in range(repeats):
     k = r % len(engines)
     for e in list(engines[k:]) + list(engines[:k]):
-      t_pre, c_pre, _ = _timed(e.prefill, ids)
+      t_pre, c_pre, _ = _timed(e.prefill, ids, new_tokens)
       t_gen, c_gen, got = _timed(e.generate, ids, new_tokens)
       for key, value in (("prefill_s", t_pre), ("generate_s", t_gen),
                          ("prefill_cpu_s", c_pre), ("generate_cpu_s", c_gen)):
