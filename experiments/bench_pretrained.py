@@ -72,6 +72,13 @@ def main(argv):
   result = gen_speed.measure(engines, ids, _NEW.value, _REPEATS.value)
   result["config"].update(checkpoint=os.path.abspath(_CKPT.value), threads=_THREADS.value)
   print(gen_speed.to_markdown(result))
+  if _HF.value:   # what each backend's dense matmul allows (gen_speed.ceiling_markdown)
+    from attn_jax.model import count_params
+    fpt = gen_speed.prefill_flops_per_token(model.cfg, count_params(model.cfg), _LEN.value)
+    gemm = gen_speed.gemm_rates(_LEN.value, model.cfg.d_model, model.cfg.d_ff)
+    result["prefill_flops_per_token"], result["gemm_gflops"] = fpt, gemm
+    print()
+    print(gen_speed.ceiling_markdown(result, fpt, gemm))
   if _OUT.value:
     with open(_OUT.value, "w") as f:
       json.dump(result, f, indent=1)

@@ -153,6 +153,25 @@ def test_gen_speed_ours_and_transformers_same_greedy_tokens(hf_dir, imported, of
     gen_speed.measure([gen_speed.ours_engine(model)], prompt, new_tokens=1, repeats=1)
 
 
+def test_prefill_flops_and_the_matmul_ceiling(imported):
+  """Prefill FLOPs per prompt token by hand (2 N, causal attention, the head once per prompt),
+  and the ceiling table's arithmetic on given rates."""
+  from attn_jax.model import count_params
+  model, _ = imported
+  cfg, T = model.cfg, 16
+  n = count_params(cfg)
+  attn = cfg.n_layers * 2 * 2 * cfg.n_heads * cfg.head_dim * (T + 1) / 2   # QK and PV
+  want = 2 * n["non_embedding"] + attn + 2 * cfg.d_model * cfg.vocab_size / T
+  assert gen_speed.prefill_flops_per_token(cfg, n, T) == pytest.approx(want, rel=1e-12)
+  res = {"rows": [{"engine": "attn_jax", "prefill_tok_s": 500.0},
+                  {"engine": "transformers", "prefill_tok_s": 400.0}]}
+  table = gen_speed.ceiling_markdown(res, 2e8, {"xla": 200.0, "torch": 100.0})
+  assert "| attn_jax | 100 | 200 | 50% | 1000 |" in table
+  assert "| transformers | 80 | 100 | 80% | 500 |" in table
+  rates = gen_speed.gemm_rates(8, 16, 8, repeats=1)
+  assert set(rates) == {"xla", "torch"} and min(rates.values()) > 0
+
+
 @pytest.mark.slow
 def test_bench_pretrained_script_tiny(hf_dir, offline, tmp_path):
   """experiments/bench_pretrained.py end to end on a run directory converted from the folder."""

@@ -215,5 +215,58 @@ def to_markdown(result: dict) -> str:
   return "\n".join(lines)
 
 
+def prefill_flops_per_token(cfg, n_params: dict, prompt_len: int) -> float:
+  """Model FLOPs per prompt token of a prefill (`train.flops` convention: 2 N per token, the
+  causal lower triangle of attention), with the LM head applied to the last token only."""
+  from attn_jax.train.flops import forward_flops_per_token
+  head = 2.0 * cfg.d_model * cfg.vocab_size
+  return forward_flops_per_token(cfg, n_params, prompt_len) - head + head / prompt_len
+
+
+def gemm_rates(m: int, k: int, n: int, repeats: int = 7) -> dict:
+  """fp32 GFLOP/s of one [m, k] x [k, n] matmul in XLA (jitted) and in torch (its threads as
+  set by the caller), timed alternately, medians: the dense rate each engine's prefill is built
+  on (a prefill's matmuls have m = the prompt length)."""
+  import jax
+  import jax.numpy as jnp
+  import torch
+
+  rng = np.random.default_rng(0)
+  a, b = rng.standard_normal((m, k), np.float32), rng.standard_normal((k, n), np.float32)
+  ja, jb = jnp.asarray(a), jnp.asarray(b)
+  xla = jax.jit(jnp.matmul)
+  ta, tb = torch.from_numpy(a), torch.from_numpy(b)
+  run = {"xla": lambda: xla(ja, jb).block_until_ready(), "torch": lambda: torch.mm(ta, tb)}
+  times = {name: [] for name in run}
+  for fn in run.values():
+    fn()
+  for _ in range(repeats):
+    for name, fn in run.items():
+      t = time.perf_counter()
+      fn()
+      times[name].append(time.perf_counter() - t)
+  return {name: 2.0 * m * k * n / statistics.median(ts) / 1e9 for name, ts in times.items()}
+
+
+def ceiling_markdown(result: dict, flops_per_token: float, gemm: dict) -> str:
+  """Each engine's prefill in GFLOP/s of model FLOPs beside the dense matmul rate of its
+  backend (`gemm_rates`), and the prefill tok/s that rate would give if every FLOP ran at it."""
+  backend = {"attn_jax": "xla", "transformers": "torch"}
+  lines = [f"Prefill FLOPs: {flops_per_token / 1e6:.1f} MFLOP per prompt token (model FLOPs). "
+           f"Dense fp32 matmul at the prompt's shape: XLA {gemm['xla']:.0f} GFLOP/s, torch "
+           f"{gemm['torch']:.0f} GFLOP/s.", "",
+           "| engine | prefill GFLOP/s | backend matmul GFLOP/s | share of it | prefill tok/s "
+           "at the matmul rate |", "|---|---|---|---|---|"]
+  for r in result["rows"]:
+    rate = gemm.get(backend.get(r["engine"], ""))
+    got = r["prefill_tok_s"] * flops_per_token / 1e9
+    if rate is None:
+      lines.append(f"| {r['engine']} | {got:.0f} | - | - | - |")
+      continue
+    lines.append(f"| {r['engine']} | {got:.0f} | {rate:.0f} | {got / rate:.0%} | "
+                 f"{rate * 1e9 / flops_per_token:.0f} |")
+  return "\n".join(lines)
+
+
 __all__ = ["Engine", "ours_engine", "transformers_engine", "llama_cpp_engine", "agreement",
-           "measure", "to_markdown"]
+           "measure", "to_markdown", "prefill_flops_per_token", "gemm_rates", "ceiling_markdown"]
