@@ -17,8 +17,8 @@ Variants: the Transformer (the control), Mamba-2, Mamba-3 and the head-level hyb
 rows the finding is about), each in study_tiny's configuration (same parameter matching), at
 N(0, 0.02) and as `<name>_e1` at N(0, 1). What is cut to fit the budget: the N(0, 0.02) rows
 run at the lr study_tiny's sweep chose for them (Transformer and hybrid 3e-3, the SSMs 1e-3;
-the same code and seeds, so they repeat study_tiny's rows run for run); the N(0, 1) rows get
-study_tiny's own lr sweep (1e-3, 3e-3 on seed 0), since a larger table may move the best lr.
+study_tiny's rows re-run: same configs and seeds); the N(0, 1) rows get study_tiny's own lr
+sweep (1e-3, 3e-3 on seed 0), since a larger table may move the best lr.
 """
 
 from configs import study_tiny
