@@ -168,7 +168,7 @@ def test_prefill_flops_and_the_matmul_ceiling(imported):
   table = gen_speed.ceiling_markdown(res, 2e8, {"xla": 200.0, "torch": 100.0})
   assert "| attn_jax | 100 | 200 | 50% | 1000 |" in table
   assert "| transformers | 80 | 100 | 80% | 500 |" in table
-  rates = gen_speed.gemm_rates(8, 16, 8, repeats=1)
+  rates = gen_speed.gemm_rates(8, 16, 8, chain=2, repeats=1)
   assert set(rates) == {"xla", "torch"} and min(rates.values()) > 0
 
 

@@ -159,8 +159,9 @@ def run_ours(scorer, tokenizer, docs: Sequence[tasks_lib.Doc], name: str, *, max
   scored = harness.loglikelihood(requests, scorer, tokenizer, max_len=max_len,
                                  batch_size=batch_size)
   per_doc = harness.score_docs(docs, scored)
-  metrics = {k: float(np.mean(v)) for k, v in per_doc.items() if k != "ll"}
-  if "ll" in per_doc:
+  keep = tasks_lib.get_task(name).metrics   # WinoGrande reports acc only, as lm-eval does
+  metrics = {k: float(np.mean(v)) for k, v in per_doc.items() if k in keep}
+  if "ll" in per_doc and "perplexity" in keep:
     metrics["perplexity"] = float(np.exp(-np.mean(per_doc["ll"])))
   return {"requests": requests, "lls": [s[0] for s in scored],
           "greedy": [s[1] for s in scored], "metrics": metrics}

@@ -112,12 +112,19 @@ def llama_cpp_engine(llm, name: str = "llama.cpp") -> Engine:
     llm.reset()
     llm.eval(ids)
 
+  def last_logits():
+    # `Llama.eval` keeps no logits unless the model holds all of them (`logits_all`); the
+    # context keeps the last evaluated token's, which llama.cpp's C API hands out
+    import llama_cpp
+    ptr = llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1)
+    return np.ctypeslib.as_array(ptr, shape=(llm.n_vocab(),))
+
   def generate(ids, n):
     llm.reset()
     llm.eval(ids)
     out = []
     for i in range(n):
-      tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+      tok = int(np.argmax(last_logits()))
       out.append(tok)
       if i < n - 1:
         llm.eval([tok])
@@ -223,29 +230,41 @@ def prefill_flops_per_token(cfg, n_params: dict, prompt_len: int) -> float:
   return forward_flops_per_token(cfg, n_params, prompt_len) - head + head / prompt_len
 
 
-def gemm_rates(m: int, k: int, n: int, repeats: int = 7) -> dict:
-  """fp32 GFLOP/s of one [m, k] x [k, n] matmul in XLA (jitted) and in torch (its threads as
-  set by the caller), timed alternately, medians: the dense rate each engine's prefill is built
-  on (a prefill's matmuls have m = the prompt length)."""
+def gemm_rates(m: int, k: int, n: int, chain: int = 8, repeats: int = 7) -> dict:
+  """fp32 GFLOP/s of dense matmuls at a prefill's shape in XLA (one jitted program) and in
+  torch (its threads as set by the caller): `chain` times [m, k] x [k, n] then [m, n] x [n, k]
+  back to back (one call holds 4 m k n chain FLOPs, so a single launch's overhead does not
+  count), timed alternately, medians. The dense rate each engine's prefill is built on (a
+  prefill's matmuls have m = the prompt length)."""
   import jax
   import jax.numpy as jnp
   import torch
 
   rng = np.random.default_rng(0)
-  a, b = rng.standard_normal((m, k), np.float32), rng.standard_normal((k, n), np.float32)
-  ja, jb = jnp.asarray(a), jnp.asarray(b)
-  xla = jax.jit(jnp.matmul)
-  ta, tb = torch.from_numpy(a), torch.from_numpy(b)
-  run = {"xla": lambda: xla(ja, jb).block_until_ready(), "torch": lambda: torch.mm(ta, tb)}
+  x = rng.standard_normal((m, k), np.float32)
+  up = (rng.standard_normal((k, n)) / np.sqrt(k)).astype(np.float32)
+  down = (rng.standard_normal((n, k)) / np.sqrt(n)).astype(np.float32)
+
+  def steps(x, up, down):
+    for _ in range(chain):
+      x = (x @ up) @ down
+    return x
+
+  xla = jax.jit(steps)
+  jx, ju, jd = (jnp.asarray(a) for a in (x, up, down))
+  tx, tu, td = (torch.from_numpy(a) for a in (x, up, down))
+  run = {"xla": lambda: xla(jx, ju, jd).block_until_ready(), "torch": lambda: steps(tx, tu, td)}
   times = {name: [] for name in run}
-  for fn in run.values():
-    fn()
-  for _ in range(repeats):
-    for name, fn in run.items():
-      t = time.perf_counter()
+  with torch.inference_mode():
+    for fn in run.values():
       fn()
-      times[name].append(time.perf_counter() - t)
-  return {name: 2.0 * m * k * n / statistics.median(ts) / 1e9 for name, ts in times.items()}
+    for _ in range(repeats):
+      for name, fn in run.items():
+        t = time.perf_counter()
+        fn()
+        times[name].append(time.perf_counter() - t)
+  flops = 4.0 * m * k * n * chain
+  return {name: flops / statistics.median(ts) / 1e9 for name, ts in times.items()}
 
 
 def ceiling_markdown(result: dict, flops_per_token: float, gemm: dict) -> str:
