@@ -166,6 +166,30 @@ def test_strong_forgetting_across_block_boundaries(path):
   _strong_forgetting(1024, 128, path)
 
 
+@pytest.mark.parametrize("chunks", [(1024,), (512, 512)])
+def test_cached_prefill_under_strong_forgetting(chunks):
+  """The decoding path (`_cached`: a prompt into a KV cache, in one chunk or two) under the same
+  strong forgetting: within TOL of the float64 explicit reference on every row. The pair decays
+  among a chunk's own tokens and the per-key g_j - g_last it caches are both differences of
+  long sums, taken from a compensated cumulative sum."""
+  T = sum(chunks)
+  cfg = _cfg(d_model=64, n_heads=4, n_kv_heads=2, dtype="float32")
+  opts = cfg.options_for("fox")
+  mixer = F.FoX(cfg, opts, rngs=nnx.Rngs(0))
+  q, k, v = _normal(0, (1, T, 4, 16)) * 2, _normal(1, (1, T, 2, 16)) * 2, _normal(2, (1, T, 2, 16))
+  loga = _strong_gates(3, 1, T, 4)
+  kv = F.FoX.init_state(cfg, opts, 1, T, jnp.float32).cache
+  run = jax.jit(lambda *a: mixer._cached(*a, None))
+  outs, a = [], 0
+  for n in chunks:
+    part = slice(a, a + n)
+    out, kv = run(q[:, part], k[:, part], v[:, part], loga[:, part],
+                  jnp.arange(a, a + n, dtype=jnp.int32)[None], kv)
+    outs.append(np.asarray(out))
+    a += n
+  _close(np.concatenate(outs, axis=1), _f64_reference(q, k, v, loga, np.arange(T), 0.25))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("T", [4096, 8192])

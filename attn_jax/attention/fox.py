@@ -439,19 +439,24 @@ class ScoreBiasAttention(cache_lib.CachedMixer):
   def _cached(self, q, k, v, loga, positions_BT, kv: cache_lib.KVCache, sink):
     """T new tokens after the cache: bias ell_i - s_j on cached keys (s_j = g_j - g_last, kept
     relative under every policy), ell_i - ell_j among the new ones (ell: the new tokens' own
-    cumulative log f); then every s_j moves by the new tokens' decay and the new keys join."""
+    cumulative log f); then every s_j moves by the new tokens' decay and the new keys join
+    with s_j = ell_j - ell_last. Both differences of ell come from its double-word cumulative
+    sum (`_cumsum2`), so a long prefill under strong forgetting rounds each pair's decay at
+    its own size, as the training paths do (module docstring)."""
     cfg, T = self.cfg, q.shape[1]
-    ell = time_cumsum(loga)                                            # [B, T, H]
+    hi, lo = _cumsum2(loga)        # ell as a double word: differences rounded at their size
+    ell = hi + lo                                                      # [B, T, H]
     rel = jnp.where((kv.pos >= 0)[..., None], -kv.extra, 0.0)          # g_last - g_j
     rel = rel.transpose(0, 2, 1)[:, :, None, :]                        # [B, H, 1, S]
     causal = jnp.arange(T)[:, None] >= jnp.arange(T)[None, :]
-    new = jnp.where(causal, _pair_decay(ell, ell), 0.0)                 # [B, H, T, T]
+    new = jnp.where(causal, _pair_decay2((hi, lo), (hi, lo)), 0.0)      # [B, H, T, T]
     bias = jnp.concatenate([ell.transpose(0, 2, 1)[..., None] + rel, new], axis=-1)
     out = cache_lib.attend_cache(kv, q, k, v, positions_BT, scale=cfg.head_dim ** -0.5,
                                  bias=bias, sink_logit_H=sink)
     last = ell[:, -1]                       # padding (log f = 0) keeps the last valid g
     shifted = kv.replace(extra=kv.extra - last[:, None].astype(kv.extra.dtype))
-    return out, shifted.write(k, v, positions_BT, ell - last[:, None])
+    own = (hi - hi[:, -1:]) + (lo - lo[:, -1:])                        # ell_j - ell_last
+    return out, shifted.write(k, v, positions_BT, own)
 
   def attention_probs(self, x_BTD):
     """[B, H, T, T + 1] attention map of a full forward from the explicit reference's scores
