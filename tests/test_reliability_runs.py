@@ -356,12 +356,19 @@ def test_a_full_disk_is_one_line_tmpfs(small_disk, tmp_path):
 
 
 _DOUBLE_INTERRUPT_RUNNER = """
-import os, runpy, signal, sys, threading
+import os, runpy, signal, sys, threading, time
 sys.path.insert(0, os.getcwd())
+import orbax.checkpoint as ocp
 from attn_jax.train import checkpoint, trainer
 
 real_next, real_wait = trainer._next_batch, checkpoint.Checkpointer.wait
-armed = []
+real_commit_wait = ocp.CheckpointManager.wait_until_finished
+armed, waiting = [], threading.Event()
+
+
+def commit_wait(self):   # marks the moment the run is inside orbax's wait for the commit
+  waiting.set()
+  return real_commit_wait(self)
 
 
 def next_batch(it, *a, **k):   # Ctrl-C while step 3's micro-batches are pulled ...
@@ -378,11 +385,19 @@ def next_batch(it, *a, **k):   # Ctrl-C while step 3's micro-batches are pulled 
 def wait(self):   # ... and again while the run waits for step 2's commit
   if armed:
     armed.clear()
-    threading.Timer(0.01, os.kill, (os.getpid(), signal.SIGINT)).start()
+    waiting.clear()
+
+    def interrupt():   # a timer alone could fire before the wait began on a loaded machine
+      waiting.wait(30)
+      time.sleep(0.005)
+      os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=interrupt, daemon=True).start()
   return real_wait(self)
 
 
 trainer._next_batch, checkpoint.Checkpointer.wait = next_batch, wait
+ocp.CheckpointManager.wait_until_finished = commit_wait
 script = sys.argv[1]
 sys.argv = sys.argv[1:]
 runpy.run_path(os.path.join("experiments", script), run_name="__main__")
