@@ -300,8 +300,9 @@ def test_layer_params_made_once_give_the_same_steps():
 @pytest.mark.parametrize("policy", ["linear", "ring", "sinks_ring"])
 def test_empty_cache_chunk_scores_only_its_own_keys(policy):
   """attend_cache on a cache with no valid slot takes the path that scores the chunk's own keys
-  only (it never reads the empty slots); with every option it takes (a bias over [cache ; new], a widening's bias_new, a sink
-  logit, padding, a window) it equals the path over all S + T columns (float64)."""
+  only (it never reads the empty slots); with every option it takes (a bias over
+  [cache ; new], a widening's bias_new, a sink logit, padding, a window) it equals the path
+  over all S + T columns (float64)."""
   from attn_jax.attention import cache as C
   pol = {"linear": C.Linear(), "ring": C.Ring(6), "sinks_ring": C.SinksRing(2, 6)}[policy]
   Bq, Tq, H, K, D, cap = 2, 5, 4, 2, 8, 16
@@ -317,8 +318,8 @@ def test_empty_cache_chunk_scores_only_its_own_keys(policy):
     # NaN in the empty slots' values: only a path that never reads them stays finite
     got = C.attend_cache(cache.replace(v=jnp.full_like(cache.v, jnp.nan)), q, k, v, pos, **kw)
     spans = [w for w in (pol.window, kw["window"]) if w is not None]
-    want = C._attend_all(cache, q, k, v, pos, kw["scale"], None, kw["widen"], kw["bias"],
-                         kw["sink_logit_H"], min(spans))
+    want = C._attend(cache, q, k, v, pos, kw["scale"], None, kw["widen"], kw["bias"],
+                     kw["sink_logit_H"], min(spans), cached=True)
     valid = np.asarray(pos >= 0)
     np.testing.assert_allclose(np.asarray(got)[valid], np.asarray(want)[valid], rtol=1e-12,
                                atol=1e-12)
@@ -326,7 +327,7 @@ def test_empty_cache_chunk_scores_only_its_own_keys(policy):
     written = cache.write(arr(Bq, 1, K, D), arr(Bq, 1, K, D), jnp.zeros((Bq, 1), jnp.int32))
     later = pos + 1
     got = C.attend_cache(written, q, k, v, later, **kw)
-    want = C._attend_all(written, q, k, v, later, kw["scale"], None, kw["widen"], kw["bias"],
-                         kw["sink_logit_H"], min(spans))
+    want = C._attend(written, q, k, v, later, kw["scale"], None, kw["widen"], kw["bias"],
+                     kw["sink_logit_H"], min(spans), cached=True)
     np.testing.assert_allclose(np.asarray(got)[valid], np.asarray(want)[valid], rtol=1e-12,
                                atol=1e-12)

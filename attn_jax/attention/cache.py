@@ -290,59 +290,45 @@ def attend_cache(cache: KVCache, q_BTHD, k_BTKD, v_BTKV, positions_BT, *, scale:
   at run time, so the state's structure does not change."""
   spans = [w for w in (cache.policy.window, window) if w is not None]
   span = min(spans) if spans else None
-  full = lambda: _attend_all(cache, q_BTHD, k_BTKD, v_BTKV, positions_BT, scale, q_sink_BTHD,
-                             widen, bias, sink_logit_H, span)
+  run = lambda cached: lambda: _attend(cache, q_BTHD, k_BTKD, v_BTKV, positions_BT, scale,
+                                       q_sink_BTHD, widen, bias, sink_logit_H, span, cached)
   if q_BTHD.shape[1] == 1:
-    return full()
-  S = cache.pos.shape[1]
-  new_bias = None if bias is None else jnp.asarray(bias)[..., S:]
-  if widen is not None and widen.bias_new is not None:
-    b = widen.bias_new.astype(jnp.promote_types(q_BTHD.dtype, jnp.float32))
-    new_bias = b if new_bias is None else new_bias + b
-  own = lambda: _attend_new(q_BTHD, k_BTKD, v_BTKV, positions_BT, scale, new_bias,
-                            sink_logit_H, span)
-  return jax.lax.cond(jnp.all(cache.pos < 0), own, full)
+    return run(True)()
+  return jax.lax.cond(jnp.all(cache.pos < 0), run(False), run(True))
 
 
-def _attend_new(q_BTHD, k_BTKD, v_BTKV, positions_BT, scale, bias, sink_logit_H, span):
-  """`attend_cache` on an empty cache: the T new tokens attend to themselves alone."""
-  T, K = q_BTHD.shape[1], k_BTKD.shape[2]
-  f = jnp.promote_types(q_BTHD.dtype, jnp.float32)
-  s = jnp.einsum("bkmd,btkd->bkmt", to_rows(q_BTHD, K), k_BTKD.astype(q_BTHD.dtype),
-                 preferred_element_type=f)
-  pos = positions_BT.astype(jnp.int32)
-  p = rows_softmax(s * scale, mask=positional_mask(pos, pos, True, span), bias=bias,
-                   sink_logit_H=sink_logit_H, T=T)
-  vd = v_BTKV.dtype
-  o = jnp.einsum("bkmt,btke->bkme", p.astype(vd), v_BTKV, preferred_element_type=f)
-  return from_rows(o, T).astype(q_BTHD.dtype)
-
-
-def _attend_all(cache, q_BTHD, k_BTKD, v_BTKV, positions_BT, scale, q_sink_BTHD, widen, bias,
-                sink_logit_H, span):
-  """`attend_cache` over the S cached columns and the T new ones."""
+def _attend(cache, q_BTHD, k_BTKD, v_BTKV, positions_BT, scale, q_sink_BTHD, widen, bias,
+            sink_logit_H, span, cached: bool):
+  """`attend_cache` over the S cached columns and the T new ones, or (`cached` False: the
+  cache holds no valid slot) over the T new ones alone, the cached columns of `bias` dropped."""
   pol, S, n = cache.policy, cache.pos.shape[1], cache.policy.sinks
   T, K = q_BTHD.shape[1], cache.k.shape[1]
   f = jnp.promote_types(q_BTHD.dtype, jnp.float32)
-  s_cache = _cache_scores(cache, q_BTHD, q_sink_BTHD, widen, f)
-  s_new = jnp.einsum("bkmd,btkd->bkmt", to_rows(q_BTHD, K), k_BTKD.astype(q_BTHD.dtype),
-                     preferred_element_type=f)
-  if widen is not None and widen.bias_new is not None:
-    new = jnp.pad(widen.bias_new.astype(f), ((0, 0), (0, 0), (0, 0), (S, 0)))
-    bias = new if bias is None else bias + new
-  mask_pos = cache.pos
-  if n:
-    _, _, first = pol.frame(positions_BT)
-    mask_pos = jnp.where((jnp.arange(S) < n)[None, :] & (mask_pos >= 0), first[:, None],
-                         mask_pos)
-  kv_pos = jnp.concatenate([mask_pos, positions_BT.astype(jnp.int32)], axis=1)
-  mask = positional_mask(positions_BT, kv_pos, True, span)
-  p = rows_softmax(jnp.concatenate([s_cache, s_new], axis=-1) * scale, mask=mask, bias=bias,
-                   sink_logit_H=sink_logit_H, T=T)
-  vd = v_BTKV.dtype
-  o = jnp.einsum("bkms,bkse->bkme", p[..., :S].astype(vd), cache.v.astype(vd),
+  s = jnp.einsum("bkmd,btkd->bkmt", to_rows(q_BTHD, K), k_BTKD.astype(q_BTHD.dtype),
                  preferred_element_type=f)
-  o = o + jnp.einsum("bkmt,btke->bkme", p[..., S:].astype(vd), v_BTKV, preferred_element_type=f)
+  kv_pos = positions_BT.astype(jnp.int32)
+  if not cached and bias is not None:
+    bias = jnp.asarray(bias)[..., S:]
+  if widen is not None and widen.bias_new is not None:
+    new = widen.bias_new.astype(f)
+    if cached:
+      new = jnp.pad(new, ((0, 0), (0, 0), (0, 0), (S, 0)))
+    bias = new if bias is None else bias + new
+  if cached:
+    s = jnp.concatenate([_cache_scores(cache, q_BTHD, q_sink_BTHD, widen, f), s], axis=-1)
+    mask_pos = cache.pos
+    if n:
+      _, _, first = pol.frame(positions_BT)
+      mask_pos = jnp.where((jnp.arange(S) < n)[None, :] & (mask_pos >= 0), first[:, None],
+                           mask_pos)
+    kv_pos = jnp.concatenate([mask_pos, kv_pos], axis=1)
+  mask = positional_mask(positions_BT, kv_pos, True, span)
+  p = rows_softmax(s * scale, mask=mask, bias=bias, sink_logit_H=sink_logit_H, T=T)
+  vd = v_BTKV.dtype
+  o = jnp.einsum("bkmt,btke->bkme", p[..., -T:].astype(vd), v_BTKV, preferred_element_type=f)
+  if cached:
+    o = jnp.einsum("bkms,bkse->bkme", p[..., :S].astype(vd), cache.v.astype(vd),
+                   preferred_element_type=f) + o
   return from_rows(o, T).astype(q_BTHD.dtype)
 
 
