@@ -163,8 +163,8 @@ def test_prefill_flops_and_the_matmul_ceiling(imported):
   attn = cfg.n_layers * 2 * 2 * cfg.n_heads * cfg.head_dim * (T + 1) / 2   # QK and PV
   want = 2 * n["non_embedding"] + attn + 2 * cfg.d_model * cfg.vocab_size / T
   assert gen_speed.prefill_flops_per_token(cfg, n, T) == pytest.approx(want, rel=1e-12)
-  res = {"rows": [{"engine": "attn_jax", "prefill_tok_s": 500.0},
-                  {"engine": "transformers", "prefill_tok_s": 400.0}]}
+  res = {"rows": [{"engine": "attn_jax", "backend": "xla", "prefill_tok_s": 500.0},
+                  {"engine": "transformers", "backend": "torch", "prefill_tok_s": 400.0}]}
   table = gen_speed.ceiling_markdown(res, 2e8, {"xla": 200.0, "torch": 100.0})
   assert "| attn_jax | 100 | 200 | 50% | 1000 |" in table
   assert "| transformers | 80 | 100 | 80% | 500 |" in table

@@ -50,6 +50,7 @@ class Engine:
   name: str
   prefill: Callable[[list[int], int], None]
   generate: Callable[[list[int], int], list[int]]
+  backend: str = ""   # whose dense matmuls it runs on (`gemm_rates`' keys), "" = not measured
 
 
 def ours_engine(model, name: str = "attn_jax") -> Engine:
@@ -81,7 +82,7 @@ def ours_engine(model, name: str = "attn_jax") -> Engine:
     out = decode.generate(model, jnp.asarray([ids], jnp.int32), max_new_tokens=n)
     return np.asarray(out)[0, len(ids):].tolist()
 
-  return Engine(name, prefill, generate)
+  return Engine(name, prefill, generate, backend="xla")
 
 
 def transformers_engine(model, name: str = "transformers") -> Engine:
@@ -101,7 +102,7 @@ def transformers_engine(model, name: str = "transformers") -> Engine:
                            use_cache=True, num_beams=1, pad_token_id=0)
     return out[0, len(ids):].tolist()
 
-  return Engine(name, prefill, generate)
+  return Engine(name, prefill, generate, backend="torch")
 
 
 def llama_cpp_engine(llm, name: str = "llama.cpp") -> Engine:
@@ -187,7 +188,8 @@ def measure(engines: Sequence[Engine], prompt: Sequence[int], new_tokens: int,
     cpu = raw[e.name]
     dec_cpu = [(new_tokens - 1) / max(g - p, 1e-9)
                for g, p in zip(cpu["generate_cpu_s"], cpu["prefill_cpu_s"])]
-    rows.append({"engine": e.name, "prefill_tok_s": statistics.median(pre),
+    rows.append({"engine": e.name, "backend": e.backend,
+                 "prefill_tok_s": statistics.median(pre),
                  "prefill_tok_cpu_s": statistics.median(len(ids) / max(t, 1e-9)
                                                         for t in cpu["prefill_cpu_s"]),
                  "decode_tok_cpu_s": statistics.median(dec_cpu),
@@ -269,15 +271,15 @@ def gemm_rates(m: int, k: int, n: int, chain: int = 8, repeats: int = 7) -> dict
 
 def ceiling_markdown(result: dict, flops_per_token: float, gemm: dict) -> str:
   """Each engine's prefill in GFLOP/s of model FLOPs beside the dense matmul rate of its
-  backend (`gemm_rates`), and the prefill tok/s that rate would give if every FLOP ran at it."""
-  backend = {"attn_jax": "xla", "transformers": "torch"}
+  backend (a row's "backend", `gemm_rates`' key), and the prefill tok/s that rate would give
+  if every FLOP ran at it."""
   lines = [f"Prefill FLOPs: {flops_per_token / 1e6:.1f} MFLOP per prompt token (model FLOPs). "
            f"Dense fp32 matmul at the prompt's shape: XLA {gemm['xla']:.0f} GFLOP/s, torch "
            f"{gemm['torch']:.0f} GFLOP/s.", "",
            "| engine | prefill GFLOP/s | backend matmul GFLOP/s | share of it | prefill tok/s "
            "at the matmul rate |", "|---|---|---|---|---|"]
   for r in result["rows"]:
-    rate = gemm.get(backend.get(r["engine"], ""))
+    rate = gemm.get(r.get("backend", ""))
     got = r["prefill_tok_s"] * flops_per_token / 1e9
     if rate is None:
       lines.append(f"| {r['engine']} | {got:.0f} | - | - | - |")
