@@ -27,26 +27,29 @@ from configs import study_tiny
 
 FAMILIES = ("transformer", "mamba2", "mamba3", "hybrid_heads")
 # study_tiny's sweep (docs/studies.md, the sweep table): the lr each family's N(0, 0.02) row runs at
-CHOSEN_LR = {"transformer": 3e-3, "mamba2": 1e-3, "mamba3": 1e-3, "hybrid_heads": 3e-3,
-             "sisa_ds8": 3e-3, "sinkhorn": 3e-3, "fox": 3e-3, "alibi": 1e-3}
+CHOSEN_LR = {"transformer": 3e-3, "mamba2": 1e-3, "mamba3": 1e-3, "hybrid_heads": 3e-3}
 WIDE_STD = 1.0   # PyTorch's nn.Embedding default
-
-
-def _rows(name, match, overrides, setting):
-  narrow = (name, match, tuple(overrides) + (("study.lrs", (CHOSEN_LR[name],)),),
-            f"{setting}; table N(0, 0.02), lr {CHOSEN_LR[name]:g} (study_tiny's sweep)")
-  wide = (f"{name}_e1", match or "model.d_ff",
-          tuple(overrides) + (("model.embed_init_std", WIDE_STD),),
-          f"{setting}; table N(0, {WIDE_STD:g}) (PyTorch's nn.Embedding), lr swept")
-  return narrow, wide
-
-
 # The other attention variants at N(0, 1) only (their N(0, 0.02) rows are the comparison
 # study's, same configs and seeds): the fair version of the question covers every method.
 WIDE_ONLY = ("sisa_ds8", "sinkhorn", "fox", "alibi")
 
-VARIANTS = tuple(row for v in study_tiny.VARIANTS if v[0] in FAMILIES for row in _rows(*v)) + \
-    tuple(_rows(*v)[1] for v in study_tiny.VARIANTS if v[0] in WIDE_ONLY)
+
+def _narrow(name, match, overrides, setting):
+  """study_tiny's row at the lr its sweep chose."""
+  return (name, match, tuple(overrides) + (("study.lrs", (CHOSEN_LR[name],)),),
+          f"{setting}; table N(0, 0.02), lr {CHOSEN_LR[name]:g} (study_tiny's sweep)")
+
+
+def _wide(name, match, overrides, setting):
+  """The same variant with the N(0, 1) table, lr swept."""
+  return (f"{name}_e1", match or "model.d_ff",
+          tuple(overrides) + (("model.embed_init_std", WIDE_STD),),
+          f"{setting}; table N(0, {WIDE_STD:g}) (PyTorch's nn.Embedding), lr swept")
+
+
+VARIANTS = tuple(row for v in study_tiny.VARIANTS if v[0] in FAMILIES
+                 for row in (_narrow(*v), _wide(*v))) + \
+    tuple(_wide(*v) for v in study_tiny.VARIANTS if v[0] in WIDE_ONLY)
 
 
 def get_config():
