@@ -153,16 +153,12 @@ def run_lm_eval(lm, names: Sequence[str], task_manager, limit: int | None) -> di
 
 def run_ours(scorer, tokenizer, docs: Sequence[tasks_lib.Doc], name: str, *, max_len: int,
              batch_size: int) -> dict:
-  """Our requests, per-request (ll, greedy) and metrics (`harness.score_docs`, averaged as
-  `harness.evaluate_task` does) for `docs`."""
+  """Our requests, per-request (ll, greedy) and metrics (`harness.task_metrics`, the task's own,
+  as `harness.evaluate_task` reports them) for `docs`."""
   requests = harness.doc_requests(docs)
   scored = harness.loglikelihood(requests, scorer, tokenizer, max_len=max_len,
                                  batch_size=batch_size)
-  per_doc = harness.score_docs(docs, scored)
-  keep = tasks_lib.get_task(name).metrics   # WinoGrande reports acc only, as lm-eval does
-  metrics = {k: float(np.mean(v)) for k, v in per_doc.items() if k in keep}
-  if "ll" in per_doc and "perplexity" in keep:
-    metrics["perplexity"] = float(np.exp(-np.mean(per_doc["ll"])))
+  metrics = harness.task_metrics(name, harness.score_docs(docs, scored), bootstrap_iters=None)
   return {"requests": requests, "lls": [s[0] for s in scored],
           "greedy": [s[1] for s in scored], "metrics": metrics}
 

@@ -386,6 +386,25 @@ def doc_requests(docs: Sequence[tasks_lib.Doc]) -> list[Request]:
   return out
 
 
+def task_metrics(name: str, per_doc: Mapping[str, Sequence], *,
+                 bootstrap_iters: int | None = 1000) -> dict:
+  """Task `name`'s own metrics (`TaskSpec.metrics`) from `score_docs`' per-document scores:
+  accuracies are means, perplexity exp(-mean ll); each with `<metric>_stderr` unless
+  `bootstrap_iters` is None."""
+  out: dict = {}
+  for metric in tasks_lib.get_task(name).metrics:
+    if metric == "perplexity":
+      lls = np.asarray(per_doc["ll"])
+      out["perplexity"] = float(_perplexity(lls))
+      if bootstrap_iters is not None:
+        out["perplexity_stderr"] = bootstrap_stderr(lls, _perplexity, iters=bootstrap_iters)
+    else:
+      out[metric] = float(np.mean(per_doc[metric]))
+      if bootstrap_iters is not None:
+        out[f"{metric}_stderr"] = mean_stderr(per_doc[metric])
+  return out
+
+
 def evaluate_task(name: str, docs: Sequence[tasks_lib.Doc], logits_fn: LogitsFn,
                   tokenizer: Tokenizer, *, max_len: int, batch_size: int,
                   buckets: Sequence[int] | None = None, batch_tokens: int | None = None,
@@ -400,16 +419,7 @@ def evaluate_task(name: str, docs: Sequence[tasks_lib.Doc], logits_fn: LogitsFn,
   results = loglikelihood(requests, logits_fn, tokenizer, max_len=max_len,
                           batch_size=batch_size, buckets=buckets, batch_tokens=batch_tokens)
   seconds = time.perf_counter() - t0
-  per_doc = score_docs(docs, results)
-  out: dict = {}
-  for metric in spec.metrics:
-    if metric == "perplexity":
-      lls = np.asarray(per_doc["ll"])
-      out["perplexity"] = float(_perplexity(lls))
-      out["perplexity_stderr"] = bootstrap_stderr(lls, _perplexity, iters=bootstrap_iters)
-    else:
-      out[metric] = float(np.mean(per_doc[metric]))
-      out[f"{metric}_stderr"] = mean_stderr(per_doc[metric])
+  out = task_metrics(name, score_docs(docs, results), bootstrap_iters=bootstrap_iters)
   out.update(n_docs=len(docs), n_requests=len(requests), seconds=seconds,
              examples_per_s=len(docs) / max(seconds, 1e-9),
              requests_per_s=len(requests) / max(seconds, 1e-9))
@@ -447,5 +457,5 @@ __all__ = [
     "LogitsFn", "Request", "ScorerFns", "scorer_fns", "scorer_state", "per_logits_fn_cache",
     "encode_pairs", "default_buckets", "bucket_for",
     "loglikelihood_tokens", "loglikelihood", "mean_stderr", "bootstrap_stderr", "score_docs",
-    "doc_requests", "evaluate_task", "evaluate",
+    "doc_requests", "task_metrics", "evaluate_task", "evaluate",
 ]
