@@ -170,9 +170,7 @@ def run_ours(scorer, tokenizer, docs: Sequence[tasks_lib.Doc], name: str, *, max
 def _predictions(doc, lls: Sequence[float], greedy: Sequence[bool]) -> dict:
   if isinstance(doc, tasks_lib.LoglikelihoodDoc):
     return {"acc": int(bool(greedy[0]))}
-  lens = [len(c) for c in doc.choices]
-  return {"acc": int(np.argmax(lls)),
-          "acc_norm": int(np.argmax(np.asarray(lls) / np.asarray(lens, np.float64)))}
+  return harness.choice_picks(doc, lls)
 
 
 def compare_task(name: str, docs: Sequence[tasks_lib.Doc], ours: Mapping, theirs: Mapping,

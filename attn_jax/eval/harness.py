@@ -352,6 +352,15 @@ def _perplexity(lls: np.ndarray) -> np.ndarray:
   return np.exp(-np.mean(lls, axis=-1))
 
 
+def choice_picks(doc: tasks_lib.MultipleChoiceDoc, lls: Sequence[float]) -> dict[str, int]:
+  """The choice a multiple-choice document's log-likelihoods pick: by the sum ("acc") and per
+  character of the choice string ("acc_norm", the harness' length normalisation)."""
+  lls = np.asarray(lls, np.float64)
+  lengths = np.array([float(len(c)) for c in doc.choices])
+  with np.errstate(divide="ignore", invalid="ignore"):
+    return {"acc": int(np.argmax(lls)), "acc_norm": int(np.argmax(lls / lengths))}
+
+
 def score_docs(docs: Sequence[tasks_lib.Doc],
                results: Sequence[tuple[float, bool]]) -> dict[str, list[float]]:
   """Per-doc metric values from the flat results of `doc_requests(docs)`."""
@@ -365,12 +374,10 @@ def score_docs(docs: Sequence[tasks_lib.Doc],
       per_doc.setdefault("ll", []).append(ll)
     else:
       n = len(doc.requests)
-      lls = np.array([r[0] for r in results[pos:pos + n]])
+      picks = choice_picks(doc, [r[0] for r in results[pos:pos + n]])
       pos += n
-      lengths = np.array([float(len(c)) for c in doc.choices])
-      per_doc.setdefault("acc", []).append(float(np.argmax(lls) == doc.gold))
-      with np.errstate(divide="ignore", invalid="ignore"):
-        per_doc.setdefault("acc_norm", []).append(float(np.argmax(lls / lengths) == doc.gold))
+      for metric, pick in picks.items():
+        per_doc.setdefault(metric, []).append(float(pick == doc.gold))
   if pos != len(results):
     raise ValueError(f"{len(results)} results for {pos} requests")
   return per_doc
@@ -457,5 +464,5 @@ __all__ = [
     "LogitsFn", "Request", "ScorerFns", "scorer_fns", "scorer_state", "per_logits_fn_cache",
     "encode_pairs", "default_buckets", "bucket_for",
     "loglikelihood_tokens", "loglikelihood", "mean_stderr", "bootstrap_stderr", "score_docs",
-    "doc_requests", "task_metrics", "evaluate_task", "evaluate",
+    "doc_requests", "choice_picks", "task_metrics", "evaluate_task", "evaluate",
 ]
