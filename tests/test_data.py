@@ -401,6 +401,28 @@ def test_hf_tokenizer_finds_the_eos_of_each_family(tmp_path, eos):
   assert HFTokenizer(tmp_path / "tok.json").eos_id == tok.token_to_id(eos) == 3
 
 
+def test_hf_tokenizer_takes_the_eos_its_tokenizer_config_declares(tmp_path):
+  """A Hugging Face folder's tokenizer_config.json names the EOS (SmolLM2-Instruct: <|im_end|>,
+  not the <|endoftext|> the name list finds first); an explicit eos_id overrides both."""
+  from tokenizers import Tokenizer, models
+  from attn_jax.data.tokenizer import HFTokenizer
+  tok = Tokenizer(models.BPE(vocab={"a": 0, "b": 1}, merges=[]))
+  tok.add_special_tokens(["<|endoftext|>", "<|im_end|>"])
+  tok.save(str(tmp_path / "tokenizer.json"))
+  assert HFTokenizer(tmp_path / "tokenizer.json").eos_id == 2   # no config: by name
+  for declared in ("<|im_end|>", {"content": "<|im_end|>", "special": True}):
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": declared}))
+    assert HFTokenizer(tmp_path / "tokenizer.json").eos_id == 3
+  assert HFTokenizer(tmp_path / "tokenizer.json", eos_id=1).eos_id == 1
+  assert HFTokenizer.wrap(tok, eos_id=3).eos_id == 3 and HFTokenizer.wrap(tok).eos_id == 2
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|eot|>"}))
+  with pytest.raises(ValueError, match=r"tokenizer_config.json: eos_token '<\|eot\|>' is not "
+                                       "in the tokenizer's vocabulary"):
+    HFTokenizer(tmp_path / "tokenizer.json")
+  with pytest.raises(ValueError, match=r"EOS id 9 is outside its vocabulary \(4 ids\)"):
+    HFTokenizer(tmp_path / "tokenizer.json", eos_id=9)
+
+
 def test_hf_tokenizer_without_eos_names_the_file(tmp_path):
   from tokenizers import Tokenizer, models
   from attn_jax.data.tokenizer import HFTokenizer

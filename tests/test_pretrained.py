@@ -346,6 +346,29 @@ def test_converted_run_directory_loads_like_a_trained_run(hf_untied, tmp_path):
   assert sorted(os.listdir(tmp_path)) == ["hf", "m.gguf", "run"]
 
 
+def test_the_checkpoint_s_eos_is_the_tokenizer_s_in_every_output(torch_tf, plain_hf_dir,
+                                                                   tmp_path):
+  """A checkpoint that declares an EOS other than the one HFTokenizer's name list finds
+  (SmolLM2-Instruct: <|im_end|>): the run directory's tokenizer, `Pretrained.encode`'s
+  tokenizer and transformers' tokenizer of the exported folder all take the declared one."""
+  _, transformers = torch_tf
+  from attn_jax.data.tokenizer import get_tokenizer
+  from attn_jax.pretrained.convert import convert
+  from attn_jax.train.checkpoint import load_for_inference
+  from configs.base import get_config
+  src = str(tmp_path / "src")
+  pre = load(plain_hf_dir)
+  assert get_tokenizer(os.path.join(plain_hf_dir, "tokenizer.json")).eos_id != 7
+  export_hf(pre.model, src, tokenizer=pre.tokenizer, eos_id=7)
+  out = convert(src, workdir=str(tmp_path / "run"), hf_out=str(tmp_path / "hf"),
+                base_config=get_config())
+  _, config, _ = load_for_inference(out["workdir"])
+  assert get_tokenizer(config.data.tokenizer).eos_id == 7
+  assert load(src).text_tokenizer.eos_id == 7
+  assert transformers.AutoTokenizer.from_pretrained(out["hf"]).eos_token_id == 7
+  assert get_tokenizer(os.path.join(out["hf"], "tokenizer.json")).eos_id == 7
+
+
 # ------------------------------------------------------------------ bad inputs
 
 

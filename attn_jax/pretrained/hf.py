@@ -33,6 +33,7 @@ CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 TOKENIZER = "tokenizer.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"
 
 _HF_FIELDS = {"vocab_size": "vocab_size", "d_model": "hidden_size",
                 "n_layers": "num_hidden_layers", "n_heads": "num_attention_heads",
@@ -207,12 +208,19 @@ def write_hf_dir(directory: str, spec: LlamaSpec, tensors: Mapping[str, np.ndarr
          if v is not None}
   _dump(os.path.join(directory, "generation_config.json"), gen)
   if tokenizer_json is not None:
-    with open(os.path.join(directory, TOKENIZER), "w") as f:
-      f.write(tokenizer_json)
-    tc = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
-          "model_max_length": spec.max_seq_len, "add_bos_token": False}
-    tc.update({k: v for k, v in special.items() if v is not None})
-    _dump(os.path.join(directory, "tokenizer_config.json"), tc)
+    write_tokenizer(directory, tokenizer_json, special, spec.max_seq_len)
+
+
+def write_tokenizer(directory: str, tokenizer_json: str, special: Mapping[str, str | None],
+                    max_len: int) -> None:
+  """tokenizer.json + tokenizer_config.json (PreTrainedTokenizerFast, no BOS added, the
+  checkpoint's bos/eos token names `special`, which `data/tokenizer.HFTokenizer` reads too)."""
+  with open(os.path.join(directory, TOKENIZER), "w") as f:
+    f.write(tokenizer_json)
+  tc = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
+        "model_max_length": int(max_len), "add_bos_token": False}
+  tc.update({k: v for k, v in special.items() if v is not None})
+  _dump(os.path.join(directory, TOKENIZER_CONFIG), tc)
 
 
 def _dump(path: str, obj) -> None:

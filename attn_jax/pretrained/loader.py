@@ -48,12 +48,20 @@ class Pretrained:
   def cfg(self) -> ModelConfig:
     return self.model.cfg
 
+  @property
+  def text_tokenizer(self):
+    """The tokenizer behind attn_jax's interface (`data/tokenizer.HFTokenizer`), EOS = the
+    checkpoint's."""
+    from attn_jax.data.tokenizer import HFTokenizer
+    return HFTokenizer.wrap(self.tokenizer, eos_id=self.spec.eos_id if self.spec else None,
+                            source=self.source)
+
   def encode(self, text: str) -> list[int]:
-    """Token ids of `text` (no BOS/EOS added: what `data/tokenizer.HFTokenizer` does)."""
-    return self.tokenizer.encode(text, add_special_tokens=False).ids
+    """Token ids of `text` (no BOS/EOS added)."""
+    return self.text_tokenizer.encode(text)
 
   def decode(self, ids) -> str:
-    return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
+    return self.text_tokenizer.decode(ids)
 
 
 def read_checkpoint(path: str, *, tokenizer: str | None = None):
@@ -141,7 +149,7 @@ def as_tokenizer(tokenizer):
   return tok_lib.load_json(os.fspath(tokenizer))
 
 
-def _special_names(tok, spec: LlamaSpec) -> dict[str, str | None]:
+def special_names(tok, spec: LlamaSpec) -> dict[str, str | None]:
   if tok is None:
     return {}
   name = lambda i: None if i is None else tok.id_to_token(int(i))
@@ -161,7 +169,7 @@ def export_hf(model, directory: str, *, tokenizer=None, bos_id: int | None = Non
   spec = spec_of(model.cfg, bos_id=bos_id, eos_id=eos_id)
   with staged_dir(directory) as tmp:
     hf_lib.write_hf_dir(tmp, spec, tensors, None if tok is None else tok.to_str(),
-                        _special_names(tok, spec))
+                        special_names(tok, spec))
   return os.path.abspath(directory)
 
 

@@ -4,6 +4,7 @@ notebook, `decode.generate` on the loaded model) reads it like any trained run:
 
     <workdir>/checkpoints/0/          orbax step 0: state {"params", "rest"} + meta {"config"}
     <workdir>/tokenizer.json          the checkpoint's tokenizer (config.data.tokenizer)
+    <workdir>/tokenizer_config.json   its bos/eos token names (HFTokenizer's EOS: the checkpoint's)
     <workdir>/pretrained.json         where it came from and its hyper-parameters
 
 The config is the caller's base config (configs/base.py `get_config()`) with `model` set from
@@ -25,9 +26,10 @@ import os
 import ml_collections
 from flax import nnx
 
-from attn_jax.pretrained.loader import Pretrained, staged_dir
+from attn_jax.pretrained.hf import TOKENIZER as TOKENIZER_FILE
+from attn_jax.pretrained.hf import write_tokenizer
+from attn_jax.pretrained.loader import Pretrained, special_names, staged_dir
 
-TOKENIZER_FILE = "tokenizer.json"
 INFO_FILE = "pretrained.json"
 
 
@@ -55,8 +57,9 @@ def write_workdir(pre: Pretrained, workdir: str, base: ml_collections.ConfigDict
   state = {"params": nnx.to_pure_dict(params), "rest": nnx.to_pure_dict(rest)}
   info = {"source": pre.source, "kind": pre.kind, "spec": dataclasses.asdict(pre.spec)}
   with staged_dir(workdir) as tmp:
-    with open(os.path.join(tmp, TOKENIZER_FILE), "w") as f:
-      f.write(pre.tokenizer.to_str())
+    write_tokenizer(tmp, pre.tokenizer.to_str(),
+                    special_names(pre.tokenizer, pre.spec) if pre.spec else {},
+                    pre.cfg.max_seq_len)
     with open(os.path.join(tmp, INFO_FILE), "w") as f:
       json.dump(info, f, indent=1)
     ckpt = Checkpointer(tmp, max_to_keep=1)

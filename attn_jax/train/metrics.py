@@ -68,21 +68,15 @@ class MetricWriter:
     if not os.path.isfile(self.path):
       return 0
     kept, dropped = [], 0
-    with open(self.path) as f:
-      for number, line in enumerate(f, start=1):
-        if not line.strip():
-          continue
-        try:
-          row_step = int(json.loads(line)["step"])
-        except (ValueError, KeyError, TypeError):
-          logging.warning("%s:%d: dropping an unreadable metrics row (interrupted write?)",
-                          self.path, number)
-          dropped += 1
-          continue
-        if row_step > step:
-          dropped += 1
-        else:
-          kept.append(line if line.endswith("\n") else line + "\n")
+    for number, line, row_step in row_steps(self.path):
+      if row_step is None:
+        logging.warning("%s:%d: dropping an unreadable metrics row (interrupted write?)",
+                        self.path, number)
+        dropped += 1
+      elif row_step > step:
+        dropped += 1
+      else:
+        kept.append(line if line.endswith("\n") else line + "\n")
     tmp = self.path + ".tmp"
     with open(tmp, "w") as f:
       f.writelines(kept)
@@ -140,6 +134,22 @@ class MetricWriter:
 
   def close(self) -> None:
     self._tb_call("close")
+
+
+def row_steps(path: str) -> list[tuple[int, str, int | None]]:
+  """(line number, line, its "step" or None when unreadable) of each non-blank row of a
+  metrics.jsonl (a row cut short by an interrupted write reads as None)."""
+  rows = []
+  with open(path) as f:
+    for number, line in enumerate(f, start=1):
+      if not line.strip():
+        continue
+      try:
+        step = int(json.loads(line)["step"])
+      except (ValueError, KeyError, TypeError):
+        step = None
+      rows.append((number, line, step))
+  return rows
 
 
 def read_metrics(workdir: str) -> list[dict]:

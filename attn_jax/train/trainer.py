@@ -71,7 +71,7 @@ from attn_jax.train import flops as flops_lib
 from attn_jax.train.checkpoint import (Checkpointer, CheckpointMismatchError,
                                        CheckpointSaveError, PreemptionGuard,
                                        abstract_with_shardings, check_writable, config_to_json)
-from attn_jax.train.metrics import MetricWriter, flatten_metrics
+from attn_jax.train.metrics import MetricWriter, flatten_metrics, row_steps
 from attn_jax.train.workdir import TB_LOCK, lock_tensorboard, lock_workdir
 from attn_jax.train.optim import make_optimizer
 from attn_jax.train.step import make_eval_step, make_train_step
@@ -770,18 +770,6 @@ def _history_entries(workdir: str) -> dict[str, list[str]]:
   return out
 
 
-def _metric_steps(path: str) -> list[int]:
-  import json
-  steps = []
-  with open(path) as f:
-    for line in f:
-      try:
-        steps.append(int(json.loads(line)["step"]))
-      except (ValueError, KeyError, TypeError):
-        pass
-  return steps
-
-
 def rotate_history(workdir: str, checkpoint_dir: str = "") -> dict[str, str]:
   """Before a run starts at step 0 in `workdir`: an earlier run's metrics.jsonl and TensorBoard
   events (its checkpoints are gone or were set aside as corrupt) are moved to metrics.jsonl.<k>
@@ -796,7 +784,7 @@ def rotate_history(workdir: str, checkpoint_dir: str = "") -> dict[str, str]:
     k += 1
   moved = {}
   if "metrics.jsonl" in found:
-    steps = _metric_steps(found["metrics.jsonl"][0])
+    steps = [s for _, _, s in row_steps(found["metrics.jsonl"][0]) if s is not None]
     rows = (f"{len(steps)} metric rows" + (f", steps {min(steps)}-{max(steps)}" if steps
                                             else ""))
     moved[found["metrics.jsonl"][0]] = os.path.join(workdir, f"metrics.jsonl.{k}")
