@@ -3,7 +3,7 @@
 # numerics, then train-step throughput / MFU of each variant side by side. Results go to stdout
 # and, when $OUT is set (the device tool's output folder), to $OUT/*.txt.
 #
-#   bash experiments/device_check.sh            # everything (the steps' timeouts cap it at 14 min)
+#   bash experiments/device_check.sh            # everything (the steps' timeouts cap it at 15.5 min)
 #   QUICK=1 bash experiments/device_check.sh    # numerics + one sequence length only
 #   JAX_PLATFORMS=cpu ATTN_JAX_GPU_TESTS_IMPL=xla BENCH_EXTRA="--scale=tiny --dtype=float32 \
 #     --seq_lens=128 --steps=1 --warmup=1 --batch_tokens=4096" bash experiments/device_check.sh  # CPU dry run
@@ -60,3 +60,10 @@ timeout 100 python3 experiments/bench.py --decode_only --configs=transformer_152
 timeout 100 python3 experiments/mixer_memory.py --mixers=attention,sisa --dtype=bfloat16 \
   --seq_lens=2048,4096,8192,16384 --batch=4 --d_model=768 --n_heads=12 2>&1 \
   | grep -v "^[IW][0-9]" | tee "$out/mixer_memory.txt"
+
+# 4. batch-1 generation of a real LLM's shape (issue 31's speed target): SmolLM2-135M with random
+#    weights (its file cannot be carried), fp32, 512-token prompt + 128 greedy tokens, against
+#    transformers holding the same weights on the GPU when the image has torch + transformers
+#    (otherwise ours alone, said in the output).
+timeout 90 python3 experiments/bench_pretrained.py --random=smollm2 --prompt_len=512 \
+  --new_tokens=128 --repeats=5 2>&1 | grep -v "^[IW][0-9]" | tee "$out/pretrained_speed.txt"

@@ -493,6 +493,13 @@ def smollm2_path():
     pytest.skip(str(e))
 
 
+def test_packaged_specs_are_what_the_files_declare(smollm2_path):
+  """packaged.SPECS (random-weight models of the same shape, for machines without the file)."""
+  from attn_jax.pretrained import gguf as gguf_lib
+  from attn_jax.pretrained.packaged import SPECS
+  assert gguf_lib.read_spec(gguf_lib.open_reader(smollm2_path), smollm2_path) == SPECS["smollm2"]
+
+
 @pytest.mark.slow
 def test_smollm2_logits_and_tokens_equal_transformers(torch_tf, smollm2_path):
   torch, transformers = torch_tf

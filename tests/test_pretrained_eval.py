@@ -6,12 +6,15 @@ evaluator the import, on the first documents of each task in tests/data
 
 Skips without torch, transformers or lm-eval. Runs offline."""
 
+import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -153,6 +156,30 @@ def test_gen_speed_ours_and_transformers_same_greedy_tokens(hf_dir, imported, of
     gen_speed.measure([gen_speed.ours_engine(model)], prompt, new_tokens=1, repeats=1)
 
 
+def test_transformers_twin_holds_the_model_s_weights(hf_dir, imported):
+  """The in-memory reference of a bench on random weights (bench_pretrained --random): for an
+  imported model, transformers' own load of the folder, logit for logit; for a tied model of
+  attn_jax's, our logits (fp32, 1e-5 relative)."""
+  from attn_jax.model import build_model
+  from attn_jax.pretrained import PretrainedError
+  from attn_jax.pretrained.llama import model_config
+  from attn_jax.pretrained.loader import spec_of
+  model, _ = imported
+  ids = np.random.default_rng(1).integers(0, model.cfg.vocab_size, (2, 16))
+  ref = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
+  with torch.no_grad():
+    want = ref.eval()(torch.tensor(ids)).logits
+    assert torch.equal(gen_speed.transformers_twin(model)(torch.tensor(ids)).logits, want)
+  tied_spec = dataclasses.replace(spec_of(model.cfg), tie_embeddings=True)
+  tied = build_model(model_config(tied_spec).replace(init_std=0.2), seed=3)
+  with torch.no_grad():
+    got = gen_speed.transformers_twin(tied)(torch.tensor(ids)).logits.numpy()
+  ours = np.asarray(tied(jnp.asarray(ids)))[..., :got.shape[-1]]
+  assert np.abs(got - ours).max() <= 1e-5 * np.abs(ours).max()
+  with pytest.raises(PretrainedError, match="cannot export as Llama"):
+    gen_speed.transformers_twin(build_model(model.cfg.replace(sink_tokens=2), seed=0))
+
+
 def test_prefill_flops_and_the_matmul_ceiling(imported):
   """Prefill FLOPs per prompt token by hand (2 N, causal attention, the head once per prompt),
   and the ceiling table's arithmetic on given rates."""
@@ -188,3 +215,13 @@ def test_bench_pretrained_script_tiny(hf_dir, offline, tmp_path):
   assert r.returncode == 0, r.stderr[-3000:]
   assert "| attn_jax |" in r.stdout and "| transformers |" in r.stdout
   assert json.loads(out.read_text())["agreement"]["transformers"] == 4
+
+
+@pytest.mark.parametrize("args, words", [
+    ([], "give exactly one of --checkpoint and --random"),
+    (["--random=gpt5"], "random: unknown checkpoint 'gpt5' \\(known: smollm2\\)"),
+])
+def test_bench_pretrained_needs_one_source(args, words):
+  r = subprocess.run([sys.executable, "experiments/bench_pretrained.py", *args], cwd=ROOT,
+                     capture_output=True, text=True, timeout=300, env=dict(os.environ))
+  assert r.returncode != 0 and re.search(words, r.stderr + r.stdout), r.stderr[-2000:]

@@ -86,23 +86,49 @@ def ours_engine(model, name: str = "attn_jax") -> Engine:
 
 
 def transformers_engine(model, name: str = "transformers") -> Engine:
-  """A transformers causal LM (`LlamaForCausalLM`, fp32, eval mode)."""
+  """A transformers causal LM (`LlamaForCausalLM`, fp32, eval mode) on its own device (CPU or
+  CUDA: a prefill waits for the device before it returns)."""
   import torch
+  device = next(model.parameters()).device
 
   def prefill(ids, n):
     del n   # a dynamic cache grows as it goes
     with torch.inference_mode():
-      model(torch.tensor([ids]), use_cache=True, logits_to_keep=1)
+      model(torch.tensor([ids], device=device), use_cache=True, logits_to_keep=1)
+    if device.type == "cuda":
+      torch.cuda.synchronize(device)
 
   def generate(ids, n):
     with torch.inference_mode():
-      out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids),
-                                                                           dtype=torch.long),
+      out = model.generate(torch.tensor([ids], device=device),
+                           attention_mask=torch.ones(1, len(ids), dtype=torch.long,
+                                                     device=device),
                            max_new_tokens=n, min_new_tokens=n, do_sample=False,
                            use_cache=True, num_beams=1, pad_token_id=0)
-    return out[0, len(ids):].tolist()
+    return out[0, len(ids):].tolist()   # .tolist() waits for the device
 
-  return Engine(name, prefill, generate, backend="torch")
+  return Engine(name, prefill, generate, backend="torch" if device.type == "cpu" else "")
+
+
+def transformers_twin(model, device: str = "cpu"):
+  """transformers' `LlamaForCausalLM` (fp32, eval mode, on `device`) holding the parameters of
+  an exportable attn_jax model, built in memory (no folder): the reference engine where no
+  Hugging Face folder of the weights exists (random weights of a checkpoint's shape)."""
+  import torch
+  import transformers
+
+  from attn_jax.pretrained import hf as hf_lib
+  from attn_jax.pretrained.loader import hf_tensors, spec_of
+  tensors = hf_tensors(model)
+  config = transformers.LlamaConfig.from_dict(hf_lib.hf_config(spec_of(model.cfg)))
+  twin = transformers.LlamaForCausalLM(config).eval()
+  missing, unexpected = twin.load_state_dict({k: torch.from_numpy(np.array(v, np.float32))
+                                              for k, v in tensors.items()}, strict=False)
+  tied = {"lm_head.weight"} if model.cfg.tie_embeddings else set()
+  if set(missing) - tied or unexpected:
+    raise AssertionError(f"transformers_twin: missing {missing}, unexpected {unexpected}")
+  twin.tie_weights()
+  return twin.to(device)
 
 
 def llama_cpp_engine(llm, name: str = "llama.cpp") -> Engine:
@@ -289,5 +315,6 @@ def ceiling_markdown(result: dict, flops_per_token: float, gemm: dict) -> str:
   return "\n".join(lines)
 
 
-__all__ = ["Engine", "ours_engine", "transformers_engine", "llama_cpp_engine", "agreement",
+__all__ = ["Engine", "ours_engine", "transformers_engine", "transformers_twin",
+           "llama_cpp_engine", "agreement",
            "measure", "to_markdown", "prefill_flops_per_token", "gemm_rates", "ceiling_markdown"]
