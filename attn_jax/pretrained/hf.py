@@ -27,13 +27,13 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from attn_jax.data.tokenizer import TOKENIZER_CONFIG
 from attn_jax.pretrained.llama import LlamaSpec, PretrainedError, check_spec
 
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 TOKENIZER = "tokenizer.json"
-TOKENIZER_CONFIG = "tokenizer_config.json"
 
 _HF_FIELDS = {"vocab_size": "vocab_size", "d_model": "hidden_size",
                 "n_layers": "num_hidden_layers", "n_heads": "num_attention_heads",

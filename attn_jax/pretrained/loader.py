@@ -56,12 +56,13 @@ class Pretrained:
     return HFTokenizer.wrap(self.tokenizer, eos_id=self.spec.eos_id if self.spec else None,
                             source=self.source)
 
+  # encode/decode use the tokenizer directly: `text_tokenizer` needs an EOS, these do not
   def encode(self, text: str) -> list[int]:
-    """Token ids of `text` (no BOS/EOS added)."""
-    return self.text_tokenizer.encode(text)
+    """Token ids of `text` (no BOS/EOS added: what `data/tokenizer.HFTokenizer` does)."""
+    return self.tokenizer.encode(text, add_special_tokens=False).ids
 
   def decode(self, ids) -> str:
-    return self.text_tokenizer.decode(ids)
+    return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
 def read_checkpoint(path: str, *, tokenizer: str | None = None):
