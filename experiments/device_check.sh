@@ -4,6 +4,8 @@
 # and, when $OUT is set (the device tool's output folder), to $OUT/*.txt.
 #
 #   bash experiments/device_check.sh            # everything (the steps' timeouts cap it at 15.5 min)
+#   STEPS="1 3 4" bash experiments/device_check.sh; STEPS="2 2b" bash ...  # the same in two calls
+#                                               # (8.4 + 7 min: one device command may run 10 min)
 #   QUICK=1 bash experiments/device_check.sh    # numerics + one sequence length only
 #   JAX_PLATFORMS=cpu ATTN_JAX_GPU_TESTS_IMPL=xla BENCH_EXTRA="--scale=tiny --dtype=float32 \
 #     --seq_lens=128 --steps=1 --warmup=1 --batch_tokens=4096" bash experiments/device_check.sh  # CPU dry run
@@ -20,6 +22,7 @@ out="${OUT:-/tmp/attn_jax_device_check}"
 mkdir -p "$out"
 export PYTHONPATH="$PWD:$PWD/.device_deps${PYTHONPATH:+:$PYTHONPATH}"
 python3 -c "import jax; print(jax.__version__, jax.devices())" | tee "$out/devices.txt"
+want() { [[ " ${STEPS:-1 2 2b 3 4} " == *" $1 "* ]]; }  # is step $1 selected?
 
 # 1. numerics on the accelerator: cuDNN core and SISA on it vs the fp32 references, plus the
 #    backend-independent attention / SISA / decoding tests (run on the device backend here).
@@ -31,9 +34,9 @@ numerics() {  # $1 = timeout s, the rest = test files
   JAX_PLATFORMS="${JAX_PLATFORMS:-cuda}" XLA_FLAGS="" JAX_DEFAULT_MATMUL_PRECISION=highest \
     timeout "$t" python3 -m pytest -q -x -p no:cacheprovider "$@" 2>&1 | tail -25
 }
-numerics 145 tests/test_gpu_paths.py tests/test_flash.py tests/test_split.py tests/test_loss.py \
+want 1 && numerics 145 tests/test_gpu_paths.py tests/test_flash.py tests/test_split.py tests/test_loss.py \
   | tee "$out/numerics.txt"
-numerics 170 tests/test_attention.py tests/test_decode.py tests/test_sisa.py tests/test_trunk.py \
+want 1 && numerics 170 tests/test_attention.py tests/test_decode.py tests/test_sisa.py tests/test_trunk.py \
   tests/test_ssd.py tests/test_mamba.py tests/test_sinkhorn.py tests/test_sinks.py tests/test_fox.py \
   tests/test_mamba3_mimo.py \
   | tee -a "$out/numerics.txt"
@@ -43,27 +46,28 @@ numerics 170 tests/test_attention.py tests/test_decode.py tests/test_sisa.py tes
 #    152M scale; SISA's paths side by side. (The decode-step table is its own run, 2b.)
 seqs="1024,4096"; [ -n "${QUICK:-}" ] && seqs="1024"
 # Every variant at 152M: Transformer, SISA (paths), Mamba-2/3, both hybrids, Sinkhorn, sinks, FoX, ALiBi.
-timeout 320 python3 experiments/bench.py --configs=transformer_152m,sisa_152m,sisa_152m@fast,sisa_152m@chunked,mamba2_152m,mamba3_152m,hybrid_block_152m,hybrid_head_152m,sinkhorn_152m,transformer_152m_sink,fox_152m,alibi_152m \
+want 2 && timeout 320 python3 experiments/bench.py --configs=transformer_152m,sisa_152m,sisa_152m@fast,sisa_152m@chunked,mamba2_152m,mamba3_152m,hybrid_block_152m,hybrid_head_152m,sinkhorn_152m,transformer_152m_sink,fox_152m,alibi_152m \
   --seq_lens="$seqs" --batch_tokens=65536 --steps=5 --warmup=2 --decode_step_batches= ${BENCH_EXTRA:-} \
   2>&1 | grep -v "^[IW][0-9]" | tee "$out/bench.txt"
 
 # 2b. decode against memory bandwidth: one-token decode steps (after a 128-token prefill) at
 #     batch 1 and 32 per mixer and cache policy, tokens/s vs copy bandwidth / bytes per step
 #     (parameters + decoding state), with the measured copy bandwidth.
-timeout 100 python3 experiments/bench.py --decode_only --configs=transformer_152m,transformer_152m@streaming,sisa_152m,mamba2_152m,mamba3_152m,hybrid_block_152m,hybrid_head_152m,sinkhorn_152m,transformer_152m_sink,fox_152m,alibi_152m \
+want 2b && timeout 100 python3 experiments/bench.py --decode_only --configs=transformer_152m,transformer_152m@streaming,sisa_152m,mamba2_152m,mamba3_152m,hybrid_block_152m,hybrid_head_152m,sinkhorn_152m,transformer_152m_sink,fox_152m,alibi_152m \
   --decode_step_batches=1,32 ${BENCH_EXTRA:-} 2>&1 | grep -v "^[IW][0-9]" | tee "$out/decode.txt"
 
 # 3. SISA's chunked path (with cuDNN: fused past keys per query chunk + biased in-chunk block)
 #    against plain attention, compiled fwd+bwd temporaries of one layer vs length on the GPU
 #    core: both should grow ~linearly (on CPU attention grows ~T^2, SISA's blockwise path
 #    linearly).
-timeout 100 python3 experiments/mixer_memory.py --mixers=attention,sisa --dtype=bfloat16 \
+want 3 && timeout 100 python3 experiments/mixer_memory.py --mixers=attention,sisa --dtype=bfloat16 \
   --seq_lens=2048,4096,8192,16384 --batch=4 --d_model=768 --n_heads=12 2>&1 \
   | grep -v "^[IW][0-9]" | tee "$out/mixer_memory.txt"
 
-# 4. batch-1 generation of a real LLM's shape (issue 31's speed target): SmolLM2-135M with random
+# 4. batch-1 generation of a real LLM's shape (the pretrained prefill speed target): SmolLM2-135M with random
 #    weights (its file cannot be carried), fp32, 512-token prompt + 128 greedy tokens, against
 #    transformers holding the same weights on the GPU when the image has torch + transformers
 #    (otherwise ours alone, said in the output).
-timeout 90 python3 experiments/bench_pretrained.py --random=smollm2 --prompt_len=512 \
+want 4 && timeout 90 python3 experiments/bench_pretrained.py --random=smollm2 --prompt_len=512 \
   --new_tokens=128 --repeats=5 2>&1 | grep -v "^[IW][0-9]" | tee "$out/pretrained_speed.txt"
+echo "device_check: steps ${STEPS:-1 2 2b 3 4} done; results in $out"
