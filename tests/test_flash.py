@@ -123,12 +123,17 @@ def test_memory_is_linear_in_length():
   assert t2 / t1 < 2.3 and t4 / t2 < 2.3, (t1, t2, t4)
 
 
-def test_bad_lengths_error():
+def test_bad_lengths_and_block_pair_shapes_error():
   q = jnp.zeros((1, 10, 2, 4))
   with pytest.raises(ValueError, match="not a multiple of the block 4"):
     flash.past_blocks(flash.dot_scores(1.0), (), q, q, q, block=4)
   with pytest.raises(ValueError, match="same length"):
     flash.past_blocks(flash.dot_scores(1.0), (), q, q[:, :8], q, block=2)
+  for bad in ((1, 2, 5, 5), (2, 2, 2, 2), (1, 3, 2, 2)):   # wrong batch, blocks, heads
+    with pytest.raises(ValueError, match=r"block-pair term needs shape \[B, H, N, N\] = "
+                                          r"\(1, 2, 2, 2\)"):
+      flash.past_blocks(flash.dot_scores(1.0), (), q[:, :8], q[:, :8], q[:, :8], block=4,
+                        block_bias_BHNN=jnp.zeros(bad))
 
 
 def test_segments_mask_other_documents_values_and_gradients():

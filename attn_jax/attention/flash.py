@@ -123,10 +123,14 @@ def past_blocks(score_fn: ScoreFn, shared, qa, ka, v_BSKE, *, block: int,
   if segment_ids_BT is not None and segment_ids_BT.shape != v_BSKE.shape[:2]:
     raise ValueError(f"flash: segment ids {segment_ids_BT.shape} do not match the sequence "
                      f"{v_BSKE.shape[:2]}")
-  n = v_BSKE.shape[1] // block
   bb = block_bias_BHNN
-  if bb is not None and (bb.ndim != 4 or bb.shape[2:] != (n, n)):
-    raise ValueError(f"flash: the block-pair term needs shape [B, H, {n}, {n}], got {bb.shape}")
+  if bb is not None:
+    n = v_BSKE.shape[1] // block
+    s0 = jax.eval_shape(lambda: score_fn(shared, _block(qa, 0, block), _block(ka, 0, block)))
+    want = (*s0.shape[:2], n, n)                             # [B, H] of the scores, N x N blocks
+    if bb.shape != want:
+      raise ValueError(f"flash: the block-pair term needs shape [B, H, N, N] = {want}, "
+                       f"got {bb.shape}")
   return _past(score_fn, block, shared, qa, ka, v_BSKE, bb, segment_ids_BT)
 
 
