@@ -440,3 +440,31 @@ def test_document_mask_refuses_the_non_causal_mode():
   with pytest.raises(ValueError, match=r"^config\.data\.document_mask: sinkhorn\.causal=False "
                                        r"keeps the packed blocks of block_size=64, [^\n]*$"):
     validate(c)
+
+
+def _layout_loop(seg, b):
+  """document_layout as the plain left-to-right cursor loop (numpy), for the equivalence test."""
+  out = np.zeros_like(seg)
+  for r, row in enumerate(seg):
+    p, t = 0, 0
+    while t < len(row):
+      n = 1
+      while t + n < len(row) and row[t + n] == row[t]:
+        n += 1
+      if p % b and p % b + n > b:
+        p += b - p % b
+      out[r, t:t + n] = p + np.arange(n)
+      p, t = p + n, t + n
+  return out
+
+
+@pytest.mark.parametrize("b", [1, 4, 7, 16])
+def test_document_layout_equals_the_cursor_loop(b):
+  """document_layout (a lax.scan) == a plain numpy cursor loop on random packings (documents
+  of 1 to 3 b tokens, rows of 1 and of many documents)."""
+  from attn_jax.attention.sinkhorn import document_layout
+  rng = np.random.default_rng(b)
+  lens = [rng.integers(1, 3 * b + 1, size=200) for _ in range(3)]
+  seg = np.stack([np.repeat(np.arange(200), l)[:200] for l in lens] + [np.zeros(200, int)])
+  got = np.asarray(document_layout(jnp.asarray(seg, jnp.int32), b))
+  np.testing.assert_array_equal(got, _layout_loop(seg, b))
