@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from attn_jax import platform
 from attn_jax.config import check_seq_len
 from attn_jax.model import mixer_limits
 
@@ -45,8 +46,8 @@ def state_compiler_options() -> dict:
   insertion with region analysis (off there by default, for compile time). Without it XLA
   copies every KV buffer that is read before its in-place write (twice over for a batch of
   one); with it the write happens in place (`experiments/bench_stream.py`). Other platforms:
-  none."""
-  if jax.default_backend() == "cpu":
+  none. The platform is the one compiled for (`platform.current`)."""
+  if platform.current() == "cpu":
     return {"xla_cpu_copy_insertion_use_region_analysis": True}
   return {}
 

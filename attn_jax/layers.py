@@ -34,6 +34,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from attn_jax import platform
+
 Initializer = Callable[..., jax.Array]
 
 # kind -> weight-decayed? (module docstring). The only source of the decay rule.
@@ -177,15 +179,15 @@ def _expand(starts_BT, x_BT):
 
 def time_cumsum(x_BT: jax.Array, starts_BT=None) -> jax.Array:
   """Inclusive cumulative sum over axis 1: `lax.scan` on CPU (where `jnp.cumsum` lowers to an
-  O(T^2) reduce_window), `jnp.cumsum` elsewhere. With
+  O(T^2) reduce_window), `jnp.cumsum` elsewhere (the platform compiled for, `platform.current`). With
   `starts_BT` ([B, T] bool, `layers.segment_starts`): a segmented sum restarting at every True
   (a packed row's documents), whose value and gradient read only the own segment (the resets
   are selects, so a cotangent never crosses one: exact zeros, not cancellations)."""
   if starts_BT is None:
-    if jax.default_backend() != "cpu":
+    if platform.current() != "cpu":
       return jnp.cumsum(x_BT, axis=1)
     return time_scan(jnp.add, x_BT)
-  if jax.default_backend() == "cpu":
+  if platform.current() == "cpu":
     return time_scan(jnp.add, x_BT, starts_BT)
   r = jnp.broadcast_to(_expand(starts_BT, x_BT), x_BT.shape)
   return segmented_cumsum(x_BT, r, axis=1)[0]

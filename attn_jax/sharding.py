@@ -38,6 +38,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
+from attn_jax import platform
+
 MeshAxes = str | tuple[str, ...] | None
 
 
@@ -221,7 +223,8 @@ _ACTIVE: contextvars.ContextVar[tuple[Mesh, Mapping[str, MeshAxes]] | None] = (
 def use_rules(mesh: Mesh, rules: Mapping[str, MeshAxes] | Sequence[tuple[str, MeshAxes]]):
   """Within this block (while tracing), `constrain` applies `rules` on `mesh`.
 
-  Also enters `jax.set_mesh(mesh)`: the mesh is part of jit's trace-cache key, so a function
+  Also enters `platform.use_platform(mesh)` (kernel choices follow the mesh's devices, not the
+  tracing process's backend) and `jax.set_mesh(mesh)`: the mesh is part of jit's trace-cache key, so a function
   traced here is not reused outside (and vice versa). Two different `rules` on one mesh share
   that key: trace each jitted function under one set of rules.
   """
@@ -229,7 +232,7 @@ def use_rules(mesh: Mesh, rules: Mapping[str, MeshAxes] | Sequence[tuple[str, Me
     rules = rules_dict(rules)
   token = _ACTIVE.set((mesh, dict(rules)))
   try:
-    with jax.set_mesh(mesh):
+    with jax.set_mesh(mesh), platform.use_platform(mesh):
       yield
   finally:
     _ACTIVE.reset(token)

@@ -7,9 +7,8 @@ than on the first GPU or TPU. What lowering does not prove: the device compiler'
 (cuDNN building its graph, Mosaic compiling the splash kernel) and the numerics, which
 `experiments/device_check.sh` runs on a lent device.
 
-The platform's attention path: `core.choose_impl("auto")` asks `core._platform()`, and SISA's
-cumulative sum asks `jax.default_backend()`; both are made to answer the target platform while
-tracing (`_pretend`), so the traced program is the one the device would run: on cuda with bf16,
+The platform's attention path: `core.choose_impl("auto")` and the cumulative sums ask
+`platform.current()`, which is made to answer the target platform while tracing (`_pretend`), so the traced program is the one the device would run: on cuda with bf16,
 "cudnn" (`jax.nn.dot_product_attention(implementation="cudnn")`); on tpu, the Pallas "splash"
 kernel where it applies (plain causal square, T a multiple of 128) and "xla" elsewhere. Each
 case records the implementations the model asked `dot_product_attention` for and asserts that
@@ -41,6 +40,7 @@ import pytest
 from flax import nnx
 
 from attn_jax import decode
+from attn_jax import platform as platform_lib
 from attn_jax import sharding as shd
 from attn_jax.attention import core
 from attn_jax.config import validate
@@ -96,8 +96,7 @@ def _pretend(platform: str, monkeypatch, asked: list):
     return real_splash(*a, **kw)
 
   with monkeypatch.context() as m:
-    m.setattr(core, "_platform", lambda: platform)
-    m.setattr(jax, "default_backend", lambda: platform)
+    m.setattr(platform_lib, "current", lambda: platform_lib.normalize(platform))
     m.setattr(jax.nn, "dot_product_attention", dpa)
     m.setattr(core, "_splash", splash)
     yield

@@ -68,12 +68,11 @@ GPU -> "cudnn" for bf16/fp16 inputs with head dims cuDNN supports (else "xla"), 
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from attn_jax import platform
 from attn_jax.layers import SHARED_SEGMENT, causal_positions  # noqa: F401  (also re-exported)
 
 NEG_INF = -1e30  # finite: masked scores; the softmax floors its row max at NEG_INF / 2
@@ -349,18 +348,14 @@ def _splash(q, k, v, *, scale, sink_H):
 
 # ------------------------------------------------------------------ dispatch
 
-@functools.cache
-def _platform() -> str:
-  return jax.default_backend()
-
-
-def choose_impl(impl: str, q_dtype, dqk: int) -> str:
-  """The implementation `impl="auto"` resolves to on this platform (see module docstring)."""
+def choose_impl(impl: str, q_dtype, dqk: int, plat: str | None = None) -> str:
+  """The implementation `impl="auto"` resolves to on platform `plat` (default: the platform
+  the program is compiled for, `platform.current()`; see module docstring)."""
   if impl not in IMPLS:
     raise ValueError(f"unknown attention impl {impl!r} ({' | '.join(IMPLS)})")
   if impl != "auto":
     return impl
-  plat = _platform()
+  plat = platform.current() if plat is None else platform.normalize(plat)
   if plat == "gpu":
     if jnp.dtype(q_dtype) in (jnp.bfloat16, jnp.float16) and dqk <= 256 and dqk % 8 == 0:
       return "cudnn"

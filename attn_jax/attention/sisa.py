@@ -78,6 +78,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from attn_jax import platform
 from attn_jax.attention import cache as cache_lib
 from attn_jax.attention import flash, split
 from attn_jax.attention.core import (REMAT_CORE_IMPLS, attend, attention_flops_per_token,
@@ -140,7 +141,7 @@ def decay_and_phase(loga_BTH, theta_BTHP, starts_BT=None):
   be None. `starts_BT`: both restart at every document start of a packed row."""
   if theta_BTHP is None:
     return time_cumsum(loga_BTH, starts_BT), None
-  if jax.default_backend() != "cpu":
+  if platform.current() != "cpu":
     return time_cumsum(loga_BTH, starts_BT), phase_cumsum(theta_BTHP, starts_BT)
   both = time_scan(lambda c, a: jnp.concatenate([c[..., :1] + a[..., :1],
                                                   wrap_phase(c[..., 1:] + a[..., 1:])], -1),
