@@ -1,0 +1,237 @@
+"""Fine-tuning from a run: `config.train.init_from` (a run directory, converted by
+experiments/convert.py or trained) gives the parameters of step 0; `config.train.trainable`
+says which of them train.
+
+    config.train.init_from = "runs/smollm2_sisa"   # "" = a fresh random init
+    config.train.init_step = -1                    # its checkpoint step; -1 = the latest
+    config.train.trainable = "all"                 # all | new | new+norms
+
+- The model is the config's (`config.model`), which must be the run's architecture: every
+  model field and mixer option equal to the run's saved config except the compute settings
+  (`COMPUTE_FIELDS`: dtype, remat, the attention kernel, max_seq_len, ...) and the init-only
+  options (`_ignored_option`); else one line naming both. `run_config(...)` (configs/finetune.py)
+  builds a config from the run's own, so this holds by construction there.
+- The data's tokenizer must be the run's vocabulary (the same token -> id table, or both the
+  byte tokenizer); else one line naming both tokenizers.
+- "new": only the parameters the conversion added (the run's pretrained.json lists them,
+  `variants.to_variant`); "new+norms": those and every norm scale (kind "norm"). Frozen
+  parameters get a zero gradient before clipping and no weight decay, so their Adam moments
+  stay 0 and their update is exactly 0 (the moments are still allocated: simple, not lean).
+- The optimizer state is fresh (AdamW moments 0, step 0, the LR schedule from its warm-up);
+  the log says so. A workdir that holds a checkpoint resumes from it and ignores init_from.
+
+Every check runs before the trainer creates the workdir (`check`), so a refused run writes
+nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+
+TRAINABLE = ("all", "new", "new+norms")
+COMPUTE_FIELDS = ("dtype", "param_dtype", "remat", "scan_layers", "attention_impl",
+                  "max_seq_len", "init_std", "embed_init_std")
+INFO_FILE = "pretrained.json"   # = pretrained.workdir.INFO_FILE (no import of that package)
+
+
+@dataclasses.dataclass(frozen=True)
+class InitSource:
+  path: str
+  step: int
+  new_params: tuple[str, ...]   # "/"-joined parameter paths the conversion added
+
+
+def _ignored_option(name: str) -> bool:
+  """Option fields that change no computation of a loaded model: inits, lr multipliers,
+  kernel/path choices."""
+  return (name.endswith(("_init", "_init_std", "_lr_mult")) or
+          name in ("chunk_size", "path", "fast_max_range", "block_size", "block"))
+
+
+def _saved_config(path: str, step: int | None) -> tuple[ml_collections.ConfigDict, int]:
+  from attn_jax.train.checkpoint import Checkpointer, _tuples
+  ckpt = Checkpointer(path, read_only=True)
+  try:
+    steps = sorted(ckpt.all_steps())
+    if not steps:
+      raise ValueError(f"config.train.init_from={path}: its checkpoints/ holds no step")
+    if step is not None and step not in steps:
+      raise ValueError(f"config.train.init_step={step}: {path} has steps {steps}")
+    step = steps[-1] if step is None else step
+    return ml_collections.ConfigDict(_tuples(ckpt.restore_meta(step)["config"])), step
+  finally:
+    ckpt.close()
+
+
+def architecture(model_cfg) -> dict[str, Any]:
+  """The fields of a model config that decide what its parameters compute (flat)."""
+  from attn_jax.config import ModelConfig
+  cfg = ModelConfig.from_config(model_cfg) if isinstance(
+      model_cfg, ml_collections.ConfigDict) else model_cfg
+  out = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
+         if f.name not in COMPUTE_FIELDS + ("options",)}
+  for spec in sorted({s.mixer for s in cfg.period}):
+    for k, v in dataclasses.asdict(cfg.options_for(spec)).items():
+      if not _ignored_option(k):
+        out[f"{spec}.{k}"] = v
+  return out
+
+
+def _describe(arch: dict) -> str:
+  return f"mixer={arch['mixer']}, d_model={arch['d_model']}, n_layers={arch['n_layers']}"
+
+
+def _check_architecture(config, saved, path: str) -> None:
+  want, have = architecture(config.model), architecture(saved.model)
+  diff = [f"{k} {have.get(k, '(absent)')!r} vs {want.get(k, '(absent)')!r}"
+          for k in sorted(want.keys() | have.keys()) if want.get(k) != have.get(k)]
+  if diff:
+    raise ValueError(f"config.train.init_from={path}: a run of another architecture (its model: "
+                     f"{_describe(have)}; config.model: {_describe(want)}; the run's vs "
+                     f"config.model: {', '.join(diff[:6])})")
+
+
+def _vocabulary(spec: str) -> tuple[str, dict | None, int]:
+  """(how to name it, token -> id table (None: bytes), size)."""
+  from attn_jax.data.tokenizer import get_tokenizer
+  tok = get_tokenizer(str(spec))
+  table = tok._tok.get_vocab(with_added_tokens=True) if hasattr(tok, "_tok") else None
+  return str(spec), table, int(tok.vocab_size)
+
+
+def _run_tokenizer(path: str, saved) -> str:
+  """The run's tokenizer: its own copy (a converted run's tokenizer.json) when the saved path
+  has moved, else the saved `data.tokenizer`."""
+  spec = str(saved.data.tokenizer)
+  own = os.path.join(path, "tokenizer.json")
+  if spec not in ("bytes", "byte", "") and not os.path.isfile(spec) and os.path.isfile(own):
+    return own
+  return spec
+
+
+def _check_vocabulary(config, saved, path: str) -> None:
+  data_spec = str(config.data.tokenizer)
+  run_spec = _run_tokenizer(path, saved)
+  d_name, d_table, d_n = _vocabulary(data_spec)
+  r_name, r_table, r_n = _vocabulary(run_spec)
+  if d_table == r_table and d_n == r_n:
+    return
+  what = "byte tokenizer" if d_table is None else f"{d_n} tokens"
+  theirs = "byte tokenizer" if r_table is None else f"{r_n} tokens"
+  detail = ""
+  if d_table is not None and r_table is not None:
+    differ = sorted(set(d_table.items()) ^ set(r_table.items()))
+    detail = f"; {len(differ)} token/id pairs differ, e.g. {differ[0]!r}" if differ else ""
+  raise ValueError(f"config.data.tokenizer={d_name} ({what}) is not the vocabulary of "
+                   f"config.train.init_from={path} (its tokenizer {r_name}, {theirs}{detail}): "
+                   "fine-tune with the run's tokenizer")
+
+
+def _new_params(path: str) -> tuple[str, ...]:
+  info = os.path.join(path, INFO_FILE)
+  if not os.path.isfile(info):
+    return ()
+  with open(info) as f:
+    return tuple(sorted(json.load(f).get("variant", {}).get("new", {})))
+
+
+def check(config: ml_collections.ConfigDict) -> InitSource | None:
+  """The init_from run (None without one), every check done (module docstring)."""
+  t = config.train
+  path, trainable = str(t.get("init_from", "") or ""), str(t.get("trainable", "all"))
+  if trainable not in TRAINABLE:
+    raise ValueError(f"config.train.trainable: {trainable!r} not in {TRAINABLE}")
+  if not path:
+    if trainable != "all":
+      raise ValueError(f"config.train.trainable={trainable!r} needs config.train.init_from (a "
+                       "converted run whose new parameters are listed)")
+    return None
+  if not os.path.isdir(os.path.join(path, "checkpoints")):
+    raise ValueError(f"config.train.init_from={path}: not a run directory (no checkpoints/)")
+  step = int(t.get("init_step", -1))
+  saved, step = _saved_config(path, None if step < 0 else step)
+  _check_architecture(config, saved, path)
+  _check_vocabulary(config, saved, path)
+  new = _new_params(path)
+  if trainable != "all" and not new:
+    raise ValueError(f"config.train.trainable={trainable!r}: config.train.init_from={path} "
+                     "lists no new parameters (its pretrained.json has none: only "
+                     "experiments/convert.py --mixer=... writes them); use 'all'")
+  return InitSource(os.path.abspath(path), step, new)
+
+
+def _path(keys) -> str:
+  return "/".join(str(getattr(k, "key", k)) for k in keys)
+
+
+def trainable_mask(config: ml_collections.ConfigDict, abstract_params) -> Any | None:
+  """A pure-dict tree of bools (True = trains) over the parameters, or None (all train)."""
+  from flax import nnx
+  trainable = str(config.train.get("trainable", "all"))
+  if trainable == "all":
+    return None
+  src = check(config)
+  new = set(src.new_params)
+
+  def trains(keys, var):
+    kind = var.get_metadata().get("kind")
+    return _path(keys) in new or (trainable == "new+norms" and kind == "norm")
+
+  is_var = lambda x: isinstance(x, nnx.Variable)
+  mask = jax.tree_util.tree_map_with_path(trains, abstract_params, is_leaf=is_var)
+  mask = nnx.to_pure_dict(mask) if isinstance(mask, nnx.State) else mask
+  n_train = sum(bool(x) for x in jax.tree.leaves(mask))
+  if not n_train:
+    raise ValueError(f"config.train.trainable={trainable!r}: no parameter of config.model is "
+                     f"among the new ones listed by {src.path}")
+  return mask
+
+
+def initial_state(config: ml_collections.ConfigDict, setup, fresh: dict) -> dict:
+  """`fresh` (the trainer's jitted init: sharded, optimizer state zero) with the init_from
+  run's parameters and non-trainable state put in, on the same shardings; `fresh` itself
+  without init_from."""
+  src = check(config)
+  if src is None:
+    return fresh
+  from flax import nnx
+
+  from attn_jax.train.checkpoint import load_for_inference
+  model, _, _ = load_for_inference(src.path, src.step)
+  _, params, rest = nnx.split(model, nnx.Param, ...)
+  for name, part in (("params", params), ("rest", rest)):
+    loaded = nnx.to_pure_dict(part)
+    fresh[name] = jax.tree.map(lambda new, old: jax.device_put(
+        np.asarray(new).astype(old.dtype), old.sharding), loaded, fresh[name])
+  mask = trainable_mask(config, nnx.state(model, nnx.Param))
+  n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(fresh["params"]))
+  n_train = n if mask is None else sum(
+      int(np.prod(x.shape)) for x, m in zip(jax.tree.leaves(fresh["params"]),
+                                            jax.tree.leaves(mask)) if m)
+  logging.info("init_from %s step %d: parameters loaded; training %s of %s parameters "
+               "(config.train.trainable=%r); optimizer state fresh (AdamW moments 0, step 0, "
+               "the LR schedule from its start)", src.path, src.step, f"{n_train:,}", f"{n:,}",
+               str(config.train.get("trainable", "all")))
+  return fresh
+
+
+def finetune_config(run: str, base: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """`base` (configs/base.py get_config() or a preset) set to fine-tune the run `run`: its
+  model (every field and mixer option of its saved config), its tokenizer, train.init_from =
+  `run`. The caller then sets the data, the steps and the optimizer."""
+  saved, _ = _saved_config(run, None)
+  config = ml_collections.ConfigDict(base.to_dict())
+  for key, value in saved.model.items():
+    config.model[key] = (ml_collections.ConfigDict(value.to_dict())
+                         if isinstance(value, ml_collections.ConfigDict) else value)
+  config.data.tokenizer = _run_tokenizer(run, saved)
+  config.train.init_from = str(run)
+  return config
