@@ -87,6 +87,10 @@ def get_config() -> ml_collections.ConfigDict:
   t.nonfinite_max_consecutive = 10  # skip: halt after this many non-finite steps in a row
   t.spike_window = 100           # loss-spike detector: running window of finite losses (0 = off)
   t.spike_threshold = 6.0        # spike: loss > mean + spike_threshold * std of the window
+  t.init_from = ""               # fine-tune: a run directory whose parameters start this run
+                                 # (experiments/convert.py or train.py; train/init_from.py)
+  t.init_step = -1               # its checkpoint step; -1 = the latest
+  t.trainable = "all"            # all | new (the parameters a conversion added) | new+norms
 
   o = c.optim = ml_collections.ConfigDict()
   o.lr = 6e-4

@@ -3,21 +3,26 @@
     a .gguf file | a Hugging Face folder (config.json) | a run directory (checkpoints/)
 
 and write it as any of a run directory (`workdir.write_workdir`), a Hugging Face folder
-(`loader.export_hf`) or a GGUF file (`loader.export_gguf`). Every input is read and every
-output's preconditions (exportable, tokenizer fits, target free) are checked before the first
-file is written.
+(`loader.export_hf`) or a GGUF file (`loader.export_gguf`). With `mixer`, the run directory
+holds the model converted into that attention variant, unchanged at step 0 (`variants.py`;
+the distance is measured and returned). Every input is read and every output's
+preconditions (exportable, tokenizer fits, target free, variant offered) are checked before
+the first file is written.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
+from typing import Any
 
 import ml_collections
 
 from attn_jax.pretrained import loader
 from attn_jax.pretrained.llama import PretrainedError, exportable_problem
+from attn_jax.pretrained.variants import VariantInit, check_variant, to_variant
 from attn_jax.pretrained.workdir import INFO_FILE, write_workdir
 
 
@@ -50,10 +55,17 @@ def load_run(workdir: str, step: int | None = None,
 def convert(src: str, *, workdir: str = "", hf_out: str = "", gguf_out: str = "",
             qtype: str = "F32", base_config: ml_collections.ConfigDict | None = None,
             tokenizer: str | None = None, dtype: str = "float32",
-            step: int | None = None) -> dict[str, str]:
-  """Reads `src`, writes each output asked for; returns {"workdir"|"hf"|"gguf": path}."""
+            step: int | None = None, mixer: str = "",
+            variant_init: VariantInit | None = None, seed: int = 0) -> dict[str, Any]:
+  """Reads `src`, writes each output asked for; returns {"workdir"|"hf"|"gguf": path} (and
+  "step0_rel_logit_diff" with `mixer`)."""
   if not (workdir or hf_out or gguf_out):
     raise PretrainedError("nothing to write: give workdir, hf_out or gguf_out")
+  if mixer:
+    check_variant(mixer)
+    if not workdir or hf_out or gguf_out:
+      raise PretrainedError(f"--mixer={mixer} writes a run directory (--workdir) only; export "
+                            "a fine-tuned variant from its run directory")
   if workdir and base_config is None:
     raise PretrainedError("a run directory needs a base config (configs/base.py get_config())")
   for out in (workdir, hf_out, gguf_out):
@@ -68,9 +80,14 @@ def convert(src: str, *, workdir: str = "", hf_out: str = "", gguf_out: str = ""
     raise PretrainedError(f"{src}: cannot export as Llama: {exportable_problem(pre.cfg)}")
   if workdir and pre.tokenizer is None:
     raise PretrainedError(f"{src}: no tokenizer to put in the run directory (pass one)")
-  written = {}
+  written: dict[str, Any] = {}
+  record = None
+  if mixer:
+    model, record = to_variant(pre.model, mixer, variant_init or VariantInit(), seed=seed)
+    pre = dataclasses.replace(pre, model=model)
+    written["step0_rel_logit_diff"] = record["step0"]["rel_logit_diff"]
   if workdir:
-    written["workdir"] = write_workdir(pre, workdir, base_config)
+    written["workdir"] = write_workdir(pre, workdir, base_config, variant=record)
   if hf_out:
     if pre.tokenizer is None:
       logging.warning("%s has no tokenizers JSON (byte tokenizer): the HF folder gets none", src)

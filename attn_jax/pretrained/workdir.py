@@ -5,7 +5,10 @@ notebook, `decode.generate` on the loaded model) reads it like any trained run:
     <workdir>/checkpoints/0/          orbax step 0: state {"params", "rest"} + meta {"config"}
     <workdir>/tokenizer.json          the checkpoint's tokenizer (config.data.tokenizer)
     <workdir>/tokenizer_config.json   its bos/eos token names (HFTokenizer's EOS: the checkpoint's)
-    <workdir>/pretrained.json         where it came from and its hyper-parameters
+    <workdir>/pretrained.json         where it came from and its hyper-parameters; for a
+                                      variant (`variants.to_variant`) also "variant": which
+                                      parameters came from the checkpoint, which are new (and
+                                      their init), which were expanded, the step-0 distance
 
 The config is the caller's base config (configs/base.py `get_config()`) with `model` set from
 the checkpoint and `data.tokenizer` pointing at the copied tokenizer (an absolute path: move
@@ -38,8 +41,10 @@ def run_config(pre: Pretrained, base: ml_collections.ConfigDict,
   """`base` with the model and tokenizer of `pre` (module docstring); validated."""
   from attn_jax.config import validate
   config = ml_collections.ConfigDict(base.to_dict())
-  fields = dataclasses.asdict(pre.cfg)
-  fields.pop("options")
+  fields = {f.name: getattr(pre.cfg, f.name) for f in dataclasses.fields(pre.cfg)}
+  for name, opts in fields.pop("options"):   # a variant's mixer options (sink logit, d_state)
+    for key, value in dataclasses.asdict(opts).items():
+      config.model[name][key] = tuple(value) if isinstance(value, list) else value
   for key, value in fields.items():
     config.model[key] = tuple(value) if isinstance(value, list) else value
   config.data.tokenizer = os.path.join(os.path.abspath(workdir), TOKENIZER_FILE)
@@ -49,13 +54,17 @@ def run_config(pre: Pretrained, base: ml_collections.ConfigDict,
   return config
 
 
-def write_workdir(pre: Pretrained, workdir: str, base: ml_collections.ConfigDict) -> str:
-  """Writes the run directory of `pre` (module docstring); returns its absolute path."""
+def write_workdir(pre: Pretrained, workdir: str, base: ml_collections.ConfigDict, *,
+                  variant: dict | None = None) -> str:
+  """Writes the run directory of `pre` (module docstring); returns its absolute path.
+  `variant`: the record of `variants.to_variant` when `pre.model` is a converted variant."""
   from attn_jax.train.checkpoint import Checkpointer, config_to_json
   config = run_config(pre, base, workdir)
   _, params, rest = nnx.split(pre.model, nnx.Param, ...)
   state = {"params": nnx.to_pure_dict(params), "rest": nnx.to_pure_dict(rest)}
   info = {"source": pre.source, "kind": pre.kind, "spec": dataclasses.asdict(pre.spec)}
+  if variant is not None:
+    info["variant"] = variant
   with staged_dir(workdir) as tmp:
     write_tokenizer(tmp, pre.tokenizer.to_str(),
                     special_names(pre.tokenizer, pre.spec) if pre.spec else {},

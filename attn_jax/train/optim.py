@@ -7,6 +7,10 @@ parameter names. Weight decay is the rule of the parameter's kind (`layers.PARAM
 and embeddings decayed; biases, norm scales, per-head scalars and learned inputs not); nothing
 is inferred from shapes, and a parameter without a declared kind is an error. lr multiplier
 default 1.
+
+`trainable` (a tree of bools, `train/init_from.trainable_mask`; None = all train): a frozen
+parameter's gradient is zeroed before clipping (so the clip norm is the trained parameters')
+and it gets no weight decay, so its Adam moments stay 0 and its update is exactly 0.
 """
 
 from __future__ import annotations
@@ -53,17 +57,24 @@ def scale_by_tree(multipliers: Any) -> optax.GradientTransformation:
       lambda u, m: u if m == 1.0 else u * jnp.asarray(m, u.dtype), updates, multipliers))
 
 
-def make_optimizer(config: ml_collections.ConfigDict, abstract_params: Any):
-  """Returns (optax transform, lr schedule). `abstract_params` is an nnx.State of Params."""
-  return optimizer_from_groups(config, *param_groups(abstract_params))
+def make_optimizer(config: ml_collections.ConfigDict, abstract_params: Any,
+                   trainable: Any = None):
+  """Returns (optax transform, lr schedule). `abstract_params` is an nnx.State of Params;
+  `trainable`: see the module docstring."""
+  return optimizer_from_groups(config, *param_groups(abstract_params), trainable=trainable)
 
 
-def optimizer_from_groups(config: ml_collections.ConfigDict, decay_mask: Any, lr_mult: Any):
+def optimizer_from_groups(config: ml_collections.ConfigDict, decay_mask: Any, lr_mult: Any,
+                          trainable: Any = None):
   """`make_optimizer`'s chain from explicit (decay mask, lr multiplier) trees, for parameters
   that are not nnx Params (a plain-JAX model trained with the same optimizer)."""
   o = config.optim
   sched = lr_schedule(o, config.train.steps)
-  chain = [optax.clip_by_global_norm(o.clip_norm)] if o.clip_norm > 0 else []
+  chain = []
+  if trainable is not None:
+    chain.append(optax.masked(optax.set_to_zero(), jax.tree.map(lambda t: not t, trainable)))
+    decay_mask = jax.tree.map(lambda d, t: bool(d and t), decay_mask, trainable)
+  chain += [optax.clip_by_global_norm(o.clip_norm)] if o.clip_norm > 0 else []
   chain += [
       optax.scale_by_adam(b1=o.b1, b2=o.b2, eps=o.eps),
       optax.add_decayed_weights(o.weight_decay, mask=decay_mask),

@@ -73,6 +73,7 @@ from attn_jax.train.checkpoint import (Checkpointer, CheckpointMismatchError,
                                        abstract_with_shardings, check_writable, config_to_json)
 from attn_jax.train.metrics import MetricWriter, flatten_metrics, row_steps
 from attn_jax.train.workdir import TB_LOCK, lock_tensorboard, lock_workdir
+from attn_jax.train import init_from
 from attn_jax.train.optim import make_optimizer
 from attn_jax.train.step import make_eval_step, make_train_step
 
@@ -104,7 +105,8 @@ def build_setup(config: ml_collections.ConfigDict, *, devices=None) -> Setup:
   rules = shd.config_rules(config)
   abs_model = nnx.eval_shape(lambda: build_model(cfg, seed=config.seed))
   graphdef, abs_params, abs_rest = nnx.split(abs_model, nnx.Param, ...)
-  tx, sched = make_optimizer(config, abs_params)   # per-parameter treatment from metadata
+  # per-parameter treatment from metadata; config.train.trainable may freeze some (init_from.py)
+  tx, sched = make_optimizer(config, abs_params, init_from.trainable_mask(config, abs_params))
 
   replicate = tuple(config.mesh.get("replicate_indivisible", ()))
   param_sh = shd.state_shardings(abs_params, mesh, rules, replicate_indivisible=replicate)
@@ -211,6 +213,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   `preempted` (the signal's name).
   """
   workdir = os.path.abspath(workdir)
+  init_from.check(config)       # config.train.init_from refused before anything is written
   lock = lock_workdir(workdir)  # process 0 only; creates workdir, names it when unusable
   os.makedirs(workdir, exist_ok=True)
   locks = [lock]
@@ -570,7 +573,9 @@ class _Run:
     """The latest checkpoint's state, data position and loss monitor, or a fresh state."""
     state = _restore(self.ckpt, self.setup, self.data_it, self.config)
     if state is None:
-      state, self.start = self.setup.init_fn(), 0
+      # a fresh init, or config.train.init_from's parameters with a fresh optimizer state
+      state = init_from.initial_state(self.config, self.setup, self.setup.init_fn())
+      self.start = 0
     else:
       self.start = int(state["step"])
       meta = self.ckpt.restore_meta(self.ckpt.restored_step)
