@@ -237,3 +237,27 @@ def test_trainable_new_needs_a_converted_run(llama_dir, tmp_path):
   with pytest.raises(ValueError, match="lists no new parameters"):
     train_and_evaluate(c, str(tmp_path / "ft"))
   assert not (tmp_path / "ft").exists()
+
+
+def test_new_lr_mult_scales_only_the_new_parameters(llama_dir, tmp_path):
+  """One AdamW step (no decay on the sink, a scalar): the sink logit moves new_lr_mult times
+  as far, every pretrained parameter exactly as far. (The sink starts at -2 here, so that its
+  gradient is far above Adam's eps and its update far above the rounding of its value.)"""
+  from attn_jax.pretrained.variants import VariantInit
+  from attn_jax.train.trainer import train_and_evaluate
+  run = convert(llama_dir, workdir=str(tmp_path / "sink"), base_config=base_config(),
+                mixer="sink_logit", variant_init=VariantInit(sink_init=-2.0))["workdir"]
+  data = text_file(tmp_path)
+  moved = {}
+  for mult in (1.0, 100.0):
+    c = finetune_config(run, data, new_lr_mult=mult)
+    c.train.steps = c.checkpoint.every_steps = 1
+    c.optim.update(lr=1e-3, weight_decay=0.0)
+    wd = str(tmp_path / f"ft{mult:g}")
+    train_and_evaluate(c, wd)
+    before, after = params_of(run), params_of(wd)
+    moved[mult] = {k: after[k] - before[k] for k in before}
+  sink = "blocks/layers/0/mixer/sink_logit"
+  np.testing.assert_allclose(moved[100.0][sink], 100.0 * moved[1.0][sink], rtol=1e-3)
+  assert np.abs(moved[1.0][sink]).max() > 0
+  np.testing.assert_array_equal(moved[100.0]["embed"], moved[1.0]["embed"])

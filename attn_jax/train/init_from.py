@@ -5,6 +5,7 @@ says which of them train.
     config.train.init_from = "runs/smollm2_sisa"   # "" = a fresh random init
     config.train.init_step = -1                    # its checkpoint step; -1 = the latest
     config.train.trainable = "all"                 # all | new | new+norms
+    config.train.new_lr_mult = 1.0                 # the new parameters' lr multiplier
 
 - The model is the config's (`config.model`), which must be the run's architecture: every
   model field and mixer option equal to the run's saved config except the compute settings
@@ -17,6 +18,10 @@ says which of them train.
   `variants.to_variant`); "new+norms": those and every norm scale (kind "norm"). Frozen
   parameters get a zero gradient before clipping and no weight decay, so their Adam moments
   stay 0 and their update is exactly 0 (the moments are still allocated: simple, not lean).
+- `new_lr_mult` multiplies the learning rate of the new parameters (on top of their own
+  `lr_mult` metadata): a sink logit that starts at -20 or a forget bias at 16 must travel
+  several units to matter, which a fine-tuning lr for pretrained weights (1e-4) cannot do in
+  a short run.
 - The optimizer state is fresh (AdamW moments 0, step 0, the LR schedule from its warm-up);
   the log says so. A workdir that holds a checkpoint resumes from it and ignores init_from.
 
@@ -193,6 +198,32 @@ def trainable_mask(config: ml_collections.ConfigDict, abstract_params) -> Any | 
     raise ValueError(f"config.train.trainable={trainable!r}: no parameter of config.model is "
                      f"among the new ones listed by {src.path}")
   return mask
+
+
+def lr_scale(config: ml_collections.ConfigDict, abstract_params) -> Any | None:
+  """A pure-dict tree of lr multipliers (`new_lr_mult` on the new parameters, 1 elsewhere), or
+  None when it is 1."""
+  from flax import nnx
+  mult = float(config.train.get("new_lr_mult", 1.0))
+  if not mult > 0:
+    raise ValueError(f"config.train.new_lr_mult: must be > 0, got {mult!r}")
+  if mult == 1.0:
+    return None
+  src = check(config)
+  if src is None or not src.new_params:
+    raise ValueError(f"config.train.new_lr_mult={mult:g} needs config.train.init_from (a "
+                     "converted run whose new parameters are listed)")
+  new = set(src.new_params)
+  is_var = lambda x: isinstance(x, nnx.Variable)
+  tree = jax.tree_util.tree_map_with_path(
+      lambda keys, var: mult if _path(keys) in new else 1.0, abstract_params, is_leaf=is_var)
+  return nnx.to_pure_dict(tree) if isinstance(tree, nnx.State) else tree
+
+
+def optimizer_groups(config: ml_collections.ConfigDict, abstract_params) -> tuple[Any, Any]:
+  """(trainable mask, lr scale) for `optim.make_optimizer` (each None when it changes
+  nothing)."""
+  return trainable_mask(config, abstract_params), lr_scale(config, abstract_params)
 
 
 def initial_state(config: ml_collections.ConfigDict, setup, fresh: dict) -> dict:

@@ -58,10 +58,14 @@ def scale_by_tree(multipliers: Any) -> optax.GradientTransformation:
 
 
 def make_optimizer(config: ml_collections.ConfigDict, abstract_params: Any,
-                   trainable: Any = None):
+                   trainable: Any = None, lr_scale: Any = None):
   """Returns (optax transform, lr schedule). `abstract_params` is an nnx.State of Params;
-  `trainable`: see the module docstring."""
-  return optimizer_from_groups(config, *param_groups(abstract_params), trainable=trainable)
+  `trainable`, `lr_scale` (a tree multiplying the lr multipliers; None = 1): see the module
+  docstring and train/init_from.py."""
+  decay_mask, lr_mult = param_groups(abstract_params)
+  if lr_scale is not None:
+    lr_mult = jax.tree.map(lambda a, b: float(a) * float(b), lr_mult, lr_scale)
+  return optimizer_from_groups(config, decay_mask, lr_mult, trainable=trainable)
 
 
 def optimizer_from_groups(config: ml_collections.ConfigDict, decay_mask: Any, lr_mult: Any,

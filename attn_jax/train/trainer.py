@@ -106,7 +106,7 @@ def build_setup(config: ml_collections.ConfigDict, *, devices=None) -> Setup:
   abs_model = nnx.eval_shape(lambda: build_model(cfg, seed=config.seed))
   graphdef, abs_params, abs_rest = nnx.split(abs_model, nnx.Param, ...)
   # per-parameter treatment from metadata; config.train.trainable may freeze some (init_from.py)
-  tx, sched = make_optimizer(config, abs_params, init_from.trainable_mask(config, abs_params))
+  tx, sched = make_optimizer(config, abs_params, *init_from.optimizer_groups(config, abs_params))
 
   replicate = tuple(config.mesh.get("replicate_indivisible", ()))
   param_sh = shd.state_shardings(abs_params, mesh, rules, replicate_indivisible=replicate)
