@@ -1,0 +1,1 @@
+"""Pallas kernels (TPU Mosaic, GPU Triton; the Pallas interpreter on CPU for tests)."""

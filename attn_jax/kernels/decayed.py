@@ -1,0 +1,530 @@
+"""Decayed flash attention: one Pallas kernel for SISA, FoX, ALiBi (and plain attention).
+
+With g_t a per-head cumulative log-decay (non-increasing along a document), the score of a
+visible pair (i, j) is
+
+    s_ij = scale q_i.k_j + [fox] (g_i - g_j) + [sisa] exp(g_i - g_j) (c_i . b_j)
+
+- SISA: c = lambda_h R(Phi_i) C_i, b = R(Phi_j) B_j (lambda folded into c by the caller, so
+  d lambda comes from c's cotangent by ordinary autodiff outside the kernel);
+- FoX: g = cumsum log f;  ALiBi: FoX with g_t = -slope_h * t (fixed, no gradient wanted).
+
+Every visible pair has g_i - g_j <= 0, so exp(g_i - g_j) <= 1 and nothing overflows at any
+length: each [bq, bk] score tile is formed from O(tile) inputs (the rows' q, g, c and the
+columns' k, g, b), with no reference point and no [T, T] tensor. A masked pair's difference
+may be positive (g restarts per document, or j > i on a diagonal tile); it is replaced by
+NEG_INF before the exponential, so its factor is 0, never inf.
+
+Visibility (as `core.positional_mask`): key j is visible to query i iff pos_j >= 0 (padding is
+-1), [causal] pos_j <= pos_i, [window W] pos_i - pos_j < W, and seg_j == seg_i or seg_j == 0
+(packed documents with the shared prefix). Tiles are *skipped* by index: the kernel is for
+one self-attention stream (T == S, positions increasing by one inside a document, padding -1),
+so a key after the query's index is never visible (causal) and one W or more indices before it
+is never visible (window). Positions decide the mask inside a visited tile.
+
+Forward (`_fwd_kernel`, grid [B, H, T / bq]): one query tile against its key tiles in a loop,
+online softmax in fp32 (row max floored at NEG_INF / 2, so a fully masked row has weight 0
+everywhere), returning the output and the row log-sum-exp lse (NEG_INF for a row that sees no
+key). Whole-head K, V, b sit in the kernel's memory (VMEM on TPU, loaded tile by tile from HBM
+on GPU), O(T) per head; the loop bounds skip tiles above the diagonal / outside the window.
+
+The sink logit (one extra softmax column with zero value) is *not* in the kernel: with the
+kernel's (o, lse) over the real keys, lse' = logaddexp(lse, sink_h) and o' = o exp(lse - lse')
+is the same softmax (`decayed_attention`), and d sink follows by autodiff. The kernel's
+custom VJP therefore takes a cotangent for lse as well: ds_ij = p_ij (dp_ij - D_i) with
+D_i = do_i . o_i - dlse_i.
+
+Backward (two kernels, as JAX's own GPU flash attention):
+- `_dq_kernel`, grid [B, H, T / bq], loop over key tiles: dq = scale ds k, dc = (ds e) b, and
+  the row part of dg, sum_j w_ij, with w = ds ([fox]) + ds e (c.b) ([sisa]);
+- `_dkv_kernel`, grid [B, H, T / bk], loop over query tiles: dv = p^T do, dk = scale ds^T q,
+  db = (ds e)^T c and the column part of dg, -sum_i w_ij. dk, dv are per query head and summed
+  over the G heads of a kv head (GQA) outside.
+The probabilities are recomputed from lse (fp32); residuals are the inputs, o and lse: O(T).
+
+Layout: heads first, every block's last two dims equal to the array's (TPU's (8, 128) rule is
+then met at any T and head dim): rows [B, H, nq, bq, D], per-row vectors [.., bq, 1],
+per-column vectors [.., nk, 1, bk]; T is padded to a multiple of the tiles (padded keys have
+position -1, padded queries are dropped).
+
+Inputs the kernel cannot take (`unsupported`): a head dim or block the target cannot tile, or
+T != S. Callers fall back to their blockwise path with one logged line naming why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from attn_jax import platform
+
+log = logging.getLogger(__name__)
+
+NEG_INF = -1e30
+_A_BT = (((1,), (1,)), ((), ()))    # a @ b.T
+_AT_B = (((0,), (0,)), ((), ()))    # a.T @ b
+DEFAULT_BLOCK = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+  """Static configuration of one kernel call (hashable: a `custom_vjp` nondiff argument)."""
+  scale: float
+  fox: bool            # add g_i - g_j to the logit
+  sisa: bool           # add exp(g_i - g_j) c_i . b_j (c, b given)
+  causal: bool
+  window: int | None
+  block_q: int
+  block_k: int
+  groups: int          # query heads per kv head (GQA)
+  interpret: bool
+
+
+class Rows(NamedTuple):
+  """A query tile's operands: q [bq, D], g / pos / seg [bq, 1], c [bq, ds] or None."""
+  q: jax.Array
+  g: jax.Array
+  c: jax.Array | None
+  pos: jax.Array
+  seg: jax.Array
+
+
+class Cols(NamedTuple):
+  """A key tile's operands: k [bk, D], v [bk, Dv], g / pos / seg [1, bk], b [bk, ds] or None."""
+  k: jax.Array
+  v: jax.Array
+  g: jax.Array
+  b: jax.Array | None
+  pos: jax.Array
+  seg: jax.Array
+
+
+def _dot(a, b, dims=None):
+  return lax.dot_general(a, b, dims or (((1,), (0,)), ((), ())),
+                         preferred_element_type=jnp.float32)
+
+
+def _tile(spec: Spec, r: Rows, c: Cols):
+  """Scores of one tile, [bq, bk] fp32, masked with NEG_INF; with the visibility, the decay
+  factor e = exp(g_i - g_j) (0 where masked) and c.b (SISA only, else None)."""
+  s = _dot(r.q, c.k, _A_BT) * spec.scale
+  vis = (c.pos >= 0) & ((c.seg == r.seg) | (c.seg == 0))
+  if spec.causal:
+    vis = vis & (c.pos <= r.pos)
+  if spec.window is not None:
+    vis = vis & (r.pos - c.pos < spec.window)
+  dg = r.g - c.g
+  e = cb = None
+  if spec.fox:
+    s = s + dg
+  if spec.sisa:
+    e = jnp.exp(jnp.where(vis, dg, NEG_INF))
+    cb = _dot(r.c, c.b, _A_BT)
+    s = s + e * cb
+  return jnp.where(vis, s, NEG_INF), vis, e, cb
+
+
+def _key_range(spec: Spec, i, nk: int):
+  """Key tiles [lo, hi) that query tile i may see (index skipping, module docstring)."""
+  bq, bk = spec.block_q, spec.block_k
+  hi = jnp.minimum(nk, ((i + 1) * bq - 1) // bk + 1) if spec.causal else nk
+  lo = 0
+  if spec.window is not None:
+    lo = jnp.maximum(0, (i * bq - spec.window + 1) // bk)
+  return lo, hi
+
+
+def _query_range(spec: Spec, j, nq: int):
+  """Query tiles [lo, hi) that may see key tile j."""
+  bq, bk = spec.block_q, spec.block_k
+  lo = (j * bk) // bq if spec.causal else 0
+  hi = nq
+  if spec.window is not None:
+    hi = jnp.minimum(nq, ((j + 1) * bk - 1 + spec.window - 1) // bq + 1)
+  return lo, hi
+
+
+def _split(spec: Spec, refs, names):
+  """Name a kernel's refs in the order `_operands` lays them out (c / b only for SISA)."""
+  names = [n for n in names if spec.sisa or n not in ("c", "b")]
+  return dict(zip(names, refs)), refs[len(names):]
+
+
+_ROW_NAMES = ("q", "g", "c", "pos", "seg")
+_COL_NAMES = ("k", "v", "kg", "b", "kpos", "kseg")
+
+
+def _cols_at(spec: Spec, x, j) -> Cols:
+  """Key tile j from whole-head column refs ([nk, ...])."""
+  return Cols(x["k"][j], x["v"][j], x["kg"][j], x["b"][j] if spec.sisa else None,
+              x["kpos"][j], x["kseg"][j])
+
+
+def _rows_at(spec: Spec, x, i=None) -> Rows:
+  """The query tile (refs of one tile), or tile i of whole-head row refs ([nq, ...])."""
+  at = (lambda r: r[...]) if i is None else (lambda r: r[i])
+  return Rows(at(x["q"]), at(x["g"]), at(x["c"]) if spec.sisa else None, at(x["pos"]),
+              at(x["seg"]))
+
+
+# ---------------------------------------------------------------- kernels
+
+def _fwd_kernel(spec: Spec, nk: int, *refs):
+  x, rest = _split(spec, refs, _ROW_NAMES + _COL_NAMES)
+  o_ref, lse_ref = rest
+  r = _rows_at(spec, x)
+  bq, dv = r.q.shape[0], o_ref.shape[-1]
+  lo, hi = _key_range(spec, pl.program_id(2), nk)
+
+  def body(j, carry):
+    m, l, acc = carry
+    c = _cols_at(spec, x, j)
+    s, _, _, _ = _tile(spec, r, c)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
+    alpha = jnp.exp(m - m_new)
+    p = jnp.exp(s - m_new)
+    l = alpha * l + jnp.sum(p, axis=1, keepdims=True)
+    acc = alpha * acc + _dot(p.astype(c.v.dtype), c.v)
+    return m_new, l, acc
+
+  init = (jnp.full((bq, 1), NEG_INF / 2, jnp.float32), jnp.zeros((bq, 1), jnp.float32),
+          jnp.zeros((bq, dv), jnp.float32))
+  m, l, acc = lax.fori_loop(lo, hi, body, init)
+  seen = l > 0
+  safe = jnp.where(seen, l, 1.0)
+  o_ref[...] = jnp.where(seen, acc / safe, 0.0).astype(o_ref.dtype)
+  lse_ref[...] = jnp.where(seen, m + jnp.log(safe), NEG_INF)
+
+
+def _probs(spec: Spec, r: Rows, c: Cols, lse, delta, do):
+  """Recomputed p, ds = p (dp - D), e and c.b of a tile (backward)."""
+  s, vis, e, cb = _tile(spec, r, c)
+  p = jnp.where(vis, jnp.exp(s - lse), 0.0)
+  ds = p * (_dot(do, c.v, _A_BT) - delta)
+  return p, ds, e, cb
+
+
+def _decay_weight(spec: Spec, ds, e, cb):
+  """w = d L / d (g_i - g_j) per pair: ds (FoX) + ds e c.b (SISA)."""
+  w = ds if spec.fox else None
+  if spec.sisa:
+    t = ds * e * cb
+    w = t if w is None else w + t
+  return w
+
+
+def _dq_kernel(spec: Spec, nk: int, *refs):
+  x, rest = _split(spec, refs, _ROW_NAMES + _COL_NAMES)
+  do_ref, lse_ref, delta_ref = rest[:3]
+  dq_ref, dg_ref = rest[3:5]
+  dc_ref = rest[5] if spec.sisa else None
+  r = _rows_at(spec, x)
+  do, lse, delta = do_ref[...], lse_ref[...], delta_ref[...]
+  lo, hi = _key_range(spec, pl.program_id(2), nk)
+
+  def body(j, carry):
+    dq, dg, dc = carry
+    c = _cols_at(spec, x, j)
+    _, ds, e, cb = _probs(spec, r, c, lse, delta, do)
+    dq = dq + _dot(ds.astype(c.k.dtype), c.k)
+    w = _decay_weight(spec, ds, e, cb)
+    if w is not None:
+      dg = dg + jnp.sum(w, axis=1, keepdims=True)
+    if spec.sisa:
+      dc = dc + _dot((ds * e).astype(c.b.dtype), c.b)
+    return dq, dg, dc
+
+  bq = r.q.shape[0]
+  init = (jnp.zeros(r.q.shape, jnp.float32), jnp.zeros((bq, 1), jnp.float32),
+          jnp.zeros(r.c.shape, jnp.float32) if spec.sisa else jnp.zeros((), jnp.float32))
+  dq, dg, dc = lax.fori_loop(lo, hi, body, init)
+  dq_ref[...] = (dq * spec.scale).astype(dq_ref.dtype)
+  dg_ref[...] = dg
+  if spec.sisa:
+    dc_ref[...] = dc.astype(dc_ref.dtype)
+
+
+_KEY_NAMES = ("k", "v", "kg", "b", "kpos", "kseg")
+
+
+def _dkv_kernel(spec: Spec, nq: int, *refs):
+  y, refs = _split(spec, refs, _KEY_NAMES)
+  x, rest = _split(spec, refs, _ROW_NAMES)
+  do_ref, lse_ref, delta_ref = rest[:3]
+  dk_ref, dv_ref, dg_ref = rest[3:6]
+  db_ref = rest[6] if spec.sisa else None
+  c = Cols(y["k"][...], y["v"][...], y["kg"][...], y["b"][...] if spec.sisa else None,
+           y["kpos"][...], y["kseg"][...])
+  lo, hi = _query_range(spec, pl.program_id(2), nq)
+
+  def body(i, carry):
+    dk, dv, dg, db = carry
+    r = _rows_at(spec, x, i)
+    do = do_ref[i]
+    p, ds, e, cb = _probs(spec, r, c, lse_ref[i], delta_ref[i], do)
+    dv = dv + _dot(p.astype(do.dtype), do, _AT_B)
+    dk = dk + _dot(ds.astype(r.q.dtype), r.q, _AT_B)
+    w = _decay_weight(spec, ds, e, cb)
+    if w is not None:
+      dg = dg - jnp.sum(w, axis=0, keepdims=True)
+    if spec.sisa:
+      db = db + _dot((ds * e).astype(r.c.dtype), r.c, _AT_B)
+    return dk, dv, dg, db
+
+  bk = c.k.shape[0]
+  init = (jnp.zeros(c.k.shape, jnp.float32), jnp.zeros(c.v.shape, jnp.float32),
+          jnp.zeros((1, bk), jnp.float32),
+          jnp.zeros(c.b.shape, jnp.float32) if spec.sisa else jnp.zeros((), jnp.float32))
+  dk, dv, dg, db = lax.fori_loop(lo, hi, body, init)
+  dk_ref[...] = (dk * spec.scale).astype(dk_ref.dtype)
+  dv_ref[...] = dv.astype(dv_ref.dtype)
+  dg_ref[...] = dg
+  if spec.sisa:
+    db_ref[...] = db.astype(db_ref.dtype)
+
+
+# ---------------------------------------------------------------- layout
+
+class Operands(NamedTuple):
+  """Kernel-layout operands (module docstring): heads first, tiled along time."""
+  q: jax.Array      # [B, H, nq, bq, D]
+  g: jax.Array      # [B, H, nq, bq, 1] fp32
+  c: jax.Array | None   # [B, H, nq, bq, ds]
+  pos: jax.Array    # [B, nq, bq, 1] int32
+  seg: jax.Array    # [B, nq, bq, 1] int32
+  k: jax.Array      # [B, K, nk, bk, D]
+  v: jax.Array      # [B, K, nk, bk, Dv]
+  kg: jax.Array     # [B, H, nk, 1, bk] fp32
+  b: jax.Array | None   # [B, H, nk, bk, ds]
+  kpos: jax.Array   # [B, nk, 1, bk]
+  kseg: jax.Array   # [B, nk, 1, bk]
+
+
+def _tiles(x_BTHD, n: int, bt: int):
+  """[B, T, H, D] (T = n bt) -> [B, H, n, bt, D]."""
+  B, T, H, D = x_BTHD.shape
+  return x_BTHD.transpose(0, 2, 1, 3).reshape(B, H, n, bt, D)
+
+
+def _untile(x_BHNTD, T: int):
+  """Inverse of `_tiles`, cropped to T steps: [B, T, H, D]."""
+  B, H, n, bt, D = x_BHNTD.shape
+  return x_BHNTD.reshape(B, H, n * bt, D)[:, :, :T].transpose(0, 2, 1, 3)
+
+
+def _operands(spec: Spec, q, k, v, g, c, b, pos, seg) -> Operands:
+  """Pad T to a multiple of both tiles (keys at position -1) and lay the operands out."""
+  bq, bk = spec.block_q, spec.block_k
+  B, T = q.shape[:2]
+  tile = bq * bk // _gcd(bq, bk)
+  Tp = -(-T // tile) * tile
+  nq, nk = Tp // bq, Tp // bk
+  pad = Tp - T
+  tpad = lambda x, val=0: jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2),
+                                  constant_values=val)
+  q, k, v, pos, seg = tpad(q), tpad(k), tpad(v), tpad(pos, -1), tpad(seg, -1)
+  g = jnp.pad(g.astype(jnp.float32), ((0, 0), (0, pad), (0, 0)), mode="edge")
+  gH = g.transpose(0, 2, 1)                                            # [B, H, Tp]
+  return Operands(
+      q=_tiles(q, nq, bq), g=gH.reshape(B, -1, nq, bq, 1),
+      c=None if c is None else _tiles(tpad(c), nq, bq),
+      pos=pos.reshape(B, nq, bq, 1), seg=seg.reshape(B, nq, bq, 1),
+      k=_tiles(k, nk, bk), v=_tiles(v, nk, bk), kg=gH.reshape(B, -1, nk, 1, bk),
+      b=None if b is None else _tiles(tpad(b), nk, bk),
+      kpos=pos.reshape(B, nk, 1, bk), kseg=seg.reshape(B, nk, 1, bk))
+
+
+def _gcd(a: int, b: int) -> int:
+  while b:
+    a, b = b, a % b
+  return a
+
+
+def _full(x, lead):
+  """BlockSpec of x's whole trailing dims at grid index (b, h[, ...]): `lead` maps the grid to
+  the leading indices."""
+  shape = (None,) * len(lead(0, 0, 0)) + x.shape[len(lead(0, 0, 0)):]
+  zeros = (0,) * (x.ndim - len(lead(0, 0, 0)))
+  return pl.BlockSpec(shape, lambda b, h, i: lead(b, h, i) + zeros)
+
+
+def _tile_spec(x, lead):
+  """BlockSpec of one tile (grid axis 2 indexes the tile axis after `lead`)."""
+  nlead = len(lead(0, 0, 0))
+  shape = (None,) * (nlead + 1) + x.shape[nlead + 1:]
+  zeros = (0,) * (x.ndim - nlead - 1)
+  return pl.BlockSpec(shape, lambda b, h, i: lead(b, h, i) + (i,) + zeros)
+
+
+def _specs(spec: Spec, ops: Operands, rows_tiled: bool):
+  """(arrays, BlockSpecs) of the row and column operands: one tile of the tiled side, the
+  whole head of the other."""
+  G = spec.groups
+  per_head = lambda b, h, i: (b, h)
+  per_kv = lambda b, h, i: (b, h // G)
+  per_row = lambda b, h, i: (b,)
+  row = _tile_spec if rows_tiled else _full
+  col = _full if rows_tiled else _tile_spec
+  rows = [(ops.q, row, per_head), (ops.g, row, per_head), (ops.c, row, per_head),
+          (ops.pos, row, per_row), (ops.seg, row, per_row)]
+  cols = [(ops.k, col, per_kv), (ops.v, col, per_kv), (ops.kg, col, per_head),
+          (ops.b, col, per_head), (ops.kpos, col, per_row), (ops.kseg, col, per_row)]
+  items = rows + cols if rows_tiled else cols + rows   # the dkv kernel reads keys first
+  items = [it for it in items if it[0] is not None]
+  return [a for a, _, _ in items], [f(a, lead) for a, f, lead in items]
+
+
+def _call(spec: Spec, kernel, grid, ins, in_specs, outs, out_specs):
+  return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs,
+                        out_shape=outs, interpret=spec.interpret)(*ins)
+
+
+def _forward(spec: Spec, ops: Operands):
+  B, H, nq, bq, _ = ops.q.shape
+  nk, Dv = ops.k.shape[2], ops.v.shape[-1]
+  ins, in_specs = _specs(spec, ops, rows_tiled=True)
+  outs = (jax.ShapeDtypeStruct((B, H, nq, bq, Dv), ops.q.dtype),
+          jax.ShapeDtypeStruct((B, H, nq, bq, 1), jnp.float32))
+  lead = lambda b, h, i: (b, h)
+  out_specs = (_tile_spec(outs[0], lead), _tile_spec(outs[1], lead))
+  return _call(spec, functools.partial(_fwd_kernel, spec, nk), (B, H, nq), ins, in_specs,
+               outs, out_specs)
+
+
+def _backward(spec: Spec, ops: Operands, do, lse, delta):
+  """(dq, dg_row, dc) [row layout], (dk, dv, dg_col, db) [per query head, column layout]."""
+  B, H, nq, bq, D = ops.q.shape
+  nk, bk, Dv = ops.k.shape[2], ops.k.shape[3], ops.v.shape[-1]
+  lead = lambda b, h, i: (b, h)
+  f32 = jnp.float32
+  # dq pass: tiles of queries
+  ins, in_specs = _specs(spec, ops, rows_tiled=True)
+  extra = (do, lse, delta)
+  ins += list(extra)
+  in_specs += [_tile_spec(a, lead) for a in extra]
+  outs = [jax.ShapeDtypeStruct(ops.q.shape, ops.q.dtype),
+          jax.ShapeDtypeStruct((B, H, nq, bq, 1), f32)]
+  if spec.sisa:
+    outs.append(jax.ShapeDtypeStruct(ops.c.shape, ops.c.dtype))
+  row_grads = _call(spec, functools.partial(_dq_kernel, spec, nk), (B, H, nq), ins, in_specs,
+                    tuple(outs), tuple(_tile_spec(o, lead) for o in outs))
+  # dkv pass: tiles of keys, per query head
+  ins, in_specs = _specs(spec, ops, rows_tiled=False)
+  ins += list(extra)
+  in_specs += [_full(a, lead) for a in extra]
+  outs = [jax.ShapeDtypeStruct((B, H, nk, bk, D), ops.k.dtype),
+          jax.ShapeDtypeStruct((B, H, nk, bk, Dv), ops.v.dtype),
+          jax.ShapeDtypeStruct((B, H, nk, 1, bk), f32)]
+  if spec.sisa:
+    outs.append(jax.ShapeDtypeStruct(ops.b.shape, ops.b.dtype))
+  col_grads = _call(spec, functools.partial(_dkv_kernel, spec, nq), (B, H, nk), ins, in_specs,
+                    tuple(outs), tuple(_tile_spec(o, lead) for o in outs))
+  return row_grads, col_grads
+
+
+# ---------------------------------------------------------------- custom VJP
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attend(spec: Spec, q, k, v, g, c, b, pos, seg):
+  """(o [B, T, H, Dv] in q's dtype, lse [B, T, H] fp32) over the real keys (no sink)."""
+  return _attend_fwd(spec, q, k, v, g, c, b, pos, seg)[0]
+
+
+def _attend_fwd(spec, q, k, v, g, c, b, pos, seg):
+  T = q.shape[1]
+  ops = _operands(spec, q, k, v, g, c, b, pos, seg)
+  o, lse = _forward(spec, ops)
+  out = (_untile(o, T), _untile(lse, T)[..., 0])
+  return out, (q, k, v, g, c, b, pos, seg, o, lse)
+
+
+def _attend_bwd(spec, res, cts):
+  q, k, v, g, c, b, pos, seg, o, lse = res
+  do_BTHE, dlse_BTH = cts
+  B, T, H, D = q.shape
+  K = k.shape[2]
+  ops = _operands(spec, q, k, v, g, c, b, pos, seg)
+  nq, bq = ops.q.shape[2], ops.q.shape[3]
+  do = _tiles(jnp.pad(do_BTHE, ((0, 0), (0, nq * bq - T), (0, 0), (0, 0))), nq, bq)
+  dlse = _tiles(jnp.pad(dlse_BTH.astype(jnp.float32)[..., None],
+                        ((0, 0), (0, nq * bq - T), (0, 0), (0, 0))), nq, bq)
+  delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1,
+                  keepdims=True) - dlse
+  (dq, dg_row, *dc), (dk, dv, dg_col, *db) = _backward(spec, ops, do.astype(o.dtype), lse,
+                                                      delta)
+  dq = _untile(dq, T)
+  dg = (_untile(dg_row, T)[..., 0]
+        + dg_col.reshape(B, H, -1)[:, :, :T].transpose(0, 2, 1))
+  group = lambda x: x.reshape(B, T, K, H // K, x.shape[-1]).sum(3)
+  dk = group(_untile(dk, T).astype(jnp.float32)).astype(k.dtype)
+  dv = group(_untile(dv, T).astype(jnp.float32)).astype(v.dtype)
+  dc = _untile(dc[0], T).astype(c.dtype) if spec.sisa else None
+  db = _untile(db[0], T).astype(b.dtype) if spec.sisa else None
+  return dq, dk, dv, dg.astype(g.dtype), dc, db, None, None
+
+
+_attend.defvjp(_attend_fwd, _attend_bwd)
+
+
+# ---------------------------------------------------------------- public entry
+
+def unsupported(q_shape, k_shape, v_shape, *, block_q: int = DEFAULT_BLOCK,
+                block_k: int = DEFAULT_BLOCK, plat: str | None = None) -> str | None:
+  """Why the kernel cannot take these shapes on platform `plat` (None: it can)."""
+  plat = platform.current() if plat is None else platform.normalize(plat)
+  B, T, H, D = q_shape
+  if k_shape[1] != T:
+    return f"the kernel is for self-attention (T == S), got T {T}, S {k_shape[1]}"
+  if H % k_shape[2]:
+    return f"{H} query heads are not a multiple of {k_shape[2]} kv heads"
+  if plat == "tpu":
+    if block_q % 8 or block_k % 128:
+      return f"TPU tiles need block_q % 8 == 0 and block_k % 128 == 0, got {block_q}, {block_k}"
+  if plat == "gpu":
+    p2 = lambda n: n > 0 and n & (n - 1) == 0
+    for name, n in (("head dim", D), ("value head dim", v_shape[-1]), ("block_q", block_q),
+                    ("block_k", block_k)):
+      if not p2(n) or n < 16:
+        return f"Triton tiles need powers of two >= 16: {name} is {n}"
+  return None
+
+
+def decayed_attention(q_BTHD, k_BTKD, v_BTKE, *, scale: float, g_BTH=None, c_BTHS=None,
+                      b_BTHS=None, fox: bool = False, causal: bool = True,
+                      window: int | None = None, positions_BT=None, segment_ids_BT=None,
+                      sink_logit_H=None, block_q: int = DEFAULT_BLOCK,
+                      block_k: int = DEFAULT_BLOCK, interpret: bool | None = None):
+  """Decayed attention through the kernel (module docstring): [B, T, H, Dv] in q's dtype.
+
+  g_BTH: cumulative log-decay (fp32; None: no decay). fox: add g_i - g_j to the logit.
+  c_BTHS / b_BTHS: SISA's query / key factors (lambda folded into c). positions_BT: None =
+  0..T-1; -1 marks padding. segment_ids_BT: packed documents (0 = shared prefix). sink_logit_H:
+  the extra softmax column. interpret: run the Pallas interpreter (default: on CPU)."""
+  B, T, H, _ = q_BTHD.shape
+  sisa = c_BTHS is not None
+  if sisa != (b_BTHS is not None):
+    raise ValueError("c and b come together (SISA) or not at all")
+  if (fox or sisa) and g_BTH is None:
+    raise ValueError("fox / SISA need the cumulative log-decay g_BTH")
+  if interpret is None:
+    interpret = platform.current() == "cpu"
+  g = jnp.zeros((B, T, H), jnp.float32) if g_BTH is None else g_BTH
+  pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T)) if positions_BT is None \
+      else positions_BT.astype(jnp.int32)
+  seg = jnp.ones((B, T), jnp.int32) if segment_ids_BT is None else segment_ids_BT.astype(
+      jnp.int32)
+  spec = Spec(float(scale), bool(fox), sisa, bool(causal), window, int(block_q), int(block_k),
+              H // k_BTKD.shape[2], bool(interpret))
+  o, lse = _attend(spec, q_BTHD, k_BTKD, v_BTKE, g, c_BTHS, b_BTHS, pos, seg)
+  if sink_logit_H is None:
+    return o
+  sink = sink_logit_H.astype(jnp.float32)[None, None, :]
+  total = jnp.logaddexp(lse, sink)
+  return (o.astype(jnp.float32) * jnp.exp(lse - total)[..., None]).astype(o.dtype)
