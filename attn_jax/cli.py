@@ -44,6 +44,8 @@ from typing import Callable
 
 from absl import app, flags
 
+from attn_jax import native_logs
+
 DEBUG_ENV = "ATTN_JAX_DEBUG"
 USER_ERROR, DIVERGED = 2, 3
 
@@ -178,3 +180,9 @@ def guarded(main: Callable) -> Callable:
 def run(main: Callable, **kwargs) -> None:
   """`absl.app.run(main, **kwargs)` with `guarded` error handling."""
   app.run(guarded(main), **kwargs)
+
+
+# Entry points import this module before anything that imports JAX: JAX and its plugins start
+# here, their native start-up lines filtered (`native_logs`), unless ATTN_JAX_DEBUG is set.
+if os.environ.get(DEBUG_ENV, "").strip().lower() in ("", "0", "false", "no"):
+  native_logs.start_jax_quietly()

@@ -1,0 +1,79 @@
+"""Drop the start-up chatter native libraries write to the process's stderr.
+
+With the compile-only targets installed (`pip install -e '.[targets]'`), loading JAX's CUDA
+plugin on a machine without a GPU writes INFO lines from C++ straight to file descriptor 2
+("Could not find cuda drivers on your machine", "All log messages before absl::InitializeLog()
+is called are written to STDERR"), and creating a TPU topology without a TPU writes warnings
+about TPU_ACCELERATOR_TYPE. They are not errors and no Python logging filter sees them, but
+they break the entry points' promise that a mistake is one line on stderr.
+
+`filtered()` runs a block with fd 2 redirected to a temporary file, then writes back every line
+that is not one of the known start-up lines (`NOISE`): anything else, a real error included,
+still reaches stderr, only later (when the block ends).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import sys
+import tempfile
+from typing import Iterator
+
+NOISE = tuple(re.compile(p) for p in (
+    r"All log messages before absl::InitializeLog\(\) is called are written to STDERR",
+    r"cudart_stub\.cc:\d+\] Could not find cuda drivers",
+    r"TPU_ACCELERATOR_TYPE|TPU_WORKER_HOSTNAMES|TPU_SKIP_MDS_QUERY|TPU_HOST_BOUNDS",
+    r"Failed to get TPU metadata|GetTpuMetadata|tpu_metadata|Source Location Trace",
+    r"libtpu_init_utils\.cc|=== Source Location Trace: ===",
+))
+
+
+def is_noise(line: str) -> bool:
+  return any(p.search(line) for p in NOISE)
+
+
+@contextlib.contextmanager
+def filtered() -> Iterator[None]:
+  """Within the block, native writes to fd 2 are held; known start-up lines are dropped after
+  it (module docstring). A no-op where fd 2 cannot be duplicated."""
+  try:
+    sys.stderr.flush()
+    saved = os.dup(2)
+  except (OSError, ValueError):
+    yield
+    return
+  with tempfile.TemporaryFile() as tmp:
+    os.dup2(tmp.fileno(), 2)
+    try:
+      yield
+    finally:
+      try:
+        sys.stderr.flush()
+      except (OSError, ValueError):
+        pass
+      os.dup2(saved, 2)
+      os.close(saved)
+      tmp.seek(0)
+      kept = [ln for ln in tmp.read().decode(errors="replace").splitlines()
+              if ln.strip() and not is_noise(ln)]
+      if kept:
+        sys.stderr.write("\n".join(kept) + "\n")
+        sys.stderr.flush()
+
+
+def start_jax_quietly() -> None:
+  """Import JAX and register its PJRT plugins now, with their start-up chatter filtered
+  (importing JAX loads the CUDA plugin's libraries; JAX registers plugins lazily on first
+  backend use). Registration creates no device client, so `jax.distributed.initialize` may
+  still come after. The registration uses JAX's private hook where this JAX has it."""
+  with filtered():
+    import jax  # noqa: F401
+    try:
+      from jax._src import xla_bridge as xb
+    except ImportError:
+      return
+    register = getattr(xb, "_discover_and_register_pjrt_plugins", None)
+    if register is not None and not getattr(xb, "_plugins_registered", True):
+      register()

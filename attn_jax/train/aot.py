@@ -1,0 +1,258 @@
+"""Compile a config's programs for a hardware target it is not running on, and report them.
+
+`compile_for_target(config, "v5e-8")` builds the config's mesh over the target's compile-only
+devices (`attn_jax.targets`) and compiles, with the trainer's own `build_setup`, the programs a
+run executes:
+
+  train    the train step, exactly as the trainer compiles it (`trainer.compile_step`), for the
+           config's batch geometry [grad_accum, global_batch_size, seq_len];
+  eval     the held-out step (`step.make_eval_step`) on one [global_batch_size, seq_len] batch;
+  prefill  `decode.prefill` of a [global_batch_size, seq_len] prompt into states of capacity
+           seq_len + DECODE_NEW;
+  decode   `decode.decode_step`: one token per row against those states.
+
+Nothing is allocated or run. For each program the report gives XLA's memory analysis per device
+(`train/memory.py`: arguments + outputs - donated + temporaries + code), the compile time, the
+kernels (custom calls: cuDNN attention, Mosaic/Pallas, Triton, cuBLAS), the collectives and
+any [.., T, T] buffer at the training length T. Ops are counted as they appear in the compiled
+program text: an op inside a loop body (the scan over layers, the micro-batch loop) counts once,
+not once per iteration. The train step's fit is judged against the target's usable memory
+(`Target.usable_bytes`) with `memory.check_fit`'s headroom; when it does not fit, the largest
+micro-batch that does (`memory.pick_micro_batch`, what `train.auto_microbatch` would pick) is
+searched for and named.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import re
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from flax import nnx
+
+from attn_jax import decode, sharding as shd, targets as targets_lib
+from attn_jax.train import memory, trainer
+from attn_jax.train.step import make_eval_step
+
+DECODE_NEW = 128   # decoding capacity beyond the prompt
+
+# custom-call target (regex) -> the name the report gives it
+KERNELS = (
+    (r"__cudnn\$fmha\w*Backward", "cuDNN attention bwd"),
+    (r"__cudnn\$fmha\w*", "cuDNN attention fwd"),
+    (r"tpu_custom_call", "Mosaic (Pallas TPU)"),
+    (r"__gpu\$xla\.gpu\.triton", "Triton (Pallas GPU)"),
+    (r"__cublas\$lt\$matmul\w*|__cublas\$gemm", "cuBLAS GEMM"),
+)
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+_CALL_RE = re.compile(r'custom_call_target="([^"]+)"')
+_MOSAIC_NAME_RE = re.compile(r'kernel_name\\?"?\s*[:=]\s*\\?"([\w.-]+)')
+
+
+@dataclasses.dataclass
+class Program:
+  """One compiled program: its memory analysis, compile time and what is inside."""
+  name: str
+  shape: str
+  compile_s: float
+  memory: Any
+  kernels: dict[str, int]
+  collectives: dict[str, int]
+  tt_buffers: list[str]
+
+  @property
+  def needed(self) -> int:
+    return memory.needed_bytes(self.memory)
+
+
+def kernels_in(text: str) -> dict[str, int]:
+  """Custom calls of a compiled program, by report name (KERNELS; others by their target)."""
+  out: collections.Counter = collections.Counter()
+  for target in _CALL_RE.findall(text):
+    name = next((n for pat, n in KERNELS if re.fullmatch(pat, target)), target)
+    out[name] += 1
+  names = sorted(set(_MOSAIC_NAME_RE.findall(text)))
+  if names and "Mosaic (Pallas TPU)" in out:
+    out[f"Mosaic kernels: {', '.join(names)}"] = len(names)
+  return dict(out)
+
+
+def collectives_in(text: str) -> dict[str, int]:
+  """Collective ops of a compiled program (async pairs counted once, at their start)."""
+  out = {}
+  for op in COLLECTIVES:
+    n = len(re.findall(rf"\s{op}(?:-start)?\(", text))
+    if n:
+      out[op] = n
+  return out
+
+
+def square_buffers(text: str, T: int) -> list[str]:
+  """Shapes in the program whose last two dimensions are both T (a materialised [.., T, T])."""
+  pat = re.compile(rf"\b(?:f32|bf16|f16|pred|s32|f64)\[(?:\d+,)*{T},{T}\]")
+  return sorted(set(pat.findall(text)))
+
+
+def _program(name: str, shape: str, compile: Callable[[], Any], T: int) -> Program:
+  t0 = time.perf_counter()
+  compiled = compile()
+  dt = time.perf_counter() - t0
+  text = compiled.as_text()
+  return Program(name, shape, dt, compiled.memory_analysis(), kernels_in(text),
+                 collectives_in(text), square_buffers(text, T))
+
+
+def _geometry(config) -> tuple[int, int, int]:
+  return (config.train.grad_accum, config.data.global_batch_size, config.data.seq_len)
+
+
+def compile_train(setup: trainer.Setup, accum: int, micro: int, seq_len: int) -> Program:
+  batch = trainer.abstract_batch(setup, accum, micro, seq_len)
+  return _program("train", f"[{accum}, {micro}, {seq_len}]",
+                  lambda: trainer.compile_step(setup, batch), seq_len)
+
+
+def compile_eval(setup: trainer.Setup, batch: int, seq_len: int) -> Program:
+  step = jax.jit(make_eval_step(setup.graphdef))
+  sh = trainer.eval_batch_sharding(setup)
+  b = {k: jax.ShapeDtypeStruct((batch, seq_len), jnp.float32 if k == "weights" else jnp.int32,
+                               sharding=sh) for k in setup.batch_keys}
+  st = setup.abstract_state
+
+  def run():
+    with shd.use_rules(setup.mesh, setup.rules):
+      return step.lower(st["params"], st["rest"], b).compile()
+  return _program("eval", f"[{batch}, {seq_len}]", run, seq_len)
+
+
+def compile_decode(setup: trainer.Setup, batch: int, prompt: int) -> tuple[Program, Program]:
+  """`decode.prefill` of [batch, prompt] tokens, then one `decode.decode_step`."""
+  graphdef, st = setup.graphdef, setup.abstract_state
+  capacity = prompt + DECODE_NEW
+  tok_sh = shd.batch_sharding(setup.mesh, setup.rules)
+
+  def prefill(params, rest, prompt_BT):
+    return decode.prefill(nnx.merge(graphdef, params, rest), prompt_BT, capacity=capacity)
+
+  def step(params, rest, token_B, pos_B, state):
+    return decode.decode_step(nnx.merge(graphdef, params, rest), token_B, pos_B, state)
+
+  prompt_BT = jax.ShapeDtypeStruct((batch, prompt), jnp.int32, sharding=tok_sh)
+  one_sh = shd.batch_sharding(setup.mesh, setup.rules, ndim=1)
+  token_B = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=one_sh)
+  holder = {}
+
+  def run_prefill():
+    with shd.use_rules(setup.mesh, setup.rules):
+      c = decode.jit_stateful(prefill).lower(st["params"], st["rest"], prompt_BT).compile()
+    holder["state"] = jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+        jax.eval_shape(prefill, st["params"], st["rest"], prompt_BT)[1],
+        c.output_shardings[1])
+    return c
+
+  def run_step():
+    with shd.use_rules(setup.mesh, setup.rules):
+      return decode.jit_stateful(step, donate_argnums=(4,)).lower(
+          st["params"], st["rest"], token_B, token_B, holder["state"]).compile()
+
+  pre = _program("prefill", f"[{batch}, {prompt}] -> capacity {capacity}", run_prefill, prompt)
+  one = _program("decode", f"[{batch}, 1] at capacity {capacity}", run_step, prompt)
+  return pre, one
+
+
+@dataclasses.dataclass
+class Report:
+  config_name: str
+  target: targets_lib.Target
+  mesh: dict
+  n_params: int
+  programs: list[Program]
+  fit: memory.Fit
+  fitting_batch: tuple[int, int] | None    # (micro, accum) that fits, when the config's does not
+  fit_error: str = ""
+
+
+def _fitting_batch(setup, accum: int, micro: int, seq_len: int, available: int):
+  """(micro, accum) of the largest micro-batch that fits; (None, why) if even the smallest
+  does not."""
+  total = micro * accum
+  try:
+    return memory.pick_micro_batch(
+        lambda m: trainer.step_memory(setup, m, total // m, seq_len), total,
+        available=available, multiple_of=shd.batch_shards(setup.mesh, setup.rules)), ""
+  except ValueError as e:
+    return None, str(e)
+
+
+def compile_for_target(config: ml_collections.ConfigDict, target_name: str, *,
+                       config_name: str = "", programs=("train", "eval", "decode"),
+                       search_fit: bool = True) -> Report:
+  """Compile `programs` of `config` for `target_name` (module docstring). A mesh that does not
+  fit the target's devices is an error naming config.mesh.shape."""
+  target = targets_lib.get(target_name)
+  devs = targets_lib.devices(target_name)
+  setup = trainer.build_setup(config, devices=devs)
+  accum, micro, T = _geometry(config)
+  progs = []
+  if "train" in programs:
+    progs.append(compile_train(setup, accum, micro, T))
+  if "eval" in programs:
+    progs.append(compile_eval(setup, micro, T))
+  if "decode" in programs:
+    progs.extend(compile_decode(setup, micro, T))
+  avail, source = target.usable_bytes()
+  train = next((p for p in progs if p.name == "train"), None)
+  fit = fitting = None
+  why = ""
+  if train is not None:
+    fit = memory.check_fit(train.memory, available=avail, source=f"{target.name}: {source}",
+                           micro_batch=micro, grad_accum=accum, remat=setup.cfg.remat)
+    if not fit.fits and search_fit:
+      fitting, why = _fitting_batch(setup, accum, micro, T, avail)
+  return Report(config_name, target, dict(setup.mesh.shape), setup.n_params["total"], progs,
+                fit, fitting, why)
+
+
+def _gib(n: int) -> str:
+  return f"{n / memory.GiB:.2f} GiB"
+
+
+def format_report(r: Report) -> str:
+  """The report as lines a person reads (experiments/train.py --compile_only prints it)."""
+  t = r.target
+  lines = [f"{r.config_name or 'config'} compiled for {t.name}: {len(targets_lib.devices(t.name))}"
+           f" x {targets_lib.devices(t.name)[0].device_kind} ({t.hosts} host(s)), mesh {r.mesh}, "
+           f"{r.n_params:,} parameters; nothing was run."]
+  for p in r.programs:
+    m = p.memory
+    lines.append(
+        f"  {p.name:8s} {p.shape}: {_gib(p.needed)} per device (arguments "
+        f"{_gib(m.argument_size_in_bytes)}, outputs {_gib(m.output_size_in_bytes)}, donated "
+        f"{_gib(m.alias_size_in_bytes)}, temporaries {_gib(m.temp_size_in_bytes)}); compiled "
+        f"in {p.compile_s:.1f} s")
+    kern = ", ".join(f"{k} x{n}" for k, n in sorted(p.kernels.items())) or "none"
+    coll = ", ".join(f"{k} x{n}" for k, n in p.collectives.items()) or "none"
+    lines.append(f"           kernels: {kern}; collectives: {coll}")
+    if p.tt_buffers and p.name in ("train", "eval"):
+      lines.append(f"           [.., T, T] buffers: {', '.join(p.tt_buffers[:4])}")
+  if r.fit is not None:
+    lines.append("fit: " + r.fit.message)
+    if r.fitting_batch:
+      micro, accum = r.fitting_batch
+      lines.append(f"fits at micro-batch {micro} x grad_accum {accum} (same tokens per step): "
+                   f"--config.data.global_batch_size={micro} --config.train.grad_accum={accum}"
+                   " (or --config.train.auto_microbatch=True)")
+    elif r.fit_error:
+      lines.append("no micro-batch fits: " + r.fit_error.split(". ")[0])
+  return "\n".join(lines)
+
+
+def fits_somewhere(r: Report) -> bool:
+  """The train step fits the target at the config's batch or at a smaller micro-batch."""
+  return r.fit is not None and (r.fit.fits or r.fitting_batch is not None)
