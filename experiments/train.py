@@ -4,11 +4,14 @@
   python experiments/train.py --config=configs/sisa_152m.py --config.data.source=jsonl \
       --config.data.paths=/data/train.jsonl --config.data.tokenizer=/data/20B_tokenizer.json
 
+  python experiments/train.py --config=configs/sisa_152m.py --compile_only=v5e-8
+
 Rerunning the same command resumes from the latest checkpoint in --workdir. An MQAR run (the
 quickstart) ends with its held-out answer accuracy next to the no-lookup baselines and a few
 held-out sequences with the model's answers (`attn_jax.eval.run.explain_checkpoint`). Multi-host
 launches (SLURM, TPU pod slices): docs/multihost.md. Pre-tokenised corpora:
 experiments/prepare_data.py, then --config.data.source=shards --config.data.paths=<folder>.
+--compile_only=<target>: compile for a GPU/TPU target from any machine (docs/hardware.md).
 """
 
 import os
@@ -31,18 +34,24 @@ _COORDINATOR = flags.DEFINE_string(
     "ATTN_JAX_COORDINATOR_ADDRESS; SLURM / Cloud TPU / mpirun are detected automatically).")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Multi-process: process count.")
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "Multi-process: this process's index.")
+_COMPILE_ONLY = flags.DEFINE_string(
+    "compile_only", None, "Compile the config's train, eval and decode programs for this "
+    "hardware target (e.g. h100x8, v5e-8; attn_jax/targets.py) and report memory, fit, kernels "
+    "and collectives; nothing is allocated or run (needs the targets extra).")
 
 
 def main(argv):
   del argv   # cli.run drops the libraries' log chatter (cli.quiet_libraries)
+  if _COMPILE_ONLY.value:
+    from attn_jax.train.aot import compile_only_main
+    sys.exit(compile_only_main(_CONFIG.value, _COMPILE_ONLY.value, _config_name()))
   from attn_jax import distributed
   distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
   from attn_jax.eval.run import task_callback
   from attn_jax.train.trainer import train_and_evaluate
 
   config = _CONFIG.value
-  workdir = _WORKDIR.value or os.path.join(
-      "runs", os.path.splitext(os.path.basename(flags.FLAGS["config"].config_filename))[0])
+  workdir = _WORKDIR.value or os.path.join("runs", _config_name())
   tasks = task_callback(config)   # config.eval.tasks, checked before training starts
   result = train_and_evaluate(config, workdir, eval_callbacks=[tasks] if tasks else [])
   import jax
@@ -66,6 +75,10 @@ def main(argv):
     lines = explain_checkpoint(result["workdir"])  # every process loads (sharded restore)
     if lead:
       print("\n" + "\n".join(lines))
+
+
+def _config_name() -> str:
+  return os.path.splitext(os.path.basename(flags.FLAGS["config"].config_filename))[0]
 
 
 if __name__ == "__main__":

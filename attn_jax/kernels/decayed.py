@@ -131,23 +131,29 @@ def _tile(spec: Spec, r: Rows, c: Cols):
   return jnp.where(vis, s, NEG_INF), vis, e, cb
 
 
+def _div(a, n: int):
+  """a // n for a traced a >= 0 (truncating division: Mosaic lowers floor division of signed
+  integers through `sign`, which asks the compiling host for its TPU generation)."""
+  return lax.div(a, jnp.int32(n))
+
+
 def _key_range(spec: Spec, i, nk: int):
   """Key tiles [lo, hi) that query tile i may see (index skipping, module docstring)."""
   bq, bk = spec.block_q, spec.block_k
-  hi = jnp.minimum(nk, ((i + 1) * bq - 1) // bk + 1) if spec.causal else nk
+  hi = jnp.minimum(nk, _div((i + 1) * bq - 1, bk) + 1) if spec.causal else nk
   lo = 0
   if spec.window is not None:
-    lo = jnp.maximum(0, (i * bq - spec.window + 1) // bk)
+    lo = _div(jnp.maximum(0, i * bq - spec.window + 1), bk)
   return lo, hi
 
 
 def _query_range(spec: Spec, j, nq: int):
   """Query tiles [lo, hi) that may see key tile j."""
   bq, bk = spec.block_q, spec.block_k
-  lo = (j * bk) // bq if spec.causal else 0
+  lo = _div(j * bk, bq) if spec.causal else 0
   hi = nq
   if spec.window is not None:
-    hi = jnp.minimum(nq, ((j + 1) * bk - 1 + spec.window - 1) // bq + 1)
+    hi = jnp.minimum(nq, _div((j + 1) * bk + spec.window - 2, bq) + 1)
   return lo, hi
 
 
@@ -368,7 +374,7 @@ def _specs(spec: Spec, ops: Operands, rows_tiled: bool):
   whole head of the other."""
   G = spec.groups
   per_head = lambda b, h, i: (b, h)
-  per_kv = lambda b, h, i: (b, h // G)
+  per_kv = lambda b, h, i: (b, _div(h, G))
   per_row = lambda b, h, i: (b,)
   row = _tile_spec if rows_tiled else _full
   col = _full if rows_tiled else _tile_spec

@@ -56,6 +56,7 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from attn_jax.config import ModelConfig
 from attn_jax.layers import (Linear, causal_positions, dtype_of, fan_in_uniform, param,
@@ -67,8 +68,20 @@ from attn_jax.ssm import ssd
 
 f32 = jnp.float32
 
+# The checkpoint name of the in-projection outputs: the only values a full forward's backward
+# pass keeps (`remat_full_forward`, module docstring).
+IN_PROJ = "ssm_in_proj"
+
 
 # ----------------------------------------------------------------------- shared pieces
+
+def remat_full_forward(cfg: ModelConfig, fn):
+  """`fn` under `jax.checkpoint`, saving only the values tagged `IN_PROJ` (and its inputs):
+  the backward pass recomputes everything else of it (module docstring). CSE is prevented
+  unless the layers are scanned, as the trunk's own remat (model.py)."""
+  return jax.checkpoint(fn, policy=jax.checkpoint_policies.save_only_these_names(IN_PROJ),
+                        prevent_cse=not cfg.scan_layers)
+
 
 def dt_bias_init(dt_min: float, dt_max: float, floor: float = 1e-4):
   """softplus^{-1} of dt ~ log-uniform[dt_min, dt_max] (Mamba's dt initialisation)."""
@@ -234,12 +247,13 @@ class Mamba2(Mixer):
     valid = valid_mask(positions_BT)
     n_valid = valid.sum(axis=1).astype(jnp.int32)
     st = state or {}
-    z = self.in_z(x_BTD)
-    xs, w_x = self.conv_x(self.in_x(x_BTD), st.get("conv_x"), n_valid, segment_ids_BT)
-    bs, w_b = self.conv_b(self.in_b(x_BTD), st.get("conv_b"), n_valid, segment_ids_BT)
-    cs, w_c = self.conv_c(self.in_c(x_BTD), st.get("conv_c"), n_valid, segment_ids_BT)
+    proj = lambda lin: checkpoint_name(lin(x_BTD), IN_PROJ)         # kept for the backward
+    z = proj(self.in_z)
+    xs, w_x = self.conv_x(proj(self.in_x), st.get("conv_x"), n_valid, segment_ids_BT)
+    bs, w_b = self.conv_b(proj(self.in_b), st.get("conv_b"), n_valid, segment_ids_BT)
+    cs, w_c = self.conv_c(proj(self.in_c), st.get("conv_c"), n_valid, segment_ids_BT)
     xs, bs, cs = jax.nn.silu(xs), jax.nn.silu(bs), jax.nn.silu(cs)
-    dt = jax.nn.softplus(self.in_dt(x_BTD).astype(f32) + self.dt_bias[...].astype(f32))
+    dt = jax.nn.softplus(proj(self.in_dt).astype(f32) + self.dt_bias[...].astype(f32))
     dt = jnp.where(valid[..., None], dt, 0.0)                      # padding: state unchanged
     a = -jnp.exp(self.A_log[...].astype(f32)) * dt                 # [B, T, H], <= 0
     x_in = xs * dt[..., None]
@@ -286,9 +300,16 @@ class Mamba2(Mixer):
     if positions_BT is None:   # a plain 0..T-1 full forward
       positions_BT = causal_positions(*x_BTD.shape[:2])
     del rng, train
-    y, state = self.ssm_heads(x_BTD, positions_BT=positions_BT, state=state,
-                              segment_ids_BT=segment_ids_BT)
+    if state is None:   # a full forward: rematerialised but for the in-projections
+      return self.remat_forward(x_BTD, positions_BT, segment_ids_BT), None, {}
+    y, state = self.ssm_heads(x_BTD, positions_BT=positions_BT, state=state)
     return self.out(y), state, {}
+
+  def remat_forward(self, x_BTD, positions_BT, segment_ids_BT=None):
+    """out(ssm_heads(x)) of a full forward under `remat_full_forward` (module docstring)."""
+    def fwd(x, pos, seg):
+      return self.out(self.ssm_heads(x, positions_BT=pos, segment_ids_BT=seg)[0])
+    return remat_full_forward(self.cfg, fwd)(x_BTD, positions_BT, segment_ids_BT)
 
   # -------------------------------------------------------------- class hooks
   @classmethod

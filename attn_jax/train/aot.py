@@ -256,3 +256,19 @@ def format_report(r: Report) -> str:
 def fits_somewhere(r: Report) -> bool:
   """The train step fits the target at the config's batch or at a smaller micro-batch."""
   return r.fit is not None and (r.fit.fits or r.fitting_batch is not None)
+
+
+def compile_only_main(config: ml_collections.ConfigDict, target_name: str,
+                      config_name: str = "") -> int:
+  """`experiments/train.py --compile_only=<target>`: print the report; exit status 0 when the
+  train step fits the target (at the config's batch or a smaller micro-batch it names), 3
+  when it fits at none. The target's devices exist for compiling only, so the process computes
+  on its CPU whatever machine it runs on."""
+  from attn_jax import native_logs
+  jax.config.update("jax_platforms", "cpu")
+  targets_lib.get(target_name)            # an unknown name: one line listing the known ones
+  with native_logs.filtered():            # libtpu's start-up warnings
+    targets_lib.devices(target_name)
+  report = compile_for_target(config, target_name, config_name=config_name)
+  print(format_report(report))
+  return 0 if fits_somewhere(report) else 3

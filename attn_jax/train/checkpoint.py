@@ -43,7 +43,6 @@ Reliability (the choices):
 from __future__ import annotations
 
 import asyncio
-import errno
 import hashlib
 import json
 import logging
@@ -57,6 +56,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+
+from attn_jax.train.writers import WriteError, describe_disk, disk_full
 
 MANIFEST = "attn_jax_sha256.json"
 # Written by orbax's own commit (after the manifest): not covered by it.
@@ -81,8 +82,9 @@ class CheckpointMismatchError(CheckpointError, ValueError):
     self.step, self.differences = step, list(differences)
 
 
-class CheckpointSaveError(OSError):
-  """A checkpoint save failed (e.g. the disk is full); older steps are kept."""
+class CheckpointSaveError(WriteError):
+  """A checkpoint save failed (e.g. the disk is full); older steps are kept. A WriteError like
+  a failed metrics write: the trainer stops both the same way (writers.py)."""
 
 
 class NonFiniteStateError(FloatingPointError):
@@ -189,12 +191,6 @@ class _ManifestRename(ocp.path.atomicity.AtomicRenameTemporaryPath):
 def _short(e: BaseException, limit: int = 300) -> str:
   text = " ".join(str(e).split())
   return f"{type(e).__name__}: {text[:limit]}{'...' if len(text) > limit else ''}"
-
-
-def _disk_full(e: BaseException) -> bool:
-  text = str(e)
-  return (getattr(e, "errno", None) == errno.ENOSPC or "No space left" in text
-          or "os_error_code='28'" in text)
 
 
 def _unwritable(directory: str) -> str | None:
@@ -313,9 +309,9 @@ class Checkpointer:
 
   def _save_error(self, step: int, e: BaseException) -> CheckpointSaveError:
     kept = sorted(s for s in self.all_steps() if s != step)
-    if _disk_full(e):
-      why = ("the disk is full (no space left on the device); free space or point --workdir "
-             "elsewhere, then rerun to resume")
+    if disk_full(e):
+      why = (f"the disk is full: {describe_disk(self.directory)} has no space left; free space "
+             "or point --workdir elsewhere, then rerun to resume")
     elif unwritable := _unwritable(self.directory):   # orbax reports it as a timeout
       why = f"the folder is not writable any more ({unwritable}); {_short(e)}"
     else:

@@ -1,5 +1,7 @@
-"""Metric sinks: one JSON object per line in <workdir>/metrics.jsonl, TensorBoard event files
-(tensorboardX) in <workdir>/tb, and a console progress bar (tqdm). Only process 0 writes.
+"""Metric rows and their writers: one JSON object per line in <workdir>/metrics.jsonl and
+TensorBoard event files in <workdir>/tb (writers.py: how each is written and how a failed or
+stalled writer stops the run instead of blocking it; a new writer joins with
+`MetricWriter.add`); the console progress bar (tqdm) is the trainer's. Only process 0 writes.
 
 Resuming: rows logged after the restored checkpoint's step were computed by the interrupted run
 and will be logged again by the resumed one; `MetricWriter.truncate_after(step)` drops them from
@@ -10,12 +12,13 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 from typing import Any, Mapping
 
 import jax
 import numpy as np
+
+from attn_jax.train import writers as writers_lib
 
 
 def _scalar(v: Any) -> float | int:
@@ -44,16 +47,39 @@ def flatten_metrics(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, A
 
 
 class MetricWriter:
-  def __init__(self, workdir: str, *, enabled: bool | None = None, tensorboard: bool = True):
+  """Every metrics row of a run, handed to each of its writers (writers.py): metrics.jsonl in
+  the calling thread, TensorBoard behind `Background`, and whatever `add` brings. A writer's
+  failure is a WriteError raised by `write` or by `check` (polled every step)."""
+
+  def __init__(self, workdir: str, *, enabled: bool | None = None, tensorboard: bool = True,
+               stall_s: float = writers_lib.STALL_S):
     self.enabled = jax.process_index() == 0 if enabled is None else enabled
     self.path = os.path.join(workdir, "metrics.jsonl")
-    self._tb = None
     self._tb_dir = os.path.join(workdir, "tb") if tensorboard else None
+    self._should_stop = lambda: False
+    self.writers: list = []
+    self._tb = None
     if self.enabled:
       os.makedirs(workdir, exist_ok=True)
+      self.writers.append(writers_lib.JsonlWriter(self.path))
       if tensorboard:
-        from tensorboardX import SummaryWriter
-        self._tb = SummaryWriter(self._tb_dir)
+        self._tb = self.add(writers_lib.Background(writers_lib.TensorBoardWriter(self._tb_dir),
+                                                   stall_s=stall_s,
+                                                   should_stop=self.should_stop))
+
+  def add(self, writer):
+    """Adds a writer (a `writers.Writer`, or one behind `writers.Background`); returns it."""
+    if self.enabled:
+      self.writers.append(writer)
+    return writer
+
+  def should_stop(self) -> bool:
+    return self._should_stop()
+
+  def stop_when(self, should_stop) -> None:
+    """`should_stop()` true (a SIGTERM / SIGINT arrived): a writer that is not taking rows is
+    no longer waited for (writers.Background)."""
+    self._should_stop = should_stop
 
   def truncate_after(self, step: int) -> int:
     """Drops logged rows with step > `step` (call at resume with the restored step); returns
@@ -61,10 +87,8 @@ class MetricWriter:
     if not self.enabled:
       return 0
     step = int(step)
-    if self._tb is not None:  # TensorBoard hides events >= purge_step written before this
-      from tensorboardX import SummaryWriter
-      self._tb.close()
-      self._tb = SummaryWriter(self._tb_dir, purge_step=step + 1)
+    if self._tb is not None:  # TensorBoard hides the events >= step + 1 written before this
+      self._tb.call("purge", step + 1)
     if not os.path.isfile(self.path):
       return 0
     kept, dropped = [], 0
@@ -78,9 +102,12 @@ class MetricWriter:
       else:
         kept.append(line if line.endswith("\n") else line + "\n")
     tmp = self.path + ".tmp"
-    with open(tmp, "w") as f:
-      f.writelines(kept)
-    os.replace(tmp, self.path)
+    try:
+      with open(tmp, "w") as f:
+        f.writelines(kept)
+      os.replace(tmp, self.path)
+    except OSError as e:
+      raise writers_lib.write_error("metrics.jsonl", self.path, step, e) from e
     if dropped:
       logging.warning("metrics: dropped %d row(s) after step %d from %s (logged by the previous "
                       "run after its last checkpoint; they are logged again)", dropped, step,
@@ -90,50 +117,32 @@ class MetricWriter:
   def write(self, step: int, metrics: Mapping[str, Any]) -> None:
     if not self.enabled:
       return
-    flat = {"step": int(step), **{k: _scalar(v) for k, v in metrics.items()}}
-    # JSON has no NaN/Inf: write them as strings so every line stays valid JSON.
-    clean = {k: (str(v) if isinstance(v, float) and not math.isfinite(v) else v)
-             for k, v in flat.items()}
-    try:
-      with open(self.path, "a") as f:
-        f.write(json.dumps(clean) + "\n")
-    except OSError as e:  # e.g. a full disk: name the file
-      raise OSError(e.errno, f"cannot append step {step} to {self.path}: {e.strerror}") from e
-    if self._tb_alive():
-      for k, v in flat.items():
-        if k != "step" and isinstance(v, (int, float)):
-          self._tb.add_scalar(k, v, step)
+    row = {"step": int(step), **{k: _scalar(v) for k, v in metrics.items()}}
+    self.check()
+    for w in self.writers:
+      w.write(step, row)
 
-  def _tb_alive(self) -> bool:
-    """False once tensorboardX's writer thread has died (e.g. a write failed on a full disk):
-    putting more events in its bounded queue would block the training loop for good, so
-    TensorBoard logging stops there with an error (metrics.jsonl goes on, or fails loudly)."""
-    if self._tb is None:
-      return False
-    writers = (getattr(self._tb, "all_writers", None) or {}).values()
-    workers = [getattr(getattr(w, "event_writer", None), "_worker", None) for w in writers]
-    if any(w is not None and not w.is_alive() for w in workers):
-      self._tb_failed("its writer thread died")
-      return False
-    return True
-
-  def _tb_failed(self, why: str) -> None:
-    logging.error("TensorBoard logging to %s stops: %s (disk full or unwritable?); "
-                  "metrics.jsonl is unaffected", self._tb_dir, why)
-    self._tb = None
-
-  def _tb_call(self, method: str) -> None:
-    if self._tb_alive():
-      try:
-        getattr(self._tb, method)()
-      except OSError as e:
-        self._tb_failed(f"{type(e).__name__}: {e}")
+  def check(self) -> None:
+    """WriteError once a writer has failed (cheap: polled at every step boundary)."""
+    for w in self.writers:
+      getattr(w, "check", lambda: None)()
 
   def flush(self) -> None:
-    self._tb_call("flush")
+    for w in self.writers:
+      w.flush()
 
   def close(self) -> None:
-    self._tb_call("close")
+    """Closes every writer (each waits a bounded time); the first failure is raised after all
+    were closed."""
+    first = None
+    for w in self.writers:
+      try:
+        w.close()
+      except writers_lib.WriteError as e:
+        first = first or e
+    self.writers = []
+    if first is not None:
+      raise first
 
 
 def row_steps(path: str) -> list[tuple[int, str, int | None]]:

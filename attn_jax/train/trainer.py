@@ -73,6 +73,7 @@ from attn_jax.train.checkpoint import (Checkpointer, CheckpointMismatchError,
                                        abstract_with_shardings, check_writable, config_to_json)
 from attn_jax.train.metrics import MetricWriter, flatten_metrics, row_steps
 from attn_jax.train.workdir import TB_LOCK, lock_tensorboard, lock_workdir
+from attn_jax.train.writers import WriteError
 from attn_jax.train import init_from
 from attn_jax.train.optim import make_optimizer
 from attn_jax.train.step import make_eval_step, make_train_step
@@ -525,6 +526,7 @@ def _train_and_evaluate(config, workdir, eval_callbacks) -> dict[str, Any]:
   run.open_outputs(eval_callbacks)            # metrics file, evaluator, progress bar
 
   guard = PreemptionGuard().__enter__()
+  run.writer.stop_when(lambda: guard.should_stop)   # a stalled writer never delays a signal
   error: BaseException | None = None
   try:
     for step in range(run.start + 1, config.train.steps + 1):
@@ -533,10 +535,16 @@ def _train_and_evaluate(config, workdir, eval_callbacks) -> dict[str, Any]:
         run.save(step)
       if config.eval.every_steps and step % config.eval.every_steps == 0:
         run.evaluate(step)
-      run.ckpt.check_saves()   # a background save that failed (disk full) stops the run now
+      run.ckpt.check_saves()   # a background save that failed (disk full) stops the run now,
+      run.writer.check()       # and so does a metrics writer that failed (writers.py)
       if run.preempted_at(guard, step):   # SIGTERM/SIGINT/SIGHUP: stop here (saved on exit)
         break
     run.flush()
+    if run.preempted is None:
+      run.check_progress()     # a run whose every step was skipped as non-finite is an error
+  except WriteError as e:
+    error = run.write_failed(e)   # names the resume point
+    raise error
   except BaseException as e:
     error = e
     raise
@@ -564,6 +572,8 @@ class _Run:
     self.state_valid = True  # False while `state` may be donated to a step that has not returned
     self.data_pos = None     # iterator position before this step's micro-batches, until dispatched
     self.diverged = False    # stopped for non-finite values: nothing more is saved
+    self.logged = 0          # steps this run has logged (read by `check_progress`)
+    self.last_loss = float("nan")
     self.preempted: str | None = None
     self.last: dict[str, Any] = {}
     self.last_eval = -1
@@ -656,6 +666,7 @@ class _Run:
     t = self.config.train
     loss, nonfinite = float(m["loss"]), bool(float(m["nonfinite"]) > 0)
     spike = self.monitor.update(step, loss, nonfinite)
+    self.logged, self.last_loss = self.logged + 1, loss
     halt = self._halt_reason() if nonfinite else None
     if nonfinite and halt is None:
       logging.warning("step %d: non-finite loss (%s), gradient or update; update skipped "
@@ -669,6 +680,33 @@ class _Run:
     if halt is not None:
       self.diverged = True
       raise NonFiniteTrainingError(self._halt_message(step, loss, halt))
+
+  def check_progress(self) -> None:
+    """At the normal end of the run: NonFiniteTrainingError when every step this run trained
+    was skipped as non-finite (a run shorter than `nonfinite_max_consecutive` would otherwise
+    end with status 0 and a model that never trained)."""
+    streak, n = self.monitor.consecutive_nonfinite, self.logged
+    if n == 0 or streak < n:
+      return
+    self.diverged = True
+    step = self.start + n
+    raise NonFiniteTrainingError(self._halt_message(step, self.last_loss, (
+        f"every one of the {n} steps this run trained (steps {self.start + 1}-{step}) was "
+        f"non-finite and skipped, so it trained nothing (config.train.nonfinite_max_consecutive="
+        f"{self.config.train.nonfinite_max_consecutive} halts longer streaks)")))
+
+  def write_failed(self, e: WriteError) -> WriteError:
+    """A failed write of the metrics writers, with the resume point named (a failed
+    checkpoint save already names the steps kept)."""
+    if isinstance(e, CheckpointSaveError):
+      return e
+    latest = self.ckpt.latest_step()
+    kept = (f"the latest checkpoint, step {latest} in {self.ckpt.directory}, is kept: rerun "
+            "the same command to resume from it" if latest is not None
+            else f"there is no checkpoint yet in {self.ckpt.directory}")
+    out = WriteError(e.errno, f"{e}. The run stopped there and saves nothing more; {kept}")
+    out.__cause__ = e
+    return out
 
   def _halt_reason(self) -> str | None:
     """Why a non-finite step stops the run, or None when it is skipped."""
@@ -714,12 +752,13 @@ class _Run:
     for non-finite values; close the checkpointer. With an exception in flight (`error`),
     anything failing here is logged and the original exception is what propagates."""
     attempt = lambda what, fn: _attempt(error, what, fn)
-    if self.pending is not None and self.state_valid and not self.diverged:
+    wrote = isinstance(error, WriteError)   # a failed save or metrics write: the disk is full
+    if self.pending is not None and self.state_valid and not self.diverged and not wrote:
       attempt("logging the last step", self._log_last)
     if self.data_pos is not None:  # stopped before this step was dispatched: rewind
       attempt("rewinding the data iterator", lambda: self.data_it.set_state(self.data_pos))
-    if isinstance(error, CheckpointSaveError):
-      logging.error("not saving again after a failed save; the resume point is the latest "
+    if wrote:   # a newer checkpoint than the rows logged would leave a hole in the history
+      logging.error("not saving again after a failed write; the resume point is the latest "
                     "checkpoint in %s (step %s)", self.ckpt.directory, self.ckpt.latest_step())
     elif not self.state_valid:
       logging.error("not saving: the train step raised (%s) and its input state was donated "
@@ -729,9 +768,23 @@ class _Run:
     elif not self.diverged:
       attempt("the final checkpoint", self._final_save)
     attempt("closing the checkpointer", self.ckpt.close)
-    self.writer.flush()
+    self._close_writers(error)
     if self.bar is not None:
       self.bar.close()
+
+  def _close_writers(self, error: BaseException | None) -> None:
+    """Flush (normal end: `result` closes them after the final evaluation) or close them
+    (each waits a bounded time); a writer's failure that is the error in flight is not
+    reported twice."""
+    if error is None:
+      self.writer.flush()
+      return
+    try:
+      self.writer.close()
+    except WriteError as e:
+      if not isinstance(error, WriteError):
+        logging.error("while stopping after %s: closing the metric writers failed: %s",
+                      type(error).__name__, e)
 
   def _log_last(self) -> None:
     """The last dispatched step's row, even when interrupted (a halt is logged, not raised)."""
