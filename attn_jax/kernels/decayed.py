@@ -70,7 +70,10 @@ log = logging.getLogger(__name__)
 NEG_INF = -1e30
 _A_BT = (((1,), (1,)), ((), ()))    # a @ b.T
 _AT_B = (((0,), (0,)), ((), ()))    # a.T @ b
-DEFAULT_BLOCK = 128
+# Tile sizes by target: TPU lanes are 128 wide; on H100 the Triton kernels at 128 x 128 with
+# head dim 128 exceed the 227 KiB of shared memory a block may use (the dkv pass holds dk, dv,
+# db), 64 x 64 fits (checked by compiling for `targets.devices("h100x1")`).
+BLOCKS = {"tpu": 128, "gpu": 64, "cpu": 128}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +82,7 @@ class Spec:
   scale: float
   fox: bool            # add g_i - g_j to the logit
   sisa: bool           # add exp(g_i - g_j) c_i . b_j (c, b given)
+  lo: bool             # g comes as a double word (hi, lo): g_i - g_j = (hi_i - hi_j) + (lo_i - lo_j)
   causal: bool
   window: int | None
   block_q: int
@@ -88,19 +92,22 @@ class Spec:
 
 
 class Rows(NamedTuple):
-  """A query tile's operands: q [bq, D], g / pos / seg [bq, 1], c [bq, ds] or None."""
+  """A query tile's operands: q [bq, D], g / glo / pos / seg [bq, 1], c [bq, ds] or None."""
   q: jax.Array
   g: jax.Array
+  glo: jax.Array | None
   c: jax.Array | None
   pos: jax.Array
   seg: jax.Array
 
 
 class Cols(NamedTuple):
-  """A key tile's operands: k [bk, D], v [bk, Dv], g / pos / seg [1, bk], b [bk, ds] or None."""
+  """A key tile's operands: k [bk, D], v [bk, Dv], g / glo / pos / seg [1, bk], b [bk, ds] or
+  None."""
   k: jax.Array
   v: jax.Array
   g: jax.Array
+  glo: jax.Array | None
   b: jax.Array | None
   pos: jax.Array
   seg: jax.Array
@@ -121,6 +128,8 @@ def _tile(spec: Spec, r: Rows, c: Cols):
   if spec.window is not None:
     vis = vis & (r.pos - c.pos < spec.window)
   dg = r.g - c.g
+  if spec.lo:
+    dg = dg + (r.glo - c.glo)
   e = cb = None
   if spec.fox:
     s = s + dg
@@ -157,27 +166,40 @@ def _query_range(spec: Spec, j, nq: int):
   return lo, hi
 
 
+def _present(spec: Spec, name: str) -> bool:
+  """Whether operand `name` is passed: c / b for SISA only, glo / kglo with a double-word g."""
+  if name in ("c", "b"):
+    return spec.sisa
+  if name in ("glo", "kglo"):
+    return spec.lo
+  return True
+
+
 def _split(spec: Spec, refs, names):
-  """Name a kernel's refs in the order `_operands` lays them out (c / b only for SISA)."""
-  names = [n for n in names if spec.sisa or n not in ("c", "b")]
+  """Name a kernel's refs in the order `_operands` lays them out (`_present` ones only)."""
+  names = [n for n in names if _present(spec, n)]
   return dict(zip(names, refs)), refs[len(names):]
 
 
-_ROW_NAMES = ("q", "g", "c", "pos", "seg")
-_COL_NAMES = ("k", "v", "kg", "b", "kpos", "kseg")
+_ROW_NAMES = ("q", "g", "glo", "c", "pos", "seg")
+_COL_NAMES = ("k", "v", "kg", "kglo", "b", "kpos", "kseg")
 
 
-def _cols_at(spec: Spec, x, j) -> Cols:
-  """Key tile j from whole-head column refs ([nk, ...])."""
-  return Cols(x["k"][j], x["v"][j], x["kg"][j], x["b"][j] if spec.sisa else None,
-              x["kpos"][j], x["kseg"][j])
+def _read(spec: Spec, x, at):
+  """Every present ref of `x` read through `at` (absent ones None)."""
+  return {n: at(r) for n, r in x.items()}
+
+
+def _cols_at(spec: Spec, x, j=None) -> Cols:
+  """The key tile (refs of one tile), or tile j of whole-head column refs ([nk, ...])."""
+  v = _read(spec, x, (lambda r: r[...]) if j is None else (lambda r: r[j]))
+  return Cols(v["k"], v["v"], v["kg"], v.get("kglo"), v.get("b"), v["kpos"], v["kseg"])
 
 
 def _rows_at(spec: Spec, x, i=None) -> Rows:
   """The query tile (refs of one tile), or tile i of whole-head row refs ([nq, ...])."""
-  at = (lambda r: r[...]) if i is None else (lambda r: r[i])
-  return Rows(at(x["q"]), at(x["g"]), at(x["c"]) if spec.sisa else None, at(x["pos"]),
-              at(x["seg"]))
+  v = _read(spec, x, (lambda r: r[...]) if i is None else (lambda r: r[i]))
+  return Rows(v["q"], v["g"], v.get("glo"), v.get("c"), v["pos"], v["seg"])
 
 
 # ---------------------------------------------------------------- kernels
@@ -257,17 +279,13 @@ def _dq_kernel(spec: Spec, nk: int, *refs):
     dc_ref[...] = dc.astype(dc_ref.dtype)
 
 
-_KEY_NAMES = ("k", "v", "kg", "b", "kpos", "kseg")
-
-
 def _dkv_kernel(spec: Spec, nq: int, *refs):
-  y, refs = _split(spec, refs, _KEY_NAMES)
+  y, refs = _split(spec, refs, _COL_NAMES)
   x, rest = _split(spec, refs, _ROW_NAMES)
   do_ref, lse_ref, delta_ref = rest[:3]
   dk_ref, dv_ref, dg_ref = rest[3:6]
   db_ref = rest[6] if spec.sisa else None
-  c = Cols(y["k"][...], y["v"][...], y["kg"][...], y["b"][...] if spec.sisa else None,
-           y["kpos"][...], y["kseg"][...])
+  c = _cols_at(spec, y)
   lo, hi = _query_range(spec, pl.program_id(2), nq)
 
   def body(i, carry):
@@ -302,12 +320,14 @@ class Operands(NamedTuple):
   """Kernel-layout operands (module docstring): heads first, tiled along time."""
   q: jax.Array      # [B, H, nq, bq, D]
   g: jax.Array      # [B, H, nq, bq, 1] fp32
+  glo: jax.Array | None   # [B, H, nq, bq, 1] fp32: the low word of a double-word g
   c: jax.Array | None   # [B, H, nq, bq, ds]
   pos: jax.Array    # [B, nq, bq, 1] int32
   seg: jax.Array    # [B, nq, bq, 1] int32
   k: jax.Array      # [B, K, nk, bk, D]
   v: jax.Array      # [B, K, nk, bk, Dv]
   kg: jax.Array     # [B, H, nk, 1, bk] fp32
+  kglo: jax.Array | None  # [B, H, nk, 1, bk] fp32
   b: jax.Array | None   # [B, H, nk, bk, ds]
   kpos: jax.Array   # [B, nk, 1, bk]
   kseg: jax.Array   # [B, nk, 1, bk]
@@ -325,7 +345,7 @@ def _untile(x_BHNTD, T: int):
   return x_BHNTD.reshape(B, H, n * bt, D)[:, :, :T].transpose(0, 2, 1, 3)
 
 
-def _operands(spec: Spec, q, k, v, g, c, b, pos, seg) -> Operands:
+def _operands(spec: Spec, q, k, v, g, glo, c, b, pos, seg) -> Operands:
   """Pad T to a multiple of both tiles (keys at position -1) and lay the operands out."""
   bq, bk = spec.block_q, spec.block_k
   B, T = q.shape[:2]
@@ -336,10 +356,14 @@ def _operands(spec: Spec, q, k, v, g, c, b, pos, seg) -> Operands:
   tpad = lambda x, val=0: jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2),
                                   constant_values=val)
   q, k, v, pos, seg = tpad(q), tpad(k), tpad(v), tpad(pos, -1), tpad(seg, -1)
-  g = jnp.pad(g.astype(jnp.float32), ((0, 0), (0, pad), (0, 0)), mode="edge")
-  gH = g.transpose(0, 2, 1)                                            # [B, H, Tp]
+  heads = lambda x: jnp.pad(x.astype(jnp.float32), ((0, 0), (0, pad), (0, 0)),
+                            mode="edge").transpose(0, 2, 1)              # [B, H, Tp]
+  gH = heads(g)
+  loH = None if glo is None else heads(glo)
   return Operands(
       q=_tiles(q, nq, bq), g=gH.reshape(B, -1, nq, bq, 1),
+      glo=None if loH is None else loH.reshape(B, -1, nq, bq, 1),
+      kglo=None if loH is None else loH.reshape(B, -1, nk, 1, bk),
       c=None if c is None else _tiles(tpad(c), nq, bq),
       pos=pos.reshape(B, nq, bq, 1), seg=seg.reshape(B, nq, bq, 1),
       k=_tiles(k, nk, bk), v=_tiles(v, nk, bk), kg=gH.reshape(B, -1, nk, 1, bk),
@@ -378,18 +402,36 @@ def _specs(spec: Spec, ops: Operands, rows_tiled: bool):
   per_row = lambda b, h, i: (b,)
   row = _tile_spec if rows_tiled else _full
   col = _full if rows_tiled else _tile_spec
-  rows = [(ops.q, row, per_head), (ops.g, row, per_head), (ops.c, row, per_head),
-          (ops.pos, row, per_row), (ops.seg, row, per_row)]
+  rows = [(ops.q, row, per_head), (ops.g, row, per_head), (ops.glo, row, per_head),
+          (ops.c, row, per_head), (ops.pos, row, per_row), (ops.seg, row, per_row)]
   cols = [(ops.k, col, per_kv), (ops.v, col, per_kv), (ops.kg, col, per_head),
-          (ops.b, col, per_head), (ops.kpos, col, per_row), (ops.kseg, col, per_row)]
+          (ops.kglo, col, per_head), (ops.b, col, per_head), (ops.kpos, col, per_row),
+          (ops.kseg, col, per_row)]
   items = rows + cols if rows_tiled else cols + rows   # the dkv kernel reads keys first
   items = [it for it in items if it[0] is not None]
   return [a for a, _, _ in items], [f(a, lead) for a, f, lead in items]
 
 
+def _compiler_params(spec: Spec):
+  """The target's compiler: Mosaic on TPU (every grid axis independent), Triton on GPU (JAX's
+  other GPU backend, Mosaic GPU, stages whole blocks in shared memory, and the whole-head K/V
+  of this kernel do not fit there)."""
+  if spec.interpret:
+    return None
+  plat = platform.current()
+  if plat == "tpu":
+    from jax.experimental.pallas import tpu as pltpu
+    return pltpu.CompilerParams(dimension_semantics=("parallel",) * 3)
+  if plat == "gpu":
+    from jax.experimental.pallas import triton as pltriton
+    return pltriton.CompilerParams(num_warps=4, num_stages=2)
+  return None
+
+
 def _call(spec: Spec, kernel, grid, ins, in_specs, outs, out_specs):
   return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs,
-                        out_shape=outs, interpret=spec.interpret)(*ins)
+                        out_shape=outs, interpret=spec.interpret,
+                        compiler_params=_compiler_params(spec))(*ins)
 
 
 def _forward(spec: Spec, ops: Operands):
@@ -438,25 +480,25 @@ def _backward(spec: Spec, ops: Operands, do, lse, delta):
 # ---------------------------------------------------------------- custom VJP
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attend(spec: Spec, q, k, v, g, c, b, pos, seg):
+def _attend(spec: Spec, q, k, v, g, glo, c, b, pos, seg):
   """(o [B, T, H, Dv] in q's dtype, lse [B, T, H] fp32) over the real keys (no sink)."""
-  return _attend_fwd(spec, q, k, v, g, c, b, pos, seg)[0]
+  return _attend_fwd(spec, q, k, v, g, glo, c, b, pos, seg)[0]
 
 
-def _attend_fwd(spec, q, k, v, g, c, b, pos, seg):
+def _attend_fwd(spec, q, k, v, g, glo, c, b, pos, seg):
   T = q.shape[1]
-  ops = _operands(spec, q, k, v, g, c, b, pos, seg)
+  ops = _operands(spec, q, k, v, g, glo, c, b, pos, seg)
   o, lse = _forward(spec, ops)
   out = (_untile(o, T), _untile(lse, T)[..., 0])
-  return out, (q, k, v, g, c, b, pos, seg, o, lse)
+  return out, (q, k, v, g, glo, c, b, pos, seg, o, lse)
 
 
 def _attend_bwd(spec, res, cts):
-  q, k, v, g, c, b, pos, seg, o, lse = res
+  q, k, v, g, glo, c, b, pos, seg, o, lse = res
   do_BTHE, dlse_BTH = cts
   B, T, H, D = q.shape
   K = k.shape[2]
-  ops = _operands(spec, q, k, v, g, c, b, pos, seg)
+  ops = _operands(spec, q, k, v, g, glo, c, b, pos, seg)
   nq, bq = ops.q.shape[2], ops.q.shape[3]
   do = _tiles(jnp.pad(do_BTHE, ((0, 0), (0, nq * bq - T), (0, 0), (0, 0))), nq, bq)
   dlse = _tiles(jnp.pad(dlse_BTH.astype(jnp.float32)[..., None],
@@ -473,7 +515,8 @@ def _attend_bwd(spec, res, cts):
   dv = group(_untile(dv, T).astype(jnp.float32)).astype(v.dtype)
   dc = _untile(dc[0], T).astype(c.dtype) if spec.sisa else None
   db = _untile(db[0], T).astype(b.dtype) if spec.sisa else None
-  return dq, dk, dv, dg.astype(g.dtype), dc, db, None, None
+  dglo = None if glo is None else dg.astype(glo.dtype)    # d/d lo = d/d hi
+  return dq, dk, dv, dg.astype(g.dtype), dglo, dc, db, None, None
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)
@@ -481,10 +524,12 @@ _attend.defvjp(_attend_fwd, _attend_bwd)
 
 # ---------------------------------------------------------------- public entry
 
-def unsupported(q_shape, k_shape, v_shape, *, block_q: int = DEFAULT_BLOCK,
-                block_k: int = DEFAULT_BLOCK, plat: str | None = None) -> str | None:
+def unsupported(q_shape, k_shape, v_shape, *, block_q: int | None = None,
+                block_k: int | None = None, plat: str | None = None) -> str | None:
   """Why the kernel cannot take these shapes on platform `plat` (None: it can)."""
   plat = platform.current() if plat is None else platform.normalize(plat)
+  block_q = block_q or BLOCKS[plat]
+  block_k = block_k or BLOCKS[plat]
   B, T, H, D = q_shape
   if k_shape[1] != T:
     return f"the kernel is for self-attention (T == S), got T {T}, S {k_shape[1]}"
@@ -502,33 +547,39 @@ def unsupported(q_shape, k_shape, v_shape, *, block_q: int = DEFAULT_BLOCK,
   return None
 
 
-def decayed_attention(q_BTHD, k_BTKD, v_BTKE, *, scale: float, g_BTH=None, c_BTHS=None,
+def decayed_attention(q_BTHD, k_BTKD, v_BTKE, *, scale: float, g_BTH=None, g_lo_BTH=None,
+                      c_BTHS=None,
                       b_BTHS=None, fox: bool = False, causal: bool = True,
                       window: int | None = None, positions_BT=None, segment_ids_BT=None,
-                      sink_logit_H=None, block_q: int = DEFAULT_BLOCK,
-                      block_k: int = DEFAULT_BLOCK, interpret: bool | None = None):
+                      sink_logit_H=None, block_q: int | None = None,
+                      block_k: int | None = None, interpret: bool | None = None):
   """Decayed attention through the kernel (module docstring): [B, T, H, Dv] in q's dtype.
 
-  g_BTH: cumulative log-decay (fp32; None: no decay). fox: add g_i - g_j to the logit.
+  g_BTH: cumulative log-decay (fp32; None: no decay); g_lo_BTH: its low word when g is a
+  double word (hi, lo) (fox.py's `_cumsum2`: each pair's difference is then rounded at its own
+  size, not at |g|'s). fox: add g_i - g_j to the logit.
   c_BTHS / b_BTHS: SISA's query / key factors (lambda folded into c). positions_BT: None =
   0..T-1; -1 marks padding. segment_ids_BT: packed documents (0 = shared prefix). sink_logit_H:
-  the extra softmax column. interpret: run the Pallas interpreter (default: on CPU)."""
+  the extra softmax column. block_q / block_k: tile sizes (default `BLOCKS` of the platform).
+  interpret: run the Pallas interpreter (default: on CPU)."""
   B, T, H, _ = q_BTHD.shape
   sisa = c_BTHS is not None
   if sisa != (b_BTHS is not None):
     raise ValueError("c and b come together (SISA) or not at all")
   if (fox or sisa) and g_BTH is None:
     raise ValueError("fox / SISA need the cumulative log-decay g_BTH")
+  plat = platform.current()
   if interpret is None:
-    interpret = platform.current() == "cpu"
+    interpret = plat == "cpu"
+  block_q, block_k = block_q or BLOCKS[plat], block_k or BLOCKS[plat]
   g = jnp.zeros((B, T, H), jnp.float32) if g_BTH is None else g_BTH
   pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T)) if positions_BT is None \
       else positions_BT.astype(jnp.int32)
   seg = jnp.ones((B, T), jnp.int32) if segment_ids_BT is None else segment_ids_BT.astype(
       jnp.int32)
-  spec = Spec(float(scale), bool(fox), sisa, bool(causal), window, int(block_q), int(block_k),
-              H // k_BTKD.shape[2], bool(interpret))
-  o, lse = _attend(spec, q_BTHD, k_BTKD, v_BTKE, g, c_BTHS, b_BTHS, pos, seg)
+  spec = Spec(float(scale), bool(fox), sisa, g_lo_BTH is not None, bool(causal), window,
+              int(block_q), int(block_k), H // k_BTKD.shape[2], bool(interpret))
+  o, lse = _attend(spec, q_BTHD, k_BTKD, v_BTKE, g, g_lo_BTH, c_BTHS, b_BTHS, pos, seg)
   if sink_logit_H is None:
     return o
   sink = sink_logit_H.astype(jnp.float32)[None, None, :]
