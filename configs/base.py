@@ -91,7 +91,7 @@ def get_config() -> ml_collections.ConfigDict:
                                  # (experiments/convert.py or train.py; train/init_from.py)
   t.init_step = -1               # its checkpoint step; -1 = the latest
   t.trainable = "all"            # all | new (the parameters a conversion added) | new+norms
-  t.new_lr_mult = 1.0            # lr multiplier of the parameters a conversion added
+  t.new_scalar_lr_mult = 1.0     # lr multiplier of the scalars/biases a conversion added
 
   o = c.optim = ml_collections.ConfigDict()
   o.lr = 6e-4

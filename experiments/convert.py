@@ -34,7 +34,7 @@ _DTYPE = flags.DEFINE_string("dtype", "float32", "Compute dtype of the imported 
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step of a run-directory source.")
 _MIXER = flags.DEFINE_string("mixer", "", "Convert into this variant (attention, sink_logit, "
                              "sisa, fox; attn_jax/pretrained/variants.py), unchanged at step 0.")
-_SINK_INIT = flags.DEFINE_float("sink_init", -20.0, "sink_logit: the learned logit's start.")
+_SINK_INIT = flags.DEFINE_float("sink_init", -30.0, "sink_logit: the learned logit's start.")
 _FOX_BIAS = flags.DEFINE_float("fox_bias", 16.0, "fox: the forget gate's bias (log f ~ -e^-b).")
 _D_STATE = flags.DEFINE_integer("sisa_d_state", 32, "sisa: d_state of the new B/C projections.")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the variant's new random parameters.")

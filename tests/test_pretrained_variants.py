@@ -239,8 +239,8 @@ def test_trainable_new_needs_a_converted_run(llama_dir, tmp_path):
   assert not (tmp_path / "ft").exists()
 
 
-def test_new_lr_mult_scales_only_the_new_parameters(llama_dir, tmp_path):
-  """One AdamW step (no decay on the sink, a scalar): the sink logit moves new_lr_mult times
+def test_new_scalar_lr_mult_scales_only_the_new_scalars(llama_dir, tmp_path):
+  """One AdamW step (no decay on the sink, a scalar): the sink logit moves new_scalar_lr_mult times
   as far, every pretrained parameter exactly as far. (The sink starts at -2 here, so that its
   gradient is far above Adam's eps and its update far above the rounding of its value.)"""
   from attn_jax.pretrained.variants import VariantInit
@@ -250,7 +250,7 @@ def test_new_lr_mult_scales_only_the_new_parameters(llama_dir, tmp_path):
   data = text_file(tmp_path)
   moved = {}
   for mult in (1.0, 100.0):
-    c = finetune_config(run, data, new_lr_mult=mult)
+    c = finetune_config(run, data, new_scalar_lr_mult=mult)
     c.train.steps = c.checkpoint.every_steps = 1
     c.optim.update(lr=1e-3, weight_decay=0.0)
     wd = str(tmp_path / f"ft{mult:g}")

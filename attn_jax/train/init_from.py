@@ -5,7 +5,7 @@ says which of them train.
     config.train.init_from = "runs/smollm2_sisa"   # "" = a fresh random init
     config.train.init_step = -1                    # its checkpoint step; -1 = the latest
     config.train.trainable = "all"                 # all | new | new+norms
-    config.train.new_lr_mult = 1.0                 # the new parameters' lr multiplier
+    config.train.new_scalar_lr_mult = 1.0          # lr multiplier of the new scalars/biases
 
 - The model is the config's (`config.model`), which must be the run's architecture: every
   model field and mixer option equal to the run's saved config except the compute settings
@@ -18,10 +18,11 @@ says which of them train.
   `variants.to_variant`); "new+norms": those and every norm scale (kind "norm"). Frozen
   parameters get a zero gradient before clipping and no weight decay, so their Adam moments
   stay 0 and their update is exactly 0 (the moments are still allocated: simple, not lean).
-- `new_lr_mult` multiplies the learning rate of the new parameters (on top of their own
-  `lr_mult` metadata): a sink logit that starts at -20 or a forget bias at 16 must travel
-  several units to matter, which a fine-tuning lr for pretrained weights (1e-4) cannot do in
-  a short run.
+- `new_scalar_lr_mult` multiplies the learning rate of the new parameters of kind "scalar" or
+  "bias" (on top of their own `lr_mult` metadata): a sink logit that starts at -20 or a forget
+  bias at 16 must travel several units to matter, which a fine-tuning lr for pretrained
+  weights (1e-4) cannot do in a short run, while a new weight matrix (FoX's gate, SISA's B/C)
+  moved at that rate would swamp its outputs at the first Adam step.
 - The optimizer state is fresh (AdamW moments 0, step 0, the LR schedule from its warm-up);
   the log says so. A workdir that holds a checkpoint resumes from it and ignores init_from.
 
@@ -201,22 +202,26 @@ def trainable_mask(config: ml_collections.ConfigDict, abstract_params) -> Any | 
 
 
 def lr_scale(config: ml_collections.ConfigDict, abstract_params) -> Any | None:
-  """A pure-dict tree of lr multipliers (`new_lr_mult` on the new parameters, 1 elsewhere), or
-  None when it is 1."""
+  """A pure-dict tree of lr multipliers (`new_scalar_lr_mult` on the new parameters of kind
+  scalar or bias, 1 elsewhere), or None when it is 1."""
   from flax import nnx
-  mult = float(config.train.get("new_lr_mult", 1.0))
+  mult = float(config.train.get("new_scalar_lr_mult", 1.0))
   if not mult > 0:
-    raise ValueError(f"config.train.new_lr_mult: must be > 0, got {mult!r}")
+    raise ValueError(f"config.train.new_scalar_lr_mult: must be > 0, got {mult!r}")
   if mult == 1.0:
     return None
   src = check(config)
   if src is None or not src.new_params:
-    raise ValueError(f"config.train.new_lr_mult={mult:g} needs config.train.init_from (a "
-                     "converted run whose new parameters are listed)")
+    raise ValueError(f"config.train.new_scalar_lr_mult={mult:g} needs config.train.init_from "
+                     "(a converted run whose new parameters are listed)")
   new = set(src.new_params)
+
+  def scale(keys, var):
+    scalar = var.get_metadata().get("kind") in ("scalar", "bias")
+    return mult if scalar and _path(keys) in new else 1.0
+
   is_var = lambda x: isinstance(x, nnx.Variable)
-  tree = jax.tree_util.tree_map_with_path(
-      lambda keys, var: mult if _path(keys) in new else 1.0, abstract_params, is_leaf=is_var)
+  tree = jax.tree_util.tree_map_with_path(scale, abstract_params, is_leaf=is_var)
   return nnx.to_pure_dict(tree) if isinstance(tree, nnx.State) else tree
 
 
