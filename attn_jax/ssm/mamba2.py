@@ -302,7 +302,8 @@ class Mamba2(Mixer):
     del rng, train
     if state is None:   # a full forward: rematerialised but for the in-projections
       return self.remat_forward(x_BTD, positions_BT, segment_ids_BT), None, {}
-    y, state = self.ssm_heads(x_BTD, positions_BT=positions_BT, state=state)
+    y, state = self.ssm_heads(x_BTD, positions_BT=positions_BT, state=state,
+                              segment_ids_BT=segment_ids_BT)
     return self.out(y), state, {}
 
   def remat_forward(self, x_BTD, positions_BT, segment_ids_BT=None):
