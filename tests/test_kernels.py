@@ -1,0 +1,274 @@
+"""attn_jax/kernels/decayed.py: the decayed flash-attention kernel (Pallas, interpret mode on
+CPU) against the float64 explicit references, forward and every gradient.
+
+Errors are relative to the largest |value| of the reference (max|a - b| <= TOL * max|b|), per
+output and per gradient. References run in float64 on the kernel's own (fp32) inputs, except
+FoX's, which sums its g in float64 from log f (the kernel gets fp32's double-word cumulative
+sum): the FoX test therefore also checks that a pair's decay keeps its own precision at -20
+nats per token. Tiles of 64 (or 32) rows over T = 200 (not a multiple), so every test crosses
+several tiles, skips tiles above the diagonal and visits partial ones.
+"""
+
+import math
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from attn_jax import targets
+from attn_jax.attention import fox as F
+from attn_jax.attention import sisa as S
+from attn_jax.attention.alibi import alibi_slopes
+from attn_jax.attention.core import attention_reference
+from attn_jax.kernels import decayed as K
+
+TOL = 1e-5            # fp32, relative to the largest |value|; fixed once
+TOL_BF16 = 2e-2       # bf16 inputs: q, k, v and the probabilities p rounded to 8 bits
+
+
+def _close(a, b, tol=TOL, what=""):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  assert np.all(np.isfinite(a)), what
+  err = float(np.max(np.abs(a - b)))
+  assert err <= tol * float(np.max(np.abs(b))), f"{what}: {err} vs {tol} * {np.max(np.abs(b))}"
+
+
+def _normal(rng, shape, scale=1.0):
+  return jnp.asarray(scale * rng.standard_normal(shape), jnp.float32)
+
+
+def _segments(lengths_per_row):
+  """[B, T] document ids 1, 2, ... of rows packed with documents of the given lengths."""
+  return jnp.asarray(np.stack([np.repeat(np.arange(1, len(r) + 1), r) for r in lengths_per_row]),
+                     jnp.int32)
+
+
+def _starts(seg_BT):
+  s = np.asarray(seg_BT)
+  return np.concatenate([np.ones((s.shape[0], 1), bool), s[:, 1:] != s[:, :-1]], axis=1)
+
+
+def _seg_cumsum(x_BTH, starts_BT):
+  """Cumulative sum over time restarting at every document start (numpy, x's dtype)."""
+  x = np.asarray(x_BTH)
+  out = np.zeros_like(x)
+  acc = np.zeros_like(x[:, 0])
+  for t in range(x.shape[1]):
+    acc = np.where(starts_BT[:, t, None], 0, acc) + x[:, t]
+    out[:, t] = acc
+  return out
+
+
+def _check(kernel_fn, ref_fn, args32, names, seed=0, tol=TOL):
+  """Forward and the gradient of sum(out * w) for each argument, kernel (fp32) vs reference
+  (float64 on the same values)."""
+  out = kernel_fn(*args32)
+  w = np.random.default_rng(seed + 100).standard_normal(out.shape)
+  argnums = tuple(range(len(args32)))
+  grads = jax.grad(lambda *a: jnp.sum(kernel_fn(*a) * jnp.asarray(w, jnp.float32)),
+                   argnums)(*args32)
+  with jax.enable_x64(True):
+    args64 = [jnp.asarray(np.asarray(a), jnp.float64) for a in args32]
+    ref = ref_fn(*args64)
+    ref_grads = jax.grad(lambda *a: jnp.sum(ref_fn(*a) * jnp.asarray(w)), argnums)(*args64)
+    ref, ref_grads = np.asarray(ref), [np.asarray(g) for g in ref_grads]
+  _close(out, ref, tol, "forward")
+  for name, g, r in zip(names, grads, ref_grads):
+    _close(g, r, tol, f"d {name}")
+
+
+# ---------------------------------------------------------------- SISA
+
+def test_sisa_matches_float64_reference():
+  """Packed unaligned documents (g restarts in each), a sink, decay ranges from ~2 nats (head
+  0) to thousands (head 1, log a down to -40 per token), lambda from c's scale."""
+  rng = np.random.default_rng(0)
+  B, T, H, D, ds = 2, 200, 2, 16, 8
+  seg = _segments([[37, 90, 73], [200]])
+  rate = np.array([0.02, 40.0])
+  loga = -rng.uniform(0, 1, (B, T, H)) * rate
+  g = jnp.asarray(_seg_cumsum(loga, _starts(seg)), jnp.float32)
+  args = (_normal(rng, (B, T, H, D), 2.0), _normal(rng, (B, T, H, D), 2.0),
+          _normal(rng, (B, T, H, D)), _normal(rng, (B, T, H, ds)), _normal(rng, (B, T, H, ds)),
+          g, jnp.asarray([0.7, 1.3], jnp.float32), _normal(rng, (H,)))
+
+  def kernel(q, k, v, c, b, g, lam, sink):
+    return K.decayed_attention(q, k, v, scale=D ** -0.5, g_BTH=g, c_BTHS=lam[:, None] * c,
+                               b_BTHS=b, segment_ids_BT=seg, sink_logit_H=sink, block_q=64,
+                               block_k=64)
+
+  def ref(q, k, v, c, b, g, lam, sink):
+    return S.sisa_attention_reference(q, k, v, c, b, g, None, lam, sink_logit_H=sink,
+                                      segment_ids_BT=seg)[0]
+
+  assert -float(jnp.min(g)) > 1000
+  _check(kernel, ref, args, ("q", "k", "v", "c", "b", "g", "lambda", "sink"))
+
+
+# ---------------------------------------------------------------- FoX
+
+def test_fox_matches_float64_reference_under_strong_forgetting():
+  """GQA (4 query heads on 2 kv heads), packed documents, a sink, log f from ~0 to -20 nats per
+  token. The kernel's g is fp32's double-word cumulative sum of log f (fox._cumsum2); the
+  reference sums log f in float64. Gradients reach log f through each."""
+  rng = np.random.default_rng(1)
+  B, T, H, KH, D = 2, 200, 4, 2, 16
+  seg = _segments([[120, 80], [5, 150, 45]])
+  starts = jnp.asarray(_starts(seg))
+  rate = np.array([0.01, 1.0, 8.0, 20.0])
+  args = (_normal(rng, (B, T, H, D), 2.0), _normal(rng, (B, T, KH, D), 2.0),
+          _normal(rng, (B, T, KH, D)),
+          jnp.asarray(-rng.uniform(0, 1, (B, T, H)) * rate, jnp.float32), _normal(rng, (H,)))
+
+  def kernel(q, k, v, loga, sink):
+    hi, lo = F._cumsum2(loga, starts)
+    return K.decayed_attention(q, k, v, scale=D ** -0.5, g_BTH=hi, g_lo_BTH=lo, fox=True,
+                               segment_ids_BT=seg, sink_logit_H=sink, block_q=64, block_k=32)
+
+  def ref(q, k, v, loga, sink):
+    g = _seg_cumsum_jnp(loga, starts)
+    return F.forget_attention_reference(q, k, v, g, scale=D ** -0.5, sink_logit_H=sink,
+                                        segment_ids_BT=seg)[0]
+
+  _check(kernel, ref, args, ("q", "k", "v", "log f", "sink"), seed=1)
+
+
+def _seg_cumsum_jnp(x_BTH, starts_BT):
+  """Differentiable segmented cumulative sum (the reference's, in x's dtype)."""
+  def step(acc, xs):
+    x, s = xs
+    acc = jnp.where(s[:, None], 0.0, acc) + x
+    return acc, acc
+  _, out = jax.lax.scan(step, jnp.zeros_like(x_BTH[:, 0]),
+                        (x_BTH.transpose(1, 0, 2), starts_BT.T))
+  return out.transpose(1, 0, 2)
+
+
+# ---------------------------------------------------------------- ALiBi
+
+def test_alibi_with_window_and_padding_matches_float64_reference():
+  """ALiBi as FoX with g = -slope * t, a sliding window of 50 tokens, right-padded rows
+  (positions -1, whose queries see nothing and return zeros), a sink, against the positional
+  reference with the explicit bias -m_h (i - j)."""
+  rng = np.random.default_rng(2)
+  B, T, H, D, W = 2, 200, 4, 16, 50
+  valid = np.arange(T)[None, :] < np.array([[200], [157]])
+  pos = jnp.asarray(np.where(valid, np.arange(T)[None, :], -1), jnp.int32)
+  slopes = jnp.asarray(alibi_slopes(H), jnp.float32)
+  g = -jnp.asarray(np.maximum(np.asarray(pos), 0), jnp.float32)[..., None] * slopes
+  args = (_normal(rng, (B, T, H, D), 2.0), _normal(rng, (B, T, H, D), 2.0),
+          _normal(rng, (B, T, H, D)), _normal(rng, (H,)))
+
+  def kernel(q, k, v, sink):
+    return K.decayed_attention(q, k, v, scale=D ** -0.5, g_BTH=g, fox=True, window=W,
+                               positions_BT=pos, sink_logit_H=sink, block_q=32, block_k=32)
+
+  def ref(q, k, v, sink):
+    gg = jnp.asarray(np.asarray(g), q.dtype).transpose(0, 2, 1)
+    bias = gg[..., :, None] - gg[..., None, :]
+    return attention_reference(q, k, v, scale=D ** -0.5, q_positions=pos, kv_positions=pos,
+                               bias=bias, sink_logit_H=sink, window=W)
+
+  _check(kernel, ref, args, ("q", "k", "v", "sink"), seed=2)
+  out = kernel(*args)
+  assert float(jnp.max(jnp.abs(out[1, 157:]))) == 0.0   # padding queries: zeros
+
+
+# ---------------------------------------------------------------- both terms, every mask
+
+def test_every_term_and_mask_matches_float64_reference():
+  """The FoX and SISA terms together, GQA, a window, padding, a shared prefix (segment 0,
+  visible to every document) and two documents, no sink; g decreasing over the whole row.
+  Reference: the positional attention reference with the explicit float64 bias."""
+  rng = np.random.default_rng(3)
+  B, T, H, KH, D, ds, W = 1, 200, 4, 2, 16, 4, 90
+  seg = jnp.asarray(np.concatenate([np.zeros(8), np.ones(100), 2 * np.ones(92)])[None],
+                    jnp.int32)
+  pos = jnp.asarray(np.where(np.arange(T) < 190, np.arange(T), -1)[None], jnp.int32)
+  args = (_normal(rng, (B, T, H, D), 2.0), _normal(rng, (B, T, KH, D), 2.0),
+          _normal(rng, (B, T, KH, D)), _normal(rng, (B, T, H, ds)),
+          _normal(rng, (B, T, H, ds)),
+          jnp.asarray(np.cumsum(-rng.uniform(0, 0.3, (B, T, H)), axis=1), jnp.float32))
+
+  def kernel(q, k, v, c, b, g):
+    return K.decayed_attention(q, k, v, scale=D ** -0.5, g_BTH=g, c_BTHS=c, b_BTHS=b,
+                               fox=True, window=W, positions_BT=pos, segment_ids_BT=seg,
+                               block_q=32, block_k=64)
+
+  def ref(q, k, v, c, b, g):
+    gH = g.transpose(0, 2, 1)
+    dg = gH[..., :, None] - gH[..., None, :]
+    causal = jnp.tril(jnp.ones((T, T), bool))
+    bias = dg + jnp.exp(jnp.where(causal, dg, -jnp.inf)) * jnp.einsum("bihs,bjhs->bhij", c, b)
+    return attention_reference(q, k, v, scale=D ** -0.5, q_positions=pos, kv_positions=pos,
+                               bias=bias, window=W, q_segments=seg, kv_segments=seg)
+
+  _check(kernel, ref, args, ("q", "k", "v", "c", "b", "g"), seed=3)
+
+
+def test_plain_attention_bf16():
+  """No decay (the plain core), bf16 q, k, v: within bf16 rounding of the float64 reference
+  on the same (rounded) inputs; the output keeps q's dtype."""
+  rng = np.random.default_rng(4)
+  B, T, H, D = 1, 200, 2, 32
+  q, k, v = (_normal(rng, (B, T, H, D), 2.0).astype(jnp.bfloat16) for _ in range(3))
+  out = K.decayed_attention(q, k, v, scale=D ** -0.5, block_q=64, block_k=64)
+  assert out.dtype == jnp.bfloat16
+  with jax.enable_x64(True):
+    f64 = lambda a: jnp.asarray(np.asarray(a.astype(jnp.float32)), jnp.float64)
+    ref = np.asarray(attention_reference(f64(q), f64(k), f64(v), scale=D ** -0.5))
+  _close(out.astype(jnp.float32), ref, TOL_BF16, "bf16 forward")
+
+
+# ---------------------------------------------------------------- inputs it cannot take
+
+def test_unsupported_names_why():
+  ok = K.unsupported((1, 256, 4, 128), (1, 256, 4, 128), (1, 256, 4, 128), plat="tpu")
+  assert ok is None
+  assert "T == S" in K.unsupported((1, 8, 4, 64), (1, 256, 4, 64), (1, 256, 4, 64), plat="tpu")
+  assert "block_k" in K.unsupported((1, 256, 4, 64), (1, 256, 4, 64), (1, 256, 4, 64),
+                                    block_k=96, plat="tpu")
+  assert "head dim is 48" in K.unsupported((1, 256, 4, 48), (1, 256, 4, 48), (1, 256, 4, 48),
+                                           plat="gpu")
+  assert K.unsupported((1, 256, 4, 64), (1, 256, 4, 64), (1, 256, 4, 64), plat="gpu") is None
+
+
+# ---------------------------------------------------------------- compiled for the targets
+
+def _compiled_text(target: str, T: int = 256, D: int = 128, ds: int = 32):
+  """The SISA + FoX kernel's fwd + bwd (bf16 q, k, v) compiled for a target's first device."""
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  from attn_jax import platform
+  devs = targets.devices(target)
+  B, H = 1, 2
+  sds = jax.ShapeDtypeStruct
+  bf, f32 = jnp.bfloat16, jnp.float32
+  args = (sds((B, T, H, D), bf), sds((B, T, H, D), bf), sds((B, T, H, D), bf),
+          sds((B, T, H), f32), sds((B, T, H, ds), f32), sds((B, T, H, ds), f32), sds((H,), f32))
+
+  def loss(q, k, v, g, c, b, sink):
+    o = K.decayed_attention(q, k, v, scale=D ** -0.5, g_BTH=g, c_BTHS=c, b_BTHS=b, fox=True,
+                            sink_logit_H=sink)
+    return jnp.sum(o.astype(f32) ** 2)
+
+  mesh = Mesh(np.array(devs[:1]), ("x",))
+  with platform.use_platform(devs[0]):
+    f = jax.jit(jax.grad(loss, argnums=tuple(range(7))), in_shardings=NamedSharding(mesh, P()))
+    compiled = f.lower(*args).compile()
+  return compiled.as_text(), compiled.memory_analysis()
+
+
+@pytest.mark.parametrize("target,call", [("v5e-4", "tpu_custom_call"), ("h100x1", "triton")])
+def test_kernel_compiles_for_target(target, call):
+  """Forward and both backward kernels are custom calls of the target's Pallas backend (Mosaic
+  on TPU, Triton on H100), and no buffer is [T, T]: at T 8192 the program's temporaries stay
+  far below one fp32 [T, T] score matrix per head."""
+  if not targets.available(target):
+    pytest.skip(f"no compiler plugin for {target}")
+  text, _ = _compiled_text(target)
+  assert text.count(call) >= 3, text[:2000]
+  T = 8192
+  _, mem = _compiled_text(target, T=T)
+  assert mem.temp_size_in_bytes < T * T * 4 / 8, mem
