@@ -96,6 +96,7 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from attn_jax.config import ModelConfig
 from attn_jax.layers import Linear, causal_positions, dtype_of, param, segmented_cumsum
@@ -103,8 +104,8 @@ from attn_jax.mixer import Mixer
 from attn_jax.options import field_check, is_int, is_number
 from attn_jax.registry import register_mixer
 from attn_jax.ssm import ssd
-from attn_jax.ssm.mamba2 import (document_resets, dt_bias_init, last_valid_window,
-                                 projection_inits, valid_mask)
+from attn_jax.ssm.mamba2 import (IN_PROJ, document_resets, dt_bias_init, last_valid_window,
+                                 projection_inits, remat_full_forward, valid_mask)
 
 f32 = jnp.float32
 TWO_PI = 2.0 * math.pi
@@ -399,16 +400,16 @@ class Mamba3(Mixer):
   def _inputs(self, x_BTD, positions_BT):
     """Per-token SSM inputs (fp32): x, a, gamma, beta', B, C (unrotated), angle increments, z."""
     valid = valid_mask(positions_BT)
-    dt = jax.nn.softplus(self.in_dt(x_BTD).astype(f32) + self.dt_bias[...].astype(f32))
+    proj = lambda lin: checkpoint_name(lin(x_BTD), IN_PROJ).astype(f32)   # kept for backward
+    dt = jax.nn.softplus(proj(self.in_dt) + self.dt_bias[...].astype(f32))
     dt = jnp.where(valid[..., None], dt, 0.0)
-    A_raw = self.in_a(x_BTD).astype(f32)
-    A = jnp.minimum(-A_ACTIVATIONS[self.opts.a_activation](A_raw), -self.opts.a_floor)
-    lam = jax.nn.sigmoid(self.in_lam(x_BTD).astype(f32))
-    theta = math.pi * jnp.tanh(self.in_theta(x_BTD).astype(f32))         # [B, T, R]
-    return dict(x=self.in_x(x_BTD).astype(f32), a=A * dt, gamma=lam * dt, betap=(1 - lam) * dt,
-                b=self._bc(self.in_b(x_BTD), self.b_norm, self.b_bias),
-                c=self._bc(self.in_c(x_BTD), self.c_norm, self.c_bias),
-                inc=theta[:, :, None, :] * dt[..., None], z=self.in_z(x_BTD).astype(f32),
+    A = jnp.minimum(-A_ACTIVATIONS[self.opts.a_activation](proj(self.in_a)), -self.opts.a_floor)
+    lam = jax.nn.sigmoid(proj(self.in_lam))
+    theta = math.pi * jnp.tanh(proj(self.in_theta))                      # [B, T, R]
+    return dict(x=proj(self.in_x), a=A * dt, gamma=lam * dt, betap=(1 - lam) * dt,
+                b=self._bc(proj(self.in_b), self.b_norm, self.b_bias),
+                c=self._bc(proj(self.in_c), self.c_norm, self.c_bias),
+                inc=theta[:, :, None, :] * dt[..., None], z=proj(self.in_z),
                 n_valid=valid.sum(axis=1).astype(jnp.int32))
 
   def ssm_heads(self, x_BTD, *, positions_BT, state=None, recurrent=False, segment_ids_BT=None):
@@ -503,9 +504,19 @@ class Mamba3(Mixer):
     if positions_BT is None:   # a plain 0..T-1 full forward
       positions_BT = causal_positions(*x_BTD.shape[:2])
     del rng, train
+    if state is None:   # a full forward: rematerialised but for the in-projections
+      return self.remat_forward(x_BTD, positions_BT, segment_ids_BT), None, {}
     y, state = self.ssm_heads(x_BTD, positions_BT=positions_BT, state=state,
                               segment_ids_BT=segment_ids_BT)
     return self.out(y.astype(dtype_of(self.cfg.dtype))), state, {}
+
+  def remat_forward(self, x_BTD, positions_BT, segment_ids_BT=None):
+    """out(ssm_heads(x)) of a full forward under `mamba2.remat_full_forward` (module
+    docstring)."""
+    def fwd(x, pos, seg):
+      y, _ = self.ssm_heads(x, positions_BT=pos, segment_ids_BT=seg)
+      return self.out(y.astype(dtype_of(self.cfg.dtype)))
+    return remat_full_forward(self.cfg, fwd)(x_BTD, positions_BT, segment_ids_BT)
 
   def reference(self, x_BTD, *, positions_BT, state=None, segment_ids_BT=None):
     """The same mixer through the token-by-token recurrence (test reference)."""
