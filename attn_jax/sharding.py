@@ -238,6 +238,13 @@ def use_rules(mesh: Mesh, rules: Mapping[str, MeshAxes] | Sequence[tuple[str, Me
     _ACTIVE.reset(token)
 
 
+def active() -> tuple[Mesh, Mapping[str, MeshAxes]] | None:
+  """(mesh, rules) of the innermost `use_rules` block, or None outside one: what a caller that
+  places its own computation (a `shard_map` around a kernel XLA cannot partition,
+  attention/splash.py) reads, so its specs follow the same rules as `constrain`."""
+  return _ACTIVE.get()
+
+
 def activation_spec(names: Sequence[str | None], shape: Sequence[int], mesh: Mesh,
                     rules: Mapping[str, MeshAxes]) -> P:
   """Like `logical_to_spec` but lenient: unknown names and non-dividing dims are replicated."""

@@ -42,10 +42,14 @@ Implementations (`impl`):
   For the plain causal mask (top-left aligned `is_causal`) a dummy query row is prepended as
   well, so the [T+1, T+1] causal square shows the sink slot to every real query; the dummy
   output row is dropped. For cuDNN the extra channel is padded to a multiple of 8.
-- "splash" (TPU only): the Pallas splash-attention kernel shipped with JAX
-  (`jax.experimental.pallas.ops.tpu.splash_attention`, MQA form vmapped over batch and kv heads,
-  block-sparse causal mask, native per-head sinks). Used for plain causal calls with Dqk == Dv,
-  no bias and T a multiple of 128; anything else falls back to "xla".
+- "splash" (TPU): the Pallas splash-attention kernel shipped with JAX (splash.py: MQA form
+  vmapped over batch and kv heads, block-sparse causal mask, native per-head sinks, V narrower
+  than Q/K as it is, documents and padding as the kernel's segment ids, and a `shard_map` over
+  the batch / head axes of the mesh the program is traced for, so it runs on any slice). Used
+  for causal self-attention of one stream (the plain call, or positions / segments with
+  `prefix_causal`) with no bias, no window, T a multiple of 128 and no shared prefix among the
+  keys (`shared_prefix=False` with segments); anything else falls back to "xla" (`splash_problem`
+  names why). Off TPU the same kernel runs in the Pallas interpreter (tests).
 
 The softmax of the einsum / blocked paths (`_softmax`) is fp32 with a hand-written backward,
 ds = p * (g - sum_j g_j p_j) (the sink column's output is dropped, so its cotangent is 0), and
@@ -57,9 +61,12 @@ boolean mask (`positional_mask`); the blocked path keeps skipping the upper tria
 caller promises `prefix_causal` (every mixer's full forward does), but a block masked only by
 segments is still computed (which blocks are empty depends on the traced ids). cuDNN: through
 `jax.nn.dot_product_attention(mask=)`, its API having no segment ids (a mask costs a [T, S]
-bias on that path). TPU "splash": segmented calls fall back to "xla" like every non-plain call
-(the kernel has native `SegmentIds`, but without a TPU to test it here the fallback is what is
-shipped). A fully masked query row returns zeros on every path.
+bias on that path). TPU "splash": the kernel's own `SegmentIds` (splash.py), which express
+"same document" and padding exactly but not "or segment 0" (an equality of labels, ANDed with
+the kernel's mask): a call that may hold a shared prefix (`shared_prefix`, default True: the
+decoder's sink tokens with packed rows) falls back to "xla"; a caller that knows its row has
+none (no sink tokens) passes `shared_prefix=False`. A fully masked query row returns zeros on
+every path.
 
 "auto" picks by platform, from `experiments/bench_attention.py` (fwd + bwd): CPU -> "blocked",
 GPU -> "cudnn" for bf16/fp16 inputs with head dims cuDNN supports (else "xla"), TPU ->
@@ -73,6 +80,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from attn_jax import platform
+from attn_jax.attention import splash
 from attn_jax.layers import SHARED_SEGMENT, causal_positions  # noqa: F401  (also re-exported)
 
 NEG_INF = -1e30  # finite: masked scores; the softmax floors its row max at NEG_INF / 2
@@ -326,24 +334,31 @@ def dpa(q, k, v, *, scale, impl, mask=None, bias=None, sink_H=None, plain_causal
   return out
 
 
-def _splash(q, k, v, *, scale, sink_H):
-  """TPU: Pallas splash attention (MQA kernel per kv head), plain causal square."""
-  from jax.experimental.pallas.ops.tpu import splash_attention as sa
-  B, T, H, D = q.shape
-  K = k.shape[2]
-  G = H // K
-  mask = sa.MultiHeadMask([sa.CausalMask((T, T))] * G)
-  kernel = sa.make_splash_mqa_single_device(mask=mask)
-  q5 = (q * jnp.asarray(scale, q.dtype)).reshape(B, T, K, G, D).transpose(0, 2, 3, 1, 4)
-  kt, vt = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)   # [B, K, T, D]
-  if sink_H is None:
-    f = lambda qq, kk, vv: kernel(qq, kk, vv)
-    o = jax.vmap(jax.vmap(f))(q5, kt, vt)
-  else:
-    sinks = sink_H.astype(jnp.float32).reshape(K, G)
-    f = lambda qq, kk, vv, ss: kernel(qq, kk, vv, sinks=ss)
-    o = jax.vmap(jax.vmap(f), in_axes=(0, 0, 0, None))(q5, kt, vt, sinks)
-  return o.transpose(0, 3, 1, 2, 4).reshape(B, T, H, v.shape[-1])
+def _splash(q, k, v, *, scale, sink_H, q_ids=None, kv_ids=None):
+  """TPU: Pallas splash attention of one causal stream per row, sharded (splash.py)."""
+  return splash.splash_attention(q, k, v, scale=scale, sink_H=sink_H, q_ids=q_ids,
+                                 kv_ids=kv_ids)
+
+
+def splash_problem(*, causal: bool, T: int, S: int, bias, window, one_stream: bool,
+                   segmented: bool, shared_prefix: bool) -> str | None:
+  """Why the splash kernel cannot take a call (None: it can). `one_stream`: the plain causal
+  call, or positions / segments with `prefix_causal` (index order is the causal order)."""
+  if not causal or T != S:
+    return "splash runs causal self-attention only (T == S)"
+  if T % splash.BLOCK:
+    return f"splash needs T a multiple of {splash.BLOCK}, got {T}"
+  if bias is not None:
+    return "splash takes no score bias"
+  if window is not None:
+    return "splash is not given the sliding window here"
+  if not one_stream:
+    return "positions without prefix_causal: the causal order is not the index order"
+  if segmented and shared_prefix:
+    return ("segment ids with a possible shared prefix (segment 0, visible to every document): "
+            "not expressible as splash's SegmentIds (pass shared_prefix=False when the row has "
+            "none)")
+  return None
 
 
 # ------------------------------------------------------------------ dispatch
@@ -368,7 +383,7 @@ def choose_impl(impl: str, q_dtype, dqk: int, plat: str | None = None) -> str:
 def attend(q, k, v, *, scale: float, causal: bool = True, q_positions=None, kv_positions=None,
            bias=None, sink_logit_H=None, prefix_causal: bool = False, impl: str = "auto",
            chunk: int | None = None, window: int | None = None, q_segments=None,
-           kv_segments=None) -> jax.Array:
+           kv_segments=None, shared_prefix: bool = True) -> jax.Array:
   """Multi-head attention; see the module docstring. Returns [B, T, H, Dv] in q's dtype.
 
   `prefix_causal`: q and kv are one stream (T == S, valid positions increasing, -1 padding),
@@ -377,7 +392,8 @@ def attend(q, k, v, *, scale: float, causal: bool = True, q_positions=None, kv_p
   q_pos - k_pos < window only (sliding-window attention). `q_segments` / `kv_segments`: document
   ids of packed rows (module docstring); with them, `prefix_causal` still holds when positions
   restart per document (a later key of the same document has a larger position, one of
-  another document is masked)."""
+  another document is masked). `shared_prefix=False` promises that no key is in
+  SHARED_SEGMENT (the row has no shared prefix), which lets splash take the segments."""
   B, T, H, Dqk = q.shape
   S, K, Dv = k.shape[1], k.shape[2], v.shape[-1]
   if k.shape[-1] != Dqk or H % K or v.shape[:3] != k.shape[:3]:
@@ -388,8 +404,16 @@ def attend(q, k, v, *, scale: float, causal: bool = True, q_positions=None, kv_p
   plain_causal = (causal and q_positions is None and kv_positions is None and T == S
                   and window is None and not segmented)
   impl = choose_impl(impl, q.dtype, Dqk)
-  if impl == "splash" and not (plain_causal and bias is None and Dqk == Dv and T % 128 == 0):
+  if impl == "splash" and splash_problem(
+      causal=causal, T=T, S=S, bias=bias, window=window, segmented=segmented,
+      one_stream=plain_causal or prefix_causal, shared_prefix=shared_prefix):
     impl = "xla"
+  if impl == "splash":   # one stream: documents and padding as the kernel's segment ids
+    q_ids, kv_ids = splash.segment_ids(q_positions, kv_positions, q_segments, kv_segments)
+    out = _splash(q, k, v, scale=scale, sink_H=sink_logit_H, q_ids=q_ids, kv_ids=kv_ids)
+    if q_positions is None:
+      return out
+    return jnp.where((q_positions >= 0)[:, :, None, None], out, jnp.zeros((), out.dtype))
   mask = None
   if not plain_causal and (causal or kv_positions is not None or window is not None
                            or segmented):
@@ -410,8 +434,6 @@ def attend(q, k, v, *, scale: float, causal: bool = True, q_positions=None, kv_p
     bias_fn = None if bias is None else (lambda a, e, s_end: bias[..., a:e, :s_end])
     return blocked_attention(q, k, v, scale=scale, mask_fn=mask_fn, bias_fn=bias_fn,
                              sink_logit_H=sink_logit_H, chunk=step, prefix=prefix)
-  if impl == "splash":
-    return _splash(q, k, v, scale=scale, sink_H=sink_logit_H)
   return dpa(q, k, v, scale=scale, mask=mask, bias=bias, sink_H=sink_logit_H,
               plain_causal=plain_causal, impl=impl)
 
