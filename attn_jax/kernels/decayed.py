@@ -13,7 +13,10 @@ Every visible pair has g_i - g_j <= 0, so exp(g_i - g_j) <= 1 and nothing overfl
 length: each [bq, bk] score tile is formed from O(tile) inputs (the rows' q, g, c and the
 columns' k, g, b), with no reference point and no [T, T] tensor. A masked pair's difference
 may be positive (g restarts per document, or j > i on a diagonal tile); it is replaced by
-NEG_INF before the exponential, so its factor is 0, never inf.
+NEG_INF before the exponential, so its factor is 0, never inf. A *visible* pair with
+g_i - g_j > 0 exists only across a document start (a shared-prefix key, segment 0, read by a
+document whose g restarted): its SISA factor is set to 0 there (so are its gradients), and no
+input makes the kernel overflow; within a document this is a no-op and the gradient exact.
 
 Visibility (as `core.positional_mask`): key j is visible to query i iff pos_j >= 0 (padding is
 -1), [causal] pos_j <= pos_i, [window W] pos_i - pos_j < W, and seg_j == seg_i or seg_j == 0
@@ -53,17 +56,20 @@ T != S. Callers fall back to their blockwise path with one logged line naming wh
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import logging
-from typing import NamedTuple
+from typing import Iterator, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.sharding import PartitionSpec as P
 
-from attn_jax import platform
+from attn_jax import platform, sharding
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +126,8 @@ def _dot(a, b, dims=None):
 
 def _tile(spec: Spec, r: Rows, c: Cols):
   """Scores of one tile, [bq, bk] fp32, masked with NEG_INF; with the visibility, the decay
-  factor e = exp(g_i - g_j) (0 where masked) and c.b (SISA only, else None)."""
+  factor e = exp(g_i - g_j) (0 where masked or g_i - g_j > 0) and c.b (SISA only, else
+  None)."""
   s = _dot(r.q, c.k, _A_BT) * spec.scale
   vis = (c.pos >= 0) & ((c.seg == r.seg) | (c.seg == 0))
   if spec.causal:
@@ -133,8 +140,8 @@ def _tile(spec: Spec, r: Rows, c: Cols):
   e = cb = None
   if spec.fox:
     s = s + dg
-  if spec.sisa:
-    e = jnp.exp(jnp.where(vis, dg, NEG_INF))
+  if spec.sisa:   # min(., 0): a no-op on pairs inside one document (module docstring)
+    e = jnp.exp(jnp.where(vis & (dg <= 0), dg, NEG_INF))
     cb = _dot(r.c, c.b, _A_BT)
     s = s + e * cb
   return jnp.where(vis, s, NEG_INF), vis, e, cb
@@ -547,6 +554,48 @@ def unsupported(q_shape, k_shape, v_shape, *, block_q: int | None = None,
   return None
 
 
+def _local(spec: Spec, q, k, v, g, glo, c, b, pos, seg, sink):
+  """One device's call: the kernel over the real keys, then the sink column by log-sum-exp."""
+  o, lse = _attend(spec, q, k, v, g, glo, c, b, pos, seg)
+  if sink is None:
+    return o
+  total = jnp.logaddexp(lse, sink.astype(jnp.float32)[None, None, :])
+  return (o.astype(jnp.float32) * jnp.exp(lse - total)[..., None]).astype(o.dtype)
+
+
+def _sharded(fn, args: dict, names: dict):
+  """fn(**args) under `jax.shard_map` over the mesh of the active `sharding.use_rules` block
+  (a plain call outside one): Pallas kernels are not partitioned by XLA. Rows follow the
+  `batch` rule, heads the `heads` / `kv_heads` rules when both split alike (query head h reads
+  kv head h // G, so a device's query heads then read exactly its kv heads), else heads are
+  replicated; time is never split (each device sees whole rows). `names`: each argument's
+  logical axes ("heads" for per-query-head ones)."""
+  active = sharding._ACTIVE.get()   # (mesh, rules) of `use_rules`, as `sharding.constrain`
+  if active is None:
+    return fn(**args)
+  mesh, rules = active
+  spec_of = lambda key: sharding.activation_spec(names[key], args[key].shape, mesh, rules)
+  qs, ks = spec_of("q"), spec_of("k")
+  heads = qs[2] if qs[2] == ks[2] else None
+  batch = qs[0]
+  axis = {"batch": batch, "heads": heads, "kv_heads": heads}
+  keys = [key for key in args if args[key] is not None]
+  spec = lambda key: P(*(axis.get(n) for n in names[key]))
+
+  def body(*xs):
+    return fn(**dict(args, **dict(zip(keys, xs))))
+
+  return jax.shard_map(body, mesh=mesh, in_specs=tuple(spec(key) for key in keys),
+                       out_specs=spec("q"), check_vma=False)(*(args[key] for key in keys))
+
+
+_NAMES = {"q": ("batch", None, "heads", None), "k": ("batch", None, "kv_heads", None),
+          "v": ("batch", None, "kv_heads", None), "g": ("batch", None, "heads"),
+          "glo": ("batch", None, "heads"), "c": ("batch", None, "heads", None),
+          "b": ("batch", None, "heads", None), "pos": ("batch", None),
+          "seg": ("batch", None), "sink": ("heads",)}
+
+
 def decayed_attention(q_BTHD, k_BTKD, v_BTKE, *, scale: float, g_BTH=None, g_lo_BTH=None,
                       c_BTHS=None,
                       b_BTHS=None, fox: bool = False, causal: bool = True,
@@ -579,9 +628,42 @@ def decayed_attention(q_BTHD, k_BTKD, v_BTKE, *, scale: float, g_BTH=None, g_lo_
       jnp.int32)
   spec = Spec(float(scale), bool(fox), sisa, g_lo_BTH is not None, bool(causal), window,
               int(block_q), int(block_k), H // k_BTKD.shape[2], bool(interpret))
-  o, lse = _attend(spec, q_BTHD, k_BTKD, v_BTKE, g, g_lo_BTH, c_BTHS, b_BTHS, pos, seg)
-  if sink_logit_H is None:
-    return o
-  sink = sink_logit_H.astype(jnp.float32)[None, None, :]
-  total = jnp.logaddexp(lse, sink)
-  return (o.astype(jnp.float32) * jnp.exp(lse - total)[..., None]).astype(o.dtype)
+  args = dict(q=q_BTHD, k=k_BTKD, v=v_BTKE, g=g, glo=g_lo_BTH, c=c_BTHS, b=b_BTHS, pos=pos,
+              seg=seg, sink=sink_logit_H)
+  return _sharded(functools.partial(_local, spec), args, _NAMES)
+
+
+# ---------------------------------------------------------------- choosing the kernel
+
+_ON_CPU: contextvars.ContextVar[bool] = contextvars.ContextVar("attn_jax_decayed_on_cpu",
+                                                                default=False)
+_LOGGED: set[str] = set()
+
+
+@contextlib.contextmanager
+def on_cpu() -> Iterator[None]:
+  """Within this block `use_kernel` says yes on CPU too (the kernel then runs in the Pallas
+  interpreter): tests of the mixers' kernel branch without a GPU or TPU."""
+  token = _ON_CPU.set(True)
+  try:
+    yield
+  finally:
+    _ON_CPU.reset(token)
+
+
+def use_kernel(impl: str, q_shape, k_shape, v_shape, *, what: str) -> bool:
+  """Whether a mixer's full forward takes the kernel: `impl == "auto"` on GPU / TPU (the
+  platform the program is compiled for, `platform.current()`; the CPU keeps the blockwise
+  paths unless `on_cpu`), and the shapes fit (`unsupported`). A misfit is logged once per
+  reason, naming `what` (the mixer) and why, and the caller takes its blockwise path."""
+  plat = platform.current()
+  if impl != "auto" or (plat == "cpu" and not _ON_CPU.get()):
+    return False
+  why = unsupported(q_shape, k_shape, v_shape, plat=plat)
+  if why is not None:
+    line = f"{what}: decayed-attention kernel not used on {plat} ({why}); blockwise path"
+    if line not in _LOGGED:
+      _LOGGED.add(line)
+      log.warning(line)
+    return False
+  return True
