@@ -106,10 +106,10 @@ class HybridHeads(Mixer):
       positions_BT = causal_positions(*x_BTD.shape[:2])
     kv, ss = (None, None) if state is None else state
     ya, kv = self._attention(x_BTD, positions_BT, kv, segment_ids_BT)
-    hs, ss = self.ssm.ssm_heads(x_BTD, positions_BT=positions_BT, state=ss,
-                                segment_ids_BT=segment_ids_BT)
-    y = ya + self.ssm.out(hs)
-    return y, (None if state is None else (kv, ss)), {}
+    if state is None:   # a full forward: the SSM branch rematerialised but for its in-projections
+      return ya + self.ssm.remat_forward(x_BTD, positions_BT, segment_ids_BT), None, {}
+    hs, ss = self.ssm.ssm_heads(x_BTD, positions_BT=positions_BT, state=ss)
+    return ya + self.ssm.out(hs), (kv, ss), {}
 
   def implicit_attention(self, x_BTD) -> dict:
     """The Mamba-2 branch's implicit attention matrix (`Mamba2.implicit_attention`)."""
