@@ -272,3 +272,83 @@ def test_kernel_compiles_for_target(target, call):
   T = 8192
   _, mem = _compiled_text(target, T=T)
   assert mem.temp_size_in_bytes < T * T * 4 / 8, mem
+
+
+# ---------------------------------------------------------------- the mixers' kernel branch
+
+def _param_grads(m, x, seg, w):
+  """(output, d sum(out * w) / d every parameter) of a mixer's full forward."""
+  from flax import nnx
+  graphdef, state = nnx.split(m)
+
+  def loss(state):
+    out = nnx.merge(graphdef, state)(x, segment_ids_BT=seg)[0]
+    return jnp.sum(out * w), out
+
+  grads, out = jax.grad(loss, has_aux=True)(state)
+  return out, grads
+
+
+def _same_as_blockwise(m, x, seg):
+  """The mixer's forward and parameter gradients through the kernel (`decayed.on_cpu`) equal
+  its CPU blockwise paths' (each within TOL of the other's largest |value|)."""
+  w = jnp.asarray(np.random.default_rng(7).standard_normal(x.shape), jnp.float32)
+  program = lambda: str(jax.make_jaxpr(lambda x: m(x, segment_ids_BT=seg)[0])(x))
+  assert "pallas_call" not in program()
+  with K.on_cpu():
+    assert "pallas_call" in program()
+  out_b, grads_b = _param_grads(m, x, seg, w)
+  with K.on_cpu():
+    out_k, grads_k = _param_grads(m, x, seg, w)
+  _close(out_k, out_b, what="output")
+  flat_k = jax.tree_util.tree_leaves_with_path(grads_k)
+  flat_b = dict(jax.tree_util.tree_leaves_with_path(grads_b))
+  for path, g in flat_k:
+    _close(g, flat_b[path], what=f"d {jax.tree_util.keystr(path)}")
+  return flat_k
+
+
+def test_sisa_mixer_takes_the_kernel():
+  """SISA (boosted B, C, phase; a learned sink; packed rows) through the kernel equals its
+  blockwise paths, parameters' gradients included (lambda and the sink logit among them)."""
+  from tests.test_sisa import _cfg, _mixer
+  cfg = _cfg(n_heads=2, sink_logit="learned")
+  m = _mixer(cfg)
+  x = jnp.asarray(np.random.default_rng(5).standard_normal((2, 150, cfg.d_model)), jnp.float32)
+  seg = _segments([[40, 110], [150]])
+  names = [jax.tree_util.keystr(p) for p, _ in _same_as_blockwise(m, x, seg)]
+  assert any("lambda_raw" in n for n in names) and any("sink_logit" in n for n in names)
+
+
+@pytest.mark.parametrize("mixer", ["fox", "alibi"])
+def test_fox_and_alibi_mixers_take_the_kernel(mixer):
+  """FoX (strong forgetting, GQA) and ALiBi (a learned sink), packed rows: through the kernel
+  equal to their blockwise paths."""
+  from tests.test_fox import _cfg, _mixer
+  from attn_jax.attention.alibi import ALiBi
+  from flax import nnx
+  if mixer == "fox":
+    cfg = _cfg(impl="auto", n_heads=4, n_kv_heads=2)
+    m = _mixer(cfg)
+  else:
+    cfg = _cfg(mixer="alibi", impl="auto", sink_logit="learned")
+    m = ALiBi(cfg, cfg.options_for("alibi"), rngs=nnx.Rngs(params=0))
+  x = jnp.asarray(np.random.default_rng(6).standard_normal((2, 150, cfg.d_model)), jnp.float32)
+  _same_as_blockwise(m, x, _segments([[40, 110], [7, 143]]))
+
+
+def test_cpu_keeps_blockwise_and_misfits_are_logged(caplog):
+  """On CPU (no `on_cpu`) the mixers keep their blockwise paths; a shape the kernel cannot take
+  on the target is one logged line naming why."""
+  from attn_jax import platform
+  assert not K.use_kernel("auto", (1, 256, 4, 64), (1, 256, 4, 64), (1, 256, 4, 64), what="x")
+  with platform.use_platform("gpu"):
+    assert K.use_kernel("auto", (1, 256, 4, 64), (1, 256, 4, 64), (1, 256, 4, 64), what="x")
+    assert not K.use_kernel("einsum", (1, 256, 4, 64), (1, 256, 4, 64), (1, 256, 4, 64),
+                            what="x")
+    with caplog.at_level("WARNING"):
+      for _ in range(2):
+        assert not K.use_kernel("auto", (1, 256, 4, 40), (1, 256, 4, 40), (1, 256, 4, 40),
+                                what="sisa-test")
+  lines = [r.getMessage() for r in caplog.records if "sisa-test" in r.getMessage()]
+  assert len(lines) == 1 and "head dim is 40" in lines[0], lines

@@ -119,6 +119,7 @@ from attn_jax.attention.core import (attention_flops_per_token, blocked_attentio
 from attn_jax.attention.projection import (QKVProjection, SinkLogitOptions, make_sink_logit,
                                            probs_with_sink, rope, sink_logit_of)
 from attn_jax.config import ModelConfig
+from attn_jax.kernels import decayed
 from attn_jax.layers import (Linear, causal_positions, dtype_of, param, segment_starts,
                              stat_dtype, time_cumsum)
 from attn_jax.options import field_check, is_int, is_number
@@ -427,7 +428,15 @@ class ScoreBiasAttention(cache_lib.CachedMixer):
     q, k, v, loga, carry = self.features(x_BTD, positions_BT, state, segment_ids_BT)
     sink = sink_logit_of(opts, self.sink_logit, cfg.n_heads)
     scale = cfg.head_dim ** -0.5
-    if state is None:
+    if state is None and opts.path == "auto" and decayed.use_kernel(
+        cfg.attention_impl, q.shape, k.shape, v.shape, what=type(self).__name__):
+      # GPU / TPU: the decayed-attention kernel, g as fp32's double word (each pair's decay
+      # rounded at its own size, as `_decay_parts` does)
+      starts = None if segment_ids_BT is None else segment_starts(segment_ids_BT)
+      hi, lo = _cumsum2(loga, starts)
+      y = decayed.decayed_attention(q, k, v, scale=scale, g_BTH=hi, g_lo_BTH=lo, fox=True,
+                                    segment_ids_BT=segment_ids_BT, sink_logit_H=sink)
+    elif state is None:
       y = forget_attention(q, k, v, loga, scale=scale, block=opts.block, sink_logit_H=sink,
                            segment_ids_BT=segment_ids_BT, path=opts.path)
     else:

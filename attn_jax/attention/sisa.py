@@ -86,6 +86,7 @@ from attn_jax.attention.core import (REMAT_CORE_IMPLS, attend, attention_flops_p
 from attn_jax.attention.projection import (QKVProjection, SinkLogitOptions, make_sink_logit,
                                            probs_with_sink, sink_logit_of)
 from attn_jax.config import ModelConfig
+from attn_jax.kernels import decayed
 from attn_jax.layers import (Linear, causal_positions, dtype_of, param, segment_starts,
                              stat_dtype, time_cumsum, time_scan)
 from attn_jax.options import field_check, is_int, is_number
@@ -460,9 +461,14 @@ class SISA(cache_lib.CachedMixer):
 
   # -------------------------------------------------------------- full sequence
   def _full(self, ops: SISAOperands):
-    """-> (out, chunked flag): the path asked for, or (auto) a cond on the decay range."""
+    """-> (out, chunked flag): the path asked for, or (auto) the decayed-attention kernel on
+    GPU / TPU (kernels/decayed.py: exact at any decay range in one call), else a cond on the
+    decay range."""
     cfg = self.cfg
     path = self.opts.path
+    if path == "auto" and decayed.use_kernel(cfg.attention_impl, ops.q.shape, ops.k.shape,
+                                             ops.v.shape, what="sisa"):
+      return self._kernel(ops), jnp.zeros((), jnp.float32)
     if path == "fast":
       return self._fast(ops), jnp.zeros((), jnp.float32)
     if path == "chunked":
@@ -480,6 +486,14 @@ class SISA(cache_lib.CachedMixer):
       fast, chunked = jax.checkpoint(fast), jax.checkpoint(chunked)
     out = jax.lax.cond(use_fast, fast, chunked, ops)
     return out, 1.0 - use_fast.astype(jnp.float32)
+
+  def _kernel(self, ops: SISAOperands):
+    """The kernel's score q.k / sqrt(d_h) + e^{g_i - g_j} (lambda R C_i).(R B_j): lambda on the
+    query factor, so its gradient comes from the factor's."""
+    c = ops.lam.astype(ops.rc.dtype)[:, None] * ops.rc
+    return decayed.decayed_attention(ops.q, ops.k, ops.v, scale=self.cfg.head_dim ** -0.5,
+                                     g_BTH=ops.g, c_BTHS=c, b_BTHS=ops.rb,
+                                     segment_ids_BT=ops.seg, sink_logit_H=ops.sink)
 
   def _core_impl(self, ops: SISAOperands) -> str:
     """The attention core a call of the widened Q/K (d_h + d_s channels) runs on."""

@@ -570,7 +570,7 @@ def _sharded(fn, args: dict, names: dict):
   kv head h // G, so a device's query heads then read exactly its kv heads), else heads are
   replicated; time is never split (each device sees whole rows). `names`: each argument's
   logical axes ("heads" for per-query-head ones)."""
-  active = sharding._ACTIVE.get()   # (mesh, rules) of `use_rules`, as `sharding.constrain`
+  active = sharding.active()
   if active is None:
     return fn(**args)
   mesh, rules = active
