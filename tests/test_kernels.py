@@ -352,3 +352,60 @@ def test_cpu_keeps_blockwise_and_misfits_are_logged(caplog):
                                 what="sisa-test")
   lines = [r.getMessage() for r in caplog.records if "sisa-test" in r.getMessage()]
   assert len(lines) == 1 and "head dim is 40" in lines[0], lines
+
+
+# ---------------------------------------------------------------- long sequences (slow)
+
+@pytest.mark.slow
+@pytest.mark.parametrize("T", [4096, 8192])
+def test_sisa_and_fox_long_sequences_match_float64_reference(T):
+  """T 4096 / 8192 in tiles of 128, SISA (decay range ~10^4 nats on one head) and FoX (log f to
+  -20 nats per token, double-word g), one packed row with a sink: the forward on every row and
+  the gradients of q, k, v, c, b, g (SISA) / q, k, v, log f (FoX) within TOL of float64, the
+  reference evaluated in slices of query rows."""
+  rng = np.random.default_rng(8)
+  B, H, D, ds = 1, 2, 32, 8
+  seg = _segments([[T // 3, T - T // 3]])
+  starts = jnp.asarray(_starts(seg))
+  q, k, v = (_normal(rng, (B, T, H, D), 2.0) for _ in range(3))
+  c, b = (_normal(rng, (B, T, H, ds)) for _ in range(2))
+  loga = jnp.asarray(-rng.uniform(0, 1, (B, T, H)) * np.array([0.01, 20.0]), jnp.float32)
+  sink = _normal(rng, (H,))
+  w = jnp.asarray(rng.standard_normal((B, T, H, D)), jnp.float32)
+  g = jnp.asarray(_seg_cumsum(np.asarray(loga), _starts(seg)), jnp.float32)
+
+  def sisa(q, k, v, c, b, g):
+    return K.decayed_attention(q, k, v, scale=D ** -0.5, g_BTH=g, c_BTHS=c, b_BTHS=b,
+                               segment_ids_BT=seg, sink_logit_H=sink, block_q=128, block_k=128)
+
+  def fox(q, k, v, loga):
+    hi, lo = F._cumsum2(loga, starts)
+    return K.decayed_attention(q, k, v, scale=D ** -0.5, g_BTH=hi, g_lo_BTH=lo, fox=True,
+                               segment_ids_BT=seg, sink_logit_H=sink, block_q=128, block_k=128)
+
+  def sisa_ref(q, k, v, c, b, g, idx):
+    return S.sisa_attention_reference(q, k, v, c, b, g, None, jnp.ones((H,), q.dtype),
+                                      query_idx=idx, sink_logit_H=sink.astype(q.dtype),
+                                      segment_ids_BT=seg)[0]
+
+  def fox_ref(q, k, v, loga, idx):
+    return F.forget_attention_reference(q, k, v, _seg_cumsum_jnp(loga, starts), scale=D ** -0.5,
+                                        sink_logit_H=sink.astype(q.dtype), query_idx=idx,
+                                        segment_ids_BT=seg)[0]
+
+  for kernel, ref, args in ((sisa, sisa_ref, (q, k, v, c, b, g)), (fox, fox_ref, (q, k, v, loga))):
+    n = len(args)
+    out, vjp = jax.vjp(kernel, *args)
+    grads = vjp(w)
+    with jax.enable_x64(True):
+      a64 = [jnp.asarray(np.asarray(a), jnp.float64) for a in args]
+      w64 = jnp.asarray(np.asarray(w), jnp.float64)
+      ref_out, ref_grads = [], [0.0] * n
+      for a in range(0, T, 1024):
+        idx = jnp.arange(a, min(a + 1024, T))
+        o, f = jax.vjp(lambda *xs: ref(*xs, idx), *a64)
+        ref_out.append(np.asarray(o))
+        ref_grads = [r + np.asarray(d) for r, d in zip(ref_grads, f(w64[:, idx]))]
+    _close(out, np.concatenate(ref_out, axis=1), what=f"{kernel.__name__} forward")
+    for i in range(n):
+      _close(grads[i], ref_grads[i], what=f"{kernel.__name__} grad {i}")
