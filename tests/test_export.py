@@ -25,8 +25,9 @@ and are allowed explicitly (`disabled_checks`).
 
 Shapes are tiny (d 64, 4 heads of 16, SISA d_state 8 so the widened head is 24, batch 8 x 128,
 one layer per pattern entry); lowering compiles nothing. The train step is exported on one
-device, and for attention also lowered on the simulated 8-device data mesh (`train_sharded`),
-where the TPU case shows a known bug (SPLASH_SHARDED, a strict xfail: it passes once fixed).
+device, and for attention also lowered on the simulated 8-device data mesh (`train_sharded`):
+on TPU the splash kernel runs under a shard_map over the batch / head axes
+(attention/splash.py), which Mosaic needs on more than one device.
 The default suite holds the cases listed at FAST_TPU_TRAIN (about 45 CPU s on 2 cores); the
 rest are `slow` (`pytest -m slow tests/test_export.py`).
 """
@@ -63,10 +64,6 @@ KERNEL = {"cudnn": r"__cudnn\$fmha", "splash": r"tpu_custom_call"}
 # Sharded: the cuDNN call sits behind its `custom_partitioning` wrapper until XLA partitions the
 # module on the device.
 SHARDED_KERNEL = {"cudnn": r"custom_call @CustomSPMDPartitioning"}
-SPLASH_SHARDED = ("known bug: core._splash calls the Mosaic kernel on the global arrays; under a "
-                  "multi-device mesh Mosaic refuses (\"Mosaic kernels cannot be automatically "
-                  "partitioned. Please wrap the call in a shard_map\"): it needs a shard_map over "
-                  "the batch / head mesh axes")
 SIMULATED_CUDNN = 91000   # cuDNN 9.10: new enough for every rule JAX checks on these shapes
 
 
@@ -195,10 +192,7 @@ def _cases():
         out.append(pytest.param(name, target, step, id=f"{name}-{target}-{step}",
                                 marks=pytest.mark.slow if _slow(name, target, step) else ()))
   for target in ("cuda-cudnn", "tpu"):
-    marks = ()
-    if target == "tpu":
-      marks = pytest.mark.xfail(strict=True, raises=NotImplementedError, reason=SPLASH_SHARDED)
-    out.append(pytest.param("attention", target, "train_sharded", marks=marks,
+    out.append(pytest.param("attention", target, "train_sharded",
                             id=f"attention-{target}-train_sharded"))
   return out
 

@@ -57,7 +57,8 @@ class Attention(cache_lib.CachedMixer):
     core_fn = lambda q, k, v, sink: attend(   # positions None: the kernels' fast causal path
         q, k, v, scale=scale, causal=True, q_positions=positions_BT, kv_positions=positions_BT,
         sink_logit_H=sink, impl=cfg.attention_impl, prefix_causal=True,
-        q_segments=segment_ids_BT, kv_segments=segment_ids_BT)
+        q_segments=segment_ids_BT, kv_segments=segment_ids_BT,
+        shared_prefix=cfg.sink_tokens > 0)   # no sink tokens: no segment-0 key (splash takes it)
     if choose_impl(cfg.attention_impl, q.dtype, q.shape[-1]) in REMAT_CORE_IMPLS:
       core_fn = jax.checkpoint(core_fn)
     return p.o(core_fn(q, k, v, sink)), None, {}

@@ -177,10 +177,14 @@ def _nonpositive(x):
   return jnp.where(x <= 0, x, jnp.zeros_like(x))
 
 
-def _segment_kw(seg) -> dict:
+def _segment_kw(seg, shared_prefix: bool) -> dict:
   """attend's segment arguments of a packed row (none without one: the plain causal call).
-  One stream, so `prefix_causal` holds: the blocked core keeps skipping the upper triangle."""
-  return {} if seg is None else {"q_segments": seg, "kv_segments": seg, "prefix_causal": True}
+  One stream, so `prefix_causal` holds: the blocked core keeps skipping the upper triangle.
+  `shared_prefix`: whether segment-0 keys (the decoder's sink tokens) may be in the row."""
+  if seg is None:
+    return {}
+  return {"q_segments": seg, "kv_segments": seg, "prefix_causal": True,
+          "shared_prefix": shared_prefix}
 
 
 def _pad_operands(ops, pad: int):
@@ -510,7 +514,8 @@ class SISA(cache_lib.CachedMixer):
     kf = jnp.exp(jnp.minimum(-ops.g, limit))                 # [B, T, H] in [1, e^limit]
     qh, kh = _widen(ops.q, qf, ops.rc), _widen(ops.k, kf, ops.rb)
     return attend(qh, kh, ops.v, scale=cfg.head_dim ** -0.5, causal=True,
-                  impl=cfg.attention_impl, **_sink_kw(ops.sink), **_segment_kw(ops.seg))
+                  impl=cfg.attention_impl, **_sink_kw(ops.sink),
+                  **_segment_kw(ops.seg, cfg.sink_tokens > 0))
 
   def _chunked(self, ops: SISAOperands):
     """The exact path for any decay range: block pairs in O(T) memory (`_blockwise`), or with a
