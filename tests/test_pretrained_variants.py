@@ -261,3 +261,55 @@ def test_new_scalar_lr_mult_scales_only_the_new_scalars(llama_dir, tmp_path):
   np.testing.assert_allclose(moved[100.0][sink], 100.0 * moved[1.0][sink], rtol=1e-3)
   assert np.abs(moved[1.0][sink]).max() > 0
   np.testing.assert_array_equal(moved[100.0]["embed"], moved[1.0]["embed"])
+
+
+# ------------------------------------------------------------------ export back to HF
+
+
+@pytest.fixture(scope="module")
+def torch_tf():
+  torch = pytest.importorskip("torch", reason="torch is not installed (dev extra)")
+  transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+  return torch, transformers
+
+
+def hf_logits(torch_tf, path, ids, **kw):
+  torch, transformers = torch_tf
+  model = transformers.AutoModelForCausalLM.from_pretrained(path, **kw).eval()
+  with torch.no_grad():
+    return model(torch.tensor(np.asarray(ids))).logits.numpy()
+
+
+def test_sink_logit_run_exports_as_granite_swa(torch_tf, llama_dir, tmp_path):
+  """A sink-logit run (the sinks at -2: they take real mass) written as transformers'
+  GraniteSWA computes our logits; GGUF is refused naming why."""
+  from attn_jax.pretrained.variants import VariantInit
+  from attn_jax.train.checkpoint import load_for_inference
+  run = convert(llama_dir, workdir=str(tmp_path / "run"), base_config=base_config(),
+                mixer="sink_logit", variant_init=VariantInit(sink_init=-2.0))["workdir"]
+  out = convert(run, hf_out=str(tmp_path / "hf"))["hf"]
+  with open(os.path.join(out, "config.json")) as f:
+    assert json.load(f)["model_type"] == "granite_swa"
+  model, _, _ = load_for_inference(run)
+  ids = probe(model.cfg.vocab_size)[:, :64]
+  ours = np.asarray(model(jnp.asarray(ids)))
+  assert rel_err(ours, np.asarray(load(llama_dir).model(jnp.asarray(ids)))) > 1e-3  # sinks act
+  err = rel_err(hf_logits(torch_tf, out, ids, attn_implementation="eager"), ours)
+  assert err <= REL_TOL, err
+  with pytest.raises(PretrainedError, match="llama.cpp's llama architecture has no sinks"):
+    convert(run, gguf_out=str(tmp_path / "m.gguf"))
+  assert not (tmp_path / "m.gguf").exists()
+
+
+def test_finetuned_plain_run_exports_as_llama(torch_tf, converted, tmp_path):
+  from attn_jax.train.checkpoint import load_for_inference
+  from attn_jax.train.trainer import train_and_evaluate
+  c = finetune_config(converted["attention"]["workdir"], text_file(tmp_path))
+  wd = str(tmp_path / "ft")
+  train_and_evaluate(c, wd)
+  out = convert(wd, hf_out=str(tmp_path / "hf"))["hf"]
+  model, _, step = load_for_inference(wd)
+  assert step == 3
+  ids = probe(model.cfg.vocab_size)[:, :64]
+  err = rel_err(hf_logits(torch_tf, out, ids), np.asarray(model(jnp.asarray(ids))))
+  assert err <= REL_TOL, err

@@ -20,7 +20,7 @@ from typing import Any
 
 import ml_collections
 
-from attn_jax.pretrained import loader
+from attn_jax.pretrained import granite_swa, loader
 from attn_jax.pretrained.llama import PretrainedError, exportable_problem
 from attn_jax.pretrained.variants import VariantInit, check_variant, to_variant
 from attn_jax.pretrained.workdir import INFO_FILE, write_workdir
@@ -47,8 +47,8 @@ def load_run(workdir: str, step: int | None = None,
     tok = loader.as_tokenizer(tokenizer)
   else:
     tok = None if tok_spec in ("bytes", "byte", "") else loader.as_tokenizer(tok_spec)
-  spec = (loader.spec_of(model.cfg, **spec_ids) if not exportable_problem(model.cfg) else
-          None)
+  spec = (loader.spec_of(model.cfg, **spec_ids)
+          if not exportable_problem(model.cfg) or granite_swa.holds(model.cfg) else None)
   return loader.Pretrained(model, tok, spec, os.path.abspath(workdir), "run")
 
 
@@ -76,8 +76,15 @@ def convert(src: str, *, workdir: str = "", hf_out: str = "", gguf_out: str = ""
   else:
     pre = loader.load(src, dtype=dtype, tokenizer=tokenizer)
   bos, eos = (pre.spec.bos_id, pre.spec.eos_id) if pre.spec else (None, None)
-  if (hf_out or gguf_out) and exportable_problem(pre.cfg):
-    raise PretrainedError(f"{src}: cannot export as Llama: {exportable_problem(pre.cfg)}")
+  problem = exportable_problem(pre.cfg)
+  if hf_out and problem and not granite_swa.holds(pre.cfg):
+    raise PretrainedError(f"{src}: cannot export as Llama (nor as any transformers model): "
+                          f"{problem}")
+  if gguf_out and problem:
+    raise PretrainedError(f"{src}: cannot export as Llama: {problem}"
+                          + ("; llama.cpp's llama architecture has no sinks (--hf_out writes "
+                             "it as transformers' GraniteSWA)" if granite_swa.holds(pre.cfg)
+                             else ""))
   if workdir and pre.tokenizer is None:
     raise PretrainedError(f"{src}: no tokenizer to put in the run directory (pass one)")
   written: dict[str, Any] = {}

@@ -198,12 +198,14 @@ def hf_config(spec: LlamaSpec) -> dict[str, Any]:
 
 
 def write_hf_dir(directory: str, spec: LlamaSpec, tensors: Mapping[str, np.ndarray],
-                 tokenizer_json: str | None, special: Mapping[str, str | None]) -> None:
-  """Writes the files of a HF checkpoint into an existing (empty) `directory`."""
+                 tokenizer_json: str | None, special: Mapping[str, str | None],
+                 config: Mapping[str, Any] | None = None) -> None:
+  """Writes the files of a HF checkpoint into an existing (empty) `directory`; `config`: its
+  config.json (default: the Llama one of `spec`, `hf_config`)."""
   from safetensors.numpy import save_file
   save_file({k: np.ascontiguousarray(v, np.float32) for k, v in tensors.items()},
             os.path.join(directory, SINGLE), metadata={"format": "pt"})
-  _dump(os.path.join(directory, CONFIG), hf_config(spec))
+  _dump(os.path.join(directory, CONFIG), dict(config) if config else hf_config(spec))
   gen = {k: v for k, v in (("bos_token_id", spec.bos_id), ("eos_token_id", spec.eos_id))
          if v is not None}
   _dump(os.path.join(directory, "generation_config.json"), gen)

@@ -160,17 +160,24 @@ def special_names(tok, spec: LlamaSpec) -> dict[str, str | None]:
 def export_hf(model, directory: str, *, tokenizer=None, bos_id: int | None = None,
               eos_id: int | None = None) -> str:
   """Writes `model` as a Hugging Face Llama folder (safetensors + config.json + tokenizer)
-  that `transformers.LlamaForCausalLM.from_pretrained` loads; returns its path. Refuses a
-  model with no Llama equivalent, a tokenizer with more ids than the vocabulary, and an
-  existing non-empty `directory`."""
-  tensors = hf_tensors(model)
+  that `transformers.LlamaForCausalLM.from_pretrained` loads; returns its path. A Llama with
+  a learned sink logit is written as a `GraniteSWAForCausalLM` (`granite_swa.py`: the same
+  computation). Refuses a model with no transformers equivalent, a tokenizer with more ids
+  than the vocabulary, and an existing non-empty `directory`."""
+  from attn_jax.pretrained import granite_swa
+  spec = spec_of(model.cfg, bos_id=bos_id, eos_id=eos_id)
+  config = None
+  if granite_swa.holds(model.cfg):
+    params = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    tensors, config = granite_swa.hf_tensors(params, model.cfg), granite_swa.hf_config(spec)
+  else:
+    tensors = hf_tensors(model)
   tok = as_tokenizer(tokenizer)
   if tok is not None:
     tok_lib.check_vocab(tok, model.cfg.vocab_size, "tokenizer")
-  spec = spec_of(model.cfg, bos_id=bos_id, eos_id=eos_id)
   with staged_dir(directory) as tmp:
     hf_lib.write_hf_dir(tmp, spec, tensors, None if tok is None else tok.to_str(),
-                        special_names(tok, spec))
+                        special_names(tok, spec), config)
   return os.path.abspath(directory)
 
 

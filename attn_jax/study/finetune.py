@@ -1,0 +1,378 @@
+"""The fine-tuning study (configs/study_finetune.py): what an attention variant buys a
+*pretrained* model when it is added at step 0 without changing it and then fine-tuned.
+
+For every variant of `config.study.variants` (name, convert --mixer, its inits, config
+overrides, the setting in words):
+  1. convert `study.src` into the variant (`pretrained.convert(mixer=...)`: the logits equal
+     the plain import's; the measured distance is kept) -> <workdir>/converted/<name>/;
+  2. fine-tune it (`train.init_from`) on the same tokens for the same steps at each lr of
+     `study.lrs` (seed `study.seeds[0]`), keep the lr with the lowest held-out NLL
+     (eval/loss) -> <workdir>/runs/<name>/lr<lr>/seed<k>/;
+  3. the control and the best variant (lowest held-out NLL among the others) again at
+     `study.seeds[1:]` (the seed changes the data order; the conversion is the same);
+  4. score `study.stream_tokens` held-out tokens (the data's eval split, never trained on) as a
+     stream under two caches of `study.stream_cache` tokens: window-only eviction
+     (`window(cache)`: the first tokens leave) and StreamingLLM (`streaming(4+cache-4)`: 4
+     first tokens kept); also the pretrained model itself (the converted control at step 0);
+  5. results.json (per run: held-out NLL, stream NLLs, NLL past the cache, NLL by position,
+     the new parameters' values before and after, wall time), tables.md and a plot.
+
+Resumable: each stage writes its output last (a conversion: the run directory renamed into
+place; a fine-tune: finetune_run.json after the trainer's final checkpoint; a stream score:
+stream.json), so a rerun of the same command skips what is done and resumes a fine-tune from
+its latest checkpoint. A finished fine-tune whose config has changed since is an error naming
+it. Entry point: experiments/finetune_study.py.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+import time
+from typing import Any, Callable
+
+import ml_collections
+import numpy as np
+
+RESULTS = "results.json"
+RUN_DONE = "finetune_run.json"
+STREAM_DONE = "stream.json"
+
+
+def _load(path):
+  with open(path) as f:
+    return json.load(f)
+
+
+def _dump(obj, path):
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    json.dump(obj, f, indent=1)
+  os.replace(tmp, path)
+
+
+def variant_specs(config) -> dict[str, dict]:
+  """{name: {mixer, init, overrides, setting}} in the order of `study.variants`, the control
+  (`study.control`) first."""
+  out = {}
+  for v in config.study.variants:
+    if len(v) != 5:
+      raise ValueError(f"config.study.variants: want (name, mixer, inits, overrides, setting), "
+                       f"got {v!r}")
+    name, mixer, init, overrides, setting = v
+    if name in out:
+      raise ValueError(f"config.study.variants: duplicate name {name!r}")
+    out[name] = {"mixer": mixer, "init": dict(init), "overrides": tuple(map(tuple, overrides)),
+                 "setting": setting}
+  control = config.study.control
+  if control not in out:
+    raise ValueError(f"config.study.control: {control!r} is not one of {list(out)}")
+  return {control: out[control], **{k: v for k, v in out.items() if k != control}}
+
+
+# ------------------------------------------------------------------ stage 1: conversion
+
+def converted_dir(workdir: str, name: str) -> str:
+  return os.path.join(workdir, "converted", name)
+
+
+def convert_variant(config, workdir: str, name: str, spec: dict, log) -> dict:
+  """The converted run of `name` (made once) and its record from pretrained.json."""
+  from attn_jax.pretrained.convert import convert
+  from attn_jax.pretrained.variants import VariantInit
+  from configs.base import get_config
+  path = converted_dir(workdir, name)
+  if not os.path.isfile(os.path.join(path, "pretrained.json")):
+    log(f"[finetune] {name}: converting {config.study.src} -> --mixer={spec['mixer']}")
+    out = convert(str(config.study.src), workdir=path, base_config=get_config(),
+                  mixer=spec["mixer"], variant_init=VariantInit(**spec["init"]),
+                  seed=int(config.study.convert_seed))
+    log(f"[finetune] {name}: step-0 logits within {out['step0_rel_logit_diff']:.2e} relative "
+        "of the plain import")
+  return _load(os.path.join(path, "pretrained.json"))["variant"]
+
+
+# ------------------------------------------------------------------ stage 2/3: fine-tuning
+
+def _set(config, path: str, value) -> None:
+  *parents, leaf = path.split(".")
+  node = config
+  for p in parents:
+    node = node[p]
+  if leaf not in node:
+    raise ValueError(f"config.study.variants: override {path!r}: config.{path} does not exist")
+  node[leaf] = tuple(value) if isinstance(value, list) else value
+
+
+def run_config(config, workdir: str, name: str, spec: dict, seed: int, lr: float):
+  """The fine-tune's config: the study's data/train/optim/eval settings, the converted run's
+  model and tokenizer (`init_from.finetune_config`), the variant's overrides, seed and lr."""
+  from attn_jax.train.init_from import finetune_config
+  c = finetune_config(converted_dir(workdir, name), config)
+  for path, value in spec["overrides"]:
+    _set(c, path, value)
+  c.seed, c.optim.lr = int(seed), float(lr)
+  return c
+
+
+def run_dir_of(workdir: str, name: str, lr: float, seed: int) -> str:
+  return os.path.join(workdir, "runs", name, f"lr{lr:g}", f"seed{seed}")
+
+
+def config_digest(config) -> str:
+  d = config.to_dict()
+  d.pop("study", None)
+  return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def finetune_one(c, run_dir: str, name: str, log) -> dict:
+  """Train (or resume, or skip when done) one fine-tune; its record."""
+  from attn_jax.train.trainer import train_and_evaluate
+  done = os.path.join(run_dir, RUN_DONE)
+  digest = config_digest(c)
+  if os.path.isfile(done):
+    rec = _load(done)
+    if rec.get("config_digest") != digest:
+      raise ValueError(f"{done}: this finished fine-tune was made with another config than the "
+                       f"study's {name} lr {c.optim.lr:g} seed {c.seed} now has; move {run_dir} "
+                       "aside (or use another --workdir) to retrain it")
+    log(f"[finetune] {name} lr {c.optim.lr:g} seed {c.seed}: finished earlier, skipped")
+    return rec
+  log(f"[finetune] {name} lr {c.optim.lr:g} seed {c.seed}: {c.train.steps} steps of "
+      f"{c.data.global_batch_size} x {c.data.seq_len} tokens")
+  t0, c0 = time.perf_counter(), time.process_time()
+  out = train_and_evaluate(c, run_dir)
+  if out.get("preempted"):
+    from attn_jax.study.runner import StudyStopped
+    raise StudyStopped(f"{name} lr {c.optim.lr:g} seed {c.seed}: stopped by "
+                       f"{out['preempted']} (checkpoint saved); rerun the same command to "
+                       "resume", str(out["preempted"]))
+  rec = {"variant": name, "seed": int(c.seed), "lr": float(c.optim.lr),
+         "steps": int(c.train.steps),
+         "tokens": int(c.train.steps) * int(c.train.grad_accum) *
+         int(c.data.global_batch_size) * int(c.data.seq_len),
+         "heldout_nll": float(out["eval/loss"]), "final_train_loss": out.get("loss"),
+         "wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0,
+         "workdir": os.path.abspath(run_dir), "config_digest": digest}
+  _dump(rec, done)
+  log(f"[finetune] {name} lr {c.optim.lr:g} seed {c.seed}: held-out NLL "
+      f"{rec['heldout_nll']:.4f} in {rec['wall_s']:.0f} s")
+  return rec
+
+
+# ------------------------------------------------------------------ stage 4: streams
+
+def stream_policies(config):
+  from attn_jax.streaming import StreamPolicy
+  s = config.study
+  cache, sinks = int(s.stream_cache), int(s.stream_sinks)
+  return [StreamPolicy("window", window=cache), StreamPolicy("streaming", window=cache - sinks,
+                                                             sinks=sinks)]
+
+
+def stream_one(config, run_dir: str, tokens: np.ndarray, log, label: str) -> dict:
+  """NLL of `tokens` as a stream under each policy (stream.json in `run_dir`; skipped when
+  there). A policy the model cannot run (a FoX with RoPE keeps no ring cache) is recorded
+  with the reason."""
+  from attn_jax.streaming import score_stream
+  from attn_jax.train.checkpoint import load_for_inference
+  path = os.path.join(run_dir, STREAM_DONE)
+  if os.path.isfile(path):
+    return _load(path)
+  model, _, step = load_for_inference(run_dir)
+  cache, bin_w = int(config.study.stream_cache), int(config.study.stream_bin)
+  out = {"step": int(step), "tokens": int(len(tokens)), "policies": {}}
+  for pol in stream_policies(config):
+    t0 = time.perf_counter()
+    try:
+      losses = score_stream(model, tokens, pol, chunk=int(config.study.stream_chunk),
+                            progress=False)
+    except ValueError as e:
+      out["policies"][pol.label] = {"refused": str(e)}
+      log(f"[finetune] {label}: {pol.label}: not run: {e}")
+      continue
+    centres = list(range(0, len(losses), bin_w))
+    out["policies"][pol.label] = {
+        "nll": float(np.mean(losses)), "nll_past_cache": float(np.mean(losses[cache:])),
+        "by_position": [float(np.mean(losses[a:a + bin_w])) for a in centres],
+        "bin": bin_w, "wall_s": time.perf_counter() - t0}
+    log(f"[finetune] {label}: {pol.label}: NLL {out['policies'][pol.label]['nll']:.4f} "
+        f"({out['policies'][pol.label]['wall_s']:.0f} s)")
+  _dump(out, path)
+  return out
+
+
+def heldout_tokens(config) -> np.ndarray:
+  """The first `study.stream_tokens` + 1 tokens of the data's eval split (never trained on)."""
+  from attn_jax.study.lm import heldout_stream
+  stream = heldout_stream(config)
+  n = int(config.study.stream_tokens) + 1
+  if len(stream) < n:
+    raise ValueError(f"config.study.stream_tokens={n - 1}: the held-out split has only "
+                     f"{len(stream)} tokens (raise config.data.eval_fraction)")
+  return stream[:n]
+
+
+def new_param_values(run_dir: str, new: list[str]) -> dict[str, dict]:
+  """{path: {mean, absmax}} of the new parameters in `run_dir`'s latest checkpoint."""
+  from flax import nnx
+
+  from attn_jax.pretrained.variants import _flat
+  from attn_jax.train.checkpoint import load_for_inference
+  model, _, _ = load_for_inference(run_dir)
+  flat = _flat(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+  return {p: {"mean": float(np.mean(flat[p])), "absmax": float(np.abs(flat[p]).max())}
+          for p in new if p in flat}
+
+
+# ------------------------------------------------------------------ the study
+
+def _best(recs: list[dict]) -> dict:
+  return min(recs, key=lambda r: (not np.isfinite(r["heldout_nll"]), r["heldout_nll"]))
+
+
+def run_study(config: ml_collections.ConfigDict, workdir: str, *, command: str = "",
+              log: Callable[[str], Any] = print) -> dict:
+  """Every stage of the module docstring; results.json rewritten after each; returns it."""
+  from attn_jax.study.runner import enable_compilation_cache, machine_info
+  workdir = os.path.abspath(workdir)
+  os.makedirs(workdir, exist_ok=True)
+  enable_compilation_cache(workdir)
+  s = config.study
+  specs = variant_specs(config)
+  seeds = [int(x) for x in s.seeds]
+  lrs = [float(x) for x in s.lrs] or [float(config.optim.lr)]
+  t0 = time.perf_counter()
+  res: dict = {"meta": {"command": command, "started": _now(), "machine": machine_info(),
+                        "config": json.loads(json.dumps(config.to_dict(), default=str))},
+               "variants": {}, "runs": [], "sweep": [], "streams": {}}
+  path = os.path.join(workdir, RESULTS)
+
+  def save(complete=False):
+    res["meta"].update(finished=_now(), complete=complete,
+                       this_invocation_wall_s=time.perf_counter() - t0)
+    _dump(res, path)
+
+  for name, spec in specs.items():
+    rec = convert_variant(config, workdir, name, spec, log)
+    res["variants"][name] = {"mixer": spec["mixer"], "init": spec["init"],
+                             "overrides": [list(o) for o in spec["overrides"]],
+                             "setting": spec["setting"], "new": rec["new"],
+                             "expanded": rec["expanded"], "step0": rec["step0"]}
+  save()
+  tokens = None
+  best_lr, first = {}, {}
+  for name, spec in specs.items():   # the sweep on the first seed
+    recs = [finetune_one(run_config(config, workdir, name, spec, seeds[0], lr),
+                         run_dir_of(workdir, name, lr, seeds[0]), name, log) for lr in lrs]
+    res["sweep"].extend(recs)
+    first[name] = _best(recs)
+    best_lr[name] = first[name]["lr"]
+    res["variants"][name]["lr"] = best_lr[name]
+    save()
+  control = s.control
+  others = [n for n in specs if n != control]
+  best_variant = min(others, key=lambda n: first[n]["heldout_nll"]) if others else None
+  res["meta"]["best_variant"] = best_variant
+  runs = {(n, seeds[0]): first[n] for n in specs}
+  for seed in seeds[1:]:
+    for name in [control] + ([best_variant] if best_variant else []):
+      runs[(name, seed)] = finetune_one(
+          run_config(config, workdir, name, specs[name], seed, best_lr[name]),
+          run_dir_of(workdir, name, best_lr[name], seed), name, log)
+      save()
+  res["runs"] = list(runs.values())
+  save()
+  tokens = heldout_tokens(run_config(config, workdir, control, specs[control], seeds[0],
+                                     best_lr[control]))
+  res["streams"]["pretrained"] = stream_one(config, converted_dir(workdir, control), tokens,
+                                            log, "pretrained")
+  save()
+  for (name, seed), rec in runs.items():
+    label = f"{name}/seed{seed}"
+    res["streams"][label] = stream_one(config, rec["workdir"], tokens, log, label)
+    new = list(res["variants"][name]["new"])
+    rec["new_values"] = {"converted": new_param_values(converted_dir(workdir, name), new),
+                         "finetuned": new_param_values(rec["workdir"], new)}
+    save()
+  save(complete=True)
+  return res
+
+
+def _now() -> str:
+  return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+# ------------------------------------------------------------------ report
+
+def table(res: dict) -> str:
+  """The markdown table of results.json: per variant (mean over its seeds, spread = range),
+  held-out NLL and the stream NLLs of both caches past the cache."""
+  pols = sorted({p for st in res["streams"].values() for p in st["policies"]})
+  head = ("| model | lr | seeds | held-out NLL | " +
+          " | ".join(f"{p} NLL past the cache" for p in pols) + " |")
+  lines = [head, "|" + "---|" * (4 + len(pols))]
+
+  def cell(vals):
+    vals = [v for v in vals if v is not None and np.isfinite(v)]
+    if not vals:
+      return "n/a"
+    m = float(np.mean(vals))
+    return f"{m:.4f}" if len(vals) == 1 else f"{m:.4f} ± {(max(vals) - min(vals)) / 2:.4f}"
+
+  def past(label, pol):
+    p = res["streams"].get(label, {}).get("policies", {}).get(pol, {})
+    return p.get("nll_past_cache")
+
+  lines.append("| pretrained (step 0) | - | - | - | " +
+               " | ".join(cell([past("pretrained", p)]) for p in pols) + " |")
+  for name, v in res["variants"].items():
+    recs = [r for r in res["runs"] if r["variant"] == name]
+    if not recs:
+      continue
+    labels = [f"{name}/seed{r['seed']}" for r in recs]
+    lines.append(f"| {name} | {v.get('lr', float('nan')):g} | {len(recs)} | "
+                 f"{cell([r['heldout_nll'] for r in recs])} | " +
+                 " | ".join(cell([past(lb, p) for lb in labels]) for p in pols) + " |")
+  return "\n".join(lines)
+
+
+def plot(res: dict, path: str) -> str:
+  """NLL against position (bins of study.stream_bin), one panel per cache policy, one line
+  per variant's first seed and the pretrained model."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  pols = sorted({p for st in res["streams"].values() for p in st["policies"]})
+  fig, axes = plt.subplots(1, len(pols), figsize=(6 * len(pols), 4), sharey=True, squeeze=False)
+  seen = set()
+  for label, st in res["streams"].items():
+    name = label.split("/")[0]
+    if name in seen:
+      continue
+    seen.add(name)
+    for ax, pol in zip(axes[0], pols):
+      p = st["policies"].get(pol, {})
+      if "by_position" in p:
+        x = np.arange(len(p["by_position"])) * p["bin"] + p["bin"] / 2
+        ax.plot(x, p["by_position"], label=name)
+  for ax, pol in zip(axes[0], pols):
+    ax.set_title(pol)
+    ax.set_xlabel("position in the held-out stream")
+    ax.axvline(int(res["meta"]["config"]["study"]["stream_cache"]), color="grey", lw=0.5)
+  axes[0][0].set_ylabel("NLL (nats/token)")
+  axes[0][-1].legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  return path
+
+
+def write_report(workdir: str) -> dict[str, str]:
+  res = _load(os.path.join(workdir, RESULTS))
+  tables = os.path.join(workdir, "tables.md")
+  with open(tables, "w") as f:
+    f.write(table(res) + "\n")
+  return {"tables": tables, "plot": plot(res, os.path.join(workdir, "nll_by_position.png"))}
