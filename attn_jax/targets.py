@@ -117,7 +117,8 @@ def _tpu(name: str, topology: str, hbm_gib: float, limit_gib: float | None = Non
 
 
 TARGETS: dict[str, Target] = {t.name: t for t in (
-    _gpu("h100x1", H100, 1, 1), _gpu("h100x2", H100, 1, 2), _gpu("h100x8", H100, 1, 8),
+    _gpu("h100x1", H100, 1, 1), _gpu("h100x2", H100, 1, 2), _gpu("h100x4", H100, 1, 4),
+    _gpu("h100x8", H100, 1, 8),
     _gpu("2x8xh100", H100, 2, 8), _gpu("h200x8", H200, 1, 8),
     _tpu("v5e-4", "v5e:2x2", 16, 15.75), _tpu("v5e-8", "v5e:2x4", 16, 15.75),
     _tpu("v5e-16", "v5e:4x4", 16, 15.75),

@@ -19,6 +19,10 @@ import signal
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if any(a.split("=")[0] in ("--compile_only", "-compile_only") for a in sys.argv[1:]):
+  # The target's devices are compile-only: this process computes on its CPU, whatever machine
+  # it is (set before JAX starts, which happens when attn_jax.cli is imported).
+  os.environ["JAX_PLATFORMS"] = "cpu"
 
 from absl import flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402

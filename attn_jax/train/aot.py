@@ -71,11 +71,12 @@ class Program:
 
 
 def kernels_in(text: str) -> dict[str, int]:
-  """Custom calls of a compiled program, by report name (KERNELS; others by their target)."""
+  """The kernels (custom calls of the KERNELS families) of a compiled program, by name."""
   out: collections.Counter = collections.Counter()
   for target in _CALL_RE.findall(text):
-    name = next((n for pat, n in KERNELS if re.fullmatch(pat, target)), target)
-    out[name] += 1
+    name = next((n for pat, n in KERNELS if re.fullmatch(pat, target)), None)
+    if name is not None:    # the compilers' own helper calls (TPU buffer/gather ops) are not kernels
+      out[name] += 1
   names = sorted(set(_MOSAIC_NAME_RE.findall(text)))
   if names and "Mosaic (Pallas TPU)" in out:
     out[f"Mosaic kernels: {', '.join(names)}"] = len(names)
@@ -263,9 +264,8 @@ def compile_only_main(config: ml_collections.ConfigDict, target_name: str,
   """`experiments/train.py --compile_only=<target>`: print the report; exit status 0 when the
   train step fits the target (at the config's batch or a smaller micro-batch it names), 3
   when it fits at none. The target's devices exist for compiling only, so the process computes
-  on its CPU whatever machine it runs on."""
+  on its CPU (experiments/train.py sets JAX_PLATFORMS=cpu before JAX starts)."""
   from attn_jax import native_logs
-  jax.config.update("jax_platforms", "cpu")
   targets_lib.get(target_name)            # an unknown name: one line listing the known ones
   with native_logs.filtered():            # libtpu's start-up warnings
     targets_lib.devices(target_name)

@@ -1,0 +1,164 @@
+"""Compiled for the machines attn_jax is for: every registered mixer's programs compiled, on
+this CPU, for 4 x H100 and a 4-chip TPU v5e slice (`attn_jax.targets`: compile-only devices,
+the device compilers' own passes, the SPMD partitioner on that topology, the cuDNN / Mosaic
+kernels and XLA's memory analysis; nothing runs).
+
+Each case is the trainer's exact train step (`build_setup` over the target's devices, traced
+under the mesh's rules, so `platform.current()` is the target's platform) on a 2-axis mesh,
+data x fsdp and data x tensor, at a tiny width but a training length of T = 1024, and the
+decode programs (chunked prefill + the one-token step). Asserted: it compiles; the
+Transformer at bf16 calls cuDNN attention on H100 and the splash (Mosaic) kernel on TPU; no
+mixer holds a [.., T, T] buffer in its train step. The docs' toy mixer (docs/mixers.md) goes
+through `experiments/train.py --compile_only` on both targets.
+
+A TPU compile takes tens of seconds on a CPU: the default suite holds the unit tests and the
+H100 Transformer; the matrix is `ci_extra` (CI runs it on every commit; `pytest -m ci_extra
+tests/test_targets.py`). Without the targets extra (`pip install -e '.[targets]'`) the
+compiling tests skip with that reason.
+"""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from attn_jax import platform, targets
+from attn_jax import sharding as shd
+from attn_jax.attention import core
+from attn_jax.registry import available_mixers
+from attn_jax.train import aot
+from configs import quickstart
+from tests.test_trunk import set_tiny
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+GPU, TPU = "h100x4", "v5e-4"
+SEQ_LEN = 1024
+MESHES = {"data_fsdp": (2, 2, 1), "data_tensor": (2, 1, 2)}
+PATTERNS = {m: (m,) for m in available_mixers()}
+PATTERNS["hybrid_block"] = ("attention", "mamba2:nomlp")
+KERNEL = {GPU: "cuDNN attention fwd", TPU: "Mosaic (Pallas TPU)"}
+
+
+def _need(name):
+  if not targets.available(name):
+    pytest.skip(f"compile target {name} unavailable here (pip install -e '.[targets]')")
+
+
+def tiny_config(pattern, mesh_shape, seq_len=SEQ_LEN):
+  """A bf16 model of width 64 (4 heads of 16), one layer per pattern entry, 4 rows of seq_len."""
+  c = quickstart.get_config()
+  c.model.update(d_model=64, n_heads=4, d_ff=128, n_layers=len(pattern), pattern=pattern,
+                 max_seq_len=seq_len, dtype="bfloat16", vocab_size=256)
+  set_tiny(c.model, {p.split(":")[0] for p in pattern})
+  c.data.update(seq_len=seq_len, global_batch_size=4)
+  c.train.grad_accum = 1
+  c.mesh.shape = mesh_shape
+  return c
+
+
+# ------------------------------------------------------------------ units (no compiling)
+
+def test_an_unknown_target_lists_the_known_ones():
+  with pytest.raises(ValueError, match=r"unknown compile target 'h100x3'; known: h100x1, .*v5e-8"):
+    targets.get("h100x3")
+
+
+def test_gpu_target_config_carries_the_device_facts():
+  text = targets.H100.target_config()
+  assert "core_count: 132" in text and "cuda_compute_capability { major: 9 minor: 0 }" in text
+  assert 'device_description_str: "NVIDIA H100 80GB HBM3"' in text
+  usable, why = targets.get("h100x8").usable_bytes()
+  assert usable == int(0.75 * targets.H100.memory_bytes) and "MEM_FRACTION" in why
+
+
+def test_program_text_is_read_for_kernels_collectives_and_square_buffers():
+  text = ('%a = (bf16[1,4,256,64]) custom-call(%p), custom_call_target="__cudnn$fmhaSoftmax"\n'
+          '%b = bf16[1,4,256,64] custom-call(%p), custom_call_target="__cudnn$fmhaSoftmaxBackward"\n'
+          '%c = f32[8] all-reduce-start(f32[8] %x)\n%d = f32[8] all-reduce-done(%c)\n'
+          '%e = f32[2,16] all-gather(f32[1,16] %y)\n%f = f32[4,12,1024,1024] fusion(%z)\n'
+          '%g = f32[4,1024,512] fusion(%z)\n')
+  assert aot.kernels_in(text) == {"cuDNN attention fwd": 1, "cuDNN attention bwd": 1}
+  assert aot.collectives_in(text) == {"all-reduce": 1, "all-gather": 1}
+  assert aot.square_buffers(text, 1024) == ["f32[4,12,1024,1024]"]
+  assert aot.square_buffers(text, 512) == []
+
+
+def test_the_kernel_choice_follows_the_platform_compiled_for():
+  assert platform.current() == "cpu"
+  with platform.use_platform("tpu"):
+    assert core.choose_impl("auto", jnp.bfloat16, 64) == "splash"
+    with platform.use_platform("cuda"):
+      assert core.choose_impl("auto", jnp.bfloat16, 64) == "cudnn"
+      assert core.choose_impl("auto", jnp.float32, 64) == "xla"
+    assert platform.current() == "tpu"
+  assert core.choose_impl("auto", jnp.bfloat16, 64) == "blocked"
+  with pytest.raises(ValueError, match="unknown platform 'metal'"):
+    platform.normalize("metal")
+
+
+def test_use_rules_sets_the_mesh_platform():
+  _need(TPU)
+  mesh = shd.make_mesh((4,), ("data",), targets.devices(TPU))
+  with shd.use_rules(mesh, {"batch": "data"}):
+    assert platform.current() == "tpu"
+  assert platform.current() == "cpu"
+
+
+def _script(*args):
+  env = dict(os.environ, PYTHONPATH=str(ROOT))
+  return subprocess.run([sys.executable, "experiments/train.py", *args], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=600)
+
+
+def test_compile_only_mistakes_are_one_line():
+  r = _script("--config=configs/quickstart.py", "--compile_only=h100x3")
+  lines = [x for x in r.stderr.splitlines() if x.strip()]
+  assert r.returncode == 2 and len(lines) == 1, r.stderr[-2000:]
+  assert lines[0].startswith("error: unknown compile target 'h100x3'; known: h100x1")
+  _need(GPU)
+  r = _script("--config=configs/quickstart.py", "--compile_only=h100x8",
+              "--config.mesh.shape=(4,1,1)")
+  lines = [x for x in r.stderr.splitlines() if x.strip()]
+  assert r.returncode == 2 and len(lines) == 1, r.stderr[-2000:]
+  assert "config.mesh.shape (4, 1, 1) needs 4 devices, have 8" in lines[0]
+
+
+# ------------------------------------------------------------------ compiling
+
+def _report(pattern, target, mesh, programs):
+  _need(target)
+  return aot.compile_for_target(tiny_config(pattern, MESHES[mesh]), target,
+                                programs=programs, search_fit=False)
+
+
+def test_transformer_train_step_calls_cudnn_on_h100():
+  r = _report(("attention",), GPU, "data_fsdp", ("train",))
+  (train,) = r.programs
+  assert train.kernels.get("cuDNN attention fwd") and train.kernels.get("cuDNN attention bwd")
+  assert train.tt_buffers == [] and r.fit.fits
+
+
+def _matrix():
+  out = []
+  for name, pattern in PATTERNS.items():
+    for target in (GPU, TPU):
+      for mesh in MESHES:
+        out.append(pytest.param(pattern, target, mesh, id=f"{name}-{target}-{mesh}",
+                                marks=(pytest.mark.slow, pytest.mark.ci_extra)))
+  return out
+
+
+@pytest.mark.parametrize("pattern,target,mesh", _matrix())
+def test_every_mixer_compiles_for_gpu_and_tpu(pattern, target, mesh):
+  programs = ("train", "decode") if mesh == "data_tensor" else ("train",)
+  r = _report(pattern, target, mesh, programs)
+  train = r.programs[0]
+  assert train.tt_buffers == [], f"[.., T, T] buffers in the train step: {train.tt_buffers}"
+  if "attention" in pattern:
+    assert train.kernels.get(KERNEL[target]), f"no {KERNEL[target]} call: {train.kernels}"
+  assert {p.name for p in r.programs} == set(programs) | ({"prefill"} if "decode" in programs
+                                                          else set())
