@@ -313,3 +313,22 @@ def test_finetuned_plain_run_exports_as_llama(torch_tf, converted, tmp_path):
   ids = probe(model.cfg.vocab_size)[:, :64]
   err = rel_err(hf_logits(torch_tf, out, ids), np.asarray(model(jnp.asarray(ids))))
   assert err <= REL_TOL, err
+
+
+def test_trainable_masks_name_the_right_parameters(converted, tmp_path):
+  """new: exactly the listed new parameters; new+norms: those and every norm scale."""
+  from flax import nnx
+
+  from attn_jax.model import abstract_model
+  from attn_jax.pretrained.variants import _flat
+  from attn_jax.train.init_from import trainable_mask
+  run = converted["fox"]["workdir"]
+  with open(os.path.join(run, "pretrained.json")) as f:
+    new = set(json.load(f)["variant"]["new"])
+  for trainable in ("new", "new+norms"):
+    c = finetune_config(run, text_file(tmp_path), trainable=trainable)
+    abs_params = nnx.state(abstract_model(c.model), nnx.Param)
+    mask = _flat(trainable_mask(c, abs_params))
+    on = {p for p, m in mask.items() if m}
+    norms = {p for p in mask if p.endswith("norm/scale")}
+    assert norms and on == (new | norms if trainable == "new+norms" else new)
