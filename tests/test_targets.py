@@ -162,3 +162,36 @@ def test_every_mixer_compiles_for_gpu_and_tpu(pattern, target, mesh):
     assert train.kernels.get(KERNEL[target]), f"no {KERNEL[target]} call: {train.kernels}"
   assert {p.name for p in r.programs} == set(programs) | ({"prefill"} if "decode" in programs
                                                           else set())
+
+
+def test_hardware_page_resumes_and_renders(tmp_path, monkeypatch):
+  from attn_jax.train import hardware_page as hp
+  calls = []
+
+  def fake(name, row):
+    calls.append((name, row.target))
+    if name == "broken_152m":
+      return {"error": "ValueError: config.mesh.shape (2, 4, 2) needs 16 devices, have 8"}
+    return {"gib": 20.5, "temp_gib": 18.0, "fits": False, "fit_micro": 16, "fit_accum": 2,
+            "usable_gib": 15.75, "kernels": {"Mosaic (Pallas TPU)": 3, "cuBLAS GEMM": 9},
+            "collectives": {"all-gather": 4}, "tt": [], "compile_s": 61.0, "params": 1}
+
+  monkeypatch.setattr(hp, "measure", fake)
+  out = str(tmp_path / "cells.json")
+  names, rows = ["a_152m", "broken_152m"], hp.ROWS[:2]
+  done = hp.run(out, names, rows, progress=lambda s: None)
+  assert len(calls) == 4 and len(done) == 4
+  hp.run(out, names, rows, progress=lambda s: None)
+  assert len(calls) == 4                      # resumed: nothing measured twice
+  text = hp.page(done, names, rows)
+  assert "| a_152m | 20.5 | 15.8 | at micro-batch 16 x 2 | Mosaic (Pallas TPU) x3 | all-gather x4" in text
+  assert "| broken_152m | error |" in text and "not measured" not in text
+  assert "not measured yet" in hp.page({}, names, rows)
+  assert "a_152m" in hp.page(done, names, rows).split("## v5e-8")[1]
+
+
+def test_presets_are_the_152m_and_369m_configs():
+  from attn_jax.train import hardware_page as hp
+  names = hp.preset_names(str(ROOT / "configs"))
+  assert "sisa_152m" in names and "transformer_369m" in names and "quickstart" not in names
+  assert names.index("transformer_152m") < names.index("alibi_369m")   # 152M first

@@ -1,0 +1,36 @@
+"""docs/hardware.md: every 152M / 369M preset's train step compiled for 8 x H100, v5e-8, v5p-8,
+v6e-8 and two hosts of 8 H100 (attn_jax/train/hardware_page.py). Resumes where it stopped.
+
+  python experiments/hardware_page.py                        # every preset and target
+  python experiments/hardware_page.py --presets=sisa_152m --targets=v5e-8
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ["JAX_PLATFORMS"] = "cpu"   # the targets' devices compile only; compute on the CPU
+
+from absl import flags  # noqa: E402
+
+from attn_jax import cli  # noqa: E402
+
+_OUT = flags.DEFINE_string("out", "docs/hardware.md", "The page (its cells: <out>.json beside).")
+_PRESETS = flags.DEFINE_list("presets", [], "Presets to measure (default: every 152M / 369M).")
+_TARGETS = flags.DEFINE_list("targets", [], "Targets of hardware_page.ROWS (default: all).")
+_FRESH = flags.DEFINE_bool("fresh", False, "Re-measure the cells already measured.")
+
+
+def main(argv):
+  del argv
+  from attn_jax.train import hardware_page as hp
+  rows = [r for r in hp.ROWS if not _TARGETS.value or r.target in _TARGETS.value]
+  cells = os.path.splitext(_OUT.value)[0] + ".json"
+  done = hp.run(cells, _PRESETS.value or None, rows, fresh=_FRESH.value)
+  with open(_OUT.value, "w") as f:
+    f.write(hp.page(done))
+  print(f"wrote {_OUT.value} ({len(done)} cells in {cells})")
+
+
+if __name__ == "__main__":
+  cli.run(main)
