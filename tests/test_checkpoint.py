@@ -13,6 +13,7 @@ import pytest
 
 from attn_jax.train import checkpoint as ckpt_lib
 from attn_jax.train.checkpoint import Checkpointer, PreemptionGuard
+from tests.signal_setup import deliver, handled
 
 
 def make_state(step, value=None):
@@ -146,29 +147,28 @@ def test_checkpoint_without_manifest_is_restored_with_a_warning(tmp_path, caplog
 def test_signal_stops_at_a_step_boundary_with_a_checkpoint(tmp_path, sig):
   c = Checkpointer(str(tmp_path))
   state = make_state(0)
-  before = {s: signal.getsignal(s) for s in PreemptionGuard.SIGNALS}
-  with PreemptionGuard() as guard:
-    for step in range(1, 100):
-      state = make_state(step)            # the "train step"
-      if step == 4:
-        os.kill(os.getpid(), sig)          # arrives mid-step; the process keeps running
-      if guard.poll(step):
-        c.save(step, state, force=True)
-        break
-  c.close()
-  assert guard.signal_name == signal.Signals(sig).name
-  assert step == 4 and Checkpointer(str(tmp_path)).latest_step() == 4
-  # Handlers are restored afterwards: whatever they were (SIG_IGN when started from a
-  # background job or under `trap '' INT`, default_int_handler in a terminal).
-  assert {s: signal.getsignal(s) for s in PreemptionGuard.SIGNALS} == before
+  with handled(sig):   # as in a terminal, whatever the process running pytest inherited
+    before = {s: signal.getsignal(s) for s in PreemptionGuard.SIGNALS}
+    with PreemptionGuard() as guard:
+      for step in range(1, 100):
+        state = make_state(step)            # the "train step"
+        if step == 4:                       # arrives mid-step; the process keeps running
+          deliver(sig, until=lambda: guard.should_stop)
+        if guard.poll(step):
+          c.save(step, state, force=True)
+          break
+    c.close()
+    assert guard.signal_name == signal.Signals(sig).name
+    assert step == 4 and Checkpointer(str(tmp_path)).latest_step() == 4
+    # Handlers are restored afterwards (SIG_IGN kept from a background job: test_faults).
+    assert {s: signal.getsignal(s) for s in PreemptionGuard.SIGNALS} == before
 
 
 def test_second_sigint_interrupts_at_once():
-  with PreemptionGuard() as guard:
-    os.kill(os.getpid(), signal.SIGINT)
-    assert guard.should_stop
+  with handled(signal.SIGINT), PreemptionGuard() as guard:
+    deliver(signal.SIGINT, until=lambda: guard.should_stop)
     with pytest.raises(KeyboardInterrupt):
-      os.kill(os.getpid(), signal.SIGINT)
+      deliver(signal.SIGINT)
 
 
 # ------------------------------------------------------------------ metrics on resume

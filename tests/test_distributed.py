@@ -127,12 +127,12 @@ c.mesh.shape = (2, 2, 1)                # data x fsdp over all 4 devices of the 
 if spec.get("tensor_across_hosts"):     # tensor x data, "tensor" first: it spans the hosts
   c.mesh.axis_names = ("tensor", "data", "fsdp")
 if spec.get("sigterm", {}).get("process") == jax.process_index():
-  import os, signal                     # this process alone is told to stop during a step
+  import signal, threading              # this process alone is told to stop during a step
   real_next, calls = trainer._next_batch, [0]
   def next_batch(*a, **k):
     calls[0] += 1
-    if calls[0] == spec["sigterm"]["step"]:
-      os.kill(os.getpid(), signal.SIGTERM)
+    if calls[0] == spec["sigterm"]["step"]:   # to the main thread: handled before it returns
+      signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)
     return real_next(*a, **k)
   trainer._next_batch = next_batch
 res = trainer.train_and_evaluate(c, spec["workdir"])

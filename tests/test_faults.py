@@ -33,6 +33,7 @@ from attn_jax.train import checkpoint as ckpt_lib
 from attn_jax.train import trainer as trainer_lib
 from attn_jax.train.checkpoint import Checkpointer, PreemptionGuard
 from attn_jax.train.metrics import read_metrics
+from tests.signal_setup import deliver
 from tests.test_checkpoint import _flip_bytes, abstract, make_state
 from tests.test_train import losses, tiny_config
 
@@ -131,8 +132,8 @@ def test_sighup_stops_at_a_step_boundary_and_the_rerun_is_identical(trained, tmp
 
   def hangup_at_step_3(*a, **k):
     calls["n"] += 1
-    if calls["n"] == 3:
-      os.kill(os.getpid(), signal.SIGHUP)   # the terminal closes during step 3
+    if calls["n"] == 3:                     # the terminal closes during step 3
+      deliver(signal.SIGHUP)
     return real_next(*a, **k)
 
   try:
@@ -153,8 +154,8 @@ def test_sighup_ignored_at_start_stays_ignored_and_sig_ign_comes_back():
   prev_int = signal.signal(signal.SIGINT, signal.SIG_IGN)        # a background job
   try:
     with PreemptionGuard() as guard:
-      os.kill(os.getpid(), signal.SIGHUP)
-      os.kill(os.getpid(), signal.SIGINT)
+      deliver(signal.SIGHUP)
+      deliver(signal.SIGINT)
       assert not guard.should_stop
       assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN   # ignored, as its parent asked
       assert signal.getsignal(signal.SIGTERM) == guard._handle   # the scheduler's notice stops
@@ -342,14 +343,16 @@ def test_entry_points_fail_in_one_line_with_status_2(tmp_path):
   assert r.returncode == 1 and "Traceback" in r.stderr and "FileNotFoundError" in r.stderr
 
 
-def test_a_bug_keeps_its_traceback():
+def test_a_bug_keeps_its_traceback(monkeypatch):
   from attn_jax import cli
 
   def library_bug(argv):
     np.reshape(np.arange(3), (2, 2))   # a ValueError raised inside numpy, not by us
 
-  with pytest.raises(ValueError):
-    cli.guarded(library_bug)([])
+  with monkeypatch.context() as m:   # it would filter pytest's session-wide log handlers
+    m.setattr(cli, "quiet_libraries", lambda: None)
+    with pytest.raises(ValueError):
+      cli.guarded(library_bug)([])
 
   c = tiny_config()
   c.model.d_model = -1

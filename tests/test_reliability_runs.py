@@ -18,13 +18,13 @@ import sys
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
 from attn_jax.train import checkpoint as ckpt_lib
 from attn_jax.train import trainer as trainer_lib
 from attn_jax.train.checkpoint import Checkpointer
 from attn_jax.train.workdir import WorkdirLockedError, lock_tensorboard
-from tests.test_checkpoint import _flip_bytes
 from tests.test_faults import run_config, tmpfs
 from tests.test_train import losses, tiny_config
 
@@ -199,17 +199,37 @@ def test_a_run_writing_another_runs_tensorboard_folder_is_refused(tmp_path):
 # ------------------------------------------------------------------ manifests and meta
 
 
+def _change_a_value_unseen(step_dir, abstract_state):
+  """Step `step_dir`'s largest parameter + 0.5, written as valid orbax arrays, and its
+  manifest removed: damage that only the manifest could have caught (the new value returned).
+  Deterministic, unlike flipping a byte of the compressed files: where the middle of the
+  largest data file falls changes from run to run (orbax's writer threads), and a flip there
+  can make a zstd frame undecodable or a value non-finite, which the load does catch."""
+  ckpt = Checkpointer(str(step_dir.parent.parent), read_only=True)
+  state = ckpt.restore(abstract_state, step=int(step_dir.name))
+  ckpt.close()
+  leaves, tree = jax.tree.flatten(state["params"])
+  i = max(range(len(leaves)), key=lambda j: leaves[j].size)
+  leaves[i] = leaves[i] + 0.5
+  state["params"] = jax.tree.unflatten(tree, leaves)
+  shutil.rmtree(step_dir / "state")
+  with ocp.StandardCheckpointer() as c:
+    c.save(str(step_dir / "state"), state)
+  os.remove(step_dir / ckpt_lib.MANIFEST)
+  return i, np.asarray(leaves[i])
+
+
 def test_a_step_without_a_manifest_is_said_to_be_unverified(reference, tmp_path, caplog):
-  """A flipped byte in a step without its manifest cannot be detected: the load says so
+  """A changed value in a step without its manifest cannot be detected: the load says so
   plainly (no "older version" excuse) for the evaluator and for a resuming run."""
   d = copy_run(reference, tmp_path)
-  step_dir = d / "checkpoints" / "4"
-  os.remove(step_dir / ckpt_lib.MANIFEST)
-  _flip_bytes(str(step_dir))
+  abstract_state = trainer_lib.build_setup(run_config()).abstract_state
+  i, changed = _change_a_value_unseen(d / "checkpoints" / "4", abstract_state)
   with caplog.at_level(logging.WARNING):
     _, _, step = ckpt_lib.load_for_inference(str(d))
-    Checkpointer(str(d)).restore(trainer_lib.build_setup(run_config()).abstract_state)
+    state = Checkpointer(str(d)).restore(abstract_state)
   assert step == 4
+  np.testing.assert_array_equal(jax.tree.leaves(state["params"])[i], changed)   # unseen
   warned = [r.getMessage() for r in caplog.records if "UNVERIFIED" in r.getMessage()]
   assert len(warned) == 2 and all("step 4" in w and "no checksum manifest" in w and
                                   "cannot be detected" in w for w in warned), warned
@@ -364,6 +384,13 @@ from attn_jax.train import checkpoint, trainer
 real_next, real_wait = trainer._next_batch, checkpoint.Checkpointer.wait
 real_commit_wait = ocp.CheckpointManager.wait_until_finished
 armed, waiting = [], threading.Event()
+# Ctrl-C as in a terminal, whatever pytest inherited (a background job ignores SIGINT), sent to
+# the main thread (a signal sent to the process may be taken by any thread: handled late).
+signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def ctrl_c():
+  signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
 
 
 def commit_wait(self):   # marks the moment the run is inside orbax's wait for the commit
@@ -377,7 +404,7 @@ def next_batch(it, *a, **k):   # Ctrl-C while step 3's micro-batches are pulled 
   next_batch.n += 1
   if next_batch.n == 3:
     next(it)
-    os.kill(os.getpid(), signal.SIGINT)
+    ctrl_c()
     armed.append(True)
   return real_next(it, *a, **k)
 
@@ -390,7 +417,7 @@ def wait(self):   # ... and again while the run waits for step 2's commit
     def interrupt():   # a timer alone could fire before the wait began on a loaded machine
       waiting.wait(30)
       time.sleep(0.005)
-      os.kill(os.getpid(), signal.SIGINT)
+      ctrl_c()
 
     threading.Thread(target=interrupt, daemon=True).start()
   return real_wait(self)
