@@ -15,6 +15,13 @@ separate projections let each branch keep its own (and the existing modules') pa
 Each branch keeps its own initialisation: the attention heads the Transformer's N(0, init_std),
 the SSM heads Mamba-2's (mamba_ssm's fan-in convention, `mamba2.projection_inits`).
 
+Rematerialisation: in a full forward the SSM branch (heads and their output projection) runs
+under Mamba-2's checkpoint (`Mamba2.remat_forward`, mamba2.py's docstring: only the
+in-projection outputs are kept for the backward); the attention branch is as the attention
+mixer's (mha.py): a plain 0..T-1 forward takes the kernels' causal path (no positional mask),
+and a core that would keep [T, S] scores for the backward (`core.REMAT_CORE_IMPLS`) is
+rematerialised.
+
 Decoding state: the tuple (attention KV cache, Mamba-2 state). The attention cache here is a
 `cache.KVCache` under the linear policy (keys after RoPE, per-slot positions as the key
 mask, so padding tokens, position -1, are never written nor attended to).
@@ -37,7 +44,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from attn_jax.attention import cache as cache_lib
-from attn_jax.attention.core import attend
+from attn_jax.attention.core import REMAT_CORE_IMPLS, attend, choose_impl
 from attn_jax.attention.projection import QKVProjection
 from attn_jax.config import ModelConfig
 from attn_jax.layers import causal_positions, dtype_of, param
@@ -81,15 +88,21 @@ class HybridHeads(Mixer):
                            ("heads", "head_dim"), kind="norm")
     self.ssm = Mamba2(cfg, opts.mamba2(), rngs=rngs)
 
-  def _attention(self, x_BTD, positions_BT, kv, segment_ids_BT=None):
+  def _attention(self, x_BTD, positions_BT, kv, segment_ids_BT=None, plain=False):
+    """`plain`: positions are 0..T-1 in every row (the kernels' fast causal path, as the
+    attention mixer's)."""
     cfg, p = self.cfg, self.attn
     scale = cfg.head_dim ** -0.5
     if kv is None:
       q, k, v = p.rotated_qkv(x_BTD, positions_BT, cfg.rope_theta)
-      docs = {} if segment_ids_BT is None else dict(
-          q_segments=segment_ids_BT, kv_segments=segment_ids_BT, prefix_causal=True)
-      out = attend(q, k, v, scale=scale, causal=True, q_positions=positions_BT,
-                   kv_positions=positions_BT, impl=cfg.attention_impl, **docs)
+      pos = None if plain else positions_BT
+      core = lambda q, k, v: attend(
+          q, k, v, scale=scale, causal=True, q_positions=pos, kv_positions=pos,
+          impl=cfg.attention_impl, prefix_causal=True, q_segments=segment_ids_BT,
+          kv_segments=segment_ids_BT)
+      if choose_impl(cfg.attention_impl, q.dtype, q.shape[-1]) in REMAT_CORE_IMPLS:
+        core = jax.checkpoint(core)   # no [T, S] scores kept (core.REMAT_CORE_IMPLS)
+      out = core(q, k, v)
     else:   # the shared KV cache (attention/cache.py), as the attention mixer
       out, kv = cache_lib.cached_attention(kv, p.q(x_BTD), p.k(x_BTD), p.v(x_BTD), positions_BT,
                                            theta=cfg.rope_theta, scale=scale)
@@ -102,10 +115,11 @@ class HybridHeads(Mixer):
                train=False):
     del rng, train
     document_resets(segment_ids_BT, state, type(self).__name__)   # packed: full forwards only
-    if positions_BT is None:
+    plain = positions_BT is None
+    if plain:
       positions_BT = causal_positions(*x_BTD.shape[:2])
     kv, ss = (None, None) if state is None else state
-    ya, kv = self._attention(x_BTD, positions_BT, kv, segment_ids_BT)
+    ya, kv = self._attention(x_BTD, positions_BT, kv, segment_ids_BT, plain)
     if state is None:   # a full forward: the SSM branch rematerialised but for its in-projections
       return ya + self.ssm.remat_forward(x_BTD, positions_BT, segment_ids_BT), None, {}
     hs, ss = self.ssm.ssm_heads(x_BTD, positions_BT=positions_BT, state=ss)

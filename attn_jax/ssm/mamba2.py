@@ -28,7 +28,21 @@ N(0, init_std) instead, kept as an ablation. The in-projection is kept as five
 Linears (z, x, B, C, dt) so each has its own logical axes; it is the same parameter count as
 the fused one.
 
-Training uses the chunked SSD (`ssd.ssd_chunked`); the decoding state is the conv window (the
+Training uses the chunked SSD (`ssd.ssd_chunked`). Rematerialisation: a full forward (no
+decoding state) runs under `jax.checkpoint` (`remat_full_forward`, whatever `cfg.remat` says)
+saving only its inputs and the five in-projection outputs (z, x, B, C, dt_raw in the compute
+dtype, tagged `IN_PROJ`): the backward pass recomputes the conv, SiLU, dt, the SSD's chunk
+internals (segment decays L [Q, Q] per chunk and head, C B^T, the chunk states and the states
+entering each chunk) and the gated norm from them, as state-spaces/mamba's fused kernel
+(`mamba_split_conv1d_scan_combined`) does. Saved, those fp32 internals are about 27 tensors
+the size of x in fp32 per layer, which kept across a stack of layers made Mamba-2's train-step
+temporaries ~3.5x a Transformer's of the same size; the in-projections are 2 (2 d_inner +
+2 G N + H) bytes per token in bf16 (`experiments/step_memory.py`, docs/benchmarks.md). The
+output projection is inside the checkpoint too, so the gated-norm output it reads is
+recomputed, not kept. The forward's numerics are unchanged; the backward runs the conv and
+SSD forward once more. (Decoding calls, with a state, are not differentiated: no checkpoint.)
+
+The decoding state is the conv window (the
 last d_conv - 1 conv inputs) plus the SSM state h [H, P, N] (fp32): constant in the generated
 length. A one-token step uses `ssd.ssd_step`; a longer continuation (prefill chunk) runs the
 chunked form from the carried state.

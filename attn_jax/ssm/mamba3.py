@@ -49,6 +49,12 @@ from a zero state, y_t = sum_{j<=t} M_tj x_j + D x_t with
 M_tj = (q_t . k_j) L_tj (gamma_j + [j<t] beta'_{j+1}), L_tj = exp(a_{j+1} + ... + a_t): the
 input of token j enters h_j with gamma_j and h_{j+1} with beta'_{j+1} alpha_{j+1}.
 
+Rematerialisation, as Mamba-2's (`mamba2.remat_full_forward`): a full forward keeps only its
+inputs and the eight in-projection outputs (z, x, B, C, dt, A, lambda, theta, in the compute
+dtype, tagged `mamba2.IN_PROJ`) for the backward pass, which recomputes the B/C norms, the
+angles and rotations, the trapezoid's shifted inputs, the SSD chunk internals of both inputs
+and the gate from them (kept, those fp32 tensors made a layer's residuals ~15x larger).
+
 `trapezoid_recurrent` is the explicit recurrence (lax.scan over time, the test reference) and
 the decode step is one token of it. Decoding state: angles [H, R], h [H, P, N] (fp32), and the
 last token's k [H, N] and x [H, P]: constant in the generated length. Padding (position -1):
