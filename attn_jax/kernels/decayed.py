@@ -120,7 +120,11 @@ class Cols(NamedTuple):
 
 
 def _dot(a, b, dims=None):
+  """fp32-accumulating matmul; fp32 operands at full precision (Triton's default for them is
+  TF32, Mosaic's may round them too), bf16 ones native."""
+  both32 = a.dtype == jnp.float32 and b.dtype == jnp.float32
   return lax.dot_general(a, b, dims or (((1,), (0,)), ((), ())),
+                         precision=lax.Precision.HIGHEST if both32 else None,
                          preferred_element_type=jnp.float32)
 
 
