@@ -68,6 +68,9 @@ def get_config() -> ml_collections.ConfigDict:
                                  # authors trained with); True = each document exact as if alone
                                  # (batches add `segment_ids`, `positions` restarting at 0; the
                                  # EOS ending a document is the next one's BOS; data/documents.py)
+  d.verify_mb = 2048             # shards: MB re-hashed against index.json at every start (all
+                                 # of a smaller corpus; else the least recently verified first;
+                                 # new or changed shards always; -1 = all; data/shards.py)
   d.read_threads = 4             # grain threads building batches (0 = in the training thread)
   d.prefetch_batches = 8         # batches read ahead per process
 
@@ -106,6 +109,8 @@ def get_config() -> ml_collections.ConfigDict:
   k = c.checkpoint = ml_collections.ConfigDict()
   k.every_steps = 1000
   k.max_to_keep = 3
+  k.allow_unverified = False     # resume from a step without its checksum manifest (copied
+                                 # without it, written by other code): its bytes cannot be checked
 
   e = c.eval = ml_collections.ConfigDict()
   e.every_steps = 0              # 0 = only at the end of training

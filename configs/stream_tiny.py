@@ -4,7 +4,12 @@ CPU in a few minutes on one plain text file (the whole file is one document, pac
 
   python experiments/train.py --config=configs/stream_tiny.py --workdir=runs/stream_tiny \\
       --config.data.paths=/path/to/input.txt        # e.g. tinyshakespeare's input.txt
-  python experiments/stream.py --workdir=runs/stream_tiny --text=/path/to/input.txt --tail=0.01
+  python experiments/stream.py --workdir=runs/stream_tiny --text=/path/to/input.txt --tail=0.01 \
+      --policies=window,recompute,streaming
+
+(--window defaults to what the model holds: 128 - --sinks. "dense" over a stream longer than
+the model's 128 tokens needs --max_seq_len=<the stream's tokens>: it then runs positions the
+model was not trained at, which is what the comparison shows.)
 
 The sink twin is configs/stream_tiny_sink.py (one learnable sink token).
 """

@@ -26,6 +26,8 @@ _MAXLEN = flags.DEFINE_integer("max_len", 0, "Context length (default: training 
 _BS = flags.DEFINE_integer("batch_size", 0, "Batch size (default: config.eval.batch_size).")
 _LIMIT = flags.DEFINE_integer("limit", None, "Only the first N documents of each task.")
 _OUT = flags.DEFINE_string("out_dir", "", "Where to write eval.json/eval.md.")
+_UNVERIFIED = flags.DEFINE_bool("allow_unverified", False, "Load a checkpoint step that has no "
+                                "checksum manifest (its bytes cannot be verified).")
 
 
 def main(argv):
@@ -35,7 +37,8 @@ def main(argv):
 
   out = evaluate_checkpoint(_CKPT.value, _TASKS.value, step=_STEP.value, data_dir=_DATA.value,
                             tokenizer=_TOK.value, max_len=_MAXLEN.value,
-                            batch_size=_BS.value, limit=_LIMIT.value, out_dir=_OUT.value)
+                            batch_size=_BS.value, limit=_LIMIT.value, out_dir=_OUT.value,
+                            allow_unverified=_UNVERIFIED.value)
   print(report.to_markdown(out))
   print(f"written: {out['paths']}")
 

@@ -1,7 +1,7 @@
 """Streaming perplexity of a trained model under KV-cache policies (docs/papers.md §3.2, §8.4).
 
   python experiments/stream.py --workdir=runs/stream_tiny --text=input.txt --tail=0.01 \
-      --policies=dense,window,recompute,streaming --window=60 --sinks=4 --out=runs/stream_eval
+      --policies=window,recompute,streaming --window=60 --sinks=4 --out=runs/stream_eval
 
 Loads the checkpoint of an `experiments/train.py` run (`load_for_inference`: parameters only),
 reads the stream (files concatenated, tokenized with the run's tokenizer unless --tokenizer),
@@ -11,7 +11,9 @@ losses.json (per-position losses + summary), losses.csv (one column per policy),
 attention each layer puts on the first tokens for N sequences of the stream
 (attention_mass.json + attention_mass.png, `attn_jax.eval.attention_mass`).
 Policy windows: "window" and "recompute" keep --window + --sinks tokens (the same cache size as
-"streaming", which keeps --sinks first tokens + --window recent ones).
+"streaming", which keeps --sinks first tokens + --window recent ones); the default --window=0
+is what the model holds: its model.max_seq_len as trained minus --sinks. --allow_unverified
+loads a checkpoint step that has no checksum manifest (refused otherwise).
 
 A pretrained model (a run directory of experiments/convert.py; docs/pretrained_streaming.md):
 
@@ -48,7 +50,8 @@ _TAIL = flags.DEFINE_float("tail", 0.0, "Score only the last fraction of the str
 _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 0, "At most this many tokens (0 = all).")
 _POLICIES = flags.DEFINE_list("policies", ["dense", "window", "recompute", "streaming"],
                               "Cache policies to compare.")
-_WINDOW = flags.DEFINE_integer("window", 1020, "Recent tokens kept by streaming.")
+_WINDOW = flags.DEFINE_integer("window", 0, "Recent tokens kept by streaming (0 = what the "
+                              "model holds: its max_seq_len minus --sinks).")
 _SINKS = flags.DEFINE_integer("sinks", 4, "First tokens kept by streaming.")
 _CHUNK = flags.DEFINE_integer("chunk", 256, "Tokens per scoring call (capped at the window).")
 _BATCH = flags.DEFINE_integer("batch", 64, "Windows per forward of the recompute policy.")
@@ -67,6 +70,8 @@ _MASS_LOCAL = flags.DEFINE_integer("mass_local", 32, "Sink profile: the local ne
 _MASS_MIN_QUERY = flags.DEFINE_integer("mass_min_query", 64, "Sink profile: first query "
                                        "position counted.")
 _OUT = flags.DEFINE_string("out", None, "Output folder (default: <workdir>/stream).")
+_UNVERIFIED = flags.DEFINE_bool("allow_unverified", False, "Load a checkpoint step that has no "
+                                "checksum manifest (its bytes cannot be verified).")
 _PROGRESS = flags.DEFINE_bool("progress", True, "Progress bar.")
 
 
@@ -83,6 +88,17 @@ def policies(names, window, sinks):
   for p in out:
     p.validate()
   return out
+
+
+def default_window(max_seq_len: int, sinks: int) -> int:
+  """--window=0: the most recent tokens the model holds beside the sinks (its trained
+  max_seq_len - sinks, whatever --max_seq_len says), so every policy's span is the length the
+  model was trained at."""
+  window = int(max_seq_len) - int(sinks)
+  if window < 1:
+    raise ValueError(f"--sinks={sinks} leaves no room for a window in model.max_seq_len="
+                     f"{max_seq_len}")
+  return window
 
 
 def check_dense_length(cfg, pols, n_tokens: int) -> None:
@@ -104,23 +120,29 @@ def _ranges(values) -> list[int]:
 
 
 def run(workdir, text, *, step=None, tokenizer=None, tail=0.0, max_tokens=0,
-        names=("dense", "window", "recompute", "streaming"), window=1020, sinks=4, chunk=256,
+        names=("dense", "window", "recompute", "streaming"), window=0, sinks=4, chunk=256,
         batch=64, smooth=64, mass=0, out=None, progress=True, max_seq_len=0, stride=1,
-        ranges=(), sink_mass=0, mass_len=0, mass_local=32, mass_min_query=64) -> dict:
+        ranges=(), sink_mass=0, mass_len=0, mass_local=32, mass_min_query=64,
+        allow_unverified=False) -> dict:
+  """Scores the stream under each policy; `window` 0 = what the model holds
+  (`default_window`)."""
   if not workdir:
     raise ValueError("--workdir is required (a run directory of experiments/train.py)")
   if not text:
     raise ValueError("--text is required (the files to stream)")
   from attn_jax import streaming
   from attn_jax.train.checkpoint import load_for_inference
-  pols = policies(names, window, sinks)
+  if window < 0:
+    raise ValueError(f"--window must be >= 0 (0 = what the model holds), got {window}")
+  policies(names, window or 1, sinks)   # names and numbers checked before the model loads
   edges = _ranges(ranges)
   if stride < 1:
     raise ValueError(f"--recompute_stride must be >= 1, got {stride}")
-  model, config, ckpt_step = load_for_inference(workdir, step)
+  model, config, ckpt_step = load_for_inference(workdir, step, allow_unverified=allow_unverified)
   trained_len = int(model.cfg.max_seq_len)
   if max_seq_len:
     model = streaming.with_max_seq_len(model, max_seq_len)
+  pols = policies(names, window or default_window(trained_len, sinks), sinks)
   for p in pols:    # clear errors before any scoring
     streaming.check_policy(model.cfg, p)
   tokens = streaming.read_stream(text, tokenizer or config.data.tokenizer, tail=tail,
@@ -170,7 +192,7 @@ def main(argv):
             smooth=_SMOOTH.value, mass=_MASS.value, out=_OUT.value, progress=_PROGRESS.value,
             max_seq_len=_MAX_SEQ_LEN.value, stride=_STRIDE.value, ranges=_RANGES.value,
             sink_mass=_SINK_MASS.value, mass_len=_MASS_LEN.value, mass_local=_MASS_LOCAL.value,
-            mass_min_query=_MASS_MIN_QUERY.value)
+            mass_min_query=_MASS_MIN_QUERY.value, allow_unverified=_UNVERIFIED.value)
   print(f"{'policy':<24}{'mean':>8}  quarters / ranges")
   for label, s in res["summary"].items():
     parts = s.get("ranges") or [{"mean": x} for x in s["slices"]]

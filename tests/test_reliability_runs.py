@@ -219,15 +219,26 @@ def _change_a_value_unseen(step_dir, abstract_state):
   return i, np.asarray(leaves[i])
 
 
-def test_a_step_without_a_manifest_is_said_to_be_unverified(reference, tmp_path, caplog):
-  """A changed value in a step without its manifest cannot be detected: the load says so
-  plainly (no "older version" excuse) for the evaluator and for a resuming run."""
+def test_a_step_without_a_manifest_is_refused_unless_allowed_then_said_unverified(
+    reference, tmp_path, caplog):
+  """A changed value in a step without its manifest cannot be detected: the evaluator and a
+  resuming run refuse the step (nothing moved, no older step in its place), naming the switch;
+  allowed, the load says plainly that it is unverified (no "older version" excuse)."""
   d = copy_run(reference, tmp_path)
   abstract_state = trainer_lib.build_setup(run_config()).abstract_state
   i, changed = _change_a_value_unseen(d / "checkpoints" / "4", abstract_state)
+  refused = (r"checkpoint step 4 in .*checkpoints has no checksum manifest "
+             r"\(attn_jax_sha256.json\), so damaged bytes in it cannot be detected, and it was "
+             r"not loaded \(nothing was moved\).* --config.checkpoint.allow_unverified=True "
+             r"\(train.py\) or --allow_unverified \(eval.py, stream.py\)")
+  with pytest.raises(ckpt_lib.CheckpointUnverifiedError, match=refused):
+    ckpt_lib.load_for_inference(str(d))
+  with pytest.raises(ckpt_lib.CheckpointUnverifiedError, match=refused):
+    Checkpointer(str(d)).restore(abstract_state)
+  assert listing(d / "checkpoints") == ["2", "4"]
   with caplog.at_level(logging.WARNING):
-    _, _, step = ckpt_lib.load_for_inference(str(d))
-    state = Checkpointer(str(d)).restore(abstract_state)
+    _, _, step = ckpt_lib.load_for_inference(str(d), allow_unverified=True)
+    state = Checkpointer(str(d), allow_unverified=True).restore(abstract_state)
   assert step == 4
   np.testing.assert_array_equal(jax.tree.leaves(state["params"])[i], changed)   # unseen
   warned = [r.getMessage() for r in caplog.records if "UNVERIFIED" in r.getMessage()]

@@ -35,11 +35,23 @@ O(number of shards) whatever the corpus size, and a window touches only its L + 
 span two or more shards). Order, per-host rows and resumption come from `pipeline.py` (grain's
 lazy index shuffle over window indices). Opening checks every shard's size against the index
 (a truncated or missing shard is an error naming it) and its sha256 against the index (a
-flipped byte is an error naming the shard, not a silent change of the data). Hashing costs one
-read of the corpus, so it is done once per shard file: a shard whose (path, size, mtime) was
-verified before is trusted, the verified ones being remembered in
-`$ATTN_JAX_CACHE/verified_shards.json` (default `~/.cache/attn_jax`). `verify_shards` re-hashes
-all of them regardless.
+flipped byte is an error naming the shard, not a silent change of the data).
+
+When shards are hashed (`verify_checksums`): hashing costs one read of the corpus, so what a
+start hashes is bounded by `data.verify_mb` (default 2048 MB, about a second or two of reading):
+  * a shard never verified, or whose size or mtime changed since, is hashed at every start;
+  * the others are hashed again at every start too, least recently verified first, until
+    `data.verify_mb` is used up: a corpus under that size is fully re-hashed at each start
+    (bit rot, or a bad copy made with `cp -p` / `rsync -a` that kept the mtime, is caught
+    there), a larger one a rotating sample of its shards per start, so every shard is hashed
+    again within corpus size / verify_mb starts (-1: all every start; 0: only new or changed);
+  * within one process a shard is hashed once (the train and eval splits share it).
+What was verified, and when, is remembered in `$ATTN_JAX_CACHE/verified_shards.json` (default
+`~/.cache/attn_jax`). `verify_shards` re-hashes all of them regardless.
+
+Token ids are checked as windows are read (`TokenShards.read`, a max per shard slice): an id
+outside the index's vocabulary (a flipped bit in a shard that was not re-hashed yet) is a
+DataError naming the shard, the token offset and the id, never NaN losses.
 """
 
 from __future__ import annotations
@@ -590,29 +602,63 @@ def _fingerprint(path: str) -> str:
   return f"{st.st_size}:{st.st_mtime_ns}"
 
 
-def verify_checksums(files: Sequence[str], metas: Sequence[dict]) -> None:
-  """DataError naming the first shard whose sha256 differs from the index; shards verified
-  before with the same size and mtime are skipped (see the module docstring)."""
+VERIFY_MB = 2048
+_VERIFIED_HERE: dict[str, tuple[str, str]] = {}   # path -> (fingerprint, sha256) hashed here
+
+
+def _to_hash(files, metas, known: dict, budget: float) -> list[tuple[str, dict]]:
+  """The shards to hash this start (see the module docstring): every new or changed one, then
+  the others least recently verified first while the budget (bytes; < 0: no limit) lasts; at
+  least one of them when the budget is positive, so a shard larger than it still gets its
+  turn."""
+  must, rest = [], []
+  for path, meta in zip(files, metas):
+    seen = (_fingerprint(path), meta["sha256"])
+    if _VERIFIED_HERE.get(path) == seen:
+      continue
+    entry = known.get(path) or []
+    if tuple(entry[:2]) != seen:
+      must.append((path, meta))
+    else:
+      rest.append((entry[2] if len(entry) > 2 else 0.0, path, meta))
+  rest.sort(key=lambda r: r[0])
+  chosen = []
+  for _, path, meta in rest:
+    size = os.path.getsize(path)
+    if budget >= 0 and size > budget and (chosen or budget == 0):
+      break
+    chosen.append((path, meta))
+    budget = max(budget - size, 0.0) if budget >= 0 else budget
+  return must + chosen
+
+
+def verify_checksums(files: Sequence[str], metas: Sequence[dict], *,
+                     verify_mb: float = VERIFY_MB) -> None:
+  """DataError naming the first shard whose sha256 differs from the index; which shards are
+  hashed at this start follows `verify_mb` (see the module docstring)."""
+  pairs = [(p, m) for p, m in zip(files, metas) if m.get("sha256")]
   known = _load_verified()
-  todo = [(p, m) for p, m in zip(files, metas) if m.get("sha256")
-          and known.get(p) != [_fingerprint(p), m["sha256"]]]
+  todo = _to_hash([p for p, _ in pairs], [m for _, m in pairs], known,
+                  float(verify_mb) * 2**20 if verify_mb >= 0 else -1.0)
   if not todo:
     return
-  if len(todo) > 4:
-    logging.info("verifying the sha256 of %d token shards (once; remembered in %s)", len(todo),
-                 _verified_cache_path())
+  total = sum(os.path.getsize(p) for p, _ in todo)
+  if total > 256 * 2**20:
+    logging.info("verifying the sha256 of %d token shards (%.0f MB; data.verify_mb=%s; "
+                 "remembered in %s)", len(todo), total / 2**20, verify_mb, _verified_cache_path())
   for path, meta in todo:
     if _sha256_file(path) != meta["sha256"]:
       raise DataError(f"corrupt token shard {path}: its sha256 differs from {INDEX} (changed "
                       "or flipped bytes); prepare the corpus again (experiments/prepare_data.py)")
-    known[path] = [_fingerprint(path), meta["sha256"]]
+    known[path] = [_fingerprint(path), meta["sha256"], time.time()]
+    _VERIFIED_HERE[path] = (_fingerprint(path), meta["sha256"])
   _save_verified(known)
 
 
 class TokenShards:
   """The concatenated token stream of a prepared folder, as lazily opened memmaps."""
 
-  def __init__(self, directory: str, *, verify: bool = True):
+  def __init__(self, directory: str, *, verify: bool = True, verify_mb: float = VERIFY_MB):
     self.directory = os.path.abspath(os.path.expanduser(directory))
     self.index = read_index(self.directory)
     self.dtype = np.dtype(self.index["dtype"]).newbyteorder("<")
@@ -626,7 +672,8 @@ class TokenShards:
         raise ValueError(f"corrupt token shard {path}: {size} bytes, the index says {count} "
                          f"{self.dtype.name} tokens = {count * self.dtype.itemsize} bytes")
     if verify:
-      verify_checksums(self.files, self.index["shards"])
+      verify_checksums(self.files, self.index["shards"], verify_mb=verify_mb)
+    self.vocab_size = int(self.index["tokenizer"]["vocab_size"])
     self.starts = np.concatenate([[0], np.cumsum(self.counts)]).astype(np.int64)
     self.num_tokens = int(self.starts[-1])
     self.eos_id = int(self.index["tokenizer"].get("eos_id", -1))
@@ -694,10 +741,23 @@ class TokenShards:
     while pos < stop:
       lo = pos - self.starts[i]
       hi = min(stop, self.starts[i + 1]) - self.starts[i]
-      out[pos - start: pos - start + hi - lo] = self._map(i)[lo:hi]
+      piece = self._map(i)[lo:hi]
+      if piece.size and int(piece.max()) >= self.vocab_size:
+        self._bad_id(i, lo, piece)
+      out[pos - start: pos - start + hi - lo] = piece
       pos += hi - lo
       i += 1
     return out
+
+  def _bad_id(self, i: int, lo: int, piece: np.ndarray) -> None:
+    at = int(np.argmax(piece >= self.vocab_size))
+    offset = int(lo) + at
+    raise DataError(
+        f"corrupt token shard {self.files[i]}: token id {int(piece[at])} at token offset "
+        f"{offset} (byte {offset * self.dtype.itemsize}) is outside the vocabulary "
+        f"(vocab_size {self.vocab_size} in {INDEX}); its bytes changed after it was prepared "
+        "(experiments/prepare_data.py --verify re-hashes every shard; prepare the corpus "
+        "again)")
 
 
 class ShardWindows:
@@ -758,7 +818,12 @@ def make_shard_source(data_cfg, *, split: str = "train") -> ShardWindows:
   if not directory or "," in directory:
     raise ValueError(f"data.paths must be one prepared folder for data.source='shards', got "
                      f"{data_cfg.paths!r}")
-  shards = TokenShards(directory)
+  verify_mb = data_cfg.get("verify_mb", VERIFY_MB)
+  if (isinstance(verify_mb, bool) or not isinstance(verify_mb, (int, float))
+      or (verify_mb < 0 and verify_mb != -1)):
+    raise ValueError(f"config.data.verify_mb: must be a number of MB >= 0, or -1 (every shard "
+                     f"at every start), got {verify_mb!r}")
+  shards = TokenShards(directory, verify_mb=verify_mb)
   check_tokenizer(shards.index, data_cfg)
   num_train, num_eval = split_counts(shards.num_tokens, data_cfg)
   kw = dict(seq_len=int(data_cfg.seq_len), document_mask=doc_lib.document_mask(data_cfg))

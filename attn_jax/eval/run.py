@@ -22,8 +22,8 @@ from attn_jax.data.tokenizer import Tokenizer, get_tokenizer
 from attn_jax.eval import harness, mqar, niah, report
 from attn_jax.eval import tasks as tasks_lib
 
-ALIASES = {"lambada": "lambada_openai", "arc_e": "arc_easy", "arc_c": "arc_challenge"}
-GENERATED = ("niah", "mqar")
+ALIASES = tasks_lib.ALIASES
+GENERATED = tasks_lib.GENERATED
 
 
 def parse_tasks(tasks: str | Sequence[str]) -> list[str]:
@@ -186,13 +186,15 @@ def scalar_metrics(results: Mapping[str, Any], prefix: str = "eval/") -> dict[st
 def evaluate_checkpoint(workdir: str, tasks: str | Sequence[str], *, step: int | None = None,
                         data_paths: Mapping[str, Any] | None = None, data_dir: str = "",
                         tokenizer: str = "", max_len: int = 0, batch_size: int = 0,
-                        limit: int | None = None, out_dir: str = "") -> dict:
+                        limit: int | None = None, out_dir: str = "",
+                        allow_unverified: bool = False) -> dict:
   """Load the latest (or given) checkpoint under `workdir`, run `tasks`, write
-  <out_dir>/eval.json and eval.md (default out_dir: <workdir>/eval). Returns the results."""
+  <out_dir>/eval.json and eval.md (default out_dir: <workdir>/eval). Returns the results.
+  `allow_unverified`: a step without its checksum manifest loads (with a warning)."""
   from attn_jax.train.checkpoint import load_for_inference
 
   names = parse_tasks(tasks)
-  model, config, step = load_for_inference(workdir, step)
+  model, config, step = load_for_inference(workdir, step, allow_unverified=allow_unverified)
   if data_dir:
     config.eval.data_dir = data_dir
   tok = get_tokenizer(tokenizer) if tokenizer else None

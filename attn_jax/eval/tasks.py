@@ -282,9 +282,23 @@ TASKS: dict[str, TaskSpec] = {
 }
 
 
+GENERATED = ("niah", "mqar")   # built by eval/niah.py and eval/mqar.py, not read from a file
+ALIASES = {"lambada": "lambada_openai", "arc_e": "arc_easy", "arc_c": "arc_challenge"}
+
+
+def task_names() -> str:
+  """Every name a task list takes (eval.py --tasks, config.eval.tasks), for messages."""
+  aliases = ", ".join(f"{a} = {t}" for a, t in ALIASES.items())
+  return f"{', '.join(sorted(TASKS) + list(GENERATED))} (aliases: {aliases})"
+
+
 def get_task(name: str) -> TaskSpec:
+  """The file-backed task `name`; ValueError naming every task name there is otherwise."""
+  if name in GENERATED:
+    raise ValueError(f"eval task {name!r} is generated (attn_jax/eval/{name}.py), not loaded "
+                     "from a file")
   if name not in TASKS:
-    raise ValueError(f"unknown eval task {name!r}; known: {sorted(TASKS)}")
+    raise ValueError(f"unknown eval task {name!r}; known: {task_names()}")
   return TASKS[name]
 
 

@@ -16,7 +16,10 @@ Reliability (the choices):
     of a step is written into the temporary folder just before orbax renames it
     (`_ManifestRename`, part of the commit), so every committed step carries its manifest, the
     one a crashed run resumes from included. A step without one (copied without it, or written
-    by other code) cannot be verified: orbax's own checks and the finiteness check still run,
+    by other code) cannot be verified, so it is refused (`CheckpointUnverifiedError`, nothing
+    moved, no older step tried in its place) unless the user allows it
+    (`checkpoint.allow_unverified=True`, `--allow_unverified` of eval.py / stream.py: old
+    checkpoints keep a way in); allowed, orbax's own checks and the finiteness check still run
     and a warning says plainly that the step is unverified.
   * Corrupt vs mismatched. `restore` walks the steps newest first. A step whose files disagree
     with the manifest, that orbax cannot read, or whose values are not finite is corrupt: it is
@@ -71,6 +74,10 @@ class CheckpointError(RuntimeError):
 
 class CheckpointCorruptError(CheckpointError):
   """A checkpoint whose files are damaged (checksum mismatch, unreadable, non-finite)."""
+
+
+class CheckpointUnverifiedError(CheckpointError):
+  """A step without its checksum manifest, refused because unverified steps were not allowed."""
 
 
 class CheckpointMismatchError(CheckpointError, ValueError):
@@ -251,12 +258,16 @@ class Checkpointer:
   in progress is a temporary folder until its rename)."""
 
   def __init__(self, workdir: str, *, max_to_keep: int = 3, save_interval_steps: int = 1,
-               checksums: bool = True, read_only: bool = False):
+               checksums: bool = True, read_only: bool = False, allow_unverified: bool = False):
     if isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int) or max_to_keep < 1:
       raise ValueError(f"config.checkpoint.max_to_keep: must be an integer >= 1, got "
                        f"{max_to_keep!r}")
     self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
     self.checksums, self.read_only = checksums, read_only
+    if not isinstance(allow_unverified, bool):
+      raise ValueError(f"config.checkpoint.allow_unverified: must be True or False, got "
+                       f"{allow_unverified!r}")
+    self.allow_unverified = allow_unverified
     if read_only:   # every option that would write, clean or prune, off (orbax warns otherwise)
       options = ocp.CheckpointManagerOptions(
           read_only=True, create=False, cleanup_tmp_directories=False, max_to_keep=None,
@@ -328,9 +339,23 @@ class Checkpointer:
 
   def verify(self, step: int) -> str | None:
     """None if step's files match their manifest or it has none (`has_manifest`: such a step
-    cannot be verified, `warn_unverified` says so once it has loaded), else the problem."""
+    cannot be verified, see `check_verifiable`), else the problem."""
     problem = verify_manifest(self.step_dir(step))
     return None if problem == "no manifest" else problem
+
+  def check_verifiable(self, step: int) -> bool:
+    """Whether `step` has its manifest; without one, CheckpointUnverifiedError unless
+    `allow_unverified` (the caller then warns once the step has loaded: `warn_unverified`)."""
+    if self.has_manifest(step):
+      return True
+    if not self.allow_unverified:
+      raise CheckpointUnverifiedError(
+          f"checkpoint step {step} in {self.directory} has no checksum manifest ({MANIFEST}), "
+          "so damaged bytes in it cannot be detected, and it was not loaded (nothing was moved). "
+          "Steps saved by attn_jax carry one; this one was copied without it or written by "
+          "other code. To load it anyway: --config.checkpoint.allow_unverified=True (train.py) "
+          "or --allow_unverified (eval.py, stream.py)")
+    return False
 
   def has_manifest(self, step: int) -> bool:
     return os.path.isfile(os.path.join(self.step_dir(step), MANIFEST))
@@ -342,7 +367,8 @@ class Checkpointer:
         "bytes in its arrays cannot be detected. Only orbax's own checks ran (its metadata and "
         "every array read back at the shapes and dtypes expected) and all values are finite. "
         "Steps saved by attn_jax carry a manifest; this one was copied without it or written "
-        "by other code.", step, self.directory, MANIFEST)
+        "by other code, and it was loaded because unverified steps were allowed "
+        "(checkpoint.allow_unverified / --allow_unverified).", step, self.directory, MANIFEST)
 
   def _set_aside(self, step: int) -> str:
     """Moves a bad step folder to `<step>.corrupt[.n]` so it is neither restored nor in the
@@ -398,7 +424,7 @@ class Checkpointer:
     problem = self.verify(step)
     if problem:
       raise CheckpointCorruptError(problem)
-    manifested = self.has_manifest(step)
+    manifested = self.check_verifiable(step)
     self.check_matches(step, abstract_state)
     items = {"state": ocp.args.StandardRestore(abstract_state)}
     if data_iter is not None:
@@ -585,7 +611,8 @@ def config_to_json(config) -> dict:
   return json.loads(config.to_json_best_effort())
 
 
-def load_for_inference(workdir: str, step: int | None = None, *, devices=None):
+def load_for_inference(workdir: str, step: int | None = None, *, devices=None,
+                       allow_unverified: bool = False):
   """(model, config, step) from a training run directory, for a notebook or the evaluator.
 
   Read-only: the run directory is opened with `Checkpointer(read_only=True)` (no folder
@@ -599,8 +626,8 @@ def load_for_inference(workdir: str, step: int | None = None, *, devices=None):
   only its shards. The stored parameters must be exactly the ones that config builds (same
   leaves, shapes, dtypes): otherwise CheckpointMismatchError names the differing arrays, since
   loading the shared subset would run, e.g., FoX weights as plain attention. Every step is
-  checked against its sha256 manifest first (a step without one loads with a warning that it
-  is unverified). Without `step`, a damaged newest step is skipped with a warning (left in
+  checked against its sha256 manifest first; a step without one is refused
+  (CheckpointUnverifiedError) unless `allow_unverified`, then loads with a warning. Without `step`, a damaged newest step is skipped with a warning (left in
   place) for the newest one that loads, and a step that the training run deleted while it was
   being read (`checkpoint.max_to_keep`) is replaced by the newest committed one; with `step`, a
   damaged step is CheckpointCorruptError.
@@ -609,7 +636,7 @@ def load_for_inference(workdir: str, step: int | None = None, *, devices=None):
   if not os.path.isdir(directory):
     raise FileNotFoundError(f"no checkpoint found under {directory} (is {workdir!r} a "
                             "training run directory?)")
-  ckpt = Checkpointer(workdir, read_only=True)
+  ckpt = Checkpointer(workdir, read_only=True, allow_unverified=allow_unverified)
   try:
     return _load_newest(ckpt, step, devices)
   finally:
@@ -657,6 +684,7 @@ def _load_step(ckpt: Checkpointer, step: int, devices):
   problem = ckpt.verify(step)
   if problem:
     raise CheckpointCorruptError(problem)
+  manifested = ckpt.check_verifiable(step)
   try:
     config = ml_collections.ConfigDict(_tuples(ckpt.restore_meta(step)["config"]))
   except Exception as e:
@@ -673,7 +701,7 @@ def _load_step(ckpt: Checkpointer, step: int, devices):
     restored = ckpt.restore_subtree(target, step)
   except Exception as e:  # tensorstore: undecodable chunks, missing files
     raise CheckpointCorruptError(f"orbax could not restore it: {_short(e)}") from e
-  if not ckpt.has_manifest(step):
+  if not manifested:
     ckpt.warn_unverified(step)
   params, rest = nnx.State(abs_params), nnx.State(abs_rest)
   nnx.replace_by_pure_dict(params, restored["params"])

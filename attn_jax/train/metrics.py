@@ -131,6 +131,12 @@ class MetricWriter:
     for w in self.writers:
       w.flush()
 
+  def sync(self) -> None:
+    """Waits (a bounded time) until every writer has taken every row so far; raises the
+    failure of one that could not."""
+    for w in self.writers:
+      getattr(w, "sync", lambda: None)()
+
   def close(self) -> None:
     """Closes every writer (each waits a bounded time); the first failure is raised after all
     were closed."""

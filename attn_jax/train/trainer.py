@@ -562,7 +562,8 @@ class _Run:
   def __init__(self, config, workdir: str, setup: Setup, geo: BatchGeometry):
     from attn_jax.data import pipeline
     self.config, self.workdir, self.setup, self.geo = config, workdir, setup, geo
-    self.ckpt = Checkpointer(workdir, max_to_keep=config.checkpoint.max_to_keep)
+    self.ckpt = Checkpointer(workdir, max_to_keep=config.checkpoint.max_to_keep,
+                             allow_unverified=config.checkpoint.get("allow_unverified", False))
     rows = shd.host_batch_rows(setup.batch_sharding, geo.shape, batch_dim=1)
     self.data_it = pipeline.make_train_iterator(config.data, seed=config.seed, host_rows=rows)
     self.monitor = LossMonitor(config.train.spike_window, config.train.spike_threshold)
@@ -638,6 +639,7 @@ class _Run:
 
   def save(self, step: int) -> None:
     self.flush()
+    self.writer.sync()    # no checkpoint newer than the rows every writer has taken
     self._checkpoint(step)
 
   def _checkpoint(self, step: int) -> None:
@@ -704,8 +706,8 @@ class _Run:
     kept = (f"the latest checkpoint, step {latest} in {self.ckpt.directory}, is kept: rerun "
             "the same command to resume from it" if latest is not None
             else f"there is no checkpoint yet in {self.ckpt.directory}")
-    out = WriteError(e.errno, f"{e}. The run stopped there and saves nothing more; {kept}")
-    out.__cause__ = e
+    out = WriteError(f"{e}. The run stopped without saving again; {kept}")
+    out.errno, out.__cause__ = e.errno, e
     return out
 
   def _halt_reason(self) -> str | None:

@@ -13,6 +13,11 @@ once, naming the first. Choices:
     `lock_tensorboard`): two runs can only reach one folder through a symlink or a bind mount
     (their workdirs differ), and their curves would interleave in it, so the second run stops
     naming the first. TensorBoard reads only event files and ignores it.
+  * A `tb` that is a link into another run's folder (a folder holding a `.lock`, `checkpoints/`
+    or `metrics.jsonl`, other than this workdir) is refused even when that run has ended
+    (`TensorBoardLinkError`): the run would interleave its curves with that run's, and a
+    restart from step 0 would move that run's events into this workdir's `tb.<k>/`. A link to a
+    folder of its own (a faster disk) is fine.
   * Readers (evaluation, streaming) take no lock: they never write a run's files.
 """
 
@@ -28,6 +33,13 @@ import time
 
 class WorkdirLockedError(RuntimeError):
   """Another live process holds the workdir."""
+
+
+class TensorBoardLinkError(ValueError):
+  """`<workdir>/tb` is a link into another run's folder."""
+
+
+RUN_MARKERS = (".lock", "checkpoints", "metrics.jsonl")
 
 
 def _read(fd: int) -> dict:
@@ -122,6 +134,30 @@ TB_LOCK = ".writer.lock"
 
 def lock_tensorboard(workdir: str, *, process_index: int | None = None) -> WorkdirLock | None:
   """Takes the lock of `<workdir>/tb` on process 0; WorkdirLockedError when another live run
-  writes the same folder (reached through a symlink or a bind mount)."""
-  return _on_process_0(WorkdirLock(os.path.join(workdir, "tb"), filename=TB_LOCK,
+  writes the same folder (reached through a symlink or a bind mount), TensorBoardLinkError
+  when it is a link into another run's folder (`check_tensorboard_link`)."""
+  lock = _on_process_0(WorkdirLock(os.path.join(workdir, "tb"), filename=TB_LOCK,
                                    what="the TensorBoard folder"), process_index)
+  try:
+    check_tensorboard_link(workdir)
+  except TensorBoardLinkError:
+    if lock is not None:
+      lock.release()
+    raise
+  return lock
+
+
+def check_tensorboard_link(workdir: str) -> None:
+  """TensorBoardLinkError when `<workdir>/tb` resolves into another run's folder."""
+  tb = os.path.join(os.path.abspath(workdir), "tb")
+  real, home = os.path.realpath(tb), os.path.realpath(workdir)
+  owner = os.path.dirname(real)
+  if real == os.path.join(home, "tb") or owner == home:
+    return
+  found = [m for m in RUN_MARKERS if os.path.exists(os.path.join(owner, m))]
+  if found:
+    raise TensorBoardLinkError(
+        f"the TensorBoard folder {tb} is a link to {real}, the TensorBoard folder of another "
+        f"run ({owner} holds {', '.join(found)}): this run would mix its curves into that "
+        "run's and could move that run's events into its own history. Remove the link (the "
+        "run then makes its own tb/), or point it at a folder of its own")

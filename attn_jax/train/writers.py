@@ -35,11 +35,14 @@ import logging
 import math
 import os
 import queue
+import socket
+import struct
 import threading
 import time
 from typing import Any, Callable, Mapping, Protocol
 
 STALL_S = 120.0    # a writer that takes no row for this long is broken (a hung network share)
+QUEUE_ROWS = 64   # calls a Background writer may hold (a burst of rows while it writes)
 _SLICE_S = 0.05    # how often a waiting put looks at the writer's error and the stop request
 
 
@@ -104,8 +107,16 @@ def write_error(name: str, path: str, step: int | None, e: BaseException) -> Wri
   else:
     why = f"{type(e).__name__}: {getattr(e, 'strerror', None) or e} ({describe_disk(path)})"
   at = f" at step {step}" if step is not None else ""
-  return WriteError(getattr(e, "errno", None) or errno.EIO,
-                    f"writing {name} ({path}) failed{at}: {why}")
+  return _error(getattr(e, "errno", None) or errno.EIO, f"writing {name} ({path}) failed{at}: "
+                f"{why}")
+
+
+def _error(number: int, message: str) -> WriteError:
+  """A WriteError whose text is `message` alone (no "[Errno n]" in front) and whose errno is
+  `number`."""
+  e = WriteError(message)
+  e.errno = number
+  return e
 
 
 # ------------------------------------------------------------------ the writers
@@ -137,55 +148,60 @@ class JsonlWriter:
 
 
 class TensorBoardWriter:
-  """Scalar events in `<directory>/events.out.tfevents.*`, written and flushed per row by the
-  caller's thread (run it behind `Background`); the file is opened at the first call.
-  `purge(step)` makes TensorBoard discard the events with step >= `step` written before it
-  (a SessionLog START, what tensorboardX's purge_step writes)."""
+  """Scalar events in `<directory>/events.out.tfevents.*` (TFRecord framing, tensorboardX's
+  Event protos), written and flushed per row by the caller's thread (run it behind
+  `Background`), fsync'ed by `flush`; the file is opened at the first call. `purge(step)` makes
+  TensorBoard discard the events with step >= `step` written before it (a SessionLog START,
+  what tensorboardX's purge_step writes)."""
 
   name = "TensorBoard"
 
   def __init__(self, directory: str):
     self.path = directory
-    self._events = None
+    self._f = None
 
   def _file(self):
-    if self._events is None:
-      from tensorboardX.event_file_writer import EventsWriter
+    if self._f is None:
       os.makedirs(self.path, exist_ok=True)
       # A nanosecond suffix: two files of one second (a purge right after a start, a quick
       # rerun) neither overwrite each other nor sort out of order (TensorBoard reads them in
-      # name order, and a purge only hides events of the files read before it).
-      self._events = EventsWriter(os.path.join(self.path, "events"),
-                                  filename_suffix=f".{time.time_ns()}")
-    return self._events
+      # name order, and a purge only hides the events of files read before it).
+      now = time.time_ns()
+      name = f"events.out.tfevents.{now // 10**9:010d}.{socket.gethostname()}.{now}"
+      self._f = open(os.path.join(self.path, name), "ab")
+      self._put(file_version="brain.Event:2")
+    return self._f
 
-  def _event(self, **fields):
+  def _put(self, **fields) -> None:
     from tensorboardX.proto import event_pb2
-    return event_pb2.Event(wall_time=time.time(), **fields)
+    from tensorboardX.record_writer import masked_crc32c
+    data = event_pb2.Event(wall_time=time.time(), **fields).SerializeToString()
+    header = struct.pack("<Q", len(data))
+    self._file().write(header + struct.pack("<I", masked_crc32c(header)) + data
+                       + struct.pack("<I", masked_crc32c(data)))
 
   def purge(self, step: int) -> None:
     from tensorboardX.proto import event_pb2
-    events = self._file()
-    events.write_event(self._event(step=step, file_version="brain.Event:2"))
-    events.write_event(self._event(step=step, session_log=event_pb2.SessionLog(
-        status=event_pb2.SessionLog.START)))
-    events.flush()
+    self._put(step=step, session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START))
+    self._file().flush()
 
   def write(self, step: int, row: Mapping[str, Any]) -> None:
     from tensorboardX import summary
-    events = self._file()
     for k, v in row.items():
       if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
-        events.write_event(self._event(step=step, summary=summary.scalar(k, v)))
-    events.flush()
+        self._put(step=step, summary=summary.scalar(k, v))
+    self._file().flush()
 
   def flush(self) -> None:
-    if self._events is not None:
-      self._events.flush()
+    if self._f is not None:
+      self._f.flush()
+      os.fsync(self._f.fileno())
 
   def close(self) -> None:
-    if self._events is not None:
-      self._events.close()
+    if self._f is not None:
+      self.flush()
+      self._f.close()
+      self._f = None
 
 
 class Background:
@@ -194,12 +210,12 @@ class Background:
   the caller for more than `stall_s` seconds, end at once when `should_stop()` turns true, and
   raise the worker's first failure as a WriteError."""
 
-  def __init__(self, writer: Writer, *, queue_size: int = 64, stall_s: float = STALL_S,
+  def __init__(self, writer: Writer, *, queue_size: int | None = None, stall_s: float = STALL_S,
                should_stop: Callable[[], bool] | None = None):
     self.writer, self.name, self.path = writer, writer.name, writer.path
     self.stall_s = float(stall_s)
     self.should_stop = should_stop or (lambda: False)
-    self._queue: queue.Queue = queue.Queue(queue_size)
+    self._queue: queue.Queue = queue.Queue(queue_size or QUEUE_ROWS)
     self._error: WriteError | None = None
     self._step: int | None = None   # the last step handed over (names a failed flush / close)
     self._closed = False
@@ -210,6 +226,9 @@ class Background:
   def _work(self) -> None:
     while True:
       method, args, step = self._queue.get()
+      if method == "_synced":   # `sync`: every call before it has been made
+        args[0].set()
+        continue
       if self._error is None:   # after a failure the rest is drained unwritten: no put waits
         try:
           getattr(self.writer, method)(*args)
@@ -242,9 +261,12 @@ class Background:
                           self.name, self.path, method, self._step)
           return False
         if time.monotonic() > deadline:
-          raise WriteError(errno.ETIMEDOUT, (
-              f"writing {self.name} ({self.path}) stalled at step {self._step}: it took no row "
-              f"for {self.stall_s:.0f} s ({describe_disk(self.path)}; a hung network share?)"))
+          raise self._stalled()
+
+  def _stalled(self) -> WriteError:
+    return _error(errno.ETIMEDOUT, f"writing {self.name} ({self.path}) stalled at step "
+                  f"{self._step}: it took no row for {self.stall_s:.0f} s "
+                  f"({describe_disk(self.path)}; a hung network share?)")
 
   def write(self, step: int, row: Mapping[str, Any]) -> None:
     self._put("write", step, dict(row), step=step)
@@ -255,6 +277,22 @@ class Background:
 
   def flush(self) -> None:
     self._put("flush")
+
+  def sync(self) -> None:
+    """Waits until the writer has made every call handed to it so far (bounded like a put);
+    raises its failure. The trainer syncs before each checkpoint, so no checkpoint is newer
+    than the rows a writer has taken."""
+    done = threading.Event()
+    if not self._put("_synced", done):
+      return
+    deadline = time.monotonic() + self.stall_s
+    while not done.wait(_SLICE_S):
+      self.check()
+      if self.should_stop():
+        return
+      if time.monotonic() > deadline:
+        raise self._stalled()
+    self.check()
 
   def close(self, timeout: float | None = None) -> None:
     """Hands over the close and waits for the worker (at most `timeout`, default `stall_s`;
