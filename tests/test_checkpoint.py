@@ -133,11 +133,13 @@ def test_partial_save_is_never_picked_up(tmp_path):
   assert int(c.restore(abstract())["step"]) == 1
 
 
-def test_checkpoint_without_manifest_is_restored_with_a_warning(tmp_path, caplog):
+def test_checkpoint_without_manifest_is_refused_or_restored_with_a_warning(tmp_path, caplog):
   save_steps(tmp_path, [1])
   os.remove(os.path.join(tmp_path, "checkpoints", "1", ckpt_lib.MANIFEST))
+  with pytest.raises(ckpt_lib.CheckpointUnverifiedError, match="allow_unverified"):
+    Checkpointer(str(tmp_path)).restore(abstract())
   with caplog.at_level(logging.WARNING):
-    state = Checkpointer(str(tmp_path)).restore(abstract())
+    state = Checkpointer(str(tmp_path), allow_unverified=True).restore(abstract())
   assert int(state["step"]) == 1
   said = [r.getMessage() for r in caplog.records if "no checksum manifest" in r.getMessage()]
   assert len(said) == 1 and "UNVERIFIED" in said[0] and "older version" not in said[0]
