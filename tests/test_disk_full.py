@@ -146,25 +146,26 @@ def disks(tmp_path):
 @pytest.mark.slow   # three training runs on real disks, ~20 s each
 @pytest.mark.parametrize("place", ["TensorBoard", "metrics.jsonl", "checkpoint"])
 def test_a_real_disk_that_fills_stops_the_run(place, tmp_path, disks):
-  """The place's folder is a tmpfs of its own that fills during the run (the others have room):
-  tb/ with 8 KiB left, the run folder itself (metrics.jsonl) with 8 KiB left, checkpoints/ of
-  1 MB (~0.4 MB a step)."""
+  """The run folder, its tb/ and its checkpoints/ are three tmpfs disks; the place's one fills
+  during the run, the others have room: tb/ of 12 KiB (its lock takes a page, the events ~550
+  bytes a row), the run folder filled to 12 KiB free (metrics.jsonl beside the lock), a
+  checkpoints/ of 1 MB (~0.4 MB a step)."""
   run = tmp_path / "run"
-  if place == "checkpoint":
-    disks(run / "checkpoints", "1m")
-  else:
-    disks(run, "1m" if place == "metrics.jsonl" else "16m")
-    disks(run / "checkpoints", "16m")
-    folder = run if place == "metrics.jsonl" else disks(run / "tb", "1m")
-    _fill(folder, leave_kib=8)
+  disks(run, "16m")
+  disks(run / "checkpoints", "1m" if place == "checkpoint" else "16m")
+  disks(run / "tb", "12k" if place == "TensorBoard" else "16m")
+  if place == "metrics.jsonl":
+    _fill(run, leave_kib=12)
   e, seconds = _run_until_it_stops(run_config(steps=40), run)
   msg = str(e)
-  assert "No space left" in msg or "no space left" in msg, msg
-  assert "the disk mounted at " in msg, msg
+  mount = run / {"TensorBoard": "tb", "metrics.jsonl": "", "checkpoint": "checkpoints"}[place]
+  assert f"the disk mounted at {str(mount).rstrip('/')} (" in msg, msg
+  assert "no space left" in msg, msg
   if place == "checkpoint":
-    assert isinstance(e, CheckpointSaveError) and f"mounted at {run / 'checkpoints'}" in msg
+    assert isinstance(e, CheckpointSaveError) and msg.startswith("saving checkpoint step "), msg
   else:
     assert msg.startswith(f"writing {place} ") and "the latest checkpoint, step" in msg, msg
+    assert int(re.search(r"failed at step (\d+)", msg).group(1)) >= 4, msg
   _check_resume_point(run)
   assert seconds < 200
 

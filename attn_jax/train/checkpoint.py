@@ -627,8 +627,9 @@ def load_for_inference(workdir: str, step: int | None = None, *, devices=None,
   leaves, shapes, dtypes): otherwise CheckpointMismatchError names the differing arrays, since
   loading the shared subset would run, e.g., FoX weights as plain attention. Every step is
   checked against its sha256 manifest first; a step without one is refused
-  (CheckpointUnverifiedError) unless `allow_unverified`, then loads with a warning. Without `step`, a damaged newest step is skipped with a warning (left in
-  place) for the newest one that loads, and a step that the training run deleted while it was
+  (CheckpointUnverifiedError) unless `allow_unverified`, then loads with a warning. Without
+  `step`, a damaged newest step is skipped with a warning (left in place) for the newest one
+  that loads, and a step that the training run deleted while it was
   being read (`checkpoint.max_to_keep`) is replaced by the newest committed one; with `step`, a
   damaged step is CheckpointCorruptError.
   """

@@ -39,9 +39,13 @@ Reliability (the choices):
     again); a run that starts at step 0 where an earlier run left metrics (all its checkpoints
     corrupt and set aside, or none ever written) moves them to metrics.jsonl.<k> / tb.<k>/ and
     says so, so no history is ever cut.
-  * Failed saves: a background save that failed (a full disk) is noticed at the next step
-    boundary (`Checkpointer.check_saves`) and stops the run with `CheckpointSaveError`; no
-    second save is attempted on the way out, and the older checkpoints stay the resume point.
+  * Failed saves and writes: a background save that failed (a full disk) is noticed at the
+    next step boundary (`Checkpointer.check_saves`) and stops the run with
+    `CheckpointSaveError`; a metrics writer that failed or stalled (writers.py: never blocking
+    the loop) stops it the same way with a `WriteError` (both are WriteErrors). No save is
+    attempted after either, so the older checkpoints stay the resume point and no checkpoint
+    is newer than the rows logged (the writers are synced before every save); a resumed run
+    logs the lost rows again.
   * Held-out evaluation batches are global arrays with the batch sharding, built from this
     host's rows (`make_array_from_process_local_data`), as the training batches.
 """
@@ -72,6 +76,7 @@ from attn_jax.train.checkpoint import (Checkpointer, CheckpointMismatchError,
                                        CheckpointSaveError, PreemptionGuard,
                                        abstract_with_shardings, check_writable, config_to_json)
 from attn_jax.train.metrics import MetricWriter, flatten_metrics, row_steps
+from attn_jax.train.profile import StepProfiler
 from attn_jax.train.workdir import TB_LOCK, lock_tensorboard, lock_workdir
 from attn_jax.train.writers import WriteError
 from attn_jax.train import init_from
@@ -525,11 +530,13 @@ def _train_and_evaluate(config, workdir, eval_callbacks) -> dict[str, Any]:
   compiled = _compile(setup, geo)
   run.open_outputs(eval_callbacks)            # metrics file, evaluator, progress bar
 
+  profiler = StepProfiler(config.train.get("profile_steps", ""), workdir)
   guard = PreemptionGuard().__enter__()
   run.writer.stop_when(lambda: guard.should_stop)   # a stalled writer never delays a signal
   error: BaseException | None = None
   try:
     for step in range(run.start + 1, config.train.steps + 1):
+      profiler.before(step, run.state)        # config.train.profile_steps (profile.py)
       run.train_step(compiled, step)          # logs the previous step's row
       if step % config.checkpoint.every_steps == 0:
         run.save(step)
@@ -550,6 +557,7 @@ def _train_and_evaluate(config, workdir, eval_callbacks) -> dict[str, Any]:
     raise
   finally:
     guard.__exit__(None, None, None)
+    profiler.stop()           # a run that ended inside the window keeps its trace
     run.on_exit(error)        # last row, data rewind, final save: never in place of `error`
   return run.result()         # final evaluation unless preempted
 
@@ -798,6 +806,10 @@ class _Run:
   def _final_save(self) -> None:
     step = int(self.state["step"])
     if step > self.last_saved:  # interrupted or finished: never lose work
+      try:
+        self.writer.sync()   # as before every save: the rows first
+      except WriteError as e:
+        raise self.write_failed(e)
       self._checkpoint(step)
 
   def result(self) -> dict[str, Any]:

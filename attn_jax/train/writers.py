@@ -3,7 +3,8 @@ they fail.
 
 A writer is anything with `name` (how messages call it), `path` (where its bytes go: names the
 disk when it fills), `write(step, row)`, `flush()` and `close()` (`Writer`). A row is the flat
-{metric: number or string} dict of one step (`MetricWriter` cleans it once for every writer).
+{metric: number} dict of one step, "step" included (`MetricWriter` turns arrays into Python
+numbers once for every writer; NaN / Inf stay floats, which metrics.jsonl writes as strings).
 
 How a write can fail, and what the run does (the choices):
   * A failed write (a full disk, an unwritable folder, a lost network share) is a `WriteError`:
