@@ -1,11 +1,8 @@
-"""experiments/mamba2_parity.py: the minimal plain-JAX Mamba-2 (sequential scan) is the same
+"""attn_jax/ssm/mamba2_minimal.py: the minimal plain-JAX Mamba-2 (sequential scan) is the same
 function as attn_jax's Mamba-2 language model, in logits and in gradients, so any difference in
 how they train comes from the initial parameters and the optimizer's groups; both train on
-identical batches through the trainer's optax chain. Mamba-3: the chunked training form has
+identical batches through the trainer's optax chain (attn_jax/study/mamba2_parity.py). Mamba-3: the chunked training form has
 the gradient of its token-by-token recurrence."""
-
-import importlib.util
-import os
 
 import jax
 import jax.numpy as jnp
@@ -14,12 +11,8 @@ import pytest
 from flax import nnx
 
 from attn_jax.data import pipeline
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_spec = importlib.util.spec_from_file_location(
-    "mamba2_parity", os.path.join(ROOT, "experiments", "mamba2_parity.py"))
-mp = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(mp)
+from attn_jax.ssm import mamba2_minimal as mm
+from attn_jax.study import mamba2_parity as mp
 
 # Two layers (the stacked-parameter mapping), 4 heads of 4, two B/C groups.
 TINY = {"d_model": 16, "expand": 1.0, "head_dim": 4, "d_state": 4, "d_ff": 32, "n_layers": 2}
@@ -48,9 +41,9 @@ def setup():
 
 def test_minimal_model_is_the_same_function(setup):
   c, ours_fn, ours_p, _, batch = setup
-  dims = mp.dims_of(c)
-  mini_p = mp.to_minimal(ours_p, dims)
-  got = jax.jit(lambda p, t: mp.minimal_logits(p, t, dims))(mini_p, batch["inputs"])
+  dims = mm.dims_of(c)
+  mini_p = mm.to_minimal(ours_p, dims)
+  got = jax.jit(lambda p, t: mm.minimal_logits(p, t, dims))(mini_p, batch["inputs"])
   want = jax.jit(ours_fn)(ours_p, batch["inputs"])
   np.testing.assert_allclose(got, want, **TOL)
   assert float(jnp.std(want)) > 1e-3             # not a trivially zero output
@@ -58,10 +51,10 @@ def test_minimal_model_is_the_same_function(setup):
 
 def test_minimal_gradient_equals_the_chunked_ssd_gradient(setup):
   c, ours_fn, ours_p, _, batch = setup
-  dims = mp.dims_of(c)
-  g_ours = mp.to_minimal(jax.jit(jax.grad(_loss(ours_fn, batch)))(ours_p), dims)
-  g_mini = jax.jit(jax.grad(_loss(lambda p, t: mp.minimal_logits(p, t, dims), batch)))(
-      mp.to_minimal(ours_p, dims))
+  dims = mm.dims_of(c)
+  g_ours = mm.to_minimal(jax.jit(jax.grad(_loss(ours_fn, batch)))(ours_p), dims)
+  g_mini = jax.jit(jax.grad(_loss(lambda p, t: mm.minimal_logits(p, t, dims), batch)))(
+      mm.to_minimal(ours_p, dims))
   for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(g_ours)[0],
                           jax.tree.leaves(g_mini)):
     scale = float(jnp.max(jnp.abs(b)))
@@ -74,15 +67,15 @@ def test_decay_groups_and_parameter_count_agree(setup):
   """attn_jax's decay flags (from each parameter's kind), laid out as the minimal model's
   tensors, are the minimal model's "weights" groups; both count the same parameters."""
   c, _, ours_p, decay, _ = setup
-  dims = mp.dims_of(c)
+  dims = mm.dims_of(c)
   flags_p = jax.tree.map(lambda d, p: jnp.full(p.shape, d, jnp.float32), decay, ours_p)
-  mapped = mp.to_minimal(flags_p, dims)
-  mini = mp.init_minimal(jax.random.key(0), dims, mp.RECIPES["torch"])
-  mask = mp.minimal_decay_mask(mini, "weights")
+  mapped = mm.to_minimal(flags_p, dims)
+  mini = mm.init_minimal(jax.random.key(0), dims, mm.RECIPES["torch"])
+  mask = mm.minimal_decay_mask(mini, "weights")
   for (path, m), k in zip(jax.tree_util.tree_flatten_with_path(mapped)[0],
                           jax.tree.leaves(mask)):
     assert set(np.unique(np.asarray(m)).tolist()) == {float(k)}, jax.tree_util.keystr(path)
-  assert sum(np.size(a) for a in jax.tree.leaves(mp.to_minimal(ours_p, dims))) == \
+  assert sum(np.size(a) for a in jax.tree.leaves(mm.to_minimal(ours_p, dims))) == \
       sum(np.size(a) for a in jax.tree.leaves(mini))
 
 
@@ -91,9 +84,9 @@ def test_ours_recipe_draws_what_attn_jax_draws(setup):
   attn_jax's own draw, the ones equal, the per-head / per-channel vectors inside the support of
   the stated law, for both draws."""
   c, _, ours_p, _, _ = setup
-  dims = mp.dims_of(c)
-  want = mp.to_minimal(ours_p, dims)
-  got = mp.init_minimal(jax.random.key(1), dims, mp.RECIPES["ours"])
+  dims = mm.dims_of(c)
+  want = mm.to_minimal(ours_p, dims)
+  got = mm.init_minimal(jax.random.key(1), dims, mm.RECIPES["ours"])
   sp_inv = lambda x: x + np.log(-np.expm1(-x))
   support = {"dt_bias": (sp_inv(1e-3), sp_inv(1e-1)), "a_log": (0.0, np.log(16.0)),
              "conv_b": (-0.5, 0.5)}               # d_conv 4: U(+-1/2)
@@ -140,7 +133,7 @@ def test_both_train_alike_from_the_same_start():
   np.testing.assert_allclose(rows_o[0]["train_loss"], rows_m[0]["train_loss"], rtol=1e-5)
   assert rows_o[0]["recall"] == rows_m[0]["recall"]
   chex_close = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
-  jax.tree.map(chex_close, mp.to_minimal(p_o, mp.dims_of(c)), p_m)
+  jax.tree.map(chex_close, mm.to_minimal(p_o, mm.dims_of(c)), p_m)
 
 
 def test_model_specs_resolve_or_name_the_problem():
@@ -148,7 +141,7 @@ def test_model_specs_resolve_or_name_the_problem():
   assert mp.resolve("ours/embed=normal1") == ("ours", {"embed": "normal1"})
   assert mp.resolve("minimal:ours") == "ours"
   r = mp.resolve("minimal:torch/embed=normal02+mlp=normal02_res")
-  assert r == dict(mp.RECIPES["torch"], embed="normal02", mlp="normal02_res")
+  assert r == dict(mm.RECIPES["torch"], embed="normal02", mlp="normal02_res")
   for bad in ("theirs", "ours/mlp=fan_in", "minimal:nope", "minimal:torch/embed=huge", "minimal:torch/size=1"):
     with pytest.raises(ValueError, match="--models"):
       mp.resolve(bad)
