@@ -198,6 +198,19 @@ def check_seq_len(max_seq_len: int, length: int, what: str) -> None:
     raise ValueError(problem)
 
 
+def profile_steps(spec: str) -> tuple[int, int] | None:
+  """config.train.profile_steps "a:b" -> (a, b): a jax.profiler trace of steps a to b - 1 (a
+  Python slice: "20:25" is five steps); "" -> None (no trace)."""
+  if spec in ("", None):
+    return None
+  start, sep, end = str(spec).partition(":")
+  ok = sep and start.strip().isdigit() and end.strip().isdigit()
+  if not ok or not 1 <= int(start) < int(end):
+    raise ValueError(f"config.train.profile_steps: want 'first:stop' with 1 <= first < stop "
+                     f"(steps first to stop - 1 are traced, e.g. '20:25'), got {spec!r}")
+  return int(start), int(end)
+
+
 def validate(config: ml_collections.ConfigDict) -> ModelConfig:
   """Check the whole config; returns the typed model config."""
   cfg = ModelConfig.from_config(config.model)
@@ -210,6 +223,7 @@ def validate(config: ml_collections.ConfigDict) -> ModelConfig:
   need(t.steps > 0, "train.steps", "must be positive")
   need(t.grad_accum >= 1, "train.grad_accum", "must be >= 1")
   need(t.log_every >= 1, "train.log_every", "must be >= 1")
+  profile_steps(t.get("profile_steps", ""))
   need(is_number(o.lr) and o.lr > 0, "optim.lr", f"must be a finite positive number, got {o.lr!r}")
   need(is_number(o.min_lr_ratio, 0) and o.min_lr_ratio <= 1, "optim.min_lr_ratio",
        f"must be in [0, 1], got {o.min_lr_ratio!r}")

@@ -80,6 +80,8 @@ def get_config() -> ml_collections.ConfigDict:
   t.grad_accum = 1               # micro-batches per optimizer step
   t.log_every = 10
   t.progress_bar = True
+  t.profile_steps = ""           # "20:25": a jax.profiler trace of steps 20-24 in
+                                 # <workdir>/profile (TensorBoard / Perfetto; docs/guide.md)
   t.peak_flops = 0.0             # per device, FLOP/s; 0 = look up from the device kind
   t.auto_microbatch = False      # step does not fit the device: pick the largest micro-batch
                                  # that does (same tokens per step via grad_accum); else stop

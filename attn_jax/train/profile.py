@@ -1,0 +1,58 @@
+"""A jax.profiler trace of chosen training steps (`config.train.profile_steps`, e.g. "20:25").
+
+The trace starts just before step `first` is dispatched and stops once step `stop - 1` has
+finished on the device (the loop dispatches a step before the host waits for the previous one,
+so stopping waits for the state that step returns): steps first to stop - 1, compile and
+start-up excluded when `first` is past them. Written to `<workdir>/profile/plugins/profile/
+<time>/`: `<host>.xplane.pb` (TensorBoard's profile plugin: `tensorboard --logdir
+<workdir>/profile`) and `perfetto_trace.json.gz` (open in ui.perfetto.dev), one per process
+on every backend (CPU, GPU, TPU); docs/guide.md says how to read them.
+
+A run that ends (or stops on a signal or an error) inside the window stops the trace on its
+way out, so the steps it ran are kept; a run resumed inside the window traces the rest of it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import jax
+
+from attn_jax.config import profile_steps
+
+DIRNAME = "profile"
+
+
+class StepProfiler:
+  """`before(step, state)` at the top of every step; `stop()` on the way out."""
+
+  def __init__(self, spec: str, workdir: str):
+    self.window = profile_steps(spec)
+    self.directory = os.path.join(workdir, DIRNAME)
+    self.active = self.done = False
+
+  def before(self, step: int, state) -> None:
+    """Starts the trace at the window's first step (or the first step of a run resumed inside
+    it); ends it at its stop step, once `state` (the last traced step's output) is ready."""
+    if self.window is None or self.done:
+      return
+    first, stop = self.window
+    if not self.active and first <= step < stop:
+      jax.profiler.start_trace(self.directory, create_perfetto_trace=True)
+      self.active = True
+      logging.info("profiling steps %d to %d into %s", step, stop - 1, self.directory)
+    elif self.active and step >= stop:
+      self.stop(state)
+
+  def stop(self, state=None) -> None:
+    """Ends the trace (once the device has finished `state`, when given)."""
+    if not self.active:
+      return
+    self.active, self.done = False, True
+    try:
+      if state is not None:
+        jax.block_until_ready(state)
+    finally:
+      jax.profiler.stop_trace()
+      logging.info("profile written to %s", self.directory)
