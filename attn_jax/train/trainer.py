@@ -77,7 +77,6 @@ from attn_jax.train.checkpoint import (Checkpointer, CheckpointMismatchError,
                                        abstract_with_shardings, check_writable, config_to_json)
 from attn_jax.train.metrics import MetricWriter, flatten_metrics, row_steps
 from attn_jax.train.profile import StepProfiler
-from attn_jax.train.profile import StepProfiler
 from attn_jax.train.workdir import TB_LOCK, lock_tensorboard, lock_workdir
 from attn_jax.train.writers import WriteError
 from attn_jax.train import init_from
@@ -532,13 +531,11 @@ def _train_and_evaluate(config, workdir, eval_callbacks) -> dict[str, Any]:
   run.open_outputs(eval_callbacks)            # metrics file, evaluator, progress bar
 
   profiler = StepProfiler(config.train.get("profile_steps", ""), workdir)
-  profiler = StepProfiler(config.train.get("profile_steps", ""), workdir)
   guard = PreemptionGuard().__enter__()
   run.writer.stop_when(lambda: guard.should_stop)   # a stalled writer never delays a signal
   error: BaseException | None = None
   try:
     for step in range(run.start + 1, config.train.steps + 1):
-      profiler.before(step, run.state)        # config.train.profile_steps (profile.py)
       profiler.before(step, run.state)        # config.train.profile_steps (profile.py)
       run.train_step(compiled, step)          # logs the previous step's row
       if step % config.checkpoint.every_steps == 0:
@@ -560,7 +557,6 @@ def _train_and_evaluate(config, workdir, eval_callbacks) -> dict[str, Any]:
     raise
   finally:
     guard.__exit__(None, None, None)
-    profiler.stop()           # a run that ended inside the window keeps its trace
     profiler.stop()           # a run that ended inside the window keeps its trace
     run.on_exit(error)        # last row, data rewind, final save: never in place of `error`
   return run.result()         # final evaluation unless preempted
