@@ -481,13 +481,17 @@ class SISA(cache_lib.CachedMixer):
     # prefix is -g at the last token (packed rows: at the last token of each document).
     use_fast = -jnp.min(ops.g) <= self.fast_range_limit(cfg, self.opts)
     # Neither branch leaves [T, S] residuals to the cond (docs/sisa.md, "Picking the path"): the
-    # fast one is rematerialised (except a fused cuDNN call, whose own residuals are O(T)); so is
-    # the blockwise chunked one, whose residuals (the diagonal blocks' probabilities, the
-    # flash part's out and lse) the cond would otherwise zero-fill at every step the fast path
-    # is taken; the cuDNN chunked one keeps only its inputs by construction (`split.sequential`).
+    # fast one is rematerialised (except a fused cuDNN / splash call, whose own residuals are
+    # O(T)); so is the blockwise chunked one (every core but cuDNN, splash included), whose
+    # residuals (the diagonal blocks' probabilities, the flash part's out and lse) the cond
+    # would otherwise zero-fill at every step the fast path is taken; the cuDNN chunked one
+    # keeps only its inputs by construction (`split.sequential`).
     fast, chunked = self._fast, self._chunked
-    if self._core_impl(ops) in REMAT_CORE_IMPLS:
-      fast, chunked = jax.checkpoint(fast), jax.checkpoint(chunked)
+    core = self._core_impl(ops)
+    if core in REMAT_CORE_IMPLS:
+      fast = jax.checkpoint(fast)
+    if core != "cudnn":   # `_chunked` takes `_blockwise`
+      chunked = jax.checkpoint(chunked)
     out = jax.lax.cond(use_fast, fast, chunked, ops)
     return out, 1.0 - use_fast.astype(jnp.float32)
 
