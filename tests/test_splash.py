@@ -139,7 +139,8 @@ def test_segment_ids_of_padding():
   assert splash.segment_ids(None, None, None, None) == (None, None)
 
 
-@pytest.mark.parametrize("mesh_shape", [(2, 1, 2), (1, 2, 2)], ids=["data-tensor", "fsdp-tensor"])
+@pytest.mark.parametrize("mesh_shape", [
+    (2, 1, 2), pytest.param((1, 2, 2), marks=pytest.mark.slow)], ids=["data-tensor", "fsdp-tensor"])
 def test_compiles_for_a_tpu_slice(mesh_shape):
   """On 4 TPU v5e chips (compile-only), a 2-axis mesh: the step of a packed, sink-logit,
   widened-Q/K (SISA-like, 96 / 64) attention has Mosaic calls and no [T, T] buffer."""
