@@ -123,7 +123,8 @@ def test_load_for_inference_reads_a_read_only_checkpoint_folder(reference, tmp_p
 def test_eval_past_a_truncated_unverified_step_prints_no_library_tracebacks(reference,
                                                                             tmp_path):
   """orbax's read coroutines of the failed step report their errors again when collected
-  (after the fallback has loaded step 2): the entry point drops those reports."""
+  (after the fallback has loaded step 2): the entry point drops those reports. (Unverified
+  steps allowed: refused otherwise, see the manifest test below.)"""
   d = copy_run(reference, tmp_path)
   os.remove(d / "checkpoints" / "4" / ckpt_lib.MANIFEST)
   for folder, _, names in os.walk(d / "checkpoints" / "4" / "state"):
@@ -131,7 +132,7 @@ def test_eval_past_a_truncated_unverified_step_prints_no_library_tracebacks(refe
       path = os.path.join(folder, name)   # every OCDBT data file cut in half: nothing reads
       os.truncate(path, os.path.getsize(path) // 2)
   r = _script("eval.py", f"--checkpoint={d}", "--tasks=mqar", "--limit=4",
-              f"--out_dir={tmp_path / 'eval'}")
+              f"--out_dir={tmp_path / 'eval'}", "--allow_unverified")
   assert r.returncode == 0 and "step=2" in r.stdout, r.stderr[-3000:]
   assert "Traceback" not in r.stderr and "Exception ignored" not in r.stderr, r.stderr[-3000:]
   lines = noise(r.stderr)

@@ -340,6 +340,8 @@ class Checkpointer:
   def verify(self, step: int) -> str | None:
     """None if step's files match their manifest or it has none (`has_manifest`: such a step
     cannot be verified, see `check_verifiable`), else the problem."""
+    if not os.path.isdir(self.step_dir(step)):   # pruned by the training run while read
+      return f"its folder {self.step_dir(step)} is gone"
     problem = verify_manifest(self.step_dir(step))
     return None if problem == "no manifest" else problem
 
