@@ -9,7 +9,6 @@ nats per token. Tiles of 64 (or 32) rows over T = 200 (not a multiple), so every
 several tiles, skips tiles above the diagonal and visits partial ones.
 """
 
-import math
 
 import chex
 import jax

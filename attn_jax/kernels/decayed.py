@@ -50,8 +50,22 @@ then met at any T and head dim): rows [B, H, nq, bq, D], per-row vectors [.., bq
 per-column vectors [.., nk, 1, bk]; T is padded to a multiple of the tiles (padded keys have
 position -1, padded queries are dropped).
 
-Inputs the kernel cannot take (`unsupported`): a head dim or block the target cannot tile, or
-T != S. Callers fall back to their blockwise path with one logged line naming why.
+Targets (`_compiler_params`): Mosaic on TPU (tiles of 128; the whole-head K, V, b of the
+non-tiled side sit in VMEM, O(T) per head: checked to compile at T 8192 with head dim 128),
+Triton on GPU (tiles of 64: at 128 the backward exceeds H100's shared memory; the whole-head
+refs stay in HBM and each tile is loaded in the loop; JAX's Mosaic GPU backend would stage
+whole blocks in shared memory). fp32 x fp32 tile matmuls run at HIGHEST precision (Triton's
+default is TF32). On CPU the kernel runs in the Pallas interpreter (tests).
+
+Sharding (`_sharded`): XLA does not partition Pallas calls, so under `sharding.use_rules` the
+call runs in a `jax.shard_map` over the active mesh: rows by the `batch` rule, heads by the
+`heads` / `kv_heads` rules when both split alike (else heads replicated), time whole.
+
+Choosing it (`use_kernel`): the mixers (SISA, FoX, ALiBi) take the kernel in their full forward
+when `attention_impl == "auto"` and the program is compiled for a GPU or TPU
+(`platform.current()`); the CPU keeps their blockwise paths. Inputs the kernel cannot take
+(`unsupported`: a head dim or block the target cannot tile, T != S) fall back to the
+blockwise path with one logged line naming why. Decoding keeps the mixers' cached paths.
 """
 
 from __future__ import annotations
@@ -61,6 +75,7 @@ import contextvars
 import dataclasses
 import functools
 import logging
+import math
 from typing import Iterator, NamedTuple
 
 import jax
@@ -196,20 +211,20 @@ _ROW_NAMES = ("q", "g", "glo", "c", "pos", "seg")
 _COL_NAMES = ("k", "v", "kg", "kglo", "b", "kpos", "kseg")
 
 
-def _read(spec: Spec, x, at):
-  """Every present ref of `x` read through `at` (absent ones None)."""
+def _read(x, at):
+  """Every present ref of `x` read through `at`."""
   return {n: at(r) for n, r in x.items()}
 
 
 def _cols_at(spec: Spec, x, j=None) -> Cols:
   """The key tile (refs of one tile), or tile j of whole-head column refs ([nk, ...])."""
-  v = _read(spec, x, (lambda r: r[...]) if j is None else (lambda r: r[j]))
+  v = _read(x, (lambda r: r[...]) if j is None else (lambda r: r[j]))
   return Cols(v["k"], v["v"], v["kg"], v.get("kglo"), v.get("b"), v["kpos"], v["kseg"])
 
 
 def _rows_at(spec: Spec, x, i=None) -> Rows:
   """The query tile (refs of one tile), or tile i of whole-head row refs ([nq, ...])."""
-  v = _read(spec, x, (lambda r: r[...]) if i is None else (lambda r: r[i]))
+  v = _read(x, (lambda r: r[...]) if i is None else (lambda r: r[i]))
   return Rows(v["q"], v["g"], v.get("glo"), v.get("c"), v["pos"], v["seg"])
 
 
@@ -360,7 +375,7 @@ def _operands(spec: Spec, q, k, v, g, glo, c, b, pos, seg) -> Operands:
   """Pad T to a multiple of both tiles (keys at position -1) and lay the operands out."""
   bq, bk = spec.block_q, spec.block_k
   B, T = q.shape[:2]
-  tile = bq * bk // _gcd(bq, bk)
+  tile = bq * bk // math.gcd(bq, bk)
   Tp = -(-T // tile) * tile
   nq, nk = Tp // bq, Tp // bk
   pad = Tp - T
@@ -380,12 +395,6 @@ def _operands(spec: Spec, q, k, v, g, glo, c, b, pos, seg) -> Operands:
       k=_tiles(k, nk, bk), v=_tiles(v, nk, bk), kg=gH.reshape(B, -1, nk, 1, bk),
       b=None if b is None else _tiles(tpad(b), nk, bk),
       kpos=pos.reshape(B, nk, 1, bk), kseg=seg.reshape(B, nk, 1, bk))
-
-
-def _gcd(a: int, b: int) -> int:
-  while b:
-    a, b = b, a % b
-  return a
 
 
 def _full(x, lead):
