@@ -366,3 +366,27 @@ def test_segments_match_reference_with_gradients_on_every_impl(impl, window, sin
   plain = attention_reference(q, k, v, scale=0.4, q_positions=pos, kv_positions=pos,
                               window=window, sink_logit_H=sink_H)
   assert float(jnp.max(jnp.abs(plain - want))) > 1e-3
+
+
+@pytest.mark.parametrize("G", [1, 2])
+def test_sliding_window_through_the_kernels_own_window_equals_the_reference(G):
+  """One causal stream with a window: the "xla" path (as "cudnn" on a GPU) takes
+  dot_product_attention's local window instead of a [T, S] mask; same outputs and gradients."""
+  from attn_jax.attention.core import attend, attention_reference
+  B, T, K, D, w = 2, 40, 2, 8, 7
+  ks = jax.random.split(jax.random.key(3), 3)
+  q = jax.random.normal(ks[0], (B, T, K * G, D))
+  k, v = (jax.random.normal(kk, (B, T, K, D)) for kk in ks[1:])
+
+  def f(impl):
+    return lambda q, k, v: jnp.sum(jnp.sin(attend(q, k, v, scale=0.3, window=w, impl=impl)))
+
+  def ref(q, k, v):
+    return jnp.sum(jnp.sin(attention_reference(q, k, v, scale=0.3, window=w)))
+
+  got, want = jax.value_and_grad(f("xla"), (0, 1, 2))(q, k, v), jax.value_and_grad(ref, (0, 1, 2))(q, k, v)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert float(jnp.max(jnp.abs(a - b))) <= 1e-5 * max(1.0, float(jnp.max(jnp.abs(b))))
+  text = jax.jit(lambda q, k, v: attend(q, k, v, scale=0.3, window=w, impl="xla")).lower(
+      q, k, v).as_text()
+  assert f"tensor<{B}x1x{T}x{T}xi1>" not in text   # no boolean [T, S] mask argument built

@@ -313,9 +313,12 @@ def _sink_slot(q, k, v, *, scale, sink_H, mask, bias, plain_causal, pad_to):
   return q, k, v, mask, bias
 
 
-def dpa(q, k, v, *, scale, impl, mask=None, bias=None, sink_H=None, plain_causal=False):
+def dpa(q, k, v, *, scale, impl, mask=None, bias=None, sink_H=None, plain_causal=False,
+        window=None):
   """`jax.nn.dot_product_attention` with `impl` ("xla" / "cudnn"): V narrower than Q/K is
-  zero-padded and the output sliced back; a sink becomes an extra key slot (module docstring)."""
+  zero-padded and the output sliced back; a sink becomes an extra key slot (module docstring).
+  `window` (with `plain_causal`, no sink): the kernel's own sliding window, keys i - window <
+  j <= i, so no [T, S] mask is built."""
   B, T, H, Dqk = q.shape
   Dv = v.shape[-1]
   if sink_H is not None:
@@ -325,8 +328,10 @@ def dpa(q, k, v, *, scale, impl, mask=None, bias=None, sink_H=None, plain_causal
   width = q.shape[-1]
   if Dv != width:  # dot_product_attention needs V as wide as Q/K: pad with zeros, slice back.
     v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, width - Dv)))
+  local = None if window is None else (int(window) - 1, 0)
   out = jax.nn.dot_product_attention(
-      q, k, v, bias=bias, mask=mask, scale=scale, is_causal=plain_causal, implementation=impl)
+      q, k, v, bias=bias, mask=mask, scale=scale, is_causal=plain_causal, implementation=impl,
+      local_window_size=local)
   out = out[:, -T:, :, :Dv]
   if mask is not None and sink_H is None:  # a query that sees no key returns zeros
     seen_BT = jnp.any(mask[:, 0], axis=-1)
@@ -414,6 +419,10 @@ def attend(q, k, v, *, scale: float, causal: bool = True, q_positions=None, kv_p
     if q_positions is None:
       return out
     return jnp.where((q_positions >= 0)[:, :, None, None], out, jnp.zeros((), out.dtype))
+  if (impl in ("xla", "cudnn") and window is not None and causal and T == S and not segmented
+      and q_positions is None and kv_positions is None and sink_logit_H is None and bias is None):
+    # one causal stream with a sliding window: the kernel's own window, no [T, S] mask
+    return dpa(q, k, v, scale=scale, impl=impl, plain_causal=True, window=window)
   mask = None
   if not plain_causal and (causal or kv_positions is not None or window is not None
                            or segmented):

@@ -83,7 +83,8 @@ class SlidingWindowAttention(cache_lib.CachedMixer):
     B, T, _ = x_BTD.shape
     pos_BT = causal_positions(B, T) if positions_BT is None else positions_BT
     q, k, v = p.rotated_qkv(x_BTD, pos_BT, cfg.rope_theta)
-    out = attend(q, k, v, scale=scale, causal=True, q_positions=pos_BT, kv_positions=pos_BT,
+    mask_pos = positions_BT   # None: one plain stream, so a kernel may take its own window
+    out = attend(q, k, v, scale=scale, causal=True, q_positions=mask_pos, kv_positions=mask_pos,
                  window=w, sink_logit_H=sink, impl=cfg.attention_impl, prefix_causal=True,
                  q_segments=segment_ids_BT, kv_segments=segment_ids_BT)
     return p.o(out), None, {}
