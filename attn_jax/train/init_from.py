@@ -98,7 +98,8 @@ def _describe(arch: dict) -> str:
 def _check_architecture(config, saved, path: str) -> None:
   want, have = architecture(config.model), architecture(saved.model)
   diff = [f"{k} {have.get(k, '(absent)')!r} vs {want.get(k, '(absent)')!r}"
-          for k in sorted(want.keys() | have.keys()) if want.get(k) != have.get(k)]
+          for k in sorted(want.keys() | have.keys(), key=lambda k: ("." in k, k))
+          if want.get(k) != have.get(k)]   # model fields first, then mixer options
   if diff:
     raise ValueError(f"config.train.init_from={path}: a run of another architecture (its model: "
                      f"{_describe(have)}; config.model: {_describe(want)}; the run's vs "
@@ -252,8 +253,9 @@ def initial_state(config: ml_collections.ConfigDict, setup, fresh: dict) -> dict
   n_train = n if mask is None else sum(
       int(np.prod(x.shape)) for x, m in zip(jax.tree.leaves(fresh["params"]),
                                             jax.tree.leaves(mask)) if m)
-  logging.info("init_from %s step %d: parameters loaded; training %s of %s parameters "
-               "(config.train.trainable=%r); optimizer state fresh (AdamW moments 0, step 0, "
+  logging.info("init_from %s step %d: parameters loaded; training %s of %s stored parameter "
+               "values, vocabulary padding rows included (config.train.trainable=%r); "
+               "optimizer state fresh (AdamW moments 0, step 0, "
                "the LR schedule from its start)", src.path, src.step, f"{n_train:,}", f"{n:,}",
                str(config.train.get("trainable", "all")))
   return fresh
