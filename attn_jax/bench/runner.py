@@ -1,0 +1,68 @@
+"""experiments/bench.py's one library call: every config built first (an unknown name or field
+is one line before anything compiles), then the table the options ask for, and the rows as
+JSON when `options.json` names a file."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from attn_jax.bench import tables
+from attn_jax.bench.configs import Options, named_config, study_configs
+from attn_jax.bench.step import (DeviceLimits, bench_document_mask, bench_one, decode_only_row,
+                                 merge)
+
+# The options written into the JSON file beside the rows.
+JSON_OPTIONS = ("configs", "seq_lens", "batch_tokens", "d_model", "n_heads", "n_layers",
+                "vocab_size", "dtype", "steps", "repeats", "preset", "study", "document_mask",
+                "document_len")
+
+
+def run(options: Options) -> list[dict]:
+  """Benchmarks what `options` names, prints the tables; returns the rows."""
+  import jax
+  o = options
+  prepared = study_configs(o.study, o) if o.study else {}
+  names = list(prepared) or list(o.configs)
+  prepared = {n: prepared.get(n) or named_config(n, o) for n in names}
+  print(f"backend {jax.default_backend()} x{jax.device_count()}, "
+        f"{os.cpu_count()} CPU cores, batch_tokens {o.batch_tokens}", flush=True)
+  limits = DeviceLimits(o.peak_n)
+  if o.decode_only:
+    for name in names:
+      tables.print_decode_steps({name: decode_only_row(name, prepared[name], o, limits)},
+                                [name], o, header=name == names[0],
+                                width=max(len(n) + 1 for n in names))
+    return []
+  if o.document_mask:
+    rows = [bench_document_mask(n, int(L), o, prepared[n]) for L in o.seq_lens for n in names]
+    tables.print_document_mask(rows)
+  else:
+    rows = _train_rows(names, prepared, o, limits)
+  write_json(rows, o, limits)
+  return rows
+
+
+def _train_rows(names, prepared, o: Options, limits) -> list[dict]:
+  out = []
+  for L in (int(s) for s in o.seq_lens):
+    best = {}
+    for rep in range(o.repeats):
+      for name in names:
+        if rep and "skipped" in best.get(name, {}):
+          continue
+        decode = rep == 0 and L == int(o.seq_lens[0])   # decode rows do not depend on L
+        best[name] = merge(best.get(name), bench_one(name, L, o, limits, decode=decode,
+                                                     config=prepared[name]))
+    tables.print_table(L, best, names, o)
+    out += [best[n] for n in names]
+  return out
+
+
+def write_json(rows, options: Options, limits: DeviceLimits) -> None:
+  if not options.json:
+    return
+  with open(options.json, "w") as f:
+    json.dump({"flags": {k: getattr(options, k) for k in JSON_OPTIONS}, "rows": rows,
+               "limits": limits.measured}, f, indent=1)
+  print(f"wrote {options.json}")
