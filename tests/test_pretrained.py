@@ -198,14 +198,20 @@ def test_export_refuses_models_without_a_llama_equivalent(tmp_path, change, word
   assert os.listdir(tmp_path) == []
 
 
-def test_export_refuses_a_sink_logit(tmp_path):
+def test_a_sink_logit_goes_to_hf_as_granite_swa_never_to_gguf(tmp_path):
+  """No Llama holds a sink logit: the HF folder is transformers' GraniteSWA (its logits are
+  checked against transformers in tests/test_pretrained_variants.py); GGUF is refused."""
   from attn_jax.config import ModelConfig
   from attn_jax.model import build_model
   cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2, d_ff=64, max_seq_len=32,
                     dtype="float32").with_options("attention", sink_logit="learned")
+  model = build_model(cfg)
   with pytest.raises(PretrainedError, match="sink logit"):
-    export_hf(build_model(cfg), str(tmp_path / "x"))
+    export_gguf(model, str(tmp_path / "x.gguf"), tokenizer=None)
   assert os.listdir(tmp_path) == []
+  out = export_hf(model, str(tmp_path / "x"))
+  with open(os.path.join(out, "config.json")) as f:
+    assert json.load(f)["architectures"] == ["GraniteSWAForCausalLM"]
 
 
 # ------------------------------------------------------------------ GGUF
