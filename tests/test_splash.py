@@ -164,3 +164,33 @@ def test_compiles_for_a_tpu_slice(mesh_shape):
     text = jax.jit(jax.grad(loss, (0, 1, 2, 3))).lower(q, k, v, sink, seg).compile().as_text()
   assert "tpu_custom_call" in text
   assert not re.search(rf"\[(?:\d+,)*{T},{T}\]", text)
+
+
+@pytest.mark.parametrize("remat_chunked", [True, False], ids=["as_shipped", "without_remat"])
+def test_sisa_on_splash_keeps_no_block_residuals(remat_chunked, monkeypatch):
+  """SISA's path auto with the splash core (TPU when the decayed kernel is not taken): the
+  cond of the fast (splash) and chunked (blockwise) branches keeps no [.., c, c] block
+  probabilities for the backward; without the chunked branch's remat it would (the check can
+  fail)."""
+  from flax import nnx
+
+  from attn_jax.attention import sisa as S
+  from attn_jax.config import ModelConfig
+  from configs import base
+  c = base.get_config()
+  c.model.update(mixer="sisa", d_model=64, n_heads=2, n_layers=1, d_ff=64, vocab_size=64,
+                 dtype="float32", attention_impl="splash")
+  c.model.sisa.update(d_state=8, chunk_size=128)
+  cfg = ModelConfig.from_config(c.model)
+  if not remat_chunked:
+    monkeypatch.setattr(S.jax, "checkpoint", lambda f, **kw: f)
+  graphdef, params = nnx.split(S.SISA(cfg, cfg.options_for("sisa"), rngs=nnx.Rngs(params=0)))
+
+  def forward(params, x):
+    return nnx.merge(graphdef, params)(x, positions_BT=None)[0]
+
+  x = jax.ShapeDtypeStruct((2, 256, 64), jnp.float32)
+  res = jax.eval_shape(lambda p, x: jax.tree.leaves(jax.vjp(forward, p, x)[1]), params, x)
+  blocks = [r.shape for r in res if jnp.issubdtype(r.dtype, jnp.floating)
+            and r.shape[-2:] == (128, 128)]
+  assert (blocks == []) == remat_chunked, blocks
