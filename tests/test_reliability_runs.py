@@ -347,6 +347,7 @@ def test_a_read_only_checkpoint_folder_is_one_line_before_training(reference, tm
 _ENOSPC_RUNNER = """
 import errno, os, runpy, sys
 sys.path.insert(0, os.getcwd())
+import attn_jax.cli  # JAX starts as in the entry point (its native start-up lines filtered)
 from attn_jax.train import checkpoint
 
 real = checkpoint.write_manifest
@@ -390,6 +391,7 @@ def test_a_full_disk_is_one_line_tmpfs(small_disk, tmp_path):
 _DOUBLE_INTERRUPT_RUNNER = """
 import os, runpy, signal, sys, threading, time
 sys.path.insert(0, os.getcwd())
+import attn_jax.cli  # JAX starts as in the entry point (its native start-up lines filtered)
 import orbax.checkpoint as ocp
 from attn_jax.train import checkpoint, trainer
 
