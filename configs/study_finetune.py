@@ -18,6 +18,10 @@ weight decay, clip 1; lrs 3e-5 and 1e-4 for every model on seed 0, then seed 1 f
 control and for the variant with the lowest held-out NLL (2 seeds: spread = half the range).
 10 fine-tunes and 7 x 2 stream scores of 8,192 tokens in all. What is cut to fit: the steps
 (a real fine-tune would be 100x longer), the seeds (2 for two models only) and the sweep.
+Not yet timed at full size: a smoke run (3 steps, 1,024 stream tokens) on the shared machine
+at load average 12-16 trained at 15-24 tokens/s and scored streams at 66-270 s per 1,024
+tokens and policy (docs/pretrained_variants.md); measure on a quiet machine and trim the
+steps, the lrs or the stream before the full run if 90 minutes is exceeded.
 
 Inits (attn_jax/pretrained/variants.py; distances measured on SmolLM2, 512 tokens):
 - sink_logit from -20 (step-0 logits within 1.4e-5 relative);
