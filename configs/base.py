@@ -98,6 +98,11 @@ def get_config() -> ml_collections.ConfigDict:
   t.trainable = "all"            # all | new (the parameters a conversion added) | new+norms
   t.new_scalar_lr_mult = 1.0     # lr multiplier of the scalars/biases a conversion added
 
+  w = c.metrics = ml_collections.ConfigDict()
+  w.wandb_project = ""           # Weights & Biases project: log the run there too ("" = off;
+                                 # pip install 'attn_jax[wandb]'; train/wandb_writer.py)
+  w.wandb_entity = ""            # its team or user ("" = wandb's default)
+
   o = c.optim = ml_collections.ConfigDict()
   o.lr = 6e-4
   o.min_lr_ratio = 0.1

@@ -77,6 +77,7 @@ from attn_jax.train.checkpoint import (Checkpointer, CheckpointMismatchError,
                                        abstract_with_shardings, check_writable, config_to_json)
 from attn_jax.train.metrics import MetricWriter, flatten_metrics, row_steps
 from attn_jax.train.profile import StepProfiler
+from attn_jax.train.wandb_writer import add_wandb, check_installed
 from attn_jax.train.workdir import TB_LOCK, lock_tensorboard, lock_workdir
 from attn_jax.train.writers import WriteError
 from attn_jax.train import init_from
@@ -521,6 +522,7 @@ def _warn_config_changes(saved: dict, now: dict, step: int) -> None:
 def _train_and_evaluate(config, workdir, eval_callbacks) -> dict[str, Any]:
   setup = build_setup(config)                 # runs config.validate
   validate_for_training(config, setup)
+  check_installed(config)                     # config.metrics.wandb_project without wandb
   check_resumable(workdir, setup, config)     # a changed model config: stop before compiling
   geo = _fit_memory(setup, config)            # before any data is read: may shrink the micro-batch
   config = geo.apply(config)                  # from here on the config holds the run's batch
@@ -615,6 +617,7 @@ class _Run:
     self.writer = MetricWriter(self.workdir)
     if self.start:
       self.writer.truncate_after(self.start)
+    add_wandb(self.writer, c, self.workdir, self.setup, config_to_json(c), start=self.start)
     self.flops_per_tok = flops_lib.train_flops_per_token(self.setup.cfg, n, self.geo.seq_len)
     self.peak = flops_lib.peak_flops_per_device(override=c.train.peak_flops,
                                                 dtype=c.model.dtype)  # fp32: the TF32 peak
