@@ -2,7 +2,7 @@
 a tiny budget on a tiny random Llama: conversion into every variant, the lr sweep, the second
 seed for the control and the best variant, stream scores under both caches (FoX with RoPE has
 no ring cache: recorded with the reason), results.json, the table and the plot; a rerun of
-the same command does nothing again."""
+the same command does nothing again; a finished run is stale only when a value changed."""
 
 import json
 import os
@@ -89,3 +89,14 @@ def test_finetune_study_tiny(llama_dir, tmp_path):
   again = finetune.run_study(c, wd, log=logs.append)
   assert [r["heldout_nll"] for r in again["runs"]] == [r["heldout_nll"] for r in res["runs"]]
   assert not any("steps of" in m or "converting" in m for m in logs), logs
+
+
+def test_a_finished_run_is_judged_on_changed_values_not_on_new_fields():
+  """A field added to configs/base.py since a fine-tune finished (at its default) does not
+  make it stale; a changed value does, and is named."""
+  from attn_jax.study.finetune import changed_fields
+  saved = {"optim": {"lr": 1e-4, "eps": 1e-15}, "train": {"steps": 30}}
+  assert changed_fields(saved, {"optim": {"lr": 1e-4, "eps": 1e-15},
+                                "train": {"steps": 30, "profile_steps": ""}}) == []
+  changes = changed_fields(saved, {"optim": {"lr": 3e-4, "eps": 1e-15}, "train": {"steps": 30}})
+  assert len(changes) == 1 and "config.optim.lr" in changes[0]

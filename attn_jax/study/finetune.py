@@ -20,14 +20,14 @@ overrides, the setting in words):
 Resumable: each stage writes its output last (a conversion: the run directory renamed into
 place; a fine-tune: finetune_run.json after the trainer's final checkpoint; a stream score:
 stream.json), so a rerun of the same command skips what is done and resumes a fine-tune from
-its latest checkpoint. A finished fine-tune whose config has changed since is an error naming
-it. Entry point: experiments/finetune_study.py.
+its latest checkpoint. A finished fine-tune whose config has changed since (a field's value;
+a field added to configs/base.py since, at its default, is not a change) is an error naming
+it and the fields. Entry point: experiments/finetune_study.py.
 """
 
 from __future__ import annotations
 
 import datetime
-import hashlib
 import json
 import os
 import time
@@ -121,23 +121,34 @@ def run_dir_of(workdir: str, name: str, lr: float, seed: int) -> str:
   return os.path.join(workdir, "runs", name, f"lr{lr:g}", f"seed{seed}")
 
 
-def config_digest(config) -> str:
-  d = config.to_dict()
+def run_fields(config) -> dict:
+  """What a fine-tune computes: its config as JSON without the study's own fields."""
+  from attn_jax.train.checkpoint import config_to_json
+  d = config_to_json(config)
   d.pop("study", None)
-  return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()
+  return d
+
+
+def changed_fields(saved: dict, now: dict) -> list[str]:
+  """The fields whose value differs; a field the saved config lacks (added to configs/base.py
+  since, at its default) is not a change of the run."""
+  from attn_jax.train.trainer import config_changes
+  return [c for c in config_changes(saved, now) if ": '(absent)' ->" not in c]
 
 
 def finetune_one(c, run_dir: str, name: str, log) -> dict:
   """Train (or resume, or skip when done) one fine-tune; its record."""
   from attn_jax.train.trainer import train_and_evaluate
   done = os.path.join(run_dir, RUN_DONE)
-  digest = config_digest(c)
+  fields = run_fields(c)
   if os.path.isfile(done):
     rec = _load(done)
-    if rec.get("config_digest") != digest:
+    changes = changed_fields(rec.get("config", {}), fields)
+    if changes:
       raise ValueError(f"{done}: this finished fine-tune was made with another config than the "
-                       f"study's {name} lr {c.optim.lr:g} seed {c.seed} now has; move {run_dir} "
-                       "aside (or use another --workdir) to retrain it")
+                       f"study's {name} lr {c.optim.lr:g} seed {c.seed} now has "
+                       f"({'; '.join(changes[:4])}); move {run_dir} aside (or use another "
+                       "--workdir) to retrain it")
     log(f"[finetune] {name} lr {c.optim.lr:g} seed {c.seed}: finished earlier, skipped")
     return rec
   log(f"[finetune] {name} lr {c.optim.lr:g} seed {c.seed}: {c.train.steps} steps of "
@@ -155,7 +166,7 @@ def finetune_one(c, run_dir: str, name: str, log) -> dict:
          int(c.data.global_batch_size) * int(c.data.seq_len),
          "heldout_nll": float(out["eval/loss"]), "final_train_loss": out.get("loss"),
          "wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0,
-         "workdir": os.path.abspath(run_dir), "config_digest": digest}
+         "workdir": os.path.abspath(run_dir), "config": fields}
   _dump(rec, done)
   log(f"[finetune] {name} lr {c.optim.lr:g} seed {c.seed}: held-out NLL "
       f"{rec['heldout_nll']:.4f} in {rec['wall_s']:.0f} s")
