@@ -25,7 +25,8 @@ def bench_flags():
 
 
 def test_suffix_sets_any_field_and_keeps_the_sisa_path_shorthand():
-  c = bench_configs.named_config("transformer_152m@model.attention.sink_logit=learned,model.n_layers=2")
+  c = bench_configs.named_config(
+      "transformer_152m@model.attention.sink_logit=learned,model.n_layers=2")
   assert c.model.attention.sink_logit == "learned" and c.model.n_layers == 2
   assert bench_configs.named_config("sisa_152m@chunked").model.sisa.path == "chunked"
   with pytest.raises(ValueError, match=r"config\.model\.nope\.x is not a field"):
@@ -97,3 +98,12 @@ def test_a_preset_fills_only_the_options_not_given():
   assert (got.d_model, got.batch_tokens, got.dtype) == (512, 4096, "float32")   # the preset's
   assert list(got.configs) == ["transformer_152m", "sisa_152m", "sisa_152m@fast"]
   assert bench_configs.Options().with_preset() == bench_configs.Options()   # no preset
+
+
+def test_sinkhorn_crossover_is_the_length_from_which_it_stays_faster():
+  from attn_jax.bench import sinkhorn
+  t = {"dense": [1.0, 2.0, 4.0, 8.0], "soft": [2.0, 1.5, 5.0, 6.0], "sortcut": [0.5, 1.0, 3.0, 9.0]}
+  rows = [{"variant": v, "seq_len": L, "wall_s": w, "cpu_s": w}
+          for v, ws in t.items() for L, w in zip((64, 128, 256, 512), ws)]
+  assert sinkhorn.crossover(rows, "soft") == 512      # faster at 128 too, but not at 256
+  assert sinkhorn.crossover(rows, "sortcut") is None  # slower at the longest length
