@@ -1,4 +1,4 @@
-"""experiments/bench_stream.py end to end at tiny sizes: per-token rows for both mixers, and the
+"""experiments/bench_stream.py (attn_jax/bench/stream.py) end to end at tiny sizes: per-token rows for both mixers, and the
 long-stream check with constant cache bytes and its drift control (a subprocess: the script
 defines its own absl flags)."""
 
