@@ -1,6 +1,6 @@
-"""experiments/bench_stream.py (attn_jax/bench/stream.py) end to end at tiny sizes: per-token rows for both mixers, and the
-long-stream check with constant cache bytes and its drift control (a subprocess: the script
-defines its own absl flags)."""
+"""experiments/bench_stream.py (attn_jax/bench/stream.py) end to end at tiny sizes: per-token
+rows for both mixers, and the long-stream check with constant cache bytes and its drift control
+(a subprocess: the script defines its own absl flags)."""
 
 import json
 import os

@@ -1,10 +1,13 @@
-"""Train-step throughput of several configs side by side (entry point: experiments/bench.py):
-tokens/s and ratios, analytic FLOPs and MFU, compiled peak memory, decode tokens/s.
+"""The benchmarks behind experiments/bench*.py. bench.py: train-step throughput of several
+configs side by side (tokens/s and ratios, analytic FLOPs and MFU, compiled peak memory, decode
+tokens/s):
 
   configs.py  Options (one field per flag), the named configs and their overrides, study rows
   step.py     one row: the trainer's step timed, its decode figures; document masking
   tables.py   the printed tables
   runner.py   run(options): every config built first, then the table asked for, JSON rows
+  sinkhorn.py Sinkhorn vs dense attention against length (experiments/bench_sinkhorn.py)
+  stream.py   StreamingLLM vs window recomputation, constant memory (experiments/bench_stream.py)
 
 Each config is timed with the trainer's jitted train step (forward + backward + clipped AdamW
 update with the mixer's optimizer overrides; `attn_jax.train.trainer.build_setup`), compiled as
