@@ -1,6 +1,6 @@
-"""The benchmarks behind experiments/bench*.py. bench.py: train-step throughput of several
-configs side by side (tokens/s and ratios, analytic FLOPs and MFU, compiled peak memory, decode
-tokens/s):
+"""Benchmarks behind experiments/bench.py, bench_sinkhorn.py and bench_stream.py. bench.py:
+train-step throughput of several configs side by side (tokens/s and ratios, analytic FLOPs
+and MFU, compiled peak memory, decode tokens/s):
 
   configs.py  Options (one field per flag), the named configs and their overrides, study rows
   step.py     one row: the trainer's step timed, its decode figures; document masking
