@@ -43,6 +43,16 @@ PATTERNS["hybrid_block"] = ("attention", "mamba2:nomlp")
 KERNEL = {GPU: "cuDNN attention fwd", TPU: "Mosaic (Pallas TPU)"}
 
 
+@pytest.fixture(autouse=True)
+def _no_persistent_cache():
+  """Compile-only executables cannot be reloaded from the persistent cache (no client): keep
+  them out of it."""
+  before = jax.config.jax_enable_compilation_cache
+  jax.config.update("jax_enable_compilation_cache", False)
+  yield
+  jax.config.update("jax_enable_compilation_cache", before)
+
+
 def _need(name):
   if not targets.available(name):
     pytest.skip(f"compile target {name} unavailable here (pip install -e '.[targets]')")
