@@ -7,7 +7,7 @@ acted on at that step.
 The default cases simulate the disk (tests/test_writers.fill_after: the files of one place
 raise ENOSPC once they hold a number of bytes; a checkpoint's bytes are checked through its
 manifest, the one file of a step that Python writes). The slow ones mount real tmpfs disks
-(root only; skipped elsewhere) and run the command of issue 43 (a 3 MB disk under the
+(root only; skipped elsewhere) and run the command that once hung (a 3 MB disk under the
 quickstart, which hung at step 8 on the old code)."""
 
 import errno

@@ -1,4 +1,4 @@
-"""Rotten data never trains silently (issue 43, item 2): a token shard whose bytes changed
+"""Rotten data never trains silently: a token shard whose bytes changed
 after it was verified, with its size and mtime kept (bit rot, `cp -p` / `rsync -a` of a bad
 copy), is caught at the next start (data.verify_mb); a token id outside the vocabulary is an
 error naming the shard and offset as the window is read, in the reader and through a training
@@ -122,7 +122,7 @@ def test_an_id_outside_the_vocabulary_names_the_shard_and_offset(prepared, monke
 def test_a_run_on_a_shard_with_an_id_outside_the_vocabulary_stops_naming_it(prepared,
                                                                            monkeypatch,
                                                                            tmp_path):
-  """Issue 43: such a run ended with status 0, every loss NaN and "update skipped"."""
+  """Before the fix such a run ended with status 0, every loss NaN and "update skipped"."""
   rot(prepared / "shard_00000.bin", 5, 65000)
   new_start(monkeypatch)
   c = tiny_config(steps=4, source="shards", paths=str(prepared), tokenizer="bytes",

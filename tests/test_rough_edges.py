@@ -1,4 +1,4 @@
-"""The small ones of issue 43: eval.py's unknown-task error names every task name it takes;
+"""Small rough edges: eval.py's unknown-task error names every task name it takes;
 stream.py's default --window is what the model holds (configs/stream_tiny.py's documented
 commands run as written); a run whose tb/ is a link into another run's folder refuses instead
 of moving that run's events; a resume onto a step without its checksum manifest is refused

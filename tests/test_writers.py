@@ -105,7 +105,7 @@ def write_rows(w, n, start=1):
 
 def test_a_full_disk_under_tensorboard_is_an_error_not_a_hang(tmp_path, monkeypatch):
   # A few rows of events, then full; the failing write returns late, so the writer thread
-  # dies with the caller's next rows already waiting (on the 3 MB tmpfs of issue 43 the run
+  # dies with the caller's next rows already waiting (on a 3 MB tmpfs the old run
   # then hung in Queue.put, 2 of 2 tries).
   fill_after(monkeypatch, "tfevents", room=3000, slow_failure=0.5)
   w = MetricWriter(str(tmp_path), enabled=True)

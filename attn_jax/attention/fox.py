@@ -58,7 +58,7 @@ compute the same softmax (`path`; "auto" = `choose_path`):
   "auto" takes it for longer T, and at every T on GPU / TPU (`platform.current()`): there the
   blocked path's O(T^2 / 2) residuals per layer (all layers' at once in a training step) cost
   twice the Transformer's memory at 152M (17.2 vs 8.2 GiB on H100 at 4 x 2048 per device,
-  issue 40), while CPU's measured speed favours the blocked path at moderate lengths.
+  compiled for the target), while CPU's measured speed favours the blocked path at moderate lengths.
 Every bias is g_i - g_j <= 0 for a causal pair, so nothing overflows however strong the
 forgetting: a far key's logit is a large negative number, its weight underflows to 0, and a
 row's own diagonal entry (bias 0) keeps its log-sum-exp finite. Measured against the explicit

@@ -24,7 +24,7 @@ How a write can fail, and what the run does (the choices):
   * metrics.jsonl is appended in the main thread (`JsonlWriter`): a few hundred bytes a row,
     and its failure is reported with the exact step that was lost.
 
-A new writer (issue 44's W&B) joins by implementing `Writer` and being added with
+A new writer (such as train/wandb_writer.py's W&B) joins by implementing `Writer` and being added with
 `MetricWriter.add(Background(writer))` (or without `Background` when its calls cannot block):
 its failures then stop the run through this same path."""
 
