@@ -140,6 +140,37 @@ def test_compile_only_mistakes_are_one_line():
   assert "config.mesh.shape (4, 1, 1) needs 4 devices, have 8" in lines[0]
 
 
+def test_a_gpu_tiling_failure_is_compiled_again_without_triton_gemm():
+  calls = []
+
+  class Compiled:
+    def as_text(self):
+      return 'custom_call_target="__cublas$lt$matmul"'
+
+    def memory_analysis(self):
+      return None
+
+  def compile(opts):
+    calls.append(opts)
+    if opts is None:
+      raise jax.errors.JaxRuntimeError("INTERNAL: Couldn't find output tile sizes that satisfy")
+    return Compiled()
+
+  p = aot._program("train", "[1, 4, 31]", compile, 31)
+  assert calls == [None, aot.NO_TRITON_GEMM] and p.options == aot.NO_TRITON_GEMM
+  assert p.kernels == {"cuBLAS GEMM": 1}
+
+  def other(opts):
+    raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: out of memory")
+  with pytest.raises(jax.errors.JaxRuntimeError, match="RESOURCE_EXHAUSTED"):
+    aot._program("train", "[1, 4, 31]", other, 31)       # any other failure is reported
+
+
+def test_cudnn_takes_even_lengths_only():
+  assert core.cudnn_takes(32, 32) and not core.cudnn_takes(31, 31)
+  assert not core.cudnn_takes(32, 33)
+
+
 # ------------------------------------------------------------------ compiling
 
 def _report(pattern, target, mesh, programs):
@@ -210,4 +241,5 @@ def test_presets_are_the_152m_and_369m_configs():
   from attn_jax.train import hardware_page as hp
   names = hp.preset_names(str(ROOT / "configs"))
   assert "sisa_152m" in names and "transformer_369m" in names and "quickstart" not in names
+  assert "study_152m" not in names                                      # runs many presets
   assert names.index("transformer_152m") < names.index("alibi_369m")   # 152M first

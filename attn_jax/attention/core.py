@@ -329,6 +329,8 @@ def dpa(q, k, v, *, scale, impl, mask=None, bias=None, sink_H=None, plain_causal
   if Dv != width:  # dot_product_attention needs V as wide as Q/K: pad with zeros, slice back.
     v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, width - Dv)))
   local = None if window is None else (int(window) - 1, 0)
+  if impl == "cudnn" and not cudnn_takes(q.shape[1], k.shape[1]):
+    impl = "xla"
   out = jax.nn.dot_product_attention(
       q, k, v, bias=bias, mask=mask, scale=scale, is_causal=plain_causal, implementation=impl,
       local_window_size=local)
@@ -337,6 +339,14 @@ def dpa(q, k, v, *, scale, impl, mask=None, bias=None, sink_H=None, plain_causal
     seen_BT = jnp.any(mask[:, 0], axis=-1)
     out = jnp.where(seen_BT[:, :, None, None], out, jnp.zeros((), out.dtype))
   return out
+
+
+def cudnn_takes(T: int, S: int) -> bool:
+  """Whether cuDNN's fused attention compiles these lengths in a training step: its forward
+  rule for differentiation (JAX 0.10's check_is_flash_attention) sees a bias argument even when
+  there is none (a placeholder array) and then needs even query and key lengths, so an odd
+  length such as the quickstart's 31 would stop the compile. Such calls take the XLA path."""
+  return T % 2 == 0 and S % 2 == 0
 
 
 def _splash(q, k, v, *, scale, sink_H, q_ids=None, kv_ids=None):

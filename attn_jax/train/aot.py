@@ -64,6 +64,7 @@ class Program:
   kernels: dict[str, int]
   collectives: dict[str, int]
   tt_buffers: list[str]
+  options: dict = dataclasses.field(default_factory=dict)   # XLA options it needed (_program)
 
   @property
   def needed(self) -> int:
@@ -99,13 +100,30 @@ def square_buffers(text: str, T: int) -> list[str]:
   return sorted(set(pat.findall(text)))
 
 
-def _program(name: str, shape: str, compile: Callable[[], Any], T: int) -> Program:
+# With no GPU to autotune on, XLA's GPU compiler tiles Triton GEMM fusions by fixed rules and,
+# for some shapes (the rows of an odd-length batch: [32 x 31, 64] @ [64, 64] in the quickstart),
+# finds no tiling. Such a program is compiled again with Triton GEMM fusions off (cuBLAS for
+# every matmul) and the report says so; whether a machine with the GPU, which autotunes, meets
+# the same failure is not known here (if it does: XLA_FLAGS=--xla_gpu_enable_triton_gemm=false).
+GPU_TILING_FAILURE = "Couldn't find output tile sizes"
+NO_TRITON_GEMM = {"xla_gpu_enable_triton_gemm": False}
+
+
+def _program(name: str, shape: str, compile: Callable[[dict | None], Any], T: int) -> Program:
+  """`compile(options)` once, or again with NO_TRITON_GEMM after a GPU tiling failure."""
   t0 = time.perf_counter()
-  compiled = compile()
+  options = {}
+  try:
+    compiled = compile(None)
+  except jax.errors.JaxRuntimeError as e:
+    if GPU_TILING_FAILURE not in str(e):
+      raise
+    options = dict(NO_TRITON_GEMM)
+    compiled = compile(options)
   dt = time.perf_counter() - t0
   text = compiled.as_text()
   return Program(name, shape, dt, compiled.memory_analysis(), kernels_in(text),
-                 collectives_in(text), square_buffers(text, T))
+                 collectives_in(text), square_buffers(text, T), options)
 
 
 def _geometry(config) -> tuple[int, int, int]:
@@ -115,7 +133,7 @@ def _geometry(config) -> tuple[int, int, int]:
 def compile_train(setup: trainer.Setup, accum: int, micro: int, seq_len: int) -> Program:
   batch = trainer.abstract_batch(setup, accum, micro, seq_len)
   return _program("train", f"[{accum}, {micro}, {seq_len}]",
-                  lambda: trainer.compile_step(setup, batch), seq_len)
+                  lambda opts: trainer.compile_step(setup, batch, opts), seq_len)
 
 
 def compile_eval(setup: trainer.Setup, batch: int, seq_len: int) -> Program:
@@ -125,9 +143,9 @@ def compile_eval(setup: trainer.Setup, batch: int, seq_len: int) -> Program:
                                sharding=sh) for k in setup.batch_keys}
   st = setup.abstract_state
 
-  def run():
+  def run(opts):
     with shd.use_rules(setup.mesh, setup.rules):
-      return step.lower(st["params"], st["rest"], b).compile()
+      return step.lower(st["params"], st["rest"], b).compile(opts)
   return _program("eval", f"[{batch}, {seq_len}]", run, seq_len)
 
 
@@ -148,19 +166,19 @@ def compile_decode(setup: trainer.Setup, batch: int, prompt: int) -> tuple[Progr
   token_B = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=one_sh)
   holder = {}
 
-  def run_prefill():
+  def run_prefill(opts):
     with shd.use_rules(setup.mesh, setup.rules):
-      c = decode.jit_stateful(prefill).lower(st["params"], st["rest"], prompt_BT).compile()
+      c = decode.jit_stateful(prefill).lower(st["params"], st["rest"], prompt_BT).compile(opts)
     holder["state"] = jax.tree.map(
         lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
         jax.eval_shape(prefill, st["params"], st["rest"], prompt_BT)[1],
         c.output_shardings[1])
     return c
 
-  def run_step():
+  def run_step(opts):
     with shd.use_rules(setup.mesh, setup.rules):
       return decode.jit_stateful(step, donate_argnums=(4,)).lower(
-          st["params"], st["rest"], token_B, token_B, holder["state"]).compile()
+          st["params"], st["rest"], token_B, token_B, holder["state"]).compile(opts)
 
   pre = _program("prefill", f"[{batch}, {prompt}] -> capacity {capacity}", run_prefill, prompt)
   one = _program("decode", f"[{batch}, 1] at capacity {capacity}", run_step, prompt)
@@ -179,13 +197,14 @@ class Report:
   fit_error: str = ""
 
 
-def _fitting_batch(setup, accum: int, micro: int, seq_len: int, available: int):
+def _fitting_batch(setup, accum: int, micro: int, seq_len: int, available: int,
+                   options: dict):
   """(micro, accum) of the largest micro-batch that fits; (None, why) if even the smallest
-  does not."""
+  does not. `options`: the XLA options the train program needed."""
   total = micro * accum
   try:
     return memory.pick_micro_batch(
-        lambda m: trainer.step_memory(setup, m, total // m, seq_len), total,
+        lambda m: trainer.step_memory(setup, m, total // m, seq_len, options or None), total,
         available=available, multiple_of=shd.batch_shards(setup.mesh, setup.rules)), ""
   except ValueError as e:
     return None, str(e)
@@ -215,7 +234,7 @@ def compile_for_target(config: ml_collections.ConfigDict, target_name: str, *,
     fit = memory.check_fit(train.memory, available=avail, source=f"{target.name}: {source}",
                            micro_batch=micro, grad_accum=accum, remat=setup.cfg.remat)
     if not fit.fits and search_fit:
-      fitting, why = _fitting_batch(setup, accum, micro, T, avail)
+      fitting, why = _fitting_batch(setup, accum, micro, T, avail, train.options)
   return Report(config_name, target, dict(setup.mesh.shape), setup.n_params["total"], progs,
                 fit, fitting, why)
 
@@ -240,6 +259,9 @@ def format_report(r: Report) -> str:
     kern = ", ".join(f"{k} x{n}" for k, n in sorted(p.kernels.items())) or "none"
     coll = ", ".join(f"{k} x{n}" for k, n in p.collectives.items()) or "none"
     lines.append(f"           kernels: {kern}; collectives: {coll}")
+    if p.options:
+      lines.append(f"           compiled with {p.options}: XLA found no tiling for a Triton "
+                   "GEMM fusion without a GPU to autotune on (train/aot.py)")
     if p.tt_buffers and p.name in ("train", "eval"):
       lines.append(f"           [.., T, T] buffers: {', '.join(p.tt_buffers[:4])}")
   if r.fit is not None:

@@ -45,8 +45,10 @@ ROWS = (
 
 
 def preset_names(root: str = "configs") -> list[str]:
+  """The 152M / 369M model presets (a study config of that size, which runs many, is not one)."""
   names = [os.path.basename(p)[:-3] for p in glob.glob(os.path.join(root, "*_152m.py"))
            + glob.glob(os.path.join(root, "*_369m.py"))]
+  names = [n for n in names if "study" not in importlib.import_module(f"configs.{n}").get_config()]
   return sorted(names, key=lambda n: (n.split("_")[-1], n))
 
 
@@ -68,7 +70,7 @@ def measure(name: str, row: Row) -> dict:
           "fits": bool(r.fit.fits), "fit_micro": fit[0] if fit else None,
           "fit_accum": fit[1] if fit else None, "usable_gib": r.fit.available / memory.GiB,
           "kernels": p.kernels, "collectives": p.collectives, "tt": p.tt_buffers[:2],
-          "compile_s": p.compile_s, "params": r.n_params}
+          "compile_s": p.compile_s, "params": r.n_params, "options": p.options}
 
 
 def _key(name: str, row: Row) -> str:
@@ -104,6 +106,7 @@ def _cell(d: dict) -> list[str]:
                                  if d["fit_micro"] else "no")
   coll = ", ".join(f"{n} x{c}" for n, c in d["collectives"].items()) or "none"
   tt = "; [T, T]: " + ", ".join(d["tt"]) if d["tt"] else ""
+  tt += " (Triton GEMM fusions off: no tiling found without autotuning)" if d.get("options") else ""
   return [f"{d['gib']:.1f}", f"{d['usable_gib']:.1f}", fit, _kernels(d) + tt, coll,
           f"{d['compile_s']:.0f}"]
 

@@ -321,12 +321,13 @@ class LossMonitor:
     self.last_finite_step = state.get("last_finite_step")
 
 
-def compile_step(setup: Setup, batch: dict):
+def compile_step(setup: Setup, batch: dict, compiler_options: dict | None = None):
   """The train step compiled for `batch` (arrays or ShapeDtypeStructs) as the trainer compiles
   it: traced inside the mesh's logical-axis rules, so the model's activation constraints
-  apply. Benchmarks and memory reports use this, not a bare `step_fn.lower`."""
+  apply. Benchmarks and memory reports use this, not a bare `step_fn.lower`.
+  `compiler_options`: XLA options for this compile only (train/aot.py's fallback)."""
   with shd.use_rules(setup.mesh, setup.rules):
-    return setup.step_fn.lower(setup.abstract_state, batch).compile()
+    return setup.step_fn.lower(setup.abstract_state, batch).compile(compiler_options)
 
 
 def abstract_batch(setup: Setup, accum: int, micro_batch: int, seq_len: int) -> dict:
@@ -337,11 +338,12 @@ def abstract_batch(setup: Setup, accum: int, micro_batch: int, seq_len: int) -> 
           for k in setup.batch_keys}
 
 
-def step_memory(setup: Setup, micro_batch: int, accum: int, seq_len: int):
+def step_memory(setup: Setup, micro_batch: int, accum: int, seq_len: int,
+                compiler_options: dict | None = None):
   """Compiled memory analysis of the train step for `accum` micro-batches of `micro_batch`
   rows (abstract shapes: nothing runs, nothing is allocated)."""
-  return compile_step(setup, abstract_batch(setup, accum, micro_batch, seq_len)
-                      ).memory_analysis()
+  return compile_step(setup, abstract_batch(setup, accum, micro_batch, seq_len),
+                      compiler_options).memory_analysis()
 
 
 @dataclasses.dataclass(frozen=True)
