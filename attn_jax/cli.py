@@ -31,8 +31,9 @@ while orbax's background threads log that same failure three or four times with 
 (a full disk: ~400 lines before the one that says so). Likewise tensorstore reporting the end
 of a read into an orbax event loop that has already closed (a restore that stopped part-way)
 goes through `sys.unraisablehook` as "RuntimeError: Event loop is closed" tracebacks, and the
-read coroutines of such a restore report their error again when they are collected: those are
-dropped, every other unraisable exception is shown as before.
+read coroutines of such a restore report their error again when they are collected, and
+asyncio logs the tasks around its tensorstore reads as "Task exception was never retrieved":
+those are dropped, every other unraisable exception and asyncio report is shown as before.
 """
 
 from __future__ import annotations
@@ -113,10 +114,19 @@ class QuietLibraries(logging.Filter):
   the project's records and every other warning pass."""
 
   def filter(self, record: logging.LogRecord) -> bool:
+    if _tensorstore_task_report(record):
+      return False
     path = record.pathname.replace(os.sep, "/")
     if "/orbax/" in path:
       return record.levelno >= logging.CRITICAL
     return record.levelno >= logging.WARNING or not any(n in path for n in _LIBRARIES)
+
+
+def _tensorstore_task_report(record: logging.LogRecord) -> bool:
+  """asyncio's report of a collected task whose tensorstore read failed (a restore that stopped
+  part-way; the project has reported that failure, naming the step)."""
+  e = record.exc_info[1] if record.exc_info else None
+  return record.name == "asyncio" and e is not None and "tensorstore_spec" in str(e)
 
 
 def _orbax_leftover(unraisable) -> bool:

@@ -368,6 +368,24 @@ def test_a_bug_keeps_its_traceback(monkeypatch):
   assert cli.exit_status(e.value) is None
 
 
+def test_quiet_filter_drops_asyncio_reports_of_failed_tensorstore_reads_only():
+  """A restore that stopped part-way leaves tasks whose tensorstore read failed; asyncio logs
+  them when collected. Those go; any other asyncio report, or a tensorstore error logged by
+  another logger, stays."""
+  from attn_jax import cli
+
+  def record(name, error):
+    return logging.LogRecord(name, logging.ERROR, "/x/asyncio/base_events.py", 1,
+                             "Task exception was never retrieved", None,
+                             (type(error), error, None))
+
+  read = ValueError('OUT_OF_RANGE: Error reading "rng/.zarray" [tensorstore_spec=\'{}\']')
+  quiet = cli.QuietLibraries()
+  assert not quiet.filter(record("asyncio", read))
+  assert quiet.filter(record("asyncio", ValueError("a user coroutine failed")))
+  assert quiet.filter(record("attn_jax", read))
+
+
 def test_missing_config_file_with_overrides_names_the_file(capsys):
   from attn_jax import config_flags
   parse = config_flags.flags_parser("config", "configs/quickstart.py")

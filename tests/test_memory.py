@@ -78,6 +78,31 @@ def test_pick_micro_batch_raises_with_message_when_nothing_fits():
     memory.pick_micro_batch(step_memory, 10, available=100 * GiB, multiple_of=4)
 
 
+TPU_REFUSAL = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+               "temporaries (26.99G) exceeds available HBM (15.75G).\nmore detail")
+
+
+def test_a_compiler_refusal_for_memory_is_a_step_that_does_not_fit():
+  """XLA for TPU refuses a program larger than HBM while compiling: the fit check and the
+  micro-batch search read that as 'does not fit' (with the bytes it names), not as a crash."""
+  r = memory.refusal(RuntimeError(TPU_REFUSAL))
+  assert r.temp_size_in_bytes == int(26.99 * GiB) and r.reason.endswith("(15.75G).")
+  assert memory.refusal(RuntimeError("RESOURCE_EXHAUSTED: out of host memory")) is None
+  fit = memory.check_fit(r, available=100 * GiB, source="v5e")   # never fits, whatever is free
+  assert not fit.fits and "refused the train step for memory: more than 26.99 GiB" in fit.message
+
+  def analyze(m):   # the compiler refuses every micro-batch above 8 (step_memory's 10 GiB)
+    def compile_fn():
+      if m > 8:
+        raise RuntimeError(TPU_REFUSAL)
+      return type("Compiled", (), {"memory_analysis": lambda self: step_memory(m)})()
+    return memory.analysis_or_refusal(compile_fn)
+
+  assert memory.pick_micro_batch(analyze, 64, available=100 * GiB) == (8, 8)
+  with pytest.raises(ValueError, match="a bug"):
+    memory.analysis_or_refusal(lambda: (_ for _ in ()).throw(ValueError("a bug")))
+
+
 def test_real_compiled_analysis_and_cpu_available(tmp_path):
   """A real compiled program's analysis goes through; on CPU availability is MemAvailable."""
   mem = jax.jit(lambda x: jnp.sin(x) @ x).lower(jnp.ones((64, 64))).compile().memory_analysis()

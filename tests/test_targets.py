@@ -30,7 +30,7 @@ from attn_jax import platform, targets
 from attn_jax import sharding as shd
 from attn_jax.attention import core
 from attn_jax.registry import available_mixers
-from attn_jax.train import aot
+from attn_jax.train import aot, memory
 from configs import quickstart
 from tests.test_trunk import set_tiny
 
@@ -186,6 +186,25 @@ def test_transformer_train_step_calls_cudnn_on_h100():
   assert train.tt_buffers == [] and r.fit.fits
 
 
+@pytest.mark.slow
+@pytest.mark.ci_extra
+def test_a_step_the_tpu_compiler_refuses_for_memory_gets_a_micro_batch_that_fits():
+  """XLA for TPU refuses a program larger than HBM while compiling (RESOURCE_EXHAUSTED): the
+  report says so with the bytes it names and the search finds the largest micro-batch that
+  compiles and fits (what train.auto_microbatch does on a real chip). 2048 rows x 2048 tokens
+  of a 32768-word vocabulary need ~18 GiB of temporaries per v5e chip; 1024 rows fit."""
+  _need(TPU)
+  c = tiny_config(("attention",), MESHES["data_fsdp"], seq_len=2048)
+  c.model.vocab_size = 32768
+  c.data.global_batch_size = 2048
+  r = aot.compile_for_target(c, TPU, programs=("train",))
+  (train,) = r.programs
+  assert isinstance(train.memory, memory.Refused) and train.needed > 15.75 * memory.GiB
+  assert not r.fit.fits and r.fitting_batch == (1024, 2)
+  text = aot.format_report(r)
+  assert "refused by the compiler for memory" in text and "fits at micro-batch 1024" in text
+
+
 def _matrix():
   out = []
   for name, pattern in PATTERNS.items():
@@ -235,6 +254,9 @@ def test_hardware_page_resumes_and_renders(tmp_path, monkeypatch):
   assert "| broken_152m | error |" in text and "not measured" not in text
   assert "not measured yet" in hp.page({}, names, rows)
   assert "a_152m" in hp.page(done, names, rows).split("## v5e-8")[1]
+  refused = dict(fake("a_152m", rows[1]), gib=27.0, refused=True, kernels={}, collectives={})
+  assert hp._cell(refused)[:4] == ["> 27.0", "15.8", "at micro-batch 16 x 2",
+                                   "unknown: the compiler refused the step for memory"]
 
 
 def test_presets_are_the_152m_and_369m_configs():

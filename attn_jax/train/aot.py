@@ -19,7 +19,9 @@ program text: an op inside a loop body (the scan over layers, the micro-batch lo
 not once per iteration. The train step's fit is judged against the target's usable memory
 (`Target.usable_bytes`) with `memory.check_fit`'s headroom; when it does not fit, the largest
 micro-batch that does (`memory.pick_micro_batch`, what `train.auto_microbatch` would pick) is
-searched for and named.
+searched for and named. A program the compiler refuses for memory (XLA for TPU checks HBM
+while compiling) is reported as refused, with the bytes the compiler named
+(`memory.Refused`), and counts as not fitting.
 """
 
 from __future__ import annotations
@@ -109,17 +111,28 @@ GPU_TILING_FAILURE = "Couldn't find output tile sizes"
 NO_TRITON_GEMM = {"xla_gpu_enable_triton_gemm": False}
 
 
-def _program(name: str, shape: str, compile: Callable[[dict | None], Any], T: int) -> Program:
-  """`compile(options)` once, or again with NO_TRITON_GEMM after a GPU tiling failure."""
-  t0 = time.perf_counter()
-  options = {}
+def _compile_with_fallback(compile: Callable[[dict | None], Any]) -> tuple[Any, dict]:
+  """(`compile(None)`, {}), or (`compile(NO_TRITON_GEMM)`, its options) after a GPU tiling
+  failure."""
   try:
-    compiled = compile(None)
+    return compile(None), {}
   except jax.errors.JaxRuntimeError as e:
     if GPU_TILING_FAILURE not in str(e):
       raise
-    options = dict(NO_TRITON_GEMM)
-    compiled = compile(options)
+    return compile(dict(NO_TRITON_GEMM)), dict(NO_TRITON_GEMM)
+
+
+def _program(name: str, shape: str, compile: Callable[[dict | None], Any], T: int) -> Program:
+  """The compiled program's report (`_compile_with_fallback`); a refusal for memory gives a
+  Program whose memory is the `memory.Refused` analysis and whose contents are unknown."""
+  t0 = time.perf_counter()
+  try:
+    compiled, options = _compile_with_fallback(compile)
+  except jax.errors.JaxRuntimeError as e:
+    refused = memory.refusal(e)
+    if refused is None:
+      raise
+    return Program(name, shape, time.perf_counter() - t0, refused, {}, {}, [])
   dt = time.perf_counter() - t0
   text = compiled.as_text()
   return Program(name, shape, dt, compiled.memory_analysis(), kernels_in(text),
@@ -251,6 +264,10 @@ def format_report(r: Report) -> str:
            f"{r.n_params:,} parameters; nothing was run."]
   for p in r.programs:
     m = p.memory
+    if isinstance(m, memory.Refused):
+      lines.append(f"  {p.name:8s} {p.shape}: refused by the compiler for memory, more than "
+                   f"{_gib(p.needed)} per device ({m.reason}); after {p.compile_s:.1f} s")
+      continue
     lines.append(
         f"  {p.name:8s} {p.shape}: {_gib(p.needed)} per device (arguments "
         f"{_gib(m.argument_size_in_bytes)}, outputs {_gib(m.output_size_in_bytes)}, donated "

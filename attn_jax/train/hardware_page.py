@@ -66,7 +66,8 @@ def measure(name: str, row: Row) -> dict:
     return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
   (p,) = r.programs
   fit = r.fitting_batch
-  return {"gib": p.needed / memory.GiB, "temp_gib": p.memory.temp_size_in_bytes / memory.GiB,
+  return {"gib": p.needed / memory.GiB, "refused": isinstance(p.memory, memory.Refused),
+          "temp_gib": p.memory.temp_size_in_bytes / memory.GiB,
           "fits": bool(r.fit.fits), "fit_micro": fit[0] if fit else None,
           "fit_accum": fit[1] if fit else None, "usable_gib": r.fit.available / memory.GiB,
           "kernels": p.kernels, "collectives": p.collectives, "tt": p.tt_buffers[:2],
@@ -107,6 +108,9 @@ def _cell(d: dict) -> list[str]:
   coll = ", ".join(f"{n} x{c}" for n, c in d["collectives"].items()) or "none"
   tt = "; [T, T]: " + ", ".join(d["tt"]) if d["tt"] else ""
   tt += " (Triton GEMM fusions off: no tiling found without autotuning)" if d.get("options") else ""
+  if d.get("refused"):
+    return [f"> {d['gib']:.1f}", f"{d['usable_gib']:.1f}", fit,
+            "unknown: the compiler refused the step for memory", "", f"{d['compile_s']:.0f}"]
   return [f"{d['gib']:.1f}", f"{d['usable_gib']:.1f}", fit, _kernels(d) + tt, coll,
           f"{d['compile_s']:.0f}"]
 

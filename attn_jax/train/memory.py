@@ -12,6 +12,13 @@ the machine's `MemAvailable` from /proc/meminfo (RAM not in use now, page cache 
 A step fits when needed <= `headroom` x available (default 0.95: fragmentation, buffers
 outside the step such as the prefetched batches).
 
+A compiler may refuse a program for memory before any analysis exists: XLA for TPU checks the
+program against the chip's HBM while compiling and raises RESOURCE_EXHAUSTED ("Ran out of
+memory on HBM, the total memory required for HLO temporaries (26.99G) exceeds available HBM
+(15.75G)"). `analysis_or_refusal` turns that error into a `Refused` analysis holding the bytes it
+names (a lower bound of the need) so that a fit check or the micro-batch search goes on: a
+refused step never fits.
+
 Knobs named in the message (config fields): `data.global_batch_size` is the micro-batch (the
 sequences of one forward/backward, summed over hosts), `train.grad_accum` the number of
 micro-batches per optimizer step (tokens per update = micro-batch x accumulation x seq_len),
@@ -24,6 +31,7 @@ accumulation raised to keep the same global batch.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any, Callable
 
 import jax
@@ -36,6 +44,51 @@ def needed_bytes(mem: Any) -> int:
   total = (mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
            + mem.temp_size_in_bytes + mem.generated_code_size_in_bytes)
   return int(max(total, getattr(mem, "peak_memory_in_bytes", 0) or 0))
+
+
+@dataclasses.dataclass(frozen=True)
+class Refused:
+  """Stands in for `memory_analysis()` of a program the compiler refused for memory (module
+  docstring): `temp_size_in_bytes` is what the error names, `reason` its first line."""
+  temp_size_in_bytes: int
+  reason: str
+  argument_size_in_bytes: int = 0
+  output_size_in_bytes: int = 0
+  alias_size_in_bytes: int = 0
+  generated_code_size_in_bytes: int = 0
+
+
+_REFUSAL_RE = re.compile(r"RESOURCE_EXHAUSTED: Ran out of memory")
+_NAMED_BYTES_RE = re.compile(r"(?:HLO temporaries \(|Used )([\d.]+)([KMGT]?)")
+_UNIT = {"": 1, "K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
+
+
+def refusal(error: BaseException) -> Refused | None:
+  """The `Refused` analysis of a compiler's out-of-memory error; None for any other error."""
+  text = str(error)
+  if not _REFUSAL_RE.search(text):
+    return None
+  m = _NAMED_BYTES_RE.search(text)
+  named = int(float(m.group(1)) * _UNIT[m.group(2)]) if m else 0
+  first = text[_REFUSAL_RE.search(text).start():].splitlines()[0]
+  return Refused(named, first[:300])
+
+
+def analysis_or_refusal(compile_fn: Callable[[], Any]) -> Any:
+  """`compile_fn().memory_analysis()`, or the `Refused` analysis when the compiler refuses the
+  program for memory (other errors propagate)."""
+  try:
+    return compile_fn().memory_analysis()
+  except Exception as e:   # noqa: BLE001 - only a refusal for memory is absorbed
+    refused = refusal(e)
+    if refused is None:
+      raise
+    return refused
+
+
+def fits_in(mem: Any, available: int, headroom: float = 0.95) -> bool:
+  """needed <= headroom x available, and never for a refused program."""
+  return not isinstance(mem, Refused) and needed_bytes(mem) <= headroom * available
 
 
 def _meminfo_available(path: str = "/proc/meminfo") -> int:
@@ -78,8 +131,10 @@ def fit_message(mem: Any, available: int, source: str, *, micro_batch: int | Non
                 headroom: float = 0.95) -> str:
   """One paragraph: needed vs available memory, the breakdown, and the knobs to turn."""
   need = needed_bytes(mem)
-  ok = need <= headroom * available
-  head = (f"The compiled train step needs {_gib(need)} per device (arguments "
+  ok = fits_in(mem, available, headroom)
+  head = (f"The compiler refused the train step for memory: more than {_gib(need)} per device "
+          f"({mem.reason}); available: {_gib(available)} ({source}, {headroom:.0%} usable)"
+          if isinstance(mem, Refused) else f"The compiled train step needs {_gib(need)} per device (arguments "
           f"{_gib(mem.argument_size_in_bytes)} + outputs {_gib(mem.output_size_in_bytes)} - "
           f"donated {_gib(mem.alias_size_in_bytes)} + temporaries {_gib(mem.temp_size_in_bytes)}"
           f" + code {_gib(mem.generated_code_size_in_bytes)}); available: {_gib(available)} "
@@ -107,7 +162,7 @@ def check_fit(mem: Any, *, device=None, available: int | None = None, source: st
   if available is None:
     available, source = available_bytes(device)
   need = needed_bytes(mem)
-  return Fit(need <= headroom * available, need, available, source,
+  return Fit(fits_in(mem, available, headroom), need, available, source,
              fit_message(mem, available, source, headroom=headroom, **knobs))
 
 
@@ -135,7 +190,7 @@ def pick_micro_batch(analyze: Callable[[int], Any], global_batch: int, *,
 
   def fits(m):
     if m not in cache:
-      cache[m] = needed_bytes(analyze(m)) <= headroom * available
+      cache[m] = fits_in(analyze(m), available, headroom)
     return cache[m]
 
   lo, hi = 0, len(cands) - 1  # cands descending: find the first index that fits

@@ -81,6 +81,7 @@ from attn_jax.train.wandb_writer import add_wandb, check_installed
 from attn_jax.train.workdir import TB_LOCK, lock_tensorboard, lock_workdir
 from attn_jax.train.writers import WriteError
 from attn_jax.train import init_from
+from attn_jax.train import memory
 from attn_jax.train.optim import make_optimizer
 from attn_jax.train.step import make_eval_step, make_train_step
 
@@ -341,9 +342,10 @@ def abstract_batch(setup: Setup, accum: int, micro_batch: int, seq_len: int) -> 
 def step_memory(setup: Setup, micro_batch: int, accum: int, seq_len: int,
                 compiler_options: dict | None = None):
   """Compiled memory analysis of the train step for `accum` micro-batches of `micro_batch`
-  rows (abstract shapes: nothing runs, nothing is allocated)."""
-  return compile_step(setup, abstract_batch(setup, accum, micro_batch, seq_len),
-                      compiler_options).memory_analysis()
+  rows (abstract shapes: nothing runs, nothing is allocated); a `memory.Refused` one when the
+  compiler refuses the step for memory (TPU)."""
+  batch = abstract_batch(setup, accum, micro_batch, seq_len)
+  return memory.analysis_or_refusal(lambda: compile_step(setup, batch, compiler_options))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -391,7 +393,6 @@ def _fit_memory(setup: Setup, config: ml_collections.ConfigDict) -> BatchGeometr
   through `train.grad_accum`), logged; else stop with a MemoryError whose one paragraph names
   the needed and available memory and the knobs. `train.device_memory_gb` (> 0) overrides the
   detected memory (e.g. to size a run for another device)."""
-  from attn_jax.train import memory
   t, geo = config.train, BatchGeometry.of(config)
   avail = int(t.get("device_memory_gb", 0.0) * 2**30) or None
   mem = step_memory(setup, geo.micro, geo.accum, geo.seq_len)
