@@ -21,6 +21,7 @@ import time
 
 import pytest
 
+from attn_jax.train import checkpoint as ckpt_lib
 from attn_jax.train import trainer as trainer_lib
 from attn_jax.train import writers as writers_lib
 from attn_jax.train.checkpoint import Checkpointer, CheckpointSaveError
@@ -123,6 +124,22 @@ def _fill(folder, leave_kib):
     f.write(b"\0" * max(0, free - leave_kib * 1024))
 
 
+def _fill_once_saved(checkpoints, step, leave_kib):
+  """A thread that fills the checkpoints/ disk once `step` is saved whole (its manifest is
+  written): the next save runs out of room, whatever a save needs while it is written."""
+  manifest = checkpoints / str(step) / ckpt_lib.MANIFEST
+
+  def watch():
+    deadline = time.monotonic() + 200
+    while not manifest.exists() and time.monotonic() < deadline:
+      time.sleep(0.005)
+    _fill(checkpoints, leave_kib)
+
+  t = threading.Thread(target=watch, daemon=True)
+  t.start()
+  return t
+
+
 @pytest.fixture
 def disks(tmp_path):
   """Mounts tmpfs disks on demand: `disks(folder, size)`; all unmounted at the end."""
@@ -149,13 +166,17 @@ def test_a_real_disk_that_fills_stops_the_run(place, tmp_path, disks):
   """The run folder, its tb/ and its checkpoints/ are three tmpfs disks; the place's one fills
   during the run, the others have room: tb/ of 12 KiB (its lock takes a page, the events ~550
   bytes a row), the run folder filled to 12 KiB free (metrics.jsonl beside the lock), a
-  checkpoints/ of 1 MB (~0.4 MB a step)."""
+  checkpoints/ filled to 64 KiB free once step 2 is saved (a step keeps ~0.4 MB, but what a save
+  needs while it is written varies: a fixed small disk sometimes failed the first save and
+  sometimes never filled)."""
   run = tmp_path / "run"
   disks(run, "16m")
-  disks(run / "checkpoints", "1m" if place == "checkpoint" else "16m")
+  disks(run / "checkpoints", "16m")
   disks(run / "tb", "12k" if place == "TensorBoard" else "16m")
   if place == "metrics.jsonl":
     _fill(run, leave_kib=12)
+  if place == "checkpoint":
+    _fill_once_saved(run / "checkpoints", 2, leave_kib=64)
   e, seconds = _run_until_it_stops(run_config(steps=40), run)
   msg = str(e)
   mount = run / {"TensorBoard": "tb", "metrics.jsonl": "", "checkpoint": "checkpoints"}[place]
