@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from attn_jax import platform
+from attn_jax.attention import cache as cache_lib
 from attn_jax.config import check_seq_len
 from attn_jax.model import mixer_limits
 
@@ -89,7 +90,11 @@ def prefill(model, prompt_BT: jax.Array, lengths_B: jax.Array | None = None, *,
 
   # The first chunk, then the other whole chunks in one `lax.scan` (traced once, so compile
   # time does not grow with the prompt: a ring of window 2 takes T / 2 calls), then the rest.
-  carry = run((model.init_state(B, capacity, policy), None), 0, prompt_BT[:, :chunk])
+  # the first call into states known empty (`KVCache.fresh`: a mixer may take its full
+  # forward's kernel), the state then unmarked so every later call has the same structure
+  fresh = cache_lib.as_fresh(model.init_state(B, capacity, policy))
+  state, last_BD = run((fresh, None), 0, prompt_BT[:, :chunk])
+  carry = (cache_lib.as_fresh(state, False), last_BD)
   n_full = T // chunk
   if n_full > 1:
     chunks = prompt_BT[:, chunk:n_full * chunk].reshape(B, n_full - 1, chunk).swapaxes(0, 1)

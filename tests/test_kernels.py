@@ -454,3 +454,36 @@ def test_sharded_over_batch_and_heads_equals_one_device():
   _close(out_s, out, what="sharded forward")
   for i, (a, b) in enumerate(zip(grads_s, grads)):
     _close(a, b, what=f"sharded grad {i}")
+
+
+# ---------------------------------------------------------------- prefill through the kernel
+
+def _prefill(model, tokens, lengths, capacity):
+  from attn_jax import decode
+  return decode.prefill(model, tokens, lengths, capacity=capacity)
+
+
+@pytest.mark.parametrize("pattern", [("sisa",), ("fox", "alibi:nomlp")])
+def test_prefill_takes_the_kernel_and_leaves_the_same_state(pattern):
+  """A prompt's first call into empty dense caches (`KVCache.fresh`) computes its outputs with
+  the full forward's kernel: no [T, T] scores. Ragged prompts (one padded row) give the cached
+  path's last-token logits and the same state, and the next decode step agrees."""
+  from attn_jax import decode
+  from tests.test_trunk import _cfg, _model, _tokens
+  model = _model(_cfg(pattern, n_layers=len(pattern)), seed=3)
+  tokens, lengths = _tokens(4, (2, 40)), jnp.asarray([40, 23], jnp.int32)
+  jaxpr = lambda: str(jax.make_jaxpr(lambda t, n: _prefill(model, t, n, 48))(tokens, lengths))
+  assert "pallas_call" not in jaxpr()
+  with K.on_cpu():
+    assert "pallas_call" in jaxpr()
+    last_k, state_k = _prefill(model, tokens, lengths, 48)
+  last_c, state_c = _prefill(model, tokens, lengths, 48)
+  _close(last_k, last_c, what="last-token logits")
+  flat_c = dict(jax.tree_util.tree_leaves_with_path(state_c))
+  for path, leaf in jax.tree_util.tree_leaves_with_path(state_k):
+    if jnp.issubdtype(leaf.dtype, jnp.floating):
+      _close(leaf, flat_c[path], what=f"state {jax.tree_util.keystr(path)}")
+    else:
+      np.testing.assert_array_equal(leaf, flat_c[path])
+  step = lambda s: decode.decode_step(model, tokens[:, 5], lengths, s)[0]
+  _close(step(state_k), step(state_c), what="next step's logits")

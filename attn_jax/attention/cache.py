@@ -170,6 +170,10 @@ class KVCache:
   kx: Any = None          # [B, K, S, E] extra key channels scored beside q.k (`Widening`),
                           # head-major like k, written with the keys, never rotated
   policy: CachePolicy = struct.field(pytree_node=False, default=LINEAR)
+  # Known empty at trace time (`as_fresh`: a prefill's first call): the new tokens attend to
+  # themselves alone, with no run-time test of `pos`, and a mixer may compute them as its full
+  # forward does (e.g. a fused kernel). Every write clears it.
+  fresh: bool = struct.field(pytree_node=False, default=False)
 
   def write(self, k_BTKD, v_BTKD, positions_BT, extra=None, kx_BTKE=None) -> "KVCache":
     """Write the valid new tokens (position >= 0) after each row's pointer, in order (padding
@@ -191,7 +195,14 @@ class KVCache:
         k=put_kv(self.k, k_BTKD), v=put_kv(self.v, v_BTKD), pos=put(self.pos, positions_BT),
         ptr=self.ptr + jnp.sum(valid_BT, axis=1, dtype=jnp.int32),
         extra=self.extra if extra is None else jax.tree.map(put, self.extra, extra),
-        kx=self.kx if kx_BTKE is None else put_kv(self.kx, kx_BTKE))
+        kx=self.kx if kx_BTKE is None else put_kv(self.kx, kx_BTKE), fresh=False)
+
+
+def as_fresh(state: Any, fresh: bool = True) -> Any:
+  """`state` with every KVCache in it marked (un)known-empty (`KVCache.fresh`). Only for a
+  state made by `init_state` and not yet written (decode.prefill's first call)."""
+  mark = lambda x: x.replace(fresh=fresh) if isinstance(x, KVCache) else x
+  return jax.tree.map(mark, state, is_leaf=lambda x: isinstance(x, KVCache))
 
 
 def init_cache(policy: CachePolicy, batch: int, capacity: int, n_kv: int, dk: int, dv: int, dtype,
@@ -287,11 +298,14 @@ def attend_cache(cache: KVCache, q_BTHD, k_BTKD, v_BTKV, positions_BT, *, scale:
   only its own T keys: every cached column would be masked, so dropping them changes no
   probability and saves the [T, S] products (a prefill into a cache of 8K slots would
   otherwise score 8K empty keys per query). A `lax.cond` on the cache's `pos` picks the path
-  at run time, so the state's structure does not change."""
+  at run time, so the state's structure does not change; a cache known empty at trace time
+  (`KVCache.fresh`) compiles the new-tokens path alone."""
   spans = [w for w in (cache.policy.window, window) if w is not None]
   span = min(spans) if spans else None
   run = lambda cached: lambda: _attend(cache, q_BTHD, k_BTKD, v_BTKV, positions_BT, scale,
                                        q_sink_BTHD, widen, bias, sink_logit_H, span, cached)
+  if cache.fresh:
+    return run(False)()
   if q_BTHD.shape[1] == 1:
     return run(True)()
   return jax.lax.cond(jnp.all(cache.pos < 0), run(False), run(True))
@@ -334,12 +348,14 @@ def _attend(cache, q_BTHD, k_BTKD, v_BTKV, positions_BT, scale, q_sink_BTHD, wid
 
 def cached_attention(cache: KVCache, q_BTHD, k_BTKD, v_BTKV, positions_BT, *, theta: float,
                      scale: float, sink_logit_H=None, widen: Widening | None = None,
-                     extra_new=None, kx_new=None, window: int | None = None):
+                     extra_new=None, kx_new=None, window: int | None = None, fresh_out=None):
   """New tokens (q, k before RoPE) attend to [cache ; themselves] under the cache's policy
   (`attend_cache`, RoPE as the module docstring says), and are written. -> (out [B, T, H, Dv],
   new cache). `window`: a mixer's own sliding window (a mask on stream positions, with the
   policy's); `extra_new` / `kx_new`: the new tokens' per-key data and extra key channels
-  ([B, T, K, E]). The cache is read before the new tokens
+  ([B, T, K, E]); `fresh_out(q, k)`: the output of the new tokens alone from their rotated
+  q, k (the mixer's full forward), used instead of `attend_cache` for a fresh `Linear` cache
+  (`KVCache.fresh`: nothing cached, stream positions). The cache is read before the new tokens
   are written (a ring's writes may evict keys the chunk's earlier queries see); compiled with
   `decode.state_compiler_options`, the write then happens in place."""
   pol = cache.policy
@@ -349,9 +365,12 @@ def cached_attention(cache: KVCache, q_BTHD, k_BTKD, v_BTKV, positions_BT, *, th
     base = cache.base
   rel = positions_BT - base[:, None]
   q, k_new = rope(q_BTHD, rel, theta), rope(k_BTKD, rel, theta)
-  out = attend_cache(cache, q, k_new, v_BTKV, positions_BT, scale=scale,
-                     q_sink_BTHD=rope(q_BTHD, m, theta) if pol.sinks else None, widen=widen,
-                     sink_logit_H=sink_logit_H, window=window)
+  if fresh_out is not None and cache.fresh and not pol.bounded and window is None:
+    out = fresh_out(q, k_new)
+  else:
+    out = attend_cache(cache, q, k_new, v_BTKV, positions_BT, scale=scale,
+                       q_sink_BTHD=rope(q_BTHD, m, theta) if pol.sinks else None,
+                       widen=widen, sink_logit_H=sink_logit_H, window=window)
   written = cache.write(_stored_keys(cache, k_BTKD, k_new, positions_BT, theta), v_BTKV,
                         positions_BT, extra_new, kx_new)
   return out, written

@@ -458,21 +458,35 @@ class ScoreBiasAttention(cache_lib.CachedMixer):
     cumulative log f); then every s_j moves by the new tokens' decay and the new keys join
     with s_j = ell_j - ell_last. Both differences of ell come from its double-word cumulative
     sum (`_cumsum2`), so a long prefill under strong forgetting rounds each pair's decay at
-    its own size, as the training paths do (module docstring)."""
-    cfg, T = self.cfg, q.shape[1]
+    its own size, as the training paths do (module docstring). A prefill's first call into a
+    dense cache (`kv.fresh`, `Linear`) on GPU / TPU takes the full forward's kernel for its
+    outputs (no [T, T] bias), then writes the same keys."""
+    cfg = self.cfg
     hi, lo = _cumsum2(loga)        # ell as a double word: differences rounded at their size
     ell = hi + lo                                                      # [B, T, H]
-    rel = jnp.where((kv.pos >= 0)[..., None], -kv.extra, 0.0)          # g_last - g_j
-    rel = rel.transpose(0, 2, 1)[:, :, None, :]                        # [B, H, 1, S]
-    causal = jnp.arange(T)[:, None] >= jnp.arange(T)[None, :]
-    new = jnp.where(causal, _pair_decay2((hi, lo), (hi, lo)), 0.0)      # [B, H, T, T]
-    bias = jnp.concatenate([ell.transpose(0, 2, 1)[..., None] + rel, new], axis=-1)
-    out = cache_lib.attend_cache(kv, q, k, v, positions_BT, scale=cfg.head_dim ** -0.5,
-                                 bias=bias, sink_logit_H=sink)
+    if kv.fresh and not kv.policy.bounded and decayed.use_kernel(
+        cfg.attention_impl, q.shape, k.shape, v.shape, what=f"{type(self).__name__} prefill"):
+      out = decayed.decayed_attention(q, k, v, scale=cfg.head_dim ** -0.5, g_BTH=hi,
+                                      g_lo_BTH=lo, fox=True, positions_BT=positions_BT,
+                                      sink_logit_H=sink)
+    else:
+      out = self._attend_cache(q, k, v, (hi, lo), positions_BT, kv, sink)
     last = ell[:, -1]                       # padding (log f = 0) keeps the last valid g
     shifted = kv.replace(extra=kv.extra - last[:, None].astype(kv.extra.dtype))
     own = (hi - hi[:, -1:]) + (lo - lo[:, -1:])                        # ell_j - ell_last
     return out, shifted.write(k, v, positions_BT, own)
+
+  def _attend_cache(self, q, k, v, ell2, positions_BT, kv: cache_lib.KVCache, sink):
+    """`attend_cache` with the decay bias: ell_i - s_j on cached keys, ell_i - ell_j (from the
+    double word `ell2`) among the new ones."""
+    T, (hi, lo) = q.shape[1], ell2
+    rel = jnp.where((kv.pos >= 0)[..., None], -kv.extra, 0.0)          # g_last - g_j
+    rel = rel.transpose(0, 2, 1)[:, :, None, :]                        # [B, H, 1, S]
+    causal = jnp.arange(T)[:, None] >= jnp.arange(T)[None, :]
+    new = jnp.where(causal, _pair_decay2((hi, lo), (hi, lo)), 0.0)      # [B, H, T, T]
+    bias = jnp.concatenate([(hi + lo).transpose(0, 2, 1)[..., None] + rel, new], axis=-1)
+    return cache_lib.attend_cache(kv, q, k, v, positions_BT, scale=self.cfg.head_dim ** -0.5,
+                                  bias=bias, sink_logit_H=sink)
 
   def attention_probs(self, x_BTD):
     """[B, H, T, T + 1] attention map of a full forward from the explicit reference's scores

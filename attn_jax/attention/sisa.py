@@ -495,13 +495,14 @@ class SISA(cache_lib.CachedMixer):
     out = jax.lax.cond(use_fast, fast, chunked, ops)
     return out, 1.0 - use_fast.astype(jnp.float32)
 
-  def _kernel(self, ops: SISAOperands):
+  def _kernel(self, ops: SISAOperands, positions_BT=None):
     """The kernel's score q.k / sqrt(d_h) + e^{g_i - g_j} (lambda R C_i).(R B_j): lambda on the
     query factor, so its gradient comes from the factor's."""
     c = ops.lam.astype(ops.rc.dtype)[:, None] * ops.rc
     return decayed.decayed_attention(ops.q, ops.k, ops.v, scale=self.cfg.head_dim ** -0.5,
                                      g_BTH=ops.g, c_BTHS=c, b_BTHS=ops.rb,
-                                     segment_ids_BT=ops.seg, sink_logit_H=ops.sink)
+                                     positions_BT=positions_BT, segment_ids_BT=ops.seg,
+                                     sink_logit_H=ops.sink)
 
   def _core_impl(self, ops: SISAOperands) -> str:
     """The attention core a call of the widened Q/K (d_h + d_s channels) runs on."""
@@ -602,10 +603,15 @@ class SISA(cache_lib.CachedMixer):
     e^{ell_i - ell_j} keep full precision however long the stream. Only the q.k part's RoPE
     positions depend on the policy (a ring re-assigns them); a cached key keeps its g_j and
     R(Phi_j) B_j, so a sink still sees the true decay accumulated over every token since.
-    `ops.g` is ell."""
+    `ops.g` is ell. A prefill's first call (`kv.fresh`) on GPU / TPU computes its outputs
+    with the full forward's kernel (`_kernel`: no [T, T] scores), then writes the same keys."""
     cfg = self.cfg
     q, k, v, rc, rb, ell = ops.q, ops.k, ops.v, ops.rc, ops.rb, ops.g
     T = q.shape[1]
+    fresh_out = None
+    if kv.fresh and decayed.use_kernel(cfg.attention_impl, q.shape, k.shape, v.shape,
+                                       what="sisa prefill"):
+      fresh_out = lambda q_rot, k_rot: self._kernel(ops._replace(q=q_rot, k=k_rot), positions_BT)
     kf = jnp.exp(jnp.where((kv.pos >= 0)[..., None], -kv.extra.g, -jnp.inf))  # 0 when empty
     causal = jnp.arange(T)[:, None] >= jnp.arange(T)[None, :]
     widen = cache_lib.Widening(q=(jnp.exp(ell) * ops.qscale)[..., None] * rc, k_scale=kf,
@@ -613,7 +619,7 @@ class SISA(cache_lib.CachedMixer):
     out, kv = cache_lib.cached_attention(
         kv, q, k, v, positions_BT, theta=cfg.rope_theta, scale=cfg.head_dim ** -0.5,
         sink_logit_H=ops.sink, widen=widen,
-        extra_new=SISAKeys(g=ell), kx_new=rb)
+        extra_new=SISAKeys(g=ell), kx_new=rb, fresh_out=fresh_out)
     last = ell[:, -1:]     # padding (log a = 0) keeps the last valid token's g
     return out, kv.replace(extra=kv.extra._replace(g=kv.extra.g - last.astype(kv.extra.g.dtype)))
 

@@ -65,7 +65,11 @@ Choosing it (`use_kernel`): the mixers (SISA, FoX, ALiBi) take the kernel in the
 when `attention_impl == "auto"` and the program is compiled for a GPU or TPU
 (`platform.current()`); the CPU keeps their blockwise paths. Inputs the kernel cannot take
 (`unsupported`: a head dim or block the target cannot tile, T != S) fall back to the
-blockwise path with one logged line naming why. Decoding keeps the mixers' cached paths.
+blockwise path with one logged line naming why. Decoding: a prompt's first call into empty
+dense caches (`decode.prefill`, `KVCache.fresh`) takes the kernel too (SISA, FoX, ALiBi: no
+[T, T] scores for a long prompt); later chunks and the one-token step keep the mixers' cached
+paths, whose cost is reading the cache (a bandwidth-bound product a fused kernel would not
+speed up).
 """
 
 from __future__ import annotations
