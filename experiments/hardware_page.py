@@ -1,5 +1,6 @@
 """docs/hardware.md: every 152M / 369M preset's train step compiled for 8 x H100, v5e-8, v5p-8,
-v6e-8 and two hosts of 8 H100 (attn_jax/train/hardware_page.py). Resumes where it stopped.
+v6e-8 and two hosts of 8 H100, and the attention presets' length scaling (T 2048 to 32768)
+(attn_jax/train/hardware_page.py). Resumes where it stopped.
 
   python experiments/hardware_page.py                        # every preset and target
   python experiments/hardware_page.py --presets=sisa_152m --targets=v5e-8
@@ -24,9 +25,12 @@ _FRESH = flags.DEFINE_bool("fresh", False, "Re-measure the cells already measure
 def main(argv):
   del argv
   from attn_jax.train import hardware_page as hp
-  rows = [r for r in hp.ROWS if not _TARGETS.value or r.target in _TARGETS.value]
+  picked = lambda rows: [r for r in rows if not _TARGETS.value or r.target in _TARGETS.value]
+  names = _PRESETS.value or None
+  lengths = [n for n in hp.LENGTH_PRESETS if not names or n in names]
   cells = os.path.splitext(_OUT.value)[0] + ".json"
-  done = hp.run(cells, _PRESETS.value or None, rows, fresh=_FRESH.value)
+  todo = hp.cells(names, picked(hp.ROWS), picked(hp.LENGTH_ROWS), lengths)
+  done = hp.run(cells, todo, fresh=_FRESH.value)
   with open(_OUT.value, "w") as f:
     f.write(hp.page(done))
   print(f"wrote {_OUT.value} ({len(done)} cells in {cells})")

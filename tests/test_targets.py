@@ -44,6 +44,8 @@ SPLASH_WINDOW = ("known: splash is not given the sliding window (core.splash_pro
                  "window's TPU step falls back to XLA with a [T, T] mask; splash's LocalMask is "
                  "exact for contiguous positions per document, not promised by prefix_causal")
 KERNEL = {GPU: "cuDNN attention fwd", TPU: "Mosaic (Pallas TPU)"}
+DECAYED = ("sisa", "fox", "alibi")                  # kernels/decayed.py's mixers
+DECAYED_KERNEL = {GPU: "Triton (Pallas GPU)", TPU: "Mosaic (Pallas TPU)"}
 
 
 @pytest.fixture(autouse=True)
@@ -226,37 +228,57 @@ def test_every_mixer_compiles_for_gpu_and_tpu(pattern, target, mesh):
   assert train.tt_buffers == [], f"[.., T, T] buffers in the train step: {train.tt_buffers}"
   if "attention" in pattern:
     assert train.kernels.get(KERNEL[target]), f"no {KERNEL[target]} call: {train.kernels}"
+  if pattern[0] in DECAYED and "decode" in programs:   # a prompt's first call: the kernel too
+    prefill = next(p for p in r.programs if p.name == "prefill")
+    assert prefill.kernels.get(DECAYED_KERNEL[target]), prefill.kernels
   assert {p.name for p in r.programs} == set(programs) | ({"prefill"} if "decode" in programs
                                                           else set())
 
 
 def test_hardware_page_resumes_and_renders(tmp_path, monkeypatch):
   from attn_jax.train import hardware_page as hp
-  calls = []
+  calls, version = [], {"a_152m": "1"}
 
-  def fake(name, row):
-    calls.append((name, row.target))
+  def fake(name, row, seq_len=None):
+    calls.append((name, row.target, seq_len))
     if name == "broken_152m":
       return {"error": "ValueError: config.mesh.shape (2, 4, 2) needs 16 devices, have 8"}
-    return {"gib": 20.5, "temp_gib": 18.0, "fits": False, "fit_micro": 16, "fit_accum": 2,
+    temp = 18.0 if seq_len is None else seq_len / 1024     # linear in T
+    return {"gib": 20.5, "temp_gib": temp, "fits": False, "fit_micro": 16, "fit_accum": 2,
             "usable_gib": 15.75, "kernels": {"Mosaic (Pallas TPU)": 3, "cuBLAS GEMM": 9},
             "collectives": {"all-gather": 4}, "tt": [], "compile_s": 61.0, "params": 1}
 
   monkeypatch.setattr(hp, "measure", fake)
+  monkeypatch.setattr(hp, "fingerprint", lambda name, row, seq_len=None: version.get(name, "0"))
   out = str(tmp_path / "cells.json")
-  names, rows = ["a_152m", "broken_152m"], hp.ROWS[:2]
-  done = hp.run(out, names, rows, progress=lambda s: None)
-  assert len(calls) == 4 and len(done) == 4
-  hp.run(out, names, rows, progress=lambda s: None)
-  assert len(calls) == 4                      # resumed: nothing measured twice
-  text = hp.page(done, names, rows)
+  names, rows, lrows = ["a_152m", "broken_152m"], hp.ROWS[:2], hp.LENGTH_ROWS[:1]
+  todo = hp.cells(names, rows, lrows, ["a_152m"])
+  done = hp.run(out, todo, progress=lambda s: None)
+  assert len(calls) == 4 + len(hp.LENGTHS) and len(done) == len(calls)
+  hp.run(out, todo, progress=lambda s: None)
+  assert len(calls) == 4 + len(hp.LENGTHS)     # resumed: nothing measured twice
+  version["a_152m"] = "2"                        # the preset changed: its cells again
+  hp.run(out, todo, progress=lambda s: None)
+  assert len(calls) == 2 * (4 + len(hp.LENGTHS)) - 2
+  text = hp.page(done, names, rows, lrows, ["a_152m"])
   assert "| a_152m | 20.5 | 15.8 | at micro-batch 16 x 2 | Mosaic (Pallas TPU) x3 | all-gather x4" in text
   assert "| broken_152m | error |" in text and "not measured" not in text
-  assert "not measured yet" in hp.page({}, names, rows)
-  assert "a_152m" in hp.page(done, names, rows).split("## v5e-8")[1]
+  assert "not measured yet" in hp.page({}, names, rows, lrows, ["a_152m"])
+  assert "a_152m" in text.split("## v5e-8")[1]
+  growth = f"x{hp.LENGTHS[-1] / hp.LENGTHS[0]:.1f}"
+  assert f"| a_152m | h100x8 (8, 1, 1) | 20.5 (2.0) | 20.5 (8.0) | 20.5 (32.0) | {growth} | none |" in text
   refused = dict(fake("a_152m", rows[1]), gib=27.0, refused=True, kernels={}, collectives={})
   assert hp._cell(refused)[:4] == ["> 27.0", "15.8", "at micro-batch 16 x 2",
                                    "unknown: the compiler refused the step for memory"]
+
+
+def test_a_length_cell_is_one_row_of_t_tokens_per_device():
+  from attn_jax.train import hardware_page as hp
+  c = hp._config("sisa_152m", (4, 1, 1), 32768)
+  assert (c.data.seq_len, c.data.global_batch_size, c.train.grad_accum) == (32768, 4, 1)
+  assert c.model.max_seq_len >= 32768
+  row = hp.LENGTH_ROWS[0]
+  assert hp.fingerprint("sisa_152m", row, 2048) != hp.fingerprint("sisa_152m", row, 8192)
 
 
 def test_presets_are_the_152m_and_369m_configs():

@@ -7,15 +7,24 @@ at the preset's own batch, whether it fits the target's usable memory, the large
 that fits when it does not (same tokens per step through gradient accumulation), the kernels
 and collectives of the compiled step, and the compile time on the machine that made the page.
 
-Each result is kept in a JSON file beside the page as soon as it is measured, so a run that
-stops resumes where it stopped and a changed preset is re-measured (`--fresh` for all).
+A second table measures length scaling: the 152M attention presets (`LENGTH_PRESETS`) with one
+row of T = 2048, 8192, 32768 tokens per device (`LENGTHS`) on a GPU and a TPU target with room
+for the longest (`LENGTH_ROWS`): flash-style kernels keep the temporaries linear in T (x16 from
+2048 to 32768), a [T, T] score tensor would make them quadratic (x256).
+
+Each result is kept in a JSON file beside the page as soon as it is measured, with the
+fingerprint of the config it compiled (`fingerprint`: sha256 of the config's JSON), so a run
+that stops resumes where it stopped and a cell whose preset changed is measured again
+(`--fresh`: all of them).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
+import math
 import glob
+import hashlib
 import importlib
 import json
 import os
@@ -52,16 +61,37 @@ def preset_names(root: str = "configs") -> list[str]:
   return sorted(names, key=lambda n: (n.split("_")[-1], n))
 
 
-def _config(name: str, mesh):
+LENGTH_PRESETS = ("transformer_152m", "sisa_152m", "fox_152m", "alibi_152m")
+LENGTHS = (2048, 8192, 32768)
+LENGTH_ROWS = (
+    Row("h100x8", (8, 1, 1), "data parallel"),
+    Row("v5p-8", (4, 1, 1), "data parallel: a v5p chip holds 95 GiB"),
+)
+
+
+def _config(name: str, mesh, seq_len: int | None = None):
+  """The preset on `mesh`; with `seq_len`, one row of that many tokens per device."""
   c = importlib.import_module(f"configs.{name}").get_config()
   c.mesh.shape = tuple(mesh)
+  if seq_len is not None:
+    c.data.update(seq_len=seq_len, global_batch_size=math.prod(mesh))
+    c.train.grad_accum = 1
+    c.model.max_seq_len = max(c.model.max_seq_len, seq_len)
   return c
 
 
-def measure(name: str, row: Row) -> dict:
-  """One cell: the preset's train step compiled for the row's target and mesh."""
+def fingerprint(name: str, row: Row, seq_len: int | None = None) -> str:
+  """sha256 of the JSON of the config a cell compiles (a changed preset is measured again)."""
+  text = _config(name, row.mesh, seq_len).to_json_best_effort(sort_keys=True)
+  return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def measure(name: str, row: Row, seq_len: int | None = None) -> dict:
+  """One cell: the preset's train step compiled for the row's target and mesh (with `seq_len`:
+  one row of that length per device, no search for a smaller micro-batch)."""
   try:
-    r = aot.compile_for_target(_config(name, row.mesh), row.target, programs=("train",))
+    r = aot.compile_for_target(_config(name, row.mesh, seq_len), row.target,
+                               programs=("train",), search_fit=seq_len is None)
   except Exception as e:   # a config that cannot be built for this mesh is a result too
     return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
   (p,) = r.programs
@@ -74,24 +104,31 @@ def measure(name: str, row: Row) -> dict:
           "compile_s": p.compile_s, "params": r.n_params, "options": p.options}
 
 
-def _key(name: str, row: Row) -> str:
-  return f"{name}@{row.target}@{'x'.join(map(str, row.mesh))}"
+def _key(name: str, row: Row, seq_len: int | None = None) -> str:
+  key = f"{name}@{row.target}@{'x'.join(map(str, row.mesh))}"
+  return key if seq_len is None else f"{key}@T{seq_len}"
 
 
-def run(out_json: str, names=None, rows=ROWS, *, fresh: bool = False,
+def cells(names=None, rows=ROWS, length_rows=LENGTH_ROWS, length_names=LENGTH_PRESETS):
+  """(preset, row, seq_len or None) of every cell: the presets' table, then length scaling."""
+  out = [(n, r, None) for n in names or preset_names() for r in rows]
+  return out + [(n, r, t) for n in length_names for r in length_rows for t in LENGTHS]
+
+
+def run(out_json: str, todo, *, fresh: bool = False,
         progress: Callable[[str], None] = print) -> dict:
-  """Measure every (preset, row) not yet in `out_json` (all with `fresh`), saving after each."""
+  """Measure every cell of `todo` (`cells`) not yet in `out_json` or measured from another
+  config (all with `fresh`), saving after each."""
   done = {} if fresh or not os.path.exists(out_json) else json.load(open(out_json))
-  for name in names or preset_names():
-    for row in rows:
-      k = _key(name, row)
-      if k in done:
-        continue
-      progress(f"compiling {k} ...")
-      done[k] = measure(name, row)
-      with open(out_json + ".tmp", "w") as f:
-        json.dump(done, f, indent=1, sort_keys=True)
-      os.replace(out_json + ".tmp", out_json)
+  for name, row, seq_len in todo:
+    k, fp = _key(name, row, seq_len), fingerprint(name, row, seq_len)
+    if done.get(k, {}).get("config") == fp:
+      continue
+    progress(f"compiling {k} ...")
+    done[k] = dict(measure(name, row, seq_len), config=fp)
+    with open(out_json + ".tmp", "w") as f:
+      json.dump(done, f, indent=1, sort_keys=True)
+    os.replace(out_json + ".tmp", out_json)
   return done
 
 
@@ -123,7 +160,8 @@ def _commit() -> str:
     return "unknown"
 
 
-def page(done: dict, names=None, rows=ROWS) -> str:
+def page(done: dict, names=None, rows=ROWS, length_rows=LENGTH_ROWS,
+         length_names=LENGTH_PRESETS) -> str:
   """The markdown page from the measured cells (missing ones say so)."""
   lines = [
       "# Hardware targets", "",
@@ -150,4 +188,42 @@ def page(done: dict, names=None, rows=ROWS) -> str:
       cells = _cell(d) if d else ["not measured yet"] + [""] * 5
       lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines.append("")
+  if length_rows:
+    lines += _length_section(done, length_rows, length_names)
   return "\n".join(lines)
+
+
+def _gib_cell(d: dict | None) -> str:
+  if not d:
+    return "not measured yet"
+  if "error" in d:
+    return "error: " + d["error"]
+  more = "> " if d.get("refused") else ""
+  return f"{more}{d['gib']:.1f} ({more}{d['temp_gib']:.1f})"
+
+
+def _growth(a: dict | None, b: dict | None) -> str:
+  ok = a and b and "error" not in a and "error" not in b and not a.get("refused")
+  return f"x{b['temp_gib'] / a['temp_gib']:.1f}" if ok and a["temp_gib"] > 0 else ""
+
+
+def _length_section(done: dict, length_rows, length_names) -> list[str]:
+  head = " | ".join(f"T {t}: GiB (temporaries)" for t in LENGTHS)
+  lines = [
+      "## Length scaling: one row of T tokens per device", "",
+      f"The 152M attention presets at T = {', '.join(map(str, LENGTHS))} with one row per device "
+      f"(so {LENGTHS[-1] // LENGTHS[0]}x the tokens from the first to the last): temporaries "
+      f"linear in T grow x{LENGTHS[-1] // LENGTHS[0]}, a [T, T] score tensor would grow "
+      f"x{(LENGTHS[-1] // LENGTHS[0]) ** 2}. Arguments (parameters, optimizer state) do not "
+      "grow. '[T, T]' lists any such buffer found in the step at the longest length.", "",
+      f"| preset | target | {head} | temporaries x | [T, T] at {LENGTHS[-1]} | kernels |",
+      "|---|---|" + "---|" * len(LENGTHS) + "---|---|---|"]
+  for name in length_names:
+    for row in length_rows:
+      ds = [done.get(_key(name, row, t)) for t in LENGTHS]
+      last = ds[-1] or {}
+      lines.append(f"| {name} | {row.target} {row.mesh} | "
+                   + " | ".join(_gib_cell(d) for d in ds)
+                   + f" | {_growth(ds[0], ds[-1])} | {', '.join(last.get('tt', [])) or 'none'}"
+                   f" | {_kernels(last) if last and 'error' not in last else ''} |")
+  return lines + [""]
