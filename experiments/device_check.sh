@@ -3,9 +3,10 @@
 # numerics, then train-step throughput / MFU of each variant side by side. Results go to stdout
 # and, when $OUT is set (the device tool's output folder), to $OUT/*.txt.
 #
-#   bash experiments/device_check.sh            # everything (the steps' timeouts cap it at 15.5 min)
-#   STEPS="1 3 4" bash experiments/device_check.sh; STEPS="2 2b" bash ...  # the same in two calls
-#                                               # (8.4 + 7 min: one device command may run 10 min)
+#   bash experiments/device_check.sh            # everything (the steps' timeouts cap it at 18.8 min)
+#   STEPS="1 5" bash experiments/device_check.sh; STEPS="2 2b" ...; STEPS="3 4" ...  # in calls
+#                                               # of 8.6, 7 and 3.2 min (one device command may run
+#                                               # 10 min, a session has 15: "1 5" first)
 #   QUICK=1 bash experiments/device_check.sh    # numerics + one sequence length only
 #   JAX_PLATFORMS=cpu ATTN_JAX_GPU_TESTS_IMPL=xla BENCH_EXTRA="--scale=tiny --dtype=float32 \
 #     --seq_lens=128 --steps=1 --warmup=1 --batch_tokens=4096" bash experiments/device_check.sh  # CPU dry run
@@ -22,7 +23,7 @@ out="${OUT:-/tmp/attn_jax_device_check}"
 mkdir -p "$out"
 export PYTHONPATH="$PWD:$PWD/.device_deps${PYTHONPATH:+:$PYTHONPATH}"
 python3 -c "import jax; print(jax.__version__, jax.devices())" | tee "$out/devices.txt"
-want() { [[ " ${STEPS:-1 2 2b 3 4} " == *" $1 "* ]]; }  # is step $1 selected?
+want() { [[ " ${STEPS:-1 5 2 2b 3 4} " == *" $1 "* ]]; }  # is step $1 selected?
 
 # 1. numerics on the accelerator: cuDNN core and SISA on it vs the fp32 references, plus the
 #    backend-independent attention / SISA / decoding tests (run on the device backend here).
@@ -68,6 +69,15 @@ want 3 && timeout 100 python3 experiments/mixer_memory.py --mixers=attention,sis
 #    weights (its file cannot be carried), fp32, 512-token prompt + 128 greedy tokens, against
 #    transformers holding the same weights on the GPU when the image has torch + transformers
 #    (otherwise ours alone, said in the output).
+# 5. the decayed-attention kernel (kernels/decayed.py) at 152M: train steps (fwd + bwd) of SISA,
+#    FoX and ALiBi through it (impl auto on the GPU / TPU) against the Transformer's cuDNN /
+#    splash core and SISA's chunked path (per-chunk cuDNN calls + a biased in-chunk block), at
+#    T 2048 and 8192 with the same tokens per step. Goal: SISA >= 0.8x the Transformer's step.
+long="2048,8192"; [ -n "${QUICK:-}" ] && long="2048"
+want 5 && timeout 200 python3 experiments/bench.py --configs=transformer_152m,sisa_152m,sisa_152m@chunked,fox_152m,alibi_152m \
+  --seq_lens="$long" --batch_tokens=65536 --steps=5 --warmup=2 --decode_step_batches= --decode_tokens=0 ${BENCH_EXTRA:-} \
+  2>&1 | grep -v "^[IW][0-9]" | tee "$out/kernel_speed.txt"
+
 want 4 && timeout 90 python3 experiments/bench_pretrained.py --random=smollm2 --prompt_len=512 \
   --new_tokens=128 --repeats=5 2>&1 | grep -v "^[IW][0-9]" | tee "$out/pretrained_speed.txt"
-echo "device_check: steps ${STEPS:-1 2 2b 3 4} done; results in $out"
+echo "device_check: steps ${STEPS:-1 5 2 2b 3 4} done; results in $out"
