@@ -142,6 +142,17 @@ def test_compile_only_mistakes_are_one_line():
   assert "config.mesh.shape (4, 1, 1) needs 4 devices, have 8" in lines[0]
 
 
+def test_a_length_equal_to_an_activation_width_is_flagged():
+  """Mamba-2 369M's d_inner (32 heads x 64) is 2048 = T: its [B, T, d_inner] activations look
+  like [.., T, T] to `square_buffers`, so the report marks such a preset."""
+  import types
+  setup = types.SimpleNamespace(abstract_state={
+      "in_proj": jax.ShapeDtypeStruct((1024, 32, 64), jnp.float32),
+      "mu": {"norm": jax.ShapeDtypeStruct((1024,), jnp.float32)}})
+  widths = aot.activation_widths(setup)
+  assert 2048 in widths and 1024 in widths and 4096 not in widths
+
+
 def test_a_gpu_tiling_failure_is_compiled_again_without_triton_gemm():
   calls = []
 

@@ -208,6 +208,21 @@ class Report:
   fit: memory.Fit
   fitting_batch: tuple[int, int] | None    # (micro, accum) that fits, when the config's does not
   fit_error: str = ""
+  t_is_a_width: bool = False   # T is also an activation width: a [.., T, T] shape may be an
+                               # activation [.., T, width] (`activation_widths`)
+
+
+def activation_widths(setup: trainer.Setup) -> set[int]:
+  """The widths an activation may have: every dimension of a parameter and every product of
+  two adjacent ones (heads x head_dim flattened). When the training length T is one of them
+  (Mamba-2 369M: d_inner = 32 x 64 = 2048), a buffer [.., T, T] may be [.., T, width]:
+  `square_buffers` cannot tell them apart and the report says so."""
+  out = set()
+  for leaf in jax.tree.leaves(setup.abstract_state):
+    shape = [int(d) for d in getattr(leaf, "shape", ())]
+    out.update(shape)
+    out.update(a * b for a, b in zip(shape, shape[1:]))
+  return out
 
 
 def _fitting_batch(setup, accum: int, micro: int, seq_len: int, available: int,
@@ -249,7 +264,7 @@ def compile_for_target(config: ml_collections.ConfigDict, target_name: str, *,
     if not fit.fits and search_fit:
       fitting, why = _fitting_batch(setup, accum, micro, T, avail, train.options)
   return Report(config_name, target, dict(setup.mesh.shape), setup.n_params["total"], progs,
-                fit, fitting, why)
+                fit, fitting, why, T in activation_widths(setup))
 
 
 def _gib(n: int) -> str:
@@ -280,7 +295,9 @@ def format_report(r: Report) -> str:
       lines.append(f"           compiled with {p.options}: XLA found no tiling for a Triton "
                    "GEMM fusion without a GPU to autotune on (train/aot.py)")
     if p.tt_buffers and p.name in ("train", "eval"):
-      lines.append(f"           [.., T, T] buffers: {', '.join(p.tt_buffers[:4])}")
+      maybe = (" (T is also an activation width here: these may be [.., T, width] "
+               "activations)" if r.t_is_a_width else "")
+      lines.append(f"           [.., T, T] buffers{maybe}: {', '.join(p.tt_buffers[:4])}")
   if r.fit is not None:
     lines.append("fit: " + r.fit.message)
     if r.fitting_batch:

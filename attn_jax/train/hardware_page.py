@@ -101,6 +101,7 @@ def measure(name: str, row: Row, seq_len: int | None = None) -> dict:
           "fits": bool(r.fit.fits), "fit_micro": fit[0] if fit else None,
           "fit_accum": fit[1] if fit else None, "usable_gib": r.fit.available / memory.GiB,
           "kernels": p.kernels, "collectives": p.collectives, "tt": p.tt_buffers[:2],
+          "tt_maybe_width": r.t_is_a_width,
           "compile_s": p.compile_s, "params": r.n_params, "options": p.options}
 
 
@@ -143,7 +144,8 @@ def _cell(d: dict) -> list[str]:
   fit = "yes" if d["fits"] else (f"at micro-batch {d['fit_micro']} x {d['fit_accum']}"
                                  if d["fit_micro"] else "no")
   coll = ", ".join(f"{n} x{c}" for n, c in d["collectives"].items()) or "none"
-  tt = "; [T, T]: " + ", ".join(d["tt"]) if d["tt"] else ""
+  tt = "; [T, T]" + ("?" * bool(d.get("tt_maybe_width"))) + ": " + ", ".join(d["tt"]) \
+      if d["tt"] else ""
   tt += " (Triton GEMM fusions off: no tiling found without autotuning)" if d.get("options") else ""
   if d.get("refused"):
     return [f"> {d['gib']:.1f}", f"{d['usable_gib']:.1f}", fit,
@@ -176,7 +178,9 @@ def page(done: dict, names=None, rows=ROWS, length_rows=LENGTH_ROWS,
       "the preset's micro-batch does not fit, the largest that does is named (the same tokens "
       "per step through train.grad_accum; what train.auto_microbatch picks). Kernels are the "
       "custom calls in the compiled step, collectives the ops in its text (an op inside the "
-      "layer scan counts once). Compile time is this CPU's, shared with other work: a rough "
+      "layer scan counts once); '[T, T]?' marks a preset with an activation width equal to T "
+      "(`aot.activation_widths`), whose [.., T, T]-shaped buffers may be [.., T, width] "
+      "activations (Mamba 369M: d_inner 2048). Compile time is this CPU's, shared with other work: a rough "
       "figure. Reproduce one cell: `python experiments/train.py --config=configs/<preset>.py "
       "--compile_only=<target> --config.mesh.shape=<mesh>`.", ""]
   for row in rows:
