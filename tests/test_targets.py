@@ -100,6 +100,15 @@ def test_program_text_is_read_for_kernels_collectives_and_square_buffers():
   assert aot.collectives_in(text) == {"all-reduce": 1, "all-gather": 1}
   assert aot.square_buffers(text, 1024) == ["f32[4,12,1024,1024]"]
   assert aot.square_buffers(text, 512) == []
+  tpu = ('%splash_mqa_fwd_residuals.1 = (f32[4,128,128]) custom-call(%a), '
+         'custom_call_target="tpu_custom_call", metadata={}\n'
+         '%splash_mqa_dkv.3.2 = (bf16[4,256,16]) custom-call(%b), custom_call_target="tpu_custom_call"\n'
+         '%copy-start.67 = s8[1,2,2] custom-call(%c), custom_call_target="AllocateBuffer"\n'
+         '%pallas_call.33 = (bf16[1,4]) custom-call(%d), custom_call_target="__gpu$xla.gpu.triton", '
+         'metadata={op_name="jit(step)/shard_map/decayed_fwd/pallas_call" stack_frame_id=2}\n')
+  assert aot.kernels_in(tpu) == {"Mosaic (Pallas TPU)": 2, "Triton (Pallas GPU)": 1,
+                                 "Pallas kernels: decayed_fwd, splash_mqa_dkv, "
+                                 "splash_mqa_fwd_residuals": 3}
 
 
 def test_the_kernel_choice_follows_the_platform_compiled_for():

@@ -453,8 +453,11 @@ def _compiler_params(spec: Spec):
 
 
 def _call(spec: Spec, kernel, grid, ins, in_specs, outs, out_specs):
+  """The Pallas call, named after its kernel (decayed_fwd, decayed_dq, decayed_dkv: the name
+  compile reports and profiles show)."""
+  name = "decayed_" + kernel.func.__name__.strip("_").removesuffix("_kernel")
   return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs,
-                        out_shape=outs, interpret=spec.interpret,
+                        out_shape=outs, interpret=spec.interpret, name=name,
                         compiler_params=_compiler_params(spec))(*ins)
 
 

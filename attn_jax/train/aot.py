@@ -53,7 +53,13 @@ KERNELS = (
 )
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _CALL_RE = re.compile(r'custom_call_target="([^"]+)"')
-_MOSAIC_NAME_RE = re.compile(r'kernel_name\\?"?\s*[:=]\s*\\?"([\w.-]+)')
+# a Pallas kernel's instruction (`%splash_mqa_fwd_residuals.1 = ... custom-call(...),
+# custom_call_target="tpu_custom_call", ... op_name=".../splash_mqa_fwd_residuals/pallas_call"`):
+# its name is the op_name's component before "pallas_call" (GPU names the instruction
+# "pallas_call"), else the instruction's own without its number
+_PALLAS_TARGET_RE = re.compile(r'custom_call_target="(?:tpu_custom_call|__gpu\$xla\.gpu\.triton)"')
+_OP_NAME_RE = re.compile(r'op_name="[^"]*/([\w.-]+)/pallas_call"')
+_INSTRUCTION_RE = re.compile(r'%([A-Za-z_][\w-]*?)(?:\.\d+)* = ')
 
 
 @dataclasses.dataclass
@@ -80,10 +86,16 @@ def kernels_in(text: str) -> dict[str, int]:
     name = next((n for pat, n in KERNELS if re.fullmatch(pat, target)), None)
     if name is not None:    # the compilers' own helper calls (TPU buffer/gather ops) are not kernels
       out[name] += 1
-  names = sorted(set(_MOSAIC_NAME_RE.findall(text)))
-  if names and "Mosaic (Pallas TPU)" in out:
-    out[f"Mosaic kernels: {', '.join(names)}"] = len(names)
+  names = sorted({_pallas_name(line) for line in text.splitlines()
+                  if _PALLAS_TARGET_RE.search(line)})
+  if names:
+    out[f"Pallas kernels: {', '.join(names)}"] = len(names)
   return dict(out)
+
+
+def _pallas_name(line: str) -> str:
+  m = _OP_NAME_RE.search(line) or _INSTRUCTION_RE.search(line)
+  return m.group(1) if m else "unnamed"
 
 
 def collectives_in(text: str) -> dict[str, int]:

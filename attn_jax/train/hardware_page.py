@@ -134,7 +134,8 @@ def run(out_json: str, todo, *, fresh: bool = False,
 
 
 def _kernels(d: dict) -> str:
-  k = {n: c for n, c in d.get("kernels", {}).items() if not n.startswith("cuBLAS")}
+  k = {n: c for n, c in d.get("kernels", {}).items()   # families (names: --compile_only)
+       if not n.startswith(("cuBLAS", "Pallas kernels"))}
   return ", ".join(f"{n} x{c}" for n, c in sorted(k.items())) or "none (XLA)"
 
 
