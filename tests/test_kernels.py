@@ -9,6 +9,7 @@ nats per token. Tiles of 64 (or 32) rows over T = 200 (not a multiple), so every
 several tiles, skips tiles above the diagonal and visits partial ones.
 """
 
+import functools
 
 import chex
 import jax
@@ -487,3 +488,35 @@ def test_prefill_takes_the_kernel_and_leaves_the_same_state(pattern):
       np.testing.assert_array_equal(leaf, flat_c[path])
   step = lambda s: decode.decode_step(model, tokens[:, 5], lengths, s)[0]
   _close(step(state_k), step(state_c), what="next step's logits")
+
+
+# ---------------------------------------------------------------- the TPU grid driver
+
+@pytest.mark.parametrize("terms", ["sisa", "fox+window"])
+def test_grid_driver_equals_loop_driver(terms):
+  """The TPU driver (the other side's tiles on grid axis 3, the carry in VMEM scratch, tiles
+  outside the visible range clamped and skipped) gives the loop driver's output and every
+  gradient (the loop driver is checked against float64 above): GQA, two packed documents, a
+  sink, T not a multiple of the tile. Run here in the Pallas interpreter."""
+  rng = np.random.default_rng(11)
+  B, T, H, Kh, D, ds = 1, 300, 4, 2, 16, 8
+  q, w = _normal(rng, (B, T, H, D)), _normal(rng, (B, T, H, D))
+  k, v = _normal(rng, (B, T, Kh, D)), _normal(rng, (B, T, Kh, D))
+  c, b = _normal(rng, (B, T, H, ds)), _normal(rng, (B, T, H, ds))
+  g = jnp.cumsum(-jnp.abs(_normal(rng, (B, T, H))) * 0.3, axis=1)
+  seg = _segments([[120, 180]])
+  sink = _normal(rng, (H,))
+  kw = (dict(c_BTHS=c, b_BTHS=b) if terms == "sisa" else dict(fox=True, window=50))
+
+  def loss(grid, q, k, v, g):
+    out = K.decayed_attention(q, k, v, scale=D ** -0.5, g_BTH=g, segment_ids_BT=seg,
+                              sink_logit_H=sink, block_q=128, block_k=128, tile_grid=grid, **kw)
+    return jnp.sum(out * w)
+
+  grid_jaxpr = str(jax.make_jaxpr(functools.partial(loss, True))(q, k, v, g))
+  assert "grid=(1, 4, 3, 3)" in grid_jaxpr
+  ref = jax.value_and_grad(functools.partial(loss, False), argnums=(0, 1, 2, 3))(q, k, v, g)
+  got = jax.value_and_grad(functools.partial(loss, True), argnums=(0, 1, 2, 3))(q, k, v, g)
+  for name, a, r in zip(("loss", "dq", "dk", "dv", "dg"), jax.tree.leaves(got),
+                        jax.tree.leaves(ref)):
+    _close(a, r, what=name)

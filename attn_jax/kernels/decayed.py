@@ -25,11 +25,17 @@ one self-attention stream (T == S, positions increasing by one inside a document
 so a key after the query's index is never visible (causal) and one W or more indices before it
 is never visible (window). Positions decide the mask inside a visited tile.
 
-Forward (`_fwd_kernel`, grid [B, H, T / bq]): one query tile against its key tiles in a loop,
-online softmax in fp32 (row max floored at NEG_INF / 2, so a fully masked row has weight 0
-everywhere), returning the output and the row log-sum-exp lse (NEG_INF for a row that sees no
-key). Whole-head K, V, b sit in the kernel's memory (VMEM on TPU, loaded tile by tile from HBM
-on GPU), O(T) per head; the loop bounds skip tiles above the diagonal / outside the window.
+Forward (`_fwd_*`, grid [B, H, T / bq]): one query tile against its key tiles, online softmax
+in fp32 (row max floored at NEG_INF / 2, so a fully masked row has weight 0 everywhere),
+returning the output and the row log-sum-exp lse (NEG_INF for a row that sees no key). Only the
+tiles a query tile may see are visited (above the diagonal / outside the window skipped).
+
+Two drivers run the same tile steps (`_fwd_step`, `_dq_step`, `_dkv_step`): on GPU (and in the
+interpreter) a loop inside the program over whole-head refs of the other side, which stay in
+HBM and are loaded tile by tile; on TPU a fourth grid axis over the other side's tiles
+("arbitrary"), the carry in VMEM scratch, the out-of-range steps clamped to a loaded tile and
+skipped, so Mosaic pipelines one tile at a time and VMEM use does not grow with T (whole-head
+refs in VMEM ran out of it at T 8192 for the 152M presets).
 
 The sink logit (one extra softmax column with zero value) is *not* in the kernel: with the
 kernel's (o, lse) over the real keys, lse' = logaddexp(lse, sink_h) and o' = o exp(lse - lse')
@@ -38,9 +44,9 @@ custom VJP therefore takes a cotangent for lse as well: ds_ij = p_ij (dp_ij - D_
 D_i = do_i . o_i - dlse_i.
 
 Backward (two kernels, as JAX's own GPU flash attention):
-- `_dq_kernel`, grid [B, H, T / bq], loop over key tiles: dq = scale ds k, dc = (ds e) b, and
+- `_dq_*`, grid [B, H, T / bq], over key tiles: dq = scale ds k, dc = (ds e) b, and
   the row part of dg, sum_j w_ij, with w = ds ([fox]) + ds e (c.b) ([sisa]);
-- `_dkv_kernel`, grid [B, H, T / bk], loop over query tiles: dv = p^T do, dk = scale ds^T q,
+- `_dkv_*`, grid [B, H, T / bk], over query tiles: dv = p^T do, dk = scale ds^T q,
   db = (ds e)^T c and the column part of dg, -sum_i w_ij. dk, dv are per query head and summed
   over the G heads of a kv head (GQA) outside.
 The probabilities are recomputed from lse (fp32); residuals are the inputs, o and lse: O(T).
@@ -50,11 +56,9 @@ then met at any T and head dim): rows [B, H, nq, bq, D], per-row vectors [.., bq
 per-column vectors [.., nk, 1, bk]; T is padded to a multiple of the tiles (padded keys have
 position -1, padded queries are dropped).
 
-Targets (`_compiler_params`): Mosaic on TPU (tiles of 128; the whole-head K, V, b of the
-non-tiled side sit in VMEM, O(T) per head: checked to compile at T 8192 with head dim 128),
-Triton on GPU (tiles of 64: at 128 the backward exceeds H100's shared memory; the whole-head
-refs stay in HBM and each tile is loaded in the loop; JAX's Mosaic GPU backend would stage
-whole blocks in shared memory). fp32 x fp32 tile matmuls run at HIGHEST precision (Triton's
+Targets (`_compiler_params`): Mosaic on TPU (tiles of 128, the grid driver), Triton on GPU
+(tiles of 64: at 128 the backward exceeds H100's shared memory; JAX's Mosaic GPU backend would
+stage whole blocks in shared memory). fp32 x fp32 tile matmuls run at HIGHEST precision (Triton's
 default is TF32). On CPU the kernel runs in the Pallas interpreter (tests).
 
 Sharding (`_sharded`): XLA does not partition Pallas calls, so under `sharding.use_rules` the
@@ -114,6 +118,7 @@ class Spec:
   block_k: int
   groups: int          # query heads per kv head (GQA)
   interpret: bool
+  grid: bool = False   # the grid driver (TPU): the other side's tiles on grid axis 3
 
 
 class Rows(NamedTuple):
@@ -233,28 +238,34 @@ def _rows_at(spec: Spec, x, i=None) -> Rows:
 
 
 # ---------------------------------------------------------------- kernels
+#
+# Each pass is an accumulation over the tiles of the other side: `init` (the carry), `step`
+# (one tile's contribution), `finish` (write the outputs). Two drivers run them: a loop inside
+# one program over whole-head refs of the other side (`_loop_*`: GPU, the interpreter) and,
+# on TPU, a fourth grid axis over its tiles with the carry in VMEM scratch (`_grid_*`), so
+# Mosaic streams one tile at a time and VMEM does not grow with T.
 
-def _fwd_kernel(spec: Spec, nk: int, *refs):
-  x, rest = _split(spec, refs, _ROW_NAMES + _COL_NAMES)
-  o_ref, lse_ref = rest
-  r = _rows_at(spec, x)
-  bq, dv = r.q.shape[0], o_ref.shape[-1]
-  lo, hi = _key_range(spec, pl.program_id(2), nk)
+F32 = jnp.float32
 
-  def body(j, carry):
-    m, l, acc = carry
-    c = _cols_at(spec, x, j)
-    s, _, _, _ = _tile(spec, r, c)
-    m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
-    alpha = jnp.exp(m - m_new)
-    p = jnp.exp(s - m_new)
-    l = alpha * l + jnp.sum(p, axis=1, keepdims=True)
-    acc = alpha * acc + _dot(p.astype(c.v.dtype), c.v)
-    return m_new, l, acc
 
-  init = (jnp.full((bq, 1), NEG_INF / 2, jnp.float32), jnp.zeros((bq, 1), jnp.float32),
-          jnp.zeros((bq, dv), jnp.float32))
-  m, l, acc = lax.fori_loop(lo, hi, body, init)
+def _fwd_init(spec: Spec, r: Rows, dv: int):
+  bq = r.q.shape[0]
+  return (jnp.full((bq, 1), NEG_INF / 2, F32), jnp.zeros((bq, 1), F32), jnp.zeros((bq, dv), F32))
+
+
+def _fwd_step(spec: Spec, r: Rows, c: Cols, carry):
+  m, l, acc = carry
+  s, _, _, _ = _tile(spec, r, c)
+  m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
+  alpha = jnp.exp(m - m_new)
+  p = jnp.exp(s - m_new)
+  l = alpha * l + jnp.sum(p, axis=1, keepdims=True)
+  acc = alpha * acc + _dot(p.astype(c.v.dtype), c.v)
+  return m_new, l, acc
+
+
+def _fwd_finish(spec: Spec, carry, o_ref, lse_ref):
+  m, l, acc = carry
   seen = l > 0
   safe = jnp.where(seen, l, 1.0)
   o_ref[...] = jnp.where(seen, acc / safe, 0.0).astype(o_ref.dtype)
@@ -278,70 +289,154 @@ def _decay_weight(spec: Spec, ds, e, cb):
   return w
 
 
-def _dq_kernel(spec: Spec, nk: int, *refs):
-  x, rest = _split(spec, refs, _ROW_NAMES + _COL_NAMES)
-  do_ref, lse_ref, delta_ref = rest[:3]
-  dq_ref, dg_ref = rest[3:5]
-  dc_ref = rest[5] if spec.sisa else None
-  r = _rows_at(spec, x)
-  do, lse, delta = do_ref[...], lse_ref[...], delta_ref[...]
-  lo, hi = _key_range(spec, pl.program_id(2), nk)
+class Grads(NamedTuple):
+  """A row tile's extra backward operands: do [bq, Dv], lse and delta [bq, 1]."""
+  do: jax.Array
+  lse: jax.Array
+  delta: jax.Array
 
-  def body(j, carry):
-    dq, dg, dc = carry
-    c = _cols_at(spec, x, j)
-    _, ds, e, cb = _probs(spec, r, c, lse, delta, do)
-    dq = dq + _dot(ds.astype(c.k.dtype), c.k)
-    w = _decay_weight(spec, ds, e, cb)
-    if w is not None:
-      dg = dg + jnp.sum(w, axis=1, keepdims=True)
-    if spec.sisa:
-      dc = dc + _dot((ds * e).astype(c.b.dtype), c.b)
-    return dq, dg, dc
 
-  bq = r.q.shape[0]
-  init = (jnp.zeros(r.q.shape, jnp.float32), jnp.zeros((bq, 1), jnp.float32),
-          jnp.zeros(r.c.shape, jnp.float32) if spec.sisa else jnp.zeros((), jnp.float32))
-  dq, dg, dc = lax.fori_loop(lo, hi, body, init)
+def _dq_init(spec: Spec, r: Rows):
+  return (jnp.zeros(r.q.shape, F32), jnp.zeros((r.q.shape[0], 1), F32),
+          jnp.zeros(r.c.shape, F32) if spec.sisa else None)
+
+
+def _dq_step(spec: Spec, r: Rows, c: Cols, d: Grads, carry):
+  dq, dg, dc = carry
+  _, ds, e, cb = _probs(spec, r, c, d.lse, d.delta, d.do)
+  dq = dq + _dot(ds.astype(c.k.dtype), c.k)
+  w = _decay_weight(spec, ds, e, cb)
+  if w is not None:
+    dg = dg + jnp.sum(w, axis=1, keepdims=True)
+  if spec.sisa:
+    dc = dc + _dot((ds * e).astype(c.b.dtype), c.b)
+  return dq, dg, dc
+
+
+def _dq_finish(spec: Spec, carry, dq_ref, dg_ref, dc_ref):
+  dq, dg, dc = carry
   dq_ref[...] = (dq * spec.scale).astype(dq_ref.dtype)
   dg_ref[...] = dg
   if spec.sisa:
     dc_ref[...] = dc.astype(dc_ref.dtype)
 
 
-def _dkv_kernel(spec: Spec, nq: int, *refs):
-  y, refs = _split(spec, refs, _COL_NAMES)
-  x, rest = _split(spec, refs, _ROW_NAMES)
-  do_ref, lse_ref, delta_ref = rest[:3]
-  dk_ref, dv_ref, dg_ref = rest[3:6]
-  db_ref = rest[6] if spec.sisa else None
-  c = _cols_at(spec, y)
-  lo, hi = _query_range(spec, pl.program_id(2), nq)
+def _dkv_init(spec: Spec, c: Cols):
+  return (jnp.zeros(c.k.shape, F32), jnp.zeros(c.v.shape, F32),
+          jnp.zeros((1, c.k.shape[0]), F32), jnp.zeros(c.b.shape, F32) if spec.sisa else None)
 
-  def body(i, carry):
-    dk, dv, dg, db = carry
-    r = _rows_at(spec, x, i)
-    do = do_ref[i]
-    p, ds, e, cb = _probs(spec, r, c, lse_ref[i], delta_ref[i], do)
-    dv = dv + _dot(p.astype(do.dtype), do, _AT_B)
-    dk = dk + _dot(ds.astype(r.q.dtype), r.q, _AT_B)
-    w = _decay_weight(spec, ds, e, cb)
-    if w is not None:
-      dg = dg - jnp.sum(w, axis=0, keepdims=True)
-    if spec.sisa:
-      db = db + _dot((ds * e).astype(r.c.dtype), r.c, _AT_B)
-    return dk, dv, dg, db
 
-  bk = c.k.shape[0]
-  init = (jnp.zeros(c.k.shape, jnp.float32), jnp.zeros(c.v.shape, jnp.float32),
-          jnp.zeros((1, bk), jnp.float32),
-          jnp.zeros(c.b.shape, jnp.float32) if spec.sisa else jnp.zeros((), jnp.float32))
-  dk, dv, dg, db = lax.fori_loop(lo, hi, body, init)
+def _dkv_step(spec: Spec, r: Rows, c: Cols, d: Grads, carry):
+  dk, dv, dg, db = carry
+  p, ds, e, cb = _probs(spec, r, c, d.lse, d.delta, d.do)
+  dv = dv + _dot(p.astype(d.do.dtype), d.do, _AT_B)
+  dk = dk + _dot(ds.astype(r.q.dtype), r.q, _AT_B)
+  w = _decay_weight(spec, ds, e, cb)
+  if w is not None:
+    dg = dg - jnp.sum(w, axis=0, keepdims=True)
+  if spec.sisa:
+    db = db + _dot((ds * e).astype(r.c.dtype), r.c, _AT_B)
+  return dk, dv, dg, db
+
+
+def _dkv_finish(spec: Spec, carry, dk_ref, dv_ref, dg_ref, db_ref):
+  dk, dv, dg, db = carry
   dk_ref[...] = (dk * spec.scale).astype(dk_ref.dtype)
   dv_ref[...] = dv.astype(dv_ref.dtype)
   dg_ref[...] = dg
   if spec.sisa:
     db_ref[...] = db.astype(db_ref.dtype)
+
+
+def _grads_at(refs, i=None) -> Grads:
+  at = (lambda r: r[...]) if i is None else (lambda r: r[i])
+  return Grads(*(at(r) for r in refs))
+
+
+def _outs(spec: Spec, rest, n: int):
+  """The n output refs (the last one SISA's only) and what follows them (scratch)."""
+  n_out = n if spec.sisa else n - 1
+  outs = list(rest[:n_out]) + [None] * (n - n_out)
+  return outs, rest[n_out:]
+
+
+# -- loop driver: the other side whole-head, looped over inside the program
+
+def _loop_fwd(spec: Spec, nk: int, *refs):
+  x, rest = _split(spec, refs, _ROW_NAMES + _COL_NAMES)
+  r = _rows_at(spec, x)
+  lo, hi = _key_range(spec, pl.program_id(2), nk)
+  step = lambda j, carry: _fwd_step(spec, r, _cols_at(spec, x, j), carry)
+  _fwd_finish(spec, lax.fori_loop(lo, hi, step, _fwd_init(spec, r, rest[0].shape[-1])), *rest)
+
+
+def _loop_dq(spec: Spec, nk: int, *refs):
+  x, rest = _split(spec, refs, _ROW_NAMES + _COL_NAMES)
+  r, d = _rows_at(spec, x), _grads_at(rest[:3])
+  lo, hi = _key_range(spec, pl.program_id(2), nk)
+  step = lambda j, carry: _dq_step(spec, r, _cols_at(spec, x, j), d, carry)
+  outs, _ = _outs(spec, rest[3:], 3)
+  _dq_finish(spec, lax.fori_loop(lo, hi, step, _dq_init(spec, r)), *outs)
+
+
+def _loop_dkv(spec: Spec, nq: int, *refs):
+  y, refs = _split(spec, refs, _COL_NAMES)
+  x, rest = _split(spec, refs, _ROW_NAMES)
+  c = _cols_at(spec, y)
+  lo, hi = _query_range(spec, pl.program_id(2), nq)
+  step = lambda i, carry: _dkv_step(spec, _rows_at(spec, x, i), c, _grads_at(rest[:3], i),
+                                    carry)
+  outs, _ = _outs(spec, rest[3:], 4)
+  _dkv_finish(spec, lax.fori_loop(lo, hi, step, _dkv_init(spec, c)), *outs)
+
+
+# -- grid driver (TPU): grid axis 3 walks the other side's tiles, the carry in VMEM scratch
+
+def _accumulate(init, step, finish, scratch, lo, hi, n: int):
+  """Axis 3 of the grid: the scratch carry set to `init` at 0, each tile in [lo, hi) added,
+  the outputs written at the last (tiles outside [lo, hi) are `_clamp`'s repeats: no compute).
+  None parts of the carry (SISA's alone) have no scratch."""
+  j = pl.program_id(3)
+
+  def put(carry):
+    for ref, value in zip(scratch, [c for c in carry if c is not None]):
+      ref[...] = value
+
+  def read():
+    it = iter(scratch)
+    return tuple(None if c is None else next(it)[...] for c in init)
+
+  pl.when(j == 0)(lambda: put(init))
+  pl.when((j >= lo) & (j < hi))(lambda: put(step(read())))
+  pl.when(j == n - 1)(lambda: finish(read()))
+
+
+def _grid_fwd(spec: Spec, nk: int, *refs):
+  x, rest = _split(spec, refs, _ROW_NAMES + _COL_NAMES)
+  r, c = _rows_at(spec, x), _cols_at(spec, x)
+  (o_ref, lse_ref), scratch = rest[:2], rest[2:]
+  lo, hi = _key_range(spec, pl.program_id(2), nk)
+  _accumulate(_fwd_init(spec, r, o_ref.shape[-1]), lambda k: _fwd_step(spec, r, c, k),
+              lambda k: _fwd_finish(spec, k, o_ref, lse_ref), scratch, lo, hi, nk)
+
+
+def _grid_dq(spec: Spec, nk: int, *refs):
+  x, rest = _split(spec, refs, _ROW_NAMES + _COL_NAMES)
+  r, c, d = _rows_at(spec, x), _cols_at(spec, x), _grads_at(rest[:3])
+  outs, scratch = _outs(spec, rest[3:], 3)
+  lo, hi = _key_range(spec, pl.program_id(2), nk)
+  _accumulate(_dq_init(spec, r), lambda k: _dq_step(spec, r, c, d, k),
+              lambda k: _dq_finish(spec, k, *outs), scratch, lo, hi, nk)
+
+
+def _grid_dkv(spec: Spec, nq: int, *refs):
+  y, refs = _split(spec, refs, _COL_NAMES)
+  x, rest = _split(spec, refs, _ROW_NAMES)
+  r, c, d = _rows_at(spec, x), _cols_at(spec, y), _grads_at(rest[:3])
+  outs, scratch = _outs(spec, rest[3:], 4)
+  lo, hi = _query_range(spec, pl.program_id(2), nq)
+  _accumulate(_dkv_init(spec, c), lambda k: _dkv_step(spec, r, c, d, k),
+              lambda k: _dkv_finish(spec, k, *outs), scratch, lo, hi, nq)
 
 
 # ---------------------------------------------------------------- layout
@@ -436,6 +531,47 @@ def _specs(spec: Spec, ops: Operands, rows_tiled: bool):
   return [a for a, _, _ in items], [f(a, lead) for a, f, lead in items]
 
 
+def _clamp(j, lo, hi):
+  """Tile j kept within [lo, hi): a grid step outside the range maps to a tile already
+  loaded, so Mosaic fetches nothing new for it (`_accumulate` skips its compute)."""
+  return jnp.minimum(jnp.maximum(j, lo), hi - 1)
+
+
+def _block(x, lead, tile):
+  """BlockSpec of one tile of x at grid index (b, h, i, j): leading indices `lead(b, h)`, tile
+  `tile(i, j)` on the tile axis after them."""
+  nlead = len(lead(0, 0))
+  shape = (None,) * (nlead + 1) + x.shape[nlead + 1:]
+  zeros = (0,) * (x.ndim - nlead - 1)
+  return pl.BlockSpec(shape, lambda b, h, i, j: lead(b, h) + (tile(i, j),) + zeros)
+
+
+def _grid_specs(spec: Spec, ops: Operands, rows_outer: bool, extra=()):
+  """(arrays, BlockSpecs) for the grid driver: one tile of every operand; the outer side's at
+  grid axis 2, the inner side's at axis 3, clamped to the range the outer tile meets; `extra`
+  (per-head row arrays: do, lse, delta) follow the rows."""
+  nq, nk, G = ops.q.shape[2], ops.k.shape[2], spec.groups
+  head, kv, row = (lambda b, h: (b, h)), (lambda b, h: (b, _div(h, G))), (lambda b, h: (b,))
+  if rows_outer:
+    rt, ct = (lambda i, j: i), (lambda i, j: _clamp(j, *_key_range(spec, i, nk)))
+  else:
+    ct, rt = (lambda i, j: i), (lambda i, j: _clamp(j, *_query_range(spec, i, nq)))
+  rows = [(ops.q, head), (ops.g, head), (ops.glo, head), (ops.c, head), (ops.pos, row),
+          (ops.seg, row)]
+  cols = [(ops.k, kv), (ops.v, kv), (ops.kg, head), (ops.kglo, head), (ops.b, head),
+          (ops.kpos, row), (ops.kseg, row)]
+  rows = [(a, lead, rt) for a, lead in rows]
+  cols = [(a, lead, ct) for a, lead in cols]
+  items = (rows + cols if rows_outer else cols + rows) + [(a, head, rt) for a in extra]
+  items = [it for it in items if it[0] is not None]
+  return [a for a, _, _ in items], [_block(a, lead, t) for a, lead, t in items]
+
+
+def _out_blocks(outs):
+  """Outputs: one tile per (b, h, outer tile), the same block for every inner step."""
+  return tuple(_block(o, lambda b, h: (b, h), lambda i, j: i) for o in outs)
+
+
 def _compiler_params(spec: Spec):
   """The target's compiler: Mosaic on TPU (every grid axis independent), Triton on GPU (JAX's
   other GPU backend, Mosaic GPU, stages whole blocks in shared memory, and the whole-head K/V
@@ -445,31 +581,43 @@ def _compiler_params(spec: Spec):
   plat = platform.current()
   if plat == "tpu":
     from jax.experimental.pallas import tpu as pltpu
-    return pltpu.CompilerParams(dimension_semantics=("parallel",) * 3)
+    return pltpu.CompilerParams(dimension_semantics=("parallel",) * 3
+                                + ("arbitrary",) * spec.grid)
   if plat == "gpu":
     from jax.experimental.pallas import triton as pltriton
     return pltriton.CompilerParams(num_warps=4, num_stages=2)
   return None
 
 
-def _call(spec: Spec, kernel, grid, ins, in_specs, outs, out_specs):
-  """The Pallas call, named after its kernel (decayed_fwd, decayed_dq, decayed_dkv: the name
-  compile reports and profiles show)."""
-  name = "decayed_" + kernel.func.__name__.strip("_").removesuffix("_kernel")
+def _call(spec: Spec, kernel, grid, ins, in_specs, outs, out_specs, scratch=()):
+  """The Pallas call, named after its pass (decayed_fwd, decayed_dq, decayed_dkv: the name
+  compile reports and profiles show); `scratch`: the grid driver's VMEM carry."""
+  name = "decayed_" + kernel.func.__name__.split("_")[-1]
   return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs,
                         out_shape=outs, interpret=spec.interpret, name=name,
+                        scratch_shapes=tuple(scratch),
                         compiler_params=_compiler_params(spec))(*ins)
 
 
+def _vmem(shapes):
+  """VMEM scratch of fp32 arrays of these shapes (None: none)."""
+  from jax.experimental.pallas import tpu as pltpu
+  return [pltpu.VMEM(sh, F32) for sh in shapes if sh is not None]
+
+
 def _forward(spec: Spec, ops: Operands):
-  B, H, nq, bq, _ = ops.q.shape
+  B, H, nq, bq, D = ops.q.shape
   nk, Dv = ops.k.shape[2], ops.v.shape[-1]
-  ins, in_specs = _specs(spec, ops, rows_tiled=True)
   outs = (jax.ShapeDtypeStruct((B, H, nq, bq, Dv), ops.q.dtype),
-          jax.ShapeDtypeStruct((B, H, nq, bq, 1), jnp.float32))
+          jax.ShapeDtypeStruct((B, H, nq, bq, 1), F32))
+  if spec.grid:
+    ins, in_specs = _grid_specs(spec, ops, rows_outer=True)
+    return _call(spec, functools.partial(_grid_fwd, spec, nk), (B, H, nq, nk), ins, in_specs,
+                 outs, _out_blocks(outs), _vmem([(bq, 1), (bq, 1), (bq, Dv)]))
+  ins, in_specs = _specs(spec, ops, rows_tiled=True)
   lead = lambda b, h, i: (b, h)
   out_specs = (_tile_spec(outs[0], lead), _tile_spec(outs[1], lead))
-  return _call(spec, functools.partial(_fwd_kernel, spec, nk), (B, H, nq), ins, in_specs,
+  return _call(spec, functools.partial(_loop_fwd, spec, nk), (B, H, nq), ins, in_specs,
                outs, out_specs)
 
 
@@ -477,30 +625,38 @@ def _backward(spec: Spec, ops: Operands, do, lse, delta):
   """(dq, dg_row, dc) [row layout], (dk, dv, dg_col, db) [per query head, column layout]."""
   B, H, nq, bq, D = ops.q.shape
   nk, bk, Dv = ops.k.shape[2], ops.k.shape[3], ops.v.shape[-1]
-  lead = lambda b, h, i: (b, h)
-  f32 = jnp.float32
-  # dq pass: tiles of queries
-  ins, in_specs = _specs(spec, ops, rows_tiled=True)
+  ds_ = ops.c.shape[-1] if spec.sisa else None
   extra = (do, lse, delta)
+  row_outs = [jax.ShapeDtypeStruct(ops.q.shape, ops.q.dtype),
+              jax.ShapeDtypeStruct((B, H, nq, bq, 1), F32)]
+  col_outs = [jax.ShapeDtypeStruct((B, H, nk, bk, D), ops.k.dtype),
+              jax.ShapeDtypeStruct((B, H, nk, bk, Dv), ops.v.dtype),
+              jax.ShapeDtypeStruct((B, H, nk, 1, bk), F32)]
+  if spec.sisa:
+    row_outs.append(jax.ShapeDtypeStruct(ops.c.shape, ops.c.dtype))
+    col_outs.append(jax.ShapeDtypeStruct(ops.b.shape, ops.b.dtype))
+  row_outs, col_outs = tuple(row_outs), tuple(col_outs)
+  if spec.grid:
+    ins, in_specs = _grid_specs(spec, ops, rows_outer=True, extra=extra)
+    row_grads = _call(spec, functools.partial(_grid_dq, spec, nk), (B, H, nq, nk), ins,
+                      in_specs, row_outs, _out_blocks(row_outs),
+                      _vmem([(bq, D), (bq, 1), ds_ and (bq, ds_)]))
+    ins, in_specs = _grid_specs(spec, ops, rows_outer=False, extra=extra)
+    col_grads = _call(spec, functools.partial(_grid_dkv, spec, nq), (B, H, nk, nq), ins,
+                      in_specs, col_outs, _out_blocks(col_outs),
+                      _vmem([(bk, D), (bk, Dv), (1, bk), ds_ and (bk, ds_)]))
+    return row_grads, col_grads
+  lead = lambda b, h, i: (b, h)
+  ins, in_specs = _specs(spec, ops, rows_tiled=True)     # dq pass: tiles of queries
   ins += list(extra)
   in_specs += [_tile_spec(a, lead) for a in extra]
-  outs = [jax.ShapeDtypeStruct(ops.q.shape, ops.q.dtype),
-          jax.ShapeDtypeStruct((B, H, nq, bq, 1), f32)]
-  if spec.sisa:
-    outs.append(jax.ShapeDtypeStruct(ops.c.shape, ops.c.dtype))
-  row_grads = _call(spec, functools.partial(_dq_kernel, spec, nk), (B, H, nq), ins, in_specs,
-                    tuple(outs), tuple(_tile_spec(o, lead) for o in outs))
-  # dkv pass: tiles of keys, per query head
-  ins, in_specs = _specs(spec, ops, rows_tiled=False)
+  row_grads = _call(spec, functools.partial(_loop_dq, spec, nk), (B, H, nq), ins, in_specs,
+                    row_outs, tuple(_tile_spec(o, lead) for o in row_outs))
+  ins, in_specs = _specs(spec, ops, rows_tiled=False)    # dkv pass: tiles of keys
   ins += list(extra)
   in_specs += [_full(a, lead) for a in extra]
-  outs = [jax.ShapeDtypeStruct((B, H, nk, bk, D), ops.k.dtype),
-          jax.ShapeDtypeStruct((B, H, nk, bk, Dv), ops.v.dtype),
-          jax.ShapeDtypeStruct((B, H, nk, 1, bk), f32)]
-  if spec.sisa:
-    outs.append(jax.ShapeDtypeStruct(ops.b.shape, ops.b.dtype))
-  col_grads = _call(spec, functools.partial(_dkv_kernel, spec, nq), (B, H, nk), ins, in_specs,
-                    tuple(outs), tuple(_tile_spec(o, lead) for o in outs))
+  col_grads = _call(spec, functools.partial(_loop_dkv, spec, nq), (B, H, nk), ins, in_specs,
+                    col_outs, tuple(_tile_spec(o, lead) for o in col_outs))
   return row_grads, col_grads
 
 
@@ -621,7 +777,8 @@ def decayed_attention(q_BTHD, k_BTKD, v_BTKE, *, scale: float, g_BTH=None, g_lo_
                       b_BTHS=None, fox: bool = False, causal: bool = True,
                       window: int | None = None, positions_BT=None, segment_ids_BT=None,
                       sink_logit_H=None, block_q: int | None = None,
-                      block_k: int | None = None, interpret: bool | None = None):
+                      block_k: int | None = None, interpret: bool | None = None,
+                      tile_grid: bool | None = None):
   """Decayed attention through the kernel (module docstring): [B, T, H, Dv] in q's dtype.
 
   g_BTH: cumulative log-decay (fp32; None: no decay); g_lo_BTH: its low word when g is a
@@ -630,7 +787,9 @@ def decayed_attention(q_BTHD, k_BTKD, v_BTKE, *, scale: float, g_BTH=None, g_lo_
   c_BTHS / b_BTHS: SISA's query / key factors (lambda folded into c). positions_BT: None =
   0..T-1; -1 marks padding. segment_ids_BT: packed documents (0 = shared prefix). sink_logit_H:
   the extra softmax column. block_q / block_k: tile sizes (default `BLOCKS` of the platform).
-  interpret: run the Pallas interpreter (default: on CPU)."""
+  interpret: run the Pallas interpreter (default: on CPU). tile_grid: the grid driver, the
+  other side's tiles on a grid axis with the carry in VMEM scratch (default: on TPU; the
+  loop driver elsewhere)."""
   B, T, H, _ = q_BTHD.shape
   sisa = c_BTHS is not None
   if sisa != (b_BTHS is not None):
@@ -640,6 +799,8 @@ def decayed_attention(q_BTHD, k_BTKD, v_BTKE, *, scale: float, g_BTH=None, g_lo_
   plat = platform.current()
   if interpret is None:
     interpret = plat == "cpu"
+  if tile_grid is None:
+    tile_grid = plat == "tpu"
   block_q, block_k = block_q or BLOCKS[plat], block_k or BLOCKS[plat]
   g = jnp.zeros((B, T, H), jnp.float32) if g_BTH is None else g_BTH
   pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T)) if positions_BT is None \
@@ -647,7 +808,8 @@ def decayed_attention(q_BTHD, k_BTKD, v_BTKE, *, scale: float, g_BTH=None, g_lo_
   seg = jnp.ones((B, T), jnp.int32) if segment_ids_BT is None else segment_ids_BT.astype(
       jnp.int32)
   spec = Spec(float(scale), bool(fox), sisa, g_lo_BTH is not None, bool(causal), window,
-              int(block_q), int(block_k), H // k_BTKD.shape[2], bool(interpret))
+              int(block_q), int(block_k), H // k_BTKD.shape[2], bool(interpret),
+              bool(tile_grid))
   args = dict(q=q_BTHD, k=k_BTKD, v=v_BTKE, g=g, glo=g_lo_BTH, c=c_BTHS, b=b_BTHS, pos=pos,
               seg=seg, sink=sink_logit_H)
   return _sharded(functools.partial(_local, spec), args, _NAMES)
