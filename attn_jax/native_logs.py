@@ -15,6 +15,7 @@ still reaches stderr, only later (when the block ends).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import sys
@@ -63,17 +64,52 @@ def filtered() -> Iterator[None]:
         sys.stderr.flush()
 
 
+CUDA_UNLOADABLE = ("Unable to load CUDA", "Error loading CUDA libraries")
+CUDA_NOTE = ("JAX's CUDA plugin is installed but CUDA cannot be loaded on this machine (no "
+             "driver or runtime): JAX runs without the GPU (ATTN_JAX_DEBUG=1 shows the traceback)")
+
+
+def has_nvidia_device() -> bool:
+  """Whether the kernel exposes an NVIDIA GPU (a driver loaded), whatever CUDA's state."""
+  return os.path.exists("/proc/driver/nvidia") or os.path.exists("/dev/nvidia0")
+
+
+class CudaPluginNote(logging.Filter):
+  """JAX logs a CUDA plugin that cannot load CUDA as a 20-line traceback. On a machine with no
+  NVIDIA device (the compile-only targets extra on a laptop or CPU server) there is no GPU to
+  lose: the record is dropped. With a device, CUDA is broken and the GPU unused: the record
+  becomes `CUDA_NOTE`, one line. Any other plugin error passes unchanged."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    exc = record.exc_info[1] if record.exc_info else None
+    chain = []
+    while exc is not None and len(chain) < 8:
+      chain.append(str(exc))
+      exc = exc.__cause__ or exc.__context__
+    if str(record.msg).startswith("Jax plugin configuration error") and any(
+        m in c for c in chain for m in CUDA_UNLOADABLE):
+      if not has_nvidia_device():
+        return False
+      record.msg, record.args, record.exc_info, record.exc_text = CUDA_NOTE, (), None, None
+    return True
+
+
 def start_jax_quietly() -> None:
   """Import JAX and register its PJRT plugins now, with their start-up chatter filtered
   (importing JAX loads the CUDA plugin's libraries; JAX registers plugins lazily on first
   backend use). Registration creates no device client, so `jax.distributed.initialize` may
   still come after. The registration uses JAX's private hook where this JAX has it."""
-  with filtered():
-    import jax  # noqa: F401
-    try:
-      from jax._src import xla_bridge as xb
-    except ImportError:
-      return
-    register = getattr(xb, "_discover_and_register_pjrt_plugins", None)
-    if register is not None and not getattr(xb, "_plugins_registered", True):
-      register()
+  bridge, note = logging.getLogger("jax._src.xla_bridge"), CudaPluginNote()
+  bridge.addFilter(note)
+  try:
+    with filtered():
+      import jax  # noqa: F401
+      try:
+        from jax._src import xla_bridge as xb
+      except ImportError:
+        return
+      register = getattr(xb, "_discover_and_register_pjrt_plugins", None)
+      if register is not None and not getattr(xb, "_plugins_registered", True):
+        register()
+  finally:
+    bridge.removeFilter(note)

@@ -2,12 +2,14 @@
 
   python experiments/finetune_study.py --config=configs/study_finetune.py \
       --workdir=runs/finetune_study
-  python experiments/finetune_study.py --report=runs/finetune_study
+  python experiments/finetune_study.py --report=runs/finetune_study \
+      --page=docs/pretrained_variants.md --assets=docs/finetune_study
 
 The first converts SmolLM2 into each variant, fine-tunes every one (lr sweep, seeds), scores
 the held-out stream under both caches and writes results.json, tables.md and
 nll_by_position.png under --workdir; rerunning it resumes where it stopped. The second
-regenerates tables.md and the plot from results.json alone.
+regenerates tables.md and the plot from results.json alone (and, with --page, that page's
+generated section, the plot copied to --assets).
 """
 
 import os
@@ -25,6 +27,9 @@ from attn_jax import cli  # noqa: E402
 _CONFIG = config_flags.DEFINE_config_file("config", None, "configs/study_finetune.py")
 _WORKDIR = flags.DEFINE_string("workdir", "runs/finetune_study", "Study directory.")
 _REPORT = flags.DEFINE_string("report", "", "Only regenerate the report of this directory.")
+_PAGE = flags.DEFINE_string("page", "", "Markdown page whose finetune_study section is rewritten "
+                            "(e.g. docs/pretrained_variants.md).")
+_ASSETS = flags.DEFINE_string("assets", "", "With --page: copy the plot to this tracked folder.")
 
 
 def main(argv):
@@ -45,9 +50,9 @@ def main(argv):
     except StudyStopped as e:
       print(f"\n{e}")
       sys.exit(128 + int(getattr(signal, e.signal_name, signal.SIGTERM)))
-  out = finetune.write_report(workdir)
+  out = finetune.write_report(workdir, _PAGE.value, _ASSETS.value)
   print(open(out["tables"]).read())
-  print(f"plot: {out['plot']}")
+  print(f"plot: {out['plot']}" + (f"; page: {out['page']}" if "page" in out else ""))
 
 
 if __name__ == "__main__":

@@ -386,6 +386,37 @@ def test_quiet_filter_drops_asyncio_reports_of_failed_tensorstore_reads_only():
   assert quiet.filter(record("attn_jax", read))
 
 
+def test_a_cuda_plugin_without_cuda_is_silent_without_a_gpu_and_one_line_with_one(monkeypatch):
+  """JAX's 20-line traceback for a CUDA plugin that cannot load CUDA: dropped where no NVIDIA
+  device exists (nothing is lost), one line where one does (the GPU goes unused); another
+  plugin error keeps its traceback."""
+  from attn_jax import native_logs
+
+  def record(error):
+    try:
+      try:
+        raise RuntimeError("cudaRuntimeGetVersion failed: Error loading CUDA libraries.")
+      except RuntimeError as cause:
+        raise error from cause
+    except RuntimeError as e:
+      info = (type(e), e, e.__traceback__)
+    return logging.LogRecord("jax._src.xla_bridge", logging.ERROR, "/x/xla_bridge.py", 1,
+                             "Jax plugin configuration error: Exception when calling %s",
+                             ("jax_plugins.xla_cuda12.initialize()",), info)
+
+  note = native_logs.CudaPluginNote()
+  monkeypatch.setattr(native_logs, "has_nvidia_device", lambda: False)
+  assert not note.filter(record(RuntimeError("Unable to load CUDA. Is it installed?")))
+  monkeypatch.setattr(native_logs, "has_nvidia_device", lambda: True)
+  r = record(RuntimeError("Unable to load CUDA. Is it installed?"))
+  assert note.filter(r) and r.getMessage() == native_logs.CUDA_NOTE and r.exc_info is None
+  other = logging.LogRecord("jax._src.xla_bridge", logging.ERROR, "/x/xla_bridge.py", 1,
+                            "Jax plugin configuration error: Exception when calling %s",
+                            ("jax_plugins.other.initialize()",),
+                            (ValueError, ValueError("bad option"), None))
+  assert note.filter(other) and other.exc_info is not None
+
+
 def test_missing_config_file_with_overrides_names_the_file(capsys):
   from attn_jax import config_flags
   parse = config_flags.flags_parser("config", "configs/quickstart.py")

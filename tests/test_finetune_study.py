@@ -89,6 +89,14 @@ def test_finetune_study_tiny(llama_dir, tmp_path):
   again = finetune.run_study(c, wd, log=logs.append)
   assert [r["heldout_nll"] for r in again["runs"]] == [r["heldout_nll"] for r in res["runs"]]
   assert not any("steps of" in m or "converting" in m for m in logs), logs
+  assert len(again["meta"]["invocations"]) == 2   # the wall time sums both invocations
+  page = tmp_path / "page.md"
+  page.write_text("# p\n\n<!-- finetune_study:begin -->\nold\n<!-- finetune_study:end -->\nafter\n")
+  finetune.write_report(wd, str(page), str(tmp_path / "assets"))
+  text = page.read_text()
+  assert "old" not in text and text.endswith("after\n") and "2 invocation(s)" in text
+  assert "| sisa |" in text and "window(32) - streaming(4+28)" in text
+  assert (tmp_path / "assets" / finetune.PLOT).is_file()
 
 
 def test_a_finished_run_is_judged_on_changed_values_not_on_new_fields():
@@ -100,3 +108,59 @@ def test_a_finished_run_is_judged_on_changed_values_not_on_new_fields():
                                 "train": {"steps": 30, "profile_steps": ""}}) == []
   changes = changed_fields(saved, {"optim": {"lr": 3e-4, "eps": 1e-15}, "train": {"steps": 30}})
   assert len(changes) == 1 and "config.optim.lr" in changes[0]
+
+
+def synthetic_results():
+  """A results.json of two models, the control on two seeds, without training anything."""
+  def stream(window, streaming):
+    return {"policies": {"window(8)": {"nll_past_cache": window, "wall_s": 2.0},
+                         "streaming(4+4)": {"nll_past_cache": streaming, "wall_s": 3.0}}}
+  run = lambda v, seed, nll, **kw: {"variant": v, "seed": seed, "lr": 1e-4, "tokens": 1024,
+                                    "heldout_nll": nll, "final_train_loss": nll + 0.1,
+                                    "wall_s": 60.0, **kw}
+  runs = [run("control", 0, 3.0), run("sink_logit", 0, 2.9, new_values={
+      "converted": {"sink": {"mean": -20.0, "absmax": 20.0}},
+      "finetuned": {"sink": {"mean": -12.5, "absmax": 14.0}}}), run("control", 1, 3.2)]
+  config = {"study": {"src": "smollm2", "lrs": [1e-4], "seeds": [0, 1], "stream_tokens": 64,
+                      "stream_cache": 8, "stream_chunk": 4},
+            "train": {"steps": 2}, "data": {"global_batch_size": 4, "seq_len": 128,
+                                            "paths": "t.txt", "eval_fraction": 0.1},
+            "optim": {"eps": 1e-15, "warmup_steps": 0, "min_lr_ratio": 0.1}}
+  return {"meta": {"command": "python experiments/finetune_study.py ...", "complete": True,
+                   "best_variant": "sink_logit", "started": "a", "finished": "b",
+                   "machine": {"backend": "cpu", "devices": 1, "cpu_count": 2, "jax": "0",
+                               "commit": "abc1234"},
+                   "invocations": [{"wall_s": 120.0, "loadavg_start": 0.5},
+                                   {"wall_s": 60.0, "loadavg_end": 2.0}], "config": config},
+          "variants": {"control": {"lr": 1e-4}, "sink_logit": {"lr": 1e-4}},
+          "sweep": runs[:2], "runs": runs,
+          "streams": {"pretrained": stream(4.0, 3.5), "control/seed0": stream(3.6, 3.4),
+                      "control/seed1": stream(3.8, 3.4), "sink_logit/seed0": stream(3.3, 3.3)}}
+
+
+def test_the_report_table_averages_seeds_and_the_window_excess_per_seed():
+  from attn_jax.study import finetune
+  res = synthetic_results()
+  rows = {r.split("|")[1].strip(): [c.strip() for c in r.split("|")[2:-1]]
+          for r in finetune.table(res).splitlines()[2:]}
+  # model: lr, seeds, held-out, window past, streaming past, window - streaming
+  assert rows["pretrained (step 0)"] == ["-", "1", "-", "4.0000", "3.5000", "0.5000"]
+  assert rows["control"] == ["0.0001", "2", "3.1000 ± 0.1000", "3.7000 ± 0.1000",
+                             "3.4000 ± 0.0000", "0.3000 ± 0.1000"]
+  assert rows["sink_logit"][2:] == ["2.9000", "3.3000", "3.3000", "0.0000"]
+  text = finetune.conditions(res)
+  assert "3.0 min in 2 invocation(s)" in text and "3 fine-tunes 3.0 min" in text
+  assert "8 stream scores 0.3 min" in text and "commit abc1234" in text
+  assert "load average 0.5 to 2.0" in text
+  params = finetune.new_params_table(res)
+  assert "| sink_logit/seed0 | `sink` | -20 (20) | -12.5 (14) |" in params
+
+
+def test_an_earlier_results_file_without_invocations_counts_as_one(tmp_path):
+  from attn_jax.study import finetune
+  path = tmp_path / "results.json"
+  path.write_text(json.dumps({"meta": {"started": "s", "finished": "f",
+                                       "this_invocation_wall_s": 42.0}}))
+  assert finetune.earlier_invocations(str(path)) == [
+      {"started": "s", "finished": "f", "wall_s": 42.0}]
+  assert finetune.earlier_invocations(str(tmp_path / "none.json")) == []

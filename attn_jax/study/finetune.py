@@ -256,14 +256,18 @@ def run_study(config: ml_collections.ConfigDict, workdir: str, *, command: str =
   seeds = [int(x) for x in s.seeds]
   lrs = [float(x) for x in s.lrs] or [float(config.optim.lr)]
   t0 = time.perf_counter()
-  res: dict = {"meta": {"command": command, "started": _now(), "machine": machine_info(),
+  path = os.path.join(workdir, RESULTS)
+  calls = earlier_invocations(path)
+  calls.append({"started": _now(), "loadavg_start": os.getloadavg()[0]})
+  res: dict = {"meta": {"command": command, "started": calls[0]["started"],
+                        "machine": machine_info(), "invocations": calls,
                         "config": json.loads(json.dumps(config.to_dict(), default=str))},
                "variants": {}, "runs": [], "sweep": [], "streams": {}}
-  path = os.path.join(workdir, RESULTS)
 
   def save(complete=False):
-    res["meta"].update(finished=_now(), complete=complete,
-                       this_invocation_wall_s=time.perf_counter() - t0)
+    calls[-1].update(finished=_now(), wall_s=time.perf_counter() - t0,
+                     loadavg_end=os.getloadavg()[0])
+    res["meta"].update(finished=_now(), complete=complete)
     _dump(res, path)
 
   for name, spec in specs.items():
@@ -312,42 +316,158 @@ def run_study(config: ml_collections.ConfigDict, workdir: str, *, command: str =
   return res
 
 
+def earlier_invocations(path: str) -> list[dict]:
+  """The study command's earlier invocations ({started, finished, wall_s, loadavg_*}) from the
+  results.json at `path`: a resumed study's wall time is their sum."""
+  if not os.path.isfile(path):
+    return []
+  meta = _load(path).get("meta", {})
+  if "invocations" in meta:
+    return list(meta["invocations"])
+  if "this_invocation_wall_s" in meta:   # written before invocations were kept: one call
+    return [{"started": meta["started"], "finished": meta["finished"],
+             "wall_s": meta["this_invocation_wall_s"]}]
+  return []
+
+
 def _now() -> str:
   return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
 # ------------------------------------------------------------------ report
 
+PAGE_MARKERS = ("<!-- finetune_study:begin -->", "<!-- finetune_study:end -->")
+PLOT = "nll_by_position.png"
+
+
+def _cell(vals) -> str:
+  """Mean over seeds, spread = half the range; "n/a" without a finite value."""
+  vals = [v for v in vals if v is not None and np.isfinite(v)]
+  if not vals:
+    return "n/a"
+  m = float(np.mean(vals))
+  return f"{m:.4f}" if len(vals) == 1 else f"{m:.4f} ± {(max(vals) - min(vals)) / 2:.4f}"
+
+
+def policies(res: dict) -> list[str]:
+  """The stream policies in the order scored (window-only first, then the sinks' cache)."""
+  out: list[str] = []
+  for st in res["streams"].values():
+    out += [p for p in st["policies"] if p not in out]
+  return out
+
+
+def _past(res: dict, label: str, pol: str):
+  p = res["streams"].get(label, {}).get("policies", {}).get(pol, {})
+  return p.get("nll_past_cache")
+
+
+def _gap(res: dict, label: str, pols: list[str]):
+  a, b = (_past(res, label, p) for p in pols[:2])
+  return None if a is None or b is None else a - b
+
+
 def table(res: dict) -> str:
-  """The markdown table of results.json: per variant (mean over its seeds, spread = range),
-  held-out NLL and the stream NLLs of both caches past the cache."""
-  pols = sorted({p for st in res["streams"].values() for p in st["policies"]})
+  """Per model (mean over its seeds, ± half the range): held-out NLL, each cache's stream NLL
+  past the cache, and the window-only cache's excess over the sinks' (per seed, then mean)."""
+  pols = policies(res)
+  gap = len(pols) >= 2
   head = ("| model | lr | seeds | held-out NLL | " +
-          " | ".join(f"{p} NLL past the cache" for p in pols) + " |")
-  lines = [head, "|" + "---|" * (4 + len(pols))]
+          " | ".join(f"{p} NLL past the cache" for p in pols) +
+          (f" | {pols[0]} - {pols[1]} |" if gap else " |"))
+  lines = [head, "|" + "---|" * (4 + len(pols) + gap)]
 
-  def cell(vals):
-    vals = [v for v in vals if v is not None and np.isfinite(v)]
-    if not vals:
-      return "n/a"
-    m = float(np.mean(vals))
-    return f"{m:.4f}" if len(vals) == 1 else f"{m:.4f} ± {(max(vals) - min(vals)) / 2:.4f}"
+  def row(name, lr, labels, heldout):
+    cells = [_cell([_past(res, lb, p) for lb in labels]) for p in pols]
+    cells += [_cell([_gap(res, lb, pols) for lb in labels])] if gap else []
+    return f"| {name} | {lr} | {len(labels)} | {heldout} | " + " | ".join(cells) + " |"
 
-  def past(label, pol):
-    p = res["streams"].get(label, {}).get("policies", {}).get(pol, {})
-    return p.get("nll_past_cache")
-
-  lines.append("| pretrained (step 0) | - | - | - | " +
-               " | ".join(cell([past("pretrained", p)]) for p in pols) + " |")
+  lines.append(row("pretrained (step 0)", "-", ["pretrained"], "-"))
   for name, v in res["variants"].items():
     recs = [r for r in res["runs"] if r["variant"] == name]
-    if not recs:
-      continue
-    labels = [f"{name}/seed{r['seed']}" for r in recs]
-    lines.append(f"| {name} | {v.get('lr', float('nan')):g} | {len(recs)} | "
-                 f"{cell([r['heldout_nll'] for r in recs])} | " +
-                 " | ".join(cell([past(lb, p) for lb in labels]) for p in pols) + " |")
+    if recs:
+      lines.append(row(name, f"{v.get('lr', float('nan')):g}",
+                       [f"{name}/seed{r['seed']}" for r in recs],
+                       _cell([r["heldout_nll"] for r in recs])))
   return "\n".join(lines)
+
+
+def sweep_table(res: dict) -> str:
+  """Every fine-tune: variant, lr, seed, held-out NLL, last training loss, wall time."""
+  lines = ["| variant | lr | seed | held-out NLL | last train loss | wall s |",
+           "|---|---|---|---|---|---|"]
+  seen = set()
+  for r in res["sweep"] + res["runs"]:
+    key = (r["variant"], r["lr"], r["seed"])
+    if key in seen:
+      continue
+    seen.add(key)
+    loss = r.get("final_train_loss")
+    lines.append(f"| {r['variant']} | {r['lr']:g} | {r['seed']} | {r['heldout_nll']:.4f} | "
+                 f"{'n/a' if loss is None else f'{loss:.4f}'} | {r['wall_s']:.0f} |")
+  return "\n".join(lines)
+
+
+def new_params_table(res: dict) -> str:
+  """The new parameters' mean (and max |.|) in the conversion and after fine-tuning, per run."""
+  lines = ["| run | parameter | converted: mean (max abs) | fine-tuned: mean (max abs) |",
+           "|---|---|---|---|"]
+  for r in res["runs"]:
+    nv = r.get("new_values") or {}
+    for p, after in nv.get("finetuned", {}).items():
+      before = nv.get("converted", {}).get(p, {})
+      fmt = lambda d: f"{d['mean']:.4g} ({d['absmax']:.4g})" if d else "n/a"
+      lines.append(f"| {r['variant']}/seed{r['seed']} | `{p}` | {fmt(before)} | {fmt(after)} |")
+  return "\n".join(lines)
+
+
+def refusals(res: dict) -> list[str]:
+  """'label: policy: reason' of every stream a model could not run."""
+  return [f"{label}: {pol}: {p['refused']}" for label, st in res["streams"].items()
+          for pol, p in st["policies"].items() if "refused" in p]
+
+
+def conditions(res: dict) -> str:
+  """The budget in words: model, data, steps and tokens, sweep and seeds, wall time, machine."""
+  m, c = res["meta"], res["meta"]["config"]
+  s, mc = c["study"], m["machine"]
+  fts = list({(r["variant"], r["lr"], r["seed"]): r for r in res["sweep"] + res["runs"]}.values())
+  tok = fts[0]["tokens"] if fts else 0
+  ft_s = sum(r["wall_s"] for r in fts)
+  st = [p for v in res["streams"].values() for p in v["policies"].values() if "wall_s" in p]
+  calls = m.get("invocations", [])
+  wall = sum(x.get("wall_s", 0.0) for x in calls)
+  loads = [x[k] for x in calls for k in ("loadavg_start", "loadavg_end") if k in x]
+  partial = "" if m.get("complete") else "PARTIAL (rerun the study command to complete it). "
+  return (f"{partial}`{s['src']}` converted into {len(res['variants'])} models; every "
+          f"fine-tune {c['train']['steps']} steps of {c['data']['global_batch_size']} x "
+          f"{c['data']['seq_len']} tokens ({tok:,} tokens of `{c['data']['paths']}`, its last "
+          f"{c['data']['eval_fraction']:.0%} held out), AdamW (eps {c['optim']['eps']:g}), warm-up "
+          f"{c['optim']['warmup_steps']}, cosine to {c['optim']['min_lr_ratio']:g} x lr, lr from "
+          f"{list(s['lrs'])} on seed {s['seeds'][0]}, seeds {list(s['seeds'])} for the control and "
+          f"the best variant ({m.get('best_variant')}); streams of {s['stream_tokens']:,} "
+          f"held-out tokens, cache {s['stream_cache']}, scored {s['stream_chunk']} tokens per "
+          f"call. Wall time on this machine: {wall / 60:.1f} min in {len(calls)} invocation(s) "
+          f"({len(fts)} fine-tunes {ft_s / 60:.1f} min, {len(st)} stream scores "
+          f"{sum(p['wall_s'] for p in st) / 60:.1f} min, the rest conversions and loading); "
+          f"{mc['backend']} x{mc['devices']}, {mc['cpu_count']} CPU cores, JAX {mc['jax']}, "
+          f"attn_jax commit {mc.get('commit', 'not recorded')}"
+          + (f"; load average {min(loads):.1f} to {max(loads):.1f}" if loads else "")
+          + f"; {m['started']} to {m['finished']}.")
+
+
+def page_section(res: dict, workdir: str, image_dir: str, regen: str) -> str:
+  """The generated part of the page, markers included."""
+  begin, end = PAGE_MARKERS
+  refused = "".join(f"\n- not run: {r}" for r in refusals(res))
+  return (f"{begin}\n<!-- generated by `{regen}` from {workdir}/results.json; do not edit "
+          f"by hand -->\nConditions: {conditions(res)}\n\n```bash\n{res['meta']['command']}\n"
+          f"{regen}\n```\n\n{table(res)}\n\nNLL past the cache: mean over the stream's "
+          f"tokens after the first {res['meta']['config']['study']['stream_cache']} (where the "
+          "two caches differ); ± half the range over seeds; the last column per seed, then "
+          f"averaged.{refused}\n\n![NLL against position]({image_dir}/{PLOT})\n\n"
+          f"Every fine-tune:\n\n{sweep_table(res)}\n\nThe new parameters:\n\n"
+          f"{new_params_table(res)}\n{end}")
 
 
 def plot(res: dict, path: str) -> str:
@@ -381,9 +501,27 @@ def plot(res: dict, path: str) -> str:
   return path
 
 
-def write_report(workdir: str) -> dict[str, str]:
+def write_report(workdir: str, page: str = "", assets: str = "") -> dict[str, str]:
+  """tables.md and the plot in `workdir` from its results.json; with `page`, its generated
+  section replaced (the plot copied to `assets` when given, linked from there)."""
+  import shutil
+
+  from attn_jax.study.report import splice
   res = _load(os.path.join(workdir, RESULTS))
   tables = os.path.join(workdir, "tables.md")
   with open(tables, "w") as f:
     f.write(table(res) + "\n")
-  return {"tables": tables, "plot": plot(res, os.path.join(workdir, "nll_by_position.png"))}
+  out = {"tables": tables, "plot": plot(res, os.path.join(workdir, PLOT))}
+  if page:
+    if assets:
+      os.makedirs(assets, exist_ok=True)
+      shutil.copyfile(out["plot"], os.path.join(assets, PLOT))
+    rel = lambda p: os.path.relpath(os.path.abspath(p))
+    images = os.path.relpath(os.path.abspath(assets or workdir),
+                             os.path.dirname(os.path.abspath(page)))
+    regen = (f"python experiments/finetune_study.py --report={rel(workdir)} --page={rel(page)}"
+             + (f" --assets={rel(assets)}" if assets else ""))
+    splice(page, page_section(res, rel(workdir), images, regen), *PAGE_MARKERS,
+           "## The study's results")
+    out["page"] = page
+  return out

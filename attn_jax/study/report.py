@@ -253,7 +253,8 @@ def conditions(res: dict) -> str:
           f"({_data_text(d)}), "
           f"d_model {mdl['d_model']}, {mdl['n_heads']} heads, {mdl['dtype']}; evaluation every "
           f"{m['eval_every']} steps. Machine: {mc['backend']} ({mc['device_kind']}) x"
-          f"{mc['devices']}, {mc['cpu_count']} CPU cores, {mc['platform']}, JAX {mc['jax']}; "
+          f"{mc['devices']}, {mc['cpu_count']} CPU cores, {mc['platform']}, JAX {mc['jax']}, "
+          f"attn_jax commit {mc.get('commit', 'not recorded')}; "
           f"load average {m['loadavg_start'][0]:.1f} at the start, {m['loadavg_end'][0]:.1f} at "
           f"the end (the machine is shared: wall times are noisy). {_time_text(m, runs)}; "
           f"{m['started']} to {m['finished']}.")
@@ -472,18 +473,25 @@ def update_readme(readme_path: str, workdir: str, assets: str = "") -> bool:
     os.makedirs(assets, exist_ok=True)
     for p in plot_names(res):
       shutil.copyfile(os.path.join(workdir, p), os.path.join(assets, p))
-  with open(readme_path) as f:
-    text = f.read()
-  section = readme_section(res, readme_path, workdir, assets)
   begin, end = markers(res)
+  return splice(readme_path, readme_section(res, readme_path, workdir, assets), begin, end,
+                f"## {_title(res)}")
+
+
+def splice(page_path: str, section: str, begin: str, end: str, heading: str) -> bool:
+  """Put `section` (its markers included) in place of the text between `begin` and `end` in
+  the page; a page without them gets `heading` and the section appended. Returns whether the
+  file changed."""
+  with open(page_path) as f:
+    text = f.read()
   b, e = text.find(begin), text.find(end)
   if b < 0 and e < 0:
-    new = text.rstrip("\n") + f"\n\n## {_title(res)}\n" + section + "\n"
+    new = text.rstrip("\n") + f"\n\n{heading}\n" + section + "\n"
   elif b < 0 or e < b:
-    raise ValueError(f"{readme_path}: markers {begin} ... {end} are missing or out of order")
+    raise ValueError(f"{page_path}: markers {begin} ... {end} are missing or out of order")
   else:
     new = text[:b] + section + text[e + len(end):]
   if new != text:
-    with open(readme_path, "w") as f:
+    with open(page_path, "w") as f:
       f.write(new)
   return new != text

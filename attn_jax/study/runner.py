@@ -40,6 +40,7 @@ from typing import Any, Callable
 import ml_collections
 import numpy as np
 
+from attn_jax.provenance import source_commit
 from attn_jax.study import variants as variants_lib
 
 RESULTS = "results.json"
@@ -72,7 +73,8 @@ def enable_compilation_cache(workdir: str) -> str:
 def machine_info() -> dict:
   import jax
   dev = jax.devices()
-  return {"platform": platform.platform(), "python": platform.python_version(),
+  return {"commit": source_commit(), "platform": platform.platform(),
+          "python": platform.python_version(),
           "jax": jax.__version__, "backend": jax.default_backend(), "devices": len(dev),
           "device_kind": dev[0].device_kind, "cpu_count": os.cpu_count(),
           "affinity_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
