@@ -131,7 +131,8 @@ def synthetic_results():
                    "machine": {"backend": "cpu", "devices": 1, "cpu_count": 2, "jax": "0",
                                "commit": "abc1234"},
                    "invocations": [{"wall_s": 120.0, "loadavg_start": 0.5},
-                                   {"wall_s": 60.0, "loadavg_end": 2.0}], "config": config},
+                                   {"wall_s": 60.0, "loadavg_end": 2.0, "commit": "abc1234"}],
+                   "config": config},
           "variants": {"control": {"lr": 1e-4}, "sink_logit": {"lr": 1e-4}},
           "sweep": runs[:2], "runs": runs,
           "streams": {"pretrained": stream(4.0, 3.5), "control/seed0": stream(3.6, 3.4),
@@ -150,7 +151,7 @@ def test_the_report_table_averages_seeds_and_the_window_excess_per_seed():
   assert rows["sink_logit"][2:] == ["2.9000", "3.3000", "3.3000", "0.0000"]
   text = finetune.conditions(res)
   assert "3.0 min in 2 invocation(s)" in text and "3 fine-tunes 3.0 min" in text
-  assert "8 stream scores 0.3 min" in text and "commit abc1234" in text
+  assert "8 stream scores 0.3 min" in text and "per invocation not recorded, abc1234" in text
   assert "load average 0.5 to 2.0" in text
   params = finetune.new_params_table(res)
   assert "| sink_logit/seed0 | `sink` | -20 (20) | -12.5 (14) |" in params

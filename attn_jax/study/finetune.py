@@ -258,7 +258,8 @@ def run_study(config: ml_collections.ConfigDict, workdir: str, *, command: str =
   t0 = time.perf_counter()
   path = os.path.join(workdir, RESULTS)
   calls = earlier_invocations(path)
-  calls.append({"started": _now(), "loadavg_start": os.getloadavg()[0]})
+  calls.append({"started": _now(), "loadavg_start": os.getloadavg()[0],
+                "commit": machine_info()["commit"]})
   res: dict = {"meta": {"command": command, "started": calls[0]["started"],
                         "machine": machine_info(), "invocations": calls,
                         "config": json.loads(json.dumps(config.to_dict(), default=str))},
@@ -438,6 +439,7 @@ def conditions(res: dict) -> str:
   calls = m.get("invocations", [])
   wall = sum(x.get("wall_s", 0.0) for x in calls)
   loads = [x[k] for x in calls for k in ("loadavg_start", "loadavg_end") if k in x]
+  commits = [x.get("commit", "not recorded") for x in calls]
   partial = "" if m.get("complete") else "PARTIAL (rerun the study command to complete it). "
   return (f"{partial}`{s['src']}` converted into {len(res['variants'])} models; every "
           f"fine-tune {c['train']['steps']} steps of {c['data']['global_batch_size']} x "
@@ -451,7 +453,7 @@ def conditions(res: dict) -> str:
           f"({len(fts)} fine-tunes {ft_s / 60:.1f} min, {len(st)} stream scores "
           f"{sum(p['wall_s'] for p in st) / 60:.1f} min, the rest conversions and loading); "
           f"{mc['backend']} x{mc['devices']}, {mc['cpu_count']} CPU cores, JAX {mc['jax']}, "
-          f"attn_jax commit {mc.get('commit', 'not recorded')}"
+          f"attn_jax commit per invocation {', '.join(commits)}"
           + (f"; load average {min(loads):.1f} to {max(loads):.1f}" if loads else "")
           + f"; {m['started']} to {m['finished']}.")
 
