@@ -10,6 +10,12 @@ they break the entry points' promise that a mistake is one line on stderr.
 `filtered()` runs a block with fd 2 redirected to a temporary file, then writes back every line
 that is not one of the known start-up lines (`NOISE`): anything else, a real error included,
 still reaches stderr, only later (when the block ends).
+
+The TPU runtime writes its warnings when JAX first creates its backends, which happens later,
+outside any block. On a machine that exposes no accelerator device at all (`accelerators()`
+finds no NVIDIA, AMD or TPU device node) and where JAX_PLATFORMS is unset, JAX would end on the
+CPU anyway after trying each plugin; there `start_jax_quietly` sets JAX_PLATFORMS=cpu, which
+skips those attempts (the compile-only targets still load: they need only the plugins).
 """
 
 from __future__ import annotations
@@ -94,11 +100,29 @@ class CudaPluginNote(logging.Filter):
     return True
 
 
+DEVICE_NODES = ("/dev/nvidia0", "/dev/nvidiactl", "/proc/driver/nvidia", "/dev/kfd",
+                "/dev/accel0", "/dev/vfio/vfio")   # NVIDIA, AMD (ROCm), TPU (v2-v5e, v5p+)
+
+
+def accelerators(exists=os.path.exists) -> list[str]:
+  """The accelerator device nodes this machine exposes (`DEVICE_NODES`)."""
+  return [p for p in DEVICE_NODES if exists(p)]
+
+
+def cpu_only_default(environ=os.environ, exists=os.path.exists) -> bool:
+  """Set JAX_PLATFORMS=cpu when it is unset and no accelerator exists; whether it was set."""
+  if environ.get("JAX_PLATFORMS") or accelerators(exists):
+    return False
+  environ["JAX_PLATFORMS"] = "cpu"
+  return True
+
+
 def start_jax_quietly() -> None:
   """Import JAX and register its PJRT plugins now, with their start-up chatter filtered
   (importing JAX loads the CUDA plugin's libraries; JAX registers plugins lazily on first
   backend use). Registration creates no device client, so `jax.distributed.initialize` may
   still come after. The registration uses JAX's private hook where this JAX has it."""
+  cpu_only_default()
   bridge, note = logging.getLogger("jax._src.xla_bridge"), CudaPluginNote()
   bridge.addFilter(note)
   try:

@@ -417,6 +417,33 @@ def test_a_cuda_plugin_without_cuda_is_silent_without_a_gpu_and_one_line_with_on
   assert note.filter(other) and other.exc_info is not None
 
 
+def test_jax_platforms_defaults_to_cpu_only_where_no_accelerator_exists():
+  from attn_jax import native_logs
+  env = {}
+  assert native_logs.cpu_only_default(env, exists=lambda p: False)
+  assert env["JAX_PLATFORMS"] == "cpu"
+  for node in ("/dev/nvidia0", "/dev/accel0", "/dev/vfio/vfio", "/dev/kfd"):
+    env = {}
+    assert not native_logs.cpu_only_default(env, exists=lambda p: p == node) and env == {}
+  env = {"JAX_PLATFORMS": "cuda"}
+  assert not native_logs.cpu_only_default(env, exists=lambda p: False)
+  assert env == {"JAX_PLATFORMS": "cuda"}
+
+
+def test_an_entry_point_starts_jax_without_a_line_on_stderr():
+  """With JAX_PLATFORMS unset (a user's shell) and the targets extra installed, starting an
+  entry point and JAX's backends writes nothing to stderr on a machine without accelerators."""
+  from attn_jax import native_logs
+  if native_logs.accelerators():
+    pytest.skip(f"this machine has accelerator devices: {native_logs.accelerators()}")
+  env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "ATTN_JAX_DEBUG")}
+  code = "import attn_jax.cli, jax; print(jax.default_backend(), len(jax.devices()))"
+  out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=120, cwd=os.path.dirname(os.path.dirname(__file__)) or ".")
+  assert out.returncode == 0, out.stderr
+  assert out.stdout.split()[0] == "cpu" and out.stderr == "", out.stderr
+
+
 def test_missing_config_file_with_overrides_names_the_file(capsys):
   from attn_jax import config_flags
   parse = config_flags.flags_parser("config", "configs/quickstart.py")
