@@ -75,9 +75,19 @@ CUDA_NOTE = ("JAX's CUDA plugin is installed but CUDA cannot be loaded on this m
              "driver or runtime): JAX runs without the GPU (ATTN_JAX_DEBUG=1 shows the traceback)")
 
 
+NVIDIA_NODES = ("/dev/nvidia0", "/dev/nvidiactl", "/proc/driver/nvidia")
+DEVICE_NODES = NVIDIA_NODES + ("/dev/kfd", "/dev/accel0", "/dev/vfio/vfio")
+# NVIDIA, AMD (ROCm), TPU (v2-v5e: accel, v5p+: vfio)
+
+
+def accelerators(exists=os.path.exists, nodes=DEVICE_NODES) -> list[str]:
+  """The accelerator device nodes of `nodes` this machine exposes."""
+  return [p for p in nodes if exists(p)]
+
+
 def has_nvidia_device() -> bool:
   """Whether the kernel exposes an NVIDIA GPU (a driver loaded), whatever CUDA's state."""
-  return os.path.exists("/proc/driver/nvidia") or os.path.exists("/dev/nvidia0")
+  return bool(accelerators(nodes=NVIDIA_NODES))
 
 
 class CudaPluginNote(logging.Filter):
@@ -98,15 +108,6 @@ class CudaPluginNote(logging.Filter):
         return False
       record.msg, record.args, record.exc_info, record.exc_text = CUDA_NOTE, (), None, None
     return True
-
-
-DEVICE_NODES = ("/dev/nvidia0", "/dev/nvidiactl", "/proc/driver/nvidia", "/dev/kfd",
-                "/dev/accel0", "/dev/vfio/vfio")   # NVIDIA, AMD (ROCm), TPU (v2-v5e, v5p+)
-
-
-def accelerators(exists=os.path.exists) -> list[str]:
-  """The accelerator device nodes this machine exposes (`DEVICE_NODES`)."""
-  return [p for p in DEVICE_NODES if exists(p)]
 
 
 def cpu_only_default(environ=os.environ, exists=os.path.exists) -> bool:

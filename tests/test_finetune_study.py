@@ -128,8 +128,7 @@ def synthetic_results():
             "optim": {"eps": 1e-15, "warmup_steps": 0, "min_lr_ratio": 0.1}}
   return {"meta": {"command": "python experiments/finetune_study.py ...", "complete": True,
                    "best_variant": "sink_logit", "started": "a", "finished": "b",
-                   "machine": {"backend": "cpu", "devices": 1, "cpu_count": 2, "jax": "0",
-                               "commit": "abc1234"},
+                   "machine": {"backend": "cpu", "devices": 1, "cpu_count": 2, "jax": "0"},
                    "invocations": [{"wall_s": 120.0, "loadavg_start": 0.5},
                                    {"wall_s": 60.0, "loadavg_end": 2.0, "commit": "abc1234"}],
                    "config": config},

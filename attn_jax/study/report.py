@@ -19,10 +19,14 @@ PLOTS = ("loss.png", "niah.png", "recall.png", "throughput.png")
 LM_PLOTS = ("lm_position.png",)   # added when the runs have language-modelling metrics
 
 
+def marker_pair(name: str) -> tuple[str, str]:
+  """The begin / end comments that delimit a generated section called `name` in a page."""
+  return f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+
+
 def markers(res: dict) -> tuple[str, str]:
   """The README markers of this study (`study.readme_marker`, default "study")."""
-  name = res["meta"]["config"].get("study", {}).get("readme_marker") or "study"
-  return f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+  return marker_pair(res["meta"]["config"].get("study", {}).get("readme_marker") or "study")
 
 
 def has_lm(res: dict) -> bool:
@@ -439,16 +443,31 @@ def write_report(workdir: str) -> dict:
   return {"tables": md, "plots": pngs}
 
 
+def page_links(page_path: str, workdir: str, assets: str = ""):
+  """(images, path): the folder the page's images link to (`assets` when given, a tracked
+  folder the PNGs are copied to, else the study's workdir), relative to the page; and the
+  function that writes a path for the page's commands: from the working directory when the
+  page lies under it (the checkout root, where the command runs), else from the page's folder."""
+  here = os.path.dirname(os.path.abspath(page_path))
+  images = os.path.relpath(os.path.abspath(assets or workdir), here)
+  cwd = os.getcwd()
+  base = cwd if os.path.abspath(page_path).startswith(cwd + os.sep) else here
+  return images, lambda p: os.path.relpath(os.path.abspath(p), base)
+
+
+def copy_plots(workdir: str, assets: str, names) -> None:
+  """The PNGs `names` of `workdir` copied to `assets` (runs/ is not tracked by git, so a page
+  that links into it shows no images on a fresh clone)."""
+  import shutil
+  os.makedirs(assets, exist_ok=True)
+  for p in names:
+    shutil.copyfile(os.path.join(workdir, p), os.path.join(assets, p))
+
+
 def readme_section(res: dict, readme_path: str, workdir: str, assets: str = "") -> str:
   """The generated section, markers included. Images link into `assets` when given (a
   tracked folder the PNGs are copied to), else into the study's workdir."""
-  here = os.path.dirname(os.path.abspath(readme_path))
-  images = os.path.relpath(os.path.abspath(assets or workdir), here)   # links: from the page
-  # The command's paths: from the working directory when the page lies under it (the checkout
-  # root, where the command runs), else from the page's folder.
-  cwd = os.getcwd()
-  base = cwd if os.path.abspath(readme_path).startswith(cwd + os.sep) else here
-  path = lambda p: os.path.relpath(os.path.abspath(p), base)
+  images, path = page_links(readme_path, workdir, assets)
   rel = path(workdir)
   cmd = res["meta"].get("command") or "python experiments/study.py ..."
   regen = (f"python experiments/study.py --report={rel} --readme={path(readme_path)}"
@@ -469,10 +488,7 @@ def update_readme(readme_path: str, workdir: str, assets: str = "") -> bool:
   tracked by git, so a README that links into it shows no images on a fresh clone)."""
   res = load_results(workdir)
   if assets:
-    import shutil
-    os.makedirs(assets, exist_ok=True)
-    for p in plot_names(res):
-      shutil.copyfile(os.path.join(workdir, p), os.path.join(assets, p))
+    copy_plots(workdir, assets, plot_names(res))
   begin, end = markers(res)
   return splice(readme_path, readme_section(res, readme_path, workdir, assets), begin, end,
                 f"## {_title(res)}")
