@@ -70,6 +70,7 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
+from attn_jax import jsonio
 from attn_jax.data import documents as doc_lib
 from attn_jax.data.tokenizer import ByteTokenizer, Tokenizer, get_tokenizer
 
@@ -368,10 +369,7 @@ def _finish_output(output: str, results: list[dict], *, tokenizer: str, tok: Tok
       "skipped_files": [r["input"] for r in results if r["skipped_file"]],
       "skipped_examples": skipped[:MAX_LISTED_SKIPS],
   }
-  tmp = os.path.join(output, INDEX + ".tmp")
-  with open(tmp, "w") as f:
-    json.dump(index, f, indent=1)
-  os.replace(tmp, os.path.join(output, INDEX))
+  jsonio.write(index, os.path.join(output, INDEX))
   return dict(index, seconds=seconds, tokens_per_sec=index["total_tokens"] / max(seconds, 1e-9))
 
 
@@ -589,10 +587,7 @@ def _save_verified(entries: dict) -> None:
   path = _verified_cache_path()
   try:
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-      json.dump(entries, f)
-    os.replace(tmp, path)
+    jsonio.write(entries, path, indent=None)
   except OSError:
     pass
 

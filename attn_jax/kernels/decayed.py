@@ -496,39 +496,53 @@ def _operands(spec: Spec, q, k, v, g, glo, c, b, pos, seg) -> Operands:
       kpos=pos.reshape(B, nk, 1, bk), kseg=seg.reshape(B, nk, 1, bk))
 
 
+def _head(b, h):
+  """Leading indices of a per-query-head array at grid index (b, h)."""
+  return (b, h)
+
+
+def _sides(ops: Operands, groups: int):
+  """The row operands and the column operands, each with the map from the grid's (b, h) to
+  its leading indices: per query head, per kv head (GQA: head h reads kv head h // groups) or
+  per row (positions and segments, shared by every head). Absent operands are None."""
+  kv, row = (lambda b, h: (b, _div(h, groups))), (lambda b, h: (b,))
+  rows = [(ops.q, _head), (ops.g, _head), (ops.glo, _head), (ops.c, _head), (ops.pos, row),
+          (ops.seg, row)]
+  cols = [(ops.k, kv), (ops.v, kv), (ops.kg, _head), (ops.kglo, _head), (ops.b, _head),
+          (ops.kpos, row), (ops.kseg, row)]
+  return rows, cols
+
+
+def _present_items(items):
+  return [it for it in items if it[0] is not None]
+
+
 def _full(x, lead):
-  """BlockSpec of x's whole trailing dims at grid index (b, h[, ...]): `lead` maps the grid to
-  the leading indices."""
-  shape = (None,) * len(lead(0, 0, 0)) + x.shape[len(lead(0, 0, 0)):]
-  zeros = (0,) * (x.ndim - len(lead(0, 0, 0)))
-  return pl.BlockSpec(shape, lambda b, h, i: lead(b, h, i) + zeros)
+  """BlockSpec of x's whole trailing dims at grid index (b, h, i): `lead(b, h)` gives the
+  leading indices."""
+  nlead = len(lead(0, 0))
+  zeros = (0,) * (x.ndim - nlead)
+  return pl.BlockSpec((None,) * nlead + x.shape[nlead:], lambda b, h, i: lead(b, h) + zeros)
 
 
 def _tile_spec(x, lead):
-  """BlockSpec of one tile (grid axis 2 indexes the tile axis after `lead`)."""
-  nlead = len(lead(0, 0, 0))
+  """BlockSpec of one tile (grid axis 2 indexes the tile axis after `lead(b, h)`)."""
+  nlead = len(lead(0, 0))
   shape = (None,) * (nlead + 1) + x.shape[nlead + 1:]
   zeros = (0,) * (x.ndim - nlead - 1)
-  return pl.BlockSpec(shape, lambda b, h, i: lead(b, h, i) + (i,) + zeros)
+  return pl.BlockSpec(shape, lambda b, h, i: lead(b, h) + (i,) + zeros)
 
 
 def _specs(spec: Spec, ops: Operands, rows_tiled: bool):
-  """(arrays, BlockSpecs) of the row and column operands: one tile of the tiled side, the
-  whole head of the other."""
-  G = spec.groups
-  per_head = lambda b, h, i: (b, h)
-  per_kv = lambda b, h, i: (b, _div(h, G))
-  per_row = lambda b, h, i: (b,)
-  row = _tile_spec if rows_tiled else _full
-  col = _full if rows_tiled else _tile_spec
-  rows = [(ops.q, row, per_head), (ops.g, row, per_head), (ops.glo, row, per_head),
-          (ops.c, row, per_head), (ops.pos, row, per_row), (ops.seg, row, per_row)]
-  cols = [(ops.k, col, per_kv), (ops.v, col, per_kv), (ops.kg, col, per_head),
-          (ops.kglo, col, per_head), (ops.b, col, per_head), (ops.kpos, col, per_row),
-          (ops.kseg, col, per_row)]
-  items = rows + cols if rows_tiled else cols + rows   # the dkv kernel reads keys first
-  items = [it for it in items if it[0] is not None]
-  return [a for a, _, _ in items], [f(a, lead) for a, f, lead in items]
+  """(arrays, BlockSpecs) of the row and column operands for the loop driver: one tile of the
+  tiled side, the whole head of the other."""
+  rows, cols = _sides(ops, spec.groups)
+  row, col = (_tile_spec, _full) if rows_tiled else (_full, _tile_spec)
+  items = [(a, lead, row) for a, lead in rows]
+  items = (items + [(a, lead, col) for a, lead in cols] if rows_tiled   # the dkv kernel
+           else [(a, lead, col) for a, lead in cols] + items)            # reads keys first
+  items = _present_items(items)
+  return [a for a, _, _ in items], [f(a, lead) for a, lead, f in items]
 
 
 def _clamp(j, lo, hi):
@@ -550,26 +564,22 @@ def _grid_specs(spec: Spec, ops: Operands, rows_outer: bool, extra=()):
   """(arrays, BlockSpecs) for the grid driver: one tile of every operand; the outer side's at
   grid axis 2, the inner side's at axis 3, clamped to the range the outer tile meets; `extra`
   (per-head row arrays: do, lse, delta) follow the rows."""
-  nq, nk, G = ops.q.shape[2], ops.k.shape[2], spec.groups
-  head, kv, row = (lambda b, h: (b, h)), (lambda b, h: (b, _div(h, G))), (lambda b, h: (b,))
+  nq, nk = ops.q.shape[2], ops.k.shape[2]
   if rows_outer:
     rt, ct = (lambda i, j: i), (lambda i, j: _clamp(j, *_key_range(spec, i, nk)))
   else:
     ct, rt = (lambda i, j: i), (lambda i, j: _clamp(j, *_query_range(spec, i, nq)))
-  rows = [(ops.q, head), (ops.g, head), (ops.glo, head), (ops.c, head), (ops.pos, row),
-          (ops.seg, row)]
-  cols = [(ops.k, kv), (ops.v, kv), (ops.kg, head), (ops.kglo, head), (ops.b, head),
-          (ops.kpos, row), (ops.kseg, row)]
+  rows, cols = _sides(ops, spec.groups)
   rows = [(a, lead, rt) for a, lead in rows]
   cols = [(a, lead, ct) for a, lead in cols]
-  items = (rows + cols if rows_outer else cols + rows) + [(a, head, rt) for a in extra]
-  items = [it for it in items if it[0] is not None]
+  items = (rows + cols if rows_outer else cols + rows) + [(a, _head, rt) for a in extra]
+  items = _present_items(items)
   return [a for a, _, _ in items], [_block(a, lead, t) for a, lead, t in items]
 
 
 def _out_blocks(outs):
   """Outputs: one tile per (b, h, outer tile), the same block for every inner step."""
-  return tuple(_block(o, lambda b, h: (b, h), lambda i, j: i) for o in outs)
+  return tuple(_block(o, _head, lambda i, j: i) for o in outs)
 
 
 def _compiler_params(spec: Spec):
@@ -615,8 +625,7 @@ def _forward(spec: Spec, ops: Operands):
     return _call(spec, functools.partial(_grid_fwd, spec, nk), (B, H, nq, nk), ins, in_specs,
                  outs, _out_blocks(outs), _vmem([(bq, 1), (bq, 1), (bq, Dv)]))
   ins, in_specs = _specs(spec, ops, rows_tiled=True)
-  lead = lambda b, h, i: (b, h)
-  out_specs = (_tile_spec(outs[0], lead), _tile_spec(outs[1], lead))
+  out_specs = (_tile_spec(outs[0], _head), _tile_spec(outs[1], _head))
   return _call(spec, functools.partial(_loop_fwd, spec, nk), (B, H, nq), ins, in_specs,
                outs, out_specs)
 
@@ -646,17 +655,16 @@ def _backward(spec: Spec, ops: Operands, do, lse, delta):
                       in_specs, col_outs, _out_blocks(col_outs),
                       _vmem([(bk, D), (bk, Dv), (1, bk), ds_ and (bk, ds_)]))
     return row_grads, col_grads
-  lead = lambda b, h, i: (b, h)
   ins, in_specs = _specs(spec, ops, rows_tiled=True)     # dq pass: tiles of queries
   ins += list(extra)
-  in_specs += [_tile_spec(a, lead) for a in extra]
+  in_specs += [_tile_spec(a, _head) for a in extra]
   row_grads = _call(spec, functools.partial(_loop_dq, spec, nk), (B, H, nq), ins, in_specs,
-                    row_outs, tuple(_tile_spec(o, lead) for o in row_outs))
+                    row_outs, tuple(_tile_spec(o, _head) for o in row_outs))
   ins, in_specs = _specs(spec, ops, rows_tiled=False)    # dkv pass: tiles of keys
   ins += list(extra)
-  in_specs += [_full(a, lead) for a in extra]
+  in_specs += [_full(a, _head) for a in extra]
   col_grads = _call(spec, functools.partial(_loop_dkv, spec, nq), (B, H, nk), ins, in_specs,
-                    col_outs, tuple(_tile_spec(o, lead) for o in col_outs))
+                    col_outs, tuple(_tile_spec(o, _head) for o in col_outs))
   return row_grads, col_grads
 
 

@@ -118,11 +118,12 @@ def variant_config(cfg: ModelConfig, variant: str, init: VariantInit) -> ModelCo
                                                forget_bias_init=float(init.fox_bias))
 
 
-def _flat(tree: dict, prefix: str = "") -> dict[str, Any]:
+def flat_paths(tree: dict, prefix: str = "") -> dict[str, Any]:
+  """{"a": {"b": x}} -> {"a/b": x}: a nested parameter dict keyed by its slash paths."""
   out = {}
   for k, v in tree.items():
     if isinstance(v, dict):
-      out.update(_flat(v, f"{prefix}{k}/"))
+      out.update(flat_paths(v, f"{prefix}{k}/"))
     else:
       out[f"{prefix}{k}"] = v
   return out
@@ -157,9 +158,9 @@ def variant_params(plain: dict, cfg: ModelConfig, var_cfg: ModelConfig, variant:
   head per query head), the new ones at the variant's random init (`seed`) or the identity
   value of `_IDENTITY`."""
   from attn_jax.model import build_model
-  fresh = _flat(jax.tree.map(np.asarray, nnx.to_pure_dict(
+  fresh = flat_paths(jax.tree.map(np.asarray, nnx.to_pure_dict(
       nnx.state(build_model(var_cfg, seed=seed), nnx.Param))))
-  have = _flat(jax.tree.map(np.asarray, plain))
+  have = flat_paths(jax.tree.map(np.asarray, plain))
   group = cfg.n_heads // cfg.kv_heads
   out, record = {}, {"from_checkpoint": [], "expanded": {}, "new": {}}
   for path, arr in fresh.items():

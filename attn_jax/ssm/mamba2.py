@@ -199,8 +199,32 @@ class CausalConv(nnx.Module):
 
 # ----------------------------------------------------------------------- the mixer
 
+class FullForwardRemat:
+  """The Mixer call shared by the SSD mixers (Mamba-2, Mamba-3): a full forward (no state)
+  runs `project(ssm_heads(x))` under `remat_full_forward` (module docstring); with a state,
+  the heads carry it and nothing is rematerialised. The mixer gives `cfg`, `ssm_heads` and
+  `project`."""
+
+  def __call__(self, x_BTD, *, positions_BT=None, segment_ids_BT=None, state=None, rng=None,
+               train=False):
+    if positions_BT is None:   # a plain 0..T-1 full forward
+      positions_BT = causal_positions(*x_BTD.shape[:2])
+    del rng, train
+    if state is None:
+      return self.remat_forward(x_BTD, positions_BT, segment_ids_BT), None, {}
+    y, state = self.ssm_heads(x_BTD, positions_BT=positions_BT, state=state,
+                              segment_ids_BT=segment_ids_BT)
+    return self.project(y), state, {}
+
+  def remat_forward(self, x_BTD, positions_BT, segment_ids_BT=None):
+    """project(ssm_heads(x)) of a full forward under `remat_full_forward`."""
+    def fwd(x, pos, seg):
+      return self.project(self.ssm_heads(x, positions_BT=pos, segment_ids_BT=seg)[0])
+    return remat_full_forward(self.cfg, fwd)(x_BTD, positions_BT, segment_ids_BT)
+
+
 @register_mixer("mamba2")
-class Mamba2(Mixer):
+class Mamba2(FullForwardRemat, Mixer):
 
   @dataclasses.dataclass(frozen=True)
   class Options(ssd.HeadOptions):   # d_state, expand, head_dim, n_heads, n_groups
@@ -309,22 +333,9 @@ class Mamba2(Mixer):
     M = cb * L * dt.transpose(0, 2, 1)[:, :, None, :]
     return {"decay": jnp.exp(a), "dt": dt, "L": L, "M": M, "x": xs, "mask": mask}
 
-  def __call__(self, x_BTD, *, positions_BT=None, segment_ids_BT=None, state=None, rng=None,
-               train=False):
-    if positions_BT is None:   # a plain 0..T-1 full forward
-      positions_BT = causal_positions(*x_BTD.shape[:2])
-    del rng, train
-    if state is None:   # a full forward: rematerialised but for the in-projections
-      return self.remat_forward(x_BTD, positions_BT, segment_ids_BT), None, {}
-    y, state = self.ssm_heads(x_BTD, positions_BT=positions_BT, state=state,
-                              segment_ids_BT=segment_ids_BT)
-    return self.out(y), state, {}
-
-  def remat_forward(self, x_BTD, positions_BT, segment_ids_BT=None):
-    """out(ssm_heads(x)) of a full forward under `remat_full_forward` (module docstring)."""
-    def fwd(x, pos, seg):
-      return self.out(self.ssm_heads(x, positions_BT=pos, segment_ids_BT=seg)[0])
-    return remat_full_forward(self.cfg, fwd)(x_BTD, positions_BT, segment_ids_BT)
+  def project(self, y_BTHP):
+    """The mixer's output: the out-projection of the gated-normed heads [B, T, H, P]."""
+    return self.out(y_BTHP)
 
   # -------------------------------------------------------------- class hooks
   @classmethod

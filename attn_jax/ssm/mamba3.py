@@ -110,8 +110,8 @@ from attn_jax.mixer import Mixer
 from attn_jax.options import field_check, is_int, is_number
 from attn_jax.registry import register_mixer
 from attn_jax.ssm import ssd
-from attn_jax.ssm.mamba2 import (IN_PROJ, document_resets, dt_bias_init, last_valid_window,
-                                 projection_inits, remat_full_forward, valid_mask)
+from attn_jax.ssm.mamba2 import (IN_PROJ, FullForwardRemat, document_resets, dt_bias_init,
+                                 last_valid_window, projection_inits, valid_mask)
 
 f32 = jnp.float32
 TWO_PI = 2.0 * math.pi
@@ -314,7 +314,7 @@ def trapezoid_mimo(x_BTHRP, a_BTH, gamma_BTH, betap_BTH, k_BTHRN, q_BTHRN, *, ch
 
 
 @register_mixer("mamba3")
-class Mamba3(Mixer):
+class Mamba3(FullForwardRemat, Mixer):
 
   @dataclasses.dataclass(frozen=True)
   class Options(ssd.HeadOptions):   # d_state, expand, head_dim, n_heads, n_groups
@@ -505,30 +505,16 @@ class Mamba3(Mixer):
       M, x = jnp.einsum("bthn,bjhn->bhtj", q, k) * L * weight, u["x"]
     return {"decay": jnp.exp(u["a"]), "L": L, "M": M, "x": x, "mask": mask}
 
-  def __call__(self, x_BTD, *, positions_BT=None, segment_ids_BT=None, state=None, rng=None,
-               train=False):
-    if positions_BT is None:   # a plain 0..T-1 full forward
-      positions_BT = causal_positions(*x_BTD.shape[:2])
-    del rng, train
-    if state is None:   # a full forward: rematerialised but for the in-projections
-      return self.remat_forward(x_BTD, positions_BT, segment_ids_BT), None, {}
-    y, state = self.ssm_heads(x_BTD, positions_BT=positions_BT, state=state,
-                              segment_ids_BT=segment_ids_BT)
-    return self.out(y.astype(dtype_of(self.cfg.dtype))), state, {}
-
-  def remat_forward(self, x_BTD, positions_BT, segment_ids_BT=None):
-    """out(ssm_heads(x)) of a full forward under `mamba2.remat_full_forward` (module
-    docstring)."""
-    def fwd(x, pos, seg):
-      y, _ = self.ssm_heads(x, positions_BT=pos, segment_ids_BT=seg)
-      return self.out(y.astype(dtype_of(self.cfg.dtype)))
-    return remat_full_forward(self.cfg, fwd)(x_BTD, positions_BT, segment_ids_BT)
+  def project(self, y_BTHP):
+    """The mixer's output: the heads' fp32 y [B, T, H, P] cast to the compute dtype, then
+    the out-projection."""
+    return self.out(y_BTHP.astype(dtype_of(self.cfg.dtype)))
 
   def reference(self, x_BTD, *, positions_BT, state=None, segment_ids_BT=None):
     """The same mixer through the token-by-token recurrence (test reference)."""
     y, state = self.ssm_heads(x_BTD, positions_BT=positions_BT, state=state, recurrent=True,
                               segment_ids_BT=segment_ids_BT)
-    return self.out(y.astype(dtype_of(self.cfg.dtype))), state
+    return self.project(y), state
 
   @classmethod
   def init_state(cls, cfg: ModelConfig, opts: "Mamba3.Options", batch: int, capacity: int,

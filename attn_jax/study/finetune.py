@@ -36,23 +36,13 @@ from typing import Any, Callable
 import ml_collections
 import numpy as np
 
+from attn_jax import jsonio
 from attn_jax.study.report import copy_plots, marker_pair, page_links, splice
+from attn_jax.study.variants import set_override
 
 RESULTS = "results.json"
 RUN_DONE = "finetune_run.json"
 STREAM_DONE = "stream.json"
-
-
-def _load(path):
-  with open(path) as f:
-    return json.load(f)
-
-
-def _dump(obj, path):
-  tmp = path + ".tmp"
-  with open(tmp, "w") as f:
-    json.dump(obj, f, indent=1)
-  os.replace(tmp, path)
 
 
 def variant_specs(config) -> dict[str, dict]:
@@ -93,20 +83,10 @@ def convert_variant(config, workdir: str, name: str, spec: dict, log) -> dict:
                   seed=int(config.study.convert_seed))
     log(f"[finetune] {name}: step-0 logits within {out['step0_rel_logit_diff']:.2e} relative "
         "of the plain import")
-  return _load(os.path.join(path, "pretrained.json"))["variant"]
+  return jsonio.read(os.path.join(path, "pretrained.json"))["variant"]
 
 
 # ------------------------------------------------------------------ stage 2/3: fine-tuning
-
-def _set(config, path: str, value) -> None:
-  *parents, leaf = path.split(".")
-  node = config
-  for p in parents:
-    node = node[p]
-  if leaf not in node:
-    raise ValueError(f"config.study.variants: override {path!r}: config.{path} does not exist")
-  node[leaf] = tuple(value) if isinstance(value, list) else value
-
 
 def run_config(config, workdir: str, name: str, spec: dict, seed: int, lr: float):
   """The fine-tune's config: the study's data/train/optim/eval settings, the converted run's
@@ -114,7 +94,7 @@ def run_config(config, workdir: str, name: str, spec: dict, seed: int, lr: float
   from attn_jax.train.init_from import finetune_config
   c = finetune_config(converted_dir(workdir, name), config)
   for path, value in spec["overrides"]:
-    _set(c, path, value)
+    set_override(c, path, value)
   c.seed, c.optim.lr = int(seed), float(lr)
   return c
 
@@ -144,7 +124,7 @@ def finetune_one(c, run_dir: str, name: str, log) -> dict:
   done = os.path.join(run_dir, RUN_DONE)
   fields = run_fields(c)
   if os.path.isfile(done):
-    rec = _load(done)
+    rec = jsonio.read(done)
     changes = changed_fields(rec.get("config", {}), fields)
     if changes:
       raise ValueError(f"{done}: this finished fine-tune was made with another config than the "
@@ -169,7 +149,7 @@ def finetune_one(c, run_dir: str, name: str, log) -> dict:
          "heldout_nll": float(out["eval/loss"]), "final_train_loss": out.get("loss"),
          "wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0,
          "workdir": os.path.abspath(run_dir), "config": fields}
-  _dump(rec, done)
+  jsonio.write(rec, done)
   log(f"[finetune] {name} lr {c.optim.lr:g} seed {c.seed}: held-out NLL "
       f"{rec['heldout_nll']:.4f} in {rec['wall_s']:.0f} s")
   return rec
@@ -193,7 +173,7 @@ def stream_one(config, run_dir: str, tokens: np.ndarray, log, label: str) -> dic
   from attn_jax.train.checkpoint import load_for_inference
   path = os.path.join(run_dir, STREAM_DONE)
   if os.path.isfile(path):
-    return _load(path)
+    return jsonio.read(path)
   model, _, step = load_for_inference(run_dir)
   cache, bin_w = int(config.study.stream_cache), int(config.study.stream_bin)
   out = {"step": int(step), "tokens": int(len(tokens)), "policies": {}}
@@ -213,7 +193,7 @@ def stream_one(config, run_dir: str, tokens: np.ndarray, log, label: str) -> dic
         "bin": bin_w, "wall_s": time.perf_counter() - t0}
     log(f"[finetune] {label}: {pol.label}: NLL {out['policies'][pol.label]['nll']:.4f} "
         f"({out['policies'][pol.label]['wall_s']:.0f} s)")
-  _dump(out, path)
+  jsonio.write(out, path)
   return out
 
 
@@ -232,10 +212,10 @@ def new_param_values(run_dir: str, new: list[str]) -> dict[str, dict]:
   """{path: {mean, absmax}} of the new parameters in `run_dir`'s latest checkpoint."""
   from flax import nnx
 
-  from attn_jax.pretrained.variants import _flat
+  from attn_jax.pretrained.variants import flat_paths
   from attn_jax.train.checkpoint import load_for_inference
   model, _, _ = load_for_inference(run_dir)
-  flat = _flat(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+  flat = flat_paths(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
   return {p: {"mean": float(np.mean(flat[p])), "absmax": float(np.abs(flat[p]).max())}
           for p in new if p in flat}
 
@@ -272,7 +252,7 @@ def run_study(config: ml_collections.ConfigDict, workdir: str, *, command: str =
     calls[-1].update(finished=_now(), wall_s=time.perf_counter() - t0,
                      loadavg_end=os.getloadavg()[0])
     res["meta"].update(finished=_now(), complete=complete)
-    _dump(res, path)
+    jsonio.write(res, path)
 
   for name, spec in specs.items():
     rec = convert_variant(config, workdir, name, spec, log)
@@ -325,7 +305,7 @@ def earlier_invocations(path: str) -> list[dict]:
   results.json at `path`: a resumed study's wall time is their sum."""
   if not os.path.isfile(path):
     return []
-  meta = _load(path).get("meta", {})
+  meta = jsonio.read(path).get("meta", {})
   if "invocations" in meta:
     return list(meta["invocations"])
   if "this_invocation_wall_s" in meta:   # written before invocations were kept: one call
@@ -508,7 +488,7 @@ def plot(res: dict, path: str) -> str:
 def write_report(workdir: str, page: str = "", assets: str = "") -> dict[str, str]:
   """tables.md and the plot in `workdir` from its results.json; with `page`, its generated
   section replaced (the plot copied to `assets` when given, linked from there)."""
-  res = _load(os.path.join(workdir, RESULTS))
+  res = jsonio.read(os.path.join(workdir, RESULTS))
   tables = os.path.join(workdir, "tables.md")
   with open(tables, "w") as f:
     f.write(table(res) + "\n")

@@ -15,7 +15,6 @@ same start).
 
 from __future__ import annotations
 
-import json
 import os
 import time
 
@@ -26,6 +25,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from attn_jax import jsonio
 from attn_jax.data import pipeline
 from attn_jax.eval import mqar
 from attn_jax.model import build_model
@@ -198,8 +198,7 @@ def run(seeds, models, *, steps: int, out: str, every: int = 250, batch: int = 1
   resolved = [(m, resolve(m)) for m in models]
   results = []
   if os.path.exists(out):
-    with open(out) as f:
-      results = json.load(f)["runs"]
+    results = jsonio.read(out)["runs"]
   done = {(r["model"], r["seed"], len(r["curve"]) and r["curve"][-1]["step"]) for r in results}
   cache = {}
   for seed in (int(s) for s in seeds):
@@ -213,10 +212,8 @@ def run(seeds, models, *, steps: int, out: str, every: int = 250, batch: int = 1
       curve = " ".join(f"{row['recall']:.3f}" for row in r["curve"])
       print(f"{label:44s} seed {seed}  params {r['params']:,}  recall by {every} steps: "
             f"{curve}  ({r['wall_s']:.0f} s)", flush=True)
-      with open(out + ".tmp", "w") as f:
-        json.dump({"runs": results, "setting": SETTING, "steps": steps, "batch": batch,
-                   "schedule_steps": schedule_steps or steps}, f, indent=1)
-      os.replace(out + ".tmp", out)
+      jsonio.write({"runs": results, "setting": SETTING, "steps": steps, "batch": batch,
+                    "schedule_steps": schedule_steps or steps}, out)
   print_summary(results, steps)
   return results
 

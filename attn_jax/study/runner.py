@@ -40,6 +40,7 @@ from typing import Any, Callable
 import ml_collections
 import numpy as np
 
+from attn_jax import jsonio
 from attn_jax.provenance import source_commit
 from attn_jax.study import variants as variants_lib
 
@@ -149,18 +150,6 @@ def eval_callbacks(config: ml_collections.ConfigDict) -> list[Callable]:
   return cbs
 
 
-def _load(path):
-  with open(path) as f:
-    return json.load(f)
-
-
-def _dump(obj, path):
-  tmp = path + ".tmp"
-  with open(tmp, "w") as f:
-    json.dump(obj, f, indent=1)
-  os.replace(tmp, path)
-
-
 def variant_lrs(config: ml_collections.ConfigDict) -> list[float]:
   """The learning rates a (variant's) config sweeps: `study.lrs`, or `optim.lr` alone."""
   lrs = [float(x) for x in (config.study.get("lrs", ()) or ())]
@@ -214,7 +203,7 @@ def run_one(config, variant, info, workdir, log, run_dir=None) -> dict:
   run_dir = run_dir or os.path.join(workdir, "runs", variant, f"seed{config.seed}")
   done = os.path.join(run_dir, RUN_SUMMARY)
   if os.path.isfile(done):
-    rec = _load(done)
+    rec = jsonio.read(done)
     if not _finished(rec, config, info):
       raise ValueError(f"{done}: this finished run was made with another config than the "
                        f"study's {variant} seed {config.seed} now has; move {run_dir} aside "
@@ -232,7 +221,7 @@ def run_one(config, variant, info, workdir, log, run_dir=None) -> dict:
                        str(out["preempted"]))
   rec = summarize_run(run_dir, config, variant, info, wall_s=wall, cpu_s=cpu)
   rec["config_digest"] = config_digest(config)
-  _dump(rec, done)
+  jsonio.write(rec, done)
   log(f"[study] {variant} seed {config.seed}: done in {wall:.0f} s (CPU {cpu:.0f} s); "
       f"loss {rec['final_loss']}, recall {rec['recall_acc']}, niah {rec['niah_acc']}")
   return rec
@@ -249,22 +238,22 @@ def run_throughput(config, cfgs: dict, workdir: str, log) -> list[dict]:
          "variants": list(cfgs)}
   path = os.path.join(workdir, THROUGHPUT)
   if os.path.isfile(path):
-    prev = _load(path)
+    prev = jsonio.read(path)
     if prev.get("key") == key:
       log("[study] throughput: measured earlier, skipped")
       return prev["rows"]
   load0, t0 = os.getloadavg(), time.perf_counter()
   rows = throughput.compare(cfgs, lens, batch_tokens=key["batch_tokens"], steps=key["steps"],
                             warmup=1, repeats=key["repeats"], log=log)
-  _dump({"key": key, "rows": rows, "loadavg_before": load0, "loadavg_after": os.getloadavg(),
-         "wall_s": time.perf_counter() - t0}, path)
+  jsonio.write({"key": key, "rows": rows, "loadavg_before": load0,
+                "loadavg_after": os.getloadavg(), "wall_s": time.perf_counter() - t0}, path)
   return rows
 
 
 def throughput_wall_s(workdir: str) -> float | None:
   """How long the throughput comparison took when it was measured (None: not measured)."""
   path = os.path.join(workdir, THROUGHPUT)
-  return _load(path).get("wall_s") if os.path.isfile(path) else None
+  return jsonio.read(path).get("wall_s") if os.path.isfile(path) else None
 
 
 def _sweep_row(rec: dict) -> dict:
@@ -332,6 +321,7 @@ def run_study(config: ml_collections.ConfigDict, workdir: str, *, command: str =
   enable_compilation_cache(workdir)
   started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
   load0 = os.getloadavg()
+  machine = machine_info()   # the commit of the code this process loaded, not of later edits
   t0, c0 = time.perf_counter(), time.process_time()
   cfgs = variants_lib.all_variant_configs(config)
   for name, (_, info) in cfgs.items():
@@ -347,7 +337,7 @@ def run_study(config: ml_collections.ConfigDict, workdir: str, *, command: str =
                      timespec="seconds"),
                  "complete": len(runs) == len(cfgs) * len(m.seeds) and thr is not None
                  and len(sweep) == n_sweep,
-                 "machine": machine_info(), "loadavg_start": load0,
+                 "machine": machine, "loadavg_start": load0,
                  "loadavg_end": os.getloadavg(),
                  "this_invocation": {"wall_s": time.perf_counter() - t0,
                                      "cpu_s": time.process_time() - c0},
@@ -367,8 +357,8 @@ def run_study(config: ml_collections.ConfigDict, workdir: str, *, command: str =
 
   path = os.path.join(workdir, RESULTS)
   runs, sweep, chosen = _runs(config, cfgs, workdir, log,
-                              lambda r, s, c: _dump(results(r, s, c, None), path))
+                              lambda r, s, c: jsonio.write(results(r, s, c, None), path))
   thr = run_throughput(config, {n: c for n, (c, _) in cfgs.items()}, workdir, log)
   out = results(runs, sweep, chosen, thr)
-  _dump(out, path)
+  jsonio.write(out, path)
   return out

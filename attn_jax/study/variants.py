@@ -64,7 +64,9 @@ def _spec(config, name):
   raise ValueError(f"config.study.variants: no variant named {name!r}")
 
 
-def _set(config: ml_collections.ConfigDict, path: str, value: Any) -> None:
+def set_override(config: ml_collections.ConfigDict, path: str, value: Any) -> None:
+  """config.<path> = value in place (a list becomes a tuple); a path the config lacks is a
+  clear error naming `config.study.variants`."""
   *parents, leaf = path.split(".")
   node = config
   for p in parents:
@@ -77,7 +79,7 @@ def _set(config: ml_collections.ConfigDict, path: str, value: Any) -> None:
 def apply_overrides(config: ml_collections.ConfigDict, overrides) -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict(config.to_dict())
   for path, value in overrides:
-    _set(c, path, value)
+    set_override(c, path, value)
   return c
 
 
@@ -111,7 +113,7 @@ def match_params(config: ml_collections.ConfigDict, field: str, target: int) -> 
   @functools.lru_cache(maxsize=None)
   def count(k: int) -> int:
     c = ml_collections.ConfigDict(config.to_dict())
-    _set(c, field, value_at(k))
+    set_override(c, field, value_at(k))
     return total_params(c)
 
   k1 = k0 + 1
@@ -140,7 +142,7 @@ def variant_config(config: ml_collections.ConfigDict, name: str, *, seed: int | 
     values = []
     for f in field.split(","):   # coarse knob first, then the fine one
       value, n = match_params(c, f.strip(), target)
-      _set(c, f.strip(), value)
+      set_override(c, f.strip(), value)
       values.append(value)
     info["match_value"] = values[0] if len(values) == 1 else ", ".join(map(str, values))
   else:
