@@ -76,13 +76,18 @@ CUDA_NOTE = ("JAX's CUDA plugin is installed but CUDA cannot be loaded on this m
 
 
 NVIDIA_NODES = ("/dev/nvidia0", "/dev/nvidiactl", "/proc/driver/nvidia")
-DEVICE_NODES = NVIDIA_NODES + ("/dev/kfd", "/dev/accel0", "/dev/vfio/vfio")
-# NVIDIA, AMD (ROCm), TPU (v2-v5e: accel, v5p+: vfio)
+TPU_NODES = ("/dev/accel0", "/dev/vfio/vfio")       # v2-v5e: accel, v5p and later: vfio
+DEVICE_NODES = NVIDIA_NODES + ("/dev/kfd",) + TPU_NODES   # NVIDIA, AMD (ROCm), TPU
 
 
 def accelerators(exists=os.path.exists, nodes=DEVICE_NODES) -> list[str]:
   """The accelerator device nodes of `nodes` this machine exposes."""
   return [p for p in nodes if exists(p)]
+
+
+def has_tpu_device(exists=os.path.exists) -> bool:
+  """Whether the kernel exposes a TPU chip (this is a TPU VM)."""
+  return bool(accelerators(exists, nodes=TPU_NODES))
 
 
 def has_nvidia_device() -> bool:

@@ -25,6 +25,7 @@ must cover whole hosts (4 or 8 chips per host), so the smallest TPU targets are 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -140,6 +141,20 @@ def _plugin_missing(platform: str, e: BaseException) -> RuntimeError:
                       f"version (pip install -e '.[targets]'): {type(e).__name__}: {e}")
 
 
+def _quiet_libtpu_off_tpu_vm(t: Target, environ=os.environ, exists=os.path.exists) -> None:
+  """Off a TPU VM, libtpu finds no host metadata, fills TPU_WORKER_HOSTNAMES and
+  TPU_ACCELERATOR_TYPE with warning text, then logs errors parsing it (harmless: the topology
+  name says the chips). A compile-only topology gets plain values instead: this host, and the
+  target's Cloud TPU type (v5e's is "v5litepod"). A TPU VM's own values are never touched."""
+  from attn_jax.native_logs import has_tpu_device
+  if has_tpu_device(exists):
+    return
+  generation, _, count = t.name.partition("-")
+  environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+  environ.setdefault("TPU_ACCELERATOR_TYPE",
+                     f"{'v5litepod' if generation == 'v5e' else generation}-{count}")
+
+
 @functools.cache
 def devices(name: str) -> tuple[Any, ...]:
   """The compile-only devices of target `name` (cached: a topology is made once per process)."""
@@ -149,6 +164,7 @@ def devices(name: str) -> tuple[Any, ...]:
     if t.platform == "tpu":
       # Compiling never touches a chip: let several processes (pytest workers) load libtpu.
       os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+      _quiet_libtpu_off_tpu_vm(t)
       topo = topologies.get_topology_desc(platform="tpu", topology_name=t.topology)
     else:
       topo = topologies.get_topology_desc(platform="cuda", topology_name=t.topology,
@@ -157,6 +173,21 @@ def devices(name: str) -> tuple[Any, ...]:
   except Exception as e:   # a plugin absent or at another version
     raise _plugin_missing(t.platform, e) from e
   return tuple(topo.devices)
+
+
+@contextlib.contextmanager
+def no_persistent_cache():
+  """JAX's persistent compilation cache off inside the block. A compile-only device has no
+  client to serialise an executable with or reload one from (the cache's read warns "PjRtCompiler
+  must be constructed with a Client"), and a compile timed for a report must be a compile, not
+  a cache read."""
+  import jax
+  before = jax.config.jax_enable_compilation_cache
+  jax.config.update("jax_enable_compilation_cache", False)
+  try:
+    yield
+  finally:
+    jax.config.update("jax_enable_compilation_cache", before)
 
 
 def available(name: str) -> bool:

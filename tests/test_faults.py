@@ -430,6 +430,20 @@ def test_jax_platforms_defaults_to_cpu_only_where_no_accelerator_exists():
   assert env == {"JAX_PLATFORMS": "cuda"}
 
 
+def test_compile_only_tpu_topologies_get_plain_libtpu_host_values_off_a_tpu_vm():
+  from attn_jax import targets
+  env = {}
+  targets._quiet_libtpu_off_tpu_vm(targets.get("v5e-8"), env, exists=lambda p: False)
+  assert env == {"TPU_WORKER_HOSTNAMES": "localhost", "TPU_ACCELERATOR_TYPE": "v5litepod-8"}
+  env = {"TPU_ACCELERATOR_TYPE": "v6e-4"}      # a user's own value stays
+  targets._quiet_libtpu_off_tpu_vm(targets.get("v5p-8"), env, exists=lambda p: False)
+  assert env == {"TPU_WORKER_HOSTNAMES": "localhost", "TPU_ACCELERATOR_TYPE": "v6e-4"}
+  for node in ("/dev/accel0", "/dev/vfio/vfio"):   # a TPU VM: libtpu reads its own metadata
+    env = {}
+    targets._quiet_libtpu_off_tpu_vm(targets.get("v6e-8"), env, exists=lambda p: p == node)
+    assert env == {}
+
+
 def test_an_entry_point_starts_jax_without_a_line_on_stderr():
   """With JAX_PLATFORMS unset (a user's shell) and the targets extra installed, starting an
   entry point and JAX's backends writes nothing to stderr on a machine without accelerators."""

@@ -259,7 +259,7 @@ def _compiled_text(target: str, T: int = 256, D: int = 128, ds: int = 32):
     return jnp.sum(o.astype(f32) ** 2)
 
   mesh = Mesh(np.array(devs[:1]), ("x",))
-  with platform.use_platform(devs[0]):
+  with platform.use_platform(devs[0]), targets.no_persistent_cache():
     f = jax.jit(jax.grad(loss, argnums=tuple(range(7))), in_shardings=NamedSharding(mesh, P()))
     compiled = f.lower(*args).compile()
   return compiled.as_text(), compiled.memory_analysis()

@@ -52,10 +52,8 @@ DECAYED_KERNEL = {GPU: "Triton (Pallas GPU)", TPU: "Mosaic (Pallas TPU)"}
 def _no_persistent_cache():
   """Compile-only executables cannot be reloaded from the persistent cache (no client): keep
   them out of it."""
-  before = jax.config.jax_enable_compilation_cache
-  jax.config.update("jax_enable_compilation_cache", False)
-  yield
-  jax.config.update("jax_enable_compilation_cache", before)
+  with targets.no_persistent_cache():
+    yield
 
 
 def _need(name):
@@ -149,6 +147,12 @@ def test_compile_only_mistakes_are_one_line():
   lines = [x for x in r.stderr.splitlines() if x.strip()]
   assert r.returncode == 2 and len(lines) == 1, r.stderr[-2000:]
   assert "config.mesh.shape (4, 1, 1) needs 4 devices, have 8" in lines[0]
+  _need(TPU)   # libtpu off a TPU VM adds no lines of its own (targets._quiet_libtpu_off_tpu_vm)
+  r = _script("--config=configs/quickstart.py", "--compile_only=v5e-4",
+              "--config.mesh.shape=(8,1,1)")
+  lines = [x for x in r.stderr.splitlines() if x.strip()]
+  assert r.returncode == 2 and len(lines) == 1, r.stderr[-2000:]
+  assert "config.mesh.shape (8, 1, 1) needs 8 devices, have 4" in lines[0]
 
 
 def test_a_length_equal_to_an_activation_width_is_flagged():
@@ -281,6 +285,10 @@ def test_hardware_page_resumes_and_renders(tmp_path, monkeypatch):
   hp.run(out, todo, progress=lambda s: None)
   assert len(calls) == 2 * (4 + len(hp.LENGTHS)) - 2
   text = hp.page(done, names, rows, lrows, ["a_152m"])
+  from attn_jax.provenance import source_commit
+  assert f"from cells measured at {source_commit()} ({len(done)} cells)," in text
+  assert hp.measured_at({"x": {}, "y": {"commit": "abc"}, "z": {"commit": "abc"}}) == (
+      "abc (2 cells), not recorded (1 cell)")
   assert "| a_152m | 20.5 | 15.8 | at micro-batch 16 x 2 | Mosaic (Pallas TPU) x3 | all-gather x4" in text
   assert "| broken_152m | error |" in text and "not measured" not in text
   assert "not measured yet" in hp.page({}, names, rows, lrows, ["a_152m"])

@@ -139,7 +139,8 @@ def _program(name: str, shape: str, compile: Callable[[dict | None], Any], T: in
   Program whose memory is the `memory.Refused` analysis and whose contents are unknown."""
   t0 = time.perf_counter()
   try:
-    compiled, options = _compile_with_fallback(compile)
+    with targets_lib.no_persistent_cache():
+      compiled, options = _compile_with_fallback(compile)
   except jax.errors.JaxRuntimeError as e:
     refused = memory.refusal(e)
     if refused is None:
