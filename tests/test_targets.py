@@ -286,9 +286,9 @@ def test_hardware_page_resumes_and_renders(tmp_path, monkeypatch):
   assert len(calls) == 2 * (4 + len(hp.LENGTHS)) - 2
   text = hp.page(done, names, rows, lrows, ["a_152m"])
   from attn_jax.provenance import source_commit
-  assert f"from cells measured at {source_commit()} ({len(done)} cells)," in text
+  assert f"from cells compiled at {source_commit()} ({len(done)} cells)," in text
   assert hp.measured_at({"x": {}, "y": {"commit": "abc"}, "z": {"commit": "abc"}}) == (
-      "abc (2 cells), not recorded (1 cell)")
+      "abc (2 cells), an unrecorded commit (1 cell)")
   assert "| a_152m | 20.5 | 15.8 | at micro-batch 16 x 2 | Mosaic (Pallas TPU) x3 | all-gather x4" in text
   assert "| broken_152m | error |" in text and "not measured" not in text
   assert "not measured yet" in hp.page({}, names, rows, lrows, ["a_152m"])
