@@ -180,14 +180,18 @@ def no_persistent_cache():
   """JAX's persistent compilation cache off inside the block. A compile-only device has no
   client to serialise an executable with or reload one from (the cache's read warns "PjRtCompiler
   must be constructed with a Client"), and a compile timed for a report must be a compile, not
-  a cache read."""
+  a cache read. JAX decides once per process whether the cache is used, at its first compile:
+  `reset_cache` makes it decide again on entry (off) and on exit (as configured)."""
   import jax
+  from jax.experimental.compilation_cache import compilation_cache
   before = jax.config.jax_enable_compilation_cache
   jax.config.update("jax_enable_compilation_cache", False)
+  compilation_cache.reset_cache()
   try:
     yield
   finally:
     jax.config.update("jax_enable_compilation_cache", before)
+    compilation_cache.reset_cache()
 
 
 def available(name: str) -> bool:
