@@ -31,6 +31,8 @@ import functools
 import os
 from typing import Any
 
+from attn_jax.native_logs import has_tpu_device
+
 GiB = 1024 ** 3
 
 
@@ -146,7 +148,6 @@ def _quiet_libtpu_off_tpu_vm(t: Target, environ=os.environ, exists=os.path.exist
   TPU_ACCELERATOR_TYPE with warning text, then logs errors parsing it (harmless: the topology
   name says the chips). A compile-only topology gets plain values instead: this host, and the
   target's Cloud TPU type (v5e's is "v5litepod"). A TPU VM's own values are never touched."""
-  from attn_jax.native_logs import has_tpu_device
   if has_tpu_device(exists):
     return
   generation, _, count = t.name.partition("-")

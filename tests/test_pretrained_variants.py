@@ -162,7 +162,8 @@ def params_of(workdir: str, step=None) -> dict:
   from attn_jax.train.checkpoint import load_for_inference
   from attn_jax.pretrained.variants import flat_paths
   model, _, _ = load_for_inference(workdir, step)
-  return {k: np.asarray(v) for k, v in flat_paths(nnx.to_pure_dict(nnx.state(model, nnx.Param))).items()}
+  params = flat_paths(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+  return {k: np.asarray(v) for k, v in params.items()}
 
 
 def test_finetune_new_params_only(converted, tmp_path, caplog):

@@ -76,38 +76,6 @@ def tiny_config(pattern, mesh_shape, seq_len=SEQ_LEN):
 
 # ------------------------------------------------------------------ units (no compiling)
 
-def test_a_compile_only_program_never_meets_the_persistent_cache(tmp_path):
-  """Once a process has compiled with the persistent cache on (the suite's own cache, or a
-  study's), a compile-only program inside `no_persistent_cache` neither reads nor writes it:
-  no "PjRtCompiler must be constructed with a Client" warning; after the block, the process
-  compiles through the cache again."""
-  import warnings
-  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-  from jax.experimental.compilation_cache import compilation_cache
-  _need(TPU)
-  before = jax.config.jax_compilation_cache_dir, jax.config.jax_enable_compilation_cache
-  jax.config.update("jax_compilation_cache_dir", str(tmp_path))
-  jax.config.update("jax_enable_compilation_cache", True)   # this file's fixture turns it off
-  compilation_cache.reset_cache()
-  try:
-    f = jax.jit(lambda x: jnp.tanh(x) * 3.0)
-    f.lower(jnp.ones((8, 128))).compile()            # the process decides: the cache is used
-    assert any(tmp_path.iterdir())
-    mesh = Mesh(np.array(targets.devices(TPU)[:1]), ("x",))
-    x = jax.ShapeDtypeStruct((8, 128), jnp.float32, sharding=NamedSharding(mesh, P()))
-    with warnings.catch_warnings(), targets.no_persistent_cache():
-      warnings.simplefilter("error")
-      for _ in range(2):                               # the second would be a cache hit
-        jax.jit(lambda x: jnp.tanh(x) * 3.0).lower(x).compile()
-    n = len(list(tmp_path.iterdir()))
-    jax.jit(lambda x: jnp.sin(x) * 5.0).lower(jnp.ones((8, 128))).compile()
-    assert len(list(tmp_path.iterdir())) == n + 1      # the cache is back for the CPU
-  finally:
-    jax.config.update("jax_compilation_cache_dir", before[0])
-    jax.config.update("jax_enable_compilation_cache", before[1])
-    compilation_cache.reset_cache()
-
-
 def test_an_unknown_target_lists_the_known_ones():
   with pytest.raises(ValueError, match=r"unknown compile target 'h100x3'; known: h100x1, .*v5e-8"):
     targets.get("h100x3")
@@ -231,6 +199,38 @@ def test_cudnn_takes_even_lengths_only():
 
 
 # ------------------------------------------------------------------ compiling
+
+def test_a_compile_only_program_never_meets_the_persistent_cache(tmp_path):
+  """Once a process has compiled with the persistent cache on (the suite's own cache, or a
+  study's), a compile-only program inside `no_persistent_cache` neither reads nor writes it:
+  no "PjRtCompiler must be constructed with a Client" warning; after the block, the process
+  compiles through the cache again."""
+  import warnings
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  from jax.experimental.compilation_cache import compilation_cache
+  _need(TPU)
+  before = jax.config.jax_compilation_cache_dir, jax.config.jax_enable_compilation_cache
+  jax.config.update("jax_compilation_cache_dir", str(tmp_path))
+  jax.config.update("jax_enable_compilation_cache", True)   # this file's fixture turns it off
+  compilation_cache.reset_cache()
+  try:
+    f = jax.jit(lambda x: jnp.tanh(x) * 3.0)
+    f.lower(jnp.ones((8, 128))).compile()            # the process decides: the cache is used
+    assert any(tmp_path.iterdir())
+    mesh = Mesh(np.array(targets.devices(TPU)[:1]), ("x",))
+    x = jax.ShapeDtypeStruct((8, 128), jnp.float32, sharding=NamedSharding(mesh, P()))
+    with warnings.catch_warnings(), targets.no_persistent_cache():
+      warnings.simplefilter("error")
+      for _ in range(2):                               # the second would be a cache hit
+        jax.jit(lambda x: jnp.tanh(x) * 3.0).lower(x).compile()
+    n = len(list(tmp_path.iterdir()))
+    jax.jit(lambda x: jnp.sin(x) * 5.0).lower(jnp.ones((8, 128))).compile()
+    assert len(list(tmp_path.iterdir())) == n + 1      # the cache is back for the CPU
+  finally:
+    jax.config.update("jax_compilation_cache_dir", before[0])
+    jax.config.update("jax_enable_compilation_cache", before[1])
+    compilation_cache.reset_cache()
+
 
 def _report(pattern, target, mesh, programs):
   _need(target)

@@ -536,12 +536,11 @@ def _tile_spec(x, lead):
 def _specs(spec: Spec, ops: Operands, rows_tiled: bool):
   """(arrays, BlockSpecs) of the row and column operands for the loop driver: one tile of the
   tiled side, the whole head of the other."""
-  rows, cols = _sides(ops, spec.groups)
   row, col = (_tile_spec, _full) if rows_tiled else (_full, _tile_spec)
-  items = [(a, lead, row) for a, lead in rows]
-  items = (items + [(a, lead, col) for a, lead in cols] if rows_tiled   # the dkv kernel
-           else [(a, lead, col) for a, lead in cols] + items)            # reads keys first
-  items = _present_items(items)
+  rows, cols = _sides(ops, spec.groups)
+  rows = [(a, lead, row) for a, lead in rows]
+  cols = [(a, lead, col) for a, lead in cols]
+  items = _present_items(rows + cols if rows_tiled else cols + rows)   # dkv reads keys first
   return [a for a, _, _ in items], [f(a, lead) for a, lead, f in items]
 
 
