@@ -32,6 +32,7 @@ from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from attn_jax import platform
@@ -139,11 +140,96 @@ def segment_starts(segment_ids_BT: jax.Array) -> jax.Array:
   return segment_ids_BT != prev_BT
 
 
+def segmented_scan(op, x, reset: jax.Array, axis: int):
+  """(op-fold of x since the latest reset at or before t, whether there was one) along `axis`,
+  for an associative `op(earlier, later)`; x an array or a tuple of them, `reset` bool, of
+  their shape. A parallel prefix
+  (`lax.associative_scan`: 2 log2(n) elementwise passes, no loop). The restarts are selects:
+  no cotangent crosses one (exact zeros)."""
+  def comb(u, v):
+    keep = lambda a, b: jnp.where(v[1], a, b)
+    return jax.tree.map(keep, v[0], op(u[0], v[0])), u[1] | v[1]
+  return jax.lax.associative_scan(comb, (x, reset), axis=axis)
+
+
 def segmented_cumsum(x: jax.Array, reset: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
-  """(sum of x since the latest reset at or before t, whether there was one) along `axis`;
-  `reset` bool, x's shape. The restarts are selects: no cotangent crosses one (exact zeros)."""
-  add = lambda u, v: (jnp.where(v[1], v[0], u[0] + v[0]), u[1] | v[1])
-  return jax.lax.associative_scan(add, (x, reset), axis=axis)
+  """`segmented_scan` of +: (sum of x since the latest reset at or before t, whether there was
+  one) along `axis`."""
+  return segmented_scan(jnp.add, x, reset, axis)
+
+
+def wrapped_cumsum(x: jax.Array, wrap, axis: int, reset=None) -> jax.Array:
+  """Inclusive running sum of x along `axis` reduced by `wrap` (x mod 2 pi) after every
+  addition, as a parallel prefix (addition mod 2 pi is associative, so wrap(u + v) of two
+  wrapped partial sums is a combine). `reset` (bool, x's shape): the sum restarts there.
+  Each combine rounds once: for long sums of many similar angles see `angle_cumsum`."""
+  x = wrap(x)
+  op = lambda u, v: wrap(u + v)
+  if reset is None:
+    return jax.lax.associative_scan(op, x, axis=axis)
+  return segmented_scan(op, x, reset, axis)[0]
+
+
+# 1 / (2 pi) and 2 pi as unevaluated sums of two float32s (hi + lo)
+_INV_2PI_HI = float(np.float32(1 / (2 * np.pi)))
+_INV_2PI_LO = float(np.float32(1 / (2 * np.pi) - _INV_2PI_HI))
+_2PI_HI = float(np.float32(2 * np.pi))
+_2PI_LO = float(np.float32(2 * np.pi - _2PI_HI))
+
+
+def _two_sum(a, b):
+  """a + b = s + e exactly (Knuth's TwoSum: no condition on the magnitudes)."""
+  s = a + b
+  bb = s - a
+  return s, (a - (s - bb)) + (b - bb)
+
+
+def _split(a):
+  """a = hi + lo with hi holding the upper 12 bits of a float32's 24 (Veltkamp)."""
+  c = a * 4097.0
+  hi = c - (c - a)
+  return hi, a - hi
+
+
+def _turns(theta):
+  """theta / (2 pi) as hi + lo (float32 each): the product's rounding error kept (Dekker's
+  TwoProduct), so similar angles summed by the thousand carry no common bias."""
+  hi = theta * _INV_2PI_HI
+  ah, al = _split(theta)
+  bh, bl = _split(jnp.asarray(_INV_2PI_HI, theta.dtype))
+  err = ((ah * bh - hi) + ah * bl + al * bh) + al * bl
+  return hi, err + theta * _INV_2PI_LO
+
+
+def _add_turns(u, v):
+  """(u + v) mod 1 for angles in turns held as hi + lo: the sum's rounding error kept in lo,
+  the whole turns dropped from hi (exact: hi - floor(hi))."""
+  s, e = _two_sum(u[0], v[0])
+  lo = u[1] + v[1] + e
+  hi = s + lo
+  lo = lo - (hi - s)
+  return hi - jnp.floor(hi), lo
+
+
+def angle_cumsum(theta: jax.Array, axis: int, reset=None) -> jax.Array:
+  """Inclusive running sum of angles theta (radians) mod 2 pi along `axis`, as a parallel
+  prefix with no loop, restarting where `reset` (bool, theta's shape) is True; [0, 2 pi).
+
+  Precision: the running angle is held in turns as a double-float hi + lo (hi in [0, 1)), so
+  dropping whole turns is exact (no rounded 2 pi is ever subtracted) and every addition keeps
+  its rounding error (TwoSum). Summing thousands of similar fp32 angles by plain fp32 additions
+  (a token-by-token loop or a wrap-add prefix alike) accumulates a bias of ~T ulp; here the
+  error is the last conversion back to radians, ~1e-6 rad at 32K tokens (tested). float32 and
+  float64 inputs alike (the split constant is float32's; float64 is then merely exact too)."""
+  hi, lo = _turns(theta)
+  hi, lo = hi - jnp.floor(hi), lo
+  if reset is None:
+    hi, lo = jax.lax.associative_scan(_add_turns, (hi, lo), axis=axis)
+  else:
+    hi, lo = segmented_scan(_add_turns, (hi, lo), reset, axis)[0]
+  t = hi + lo
+  t = t - jnp.floor(t)
+  return t * _2PI_HI + t * _2PI_LO
 
 
 # ------------------------------------------------------------ running sums over time (axis 1)
@@ -177,17 +263,32 @@ def _expand(starts_BT, x_BT):
   return starts_BT.reshape(starts_BT.shape + (1,) * (x_BT.ndim - 2))
 
 
+# None: by platform (`parallel_time_sums`); True / False forces one form (tests run the GPU/TPU
+# form on a CPU against the float64 references).
+FORCE_PARALLEL_TIME_SUMS: bool | None = None
+
+
+def parallel_time_sums() -> bool:
+  """Whether running sums over time are parallel programs (GPU, TPU: a while loop costs a host
+  round trip per iteration on a GPU, so a loop over T tokens is a slow step) or a `lax.scan`
+  (CPU, where a loop iteration is cheap and `jnp.cumsum` lowers to an O(T^2) reduce_window).
+  Read at trace time from the platform compiled for (`platform.current`)."""
+  if FORCE_PARALLEL_TIME_SUMS is not None:
+    return FORCE_PARALLEL_TIME_SUMS
+  return platform.current() != "cpu"
+
+
 def time_cumsum(x_BT: jax.Array, starts_BT=None) -> jax.Array:
-  """Inclusive cumulative sum over axis 1: `lax.scan` on CPU (where `jnp.cumsum` lowers to an
-  O(T^2) reduce_window), `jnp.cumsum` elsewhere (the platform compiled for, `platform.current`). With
-  `starts_BT` ([B, T] bool, `layers.segment_starts`): a segmented sum restarting at every True
-  (a packed row's documents), whose value and gradient read only the own segment (the resets
-  are selects, so a cotangent never crosses one: exact zeros, not cancellations)."""
+  """Inclusive cumulative sum over axis 1: `jnp.cumsum` (or a segmented parallel prefix) where
+  `parallel_time_sums()`, a `lax.scan` on CPU. With `starts_BT` ([B, T] bool,
+  `layers.segment_starts`): a segmented sum restarting at every True (a packed row's
+  documents), whose value and gradient read only the own segment (the resets are selects, so a
+  cotangent never crosses one: exact zeros, not cancellations)."""
   if starts_BT is None:
-    if platform.current() != "cpu":
+    if parallel_time_sums():
       return jnp.cumsum(x_BT, axis=1)
     return time_scan(jnp.add, x_BT)
-  if platform.current() == "cpu":
+  if not parallel_time_sums():
     return time_scan(jnp.add, x_BT, starts_BT)
   r = jnp.broadcast_to(_expand(starts_BT, x_BT), x_BT.shape)
   return segmented_cumsum(x_BT, r, axis=1)[0]

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from attn_jax import layers
 from attn_jax.attention import sisa as S
 from attn_jax.attention.core import attention_reference
 from attn_jax.attention.mha import Attention
@@ -477,12 +478,16 @@ def _float64_reference_all_rows(m, x, rows=512):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("path", ["fast", "chunked", "decode"])
-def test_phase_precision_32k_against_float64(path):
+@pytest.mark.parametrize("path", ["fast", "chunked", "decode", "fast_parallel_sums"])
+def test_phase_precision_32k_against_float64(path, monkeypatch):
   """32K tokens, slow decay (~0.03 nats per 100 tokens) and phase_init_std 0.3 on inputs with a
   mean, so Phi drifts to thousands of radians: every one of the 32,768 output rows is within
   TOL of a float64 reference, the norm being max |error| / max |reference| over the whole
-  output (the running phase is wrapped mod 2 pi, so its fp32 angle never grows)."""
+  output (the running phase is wrapped mod 2 pi, so its fp32 angle never grows).
+  `fast_parallel_sums`: g and Phi as the GPU / TPU parallel prefixes (no loop over T)."""
+  if path == "fast_parallel_sums":
+    monkeypatch.setattr(layers, "FORCE_PARALLEL_TIME_SUMS", True)
+    path = "fast"
   T = 32768
   m = _boost(S.SISA(*(lambda c: (c, c.options_for("sisa")))(_cfg(
       d_model=8, n_heads=1, d_state=4, decay_bias_init=-8.0, phase_init_std=0.3,
@@ -507,6 +512,53 @@ def test_phase_precision_32k_against_float64(path):
   _close(y, _float64_reference_all_rows(m, x))
 
 
+def _angle_error(phi, ref64):
+  """max circular distance |phi - ref| mod 2 pi, in radians."""
+  d = np.asarray(phi, np.float64) - ref64
+  return float(np.max(np.abs(d - 2 * np.pi * np.round(d / (2 * np.pi)))))
+
+
+def test_parallel_phase_sum_is_the_wrapped_sum_to_float64_at_32k(monkeypatch):
+  """Phi's parallel prefix (the GPU / TPU form: the combine adds and wraps, log2 T levels, no
+  loop; the angle in turns as two floats) at 32K tokens drifting to ~30,000 radians: within
+  5e-6 rad of the float64 sum mod 2 pi, its values in [0, 2 pi), and no worse than the
+  token-by-token scan (CPU form)."""
+  T = 32768
+  theta = np.asarray(_normal(3, (1, T, 2, 2)) * 0.3 + 0.9, np.float32)
+  ref = np.mod(np.cumsum(theta.astype(np.float64), axis=1), 2 * np.pi)
+  forms = {}
+  for parallel in (True, False):
+    monkeypatch.setattr(layers, "FORCE_PARALLEL_TIME_SUMS", parallel)
+    forms[parallel] = np.asarray(jax.jit(lambda t: S.phase_cumsum(t))(jnp.asarray(theta)))
+  assert np.abs(np.sum(theta.astype(np.float64), axis=1)).max() > 25000
+  err_par, err_seq = _angle_error(forms[True], ref), _angle_error(forms[False], ref)
+  assert err_par <= 5e-6 and err_par <= err_seq, (err_par, err_seq)
+  assert forms[True].min() >= 0.0 and forms[True].max() <= 2 * np.pi
+
+
+def test_parallel_sums_restart_like_the_scan_with_equal_gradients(monkeypatch):
+  """Packed rows: g and Phi from the parallel prefixes restart at every document start like
+  the scan form (values and d/d(log a, theta) of a readout of cos Phi and g)."""
+  T = 37
+  starts = np.zeros((2, T), bool)
+  starts[0, [5, 6, 20]] = True
+  starts[1, [1, 36]] = True
+  loga = -jnp.abs(_normal(1, (2, T, 3)))
+  theta = _normal(2, (2, T, 3, 2)) * 2.0
+  w1, w2 = _normal(3, (2, T, 3)), _normal(4, (2, T, 3, 2))
+
+  def both(parallel):
+    monkeypatch.setattr(layers, "FORCE_PARALLEL_TIME_SUMS", parallel)
+    f = lambda la, th: S.decay_and_phase(la, th, jnp.asarray(starts))
+    readout = lambda la, th: (lambda g, p: jnp.sum(w1 * g) + jnp.sum(w2 * jnp.cos(p)))(*f(la, th))
+    return jax.jit(f)(loga, theta), jax.jit(jax.grad(readout, argnums=(0, 1)))(loga, theta)
+
+  (vals_p, grads_p), (vals_s, grads_s) = both(True), both(False)
+  for a, b in zip(vals_p + grads_p, vals_s + grads_s):
+    np.testing.assert_allclose(np.cos(a) if a.ndim == 4 else a, np.cos(b) if b.ndim == 4 else b,
+                               atol=1e-5, rtol=1e-5)
+
+
 # ---------------------------------------------------------------- packed rows
 
 DOCS = (1, 6, 9, 5)   # one of length 1; with chunk_size 4, documents start mid-block
@@ -516,6 +568,7 @@ DOCS = (1, 6, 9, 5)   # one of length 1; with chunk_size 4, documents start mid-
     ("fast", -1.0, "blocked"),
     ("chunked", 12.0, "blockwise"),      # ~12 nats per token: e^{+100} across a restart
     ("chunked", 12.0, "fused_chunks"),   # the cuDNN route's chunking (masked einsum past)
+    ("fast", -1.0, "parallel_sums"),     # g and Phi as the GPU / TPU parallel prefixes
 ])
 def test_packed_rows_match_reference_and_each_document_alone(monkeypatch, path, decay_bias,
                                                              route):
@@ -525,6 +578,8 @@ def test_packed_rows_match_reference_and_each_document_alone(monkeypatch, path, 
   zero outside the output's document."""
   if route == "fused_chunks":   # what a cuDNN core picks (its past parts then run on CPU)
     monkeypatch.setattr(S.SISA, "_chunked", lambda self, *a: self._fused_chunks(*a))
+  if route == "parallel_sums":
+    monkeypatch.setattr(layers, "FORCE_PARALLEL_TIME_SUMS", True)
   m = _mixer(_cfg(path=path, chunk_size=4, decay_bias_init=decay_bias))
   pos, seg, spans = one_row(DOCS)
   T = pos.shape[1]

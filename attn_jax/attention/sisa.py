@@ -88,7 +88,8 @@ from attn_jax.attention.projection import (QKVProjection, SinkLogitOptions, make
 from attn_jax.config import ModelConfig
 from attn_jax.kernels import decayed
 from attn_jax.layers import (Linear, causal_positions, dtype_of, param, segment_starts,
-                             stat_dtype, time_cumsum, time_scan)
+                             angle_cumsum, parallel_time_sums, stat_dtype, time_cumsum,
+                             time_scan)
 from attn_jax.options import field_check, is_int, is_number
 from attn_jax.registry import register_mixer
 
@@ -131,9 +132,15 @@ def wrap_phase(x: jax.Array) -> jax.Array:
 
 
 def phase_cumsum(theta_BTHP: jax.Array, starts_BT=None) -> jax.Array:
-  """Phi_t = sum_{s<=t} theta_s mod 2 pi, the running sum wrapped at every step, so the angle
-  never grows with t and keeps the precision of a few radians (module docstring); restarting
-  at every `starts_BT` (packed rows)."""
+  """Phi_t = sum_{s<=t} theta_s mod 2 pi, every partial sum wrapped, so the angle never grows
+  with t and keeps the precision of a few radians (module docstring); restarting at every
+  `starts_BT` (packed rows). A token-by-token `lax.scan` on CPU, elsewhere a parallel prefix
+  over the angle in turns held as two floats (`layers.angle_cumsum`: no loop over T on a GPU,
+  and more precise than the loop: ~1e-6 rad at 32K tokens against ~5e-5)."""
+  if parallel_time_sums():
+    reset = None if starts_BT is None else jnp.broadcast_to(
+        starts_BT.reshape(starts_BT.shape + (1,) * (theta_BTHP.ndim - 2)), theta_BTHP.shape)
+    return angle_cumsum(theta_BTHP, axis=1, reset=reset)
   return time_scan(lambda c, a: wrap_phase(c + a), theta_BTHP, starts_BT)
 
 
@@ -142,7 +149,7 @@ def decay_and_phase(loga_BTH, theta_BTHP, starts_BT=None):
   be None. `starts_BT`: both restart at every document start of a packed row."""
   if theta_BTHP is None:
     return time_cumsum(loga_BTH, starts_BT), None
-  if platform.current() != "cpu":
+  if parallel_time_sums():
     return time_cumsum(loga_BTH, starts_BT), phase_cumsum(theta_BTHP, starts_BT)
   both = time_scan(lambda c, a: jnp.concatenate([c[..., :1] + a[..., :1],
                                                   wrap_phase(c[..., 1:] + a[..., 1:])], -1),

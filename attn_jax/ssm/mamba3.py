@@ -77,8 +77,8 @@ r = 1 every weight is 1 and the mixer is the SISO one (tested against it). Chunk
 (`mimo_chunked`): the two inputs of the trapezoid are 2r input columns (U = [gamma X_t ;
 beta X_{t-1}], keys [K_t ; K_{t-1}]) and the r columns of Q are r outputs of one SSD,
     Y_{t,o} = sum_{s<=t} L_ts sum_i (Q_{t,o} . K_{s,i}) U_{s,i} + e^{A_t} h_in Q_{t,o},
-with the segment decays of `ssd.segsum_exp` and a scan over chunks; `mimo_recurrent` is the
-token-by-token reference and the decode step. Decoding state: the SISO one with k [H, r, N].
+with the segment decays of `ssd.segsum_exp` and the state passing of `ssd.pass_chunk_states`;
+`mimo_recurrent` is the token-by-token reference and the decode step. Decoding state: the SISO one with k [H, r, N].
 
 Packed rows (`segment_ids_BT`, full forwards): at a document's first token t0 every term that
 crosses time restarts, so the document is computed as in a row of its own (h_0 = 0, x_0 = k_0 =
@@ -105,6 +105,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from attn_jax.config import ModelConfig
+from attn_jax import layers
 from attn_jax.layers import Linear, causal_positions, dtype_of, param, segmented_cumsum
 from attn_jax.mixer import Mixer
 from attn_jax.options import field_check, is_int, is_number
@@ -141,9 +142,11 @@ def rotate_pairs(x_XN: jax.Array, phi_XR: jax.Array) -> jax.Array:
 
 def wrapped_cumsum(inc_BTX: jax.Array, phi0_BX: jax.Array, chunk: int,
                    reset_BT=None) -> jax.Array:
-  """phi_t = (phi0 + sum_{r<=t} inc_r) mod 2 pi: cumsum within chunks, carry wrapped by a scan.
-  `reset_BT`: the sum restarts at these tokens (phi_t = inc_t there; `phi0` and earlier
-  increments reach no token at or after a reset)."""
+  """phi_t = (phi0 + sum_{r<=t} inc_r) mod 2 pi: a cumulative sum within chunks of `chunk`
+  tokens, and the carry entering each chunk, wrap(phi0 + the chunk totals before it), a
+  parallel prefix over chunks whose combine adds and wraps (`layers.wrapped_cumsum`; no loop
+  over the chunks, whose count grows with T). `reset_BT`: the sum restarts at these tokens
+  (phi_t = inc_t there; `phi0` and earlier increments reach no token at or after a reset)."""
   B, T = inc_BTX.shape[:2]
   Q = max(1, min(chunk, T))
   nc = -(-T // Q)
@@ -151,23 +154,19 @@ def wrapped_cumsum(inc_BTX: jax.Array, phi0_BX: jax.Array, chunk: int,
   inc = jnp.pad(inc_BTX.astype(f32), [(0, 0), (0, nc * Q - T)] + tail)
   inc = inc.reshape((B, nc, Q) + inc_BTX.shape[2:])
   if reset_BT is None:
-    local = jnp.cumsum(inc, axis=2)
-
-    def step(carry, loc):
-      return wrap(carry + loc[:, -1]), wrap(carry[:, None] + loc)
-    xs = jnp.moveaxis(local, 1, 0)
+    local, seen = jnp.cumsum(inc, axis=2), None
   else:   # a segmented sum within the chunk; the carry only where no reset precedes in it
     r = jnp.pad(reset_BT, ((0, 0), (0, nc * Q - T))).reshape((B, nc, Q) + (1,) * len(tail))
     local, seen = segmented_cumsum(inc, jnp.broadcast_to(r, inc.shape), axis=2)
-
-    def step(carry, inp):
-      loc, sn = inp
-      phi = jnp.where(sn, loc, carry[:, None] + loc)
-      return wrap(phi[:, -1]), wrap(phi)
-    xs = (jnp.moveaxis(local, 1, 0), jnp.moveaxis(seen, 1, 0))
-
-  _, phi = jax.lax.scan(step, phi0_BX.astype(f32), xs)
-  return jnp.moveaxis(phi, 0, 1).reshape((B, nc * Q) + inc_BTX.shape[2:])[:, :T]
+  # the sum over chunks: [phi0, total_0, .., total_{C-2}] scanned, restarting after a chunk
+  # that holds a reset (its total is then its sum since that reset)
+  items = jnp.concatenate([phi0_BX.astype(f32)[:, None], local[:, :-1, -1]], axis=1)
+  hold = None if seen is None else jnp.pad(seen[:, :-1, -1], [(0, 0), (1, 0)] + tail)
+  carry = layers.wrapped_cumsum(items, wrap, axis=1, reset=hold)     # [B, C, X...]
+  phi = carry[:, :, None] + local
+  if seen is not None:
+    phi = jnp.where(seen, local, phi)
+  return wrap(phi).reshape((B, nc * Q) + inc_BTX.shape[2:])[:, :T]
 
 
 def previous_token(z_BTX, z0_BX, reset_BT=None):
@@ -258,16 +257,10 @@ def mimo_chunked(u_BTHIP, a_BTH, k_BTHIN, q_BTHON, *, chunk, h0_BHPN=None, reset
   rev = jnp.cumsum(a[:, :, ::-1], axis=2)[:, :, ::-1]                 # sum_{r>=s} a_r
   to_end = jnp.exp(jnp.pad(rev[:, :, 1:], ((0, 0), (0, 0), (0, 1), (0, 0))))
   S = jnp.einsum("bcshin,bcsh,bcship->bchpn", k, to_end, u)           # chunk states
-  decay = jnp.exp(jnp.sum(a, axis=2))                                 # [B, C, H]
   h0 = jnp.zeros((Bsz, H, P, N), f32) if h0_BHPN is None else h0_BHPN.astype(f32)
-
-  def step(h, inp):
-    dec, s_c = inp
-    return dec[..., None, None] * h + s_c, h
-
-  h_final, h_in = jax.lax.scan(step, h0, (jnp.moveaxis(decay, 1, 0), jnp.moveaxis(S, 1, 0)))
+  h_in, h_final = ssd.pass_chunk_states(jnp.sum(a, axis=2), S, h0)    # [B, C, H, P, N]
   from_start = jnp.exp(jnp.cumsum(a, axis=2))                         # [B, C, Q, H]
-  y_off = jnp.einsum("bcthon,cbhpn,bcth->bcthop", q, h_in, from_start)
+  y_off = jnp.einsum("bcthon,bchpn,bcth->bcthop", q, h_in, from_start)
   return (y_diag + y_off).reshape(Bsz, nc * Q, H, -1, P)[:, :T], h_final
 
 

@@ -13,8 +13,8 @@ matrix into diagonal blocks (within a chunk) and low-rank off-diagonal blocks (a
 1. intra-chunk ("segsum"):  y_diag_t = sum_{s in chunk, s<=t} exp(A_t - A_s) (C_t . B_s) x_s,
    with A the cumulative sum *within the chunk*; two matmuls per chunk (C B^T, then with x).
 2. chunk states:  S_c = sum_{s in c} exp(A_end - A_s) x_s B_s^T  (the state a chunk adds).
-3. inter-chunk recurrence:  H_c = exp(A_end(c-1)) H_{c-1} + S_{c-1}, a `jax.lax.scan` over
-   chunks carrying one [P, N] state per head (H_0 = the initial state).
+3. inter-chunk recurrence:  H_c = exp(A_end(c-1)) H_{c-1} + S_{c-1} (H_0 = the initial state),
+   unrolled into one matmul with the chunk-level segsum matrix (`pass_chunk_states`).
 4. state -> output:  y_off_t = exp(A_t) H_c C_t  for t in chunk c.
 
 y = y_diag + y_off. Every exponent is a sum of non-positive log-decays a_r over a segment
@@ -24,8 +24,10 @@ decay to the chunk end) rather than as differences A_t - A_s of one running sum,
 decay loses no accuracy to cancellation, and the sums restart every chunk.
 
 This follows `ssd_minimal_discrete` in state-spaces/mamba (`mamba_ssm/modules/ssd_minimal.py`,
-Listing 1 of the paper), except that step 3 is a scan (linear in the number of chunks) instead
-of a segsum matmul over chunks (quadratic), and the decay to the chunk end is a direct sum.
+Listing 1 of the paper), with the decay to the chunk end as a direct sum. Step 3 is the
+listing's segsum matmul over chunks (quadratic in the chunk count C = T / Q, a few percent of
+the FLOPs at C <= 128) rather than a scan over chunks: on a GPU every iteration of a loop is a
+host round trip, so a loop whose length grows with T is a slow step.
 `ssd_chunked(..., extra=(x2, B2))` adds a second input x2_t B2_t^T per token (Mamba-3).
 
 Document boundaries (packed rows; `reset_BT` [B, T] bool, True at a document's first token t0,
@@ -34,7 +36,7 @@ fresh row. The chunked form sets a_{t0} = -inf (decay factor exp(a_{t0}) = 0). E
 carries something from before t0 to t0 or later has a_{t0} in its exponent, so it is 0:
   segsum   L_ts, s < t0 <= t: a_{s+1} + ... + a_t includes a_{t0};
   to_end   exp(a_{s+1} + ... + a_end), s < t0 <= end: such s add nothing to the chunk state S_c;
-  scan     exp(A_end(c)) = 0 for a chunk holding a start: H_{c+1} = S_c, nothing older;
+  chunks   exp(A_end(c)) = 0 for a chunk holding a start: H_{c+1} = S_c, nothing older;
   output   exp(A_t) H_c, t >= t0 in chunk c (also when t0 is the chunk's first token).
 A term within one document sums a_r over (s, t] with s >= t0, never a_{t0}: it is the term of
 the document alone (the same exponents; only where chunk boundaries fall, i.e. rounding,
@@ -88,6 +90,28 @@ def segsum_exp(a_BCQH: jax.Array) -> jax.Array:
   terms = jnp.where(strict, a[..., :, None], 0.0)               # [.., r, s] = a_r if r > s
   seg = jnp.cumsum(terms, axis=-2)                              # [.., t, s] = sum_{s<r<=t} a_r
   return jnp.exp(jnp.where(jnp.tril(jnp.ones((Q, Q), bool)), seg, -jnp.inf))
+
+
+def pass_chunk_states(loga_BCX: jax.Array, S_BCXPN: jax.Array, h0_BXPN: jax.Array):
+  """The states entering each chunk of H_{c+1} = exp(z_c) H_c + S_c (H_0 = h0), unrolled:
+
+      H_c = exp(z_0 + ... + z_{c-1}) h0 + sum_{c' < c} exp(z_{c'+1} + ... + z_{c-1}) S_{c'}
+
+  one matmul with the chunk-level segsum matrix (`segsum_exp` of [0, z_0, .., z_{C-1}]) over
+  [h0, S_0, .., S_{C-1}] (the Mamba-2 paper's Listing 1, step 3): no loop over the chunks,
+  whose count grows with T (a `lax.scan` there is a host round trip per chunk on a GPU). The
+  cost, (C + 1)^2 P N per head, is small beside the intra-chunk terms for C = T / Q chunks.
+  z: [B, C, X...] total log-decay of each chunk (<= 0, -inf across a restart); S: [B, C, X...,
+  P, N]; h0: [B, X..., P, N]. Returns (H_0 .. H_{C-1} [B, C, X..., P, N], H_C = the final
+  state)."""
+  Bsz, C = loga_BCX.shape[:2]
+  X = loga_BCX.shape[2:]
+  z = jnp.pad(loga_BCX.astype(f32).reshape(Bsz, 1, C, -1), ((0, 0), (0, 0), (1, 0), (0, 0)))
+  L = segsum_exp(z)[:, 0]                                        # [B, X, C+1 (c), C+1 (c')]
+  states = jnp.concatenate([h0_BXPN[:, None], S_BCXPN], axis=1)
+  states = states.reshape((Bsz, C + 1, L.shape[1]) + S_BCXPN.shape[-2:])
+  H = jnp.einsum("bxts,bsxpn->btxpn", L, states).reshape((Bsz, C + 1) + X + S_BCXPN.shape[-2:])
+  return H[:, :C], H[:, C]
 
 
 def restart_decay(a_BTH: jax.Array, reset_BT) -> jax.Array:
@@ -144,19 +168,13 @@ def ssd_chunked(x_BTHP, a_BTH, b_BTGN, c_BTGN, *, chunk: int, h0_BHPN=None, extr
   S = sum(jnp.einsum("bcsgn,bcsgj,bcsgjp->bcgjpn", b, to_end, x)  # [B, C, G, J, P, N]
           for x, b in terms)
 
-  # 3. inter-chunk recurrence (scan over chunks): state entering each chunk.
-  chunk_decay = jnp.exp(A[:, :, -1, :]).reshape(Bsz, nc, G, J)  # exp(total chunk log-decay)
+  # 3. inter-chunk recurrence, as one segsum matmul over chunks: state entering each chunk.
+  chunk_loga = A[:, :, -1, :].reshape(Bsz, nc, G, J)          # total chunk log-decay
   if h0_BHPN is None:
     h0 = jnp.zeros((Bsz, G, J, P, N), f32)
   else:
     h0 = h0_BHPN.astype(f32).reshape(Bsz, G, J, P, N)
-
-  def step(h, inp):
-    dec, s = inp
-    return dec[..., None, None] * h + s, h
-
-  h_final, h_in = jax.lax.scan(step, h0, (jnp.moveaxis(chunk_decay, 1, 0), jnp.moveaxis(S, 1, 0)))
-  h_in = jnp.moveaxis(h_in, 0, 1)                               # [B, C, G, J, P, N]
+  h_in, h_final = pass_chunk_states(chunk_loga, S, h0)          # [B, C, G, J, P, N]
 
   # 4. state -> output: decay from the chunk start to t (exponent A_t <= 0).
   from_start = jnp.exp(A).reshape(Bsz, nc, Q, G, J)
