@@ -528,8 +528,8 @@ class Mamba3(FullForwardRemat, Mixer):
     if opts.mimo_rank:   # 2r input columns, r output columns (mimo_chunked), one state
       r, P, N = opts.mimo_rank, opts.head_dim, opts.d_state
       Q = max(1, min(opts.chunk_size, seq_len))
-      macs = 2 * r * r * H * (N + P) * (Q + 1) / 2 + 3 * r * H * P * N + H * P * N / Q
-      return 2.0 * macs
+      macs = 2 * r * r * H * (N + P) * (Q + 1) / 2 + 3 * r * H * P * N
+      return 2.0 * macs + ssd.passing_flops_per_token(H * P * N, opts.chunk_size, seq_len)
     return ssd.ssd_flops_per_token(n_heads=H, head_dim=opts.head_dim, d_state=opts.d_state,
                                    n_groups=H, chunk=opts.chunk_size, seq_len=seq_len,
                                    n_inputs=2)

@@ -14,7 +14,7 @@ matrix into diagonal blocks (within a chunk) and low-rank off-diagonal blocks (a
    with A the cumulative sum *within the chunk*; two matmuls per chunk (C B^T, then with x).
 2. chunk states:  S_c = sum_{s in c} exp(A_end - A_s) x_s B_s^T  (the state a chunk adds).
 3. inter-chunk recurrence:  H_c = exp(A_end(c-1)) H_{c-1} + S_{c-1} (H_0 = the initial state),
-   unrolled into one matmul with the chunk-level segsum matrix (`pass_chunk_states`).
+   unrolled into matmuls with chunk-level segsum matrices (`pass_chunk_states`).
 4. state -> output:  y_off_t = exp(A_t) H_c C_t  for t in chunk c.
 
 y = y_diag + y_off. Every exponent is a sum of non-positive log-decays a_r over a segment
@@ -25,9 +25,9 @@ decay loses no accuracy to cancellation, and the sums restart every chunk.
 
 This follows `ssd_minimal_discrete` in state-spaces/mamba (`mamba_ssm/modules/ssd_minimal.py`,
 Listing 1 of the paper), with the decay to the chunk end as a direct sum. Step 3 is the
-listing's segsum matmul over chunks (quadratic in the chunk count C = T / Q, a few percent of
-the FLOPs at C <= 128) rather than a scan over chunks: on a GPU every iteration of a loop is a
-host round trip, so a loop whose length grows with T is a slow step.
+listing's segsum matmul over chunks rather than a scan over chunks (on a GPU every iteration of
+a loop is a host round trip, so a loop whose length grows with T is a slow step), blocked in
+~sqrt(C) groups past 32 chunks so its work stays ~C^1.5 (`linear_recurrence`).
 `ssd_chunked(..., extra=(x2, B2))` adds a second input x2_t B2_t^T per token (Mamba-3).
 
 Document boundaries (packed rows; `reset_BT` [B, T] bool, True at a document's first token t0,
@@ -56,6 +56,7 @@ n_groups; Mamba-3 passes G = H since its B, C are rotated per head).
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -97,21 +98,63 @@ def pass_chunk_states(loga_BCX: jax.Array, S_BCXPN: jax.Array, h0_BXPN: jax.Arra
 
       H_c = exp(z_0 + ... + z_{c-1}) h0 + sum_{c' < c} exp(z_{c'+1} + ... + z_{c-1}) S_{c'}
 
-  one matmul with the chunk-level segsum matrix (`segsum_exp` of [0, z_0, .., z_{C-1}]) over
-  [h0, S_0, .., S_{C-1}] (the Mamba-2 paper's Listing 1, step 3): no loop over the chunks,
-  whose count grows with T (a `lax.scan` there is a host round trip per chunk on a GPU). The
-  cost, (C + 1)^2 P N per head, is small beside the intra-chunk terms for C = T / Q chunks.
+  as matmuls with segsum matrices (the Mamba-2 paper's Listing 1, step 3; `linear_recurrence`
+  blocks them so the work stays ~n^1.5 for n chunks): no loop over the chunks, whose count
+  grows with T (a `lax.scan` there is a host round trip per chunk on a GPU).
   z: [B, C, X...] total log-decay of each chunk (<= 0, -inf across a restart); S: [B, C, X...,
   P, N]; h0: [B, X..., P, N]. Returns (H_0 .. H_{C-1} [B, C, X..., P, N], H_C = the final
   state)."""
   Bsz, C = loga_BCX.shape[:2]
-  X = loga_BCX.shape[2:]
-  z = jnp.pad(loga_BCX.astype(f32).reshape(Bsz, 1, C, -1), ((0, 0), (0, 0), (1, 0), (0, 0)))
-  L = segsum_exp(z)[:, 0]                                        # [B, X, C+1 (c), C+1 (c')]
-  states = jnp.concatenate([h0_BXPN[:, None], S_BCXPN], axis=1)
-  states = states.reshape((Bsz, C + 1, L.shape[1]) + S_BCXPN.shape[-2:])
-  H = jnp.einsum("bxts,bsxpn->btxpn", L, states).reshape((Bsz, C + 1) + X + S_BCXPN.shape[-2:])
+  X, PN = loga_BCX.shape[2:], S_BCXPN.shape[-2:]
+  w = jnp.pad(loga_BCX.astype(f32).reshape(Bsz, C, -1), ((0, 0), (1, 0), (0, 0)))
+  items = jnp.concatenate([h0_BXPN[:, None], S_BCXPN], axis=1)
+  H = linear_recurrence(w, items.reshape((Bsz, C + 1, w.shape[-1]) + PN))
+  H = H.reshape((Bsz, C + 1) + X + PN)
   return H[:, :C], H[:, C]
+
+
+DIRECT_MAX = 32   # linear_recurrence: one segsum matmul up to this many items
+
+
+def _block_size(n: int) -> int:
+  """Items per block of `linear_recurrence` (n > DIRECT_MAX): ~sqrt(n)."""
+  return math.isqrt(n - 1) + 1
+
+
+def linear_recurrence(w_BnX: jax.Array, s_BnXPN: jax.Array) -> jax.Array:
+  """H_t = exp(w_t) H_{t-1} + s_t for t < n (H_{-1} = 0, w_t <= 0 or -inf), without a loop.
+
+  Up to DIRECT_MAX items: H = L s with L_ts = exp(w_{s+1} + ... + w_t) (`segsum_exp`), n^2 / 2
+  multiply-adds per state entry. Beyond: blocks of K ~ sqrt(n) items; within a block the same
+  matmul from a zero state, the blocks' end states passed by this function over the M = n / K
+  blocks (their decays the block sums), and each item adds the state entering its block decayed
+  by exp(w_{block start} + ... + w_t): ~n K / 2 + M^2 / 2 + n, ~n^1.5 / 2. Every exponent is a
+  direct sum of terms <= 0 (no difference of large sums)."""
+  Bsz, n = w_BnX.shape[:2]
+  if n <= DIRECT_MAX:
+    L = segsum_exp(w_BnX[:, None])[:, 0]                        # [B, X, n (t), n (s)]
+    return jnp.einsum("bxts,bsxpn->btxpn", L, s_BnXPN)
+  K = _block_size(n)
+  M = -(-n // K)
+  pad = lambda a: jnp.pad(a, [(0, 0), (0, M * K - n)] + [(0, 0)] * (a.ndim - 2))
+  w = pad(w_BnX).reshape((Bsz, M, K) + w_BnX.shape[2:])          # [B, M, K, X]
+  s = pad(s_BnXPN).reshape((Bsz, M, K) + s_BnXPN.shape[2:])      # [B, M, K, X, P, N]
+  local = jnp.einsum("bmxts,bmsxpn->bmtxpn", segsum_exp(w), s)   # from a zero state
+  ends = linear_recurrence(jnp.sum(w, axis=2), local[:, :, -1])  # [B, M, X, P, N]
+  entering = jnp.pad(ends[:, :-1], [(0, 0), (1, 0)] + [(0, 0)] * (ends.ndim - 2))
+  into = jnp.exp(jnp.cumsum(w, axis=2))                          # block start .. t, inclusive
+  H = local + into[..., None, None] * entering[:, :, None]
+  return H.reshape((Bsz, M * K) + s_BnXPN.shape[2:])[:, :n]
+
+
+def recurrence_macs(n: int) -> float:
+  """Multiply-adds per state entry of `linear_recurrence` over n items (causal convention:
+  the lower triangles of its segsum matrices; the block corrections one each)."""
+  if n <= DIRECT_MAX:
+    return n * (n + 1) / 2
+  K = _block_size(n)
+  M = -(-n // K)
+  return M * K * (K + 1) / 2 + recurrence_macs(M) + M * K
 
 
 def restart_decay(a_BTH: jax.Array, reset_BT) -> jax.Array:
@@ -225,14 +268,24 @@ def ssd_flops_per_token(*, n_heads: int, head_dim: int, d_state: int, n_groups: 
 
   Intra-chunk C B^T (per group) and its product with x (per head) count the lower triangle
   only, (Q+1)/2 key positions per token, as causal attention does; chunk states and the
-  state->output products are N*P multiply-adds per head per token each; the inter-chunk scan
-  is N*P per head per chunk. Elementwise work (exp, masks, decays) is not counted.
-  `n_inputs` = 2 with `extra`: the intra-chunk and chunk-state work is done per input.
+  state->output products are N*P multiply-adds per head per token each; the state passing
+  (`pass_chunk_states` over C + 1 = ceil(T / Q) + 1 states, `passing_flops_per_token`) grows
+  slowly with T per token (~sqrt(C) / Q N*P per head). Elementwise work (exp, masks, decays)
+  is not counted. `n_inputs` = 2 with `extra`: the intra-chunk and chunk-state work is done per
+  input.
   """
   H, P, N, G, R = n_heads, head_dim, d_state, n_groups, n_inputs
   Q = max(1, min(chunk, seq_len))
-  macs = R * (G * N + H * P) * (Q + 1) / 2 + (R + 1) * H * P * N + H * P * N / Q
-  return 2.0 * macs
+  macs = R * (G * N + H * P) * (Q + 1) / 2 + (R + 1) * H * P * N
+  return 2.0 * macs + passing_flops_per_token(H * P * N, chunk, seq_len)
+
+
+def passing_flops_per_token(state_size: int, chunk: int, seq_len: int) -> float:
+  """FLOPs per token of `pass_chunk_states` for `state_size` = H P N state entries:
+  `recurrence_macs` of its C + 1 items (C = ceil(seq_len / chunk)) per sequence of seq_len
+  tokens."""
+  C = -(-seq_len // max(1, min(chunk, seq_len)))
+  return 2.0 * state_size * recurrence_macs(C + 1) / seq_len
 
 
 @dataclasses.dataclass(frozen=True)
