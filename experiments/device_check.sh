@@ -1,61 +1,82 @@
 #!/usr/bin/env bash
-# One prepared run on a GPU (or TPU) machine: the accelerator-only
-# numerics, then train-step throughput / MFU of each variant side by side. Results go to stdout
-# and, when $OUT is set (the device tool's output folder), to $OUT/*.txt.
+# One prepared run on a GPU (or TPU) machine, one call of at most 9 minutes (the steps' timeouts
+# add up to 8.8): the accelerator-only numerics, the decayed-attention kernel's Triton choices
+# timed, then train-step throughput of every variant at the 152M scale side by side (ratios to
+# the Transformer, host CPU seconds per step, MFU against the measured and the datasheet peak)
+# at T 2048 and 8192, and one-token decode steps against the memory-bandwidth bound. Results go
+# to stdout and, when $OUT is set (the device tool's output folder), to $OUT/*.txt.
 #
-#   bash experiments/device_check.sh            # everything (the steps' timeouts cap it at 18.8 min)
-#   STEPS="1 5" bash experiments/device_check.sh; STEPS="2 2b" ...; STEPS="3 4" ...  # in calls
-#                                               # of 8.6, 7 and 3.2 min (one device command may run
-#                                               # 10 min, a session has 15: "1 5" first)
-#   QUICK=1 bash experiments/device_check.sh    # numerics + one sequence length only
+#   bash experiments/device_check.sh            # steps "1 t 2 2L 2b" (the default, <= 9 min)
+#   STEPS="3 4 5" bash experiments/device_check.sh   # the longer extras: mixer memory vs T,
+#                                               # a real LLM's generation, SISA's paths vs T
+#   QUICK=1 bash experiments/device_check.sh    # numerics + T 2048 only
 #   JAX_PLATFORMS=cpu ATTN_JAX_GPU_TESTS_IMPL=xla BENCH_EXTRA="--scale=tiny --dtype=float32 \
-#     --seq_lens=128 --steps=1 --warmup=1 --batch_tokens=4096" bash experiments/device_check.sh  # CPU dry run
+#     --steps=1 --warmup=1 --batch_tokens=4096" TUNE_EXTRA="--tokens=1024 --seq_lens=128" \
+#     bash experiments/device_check.sh          # CPU dry run (the sweep step reports no cuDNN)
 #
-# The device image has jax with CUDA, flax, optax, orbax and chex, and no network. The other
-# packages the numerics and the bench need, ml-collections and pytest (pure Python), are carried in
-# .device_deps (git-ignored; make it with
-#   .venv/bin/pip install --target .device_deps --no-deps ml-collections pytest pluggy iniconfig
-# and pass carry=[".device_deps"] to the device run). grain, tokenizers and tensorboardX are not
-# needed here: the trainer imports them only when it trains on real data.
+# The device image has jax with CUDA, flax, optax, orbax and chex, and no network. Carry the
+# pure-Python rest in .device_deps (git-ignored):
+#   .venv/bin/pip install --target .device_deps --no-deps ml-collections pytest pluggy iniconfig \
+#     packaging pygments
+# and pass carry=[".device_deps"] to the device run. Training on real data (train.py with
+# data.source=jsonl / shards) also imports grain, which needs portpicker and array-record beside
+# it, tokenizers and tensorboardX: add `grain portpicker array-record tokenizers tensorboardX`
+# to that pip line (their wheels for the device's Python) when the run trains.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-/tmp/attn_jax_device_check}"
 mkdir -p "$out"
 export PYTHONPATH="$PWD:$PWD/.device_deps${PYTHONPATH:+:$PYTHONPATH}"
 python3 -c "import jax; print(jax.__version__, jax.devices())" | tee "$out/devices.txt"
-want() { [[ " ${STEPS:-1 5 2 2b 3 4} " == *" $1 "* ]]; }  # is step $1 selected?
+want() { [[ " ${STEPS:-1 t 2 2L 2b} " == *" $1 "* ]]; }  # is step $1 selected?
 
-# 1. numerics on the accelerator: cuDNN core and SISA on it vs the fp32 references, plus the
-#    backend-independent attention / SISA / decoding tests (run on the device backend here).
-#    The GPU-specific and newest kernels first (1a), so a timeout in the broad list (1b; its
-#    compile time alone is minutes) still leaves their result.
+# 1. numerics on the accelerator: the decayed-attention Triton kernel against the float64
+#    references, cuDNN and SISA's GPU paths against the fp32 ones. 1x (not in the default, its
+#    compile time alone is minutes): the backend-independent attention / SISA / SSM / decoding
+#    tests run on the device backend.
 # fp32 tests compare at 1e-5: keep fp32 matmuls in full precision (no TF32) for them.
 numerics() {  # $1 = timeout s, the rest = test files
   local t="$1"; shift
   JAX_PLATFORMS="${JAX_PLATFORMS:-cuda}" XLA_FLAGS="" JAX_DEFAULT_MATMUL_PRECISION=highest \
     timeout "$t" python3 -m pytest -q -x -p no:cacheprovider "$@" 2>&1 | tail -25
 }
-want 1 && numerics 145 tests/test_gpu_paths.py tests/test_flash.py tests/test_split.py tests/test_loss.py \
-  | tee "$out/numerics.txt"
-want 1 && numerics 170 tests/test_attention.py tests/test_decode.py tests/test_sisa.py tests/test_trunk.py \
+want 1 && numerics 80 tests/test_kernels.py tests/test_gpu_paths.py | tee "$out/numerics.txt"
+want 1x && numerics 170 tests/test_attention.py tests/test_decode.py tests/test_sisa.py tests/test_trunk.py \
   tests/test_ssd.py tests/test_mamba.py tests/test_sinkhorn.py tests/test_sinks.py tests/test_fox.py \
-  tests/test_mamba3_mimo.py \
+  tests/test_mamba3_mimo.py tests/test_flash.py tests/test_split.py tests/test_loss.py \
   | tee -a "$out/numerics.txt"
+
+# t. the decayed-attention kernel's Triton choices (kernels/decayed.GpuTuning): one SISA layer's
+#    fwd + bwd at the 152M shape per candidate, beside cuDNN's flash attention on the same q, k, v.
+want t && timeout 75 python3 experiments/tune_decayed.py --quick --kinds=sisa --seq_lens=2048,8192 \
+  --steps=3 ${TUNE_EXTRA:-} 2>&1 | grep -v "^[IW][0-9]" | tee "$out/tune_decayed.txt"
 
 # 2. train-step throughput, MFU against the bf16 matmul peak measured in the same run and the
 #    datasheet peak (flops.PEAK_FLOPS by device kind), ratios vs the Transformer, bf16, at the
 #    152M scale; SISA's paths side by side. (The decode-step table is its own run, 2b.)
-seqs="1024,4096"; [ -n "${QUICK:-}" ] && seqs="1024"
-# Every variant at 152M: Transformer, SISA (paths), Mamba-2/3, both hybrids, Sinkhorn, sinks, FoX, ALiBi.
-want 2 && timeout 320 python3 experiments/bench.py --configs=transformer_152m,sisa_152m,sisa_152m@fast,sisa_152m@chunked,mamba2_152m,mamba3_152m,hybrid_block_152m,hybrid_head_152m,sinkhorn_152m,transformer_152m_sink,fox_152m,alibi_152m \
-  --seq_lens="$seqs" --batch_tokens=65536 --steps=5 --warmup=2 --decode_step_batches= ${BENCH_EXTRA:-} \
-  2>&1 | grep -v "^[IW][0-9]" | tee "$out/bench.txt"
+bench() {  # $1 = timeout s, $2 = configs, $3 = lengths
+  timeout "$1" python3 experiments/bench.py --configs="$2" --seq_lens="$3" --batch_tokens=65536 \
+    --steps=3 --warmup=1 --decode_step_batches= --decode_tokens=0 ${BENCH_EXTRA:-} 2>&1 \
+    | grep -v "^[IW][0-9]"
+}
+want 2 && bench 180 transformer_152m,sisa_152m,fox_152m,alibi_152m,mamba2_152m,mamba3_152m,sinkhorn_152m,hybrid_block_152m,hybrid_head_152m \
+  2048 | tee "$out/bench.txt"
+# 2L. the long rows: the variants whose cost is per pair of tokens or per chunk, at T 8192
+[ -z "${QUICK:-}" ] && want 2L && bench 110 transformer_152m,sisa_152m,fox_152m,alibi_152m,mamba2_152m \
+  8192 | tee "$out/bench_8192.txt"
 
 # 2b. decode against memory bandwidth: one-token decode steps (after a 128-token prefill) at
 #     batch 1 and 32 per mixer and cache policy, tokens/s vs copy bandwidth / bytes per step
 #     (parameters + decoding state), with the measured copy bandwidth.
-want 2b && timeout 100 python3 experiments/bench.py --decode_only --configs=transformer_152m,transformer_152m@streaming,sisa_152m,mamba2_152m,mamba3_152m,hybrid_block_152m,hybrid_head_152m,sinkhorn_152m,transformer_152m_sink,fox_152m,alibi_152m \
+want 2b && timeout 70 python3 experiments/bench.py --decode_only --configs=transformer_152m,sisa_152m,fox_152m,mamba2_152m,mamba3_152m \
   --decode_step_batches=1,32 ${BENCH_EXTRA:-} 2>&1 | grep -v "^[IW][0-9]" | tee "$out/decode.txt"
+
+# 2g. (not in the default) the decode steps again with XLA:GPU command buffers (CUDA graphs)
+#     holding while loops and conditionals too: does graph capture cut the per-kernel launch
+#     cost that bounds a one-token step?
+want 2g && XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL" \
+  timeout 60 python3 experiments/bench.py --decode_only --configs=transformer_152m,sisa_152m,mamba2_152m \
+  --decode_step_batches=1,32 ${BENCH_EXTRA:-} 2>&1 | grep -v "^[IW][0-9]" | tee "$out/decode_graphs.txt"
 
 # 3. SISA's chunked path (with cuDNN: fused past keys per query chunk + biased in-chunk block)
 #    against plain attention, compiled fwd+bwd temporaries of one layer vs length on the GPU
@@ -80,4 +101,4 @@ want 5 && timeout 200 python3 experiments/bench.py --configs=transformer_152m,si
 
 want 4 && timeout 90 python3 experiments/bench_pretrained.py --random=smollm2 --prompt_len=512 \
   --new_tokens=128 --repeats=5 2>&1 | grep -v "^[IW][0-9]" | tee "$out/pretrained_speed.txt"
-echo "device_check: steps ${STEPS:-1 5 2 2b 3 4} done; results in $out"
+echo "device_check: steps ${STEPS:-1 t 2 2L 2b} done; results in $out"

@@ -52,8 +52,9 @@ def _train_rows(names, prepared, o: Options, limits) -> list[dict]:
         if rep and "skipped" in best.get(name, {}):
           continue
         decode = rep == 0 and L == int(o.seq_lens[0])   # decode rows do not depend on L
-        best[name] = merge(best.get(name), bench_one(name, L, o, limits, decode=decode,
-                                                     config=prepared[name]))
+        row = bench_one(name, L, o, limits, decode=decode, config=prepared[name])
+        tables.print_progress(name, L, row)
+        best[name] = merge(best.get(name), row)
     tables.print_table(L, best, names, o)
     out += [best[n] for n in names]
   return out

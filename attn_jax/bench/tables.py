@@ -21,6 +21,16 @@ def print_table(L, rows, names, options) -> None:
   print_decode_steps(rows, names, options)
 
 
+def print_progress(name, L, r) -> None:
+  """One line per measured row as it is done (the table follows at the end of the length), so
+  a run stopped by a time limit keeps what it measured."""
+  if "skipped" in r:
+    print(f"  [{name} T {L}] skipped: {r['skipped']}", flush=True)
+    return
+  print(f"  [{name} T {L}] step {r['step_s']:.4f} s, {r['tok_s']:.0f} tok/s, host cpu "
+        f"{r['cpu_s']:.3f} s/step, compile {r['compile_s']:.1f} s", flush=True)
+
+
 def _train_line(name, r, base) -> str:
   aux = ", ".join(f"{k}={v:.3g}" for k, v in r["aux"].items())
   pct = lambda x: "n/a" if x is None else f"{x:.1%}"   # n/a: no datasheet peak (CPU)

@@ -103,6 +103,28 @@ _AT_B = (((0,), (0,)), ((), ()))    # a.T @ b
 # head dim 128 exceed the 227 KiB of shared memory a block may use (the dkv pass holds dk, dv,
 # db), 64 x 64 fits (checked by compiling for `targets.devices("h100x1")`).
 BLOCKS = {"tpu": 128, "gpu": 64, "cpu": 128}
+PASSES = ("fwd", "dq", "dkv")
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuTuning:
+  """Triton launch choices on a GPU: the tiles (shared by the three passes: the operands are
+  tiled once) and, per pass (fwd, dq, dkv), warps per program and software-pipelining stages.
+  `experiments/tune_decayed.py` times candidates on a GPU; each must compile for the target
+  (shared memory: `tests/test_kernels.py` compiles the chosen ones for an H100)."""
+  block_q: int = 64
+  block_k: int = 64
+  warps: tuple[int, int, int] = (4, 4, 4)
+  stages: tuple[int, int, int] = (2, 2, 2)
+
+  def label(self) -> str:
+    return (f"{self.block_q}x{self.block_k} warps {'/'.join(map(str, self.warps))} "
+            f"stages {'/'.join(map(str, self.stages))}")
+
+
+# The GPU choice by head dim (default: `GpuTuning()`); the value used is the entry for the
+# call's head dim.
+GPU_TUNING: dict[int, GpuTuning] = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,6 +141,8 @@ class Spec:
   groups: int          # query heads per kv head (GQA)
   interpret: bool
   grid: bool = False   # the grid driver (TPU): the other side's tiles on grid axis 3
+  warps: tuple[int, int, int] = (4, 4, 4)    # Triton, per pass (PASSES)
+  stages: tuple[int, int, int] = (2, 2, 2)
 
 
 class Rows(NamedTuple):
@@ -581,10 +605,10 @@ def _out_blocks(outs):
   return tuple(_block(o, _head, lambda i, j: i) for o in outs)
 
 
-def _compiler_params(spec: Spec):
+def _compiler_params(spec: Spec, name: str):
   """The target's compiler: Mosaic on TPU (every grid axis independent), Triton on GPU (JAX's
   other GPU backend, Mosaic GPU, stages whole blocks in shared memory, and the whole-head K/V
-  of this kernel do not fit there)."""
+  of this kernel do not fit there) with the pass's warps and stages (`GpuTuning`)."""
   if spec.interpret:
     return None
   plat = platform.current()
@@ -594,18 +618,19 @@ def _compiler_params(spec: Spec):
                                 + ("arbitrary",) * spec.grid)
   if plat == "gpu":
     from jax.experimental.pallas import triton as pltriton
-    return pltriton.CompilerParams(num_warps=4, num_stages=2)
+    i = PASSES.index(name)
+    return pltriton.CompilerParams(num_warps=spec.warps[i], num_stages=spec.stages[i])
   return None
 
 
 def _call(spec: Spec, kernel, grid, ins, in_specs, outs, out_specs, scratch=()):
   """The Pallas call, named after its pass (decayed_fwd, decayed_dq, decayed_dkv: the name
   compile reports and profiles show); `scratch`: the grid driver's VMEM carry."""
-  name = "decayed_" + kernel.func.__name__.split("_")[-1]
+  pass_name = kernel.func.__name__.split("_")[-1]
   return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs,
-                        out_shape=outs, interpret=spec.interpret, name=name,
+                        out_shape=outs, interpret=spec.interpret, name="decayed_" + pass_name,
                         scratch_shapes=tuple(scratch),
-                        compiler_params=_compiler_params(spec))(*ins)
+                        compiler_params=_compiler_params(spec, pass_name))(*ins)
 
 
 def _vmem(shapes):
@@ -785,7 +810,7 @@ def decayed_attention(q_BTHD, k_BTKD, v_BTKE, *, scale: float, g_BTH=None, g_lo_
                       window: int | None = None, positions_BT=None, segment_ids_BT=None,
                       sink_logit_H=None, block_q: int | None = None,
                       block_k: int | None = None, interpret: bool | None = None,
-                      tile_grid: bool | None = None):
+                      tile_grid: bool | None = None, gpu_tuning: GpuTuning | None = None):
   """Decayed attention through the kernel (module docstring): [B, T, H, Dv] in q's dtype.
 
   g_BTH: cumulative log-decay (fp32; None: no decay); g_lo_BTH: its low word when g is a
@@ -796,7 +821,8 @@ def decayed_attention(q_BTHD, k_BTKD, v_BTKE, *, scale: float, g_BTH=None, g_lo_
   the extra softmax column. block_q / block_k: tile sizes (default `BLOCKS` of the platform).
   interpret: run the Pallas interpreter (default: on CPU). tile_grid: the grid driver, the
   other side's tiles on a grid axis with the carry in VMEM scratch (default: on TPU; the
-  loop driver elsewhere)."""
+  loop driver elsewhere). gpu_tuning: the Triton choices on a GPU (default: `GPU_TUNING` of
+  the head dim; block_q / block_k, when given, override its tiles)."""
   B, T, H, _ = q_BTHD.shape
   sisa = c_BTHS is not None
   if sisa != (b_BTHS is not None):
@@ -808,6 +834,9 @@ def decayed_attention(q_BTHD, k_BTKD, v_BTKE, *, scale: float, g_BTH=None, g_lo_
     interpret = plat == "cpu"
   if tile_grid is None:
     tile_grid = plat == "tpu"
+  tune = gpu_tuning or GPU_TUNING.get(q_BTHD.shape[-1], GpuTuning())
+  if plat == "gpu":
+    block_q, block_k = block_q or tune.block_q, block_k or tune.block_k
   block_q, block_k = block_q or BLOCKS[plat], block_k or BLOCKS[plat]
   g = jnp.zeros((B, T, H), jnp.float32) if g_BTH is None else g_BTH
   pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T)) if positions_BT is None \
@@ -816,7 +845,7 @@ def decayed_attention(q_BTHD, k_BTKD, v_BTKE, *, scale: float, g_BTH=None, g_lo_
       jnp.int32)
   spec = Spec(float(scale), bool(fox), sisa, g_lo_BTH is not None, bool(causal), window,
               int(block_q), int(block_k), H // k_BTKD.shape[2], bool(interpret),
-              bool(tile_grid))
+              bool(tile_grid), tuple(tune.warps), tuple(tune.stages))
   args = dict(q=q_BTHD, k=k_BTKD, v=v_BTKE, g=g, glo=g_lo_BTH, c=c_BTHS, b=b_BTHS, pos=pos,
               seg=seg, sink=sink_logit_H)
   return _sharded(functools.partial(_local, spec), args, _NAMES)

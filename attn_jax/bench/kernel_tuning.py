@@ -1,0 +1,115 @@
+"""Timing the decayed-attention kernel's Triton choices (`kernels.decayed.GpuTuning`) on a GPU.
+
+For one layer's attention at a preset's shape (tokens per step split into rows of T), each
+candidate's forward + backward (`jax.grad` of a sum of the output, the three passes fwd, dq,
+dkv) is compiled and timed (best of `steps` after a warmup call), beside the same call through
+JAX's cuDNN flash attention (`jax.nn.dot_product_attention(implementation="cudnn")`, no decay:
+the floor a decayed kernel can approach). A candidate that does not compile (shared memory) is
+reported as such. Times are wall times of a synchronised call: on a GPU only.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from attn_jax.kernels import decayed
+
+
+def quick_candidates() -> list[decayed.GpuTuning]:
+  """Ten of `candidates`: today's choice, larger query or key tiles, deeper pipelines, 8 warps
+  with the larger tiles."""
+  pick = [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 4, 2), (128, 64, 4, 3), (128, 64, 8, 2),
+          (128, 64, 8, 3), (64, 128, 4, 2), (64, 32, 4, 3), (128, 128, 8, 2), (128, 32, 4, 3)]
+  return [decayed.GpuTuning(bq, bk, (w,) * 3, (st,) * 3) for bq, bk, w, st in pick]
+
+
+def candidates() -> list[decayed.GpuTuning]:
+  """Tiles 64 / 128 (query) x 32 / 64 / 128 (key), 4 or 8 warps, 1-3 stages, one choice for
+  all three passes (a pass-wise refinement starts from the best of these)."""
+  out = []
+  for bq, bk, w, st in itertools.product((64, 128), (32, 64, 128), (4, 8), (1, 2, 3)):
+    out.append(decayed.GpuTuning(bq, bk, (w,) * 3, (st,) * 3))
+  return out
+
+
+def _inputs(kind: str, B: int, T: int, H: int, D: int, d_state: int, dtype):
+  """q, k, v [B, T, H, D], g [B, T, H] (a decaying cumulative sum) and SISA's c, b."""
+  keys = jax.random.split(jax.random.key(0), 6)
+  n = lambda k, shape: jax.random.normal(k, shape, jnp.float32).astype(dtype)
+  q, k, v = (n(keys[i], (B, T, H, D)) for i in range(3))
+  g = jnp.cumsum(-0.05 * jax.nn.sigmoid(jax.random.normal(keys[3], (B, T, H))), axis=1)
+  extra = {}
+  if kind == "sisa":
+    extra = dict(c_BTHS=n(keys[4], (B, T, H, d_state)), b_BTHS=n(keys[5], (B, T, H, d_state)))
+  return (q, k, v), dict(g_BTH=g, fox=kind == "fox", **extra)
+
+
+def _timed(fn: Callable, args, steps: int) -> float:
+  """Best wall time (s) of `steps` synchronised calls after one warmup (compiling) call."""
+  jax.block_until_ready(fn(*args))
+  best = float("inf")
+  for _ in range(steps):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    best = min(best, time.perf_counter() - t0)
+  return best
+
+
+def _grad_of(attend: Callable) -> Callable:
+  loss = lambda q, k, v: jnp.sum(attend(q, k, v).astype(jnp.float32))
+  return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+
+
+def _time_or_error(fn, args, steps: int) -> float | str:
+  """`_timed`, or the error's first line where the call does not compile (a finding)."""
+  try:
+    return _timed(fn, args, steps)
+  except Exception as e:   # noqa: BLE001 - reported in the table, not raised
+    return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:100]}"
+
+
+def time_cudnn(qkv, steps: int) -> float | str:
+  """fwd + bwd of cuDNN's causal flash attention on the same q, k, v (an error off a GPU)."""
+  f = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                                   implementation="cudnn")
+  return _time_or_error(_grad_of(f), qkv, steps)
+
+
+def time_candidate(qkv, kw, tune: decayed.GpuTuning, steps: int) -> float | str:
+  """fwd + bwd through the kernel with `tune` (the Pallas interpreter off a GPU)."""
+  scale = qkv[0].shape[-1] ** -0.5
+  f = lambda q, k, v: decayed.decayed_attention(q, k, v, scale=scale, gpu_tuning=tune, **kw)
+  return _time_or_error(_grad_of(f), qkv, steps)
+
+
+def sweep(kind: str, T: int, tokens: int = 65536, H: int = 12, D: int = 64,
+          d_state: int = 32, steps: int = 5, tunings=None, dtype=jnp.bfloat16) -> list[dict]:
+  """Rows {tuning, seconds or error, ratio = cuDNN time / this time} for one kind ("sisa",
+  "fox") and length, best first; the first row is cuDNN's."""
+  qkv, kw = _inputs(kind, max(1, tokens // T), T, H, D, d_state, dtype)
+  base = time_cudnn(qkv, steps)
+  rows = [{"tuning": "cuDNN (no decay)", "seconds": base, "ratio": 1.0}]
+  ok = lambda t: isinstance(t, float)
+  for tune in tunings or candidates():
+    t = time_candidate(qkv, kw, tune, steps)
+    rows.append({"tuning": tune.label(), "seconds": t, "choice": tune,
+                 "ratio": base / t if ok(t) and ok(base) else None})
+  timed = sorted((r for r in rows[1:] if ok(r["seconds"])), key=lambda r: r["seconds"])
+  return rows[:1] + timed + [r for r in rows[1:] if not ok(r["seconds"])]
+
+
+def print_sweep(kind: str, T: int, rows: list[dict], top: int = 8) -> None:
+  print(f"\n{kind} T {T}: fwd + bwd of one layer's attention, bf16 (ratio = cuDNN / this)")
+  for r in rows[:top + 1]:
+    t, ratio = r["seconds"], "" if r["ratio"] is None else f"{r['ratio']:.3f}x"
+    cell = f"{t * 1e3:8.3f} ms  {ratio}" if isinstance(t, float) else t
+    print(f"  {r['tuning']:<36} {cell}")
+  failed = [r for r in rows[1:] if not isinstance(r["seconds"], float)]
+  if failed:
+    print(f"  ({len(failed)} candidates did not compile, e.g. {failed[0]['tuning']}: "
+          f"{failed[0]['seconds']})")
