@@ -14,12 +14,16 @@ run executes:
 Nothing is allocated or run. For each program the report gives XLA's memory analysis per device
 (`train/memory.py`: arguments + outputs - donated + temporaries + code), the compile time, the
 kernels (custom calls: cuDNN attention, Mosaic/Pallas, Triton, cuBLAS), the collectives and
-any [.., T, T] buffer at the training length T. Ops are counted as they appear in the compiled
-program text: an op inside a loop body (the scan over layers, the micro-batch loop) counts once,
-not once per iteration. The train step's fit is judged against the target's usable memory
-(`Target.usable_bytes`) with `memory.check_fit`'s headroom; when it does not fit, the largest
-micro-batch that does (`memory.pick_micro_batch`, what `train.auto_microbatch` would pick) is
-searched for and named. A program the compiler refuses for memory (XLA for TPU checks HBM
+any [.., T, T] buffer at the training length T. Kernels and collectives are counted as they
+appear in the compiled program text: an op inside a loop body (the scan over layers, the
+micro-batch loop) counts once, not once per iteration. Counted per execution instead
+(`train/hlo_loops.py`): the serial iterations of the program's while loops (nested loops
+multiply; XLA:GPU pays a host round trip per iteration, issue 49) with the code each loop comes
+from, the conditionals run, and the kernel launches (fusions, custom calls, collectives, copies
+at the top level of the entry and of the loop bodies, times their loops' iterations).
+The train step's fit is judged against the target's usable memory (`Target.usable_bytes`) with
+`memory.check_fit`'s headroom; when it does not fit, the largest micro-batch that does
+(`memory.pick_micro_batch`, what `train.auto_microbatch` would pick) is searched for and named. A program the compiler refuses for memory (XLA for TPU checks HBM
 while compiling) is reported as refused, with the bytes the compiler named
 (`memory.Refused`), and counts as not fitting.
 """
@@ -38,7 +42,7 @@ import ml_collections
 from flax import nnx
 
 from attn_jax import decode, sharding as shd, targets as targets_lib
-from attn_jax.train import memory, trainer
+from attn_jax.train import hlo_loops, memory, trainer
 from attn_jax.train.step import make_eval_step
 
 DECODE_NEW = 128   # decoding capacity beyond the prompt
@@ -73,10 +77,29 @@ class Program:
   collectives: dict[str, int]
   tt_buffers: list[str]
   options: dict = dataclasses.field(default_factory=dict)   # XLA options it needed (_program)
+  loops: hlo_loops.Loops | None = None   # per execution (hlo_loops.read); None: not compiled
 
   @property
   def needed(self) -> int:
     return memory.needed_bytes(self.memory)
+
+  @property
+  def serial_iterations(self) -> int | None:
+    """Iterations of the program's while loops per execution (loops of known count)."""
+    return None if self.loops is None else self.loops.serial_iterations
+
+  @property
+  def while_loops(self) -> int | None:
+    return None if self.loops is None else len(self.loops.loops)
+
+  @property
+  def unknown_loops(self) -> int | None:
+    return None if self.loops is None else self.loops.unknown_loops
+
+  @property
+  def launches(self) -> int | None:
+    """Kernel launches per execution (hlo_loops: None when unknown)."""
+    return None if self.loops is None else self.loops.launches
 
 
 def kernels_in(text: str) -> dict[str, int]:
@@ -149,7 +172,7 @@ def _program(name: str, shape: str, compile: Callable[[dict | None], Any], T: in
   dt = time.perf_counter() - t0
   text = compiled.as_text()
   return Program(name, shape, dt, compiled.memory_analysis(), kernels_in(text),
-                 collectives_in(text), square_buffers(text, T), options)
+                 collectives_in(text), square_buffers(text, T), options, hlo_loops.read(text))
 
 
 def _geometry(config) -> tuple[int, int, int]:
@@ -304,6 +327,8 @@ def format_report(r: Report) -> str:
     kern = ", ".join(f"{k} x{n}" for k, n in sorted(p.kernels.items())) or "none"
     coll = ", ".join(f"{k} x{n}" for k, n in p.collectives.items()) or "none"
     lines.append(f"           kernels: {kern}; collectives: {coll}")
+    if p.loops is not None:
+      lines.append(f"           {hlo_loops.summary(p.loops)}")
     if p.options:
       lines.append(f"           compiled with {p.options}: XLA found no tiling for a Triton "
                    "GEMM fusion without a GPU to autotune on (train/aot.py)")

@@ -5,7 +5,9 @@ and `*_369m.py` preset for each target of `ROWS` (`train/aot.py`: the trainer's 
 `build_setup` over compile-only devices, nothing run) and writes the table: per-device memory
 at the preset's own batch, whether it fits the target's usable memory, the largest micro-batch
 that fits when it does not (same tokens per step through gradient accumulation), the kernels
-and collectives of the compiled step, and the compile time on the machine that made the page.
+and collectives of the compiled step, the serial iterations of its while loops per step (nested
+loops multiply, `train/hlo_loops.py`: XLA:GPU pays a host round trip per iteration) and the
+compile time on the machine that made the page.
 
 A second table measures length scaling: the 152M attention presets (`LENGTH_PRESETS`) with one
 row of T = 2048, 8192, 32768 tokens per device (`LENGTHS`) on a GPU and a TPU target with room
@@ -15,7 +17,8 @@ for the longest (`LENGTH_ROWS`): flash-style kernels keep the temporaries linear
 Each result is kept in a JSON file beside the page as soon as it is measured, with the
 fingerprint of the config it compiled (`fingerprint`: sha256 of the config's JSON), so a run
 that stops resumes where it stopped and a cell whose preset changed is measured again
-(`--fresh`: all of them).
+(`--fresh`: all of them). A figure added to `measure` after a cell was stored is shown as '-'
+for that cell until it is measured again.
 """
 
 from __future__ import annotations
@@ -102,8 +105,25 @@ def measure(name: str, row: Row, seq_len: int | None = None) -> dict:
           "fits": bool(r.fit.fits), "fit_micro": fit[0] if fit else None,
           "fit_accum": fit[1] if fit else None, "usable_gib": r.fit.available / memory.GiB,
           "kernels": p.kernels, "collectives": p.collectives, "tt": p.tt_buffers[:2],
+          **_loops(p),
           "tt_maybe_width": r.t_is_a_width,
           "compile_s": p.compile_s, "params": r.n_params, "options": p.options}
+
+
+def _loops(p: aot.Program) -> dict:
+  """The step's serial loop iterations (hlo_loops), JSON-ready; none for a refused step."""
+  if p.loops is None:
+    return {}
+  return {"serial_iterations": p.serial_iterations, "while_loops": p.while_loops,
+          "unknown_loops": p.unknown_loops, "loop_sources": p.loops.by_source()}
+
+
+def _serial(d: dict) -> str:
+  """'20 (3 loops)'; '+ n?' for loops of unknown count; '-' for a cell measured before."""
+  if "serial_iterations" not in d:
+    return "-"
+  unknown = f" + {d['unknown_loops']} of unknown count" if d.get("unknown_loops") else ""
+  return f"{d['serial_iterations']}{unknown} ({d['while_loops']} loops)"
 
 
 def _key(name: str, row: Row, seq_len: int | None = None) -> str:
@@ -141,7 +161,7 @@ def _kernels(d: dict) -> str:
 
 def _cell(d: dict) -> list[str]:
   if "error" in d:
-    return ["error", "", "", d["error"], "", ""]
+    return ["error", "", "", d["error"], "", "", ""]
   fit = "yes" if d["fits"] else (f"at micro-batch {d['fit_micro']} x {d['fit_accum']}"
                                  if d["fit_micro"] else "no")
   coll = ", ".join(f"{n} x{c}" for n, c in d["collectives"].items()) or "none"
@@ -150,8 +170,9 @@ def _cell(d: dict) -> list[str]:
   tt += " (Triton GEMM fusions off: no tiling found without autotuning)" if d.get("options") else ""
   if d.get("refused"):
     return [f"> {d['gib']:.1f}", f"{d['usable_gib']:.1f}", fit,
-            "unknown: the compiler refused the step for memory", "", f"{d['compile_s']:.0f}"]
-  return [f"{d['gib']:.1f}", f"{d['usable_gib']:.1f}", fit, _kernels(d) + tt, coll,
+            "unknown: the compiler refused the step for memory", "", "",
+            f"{d['compile_s']:.0f}"]
+  return [f"{d['gib']:.1f}", f"{d['usable_gib']:.1f}", fit, _kernels(d) + tt, coll, _serial(d),
           f"{d['compile_s']:.0f}"]
 
 
@@ -179,18 +200,21 @@ def page(done: dict, names=None, rows=ROWS, length_rows=LENGTH_ROWS,
       "the preset's micro-batch does not fit, the largest that does is named (the same tokens "
       "per step through train.grad_accum; what train.auto_microbatch picks). Kernels are the "
       "custom calls in the compiled step, collectives the ops in its text (an op inside the "
-      "layer scan counts once); '[T, T]?' marks a preset with an activation width equal to T "
-      "(`aot.activation_widths`), whose [.., T, T]-shaped buffers may be [.., T, width] "
+      "layer scan counts once); serial iterations are the step's while-loop iterations per "
+      "step, nested loops multiplied (train/hlo_loops.py; XLA:GPU pays a host round trip for "
+      "each; '-': a cell measured before they were recorded); '[T, T]?' marks a preset with an "
+      "activation width equal to T (`aot.activation_widths`), whose [.., T, T]-shaped buffers may be [.., T, width] "
       "activations (Mamba 369M: d_inner 2048). Compile time is this CPU's, shared with other work: a rough "
       "figure. Reproduce one cell: `python experiments/train.py --config=configs/<preset>.py "
       "--compile_only=<target> --config.mesh.shape=<mesh>`.", ""]
   for row in rows:
     lines += [f"## {row.target}, mesh (data, fsdp, tensor) = {row.mesh}: {row.why}", "",
-              "| preset | GiB / device | usable GiB | fits | kernels | collectives | compile s |",
-              "|---|---|---|---|---|---|---|"]
+              "| preset | GiB / device | usable GiB | fits | kernels | collectives | serial "
+              "iterations | compile s |",
+              "|---|---|---|---|---|---|---|---|"]
     for name in names or preset_names():
       d = done.get(_key(name, row))
-      cells = _cell(d) if d else ["not measured yet"] + [""] * 5
+      cells = _cell(d) if d else ["not measured yet"] + [""] * 6
       lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines.append("")
   if length_rows:
@@ -221,8 +245,9 @@ def _length_section(done: dict, length_rows, length_names) -> list[str]:
       f"linear in T grow x{LENGTHS[-1] // LENGTHS[0]}, a [T, T] score tensor would grow "
       f"x{(LENGTHS[-1] // LENGTHS[0]) ** 2}. Arguments (parameters, optimizer state) do not "
       "grow. '[T, T]' lists any such buffer found in the step at the longest length.", "",
-      f"| preset | target | {head} | temporaries x | [T, T] at {LENGTHS[-1]} | kernels |",
-      "|---|---|" + "---|" * len(LENGTHS) + "---|---|---|"]
+      f"| preset | target | {head} | temporaries x | [T, T] at {LENGTHS[-1]} | kernels | serial "
+      f"iterations at T {' / '.join(map(str, LENGTHS))} |",
+      "|---|---|" + "---|" * len(LENGTHS) + "---|---|---|---|"]
   for name in length_names:
     for row in length_rows:
       ds = [done.get(_key(name, row, t)) for t in LENGTHS]
@@ -230,5 +255,6 @@ def _length_section(done: dict, length_rows, length_names) -> list[str]:
       lines.append(f"| {name} | {row.target} {row.mesh} | "
                    + " | ".join(_gib_cell(d) for d in ds)
                    + f" | {_growth(ds[0], ds[-1])} | {', '.join(last.get('tt', [])) or 'none'}"
-                   f" | {_kernels(last) if last and 'error' not in last else ''} |")
+                   f" | {_kernels(last) if last and 'error' not in last else ''}"
+                   f" | {' / '.join(_serial(d) if d else '' for d in ds)} |")
   return lines + [""]
