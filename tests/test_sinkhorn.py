@@ -1,5 +1,6 @@
 """Sparse Sinkhorn attention: balancing invariants, exact block sorting, references, causality by
-gradient, SortCut, padding and decoding. All fp32, tolerances fixed once."""
+gradient, SortCut, padding, decoding, and no while loop in a step (each loop-free form against
+the loop it replaced). All fp32, tolerances fixed once."""
 
 import chex
 import jax
@@ -460,11 +461,177 @@ def _layout_loop(seg, b):
 
 @pytest.mark.parametrize("b", [1, 4, 7, 16])
 def test_document_layout_equals_the_cursor_loop(b):
-  """document_layout (a lax.scan) == a plain numpy cursor loop on random packings (documents
-  of 1 to 3 b tokens, rows of 1 and of many documents)."""
+  """document_layout (an associative scan) == a plain numpy cursor loop on random packings
+  (documents of 1 to 3 b tokens, rows of 1 and of many documents)."""
   from attn_jax.attention.sinkhorn import document_layout
   rng = np.random.default_rng(b)
   lens = [rng.integers(1, 3 * b + 1, size=200) for _ in range(3)]
   seg = np.stack([np.repeat(np.arange(200), l)[:200] for l in lens] + [np.zeros(200, int)])
   got = np.asarray(document_layout(jnp.asarray(seg, jnp.int32), b))
   np.testing.assert_array_equal(got, _layout_loop(seg, b))
+
+
+# ---------------------------------------------------------------- no loops over T
+
+def _greedy_one_at_a_time(logp_BKNN, mask_BKNN):
+  """The greedy rule one entry per step, a `fori_loop` over the N blocks (greedy_permutation as
+  it was before its rounds): the reference `greedy_permutation` must equal."""
+  n = logp_BKNN.shape[-1]
+  lead = logp_BKNN.shape[:-2]
+  mask = jnp.broadcast_to(mask_BKNN, logp_BKNN.shape)
+
+  def body(_, carry):
+    idx, row_free, col_free = carry
+    s = jnp.where(mask & row_free[..., :, None] & col_free[..., None, :], logp_BKNN, -jnp.inf)
+    flat = s.reshape(lead + (n * n,))
+    best = jnp.argmax(flat, axis=-1)
+    ok = jnp.max(flat, axis=-1) > -jnp.inf
+    r, c = best // n, best % n
+    hit_r = (jnp.arange(n) == r[..., None]) & ok[..., None]
+    hit_c = (jnp.arange(n) == c[..., None]) & ok[..., None]
+    return (jnp.where(hit_r, c[..., None], idx), row_free & ~hit_r, col_free & ~hit_c)
+
+  row = logp_BKNN[..., 0]
+  init = (jnp.full_like(row, -1, jnp.int32), jnp.ones_like(row, bool), jnp.ones_like(row, bool))
+  idx, _, _ = jax.lax.fori_loop(0, n, body, init)
+  return jnp.maximum(idx, 0), idx >= 0
+
+
+def _greedy_cases():
+  """(name, logp [B, K, n, n], mask): random, many ties, -inf inside the mask, padded blocks,
+  documents (block-diagonal, more rows than columns), empty rows, n above GREEDY_ROUNDS."""
+  rng = np.random.default_rng(0)
+  cases = []
+  for n in (1, 2, 7, 33, 64):
+    cases.append((f"random{n}", rng.normal(size=(3, 2, n, n)), np.ones((n, n), bool)))
+  ties = rng.integers(0, 3, size=(4, 2, 9, 9)).astype(float)
+  cases.append(("ties", ties, np.ones((9, 9), bool)))
+  holes = rng.normal(size=(2, 2, 8, 8))
+  holes[rng.random(holes.shape) < 0.3] = -np.inf
+  cases.append(("-inf entries", holes, np.ones((8, 8), bool)))
+  valid = np.array([[1] * 10, [1] * 6 + [0] * 4], bool)
+  cases.append(("padded blocks", rng.normal(size=(2, 3, 10, 10)),
+                (valid[:, :, None] & valid[:, None, :])[:, None]))
+  owner = np.array([0, 0, 0, 1, 1, 2, 2, 2, 2, 3])
+  pure = np.array([1, 0, 1, 1, 1, 0, 1, 1, 0, 1], bool)
+  docs = (owner[:, None] == owner[None, :]) & pure[None, :]
+  cases.append(("documents", rng.normal(size=(2, 2, 10, 10)), docs))
+  cases.append(("empty rows", rng.normal(size=(2, 2, 6, 6)), np.tril(np.ones((6, 6), bool), -1)))
+  return cases
+
+
+@pytest.mark.parametrize("name,logp,mask", _greedy_cases(), ids=lambda c: c
+                         if isinstance(c, str) else "")
+def test_greedy_rounds_equal_the_greedy_loop(name, logp, mask):
+  """greedy_permutation (rounds of locally best entries) == the one-entry-per-step loop, on
+  random matrices up to N = 64 (> GREEDY_ROUNDS), ties, -inf entries, padded blocks, packed
+  documents and rows with nothing allowed."""
+  logp, mask = jnp.asarray(logp, jnp.float32), jnp.asarray(mask)
+  idx, ok = greedy_permutation(logp, mask)
+  want_idx, want_ok = _greedy_one_at_a_time(logp, mask)
+  np.testing.assert_array_equal(ok, want_ok)
+  np.testing.assert_array_equal(np.where(want_ok, idx, -1), np.where(want_ok, want_idx, -1))
+
+
+def test_greedy_past_its_rounds_keeps_every_pick_and_the_rest_take_their_best_free_column():
+  """A chain the greedy rule takes one entry per round (row k + 1's best column is row k's,
+  taken one round before): N = 40 rounds. GREEDY_ROUNDS = 32 rounds take the first 32 picks
+  exactly; each later row then takes its largest column still free, which two rows may share
+  (rows 32 and 33 both take column 32); with `rounds=40` the result is the greedy rule's."""
+  from attn_jax.attention.sinkhorn import GREEDY_ROUNDS
+  n = 40
+  logp = np.full((n, n), -50.0)
+  w = 1000.0 - np.arange(2 * n)                 # strictly decreasing along the chain
+  for k in range(n):
+    logp[k, k] = w[2 * k]                       # r_k -> c_k, taken in round k + 1
+    if k + 1 < n:
+      logp[k + 1, k] = w[2 * k + 1]             # r_{k+1}'s best column is c_k
+  logp = jnp.asarray(logp[None, None], jnp.float32)
+  mask = jnp.ones((n, n), bool)
+  want, _ = _greedy_one_at_a_time(logp, mask)
+  np.testing.assert_array_equal(want[0, 0], np.arange(n))
+  idx, ok = greedy_permutation(logp, mask)
+  assert GREEDY_ROUNDS == 32 and bool(ok.all())
+  np.testing.assert_array_equal(idx[0, 0], list(range(33)) + list(range(32, n - 1)))
+  one_round, _ = greedy_permutation(logp, mask, rounds=1)
+  np.testing.assert_array_equal(one_round[0, 0], [0, 1] + list(range(1, n - 1)))
+  np.testing.assert_array_equal(greedy_permutation(logp, mask, rounds=n)[0], want)
+
+
+def test_causal_rows_equal_each_prefix_problem_with_gradients():
+  """causal_sinkhorn_rows (all prefix problems at once, in scaling form, with a hand-written
+  backward) == each problem's full matrix through sinkhorn_log (autodiff), values and
+  gradients, plain and with packed-row document starts."""
+  n, it = 7, 7
+  logits = jax.random.normal(jax.random.key(4), (2, 3, n, n)) / 0.75
+  weights = jax.random.normal(jax.random.key(5), (2, 3, n, n))
+  starts = jnp.array([[0, 0, 0, 3, 3, 3, 3], [0, 0, 2, 2, 2, 5, 5]], jnp.int32)
+
+  def one_by_one(lg, st):
+    rows = []
+    for i in range(n):
+      if st is None:
+        mask, lr, lc = causal_prefix_problem(n, i)
+      else:
+        mask, lr, lc = causal_prefix_problem(n, i, st[:, i])
+      rows.append(sinkhorn_log(lg, mask, lr, lc, it)[..., i, :])
+    return jnp.stack(rows, -2)
+
+  for st in (None, starts):
+    got = jnp.exp(causal_sinkhorn_rows(logits, it, st))
+    want = jnp.exp(one_by_one(logits, st))
+    np.testing.assert_allclose(got, want, atol=1e-6)
+    loss = lambda f: lambda lg: jnp.sum(weights * jnp.exp(f(lg)))
+    g = jax.grad(loss(lambda lg: causal_sinkhorn_rows(lg, it, st)))(logits)
+    g_want = jax.grad(loss(lambda lg: one_by_one(lg, st)))(logits)
+    np.testing.assert_allclose(g, g_want, atol=ATOL)
+
+
+LOOP_MODES = [dict(), dict(n_sortcut=2), dict(causal=False), dict(causal=False, n_sortcut=2)]
+
+
+@pytest.mark.parametrize("mode", LOOP_MODES)
+def test_no_while_loop_in_train_or_eval_forward(mode):
+  """The mixer's train step (gradient, Gumbel noise) and eval forward (hard sorting: the
+  greedy permutation in non-causal mode), causal packed rows too (document_layout), contain no
+  while loop at 16 or 64 blocks: XLA:GPU pays a host round trip per iteration, and none of
+  these loops had a fixed count (the causal rows' map and the greedy loop ran N times, the
+  layout's scan T times). Lowered for the GPU: on the CPU, XLA rolls threefry's rounds (the
+  Gumbel noise) into a loop of 5."""
+  m = make(Opts(block_size=4, **mode))
+  graphdef, params = nnx.split(m, nnx.Param)
+
+  def train(p, x, pos, seg):
+    f = lambda p_: jnp.sum(nnx.merge(graphdef, p_)(x, positions_BT=pos, segment_ids_BT=seg,
+                                                   rng=jax.random.key(0), train=True)[0] ** 2)
+    return jax.grad(f)(p)
+
+  def evaluate(p, x, pos, seg):
+    return nnx.merge(graphdef, p)(x, positions_BT=pos, segment_ids_BT=seg)[0]
+
+  for T in (64, 256):
+    x, pos = inputs(B=2, T=T)
+    seg = jnp.broadcast_to(jnp.arange(T) // 37, (2, T)).astype(jnp.int32)
+    pos_seg = (jnp.arange(T) % 37)[None].astype(jnp.int32) + 0 * pos
+    runs = [(None, pos)] + ([(seg, pos_seg)] if mode.get("causal", True) else [])
+    for s, p_ in runs:
+      for f in (train, evaluate):
+        text = jax.jit(f).trace(params, x, p_, s).lower(lowering_platforms=("cuda",)).as_text()
+        assert "stablehlo.while" not in text, (f.__name__, T, s is not None)
+
+
+def test_document_layout_edge_cases_equal_the_cursor_loop():
+  """document_layout (an associative scan of residue tables) == the cursor loop on edge cases:
+  two tokens, every token its own document, documents of exactly b and b + 1 tokens, an id
+  that comes back after another document (a new document), T not a multiple of b."""
+  from attn_jax.attention.sinkhorn import document_layout
+  rows = {4: [[7, 7], [0] * 9, list(range(9)), [1] * 4 + [2] * 5 + [3] * 3 + [1] * 2,
+              [5, 6, 6, 6, 6, 6, 5, 5, 5, 8, 8, 8, 8]],
+          1: [[0, 1, 1, 2], [3, 3, 3]],
+          5: [[1, 1, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3]]}
+  for b, segs in rows.items():
+    for seg in segs:
+      seg = np.asarray([seg])
+      got = np.asarray(document_layout(jnp.asarray(seg, jnp.int32), b))
+      np.testing.assert_array_equal(got, _layout_loop(seg, b), err_msg=f"b={b} {seg}")
+

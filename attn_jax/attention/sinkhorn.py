@@ -27,9 +27,18 @@ Choices where the paper leaves room (reasons in docs/sinkhorn.md):
    harmonic numbers: the column sums of the uniform causal matrix), since no doubly
    stochastic matrix lives on the strict lower triangle; row i is the last row of the
    balanced prefix problem on rows 1..i (`causal_prefix_problem`), so it reads no later block.
-   The iterations end with a row normalisation (every row a convex combination).
+   The iterations end with a row normalisation (every row a convex combination). Sinkhorn in
+   scaling form: the matrix stays L + a[r] + c[j] and each normalisation sets one of the two
+   vectors, so the N prefix problems together hold O(N^2) numbers and are solved at once
+   (`causal_rows`: fused reductions over the [N, N, N] terms, none stored, forward or
+   backward; a hand-written backward keeps autodiff from saving them).
 4. Hard sorting at inference (`hard_inference`, without SortCut): a greedy permutation
-   (non-causal), the argmax past block (causal).
+   (non-causal), the argmax past block (causal). The greedy rule runs in rounds that take
+   every entry largest in its free row and column at once (`greedy_permutation`), a fixed
+   GREEDY_ROUNDS = 32 of them: exact for N <= 32 and whenever the rule has finished in 32
+   rounds (random N = 512 matrices took 10 to 12); rows still free after them take their
+   best free column (not always a permutation then). The exact rule needs up to N rounds on
+   some inputs (it is P-complete), so only a bounded count keeps the loop from growing with T.
 5. SortCut (`n_sortcut` = m > 0): per query block the top-m blocks of the balanced matrix are
    gathered; gradient through w = 1 + (p - stop_gradient(p)) on the selected blocks.
 6. Padding (position -1, and the pad to a multiple of b): zero keys and values, left out of
@@ -51,10 +60,16 @@ Choices where the paper leaves room (reasons in docs/sinkhorn.md):
    mode keeps the packed blocks (exact for block-aligned documents only), and
    `config.validate` refuses it with `data.document_mask`. `reads_shared_prefix` is False.
 
+Loops: no step runs a while loop (XLA:GPU pays a host round trip for every iteration of
+one, issue 49): the Sinkhorn iterations are a Python loop (n_iters copies), the causal rows
+one batched problem (3), the greedy permutation a fixed number of rounds (4) and the
+document layout an associative scan (`document_layout`); tests lower the train step and the
+eval forward for the GPU and find no `while`.
+
 Decoding (causal mode): `SinkhornState` holds a `cache.KVCache` under the linear policy
 whatever the decode asks for (the sort reads every block seen so far) and the running
 per-block sums and counts of the mixer input; a new token recomputes its block's row of the
-causal balancing. `max_chunk` is b.
+causal balancing (`causal_rows` over the tokens of a chunk). `max_chunk` is b.
 
 Logical axes: "sort_hidden" (the SortNet width) and "sort_dim" (replicated), plus "embed" and
 "kv_heads".
@@ -63,6 +78,7 @@ Logical axes: "sort_hidden" (the SortNet width) and "sort_dim" (replicated), plu
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import NamedTuple
 
@@ -101,18 +117,20 @@ def sinkhorn_log(logits, mask, log_row_target, log_col_target, n_iters: int):
   agree for a fixed point to exist). Ends with a row normalisation, so every allowed row sums
   to exp(row target) exactly; columns converge to their targets. Returns the log matrix with
   -inf outside the mask.
+
+  In scaling form (docstring 3): the matrix is L + a[r] + c[j] throughout, and a normalisation
+  sets one of the vectors, c = log t_col - logsumexp_r(L + a), a = log t_row -
+  logsumexp_j(L + c) (a = c = 0 at the start), the arithmetic `causal_rows` repeats for many
+  problems at once. The iterations are unrolled: no while loop (docstring, "Loops").
   """
   mask = jnp.broadcast_to(mask, logits.shape)
-  l = jnp.where(mask, logits.astype(jnp.float32), 0.0)
-  lr = log_row_target[..., :, None]
-  lc = log_col_target[..., None, :]
-
-  def body(_, l):
-    l = l - _masked_lse(l, mask, -2) + lc
-    return l - _masked_lse(l, mask, -1) + lr
-
-  l = jax.lax.fori_loop(0, n_iters, body, l)
-  return jnp.where(mask, l, -jnp.inf)
+  L = jnp.where(mask, logits.astype(jnp.float32), 0.0)
+  a = jnp.zeros_like(L[..., 0])
+  c = jnp.zeros_like(L[..., 0, :])
+  for _ in range(n_iters):
+    c = log_col_target - jnp.squeeze(_masked_lse(L + a[..., :, None], mask, -2), -2)
+    a = log_row_target - jnp.squeeze(_masked_lse(L + c[..., None, :], mask, -1), -1)
+  return jnp.where(mask, L + a[..., :, None] + c[..., None, :], -jnp.inf)
 
 
 def _harmonic(n: int) -> np.ndarray:
@@ -130,6 +148,9 @@ def causal_prefix_problem(n: int, i, start=None):
   begin at block `start`: allowed start <= j < r <= i, column targets H_{i-start} - H_{j-start};
   exactly the problem of rows 1..i-start of that document alone. Returns (mask [B, 1, n, n],
   log_row [n], log_col [B, 1, n]).
+
+  One problem as a full [n, n] matrix: the explicit form `causal_rows` solves for many rows at
+  once (tests check the two agree).
   """
   if start is not None:
     return _document_prefix_problem(n, i, start)
@@ -163,51 +184,145 @@ def _document_prefix_problem(n: int, i, start_B):
   return mask, jnp.zeros((n,), jnp.float32), log_col[:, None, :]
 
 
+# ---------------------------------------------------------------- all causal rows at once
+
+def _prefix_mask(n: int, i_BM, s_BM):
+  """[B, 1, M, n, n] bool: entry (r, j) of the prefix problem of row i, s <= j < r <= i.
+  Built from broadcast comparisons, so XLA fuses it into the reductions that read it."""
+  r = jnp.arange(n)[:, None]
+  j = jnp.arange(n)[None, :]
+  i = i_BM[:, None, :, None, None]
+  s = s_BM[:, None, :, None, None]
+  return (j >= s) & (j < r) & (r <= i)
+
+
+def _prefix_terms(L_BKNN, p_BKMN, i_BM, s_BM, over_rows: bool):
+  """(x, mask, axis): x[b, k, m, r, j] = L[r, j] + p[m, r] (over_rows) or + p[m, j]."""
+  p = p_BKMN[..., :, None] if over_rows else p_BKMN[..., None, :]
+  x = L_BKNN[:, :, None] + p                                  # [B, K, M, n, n], fused
+  return x, _prefix_mask(L_BKNN.shape[-1], i_BM, s_BM), -2 if over_rows else -1
+
+
+def _prefix_lse_fwd(L_BKNN, p_BKMN, i_BM, s_BM, over_rows):
+  x, mask, axis = _prefix_terms(L_BKNN, p_BKMN, i_BM, s_BM, over_rows)
+  out = jnp.squeeze(_masked_lse(x, mask, axis), axis)          # [B, K, M, n]
+  return out, (L_BKNN, p_BKMN, i_BM, s_BM, out)
+
+
+def _prefix_lse_bwd(over_rows, res, g_BKMN):
+  """d out / d x = softmax weights w on the mask; both cotangents are reductions of
+  g w, an expression of [B, K, M, n, n] that XLA fuses into each (never stored)."""
+  L_BKNN, p_BKMN, i_BM, s_BM, out = res
+  x, mask, axis = _prefix_terms(L_BKNN, p_BKMN, i_BM, s_BM, over_rows)
+  w = jnp.where(mask, jnp.exp(x - jnp.expand_dims(out, axis)), 0.0)
+  gw = w * jnp.expand_dims(g_BKMN, axis)
+  other = -1 if over_rows else -2
+  return jnp.sum(gw, axis=2), jnp.sum(gw, axis=other), None, None
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _prefix_lse(L_BKNN, p_BKMN, i_BM, s_BM, over_rows: bool):
+  """[B, K, M, n]: log sum over the prefix mask of row i_m of exp(L + p), along rows r
+  (`over_rows`, p indexed by r; result by column j) or along columns j (p by j; result by r)."""
+  return _prefix_lse_fwd(L_BKNN, p_BKMN, i_BM, s_BM, over_rows)[0]
+
+
+_prefix_lse.defvjp(_prefix_lse_fwd, _prefix_lse_bwd)
+
+
+def _prefix_col_targets(n: int, i_BM, s_BM):
+  """[B, 1, M, n]: log(H_{i-s} - H_{j-s}) for s <= j < i (docstring 3), 0 elsewhere."""
+  h = jnp.asarray(_harmonic(n))                      # a replicated constant: gathers are local
+  j = jnp.arange(n)
+  h_i = h[jnp.clip(i_BM - s_BM, 0, n)][..., None]    # [B, M, 1]
+  h_j = h[jnp.clip(j - s_BM[..., None], 0, n)]       # [B, M, n]
+  ok = (j >= s_BM[..., None]) & (j < i_BM[..., None])
+  return jnp.where(ok, jnp.log(jnp.where(ok, h_i - h_j, 1.0)), 0.0)[:, None]
+
+
+def causal_rows(logits_BKNN, i_BM, n_iters: int, start_BM=None):
+  """Rows i_BM [B, M] of the causal sort matrix: [B, K, M, n] log weights, -inf where j >= i
+  (or j < start). Row i is the last row of its prefix problem (`causal_prefix_problem`), all M
+  problems solved together in scaling form (docstring 3): the problem of row i is
+  l = L + a_i[r] + c_i[j] on its mask, so its state is two vectors,
+
+      c_i[j] <- log t_j - logsumexp_{j < r <= i} (L[r, j] + a_i[r])
+      a_i[r] <- 0       - logsumexp_{s <= j < r} (L[r, j] + c_i[j])
+
+  (a = c = 0 at the start): O(M n) state, O(n_iters M n^2) work in fused reductions, no loop
+  over rows and no [M, n, n] array stored, forward or backward (`_prefix_lse`)."""
+  B, K, n, _ = logits_BKNN.shape
+  L = logits_BKNN.astype(jnp.float32)
+  s_BM = jnp.zeros_like(i_BM) if start_BM is None else start_BM
+  lc = _prefix_col_targets(n, i_BM, s_BM)
+  a = jnp.zeros_like(L[:, :, :1, :1]) + jnp.zeros_like(lc)      # [B, K, M, n]
+  c = a
+  for _ in range(n_iters):
+    c = lc - _prefix_lse(L, a, i_BM, s_BM, over_rows=True)
+    a = -_prefix_lse(L, c, i_BM, s_BM, over_rows=False)
+  pick = jnp.arange(n)[:, None] == i_BM[:, None, :, None, None]   # [B, 1, M, n(r), 1]
+  L_i = jnp.sum(jnp.where(pick, L[:, :, None], 0.0), axis=-2)    # row i of L, by a mask
+  a_i = jnp.sum(jnp.where(pick[..., 0], a, 0.0), axis=-1, keepdims=True)
+  j = jnp.arange(n)
+  ok = ((j >= s_BM[..., None]) & (j < i_BM[..., None]))[:, None]   # [B, 1, M, n]
+  return jnp.where(ok, L_i + a_i + c, -jnp.inf)
+
+
 def causal_sort_row(logits_KNN, i, n_iters: int, start=None):
   """Row i of the causal sort matrix (log space, -inf where j >= i): the last row of the
   balanced prefix problem on rows 1..i. logits [..., N, N]; i a scalar (may be traced).
   `start` [B]: packed rows, the row's document's first sorting block (logits [B, K, N, N])."""
   n = logits_KNN.shape[-1]
-  mask, lr, lc = causal_prefix_problem(n, i, start)
-  logp = sinkhorn_log(logits_KNN, mask, lr, lc, n_iters)
-  pick = (jnp.arange(n) == i)[:, None]     # select row i by a mask (no gather on i)
-  return jnp.where(jnp.any(pick), jnp.sum(jnp.where(pick, logp, 0.0), axis=-2), -jnp.inf)
+  if start is None:
+    lead = logits_KNN.shape[:-2]
+    rows = causal_rows(logits_KNN.reshape((1, -1, n, n)), jnp.reshape(i, (1, 1)), n_iters)
+    return rows.reshape(lead + (n,))
+  i_B1 = jnp.zeros_like(start[:, None]) + i
+  return causal_rows(logits_KNN, i_B1, n_iters, start[:, None])[:, :, 0]
 
 
 def causal_sinkhorn_rows(logits_BKNN, n_iters: int, starts_BN=None):
   """All rows of the causal sort matrix [B, K, N, N] (log space); row i from prefix i only.
   `starts_BN`: packed rows, each row's document's first sorting block (docstring 10)."""
   n = logits_BKNN.shape[-1]
-  if starts_BN is None:
-    row = jax.checkpoint(lambda i: causal_sort_row(logits_BKNN, i, n_iters))
-    rows = jax.lax.map(row, jnp.arange(n))          # [N, B, K, N]
-  else:
-    row = jax.checkpoint(lambda a: causal_sort_row(logits_BKNN, a[0], n_iters, a[1]))
-    rows = jax.lax.map(row, (jnp.arange(n), jnp.moveaxis(starts_BN, 1, 0)))
-  return jnp.moveaxis(rows, 0, -2)
+  i_BN = jnp.zeros_like(logits_BKNN[:, 0, 0], jnp.int32) + jnp.arange(n, dtype=jnp.int32)
+  return causal_rows(logits_BKNN, i_BN, n_iters, starts_BN)
 
 
-def greedy_permutation(logp_BKNN, mask_BKNN):
-  """Hard assignment row -> column: repeatedly take the largest allowed entry whose row and
-  column are both free. Returns (idx [B, K, N] int32, ok [B, K, N] bool: row assigned)."""
+# ---------------------------------------------------------------- hard sorting
+
+GREEDY_ROUNDS = 32   # rounds of `greedy_permutation`: exact whenever N <= 32 (docstring 4)
+
+
+def greedy_permutation(logp_BKNN, mask_BKNN, rounds: int = GREEDY_ROUNDS):
+  """Hard assignment row -> column by the greedy rule: repeatedly take the largest allowed
+  entry (ties: the first in row-major order) whose row and column are both free. Returns
+  (idx [B, K, N] int32, ok [B, K, N] bool: row assigned).
+
+  In rounds instead of one entry at a time: an entry that is the largest of its free row and
+  of its free column (same order, ties included) is taken by the greedy rule too (every entry
+  before it in that order lies in a row or column retired already), and the largest free
+  entry is always one, so each round takes every such entry at once and at least one.
+  `rounds` rounds, unrolled (no while loop): exact when N <= rounds, and otherwise whenever
+  the rule has finished by then (random N = 512 matrices took 10 to 12). Rows still free after
+  the last round take their largest free allowed column, which two of them may share.
+  The exact rule itself is sequential (lexicographically first maximal matching, P-complete),
+  so no formulation with a fixed number of steps is exact for every input."""
   n = logp_BKNN.shape[-1]
-  lead = logp_BKNN.shape[:-2]
   mask = jnp.broadcast_to(mask_BKNN, logp_BKNN.shape)
-
-  def body(_, carry):
-    idx, row_free, col_free = carry
-    s = jnp.where(mask & row_free[..., :, None] & col_free[..., None, :], logp_BKNN, -jnp.inf)
-    flat = s.reshape(lead + (n * n,))
-    best = jnp.argmax(flat, axis=-1)
-    ok = jnp.max(flat, axis=-1) > -jnp.inf
-    r, c = best // n, best % n
-    hit_r = (jnp.arange(n) == r[..., None]) & ok[..., None]
-    hit_c = (jnp.arange(n) == c[..., None]) & ok[..., None]
-    return (jnp.where(hit_r, c[..., None], idx), row_free & ~hit_r, col_free & ~hit_c)
-
-  row = logp_BKNN[..., 0]                  # *_like: the carry keeps the input's sharding
-  init = (jnp.full_like(row, -1, jnp.int32), jnp.ones_like(row, bool), jnp.ones_like(row, bool))
-  idx, _, _ = jax.lax.fori_loop(0, n, body, init)
+  s = jnp.where(mask & (logp_BKNN > -jnp.inf), logp_BKNN, -jnp.inf)   # free allowed entries
+  idx = jnp.full_like(logp_BKNN[..., 0], -1, jnp.int32)  # *_like: keeps the input's sharding
+  cols = jnp.arange(n)
+  for _ in range(min(n, rounds)):
+    best_c = jnp.argmax(s, axis=-1)                      # row r's best column (first of ties)
+    best_r = jnp.argmax(s, axis=-2)                      # column c's best row (first of ties)
+    free = jnp.max(s, axis=-1) > -jnp.inf
+    take = free & (jnp.take_along_axis(best_r, best_c, axis=-1) == cols)     # [B, K, N] rows
+    idx = jnp.where(take, best_c, idx)
+    hit = take[..., :, None] & (best_c[..., :, None] == cols)               # [B, K, N, N]
+    s = jnp.where(take[..., :, None] | jnp.any(hit, axis=-2)[..., None, :], -jnp.inf, s)
+  left = jnp.max(s, axis=-1) > -jnp.inf
+  idx = jnp.where(left, jnp.argmax(s, axis=-1), idx)
   return jnp.maximum(idx, 0), idx >= 0
 
 
@@ -366,8 +481,15 @@ def document_layout(segment_ids_BT, b: int):
   document then either starts at a block boundary or lies inside one block.
 
   Bound: a document moves only when it is longer than the gap it leaves (< b), so the gaps add
-  up to less than T and every index is < 2 T. The placement of a document depends on the ones
-  before it, so it is a scan over the tokens with one cursor per row."""
+  up to less than T and every index is < 2 T.
+
+  The placement of a document depends on the ones before it: a cursor p moves left to right,
+  token t taking p -> p + d_t(p mod b) and landing at p + d_t - 1 (d_t = 1, plus the gap b - r
+  when t starts a document of n tokens with 0 < r and r + n > b). A step reads p only through
+  its residue r, so the first t steps from p = 0 are one table over r in [0, b) of (residue
+  after, distance moved); tables compose associatively (the later one read at the earlier's
+  residue), and `lax.associative_scan` gives every prefix in O(T b log T) work without a loop
+  over the tokens (docstring, "Loops"). The sequential form is the test reference."""
   B, T = segment_ids_BT.shape
   t = jnp.arange(T, dtype=jnp.int32)
   starts = segment_starts(segment_ids_BT) | (t == 0)[None]
@@ -375,15 +497,19 @@ def document_layout(segment_ids_BT, b: int):
   after = jnp.pad(jax.lax.cummin(nxt[:, ::-1], axis=1)[:, ::-1][:, 1:], ((0, 0), (0, 1)),
                   constant_values=T)
   length = after - t[None]                               # at a start: its document's length
+  r = jnp.arange(b, dtype=jnp.int32)
+  moved = starts[..., None] & (r != 0) & (r + length[..., None] > b)          # [B, T, b]
+  step_BTb = 1 + jnp.where(moved, b - r, 0)                 # d_t(r)
+  _, dist_BTb = jax.lax.associative_scan(_then, ((r + step_BTb) % b, step_BTb), axis=1)
+  return dist_BTb[..., 0] - 1                            # from p = 0 (residue 0)
 
-  def step(p, a):
-    st, n = a
-    off = p % b
-    p = jnp.where(st & (off != 0) & (off + n > b), p + b - off, p)
-    return p + 1, p
 
-  _, dest = jax.lax.scan(step, jnp.zeros((B,), jnp.int32), (starts.T, length.T))
-  return dest.T
+def _then(first, second):
+  """The cursor table of `first`'s steps followed by `second`'s: (residue, distance) [..., b]."""
+  res1, dist1 = first
+  res2, dist2 = second
+  at = lambda x: jnp.take_along_axis(x, res1, axis=-1)
+  return at(res2), dist1 + at(dist2)
 
 
 # ---------------------------------------------------------------- the mixer
@@ -620,8 +746,7 @@ class SinkhornAttention(Mixer):
 
     logits = self.sort_logits(sums, counts, rng, train)        # [B, K, nb, nb]
     i_BT = jnp.where(valid, positions_BT // b, 0)
-    rows = jax.vmap(lambda lg, ii: jax.vmap(lambda i: causal_sort_row(lg, i, o.n_iters))(ii))
-    logp = jnp.moveaxis(rows(logits, i_BT), 1, 2)             # [B, K, T, nb]
+    logp = causal_rows(logits, i_BT, o.n_iters)               # [B, K, T, nb]
     allowed = (jnp.arange(nb)[None, :] < i_BT[..., None])[:, None]
     plan = self.plan(logp, allowed, train)
     to_blocks = lambda x: x.reshape((B, nb, b) + x.shape[2:])
