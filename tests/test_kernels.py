@@ -337,6 +337,22 @@ def test_sisa_mixer_takes_the_kernel():
   assert any("lambda_raw" in n for n in names) and any("sink_logit" in n for n in names)
 
 
+def test_a_bf16_sisa_gives_the_kernel_its_factors_in_bf16():
+  """In a bf16 model the kernel's c and b (lambda R C, R B) come in q's dtype, as the widened
+  Q/K of the method: fp32 factors would make every tile's c.b products fp32 matmuls at full
+  precision (what made SISA's H200 step 0.27x the Transformer's); g stays fp32."""
+  from tests.test_sisa import _cfg, _mixer
+  m = _mixer(_cfg(n_heads=2, dtype="bfloat16"))
+  x = jnp.ones((1, 64, m.cfg.d_model), jnp.bfloat16)
+  with K.on_cpu():
+    jaxpr = jax.make_jaxpr(lambda x: m(x)[0])(x)
+  (call,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "custom_vjp_call"]
+  floats = [(v.aval.dtype, v.aval.ndim) for v in call.invars
+            if jnp.issubdtype(v.aval.dtype, jnp.floating)]
+  assert [d for d, n in floats if n == 4] == [jnp.bfloat16] * 5, floats   # q, k, v, c, b
+  assert [d for d, n in floats if n == 3] == [jnp.float32], floats        # g
+
+
 @pytest.mark.parametrize("mixer", ["fox", pytest.param("alibi", marks=pytest.mark.slow)])
 def test_fox_and_alibi_mixers_take_the_kernel(mixer):
   """FoX (strong forgetting, GQA) and ALiBi (a learned sink), packed rows: through the kernel
@@ -358,7 +374,8 @@ def test_cpu_keeps_blockwise_and_misfits_are_logged(caplog):
   """On CPU (no `on_cpu`) the mixers keep their blockwise paths; a shape the kernel cannot take
   on the target is one logged line naming why."""
   from attn_jax import platform
-  assert not K.use_kernel("auto", (1, 256, 4, 64), (1, 256, 4, 64), (1, 256, 4, 64), what="x")
+  with platform.use_platform("cpu"):   # also where the suite runs on a GPU (device_check.sh)
+    assert not K.use_kernel("auto", (1, 256, 4, 64), (1, 256, 4, 64), (1, 256, 4, 64), what="x")
   with platform.use_platform("gpu"):
     assert K.use_kernel("auto", (1, 256, 4, 64), (1, 256, 4, 64), (1, 256, 4, 64), what="x")
     assert not K.use_kernel("einsum", (1, 256, 4, 64), (1, 256, 4, 64), (1, 256, 4, 64),

@@ -504,10 +504,14 @@ class SISA(cache_lib.CachedMixer):
 
   def _kernel(self, ops: SISAOperands, positions_BT=None):
     """The kernel's score q.k / sqrt(d_h) + e^{g_i - g_j} (lambda R C_i).(R B_j): lambda on the
-    query factor, so its gradient comes from the factor's."""
-    c = ops.lam.astype(ops.rc.dtype)[:, None] * ops.rc
+    query factor, so its gradient comes from the factor's. The factors enter in q's dtype, as
+    the widened Q/K of the method do (bf16 in a bf16 model: the tile products c.b then run on
+    the tensor cores with fp32 accumulation like q.k; fp32 factors would make the kernel's
+    three c.b-shaped products per tile fp32 matmuls at full precision, a few times slower on a
+    GPU); g and the decay factor e^{g_i - g_j} stay fp32."""
+    c = (ops.lam.astype(ops.rc.dtype)[:, None] * ops.rc).astype(ops.q.dtype)
     return decayed.decayed_attention(ops.q, ops.k, ops.v, scale=self.cfg.head_dim ** -0.5,
-                                     g_BTH=ops.g, c_BTHS=c, b_BTHS=ops.rb,
+                                     g_BTH=ops.g, c_BTHS=c, b_BTHS=ops.rb.astype(ops.q.dtype),
                                      positions_BT=positions_BT, segment_ids_BT=ops.seg,
                                      sink_logit_H=ops.sink)
 

@@ -61,7 +61,9 @@ def _timed(fn: Callable, args, steps: int) -> float:
 
 
 def _grad_of(attend: Callable) -> Callable:
-  loss = lambda q, k, v: jnp.sum(attend(q, k, v).astype(jnp.float32))
+  """jit of d sum(attend(q, k, v, extra)) / d(q, k, v); `extra` (the decay and SISA's factors)
+  is an argument too, so nothing large is a compile-time constant."""
+  loss = lambda q, k, v, extra: jnp.sum(attend(q, k, v, extra).astype(jnp.float32))
   return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
 
 
@@ -75,16 +77,19 @@ def _time_or_error(fn, args, steps: int) -> float | str:
 
 def time_cudnn(qkv, steps: int) -> float | str:
   """fwd + bwd of cuDNN's causal flash attention on the same q, k, v (an error off a GPU)."""
-  f = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                                   implementation="cudnn")
-  return _time_or_error(_grad_of(f), qkv, steps)
+  f = lambda q, k, v, _: jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                                      implementation="cudnn")
+  return _time_or_error(_grad_of(f), (*qkv, {}), steps)
 
 
 def time_candidate(qkv, kw, tune: decayed.GpuTuning, steps: int) -> float | str:
   """fwd + bwd through the kernel with `tune` (the Pallas interpreter off a GPU)."""
   scale = qkv[0].shape[-1] ** -0.5
-  f = lambda q, k, v: decayed.decayed_attention(q, k, v, scale=scale, gpu_tuning=tune, **kw)
-  return _time_or_error(_grad_of(f), qkv, steps)
+  arrays = {k: v for k, v in kw.items() if isinstance(v, jax.Array)}
+  flags = {k: v for k, v in kw.items() if k not in arrays}
+  f = lambda q, k, v, extra: decayed.decayed_attention(q, k, v, scale=scale, gpu_tuning=tune,
+                                                       **extra, **flags)
+  return _time_or_error(_grad_of(f), (*qkv, arrays), steps)
 
 
 def sweep(kind: str, T: int, tokens: int = 65536, H: int = 12, D: int = 64,
@@ -95,20 +100,37 @@ def sweep(kind: str, T: int, tokens: int = 65536, H: int = 12, D: int = 64,
   base = time_cudnn(qkv, steps)
   rows = [{"tuning": "cuDNN (no decay)", "seconds": base, "ratio": 1.0}]
   ok = lambda t: isinstance(t, float)
+  print(f"{kind} T {T}: " + _cell(rows[0]), flush=True)
   for tune in tunings or candidates():
     t = time_candidate(qkv, kw, tune, steps)
     rows.append({"tuning": tune.label(), "seconds": t, "choice": tune,
                  "ratio": base / t if ok(t) and ok(base) else None})
+    print(f"  {kind} T {T} {tune.label()}: {_cell(rows[-1])}", flush=True)
   timed = sorted((r for r in rows[1:] if ok(r["seconds"])), key=lambda r: r["seconds"])
   return rows[:1] + timed + [r for r in rows[1:] if not ok(r["seconds"])]
+
+
+def _cell(r: dict) -> str:
+  t, ratio = r["seconds"], "" if r["ratio"] is None else f"{r['ratio']:.3f}x"
+  return f"{t * 1e3:8.3f} ms  {ratio}" if isinstance(t, float) else t
+
+
+def best_choice(sweeps: list[list[dict]]) -> decayed.GpuTuning | None:
+  """The candidate with the least total time over several sweeps (lengths, kinds) that it
+  compiled in all of; None if none did."""
+  totals: dict = {}
+  for rows in sweeps:
+    for r in rows[1:]:
+      if isinstance(r["seconds"], float):
+        totals.setdefault(r["choice"], []).append(r["seconds"])
+  full = {c: sum(ts) for c, ts in totals.items() if len(ts) == len(sweeps)}
+  return min(full, key=full.get) if full else None
 
 
 def print_sweep(kind: str, T: int, rows: list[dict], top: int = 8) -> None:
   print(f"\n{kind} T {T}: fwd + bwd of one layer's attention, bf16 (ratio = cuDNN / this)")
   for r in rows[:top + 1]:
-    t, ratio = r["seconds"], "" if r["ratio"] is None else f"{r['ratio']:.3f}x"
-    cell = f"{t * 1e3:8.3f} ms  {ratio}" if isinstance(t, float) else t
-    print(f"  {r['tuning']:<36} {cell}")
+    print(f"  {r['tuning']:<36} {_cell(r)}")
   failed = [r for r in rows[1:] if not isinstance(r["seconds"], float)]
   if failed:
     print(f"  ({len(failed)} candidates did not compile, e.g. {failed[0]['tuning']}: "

@@ -82,8 +82,10 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+import json
 import logging
 import math
+import os
 from typing import Iterator, NamedTuple
 
 import jax
@@ -123,8 +125,40 @@ class GpuTuning:
 
 
 # The GPU choice by head dim (default: `GpuTuning()`); the value used is the entry for the
-# call's head dim.
+# call's head dim. $ATTN_JAX_DECAYED_TUNING names a JSON file of choices measured on the
+# machine (`experiments/tune_decayed.py --write`) that take precedence (`gpu_tuning`).
 GPU_TUNING: dict[int, GpuTuning] = {}
+TUNING_ENV = "ATTN_JAX_DECAYED_TUNING"
+
+
+def write_tuning(path: str, choices: dict[int, GpuTuning]) -> None:
+  """{head dim: choice} as JSON (`read_tuning`)."""
+  with open(path, "w") as f:
+    json.dump({str(d): dataclasses.asdict(t) for d, t in choices.items()}, f, indent=1)
+
+
+def read_tuning(path: str) -> dict[int, GpuTuning]:
+  """`write_tuning`'s file back; a malformed one is an error naming the file and the field."""
+  with open(path) as f:
+    raw = json.load(f)
+  try:
+    return {int(d): GpuTuning(int(t["block_q"]), int(t["block_k"]), tuple(map(int, t["warps"])),
+                              tuple(map(int, t["stages"]))) for d, t in raw.items()}
+  except (KeyError, TypeError, ValueError) as e:
+    raise ValueError(f"{path}: not a decayed-attention tuning file ({TUNING_ENV}): "
+                     f"{type(e).__name__} {e}") from None
+
+
+@functools.lru_cache(maxsize=None)
+def _env_tuning(path: str) -> dict[int, GpuTuning]:
+  return read_tuning(path) if path else {}
+
+
+def default_gpu_tuning(head_dim: int) -> GpuTuning:
+  """The Triton choice for a head dim: $ATTN_JAX_DECAYED_TUNING's file, then `GPU_TUNING`,
+  then `GpuTuning()`."""
+  measured = _env_tuning(os.environ.get(TUNING_ENV, ""))
+  return measured.get(head_dim) or GPU_TUNING.get(head_dim) or GpuTuning()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -821,8 +855,8 @@ def decayed_attention(q_BTHD, k_BTKD, v_BTKE, *, scale: float, g_BTH=None, g_lo_
   the extra softmax column. block_q / block_k: tile sizes (default `BLOCKS` of the platform).
   interpret: run the Pallas interpreter (default: on CPU). tile_grid: the grid driver, the
   other side's tiles on a grid axis with the carry in VMEM scratch (default: on TPU; the
-  loop driver elsewhere). gpu_tuning: the Triton choices on a GPU (default: `GPU_TUNING` of
-  the head dim; block_q / block_k, when given, override its tiles)."""
+  loop driver elsewhere). gpu_tuning: the Triton choices on a GPU (default:
+  `default_gpu_tuning` of the head dim; block_q / block_k, when given, override its tiles)."""
   B, T, H, _ = q_BTHD.shape
   sisa = c_BTHS is not None
   if sisa != (b_BTHS is not None):
@@ -834,7 +868,7 @@ def decayed_attention(q_BTHD, k_BTKD, v_BTKE, *, scale: float, g_BTH=None, g_lo_
     interpret = plat == "cpu"
   if tile_grid is None:
     tile_grid = plat == "tpu"
-  tune = gpu_tuning or GPU_TUNING.get(q_BTHD.shape[-1], GpuTuning())
+  tune = gpu_tuning or default_gpu_tuning(q_BTHD.shape[-1])
   if plat == "gpu":
     block_q, block_k = block_q or tune.block_q, block_k or tune.block_k
   block_q, block_k = block_q or BLOCKS[plat], block_k or BLOCKS[plat]

@@ -27,7 +27,7 @@ This follows `ssd_minimal_discrete` in state-spaces/mamba (`mamba_ssm/modules/ss
 Listing 1 of the paper), with the decay to the chunk end as a direct sum. Step 3 is the
 listing's segsum matmul over chunks rather than a scan over chunks (on a GPU every iteration of
 a loop is a host round trip, so a loop whose length grows with T is a slow step), blocked in
-~sqrt(C) groups past 32 chunks so its work stays ~C^1.5 (`linear_recurrence`).
+~sqrt(C) groups past 64 chunks so its work stays ~C^1.5 (`linear_recurrence`).
 `ssd_chunked(..., extra=(x2, B2))` adds a second input x2_t B2_t^T per token (Mamba-3).
 
 Document boundaries (packed rows; `reset_BT` [B, T] bool, True at a document's first token t0,
@@ -113,7 +113,7 @@ def pass_chunk_states(loga_BCX: jax.Array, S_BCXPN: jax.Array, h0_BXPN: jax.Arra
   return H[:, :C], H[:, C]
 
 
-DIRECT_MAX = 32   # linear_recurrence: one segsum matmul up to this many items
+DIRECT_MAX = 64   # linear_recurrence: one segsum matmul up to this many items
 
 
 def _block_size(n: int) -> int:
