@@ -73,6 +73,10 @@ flags.DEFINE_bool("document_mask", False, "Only the document-masking table: each
                   "step on packed rows next to plain rows.")
 flags.DEFINE_integer("document_len", 0, "--document_mask: tokens per packed document (0 = "
                      "seq_len // 4).")
+flags.DEFINE_integer("profile_top", 0, "Trace one more train step per row (jax.profiler) and "
+                     "print its this many longest kernels by summed device time (0 = off).")
+flags.DEFINE_string("profile_dir", "", "Where --profile_top's traces go (default: a temporary "
+                    "folder); one subfolder per row.")
 
 def main(argv):
   del argv

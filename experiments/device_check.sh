@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
 # One prepared run on a GPU (or TPU) machine, one call of at most 9 minutes (the steps' timeouts
-# add up to 8.8): the accelerator-only numerics, the decayed-attention kernel's Triton choices
-# timed, then train-step throughput of every variant at the 152M scale side by side (ratios to
-# the Transformer, host CPU seconds per step, MFU against the measured and the datasheet peak)
-# at T 2048 and 8192, and one-token decode steps against the memory-bandwidth bound. Results go
-# to stdout and, when $OUT is set (the device tool's output folder), to $OUT/*.txt.
+# add up to 8.8): the accelerator-only numerics, then train-step throughput of every variant at
+# the 152M scale side by side (ratios to the Transformer, host CPU seconds per step, MFU
+# against the datasheet and the measured peak, and each step's longest kernels from a profiled
+# extra step) at T 2048 and the long rows at 8192, and one-token decode steps against the
+# memory-bandwidth bound. Results go to stdout and, when $OUT is set (the device tool's output
+# folder), to $OUT/*.txt. Each train row prints a line as soon as it is measured, so a step cut
+# by its timeout keeps the rows it did.
 #
-#   bash experiments/device_check.sh            # steps "1 t 2 2L 2b" (the default, <= 9 min)
-#   STEPS="3 4 5" bash experiments/device_check.sh   # the longer extras: mixer memory vs T,
-#                                               # a real LLM's generation, SISA's paths vs T
+#   bash experiments/device_check.sh            # steps "1 2 2L 2b" (the default, <= 9 min)
+#   STEPS="t" ...                               # the kernel's Triton choices timed (1.5 min)
+#   STEPS="3 4 5 2g" bash experiments/device_check.sh   # the longer extras: mixer memory vs T,
+#                                               # a real LLM's generation, SISA's paths vs T,
+#                                               # decode with CUDA graphs over loops
 #   QUICK=1 bash experiments/device_check.sh    # numerics + T 2048 only
 #   JAX_PLATFORMS=cpu ATTN_JAX_GPU_TESTS_IMPL=xla BENCH_EXTRA="--scale=tiny --dtype=float32 \
 #     --steps=1 --warmup=1 --batch_tokens=4096" TUNE_EXTRA="--tokens=1024 --seq_lens=128" \
@@ -28,7 +32,7 @@ out="${OUT:-/tmp/attn_jax_device_check}"
 mkdir -p "$out"
 export PYTHONPATH="$PWD:$PWD/.device_deps${PYTHONPATH:+:$PYTHONPATH}"
 python3 -c "import jax; print(jax.__version__, jax.devices())" | tee "$out/devices.txt"
-want() { [[ " ${STEPS:-1 t 2 2L 2b} " == *" $1 "* ]]; }  # is step $1 selected?
+want() { [[ " ${STEPS:-1 2 2L 2b} " == *" $1 "* ]]; }  # is step $1 selected?
 
 # 1. numerics on the accelerator: the decayed-attention Triton kernel against the float64
 #    references, cuDNN and SISA's GPU paths against the fp32 ones. 1x (not in the default, its
@@ -40,16 +44,17 @@ numerics() {  # $1 = timeout s, the rest = test files
   JAX_PLATFORMS="${JAX_PLATFORMS:-cuda}" XLA_FLAGS="" JAX_DEFAULT_MATMUL_PRECISION=highest \
     timeout "$t" python3 -m pytest -q -x -p no:cacheprovider "$@" 2>&1 | tail -25
 }
-want 1 && numerics 80 tests/test_kernels.py tests/test_gpu_paths.py | tee "$out/numerics.txt"
+want 1 && numerics 70 tests/test_kernels.py tests/test_gpu_paths.py | tee "$out/numerics.txt"
 want 1x && numerics 170 tests/test_attention.py tests/test_decode.py tests/test_sisa.py tests/test_trunk.py \
   tests/test_ssd.py tests/test_mamba.py tests/test_sinkhorn.py tests/test_sinks.py tests/test_fox.py \
   tests/test_mamba3_mimo.py tests/test_flash.py tests/test_split.py tests/test_loss.py \
   | tee -a "$out/numerics.txt"
 
-# t. the decayed-attention kernel's Triton choices (kernels/decayed.GpuTuning): one SISA layer's
-#    fwd + bwd at the 152M shape per candidate, beside cuDNN's flash attention on the same q, k, v.
-#    The best (least total time) is written to $out/decayed_tuning.json and the train steps below
-#    run with it ($ATTN_JAX_DECAYED_TUNING); the sweep's table gives today's default beside it.
+# t. (opt-in: kernels/decayed.GPU_TUNING holds its H200 result) the decayed-attention kernel's
+#    Triton choices (kernels/decayed.GpuTuning): one SISA layer's fwd + bwd at the 152M shape per
+#    candidate, beside cuDNN's flash attention on the same q, k, v. The best (least total time)
+#    is written to $out/decayed_tuning.json and the train steps below run with it
+#    ($ATTN_JAX_DECAYED_TUNING); the sweep's table gives the default beside it.
 want t && timeout 100 python3 experiments/tune_decayed.py --quick --kinds=sisa --seq_lens=2048,8192 \
   --steps=3 --write="$out/decayed_tuning.json" ${TUNE_EXTRA:-} 2>&1 | grep -v "^[IW][0-9]" \
   | tee "$out/tune_decayed.txt"
@@ -60,19 +65,19 @@ want t && timeout 100 python3 experiments/tune_decayed.py --quick --kinds=sisa -
 #    152M scale; SISA's paths side by side. (The decode-step table is its own run, 2b.)
 bench() {  # $1 = timeout s, $2 = configs, $3 = lengths
   timeout "$1" python3 experiments/bench.py --configs="$2" --seq_lens="$3" --batch_tokens=65536 \
-    --steps=3 --warmup=1 --decode_step_batches= --decode_tokens=0 ${BENCH_EXTRA:-} 2>&1 \
-    | grep -v "^[IW][0-9]"
+    --steps=3 --warmup=1 --decode_step_batches= --decode_tokens=0 --profile_top=8 \
+    ${BENCH_EXTRA:-} 2>&1 | grep -v "^[IW][0-9]"
 }
-want 2 && bench 180 transformer_152m,sisa_152m,mamba2_152m,fox_152m,alibi_152m,hybrid_head_152m,hybrid_block_152m,sinkhorn_152m,mamba3_152m \
+want 2 && bench 250 transformer_152m,sisa_152m,mamba2_152m,fox_152m,alibi_152m,hybrid_head_152m,hybrid_block_152m,sinkhorn_152m,mamba3_152m \
   2048 | tee "$out/bench.txt"
 # 2L. the long rows: the variants whose cost is per pair of tokens or per chunk, at T 8192
-[ -z "${QUICK:-}" ] && want 2L && bench 110 transformer_152m,sisa_152m,fox_152m,alibi_152m,mamba2_152m \
+[ -z "${QUICK:-}" ] && want 2L && bench 130 transformer_152m,sisa_152m,fox_152m,alibi_152m,mamba2_152m \
   8192 | tee "$out/bench_8192.txt"
 
 # 2b. decode against memory bandwidth: one-token decode steps (after a 128-token prefill) at
 #     batch 1 and 32 per mixer and cache policy, tokens/s vs copy bandwidth / bytes per step
 #     (parameters + decoding state), with the measured copy bandwidth.
-want 2b && timeout 70 python3 experiments/bench.py --decode_only --configs=transformer_152m,sisa_152m,fox_152m,mamba2_152m,mamba3_152m \
+want 2b && timeout 80 python3 experiments/bench.py --decode_only --configs=transformer_152m,sisa_152m,mamba2_152m \
   --decode_step_batches=1,32 ${BENCH_EXTRA:-} 2>&1 | grep -v "^[IW][0-9]" | tee "$out/decode.txt"
 
 # 2g. (not in the default) the decode steps again with XLA:GPU command buffers (CUDA graphs)
@@ -105,4 +110,4 @@ want 5 && timeout 200 python3 experiments/bench.py --configs=transformer_152m,si
 
 want 4 && timeout 90 python3 experiments/bench_pretrained.py --random=smollm2 --prompt_len=512 \
   --new_tokens=128 --repeats=5 2>&1 | grep -v "^[IW][0-9]" | tee "$out/pretrained_speed.txt"
-echo "device_check: steps ${STEPS:-1 t 2 2L 2b} done; results in $out"
+echo "device_check: steps ${STEPS:-1 2 2L 2b} done; results in $out"

@@ -107,3 +107,46 @@ def test_sinkhorn_crossover_is_the_length_from_which_it_stays_faster():
           for v, ws in t.items() for L, w in zip((64, 128, 256, 512), ws)]
   assert sinkhorn.crossover(rows, "soft") == 512      # faster at 128 too, but not at 256
   assert sinkhorn.crossover(rows, "sortcut") is None  # slower at the longest length
+
+
+def _trace_file(tmp_path, events):
+  import gzip
+  import json
+  path = tmp_path / "perfetto_trace.json.gz"
+  with gzip.open(path, "wt") as f:
+    json.dump({"traceEvents": events}, f)
+  return str(path)
+
+
+def test_kernel_profile_sums_device_tracks_by_kernel_family(tmp_path):
+  """A trace with a GPU device process: only its events count, numbered instances of one
+  kernel are one family, the host's are ignored; durations in microseconds."""
+  from attn_jax.bench import kernel_profile
+  meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+          {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
+          {"ph": "M", "name": "thread_name", "pid": 1, "tid": 7, "args": {"name": "Stream #1"}},
+          {"ph": "M", "name": "thread_name", "pid": 2, "tid": 3, "args": {"name": "tf_XLA x"}}]
+  x = lambda pid, tid, name, dur: {"ph": "X", "pid": pid, "tid": tid, "name": name, "dur": dur,
+                                   "ts": 0}
+  path = _trace_file(tmp_path, meta + [x(1, 7, "loop_add_fusion.3", 300.0),
+                                       x(1, 7, "loop_add_fusion.4", 100.0),
+                                       x(1, 7, "decayed_fwd", 600.0), x(2, 3, "host_op", 9e6)])
+  rows, busy = kernel_profile.top_kernels(path, top=5)
+  assert busy == pytest.approx(1e-3)
+  assert [(r.name, r.count) for r in rows] == [("decayed_fwd", 1), ("loop_add_fusion", 2)]
+  assert rows[1].seconds == pytest.approx(4e-4)
+  assert "60.0%" in kernel_profile.format_top("x", rows, busy, 2e-3)
+
+
+def test_kernel_profile_of_a_real_cpu_step(tmp_path):
+  """A jitted call traced on this CPU: its XLA ops are found (no enclosing executor event)."""
+  import jax
+  import jax.numpy as jnp
+
+  from attn_jax.bench import kernel_profile
+  f = jax.jit(lambda a: jnp.tanh(a @ a) @ a)
+  a = jnp.ones((256, 256))
+  f(a).block_until_ready()
+  rows, busy = kernel_profile.top_kernels(kernel_profile.trace_call(lambda: f(a), str(tmp_path)))
+  assert busy > 0 and rows
+  assert not any(r.name.startswith("ThunkExecutor") for r in rows)

@@ -278,6 +278,16 @@ def test_kernel_compiles_for_target(target, call):
   assert text.count(call) >= 3, text[:2000]
 
 
+@pytest.mark.parametrize("head_dim", sorted(K.GPU_TUNING))
+def test_every_gpu_tuning_compiles_for_h100(head_dim):
+  """Each head dim's Triton choice (`GPU_TUNING`: its tiles, warps, stages) compiles, forward
+  and both backward kernels, for an H100 (shared memory: a tile too large fails here)."""
+  if not targets.available("h100x1"):
+    pytest.skip("no compiler plugin for h100x1")
+  text, _ = _compiled_text("h100x1", D=head_dim)
+  assert text.count("triton") >= 3, text[:2000]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("target,call", TARGET_CALLS)
 def test_kernel_memory_is_linear_in_T(target, call):
@@ -450,6 +460,8 @@ def test_sharded_over_batch_and_heads_equals_one_device():
   runs in a shard_map (rows over data, heads over tensor) and equals the unsharded call,
   forward and gradients."""
   from attn_jax import sharding
+  if jax.device_count() < 8:   # the suite's CPU has 8 simulated devices; one GPU has 1
+    pytest.skip(f"needs 8 devices, have {jax.device_count()}")
   rng = np.random.default_rng(9)
   B, T, H, D, ds = 2, 100, 4, 16, 4
   seg = _segments([[30, 70], [100]])

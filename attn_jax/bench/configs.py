@@ -55,6 +55,8 @@ class Options:
   policy_window: int = 256
   document_mask: bool = False
   document_len: int = 0
+  profile_top: int = 0
+  profile_dir: str = ""
 
   def with_preset(self, given=()) -> "Options":
     """The preset's values for every field not in `given` (the flags set on the command line)."""

@@ -14,6 +14,7 @@ bandwidth) and prints each figure when first measured.
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -83,6 +84,8 @@ def bench_one(name: str, seq_len: int, options: Options, limits, decode: bool = 
   compile_s += time.perf_counter() - t0
   state, metrics, times, cpu = throughput.time_steps(compiled, state, batch, steps=o.steps,
                                                      warmup=0)
+  if o.profile_top:
+    state = _profile(compiled, state, batch, f"{name} T {seq_len}", min(times), o)
   flops = flops_lib.train_flops_per_token(cfg, n_params, seq_len)
   lim = limits(cfg.dtype)
   tok_s = B * seq_len / min(times)
@@ -102,6 +105,23 @@ def bench_one(name: str, seq_len: int, options: Options, limits, decode: bool = 
           "params": n_params["total"], "flops_tok": flops, "compile_s": compile_s,
           "d_ff": cfg.d_ff, "aux": aux_maxima(aux),
           "mem_gib": fit.needed / memory.GiB, "decode_tok_s": decode_tok_s}
+
+
+def _profile(compiled, state, batch, label: str, step_s: float, o: Options):
+  """One more step under the profiler; prints its longest kernels; returns the new state."""
+  import tempfile
+
+  from attn_jax.bench import kernel_profile
+  out = {}
+
+  def one():
+    out["state"], _ = compiled(state, batch)
+    return out["state"]
+  root = o.profile_dir or tempfile.mkdtemp(prefix="attn_jax_profile_")
+  path = kernel_profile.trace_call(one, os.path.join(root, label.replace(" ", "_")))
+  rows, busy = kernel_profile.top_kernels(path, o.profile_top)
+  print(kernel_profile.format_top(label, rows, busy, step_s), flush=True)
+  return out["state"]
 
 
 def merge(prev, r):

@@ -27,8 +27,10 @@ def print_progress(name, L, r) -> None:
   if "skipped" in r:
     print(f"  [{name} T {L}] skipped: {r['skipped']}", flush=True)
     return
+  mfu = "" if r.get("mfu") is None else f", MFU {r['mfu']:.1%} of the datasheet peak"
   print(f"  [{name} T {L}] step {r['step_s']:.4f} s, {r['tok_s']:.0f} tok/s, host cpu "
-        f"{r['cpu_s']:.3f} s/step, compile {r['compile_s']:.1f} s", flush=True)
+        f"{r['cpu_s']:.3f} s/step{mfu} ({r['mfu_measured']:.1%} of the measured), compile "
+        f"{r['compile_s']:.1f} s", flush=True)
 
 
 def _train_line(name, r, base) -> str:

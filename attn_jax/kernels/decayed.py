@@ -127,7 +127,10 @@ class GpuTuning:
 # The GPU choice by head dim (default: `GpuTuning()`); the value used is the entry for the
 # call's head dim. $ATTN_JAX_DECAYED_TUNING names a JSON file of choices measured on the
 # machine (`experiments/tune_decayed.py --write`) that take precedence (`gpu_tuning`).
-GPU_TUNING: dict[int, GpuTuning] = {}
+# Head dim 64 (the 152M / 369M presets): the fastest of tune_decayed.py --quick's ten on one
+# H200 (2026-12-04; SISA fwd + bwd, 65,536 tokens, T 2048 and 8192: 11.0 / 37.7 ms a layer
+# against 14.3 / 50.0 for 64 x 64, 4 warps, 2 stages; docs/benchmarks.md).
+GPU_TUNING: dict[int, GpuTuning] = {64: GpuTuning(128, 32, (4, 4, 4), (3, 3, 3))}
 TUNING_ENV = "ATTN_JAX_DECAYED_TUNING"
 
 
