@@ -257,8 +257,7 @@ def mimo_chunked(u_BTHIP, a_BTH, k_BTHIN, q_BTHON, *, chunk, h0_BHPN=None, reset
   rev = jnp.cumsum(a[:, :, ::-1], axis=2)[:, :, ::-1]                 # sum_{r>=s} a_r
   to_end = jnp.exp(jnp.pad(rev[:, :, 1:], ((0, 0), (0, 0), (0, 1), (0, 0))))
   S = jnp.einsum("bcshin,bcsh,bcship->bchpn", k, to_end, u)           # chunk states
-  h0 = jnp.zeros((Bsz, H, P, N), f32) if h0_BHPN is None else h0_BHPN.astype(f32)
-  h_in, h_final = ssd.pass_chunk_states(jnp.sum(a, axis=2), S, h0)    # [B, C, H, P, N]
+  h_in, h_final = ssd.pass_chunk_states(jnp.sum(a, axis=2), S, h0_BHPN)  # [B, C, H, P, N]
   from_start = jnp.exp(jnp.cumsum(a, axis=2))                         # [B, C, Q, H]
   y_off = jnp.einsum("bcthon,bchpn,bcth->bcthop", q, h_in, from_start)
   return (y_diag + y_off).reshape(Bsz, nc * Q, H, -1, P)[:, :T], h_final

@@ -27,7 +27,7 @@ This follows `ssd_minimal_discrete` in state-spaces/mamba (`mamba_ssm/modules/ss
 Listing 1 of the paper), with the decay to the chunk end as a direct sum. Step 3 is the
 listing's segsum matmul over chunks rather than a scan over chunks (on a GPU every iteration of
 a loop is a host round trip, so a loop whose length grows with T is a slow step), blocked in
-~sqrt(C) groups past 64 chunks so its work stays ~C^1.5 (`linear_recurrence`).
+~sqrt(C) groups past 64 chunks so its work stays ~C^1.5 (`entering_states`).
 `ssd_chunked(..., extra=(x2, B2))` adds a second input x2_t B2_t^T per token (Mamba-3).
 
 Document boundaries (packed rows; `reset_BT` [B, T] bool, True at a document's first token t0,
@@ -93,68 +93,95 @@ def segsum_exp(a_BCQH: jax.Array) -> jax.Array:
   return jnp.exp(jnp.where(jnp.tril(jnp.ones((Q, Q), bool)), seg, -jnp.inf))
 
 
-def pass_chunk_states(loga_BCX: jax.Array, S_BCXPN: jax.Array, h0_BXPN: jax.Array):
+def pass_chunk_states(loga_BCX: jax.Array, S_BCXPN: jax.Array, h0_BXPN: jax.Array | None):
   """The states entering each chunk of H_{c+1} = exp(z_c) H_c + S_c (H_0 = h0), unrolled:
 
       H_c = exp(z_0 + ... + z_{c-1}) h0 + sum_{c' < c} exp(z_{c'+1} + ... + z_{c-1}) S_{c'}
 
-  as matmuls with segsum matrices (the Mamba-2 paper's Listing 1, step 3; `linear_recurrence`
+  as matmuls with segsum matrices (the Mamba-2 paper's Listing 1, step 3; `entering_states`
   blocks them so the work stays ~n^1.5 for n chunks): no loop over the chunks, whose count
   grows with T (a `lax.scan` there is a host round trip per chunk on a GPU).
   z: [B, C, X...] total log-decay of each chunk (<= 0, -inf across a restart); S: [B, C, X...,
-  P, N]; h0: [B, X..., P, N]. Returns (H_0 .. H_{C-1} [B, C, X..., P, N], H_C = the final
-  state)."""
+  P, N]; h0: [B, X..., P, N] or None (zero). Returns (H_0 .. H_{C-1} [B, C, X..., P, N],
+  H_C = exp(z_{C-1}) H_{C-1} + S_{C-1}, the final state)."""
   Bsz, C = loga_BCX.shape[:2]
   X, PN = loga_BCX.shape[2:], S_BCXPN.shape[-2:]
-  w = jnp.pad(loga_BCX.astype(f32).reshape(Bsz, C, -1), ((0, 0), (1, 0), (0, 0)))
-  items = jnp.concatenate([h0_BXPN[:, None], S_BCXPN], axis=1)
-  H = linear_recurrence(w, items.reshape((Bsz, C + 1, w.shape[-1]) + PN))
-  H = H.reshape((Bsz, C + 1) + X + PN)
-  return H[:, :C], H[:, C]
+  z = loga_BCX.astype(f32).reshape(Bsz, C, -1)
+  flat = lambda a, lead: a.reshape(lead + (z.shape[-1],) + PN)
+  h0 = None if h0_BXPN is None else flat(h0_BXPN.astype(f32), (Bsz,))
+  H = entering_states(z, flat(S_BCXPN, (Bsz, C)), h0)
+  final = jnp.exp(z[:, -1])[..., None, None] * H[:, -1] + flat(S_BCXPN[:, -1], (Bsz,))
+  return H.reshape((Bsz, C) + X + PN), final.reshape((Bsz,) + X + PN)
 
 
-DIRECT_MAX = 64   # linear_recurrence: one segsum matmul up to this many items
+DIRECT_MAX = 64   # entering_states: one segsum matmul up to this many items
 
 
 def _block_size(n: int) -> int:
-  """Items per block of `linear_recurrence` (n > DIRECT_MAX): ~sqrt(n)."""
-  return math.isqrt(n - 1) + 1
+  """Items per block of `entering_states` (n > DIRECT_MAX): the power of two nearest above
+  sqrt(n) (so that a power-of-two n splits into whole blocks without padding)."""
+  return 1 << math.ceil(math.log2(math.sqrt(n)))
 
 
-def linear_recurrence(w_BnX: jax.Array, s_BnXPN: jax.Array) -> jax.Array:
-  """H_t = exp(w_t) H_{t-1} + s_t for t < n (H_{-1} = 0, w_t <= 0 or -inf), without a loop.
+def _exclusive_cumsum(w: jax.Array, axis: int) -> jax.Array:
+  """sum_{r < t} w_r along `axis`, summed directly (no difference: -inf entries stay exact)."""
+  pad = [(0, 0)] * w.ndim
+  pad[axis] = (1, 0)
+  return jnp.pad(jnp.cumsum(jax.lax.slice_in_dim(w, 0, w.shape[axis] - 1, axis=axis), axis),
+                 pad)
 
-  Up to DIRECT_MAX items: H = L s with L_ts = exp(w_{s+1} + ... + w_t) (`segsum_exp`), n^2 / 2
-  multiply-adds per state entry. Beyond: blocks of K ~ sqrt(n) items; within a block the same
-  matmul from a zero state, the blocks' end states passed by this function over the M = n / K
-  blocks (their decays the block sums), and each item adds the state entering its block decayed
-  by exp(w_{block start} + ... + w_t): ~n K / 2 + M^2 / 2 + n, ~n^1.5 / 2. Every exponent is a
-  direct sum of terms <= 0 (no difference of large sums)."""
+
+def _entering_matrix(w: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(Lx, last) from w [..., n, X] (the item axis second to last but one): Lx[.., X, t, s] =
+  exp(w_{s+1} + ... + w_{t-1}) for s < t (the state entering item t, from item s), 0 else;
+  last[.., X, s] = exp(w_{s+1} + ... + w_{n-1}) (item s's share of the state after the last)."""
+  L = segsum_exp(w)                                              # [.., X, n (t), n (s)]
+  Lx = jnp.pad(L[..., :-1, :], [(0, 0)] * (L.ndim - 2) + [(1, 0), (0, 0)])
+  return Lx, L[..., -1, :]
+
+
+def entering_states(w_BnX: jax.Array, s_BnXPN: jax.Array, h0_BXPN: jax.Array | None):
+  """H_t, the state entering item t of H_{t+1} = exp(w_t) H_t + s_t (H_0 = h0, None = 0;
+  w_t <= 0 or -inf), for t < n, without a loop and without copying the [B, n, X, P, N] items.
+
+  Up to DIRECT_MAX items: H = Lx s (`_entering_matrix`, n (n - 1) / 2 multiply-adds per state
+  entry) + exp(w_0 + ... + w_{t-1}) h0. Beyond: blocks of K ~ sqrt(n) items: within each the
+  same matmul from a zero state, the state each block leaves (its last row of the segsum
+  matrix against its items) passed over the M = n / K blocks by this function (their decays
+  the block sums, h0 entering the first), and each item adds the state entering its block
+  decayed by exp(w_{block start} + ... + w_{t-1}). Every exponent is a direct sum of terms
+  <= 0 (no difference of large sums)."""
   Bsz, n = w_BnX.shape[:2]
   if n <= DIRECT_MAX:
-    L = segsum_exp(w_BnX[:, None])[:, 0]                        # [B, X, n (t), n (s)]
-    return jnp.einsum("bxts,bsxpn->btxpn", L, s_BnXPN)
+    Lx, _ = _entering_matrix(w_BnX[:, None])                     # [B, 1, X, n, n]
+    H = jnp.einsum("bxts,bsxpn->btxpn", Lx[:, 0], s_BnXPN)
+    if h0_BXPN is not None:
+      H = H + jnp.exp(_exclusive_cumsum(w_BnX, 1))[..., None, None] * h0_BXPN[:, None]
+    return H
   K = _block_size(n)
   M = -(-n // K)
-  pad = lambda a: jnp.pad(a, [(0, 0), (0, M * K - n)] + [(0, 0)] * (a.ndim - 2))
+  def pad(a):   # whole blocks (none added for a power-of-two n)
+    return a if M * K == n else jnp.pad(a, [(0, 0), (0, M * K - n)] + [(0, 0)] * (a.ndim - 2))
   w = pad(w_BnX).reshape((Bsz, M, K) + w_BnX.shape[2:])          # [B, M, K, X]
   s = pad(s_BnXPN).reshape((Bsz, M, K) + s_BnXPN.shape[2:])      # [B, M, K, X, P, N]
-  local = jnp.einsum("bmxts,bmsxpn->bmtxpn", segsum_exp(w), s)   # from a zero state
-  ends = linear_recurrence(jnp.sum(w, axis=2), local[:, :, -1])  # [B, M, X, P, N]
-  entering = jnp.pad(ends[:, :-1], [(0, 0), (1, 0)] + [(0, 0)] * (ends.ndim - 2))
-  into = jnp.exp(jnp.cumsum(w, axis=2))                          # block start .. t, inclusive
-  H = local + into[..., None, None] * entering[:, :, None]
-  return H.reshape((Bsz, M * K) + s_BnXPN.shape[2:])[:, :n]
+  Lx, last = _entering_matrix(w)                                 # [B, M, X, K, K], [B, M, X, K]
+  local = jnp.einsum("bmxts,bmsxpn->bmtxpn", Lx, s)              # from a zero state
+  leaves = jnp.einsum("bmxs,bmsxpn->bmxpn", last, s)             # each block's own end state
+  G = entering_states(jnp.sum(w, axis=2), leaves, h0_BXPN)       # [B, M, X, P, N]
+  into = jnp.exp(_exclusive_cumsum(w, 2))                        # block start .. t - 1
+  H = (local + into[..., None, None] * G[:, :, None]).reshape((Bsz, M * K) + s.shape[3:])
+  return H if M * K == n else H[:, :n]
 
 
 def recurrence_macs(n: int) -> float:
-  """Multiply-adds per state entry of `linear_recurrence` over n items (causal convention:
-  the lower triangles of its segsum matrices; the block corrections one each)."""
+  """Multiply-adds per state entry of `entering_states` over n items (causal convention: the
+  strict lower triangles of its segsum matrices, a block's end state K, the block corrections
+  one each)."""
   if n <= DIRECT_MAX:
-    return n * (n + 1) / 2
+    return n * (n - 1) / 2
   K = _block_size(n)
   M = -(-n // K)
-  return M * K * (K + 1) / 2 + recurrence_macs(M) + M * K
+  return M * K * (K - 1) / 2 + M * K + recurrence_macs(M) + M * K
 
 
 def restart_decay(a_BTH: jax.Array, reset_BT) -> jax.Array:
@@ -213,10 +240,7 @@ def ssd_chunked(x_BTHP, a_BTH, b_BTGN, c_BTGN, *, chunk: int, h0_BHPN=None, extr
 
   # 3. inter-chunk recurrence, as one segsum matmul over chunks: state entering each chunk.
   chunk_loga = A[:, :, -1, :].reshape(Bsz, nc, G, J)          # total chunk log-decay
-  if h0_BHPN is None:
-    h0 = jnp.zeros((Bsz, G, J, P, N), f32)
-  else:
-    h0 = h0_BHPN.astype(f32).reshape(Bsz, G, J, P, N)
+  h0 = None if h0_BHPN is None else h0_BHPN.reshape(Bsz, G, J, P, N)
   h_in, h_final = pass_chunk_states(chunk_loga, S, h0)          # [B, C, G, J, P, N]
 
   # 4. state -> output: decay from the chunk start to t (exponent A_t <= 0).
@@ -269,8 +293,8 @@ def ssd_flops_per_token(*, n_heads: int, head_dim: int, d_state: int, n_groups: 
   Intra-chunk C B^T (per group) and its product with x (per head) count the lower triangle
   only, (Q+1)/2 key positions per token, as causal attention does; chunk states and the
   state->output products are N*P multiply-adds per head per token each; the state passing
-  (`pass_chunk_states` over C + 1 = ceil(T / Q) + 1 states, `passing_flops_per_token`) grows
-  slowly with T per token (~sqrt(C) / Q N*P per head). Elementwise work (exp, masks, decays)
+  (`pass_chunk_states` over C = ceil(T / Q) chunks, `passing_flops_per_token`) grows slowly
+  with T per token (~sqrt(C) / Q N*P per head). Elementwise work (exp, masks, decays)
   is not counted. `n_inputs` = 2 with `extra`: the intra-chunk and chunk-state work is done per
   input.
   """
@@ -282,10 +306,10 @@ def ssd_flops_per_token(*, n_heads: int, head_dim: int, d_state: int, n_groups: 
 
 def passing_flops_per_token(state_size: int, chunk: int, seq_len: int) -> float:
   """FLOPs per token of `pass_chunk_states` for `state_size` = H P N state entries:
-  `recurrence_macs` of its C + 1 items (C = ceil(seq_len / chunk)) per sequence of seq_len
-  tokens."""
+  `recurrence_macs` of its C items (C = ceil(seq_len / chunk)) per sequence of seq_len
+  tokens (the final state's update, one per entry, included)."""
   C = -(-seq_len // max(1, min(chunk, seq_len)))
-  return 2.0 * state_size * recurrence_macs(C + 1) / seq_len
+  return 2.0 * state_size * (recurrence_macs(C) + 1) / seq_len
 
 
 @dataclasses.dataclass(frozen=True)
