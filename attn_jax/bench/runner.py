@@ -53,7 +53,7 @@ def _train_rows(names, prepared, o: Options, limits) -> list[dict]:
           continue
         decode = rep == 0 and L == int(o.seq_lens[0])   # decode rows do not depend on L
         row = bench_one(name, L, o, limits, decode=decode, config=prepared[name])
-        tables.print_progress(name, L, row)
+        tables.print_progress(name, L, row, best.get(names[0]))
         best[name] = merge(best.get(name), row)
     tables.print_table(L, best, names, o)
     out += [best[n] for n in names]

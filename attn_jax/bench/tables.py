@@ -21,14 +21,16 @@ def print_table(L, rows, names, options) -> None:
   print_decode_steps(rows, names, options)
 
 
-def print_progress(name, L, r) -> None:
+def print_progress(name, L, r, base=None) -> None:
   """One line per measured row as it is done (the table follows at the end of the length), so
-  a run stopped by a time limit keeps what it measured."""
+  a run stopped by a time limit keeps what it measured; `base`: the first config's row at this
+  length, if measured (the ratio's reference)."""
   if "skipped" in r:
     print(f"  [{name} T {L}] skipped: {r['skipped']}", flush=True)
     return
   mfu = "" if r.get("mfu") is None else f", MFU {r['mfu']:.1%} of the datasheet peak"
-  print(f"  [{name} T {L}] step {r['step_s']:.4f} s, {r['tok_s']:.0f} tok/s, host cpu "
+  ratio = "" if not base or "skipped" in base else f" ({r['tok_s'] / base['tok_s']:.3f}x)"
+  print(f"  [{name} T {L}] step {r['step_s']:.4f} s, {r['tok_s']:.0f} tok/s{ratio}, host cpu "
         f"{r['cpu_s']:.3f} s/step{mfu} ({r['mfu_measured']:.1%} of the measured), compile "
         f"{r['compile_s']:.1f} s", flush=True)
 
