@@ -80,12 +80,16 @@ want 2 && bench 250 transformer_152m,sisa_152m,mamba2_152m,fox_152m,alibi_152m,h
 want 2b && timeout 80 python3 experiments/bench.py --decode_only --configs=transformer_152m,sisa_152m,mamba2_152m \
   --decode_step_batches=1,32 ${BENCH_EXTRA:-} 2>&1 | grep -v "^[IW][0-9]" | tee "$out/decode.txt"
 
-# 2g. (not in the default) the decode steps again with XLA:GPU command buffers (CUDA graphs)
-#     holding while loops and conditionals too: does graph capture cut the per-kernel launch
-#     cost that bounds a one-token step?
-want 2g && XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL" \
-  timeout 60 python3 experiments/bench.py --decode_only --configs=transformer_152m,sisa_152m,mamba2_152m \
-  --decode_step_batches=1,32 ${BENCH_EXTRA:-} 2>&1 | grep -v "^[IW][0-9]" | tee "$out/decode_graphs.txt"
+# 2g. (opt-in) XLA:GPU command buffers (CUDA graphs) holding while loops and conditionals too
+#     (the flags are accepted by the CUDA plugin; what they do on a device is not measured yet):
+#     do they cut the per-launch cost of a one-token step and the host round trip per loop
+#     iteration (the layer scan, the loss chunks, the decoding loop)? Decode and train rows.
+cb_flags="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"
+want 2g && XLA_FLAGS="${XLA_FLAGS:-} $cb_flags" timeout 60 python3 experiments/bench.py --decode_only \
+  --configs=transformer_152m,sisa_152m,mamba2_152m --decode_step_batches=1,32 ${BENCH_EXTRA:-} 2>&1 \
+  | grep -v "^[IW][0-9]" | tee "$out/decode_graphs.txt"
+want 2g && XLA_FLAGS="${XLA_FLAGS:-} $cb_flags" bench 90 transformer_152m,mamba2_152m 2048 \
+  | tee "$out/bench_graphs.txt"
 
 # 3. SISA's chunked path (with cuDNN: fused past keys per query chunk + biased in-chunk block)
 #    against plain attention, compiled fwd+bwd temporaries of one layer vs length on the GPU
