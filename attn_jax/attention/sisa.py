@@ -55,8 +55,11 @@ False (a shared prefix has no meaningful decay to a restarted g).
 Precision: g and Phi are fp32 cumulative sums (fp64 for a float64 model); g_i - g_j carries an
 absolute error ~2^-24 |g|. Phi is wrapped mod 2 pi at every step (`phase_cumsum`, 2 pi split
 in two floats), so angles stay below a few radians at any length (tested against float64 at
-32K tokens). CPU sums with `lax.scan` (`jnp.cumsum` is an O(T^2) reduce_window there), other
-backends keep `jnp.cumsum` for g. C, B, theta and the decay come from one matmul.
+32K tokens). CPU sums with `lax.scan` (`jnp.cumsum` is an O(T^2) reduce_window there); GPU
+and TPU have no loop over T (a while-loop iteration is a host round trip on a GPU): g by
+`jnp.cumsum`, Phi by a parallel prefix of the angle in turns as a double-float
+(`layers.angle_cumsum`, closer to float64 than the loop). C, B, theta and the decay come from
+one matmul.
 
 Sink logit (`sink_logit`, `projection.SinkLogitOptions`): the extra softmax column on every
 path, part of the one softmax over the widened scores.
