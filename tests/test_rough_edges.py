@@ -2,11 +2,13 @@
 stream.py's default --window is what the model holds (configs/stream_tiny.py's documented
 commands run as written); a run whose tb/ is a link into another run's folder refuses instead
 of moving that run's events; a resume onto a step without its checksum manifest is refused
-unless config.checkpoint.allow_unverified."""
+unless config.checkpoint.allow_unverified; a folder in data.paths is read as prepare_data.py
+reads one (its .txt / .jsonl files, recursively, sorted), or refused naming it and why."""
 
 import os
 import shutil
 
+import numpy as np
 import pytest
 
 from attn_jax.eval.run import parse_tasks
@@ -113,3 +115,38 @@ def test_stream_tiny_documented_commands_run_as_written(tmp_path, monkeypatch):
                    names=flags["policies"].split(","), progress=False)
   assert sorted(res["summary"]) == ["recompute(128)", "streaming(4+124)", "window(128)"], res
   shutil.rmtree(run)
+
+
+def _text_config(paths, source="text"):
+  c = tiny_config(source=source, paths=paths, tokenizer="bytes", text_document="line",
+                  eval_fraction=0.0)
+  c.data.seq_len = 8
+  return c.data
+
+
+def test_a_folder_in_data_paths_is_read_as_its_files(tmp_path):
+  """A folder used to be "data file not found"; now it stands for its files of the source's
+  format (recursive, sorted: prepare_data.py's rule), and a folder that holds none, or holds
+  prepared token shards, is refused naming it and the source that reads what it holds."""
+  from attn_jax.data import text as text_lib
+  corpus = tmp_path / "corpus"
+  (corpus / "b").mkdir(parents=True)
+  (corpus / "b" / "two.txt").write_text("second file, in a subfolder\n" * 4)
+  (corpus / "a.txt").write_text("first file\n" * 4)
+  (corpus / "notes.md").write_text("not a .txt file: not read\n")
+  files = [str(corpus / "a.txt"), str(corpus / "b" / "two.txt")]
+  assert text_lib.data_files(_text_config(str(corpus))) == files
+  stream = text_lib.load_token_stream(_text_config(str(corpus)))
+  np.testing.assert_array_equal(stream, text_lib.load_token_stream(_text_config(",".join(files))))
+  with pytest.raises(FileNotFoundError, match=(
+      rf"data.paths: the folder '{corpus}' holds no .jsonl files .*it holds 2 .txt files: set "
+      r"data.source='text'")):
+    text_lib.load_token_stream(_text_config(str(corpus), source="jsonl"))
+  empty = tmp_path / "empty"
+  empty.mkdir()
+  with pytest.raises(FileNotFoundError, match=rf"the folder '{empty}' holds no .txt files"):
+    text_lib.load_token_stream(_text_config(str(empty)))
+  (empty / "index.json").write_text("{}")
+  with pytest.raises(ValueError, match=rf"'{empty}' is a folder of token shards .* data.source="
+                     r"'shards', not 'text'"):
+    text_lib.load_token_stream(_text_config(str(empty)))

@@ -5,6 +5,10 @@ Sources (`data.source`):
     document; with "file" each whole file is one document.
   * "jsonl": one JSON object per line, the document in field `data.text_field` (a string).
     Blank lines are skipped; empty documents are skipped.
+`data.paths`: comma-separated files or folders; a folder stands for its `.txt` ("text") or
+`.jsonl` ("jsonl") files, searched recursively and read in sorted order, as
+experiments/prepare_data.py reads a folder (`data_files`). A folder of prepared token shards,
+or one without such files, is an error naming it and the source that reads what it holds.
 
 Packing. Every document is followed by the tokenizer's EOS id and all documents (in file
 order, files in `data.paths` order) are concatenated into one int32 token stream t[0:T].
@@ -47,6 +51,62 @@ def split_paths(paths: str | Sequence[str]) -> list[str]:
   if isinstance(paths, str):
     paths = paths.split(",")
   return [os.path.expanduser(p.strip()) for p in paths if p.strip()]
+
+
+# The files a folder in data.paths contributes, per source (as experiments/prepare_data.py
+# reads a folder: recursively, known formats only, sorted).
+FOLDER_FORMATS = {"text": ".txt", "jsonl": ".jsonl"}
+
+
+def _folder_files(folder: str, source: str) -> list[str]:
+  """The `source`'s files under `folder`, or an error naming the folder and why not."""
+  from attn_jax.data import shards   # FORMATS, INDEX: what prepare_data.py reads and writes
+  ext = FOLDER_FORMATS[source]
+  if os.path.isfile(os.path.join(folder, shards.INDEX)):
+    raise ValueError(f"data.paths: {folder!r} is a folder of token shards (it holds "
+                     f"{shards.INDEX}, written by experiments/prepare_data.py); train on it "
+                     f"with data.source='shards', not {source!r}")
+  found: dict[str, list[str]] = {}
+  for root, dirs, names in os.walk(folder):
+    dirs.sort()
+    for name in names:
+      fmt = shards.input_format(name)
+      if fmt is not None:
+        found.setdefault(fmt, []).append(os.path.join(root, name))
+  if found.get(ext):
+    return sorted(found[ext])
+  other = ", ".join(f"{len(v)} {k}" for k, v in sorted(found.items()))
+  hint = ""
+  if found.get(".txt") or found.get(".jsonl"):
+    hint = (f"; it holds {other} files: set data.source="
+            f"{'text' if found.get('.txt') else 'jsonl'!r}")
+  elif found:
+    hint = (f"; it holds {other} files: tokenize them with experiments/prepare_data.py "
+            "--input=<folder>, then train with data.source='shards'")
+  raise FileNotFoundError(f"data.paths: the folder {folder!r} holds no {ext} files (with "
+                          f"data.source={source!r} a folder contributes its {ext} files, "
+                          f"searched recursively, in sorted order){hint}")
+
+
+def data_files(data_cfg) -> list[str]:
+  """The files of `data.paths` for a "text" or "jsonl" source, in reading order: each file as
+  given, each folder as its files of the source's format (`FOLDER_FORMATS`: recursive, sorted);
+  a path that does not exist, or a folder without such files, is an error naming it."""
+  source = str(data_cfg.source)
+  if source not in TEXT_SOURCES:
+    raise ValueError(f"data.source must be one of {TEXT_SOURCES} here, got {source!r}")
+  paths = split_paths(data_cfg.paths)
+  if not paths:
+    raise ValueError(f"data.paths is empty: data.source={source!r} needs at least one file")
+  files = []
+  for path in paths:
+    if os.path.isdir(path):
+      files.extend(_folder_files(path, source))
+    elif os.path.isfile(path):
+      files.append(path)
+    else:
+      raise FileNotFoundError(f"data file not found: {path!r} (from data.paths)")
+  return files
 
 
 def read_text_file(path: str, *, what: str = "data file", source: str = "data.paths") -> str:
@@ -166,16 +226,10 @@ def load_token_stream(data_cfg) -> np.ndarray:
 
 def load_corpus(data_cfg) -> tuple[np.ndarray, np.ndarray]:
   """(read-only token stream int32 [T], document ends int64 [D]) of `data.paths` (cached)."""
-  paths = tuple(split_paths(data_cfg.paths))
+  paths = tuple(data_files(data_cfg))   # folders: their files (FOLDER_FORMATS)
   source = str(data_cfg.source)
-  if source not in TEXT_SOURCES:
-    raise ValueError(f"data.source must be one of {TEXT_SOURCES} here, got {source!r}")
-  if not paths:
-    raise ValueError(f"data.paths is empty: data.source={source!r} needs at least one file")
   file_stamps = []
   for path in paths:
-    if not os.path.isfile(path):
-      raise FileNotFoundError(f"data file not found: {path!r} (from data.paths)")
     stat = os.stat(path)
     file_stamps.append((stat.st_size, stat.st_mtime_ns))
   return _cached_corpus(
