@@ -211,6 +211,26 @@ def profile_steps(spec: str) -> tuple[int, int] | None:
   return int(start), int(end)
 
 
+def profile_window_problem(spec: str, last: int, *, start: int = 0) -> str | None:
+  """Why `config.train.profile_steps` traces nothing (or less) in a run of steps start + 1 to
+  `last`, else None."""
+  window = profile_steps(spec)
+  if window is None:
+    return None
+  first, stop = window
+  field = f"config.train.profile_steps={spec!r}"
+  if first > last:
+    return (f"{field}: no trace will be written: the run ends at step {last} "
+            f"(config.train.steps), before the window's first step {first}")
+  if stop - 1 <= start:
+    return (f"{field}: no trace will be written: the run resumes after step {start}, past the "
+            f"window (steps {first} to {stop - 1})")
+  if stop - 1 > last:
+    return (f"{field}: the trace stops at the run's last step {last} (config.train.steps), "
+            f"not at step {stop - 1}")
+  return None
+
+
 def validate(config: ml_collections.ConfigDict) -> ModelConfig:
   """Check the whole config; returns the typed model config."""
   cfg = ModelConfig.from_config(config.model)
@@ -223,7 +243,9 @@ def validate(config: ml_collections.ConfigDict) -> ModelConfig:
   need(t.steps > 0, "train.steps", "must be positive")
   need(t.grad_accum >= 1, "train.grad_accum", "must be >= 1")
   need(t.log_every >= 1, "train.log_every", "must be >= 1")
-  profile_steps(t.get("profile_steps", ""))
+  window_problem = profile_window_problem(t.get("profile_steps", ""), int(t.steps))
+  if window_problem:   # a window past the run's end traced nothing, silently
+    logging.warning("%s", window_problem)
   need(is_number(o.lr) and o.lr > 0, "optim.lr", f"must be a finite positive number, got {o.lr!r}")
   need(is_number(o.min_lr_ratio, 0) and o.min_lr_ratio <= 1, "optim.min_lr_ratio",
        f"must be in [0, 1], got {o.min_lr_ratio!r}")

@@ -19,7 +19,7 @@ import os
 
 import jax
 
-from attn_jax.config import profile_steps
+from attn_jax.config import profile_steps, profile_window_problem
 
 DIRNAME = "profile"
 
@@ -27,10 +27,17 @@ DIRNAME = "profile"
 class StepProfiler:
   """`before(step, state)` at the top of every step; `stop()` on the way out."""
 
-  def __init__(self, spec: str, workdir: str):
+  def __init__(self, spec: str, workdir: str, *, start: int = 0, last: int | None = None):
+    """`start`: the step the run resumes from (0: a fresh run); `last`: its last step. A
+    window that a resumed run has passed already is said at start (`profile_window_problem`;
+    config.validate says the rest)."""
     self.window = profile_steps(spec)
     self.directory = os.path.join(workdir, DIRNAME)
     self.active = self.done = False
+    if start and last is not None:   # a fresh run's window was checked by config.validate
+      problem = profile_window_problem(spec, last, start=start)
+      if problem and problem != profile_window_problem(spec, last):
+        logging.warning("%s", problem)
 
   def before(self, step: int, state) -> None:
     """Starts the trace at the window's first step (or the first step of a run resumed inside
