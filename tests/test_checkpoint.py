@@ -133,6 +133,35 @@ def test_partial_save_is_never_picked_up(tmp_path):
   assert int(c.restore(abstract())["step"]) == 1
 
 
+def test_steps_named_are_the_committed_ones_on_disk(tmp_path, monkeypatch):
+  """While step 6's save is in progress (a temporary folder) and after it failed (a full disk),
+  the steps a Checkpointer names are the ones a rerun can resume from: orbax's own list held
+  the save in progress (a "latest step" that never was) and had dropped step 2, to be pruned
+  once 6 committed, while 2 stayed on disk ("Older steps are kept: [4]")."""
+  import errno
+  import time
+  real = ckpt_lib.write_manifest
+
+  def full_disk_from_step_6(step_dir):
+    if int(os.path.basename(step_dir).split(".")[0]) >= 6:
+      time.sleep(0.5)   # the save is under way a while before it fails
+      raise OSError(errno.ENOSPC, "No space left on device", step_dir)
+    return real(step_dir)
+
+  monkeypatch.setattr(ckpt_lib, "write_manifest", full_disk_from_step_6)
+  c = Checkpointer(str(tmp_path), max_to_keep=2)
+  for s in (2, 4):
+    c.save(s, make_state(s), force=True)
+    c.wait()
+  c.save(6, make_state(6), force=True)
+  assert c.latest_step() == 4 and c.all_steps() == [2, 4]   # 6: a temporary folder only
+  with pytest.raises(ckpt_lib.CheckpointSaveError,
+                     match=r"saving checkpoint step 6 .*Older steps are kept: \[2, 4\]$"):
+    c.wait()
+  assert c.all_steps() == [2, 4] and c.latest_step() == 4
+  c.close()
+
+
 def test_checkpoint_without_manifest_is_refused_or_restored_with_a_warning(tmp_path, caplog):
   save_steps(tmp_path, [1])
   os.remove(os.path.join(tmp_path, "checkpoints", "1", ckpt_lib.MANIFEST))

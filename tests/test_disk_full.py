@@ -85,6 +85,37 @@ def test_a_disk_that_fills_stops_the_run_in_one_named_error(place, tmp_path, mon
   assert not os.path.exists(tmp_path / "run" / "checkpoints" / "10")
 
 
+def test_a_failed_write_during_a_save_names_the_last_committed_step(tmp_path, monkeypatch):
+  """metrics.jsonl fails (a full disk) while step 4's save is still being written, and that save
+  fails too: the message names step 2, the step a rerun resumes from, not step 4 (orbax counts
+  a save in progress; on a 3 MB disk "step 6 is kept" while only 6.orbax-checkpoint-tmp
+  existed)."""
+  real_manifest, real_write = ckpt_lib.write_manifest, writers_lib.JsonlWriter.write
+
+  def slow_full_disk(step_dir):   # step 4's commit: still under way at step 6, then ENOSPC
+    if int(os.path.basename(step_dir).split(".")[0]) >= 4:
+      time.sleep(2)
+      raise OSError(errno.ENOSPC, "No space left on device", step_dir)
+    return real_manifest(step_dir)
+
+  def rows_until_5(self, step, row):
+    if step >= 5:
+      raise writers_lib.write_error(self.name, self.path, step,
+                                    OSError(errno.ENOSPC, "No space left on device"))
+    return real_write(self, step, row)
+
+  monkeypatch.setattr(ckpt_lib, "write_manifest", slow_full_disk)
+  monkeypatch.setattr(writers_lib.JsonlWriter, "write", rows_until_5)
+  e, _ = _run_until_it_stops(run_config(steps=10), tmp_path / "run")
+  msg = str(e)
+  assert msg.startswith(f"writing metrics.jsonl ({tmp_path / 'run' / 'metrics.jsonl'}) failed "
+                        "at step 5"), msg
+  assert (f"the latest checkpoint, step 2 in {tmp_path / 'run' / 'checkpoints'}, is kept: "
+          "rerun the same command to resume from it (step 4, which was being saved, is not: "
+          "its save failed too)") in msg, msg
+  assert Checkpointer(str(tmp_path / "run")).all_steps() == [2]   # what the rerun resumes from
+
+
 def test_sigterm_while_tensorboard_hangs_stops_at_that_step(tmp_path, monkeypatch, caplog):
   """The TensorBoard disk hangs at its first write (a dead network share); the loop fills the
   writer's queue and waits on it when SIGTERM comes: the run stops at that step with its

@@ -284,10 +284,26 @@ class Checkpointer:
     self.restored_step: int | None = None
 
   def latest_step(self) -> int | None:
-    return self._mngr.latest_step()
+    """The newest committed step (`all_steps`), or None."""
+    steps = self.all_steps()
+    return steps[-1] if steps else None
 
   def all_steps(self) -> list[int]:
-    return list(self._mngr.all_steps())
+    """The committed steps on disk, oldest first: what a rerun can resume from. Read from the
+    folder, not from orbax's own list, which also holds a save still in progress (or one that
+    is failing: a temporary folder on disk, never a step) and drops the steps it is about to
+    prune before their folders are gone."""
+    try:
+      names = os.listdir(self.directory)
+    except (FileNotFoundError, NotADirectoryError):
+      return []
+    return sorted(int(n) for n in names
+                  if n.isdigit() and os.path.isdir(os.path.join(self.directory, n)))
+
+  @property
+  def pending_step(self) -> int | None:
+    """The step of a save that may still run in the background (None: none)."""
+    return self._pending
 
   def step_dir(self, step: int) -> str:
     return os.path.join(self.directory, str(step))

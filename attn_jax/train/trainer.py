@@ -716,11 +716,16 @@ class _Run:
     checkpoint save already names the steps kept)."""
     if isinstance(e, CheckpointSaveError):
       return e
-    latest = self.ckpt.latest_step()
+    unfinished, pending = "", self.ckpt.pending_step
+    try:   # a save still in progress decides the resume point: its end is awaited
+      self.ckpt.wait()
+    except CheckpointSaveError:   # the same disk, most likely
+      unfinished = f" (step {pending}, which was being saved, is not: its save failed too)"
+    latest = self.ckpt.latest_step()        # committed steps only, read from the disk
     kept = (f"the latest checkpoint, step {latest} in {self.ckpt.directory}, is kept: rerun "
             "the same command to resume from it" if latest is not None
             else f"there is no checkpoint yet in {self.ckpt.directory}")
-    out = WriteError(f"{e}. The run stopped without saving again; {kept}")
+    out = WriteError(f"{e}. The run stopped without saving again; {kept}{unfinished}")
     out.errno, out.__cause__ = e.errno, e
     return out
 
@@ -773,6 +778,8 @@ class _Run:
       attempt("logging the last step", self._log_last)
     if self.data_pos is not None:  # stopped before this step was dispatched: rewind
       attempt("rewinding the data iterator", lambda: self.data_it.set_state(self.data_pos))
+    if wrote or not self.state_valid:   # the resume point named below: committed steps only
+      attempt("waiting for the save in progress", self.ckpt.wait)
     if wrote:   # a newer checkpoint than the rows logged would leave a hole in the history
       logging.error("not saving again after a failed write; the resume point is the latest "
                     "checkpoint in %s (step %s)", self.ckpt.directory, self.ckpt.latest_step())
