@@ -94,7 +94,7 @@ def get_config() -> ml_collections.ConfigDict:
   t.spike_threshold = 6.0        # spike: loss > mean + spike_threshold * std of the window
   t.init_from = ""               # fine-tune: a run directory whose parameters start this run
                                  # (experiments/convert.py or train.py; train/init_from.py)
-  t.init_step = -1               # its checkpoint step; -1 = the latest
+  t.init_step = -1               # its checkpoint step; -1 = the newest usable one
   t.trainable = "all"            # all | new (the parameters a conversion added) | new+norms
   t.new_scalar_lr_mult = 1.0     # lr multiplier of the scalars/biases a conversion added
 

@@ -4,7 +4,7 @@
   3. SIGHUP stops at a step boundary with a checkpoint, and the rerun equals an uninterrupted run;
   4. a full disk during a save stops the run within seconds, non-zero, older steps kept;
   5. load_for_inference (eval.py, stream.py) verifies checksums and falls back past a damaged
-     newest step;
+     newest step, and so does config.train.init_from;
   6. a binary --text file of stream.py is an error naming the file;
   7. a crash right after a save resumes from a verified step (manifest written in the commit);
   8. a bit-flipped token shard is an error naming the shard when a run opens it;
@@ -262,6 +262,29 @@ def test_load_for_inference_falls_back_past_a_damaged_newest_step(trained, tmp_p
   assert step_dirs(d) == ["2", "4"]   # evaluation never moves a run's files
   with pytest.raises(ckpt_lib.CheckpointCorruptError, match="sha256"):
     ckpt_lib.load_for_inference(str(d), step=4)
+
+
+def test_init_from_a_run_whose_newest_step_is_damaged_starts_from_the_step_before(
+    trained, tmp_path, caplog):
+  """config.train.init_from (init_step -1) falls back past a damaged newest step as a resume
+  does (it used to load the fixed newest step: "trying the previous step", then "no usable
+  checkpoint" with step 2 intact); the source run is only read. An explicit init_step of the
+  damaged step is an error naming it."""
+  d = copy_run(trained, tmp_path)
+  _flip_bytes(str(d / "checkpoints" / "4"))
+  c = run_config(steps=2)
+  c.train.init_from = str(d)
+  with caplog.at_level(logging.INFO):
+    out = trainer_lib.train_and_evaluate(c, str(tmp_path / "finetune"))
+  msgs = [r.getMessage() for r in caplog.records]
+  assert out["loss"] == out["loss"]   # trained (finite)
+  assert any("step 4" in m and "sha256" in m and "trying the previous step" in m for m in msgs)
+  assert any(m.startswith(f"init_from {d} step 2: parameters loaded") for m in msgs), msgs
+  assert step_dirs(d) == ["2", "4"]   # nothing moved in the source run
+  c.train.init_step = 4
+  with pytest.raises(ckpt_lib.CheckpointCorruptError, match=(
+      r"checkpoint step 4 in .*is unusable \(.*sha256.*\); no other step was tried")):
+    trainer_lib.train_and_evaluate(c, str(tmp_path / "explicit"))
 
 
 # ------------------------------------------------------------------ 6. binary stream file

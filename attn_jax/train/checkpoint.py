@@ -669,20 +669,29 @@ def _load_newest(ckpt: Checkpointer, step: int | None, devices, retries: int = 3
   if step is not None and step not in steps:
     raise FileNotFoundError(f"no checkpoint for step {step} under {ckpt.directory} (have "
                             f"{steps})")
+  if step is not None:   # that step or an error: no other step is tried in its place
+    try:
+      model, config = _load_step(ckpt, step, devices)
+    except CheckpointCorruptError as e:
+      raise CheckpointCorruptError(f"checkpoint step {step} in {ckpt.directory} is unusable "
+                                   f"({e}); no other step was tried in its place (it was asked "
+                                   "for by number)") from None
+    return model, config, step
   problems = []
-  for s in ([step] if step is not None else steps[::-1]):
+  for s in steps[::-1]:
     try:
       model, config = _load_step(ckpt, s, devices)
     except CheckpointCorruptError as e:
-      if step is None and retries and not os.path.isdir(ckpt.step_dir(s)):
+      if retries and not os.path.isdir(ckpt.step_dir(s)):
         logging.warning("checkpoint step %d in %s was deleted while it was read (the training "
                         "run keeps checkpoint.max_to_keep steps); loading the newest again", s,
                         ckpt.directory)
         ckpt._mngr.reload()
         return _load_newest(ckpt, None, devices, retries - 1)
       problems.append(f"step {s}: {e}")
-      logging.warning("checkpoint step %d in %s is unusable (%s); trying the previous step",
-                      s, ckpt.directory, e)
+      if s != steps[0]:   # the oldest step: the error below says it all
+        logging.warning("checkpoint step %d in %s is unusable (%s); trying the previous step",
+                        s, ckpt.directory, e)
       continue
     if problems:
       logging.warning("loaded step %d instead of the newest step %d", s, steps[-1])

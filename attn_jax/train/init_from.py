@@ -3,7 +3,7 @@ experiments/convert.py or trained) gives the parameters of step 0; `config.train
 says which of them train.
 
     config.train.init_from = "runs/smollm2_sisa"   # "" = a fresh random init
-    config.train.init_step = -1                    # its checkpoint step; -1 = the latest
+    config.train.init_step = -1                    # its checkpoint step; -1 = the newest usable
     config.train.trainable = "all"                 # all | new | new+norms
     config.train.new_scalar_lr_mult = 1.0          # lr multiplier of the new scalars/biases
 
@@ -23,6 +23,10 @@ says which of them train.
   bias at 16 must travel several units to matter, which a fine-tuning lr for pretrained
   weights (1e-4) cannot do in a short run, while a new weight matrix (FoX's gate, SISA's B/C)
   moved at that rate would swamp its outputs at the first Adam step.
+- `init_step` -1 takes the newest step that loads, as a resume does: a damaged newest step
+  (checksums, unreadable arrays or saved config) is skipped with a warning naming it, and the
+  step before it is used (nothing in the source run is moved: it is only read). An explicit
+  `init_step` loads that step or stops with an error naming it.
 - The optimizer state is fresh (AdamW moments 0, step 0, the LR schedule from its warm-up);
   the log says so. A workdir that holds a checkpoint resumes from it and ignores init_from.
 
@@ -51,7 +55,7 @@ INFO_FILE = "pretrained.json"   # = pretrained.workdir.INFO_FILE (no import of t
 @dataclasses.dataclass(frozen=True)
 class InitSource:
   path: str
-  step: int
+  step: int | None              # None (init_step -1): the newest usable step, found as it loads
   new_params: tuple[str, ...]   # "/"-joined parameter paths the conversion added
 
 
@@ -63,6 +67,8 @@ def _ignored_option(name: str) -> bool:
 
 
 def _saved_config(path: str, step: int | None) -> tuple[ml_collections.ConfigDict, int]:
+  """The config saved with `step` (None: with the newest step whose saved config reads; a
+  damaged step is judged when the parameters load, `initial_state`) and that step."""
   from attn_jax.train.checkpoint import Checkpointer, _tuples
   ckpt = Checkpointer(path, read_only=True)
   try:
@@ -71,8 +77,16 @@ def _saved_config(path: str, step: int | None) -> tuple[ml_collections.ConfigDic
       raise ValueError(f"config.train.init_from={path}: its checkpoints/ holds no step")
     if step is not None and step not in steps:
       raise ValueError(f"config.train.init_step={step}: {path} has steps {steps}")
-    step = steps[-1] if step is None else step
-    return ml_collections.ConfigDict(_tuples(ckpt.restore_meta(step)["config"])), step
+    errors = []
+    for s in ([step] if step is not None else steps[::-1]):
+      try:
+        return ml_collections.ConfigDict(_tuples(ckpt.restore_meta(s)["config"])), s
+      except Exception as e:  # noqa: BLE001 - a damaged meta: the previous step's, as a resume
+        if step is not None:
+          raise
+        errors.append(f"step {s}: {type(e).__name__}: {e}")
+    raise ValueError(f"config.train.init_from={path}: no step's saved config can be read "
+                     f"({'; '.join(errors)[:600]})")
   finally:
     ckpt.close()
 
@@ -164,7 +178,8 @@ def check(config: ml_collections.ConfigDict) -> InitSource | None:
   if not os.path.isdir(os.path.join(path, "checkpoints")):
     raise ValueError(f"config.train.init_from={path}: not a run directory (no checkpoints/)")
   step = int(t.get("init_step", -1))
-  saved, step = _saved_config(path, None if step < 0 else step)
+  step = None if step < 0 else step   # -1: the newest usable step, as a resume picks it
+  saved, _ = _saved_config(path, step)
   _check_architecture(config, saved, path)
   _check_vocabulary(config, saved, path)
   new = _new_params(path)
@@ -242,7 +257,9 @@ def initial_state(config: ml_collections.ConfigDict, setup, fresh: dict) -> dict
   from flax import nnx
 
   from attn_jax.train.checkpoint import load_for_inference
-  model, _, _ = load_for_inference(src.path, src.step)
+  # init_step -1: the newest step that verifies and loads (a damaged newest step is skipped
+  # with a warning and left in place, as load_for_inference does for the evaluator).
+  model, _, step = load_for_inference(src.path, src.step)
   _, params, rest = nnx.split(model, nnx.Param, ...)
   for name, part in (("params", params), ("rest", rest)):
     loaded = nnx.to_pure_dict(part)
@@ -256,7 +273,7 @@ def initial_state(config: ml_collections.ConfigDict, setup, fresh: dict) -> dict
   logging.info("init_from %s step %d: parameters loaded; training %s of %s stored parameter "
                "values, vocabulary padding rows included (config.train.trainable=%r); "
                "optimizer state fresh (AdamW moments 0, step 0, "
-               "the LR schedule from its start)", src.path, src.step, f"{n_train:,}", f"{n:,}",
+               "the LR schedule from its start)", src.path, step, f"{n_train:,}", f"{n:,}",
                str(config.train.get("trainable", "all")))
   return fresh
 
