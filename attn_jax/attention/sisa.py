@@ -57,8 +57,8 @@ absolute error ~2^-24 |g|. Phi is wrapped mod 2 pi at every step (`phase_cumsum`
 in two floats), so angles stay below a few radians at any length (tested against float64 at
 32K tokens). CPU sums with `lax.scan` (`jnp.cumsum` is an O(T^2) reduce_window there); GPU
 and TPU have no loop over T (a while-loop iteration is a host round trip on a GPU): g by
-`jnp.cumsum`, Phi by a parallel prefix of the angle in turns as a double-float
-(`layers.angle_cumsum`, closer to float64 than the loop). C, B, theta and the decay come from
+`jnp.cumsum`, Phi by a parallel prefix of the angle as a double-float (`layers.angle_cumsum`,
+closer to float64 than the loop). C, B, theta and the decay come from
 one matmul.
 
 Sink logit (`sink_logit`, `projection.SinkLogitOptions`): the extra softmax column on every
@@ -138,8 +138,8 @@ def phase_cumsum(theta_BTHP: jax.Array, starts_BT=None) -> jax.Array:
   """Phi_t = sum_{s<=t} theta_s mod 2 pi, every partial sum wrapped, so the angle never grows
   with t and keeps the precision of a few radians (module docstring); restarting at every
   `starts_BT` (packed rows). A token-by-token `lax.scan` on CPU, elsewhere a parallel prefix
-  over the angle in turns held as two floats (`layers.angle_cumsum`: no loop over T on a GPU,
-  and more precise than the loop: ~1e-6 rad at 32K tokens against ~5e-5)."""
+  over the angle held as a double-float (`layers.angle_cumsum`: no loop over T on a GPU, and
+  more precise than the loop: 2.4e-7 rad at 32K tokens against 4.7e-5)."""
   if parallel_time_sums():
     reset = None if starts_BT is None else jnp.broadcast_to(
         starts_BT.reshape(starts_BT.shape + (1,) * (theta_BTHP.ndim - 2)), theta_BTHP.shape)
