@@ -10,8 +10,8 @@ or does not fit in memory), not a 30-line traceback whose last line is the messa
 (or ATTN_JAX_DEBUG=1) re-raises instead, with the traceback.
 
 Which errors count as the user's (the rule, not a list of messages):
-  * the project's own exception types (config, data, checkpoint, workdir errors), wherever they
-    are raised;
+  * the project's own exception types (config, data, checkpoint, workdir, output-folder
+    errors), wherever they are raised;
   * ValueError / OSError / ImportError raised by the project's own code (the innermost frame of
     the traceback is in attn_jax/, experiments/ or configs/), which is where every check with a
     message naming the field or file lives; a ValueError from deep inside JAX or a library is a
@@ -62,10 +62,11 @@ def _project_types() -> tuple[type, ...]:
   """The project's own error types (imported lazily: the entry points start fast)."""
   from attn_jax.config_flags import ConfigFieldError
   from attn_jax.data.shards import DataError
+  from attn_jax.outputs import OutputError
   from attn_jax.train.checkpoint import CheckpointError, CheckpointSaveError
   from attn_jax.train.workdir import WorkdirLockedError
   return (ConfigFieldError, DataError, CheckpointError, CheckpointSaveError,
-          WorkdirLockedError)
+          WorkdirLockedError, OutputError)
 
 
 def _raised_in_project(e: BaseException) -> bool:

@@ -3,7 +3,11 @@
   python experiments/eval.py --checkpoint=runs/sisa_152m \
       --tasks=lambada,hellaswag,arc_easy,winogrande,niah --data_dir=/path/to/data
 
-Prints a results table and writes <checkpoint>/eval/eval.{json,md} (and niah.png).
+Prints a results table and writes <checkpoint>/eval/eval.{json,md} (and niah.png), or under
+--out_dir. The folder is checked before any work: an --out_dir that cannot be written is an
+error at once; a run directory that cannot be written (a read-only mount, a shared copy of a
+colleague's run) sends the results to a fallback folder named at start and in the output
+(`attn_jax.outputs`).
 """
 
 import os
@@ -25,7 +29,8 @@ _TOK = flags.DEFINE_string("tokenizer", "", "Tokenizer (default: the training co
 _MAXLEN = flags.DEFINE_integer("max_len", 0, "Context length (default: training seq_len).")
 _BS = flags.DEFINE_integer("batch_size", 0, "Batch size (default: config.eval.batch_size).")
 _LIMIT = flags.DEFINE_integer("limit", None, "Only the first N documents of each task.")
-_OUT = flags.DEFINE_string("out_dir", "", "Where to write eval.json/eval.md.")
+_OUT = flags.DEFINE_string("out_dir", "", "Where to write eval.json/eval.md (default: "
+                           "<checkpoint>/eval; unwritable: a fallback folder, named).")
 _UNVERIFIED = flags.DEFINE_bool("allow_unverified", False, "Load a checkpoint step that has no "
                                 "checksum manifest (its bytes cannot be verified).")
 

@@ -30,6 +30,11 @@ the per-range summary (summary.json). --sink_mass=N writes the per-layer mass on
 first 4 tokens and the last --mass_local tokens for N sequences of --mass_len tokens
 (sink_mass.json, sink_mass.png, sink_mass_heads.png; `attention_mass.sink_profile`);
 --policies= (empty) skips the scoring.
+
+The output folder is checked before any work (`attn_jax.outputs`): an --out that cannot be
+written is an error at once; a run directory that cannot be written (a read-only mount, a
+shared copy of a colleague's run) sends the results to a fallback folder named at start and in
+the printed paths.
 """
 
 import json
@@ -69,7 +74,8 @@ _MASS_LOCAL = flags.DEFINE_integer("mass_local", 32, "Sink profile: the local ne
                                    "(most recent keys, the query included).")
 _MASS_MIN_QUERY = flags.DEFINE_integer("mass_min_query", 64, "Sink profile: first query "
                                        "position counted.")
-_OUT = flags.DEFINE_string("out", None, "Output folder (default: <workdir>/stream).")
+_OUT = flags.DEFINE_string("out", None, "Output folder (default: <workdir>/stream; a run "
+                           "directory that cannot be written: a fallback folder, named).")
 _UNVERIFIED = flags.DEFINE_bool("allow_unverified", False, "Load a checkpoint step that has no "
                                 "checksum manifest (its bytes cannot be verified).")
 _PROGRESS = flags.DEFINE_bool("progress", True, "Progress bar.")
@@ -130,14 +136,17 @@ def run(workdir, text, *, step=None, tokenizer=None, tail=0.0, max_tokens=0,
     raise ValueError("--workdir is required (a run directory of experiments/train.py)")
   if not text:
     raise ValueError("--text is required (the files to stream)")
-  from attn_jax import streaming
-  from attn_jax.train.checkpoint import load_for_inference
+  from attn_jax import outputs, streaming
+  from attn_jax.train.checkpoint import load_for_inference, run_checkpoints
   if window < 0:
     raise ValueError(f"--window must be >= 0 (0 = what the model holds), got {window}")
   policies(names, window or 1, sinks)   # names and numbers checked before the model loads
   edges = _ranges(ranges)
   if stride < 1:
     raise ValueError(f"--recompute_stride must be >= 1, got {stride}")
+  run_checkpoints(workdir)   # a run directory, before any folder is made in it
+  if names or mass or sink_mass:   # the output folder, writable, before any work
+    out = outputs.results_folder(workdir, "stream", explicit=out, flag="--out").path
   model, config, ckpt_step = load_for_inference(workdir, step, allow_unverified=allow_unverified)
   trained_len = int(model.cfg.max_seq_len)
   if max_seq_len:
@@ -152,7 +161,6 @@ def run(workdir, text, *, step=None, tokenizer=None, tail=0.0, max_tokens=0,
   for p in pols:
     results[p.label] = streaming.score_stream(model, tokens, p, chunk=chunk, batch=batch,
                                               progress=progress, stride=stride)
-  out = out or os.path.join(workdir, "stream")
   meta = {"workdir": os.path.abspath(workdir), "step": int(ckpt_step), "text": text,
           "tail": float(tail), "tokens": int(len(tokens)), "train_seq_len": int(config.data.seq_len),
           "model_max_seq_len": trained_len, "max_seq_len_override": int(max_seq_len),
@@ -162,16 +170,21 @@ def run(workdir, text, *, step=None, tokenizer=None, tail=0.0, max_tokens=0,
   summary = {k: streaming.summarize(v) for k, v in results.items()}
   paths = {}
   if results:
-    paths = streaming.write_results(out, results, meta, smooth=smooth)
     for k, v in results.items():
       if edges:
         summary[k]["ranges"] = streaming.summarize_ranges(v, edges)
     sub = [p for p in pols if p.name == "recompute" and stride > 1]
     extra = {"paired": {p.label: streaming.paired(results, p.label, start=p.window)
                         for p in sub}}   # past recompute's first window
-    paths["summary"] = os.path.join(out, "summary.json")
-    with open(paths["summary"], "w") as f:
-      json.dump({"meta": meta, "summary": summary, **extra}, f, indent=1)
+
+    def write() -> dict:
+      written = streaming.write_results(out, results, meta, smooth=smooth)
+      written["summary"] = os.path.join(out, "summary.json")
+      with open(written["summary"], "w") as f:
+        json.dump({"meta": meta, "summary": summary, **extra}, f, indent=1)
+      return written
+
+    paths = outputs.write_or_print(write, "\n".join(summary_lines(summary)), out, flag="--out")
   mass_len = int(mass_len or config.data.seq_len)
   if mass:
     from attn_jax.eval import attention_mass
@@ -184,6 +197,15 @@ def run(workdir, text, *, step=None, tokenizer=None, tail=0.0, max_tokens=0,
   return {"paths": paths, "summary": summary}
 
 
+def summary_lines(summary: dict) -> list[str]:
+  """The table main prints: each policy's mean loss and its quarters (or --ranges)."""
+  lines = [f"{'policy':<24}{'mean':>8}  quarters / ranges"]
+  for label, s in summary.items():
+    parts = s.get("ranges") or [{"mean": x} for x in s["slices"]]
+    lines.append(f"{label:<24}{s['mean']:8.3f}  " + " ".join(f"{x['mean']:.3f}" for x in parts))
+  return lines
+
+
 def main(argv):
   del argv
   res = run(_WORKDIR.value, _TEXT.value, step=_STEP.value, tokenizer=_TOKENIZER.value,
@@ -193,10 +215,7 @@ def main(argv):
             max_seq_len=_MAX_SEQ_LEN.value, stride=_STRIDE.value, ranges=_RANGES.value,
             sink_mass=_SINK_MASS.value, mass_len=_MASS_LEN.value, mass_local=_MASS_LOCAL.value,
             mass_min_query=_MASS_MIN_QUERY.value, allow_unverified=_UNVERIFIED.value)
-  print(f"{'policy':<24}{'mean':>8}  quarters / ranges")
-  for label, s in res["summary"].items():
-    parts = s.get("ranges") or [{"mean": x} for x in s["slices"]]
-    print(f"{label:<24}{s['mean']:8.3f}  " + " ".join(f"{x['mean']:.3f}" for x in parts))
+  print("\n".join(summary_lines(res["summary"])))
   print(json.dumps(res["paths"], indent=1))
 
 

@@ -29,6 +29,7 @@ from tests.test_faults import run_config, tmpfs
 from tests.test_train import losses, tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHAKESPEARE = os.path.join(ROOT, "tests", "data", "tinyshakespeare", "input.txt")
 
 
 @pytest.fixture(scope="module")
@@ -118,6 +119,98 @@ def test_load_for_inference_reads_a_read_only_checkpoint_folder(reference, tmp_p
   finally:
     undo()
   assert step == 4 and config.model.d_model == 32
+
+
+def _unwritable_run(d):
+  """The run folder `d` made unwritable to the commands that read it: a read-only bind mount
+  as root (root ignores permissions), chmod 555 as another user; where root may not mount,
+  its output folders eval/ and stream/ are taken by files, so neither can be made (what a
+  read-only run folder also refuses). Returns the undo."""
+  if os.geteuid() != 0:
+    os.chmod(d, 0o555)
+    return lambda: os.chmod(d, 0o755)
+  if subprocess.run(["mount", "--bind", str(d), str(d)], capture_output=True).returncode == 0:
+    if subprocess.run(["mount", "-o", "remount,bind,ro", str(d)],
+                      capture_output=True).returncode == 0:
+      return lambda: subprocess.run(["umount", "-l", str(d)], capture_output=True)
+    subprocess.run(["umount", "-l", str(d)], capture_output=True)
+  for name in ("eval", "stream"):
+    (d / name).write_text("a file where the output folder would go\n")
+  return lambda: [os.remove(d / name) for name in ("eval", "stream")]
+
+
+def _fallback(r, tmp_path, kind):
+  """The fallback folder the command named in its warning (under its $TMPDIR)."""
+  said = [x for x in noise(r.stderr) if "cannot be written" in x and "the results go to" in x]
+  assert len(said) == 1, r.stderr[-3000:]
+  folder = re.search(r"the results go to (\S+) instead", said[0]).group(1)
+  assert folder.startswith(str(tmp_path / "tmp" / "attn_jax")) and folder.endswith(kind), folder
+  return folder
+
+
+def _in_tmpdir(tmp_path):
+  (tmp_path / "tmp").mkdir(exist_ok=True)
+  return {"TMPDIR": str(tmp_path / "tmp")}
+
+
+def test_eval_of_a_run_it_cannot_write_prints_and_keeps_the_results(reference, tmp_path):
+  """A read-only run folder (a shared copy of a colleague's run): the scores are printed and
+  written to a fallback folder named at start, not lost to an OSError after the work."""
+  d = copy_run(reference, tmp_path)
+  before = listing(d)
+  undo = _unwritable_run(d)
+  try:
+    r = _script("eval.py", f"--checkpoint={d}", "--tasks=mqar", "--limit=4",
+                env=_in_tmpdir(tmp_path))
+    after = listing(d)
+  finally:
+    undo()
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert "Traceback" not in r.stderr, r.stderr[-3000:]
+  assert "| mqar |" in r.stdout and "step=4" in r.stdout, r.stdout
+  folder = _fallback(r, tmp_path, "eval")
+  assert f"written: {{'json': '{folder}/eval.json'" in r.stdout, r.stdout
+  with open(os.path.join(folder, "eval.json")) as f:
+    assert "acc" in json.load(f)["results"]["mqar"]
+  assert after == before or after == sorted(before + ["eval", "stream"])   # nothing new
+
+
+def test_stream_of_a_run_it_cannot_write_prints_and_keeps_the_results(reference, tmp_path):
+  d = copy_run(reference, tmp_path)
+  text = tmp_path / "stream.txt"
+  text.write_text("the quick brown fox jumps over the lazy dog\n" * 4)
+  before = listing(d)
+  undo = _unwritable_run(d)
+  try:
+    r = _script("stream.py", f"--workdir={d}", f"--text={text}", "--policies=window",
+                "--window=8", "--max_tokens=48", "--noprogress", env=_in_tmpdir(tmp_path))
+    after = listing(d)
+  finally:
+    undo()
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert "Traceback" not in r.stderr, r.stderr[-3000:]
+  assert re.search(r"^window\S*\s+\d+\.\d{3}", r.stdout, re.M), r.stdout   # the scores
+  folder = _fallback(r, tmp_path, "stream")
+  paths = json.loads(r.stdout[r.stdout.index("{"):])
+  assert paths["summary"] == os.path.join(folder, "summary.json"), paths
+  assert os.path.isfile(paths["summary"]) and os.path.isfile(paths["csv"])
+  assert after == before or after == sorted(before + ["eval", "stream"])
+
+
+@pytest.mark.parametrize("script, flag", [("eval.py", "--out_dir"), ("stream.py", "--out")])
+def test_an_output_folder_that_cannot_be_written_is_refused_before_any_work(reference, tmp_path,
+                                                                             script, flag):
+  (tmp_path / "a_file").write_text("not a folder\n")
+  out = tmp_path / "a_file" / "results"
+  args = ([f"--checkpoint={reference}", "--tasks=mqar", "--limit=4"] if script == "eval.py"
+          else [f"--workdir={reference}", f"--text={SHAKESPEARE}", "--max_tokens=48"])
+  r = _script(script, *args, f"{flag}={out}")
+  assert r.returncode == 2, r.stderr[-3000:]
+  assert r.stdout == ""                       # nothing evaluated
+  lines = noise(r.stderr)
+  assert lines == [f"error: {flag}={out} cannot be written (Not a directory: "
+                   f"{tmp_path / 'a_file'} is a file); nothing was computed. Point {flag} at a "
+                   "writable folder (--debug or ATTN_JAX_DEBUG=1: traceback)"], lines
 
 
 def test_eval_past_a_truncated_unverified_step_prints_no_library_tracebacks(reference,
@@ -303,9 +396,10 @@ def write_config(path, steps=4, checkpoint=None, model=None, train=None):
   return f"--config={path}"
 
 
-def _script(name, *args, runner=None):
+def _script(name, *args, runner=None, env=None):
   cmd = [sys.executable] + (["-c", runner, name] if runner else [f"experiments/{name}"])
-  return subprocess.run(cmd + list(args), cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
+  return subprocess.run(cmd + list(args), cwd=ROOT,
+                        env=dict(os.environ, PYTHONPATH=ROOT, **(env or {})),
                         capture_output=True, text=True, timeout=300)
 
 

@@ -190,10 +190,18 @@ def evaluate_checkpoint(workdir: str, tasks: str | Sequence[str], *, step: int |
                         allow_unverified: bool = False) -> dict:
   """Load the latest (or given) checkpoint under `workdir`, run `tasks`, write
   <out_dir>/eval.json and eval.md (default out_dir: <workdir>/eval). Returns the results.
-  `allow_unverified`: a step without its checksum manifest loads (with a warning)."""
-  from attn_jax.train.checkpoint import load_for_inference
+  `allow_unverified`: a step without its checksum manifest loads (with a warning).
+
+  The output folder is checked before any work (`attn_jax.outputs.results_folder`): an
+  unwritable `out_dir` is an error at once; a run directory that cannot be written sends the
+  results to a fallback folder (named in a warning and in `paths`); a write that fails at the
+  end prints the results before its error."""
+  from attn_jax import outputs
+  from attn_jax.train.checkpoint import load_for_inference, run_checkpoints
 
   names = parse_tasks(tasks)
+  run_checkpoints(workdir)   # a run directory, before any folder is made in it
+  folder = outputs.results_folder(workdir, "eval", explicit=out_dir, flag="--out_dir").path
   model, config, step = load_for_inference(workdir, step, allow_unverified=allow_unverified)
   if data_dir:
     config.eval.data_dir = data_dir
@@ -202,12 +210,18 @@ def evaluate_checkpoint(workdir: str, tasks: str | Sequence[str], *, step: int |
                   max_len=max_len or None, batch_size=batch_size or None, limit=limit)
   out["config"].update(workdir=os.path.abspath(workdir), step=int(step),
                        mixer=config.model.mixer, pattern=list(config.model.get("pattern", ())))
-  paths = report.write_report(out, out_dir or os.path.join(workdir, "eval"))
-  if "niah" in out["results"]:
-    r = out["results"]["niah"]
-    niah.plot_heatmap(np.asarray(r["grid"]), os.path.join(out_dir or os.path.join(workdir, "eval"),
-                      "niah.png"), context_lengths=r["context_lengths"], depths=r["depths"])
-  out["paths"] = paths
+
+
+  def write() -> dict:
+    paths = report.write_report(out, folder)
+    if "niah" in out["results"]:
+      r = out["results"]["niah"]
+      niah.plot_heatmap(np.asarray(r["grid"]), os.path.join(folder, "niah.png"),
+                        context_lengths=r["context_lengths"], depths=r["depths"])
+    return paths
+
+  out["paths"] = outputs.write_or_print(write, report.to_markdown(out), folder,
+                                        flag="--out_dir")
   return out
 
 

@@ -629,6 +629,16 @@ def config_to_json(config) -> dict:
   return json.loads(config.to_json_best_effort())
 
 
+def run_checkpoints(workdir: str) -> str:
+  """`<workdir>/checkpoints`, or FileNotFoundError when `workdir` is not a training run's
+  folder (checked before anything else is done with it)."""
+  directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
+  if not os.path.isdir(directory):
+    raise FileNotFoundError(f"no checkpoint found under {directory} (is {workdir!r} a "
+                            "training run directory?)")
+  return directory
+
+
 def load_for_inference(workdir: str, step: int | None = None, *, devices=None,
                        allow_unverified: bool = False):
   """(model, config, step) from a training run directory, for a notebook or the evaluator.
@@ -651,10 +661,7 @@ def load_for_inference(workdir: str, step: int | None = None, *, devices=None,
   being read (`checkpoint.max_to_keep`) is replaced by the newest committed one; with `step`, a
   damaged step is CheckpointCorruptError.
   """
-  directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
-  if not os.path.isdir(directory):
-    raise FileNotFoundError(f"no checkpoint found under {directory} (is {workdir!r} a "
-                            "training run directory?)")
+  run_checkpoints(workdir)
   ckpt = Checkpointer(workdir, read_only=True, allow_unverified=allow_unverified)
   try:
     return _load_newest(ckpt, step, devices)
