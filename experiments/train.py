@@ -19,6 +19,11 @@ import signal
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# SIGTERM / SIGINT / SIGHUP from the first second: a signal before the first step (JAX's start,
+# a compile) ends the run with one line and its workdir lock released, not silently.
+from attn_jax.train import early_signals  # noqa: E402
+
+early_signals.install()
 if any(a.split("=")[0] in ("--compile_only", "-compile_only") for a in sys.argv[1:]):
   # The target's devices are compile-only: this process computes on its CPU, whatever machine
   # it is (set before JAX starts, which happens when attn_jax.cli is imported).
@@ -46,6 +51,10 @@ _COMPILE_ONLY = flags.DEFINE_string(
 
 def main(argv):
   del argv   # cli.run drops the libraries' log chatter (cli.quiet_libraries)
+  if _COMPILE_ONLY.value is not None and not _COMPILE_ONLY.value.strip():
+    from attn_jax.targets import TARGETS   # an empty value used to train on the CPU, silently
+    raise ValueError(f"--compile_only= is empty: name a hardware target ({', '.join(TARGETS)}), "
+                     "or leave the flag out to train")
   if _COMPILE_ONLY.value:
     from attn_jax.train.aot import compile_only_main
     sys.exit(compile_only_main(_CONFIG.value, _COMPILE_ONLY.value, _config_name()))
@@ -62,8 +71,9 @@ def main(argv):
   lead = jax.process_index() == 0      # one summary per job, not one per host
   if result.get("preempted"):  # SIGTERM/SIGINT/SIGHUP: checkpoint saved at a step boundary
     if lead:
-      print(f"\nstopped by {result['preempted']} after step {result['step']} (checkpoint "
-            "saved); rerun the same command to resume")
+      print("\n" + early_signals.stopped_line(
+          result["preempted"], early_signals.BEFORE_TRAINING if result.get("before_training")
+          else f"after step {result['step']} (checkpoint saved)"))
     signum = getattr(signal, str(result["preempted"]), signal.SIGTERM)
     sys.exit(128 + int(signum))   # the shell convention for "terminated by that signal"
   logging.info("done: %s", result)

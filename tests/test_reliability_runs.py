@@ -1,7 +1,10 @@
 """Run directories under stress: evaluation beside a training run that is saving, restarts from
 step 0 over an earlier run's history, steps without a checksum manifest, saved configs that do
 not build their arrays, and the entry points' output when a run cannot go on (a full disk, a
-read-only checkpoint folder, a changed config, Ctrl-C twice): one line, no library tracebacks.
+read-only checkpoint folder, a changed config, Ctrl-C twice, a SIGTERM during the first compile,
+an empty --compile_only): one line, no library tracebacks; eval.py and stream.py on a run
+folder they cannot write print and keep their results (a named fallback folder), and refuse an
+unwritable --out_dir / --out before any work.
 (An ignored SIGINT staying ignored: tests/test_faults.py, beside the SIGHUP case.)
 
 The entry points run as subprocesses (their stderr is what a user sees); their configs are
@@ -13,8 +16,10 @@ import logging
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
@@ -549,6 +554,57 @@ def test_ctrl_c_twice_keeps_the_save_being_committed_and_prints_no_traceback(tmp
   assert noise(r.stderr)[-1] == "interrupted"
   assert listing(d / "checkpoints") == ["2"]   # committed, not a temporary folder
   assert Checkpointer(str(d)).verify(2) is None
+
+
+_SIGTERM_IN_COMPILE_RUNNER = """
+import os, runpy, signal, sys, time
+sys.path.insert(0, os.getcwd())
+import attn_jax.cli  # JAX starts as in the entry point (its native start-up lines filtered)
+from attn_jax.train import trainer
+
+real = trainer.compile_step
+
+
+def compile_step(*a, **k):   # the first compile: the scheduler's SIGTERM comes in the middle of
+  os.kill(os.getpid(), signal.SIGTERM)
+  time.sleep(120)            # a compile that goes on for minutes (no Python code runs in it)
+  return real(*a, **k)
+
+
+trainer.compile_step = compile_step
+script = sys.argv[1]
+sys.argv = sys.argv[1:]
+runpy.run_path(os.path.join("experiments", script), run_name="__main__")
+"""
+
+
+def test_sigterm_during_the_first_compile_is_one_line_and_releases_the_lock(tmp_path):
+  """A SIGTERM before the first step used to kill the process silently (the default action),
+  leaving its pid in the workdir lock; now the run ends at once, even inside a long compile,
+  with the stop line and status 143, the lock released and nothing to save."""
+  d = tmp_path / "run"
+  t0 = time.monotonic()
+  r = _script("train.py", write_config(tmp_path / "cfg.py"), f"--workdir={d}",
+              runner=_SIGTERM_IN_COMPILE_RUNNER)
+  assert r.returncode == 128 + signal.SIGTERM, (r.returncode, r.stderr[-3000:])
+  assert time.monotonic() - t0 < 100      # not after the 120 s compile
+  assert "Traceback" not in r.stderr, r.stderr[-3000:]
+  assert r.stdout.strip().splitlines()[-1] == (
+      "stopped by SIGTERM before training started (nothing to save); rerun the same command "
+      "to resume"), r.stdout
+  assert (d / ".lock").read_text() == ""   # released: the next run takes no stale lock
+  assert listing(d / "checkpoints") == [] and not (d / "metrics.jsonl").exists()
+
+
+def test_an_empty_compile_only_is_an_error_not_a_cpu_training_run(tmp_path):
+  r = _script("train.py", write_config(tmp_path / "cfg.py", steps=1), "--compile_only=",
+              f"--workdir={tmp_path / 'run'}")
+  assert r.returncode == 2, r.stderr[-3000:]
+  lines = noise(r.stderr)
+  assert len(lines) == 1 and lines[0].startswith(
+      "error: --compile_only= is empty: name a hardware target (h100x1, "), lines
+  assert "v5e-8" in lines[0] and "or leave the flag out to train" in lines[0]
+  assert not (tmp_path / "run").exists()
 
 
 # ------------------------------------------------------------------ the small ones

@@ -23,6 +23,7 @@ from attn_jax.train import trainer as trainer_lib
 from attn_jax.train.checkpoint import Checkpointer, all_finite
 from attn_jax.train.metrics import read_metrics
 from attn_jax.train.step import make_train_step
+from tests.signal_setup import deliver, handled
 from tests.test_train import losses, tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -67,6 +68,30 @@ def test_interrupt_in_the_middle_of_gradient_accumulation_resumes_identically(tm
   assert Checkpointer(str(tmp_path / "resumed")).latest_step() == 3
   trainer_lib.train_and_evaluate(c, str(tmp_path / "resumed"))
   assert losses(tmp_path / "resumed") == full   # no micro-batch skipped
+
+
+def test_ctrl_c_during_the_first_compile_stops_before_training_with_the_lock_released(
+    tmp_path, monkeypatch, caplog):
+  """The trainer takes the signals from its first line (before: only from its loop, so a
+  Ctrl-C in a compile was a KeyboardInterrupt and a SIGTERM killed the process): a signal during
+  the memory check's compile stops the run at the next phase, before any step, nothing saved."""
+  real = trainer_lib.compile_step
+  calls = []
+
+  def compile_step(*a, **k):
+    calls.append(1)
+    deliver(signal.SIGINT)   # Ctrl-C in the middle of the first compile
+    return real(*a, **k)
+
+  monkeypatch.setattr(trainer_lib, "compile_step", compile_step)
+  with handled(signal.SIGINT), caplog.at_level(logging.WARNING):
+    out = trainer_lib.train_and_evaluate(tiny_config(steps=4), str(tmp_path))
+  assert out["preempted"] == "SIGINT" and out["before_training"] and out["step"] == 0, out
+  assert len(calls) == 1                                 # the run's own compile never started
+  assert (tmp_path / ".lock").read_text() == ""          # released
+  assert os.listdir(tmp_path / "checkpoints") == [] and not (tmp_path / "metrics.jsonl").exists()
+  assert any("SIGINT: stopped before training started" in r.getMessage()
+             for r in caplog.records)
 
 
 def test_a_failing_step_is_reraised_and_nothing_is_saved_from_its_input(tmp_path, monkeypatch):

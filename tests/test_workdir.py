@@ -1,4 +1,5 @@
-"""One run per workdir: the second stops at once naming the holder; stale locks are taken over."""
+"""One run per workdir: the second stops at once naming the holder; stale locks are taken over;
+a run refused for its config or its data writes nothing (no workdir skeleton left behind)."""
 
 import logging
 import os
@@ -8,7 +9,9 @@ import time
 
 import pytest
 
+from attn_jax.train import trainer as trainer_lib
 from attn_jax.train.workdir import WorkdirLock, WorkdirLockedError, lock_workdir
+from tests.test_train import tiny_config
 
 HOLDER = """
 import sys, time
@@ -52,3 +55,25 @@ def test_release_then_reacquire_is_clean(tmp_path, caplog):
       pass
   assert not any("stale" in r.getMessage() for r in caplog.records)
   assert lock_workdir(str(tmp_path), process_index=1) is None   # only process 0 locks
+
+
+def _bad_field(c, tmp_path):
+  c.train.log_every = 0
+  return r"config.train.log_every"
+
+
+def _missing_data_file(c, tmp_path):
+  c.data.update(source="text", paths=str(tmp_path / "nowhere.txt"), tokenizer="bytes")
+  c.model.vocab_size = 512   # holds the byte tokenizer's ids: only the file is wrong
+  return r"data file not found: .*nowhere.txt"
+
+
+@pytest.mark.parametrize("mistake", [_bad_field, _missing_data_file])
+def test_a_refused_run_writes_nothing(tmp_path, mistake):
+  """Every check runs before the workdir is set up: a refused run used to leave .lock,
+  checkpoints/ and tb/ behind (an empty run folder that looks like a run)."""
+  c = tiny_config()
+  match = mistake(c, tmp_path)
+  with pytest.raises((ValueError, OSError), match=match):
+    trainer_lib.train_and_evaluate(c, str(tmp_path / "run"))
+  assert not (tmp_path / "run").exists()

@@ -38,7 +38,11 @@ Reliability (the choices):
   * Preemption: `PreemptionGuard` turns SIGTERM (what SLURM/Kubernetes/TPU maintenance send),
     SIGINT and SIGHUP (a closed terminal or ssh session) into a flag the training loop polls at
     step boundaries, so the last step is saved before exit instead of dying mid-step; SIGINT
-    and SIGHUP that the parent process ignored (a background job, `nohup`) stay ignored.
+    and SIGHUP that the parent process ignored (a background job, `nohup`) stay ignored. The
+    trainer enters it before its first check; before that, experiments/train.py's
+    `early_signals` take them from the process's first second.
+  * Steps named in messages (`all_steps`, `latest_step`) are the committed step folders on
+    disk, not orbax's list, which counts a save in progress and forgets a step it will prune.
   * Readers never write: `load_for_inference` (evaluation, streaming, notebooks) opens the
     folder read-only and takes no lock, so it can run beside the training run that writes it.
 """
@@ -60,6 +64,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from attn_jax.train import early_signals
 from attn_jax.train.writers import WriteError, describe_disk, disk_full
 
 MANIFEST = "attn_jax_sha256.json"
@@ -581,6 +586,9 @@ class PreemptionGuard:
     self.signal_name: str | None = None
     self.sync_every = max(1, int(sync_every))
     self._previous: dict[int, Any] = {}
+    self._active = False
+    # What the warning at a signal says the run will do (the trainer changes it by phase).
+    self.then = "stopping at the end of this step after a checkpoint"
 
   def _handle(self, signum, frame):
     del frame
@@ -588,8 +596,7 @@ class PreemptionGuard:
       raise KeyboardInterrupt
     self.should_stop = True
     self.signal_name = signal.Signals(signum).name
-    logging.warning("received %s: stopping at the end of this step after a checkpoint",
-                    self.signal_name)
+    logging.warning("received %s: %s", self.signal_name, self.then)
 
   def __enter__(self) -> "PreemptionGuard":
     if threading.current_thread() is not threading.main_thread():
@@ -600,13 +607,19 @@ class PreemptionGuard:
       if sig in self.KEEP_IGNORED and current is signal.SIG_IGN:
         continue   # nohup / a background job: the parent asked for these to be ignored
       self._previous[sig] = signal.signal(sig, self._handle)
+    self._active = True
+    early_signals.guard_entered()   # the entry point's handlers step aside (early_signals.py)
     return self
 
   def __exit__(self, *exc) -> None:
+    """Puts the previous handlers back; a second call does nothing."""
     for sig, handler in self._previous.items():
       # None: a handler installed outside Python; the default is the closest we can restore.
       signal.signal(sig, signal.SIG_DFL if handler is None else handler)
     self._previous = {}
+    if self._active:
+      self._active = False
+      early_signals.guard_exited()
 
   def poll(self, step: int) -> bool:
     """Whether to stop after `step`; multi-host: True on all hosts once any host got a signal

@@ -1,13 +1,15 @@
 """`train_and_evaluate(config, workdir)`: the whole training run, importable from a notebook.
 
-Order of work (abstract first, nothing materialised unsharded), as `_train_and_evaluate` reads:
+Order of work (abstract first, nothing materialised unsharded), as `train_and_evaluate` reads:
+  the `PreemptionGuard` (signals are the run's from its first line) -> `_checked_setup`:
   `build_setup` (config.validate -> mesh -> abstract model/state -> shardings -> jitted init
-  and step) -> `validate_for_training` (the checks that need the setup) -> `_fit_memory` (the
-  batch geometry whose compiled step fits the device; the run's config is rewritten to it) ->
-  `_Run` (checkpointer, data iterator) -> restore from the latest checkpoint (state, data
-  position, loss monitor) or jitted init (out_shardings) -> `compile_step` for that geometry
-  (explicit in/out shardings, state donated; memory analysis logged) -> loop -> `_Run.on_exit`
-  (last row, data rewind, final save) -> final evaluation.
+  and step) and `validate_for_training` (the checks that need the setup, the data files
+  included), before any file is written -> the workdir's locks (`_locked`) -> `_fit_memory`
+  (the batch geometry whose compiled step fits the device; the run's config is rewritten to
+  it) -> `_Run` (checkpointer, data iterator) -> restore from the latest checkpoint (state,
+  data position, loss monitor) or jitted init (out_shardings) -> `compile_step` for that
+  geometry (explicit in/out shardings, state donated; memory analysis logged) -> loop ->
+  `_Run.on_exit` (last row, data rewind, final save) -> final evaluation.
 
 Loop hygiene: step t+1 is dispatched before the metrics of step t are read; a checkpoint is
 written every `checkpoint.every_steps`, at the end, and when the run is interrupted, so work is
@@ -39,13 +41,19 @@ Reliability (the choices):
     again); a run that starts at step 0 where an earlier run left metrics (all its checkpoints
     corrupt and set aside, or none ever written) moves them to metrics.jsonl.<k> / tb.<k>/ and
     says so, so no history is ever cut.
+  * Signals before the first step: the guard is entered before the config is checked; a
+    signal in the set-up ends the run at the next phase boundary (`StoppedBeforeTraining`: a
+    result with `preempted` and `before_training`, the locks released, nothing saved), and at
+    once in the phases that write nothing (the checks, the compiles: `early_signals.
+    abandonable`) when the entry point installed `early_signals`.
   * Failed saves and writes: a background save that failed (a full disk) is noticed at the
     next step boundary (`Checkpointer.check_saves`) and stops the run with
     `CheckpointSaveError`; a metrics writer that failed or stalled (writers.py: never blocking
     the loop) stops it the same way with a `WriteError` (both are WriteErrors). No save is
     attempted after either, so the older checkpoints stay the resume point and no checkpoint
     is newer than the rows logged (the writers are synced before every save); a resumed run
-    logs the lost rows again.
+    logs the lost rows again. Every resume point named is a committed step on disk (a save
+    still in progress is awaited before the message names one).
   * Held-out evaluation batches are global arrays with the batch sharding, built from this
     host's rows (`make_array_from_process_local_data`), as the training batches.
 """
@@ -80,7 +88,7 @@ from attn_jax.train.profile import StepProfiler
 from attn_jax.train.wandb_writer import add_wandb, check_installed
 from attn_jax.train.workdir import TB_LOCK, lock_tensorboard, lock_workdir
 from attn_jax.train.writers import WriteError
-from attn_jax.train import init_from
+from attn_jax.train import early_signals, init_from
 from attn_jax.train import memory
 from attn_jax.train.optim import make_optimizer
 from attn_jax.train.step import make_eval_step, make_train_step
@@ -218,21 +226,73 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   folder) stops at once (WorkdirLockedError naming the holder's pid). A run that starts at step
   0 in a workdir holding an earlier run's metrics moves them aside first (`rotate_history`).
   SIGTERM/SIGINT/SIGHUP stop at a step boundary with a checkpoint; the result then has
-  `preempted` (the signal's name).
+  `preempted` (the signal's name). A signal before the first step stops the run there: the
+  result has `preempted`, `before_training` and `step` (the restored step, 0 for a new run).
+  Every check of the config and its data runs before the workdir is made or locked.
   """
   workdir = os.path.abspath(workdir)
-  init_from.check(config)       # config.train.init_from refused before anything is written
-  lock = lock_workdir(workdir)  # process 0 only; creates workdir, names it when unusable
-  os.makedirs(workdir, exist_ok=True)
-  locks = [lock]
-  try:
-    locks.append(lock_tensorboard(workdir))   # tb/ reached by another run through a symlink
-    check_writable(os.path.join(workdir, "checkpoints"))   # not at the first save, minutes in
-    return _train_and_evaluate(config, workdir, eval_callbacks)
-  finally:
+  # Signals are the run's from here on: a stop before the first step ends it cleanly, the lock
+  # released (early_signals.py: at once where nothing is written, else at the next phase).
+  early_signals.stopped_when(early_signals.BEFORE_TRAINING)
+  with PreemptionGuard() as guard:
+    guard.then = f"stopping {early_signals.BEFORE_TRAINING}"
+    try:
+      with early_signals.abandonable():   # every check, before any file is written
+        setup = _checked_setup(config)
+      _stop_if_signalled(guard, 0)
+      return _locked(config, workdir, eval_callbacks, setup, guard)
+    except StoppedBeforeTraining as e:
+      logging.warning("%s: stopped %s", e.signal_name, early_signals.BEFORE_TRAINING)
+      return {"preempted": e.signal_name, "step": e.step, "before_training": True,
+              "workdir": workdir, "checkpoint_dir": os.path.join(workdir, "checkpoints")}
+
+
+def _checked_setup(config: ml_collections.ConfigDict) -> "Setup":
+  """Every check of the config (and of the data files and init_from run it names) that needs
+  no workdir, and the abstract set-up they need: a refused run writes nothing."""
+  init_from.check(config)       # config.train.init_from
+  setup = build_setup(config)   # runs config.validate
+  validate_for_training(config, setup)
+  check_installed(config)       # config.metrics.wandb_project without wandb
+  return setup
+
+
+def _locked(config, workdir: str, eval_callbacks, setup: "Setup",
+            guard: PreemptionGuard) -> dict[str, Any]:
+  """`_train_and_evaluate` holding the workdir's and TensorBoard's locks (released on the way
+  out, and by a signal that ends the process before training: early_signals.on_abandon)."""
+  locks = []
+
+  def release():
     for held in reversed(locks):
       if held is not None:
         held.release()
+
+  with early_signals.on_abandon(release):
+    try:
+      locks.append(lock_workdir(workdir))   # process 0 only; creates workdir, names it when
+      os.makedirs(workdir, exist_ok=True)   # unusable
+      locks.append(lock_tensorboard(workdir))   # tb/ reached by another run through a symlink
+      check_writable(os.path.join(workdir, "checkpoints"))   # not at the first save, minutes in
+      return _train_and_evaluate(config, workdir, eval_callbacks, setup, guard)
+    finally:
+      release()
+      locks.clear()
+
+
+class StoppedBeforeTraining(Exception):
+  """A signal arrived before the first step (nothing to save): the run ends there."""
+
+  def __init__(self, signal_name: str, step: int):
+    super().__init__(f"stopped by {signal_name} before training started")
+    self.signal_name, self.step = signal_name, step
+
+
+def _stop_if_signalled(guard: PreemptionGuard, step: int) -> None:
+  """Between the phases before the first step: StoppedBeforeTraining once a signal came. (On
+  several processes the loop's first poll decides, so that every host stops at one step.)"""
+  if guard.should_stop and jax.process_count() == 1:
+    raise StoppedBeforeTraining(guard.signal_name or "signal", step)
 
 
 class NonFiniteTrainingError(FloatingPointError):
@@ -249,7 +309,7 @@ def validate_for_training(config: ml_collections.ConfigDict, setup: Setup) -> No
   (Each host's rows come from the batch sharding, `sharding.host_batch_rows`: a host whose
   devices hold a replicated batch reads all of it, so no divisibility by the process count is
   required.)"""
-  from attn_jax.data import pipeline
+  from attn_jax.data import pipeline, text
   t = config.train
   need = field_check("config.train")
   need(t.nonfinite in NONFINITE_MODES, "nonfinite", f"{t.nonfinite!r} not in {NONFINITE_MODES}")
@@ -259,6 +319,8 @@ def validate_for_training(config: ml_collections.ConfigDict, setup: Setup) -> No
        f"must be 0 (off) or >= 2, got {t.spike_window!r}")
   need(float(t.spike_threshold) > 0, "spike_threshold",
        f"must be > 0, got {t.spike_threshold!r}")
+  if str(config.data.source) in text.TEXT_SOURCES:
+    text.data_files(config.data)   # every file there (a folder: its files), named if missing
   vocab = pipeline.vocab_size_needed(config.data)
   if vocab > setup.cfg.vocab_size:
     raise ValueError(f"config.model.vocab_size={setup.cfg.vocab_size} is smaller than the data's "
@@ -522,21 +584,29 @@ def _warn_config_changes(saved: dict, now: dict, step: int) -> None:
                     "the one it started with", step)
 
 
-def _train_and_evaluate(config, workdir, eval_callbacks) -> dict[str, Any]:
-  setup = build_setup(config)                 # runs config.validate
-  validate_for_training(config, setup)
-  check_installed(config)                     # config.metrics.wandb_project without wandb
+def _train_and_evaluate(config, workdir, eval_callbacks, setup: Setup,
+                        guard: PreemptionGuard) -> dict[str, Any]:
   check_resumable(workdir, setup, config)     # a changed model config: stop before compiling
-  geo = _fit_memory(setup, config)            # before any data is read: may shrink the micro-batch
+  with early_signals.abandonable():
+    geo = _fit_memory(setup, config)          # before any data is read: may shrink the micro-batch
+  _stop_if_signalled(guard, 0)
   config = geo.apply(config)                  # from here on the config holds the run's batch
   _log_setup(setup)
   run = _Run(config, workdir, setup, geo)     # checkpointer, data iterator, loss monitor
   run.restore()                               # or a fresh init
-  compiled = _compile(setup, geo)
+  try:
+    _stop_if_signalled(guard, run.start)
+    with early_signals.abandonable():
+      compiled = _compile(setup, geo)
+    _stop_if_signalled(guard, run.start)
+  except BaseException:
+    run.ckpt.close()
+    raise
+  guard.then = "stopping at the end of this step after a checkpoint"
   run.open_outputs(eval_callbacks)            # metrics file, evaluator, progress bar
 
-  profiler = StepProfiler(config.train.get("profile_steps", ""), workdir)
-  guard = PreemptionGuard().__enter__()
+  profiler = StepProfiler(config.train.get("profile_steps", ""), workdir, start=run.start,
+                          last=config.train.steps)
   run.writer.stop_when(lambda: guard.should_stop)   # a stalled writer never delays a signal
   error: BaseException | None = None
   try:
@@ -561,9 +631,14 @@ def _train_and_evaluate(config, workdir, eval_callbacks) -> dict[str, Any]:
     error = e
     raise
   finally:
-    guard.__exit__(None, None, None)
     profiler.stop()           # a run that ended inside the window keeps its trace
-    run.on_exit(error)        # last row, data rewind, final save: never in place of `error`
+    try:
+      run.on_exit(error)      # last row, data rewind, final save: never in place of `error`
+    finally:                  # (a signal during the final save waits for its commit)
+      guard.__exit__(None, None, None)
+      early_signals.stopped_when(early_signals.AFTER_TRAINING)
+  if guard.should_stop and run.preempted is None and jax.process_count() == 1:
+    run.preempted = guard.signal_name or "signal"   # came during the final save: no evaluation
   return run.result()         # final evaluation unless preempted
 
 
