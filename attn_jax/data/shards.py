@@ -72,10 +72,9 @@ import numpy as np
 
 from attn_jax import jsonio
 from attn_jax.data import documents as doc_lib
+from attn_jax.data.formats import FORMATS, INDEX, input_format
 from attn_jax.data.tokenizer import ByteTokenizer, Tokenizer, get_tokenizer
 
-INDEX = "index.json"
-FORMATS = (".jsonl.zst", ".jsonl", ".parquet", ".txt")
 ON_ERROR = ("raise", "skip")
 MAX_LISTED_SKIPS = 20
 _ENCODE_BATCH = 512
@@ -86,13 +85,6 @@ class DataError(ValueError):
 
 
 # ------------------------------------------------------------------ inputs
-
-
-def input_format(path: str) -> str | None:
-  for ext in FORMATS:
-    if path.endswith(ext):
-      return ext
-  return None
 
 
 def list_inputs(paths: str | Sequence[str]) -> list[str]:

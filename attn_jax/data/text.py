@@ -39,6 +39,7 @@ from typing import Sequence
 import numpy as np
 
 from attn_jax.data import documents as doc_lib
+from attn_jax.data.formats import INDEX, input_format
 from attn_jax.data.jsonl import parse_object
 from attn_jax.data.tokenizer import Tokenizer, get_tokenizer
 
@@ -60,17 +61,16 @@ FOLDER_FORMATS = {"text": ".txt", "jsonl": ".jsonl"}
 
 def _folder_files(folder: str, source: str) -> list[str]:
   """The `source`'s files under `folder`, or an error naming the folder and why not."""
-  from attn_jax.data import shards   # FORMATS, INDEX: what prepare_data.py reads and writes
   ext = FOLDER_FORMATS[source]
-  if os.path.isfile(os.path.join(folder, shards.INDEX)):
+  if os.path.isfile(os.path.join(folder, INDEX)):
     raise ValueError(f"data.paths: {folder!r} is a folder of token shards (it holds "
-                     f"{shards.INDEX}, written by experiments/prepare_data.py); train on it "
+                     f"{INDEX}, written by experiments/prepare_data.py); train on it "
                      f"with data.source='shards', not {source!r}")
   found: dict[str, list[str]] = {}
   for root, dirs, names in os.walk(folder):
     dirs.sort()
     for name in names:
-      fmt = shards.input_format(name)
+      fmt = input_format(name)
       if fmt is not None:
         found.setdefault(fmt, []).append(os.path.join(root, name))
   if found.get(ext):
