@@ -1,11 +1,11 @@
 """train/hlo_loops.py: serial loop iterations and launches read from a compiled program's text
-(a hand-written module, a program XLA:CPU compiled), and issue 49's requirement of every
+(a hand-written module, a program XLA:CPU compiled), and the requirement of every
 registered mixer: the serial iterations of its train and one-token decode steps, compiled for
 4 x H100 and a TPU v5e-4 slice, do not grow with the training length T (512 -> 2048), and at
 T 2048 the H100 train step runs at most 2 * n_layers + 64 of them.
 
 The loss's chunk scan (train/loss.py: one iteration per 128 positions, so T / 128) is allowed to
-grow: issue 49 names it with the scan over layers as loops a step may keep. Every other loop
+grow: it and the scan over layers are the loops a step may keep. Every other loop
 counts.
 """
 

@@ -317,6 +317,9 @@ def test_hardware_page_resumes_and_renders(tmp_path, monkeypatch):
   version["a_152m"] = "2"                        # the preset changed: its cells again
   hp.run(out, todo, progress=lambda s: None)
   assert len(calls) == 2 * (4 + len(hp.LENGTHS)) - 2
+  n = len(calls)                                 # --fresh on one target: only its cells, the
+  hp.run(out, hp.cells(names, rows[:1], [], []), fresh=True, progress=lambda s: None)
+  assert len(calls) == n + 2 and len(hp.jsonio.read(out)) == len(done)   # others kept
   text = hp.page(done, names, rows, lrows, ["a_152m"])
   from attn_jax.provenance import source_commit
   assert f"from cells compiled at {source_commit()} ({len(done)} cells)," in text

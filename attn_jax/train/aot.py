@@ -18,7 +18,7 @@ any [.., T, T] buffer at the training length T. Kernels and collectives are coun
 appear in the compiled program text: an op inside a loop body (the scan over layers, the
 micro-batch loop) counts once, not once per iteration. Counted per execution instead
 (`train/hlo_loops.py`): the serial iterations of the program's while loops (nested loops
-multiply; XLA:GPU pays a host round trip per iteration, issue 49) with the code each loop comes
+multiply; XLA:GPU pays a host round trip per iteration) with the code each loop comes
 from, the conditionals run, and the kernel launches (fusions, custom calls, collectives, copies
 at the top level of the entry and of the loop bodies, times their loops' iterations).
 The train step's fit is judged against the target's usable memory (`Target.usable_bytes`) with

@@ -17,7 +17,8 @@ for the longest (`LENGTH_ROWS`): flash-style kernels keep the temporaries linear
 Each result is kept in a JSON file beside the page as soon as it is measured, with the
 fingerprint of the config it compiled (`fingerprint`: sha256 of the config's JSON), so a run
 that stops resumes where it stopped and a cell whose preset changed is measured again
-(`--fresh`: all of them). A figure added to `measure` after a cell was stored is shown as '-'
+(`--fresh`: all of the cells asked for; `--targets` / `--presets` pick them, the others
+are kept). A figure added to `measure` after a cell was stored is shown as '-'
 for that cell until it is measured again.
 """
 
@@ -140,12 +141,13 @@ def cells(names=None, rows=ROWS, length_rows=LENGTH_ROWS, length_names=LENGTH_PR
 def run(out_json: str, todo, *, fresh: bool = False,
         progress: Callable[[str], None] = print) -> dict:
   """Measure every cell of `todo` (`cells`) not yet in `out_json` or measured from another
-  config (all with `fresh`), saving after each."""
-  done = {} if fresh or not os.path.exists(out_json) else jsonio.read(out_json)
+  config (every cell of `todo` with `fresh`), saving after each; the cells outside `todo` are
+  kept as they are."""
+  done = jsonio.read(out_json) if os.path.exists(out_json) else {}
   commit = source_commit()   # of the code this process loaded
   for name, row, seq_len in todo:
     k, fp = _key(name, row, seq_len), fingerprint(name, row, seq_len)
-    if done.get(k, {}).get("config") == fp:
+    if not fresh and done.get(k, {}).get("config") == fp:
       continue
     progress(f"compiling {k} ...")
     done[k] = dict(measure(name, row, seq_len), config=fp, commit=commit)

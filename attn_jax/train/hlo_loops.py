@@ -2,7 +2,7 @@
 
 XLA:GPU drives a `while` loop from the host: every iteration launches the body's kernels and
 copies the loop's predicate back to the host before deciding on the next (~27 us an iteration
-on an H200, issue 49), so a step costs a term linear in the loop iterations it executes,
+on an H200), so a step costs a term linear in the loop iterations it executes,
 whatever the work inside them. `read(compiled.as_text())` (the optimized HLO) gives, for one
 execution of the program:
 
