@@ -64,6 +64,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from attn_jax import outputs
 from attn_jax.train import early_signals
 from attn_jax.train.writers import WriteError, describe_disk, disk_full
 
@@ -206,16 +207,13 @@ def _short(e: BaseException, limit: int = 300) -> str:
 
 
 def _unwritable(directory: str) -> str | None:
-  """None when a file can be created in `directory` (made if missing), else why not."""
-  import tempfile
+  """None when a file can be created in `directory` (made if missing), else why not
+  (`outputs.unwritable`'s probe)."""
   try:
     os.makedirs(directory, exist_ok=True)
-    fd, probe = tempfile.mkstemp(prefix=".attn_jax_write_probe", dir=directory)
-    os.close(fd)
-    os.remove(probe)
   except OSError as e:
     return e.strerror or str(e)
-  return None
+  return outputs.unwritable(directory)
 
 
 def check_writable(directory: str) -> None:
