@@ -5,8 +5,9 @@
 Perfetto JSON it wrote and sums the durations of the device's events by name: on a GPU or TPU
 the tracks of the `/device:...` processes (one event per kernel launch: fusions, cuBLAS /
 cuDNN / Triton calls, copies), on a CPU the XLA client threads' ops (`tf_XLA...` threads of
-`/host:CPU`, without the executor events that enclose them), where the program runs. Overlapping events on several streams each count their
-own duration, so the shares are of summed kernel time, not of wall time; `busy_s` is that sum.
+`/host:CPU`, without the executor events that enclose them), where the program runs.
+Overlapping events on several streams each count their own duration, so the shares are of
+summed kernel time, not of wall time; `busy_s` is that sum.
 """
 
 from __future__ import annotations
@@ -71,7 +72,10 @@ def top_kernels(path: str, top: int = 12, family: bool = True) -> tuple[list[Ker
     data = json.load(f)
   events = data["traceEvents"] if isinstance(data, dict) else data
   procs, threads = _tracks(events)
-  any_device = any(p.startswith("/device:") for p in procs.values())
+  # the device's tracks when any kernel ran on one (a compile-only device plugin loaded in the
+  # process adds a /device: process with no events: the program then ran on the host)
+  any_device = any(e.get("ph") == "X" and procs.get(e["pid"], "").startswith("/device:")
+                   for e in events)
   total, count = collections.Counter(), collections.Counter()
   for e in events:
     if e.get("ph") != "X":
