@@ -245,6 +245,11 @@ def _expand(starts_BT, x_BT):
   return starts_BT.reshape(starts_BT.shape + (1,) * (x_BT.ndim - 2))
 
 
+def starts_like(starts_BT, x_BT):
+  """[B, T] flags as an array of x's shape (the `reset` of the parallel prefixes)."""
+  return jnp.broadcast_to(_expand(starts_BT, x_BT), x_BT.shape)
+
+
 # None: by platform (`parallel_time_sums`); True / False forces one form (tests run the GPU/TPU
 # form on a CPU against the float64 references).
 FORCE_PARALLEL_TIME_SUMS: bool | None = None
@@ -272,8 +277,7 @@ def time_cumsum(x_BT: jax.Array, starts_BT=None) -> jax.Array:
     return time_scan(jnp.add, x_BT)
   if not parallel_time_sums():
     return time_scan(jnp.add, x_BT, starts_BT)
-  r = jnp.broadcast_to(_expand(starts_BT, x_BT), x_BT.shape)
-  return segmented_cumsum(x_BT, r, axis=1)[0]
+  return segmented_cumsum(x_BT, starts_like(starts_BT, x_BT), axis=1)[0]
 
 
 def causal_positions(batch: int, length: int) -> jax.Array:

@@ -175,7 +175,8 @@ def test_a_scan_in_a_fori_loop_compiled_for_the_cpu():
   assert all(lp.source.startswith("test_hlo_loops.py:") for lp in r.loops)
 
 
-def test_the_compile_report_prints_the_loops():
+def _module_program():
+  """`aot._program` of a stand-in compiled program whose text is MODULE."""
   class Compiled:
     def as_text(self):
       return MODULE
@@ -183,7 +184,11 @@ def test_the_compile_report_prints_the_loops():
     def memory_analysis(self):
       return None
 
-  p = aot._program("train", "[1, 4, 8]", lambda opts: Compiled(), 8)
+  return aot._program("train", "[1, 4, 8]", lambda opts: Compiled(), 8)
+
+
+def test_the_compile_report_prints_the_loops():
+  p = _module_program()
   assert (p.serial_iterations, p.while_loops, p.unknown_loops, p.launches) == (23, 5, 1, 33)
 
 
@@ -254,14 +259,7 @@ def test_serial_iterations_do_not_grow_with_t(mixer, target):
 def test_the_hardware_page_shows_serial_iterations_and_a_dash_for_cells_measured_before():
   from attn_jax.train import hardware_page as hp
 
-  class Compiled:
-    def as_text(self):
-      return MODULE
-
-    def memory_analysis(self):
-      return None
-
-  stored = hp._loops(aot._program("train", "[1, 4, 8]", lambda opts: Compiled(), 8))
+  stored = hp._loops(_module_program())
   assert stored["serial_iterations"] == 23 and stored["loop_sources"]["ssm/ssd.py:42"] == 12
   old = {"gib": 20.5, "temp_gib": 2.0, "fits": True, "fit_micro": None, "fit_accum": None,
          "usable_gib": 59.3, "kernels": {}, "collectives": {}, "tt": [], "compile_s": 9.0}

@@ -11,13 +11,13 @@ reported as such. Times are wall times of a synchronised call: on a GPU only.
 from __future__ import annotations
 
 import itertools
-import time
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
 from attn_jax.kernels import decayed
+from attn_jax.train import roofline
 
 
 def quick_candidates() -> list[decayed.GpuTuning]:
@@ -49,17 +49,6 @@ def _inputs(kind: str, B: int, T: int, H: int, D: int, d_state: int, dtype):
   return (q, k, v), dict(g_BTH=g, fox=kind == "fox", **extra)
 
 
-def _timed(fn: Callable, args, steps: int) -> float:
-  """Best wall time (s) of `steps` synchronised calls after one warmup (compiling) call."""
-  jax.block_until_ready(fn(*args))
-  best = float("inf")
-  for _ in range(steps):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    best = min(best, time.perf_counter() - t0)
-  return best
-
-
 def _grad_of(attend: Callable) -> Callable:
   """jit of d sum(attend(q, k, v, extra)) / d(q, k, v); `extra` (the decay and SISA's factors)
   is an argument too, so nothing large is a compile-time constant."""
@@ -68,9 +57,10 @@ def _grad_of(attend: Callable) -> Callable:
 
 
 def _time_or_error(fn, args, steps: int) -> float | str:
-  """`_timed`, or the error's first line where the call does not compile (a finding)."""
+  """`roofline.best_seconds`, or the error's first line where the call does not compile (a
+  finding)."""
   try:
-    return _timed(fn, args, steps)
+    return roofline.best_seconds(fn, args, steps)
   except Exception as e:   # noqa: BLE001 - reported in the table, not raised
     return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:100]}"
 

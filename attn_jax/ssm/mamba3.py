@@ -78,7 +78,8 @@ r = 1 every weight is 1 and the mixer is the SISO one (tested against it). Chunk
 beta X_{t-1}], keys [K_t ; K_{t-1}]) and the r columns of Q are r outputs of one SSD,
     Y_{t,o} = sum_{s<=t} L_ts sum_i (Q_{t,o} . K_{s,i}) U_{s,i} + e^{A_t} h_in Q_{t,o},
 with the segment decays of `ssd.segsum_exp` and the state passing of `ssd.pass_chunk_states`;
-`mimo_recurrent` is the token-by-token reference and the decode step. Decoding state: the SISO one with k [H, r, N].
+`mimo_recurrent` is the token-by-token reference and the decode step. Decoding state: the SISO
+one with k [H, r, N].
 
 Packed rows (`segment_ids_BT`, full forwards): at a document's first token t0 every term that
 crosses time restarts, so the document is computed as in a row of its own (h_0 = 0, x_0 = k_0 =

@@ -576,8 +576,8 @@ class PreemptionGuard:
   `should_stop` stays False.
   """
 
-  SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-  KEEP_IGNORED = (signal.SIGINT, signal.SIGHUP)
+  SIGNALS = early_signals.SIGNALS              # one list for the guard and the early handlers
+  KEEP_IGNORED = early_signals.KEEP_IGNORED
 
   def __init__(self, *, sync_every: int = 1):
     self.should_stop = False

@@ -44,7 +44,9 @@ from attn_jax.config import ModelConfig
 from attn_jax.layers import dtype_of
 
 
-def _best_seconds(fn, args, repeats: int) -> float:
+def best_seconds(fn, args, repeats: int) -> float:
+  """Best wall time (s) of `repeats` synchronised calls of `fn(*args)` after one untimed
+  (compiling) call."""
   jax.block_until_ready(fn(*args))   # compiles
   best = math.inf
   for _ in range(max(1, int(repeats))):
@@ -65,7 +67,7 @@ def matmul_peak(dtype: str = "float32", n: int | None = None, repeats: int = 5,
   dt = dtype_of(dtype)
   keys = jax.random.split(jax.random.key(0))
   a, b = (jax.device_put(jax.random.normal(k, (n, n), dt), device) for k in keys)
-  return 2.0 * n ** 3 / _best_seconds(jax.jit(jnp.dot), (a, b), repeats)
+  return 2.0 * n ** 3 / best_seconds(jax.jit(jnp.dot), (a, b), repeats)
 
 
 def copy_bandwidth(nbytes: int | None = None, repeats: int = 5, passes: int = 8,
@@ -143,7 +145,7 @@ def decode_step_tok_s(model, prompt_BT: jax.Array, steps: int, repeats: int = 2,
     return jax.lax.fori_loop(0, steps, body, (tok_B, dstate))
 
   tok_B, dstate = start(state, prompt_BT)
-  return B * steps / _best_seconds(run, (state, tok_B, dstate), repeats)
+  return B * steps / best_seconds(run, (state, tok_B, dstate), repeats)
 
 
 def decode_row(model, n_params: dict, batch: int, prompt_len: int, steps: int,
