@@ -292,3 +292,20 @@ def test_config_params_match_transformer_within_1pct(name):
                                                                          else 48)}
   if not name.startswith("hybrid"):
     assert c.model.n_layers == layers[name.rsplit("_", 1)[1]]      # docs/papers.md §1.4
+
+
+@pytest.mark.parametrize("name,opts", [
+    ("mamba2", {}), ("mamba3", {}), ("mamba3", {"mimo_rank": 2}), ("hybrid_heads", {})])
+def test_a_bf16_mixer_runs_its_ssd_matmuls_in_bf16(monkeypatch, name, opts):
+  """In a bf16 model the chunked SSD's matmuls take bf16 operands (fp32 accumulation), as
+  mamba_ssm's kernels feed their tensor-core dots: fp32 operands make them fp32 matmuls on a
+  GPU. Every matmul the chunked form asks for (`ssd.einsum_in`) gets the model's dtype."""
+  import dataclasses
+  asked = []
+  real = ssd.einsum_in
+  monkeypatch.setattr(ssd, "einsum_in", lambda dtype, *a: asked.append(dtype) or real(dtype, *a))
+  cls, base, _ = _build(name)
+  cfg = dataclasses.replace(CFG, dtype="bfloat16")
+  m = cls(cfg, dataclasses.replace(base, **opts), rngs=nnx.Rngs(0))
+  jax.make_jaxpr(lambda x: m(x, positions_BT=_pos(2, 12))[0])(_x(2, 12).astype(jnp.bfloat16))
+  assert asked and all(jnp.dtype(d) == jnp.bfloat16 for d in asked), asked

@@ -3,6 +3,7 @@
 
 import chex
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -297,3 +298,73 @@ def test_chunk_state_passing_is_the_loop(n, h0):
   np.testing.assert_allclose(np.asarray(final, np.float64), h, rtol=1e-5, atol=1e-5 * scale)
 
 
+
+
+# ------------------------------------------------------------------ matmuls in the model dtype
+TOL_BF16 = 2e-2   # relative L2 error: operands rounded to bf16's 8 bits, fp32 accumulation
+
+
+def _rel(got, want):
+  got, want = (np.asarray(z, np.float64) for z in (got, want))
+  return np.linalg.norm(got - want) / np.linalg.norm(want)
+
+
+def _bf16_inputs():
+  x, a, b, c, h0 = _inputs(jax.random.PRNGKey(5), T=70)
+  x, b, c = (z.astype(jnp.bfloat16) for z in (x, b, c))
+  return x, a, b, c, h0
+
+
+def _loss(dot_dtype, w):
+  def loss(x, a, b, c, h0):
+    y, h = ssd.ssd_chunked(x, a, b, c, chunk=16, h0_BHPN=h0, dot_dtype=dot_dtype)
+    return jnp.sum(y * w) + jnp.sum(h)
+  return loss
+
+
+def test_bf16_matmuls_stay_within_bf16_rounding_of_fp32_forward_and_backward():
+  """dot_dtype=bf16 (the model's compute dtype) against the fp32 chunked form on the same
+  bf16 inputs: outputs, final state and every gradient within bf16 rounding. A wrong backward
+  of the bf16 matmuls (their own rule, which takes the cotangent in bf16) would be off by O(1)."""
+  args = _bf16_inputs()
+  w = jax.random.normal(jax.random.PRNGKey(6), args[0].shape)
+  want = ssd.ssd_chunked(*args[:4], chunk=16, h0_BHPN=args[4])
+  got = ssd.ssd_chunked(*args[:4], chunk=16, h0_BHPN=args[4], dot_dtype=jnp.bfloat16)
+  for g, r, name in zip(got, want, ("y", "final state")):
+    assert g.dtype == jnp.float32
+    assert _rel(g, r) < TOL_BF16, name
+  g_want = jax.grad(_loss(None, w), argnums=range(5))(*args)
+  g_got = jax.grad(_loss(jnp.bfloat16, w), argnums=range(5))(*args)
+  for g, r, name in zip(g_got, g_want, ("x", "a", "b", "c", "h0")):
+    assert g.dtype == r.dtype, name
+    assert _rel(g, r) < TOL_BF16, name
+
+
+def _dot_dtypes(fn, *args) -> list[tuple[str, ...]]:
+  """The operand dtypes of every dot_general in fn's program (nested jaxprs included)."""
+  found = []
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "dot_general":
+        found.append(tuple(str(v.aval.dtype) for v in eqn.invars))
+      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+        walk(sub)
+  walk(jax.make_jaxpr(fn)(*args).jaxpr)
+  return found
+
+
+def test_bf16_chunked_form_leaves_only_the_state_passing_in_fp32():
+  """With dot_dtype=bf16 every matmul of the forward and backward takes bf16 operands except
+  the chunk-state passing's (fp32 states, as the authors keep them): the count of fp32 matmuls
+  equals that of `pass_chunk_states`' own forward and backward at the same shapes."""
+  args = _bf16_inputs()
+  w = jnp.ones(args[0].shape)
+  dots = _dot_dtypes(jax.grad(_loss(jnp.bfloat16, w), argnums=range(5)), *args)
+  fp32 = [d for d in dots if "float32" in d]
+  assert len(dots) > len(fp32) >= 1
+  assert all(d == ("bfloat16", "bfloat16") for d in dots if "float32" not in d)
+  B, T, H, P = args[0].shape
+  N, C = args[2].shape[-1], -(-T // 16)
+  z, S = jnp.zeros((B, C, H)), jnp.zeros((B, C, H, P, N))
+  passing = lambda z, S, h0: sum(jnp.sum(o) for o in ssd.pass_chunk_states(z, S, h0))
+  assert len(fp32) == len(_dot_dtypes(jax.grad(passing, argnums=(0, 1, 2)), z, S, args[4]))

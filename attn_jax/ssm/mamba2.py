@@ -301,7 +301,7 @@ class Mamba2(FullForwardRemat, Mixer):
       y = y[:, None]
     else:
       y, h = ssd.ssd_chunked(x_in, a, bs, cs, chunk=opts.chunk_size, h0_BHPN=h0,
-                             reset_BT=reset)
+                             reset_BT=reset, dot_dtype=dtype_of(cfg.dtype))
     y = y + self.D[...].astype(f32)[:, None] * xs
     y = y * jax.nn.silu(z.astype(f32))
     Bsz, T = y.shape[:2]

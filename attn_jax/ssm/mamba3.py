@@ -98,6 +98,7 @@ exact in algebra even without it; restarting keeps the rounding of the document 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -180,8 +181,9 @@ def previous_token(z_BTX, z0_BX, reset_BT=None):
 
 
 def trapezoid_chunked(x_BTHP, a_BTH, gamma_BTH, betap_BTH, k_BTHN, q_BTHN, *, chunk,
-                      h0_BHPN=None, x0_BHP=None, k0_BHN=None, reset_BT=None):
-  """Chunked trapezoidal SSM: one SSD with two inputs (see module docstring).
+                      h0_BHPN=None, x0_BHP=None, k0_BHN=None, reset_BT=None, dot_dtype=None):
+  """Chunked trapezoidal SSM: one SSD with two inputs (see module docstring); `dot_dtype` as
+  `ssd.ssd_chunked`'s.
 
   -> (y_BTHP without the D skip, h_T) fp32. (x0, k0): the token before the first (zeros if
   None); the second input is beta_t x_{t-1} k_{t-1}^T with beta_t = beta'_t exp(a_t).
@@ -195,7 +197,7 @@ def trapezoid_chunked(x_BTHP, a_BTH, gamma_BTH, betap_BTH, k_BTHN, q_BTHN, *, ch
   beta = betap_BTH * jnp.exp(a_BTH)
   return ssd.ssd_chunked(x_BTHP * gamma_BTH[..., None], a_BTH, k_BTHN, q_BTHN, chunk=chunk,
                          h0_BHPN=h0_BHPN, extra=(x_prev * beta[..., None], k_prev),
-                         reset_BT=reset_BT)
+                         reset_BT=reset_BT, dot_dtype=dot_dtype)
 
 
 def trapezoid_step(h_BHPN, x0_BHP, k0_BHN, x_BHP, a_BH, gamma_BH, betap_BH, k_BHN, q_BHN):
@@ -235,11 +237,12 @@ def trapezoid_recurrent(x_BTHP, a_BTH, gamma_BTH, betap_BTH, k_BTHN, q_BTHN, *, 
   return jnp.moveaxis(y, 0, 1), h
 
 
-def mimo_chunked(u_BTHIP, a_BTH, k_BTHIN, q_BTHON, *, chunk, h0_BHPN=None, reset_BT=None):
+def mimo_chunked(u_BTHIP, a_BTH, k_BTHIN, q_BTHON, *, chunk, h0_BHPN=None, reset_BT=None,
+                 dot_dtype=None):
   """Chunked MIMO SSD (module docstring): I input columns (u, k), O output columns (q), one
   [P, N] state per head. -> (y [B, T, H, O, P], h_T [B, H, P, N]) fp32. T need not be a
   multiple of `chunk` (the tail is padded with a = 0, u = k = q = 0). `reset_BT`: the state
-  restarts there (a = -inf, as `ssd.ssd_chunked`)."""
+  restarts there (a = -inf, as `ssd.ssd_chunked`); `dot_dtype` as there."""
   Bsz, T, H, _, P = u_BTHIP.shape
   N = k_BTHIN.shape[-1]
   a_BTH = ssd.restart_decay(a_BTH, reset_BT)
@@ -247,20 +250,21 @@ def mimo_chunked(u_BTHIP, a_BTH, k_BTHIN, q_BTHON, *, chunk, h0_BHPN=None, reset
   nc = -(-T // Q)
   pad = nc * Q - T
 
-  def chunks(z):
-    z = jnp.pad(z.astype(f32), [(0, 0), (0, pad)] + [(0, 0)] * (z.ndim - 2))
+  def chunks(z):   # dtype kept: the matmuls cast their operands (`dot_dtype`)
+    z = jnp.pad(z, [(0, 0), (0, pad)] + [(0, 0)] * (z.ndim - 2))
     return z.reshape((Bsz, nc, Q) + z.shape[2:])
 
-  u, a, k, q = chunks(u_BTHIP), chunks(a_BTH), chunks(k_BTHIN), chunks(q_BTHON)
+  u, a, k, q = chunks(u_BTHIP), chunks(a_BTH.astype(f32)), chunks(k_BTHIN), chunks(q_BTHON)
+  dot = functools.partial(ssd.einsum_in, f32 if dot_dtype is None else dot_dtype)
   L = ssd.segsum_exp(a)                                               # [B, C, H, Q(t), Q(s)]
-  qk = jnp.einsum("bcthon,bcshin->bchtsoi", q, k)
-  y_diag = jnp.einsum("bchtsoi,bchts,bcship->bcthop", qk, L, u)
+  qk = dot("bcthon,bcshin->bchtsoi", q, k)
+  y_diag = dot("bchtsoi,bcship->bcthop", qk * L[..., None, None], u)
   rev = jnp.cumsum(a[:, :, ::-1], axis=2)[:, :, ::-1]                 # sum_{r>=s} a_r
   to_end = jnp.exp(jnp.pad(rev[:, :, 1:], ((0, 0), (0, 0), (0, 1), (0, 0))))
-  S = jnp.einsum("bcshin,bcsh,bcship->bchpn", k, to_end, u)           # chunk states
+  S = dot("bcshin,bcship->bchpn", k, u * to_end[..., None, None])     # chunk states
   h_in, h_final = ssd.pass_chunk_states(jnp.sum(a, axis=2), S, h0_BHPN)  # [B, C, H, P, N]
   from_start = jnp.exp(jnp.cumsum(a, axis=2))                         # [B, C, Q, H]
-  y_off = jnp.einsum("bcthon,bchpn,bcth->bcthop", q, h_in, from_start)
+  y_off = dot("bcthon,bchpn->bcthop", q, h_in) * from_start[..., None, None]
   return (y_diag + y_off).reshape(Bsz, nc * Q, H, -1, P)[:, :T], h_final
 
 
@@ -287,11 +291,11 @@ def mimo_recurrent(u_BTHIP, a_BTH, k_BTHIN, q_BTHON, *, h0_BHPN=None, reset_BT=N
 
 
 def trapezoid_mimo(x_BTHRP, a_BTH, gamma_BTH, betap_BTH, k_BTHRN, q_BTHRN, *, chunk=None,
-                   h0_BHPN=None, x0_BHRP=None, k0_BHRN=None, reset_BT=None):
+                   h0_BHPN=None, x0_BHRP=None, k0_BHRN=None, reset_BT=None, dot_dtype=None):
   """The trapezoid with rank-r inputs X (x times w^x) and keys K: 2r input columns
   [gamma X_t ; beta X_{t-1}] with keys [K_t ; K_{t-1}], beta = beta' e^a; `chunk` None = the
   recurrence. -> (Y [B, T, H, r, P] without the D skip, h_T). `reset_BT`: documents restart
-  at these tokens (module docstring)."""
+  at these tokens (module docstring); `dot_dtype` as `ssd.ssd_chunked`'s."""
   B, T, H, r, P = x_BTHRP.shape
   N = k_BTHRN.shape[-1]
   x0 = jnp.zeros((B, H, r, P), f32) if x0_BHRP is None else x0_BHRP.astype(f32)
@@ -303,7 +307,8 @@ def trapezoid_mimo(x_BTHRP, a_BTH, gamma_BTH, betap_BTH, k_BTHRN, q_BTHRN, *, ch
   k = jnp.concatenate([k_BTHRN.astype(f32), k_prev], axis=3)
   if chunk is None:
     return mimo_recurrent(u, a_BTH, k, q_BTHRN, h0_BHPN=h0_BHPN, reset_BT=reset_BT)
-  return mimo_chunked(u, a_BTH, k, q_BTHRN, chunk=chunk, h0_BHPN=h0_BHPN, reset_BT=reset_BT)
+  return mimo_chunked(u, a_BTH, k, q_BTHRN, chunk=chunk, h0_BHPN=h0_BHPN, reset_BT=reset_BT,
+                      dot_dtype=dot_dtype)
 
 
 @register_mixer("mamba3")
@@ -430,7 +435,8 @@ class Mamba3(FullForwardRemat, Mixer):
     if recurrent:
       y, h = trapezoid_recurrent(*args, **carried)
     else:
-      y, h = trapezoid_chunked(*args, chunk=self.opts.chunk_size, **carried)
+      y, h = trapezoid_chunked(*args, chunk=self.opts.chunk_size,
+                               dot_dtype=dtype_of(self.cfg.dtype), **carried)
     y = (y + self.D[...].astype(f32)[:, None] * u["x"]) * jax.nn.silu(u["z"])
     return y, None if state is None else self._next_state(st, u, phi, h, k)
 
@@ -461,7 +467,7 @@ class Mamba3(FullForwardRemat, Mixer):
     y, h = trapezoid_mimo(xr, u["a"], u["gamma"], u["betap"], k, q,
                           chunk=None if recurrent else self.opts.chunk_size, h0_BHPN=st["ssm"],
                           x0_BHRP=st["x"].astype(f32)[:, :, None] * wx, k0_BHRN=st["k"],
-                          reset_BT=reset_BT)
+                          reset_BT=reset_BT, dot_dtype=dtype_of(self.cfg.dtype))
     y = (y + self.D[...].astype(f32)[:, None, None] * xr) * jax.nn.silu(u["z"][..., None, :] * wz)
     y = jnp.sum(y * wo, axis=3)
     return y, None if state is None else self._next_state(st, u, phi, h, k)

@@ -47,7 +47,17 @@ derivative 0, so neither pass meets a NaN.
 
 `ssd_recurrent` is the explicit step-by-step recurrence (a `lax.scan` over time): the reference
 for tests and the naive baseline of `experiments/bench_ssd.py`. `ssd_step` is one token of it
-(the decode step). All three compute in fp32.
+(the decode step).
+
+Precision. Decays, exponents, segment sums and states are fp32 in every form. The chunked
+form's four matmul steps (C B^T, its product with x, the chunk states, the state -> output)
+take their operands in `dot_dtype` and accumulate in fp32: fp32 by default (the references,
+the tests), the model's compute dtype in the mixers, as mamba_ssm's Triton kernels feed their
+tensor-core dots bf16 tiles (the decayed C B^T cast to x's dtype before its product with x,
+the entering states cast to C's before theirs). fp32 operands would make them fp32 matmuls on
+a GPU at a fraction of the bf16 rate and twice the bytes. Their backward takes the cotangent
+in `dot_dtype` too (`einsum_in`): left to autodiff, an fp32 cotangent against a bf16 operand
+widens the operand and both backward matmuls run in fp32. The chunk-state passing stays fp32.
 
 B and C are given per group ([..., G, N]) and shared by the H/G heads of a group (Mamba-2's
 n_groups; Mamba-3 passes G = H since its B, C are rotated per head).
@@ -56,6 +66,7 @@ n_groups; Mamba-3 passes G = H since its B, C are rotated per head).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -194,8 +205,35 @@ def restart_decay(a_BTH: jax.Array, reset_BT) -> jax.Array:
   return jnp.where(reset_BT[:, :, None], -jnp.inf, a_BTH.astype(f32))
 
 
+def einsum_in(dtype, spec: str, x: jax.Array, y: jax.Array) -> jax.Array:
+  """einsum(spec, x, y) with operands in `dtype`, accumulated and returned in fp32; its
+  backward's matmuls also take `dtype` operands (`_low_dot`)."""
+  if jnp.dtype(dtype) == f32:
+    return jnp.einsum(spec, x.astype(f32), y.astype(f32))
+  return _low_dot(dtype, spec, x.astype(dtype), y.astype(dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _low_dot(dtype, spec, x, y):
+  return jnp.einsum(spec, x, y, preferred_element_type=f32)
+
+
+def _low_dot_fwd(dtype, spec, x, y):
+  return _low_dot(dtype, spec, x, y), (x, y)
+
+
+def _low_dot_bwd(dtype, spec, res, g):
+  """The cotangent in `dtype` too: left to autodiff, an fp32 cotangent against a `dtype`
+  operand makes XLA widen the operand, and both backward matmuls run in fp32."""
+  _, vjp = jax.vjp(lambda x, y: jnp.einsum(spec, x, y), *res)
+  return vjp(g.astype(dtype))
+
+
+_low_dot.defvjp(_low_dot_fwd, _low_dot_bwd)
+
+
 def ssd_chunked(x_BTHP, a_BTH, b_BTGN, c_BTGN, *, chunk: int, h0_BHPN=None, extra=None,
-                reset_BT=None):
+                reset_BT=None, dot_dtype=None):
   """Chunked SSD (see module docstring). Returns (y_BTHP fp32, final state h_BHPN fp32).
 
   `reset_BT` [B, T] bool: the state restarts at these tokens (documents, module docstring).
@@ -205,6 +243,9 @@ def ssd_chunked(x_BTHP, a_BTH, b_BTGN, c_BTGN, *, chunk: int, h0_BHPN=None, extr
 
   T need not be a multiple of `chunk`: the tail is padded with a = 0 (decay 1), x = B = C = 0,
   which leaves the state unchanged; the padded outputs are dropped.
+
+  `dot_dtype`: the operand dtype of the four matmul steps (None: fp32), see "Precision" in the
+  module docstring; products accumulate in fp32 whatever it is.
   """
   Bsz, T, H, G = _check(x_BTHP, a_BTH, b_BTGN, c_BTGN)
   P, N, J = x_BTHP.shape[-1], b_BTGN.shape[-1], H // G
@@ -213,29 +254,29 @@ def ssd_chunked(x_BTHP, a_BTH, b_BTGN, c_BTGN, *, chunk: int, h0_BHPN=None, extr
   nc = -(-T // Q)
   pad = nc * Q - T
 
-  def chunks(z):
-    z = z.astype(f32)
+  def chunks(z):   # dtype kept: the matmuls cast their operands (`dot_dtype`)
     if pad:
       z = jnp.pad(z, [(0, 0), (0, pad)] + [(0, 0)] * (z.ndim - 2))
     return z.reshape((Bsz, nc, Q) + z.shape[2:])
 
   terms = [(x_BTHP, b_BTGN)] + ([tuple(extra)] if extra is not None else [])
   terms = [(chunks(x).reshape(Bsz, nc, Q, G, J, P), chunks(b)) for x, b in terms]
-  a = chunks(a_BTH)                                             # [B, C, Q, H]
+  a = chunks(a_BTH.astype(f32))                                 # [B, C, Q, H]
   c = chunks(c_BTGN)                                            # [B, C, Q, G, N]
   A = jnp.cumsum(a, axis=2)                                     # within-chunk cumulative decay
+  dot = functools.partial(einsum_in, f32 if dot_dtype is None else dot_dtype)
 
   # 1. intra-chunk: (C B^T) masked by the segsum decay, then with x.
   L = segsum_exp(a).reshape(Bsz, nc, G, J, Q, Q)
-  y_diag = sum(jnp.einsum("bcgts,bcgjts,bcsgjp->bctgjp", jnp.einsum("bctgn,bcsgn->bcgts", c, b),
-                          L, x) for x, b in terms)
+  y_diag = sum(dot("bcgjts,bcsgjp->bctgjp", dot("bctgn,bcsgn->bcgts", c, b)[:, :, :, None] * L, x)
+               for x, b in terms)
 
   # 2. chunk states: decay from each token to the chunk end, exp(a_{s+1} + ... + a_end),
   # summed directly (exclusive reverse cumulative sum), not as A_end - A_s.
   rev = jnp.cumsum(a[:, :, ::-1], axis=2)[:, :, ::-1]           # sum_{r>=s} a_r
   to_end = jnp.exp(jnp.pad(rev[:, :, 1:], ((0, 0), (0, 0), (0, 1), (0, 0))))
   to_end = to_end.reshape(Bsz, nc, Q, G, J)
-  S = sum(jnp.einsum("bcsgn,bcsgj,bcsgjp->bcgjpn", b, to_end, x)  # [B, C, G, J, P, N]
+  S = sum(dot("bcsgn,bcsgjp->bcgjpn", b, x * to_end[..., None])  # [B, C, G, J, P, N]
           for x, b in terms)
 
   # 3. inter-chunk recurrence, as one segsum matmul over chunks: state entering each chunk.
@@ -245,7 +286,7 @@ def ssd_chunked(x_BTHP, a_BTH, b_BTGN, c_BTGN, *, chunk: int, h0_BHPN=None, extr
 
   # 4. state -> output: decay from the chunk start to t (exponent A_t <= 0).
   from_start = jnp.exp(A).reshape(Bsz, nc, Q, G, J)
-  y_off = jnp.einsum("bctgn,bcgjpn,bctgj->bctgjp", c, h_in, from_start)
+  y_off = dot("bctgn,bcgjpn->bctgjp", c, h_in) * from_start[..., None]
 
   y = (y_diag + y_off).reshape(Bsz, nc * Q, H, P)[:, :T]
   return y, h_final.reshape(Bsz, H, P, N)
