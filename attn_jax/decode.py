@@ -14,7 +14,9 @@ Ring(W), SinksRing(n, W)), chosen here at decode time for any model.
 - Prompts of different lengths share a batch: right-padded to T, with per-row `lengths`; padding
   carries position -1, which every mixer ignores. Row b's new tokens follow its own prompt.
 - A prompt longer than what one stateful call can take (`max_chunk` of a bounded state, e.g. a
-  sliding window's ring) is prefilled in chunks of that size.
+  sliding window's ring) is prefilled in chunks of that size, after a first call of up to
+  `max_fresh_chunk` tokens into the fresh states (any length for a mixer that runs its full
+  forward there, e.g. Sinkhorn's: then no loop at all).
 - Mixers whose state is bounded (`stream_limit` None: ring buffers, SSMs) generate past
   `cache_len` in constant memory; for the others `cache_len` must hold the whole stream.
 
@@ -72,10 +74,12 @@ def prefill(model, prompt_BT: jax.Array, lengths_B: jax.Array | None = None, *,
   B, T = prompt_BT.shape
   lengths_B = jnp.full((B,), T, jnp.int32) if lengths_B is None else lengths_B.astype(jnp.int32)
   chunk, stream = mixer_limits(model.cfg, capacity, policy)
+  first, _ = mixer_limits(model.cfg, capacity, policy, fresh=True)
   if stream is not None and T > stream:
     raise ValueError(f"prompt length {T} exceeds what the decoding state holds ({stream} "
                      "tokens; raise cache_len)")
   chunk = T if chunk is None else min(chunk, T)
+  first = T if first is None else min(first, T)
 
   def run(carry, a, toks_BN):
     """One stateful call on prompt tokens a..a+N-1 (a may be traced)."""
@@ -88,20 +92,22 @@ def prefill(model, prompt_BT: jax.Array, lengths_B: jax.Array | None = None, *,
     h_BD = jnp.take_along_axis(h_BTD, jnp.clip(idx_B, 0, n - 1)[:, None, None], axis=1)[:, 0]
     return state, (h_BD if last_BD is None else jnp.where(here_B[:, None], h_BD, last_BD))
 
-  # The first chunk, then the other whole chunks in one `lax.scan` (traced once, so compile
-  # time does not grow with the prompt: a ring of window 2 takes T / 2 calls), then the rest.
-  # the first call into states known empty (`KVCache.fresh`: a mixer may take its full
-  # forward's kernel), the state then unmarked so every later call has the same structure
+  # The first call, into states known empty (`KVCache.fresh`: a mixer may take its full
+  # forward or its kernel), up to `first` tokens; the state then unmarked so every later call
+  # has the same structure; then the other whole chunks in one `lax.scan` (traced once, so
+  # compile time does not grow with the prompt: a ring of window 2 takes T / 2 calls), then
+  # the rest.
   fresh = cache_lib.as_fresh(model.init_state(B, capacity, policy))
-  state, last_BD = run((fresh, None), 0, prompt_BT[:, :chunk])
+  state, last_BD = run((fresh, None), 0, prompt_BT[:, :first])
   carry = (cache_lib.as_fresh(state, False), last_BD)
-  n_full = T // chunk
-  if n_full > 1:
-    chunks = prompt_BT[:, chunk:n_full * chunk].reshape(B, n_full - 1, chunk).swapaxes(0, 1)
-    starts = chunk * jnp.arange(1, n_full, dtype=jnp.int32)
+  n_full = (T - first) // chunk
+  end = first + n_full * chunk
+  if n_full:
+    chunks = prompt_BT[:, first:end].reshape(B, n_full, chunk).swapaxes(0, 1)
+    starts = first + chunk * jnp.arange(n_full, dtype=jnp.int32)
     carry, _ = jax.lax.scan(lambda c, xs: (run(c, *xs), None), carry, (starts, chunks))
-  if n_full * chunk < T:
-    carry = run(carry, n_full * chunk, prompt_BT[:, n_full * chunk:])
+  if end < T:
+    carry = run(carry, end, prompt_BT[:, end:])
   state, last_BD = carry
   return model.unembed(last_BD), state
 

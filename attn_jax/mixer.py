@@ -63,6 +63,8 @@ Class-level hooks (defaults below; override what applies):
   (train/flops.py).
 - `max_chunk(cfg, opts, capacity, policy=None)`: the most new tokens one stateful call takes
   with a state of `capacity` (None = any); decoding prefills longer prompts in chunks of it.
+  `max_fresh_chunk(...)`: the same for the first call into a fresh state (a prefill's first
+  call, `cache.as_fresh`), which a mixer may run as its full forward (default: `max_chunk`).
   `stream_limit(...)`: the longest stream the state holds (None = any).
 - Optimizer treatment (lr multiplier, weight decay on/off) is metadata on the parameters the
   mixer creates (`layers.param(..., kind=, lr_mult=)`), read by train/optim.py.
@@ -118,6 +120,10 @@ class Mixer(nnx.Module):
   def max_chunk(cls, cfg, opts, capacity: int, policy=None) -> int | None:
     del cfg, opts, capacity, policy
     return None
+
+  @classmethod
+  def max_fresh_chunk(cls, cfg, opts, capacity: int, policy=None) -> int | None:
+    return cls.max_chunk(cfg, opts, capacity, policy=policy)
 
   @classmethod
   def stream_limit(cls, cfg, opts, capacity: int, policy=None) -> int | None:

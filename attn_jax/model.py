@@ -321,14 +321,16 @@ def init_state(cfg: ModelConfig, batch: int, capacity: int, policy=None) -> tupl
   return tuple(out)
 
 
-def mixer_limits(cfg: ModelConfig, capacity: int,
-                 policy=None) -> tuple[int | None, int | None]:
+def mixer_limits(cfg: ModelConfig, capacity: int, policy=None,
+                 fresh: bool = False) -> tuple[int | None, int | None]:
   """(longest chunk one stateful call takes, longest stream the states hold) over all layer
-  kinds under the cache `policy`; None = unbounded."""
+  kinds under the cache `policy`; None = unbounded. `fresh`: the chunk of the first call into
+  fresh states (`Mixer.max_fresh_chunk`)."""
   chunk = stream = None
   for spec in cfg.period:
     cls, opts = get_mixer(spec.mixer), cfg.options_for(spec.mixer)
-    c = cls.max_chunk(cfg, opts, capacity, policy=policy)
+    limit = cls.max_fresh_chunk if fresh else cls.max_chunk
+    c = limit(cfg, opts, capacity, policy=policy)
     s = cls.stream_limit(cfg, opts, capacity, policy=policy)
     chunk = c if chunk is None else (chunk if c is None else min(chunk, c))
     stream = s if stream is None else (stream if s is None else min(stream, s))

@@ -278,6 +278,25 @@ def test_prefill_program_does_not_grow_with_the_prompt():
   assert size(16) == size(64)
 
 
+def test_a_sinkhorn_prefill_is_one_full_forward_without_a_loop():
+  """Sinkhorn takes 4 tokens per stateful call (its block) but its first call into a fresh
+  state runs the full forward (`max_fresh_chunk` None): a ragged 11-token prompt's prefill has no
+  scan or while loop and its rows get the full forward's logits at their own last token."""
+  cfg = ModelConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, d_ff=64,
+                    max_seq_len=64, dtype="float32", param_dtype="float32", pattern=("sinkhorn",))
+  cfg = cfg.with_options("sinkhorn", block_size=4, sortnet_width=16, sort_dim=8)
+  validate_model(cfg)
+  model = _numpy_init_model(cfg)
+  tokens = _tokens(6, (2, 11))
+  lengths = jnp.asarray([11, 6], jnp.int32)
+  prefill = lambda t, n: decode.prefill(model, t, n, capacity=16)
+  text = str(jax.make_jaxpr(prefill)(tokens, lengths))
+  assert "scan" not in text and "while" not in text
+  last_BV, _ = jax.jit(prefill)(tokens, lengths)
+  _close(last_BV[0], _full_logits(model, tokens)[0, 10])
+  _close(last_BV[1], _full_logits(model, tokens[1:, :6])[0, 5])
+
+
 def test_layer_params_made_once_give_the_same_steps():
   """`Decoder.layer_params` (the stacked block parameters split per repeat, made once for a
   decoding loop) gives exactly the steps of the default per-call slices; a wrong count is a

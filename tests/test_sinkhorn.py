@@ -284,6 +284,40 @@ def test_decode_equals_full_forward(mode):
   chex.assert_trees_all_equal(after, state)
 
 
+@pytest.mark.parametrize("mode", [dict(), dict(n_sortcut=2)])
+def test_a_fresh_state_takes_the_whole_prompt_in_one_full_forward(mode):
+  """The first call into a fresh state (`cache.as_fresh`, a prefill's) runs the full forward on
+  any length: its outputs equal the full forward, its state the one that block-sized chunks
+  leave (cache, sums, counts), and decoding on from it equals the full forward."""
+  from attn_jax.attention import cache as cache_lib
+  opts = Opts(block_size=4, **mode)
+  m = make(opts)
+  T, P, b = 11, 9, opts.block_size
+  x, pos = inputs(T=T)
+  pos = pos.at[1, 7:].set(-1)                          # row 1 is a shorter stream
+  y_full, _, _ = m(x, positions_BT=pos)
+  valid = np.asarray(pos >= 0)
+  step = nnx.jit(lambda m_, x_, p_, s_: m_(x_, positions_BT=p_, state=s_))
+  empty = SinkhornAttention.init_state(CFG, opts, 2, 13, jnp.float32)
+  assert SinkhornAttention.max_fresh_chunk(CFG, opts, 13) is None
+
+  y_pre, state, _ = step(m, x[:, :P], pos[:, :P], cache_lib.as_fresh(empty))
+  assert not state.cache.fresh
+  np.testing.assert_allclose(np.asarray(y_pre)[valid[:, :P]],
+                             np.asarray(y_full[:, :P])[valid[:, :P]], atol=ATOL)
+  chunked = empty
+  for s in range(0, P, b):
+    _, chunked, _ = step(m, x[:, s:min(s + b, P)], pos[:, s:min(s + b, P)], chunked)
+  chex.assert_trees_all_close(state, chunked, atol=ATOL)
+
+  ys = []
+  for t in range(P, T):
+    y, state, _ = step(m, x[:, t:t + 1], pos[:, t:t + 1], state)
+    ys.append(y)
+  np.testing.assert_allclose(np.asarray(jnp.concatenate(ys, 1))[valid[:, P:]],
+                             np.asarray(y_full[:, P:])[valid[:, P:]], atol=ATOL)
+
+
 # ---------------------------------------------------------------- options
 
 @pytest.mark.parametrize("field,value", [("block_size", 0), ("n_iters", 0), ("temperature", 0.0),

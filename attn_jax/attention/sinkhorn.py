@@ -69,7 +69,9 @@ eval forward for the GPU and find no `while`.
 Decoding (causal mode): `SinkhornState` holds a `cache.KVCache` under the linear policy
 whatever the decode asks for (the sort reads every block seen so far) and the running
 per-block sums and counts of the mixer input; a new token recomputes its block's row of the
-causal balancing (`causal_rows` over the tokens of a chunk). `max_chunk` is b.
+causal balancing (`causal_rows` over the tokens of a chunk). `max_chunk` is b; the first call
+into a fresh state (a prefill's, `KVCache.fresh`) runs the full forward on any length and then
+fills the cache and sums, so a prefill runs no loop over its blocks.
 
 Logical axes: "sort_hidden" (the SortNet width) and "sort_dim" (replicated), plus "embed" and
 "kv_heads".
@@ -730,21 +732,20 @@ class SinkhornAttention(Mixer):
     cfg, o = self.cfg, self.opts
     if not o.causal:
       raise ValueError("config.model.sinkhorn.causal: decoding needs the causal mode")
+    if state.cache.fresh:   # nothing cached: the full forward, whatever the length
+      y, aux = self._core(x_BTD, positions_BT, rng, train, None)
+      new_state = self._remember(state, x_BTD, aux["k"], aux["v"], positions_BT)
+      return self.proj.o(y), new_state, {}
     B, T, _ = x_BTD.shape
     b = o.block_size
-    C = state.cache.pos.shape[1]
-    nb = C // b
+    nb = state.cache.pos.shape[1] // b
     valid = positions_BT >= 0
     q, k, v = self.project(x_BTD, positions_BT)
-    kv = state.cache.write(k, v, positions_BT)
-    blk = jnp.where(valid, positions_BT // b, nb)              # nb: out of range = dropped
-    add = jax.vmap(lambda buf, i, val: buf.at[i].add(val, mode="drop"))
-    sums = add(state.sums, blk, x_BTD.astype(jnp.float32))
-    counts = add(state.counts, blk, jnp.ones_like(blk, jnp.float32))
-    new_state = SinkhornState(kv, sums, counts)
+    new_state = self._remember(state, x_BTD, k, v, positions_BT)
+    kv = new_state.cache
     kbuf, vbuf, pbuf = kv.k.swapaxes(1, 2), kv.v.swapaxes(1, 2), kv.pos   # slot-major
 
-    logits = self.sort_logits(sums, counts, rng, train)        # [B, K, nb, nb]
+    logits = self.sort_logits(new_state.sums, new_state.counts, rng, train)   # [B,K,nb,nb]
     i_BT = jnp.where(valid, positions_BT // b, 0)
     logp = causal_rows(logits, i_BT, o.n_iters)               # [B, K, T, nb]
     allowed = (jnp.arange(nb)[None, :] < i_BT[..., None])[:, None]
@@ -757,6 +758,16 @@ class SinkhornAttention(Mixer):
                      positions_BT[:, :, None].astype(jnp.int32), scale=cfg.head_dim ** -0.5,
                      causal=True, impl=cfg.attention_impl, sink_logit_H=self.sink())
     return self.proj.o(y.reshape(B, T, cfg.n_heads, -1)), new_state, {}
+
+  def _remember(self, state, x_BTD, k_BTKD, v_BTKD, positions_BT) -> SinkhornState:
+    """`state` with the new tokens' k, v cached and their inputs added to their blocks' sums
+    and counts (padding, position -1, goes nowhere)."""
+    nb = state.sums.shape[1]
+    blk = jnp.where(positions_BT >= 0, positions_BT // self.opts.block_size, nb)  # nb: dropped
+    add = jax.vmap(lambda buf, i, val: buf.at[i].add(val, mode="drop"))
+    return SinkhornState(state.cache.write(k_BTKD, v_BTKD, positions_BT),
+                         add(state.sums, blk, x_BTD.astype(jnp.float32)),
+                         add(state.counts, blk, jnp.ones_like(blk, jnp.float32)))
 
   @classmethod
   def init_state(cls, cfg, opts, batch: int, capacity: int, dtype, policy=None):
@@ -788,6 +799,10 @@ class SinkhornAttention(Mixer):
   @classmethod
   def max_chunk(cls, cfg, opts, capacity: int, policy=None) -> int | None:
     return opts.block_size
+
+  @classmethod
+  def max_fresh_chunk(cls, cfg, opts, capacity: int, policy=None) -> int | None:
+    return None   # a fresh state runs the full forward (`_step`)
 
   @classmethod
   def stream_limit(cls, cfg, opts, capacity: int, policy=None) -> int:
