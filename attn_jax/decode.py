@@ -22,7 +22,8 @@ Ring(W), SinksRing(n, W)), chosen here at decode time for any model.
 
 `generate` runs prefill and the decode loop inside one `jax.jit` (`nnx.split` once; graphdef
 static; `nnx.merge` inside; compiled with `state_compiler_options`, so states update in place;
-`model.layer_params()` sliced once before the loop) with a `jax.lax.while_loop` over steps, so
+weight matrices cast to the compute dtype once (`model.for_decoding()`) and
+`model.layer_params()` sliced once, both before the loop) with a `jax.lax.while_loop` over steps, so
 `decode_step` is traced once per generation shape, never once per token (tests guard it with
 `chex.assert_max_traces`).
 Sampling: greedy (`temperature == 0`) is argmax; otherwise logits / temperature, optionally
@@ -153,7 +154,7 @@ def _generate_jitted(options: tuple):
 def _generate_jit(graphdef, state, prompt_BT, lengths_B, rng, temperature, eos_id, pad_id, *,
                   max_new_tokens: int, cache_len: int, greedy: bool, top_k: int, policy):
   """eos_id / pad_id: int32 scalars (traced: changing them does not recompile); -1 = no EOS."""
-  model = nnx.merge(graphdef, state)
+  model = nnx.merge(graphdef, state).for_decoding()   # weights cast once, not every step
   B, T = prompt_BT.shape
   temp = 0.0 if greedy else temperature
   rows_B = jnp.arange(B)

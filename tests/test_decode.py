@@ -297,6 +297,30 @@ def test_a_sinkhorn_prefill_is_one_full_forward_without_a_loop():
   _close(last_BV[1], _full_logits(model, tokens[1:, :6])[0, 5])
 
 
+def test_the_decoding_copy_holds_bf16_weights_and_gives_identical_steps():
+  """`for_decoding` of a bf16 model on fp32 parameters stores every Linear kernel and the
+  embedding in bf16 (norms stay fp32; the original is untouched) and its prefill and steps
+  equal the original's bit for bit: it makes the same casts, once."""
+  cfg = ModelConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, d_ff=64,
+                    max_seq_len=64, dtype="bfloat16", param_dtype="float32")
+  validate_model(cfg)
+  model = _numpy_init_model(cfg)
+  copy = model.for_decoding()
+  dtypes = {"/".join(map(str, p)): v[...].dtype for p, v in nnx.to_flat_state(nnx.state(copy))}
+  kernels = [k for k in dtypes if k.endswith("kernel")]
+  assert len(kernels) == 7 and all(dtypes[k] == jnp.bfloat16 for k in kernels)
+  assert dtypes["embed"] == jnp.bfloat16 and dtypes["final_norm/scale"] == jnp.float32
+  assert model.embed[...].dtype == jnp.float32
+
+  def run(m, tokens):
+    last_BV, state = decode.prefill(m, tokens[:, :T], capacity=L)
+    logits_BV, _ = decode.decode_step(m, tokens[:, T], jnp.full((B,), T, jnp.int32), state)
+    return last_BV, logits_BV
+
+  tokens = _tokens(7, (B, L))
+  chex.assert_trees_all_equal(jax.jit(run)(copy, tokens), jax.jit(run)(model, tokens))
+
+
 def test_layer_params_made_once_give_the_same_steps():
   """`Decoder.layer_params` (the stacked block parameters split per repeat, made once for a
   decoding loop) gives exactly the steps of the default per-call slices; a wrong count is a

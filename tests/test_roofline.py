@@ -47,6 +47,21 @@ def test_decode_bytes_from_known_parameter_counts():
   assert one["total"] == one["params"] + one["state"]
 
 
+@pytest.mark.parametrize("tie", [True, False])
+def test_decode_param_bytes_count_the_weights_as_the_decoding_copy_holds_them(tie):
+  """fp32 model: the formula's count; bf16 compute on fp32 parameters: every weight matrix at
+  2 bytes (`Decoder.for_decoding`), norms at 4, the head's d x V once."""
+  n = count_params(_transformer(tie_embeddings=tie))
+  fp32 = _transformer(tie_embeddings=tie)
+  assert roofline.decode_param_bytes(build_model(fp32, seed=0)) == \
+      roofline.decode_bytes(fp32, n, 1, 16)["params"]
+  cfg = _transformer(tie_embeddings=tie, dtype="bfloat16")
+  d, L = cfg.d_model, cfg.n_layers
+  norms = 2 * L * d + d
+  want = (n["non_embedding"] - norms) * 2 + norms * 4 + d * cfg.vocab_size * 2
+  assert roofline.decode_param_bytes(build_model(cfg, seed=0)) == want
+
+
 @pytest.mark.parametrize("mixer", available_mixers())
 def test_decode_state_bytes_are_per_row(mixer):
   """The bound's B x state-per-row: every mixer's decoding state scales with the batch."""

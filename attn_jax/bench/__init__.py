@@ -31,8 +31,9 @@ unknown, e.g. CPU).
 Decode against memory bandwidth: per config and each of decode_step_batches, one jitted loop of
 decode_steps greedy one-token steps after an untimed prefill of decode_step_prompt random
 tokens (capacity = prompt + steps), against bound = batch x copy bandwidth / (param bytes +
-state bytes) (`roofline.decode_bytes`: non-embedding parameters + the LM head in the parameter
-dtype, plus the whole decoding state); ratio = tok/s / bound. decode_only prints only this
+state bytes) (`roofline.decode_bytes`: non-embedding parameters + the LM head, each in the
+dtype the step reads it in (`Decoder.for_decoding`, as `decode.generate` runs), plus the whole
+decoding state); ratio = tok/s / bound. decode_only prints only this
 table, for freshly initialised parameters (what device_check.sh runs per mixer).
 
 Memory: the step is compiled ahead of time and its `memory_analysis()` gives the bytes one step

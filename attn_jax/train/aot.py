@@ -198,36 +198,59 @@ def compile_eval(setup: trainer.Setup, batch: int, seq_len: int) -> Program:
   return _program("eval", f"[{batch}, {seq_len}]", run, seq_len)
 
 
-def compile_decode(setup: trainer.Setup, batch: int, prompt: int) -> tuple[Program, Program]:
-  """`decode.prefill` of [batch, prompt] tokens, then one `decode.decode_step`."""
+def _decoding_state(setup: trainer.Setup) -> dict:
+  """{"params", "rest"} (pure dicts, as the trainer's state) of the abstract model's
+  `for_decoding` copy, with the trained state's shardings (only dtypes change)."""
   graphdef, st = setup.graphdef, setup.abstract_state
+
+  def cast(params, rest):
+    _, p, r = nnx.split(nnx.merge(graphdef, params, rest).for_decoding(), nnx.Param, ...)
+    return nnx.to_pure_dict(p), nnx.to_pure_dict(r)
+
+  new = jax.eval_shape(cast, st["params"], st["rest"])
+  keep = lambda n, o: jax.ShapeDtypeStruct(n.shape, n.dtype, sharding=o.sharding)
+  return {k: jax.tree.map(keep, n, st[k]) for k, n in zip(("params", "rest"), new)}
+
+
+def compile_decode(setup: trainer.Setup, batch: int, prompt: int) -> tuple[Program, Program]:
+  """`decode.prefill` of [batch, prompt] tokens, then one `decode.decode_step`, as
+  `decode.generate` runs them: on the `Decoder.for_decoding` parameters, with the per-layer
+  parameters (`Decoder.layer_params`) made once outside the step."""
+  graphdef, st = setup.graphdef, _decoding_state(setup)
   capacity = prompt + DECODE_NEW
   tok_sh = shd.batch_sharding(setup.mesh, setup.rules)
+  model = lambda params, rest: nnx.merge(graphdef, params, rest)
 
   def prefill(params, rest, prompt_BT):
-    return decode.prefill(nnx.merge(graphdef, params, rest), prompt_BT, capacity=capacity)
+    return decode.prefill(model(params, rest), prompt_BT, capacity=capacity)
 
-  def step(params, rest, token_B, pos_B, state):
-    return decode.decode_step(nnx.merge(graphdef, params, rest), token_B, pos_B, state)
+  def step(params, rest, layer_params, token_B, pos_B, state):
+    return decode.decode_step(model(params, rest), token_B, pos_B, state, layer_params)
 
   prompt_BT = jax.ShapeDtypeStruct((batch, prompt), jnp.int32, sharding=tok_sh)
   one_sh = shd.batch_sharding(setup.mesh, setup.rules, ndim=1)
   token_B = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=one_sh)
   holder = {}
 
+  def outputs_of(c, f, *args):
+    """`f`'s abstract outputs with the shardings compiled program `c` gives them."""
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                        jax.eval_shape(f, *args), c.output_shardings)
+
   def run_prefill(opts):
     with shd.use_rules(setup.mesh, setup.rules):
       c = decode.jit_stateful(prefill).lower(st["params"], st["rest"], prompt_BT).compile(opts)
-    holder["state"] = jax.tree.map(
-        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-        jax.eval_shape(prefill, st["params"], st["rest"], prompt_BT)[1],
-        c.output_shardings[1])
+      split = lambda p, r: model(p, r).layer_params()
+      holder["layers"] = outputs_of(jax.jit(split).lower(st["params"], st["rest"]).compile(),
+                                    split, st["params"], st["rest"])
+    holder["state"] = outputs_of(c, prefill, st["params"], st["rest"], prompt_BT)[1]
     return c
 
   def run_step(opts):
     with shd.use_rules(setup.mesh, setup.rules):
-      return decode.jit_stateful(step, donate_argnums=(4,)).lower(
-          st["params"], st["rest"], token_B, token_B, holder["state"]).compile(opts)
+      return decode.jit_stateful(step, donate_argnums=(5,)).lower(
+          st["params"], st["rest"], holder["layers"], token_B, token_B,
+          holder["state"]).compile(opts)
 
   pre = _program("prefill", f"[{batch}, {prompt}] -> capacity {capacity}", run_prefill, prompt)
   one = _program("decode", f"[{batch}, 1] at capacity {capacity}", run_step, prompt)

@@ -22,7 +22,8 @@ once plus every row's decoding state, so at bandwidth W
 
     bound tokens/s = B x W / (param bytes + B x state bytes per row)
 
-Param bytes = (non-embedding parameters + the LM head d x V) x the parameter dtype's size: the
+Param bytes = non-embedding parameters + the LM head d x V, each in the dtype a decoder holds
+it in (`Decoder.for_decoding`: weight matrices in the compute dtype, the rest as stored): the
 embedding table is gathered (B rows), the head is a full matmul (also when tied). State bytes
 = the whole decoding state (`model.init_state` at the capacity used): attention over a linear
 cache attends to every slot, masked or not, and SSM/ring states are read whole. Activations
@@ -99,12 +100,26 @@ def _tree_bytes(tree: Any) -> int:
                  for a in jax.tree.leaves(tree)))
 
 
+def decode_param_bytes(model) -> int:
+  """Parameter bytes one decode step of `model.for_decoding()` reads (module docstring): every
+  parameter in the dtype that copy stores it in, and of the vocabulary tables only the LM
+  head's d x V (padding never read; the input lookup reads B rows: not counted)."""
+  from flax import nnx
+  m = model.for_decoding()
+  total = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(nnx.state(m, nnx.Param)))
+  tables = [m.embed[...]] + ([] if m.cfg.tie_embeddings else [m.head[...]])
+  total -= sum(t.size * t.dtype.itemsize for t in tables)
+  return int(total + m.cfg.d_model * m.cfg.vocab_size * tables[-1].dtype.itemsize)
+
+
 def decode_bytes(cfg: ModelConfig, n_params: dict, batch: int, capacity: int,
-                 policy=None) -> dict:
+                 policy=None, param_bytes: int | None = None) -> dict:
   """Bytes one decode step of `batch` rows reads under the cache `policy` (module docstring):
-  {"params", "state" (all rows), "total"}."""
+  {"params", "state" (all rows), "total"}. `param_bytes` (`decode_param_bytes`) replaces the
+  count from `n_params` in the parameter dtype."""
   from attn_jax.model import init_state
-  params = (n_params["non_embedding"] + cfg.d_model * cfg.vocab_size) * \
+  params = param_bytes if param_bytes is not None else \
+      (n_params["non_embedding"] + cfg.d_model * cfg.vocab_size) * \
       jnp.dtype(dtype_of(cfg.param_dtype)).itemsize
   state = _tree_bytes(jax.eval_shape(lambda: init_state(cfg, int(batch), int(capacity), policy)))
   return {"params": int(params), "state": state, "total": int(params) + state}
@@ -122,7 +137,7 @@ def decode_step_tok_s(model, prompt_BT: jax.Array, steps: int, repeats: int = 2,
   from flax import nnx
 
   from attn_jax import decode
-  graphdef, state = nnx.split(model)
+  graphdef, state = nnx.split(model.for_decoding())   # as `decode.generate` runs it
   B, T = prompt_BT.shape
 
   @decode.jit_stateful
@@ -156,7 +171,8 @@ def decode_row(model, n_params: dict, batch: int, prompt_len: int, steps: int,
   cfg = model.cfg
   prompt = np.random.default_rng(seed).integers(0, cfg.vocab_size, (batch, prompt_len))
   tok_s = decode_step_tok_s(model, jnp.asarray(prompt, jnp.int32), steps, policy=policy)
-  nbytes = decode_bytes(cfg, n_params, batch, prompt_len + steps, policy)
+  nbytes = decode_bytes(cfg, n_params, batch, prompt_len + steps, policy,
+                        param_bytes=decode_param_bytes(model))
   bound = decode_bound_tok_s(nbytes["total"], batch, bandwidth)
   return {"batch": batch, "capacity": prompt_len + steps, "tok_s": tok_s, "bound_tok_s": bound,
           "ratio": tok_s / bound, "param_bytes": nbytes["params"],
