@@ -12,6 +12,7 @@ from typing import Any
 
 import ml_collections
 
+from attn_jax.kernel_choice import ATTENTION_IMPLS
 from attn_jax.options import field_check, is_int, is_number
 
 
@@ -136,7 +137,6 @@ def make_options(mixer: str, values: dict):
   return opt_cls(**vals)
 
 
-ATTENTION_IMPLS = ("auto", "einsum", "blocked", "xla", "cudnn", "splash")  # attention/core.py
 _REMAT = ("none", "full", "dots", "dots_no_batch")
 
 

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from attn_jax import platform
+from attn_jax import kernel_choice
 
 Initializer = Callable[..., jax.Array]
 
@@ -250,32 +250,17 @@ def starts_like(starts_BT, x_BT):
   return jnp.broadcast_to(_expand(starts_BT, x_BT), x_BT.shape)
 
 
-# None: by platform (`parallel_time_sums`); True / False forces one form (tests run the GPU/TPU
-# form on a CPU against the float64 references).
-FORCE_PARALLEL_TIME_SUMS: bool | None = None
-
-
-def parallel_time_sums() -> bool:
-  """Whether running sums over time are parallel programs (GPU, TPU: a while loop costs a host
-  round trip per iteration on a GPU, so a loop over T tokens is a slow step) or a `lax.scan`
-  (CPU, where a loop iteration is cheap and `jnp.cumsum` lowers to an O(T^2) reduce_window).
-  Read at trace time from the platform compiled for (`platform.current`)."""
-  if FORCE_PARALLEL_TIME_SUMS is not None:
-    return FORCE_PARALLEL_TIME_SUMS
-  return platform.current() != "cpu"
-
-
 def time_cumsum(x_BT: jax.Array, starts_BT=None) -> jax.Array:
   """Inclusive cumulative sum over axis 1: `jnp.cumsum` (or a segmented parallel prefix) where
-  `parallel_time_sums()`, a `lax.scan` on CPU. With `starts_BT` ([B, T] bool,
+  `kernel_choice.parallel_time_sums()`, a `lax.scan` on CPU. With `starts_BT` ([B, T] bool,
   `layers.segment_starts`): a segmented sum restarting at every True (a packed row's
   documents), whose value and gradient read only the own segment (the resets are selects, so a
   cotangent never crosses one: exact zeros, not cancellations)."""
   if starts_BT is None:
-    if parallel_time_sums():
+    if kernel_choice.parallel_time_sums():
       return jnp.cumsum(x_BT, axis=1)
     return time_scan(jnp.add, x_BT)
-  if not parallel_time_sums():
+  if not kernel_choice.parallel_time_sums():
     return time_scan(jnp.add, x_BT, starts_BT)
   return segmented_cumsum(x_BT, starts_like(starts_BT, x_BT), axis=1)[0]
 

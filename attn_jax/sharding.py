@@ -30,15 +30,16 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import fnmatch
+import functools
 import math
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import jax
 import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from attn_jax import platform
+from attn_jax import kernel_choice
 
 MeshAxes = str | tuple[str, ...] | None
 
@@ -223,16 +224,39 @@ _ACTIVE: contextvars.ContextVar[tuple[Mesh, Mapping[str, MeshAxes]] | None] = (
 def use_rules(mesh: Mesh, rules: Mapping[str, MeshAxes] | Sequence[tuple[str, MeshAxes]]):
   """Within this block (while tracing), `constrain` applies `rules` on `mesh`.
 
-  Also enters `platform.use_platform(mesh)` (kernel choices follow the mesh's devices, not the
-  tracing process's backend) and `jax.set_mesh(mesh)`: the mesh is part of jit's trace-cache key, so a function
-  traced here is not reused outside (and vice versa). Two different `rules` on one mesh share
-  that key: trace each jitted function under one set of rules.
+  Also enters `kernel_choice.use_platform(mesh)` (kernel choices follow the mesh's devices, not
+  the tracing process's backend) and `jax.set_mesh(mesh)`: the mesh is part of jit's
+  trace-cache key, so a function traced here is not reused outside (and vice versa). Two
+  different `rules` on one mesh share that key: trace each jitted function under one set of
+  rules. A program built for a mesh carries this in its own trace instead (`traced_for`).
   """
+  with jax.set_mesh(mesh), _rules_and_platform(mesh, rules):
+    yield
+
+
+def traced_for(mesh: Mesh, rules: Mapping[str, MeshAxes] | Sequence[tuple[str, MeshAxes]],
+               fn: Callable) -> Callable:
+  """`fn`, whose every trace runs under `rules` on `mesh` (`constrain`, `active`) and for the
+  mesh's platform (`kernel_choice.use_platform`). Jitted, it is a program for that mesh: it
+  picks the mesh's kernels however and wherever it is lowered (`setup.step_fn.lower(...)` in a
+  notebook, outside any `use_rules`). `jax.set_mesh` is not entered (a trace cannot); nothing
+  traced reads the ambient mesh (`constrain` and the kernels' `shard_map` name theirs)."""
+
+  @functools.wraps(fn)
+  def traced(*args, **kwargs):
+    with _rules_and_platform(mesh, rules):
+      return fn(*args, **kwargs)
+
+  return traced
+
+
+@contextlib.contextmanager
+def _rules_and_platform(mesh: Mesh, rules):
   if not isinstance(rules, Mapping):
     rules = rules_dict(rules)
   token = _ACTIVE.set((mesh, dict(rules)))
   try:
-    with jax.set_mesh(mesh), platform.use_platform(mesh):
+    with kernel_choice.use_platform(mesh):
       yield
   finally:
     _ACTIVE.reset(token)

@@ -40,7 +40,8 @@ def main(argv):
   import jax.numpy as jnp
   import numpy as np
 
-  from attn_jax.attention.core import DEFAULT_CHUNK, attend, choose_impl
+  from attn_jax.attention.core import DEFAULT_CHUNK, attend
+  from attn_jax.kernel_choice import attention_impl
 
   plat = jax.default_backend()
   dtype = jnp.dtype(_DTYPE.value or ("bfloat16" if plat == "gpu" else "float32"))
@@ -54,7 +55,7 @@ def main(argv):
       runs.append((impl, None))
   dv = _DV.value or _D.value
   print(f"platform={plat} dtype={dtype.name} B={_B.value} H={_H.value} Dqk={_D.value} "
-        f"Dv={dv} sink={_SINK.value} auto->{choose_impl('auto', dtype, _D.value)}")
+        f"Dv={dv} sink={_SINK.value} auto->{attention_impl('auto', dtype, _D.value)}")
   rng = np.random.default_rng(0)
   for L in map(int, _SEQ.value):
     q, k = (jnp.asarray(rng.standard_normal((_B.value, L, _H.value, _D.value)), dtype)

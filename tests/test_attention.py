@@ -314,12 +314,12 @@ def test_blocked_causal_by_gradient_with_small_chunks():
 
 
 def test_auto_picks_blocked_on_cpu_and_rejects_unknown():
-  from attn_jax.attention.core import choose_impl
+  from attn_jax.kernel_choice import attention_impl
   assert jax.default_backend() == "cpu"
-  assert choose_impl("auto", jnp.float32, 64) == "blocked"
-  assert choose_impl("einsum", jnp.float32, 64) == "einsum"
+  assert attention_impl("auto", jnp.float32, 64) == "blocked"
+  assert attention_impl("einsum", jnp.float32, 64) == "einsum"
   with pytest.raises(ValueError, match="unknown attention impl"):
-    choose_impl("flash", jnp.float32, 64)
+    attention_impl("flash", jnp.float32, 64)
   q, k, v = _qkv(9, H=4, K=4)
   with pytest.raises(ValueError, match="sink_logit_H must have shape"):
     attend(q, k, v, scale=1.0, sink_logit_H=jnp.zeros((3,)))

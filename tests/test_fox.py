@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from attn_jax import kernel_choice
 from attn_jax.attention import fox as F
 from attn_jax.attention.cache import Ring, SinksRing
 from attn_jax.config import ModelConfig
@@ -99,8 +100,9 @@ def test_auto_path_is_blocked_up_to_its_length_then_flash():
   assert F.choose_path("auto", F.BLOCKED_MAX_LEN + 256) == "flash"
   assert F.choose_path("flash", 8) == "flash"
   for plat in ("gpu", "tpu"):   # accelerators: O(T) memory at every length
-    assert F.choose_path("auto", 256, plat) == "flash"
-  assert F.choose_path("blocked", 256, "tpu") == "blocked"
+    with kernel_choice.use_platform(plat):
+      assert F.choose_path("auto", 256) == "flash"
+      assert F.choose_path("blocked", 256) == "blocked"
   with pytest.raises(ValueError, match="unknown path 'fast'"):
     F.choose_path("fast", 8)
 

@@ -19,7 +19,8 @@ import pytest
 from flax import nnx
 
 from attn_jax.attention import sisa as S
-from attn_jax.attention.core import attend, attention_reference, choose_impl
+from attn_jax.attention.core import attend, attention_reference
+from attn_jax.kernel_choice import attention_impl
 from attn_jax.config import ModelConfig
 from configs import base
 
@@ -46,8 +47,8 @@ def _rel_err(a, b) -> float:
 def test_auto_picks_cudnn_for_bf16():
   if jax.default_backend() != "gpu":
     pytest.skip("auto's choice is platform-specific")
-  assert choose_impl("auto", jnp.bfloat16, 64) == "cudnn"
-  assert choose_impl("auto", jnp.float32, 64) == "xla"
+  assert attention_impl("auto", jnp.bfloat16, 64) == "cudnn"
+  assert attention_impl("auto", jnp.float32, 64) == "xla"
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from attn_jax import targets
+from attn_jax import kernel_choice, targets
 from attn_jax.attention import fox as F
 from attn_jax.attention import sisa as S
 from attn_jax.attention.alibi import alibi_slopes
@@ -245,7 +245,7 @@ def test_unsupported_names_why():
 def _compiled_text(target: str, T: int = 256, D: int = 128, ds: int = 32):
   """The SISA + FoX kernel's fwd + bwd (bf16 q, k, v) compiled for a target's first device."""
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-  from attn_jax import platform
+  from attn_jax import kernel_choice
   devs = targets.devices(target)
   B, H = 1, 2
   sds = jax.ShapeDtypeStruct
@@ -259,7 +259,7 @@ def _compiled_text(target: str, T: int = 256, D: int = 128, ds: int = 32):
     return jnp.sum(o.astype(f32) ** 2)
 
   mesh = Mesh(np.array(devs[:1]), ("x",))
-  with platform.use_platform(devs[0]), targets.no_persistent_cache():
+  with kernel_choice.use_platform(devs[0]), targets.no_persistent_cache():
     f = jax.jit(jax.grad(loss, argnums=tuple(range(7))), in_shardings=NamedSharding(mesh, P()))
     compiled = f.lower(*args).compile()
   return compiled.as_text(), compiled.memory_analysis()
@@ -322,10 +322,10 @@ def _same_as_blockwise(m, x, seg):
   w = jnp.asarray(np.random.default_rng(7).standard_normal(x.shape), jnp.float32)
   program = lambda: str(jax.make_jaxpr(lambda x: m(x, segment_ids_BT=seg)[0])(x))
   assert "pallas_call" not in program()
-  with K.on_cpu():
+  with kernel_choice.kernels_on_cpu():
     assert "pallas_call" in program()
   out_b, grads_b = _param_grads(m, x, seg, w)
-  with K.on_cpu():
+  with kernel_choice.kernels_on_cpu():
     out_k, grads_k = _param_grads(m, x, seg, w)
   _close(out_k, out_b, what="output")
   flat_k = jax.tree_util.tree_leaves_with_path(grads_k)
@@ -354,7 +354,7 @@ def test_a_bf16_sisa_gives_the_kernel_its_factors_in_bf16():
   from tests.test_sisa import _cfg, _mixer
   m = _mixer(_cfg(n_heads=2, dtype="bfloat16"))
   x = jnp.ones((1, 64, m.cfg.d_model), jnp.bfloat16)
-  with K.on_cpu():
+  with kernel_choice.kernels_on_cpu():
     jaxpr = jax.make_jaxpr(lambda x: m(x)[0])(x)
   (call,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "custom_vjp_call"]
   floats = [(v.aval.dtype, v.aval.ndim) for v in call.invars
@@ -383,10 +383,10 @@ def test_fox_and_alibi_mixers_take_the_kernel(mixer):
 def test_cpu_keeps_blockwise_and_misfits_are_logged(caplog):
   """On CPU (no `on_cpu`) the mixers keep their blockwise paths; a shape the kernel cannot take
   on the target is one logged line naming why."""
-  from attn_jax import platform
-  with platform.use_platform("cpu"):   # also where the suite runs on a GPU (device_check.sh)
+  from attn_jax import kernel_choice
+  with kernel_choice.use_platform("cpu"):   # also where the suite runs on a GPU (device_check.sh)
     assert not K.use_kernel("auto", (1, 256, 4, 64), (1, 256, 4, 64), (1, 256, 4, 64), what="x")
-  with platform.use_platform("gpu"):
+  with kernel_choice.use_platform("gpu"):
     assert K.use_kernel("auto", (1, 256, 4, 64), (1, 256, 4, 64), (1, 256, 4, 64), what="x")
     assert not K.use_kernel("einsum", (1, 256, 4, 64), (1, 256, 4, 64), (1, 256, 4, 64),
                             what="x")
@@ -478,7 +478,7 @@ def test_sharded_over_batch_and_heads_equals_one_device():
   f = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(7)), has_aux=True))
   (_, out), grads = f(*args)
   mesh = sharding.make_mesh((2, 1, 4), ("data", "fsdp", "tensor"))
-  with sharding.use_rules(mesh, sharding.TRUNK_RULES), K.on_cpu():
+  with sharding.use_rules(mesh, sharding.TRUNK_RULES), kernel_choice.kernels_on_cpu():
     assert "shard_map" in str(jax.make_jaxpr(f)(*args))
     (_, out_s), grads_s = f(*args)
   _close(out_s, out, what="sharded forward")
@@ -504,7 +504,7 @@ def test_prefill_takes_the_kernel_and_leaves_the_same_state(pattern):
   tokens, lengths = _tokens(4, (2, 40)), jnp.asarray([40, 23], jnp.int32)
   jaxpr = lambda: str(jax.make_jaxpr(lambda t, n: _prefill(model, t, n, 48))(tokens, lengths))
   assert "pallas_call" not in jaxpr()
-  with K.on_cpu():
+  with kernel_choice.kernels_on_cpu():
     assert "pallas_call" in jaxpr()
     last_k, state_k = _prefill(model, tokens, lengths, 48)
   last_c, state_c = _prefill(model, tokens, lengths, 48)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from attn_jax import layers
+from attn_jax import kernel_choice
 from attn_jax.attention import sisa as S
 from attn_jax.attention.core import attention_reference
 from attn_jax.attention.mha import Attention
@@ -486,7 +486,7 @@ def test_phase_precision_32k_against_float64(path, monkeypatch):
   output (the running phase is wrapped mod 2 pi, so its fp32 angle never grows).
   `fast_parallel_sums`: g and Phi as the GPU / TPU parallel prefixes (no loop over T)."""
   if path == "fast_parallel_sums":
-    monkeypatch.setattr(layers, "FORCE_PARALLEL_TIME_SUMS", True)
+    monkeypatch.setattr(kernel_choice, "FORCE_PARALLEL_TIME_SUMS", True)
     path = "fast"
   T = 32768
   m = _boost(S.SISA(*(lambda c: (c, c.options_for("sisa")))(_cfg(
@@ -528,7 +528,7 @@ def test_parallel_phase_sum_is_the_wrapped_sum_to_float64_at_32k(monkeypatch):
   ref = np.mod(np.cumsum(theta.astype(np.float64), axis=1), 2 * np.pi)
   forms = {}
   for parallel in (True, False):
-    monkeypatch.setattr(layers, "FORCE_PARALLEL_TIME_SUMS", parallel)
+    monkeypatch.setattr(kernel_choice, "FORCE_PARALLEL_TIME_SUMS", parallel)
     forms[parallel] = np.asarray(jax.jit(lambda t: S.phase_cumsum(t))(jnp.asarray(theta)))
   assert np.abs(np.sum(theta.astype(np.float64), axis=1)).max() > 25000
   err_par, err_seq = _angle_error(forms[True], ref), _angle_error(forms[False], ref)
@@ -548,7 +548,7 @@ def test_parallel_sums_restart_like_the_scan_with_equal_gradients(monkeypatch):
   w1, w2 = _normal(3, (2, T, 3)), _normal(4, (2, T, 3, 2))
 
   def both(parallel):
-    monkeypatch.setattr(layers, "FORCE_PARALLEL_TIME_SUMS", parallel)
+    monkeypatch.setattr(kernel_choice, "FORCE_PARALLEL_TIME_SUMS", parallel)
     f = lambda la, th: S.decay_and_phase(la, th, jnp.asarray(starts))
     readout = lambda la, th: (lambda g, p: jnp.sum(w1 * g) + jnp.sum(w2 * jnp.cos(p)))(*f(la, th))
     return jax.jit(f)(loga, theta), jax.jit(jax.grad(readout, argnums=(0, 1)))(loga, theta)
@@ -579,7 +579,7 @@ def test_packed_rows_match_reference_and_each_document_alone(monkeypatch, path, 
   if route == "fused_chunks":   # what a cuDNN core picks (its past parts then run on CPU)
     monkeypatch.setattr(S.SISA, "_chunked", lambda self, *a: self._fused_chunks(*a))
   if route == "parallel_sums":
-    monkeypatch.setattr(layers, "FORCE_PARALLEL_TIME_SUMS", True)
+    monkeypatch.setattr(kernel_choice, "FORCE_PARALLEL_TIME_SUMS", True)
   m = _mixer(_cfg(path=path, chunk_size=4, decay_bias_init=decay_bias))
   pos, seg, spans = one_row(DOCS)
   T = pos.shape[1]

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from attn_jax import decode, streaming
+from attn_jax import decode, kernel_choice, streaming
 from attn_jax.attention import cache as cache_lib
 from attn_jax.attention import sisa
 from attn_jax.attention.projection import rope
@@ -274,6 +274,6 @@ def test_one_token_step_updates_the_cache_in_place(mixer):
     text = jitted.lower(params, one, one, state).compile().as_text()
     kv = f"[1,{H},16,{D // H}]"          # a layer's k or v: [B, K, S, Dh]
     return sum(" copy(" in line and kv in line for line in text.splitlines())
-  if decode.state_compiler_options():
+  if kernel_choice.stateful_compiler_options():
     assert kv_copies(jax.jit(fn, donate_argnums=(3,))) > 2 * model.cfg.n_layers
   assert kv_copies(decode.jit_stateful(fn, donate_argnums=(3,))) <= model.cfg.n_layers

@@ -4,7 +4,7 @@ the device compilers' own passes, the SPMD partitioner on that topology, the cuD
 kernels and XLA's memory analysis; nothing runs).
 
 Each case is the trainer's exact train step (`build_setup` over the target's devices, traced
-under the mesh's rules, so `platform.current()` is the target's platform) on a 2-axis mesh,
+under the mesh's rules, so `kernel_choice.target()` is the target's platform) on a 2-axis mesh,
 data x fsdp and data x tensor, at a tiny width but a training length of T = 1024, and the
 decode programs (chunked prefill + the one-token step). Asserted: it compiles; the
 Transformer at bf16 calls cuDNN attention on H100 and the splash (Mosaic) kernel on TPU; no
@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from attn_jax import platform, targets
+from attn_jax import kernel_choice, targets
 from attn_jax import sharding as shd
 from attn_jax.attention import core
 from attn_jax.registry import available_mixers
@@ -111,24 +111,24 @@ def test_program_text_is_read_for_kernels_collectives_and_square_buffers():
 
 
 def test_the_kernel_choice_follows_the_platform_compiled_for():
-  assert platform.current() == "cpu"
-  with platform.use_platform("tpu"):
-    assert core.choose_impl("auto", jnp.bfloat16, 64) == "splash"
-    with platform.use_platform("cuda"):
-      assert core.choose_impl("auto", jnp.bfloat16, 64) == "cudnn"
-      assert core.choose_impl("auto", jnp.float32, 64) == "xla"
-    assert platform.current() == "tpu"
-  assert core.choose_impl("auto", jnp.bfloat16, 64) == "blocked"
+  assert kernel_choice.target() == "cpu"
+  with kernel_choice.use_platform("tpu"):
+    assert kernel_choice.attention_impl("auto", jnp.bfloat16, 64) == "splash"
+    with kernel_choice.use_platform("cuda"):
+      assert kernel_choice.attention_impl("auto", jnp.bfloat16, 64) == "cudnn"
+      assert kernel_choice.attention_impl("auto", jnp.float32, 64) == "xla"
+    assert kernel_choice.target() == "tpu"
+  assert kernel_choice.attention_impl("auto", jnp.bfloat16, 64) == "blocked"
   with pytest.raises(ValueError, match="unknown platform 'metal'"):
-    platform.normalize("metal")
+    kernel_choice.normalize("metal")
 
 
 def test_use_rules_sets_the_mesh_platform():
   _need(TPU)
   mesh = shd.make_mesh((4,), ("data",), targets.devices(TPU))
   with shd.use_rules(mesh, {"batch": "data"}):
-    assert platform.current() == "tpu"
-  assert platform.current() == "cpu"
+    assert kernel_choice.target() == "tpu"
+  assert kernel_choice.target() == "cpu"
 
 
 def _script(*args):
@@ -243,6 +243,21 @@ def test_transformer_train_step_calls_cudnn_on_h100():
   (train,) = r.programs
   assert train.kernels.get("cuDNN attention fwd") and train.kernels.get("cuDNN attention bwd")
   assert train.tt_buffers == [] and r.fit.fits
+
+
+def test_a_setup_step_lowered_outside_any_context_compiles_the_targets_kernels():
+  """`build_setup` over H100s, then `setup.step_fn.lower(...).compile()` as a notebook would,
+  outside `use_rules` and any platform block: the program carries its mesh's platform
+  (`sharding.traced_for`), so it holds cuDNN attention, not the CPU's blocked core."""
+  _need(GPU)
+  from attn_jax.train import trainer
+  setup = trainer.build_setup(tiny_config(("attention",), MESHES["data_fsdp"]),
+                              devices=targets.devices(GPU))
+  assert kernel_choice.target() == "cpu"
+  batch = trainer.abstract_batch(setup, 1, 4, SEQ_LEN)
+  text = setup.step_fn.lower(setup.abstract_state, batch).compile().as_text()
+  kernels = aot.kernels_in(text)
+  assert kernels.get("cuDNN attention fwd") and kernels.get("cuDNN attention bwd"), kernels
 
 
 @pytest.mark.slow

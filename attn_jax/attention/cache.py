@@ -357,7 +357,7 @@ def cached_attention(cache: KVCache, q_BTHD, k_BTKD, v_BTKV, positions_BT, *, th
   q, k (the mixer's full forward), used instead of `attend_cache` for a fresh `Linear` cache
   (`KVCache.fresh`: nothing cached, stream positions). The cache is read before the new tokens
   are written (a ring's writes may evict keys the chunk's earlier queries see); compiled with
-  `decode.state_compiler_options`, the write then happens in place."""
+  `kernel_choice.stateful_compiler_options`, the write then happens in place."""
   pol = cache.policy
   base, m, _ = pol.frame(positions_BT)
   if pol.bounded:

@@ -68,9 +68,10 @@ decoder's sink tokens with packed rows) falls back to "xla"; a caller that knows
 none (no sink tokens) passes `shared_prefix=False`. A fully masked query row returns zeros on
 every path.
 
-"auto" picks by platform, from `experiments/bench_attention.py` (fwd + bwd): CPU -> "blocked",
-GPU -> "cudnn" for bf16/fp16 inputs with head dims cuDNN supports (else "xla"), TPU ->
-"splash" where it applies (else "xla").
+"auto" resolves by platform in `kernel_choice.attention_impl` (from
+`experiments/bench_attention.py`, fwd + bwd): CPU -> "blocked", GPU -> "cudnn" for bf16/fp16
+inputs with head dims cuDNN supports (else "xla"), TPU -> "splash" where it applies (else
+"xla").
 """
 
 from __future__ import annotations
@@ -79,20 +80,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attn_jax import platform
+from attn_jax import kernel_choice
 from attn_jax.attention import splash
 from attn_jax.layers import SHARED_SEGMENT, causal_positions  # noqa: F401  (also re-exported)
 
 NEG_INF = -1e30  # finite: masked scores; the softmax floors its row max at NEG_INF / 2
-IMPLS = ("auto", "einsum", "blocked", "xla", "cudnn", "splash")
 DEFAULT_CHUNK = 256  # query rows per block of the "blocked" path
-
-# Attention cores whose backward would otherwise keep the [T, S] probabilities: the full
-# forward recomputes them instead (jax.checkpoint on the core only). On CPU this is faster as
-# well as smaller — recomputing the scores costs less than storing and reloading them
-# (`experiments/bench.py --preset=cpu_50m_fp32`, docs/benchmarks.md). Fused kernels (cuDNN,
-# splash) keep O(T) residuals and are not rematerialised.
-REMAT_CORE_IMPLS = ("einsum", "blocked", "xla")
 
 
 def segment_mask(q_seg_BT: jax.Array, kv_seg_BS: jax.Array) -> jax.Array:
@@ -378,23 +371,6 @@ def splash_problem(*, causal: bool, T: int, S: int, bias, window, one_stream: bo
 
 # ------------------------------------------------------------------ dispatch
 
-def choose_impl(impl: str, q_dtype, dqk: int, plat: str | None = None) -> str:
-  """The implementation `impl="auto"` resolves to on platform `plat` (default: the platform
-  the program is compiled for, `platform.current()`; see module docstring)."""
-  if impl not in IMPLS:
-    raise ValueError(f"unknown attention impl {impl!r} ({' | '.join(IMPLS)})")
-  if impl != "auto":
-    return impl
-  plat = platform.current() if plat is None else platform.normalize(plat)
-  if plat == "gpu":
-    if jnp.dtype(q_dtype) in (jnp.bfloat16, jnp.float16) and dqk <= 256 and dqk % 8 == 0:
-      return "cudnn"
-    return "xla"
-  if plat == "tpu":
-    return "splash"
-  return "blocked"
-
-
 def attend(q, k, v, *, scale: float, causal: bool = True, q_positions=None, kv_positions=None,
            bias=None, sink_logit_H=None, prefix_causal: bool = False, impl: str = "auto",
            chunk: int | None = None, window: int | None = None, q_segments=None,
@@ -418,7 +394,7 @@ def attend(q, k, v, *, scale: float, causal: bool = True, q_positions=None, kv_p
   segmented = q_segments is not None or kv_segments is not None
   plain_causal = (causal and q_positions is None and kv_positions is None and T == S
                   and window is None and not segmented)
-  impl = choose_impl(impl, q.dtype, Dqk)
+  impl = kernel_choice.attention_impl(impl, q.dtype, Dqk)
   if impl == "splash" and splash_problem(
       causal=causal, T=T, S=S, bias=bias, window=window, segmented=segmented,
       one_stream=plain_causal or prefix_causal, shared_prefix=shared_prefix):

@@ -55,7 +55,7 @@ compute the same softmax (`path`; "auto" = `choose_path`):
   s = q.k scale + l_i + r_j formed inside `flash.past_blocks`' loops, plus M[I, J] as its
   block-pair term (online softmax forward, recomputing backward; O(T) memory beside the
   n^2 block-pair terms); the two parts combined exactly by log-sum-exp (`split.combine`).
-  "auto" takes it for longer T, and at every T on GPU / TPU (`platform.current()`): there the
+  "auto" takes it for longer T, and at every T on GPU / TPU (`kernel_choice.forget_path`): there the
   blocked path's O(T^2 / 2) residuals per layer (all layers' at once in a training step) cost
   twice the Transformer's memory at 152M (17.2 vs 8.2 GiB on H100 at 4 x 2048 per device,
   compiled for the target), while CPU's measured speed favours the blocked path at moderate lengths.
@@ -116,7 +116,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from attn_jax import platform
+from attn_jax import kernel_choice
 from attn_jax.attention import cache as cache_lib
 from attn_jax.attention import flash, split
 from attn_jax.attention.core import (attention_flops_per_token, blocked_attention,
@@ -268,17 +268,13 @@ PATHS = ("auto", "blocked", "flash")
 BLOCKED_MAX_LEN = 4096   # "auto": the blocked path up to this (padded) length, flash beyond
 
 
-def choose_path(path: str, T: int, plat: str | None = None) -> str:
-  """"auto" -> "blocked" on CPU for T <= BLOCKED_MAX_LEN, else "flash" (module docstring: the
-  blocked path keeps every block's probabilities for the backward, O(T^2 / 2), as the
-  Transformer's blocked core does; the flash loops keep O(T)). `plat`: the platform the
-  program is compiled for (default `platform.current()`)."""
+def choose_path(path: str, T: int) -> str:
+  """"auto" -> `kernel_choice.forget_path` (module docstring: the blocked path keeps every
+  block's probabilities for the backward, O(T^2 / 2), as the Transformer's blocked core does;
+  the flash loops keep O(T)); another name is checked and kept."""
   if path not in PATHS:
     raise ValueError(f"forget_attention: unknown path {path!r} ({' | '.join(PATHS)})")
-  if path != "auto":
-    return path
-  plat = platform.current() if plat is None else platform.normalize(plat)
-  return "blocked" if plat == "cpu" and T <= BLOCKED_MAX_LEN else "flash"
+  return kernel_choice.forget_path(T, BLOCKED_MAX_LEN) if path == "auto" else path
 
 
 def _flash(q, k, v, l, r, m, *, scale, c, sink_logit_H, seg):

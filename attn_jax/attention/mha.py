@@ -14,9 +14,9 @@ import dataclasses
 import jax
 from flax import nnx
 
+from attn_jax import kernel_choice
 from attn_jax.attention import cache as cache_lib
-from attn_jax.attention.core import (REMAT_CORE_IMPLS, attend, attention_flops_per_token,
-                                     causal_keys, choose_impl)
+from attn_jax.attention.core import attend, attention_flops_per_token, causal_keys
 from attn_jax.attention.projection import (QKVProjection, SinkLogitOptions, make_sink_logit,
                                            qk_probs, sink_logit_of)
 from attn_jax.config import ModelConfig
@@ -59,7 +59,7 @@ class Attention(cache_lib.CachedMixer):
         sink_logit_H=sink, impl=cfg.attention_impl, prefix_causal=True,
         q_segments=segment_ids_BT, kv_segments=segment_ids_BT,
         shared_prefix=cfg.sink_tokens > 0)   # no sink tokens: no segment-0 key (splash takes it)
-    if choose_impl(cfg.attention_impl, q.dtype, q.shape[-1]) in REMAT_CORE_IMPLS:
+    if kernel_choice.remat_attention(cfg.attention_impl, q.dtype, q.shape[-1]):
       core_fn = jax.checkpoint(core_fn)
     return p.o(core_fn(q, k, v, sink)), None, {}
 

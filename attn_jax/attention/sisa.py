@@ -37,7 +37,7 @@ is evaluated is <= 1 or <= e^T for a fixed T, and no reference reads a later tok
   whose past goes through that kernel (`_fused_chunks`).
 - `path="auto"`: a `jax.lax.cond` on the measured range -min g (both paths compute the same
   function). A cond keeps both branches' residuals, so with a core in
-  `core.REMAT_CORE_IMPLS` both branches are rematerialised; fused cores keep O(T) residuals.
+  `kernel_choice.REMAT_CORE_IMPLS` both branches are rematerialised; fused cores keep O(T) residuals.
 - decoding / prefill (`_cached`): the chunked path with one chunk after the cache, r = g of
   the last cached token; cached g_j are stored relative to it, so a one-token step has factors
   a_i <= 1 and <= 1 at any length. The state (`SISAState`) is a `cache.KVCache` with SISA's
@@ -80,17 +80,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from attn_jax import platform
+from attn_jax import kernel_choice
 from attn_jax.attention import cache as cache_lib
 from attn_jax.attention import flash, split
-from attn_jax.attention.core import (REMAT_CORE_IMPLS, attend, attention_flops_per_token,
-                                     causal_keys, choose_impl, segment_mask)
+from attn_jax.attention.core import (attend, attention_flops_per_token, causal_keys,
+                                     segment_mask)
 from attn_jax.attention.projection import (QKVProjection, SinkLogitOptions, make_sink_logit,
                                            probs_with_sink, sink_logit_of)
 from attn_jax.config import ModelConfig
 from attn_jax.kernels import decayed
 from attn_jax.layers import (Linear, causal_positions, dtype_of, param, segment_starts,
-                             angle_cumsum, parallel_time_sums, starts_like, stat_dtype,
+                             angle_cumsum, starts_like, stat_dtype,
                              time_cumsum, time_scan)
 from attn_jax.options import field_check, is_int, is_number
 from attn_jax.registry import register_mixer
@@ -139,7 +139,7 @@ def phase_cumsum(theta_BTHP: jax.Array, starts_BT=None) -> jax.Array:
   `starts_BT` (packed rows). A token-by-token `lax.scan` on CPU, elsewhere a parallel prefix
   over the angle held as a double-float (`layers.angle_cumsum`: no loop over T on a GPU, and
   more precise than the loop: 2.4e-7 rad at 32K tokens against 4.7e-5)."""
-  if parallel_time_sums():
+  if kernel_choice.parallel_time_sums():
     reset = None if starts_BT is None else starts_like(starts_BT, theta_BTHP)
     return angle_cumsum(theta_BTHP, axis=1, reset=reset)
   return time_scan(lambda c, a: wrap_phase(c + a), theta_BTHP, starts_BT)
@@ -150,7 +150,7 @@ def decay_and_phase(loga_BTH, theta_BTHP, starts_BT=None):
   be None. `starts_BT`: both restart at every document start of a packed row."""
   if theta_BTHP is None:
     return time_cumsum(loga_BTH, starts_BT), None
-  if parallel_time_sums():
+  if kernel_choice.parallel_time_sums():
     return time_cumsum(loga_BTH, starts_BT), phase_cumsum(theta_BTHP, starts_BT)
   both = time_scan(lambda c, a: jnp.concatenate([c[..., :1] + a[..., :1],
                                                   wrap_phase(c[..., 1:] + a[..., 1:])], -1),
@@ -496,7 +496,7 @@ class SISA(cache_lib.CachedMixer):
     # keeps only its inputs by construction (`split.sequential`).
     fast, chunked = self._fast, self._chunked
     core = self._core_impl(ops)
-    if core in REMAT_CORE_IMPLS:
+    if core in kernel_choice.REMAT_CORE_IMPLS:
       fast = jax.checkpoint(fast)
     if core != "cudnn":   # `_chunked` takes `_blockwise`
       chunked = jax.checkpoint(chunked)
@@ -518,7 +518,8 @@ class SISA(cache_lib.CachedMixer):
 
   def _core_impl(self, ops: SISAOperands) -> str:
     """The attention core a call of the widened Q/K (d_h + d_s channels) runs on."""
-    return choose_impl(self.cfg.attention_impl, ops.q.dtype, ops.q.shape[-1] + ops.rc.shape[-1])
+    return kernel_choice.attention_impl(self.cfg.attention_impl, ops.q.dtype,
+                                        ops.q.shape[-1] + ops.rc.shape[-1])
 
   def _fast(self, ops: SISAOperands):
     """One attend call; reference r = 0 (valid while -g <= fast_max_range; packed rows: g
@@ -601,7 +602,7 @@ class SISA(cache_lib.CachedMixer):
       qh = _widen(q[:, a:e], qf, rc[:, a:e])
       kf = jnp.exp(_nonpositive(r[:, None] - g[:, :a]))                 # <= 1
       kh = _widen(k[:, :a], kf, rb[:, :a])
-      impl = choose_impl(cfg.attention_impl, dt, qh.shape[-1])
+      impl = kernel_choice.attention_impl(cfg.attention_impl, dt, qh.shape[-1])
       parts.append(split.partial_attention(qh, kh, v[:, :a], scale=scale, impl=impl,
                                            mask=past_mask))
     return split.combine(parts, ops.sink)

@@ -32,7 +32,7 @@ replicated (each device computes all heads of its rows). A dimension that does n
 axes is replicated, as `constrain` does. Outside `use_rules` (eager use, one device) the kernel
 is called directly.
 
-Off TPU (`platform.current()` is not "tpu": tests on CPU) the same kernel runs in the Pallas
+Off TPU (`kernel_choice.pallas_interpret("tpu")`: tests on CPU) the same kernel runs in the Pallas
 interpreter: slow, but the kernel's own code, so its numerics and the shard_map specs are
 tested without a TPU.
 """
@@ -46,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from attn_jax import platform, sharding
+from attn_jax import kernel_choice, sharding
 
 BLOCK = 128                     # the kernel's default block: T must be a multiple
 PAD_SEGMENT = int(np.iinfo(np.int32).min)   # document id of padding (position -1) tokens
@@ -88,7 +88,7 @@ def local_attention(q, k, v, sink_H=None, q_ids=None, kv_ids=None, *, scale: flo
   B, T, H, D = q.shape
   K = k.shape[2]
   G = H // K
-  kernel = _kernel(T, G, platform.current() != "tpu")
+  kernel = _kernel(T, G, kernel_choice.pallas_interpret("tpu"))
   q5 = (q * jnp.asarray(scale, q.dtype)).reshape(B, T, K, G, D).transpose(0, 2, 3, 1, 4)
   kt, vt = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)   # [B, K, T, .]
   seg = None if q_ids is None else sa.SegmentIds(q_ids, kv_ids)

@@ -9,7 +9,7 @@
    runs them: one compiled call per token on inputs made beforehand, the parameters passed as
    a flat list of arrays; the streaming step takes the per-layer parameters made once
    (`Decoder.layer_params`), donates its state and is compiled with
-   `decode.state_compiler_options` (the cache is updated in place);
+   `kernel_choice.stateful_compiler_options` (the cache is updated in place);
 2. constant memory: the streaming cache's bytes after 10K and after `--long` tokens (default
    1M) fed in chunks, the per-token time over the stream (median of the chunks of the first
    tenth after the cache is full vs median of the last tenth), the same chunks against a

@@ -65,9 +65,9 @@ Sharding (`_sharded`): XLA does not partition Pallas calls, so under `sharding.u
 call runs in a `jax.shard_map` over the active mesh: rows by the `batch` rule, heads by the
 `heads` / `kv_heads` rules when both split alike (else heads replicated), time whole.
 
-Choosing it (`use_kernel`): the mixers (SISA, FoX, ALiBi) take the kernel in their full forward
-when `attention_impl == "auto"` and the program is compiled for a GPU or TPU
-(`platform.current()`); the CPU keeps their blockwise paths. Inputs the kernel cannot take
+Choosing it (`use_kernel`, decided by `kernel_choice.decayed_kernel`): the mixers (SISA, FoX,
+ALiBi) take the kernel in their full forward when `attention_impl == "auto"` and the program is
+compiled for a GPU or TPU; the CPU keeps their blockwise paths. Inputs the kernel cannot take
 (`unsupported`: a head dim or block the target cannot tile, T != S) fall back to the
 blockwise path with one logged line naming why. Decoding: a prompt's first call into empty
 dense caches (`decode.prefill`, `KVCache.fresh`) takes the kernel too (SISA, FoX, ALiBi: no
@@ -78,15 +78,12 @@ speed up).
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import functools
 import json
-import logging
 import math
 import os
-from typing import Iterator, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -94,9 +91,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.sharding import PartitionSpec as P
 
-from attn_jax import platform, sharding
+from attn_jax import kernel_choice, sharding
 
-log = logging.getLogger(__name__)
 
 NEG_INF = -1e30
 _A_BT = (((1,), (1,)), ((), ()))    # a @ b.T
@@ -648,7 +644,7 @@ def _compiler_params(spec: Spec, name: str):
   of this kernel do not fit there) with the pass's warps and stages (`GpuTuning`)."""
   if spec.interpret:
     return None
-  plat = platform.current()
+  plat = kernel_choice.target()
   if plat == "tpu":
     from jax.experimental.pallas import tpu as pltpu
     return pltpu.CompilerParams(dimension_semantics=("parallel",) * 3
@@ -779,7 +775,7 @@ _attend.defvjp(_attend_fwd, _attend_bwd)
 def unsupported(q_shape, k_shape, v_shape, *, block_q: int | None = None,
                 block_k: int | None = None, plat: str | None = None) -> str | None:
   """Why the kernel cannot take these shapes on platform `plat` (None: it can)."""
-  plat = platform.current() if plat is None else platform.normalize(plat)
+  plat = kernel_choice.target() if plat is None else kernel_choice.normalize(plat)
   block_q = block_q or BLOCKS[plat]
   block_k = block_k or BLOCKS[plat]
   B, T, H, D = q_shape
@@ -866,7 +862,7 @@ def decayed_attention(q_BTHD, k_BTKD, v_BTKE, *, scale: float, g_BTH=None, g_lo_
     raise ValueError("c and b come together (SISA) or not at all")
   if (fox or sisa) and g_BTH is None:
     raise ValueError("fox / SISA need the cumulative log-decay g_BTH")
-  plat = platform.current()
+  plat = kernel_choice.target()
   if interpret is None:
     interpret = plat == "cpu"
   if tile_grid is None:
@@ -890,35 +886,9 @@ def decayed_attention(q_BTHD, k_BTKD, v_BTKE, *, scale: float, g_BTH=None, g_lo_
 
 # ---------------------------------------------------------------- choosing the kernel
 
-_ON_CPU: contextvars.ContextVar[bool] = contextvars.ContextVar("attn_jax_decayed_on_cpu",
-                                                                default=False)
-_LOGGED: set[str] = set()
-
-
-@contextlib.contextmanager
-def on_cpu() -> Iterator[None]:
-  """Within this block `use_kernel` says yes on CPU too (the kernel then runs in the Pallas
-  interpreter): tests of the mixers' kernel branch without a GPU or TPU."""
-  token = _ON_CPU.set(True)
-  try:
-    yield
-  finally:
-    _ON_CPU.reset(token)
-
-
 def use_kernel(impl: str, q_shape, k_shape, v_shape, *, what: str) -> bool:
-  """Whether a mixer's full forward takes the kernel: `impl == "auto"` on GPU / TPU (the
-  platform the program is compiled for, `platform.current()`; the CPU keeps the blockwise
-  paths unless `on_cpu`), and the shapes fit (`unsupported`). A misfit is logged once per
-  reason, naming `what` (the mixer) and why, and the caller takes its blockwise path."""
-  plat = platform.current()
-  if impl != "auto" or (plat == "cpu" and not _ON_CPU.get()):
-    return False
-  why = unsupported(q_shape, k_shape, v_shape, plat=plat)
-  if why is not None:
-    line = f"{what}: decayed-attention kernel not used on {plat} ({why}); blockwise path"
-    if line not in _LOGGED:
-      _LOGGED.add(line)
-      log.warning(line)
-    return False
-  return True
+  """Whether a mixer's full forward takes the kernel (`kernel_choice.decayed_kernel`: "auto",
+  on GPU / TPU, and these shapes fit `unsupported`; a misfit is logged once per reason, naming
+  `what`, and the caller takes its blockwise path)."""
+  return kernel_choice.decayed_kernel(
+      impl, lambda plat: unsupported(q_shape, k_shape, v_shape, plat=plat), what=what)

@@ -19,7 +19,7 @@ Rematerialisation: in a full forward the SSM branch (heads and their output proj
 under Mamba-2's checkpoint (`Mamba2.remat_forward`, mamba2.py's docstring: only the
 in-projection outputs are kept for the backward); the attention branch is as the attention
 mixer's (mha.py): a plain 0..T-1 forward takes the kernels' causal path (no positional mask),
-and a core that would keep [T, S] scores for the backward (`core.REMAT_CORE_IMPLS`) is
+and a core that would keep [T, S] scores for the backward (`kernel_choice.remat_attention`) is
 rematerialised.
 
 Decoding state: the tuple (attention KV cache, Mamba-2 state). The attention cache here is a
@@ -43,8 +43,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from attn_jax import kernel_choice
 from attn_jax.attention import cache as cache_lib
-from attn_jax.attention.core import REMAT_CORE_IMPLS, attend, choose_impl
+from attn_jax.attention.core import attend
 from attn_jax.attention.projection import QKVProjection
 from attn_jax.config import ModelConfig
 from attn_jax.layers import causal_positions, dtype_of, param
@@ -100,8 +101,8 @@ class HybridHeads(Mixer):
           q, k, v, scale=scale, causal=True, q_positions=pos, kv_positions=pos,
           impl=cfg.attention_impl, prefix_causal=True, q_segments=segment_ids_BT,
           kv_segments=segment_ids_BT)
-      if choose_impl(cfg.attention_impl, q.dtype, q.shape[-1]) in REMAT_CORE_IMPLS:
-        core = jax.checkpoint(core)   # no [T, S] scores kept (core.REMAT_CORE_IMPLS)
+      if kernel_choice.remat_attention(cfg.attention_impl, q.dtype, q.shape[-1]):
+        core = jax.checkpoint(core)   # no [T, S] scores kept (kernel_choice.remat_attention)
       out = core(q, k, v)
     else:   # the shared KV cache (attention/cache.py), as the attention mixer
       out, kv = cache_lib.cached_attention(kv, p.q(x_BTD), p.k(x_BTD), p.v(x_BTD), positions_BT,

@@ -143,7 +143,8 @@ def build_setup(config: ml_collections.ConfigDict, *, devices=None) -> Setup:
   state_sh = {"params": param_sh, "rest": rest_sh, "opt_state": opt_sh, "step": repl,
               "rng": repl}
   batch_sh = shd.batch_sharding(mesh, rules, ndim=3, batch_dim=1)   # [A, B, L]
-  step = make_train_step(graphdef, tx, sched)
+  # Programs for this mesh: traced under its rules and platform wherever they are lowered.
+  step = shd.traced_for(mesh, rules, make_train_step(graphdef, tx, sched))
   step_fn = jax.jit(step, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, repl),
                     donate_argnums=(0,))
   init_fn = jax.jit(init, out_shardings=state_sh)
@@ -194,7 +195,7 @@ class _Evaluator:
   def __init__(self, setup: Setup, heldout, callbacks: Sequence[EvalCallback]):
     self._heldout = heldout   # global arrays (make_heldout_batches)
     self._mesh, self._rules = setup.mesh, setup.rules
-    self._step = jax.jit(make_eval_step(setup.graphdef))
+    self._step = jax.jit(shd.traced_for(setup.mesh, setup.rules, make_eval_step(setup.graphdef)))
     self._callbacks = tuple(callbacks)
 
   def heldout(self, state) -> dict[str, float]:
