@@ -22,11 +22,11 @@ PNG = b"\x89PNG\r\n\x1a\n"
 def toy_config(path):
   c = study_sinks.get_config()
   c.model.update(d_model=16, n_heads=2, n_layers=2, d_ff=32, max_seq_len=32)
-  c.data.update(paths=path, seq_len=32, global_batch_size=4, eval_fraction=0.05)
+  c.data.update(paths=path, seq_len=32, global_batch_size=8, eval_fraction=0.05)
   c.train.update(steps=3, log_every=1)
   c.optim.warmup_steps = 1
   c.checkpoint.every_steps = 3
-  c.eval.update(every_steps=3, batch_size=4)
+  c.eval.update(every_steps=3, batch_size=8)
   c.study.update(param_tolerance=0.1, lm_windows=2, sink_cache=16, sink_stream_tokens=96,
                  sink_chunk=8, sink_mass_seqs=2, sink_mass_min_query=4)
   return c
