@@ -258,7 +258,7 @@ def first_token_drop(sinks: dict, model: str = "sink_token",
           "model": model, "reference": reference}
 
 
-# The paper's Table 3 (StreamingLLM, 160M Pythia models, PG19 perplexity, cache 1024), the
+# The paper's Table 3 (StreamingLLM, 160M Pythia-recipe models, perplexity, cache 1024), the
 # 1 + 1023 column as docs/papers.md §3.3 records it; our rows that correspond.
 PAPER_1_PLUS = {"vanilla": ("vanilla", 18.49), "softmax1": ("zero sink (softmax1)", 19.90),
                 "sink_token": ("learnable sink token", 18.01)}
@@ -316,7 +316,7 @@ def sinks_markdown(res: dict, heading: str) -> list[str]:
            stream_table(sinks, variants),
            "**" + verdict(sinks, variants) + "**",
            f"{heading} Against the paper's Table 3, row by row (its 1 + 1023 column; "
-           "perplexity of 160M models on PG19)", paper_rows(sinks, variants),
+           "perplexity of 160M models, cache 1024)", paper_rows(sinks, variants),
            f"{heading} Attention mass per layer (held-out windows of the training length; "
            "mean ± std over seeds)", mass_table(sinks, variants)]
   if drop is not None:
