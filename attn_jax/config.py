@@ -257,6 +257,11 @@ def validate(config: ml_collections.ConfigDict) -> ModelConfig:
     need(is_number(o[f], 0), f"optim.{f}", f"must be a finite number >= 0, got {o[f]!r}")
   from attn_jax.data.pipeline import DATA_SOURCES
   need(d.source in DATA_SOURCES, "data.source", f"{d.source!r} not in {DATA_SOURCES}")
+  from attn_jax.data.offsets import WINDOW_OFFSETS, window_offset
+  need(d.get("window_offset", "none") in WINDOW_OFFSETS, "data.window_offset",
+       f"{d.get('window_offset')!r} not in {WINDOW_OFFSETS}")
+  need(window_offset(d) == "none" or d.source != "synthetic", "data.window_offset",
+       "'random' needs a packed source (text, jsonl, shards), not data.source='synthetic'")
   need(0 <= o.warmup_steps, "optim.warmup_steps", "must be >= 0")
   need(config.checkpoint.every_steps >= 1, "checkpoint.every_steps", "must be >= 1")
   keep = config.checkpoint.max_to_keep

@@ -68,6 +68,9 @@ def get_config() -> ml_collections.ConfigDict:
                                  # authors trained with); True = each document exact as if alone
                                  # (batches add `segment_ids`, `positions` restarting at 0; the
                                  # EOS ending a document is the next one's BOS; data/documents.py)
+  d.window_offset = "none"       # text/jsonl/shards training windows: "none" = at multiples of
+                                 # seq_len; "random" = each at a random token, new every epoch
+                                 # (data/offsets.py; the eval split stays aligned)
   d.verify_mb = 2048             # shards: MB re-hashed against index.json at every start (all
                                  # of a smaller corpus; else the least recently verified first;
                                  # new or changed shards always; -1 = all; data/shards.py)

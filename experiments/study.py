@@ -4,13 +4,16 @@
   python experiments/study.py --report=runs/study --readme=docs/studies.md
   python experiments/study.py --config=configs/study_lm_tiny.py --workdir=runs/study_lm \
       --config.data.paths=../shared/data/tinyshakespeare/input.txt     # language modelling
+  python experiments/study.py --config=configs/study_sinks.py --workdir=runs/study_sinks \
+      --config.data.paths=../shared/data/tinyshakespeare/input.txt     # attention sinks
 
 The first trains every variant of `config.study.variants` for every seed (matched parameter
 counts, same data, same trainer and evaluators), measures throughput side by side, and writes
 results.json, tables.md and the PNG plots under --workdir; rerunning it skips finished runs and
 resumes unfinished ones (each variant's lr sweep first when `study.lrs` has several). The
 second regenerates tables.md, the plots and the section of docs/studies.md between
-`<!-- study:begin -->` and `<!-- study:end -->` (`<!-- study_lm:... -->` for the LM study) from
+`<!-- study:begin -->` and `<!-- study:end -->` (`<!-- study_lm:... -->` for the LM study,
+`<!-- study_sinks:... -->` for the sink study, whose runs are then streamed: study/sinks.py) from
 results.json alone
 (--assets=docs/study copies the PNGs to a tracked folder and links them from there). Both
 flags together (--config ... --readme=docs/studies.md) do both.

@@ -164,3 +164,56 @@ def test_an_earlier_results_file_without_invocations_counts_as_one(tmp_path):
   assert finetune.earlier_invocations(str(path)) == [
       {"started": "s", "finished": "f", "wall_s": 42.0}]
   assert finetune.earlier_invocations(str(tmp_path / "none.json")) == []
+
+
+def test_three_kept_layouts_each_compared_with_the_most_kept():
+  """configs/study_finetune_sinks.py: window(512), 1 + 511, 4 + 508; the table's excess
+  columns are each layout minus the last (4 kept), per seed then averaged."""
+  from attn_jax.study import finetune
+  from configs import study_finetune_sinks
+  c = study_finetune_sinks.get_config()
+  assert c.data.window_offset == "random" and [v[0] for v in c.study.variants] == [
+      "control", "sink_logit"]
+  assert [p.label for p in finetune.stream_policies(c)] == [
+      "window(512)", "streaming(1+511)", "streaming(4+508)"]
+  c.study.stream_keep = (0, 512)
+  with pytest.raises(ValueError, match=r"config\.study\.stream_keep"):
+    finetune.stream_policies(c)
+  res = synthetic_results()
+  for st, one in zip(res["streams"].values(), (3.9, 3.5, 3.6, 3.3)):
+    st["policies"]["streaming(1+7)"] = {"nll_past_cache": one, "wall_s": 1.0}
+  lines = finetune.table(res).splitlines()
+  assert lines[0].endswith("| window(8) - streaming(4+4) | streaming(1+7) - streaming(4+4) |")
+  assert "| streaming(1+7) NLL past the cache | streaming(4+4) NLL" in lines[0]
+  rows = {r.split("|")[1].strip(): [x.strip() for x in r.split("|")[2:-1]] for r in lines[2:]}
+  assert rows["control"][-1] == "0.1500 ± 0.0500"          # (0.1 + 0.2) / 2 over two seeds
+  res["meta"]["config"]["study"]["page_marker"] = "finetune_sinks"
+  assert "<!-- finetune_sinks:begin -->" in finetune.page_section(res, "w", "img", "regen")
+
+
+@pytest.mark.slow
+def test_finetune_sinks_study_tiny(llama_dir, tmp_path):
+  """The sinks config end to end at a tiny budget: both models, two seeds, random windows,
+  three layouts streamed, its own page section."""
+  from attn_jax.study import finetune
+  from configs import study_finetune_sinks
+  text = (TEST_DATA / "tinyshakespeare" / "input.txt").read_text(encoding="utf-8")
+  data = tmp_path / "train.txt"
+  data.write_text(text[:20000], encoding="utf-8")
+  c = tiny_study(llama_dir, str(data))
+  sinks = study_finetune_sinks.get_config()
+  c.data.window_offset = sinks.data.window_offset
+  c.study.update(variants=sinks.study.variants, lrs=(1e-3,), stream_keep=(0, 1, 4),
+                 page_marker="finetune_sinks")
+  res = finetune.run_study(c, str(tmp_path / "study"), log=lambda m: None)
+  assert sorted((r["variant"], r["seed"]) for r in res["runs"]) == [
+      ("control", 0), ("control", 1), ("sink_logit", 0), ("sink_logit", 1)]
+  for st in res["streams"].values():
+    assert sorted(st["policies"]) == ["streaming(1+31)", "streaming(4+28)", "window(32)"]
+    assert all(np.isfinite(p["nll_past_cache"]) for p in st["policies"].values())
+  page = tmp_path / "page.md"
+  page.write_text("# p\n")
+  finetune.write_report(str(tmp_path / "study"), str(page))
+  text = page.read_text()
+  assert text.count("<!-- finetune_sinks:begin -->") == 1
+  assert "streaming(1+31) - streaming(4+28)" in text

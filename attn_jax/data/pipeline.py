@@ -12,6 +12,8 @@ Order of the global example stream (one epoch = one pass over the source):
   * text/jsonl/shards: the packed training sequences (shards: windows of pre-tokenised
     token shards on disk, see shards.py), shuffled with `seed` when `data.shuffle`, and
     reshuffled differently every epoch (grain folds the epoch into the seed); repeats forever.
+    With `data.window_offset="random"` each window starts at a random token instead of a
+    multiple of L, drawn anew every epoch (offsets.py); the order and sharding are the same.
   * synthetic: example i of an effectively infinite random stream keyed by (seed, i); it is
     already i.i.d., so it is not shuffled (`data.shuffle` is ignored).
 Global batch k is examples k*B .. k*B + B - 1 of that stream (B = `data.global_batch_size`).
@@ -51,7 +53,7 @@ from absl import flags
 import grain
 import numpy as np
 
-from attn_jax.data import shards, synthetic, text
+from attn_jax.data import offsets, shards, synthetic, text
 from attn_jax.data.tokenizer import get_tokenizer
 
 Batch = dict[str, np.ndarray]
@@ -163,7 +165,9 @@ def make_train_dataset(
   seed = _check_seed(seed)
   source = make_source(data_cfg, seed=seed, split="train")
   examples = grain.MapDataset.source(source)
-  if str(data_cfg.source) != "synthetic":
+  if offsets.window_offset(data_cfg) == "random":
+    examples = offsets.offset_examples(source, data_cfg, seed=seed)  # shuffled, repeated
+  elif str(data_cfg.source) != "synthetic":
     if data_cfg.shuffle:
       examples = examples.shuffle(seed=seed)
     examples = examples.repeat()  # forever; shuffle is before repeat, so reshuffled per epoch

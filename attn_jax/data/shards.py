@@ -29,7 +29,8 @@ window, with a warning naming the folder.
 Reading (`data.source = "shards"`, `data.paths` = the output folder). The shards concatenated in
 index order form one stream t[0:T]; window i is t[i*L : i*L + L + 1] (L = `data.seq_len`;
 inputs = window[:-1], targets = window[1:], weights 1), exactly the packing of `text.py`, and the
-last ceil(n * `data.eval_fraction`) windows are the eval split. Shards are `np.memmap`s opened
+last ceil(n * `data.eval_fraction`) windows are the eval split (training windows may start at
+a random token instead, `data.window_offset`, offsets.py). Shards are `np.memmap`s opened
 lazily (in each grain worker; pickling keeps only the paths), so building the source costs
 O(number of shards) whatever the corpus size, and a window touches only its L + 1 tokens (it may
 span two or more shards). Order, per-host rows and resumption come from `pipeline.py` (grain's
@@ -73,6 +74,7 @@ import numpy as np
 from attn_jax import jsonio
 from attn_jax.data import documents as doc_lib
 from attn_jax.data.formats import FORMATS, INDEX, input_format
+from attn_jax.data.offsets import check_window
 from attn_jax.data.tokenizer import ByteTokenizer, Tokenizer, get_tokenizer
 
 ON_ERROR = ("raise", "skip")
@@ -770,7 +772,12 @@ class ShardWindows:
     index = int(index)
     if not 0 <= index < self.count:
       raise IndexError(f"window index {index} out of range [0, {self.count})")
-    start = (self.first + index) * self.seq_len
+    return self.window(index, 0)
+
+  def window(self, index: int, offset: int) -> dict[str, np.ndarray]:
+    """Window `index` moved `offset` tokens later (`data.window_offset`, offsets.py)."""
+    check_window(index, offset, count=self.count, seq_len=self.seq_len)
+    start = (self.first + index) * self.seq_len + offset
     window_T = self.shards.read(start, start + self.seq_len + 1)
     example = {"inputs": window_T[:-1], "targets": window_T[1:],
                "weights": np.ones(self.seq_len, np.float32)}

@@ -21,6 +21,9 @@ Document masking (`data.document_mask`): every sequence also carries `segment_id
 `positions` (documents.py: the EOS ending a document is the BOS of the next), from the document
 ends recorded while tokenizing (exact whatever the documents contain).
 
+Training windows may also start at a random token instead of a multiple of L
+(`data.window_offset`, offsets.py); the eval split keeps the aligned windows.
+
 Held-out split. The last ceil(n * `data.eval_fraction`) sequences are the eval split and are
 never trained on (the first eval window's first token is the last train window's last target
 token, nothing more is shared).
@@ -41,6 +44,7 @@ import numpy as np
 from attn_jax.data import documents as doc_lib
 from attn_jax.data.formats import INDEX, input_format
 from attn_jax.data.jsonl import parse_object
+from attn_jax.data.offsets import check_window
 from attn_jax.data.tokenizer import Tokenizer, get_tokenizer
 
 TEXT_SOURCES = ("text", "jsonl")
@@ -261,7 +265,12 @@ class PackedSequences:
     index = int(index)
     if not 0 <= index < self.count:
       raise IndexError(f"sequence index {index} out of range [0, {self.count})")
-    start = (self.first + index) * self.seq_len
+    return self.window(index, 0)
+
+  def window(self, index: int, offset: int) -> dict[str, np.ndarray]:
+    """Item `index` moved `offset` tokens later (`data.window_offset`, offsets.py)."""
+    check_window(index, offset, count=self.count, seq_len=self.seq_len)
+    start = (self.first + index) * self.seq_len + offset
     window_T = self.tokens_T[start : start + self.seq_len + 1]
     example = {
         "inputs": window_T[:-1].copy(),

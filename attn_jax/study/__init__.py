@@ -5,6 +5,8 @@
   throughput.py  train-step throughput side by side (tokens/s, CPU time per step)
   runner.py      run every (variant, seed), resumable; results.json
   report.py      tables (markdown), PNG plots, the README section between markers
+  tables.py      the markdown helpers report.py and sinks.py share
+  sinks.py       the attention-sink study's stream phase and tables (configs/study_sinks.py)
 
 Entry point: experiments/study.py.
 """

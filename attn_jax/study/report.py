@@ -14,9 +14,13 @@ from typing import Sequence
 
 import numpy as np
 
+from attn_jax.study.tables import markdown_table as _table
+from attn_jax.study.tables import spread
+
 BEGIN, END = "<!-- study:begin -->", "<!-- study:end -->"
 PLOTS = ("loss.png", "niah.png", "recall.png", "throughput.png")
 LM_PLOTS = ("lm_position.png",)   # added when the runs have language-modelling metrics
+SINK_PLOTS = ("sink_layouts.png",)  # added when the study streamed its runs (sinks.py)
 
 
 def marker_pair(name: str) -> tuple[str, str]:
@@ -33,6 +37,10 @@ def has_lm(res: dict) -> bool:
   return any(r.get("bpb") is not None for r in res["runs"])
 
 
+def has_sinks(res: dict) -> bool:
+  return bool((res.get("sinks") or {}).get("runs"))
+
+
 def _has_metric(res: dict, metric: str | None) -> bool:
   return bool(metric) and any(metric in e for r in res["runs"] for e in r.get("evals", ()))
 
@@ -43,7 +51,8 @@ def plot_names(res: dict) -> tuple[str, ...]:
   has = {"loss.png": True, "niah.png": _has_metric(res, m.get("niah_metric")),
          "recall.png": _has_metric(res, m.get("recall_metric")),
          "throughput.png": bool(res.get("throughput"))}
-  return tuple(p for p in PLOTS if has[p]) + (LM_PLOTS if has_lm(res) else ())
+  return (tuple(p for p in PLOTS if has[p]) + (LM_PLOTS if has_lm(res) else ())
+          + (SINK_PLOTS if has_sinks(res) else ()))
 
 
 def load_results(workdir: str) -> dict:
@@ -69,28 +78,6 @@ def _by_variant(res: dict) -> dict[str, list[dict]]:
   for r in res["runs"]:
     out.setdefault(r["variant"], []).append(r)
   return out
-
-
-def spread(values: Sequence[float | None], scale: float = 1.0, digits: int = 1,
-           minmax: bool = True) -> str:
-  """'mean ± std (min–max)' of the non-None values, times `scale`; the value alone for one
-  seed (no spread to show); '-' if none."""
-  x = np.asarray([v for v in values if v is not None], np.float64) * scale
-  if x.size == 0:
-    return "-"
-  if x.size == 1:
-    return f"{x[0]:.{digits}f}"
-  std = float(x.std(ddof=1)) if x.size > 1 else 0.0
-  s = f"{x.mean():.{digits}f} ± {std:.{digits}f}"
-  if minmax and x.size > 1:
-    s += f" ({x.min():.{digits}f}–{x.max():.{digits}f})"
-  return s
-
-
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-  lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-  lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-  return "\n".join(lines)
 
 
 def params_table(res: dict) -> str:
@@ -297,6 +284,9 @@ def tables_markdown(res: dict, *, image_dir: str = "", heading: str = "###") -> 
     parts += [f"{heading} Held-out bits per byte by target position (last evaluation, windows "
               f"of {lm_positions(res)[-1][1]} tokens; training length {m['seq_len']}: later "
               "columns are extrapolation; mean ± std over seeds)", lm_position_table(res)]
+  if has_sinks(res):
+    from attn_jax.study import sinks
+    parts += sinks.sinks_markdown(res, heading)
   parts += [f"{heading} Final (last evaluation; mean ± std (min–max) over seeds)",
             final_table(res),
             f"{heading} Train-step throughput vs `{m['baseline']}` (same process, same shapes; "
@@ -366,12 +356,18 @@ def plot_all(res: dict, out_dir: str) -> list[str]:
       "niah.png": steps_plot(m.get("niah_metric"), "NIAH"),
       "recall.png": steps_plot(m["recall_metric"], "recall"),
       "throughput.png": lambda path: _plot_throughput(res, path),
-      LM_PLOTS[0]: lambda path: _plot_lm_positions(res, path)}
+      LM_PLOTS[0]: lambda path: _plot_lm_positions(res, path),
+      SINK_PLOTS[0]: lambda path: _plot_sinks(res, path)}
   paths = []
   for name in plot_names(res):
     paths.append(os.path.join(out_dir, name))
     makers[name](paths[-1])
   return paths
+
+
+def _plot_sinks(res, path):
+  from attn_jax.study import sinks
+  sinks.plot_layouts(res, path)
 
 
 def _plot_lm_positions(res, path):
@@ -429,6 +425,8 @@ def _plot_throughput(res, path):
 
 # ---------------------------------------------------------------------------------- outputs
 def _title(res: dict) -> str:
+  if has_sinks(res):
+    return "Attention-sink study"
   return "Language-modelling study" if has_lm(res) else "Comparison study"
 
 

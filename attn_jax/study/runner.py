@@ -180,7 +180,10 @@ def best_lr(rows: list[dict], metric: str) -> float:
 # (its evaluation settings, e.g. study.needle_*, stay in the digest).
 SELECTION_FIELDS = ("variants", "baseline", "only", "seeds", "lrs", "sweep_seed", "sweep_metric",
                     "param_tolerance", "d_ff_multiple", "readme_marker", "throughput_seq_lens",
-                    "throughput_batch_tokens", "throughput_steps", "throughput_repeats")
+                    "throughput_batch_tokens", "throughput_steps", "throughput_repeats",
+                    # the sink study's stream phase (sinks.py) reads finished runs only
+                    "sink_stream", "sink_cache", "sink_keep", "sink_stream_tokens", "sink_chunk",
+                    "sink_mass_seqs", "sink_mass_min_query", "sink_tolerance")
 
 
 def config_digest(config: ml_collections.ConfigDict) -> str:
@@ -360,5 +363,10 @@ def run_study(config: ml_collections.ConfigDict, workdir: str, *, command: str =
                               lambda r, s, c: jsonio.write(results(r, s, c, None), path))
   thr = run_throughput(config, {n: c for n, (c, _) in cfgs.items()}, workdir, log)
   out = results(runs, sweep, chosen, thr)
+  if config.study.get("sink_stream", False):   # the sink study's stream phase (sinks.py)
+    from attn_jax.study import sinks
+    out["sinks"] = sinks.stream_all(config, runs, log)
+    out["meta"]["finished"] = datetime.datetime.now(datetime.timezone.utc).isoformat(
+        timespec="seconds")
   jsonio.write(out, path)
   return out
