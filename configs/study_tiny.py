@@ -50,7 +50,7 @@ convolutions/SSMs need state (width) growing with the number of pairs. Here: T 3
 where each one stands. The state-size ordering of the Mamba-2 paper (Fig. 8) has its own config,
 configs/study_mqar_state.py.
 
-Parameters are matched to the Transformer's (attn_jax/study/variants.py): by d_ff (Mamba-2 and
+Parameters are matched to the Transformer's (attn_jax/study/matching.py): by d_ff (Mamba-2 and
 the MIMO variant keep their declared expansion and state), or for Mamba-3 by its expansion in
 whole heads, then its d_state. Evaluation every
 `eval.every_steps`: held-out loss/accuracy at the answers, `mqar` = recall accuracy over all 8

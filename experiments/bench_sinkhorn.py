@@ -1,6 +1,6 @@
 """Sparse Sinkhorn attention vs dense causal attention: fwd+bwd time and compiled peak temp memory
 against sequence length, in one run; writes JSON and a PNG plot and prints the crossover length
-(flags in, `attn_jax.bench.sinkhorn.run` out).
+(flags in, `attn_jax.bench.sinkhorn_scaling.run` out).
 
 Both sides are whole mixers with the same head configuration (q/k/v/o projections + RoPE):
 "dense" is `attend` (core.py, causal), "soft" the Sinkhorn mixer with soft sorting (training
@@ -35,11 +35,11 @@ _FROM = flags.DEFINE_string("from_json", "", "Re-summarise and re-plot a saved r
 
 def main(argv):
   del argv
-  from attn_jax.bench import sinkhorn
-  s = sinkhorn.Setting(batch=_B.value, heads=_H.value, head_dim=_D.value,
+  from attn_jax.bench import sinkhorn_scaling
+  s = sinkhorn_scaling.Setting(batch=_B.value, heads=_H.value, head_dim=_D.value,
                        block_size=_BLOCK.value, n_sortcut=_CUT.value,
                        variants=tuple(_VARIANTS.value), reps=_REPS.value)
-  sinkhorn.run(s, _SEQ.value, out=_OUT.value, dtype=_DTYPE.value, from_json=_FROM.value)
+  sinkhorn_scaling.run(s, _SEQ.value, out=_OUT.value, dtype=_DTYPE.value, from_json=_FROM.value)
 
 
 if __name__ == "__main__":

@@ -37,14 +37,14 @@ _UNVERIFIED = flags.DEFINE_bool("allow_unverified", False, "Load a checkpoint st
 
 def main(argv):
   del argv
-  from attn_jax.eval import report
+  from attn_jax.eval import result_tables
   from attn_jax.eval.run import evaluate_checkpoint
 
   out = evaluate_checkpoint(_CKPT.value, _TASKS.value, step=_STEP.value, data_dir=_DATA.value,
                             tokenizer=_TOK.value, max_len=_MAXLEN.value,
                             batch_size=_BS.value, limit=_LIMIT.value, out_dir=_OUT.value,
                             allow_unverified=_UNVERIFIED.value)
-  print(report.to_markdown(out))
+  print(result_tables.to_markdown(out))
   print(f"written: {out['paths']}")
 
 

@@ -38,6 +38,7 @@ def main(argv):
 
   from attn_jax.study import finetune
   from attn_jax.study.runner import StudyStopped
+  from configs.base import get_config as base_config
 
   logging.set_verbosity(logging.WARNING)
   workdir = _REPORT.value or _WORKDIR.value
@@ -46,7 +47,7 @@ def main(argv):
       raise app.UsageError("--config=configs/study_finetune.py (run) or --report=<dir>")
     cmd = "python experiments/finetune_study.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     try:
-      finetune.run_study(_CONFIG.value, workdir, command=cmd)
+      finetune.run_study(_CONFIG.value, workdir, base_config=base_config(), command=cmd)
     except StudyStopped as e:
       print(f"\n{e}")
       sys.exit(128 + int(getattr(signal, e.signal_name, signal.SIGTERM)))

@@ -1,6 +1,6 @@
 """docs/hardware.md: every 152M / 369M preset's train step compiled for 8 x H100, v5e-8, v5p-8,
 v6e-8 and two hosts of 8 H100, and the attention presets' length scaling (T 2048 to 32768)
-(attn_jax/train/hardware_page.py). Resumes where it stopped.
+(attn_jax/bench/hardware_page.py). Resumes where it stopped.
 
   python experiments/hardware_page.py                        # every preset and target
   python experiments/hardware_page.py --presets=sisa_152m --targets=v5e-8
@@ -22,17 +22,28 @@ _TARGETS = flags.DEFINE_list("targets", [], "Targets of hardware_page.ROWS (defa
 _FRESH = flags.DEFINE_bool("fresh", False, "Re-measure the cells already measured.")
 
 
+def load_presets(root: str = "configs") -> dict:
+  """{name: get_config} of the configs/*_152m.py and *_369m.py files."""
+  import glob
+  import importlib
+  names = [os.path.basename(p)[:-3] for pat in ("*_152m.py", "*_369m.py")
+           for p in glob.glob(os.path.join(root, pat))]
+  return {n: importlib.import_module(f"configs.{n}").get_config for n in names}
+
+
 def main(argv):
   del argv
-  from attn_jax.train import hardware_page as hp
+  from attn_jax.bench import hardware_page as hp
   picked = lambda rows: [r for r in rows if not _TARGETS.value or r.target in _TARGETS.value]
-  names = _PRESETS.value or None
-  lengths = [n for n in hp.LENGTH_PRESETS if not names or n in names]
+  presets = load_presets()
+  every = hp.preset_names(presets)
+  names = _PRESETS.value or every
+  lengths = [n for n in hp.LENGTH_PRESETS if n in names]
   cells = os.path.splitext(_OUT.value)[0] + ".json"
   todo = hp.cells(names, picked(hp.ROWS), picked(hp.LENGTH_ROWS), lengths)
-  done = hp.run(cells, todo, fresh=_FRESH.value)
+  done = hp.run(cells, todo, presets, fresh=_FRESH.value)
   with open(_OUT.value, "w") as f:
-    f.write(hp.page(done))
+    f.write(hp.page(done, every))
   print(f"wrote {_OUT.value} ({len(done)} cells in {cells})")
 
 

@@ -1,6 +1,6 @@
 """attn_jax's Mamba-2 beside a minimal plain-JAX Mamba-2 on identical MQAR batches
 (attn_jax/study/mamba2_parity.py; the minimal model and its init recipes:
-attn_jax/ssm/mamba2_minimal.py; results: docs/mamba_parity.md).
+attn_jax/study/mamba2_minimal.py; results: docs/mamba_parity.md).
 
   python experiments/mamba2_parity.py --seeds=0,1,2,3,4 --steps=3000 --out=/tmp/parity.json
   python experiments/mamba2_parity.py --models=ours,minimal:ours,minimal:torch/embed=normal02 \
@@ -14,7 +14,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 
-from attn_jax.ssm.mamba2_minimal import RECIPES  # noqa: E402
+from attn_jax.study.mamba2_minimal import RECIPES  # noqa: E402
 
 _SEEDS = flags.DEFINE_list("seeds", ["0", "1"], "Seeds (model init and data stream).")
 _MODELS = flags.DEFINE_list("models", ["ours", "minimal:torch"], "'ours' and/or "
@@ -35,11 +35,12 @@ def main(argv):
   import jax
 
   from attn_jax.study import mamba2_parity
+  from configs import study_tiny
   if _CACHE.value:   # the train / eval programs compile once across runs and invocations
     jax.config.update("jax_compilation_cache_dir", _CACHE.value)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-  mamba2_parity.run(_SEEDS.value, _MODELS.value, steps=_STEPS.value, out=_OUT.value,
-                    every=_EVERY.value, batch=_BATCH.value, lr=_LR.value,
+  mamba2_parity.run(study_tiny.get_config(), _SEEDS.value, _MODELS.value, steps=_STEPS.value,
+                    out=_OUT.value, every=_EVERY.value, batch=_BATCH.value, lr=_LR.value,
                     schedule_steps=_SCHEDULE.value)
 
 

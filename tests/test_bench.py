@@ -9,8 +9,8 @@ import pytest
 from absl import flags
 
 from attn_jax.bench import configs as bench_configs
-from attn_jax.bench import step as bench_step
-from attn_jax.bench import tables as bench_tables
+from attn_jax.bench import rows as bench_rows
+from attn_jax.bench import printout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -34,11 +34,11 @@ def test_suffix_sets_any_field_and_keeps_the_sisa_path_shorthand():
 
 
 def test_study_rows_cover_every_variant_and_the_cache_policies():
-  from attn_jax.study import variants
+  from attn_jax.study import matching
   path = os.path.join(ROOT, "configs", "study_tiny.py")
   rows = bench_configs.study_configs(path)
   study = runpy.run_path(path)["get_config"]()
-  names = variants.variant_names(study)
+  names = matching.variant_names(study)
   assert list(rows)[:len(names)] == names
   from attn_jax.attention import cache as cache_lib
   for mixer in ("transformer", "sisa_ds8"):
@@ -70,19 +70,19 @@ def test_aux_maxima_flattens_pattern_groups():
   """A pattern model's monitors come grouped by layer kind ({"1.sisa": {name: [R]}}); a
   single-mixer model's flat ({name: [R]}). Each becomes its max over the repeats."""
   import numpy as np
-  got = bench_step.aux_maxima({"1.sisa": {"lambda": np.array([0.2, 0.5])},
+  got = bench_rows.aux_maxima({"1.sisa": {"lambda": np.array([0.2, 0.5])},
                              "decay_range": np.array([3.0, 1.0])})
   assert got == {"1.sisa/lambda": 0.5, "decay_range": 3.0}
-  assert bench_step.aux_maxima({}) == {}
+  assert bench_rows.aux_maxima({}) == {}
 
 
 def test_document_mask_rows_pack_documents_and_print_skips(capsys):
   import numpy as np
   batch = {"inputs": np.zeros((1, 2, 10), np.int32)}
-  f = bench_step.packed_fields(batch, 4)
+  f = bench_rows.packed_fields(batch, 4)
   np.testing.assert_array_equal(f["segment_ids"][0, 1], [1, 1, 1, 1, 2, 2, 2, 2, 3, 3])
   np.testing.assert_array_equal(f["positions"][0, 0], [0, 1, 2, 3, 0, 1, 2, 3, 0, 1])
-  bench_tables.print_document_mask([
+  printout.print_document_mask([
       {"config": "mamba2_152m", "seq_len": 512, "batch": 4, "doc_len": 128,
        "skipped": "NotImplementedError: not yet"},
       {"config": "transformer_152m", "seq_len": 512, "batch": 4, "doc_len": 128, "plain_s": 1.0,
@@ -101,12 +101,12 @@ def test_a_preset_fills_only_the_options_not_given():
 
 
 def test_sinkhorn_crossover_is_the_length_from_which_it_stays_faster():
-  from attn_jax.bench import sinkhorn
+  from attn_jax.bench import sinkhorn_scaling
   t = {"dense": [1.0, 2.0, 4.0, 8.0], "soft": [2.0, 1.5, 5.0, 6.0], "sortcut": [0.5, 1.0, 3.0, 9.0]}
   rows = [{"variant": v, "seq_len": L, "wall_s": w, "cpu_s": w}
           for v, ws in t.items() for L, w in zip((64, 128, 256, 512), ws)]
-  assert sinkhorn.crossover(rows, "soft") == 512      # faster at 128 too, but not at 256
-  assert sinkhorn.crossover(rows, "sortcut") is None  # slower at the longest length
+  assert sinkhorn_scaling.crossover(rows, "soft") == 512      # faster at 128 too, but not at 256
+  assert sinkhorn_scaling.crossover(rows, "sortcut") is None  # slower at the longest length
 
 
 def _trace_file(tmp_path, events):

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from attn_jax.data.tokenizer import ByteTokenizer
-from attn_jax.eval import harness, mqar, niah, report, tasks
+from attn_jax.eval import harness, mqar, niah, result_tables, tasks
 
 # documents per task: the full files (tests/data/SOURCES.md) and their excerpts in tests/data
 # (the first 40 records; ARC-Easy's also holds its 11 questions with 3 or 5 choices)
@@ -328,7 +328,7 @@ def test_evaluate_and_report(paths, tmp_path):
   assert {"acc", "acc_stderr", "acc_norm", "acc_norm_stderr", "examples_per_s"} <= set(
       r["arc_easy"])
   assert r["lambada_openai"]["perplexity"] > 1.0 and r["lambada_openai"]["perplexity_stderr"] > 0
-  files = report.write_report(out, tmp_path)
+  files = result_tables.write_report(out, tmp_path)
   loaded = json.loads(open(files["json"]).read())
   assert loaded["results"]["winogrande"]["n_docs"] == 20
   md = open(files["markdown"]).read()
@@ -336,7 +336,7 @@ def test_evaluate_and_report(paths, tmp_path):
   # generated-task entries (a NIAH grid, MQAR counts) stay in the JSON, not the table
   out["results"]["niah"] = {"acc": 0.5, "grid": [[0.5]], "context_lengths": [64]}
   out["results"]["mqar"] = {"acc": 0.25, "example_acc": 0.0, "n_examples": 8, "n_positions": 64}
-  md = report.to_markdown(out)
+  md = result_tables.to_markdown(out)
   assert "| niah | – | acc | 0.5000 |" in md and "grid" not in md
   assert "| mqar | 8 | example_acc |" in md and "n_positions" not in md
   with pytest.raises(ValueError, match="no data path"):

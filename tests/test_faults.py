@@ -520,7 +520,7 @@ def test_generate_refuses_a_prompt_longer_than_max_seq_len():
 
 def test_niah_cells_beyond_max_seq_len_are_not_available_not_zero():
   from attn_jax.data.tokenizer import ByteTokenizer
-  from attn_jax.eval import niah, report
+  from attn_jax.eval import niah, result_tables
 
   def never_called(*a, **k):
     raise AssertionError("a context beyond max_seq_len must not be run")
@@ -531,7 +531,7 @@ def test_niah_cells_beyond_max_seq_len_are_not_available_not_zero():
   assert set(res.not_available) == {96, 128}
   assert "n/a: context length 96: 96 tokens is longer than the model's max_seq_len=64" in (
       res.not_available[96])
-  md = report.to_markdown({"results": {"niah": {"acc": res.accuracy,
+  md = result_tables.to_markdown({"results": {"niah": {"acc": res.accuracy,
                                                 "notes": list(res.not_available.values())}}})
   assert "| niah |" in md and "| – |" in md and "n/a: context length 96" in md
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import TEST_DATA, train_tiny_bpe
+from configs import base
 
 pytest.importorskip("safetensors", reason="safetensors is not installed (pretrained extra)")
 
@@ -54,7 +55,7 @@ def test_finetune_study_tiny(llama_dir, tmp_path):
   data.write_text(text[:20000], encoding="utf-8")
   c = tiny_study(llama_dir, str(data))
   wd = str(tmp_path / "study")
-  res = finetune.run_study(c, wd, log=lambda m: None)
+  res = finetune.run_study(c, wd, base_config=base.get_config(), log=lambda m: None)
   assert res["meta"]["complete"]
   assert list(res["variants"]) == ["control", "sink_logit", "sisa", "fox"]
   assert len(res["sweep"]) == 8 and len(res["runs"]) == 6
@@ -86,7 +87,7 @@ def test_finetune_study_tiny(llama_dir, tmp_path):
   assert os.path.getsize(out["plot"]) > 1000
   # rerun: every stage is done, nothing is trained or scored again
   logs = []
-  again = finetune.run_study(c, wd, log=logs.append)
+  again = finetune.run_study(c, wd, base_config=base.get_config(), log=logs.append)
   assert [r["heldout_nll"] for r in again["runs"]] == [r["heldout_nll"] for r in res["runs"]]
   assert not any("steps of" in m or "converting" in m for m in logs), logs
   assert len(again["meta"]["invocations"]) == 2   # the wall time sums both invocations
@@ -205,7 +206,8 @@ def test_finetune_sinks_study_tiny(llama_dir, tmp_path):
   c.data.window_offset = sinks.data.window_offset
   c.study.update(variants=sinks.study.variants, lrs=(1e-3,), stream_keep=(0, 1, 4),
                  page_marker="finetune_sinks")
-  res = finetune.run_study(c, str(tmp_path / "study"), log=lambda m: None)
+  res = finetune.run_study(c, str(tmp_path / "study"), base_config=base.get_config(),
+                           log=lambda m: None)
   assert sorted((r["variant"], r["seed"]) for r in res["runs"]) == [
       ("control", 0), ("control", 1), ("sink_logit", 0), ("sink_logit", 1)]
   for st in res["streams"].values():

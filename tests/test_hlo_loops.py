@@ -257,7 +257,7 @@ def test_serial_iterations_do_not_grow_with_t(mixer, target):
 
 
 def test_the_hardware_page_shows_serial_iterations_and_a_dash_for_cells_measured_before():
-  from attn_jax.train import hardware_page as hp
+  from attn_jax.bench import hardware_page as hp
 
   stored = hp._loops(_module_program())
   assert stored["serial_iterations"] == 23 and stored["loop_sources"]["ssm/ssd.py:42"] == 12

@@ -1,4 +1,4 @@
-"""attn_jax/ssm/mamba2_minimal.py: the minimal plain-JAX Mamba-2 (sequential scan) is the same
+"""attn_jax/study/mamba2_minimal.py: the minimal plain-JAX Mamba-2 (sequential scan) is the same
 function as attn_jax's Mamba-2 language model, in logits and in gradients, so any difference in
 how they train comes from the initial parameters and the optimizer's groups; both train on
 identical batches through the trainer's optax chain (attn_jax/study/mamba2_parity.py). Mamba-3: the chunked training form has
@@ -11,8 +11,9 @@ import pytest
 from flax import nnx
 
 from attn_jax.data import pipeline
-from attn_jax.ssm import mamba2_minimal as mm
+from attn_jax.study import mamba2_minimal as mm
 from attn_jax.study import mamba2_parity as mp
+from configs import study_tiny
 
 # Two layers (the stacked-parameter mapping), 4 heads of 4, two B/C groups.
 TINY = {"d_model": 16, "expand": 1.0, "head_dim": 4, "d_state": 4, "d_ff": 32, "n_layers": 2}
@@ -22,7 +23,7 @@ TOL = {"rtol": 1e-4, "atol": 1e-6}      # fp32, chunked vs sequential accumulati
 def _config(seed=0, steps=4, groups=2, chunk=8):
   """chunk 8 over T = 31: four chunks (the last partial) and the scan between them (the study's
   chunk 32 >= T is the one-chunk case of the same code)."""
-  c = mp.study_config(seed, steps, batch=4, setting=TINY)
+  c = mp.study_config(study_tiny.get_config(), seed, steps, batch=4, setting=TINY)
   c.model.mamba2.update(n_groups=groups, chunk_size=chunk)
   return c
 

@@ -26,7 +26,7 @@ import pytest
 from attn_jax.pretrained import PretrainedError, export_hf, load
 from attn_jax.pretrained import gguf as gguf_lib
 from attn_jax.pretrained import hf as hf_lib
-from attn_jax.pretrained import tokenizer as tok_lib
+from attn_jax.pretrained import checkpoint_tokenizer as tok_lib
 from attn_jax.pretrained.loader import export_gguf, spec_of
 from conftest import TEST_DATA, train_tiny_bpe
 

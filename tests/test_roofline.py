@@ -1,4 +1,4 @@
-"""attn_jax.train.roofline: measured peak and bandwidth, MFU, decode bytes and bound; the
+"""attn_jax.bench.roofline: measured peak and bandwidth, MFU, decode bytes and bound; the
 datasheet peaks by dtype (train/flops.py)."""
 
 import math
@@ -9,7 +9,8 @@ import pytest
 from attn_jax.config import ModelConfig
 from attn_jax.model import build_model, count_params
 from attn_jax.registry import available_mixers
-from attn_jax.train import flops, roofline
+from attn_jax.bench import roofline
+from attn_jax.train import flops
 from tests.test_trunk import _cfg
 
 

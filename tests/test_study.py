@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from attn_jax.config import validate
-from attn_jax.study import needle, report, variants
+from attn_jax.study import needle, report, matching
 from attn_jax.study.runner import RUN_SUMMARY, run_study
 from configs import study_152m, study_lm_tiny, study_mqar_state, study_tiny
 
@@ -257,18 +257,18 @@ def test_lr_sweep_then_seeds_at_the_best(tmp_path):
 def test_param_matching_every_tiny_variant():
   c = study_tiny.get_config()
   c.study.only = ""                  # every variant, not just the default run's
-  cfgs = variants.all_variant_configs(c)
+  cfgs = matching.all_variant_configs(c)
   assert list(cfgs) == [v[0] for v in study_tiny.VARIANTS]
   target = cfgs["transformer"][1]["params"]
   for name, (vc, info) in cfgs.items():
-    n = variants.total_params(vc)   # recounted from the returned config
+    n = matching.total_params(vc)   # recounted from the returned config
     assert n == info["params"]
     assert abs(n - target) / target <= c.study.param_tolerance, (name, n, target)
     assert info["diff_pct"] == pytest.approx(100 * (n - target) / target)
     validate(vc)
   # matching did move the knobs (a variant built without it is off by more)
-  raw = variants.apply_overrides(c, {v[0]: v[2] for v in study_tiny.VARIANTS}["mamba2"])
-  assert abs(variants.total_params(raw) - target) > abs(cfgs["mamba2"][1]["params"] - target)
+  raw = matching.apply_overrides(c, {v[0]: v[2] for v in study_tiny.VARIANTS}["mamba2"])
+  assert abs(matching.total_params(raw) - target) > abs(cfgs["mamba2"][1]["params"] - target)
 
 
 @pytest.mark.parametrize("module", [study_mqar_state, study_lm_tiny])
@@ -276,7 +276,7 @@ def test_other_tiny_studies_match_and_validate(module):
   """The state-size and LM studies: every variant matched and valid; the state study's
   variants differ in d_state only among the SSM's options (abstract shapes, no training)."""
   c = module.get_config()
-  cfgs = variants.all_variant_configs(c)
+  cfgs = matching.all_variant_configs(c)
   for name, (vc, info) in cfgs.items():
     assert abs(info["diff_pct"]) <= 100 * c.study.param_tolerance, name
     assert info["setting"], name      # every variant declares its setting
@@ -288,15 +288,15 @@ def test_other_tiny_studies_match_and_validate(module):
 
 
 def test_match_params_is_closest_on_the_grid():
-  c = variants.apply_overrides(study_tiny.get_config(),
+  c = matching.apply_overrides(study_tiny.get_config(),
                                dict((v[0], v[2]) for v in study_tiny.VARIANTS)["sisa_ds8"])
-  target = variants.total_params(study_tiny.get_config())
-  value, n = variants.match_params(c, "model.d_ff", target)
+  target = matching.total_params(study_tiny.get_config())
+  value, n = matching.match_params(c, "model.d_ff", target)
   counts = {}
   for d_ff in range(value - 40, value + 44, 4):   # the whole neighbourhood, counted
     cc = ml_collections.ConfigDict(c.to_dict())
     cc.model.d_ff = d_ff
-    counts[d_ff] = variants.total_params(cc)
+    counts[d_ff] = matching.total_params(cc)
   assert counts[value] == n
   assert abs(n - target) == min(abs(v - target) for v in counts.values())
 
@@ -304,7 +304,7 @@ def test_match_params_is_closest_on_the_grid():
 def test_study_152m_configs_validate():
   c = study_152m.get_config()
   assert c.data.source == "shards" and c.study.niah == "text"
-  cfgs = variants.all_variant_configs(c)
+  cfgs = matching.all_variant_configs(c)
   assert len(cfgs) == len(study_152m.VARIANTS)
   assert cfgs["transformer"][1]["params"] == 151_878_144
   for name, (vc, info) in cfgs.items():
@@ -338,11 +338,11 @@ def test_bad_study_config_errors_name_the_field():
   c = study_tiny.get_config()
   c.study.only = "nope"
   with pytest.raises(ValueError, match="config.study.only"):
-    variants.variant_names(c)
+    matching.variant_names(c)
   c = study_tiny.get_config()
   c.study.param_tolerance = 0.0001
   with pytest.raises(ValueError, match="param_tolerance"):
-    variants.all_variant_configs(c)
+    matching.all_variant_configs(c)
 
 
 @pytest.mark.slow
@@ -354,6 +354,6 @@ def test_full_tiny_study(tmp_path):
   subprocess.run(cmd, check=True, cwd=ROOT)
   with open(tmp_path / "results.json") as f:
     res = json.load(f)
-  assert len(res["runs"]) == len(variants.variant_names(study_tiny.get_config())) * 3
+  assert len(res["runs"]) == len(matching.variant_names(study_tiny.get_config())) * 3
   for p in report.PLOTS:
     assert (tmp_path / p).read_bytes()[:8] == PNG_SIGNATURE

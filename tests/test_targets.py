@@ -308,7 +308,7 @@ def test_every_mixer_compiles_for_gpu_and_tpu(pattern, target, mesh):
 
 
 def test_hardware_page_resumes_and_renders(tmp_path, monkeypatch):
-  from attn_jax.train import hardware_page as hp
+  from attn_jax.bench import hardware_page as hp
   calls, version = [], {"a_152m": "1"}
 
   def fake(name, row, seq_len=None):
@@ -324,16 +324,18 @@ def test_hardware_page_resumes_and_renders(tmp_path, monkeypatch):
   monkeypatch.setattr(hp, "fingerprint", lambda name, row, seq_len=None: version.get(name, "0"))
   out = str(tmp_path / "cells.json")
   names, rows, lrows = ["a_152m", "broken_152m"], hp.ROWS[:2], hp.LENGTH_ROWS[:1]
+  presets = {n: n for n in names}     # stand-ins for get_config: the fakes take the name
   todo = hp.cells(names, rows, lrows, ["a_152m"])
-  done = hp.run(out, todo, progress=lambda s: None)
+  done = hp.run(out, todo, presets, progress=lambda s: None)
   assert len(calls) == 4 + len(hp.LENGTHS) and len(done) == len(calls)
-  hp.run(out, todo, progress=lambda s: None)
+  hp.run(out, todo, presets, progress=lambda s: None)
   assert len(calls) == 4 + len(hp.LENGTHS)     # resumed: nothing measured twice
   version["a_152m"] = "2"                        # the preset changed: its cells again
-  hp.run(out, todo, progress=lambda s: None)
+  hp.run(out, todo, presets, progress=lambda s: None)
   assert len(calls) == 2 * (4 + len(hp.LENGTHS)) - 2
   n = len(calls)                                 # --fresh on one target: only its cells, the
-  hp.run(out, hp.cells(names, rows[:1], [], []), fresh=True, progress=lambda s: None)
+  hp.run(out, hp.cells(names, rows[:1], [], []), presets, fresh=True,
+         progress=lambda s: None)
   assert len(calls) == n + 2 and len(hp.jsonio.read(out)) == len(done)   # others kept
   text = hp.page(done, names, rows, lrows, ["a_152m"])
   from attn_jax.provenance import source_commit
@@ -352,17 +354,24 @@ def test_hardware_page_resumes_and_renders(tmp_path, monkeypatch):
 
 
 def test_a_length_cell_is_one_row_of_t_tokens_per_device():
-  from attn_jax.train import hardware_page as hp
-  c = hp._config("sisa_152m", (4, 1, 1), 32768)
+  from attn_jax.bench import hardware_page as hp
+  from configs import sisa_152m
+  c = hp._config(sisa_152m.get_config, (4, 1, 1), 32768)
   assert (c.data.seq_len, c.data.global_batch_size, c.train.grad_accum) == (32768, 4, 1)
   assert c.model.max_seq_len >= 32768
   row = hp.LENGTH_ROWS[0]
-  assert hp.fingerprint("sisa_152m", row, 2048) != hp.fingerprint("sisa_152m", row, 8192)
+  f = sisa_152m.get_config
+  assert hp.fingerprint(f, row, 2048) != hp.fingerprint(f, row, 8192)
 
 
 def test_presets_are_the_152m_and_369m_configs():
-  from attn_jax.train import hardware_page as hp
-  names = hp.preset_names(str(ROOT / "configs"))
+  """The page's presets from every config file (as experiments/hardware_page.py loads them):
+  the 152M / 369M models, 152M first, no study config."""
+  import importlib
+  from attn_jax.bench import hardware_page as hp
+  every = {p.stem: importlib.import_module(f"configs.{p.stem}").get_config
+           for p in (ROOT / "configs").glob("*.py") if not p.stem.startswith("_")}
+  names = hp.preset_names(every)
   assert "sisa_152m" in names and "transformer_369m" in names and "quickstart" not in names
   assert "study_152m" not in names                                      # runs many presets
   assert names.index("transformer_152m") < names.index("alibi_369m")   # 152M first

@@ -2,12 +2,17 @@
 train-step throughput of several configs side by side (tokens/s and ratios, analytic FLOPs
 and MFU, compiled peak memory, decode tokens/s):
 
-  configs.py  Options (one field per flag), the named configs and their overrides, study rows
-  step.py     one row: the trainer's step timed, its decode figures; document masking
-  tables.py   the printed tables
-  runner.py   run(options): every config built first, then the table asked for, JSON rows
-  sinkhorn.py Sinkhorn vs dense attention against length (experiments/bench_sinkhorn.py)
-  stream.py   StreamingLLM vs window recomputation, constant memory (experiments/bench_stream.py)
+  configs.py          Options (one field per flag), the named configs and their overrides,
+                      study rows
+  rows.py             one row: the trainer's step timed, its decode figures; document masking
+  printout.py         the printed tables
+  suite.py            run(options): every config built first, then the table asked for, JSON
+  roofline.py         the machine's measured peak and bandwidth, MFU, the decode bound
+  kernel_tuning.py    the decayed-attention kernel's Triton choices timed
+  hardware_page.py    docs/hardware.md from compile-only reports (experiments/hardware_page.py)
+  sinkhorn_scaling.py Sinkhorn vs dense attention against length (experiments/bench_sinkhorn.py)
+  stream.py           StreamingLLM vs window recomputation, constant memory
+                      (experiments/bench_stream.py)
 
 Each config is timed with the trainer's jitted train step (forward + backward + clipped AdamW
 update with the mixer's optimizer overrides; `attn_jax.train.trainer.build_setup`), compiled as
@@ -15,14 +20,14 @@ the trainer compiles it (`trainer.compile_step`). The first config is the baseli
 ratios. Reported: best wall time of the timed steps (tok/s, ratio) and the median process CPU
 time per step (cpu s, cpu ratio); on a shared machine the CPU time is the steadier comparison.
 A `--study` run benches every variant of a study config at its matched parameter count
-(attn_jax/study/variants.py) plus the window and StreamingLLM cache policies of
+(attn_jax/study/matching.py) plus the window and StreamingLLM cache policies of
 `policy_mixers` (their decode tokens/s is the policy's cost; the train step is the same model).
 
 Analytic training FLOPs per token (stated convention): 6 N_nonembedding + 6 d V (the LM head
 matmul, also when tied) + 3 x n_layers x mixer.flops_per_token(seq_len) (attention: only the
 causal lower triangle, (L+1)/2 keys per query; backward = 2 x forward), as computed by
 `attn_jax.train.flops.train_flops_per_token` for the trainer's logs. Against what the machine
-can do (`attn_jax.train.roofline`, measured in the same run, printed before the tables):
+can do (`attn_jax.bench.roofline`, measured in the same run, printed before the tables):
 TFLOP/s = tok/s x that; MFU meas = TFLOP/s / (measured matmul peak x devices), the peak being
 the best of 5 square `jnp.dot`s in the model's dtype (n = peak_n); MFU sheet = the same against
 the datasheet peak (`flops.PEAK_FLOPS` / `PEAK_FLOPS_TF32` by device kind and dtype; n/a where
@@ -44,6 +49,6 @@ long seq_lens run "where memory allows".
 
 from attn_jax.bench.configs import (PRESETS, Options, named_config, row_policy,  # noqa: F401
                                     study_configs)
-from attn_jax.bench.runner import run  # noqa: F401
+from attn_jax.bench.suite import run  # noqa: F401
 
 __all__ = ["PRESETS", "Options", "named_config", "row_policy", "study_configs", "run"]

@@ -162,12 +162,12 @@ def named_config(name: str, options: Options = Options()):
 
 def study_configs(path: str, options: Options = Options()) -> dict:
   """{row name: config} for every study variant (parameters matched to the study's baseline,
-  attn_jax.study.variants) plus cache-policy rows of `options.policy_mixers`."""
+  attn_jax.study.matching) plus cache-policy rows of `options.policy_mixers`."""
   import runpy
 
-  from attn_jax.study import variants
+  from attn_jax.study import matching
   study = runpy.run_path(path)["get_config"]()
-  rows = {name: cfg for name, (cfg, _) in variants.all_variant_configs(study).items()}
+  rows = {name: cfg for name, (cfg, _) in matching.all_variant_configs(study).items()}
   for name in options.policy_mixers:
     for policy in ROW_POLICIES:   # the same model; `row_policy` says how it decodes
       rows[f"{name}@{policy}"] = rows[name].copy_and_resolve_references()

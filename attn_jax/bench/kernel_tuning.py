@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from attn_jax.kernels import decayed
-from attn_jax.train import roofline
+from attn_jax.bench import roofline
 
 
 def quick_candidates() -> list[decayed.GpuTuning]:

@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 
 from attn_jax.data.tokenizer import Tokenizer, get_tokenizer
-from attn_jax.eval import harness, mqar, niah, report
+from attn_jax.eval import harness, mqar, niah, result_tables
 from attn_jax.eval import tasks as tasks_lib
 
 ALIASES = tasks_lib.ALIASES
@@ -213,14 +213,14 @@ def evaluate_checkpoint(workdir: str, tasks: str | Sequence[str], *, step: int |
 
 
   def write() -> dict:
-    paths = report.write_report(out, folder)
+    paths = result_tables.write_report(out, folder)
     if "niah" in out["results"]:
       r = out["results"]["niah"]
       niah.plot_heatmap(np.asarray(r["grid"]), os.path.join(folder, "niah.png"),
                         context_lengths=r["context_lengths"], depths=r["depths"])
     return paths
 
-  out["paths"] = outputs.write_or_print(write, report.to_markdown(out), folder,
+  out["paths"] = outputs.write_or_print(write, result_tables.to_markdown(out), folder,
                                         flag="--out_dir")
   return out
 

@@ -4,7 +4,7 @@
 
 and write it as any of a run directory (`workdir.write_workdir`), a Hugging Face folder
 (`loader.export_hf`) or a GGUF file (`loader.export_gguf`). With `mixer`, the run directory
-holds the model converted into that attention variant, unchanged at step 0 (`variants.py`;
+holds the model converted into that attention variant, unchanged at step 0 (`pretrained/variants.py`;
 the distance is measured and returned). Every input is read and every output's
 preconditions (exportable, tokenizer fits, target free, variant offered) are checked before
 the first file is written.
@@ -23,7 +23,7 @@ import ml_collections
 from attn_jax.pretrained import granite_swa, loader
 from attn_jax.pretrained.llama import PretrainedError, exportable_problem
 from attn_jax.pretrained.variants import VariantInit, check_variant, to_variant
-from attn_jax.pretrained.workdir import INFO_FILE, write_workdir
+from attn_jax.pretrained.run_dir import INFO_FILE, write_workdir
 
 
 def is_run_dir(path: str) -> bool:

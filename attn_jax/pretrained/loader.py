@@ -29,7 +29,7 @@ from flax import nnx
 from attn_jax.config import ModelConfig
 from attn_jax.pretrained import gguf as gguf_lib
 from attn_jax.pretrained import hf as hf_lib
-from attn_jax.pretrained import tokenizer as tok_lib
+from attn_jax.pretrained import checkpoint_tokenizer as tok_lib
 from attn_jax.pretrained.llama import (LlamaSpec, PretrainedError, exportable_problem,
                                        model_config, params_from_hf, params_to_hf)
 

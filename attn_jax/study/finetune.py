@@ -38,7 +38,7 @@ import numpy as np
 
 from attn_jax import jsonio
 from attn_jax.study.report import copy_plots, marker_pair, page_links, splice
-from attn_jax.study.variants import set_override
+from attn_jax.study.matching import set_override
 
 RESULTS = "results.json"
 RUN_DONE = "finetune_run.json"
@@ -70,15 +70,15 @@ def converted_dir(workdir: str, name: str) -> str:
   return os.path.join(workdir, "converted", name)
 
 
-def convert_variant(config, workdir: str, name: str, spec: dict, log) -> dict:
-  """The converted run of `name` (made once) and its record from pretrained.json."""
+def convert_variant(config, base_config, workdir: str, name: str, spec: dict, log) -> dict:
+  """The converted run of `name` (made once, its training fields from `base_config`) and its
+  record from pretrained.json."""
   from attn_jax.pretrained.convert import convert
   from attn_jax.pretrained.variants import VariantInit
-  from configs.base import get_config
   path = converted_dir(workdir, name)
   if not os.path.isfile(os.path.join(path, "pretrained.json")):
     log(f"[finetune] {name}: converting {config.study.src} -> --mixer={spec['mixer']}")
-    out = convert(str(config.study.src), workdir=path, base_config=get_config(),
+    out = convert(str(config.study.src), workdir=path, base_config=base_config,
                   mixer=spec["mixer"], variant_init=VariantInit(**spec["init"]),
                   seed=int(config.study.convert_seed))
     log(f"[finetune] {name}: step-0 logits within {out['step0_rel_logit_diff']:.2e} relative "
@@ -232,9 +232,12 @@ def _best(recs: list[dict]) -> dict:
   return min(recs, key=lambda r: (not np.isfinite(r["heldout_nll"]), r["heldout_nll"]))
 
 
-def run_study(config: ml_collections.ConfigDict, workdir: str, *, command: str = "",
+def run_study(config: ml_collections.ConfigDict, workdir: str, *,
+              base_config: ml_collections.ConfigDict, command: str = "",
               log: Callable[[str], Any] = print) -> dict:
-  """Every stage of the module docstring; results.json rewritten after each; returns it."""
+  """Every stage of the module docstring; results.json rewritten after each; returns it.
+  `base_config`: the training config the converted runs start from (configs/base.py's, from
+  the entry point)."""
   from attn_jax.study.runner import enable_compilation_cache, machine_info
   workdir = os.path.abspath(workdir)
   os.makedirs(workdir, exist_ok=True)
@@ -261,7 +264,7 @@ def run_study(config: ml_collections.ConfigDict, workdir: str, *, command: str =
     jsonio.write(res, path)
 
   for name, spec in specs.items():
-    rec = convert_variant(config, workdir, name, spec, log)
+    rec = convert_variant(config, base_config, workdir, name, spec, log)
     res["variants"][name] = {"mixer": spec["mixer"], "init": spec["init"],
                              "overrides": [list(o) for o in spec["overrides"]],
                              "setting": spec["setting"], "new": rec["new"],

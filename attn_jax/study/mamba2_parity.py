@@ -1,4 +1,4 @@
-"""attn_jax's Mamba-2 trained beside the minimal plain-JAX Mamba-2 (attn_jax.ssm.mamba2_minimal)
+"""attn_jax's Mamba-2 trained beside the minimal plain-JAX Mamba-2 (attn_jax.study.mamba2_minimal)
 on identical MQAR batches (entry point: experiments/mamba2_parity.py; docs/mamba_parity.md).
 
 Both are trained by `optim.optimizer_from_groups`, the trainer's optax chain (clip, AdamW b2 0.95,
@@ -29,7 +29,7 @@ from attn_jax import jsonio
 from attn_jax.data import pipeline
 from attn_jax.eval import mqar
 from attn_jax.model import build_model
-from attn_jax.ssm.mamba2_minimal import (CHOICES, RECIPES, dims_of, init_minimal,
+from attn_jax.study.mamba2_minimal import (CHOICES, RECIPES, dims_of, init_minimal,
                                          minimal_decay_mask, minimal_logits, to_minimal)
 from attn_jax.train import optim
 from attn_jax.train.loss import cross_entropy
@@ -42,12 +42,12 @@ SETTING = {"d_model": 64, "expand": 1.0, "head_dim": 16, "d_state": 24, "d_ff": 
            "n_layers": 1, "lr": 3e-3}
 
 
-def study_config(seed: int, steps: int, *, batch: int = 128, lr: float | None = None,
-                 setting: dict | None = None) -> ml_collections.ConfigDict:
-  """configs/study_tiny.py's task, trunk and optimizer with one Mamba-2 block of `SETTING`."""
-  from configs import study_tiny
+def study_config(base: ml_collections.ConfigDict, seed: int, steps: int, *, batch: int = 128,
+                 lr: float | None = None, setting: dict | None = None) -> ml_collections.ConfigDict:
+  """`base`'s task, trunk and optimizer (configs/study_tiny.py's, from the entry point) with
+  one Mamba-2 block of `SETTING`."""
   s = dict(SETTING, **(setting or {}))
-  c = study_tiny.get_config()
+  c = base.copy_and_resolve_references()
   c.seed = int(seed)
   c.model.update(pattern=("mamba2",), n_layers=int(s["n_layers"]), d_model=int(s["d_model"]),
                  d_ff=int(s["d_ff"]))
@@ -176,11 +176,11 @@ def train(c, logits_fn, params, decay, mult, batches, evals, *, every: int):
   return params, rows
 
 
-def run_one(spec_label, recipe, seed, steps, batches, every, batch_size=128, lr=None,
+def run_one(base, spec_label, recipe, seed, steps, batches, every, batch_size=128, lr=None,
             schedule_steps=None):
   """`schedule_steps` (default `steps`): the lr schedule's horizon, so that a shorter run is
   the first `steps` of a longer one."""
-  c = study_config(seed, schedule_steps or steps, batch=batch_size, lr=lr)
+  c = study_config(base, seed, schedule_steps or steps, batch=batch_size, lr=lr)
   build = (build_ours(c, recipe[1]) if isinstance(recipe, tuple)
            else build_minimal(c, recipe))
   logits_fn, params, decay, mult = build
@@ -191,10 +191,11 @@ def run_one(spec_label, recipe, seed, steps, batches, every, batch_size=128, lr=
           "final_recall": rows[-1]["recall"], "wall_s": time.perf_counter() - t0}
 
 
-def run(seeds, models, *, steps: int, out: str, every: int = 250, batch: int = 128,
+def run(base, seeds, models, *, steps: int, out: str, every: int = 250, batch: int = 128,
         lr: float | None = None, schedule_steps: int | None = None) -> list[dict]:
   """Every (seed, model spec) run not already in the JSON file `out` (appended to after each
-  run, so an interrupted invocation resumes); prints one line per run and the summary."""
+  run, so an interrupted invocation resumes); prints one line per run and the summary. `base`:
+  the task's config (`study_config`)."""
   resolved = [(m, resolve(m)) for m in models]
   results = []
   if os.path.exists(out):
@@ -206,8 +207,9 @@ def run(seeds, models, *, steps: int, out: str, every: int = 250, batch: int = 1
       if (label, seed, steps) in done:
         continue
       if seed not in cache:
-        cache = {seed: train_batches(study_config(seed, steps, batch=batch), steps)}
-      r = run_one(label, recipe, seed, steps, cache[seed], every, batch, lr, schedule_steps)
+        cache = {seed: train_batches(study_config(base, seed, steps, batch=batch), steps)}
+      r = run_one(base, label, recipe, seed, steps, cache[seed], every, batch, lr,
+                  schedule_steps)
       results.append(r)
       curve = " ".join(f"{row['recall']:.3f}" for row in r["curve"])
       print(f"{label:44s} seed {seed}  params {r['params']:,}  recall by {every} steps: "

@@ -24,7 +24,7 @@ studies) is matched on steps, parameters and lr. An unfinished run is restarted 
 command and the trainer resumes from its latest checkpoint. A finished run whose config has
 changed since is an error naming the run, never silently reused. Equal
 conditions: every variant gets the same data stream (`data.*`, the seed), steps, batch,
-optimizer and evaluation; only the model differs (`attn_jax.study.variants`).
+optimizer and evaluation; only the model differs (`attn_jax.study.matching`).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ import numpy as np
 
 from attn_jax import jsonio
 from attn_jax.provenance import source_commit
-from attn_jax.study import variants as variants_lib
+from attn_jax.study import matching
 
 RESULTS = "results.json"
 RUN_SUMMARY = "study_run.json"
@@ -326,7 +326,7 @@ def run_study(config: ml_collections.ConfigDict, workdir: str, *, command: str =
   load0 = os.getloadavg()
   machine = machine_info()   # the commit of the code this process loaded, not of later edits
   t0, c0 = time.perf_counter(), time.process_time()
-  cfgs = variants_lib.all_variant_configs(config)
+  cfgs = matching.all_variant_configs(config)
   for name, (_, info) in cfgs.items():
     log(f"[study] {name}: {info['params']:,} parameters ({info['diff_pct']:+.2f}% vs "
         f"{config.study.baseline}; {info['match_field'] or '-'} = {info['match_value']})")

@@ -27,15 +27,14 @@ from __future__ import annotations
 import collections
 import dataclasses
 import datetime
-import math
-import glob
 import hashlib
-import importlib
+import math
 import os
 import platform as host
-from typing import Callable
+from typing import Callable, Mapping
 
 import jax
+import ml_collections
 
 from attn_jax import jsonio
 from attn_jax.provenance import source_commit
@@ -58,11 +57,16 @@ ROWS = (
 )
 
 
-def preset_names(root: str = "configs") -> list[str]:
-  """The 152M / 369M model presets (a study config of that size, which runs many, is not one)."""
-  names = [os.path.basename(p)[:-3] for p in glob.glob(os.path.join(root, "*_152m.py"))
-           + glob.glob(os.path.join(root, "*_369m.py"))]
-  names = [n for n in names if "study" not in importlib.import_module(f"configs.{n}").get_config()]
+Presets = Mapping[str, Callable[[], ml_collections.ConfigDict]]
+"""{preset name: its get_config}: the entry point loads them from configs/ (this module never
+imports the configs folder)."""
+
+
+def preset_names(presets: Presets) -> list[str]:
+  """The 152M / 369M model presets, 152M first (a study config of that size, which runs many,
+  is not one)."""
+  names = [n for n in presets if n.endswith(("_152m", "_369m"))]
+  names = [n for n in names if "study" not in presets[n]()]
   return sorted(names, key=lambda n: (n.split("_")[-1], n))
 
 
@@ -74,9 +78,9 @@ LENGTH_ROWS = (
 )
 
 
-def _config(name: str, mesh, seq_len: int | None = None):
+def _config(get_config, mesh, seq_len: int | None = None):
   """The preset on `mesh`; with `seq_len`, one row of that many tokens per device."""
-  c = importlib.import_module(f"configs.{name}").get_config()
+  c = get_config()
   c.mesh.shape = tuple(mesh)
   if seq_len is not None:
     c.data.update(seq_len=seq_len, global_batch_size=math.prod(mesh))
@@ -85,17 +89,17 @@ def _config(name: str, mesh, seq_len: int | None = None):
   return c
 
 
-def fingerprint(name: str, row: Row, seq_len: int | None = None) -> str:
+def fingerprint(get_config, row: Row, seq_len: int | None = None) -> str:
   """sha256 of the JSON of the config a cell compiles (a changed preset is measured again)."""
-  text = _config(name, row.mesh, seq_len).to_json_best_effort(sort_keys=True)
+  text = _config(get_config, row.mesh, seq_len).to_json_best_effort(sort_keys=True)
   return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def measure(name: str, row: Row, seq_len: int | None = None) -> dict:
+def measure(get_config, row: Row, seq_len: int | None = None) -> dict:
   """One cell: the preset's train step compiled for the row's target and mesh (with `seq_len`:
   one row of that length per device, no search for a smaller micro-batch)."""
   try:
-    r = aot.compile_for_target(_config(name, row.mesh, seq_len), row.target,
+    r = aot.compile_for_target(_config(get_config, row.mesh, seq_len), row.target,
                                programs=("train",), search_fit=seq_len is None)
   except Exception as e:   # a config that cannot be built for this mesh is a result too
     return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
@@ -132,13 +136,13 @@ def _key(name: str, row: Row, seq_len: int | None = None) -> str:
   return key if seq_len is None else f"{key}@T{seq_len}"
 
 
-def cells(names=None, rows=ROWS, length_rows=LENGTH_ROWS, length_names=LENGTH_PRESETS):
+def cells(names, rows=ROWS, length_rows=LENGTH_ROWS, length_names=LENGTH_PRESETS):
   """(preset, row, seq_len or None) of every cell: the presets' table, then length scaling."""
-  out = [(n, r, None) for n in names or preset_names() for r in rows]
+  out = [(n, r, None) for n in names for r in rows]
   return out + [(n, r, t) for n in length_names for r in length_rows for t in LENGTHS]
 
 
-def run(out_json: str, todo, *, fresh: bool = False,
+def run(out_json: str, todo, presets: Presets, *, fresh: bool = False,
         progress: Callable[[str], None] = print) -> dict:
   """Measure every cell of `todo` (`cells`) not yet in `out_json` or measured from another
   config (every cell of `todo` with `fresh`), saving after each; the cells outside `todo` are
@@ -146,11 +150,11 @@ def run(out_json: str, todo, *, fresh: bool = False,
   done = jsonio.read(out_json) if os.path.exists(out_json) else {}
   commit = source_commit()   # of the code this process loaded
   for name, row, seq_len in todo:
-    k, fp = _key(name, row, seq_len), fingerprint(name, row, seq_len)
+    k, fp = _key(name, row, seq_len), fingerprint(presets[name], row, seq_len)
     if not fresh and done.get(k, {}).get("config") == fp:
       continue
     progress(f"compiling {k} ...")
-    done[k] = dict(measure(name, row, seq_len), config=fp, commit=commit)
+    done[k] = dict(measure(presets[name], row, seq_len), config=fp, commit=commit)
     jsonio.write(done, out_json, sort_keys=True)
   return done
 
@@ -185,12 +189,12 @@ def measured_at(done: dict) -> str:
   return ", ".join(f"{c} ({k} cell{'s' * (k != 1)})" for c, k in n.most_common()) or "none"
 
 
-def page(done: dict, names=None, rows=ROWS, length_rows=LENGTH_ROWS,
+def page(done: dict, names, rows=ROWS, length_rows=LENGTH_ROWS,
          length_names=LENGTH_PRESETS) -> str:
   """The markdown page from the measured cells (missing ones say so)."""
   lines = [
       "# Hardware targets", "",
-      "Generated by `python experiments/hardware_page.py` (attn_jax/train/hardware_page.py) on "
+      "Generated by `python experiments/hardware_page.py` (attn_jax/bench/hardware_page.py) on "
       f"{datetime.date.today()} at commit {source_commit()} from cells compiled at "
       f"{measured_at(done)}, jax {jax.__version__}, host "
       f"{host.machine()} CPU: every preset's train step compiled for each target with the "
@@ -214,7 +218,7 @@ def page(done: dict, names=None, rows=ROWS, length_rows=LENGTH_ROWS,
               "| preset | GiB / device | usable GiB | fits | kernels | collectives | serial "
               "iterations | compile s |",
               "|---|---|---|---|---|---|---|---|"]
-    for name in names or preset_names():
+    for name in names:
       d = done.get(_key(name, row))
       cells = _cell(d) if d else ["not measured yet"] + [""] * 6
       lines.append(f"| {name} | " + " | ".join(cells) + " |")

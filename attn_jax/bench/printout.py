@@ -52,7 +52,7 @@ def _train_line(name, r, base) -> str:
 
 
 def print_decode_steps(rows, names, options, header=True, width=22) -> None:
-  """Decode-step tokens/s against the copy-bandwidth bound (attn_jax.train.roofline)."""
+  """Decode-step tokens/s against the copy-bandwidth bound (attn_jax.bench.roofline)."""
   if not any(rows[n].get("decode_steps") for n in names):
     return
   width = max([width] + [len(n) + 1 for n in names])

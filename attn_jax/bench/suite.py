@@ -7,9 +7,9 @@ from __future__ import annotations
 import json
 import os
 
-from attn_jax.bench import tables
+from attn_jax.bench import printout
 from attn_jax.bench.configs import Options, named_config, study_configs
-from attn_jax.bench.step import (DeviceLimits, bench_document_mask, bench_one, decode_only_row,
+from attn_jax.bench.rows import (DeviceLimits, bench_document_mask, bench_one, decode_only_row,
                                  merge)
 
 # The options written into the JSON file beside the rows.
@@ -30,13 +30,13 @@ def run(options: Options) -> list[dict]:
   limits = DeviceLimits(o.peak_n)
   if o.decode_only:
     for name in names:
-      tables.print_decode_steps({name: decode_only_row(name, prepared[name], o, limits)},
+      printout.print_decode_steps({name: decode_only_row(name, prepared[name], o, limits)},
                                 [name], o, header=name == names[0],
                                 width=max(len(n) + 1 for n in names))
     return []
   if o.document_mask:
     rows = [bench_document_mask(n, int(L), o, prepared[n]) for L in o.seq_lens for n in names]
-    tables.print_document_mask(rows)
+    printout.print_document_mask(rows)
   else:
     rows = _train_rows(names, prepared, o, limits)
   write_json(rows, o, limits)
@@ -53,9 +53,9 @@ def _train_rows(names, prepared, o: Options, limits) -> list[dict]:
           continue
         decode = rep == 0 and L == int(o.seq_lens[0])   # decode rows do not depend on L
         row = bench_one(name, L, o, limits, decode=decode, config=prepared[name])
-        tables.print_progress(name, L, row, best.get(names[0]))
+        printout.print_progress(name, L, row, best.get(names[0]))
         best[name] = merge(best.get(name), row)
-    tables.print_table(L, best, names, o)
+    printout.print_table(L, best, names, o)
     out += [best[n] for n in names]
   return out
 

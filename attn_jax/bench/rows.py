@@ -31,7 +31,7 @@ class DeviceLimits:
 
   def __call__(self, dtype: str) -> dict:
     from attn_jax.train import flops as flops_lib
-    from attn_jax.train import roofline
+    from attn_jax.bench import roofline
     if "bandwidth" not in self.measured:
       self.measured["bandwidth"] = roofline.copy_bandwidth()
       print(f"copy bandwidth {self.measured['bandwidth'] / 1e9:.2f} GB/s (read + write, best "
@@ -66,7 +66,8 @@ def bench_one(name: str, seq_len: int, options: Options, limits, decode: bool = 
 
   from attn_jax.study import throughput
   from attn_jax.train import flops as flops_lib
-  from attn_jax.train import memory, roofline
+  from attn_jax.bench import roofline
+  from attn_jax.train import memory
 
   o = options
   config = (config or named_config(name, o)).copy_and_resolve_references()
@@ -169,7 +170,7 @@ def decode_only_row(name: str, config, options: Options, limits) -> dict:
   """The decode-step rows of `config` at initialisation (--decode_only: no train step)."""
   from attn_jax.config import validate
   from attn_jax.model import build_model, count_params
-  from attn_jax.train import roofline
+  from attn_jax.bench import roofline
   o = options
   cfg = validate(config)
   lim = limits(cfg.dtype)
