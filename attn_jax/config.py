@@ -12,8 +12,12 @@ from typing import Any
 
 import ml_collections
 
+from attn_jax.data.documents import document_mask
+from attn_jax.data.offsets import WINDOW_OFFSETS, window_offset
+from attn_jax.data.pipeline import DATA_SOURCES
 from attn_jax.kernel_choice import ATTENTION_IMPLS
 from attn_jax.options import field_check, is_int, is_number
+from attn_jax.registry import get_mixer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +95,6 @@ class ModelConfig:
     for k, v in self.options:
       if k == mixer:
         return v
-    from attn_jax.registry import get_mixer
     return get_mixer(mixer).Options()
 
   @classmethod
@@ -123,7 +126,6 @@ class ModelConfig:
 
 def make_options(mixer: str, values: dict):
   """The mixer's Options from a config sub-dict; unknown names are errors naming the field."""
-  from attn_jax.registry import get_mixer
   try:
     opt_cls = get_mixer(mixer).Options
   except ValueError:
@@ -141,7 +143,6 @@ _REMAT = ("none", "full", "dots", "dots_no_batch")
 
 
 def validate_model(cfg: ModelConfig) -> None:
-  from attn_jax.registry import get_mixer
   need = field_check("config.model")
   for f in ("vocab_size", "vocab_multiple", "d_model", "n_layers", "n_heads", "max_seq_len"):
     need(int(getattr(cfg, f)) > 0, f, f"must be a positive integer, got {getattr(cfg, f)!r}")
@@ -255,9 +256,7 @@ def validate(config: ml_collections.ConfigDict) -> ModelConfig:
        f"must be a finite positive number, got {o.eps!r}")
   for f in ("weight_decay", "clip_norm"):
     need(is_number(o[f], 0), f"optim.{f}", f"must be a finite number >= 0, got {o[f]!r}")
-  from attn_jax.data.pipeline import DATA_SOURCES
   need(d.source in DATA_SOURCES, "data.source", f"{d.source!r} not in {DATA_SOURCES}")
-  from attn_jax.data.offsets import WINDOW_OFFSETS, window_offset
   need(d.get("window_offset", "none") in WINDOW_OFFSETS, "data.window_offset",
        f"{d.get('window_offset')!r} not in {WINDOW_OFFSETS}")
   need(window_offset(d) == "none" or d.source != "synthetic", "data.window_offset",
@@ -286,8 +285,6 @@ def check_document_mask(cfg: ModelConfig, data_cfg) -> None:
   `model.sink_tokens` > 0: the sink tokens are the shared prefix of every document, so every
   layer's mixer must read that prefix per document exactly (`reads_shared_prefix`, mixer.py);
   a mixer that restarts a recurrent state at each document's first token cannot."""
-  from attn_jax.data.documents import document_mask
-  from attn_jax.registry import get_mixer
   if not document_mask(data_cfg):
     return
   for name in sorted({s.mixer for s in cfg.period}):

@@ -40,6 +40,8 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from attn_jax import kernel_choice
+from attn_jax.config import ModelConfig
+from attn_jax.registry import axis_rules
 
 MeshAxes = str | tuple[str, ...] | None
 
@@ -99,8 +101,6 @@ def config_rules(config) -> dict[str, MeshAxes]:
   """The logical-axis rules of a run: those the pattern's mixers declare (`Mixer.axis_rules`),
   overridden by `config.mesh.rules` (the trunk's, from configs/base.py, plus any the user
   sets)."""
-  from attn_jax.config import ModelConfig
-  from attn_jax.registry import axis_rules
   names = [spec.mixer for spec in ModelConfig.from_config(config.model).period]
   return {**axis_rules(names), **rules_dict(config.mesh.rules)}
 

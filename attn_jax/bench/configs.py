@@ -17,6 +17,10 @@ import importlib
 import importlib.util
 import os
 
+from attn_jax.attention import cache as cache_lib
+from attn_jax.attention.sisa import matched_d_ff
+from attn_jax.study import matching
+
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -102,7 +106,6 @@ def _model_overrides(name: str, m, o: Options) -> None:
 
 
 def _sisa_overrides(name: str, m, o: Options, d: int, h: int) -> None:
-  from attn_jax.attention.sisa import matched_d_ff
   if o.d_state:
     m.sisa.d_state = o.d_state
   if d or h or o.d_state:  # re-match the SwiGLU width to the (overridden) Transformer
@@ -165,7 +168,6 @@ def study_configs(path: str, options: Options = Options()) -> dict:
   attn_jax.study.matching) plus cache-policy rows of `options.policy_mixers`."""
   import runpy
 
-  from attn_jax.study import matching
   study = runpy.run_path(path)["get_config"]()
   rows = {name: cfg for name, (cfg, _) in matching.all_variant_configs(study).items()}
   for name in options.policy_mixers:
@@ -177,7 +179,6 @@ def study_configs(path: str, options: Options = Options()) -> dict:
 def row_policy(name: str, window: int = Options.policy_window):
   """The decode-time cache policy of a row: "<variant>@window" / "@streaming" (a ring of
   `window` slots, 4 of them sinks), else None (linear)."""
-  from attn_jax.attention import cache as cache_lib
   policy = name.rsplit("@", 1)[-1] if "@" in name else ""
   return {"window": lambda: cache_lib.Ring(window),
           "streaming": lambda: cache_lib.SinksRing(4, window)}.get(policy, lambda: None)()

@@ -41,8 +41,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from attn_jax import decode
 from attn_jax.config import ModelConfig
 from attn_jax.layers import dtype_of
+from attn_jax.model import init_state
 
 
 def best_seconds(fn, args, repeats: int) -> float:
@@ -117,7 +119,6 @@ def decode_bytes(cfg: ModelConfig, n_params: dict, batch: int, capacity: int,
   """Bytes one decode step of `batch` rows reads under the cache `policy` (module docstring):
   {"params", "state" (all rows), "total"}. `param_bytes` (`decode_param_bytes`) replaces the
   count from `n_params` in the parameter dtype."""
-  from attn_jax.model import init_state
   params = param_bytes if param_bytes is not None else \
       (n_params["non_embedding"] + cfg.d_model * cfg.vocab_size) * \
       jnp.dtype(dtype_of(cfg.param_dtype)).itemsize
@@ -136,7 +137,6 @@ def decode_step_tok_s(model, prompt_BT: jax.Array, steps: int, repeats: int = 2,
   prefill of `prompt_BT` that is not timed; capacity = prompt length + steps."""
   from flax import nnx
 
-  from attn_jax import decode
   graphdef, state = nnx.split(model.for_decoding())   # as `decode.generate` runs it
   B, T = prompt_BT.shape
 

@@ -19,7 +19,15 @@ import time
 
 import numpy as np
 
+from attn_jax import decode
+from attn_jax.bench import kernel_profile, roofline
 from attn_jax.bench.configs import Options, named_config, row_policy
+from attn_jax.config import check_document_mask, validate
+from attn_jax.data.documents import document_fields
+from attn_jax.model import build_model, count_params
+from attn_jax.study import throughput
+from attn_jax.train import flops as flops_lib, memory
+from attn_jax.train.trainer import compile_step
 
 
 class DeviceLimits:
@@ -30,8 +38,6 @@ class DeviceLimits:
     self.measured: dict = {}
 
   def __call__(self, dtype: str) -> dict:
-    from attn_jax.train import flops as flops_lib
-    from attn_jax.bench import roofline
     if "bandwidth" not in self.measured:
       self.measured["bandwidth"] = roofline.copy_bandwidth()
       print(f"copy bandwidth {self.measured['bandwidth'] / 1e9:.2f} GB/s (read + write, best "
@@ -64,10 +70,6 @@ def bench_one(name: str, seq_len: int, options: Options, limits, decode: bool = 
   """The train-step row of `name` at `seq_len` (decode figures too when `decode`)."""
   import jax
 
-  from attn_jax.study import throughput
-  from attn_jax.train import flops as flops_lib
-  from attn_jax.bench import roofline
-  from attn_jax.train import memory
 
   o = options
   config = (config or named_config(name, o)).copy_and_resolve_references()
@@ -112,7 +114,6 @@ def _profile(compiled, state, batch, label: str, step_s: float, o: Options):
   """One more step under the profiler; prints its longest kernels; returns the new state."""
   import tempfile
 
-  from attn_jax.bench import kernel_profile
   out = {}
 
   def one():
@@ -142,7 +143,6 @@ def model_with(cfg, state):
   """The model with the trained state's parameters."""
   from flax import nnx
 
-  from attn_jax.model import build_model
   graphdef, _, _ = nnx.split(build_model(cfg, seed=0), nnx.Param, ...)
   return nnx.merge(graphdef, state["params"], state["rest"])
 
@@ -153,7 +153,6 @@ def _decode_tok_s(cfg, state, toks, seq_len, o: Options, policy=None):
   import jax
   import jax.numpy as jnp
 
-  from attn_jax import decode
 
   model = model_with(cfg, state)
   b = min(toks.shape[1], o.decode_batch)
@@ -168,9 +167,6 @@ def _decode_tok_s(cfg, state, toks, seq_len, o: Options, policy=None):
 
 def decode_only_row(name: str, config, options: Options, limits) -> dict:
   """The decode-step rows of `config` at initialisation (--decode_only: no train step)."""
-  from attn_jax.config import validate
-  from attn_jax.model import build_model, count_params
-  from attn_jax.bench import roofline
   o = options
   cfg = validate(config)
   lim = limits(cfg.dtype)
@@ -185,7 +181,6 @@ def packed_fields(batch: dict, doc_len: int) -> dict:
   """`segment_ids` / `positions` [1, B, L] of rows of consecutive `doc_len`-token documents."""
   import jax.numpy as jnp
 
-  from attn_jax.data.documents import document_fields
   _, B, L = batch["inputs"].shape
   fields = document_fields(np.arange(doc_len, L, doc_len), L)
   return {k: jnp.broadcast_to(jnp.asarray(v), (1, B, L)) for k, v in fields.items()}
@@ -200,9 +195,6 @@ def bench_document_mask(name: str, seq_len: int, options: Options, config=None) 
   allow, is a "skipped" row with the reason."""
   import ml_collections
 
-  from attn_jax.config import check_document_mask
-  from attn_jax.study import throughput
-  from attn_jax.train.trainer import compile_step
 
   o = options
   config = ml_collections.ConfigDict((config or named_config(name, o)).to_dict())

@@ -17,6 +17,12 @@ import os
 import statistics
 import time
 
+from attn_jax.attention.core import attend
+from attn_jax.attention.projection import QKVProjection
+from attn_jax.attention.sinkhorn import SinkhornAttention
+from attn_jax.config import ModelConfig
+from attn_jax.layers import apply_rope, rope_angles
+
 
 @dataclasses.dataclass(frozen=True)
 class Setting:
@@ -36,11 +42,6 @@ def build(s: Setting, variant, d_model, dtype, L):
   import jax.numpy as jnp
   from flax import nnx
 
-  from attn_jax.attention.core import attend
-  from attn_jax.attention.projection import QKVProjection
-  from attn_jax.attention.sinkhorn import SinkhornAttention
-  from attn_jax.config import ModelConfig
-  from attn_jax.layers import apply_rope, rope_angles
 
   cfg = ModelConfig(d_model=d_model, n_heads=s.heads, n_layers=1, dtype=dtype,
                     max_seq_len=L)

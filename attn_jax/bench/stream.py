@@ -26,9 +26,12 @@ import json
 import os
 import time
 
+from attn_jax import decode, streaming
+from attn_jax.config import ModelConfig
+from attn_jax.model import build_model
+
 
 def tiny_cfg(mixer, max_len):
-  from attn_jax.config import ModelConfig
   cfg = ModelConfig(vocab_size=257, vocab_multiple=1, d_model=64, n_layers=2, n_heads=4,
                     d_ff=192, max_seq_len=max_len, dtype="float32", mixer=mixer)
   return cfg.with_options("sisa", d_state=16) if mixer == "sisa" else cfg
@@ -49,8 +52,6 @@ def per_token(mixer, L, reps, repeats=1):
   import jax.numpy as jnp
   import numpy as np
   from flax import nnx
-  from attn_jax import decode, streaming
-  from attn_jax.model import build_model
   model = build_model(tiny_cfg(mixer, L), seed=0)
   pol = streaming.StreamPolicy("streaming", window=L - 4, sinks=4)
   # Both sides take the parameters as a flat list of arrays (nnx.split and flatten once: no
@@ -99,8 +100,6 @@ def memory(mixer, n_tokens, chunk):
   import jax
   import jax.numpy as jnp
   import numpy as np
-  from attn_jax import streaming
-  from attn_jax.model import build_model
   model = build_model(tiny_cfg(mixer, 1024), seed=0)
   policy = streaming.StreamPolicy("streaming", window=1020, sinks=4)
   sc = streaming.CachedScorer(model, policy, chunk=chunk, trace_limit=1)

@@ -42,6 +42,11 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from attn_jax import decode
+from attn_jax.pretrained import hf as hf_lib
+from attn_jax.pretrained.loader import hf_tensors, spec_of
+from attn_jax.train.flops import forward_flops_per_token
+
 
 @dataclasses.dataclass
 class Engine:
@@ -59,7 +64,6 @@ def ours_engine(model, name: str = "attn_jax") -> Engine:
   import jax.numpy as jnp
   from flax import nnx
 
-  from attn_jax import decode
 
   graphdef, state = nnx.split(model)
   compiled = {}
@@ -117,8 +121,6 @@ def transformers_twin(model, device: str = "cpu"):
   import torch
   import transformers
 
-  from attn_jax.pretrained import hf as hf_lib
-  from attn_jax.pretrained.loader import hf_tensors, spec_of
   tensors = hf_tensors(model)
   config = transformers.LlamaConfig.from_dict(hf_lib.hf_config(spec_of(model.cfg)))
   twin = transformers.LlamaForCausalLM(config).eval()
@@ -253,7 +255,6 @@ def to_markdown(result: dict) -> str:
 def prefill_flops_per_token(cfg, n_params: dict, prompt_len: int) -> float:
   """Model FLOPs per prompt token of a prefill (`train.flops` convention: 2 N per token, the
   causal lower triangle of attention), with the LM head applied to the last token only."""
-  from attn_jax.train.flops import forward_flops_per_token
   head = 2.0 * cfg.d_model * cfg.vocab_size
   return forward_flops_per_token(cfg, n_params, prompt_len) - head + head / prompt_len
 

@@ -49,9 +49,9 @@ import sys
 from typing import Any, Sequence
 
 try:
-  from lm_eval.api.model import TemplateLM
-  from lm_eval.api import registry as _registry
   from lm_eval import utils as _lm_utils
+  from lm_eval.api import registry as _registry
+  from lm_eval.api.model import TemplateLM
 except ImportError as e:  # pragma: no cover - depends on the environment
   raise ImportError(
       "attn_jax.eval.lm_eval_adapter needs EleutherAI's lm-evaluation-harness: "
@@ -59,8 +59,11 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 import numpy as np
 
+from attn_jax import decode
 from attn_jax.data.tokenizer import Tokenizer, get_tokenizer
 from attn_jax.eval import harness
+from attn_jax.eval.run import ModelScorer
+from attn_jax.train.checkpoint import load_for_inference
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +129,6 @@ class AttnJaxLM(TemplateLM):
       default_len = int(model.cfg.max_seq_len)
       self._source = "in-memory model"
     else:
-      from attn_jax.train.checkpoint import load_for_inference
 
       model, config, loaded_step = load_for_inference(os.fspath(checkpoint), _as_int(step, "step"))
       if tokenizer is None:
@@ -140,7 +142,6 @@ class AttnJaxLM(TemplateLM):
       raise ValueError(f"tokenizer has {tokenizer.vocab_size} ids but the model's vocabulary is "
                        f"{vocab}: use the tokenizer the model was trained with")
 
-    from attn_jax.eval.run import ModelScorer
 
     self._model = model
     self._tok = tokenizer
@@ -295,7 +296,6 @@ class AttnJaxLM(TemplateLM):
     (right-padded to a power-of-two bucket, per-row `lengths`), so there is one compilation
     per (bucket, max_gen_toks, rows) rather than per prompt length."""
     del disable_tqdm
-    from attn_jax import decode
 
     args = [req.args for req in requests]
     plans = [self._gen_plan(context, gen_kwargs) for context, gen_kwargs in args]

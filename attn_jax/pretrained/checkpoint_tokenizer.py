@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from attn_jax.pretrained.gguf import field
 from attn_jax.pretrained.llama import PretrainedError
 
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -59,7 +60,6 @@ def from_gguf(reader, source: str):
   """The tokenizer a GGUF describes (module docstring)."""
   from tokenizers import AddedToken, Tokenizer, decoders, models, processors
 
-  from attn_jax.pretrained.gguf import field
   tokens, types, vocab, pairs = _gguf_vocab(reader, source)
   tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
   tok.pre_tokenizer = pre_tokenizer(field(reader, "tokenizer.ggml.pre", ""), source)
@@ -78,7 +78,6 @@ def from_gguf(reader, source: str):
 
 def _gguf_vocab(reader, source: str):
   """(tokens, their types, {token: id}, merge pairs) of a byte-level BPE GGUF, checked."""
-  from attn_jax.pretrained.gguf import field
   kind = field(reader, "tokenizer.ggml.model")
   if kind is None:
     raise PretrainedError(f"{source}: no tokenizer in the file (tokenizer.ggml.model is "

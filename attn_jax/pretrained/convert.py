@@ -22,8 +22,9 @@ import ml_collections
 
 from attn_jax.pretrained import granite_swa, loader
 from attn_jax.pretrained.llama import PretrainedError, exportable_problem
-from attn_jax.pretrained.variants import VariantInit, check_variant, to_variant
 from attn_jax.pretrained.run_dir import INFO_FILE, write_workdir
+from attn_jax.pretrained.variants import VariantInit, check_variant, to_variant
+from attn_jax.train.checkpoint import load_for_inference
 
 
 def is_run_dir(path: str) -> bool:
@@ -34,7 +35,6 @@ def load_run(workdir: str, step: int | None = None,
              tokenizer: str | None = None) -> loader.Pretrained:
   """A run directory as a `Pretrained` (its tokenizer `tokenizer`, else config.data.tokenizer;
   None for the byte tokenizer, which has no tokenizers JSON)."""
-  from attn_jax.train.checkpoint import load_for_inference
   model, config, _ = load_for_inference(workdir, step)
   spec_ids = {}
   info = os.path.join(workdir, INFO_FILE)

@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from attn_jax.pretrained import gguf_file
 from attn_jax.pretrained.llama import LlamaSpec, PretrainedError, check_spec
 
 GGUF_MAGIC = b"GGUF"
@@ -74,7 +75,6 @@ def open_reader(path: str) -> GGUFFile:
   except ImportError:
     raise PretrainedError("reading GGUF files needs the `gguf` package: pip install "
                           "'attn_jax[pretrained]'") from None
-  from attn_jax.pretrained import gguf_file
   if not os.path.isfile(path):
     raise PretrainedError(f"{path}: no such file")
   with open(path, "rb") as f:

@@ -28,14 +28,15 @@ from typing import Any
 import numpy as np
 
 from attn_jax.config import ModelConfig
+from attn_jax.pretrained.hf import hf_config as llama_config
 from attn_jax.pretrained.llama import LlamaSpec, exportable_problem, params_to_hf
+from attn_jax.registry import get_mixer
 
 SINK_PARAM = "mixer/sink_logit"
 
 
 def holds(cfg: ModelConfig) -> bool:
   """Whether `cfg` is a plain Llama but for a learned sink logit."""
-  from attn_jax.registry import get_mixer
   if exportable_problem(cfg) is None:
     return False
   plain = cfg.with_options("attention", sink_logit="none")
@@ -45,7 +46,6 @@ def holds(cfg: ModelConfig) -> bool:
 
 def hf_config(spec: LlamaSpec) -> dict[str, Any]:
   """The `config.json` of a GraniteSWAForCausalLM computing the Llama + sinks of `spec`."""
-  from attn_jax.pretrained.hf import hf_config as llama_config
   c = llama_config(spec)
   for key in ("pretraining_tp", "rope_scaling", "rope_theta"):
     c.pop(key)

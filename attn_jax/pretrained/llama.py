@@ -41,7 +41,9 @@ from typing import Mapping
 
 import numpy as np
 
-from attn_jax.config import ModelConfig
+from attn_jax.config import LayerSpec, ModelConfig
+from attn_jax.model import padded_vocab
+from attn_jax.registry import get_mixer
 
 
 class PretrainedError(ValueError):
@@ -199,7 +201,6 @@ def _sort_tensors(tensors, spec: LlamaSpec, source: str):
 
 def _top_params(top: dict, spec: LlamaSpec, cfg: ModelConfig, source: str) -> dict:
   """embed (padded), final_norm and the untied head; the tying checked against the tensors."""
-  from attn_jax.model import padded_vocab
   V, D = spec.vocab_size, spec.d_model
   for name, shape in (("model.embed_tokens.weight", (V, D)), ("model.norm.weight", (D,))):
     if name not in top:
@@ -244,8 +245,6 @@ def _check_shape(name: str, arr, shape: tuple[int, ...], source: str) -> None:
 def exportable_problem(cfg: ModelConfig) -> str | None:
   """Why a model has no Llama equivalent (None when it has one): every layer plain softmax
   attention with a SwiGLU, no learned sink tokens, no sink logit."""
-  from attn_jax.config import LayerSpec
-  from attn_jax.registry import get_mixer
   if cfg.period != (LayerSpec("attention", True),):
     kinds = sorted({s.mixer + ("" if s.mlp else ":nomlp") for s in cfg.period})
     return (f"config.model.mixer/pattern: layers of kind {', '.join(kinds)}; a Llama decoder "

@@ -27,11 +27,23 @@ import numpy as np
 from flax import nnx
 
 from attn_jax.config import ModelConfig
-from attn_jax.pretrained import gguf as gguf_lib
-from attn_jax.pretrained import hf as hf_lib
-from attn_jax.pretrained import checkpoint_tokenizer as tok_lib
-from attn_jax.pretrained.llama import (LlamaSpec, PretrainedError, exportable_problem,
-                                       model_config, params_from_hf, params_to_hf)
+from attn_jax.data.tokenizer import HFTokenizer
+from attn_jax.model import abstract_model
+from attn_jax.pretrained import (
+  checkpoint_tokenizer as tok_lib,
+  gguf as gguf_lib,
+  granite_swa,
+  hf as hf_lib,
+)
+from attn_jax.pretrained.llama import (
+  LlamaSpec,
+  PretrainedError,
+  exportable_problem,
+  model_config,
+  params_from_hf,
+  params_to_hf,
+)
+from attn_jax.pretrained.packaged import resolve
 
 
 @dataclasses.dataclass
@@ -52,7 +64,6 @@ class Pretrained:
   def text_tokenizer(self):
     """The tokenizer behind attn_jax's interface (`data/tokenizer.HFTokenizer`), EOS = the
     checkpoint's."""
-    from attn_jax.data.tokenizer import HFTokenizer
     return HFTokenizer.wrap(self.tokenizer, eos_id=self.spec.eos_id if self.spec else None,
                             source=self.source)
 
@@ -68,7 +79,6 @@ class Pretrained:
 def read_checkpoint(path: str, *, tokenizer: str | None = None):
   """(spec, HF-named fp32 tensors, tokenizer, kind) of a GGUF file or HF folder; `tokenizer`:
   a tokenizer.json to use instead of the checkpoint's."""
-  from attn_jax.pretrained.packaged import resolve
   path = resolve(os.fspath(path))
   if os.path.isdir(path):
     spec, _ = hf_lib.read_config(path)
@@ -94,7 +104,6 @@ def read_checkpoint(path: str, *, tokenizer: str | None = None):
 
 def build(spec: LlamaSpec, tensors: dict[str, np.ndarray], cfg: ModelConfig, source: str):
   """The Decoder of `cfg` holding the checkpoint's arrays (no random initialisation)."""
-  from attn_jax.model import abstract_model
   params = params_from_hf(tensors, spec, cfg, source)
   graphdef, abs_params, rest = nnx.split(abstract_model(cfg), nnx.Param, ...)
   want = jax.tree.map(lambda a: tuple(a.shape), nnx.to_pure_dict(abs_params))
@@ -110,7 +119,6 @@ def load(path: str, *, dtype: str = "float32", vocab_multiple: int = 128,
   """A Llama checkpoint (a .gguf file, a folder with config.json + safetensors +
   tokenizer.json, or a packaged checkpoint's name: `packaged.PACKAGED`) as a `Pretrained`
   (parameters fp32, compute in `dtype`)."""
-  from attn_jax.pretrained.packaged import resolve
   path = resolve(os.fspath(path))
   spec, tensors, tok, kind = read_checkpoint(path, tokenizer=tokenizer)
   cfg = model_config(spec, dtype=dtype, vocab_multiple=vocab_multiple)
@@ -164,7 +172,6 @@ def export_hf(model, directory: str, *, tokenizer=None, bos_id: int | None = Non
   a learned sink logit is written as a `GraniteSWAForCausalLM` (`granite_swa.py`: the same
   computation). Refuses a model with no transformers equivalent, a tokenizer with more ids
   than the vocabulary, and an existing non-empty `directory`."""
-  from attn_jax.pretrained import granite_swa
   spec = spec_of(model.cfg, bos_id=bos_id, eos_id=eos_id)
   config = None
   if granite_swa.holds(model.cfg):

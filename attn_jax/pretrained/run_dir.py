@@ -29,9 +29,10 @@ import os
 import ml_collections
 from flax import nnx
 
-from attn_jax.pretrained.hf import TOKENIZER as TOKENIZER_FILE
-from attn_jax.pretrained.hf import write_tokenizer
+from attn_jax.config import validate
+from attn_jax.pretrained.hf import TOKENIZER as TOKENIZER_FILE, write_tokenizer
 from attn_jax.pretrained.loader import Pretrained, special_names, staged_dir
+from attn_jax.train.checkpoint import Checkpointer, config_to_json
 
 INFO_FILE = "pretrained.json"
 
@@ -39,7 +40,6 @@ INFO_FILE = "pretrained.json"
 def run_config(pre: Pretrained, base: ml_collections.ConfigDict,
                workdir: str) -> ml_collections.ConfigDict:
   """`base` with the model and tokenizer of `pre` (module docstring); validated."""
-  from attn_jax.config import validate
   config = ml_collections.ConfigDict(base.to_dict())
   fields = {f.name: getattr(pre.cfg, f.name) for f in dataclasses.fields(pre.cfg)}
   for name, opts in fields.pop("options"):   # a variant's mixer options (sink logit, d_state)
@@ -58,7 +58,6 @@ def write_workdir(pre: Pretrained, workdir: str, base: ml_collections.ConfigDict
                   variant: dict | None = None) -> str:
   """Writes the run directory of `pre` (module docstring); returns its absolute path.
   `variant`: the record of `variants.to_variant` when `pre.model` is a converted variant."""
-  from attn_jax.train.checkpoint import Checkpointer, config_to_json
   config = run_config(pre, base, workdir)
   _, params, rest = nnx.split(pre.model, nnx.Param, ...)
   state = {"params": nnx.to_pure_dict(params), "rest": nnx.to_pure_dict(rest)}

@@ -63,7 +63,8 @@ import numpy as np
 from flax import nnx
 
 from attn_jax.config import ModelConfig
-from attn_jax.pretrained.llama import PretrainedError
+from attn_jax.model import abstract_model, build_model
+from attn_jax.pretrained.llama import PretrainedError, exportable_problem
 
 VARIANTS = ("attention", "sink_logit", "sisa", "fox")
 
@@ -157,7 +158,6 @@ def variant_params(plain: dict, cfg: ModelConfig, var_cfg: ModelConfig, variant:
   every array of the plain import copied (K/V heads repeated where the variant has one key
   head per query head), the new ones at the variant's random init (`seed`) or the identity
   value of `_IDENTITY`."""
-  from attn_jax.model import build_model
   fresh = flat_paths(jax.tree.map(np.asarray, nnx.to_pure_dict(
       nnx.state(build_model(var_cfg, seed=seed), nnx.Param))))
   have = flat_paths(jax.tree.map(np.asarray, plain))
@@ -203,8 +203,6 @@ def to_variant(model, variant: str, init: VariantInit = VariantInit(), *, seed: 
   """(the variant Decoder, record): `model` (a plain import, `loader.load(...).model`) with
   the variant's new parameters (module docstring); the record adds the variant, its inits and
   the step-0 distance measured on `probe` (default `probe_tokens`; the model's compute dtype)."""
-  from attn_jax.model import abstract_model
-  from attn_jax.pretrained.llama import exportable_problem
   cfg = model.cfg
   problem = exportable_problem(cfg)
   if problem:

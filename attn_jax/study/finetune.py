@@ -37,8 +37,16 @@ import ml_collections
 import numpy as np
 
 from attn_jax import jsonio
-from attn_jax.study.report import copy_plots, marker_pair, page_links, splice
+from attn_jax.pretrained.convert import convert
+from attn_jax.pretrained.variants import VariantInit, flat_paths
+from attn_jax.streaming import StreamPolicy, score_stream
+from attn_jax.study.lm import heldout_stream
 from attn_jax.study.matching import set_override
+from attn_jax.study.report import copy_plots, marker_pair, page_links, splice
+from attn_jax.study.runner import StudyStopped, enable_compilation_cache, machine_info
+from attn_jax.train.checkpoint import config_to_json, load_for_inference
+from attn_jax.train.init_from import finetune_config
+from attn_jax.train.trainer import config_changes, train_and_evaluate
 
 RESULTS = "results.json"
 RUN_DONE = "finetune_run.json"
@@ -73,8 +81,6 @@ def converted_dir(workdir: str, name: str) -> str:
 def convert_variant(config, base_config, workdir: str, name: str, spec: dict, log) -> dict:
   """The converted run of `name` (made once, its training fields from `base_config`) and its
   record from pretrained.json."""
-  from attn_jax.pretrained.convert import convert
-  from attn_jax.pretrained.variants import VariantInit
   path = converted_dir(workdir, name)
   if not os.path.isfile(os.path.join(path, "pretrained.json")):
     log(f"[finetune] {name}: converting {config.study.src} -> --mixer={spec['mixer']}")
@@ -91,7 +97,6 @@ def convert_variant(config, base_config, workdir: str, name: str, spec: dict, lo
 def run_config(config, workdir: str, name: str, spec: dict, seed: int, lr: float):
   """The fine-tune's config: the study's data/train/optim/eval settings, the converted run's
   model and tokenizer (`init_from.finetune_config`), the variant's overrides, seed and lr."""
-  from attn_jax.train.init_from import finetune_config
   c = finetune_config(converted_dir(workdir, name), config)
   for path, value in spec["overrides"]:
     set_override(c, path, value)
@@ -105,7 +110,6 @@ def run_dir_of(workdir: str, name: str, lr: float, seed: int) -> str:
 
 def run_fields(config) -> dict:
   """What a fine-tune computes: its config as JSON without the study's own fields."""
-  from attn_jax.train.checkpoint import config_to_json
   d = config_to_json(config)
   d.pop("study", None)
   return d
@@ -114,13 +118,11 @@ def run_fields(config) -> dict:
 def changed_fields(saved: dict, now: dict) -> list[str]:
   """The fields whose value differs; a field the saved config lacks (added to configs/base.py
   since, at its default) is not a change of the run."""
-  from attn_jax.train.trainer import config_changes
   return [c for c in config_changes(saved, now) if ": '(absent)' ->" not in c]
 
 
 def finetune_one(c, run_dir: str, name: str, log) -> dict:
   """Train (or resume, or skip when done) one fine-tune; its record."""
-  from attn_jax.train.trainer import train_and_evaluate
   done = os.path.join(run_dir, RUN_DONE)
   fields = run_fields(c)
   if os.path.isfile(done):
@@ -138,7 +140,6 @@ def finetune_one(c, run_dir: str, name: str, log) -> dict:
   t0, c0 = time.perf_counter(), time.process_time()
   out = train_and_evaluate(c, run_dir)
   if out.get("preempted"):
-    from attn_jax.study.runner import StudyStopped
     raise StudyStopped(f"{name} lr {c.optim.lr:g} seed {c.seed}: stopped by "
                        f"{out['preempted']} (checkpoint saved); rerun the same command to "
                        "resume", str(out["preempted"]))
@@ -160,7 +161,6 @@ def finetune_one(c, run_dir: str, name: str, log) -> dict:
 def stream_policies(config):
   """window(cache), then streaming(k + cache - k) for every k > 0 of `study.stream_keep`
   (default: `study.stream_sinks` alone)."""
-  from attn_jax.streaming import StreamPolicy
   s = config.study
   cache = int(s.stream_cache)
   keep = [int(k) for k in s.get("stream_keep", ())] or [int(s.stream_sinks)]
@@ -175,8 +175,6 @@ def stream_one(config, run_dir: str, tokens: np.ndarray, log, label: str) -> dic
   """NLL of `tokens` as a stream under each policy (stream.json in `run_dir`; skipped when
   there). A policy the model cannot run (a FoX with RoPE keeps no ring cache) is recorded
   with the reason."""
-  from attn_jax.streaming import score_stream
-  from attn_jax.train.checkpoint import load_for_inference
   path = os.path.join(run_dir, STREAM_DONE)
   if os.path.isfile(path):
     return jsonio.read(path)
@@ -205,7 +203,6 @@ def stream_one(config, run_dir: str, tokens: np.ndarray, log, label: str) -> dic
 
 def heldout_tokens(config) -> np.ndarray:
   """The first `study.stream_tokens` + 1 tokens of the data's eval split (never trained on)."""
-  from attn_jax.study.lm import heldout_stream
   stream = heldout_stream(config)
   n = int(config.study.stream_tokens) + 1
   if len(stream) < n:
@@ -218,8 +215,6 @@ def new_param_values(run_dir: str, new: list[str]) -> dict[str, dict]:
   """{path: {mean, absmax}} of the new parameters in `run_dir`'s latest checkpoint."""
   from flax import nnx
 
-  from attn_jax.pretrained.variants import flat_paths
-  from attn_jax.train.checkpoint import load_for_inference
   model, _, _ = load_for_inference(run_dir)
   flat = flat_paths(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
   return {p: {"mean": float(np.mean(flat[p])), "absmax": float(np.abs(flat[p]).max())}
@@ -238,7 +233,6 @@ def run_study(config: ml_collections.ConfigDict, workdir: str, *,
   """Every stage of the module docstring; results.json rewritten after each; returns it.
   `base_config`: the training config the converted runs start from (configs/base.py's, from
   the entry point)."""
-  from attn_jax.study.runner import enable_compilation_cache, machine_info
   workdir = os.path.abspath(workdir)
   os.makedirs(workdir, exist_ok=True)
   enable_compilation_cache(workdir)

@@ -23,12 +23,15 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from attn_jax.data.pipeline import make_source
+from attn_jax.data.tokenizer import get_tokenizer
+from attn_jax.model import abstract_model
+
 LN2 = float(np.log(2.0))
 
 
 def heldout_stream(config: ml_collections.ConfigDict) -> np.ndarray:
   """The eval split as one contiguous int32 token stream."""
-  from attn_jax.data.pipeline import make_source
   src = make_source(config.data, seed=int(config.seed), split="eval")
   if len(src) == 0:
     raise ValueError("config.data.eval_fraction: the eval split is empty")
@@ -39,7 +42,6 @@ def heldout_stream(config: ml_collections.ConfigDict) -> np.ndarray:
 
 def token_bytes(spec: str, ids: np.ndarray) -> np.ndarray:
   """UTF-8 bytes each token id decodes to (0 for EOS / special ids), per id of `ids`."""
-  from attn_jax.data.tokenizer import get_tokenizer
   tok = get_tokenizer(spec)
   uniq = np.unique(ids)
   lens = {int(i): (0 if int(i) == tok.eos_id else len(tok.decode([int(i)]).encode("utf-8")))
@@ -70,7 +72,6 @@ def lm_callback(config: ml_collections.ConfigDict):
   """Trainer eval callback `(state, step) -> {eval/lm/bpb, eval/lm/pos<a>_<b>, ...}`."""
   from flax import nnx
 
-  from attn_jax.model import abstract_model
 
   s, L = config.study, int(config.data.seq_len)
   ext = int(s.lm_extrapolate) * L

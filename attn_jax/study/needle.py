@@ -27,6 +27,8 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from attn_jax.model import abstract_model
+
 
 def needle_batch(*, context_length: int, depth: float, samples: int, num_pairs: int,
                  mqar_vocab: int, seed: int, cell: int) -> tuple[np.ndarray, np.ndarray]:
@@ -56,7 +58,6 @@ def needle_callback(config: ml_collections.ConfigDict):
   split once and its parameters passed as an argument (one compilation per length)."""
   from flax import nnx
 
-  from attn_jax.model import abstract_model
 
   s, d = config.study, config.data
   lengths = tuple(int(x) for x in s.needle_lengths)

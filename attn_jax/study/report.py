@@ -14,8 +14,8 @@ from typing import Sequence
 
 import numpy as np
 
-from attn_jax.study.tables import markdown_table as _table
-from attn_jax.study.tables import spread
+from attn_jax.study import sinks
+from attn_jax.study.tables import markdown_table as _table, spread
 
 BEGIN, END = "<!-- study:begin -->", "<!-- study:end -->"
 PLOTS = ("loss.png", "niah.png", "recall.png", "throughput.png")
@@ -285,7 +285,6 @@ def tables_markdown(res: dict, *, image_dir: str = "", heading: str = "###") -> 
               f"of {lm_positions(res)[-1][1]} tokens; training length {m['seq_len']}: later "
               "columns are extrapolation; mean ± std over seeds)", lm_position_table(res)]
   if has_sinks(res):
-    from attn_jax.study import sinks
     parts += sinks.sinks_markdown(res, heading)
   parts += [f"{heading} Final (last evaluation; mean ± std (min–max) over seeds)",
             final_table(res),
@@ -366,7 +365,6 @@ def plot_all(res: dict, out_dir: str) -> list[str]:
 
 
 def _plot_sinks(res, path):
-  from attn_jax.study import sinks
   sinks.plot_layouts(res, path)
 
 

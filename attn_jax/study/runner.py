@@ -41,8 +41,12 @@ import ml_collections
 import numpy as np
 
 from attn_jax import jsonio
+from attn_jax.eval.run import task_callback
 from attn_jax.provenance import source_commit
-from attn_jax.study import matching
+from attn_jax.study import matching, sinks, throughput
+from attn_jax.study.lm import lm_callback
+from attn_jax.study.needle import needle_callback
+from attn_jax.train.trainer import train_and_evaluate
 
 RESULTS = "results.json"
 RUN_SUMMARY = "study_run.json"
@@ -133,14 +137,11 @@ def eval_callbacks(config: ml_collections.ConfigDict) -> list[Callable]:
   text NIAH, benchmarks), with `study.lm_eval` the language-modelling bits per byte and loss
   by position (attn_jax/study/lm.py), and with `study.niah == "synthetic"` the MQAR-space
   needle grid."""
-  from attn_jax.eval.run import task_callback
-  from attn_jax.study.needle import needle_callback
   cbs = []
   tasks = task_callback(config)
   if tasks is not None:
     cbs.append(tasks)
   if config.study.get("lm_eval", False):
-    from attn_jax.study.lm import lm_callback
     cbs.append(lm_callback(config))
   if config.study.niah == "synthetic":
     cbs.append(needle_callback(config))
@@ -202,7 +203,6 @@ def _finished(rec: dict, config, info) -> bool:
 
 
 def run_one(config, variant, info, workdir, log, run_dir=None) -> dict:
-  from attn_jax.train.trainer import train_and_evaluate
   run_dir = run_dir or os.path.join(workdir, "runs", variant, f"seed{config.seed}")
   done = os.path.join(run_dir, RUN_SUMMARY)
   if os.path.isfile(done):
@@ -231,7 +231,6 @@ def run_one(config, variant, info, workdir, log, run_dir=None) -> dict:
 
 
 def run_throughput(config, cfgs: dict, workdir: str, log) -> list[dict]:
-  from attn_jax.study import throughput
   s = config.study
   lens = [int(x) for x in s.throughput_seq_lens]
   if not lens:
@@ -364,7 +363,6 @@ def run_study(config: ml_collections.ConfigDict, workdir: str, *, command: str =
   thr = run_throughput(config, {n: c for n, (c, _) in cfgs.items()}, workdir, log)
   out = results(runs, sweep, chosen, thr)
   if config.study.get("sink_stream", False):   # the sink study's stream phase (sinks.py)
-    from attn_jax.study import sinks
     out["sinks"] = sinks.stream_all(config, runs, log)
     out["meta"]["finished"] = datetime.datetime.now(datetime.timezone.utc).isoformat(
         timespec="seconds")

@@ -40,9 +40,12 @@ from typing import Callable
 import ml_collections
 import numpy as np
 
-from attn_jax import jsonio
-from attn_jax.study.tables import markdown_table as _table
-from attn_jax.study.tables import spread
+from attn_jax import jsonio, streaming
+from attn_jax.eval.attention_mass import _spread, attention_maps
+from attn_jax.streaming import StreamPolicy
+from attn_jax.study.lm import heldout_stream
+from attn_jax.study.tables import markdown_table as _table, spread
+from attn_jax.train.checkpoint import load_for_inference
 
 SINK_RESULT = "sink_stream.json"
 BIN = 64                                   # positions per bin of the stored NLL curves
@@ -50,7 +53,6 @@ BIN = 64                                   # positions per bin of the stored NLL
 
 def policies(s: ml_collections.ConfigDict) -> list:
   """The StreamPolicy list of the study (module docstring), references first."""
-  from attn_jax.streaming import StreamPolicy
   W = int(s.sink_cache)
   keep = [int(k) for k in s.sink_keep]
   if any(not 0 <= k < W for k in keep):
@@ -79,7 +81,6 @@ def label_of(policy) -> str:
 def stream_tokens(config: ml_collections.ConfigDict) -> np.ndarray:
   """The held-out stream, its first `study.sink_stream_tokens` tokens (fewer if it is shorter;
   at least the cache plus 2, else an error naming the fields)."""
-  from attn_jax.study.lm import heldout_stream
   s = config.study
   tokens = heldout_stream(config)[: int(s.sink_stream_tokens)]
   if len(tokens) < int(s.sink_cache) + 2:
@@ -108,7 +109,6 @@ def attention_mass(model, tokens: np.ndarray, *, seq_len: int, n_seqs: int,
   """Per-layer mass (module docstring) on `n_seqs` windows spread over `tokens`."""
   import jax.numpy as jnp
 
-  from attn_jax.eval.attention_mass import _spread, attention_maps
   L = min(int(seq_len), len(tokens))
   if L <= min_query + 4:
     raise ValueError(f"config.study.sink_mass_min_query={min_query}: windows of {L} tokens "
@@ -127,8 +127,6 @@ def _key(config) -> dict:
 
 def stream_run(config: ml_collections.ConfigDict, run: dict, log: Callable) -> dict:
   """The stream scores and attention mass of one finished run (cached in its folder)."""
-  from attn_jax import streaming
-  from attn_jax.train.checkpoint import load_for_inference
   run_dir = run["workdir"]
   path = os.path.join(run_dir, SINK_RESULT)
   key = _key(config)

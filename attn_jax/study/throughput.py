@@ -19,6 +19,9 @@ from typing import Mapping
 import ml_collections
 import numpy as np
 
+from attn_jax import sharding as shd
+from attn_jax.train.trainer import build_setup, compile_step
+
 
 def random_batch(vocab_size: int, batch: int, seq_len: int, seed: int = 0):
   """(tokens [1, batch, seq_len + 1] numpy, train batch {inputs, targets, weights}): one
@@ -52,8 +55,6 @@ def prepare_step(config: ml_collections.ConfigDict, seq_len: int, *, batch_token
   """The trainer's step for `config` at length `seq_len`, compiled for a random batch of
   max(1, batch_tokens // seq_len) rows rounded up to whole rows per batch shard.
   Returns (setup, state, tokens [1, B, L + 1], batch, compiled, compile seconds)."""
-  from attn_jax import sharding as shd
-  from attn_jax.train.trainer import build_setup, compile_step
 
   c = ml_collections.ConfigDict(config.to_dict())
   B = max(1, int(batch_tokens) // int(seq_len))

@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from attn_jax import decode, sharding as shd, targets as targets_lib
+from attn_jax import decode, native_logs, sharding as shd, targets as targets_lib
 from attn_jax.train import hlo_loops, memory, trainer
 from attn_jax.train.step import make_eval_step
 
@@ -382,7 +382,6 @@ def compile_only_main(config: ml_collections.ConfigDict, target_name: str,
   train step fits the target (at the config's batch or a smaller micro-batch it names), 3
   when it fits at none. The target's devices exist for compiling only, so the process computes
   on its CPU (experiments/train.py sets JAX_PLATFORMS=cpu before JAX starts)."""
-  from attn_jax import native_logs
   targets_lib.get(target_name)            # an unknown name: one line listing the known ones
   with native_logs.filtered():            # libtpu's start-up warnings
     targets_lib.devices(target_name)

@@ -36,6 +36,8 @@ from typing import Any, Callable
 
 import jax
 
+from attn_jax.registry import get_mixer
+
 GiB = 1024 ** 3
 
 
@@ -216,7 +218,6 @@ def mixer_memory(cfg, mixer: str, batch: int, seq_len: int) -> Any:
   import jax.numpy as jnp
   from flax import nnx
 
-  from attn_jax.registry import get_mixer
 
   cls = get_mixer(mixer)
   layer = nnx.eval_shape(lambda: cls(cfg, cfg.options_for(mixer), rngs=nnx.Rngs(0)))
