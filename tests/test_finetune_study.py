@@ -103,7 +103,7 @@ def test_finetune_study_tiny(llama_dir, tmp_path):
 def test_a_finished_run_is_judged_on_changed_values_not_on_new_fields():
   """A field added to configs/base.py since a fine-tune finished (at its default) does not
   make it stale; a changed value does, and is named."""
-  from attn_jax.study.finetune import changed_fields
+  from attn_jax.study.runner import changed_fields
   saved = {"optim": {"lr": 1e-4, "eps": 1e-15}, "train": {"steps": 30}}
   assert changed_fields(saved, {"optim": {"lr": 1e-4, "eps": 1e-15},
                                 "train": {"steps": 30, "profile_steps": ""}}) == []

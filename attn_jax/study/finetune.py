@@ -43,10 +43,11 @@ from attn_jax.streaming import StreamPolicy, score_stream
 from attn_jax.study.lm import heldout_stream
 from attn_jax.study.matching import set_override
 from attn_jax.study.report import copy_plots, marker_pair, page_links, splice
-from attn_jax.study.runner import StudyStopped, enable_compilation_cache, machine_info
+from attn_jax.study.runner import (StudyStopped, enable_compilation_cache, finished_record,
+                                   machine_info)
 from attn_jax.train.checkpoint import config_to_json, load_for_inference
 from attn_jax.train.init_from import finetune_config
-from attn_jax.train.trainer import config_changes, train_and_evaluate
+from attn_jax.train.trainer import train_and_evaluate
 
 RESULTS = "results.json"
 RUN_DONE = "finetune_run.json"
@@ -115,24 +116,11 @@ def run_fields(config) -> dict:
   return d
 
 
-def changed_fields(saved: dict, now: dict) -> list[str]:
-  """The fields whose value differs; a field the saved config lacks (added to configs/base.py
-  since, at its default) is not a change of the run."""
-  return [c for c in config_changes(saved, now) if ": '(absent)' ->" not in c]
-
-
 def finetune_one(c, run_dir: str, name: str, log) -> dict:
   """Train (or resume, or skip when done) one fine-tune; its record."""
-  done = os.path.join(run_dir, RUN_DONE)
-  fields = run_fields(c)
-  if os.path.isfile(done):
-    rec = jsonio.read(done)
-    changes = changed_fields(rec.get("config", {}), fields)
-    if changes:
-      raise ValueError(f"{done}: this finished fine-tune was made with another config than the "
-                       f"study's {name} lr {c.optim.lr:g} seed {c.seed} now has "
-                       f"({'; '.join(changes[:4])}); move {run_dir} aside (or use another "
-                       "--workdir) to retrain it")
+  fields, done = run_fields(c), os.path.join(run_dir, RUN_DONE)
+  rec = finished_record(done, fields, f"{name} lr {c.optim.lr:g} seed {c.seed}")
+  if rec is not None:
     log(f"[finetune] {name} lr {c.optim.lr:g} seed {c.seed}: finished earlier, skipped")
     return rec
   log(f"[finetune] {name} lr {c.optim.lr:g} seed {c.seed}: {c.train.steps} steps of "

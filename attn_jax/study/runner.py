@@ -18,11 +18,14 @@ Layout under the study's workdir:
                             same settings)
   results.json              everything the report reads (`report.write_report`)
 
-Resuming: a run with a study_run.json of the same run config (its digest: every field but
-the study's selection fields, `SELECTION_FIELDS`) is skipped; a summary without a digest (older
-studies) is matched on steps, parameters and lr. An unfinished run is restarted with the same
-command and the trainer resumes from its latest checkpoint. A finished run whose config has
-changed since is an error naming the run, never silently reused. Equal
+Resuming (`finished_record`, also the fine-tuning study's rule): a run with a study_run.json
+whose saved config (every field but the study's selection fields, `SELECTION_FIELDS`) has the
+values the study's config has now is skipped; a field the saved config lacks (added to
+configs/base.py since, at its default) is no change. Summaries from before configs were saved
+in them are matched on their digest, or, older still, on steps, parameters and lr. An
+unfinished run is restarted with the same command and the trainer resumes from its latest
+checkpoint. A finished run whose config has changed since is an error naming the run and up to
+four changed fields, never silently reused. Equal
 conditions: every variant gets the same data stream (`data.*`, the seed), steps, batch,
 optimizer and evaluation; only the model differs (`attn_jax.study.matching`).
 """
@@ -46,7 +49,7 @@ from attn_jax.provenance import source_commit
 from attn_jax.study import matching, sinks, throughput
 from attn_jax.study.lm import lm_callback
 from attn_jax.study.needle import needle_callback
-from attn_jax.train.trainer import train_and_evaluate
+from attn_jax.train.trainer import config_changes, train_and_evaluate
 
 RESULTS = "results.json"
 RUN_SUMMARY = "study_run.json"
@@ -187,17 +190,43 @@ SELECTION_FIELDS = ("variants", "baseline", "only", "seeds", "lrs", "sweep_seed"
                     "sink_mass_seqs", "sink_mass_min_query", "sink_tolerance")
 
 
-def config_digest(config: ml_collections.ConfigDict) -> str:
-  """sha256 of what a run computes: its config without the study's selection fields."""
-  d = config.to_dict()
+def run_fields(config: ml_collections.ConfigDict) -> dict:
+  """What a study run computes: its config as JSON without the study's selection fields."""
+  d = json.loads(json.dumps(config.to_dict(), default=str))
   d["study"] = {k: v for k, v in d.get("study", {}).items() if k not in SELECTION_FIELDS}
-  return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()
+  return d
 
 
-def _finished(rec: dict, config, info) -> bool:
-  """Whether a finished run's summary is this run (module docstring, "Resuming")."""
+def changed_fields(saved: dict, now: dict) -> list[str]:
+  """"field: saved -> now" for the fields whose value differs; a field the saved config lacks
+  (added to configs/base.py since, at its default) is not a change of the run."""
+  return [c for c in config_changes(saved, now) if ": '(absent)' ->" not in c]
+
+
+def finished_record(done: str, fields: dict, what: str, legacy=None) -> dict | None:
+  """The record at `done` of a finished run that computed `fields` (module docstring,
+  "Resuming"); None when no run finished there. A finished run of other values is a
+  ValueError naming `what` and the changed fields. `legacy(rec)`: whether a record saved
+  without its config is this run."""
+  if not os.path.isfile(done):
+    return None
+  rec = jsonio.read(done)
+  if "config" in rec:
+    changes = changed_fields(rec["config"], fields)
+  else:
+    changes = [] if legacy is not None and legacy(rec) else ["a config from an older study"]
+  if changes:
+    raise ValueError(f"{done}: this finished run was made with another config than the study's "
+                     f"{what} now has ({'; '.join(changes[:4])}); move "
+                     f"{os.path.dirname(done)} aside (or use another --workdir) to retrain it")
+  return rec
+
+
+def _legacy_match(rec: dict, config, info) -> bool:
+  """A summary saved before its config was: its digest, or steps, parameters and lr."""
   if "config_digest" in rec:
-    return rec["config_digest"] == config_digest(config)
+    d = json.dumps(run_fields(config), sort_keys=True, default=str)
+    return rec["config_digest"] == hashlib.sha256(d.encode()).hexdigest()
   return (rec.get("steps") == int(config.train.steps) and rec.get("params") == info["params"]
           and rec.get("lr", float(config.optim.lr)) == float(config.optim.lr))
 
@@ -205,12 +234,10 @@ def _finished(rec: dict, config, info) -> bool:
 def run_one(config, variant, info, workdir, log, run_dir=None) -> dict:
   run_dir = run_dir or os.path.join(workdir, "runs", variant, f"seed{config.seed}")
   done = os.path.join(run_dir, RUN_SUMMARY)
-  if os.path.isfile(done):
-    rec = jsonio.read(done)
-    if not _finished(rec, config, info):
-      raise ValueError(f"{done}: this finished run was made with another config than the "
-                       f"study's {variant} seed {config.seed} now has; move {run_dir} aside "
-                       "(or use another --workdir) to retrain it")
+  fields = run_fields(config)
+  rec = finished_record(done, fields, f"{variant} seed {config.seed}",
+                        legacy=lambda r: _legacy_match(r, config, info))
+  if rec is not None:
     log(f"[study] {variant} seed {config.seed}: finished earlier, skipped")
     return rec
   log(f"[study] {variant} seed {config.seed} lr {config.optim.lr:g}: {info['params']:,} "
@@ -223,7 +250,7 @@ def run_one(config, variant, info, workdir, log, run_dir=None) -> dict:
                        "(checkpoint saved); rerun the same command to resume",
                        str(out["preempted"]))
   rec = summarize_run(run_dir, config, variant, info, wall_s=wall, cpu_s=cpu)
-  rec["config_digest"] = config_digest(config)
+  rec["config"] = fields
   jsonio.write(rec, done)
   log(f"[study] {variant} seed {config.seed}: done in {wall:.0f} s (CPU {cpu:.0f} s); "
       f"loss {rec['final_loss']}, recall {rec['recall_acc']}, niah {rec['niah_acc']}")
