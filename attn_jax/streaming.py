@@ -268,8 +268,8 @@ def score_stream(model, tokens: np.ndarray, policy: StreamPolicy, *, chunk: int 
 
 # ------------------------------------------------------------------ generation
 
-def generate(model, prompt: np.ndarray, policy: StreamPolicy, *,
-             max_new_tokens: int) -> np.ndarray:
+def greedy_continuation(model, prompt: np.ndarray, policy: StreamPolicy, *,
+                        max_new_tokens: int) -> np.ndarray:
   """Greedy continuation of one prompt [T] under a policy -> [T + max_new_tokens].
 
   Cache policies run `decode.generate` (one jitted loop; bounded caches generate any length);

@@ -191,12 +191,12 @@ def test_scoring_loop_fixed_state_one_trace_and_policies():
     sizes.add(sc.cache_bytes)
   assert len(sizes) == 1 and sc.position == 24
   # generation with the streaming cache: any length in constant memory, == step by step
-  gen = streaming.generate(model, tok[:5], StreamPolicy("streaming", window=6, sinks=2),
-                           max_new_tokens=12)
+  gen = streaming.greedy_continuation(model, tok[:5], StreamPolicy("streaming", window=6,
+                                                                  sinks=2), max_new_tokens=12)
   lg = _stream_logits(model, gen[:-1], 1, StreamPolicy("streaming", window=6, sinks=2).cache)
   np.testing.assert_array_equal(np.argmax(np.asarray(lg[4:]), -1), gen[5:])
-  rec_gen = streaming.generate(model, tok[:5], StreamPolicy("recompute", window=6),
-                               max_new_tokens=3)
+  rec_gen = streaming.greedy_continuation(model, tok[:5], StreamPolicy("recompute", window=6),
+                                          max_new_tokens=3)
   for i in range(5, 8):
     ctx = jnp.asarray(rec_gen[max(0, i - 6):i])[None]
     assert int(jnp.argmax(model(ctx)[0, -1])) == rec_gen[i]
