@@ -377,18 +377,20 @@ def abstract_model(cfg: ModelConfig | ml_collections.ConfigDict) -> Decoder:
   return nnx.eval_shape(lambda: build_model(cfg))
 
 
-def count_params(cfg: ModelConfig | ml_collections.ConfigDict) -> dict[str, Any]:
+def count_params(cfg: ModelConfig | ml_collections.ConfigDict,
+                 model: Decoder | None = None) -> dict[str, Any]:
   """Parameter counts from abstract shapes (a 369M model is counted in seconds, no allocation).
 
   `total` counts every parameter once (tied embeddings once); `non_embedding` excludes the
   token embedding (and an untied head), the usual convention for FLOPs (6 N per token).
   Padding rows of the vocabulary (`vocab_multiple`) are not counted: they are never used.
   `mixer` and `mlp` sum over all layers; `by_kind` breaks the blocks down per layer kind
-  ("<mixer>" or "<mixer>:nomlp"): {kind: {"layers", "mixer", "mlp", "norms"}}.
+  ("<mixer>" or "<mixer>:nomlp"): {kind: {"layers", "mixer", "mlp", "norms"}}. `model`: the
+  (abstract) model of `cfg` when the caller has built it.
   """
   if isinstance(cfg, ml_collections.ConfigDict):
     cfg = ModelConfig.from_config(cfg)
-  model = abstract_model(cfg)
+  model = abstract_model(cfg) if model is None else model
   sizes = {"/".join(str(k) for k in path): math.prod(v.shape)
            for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
   pad = (padded_vocab(cfg) - cfg.vocab_size) * cfg.d_model

@@ -97,11 +97,12 @@ def rules_dict(rules: Sequence[tuple[str, MeshAxes]]) -> dict[str, MeshAxes]:
   return {name: (tuple(ax) if isinstance(ax, list) else ax) for name, ax in rules}
 
 
-def config_rules(config) -> dict[str, MeshAxes]:
+def config_rules(config, cfg: ModelConfig | None = None) -> dict[str, MeshAxes]:
   """The logical-axis rules of a run: those the pattern's mixers declare (`Mixer.axis_rules`),
   overridden by `config.mesh.rules` (the trunk's, from configs/base.py, plus any the user
-  sets)."""
-  names = [spec.mixer for spec in ModelConfig.from_config(config.model).period]
+  sets). `cfg`: the run's model config when the caller has it (else made from config.model)."""
+  cfg = ModelConfig.from_config(config.model) if cfg is None else cfg
+  names = [spec.mixer for spec in cfg.period]
   return {**axis_rules(names), **rules_dict(config.mesh.rules)}
 
 

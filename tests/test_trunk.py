@@ -424,3 +424,24 @@ class KVStateTest(chex.TestCase):
                jnp.asarray([[3, 4], [1, 2]], jnp.int32))
     chex.assert_trees_all_equal(st.pos[0], jnp.asarray([4, 1, 2, 3], jnp.int32))
     chex.assert_trees_all_equal(st.pos[1], jnp.asarray([0, 1, 2, -1], jnp.int32))
+
+
+def test_build_setup_reads_the_model_config_once(monkeypatch):
+  """`build_setup` makes the typed model config once (`config.validate`) and hands it on: the
+  mesh rules and the parameter count take it (and the abstract model) instead of building
+  their own."""
+  from configs import quickstart
+  from attn_jax.config import ModelConfig
+  from attn_jax.train.trainer import build_setup
+  calls = []
+  made = ModelConfig.from_config.__func__
+
+  def counted(cls, model_config):
+    calls.append(1)
+    return made(cls, model_config)
+
+  monkeypatch.setattr(ModelConfig, "from_config", classmethod(counted))
+  c = quickstart.get_config()
+  c.mesh.shape = (1, 1, 1)
+  setup = build_setup(c, devices=jax.devices()[:1])
+  assert len(calls) == 1 and setup.n_params["total"] > 0

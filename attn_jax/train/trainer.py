@@ -118,7 +118,7 @@ class Setup:
 def build_setup(config: ml_collections.ConfigDict, *, devices=None) -> Setup:
   cfg = validate(config)
   mesh = shd.make_mesh(config.mesh.shape, config.mesh.axis_names, devices)
-  rules = shd.config_rules(config)
+  rules = shd.config_rules(config, cfg)
   abs_model = nnx.eval_shape(lambda: build_model(cfg, seed=config.seed))
   graphdef, abs_params, abs_rest = nnx.split(abs_model, nnx.Param, ...)
   # per-parameter treatment from metadata; config.train.trainable may freeze some (init_from.py)
@@ -150,7 +150,7 @@ def build_setup(config: ml_collections.ConfigDict, *, devices=None) -> Setup:
   init_fn = jax.jit(init, out_shardings=state_sh)
   return Setup(cfg, mesh, rules, graphdef, tx, sched, state_sh,
                abstract_with_shardings(abstract, state_sh), init_fn, step_fn, batch_sh,
-               count_params(cfg), batch_keys(config.data))
+               count_params(cfg, abs_model), batch_keys(config.data))
 
 
 def _next_batch(it, accum: int, batch_sh, global_shape, keys=BASE_KEYS) -> dict:
