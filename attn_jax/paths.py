@@ -67,6 +67,20 @@ def bucket(path: PathLike) -> str:
   return f"{scheme}://{rest.split('/', 1)[0]}"
 
 
+def open_for_write(path: PathLike, mode: str = "w"):
+  """`open(path, mode)` for a local file or an object (written when closed); the parent
+  folder made first."""
+  p = run_path(path)
+  p.parent.mkdir(parents=True, exist_ok=True)
+  return p.open(mode)
+
+
+def save_figure(fig, path: PathLike, **kwargs) -> None:
+  """`fig.savefig` to a local file or an object (PNG)."""
+  with open_for_write(path, "wb") as f:
+    fig.savefig(f, format="png", **kwargs)
+
+
 def files(root: PathLike) -> list[str]:
   """Every file under `root`, as paths relative to it ('/'-separated), sorted."""
   top = run_path(root)
@@ -83,15 +97,18 @@ def move(src: PathLike, dst: PathLike) -> None:
   storage a folder moves object by object, its files first, so that an interrupted move leaves
   every object in one of the two places, none lost."""
   src, dst = run_path(src), run_path(dst)
-  if is_local(src) or not src.is_dir():
+  if is_local(src):
     src.rename(dst)
     return
+  from etils.epath import backend   # epath's own file system: its listings are the ones read
+  fs = backend.fsspec_backend.fs(os.fspath(src))
+  bare_src, bare_dst = fs._strip_protocol(os.fspath(src)), fs._strip_protocol(os.fspath(dst))
+  if not fs.isdir(bare_src):
+    fs.mv(bare_src, bare_dst)
+    return
   for rel in files(src):
-    target = dst / rel
-    target.parent.mkdir(parents=True, exist_ok=True)
-    (src / rel).rename(target)
-  if src.exists():
-    src.rmtree(missing_ok=True)
+    fs.mv(f"{bare_src}/{rel}", f"{bare_dst}/{rel}")
+  fs.invalidate_cache()   # listings cached before the move would still show `src`
 
 
 def unwritable(folder: PathLike) -> str | None:
