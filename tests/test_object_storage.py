@@ -245,3 +245,33 @@ def test_the_object_lock_refuses_a_live_holder_and_takes_over_a_dead_one(gcs, ca
     ObjectLock(run, settle_s=0).acquire()
   paths.run_path(f"{run}/.lock").write_text(json.dumps(dict(other, renewed=time.time() - 600)))
   ObjectLock(run, settle_s=0).acquire().release()
+
+
+def test_text_and_jsonl_data_paths_on_gs_read_as_the_local_files(gcs, tmp_path):
+  """data.paths on object storage (a file and a folder, JSONL and text) give the tokens the
+  same files give on the local disk."""
+  from configs import quickstart
+  from attn_jax.data import text
+  lines = [json.dumps({"text": f"document {i} " * (i + 1)}) for i in range(6)]
+  (tmp_path / "folder" / "sub").mkdir(parents=True)
+  (tmp_path / "folder" / "sub" / "b.jsonl").write_text("\n".join(lines[3:]) + "\n")
+  (tmp_path / "a.jsonl").write_text("\n".join(lines[:3]) + "\n")
+  remote = f"gs://{BUCKET}/data"
+  paths.run_path(f"{remote}/folder/sub/b.jsonl").write_text("\n".join(lines[3:]) + "\n")
+  paths.run_path(f"{remote}/a.jsonl").write_text("\n".join(lines[:3]) + "\n")
+  (tmp_path / "t.txt").write_text("one line\nanother line\n")
+  paths.run_path(f"{remote}/t.txt").write_text("one line\nanother line\n")
+  for source, local, on_gs in (
+      ("jsonl", f"{tmp_path}/a.jsonl,{tmp_path}/folder", f"{remote}/a.jsonl,{remote}/folder"),
+      ("text", f"{tmp_path}/t.txt", f"{remote}/t.txt")):
+    c = quickstart.get_config().data
+    c.update(source=source, tokenizer="bytes")
+    c.paths = on_gs
+    assert len(text.data_files(c)) == (2 if source == "jsonl" else 1)
+    tokens_gs, ends_gs = text.load_corpus(c)
+    c.paths = local
+    tokens, ends = text.load_corpus(c)
+    assert np.array_equal(tokens_gs, tokens) and np.array_equal(ends_gs, ends)
+  c.paths = f"{remote}/nope.txt"
+  with pytest.raises(FileNotFoundError, match="nope.txt"):
+    text.data_files(c)
