@@ -99,6 +99,34 @@ def cluster_detected(env: Mapping[str, str] = os.environ, *, tpu_vm: bool | None
   return None
 
 
+def launched_as(env: Mapping[str, str] = os.environ) -> tuple[int, str]:
+  """(how many processes a launcher started this program as, which launcher): (1, "") for a
+  program started alone."""
+  counts = (("srun", int(env["SLURM_NTASKS"] or 1) if all(v in env for v in SLURM_STEP_VARS)
+             else 1),
+            ("mpirun", int(env.get("OMPI_COMM_WORLD_SIZE", env.get("PMI_SIZE", "1")) or 1)),
+            (ENV_NUM_PROCESSES, _int(env.get(ENV_NUM_PROCESSES), ENV_NUM_PROCESSES) or 1),
+            ("a JobSet", int(env.get("JAX_NUM_PROCESSES", "1") or 1)
+             if env.get("JOBSET_NAME") else 1))
+  for how, n in counts:
+    if n > 1:
+      return n, how
+  return 1, ""
+
+
+def require_one_process(program: str, env: Mapping[str, str] = os.environ) -> None:
+  """Readers of a run (experiments/eval.py, stream.py) run as one process on one host: they
+  never join a cluster, and every copy would score the whole run alone and write the same
+  results. ValueError when a launcher started this one as one of several."""
+  n, how = launched_as(env)
+  if n > 1:
+    raise ValueError(
+        f"{program} runs as one process on one host, and {how} started it as one of {n}: "
+        "each would evaluate the whole run alone and write the same results. Start it once "
+        "(e.g. `srun --ntasks=1 ...`, or on one machine of the slice / node list), reading "
+        "the run from its shared workdir (every host's checkpoint shards are there)")
+
+
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
                process_id: int | None = None, local_device_ids: Sequence[int] | None = None,
                *, env: Mapping[str, str] = os.environ, **kwargs) -> bool:

@@ -209,6 +209,8 @@ def summary_lines(summary: dict) -> list[str]:
 
 def main(argv):
   del argv
+  from attn_jax import distributed
+  distributed.require_one_process("stream.py")   # one process reads a run; it joins no cluster
   res = run(_WORKDIR.value, _TEXT.value, step=_STEP.value, tokenizer=_TOKENIZER.value,
             tail=_TAIL.value, max_tokens=_MAX_TOKENS.value, names=_POLICIES.value,
             window=_WINDOW.value, sinks=_SINKS.value, chunk=_CHUNK.value, batch=_BATCH.value,

@@ -331,3 +331,24 @@ def test_mpi_and_jobset_are_detected():
   assert distributed.cluster_detected({"PMI_SIZE": "2"}, tpu_vm=False) == "mpi"
   env = {"JOBSET_NAME": "train", "JAX_NUM_PROCESSES": "2"}
   assert distributed.cluster_detected(env, tpu_vm=False) == "jobset"
+
+
+def test_eval_and_stream_refuse_to_run_as_one_of_several_processes():
+  """They read a run on one host (docs/multihost.md): under `srun --ntasks=2` each copy would
+  score the whole run and write the same files, so both stop at once naming the launcher."""
+  assert distributed.launched_as({}) == (1, "")
+  assert distributed.launched_as(dict(SRUN_2_TASKS, SLURM_NTASKS="1")) == (1, "")
+  distributed.require_one_process("eval.py", {})
+  for env, how in ((SRUN_2_TASKS, "srun"), ({"OMPI_COMM_WORLD_SIZE": "8"}, "mpirun"),
+                   ({distributed.ENV_NUM_PROCESSES: "2"}, distributed.ENV_NUM_PROCESSES)):
+    with pytest.raises(ValueError, match=f"eval.py runs as one process on one host, and {how} "
+                                         r"started it as one of \d"):
+      distributed.require_one_process("eval.py", env)
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, **SRUN_2_TASKS, PYTHONPATH=root, JAX_PLATFORMS="cpu")
+  for script, args in (("eval.py", ["--checkpoint=/nowhere"]),
+                       ("stream.py", ["--workdir=/nowhere", "--text=/nowhere"])):
+    r = subprocess.run([sys.executable, f"experiments/{script}", *args], cwd=root, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert f"{script} runs as one process on one host, and srun" in r.stderr, r.stderr[-2000:]
