@@ -255,7 +255,39 @@ def _checked_setup(config: ml_collections.ConfigDict) -> "Setup":
   setup = build_setup(config)   # runs config.validate
   validate_for_training(config, setup)
   check_installed(config)       # config.metrics.wandb_project without wandb
+  say_data_source(config, int(setup.n_params["total"]))
   return setup
+
+
+# The quickstart (MQAR, about 0.1M parameters) is meant to train on generated data; a model past
+# this size on generated data is most likely a preset run without its data.* fields.
+GENERATED_DATA_WARN_PARAMS = 1_000_000
+
+
+def data_source(config) -> str:
+  """One line naming what the run trains on."""
+  d = config.data
+  if str(d.source) == "synthetic":
+    task = str(d.synthetic_task)
+    what = (f"multi-query associative recall ({d.mqar_num_pairs} key-value pairs, "
+            f"{d.mqar_num_queries} queries, keys and values from {d.mqar_vocab} tokens)"
+            if task == "mqar" else "uniform random tokens (nothing to learn: a throughput run)")
+    return (f"data: GENERATED {what}, made on the fly (data.source='synthetic', "
+            f"data.synthetic_task={task!r})")
+  return (f"data: data.source={str(d.source)!r} from data.paths={str(d.paths)!r}, tokenizer "
+          f"{str(d.tokenizer)!r}")
+
+
+def say_data_source(config, n_params: int) -> None:
+  """Logs `data_source` first thing; a warning when a model larger than the quickstart trains
+  on generated data."""
+  logging.info("%s", data_source(config))
+  if str(config.data.source) == "synthetic" and n_params > GENERATED_DATA_WARN_PARAMS:
+    logging.warning(
+        "this %.1fM-parameter model trains on GENERATED data (data.source='synthetic', the "
+        "base config's default), not on text: for a language model pass "
+        "--config.data.source=jsonl (or text, shards) --config.data.paths=... "
+        "--config.data.tokenizer=...", n_params / 1e6)
 
 
 def _locked(config, workdir: str, eval_callbacks, setup: "Setup",
