@@ -275,3 +275,37 @@ def test_text_and_jsonl_data_paths_on_gs_read_as_the_local_files(gcs, tmp_path):
   c.paths = f"{remote}/nope.txt"
   with pytest.raises(FileNotFoundError, match="nope.txt"):
     text.data_files(c)
+
+
+def test_a_gs_run_holds_its_tensorboard_events_and_metrics(gcs, reference):
+  workdir, full = reference
+  events = list(paths.run_path(f"{workdir}/tb").iterdir())
+  assert len(events) == 1 and events[0].name.startswith("events.out.tfevents.")
+  from tensorboardX.proto import event_pb2
+  data = events[0].read_bytes()
+  steps, offset = set(), 0
+  while offset < len(data):   # TFRecord framing: length, its crc, the Event, its crc
+    (length,) = np.frombuffer(data[offset:offset + 8], "<u8")
+    event = event_pb2.Event.FromString(data[offset + 12:offset + 12 + int(length)])
+    steps.update(event.step for v in event.summary.value if v.tag == "loss")
+    offset += 16 + int(length)
+  assert steps == {s for s, _ in full}
+
+
+def test_history_rotation_and_init_from_work_on_gs(gcs, reference, config_file, caplog):
+  """A run from step 0 in a gs:// workdir holding an earlier run's metrics and events moves
+  them aside (metrics.jsonl.1, tb.1/), nothing deleted; init_from takes a gs:// run."""
+  from attn_jax.train import init_from, trainer as trainer_lib
+  run = f"gs://{BUCKET}/rotated"
+  paths.run_path(f"{run}/metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+  paths.run_path(f"{run}/tb/events.out.tfevents.1.host.1").write_bytes(b"events")
+  moved = trainer_lib.rotate_history(run, f"{run}/checkpoints")
+  assert moved == {f"{run}/metrics.jsonl": f"{run}/metrics.jsonl.1",
+                   f"{run}/tb/events.out.tfevents.1.host.1":
+                       f"{run}/tb.1/events.out.tfevents.1.host.1"}
+  assert paths.run_path(f"{run}/tb.1/events.out.tfevents.1.host.1").read_bytes() == b"events"
+  assert not paths.run_path(f"{run}/metrics.jsonl").exists()
+  config = _config(config_file)
+  config.train.init_from = reference[0]
+  source = init_from.check(config)
+  assert source.path == reference[0] and source.step is None
