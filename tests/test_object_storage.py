@@ -309,3 +309,22 @@ def test_history_rotation_and_init_from_work_on_gs(gcs, reference, config_file, 
   config.train.init_from = reference[0]
   source = init_from.check(config)
   assert source.path == reference[0] and source.step is None
+
+
+def test_the_lease_is_renewed_while_the_run_lives(gcs, caplog):
+  from attn_jax.train.workdir import ObjectLock
+  run = f"gs://{BUCKET}/renewed"
+  lock = ObjectLock(run, lease_s=0.4, settle_s=0).acquire()
+  try:
+    first = json.loads(paths.run_path(f"{run}/.lock").read_text())["renewed"]
+    time.sleep(0.5)
+    assert json.loads(paths.run_path(f"{run}/.lock").read_text())["renewed"] > first
+    theirs = {"pid": 1, "host": "another-host", "started": "now", "renewed": time.time() + 60,
+              "token": "theirs"}
+    paths.run_path(f"{run}/.lock").write_text(json.dumps(theirs))   # taken over after a lapse
+    time.sleep(0.3)
+    assert json.loads(paths.run_path(f"{run}/.lock").read_text())["token"] == "theirs"
+    assert "was taken over by pid 1 on host another-host" in caplog.text
+  finally:
+    lock.release()
+  assert json.loads(paths.run_path(f"{run}/.lock").read_text())["token"] == "theirs"   # kept

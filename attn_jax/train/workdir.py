@@ -227,6 +227,12 @@ class ObjectLock:
   def _renew(self) -> None:
     while not self._stop.wait(self.lease_s / 4):
       try:
+        holder = self._holder()
+        if holder.get("token") != self._token:   # taken over after a lapse: say so, stop
+          logging.error("the workdir lock %s was taken over by pid %s on host %s after this "
+                        "run's lease lapsed: two runs may now write %s", self.path,
+                        holder.get("pid"), holder.get("host"), self.workdir)
+          return
         self.path.write_text(json.dumps(self._claim()))
       except Exception as e:  # noqa: BLE001 - a lapse is retried; the run goes on
         logging.warning("could not renew the workdir lease %s: %s", self.path, e)
