@@ -255,7 +255,6 @@ def _checked_setup(config: ml_collections.ConfigDict) -> "Setup":
   setup = build_setup(config)   # runs config.validate
   validate_for_training(config, setup)
   check_installed(config)       # config.metrics.wandb_project without wandb
-  say_data_source(config, int(setup.n_params["total"]))
   return setup
 
 
@@ -620,6 +619,8 @@ def _warn_config_changes(saved: dict, now: dict, step: int) -> None:
 def _train_and_evaluate(config, workdir, eval_callbacks, setup: Setup,
                         guard: PreemptionGuard) -> dict[str, Any]:
   check_resumable(workdir, setup, config)     # a changed model config: stop before compiling
+  say_data_source(config, int(setup.n_params["total"]))   # the run's first line (a refused
+                                                          # run logs nothing before its error)
   with early_signals.abandonable():
     geo = _fit_memory(setup, config)          # before any data is read: may shrink the micro-batch
   _stop_if_signalled(guard, 0)
