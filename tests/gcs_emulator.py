@@ -61,6 +61,9 @@ class Emulator:
     self.env = emulator_env(self.url)
     self._saved = {k: os.environ.get(k) for k in self.env}
     os.environ.update(self.env)
+    import fsspec.config   # read at fsspec's import, which may have come first
+    self._conf = {k: dict(v) for k, v in fsspec.config.conf.items()}
+    fsspec.config.set_conf_env(fsspec.config.conf)
     self.fs().mkdir(BUCKET)
     return self
 
@@ -70,6 +73,9 @@ class Emulator:
                              skip_instance_cache=True)
 
   def __exit__(self, *exc) -> None:
+    import fsspec.config
+    fsspec.config.conf.clear()
+    fsspec.config.conf.update(self._conf)
     for k, v in self._saved.items():
       if v is None:
         os.environ.pop(k, None)
