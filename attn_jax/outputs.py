@@ -10,7 +10,8 @@ nothing.
     and removed in it, or in its nearest existing parent: nothing is left behind, and the
     folder is made when the results are written); one that cannot be written is an
     `OutputError` at once, naming the flag, the folder and why.
-  * The default folder is inside the run directory (`<workdir>/eval`, `<workdir>/stream`). A
+  * The default folder is inside the run directory (`<workdir>/eval`, `<workdir>/stream`; on
+    object storage too, the probe then being an object: attn_jax/paths.py). A
     run directory the command cannot write (a read-only mount, a colleague's run shared
     read-only) does not stop it: the results go to a fallback folder, `<temp>/attn_jax/
     <run name>-<8 hex digits of the run's path>/<kind>` (`fallback_folder`; `<temp>` is

@@ -2,9 +2,11 @@
 experiments/train.py on `gs://bucket/run` is SIGKILLed, rerun, and ends bit-identical to an
 uninterrupted run on gs:// (every logged loss and every stored array); eval.py and stream.py
 read it from there and write their results there; a corrupt object is refused as on a local
-disk; and none of these commands writes a file on the local disk (their working folder and
-$TMPDIR stay empty, and no `gs:` folder appears). Also: every entry point's path handling keeps
-a `gs://` path a URI (never `<cwd>/gs:/...`), and the object lock's rules."""
+disk (in CI's ci_extra selection: two more training runs); and none of these commands writes a
+file on the local disk (their working folder and $TMPDIR stay empty, and no `gs:` folder
+appears). Also: every entry point's path handling keeps a `gs://` path a URI (never
+`<cwd>/gs:/...`); TensorBoard events, history rotation, init_from and text / JSONL data.paths on
+gs://; the object lock's rules and its lease."""
 
 import importlib.util
 import json

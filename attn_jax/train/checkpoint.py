@@ -15,7 +15,10 @@ Reliability (the choices):
     temporary folders are deleted when a Checkpointer opens. The sha256 manifest of every file
     of a step is written into the temporary folder just before orbax renames it
     (`_ManifestRename`, part of the commit), so every committed step carries its manifest, the
-    one a crashed run resumes from included. A step without one (copied without it, or written
+    one a crashed run resumes from included. On object storage (a `gs://` workdir) there is no
+    rename: orbax writes the step in place and commits it with a `commit_success.txt` object,
+    the manifest written just before it (`_ManifestCommit`), and only steps holding that object
+    are steps (`all_steps`). A step without one (copied without it, or written
     by other code) cannot be verified, so it is refused (`CheckpointUnverifiedError`, nothing
     moved, no older step tried in its place) unless the user allows it
     (`checkpoint.allow_unverified=True`, `--allow_unverified` of eval.py / stream.py: old
