@@ -92,6 +92,17 @@ def files(root: PathLike) -> list[str]:
   return sorted(out)
 
 
+def info(path: PathLike) -> dict:
+  """The storage's own record of a file or object (fsspec's `info`: size, and for an object
+  its generation / etag / checksums)."""
+  if is_local(path):
+    st = os.stat(run_path(path))
+    return {"size": st.st_size, "mtime": st.st_mtime_ns}
+  from etils.epath import backend
+  fs = backend.fsspec_backend.fs(os.fspath(path))
+  return dict(fs.info(fs._strip_protocol(os.fspath(path))))
+
+
 def move(src: PathLike, dst: PathLike) -> None:
   """Moves a file or a folder to `dst` (which must not exist). Locally one rename; on object
   storage a folder moves object by object, its files first, so that an interrupted move leaves

@@ -330,3 +330,33 @@ def test_the_lease_is_renewed_while_the_run_lives(gcs, caplog):
   finally:
     lock.release()
   assert json.loads(paths.run_path(f"{run}/.lock").read_text())["token"] == "theirs"   # kept
+
+
+def test_token_shards_on_gs_read_as_the_local_folder(gcs, tmp_path, monkeypatch):
+  """data.source=shards with data.paths=gs://...: the index, every shard (ranged reads, no
+  local copy), its document ends and its sha256 check, as from the local folder."""
+  from attn_jax.data import shards
+  monkeypatch.setenv("ATTN_JAX_CACHE", str(tmp_path / "cache"))
+  src = tmp_path / "src"
+  src.mkdir()
+  for k in range(3):   # one shard per input file
+    (src / f"{k}.jsonl").write_text("".join(json.dumps({"text": f"doc {i} " + "ab" * i}) + "\n"
+                                            for i in range(10 * k, 10 * k + 10)))
+  local = tmp_path / "shards"
+  shards.prepare(str(src), str(local), workers=1, progress=False, doc_boundaries=True)
+  remote = f"gs://{BUCKET}/shards"
+  for f in sorted(local.iterdir()):
+    paths.run_path(f"{remote}/{f.name}").write_bytes(f.read_bytes())
+  here, there = shards.TokenShards(str(local)), shards.TokenShards(remote)
+  assert there.files[0].startswith(remote + "/") and len(there.files) == len(here.files) > 1
+  assert there.num_tokens == here.num_tokens and all(there.has_ends)
+  n = here.num_tokens
+  for a, b in ((0, n), (150, 260), (n - 7, n)):   # across a shard boundary too
+    window = here.read(a, b)
+    assert np.array_equal(there.read(a, b), window)
+    assert np.array_equal(there.document_starts(a, window), here.document_starts(a, window))
+  bad = bytearray(paths.run_path(there.files[1]).read_bytes())
+  bad[3] ^= 0x01
+  paths.run_path(there.files[1]).write_bytes(bytes(bad))
+  with pytest.raises(shards.DataError, match="corrupt token shard gs://"):
+    shards.TokenShards(remote)
