@@ -360,3 +360,17 @@ def test_token_shards_on_gs_read_as_the_local_folder(gcs, tmp_path, monkeypatch)
   paths.run_path(there.files[1]).write_bytes(bytes(bad))
   with pytest.raises(shards.DataError, match="corrupt token shard gs://"):
     shards.TokenShards(remote)
+
+
+def test_a_tokenizer_file_on_gs_loads_as_the_local_one(gcs, tmp_path):
+  from tokenizers import Tokenizer, models, pre_tokenizers
+  from attn_jax.data.tokenizer import get_tokenizer
+  tok = Tokenizer(models.WordLevel({"<|endoftext|>": 0, "a": 1, "b": 2, "[UNK]": 3},
+                                   unk_token="[UNK]"))
+  tok.pre_tokenizer = pre_tokenizers.Whitespace()
+  tok.save(str(tmp_path / "tok.json"))
+  paths.run_path(f"gs://{BUCKET}/tok/tok.json").write_text((tmp_path / "tok.json").read_text())
+  here = get_tokenizer(str(tmp_path / "tok.json"))
+  there = get_tokenizer(f"gs://{BUCKET}/tok/tok.json")
+  assert there.encode("a b a") == here.encode("a b a") == [1, 2, 1]
+  assert there.eos_id == here.eos_id == 0 and there.vocab_size == here.vocab_size
