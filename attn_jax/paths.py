@@ -67,12 +67,14 @@ def bucket(path: PathLike) -> str:
   return f"{scheme}://{rest.split('/', 1)[0]}"
 
 
-def open_for_write(path: PathLike, mode: str = "w"):
+def open_for_write(path: PathLike, mode: str = "w", **kwargs):
   """`open(path, mode)` for a local file or an object (written when closed); the parent
-  folder made first."""
+  folder made first; text in UTF-8."""
   p = run_path(path)
   p.parent.mkdir(parents=True, exist_ok=True)
-  return p.open(mode)
+  if "b" not in mode:
+    kwargs.setdefault("encoding", "utf-8")
+  return p.open(mode, **kwargs)
 
 
 def save_figure(fig, path: PathLike, **kwargs) -> None:

@@ -315,7 +315,7 @@ def write_results(out_dir: str, results: dict[str, np.ndarray], meta: dict,
                "policies": {k: [None if np.isnan(x) else round(float(x), 5) for x in v]
                             for k, v in results.items()}}, f)
   n = max(len(v) for v in results.values())
-  with paths_lib.open_for_write(paths["csv"]) as f:
+  with paths_lib.open_for_write(paths["csv"]) as f:   # csv's own \r\n, as with newline=""
     w = csv.writer(f)
     w.writerow(["position"] + list(results))
     for i in range(n):
