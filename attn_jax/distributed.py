@@ -10,8 +10,19 @@ Where the cluster is described, in order:
      ATTN_JAX_NUM_PROCESSES, ATTN_JAX_PROCESS_ID (and optional ATTN_JAX_LOCAL_DEVICE_IDS,
      comma-separated), for launchers that only set variables;
   3. JAX's own cluster detection (`jax.distributed.initialize()` with no arguments) when a
-     known multi-process environment is visible: SLURM with more than one task, a multi-host
-     Cloud TPU slice, Open MPI / MPICH (mpirun), Kubernetes JobSet;
+     multi-process environment it configures itself from is visible (`cluster_detected`, the
+     same signals as jax/_src/clusters):
+       * SLURM: SLURM_JOB_ID, SLURM_STEP_NODELIST, SLURM_NTASKS (> 1), SLURM_PROCID and
+         SLURM_LOCALID, all of which `srun` sets (an `sbatch` script outside `srun` has no
+         step and is one process);
+       * a TPU slice on GKE: a TPU VM whose TPU_PROCESS_ADDRESSES or TPU_WORKER_HOSTNAMES
+         names more than one host (GKE's TPU webhook sets them);
+       * a plain multi-host TPU VM (`gcloud compute tpus tpu-vm ssh --worker=all`): no
+         variable at all; JAX asks the VM's metadata server (`agent-worker-number`,
+         `worker-network-endpoints`), so this does too, and only on a machine with TPU chips
+         and without TPU_SKIP_MDS_QUERY (elsewhere there is no such server to wait for);
+       * Open MPI / MPICH (mpirun) with more than one rank; a Kubernetes JobSet with
+         JAX_NUM_PROCESSES > 1;
   4. otherwise: a single process, nothing to do.
 After it, `jax.devices()` lists every device of the cluster and `jax.process_index()` /
 `jax.process_count()` identify this host; see docs/multihost.md for launch recipes.
@@ -21,7 +32,8 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Mapping, Sequence
+import urllib.request
+from typing import Callable, Mapping, Sequence
 
 import jax
 
@@ -40,17 +52,79 @@ def _int(value, name: str) -> int | None:
     raise ValueError(f"{name} must be an integer, got {value!r}") from None
 
 
-def cluster_detected(env: Mapping[str, str] = os.environ) -> str | None:
-  """The multi-process environment JAX can configure itself from, if any."""
-  if int(env.get("SLURM_NTASKS", env.get("SLURM_NPROCS", "1")) or 1) > 1:
+SLURM_STEP_VARS = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID",
+                   "SLURM_LOCALID")   # what JAX's SLURM cluster reads; srun sets every one
+METADATA_URL = "http://{host}/computeMetadata/v1/instance/attributes/{key}"
+
+
+def tpu_metadata(key: str, env: Mapping[str, str] = os.environ) -> str | None:
+  """A TPU VM's metadata attribute `key` (None when the server does not answer with it)."""
+  host = env.get("GCE_METADATA_IP", "metadata.google.internal")
+  request = urllib.request.Request(METADATA_URL.format(host=host, key=key),
+                                   headers={"Metadata-Flavor": "Google"})
+  try:
+    with urllib.request.urlopen(request, timeout=10) as r:
+      return r.read().decode()
+  except OSError:
+    return None
+
+
+def _hosts(value: str) -> int:
+  return len([h for h in value.split(",") if h.strip()])
+
+
+def cluster_detected(env: Mapping[str, str] = os.environ, *, tpu_vm: bool | None = None,
+                     metadata: Callable[[str], str | None] | None = None) -> str | None:
+  """The multi-process environment JAX can configure itself from, if any (module docstring).
+  `tpu_vm` (default: whether the kernel exposes TPU chips) and `metadata` (default: the VM's
+  metadata server) are arguments for tests."""
+  if all(v in env for v in SLURM_STEP_VARS) and int(env["SLURM_NTASKS"] or 1) > 1:
     return "slurm"
-  if len([h for h in env.get("TPU_WORKER_HOSTNAMES", "").split(",") if h]) > 1:
-    return "cloud_tpu"
+  if tpu_vm is None:
+    from attn_jax import native_logs
+    tpu_vm = native_logs.has_tpu_device()
+  if tpu_vm:
+    hosts = env.get("TPU_PROCESS_ADDRESSES") or env.get("TPU_WORKER_HOSTNAMES")
+    if hosts is not None:
+      return "gke_tpu" if _hosts(hosts) > 1 else None
+    if env.get("TPU_SKIP_MDS_QUERY") is None:
+      ask = metadata or (lambda key: tpu_metadata(key, env))
+      if ask("agent-worker-number") is not None and _hosts(
+          ask("worker-network-endpoints") or "") > 1:
+        return "tpu_vm"
   if int(env.get("OMPI_COMM_WORLD_SIZE", env.get("PMI_SIZE", "1")) or 1) > 1:
     return "mpi"
   if env.get("JOBSET_NAME") and int(env.get("JAX_NUM_PROCESSES", "1") or 1) > 1:
     return "jobset"
   return None
+
+
+def launched_as(env: Mapping[str, str] = os.environ) -> tuple[int, str]:
+  """(how many processes a launcher started this program as, which launcher): (1, "") for a
+  program started alone."""
+  counts = (("srun", int(env["SLURM_NTASKS"] or 1) if all(v in env for v in SLURM_STEP_VARS)
+             else 1),
+            ("mpirun", int(env.get("OMPI_COMM_WORLD_SIZE", env.get("PMI_SIZE", "1")) or 1)),
+            (ENV_NUM_PROCESSES, _int(env.get(ENV_NUM_PROCESSES), ENV_NUM_PROCESSES) or 1),
+            ("a JobSet", int(env.get("JAX_NUM_PROCESSES", "1") or 1)
+             if env.get("JOBSET_NAME") else 1))
+  for how, n in counts:
+    if n > 1:
+      return n, how
+  return 1, ""
+
+
+def require_one_process(program: str, env: Mapping[str, str] = os.environ) -> None:
+  """Readers of a run (experiments/eval.py, stream.py) run as one process on one host: they
+  never join a cluster, and every copy would score the whole run alone and write the same
+  results. ValueError when a launcher started this one as one of several."""
+  n, how = launched_as(env)
+  if n > 1:
+    raise ValueError(
+        f"{program} runs as one process on one host, and {how} started it as one of {n}: "
+        "each would evaluate the whole run alone and write the same results. Start it once "
+        "(e.g. `srun --ntasks=1 ...`, or on one machine of the slice / node list), reading "
+        "the run from its shared workdir (every host's checkpoint shards are there)")
 
 
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,

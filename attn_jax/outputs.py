@@ -10,7 +10,8 @@ nothing.
     and removed in it, or in its nearest existing parent: nothing is left behind, and the
     folder is made when the results are written); one that cannot be written is an
     `OutputError` at once, naming the flag, the folder and why.
-  * The default folder is inside the run directory (`<workdir>/eval`, `<workdir>/stream`). A
+  * The default folder is inside the run directory (`<workdir>/eval`, `<workdir>/stream`; on
+    object storage too, the probe then being an object: attn_jax/paths.py). A
     run directory the command cannot write (a read-only mount, a colleague's run shared
     read-only) does not stop it: the results go to a fallback folder, `<temp>/attn_jax/
     <run name>-<8 hex digits of the run's path>/<kind>` (`fallback_folder`; `<temp>` is
@@ -23,12 +24,13 @@ nothing.
 from __future__ import annotations
 
 import dataclasses
-import errno
 import hashlib
 import logging
 import os
 import tempfile
 from typing import Callable
+
+from attn_jax import paths
 
 
 class OutputError(OSError):
@@ -42,27 +44,15 @@ class Folder:
 
 
 def unwritable(folder: str) -> str | None:
-  """None when files can be written in `folder`, else why not. Nothing is left behind: the
-  probe is a file created and removed in `folder`, or, when it does not exist yet, in its
-  nearest existing parent (where the writer will make it)."""
-  existing = os.path.abspath(folder)
-  while not os.path.lexists(existing) and os.path.dirname(existing) != existing:
-    existing = os.path.dirname(existing)
-  if not os.path.isdir(existing):
-    return f"{os.strerror(errno.ENOTDIR)}: {existing} is a file"
-  try:
-    fd, probe = tempfile.mkstemp(prefix=".attn_jax_write_probe", dir=existing)
-    os.close(fd)
-    os.remove(probe)
-  except OSError as e:
-    return e.strerror or str(e)
-  return None
+  """None when files can be written in `folder`, else why not (`paths.unwritable`: a probe
+  file created and removed, nothing left behind; a URI's folder probed with an object)."""
+  return paths.unwritable(folder)
 
 
 def fallback_folder(workdir: str, kind: str) -> str:
   """The folder for `kind` results of a run directory that cannot be written."""
-  real = os.path.realpath(workdir)
-  name = os.path.basename(real.rstrip(os.sep)) or "run"
+  real = paths.name(workdir) if paths.is_uri(workdir) else os.path.realpath(workdir)
+  name = real.rstrip("/").rsplit("/", 1)[-1] or "run"
   digest = hashlib.sha1(real.encode()).hexdigest()[:8]
   return os.path.join(tempfile.gettempdir(), "attn_jax", f"{name}-{digest}", kind)
 
@@ -75,11 +65,11 @@ def results_folder(workdir: str, kind: str, *, explicit: str | None, flag: str) 
     if why:
       raise OutputError(f"{flag}={explicit} cannot be written ({why}); nothing was computed. "
                         f"Point {flag} at a writable folder")
-    return Folder(os.path.abspath(explicit))
-  default = os.path.join(workdir, kind)
+    return Folder(paths.name(explicit))
+  default = paths.name(paths.run_path(workdir) / kind)
   why = unwritable(default)
   if why is None:
-    return Folder(os.path.abspath(default))
+    return Folder(default)
   fallback = fallback_folder(workdir, kind)
   why_fallback = unwritable(fallback)
   if why_fallback:

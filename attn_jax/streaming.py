@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from attn_jax import paths as paths_lib
 from attn_jax.attention import cache as cache_lib
 from attn_jax.config import ModelConfig
 from attn_jax.decode import jit_stateful
@@ -306,16 +307,15 @@ def write_results(out_dir: str, results: dict[str, np.ndarray], meta: dict,
   one column per policy) and loss.png (running mean over `smooth` positions vs position)."""
   import csv
   import json
-  os.makedirs(out_dir, exist_ok=True)
-  paths = {k: os.path.join(out_dir, f) for k, f in
+  paths = {k: paths_lib.name(paths_lib.run_path(out_dir) / f) for k, f in
            (("json", "losses.json"), ("csv", "losses.csv"), ("png", "loss.png"))}
   summary = {k: summarize(v) for k, v in results.items()}
-  with open(paths["json"], "w") as f:   # unscored positions (NaN) as null
+  with paths_lib.open_for_write(paths["json"]) as f:   # unscored positions (NaN) as null
     json.dump({"meta": meta, "summary": summary,
                "policies": {k: [None if np.isnan(x) else round(float(x), 5) for x in v]
                             for k, v in results.items()}}, f)
   n = max(len(v) for v in results.values())
-  with open(paths["csv"], "w", newline="") as f:
+  with paths_lib.open_for_write(paths["csv"]) as f:   # csv's own \r\n, as with newline=""
     w = csv.writer(f)
     w.writerow(["position"] + list(results))
     for i in range(n):
@@ -415,7 +415,7 @@ def plot_losses(path: str, results: dict[str, np.ndarray], *, smooth: int = 64,
   ax.legend()
   ax.grid(alpha=0.3)
   fig.tight_layout()
-  fig.savefig(path, dpi=120)
+  paths_lib.save_figure(fig, path, dpi=120)
   plt.close(fig)
 
 

@@ -37,7 +37,9 @@ _UNVERIFIED = flags.DEFINE_bool("allow_unverified", False, "Load a checkpoint st
 
 def main(argv):
   del argv
+  from attn_jax import distributed
   from attn_jax.eval import result_tables
+  distributed.require_one_process("eval.py")   # one process reads a run; it joins no cluster
   from attn_jax.eval.run import evaluate_checkpoint
 
   out = evaluate_checkpoint(_CKPT.value, _TASKS.value, step=_STEP.value, data_dir=_DATA.value,

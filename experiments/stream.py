@@ -137,6 +137,7 @@ def run(workdir, text, *, step=None, tokenizer=None, tail=0.0, max_tokens=0,
   if not text:
     raise ValueError("--text is required (the files to stream)")
   from attn_jax import outputs, streaming
+  from attn_jax import paths as paths_lib
   from attn_jax.train.checkpoint import load_for_inference, run_checkpoints
   if window < 0:
     raise ValueError(f"--window must be >= 0 (0 = what the model holds), got {window}")
@@ -161,11 +162,11 @@ def run(workdir, text, *, step=None, tokenizer=None, tail=0.0, max_tokens=0,
   for p in pols:
     results[p.label] = streaming.score_stream(model, tokens, p, chunk=chunk, batch=batch,
                                               progress=progress, stride=stride)
-  meta = {"workdir": os.path.abspath(workdir), "step": int(ckpt_step), "text": text,
+  meta = {"workdir": paths_lib.name(workdir), "step": int(ckpt_step), "text": text,
           "tail": float(tail), "tokens": int(len(tokens)), "train_seq_len": int(config.data.seq_len),
           "model_max_seq_len": trained_len, "max_seq_len_override": int(max_seq_len),
           "recompute_stride": int(stride), "sink_tokens": int(model.cfg.sink_tokens),
-          "title": f"{os.path.basename(os.path.abspath(workdir))}: {len(tokens)} tokens, "
+          "title": f"{paths_lib.run_path(workdir).name}: {len(tokens)} tokens, "
                    f"trained at {config.data.seq_len}"}
   summary = {k: streaming.summarize(v) for k, v in results.items()}
   paths = {}
@@ -179,8 +180,8 @@ def run(workdir, text, *, step=None, tokenizer=None, tail=0.0, max_tokens=0,
 
     def write() -> dict:
       written = streaming.write_results(out, results, meta, smooth=smooth)
-      written["summary"] = os.path.join(out, "summary.json")
-      with open(written["summary"], "w") as f:
+      written["summary"] = paths_lib.name(paths_lib.run_path(out) / "summary.json")
+      with paths_lib.open_for_write(written["summary"]) as f:
         json.dump({"meta": meta, "summary": summary, **extra}, f, indent=1)
       return written
 
@@ -208,6 +209,8 @@ def summary_lines(summary: dict) -> list[str]:
 
 def main(argv):
   del argv
+  from attn_jax import distributed
+  distributed.require_one_process("stream.py")   # one process reads a run; it joins no cluster
   res = run(_WORKDIR.value, _TEXT.value, step=_STEP.value, tokenizer=_TOKENIZER.value,
             tail=_TAIL.value, max_tokens=_MAX_TOKENS.value, names=_POLICIES.value,
             window=_WINDOW.value, sinks=_SINKS.value, chunk=_CHUNK.value, batch=_BATCH.value,

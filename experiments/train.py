@@ -33,6 +33,7 @@ from absl import flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from attn_jax import cli  # noqa: E402
+from attn_jax import paths  # noqa: E402
 from attn_jax import config_flags as checked_flags  # noqa: E402
 
 _DEFAULT_CONFIG = "configs/quickstart.py"
@@ -78,8 +79,9 @@ def main(argv):
     sys.exit(128 + int(signum))   # the shell convention for "terminated by that signal"
   logging.info("done: %s", result)
   if lead:
-    print(f"\nmetrics:     {os.path.join(result['workdir'], 'metrics.jsonl')}")
-    print(f"tensorboard: {os.path.join(result['workdir'], 'tb')}")
+    run = paths.run_path(result["workdir"])   # a local folder or a gs:// URI
+    print(f"\nmetrics:     {run / 'metrics.jsonl'}")
+    print(f"tensorboard: {run / 'tb'}")
     print(f"checkpoints: {result['checkpoint_dir']}")
     for k in ("loss", "accuracy", "eval/loss", "eval/accuracy"):
       if k in result:

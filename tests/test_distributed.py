@@ -90,10 +90,7 @@ def test_two_processes_form_one_cluster_and_match_one_process():
 
 
 def test_single_process_and_argument_errors():
-  assert distributed.cluster_detected({}) is None
-  assert distributed.cluster_detected({"SLURM_NTASKS": "4"}) == "slurm"
-  assert distributed.cluster_detected({"SLURM_NTASKS": "1"}) is None
-  assert distributed.cluster_detected({"TPU_WORKER_HOSTNAMES": "a,b"}) == "cloud_tpu"
+  assert distributed.cluster_detected({}, tpu_vm=False) is None
   assert distributed.initialize(env={}) is False                 # nothing configured: no-op
   assert distributed.initialize(num_processes=1, env={}) is False
   with pytest.raises(ValueError, match="process_id not given"):
@@ -251,3 +248,107 @@ def test_two_processes_train_with_tensor_parallelism_across_hosts(tmp_path):
   np.testing.assert_allclose([l for _, l in loss_pair], [l for _, l in loss_one], rtol=1e-5)
   for r in pair:
     np.testing.assert_allclose(r["eval_loss"], one["eval_loss"], rtol=1e-5)
+
+
+# ------------------------------------------------------------------ detecting a cluster
+# One test per environment JAX's own cluster detection (jax/_src/clusters) configures itself
+# from, with the variables (or metadata) that environment sets.
+
+SRUN_2_TASKS = {"SLURM_JOB_ID": "4242", "SLURM_STEP_NODELIST": "gpu[01-02]", "SLURM_NTASKS": "2",
+                "SLURM_PROCID": "1", "SLURM_LOCALID": "0", "SLURM_STEP_NUM_NODES": "2"}
+
+
+def _no_metadata(key):
+  raise AssertionError(f"asked the metadata server for {key} off a TPU VM")
+
+
+def test_slurm_is_detected_inside_srun_only():
+  assert distributed.cluster_detected(SRUN_2_TASKS, tpu_vm=False) == "slurm"
+  one = dict(SRUN_2_TASKS, SLURM_NTASKS="1")
+  assert distributed.cluster_detected(one, tpu_vm=False, metadata=_no_metadata) is None
+  # sbatch's script itself (no job step yet: no SLURM_STEP_NODELIST) is one process
+  batch = {k: v for k, v in SRUN_2_TASKS.items() if k != "SLURM_STEP_NODELIST"}
+  assert distributed.cluster_detected(batch, tpu_vm=False, metadata=_no_metadata) is None
+
+
+def test_a_gke_tpu_slice_is_detected_from_the_webhooks_variables():
+  env = {"TPU_WORKER_HOSTNAMES": "tpu-0.svc,tpu-1.svc,tpu-2.svc,tpu-3.svc", "TPU_WORKER_ID": "2"}
+  assert distributed.cluster_detected(env, tpu_vm=True, metadata=_no_metadata) == "gke_tpu"
+  env = {"TPU_PROCESS_ADDRESSES": "10.0.0.1:8476,10.0.0.2:8476", "TPU_WORKER_ID": "0"}
+  assert distributed.cluster_detected(env, tpu_vm=True, metadata=_no_metadata) == "gke_tpu"
+  one_host = {"TPU_WORKER_HOSTNAMES": "localhost", "TPU_WORKER_ID": "0"}
+  assert distributed.cluster_detected(one_host, tpu_vm=True, metadata=_no_metadata) is None
+  # the same variables off a TPU VM configure nothing (JAX's GKE cluster needs the chips)
+  assert distributed.cluster_detected(env, tpu_vm=False, metadata=_no_metadata) is None
+
+
+def test_a_plain_multi_host_tpu_vm_is_detected_from_its_metadata_server():
+  """`gcloud compute tpus tpu-vm ssh --worker=all` sets no variable: the worker number and the
+  worker list come from the VM's metadata server, as in JAX's GCE TPU cluster."""
+  answers = {"agent-worker-number": "1",
+             "worker-network-endpoints": "unknown:unknown:10.130.0.2,unknown:unknown:10.130.0.3"}
+  asked = []
+
+  def metadata(key):
+    asked.append(key)
+    return answers.get(key)
+
+  assert distributed.cluster_detected({}, tpu_vm=True, metadata=metadata) == "tpu_vm"
+  assert asked == ["agent-worker-number", "worker-network-endpoints"]
+  single = dict(answers, **{"worker-network-endpoints": "unknown:unknown:10.130.0.2"})
+  assert distributed.cluster_detected({}, tpu_vm=True, metadata=single.get) is None   # v5e-8
+  assert distributed.cluster_detected({}, tpu_vm=True, metadata=lambda k: None) is None
+  skip = {"TPU_SKIP_MDS_QUERY": "1"}
+  assert distributed.cluster_detected(skip, tpu_vm=True, metadata=_no_metadata) is None
+  assert distributed.cluster_detected({}, tpu_vm=False, metadata=_no_metadata) is None
+
+
+def test_the_metadata_server_is_asked_with_googles_header(monkeypatch):
+  seen = {}
+
+  class Answer:
+    def __enter__(self):
+      return self
+
+    def __exit__(self, *a):
+      return False
+
+    def read(self):
+      return b"3"
+
+  def urlopen(request, timeout):
+    seen.update(url=request.full_url, header=request.get_header("Metadata-flavor"))
+    return Answer()
+
+  monkeypatch.setattr(distributed.urllib.request, "urlopen", urlopen)
+  assert distributed.tpu_metadata("agent-worker-number", {"GCE_METADATA_IP": "1.2.3.4"}) == "3"
+  assert seen == {"url": "http://1.2.3.4/computeMetadata/v1/instance/attributes/"
+                         "agent-worker-number", "header": "Google"}
+
+
+def test_mpi_and_jobset_are_detected():
+  assert distributed.cluster_detected({"OMPI_COMM_WORLD_SIZE": "4"}, tpu_vm=False) == "mpi"
+  assert distributed.cluster_detected({"PMI_SIZE": "2"}, tpu_vm=False) == "mpi"
+  env = {"JOBSET_NAME": "train", "JAX_NUM_PROCESSES": "2"}
+  assert distributed.cluster_detected(env, tpu_vm=False) == "jobset"
+
+
+def test_eval_and_stream_refuse_to_run_as_one_of_several_processes():
+  """They read a run on one host (docs/multihost.md): under `srun --ntasks=2` each copy would
+  score the whole run and write the same files, so both stop at once naming the launcher."""
+  assert distributed.launched_as({}) == (1, "")
+  assert distributed.launched_as(dict(SRUN_2_TASKS, SLURM_NTASKS="1")) == (1, "")
+  distributed.require_one_process("eval.py", {})
+  for env, how in ((SRUN_2_TASKS, "srun"), ({"OMPI_COMM_WORLD_SIZE": "8"}, "mpirun"),
+                   ({distributed.ENV_NUM_PROCESSES: "2"}, distributed.ENV_NUM_PROCESSES)):
+    with pytest.raises(ValueError, match=f"eval.py runs as one process on one host, and {how} "
+                                         r"started it as one of \d"):
+      distributed.require_one_process("eval.py", env)
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, **SRUN_2_TASKS, PYTHONPATH=root, JAX_PLATFORMS="cpu")
+  for script, args in (("eval.py", ["--checkpoint=/nowhere"]),
+                       ("stream.py", ["--workdir=/nowhere", "--text=/nowhere"])):
+    r = subprocess.run([sys.executable, f"experiments/{script}", *args], cwd=root, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert f"{script} runs as one process on one host, and srun" in r.stderr, r.stderr[-2000:]

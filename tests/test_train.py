@@ -190,3 +190,28 @@ def test_batch_geometry_rewrites_only_the_batch_fields_of_a_copy():
   rest = lambda cfg: {k: v for k, v in cfg.to_dict().items() if k not in ("data", "train")}
   assert rest(c2) == rest(c)
   assert trainer_lib.BatchGeometry.of(c2) == smaller
+
+
+def test_a_run_names_its_data_source_first_and_warns_on_generated_data_for_a_large_model(
+    caplog):
+  """A preset larger than the quickstart on the base config's default (generated MQAR) says so
+  at start; real data is named with its paths and tokenizer."""
+  import logging
+  from configs import sisa_152m
+  c = tiny_config()
+  with caplog.at_level(logging.INFO):
+    trainer_lib.say_data_source(c, 50_000)
+  assert [r.levelno for r in caplog.records] == [logging.INFO]
+  assert "GENERATED multi-query associative recall (4 key-value pairs" in caplog.text
+  caplog.clear()
+  big = sisa_152m.get_config()
+  with caplog.at_level(logging.INFO):
+    trainer_lib.say_data_source(big, 152_000_000)
+  warning = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+  assert len(warning) == 1 and "152.0M-parameter model trains on GENERATED data" in warning[0]
+  caplog.clear()
+  big.data.update(source="jsonl", paths="gs://b/train.jsonl", tokenizer="tok.json")
+  with caplog.at_level(logging.INFO):
+    trainer_lib.say_data_source(big, 152_000_000)
+  assert [r.getMessage() for r in caplog.records] == [
+      "data: data.source='jsonl' from data.paths='gs://b/train.jsonl', tokenizer 'tok.json'"]

@@ -71,7 +71,7 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from attn_jax import jsonio
+from attn_jax import jsonio, paths
 from attn_jax.data import documents as doc_lib
 from attn_jax.data.formats import FORMATS, INDEX, input_format
 from attn_jax.data.offsets import check_window
@@ -540,14 +540,13 @@ def prepare_records(records: Iterable[Mapping[str, Any]], output: str, *, source
 
 
 def read_index(directory: str) -> dict:
-  path = os.path.join(directory, INDEX)
-  if not os.path.isfile(path):
+  path = paths.name(paths.run_path(directory) / INDEX)
+  if not paths.run_path(path).is_file():
     raise FileNotFoundError(
         f"no {INDEX} in {directory!r} (data.paths for data.source='shards' must be a folder "
         "written by experiments/prepare_data.py; an unfinished preparation has no index)")
   try:
-    with open(path) as f:
-      index = json.load(f)
+    index = json.loads(paths.run_path(path).read_text())
     index["shards"], index["dtype"], index["tokenizer"]["vocab_size"]  # noqa: B018
   except (ValueError, KeyError, TypeError) as e:
     raise ValueError(f"{path}: not a valid shard index ({e})") from None
@@ -556,7 +555,7 @@ def read_index(directory: str) -> dict:
 
 def _sha256_file(path: str) -> str:
   h = hashlib.sha256()
-  with open(path, "rb") as f:
+  with paths.run_path(path).open("rb") as f:
     while chunk := f.read(1 << 22):
       h.update(chunk)
   return h.hexdigest()
@@ -587,8 +586,39 @@ def _save_verified(entries: dict) -> None:
 
 
 def _fingerprint(path: str) -> str:
+  if paths.is_uri(path):   # an object: its size and generation (a new one at every write)
+    info = paths.info(path)
+    version = info.get("generation") or info.get("etag") or info.get("mtime") or ""
+    return f"{info.get('size')}:{version}"
   st = os.stat(path)
   return f"{st.st_size}:{st.st_mtime_ns}"
+
+
+def _size(path: str) -> int:
+  return int(paths.run_path(path).stat().length)
+
+
+class _ObjectTokens:
+  """A shard on object storage read like its memmap: `len()` and slices, each slice one ranged
+  read of the object (no copy of the shard on the local disk)."""
+
+  def __init__(self, path: str, dtype: np.dtype):
+    self.path, self.dtype = path, dtype
+    self._n = _size(path) // dtype.itemsize
+    self._f = None
+
+  def __len__(self) -> int:
+    return self._n
+
+  def __getitem__(self, index: slice) -> np.ndarray:
+    start, stop, step = index.indices(self._n)
+    if step != 1:
+      raise IndexError("object-storage shards are read in contiguous ranges")
+    if self._f is None:
+      self._f = paths.run_path(self.path).open("rb")
+    self._f.seek(start * self.dtype.itemsize)
+    data = self._f.read(max(stop - start, 0) * self.dtype.itemsize)
+    return np.frombuffer(data, self.dtype)
 
 
 VERIFY_MB = 2048
@@ -613,7 +643,7 @@ def _to_hash(files, metas, known: dict, budget: float) -> list[tuple[str, dict]]
   rest.sort(key=lambda r: r[0])
   chosen = []
   for _, path, meta in rest:
-    size = os.path.getsize(path)
+    size = _size(path)
     if budget >= 0 and size > budget and (chosen or budget == 0):
       break
     chosen.append((path, meta))
@@ -631,7 +661,7 @@ def verify_checksums(files: Sequence[str], metas: Sequence[dict], *,
                   float(verify_mb) * 2**20 if verify_mb >= 0 else -1.0)
   if not todo:
     return
-  total = sum(os.path.getsize(p) for p, _ in todo)
+  total = sum(_size(p) for p, _ in todo)
   if total > 256 * 2**20:
     logging.info("verifying the sha256 of %d token shards (%.0f MB; data.verify_mb=%s; "
                  "remembered in %s)", len(todo), total / 2**20, verify_mb, _verified_cache_path())
@@ -648,15 +678,16 @@ class TokenShards:
   """The concatenated token stream of a prepared folder, as lazily opened memmaps."""
 
   def __init__(self, directory: str, *, verify: bool = True, verify_mb: float = VERIFY_MB):
-    self.directory = os.path.abspath(os.path.expanduser(directory))
+    self.directory = paths.name(directory)   # a local folder or a gs:// URI
     self.index = read_index(self.directory)
     self.dtype = np.dtype(self.index["dtype"]).newbyteorder("<")
-    self.files = [os.path.join(self.directory, s["file"]) for s in self.index["shards"]]
+    self.files = [paths.name(paths.run_path(self.directory) / s["file"])
+                  for s in self.index["shards"]]
     self.counts = [int(s["tokens"]) for s in self.index["shards"]]
     for path, count in zip(self.files, self.counts):
-      if not os.path.isfile(path):
+      if not paths.run_path(path).is_file():
         raise FileNotFoundError(f"token shard missing: {path} (listed in {INDEX})")
-      size = os.path.getsize(path)
+      size = _size(path)
       if size != count * self.dtype.itemsize:
         raise ValueError(f"corrupt token shard {path}: {size} bytes, the index says {count} "
                          f"{self.dtype.name} tokens = {count * self.dtype.itemsize} bytes")
@@ -668,7 +699,7 @@ class TokenShards:
     self.eos_id = int(self.index["tokenizer"].get("eos_id", -1))
     self.doc_files = [p[: -len(".bin")] + ".docs.npy" if p.endswith(".bin") else None
                       for p in self.files]
-    self.has_ends = [f is not None and os.path.isfile(f) for f in self.doc_files]
+    self.has_ends = [f is not None and paths.run_path(f).is_file() for f in self.doc_files]
     self._maps: list | None = None
     self._ends: list | None = None
 
@@ -681,7 +712,8 @@ class TokenShards:
     if self._maps is None:
       self._maps = [None] * len(self.files)
     if self._maps[i] is None:
-      self._maps[i] = np.memmap(self.files[i], dtype=self.dtype, mode="r")
+      self._maps[i] = (_ObjectTokens(self.files[i], self.dtype) if paths.is_uri(self.files[i])
+                       else np.memmap(self.files[i], dtype=self.dtype, mode="r"))
     return self._maps[i]
 
   def ends(self, i: int) -> np.ndarray:
@@ -691,7 +723,8 @@ class TokenShards:
     if self._ends[i] is None:
       path, meta = self.doc_files[i], self.index["shards"][i]
       try:
-        ends = np.load(path, mmap_mode="r")
+        ends = (np.load(io.BytesIO(paths.run_path(path).read_bytes())) if paths.is_uri(path)
+                else np.load(path, mmap_mode="r"))
       except (OSError, ValueError) as e:
         raise DataError(f"{path}: not a readable document-boundary file ({e})") from None
       docs = meta.get("docs")

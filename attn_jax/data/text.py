@@ -41,6 +41,7 @@ from typing import Sequence
 
 import numpy as np
 
+from attn_jax import paths
 from attn_jax.data import documents as doc_lib
 from attn_jax.data.formats import INDEX, input_format
 from attn_jax.data.jsonl import parse_object
@@ -66,17 +67,15 @@ FOLDER_FORMATS = {"text": ".txt", "jsonl": ".jsonl"}
 def _folder_files(folder: str, source: str) -> list[str]:
   """The `source`'s files under `folder`, or an error naming the folder and why not."""
   ext = FOLDER_FORMATS[source]
-  if os.path.isfile(os.path.join(folder, INDEX)):
+  if (paths.run_path(folder) / INDEX).is_file():
     raise ValueError(f"data.paths: {folder!r} is a folder of token shards (it holds "
                      f"{INDEX}, written by experiments/prepare_data.py); train on it "
                      f"with data.source='shards', not {source!r}")
   found: dict[str, list[str]] = {}
-  for root, dirs, names in os.walk(folder):
-    dirs.sort()
-    for name in names:
-      fmt = input_format(name)
-      if fmt is not None:
-        found.setdefault(fmt, []).append(os.path.join(root, name))
+  for rel in paths.files(folder):   # recursive, on a local disk or object storage
+    fmt = input_format(rel)
+    if fmt is not None:
+      found.setdefault(fmt, []).append(folder.rstrip("/") + "/" + rel)
   if found.get(ext):
     return sorted(found[ext])
   other = ", ".join(f"{len(v)} {k}" for k, v in sorted(found.items()))
@@ -99,14 +98,14 @@ def data_files(data_cfg) -> list[str]:
   source = str(data_cfg.source)
   if source not in TEXT_SOURCES:
     raise ValueError(f"data.source must be one of {TEXT_SOURCES} here, got {source!r}")
-  paths = split_paths(data_cfg.paths)
-  if not paths:
+  split = split_paths(data_cfg.paths)
+  if not split:
     raise ValueError(f"data.paths is empty: data.source={source!r} needs at least one file")
   files = []
-  for path in paths:
-    if os.path.isdir(path):
+  for path in split:
+    if paths.run_path(path).is_dir():
       files.extend(_folder_files(path, source))
-    elif os.path.isfile(path):
+    elif paths.run_path(path).is_file():
       files.append(path)
     else:
       raise FileNotFoundError(f"data file not found: {path!r} (from data.paths)")
@@ -116,11 +115,10 @@ def data_files(data_cfg) -> list[str]:
 def read_text_file(path: str, *, what: str = "data file", source: str = "data.paths") -> str:
   """The whole UTF-8 text of `path`; a missing, binary / non-UTF-8 or empty file is an error
   naming it, the byte offset and where the path came from (`source`: a config field or flag)."""
-  if not os.path.isfile(path):
+  if not paths.run_path(path).is_file():
     raise FileNotFoundError(f"{what} not found: {path!r} (from {source})")
   try:
-    with open(path, encoding="utf-8") as f:
-      content = f.read()
+    content = paths.run_path(path).read_bytes().decode("utf-8")
   except UnicodeDecodeError as e:
     raise ValueError(f"{what} {path!r} (from {source}) is not UTF-8 text: byte {e.start} is "
                      f"{e.object[e.start:e.start + 1]!r} (a binary file?)") from None
@@ -230,14 +228,14 @@ def load_token_stream(data_cfg) -> np.ndarray:
 
 def load_corpus(data_cfg) -> tuple[np.ndarray, np.ndarray]:
   """(read-only token stream int32 [T], document ends int64 [D]) of `data.paths` (cached)."""
-  paths = tuple(data_files(data_cfg))   # folders: their files (FOLDER_FORMATS)
+  files = tuple(data_files(data_cfg))   # folders: their files (FOLDER_FORMATS)
   source = str(data_cfg.source)
   file_stamps = []
-  for path in paths:
-    stat = os.stat(path)
-    file_stamps.append((stat.st_size, stat.st_mtime_ns))
+  for path in files:
+    stat = paths.run_path(path).stat()   # a local file or an object (gs://)
+    file_stamps.append((stat.length, stat.mtime))
   return _cached_corpus(
-      paths, tuple(file_stamps), source, str(data_cfg.text_field),
+      files, tuple(file_stamps), source, str(data_cfg.text_field),
       str(data_cfg.text_document), str(data_cfg.tokenizer))
 
 

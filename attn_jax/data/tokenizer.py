@@ -7,6 +7,8 @@ import json
 import os
 from typing import Protocol, Sequence
 
+from attn_jax import paths
+
 
 class Tokenizer(Protocol):
   vocab_size: int
@@ -45,15 +47,15 @@ class HFTokenizer:
     from tokenizers import Tokenizer as _Tok
 
     path = os.fspath(path)
-    if not os.path.isfile(path):
+    if not paths.run_path(path).is_file():   # a local file or a gs:// object
       raise FileNotFoundError(f"tokenizer file not found: {path!r}")
     try:
-      tok = _Tok.from_file(path)
+      tok = _Tok.from_str(paths.run_path(path).read_text())
     except Exception as e:  # `tokenizers` raises a bare Exception without the path
       raise ValueError(f"tokenizer file {path!r} is not a valid tokenizers JSON file (from "
                        f"data.tokenizer): {e}") from None
     if eos_id is None:
-      eos_id = _declared_eos(tok, os.path.join(os.path.dirname(path), TOKENIZER_CONFIG))
+      eos_id = _declared_eos(tok, paths.name(paths.run_path(path).parent / TOKENIZER_CONFIG))
     self._init(tok, path, eos_id)
 
   @classmethod
@@ -87,11 +89,10 @@ class HFTokenizer:
 
 def _declared_eos(tok, config_path: str) -> int | None:
   """The id of `eos_token` in a Hugging Face tokenizer_config.json (None: no file or field)."""
-  if not os.path.isfile(config_path):
+  if not paths.run_path(config_path).is_file():
     return None
   try:
-    with open(config_path) as f:
-      name = json.load(f).get("eos_token")
+    name = json.loads(paths.run_path(config_path).read_text()).get("eos_token")
   except (OSError, ValueError, AttributeError) as e:
     raise ValueError(f"{config_path}: not a readable tokenizer config ({e})") from None
   if isinstance(name, dict):   # {"content": "<|im_end|>", ...} in older files

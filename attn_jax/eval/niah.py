@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from attn_jax import paths
 from attn_jax.config import seq_len_problem
 from attn_jax.data.tokenizer import Tokenizer
 from attn_jax.eval.harness import LogitsFn, ScorerFns, per_logits_fn_cache, scorer_state
@@ -252,6 +253,6 @@ def plot_heatmap(result: NIAHResult | np.ndarray, path: str, *,
       ax.text(i, j, label, ha="center", va="center", fontsize=8)
   fig.colorbar(im, ax=ax, label="accuracy")
   fig.tight_layout()
-  fig.savefig(path, dpi=120)
+  paths.save_figure(fig, path, dpi=120)
   plt.close(fig)
   return True

@@ -8,6 +8,8 @@ import math
 import os
 from typing import Any
 
+from attn_jax import paths
+
 _NON_METRICS = {"n_docs", "n_requests", "seconds", "examples_per_s", "requests_per_s",
                 "n_examples", "n_positions"}
 
@@ -65,23 +67,21 @@ def to_markdown(results: dict) -> str:
 
 
 def write_json(results: dict, path: str | os.PathLike) -> None:
-  os.makedirs(os.path.dirname(os.fspath(path)) or ".", exist_ok=True)
-  with open(path, "w", encoding="utf-8") as f:
+  with paths.open_for_write(path) as f:
     json.dump(_jsonable(results), f, indent=2, sort_keys=True)
     f.write("\n")
 
 
 def write_markdown(results: dict, path: str | os.PathLike) -> None:
-  os.makedirs(os.path.dirname(os.fspath(path)) or ".", exist_ok=True)
-  with open(path, "w", encoding="utf-8") as f:
+  with paths.open_for_write(path) as f:
     f.write(to_markdown(results))
 
 
 def write_report(results: dict, out_dir: str | os.PathLike, stem: str = "eval") -> dict[str, str]:
   """Writes `<stem>.json` and `<stem>.md` under out_dir; returns their paths."""
-  out_dir = os.fspath(out_dir)
-  paths = {"json": os.path.join(out_dir, f"{stem}.json"),
-           "markdown": os.path.join(out_dir, f"{stem}.md")}
-  write_json(results, paths["json"])
-  write_markdown(results, paths["markdown"])
-  return paths
+  root = paths.run_path(out_dir)
+  written = {"json": paths.name(root / f"{stem}.json"),
+             "markdown": paths.name(root / f"{stem}.md")}
+  write_json(results, written["json"])
+  write_markdown(results, written["markdown"])
+  return written

@@ -18,6 +18,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
+from attn_jax import paths
 from attn_jax.data.tokenizer import Tokenizer, get_tokenizer
 from attn_jax.eval import harness, mqar, niah, result_tables
 from attn_jax.eval import tasks as tasks_lib
@@ -208,17 +209,17 @@ def evaluate_checkpoint(workdir: str, tasks: str | Sequence[str], *, step: int |
   tok = get_tokenizer(tokenizer) if tokenizer else None
   out = run_tasks(ModelScorer(model), config, names, tokenizer=tok, data_paths=data_paths,
                   max_len=max_len or None, batch_size=batch_size or None, limit=limit)
-  out["config"].update(workdir=os.path.abspath(workdir), step=int(step),
+  out["config"].update(workdir=paths.name(workdir), step=int(step),
                        mixer=config.model.mixer, pattern=list(config.model.get("pattern", ())))
 
 
   def write() -> dict:
-    paths = result_tables.write_report(out, folder)
+    written = result_tables.write_report(out, folder)
     if "niah" in out["results"]:
       r = out["results"]["niah"]
-      niah.plot_heatmap(np.asarray(r["grid"]), os.path.join(folder, "niah.png"),
+      niah.plot_heatmap(np.asarray(r["grid"]), paths.name(paths.run_path(folder) / "niah.png"),
                         context_lengths=r["context_lengths"], depths=r["depths"])
-    return paths
+    return written
 
   out["paths"] = outputs.write_or_print(write, result_tables.to_markdown(out), folder,
                                         flag="--out_dir")

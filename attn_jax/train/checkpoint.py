@@ -15,7 +15,10 @@ Reliability (the choices):
     temporary folders are deleted when a Checkpointer opens. The sha256 manifest of every file
     of a step is written into the temporary folder just before orbax renames it
     (`_ManifestRename`, part of the commit), so every committed step carries its manifest, the
-    one a crashed run resumes from included. A step without one (copied without it, or written
+    one a crashed run resumes from included. On object storage (a `gs://` workdir) there is no
+    rename: orbax writes the step in place and commits it with a `commit_success.txt` object,
+    the manifest written just before it (`_ManifestCommit`), and only steps holding that object
+    are steps (`all_steps`). A step without one (copied without it, or written
     by other code) cannot be verified, so it is refused (`CheckpointUnverifiedError`, nothing
     moved, no older step tried in its place) unless the user allows it
     (`checkpoint.allow_unverified=True`, `--allow_unverified` of eval.py / stream.py: old
@@ -64,7 +67,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from attn_jax import outputs
+from attn_jax import outputs, paths
 from attn_jax.train import early_signals
 from attn_jax.train.writers import WriteError, describe_disk, disk_full
 
@@ -134,52 +137,50 @@ def all_finite(state: Any) -> bool:
 # ------------------------------------------------------------------ checksums
 
 
-def _sha256(path: str) -> str:
+def _sha256(path) -> str:
   h = hashlib.sha256()
-  with open(path, "rb") as f:
+  with paths.run_path(path).open("rb") as f:
     while chunk := f.read(_CHUNK):
       h.update(chunk)
   return h.hexdigest()
 
 
-def _files(step_dir: str) -> list[str]:
-  out = []
-  for root, _, names in os.walk(step_dir):
-    for name in names:
-      rel = os.path.relpath(os.path.join(root, name), step_dir)
-      if rel != MANIFEST and rel not in _COMMIT_FILES:
-        out.append(rel)
-  return sorted(out)
+def _files(step_dir) -> list[str]:
+  return [rel for rel in paths.files(step_dir) if rel != MANIFEST and rel not in _COMMIT_FILES]
 
 
-def write_manifest(step_dir: str) -> None:
+def write_manifest(step_dir) -> None:
   """sha256 + size of every file of a finished step folder, in `<step_dir>/MANIFEST`."""
-  files = {rel: {"sha256": _sha256(os.path.join(step_dir, rel)),
-                 "size": os.path.getsize(os.path.join(step_dir, rel))}
-           for rel in _files(step_dir)}
-  tmp = os.path.join(step_dir, MANIFEST + ".tmp")
+  root = paths.run_path(step_dir)
+  files = {rel: {"sha256": _sha256(root / rel), "size": (root / rel).stat().length}
+           for rel in _files(root)}
+  text = json.dumps({"version": 1, "files": files}, indent=0, sort_keys=True)
+  if paths.is_uri(root):   # an object is written whole or not at all
+    (root / MANIFEST).write_text(text)
+    return
+  tmp = os.path.join(root, MANIFEST + ".tmp")
   with open(tmp, "w") as f:
-    json.dump({"version": 1, "files": files}, f, indent=0, sort_keys=True)
+    f.write(text)
     f.flush()
     os.fsync(f.fileno())
-  os.replace(tmp, os.path.join(step_dir, MANIFEST))  # atomic: a manifest is whole or absent
+  os.replace(tmp, os.path.join(root, MANIFEST))  # atomic: a manifest is whole or absent
 
 
-def verify_manifest(step_dir: str) -> str | None:
+def verify_manifest(step_dir) -> str | None:
   """None when the files match the manifest, else what is wrong; "no manifest" if absent."""
-  path = os.path.join(step_dir, MANIFEST)
-  if not os.path.isfile(path):
+  root = paths.run_path(step_dir)
+  path = root / MANIFEST
+  if not path.is_file():
     return "no manifest"
   try:
-    with open(path) as f:
-      files = json.load(f)["files"]
+    files = json.loads(path.read_text())["files"]
   except (OSError, ValueError, KeyError) as e:
     return f"unreadable manifest {path}: {e}"
   for rel, want in files.items():
-    full = os.path.join(step_dir, rel)
-    if not os.path.isfile(full):
+    full = root / rel
+    if not full.is_file():
       return f"missing file {rel}"
-    size = os.path.getsize(full)
+    size = full.stat().length
     if size != want["size"]:
       return f"{rel} has {size} bytes, the manifest says {want['size']} (truncated?)"
     if _sha256(full) != want["sha256"]:
@@ -201,16 +202,27 @@ class _ManifestRename(ocp.path.atomicity.AtomicRenameTemporaryPath):
     return await super().finalize(*args, **kwargs)
 
 
+class _ManifestCommit(ocp.path.atomicity.CommitFileTemporaryPath):
+  """The same on object storage, where orbax writes a step in place and commits it with a
+  `commit_success.txt` object (no rename there): the manifest is written just before that
+  object, so a committed step has its manifest."""
+
+  async def finalize(self, *args, **kwargs):
+    if self.get_final().name.isdigit():
+      await asyncio.to_thread(write_manifest, os.fspath(self.get()))
+    return await super().finalize(*args, **kwargs)
+
+
 def _short(e: BaseException, limit: int = 300) -> str:
   text = " ".join(str(e).split())
   return f"{type(e).__name__}: {text[:limit]}{'...' if len(text) > limit else ''}"
 
 
-def _unwritable(directory: str) -> str | None:
+def _unwritable(directory) -> str | None:
   """None when a file can be created in `directory` (made if missing), else why not
   (`outputs.unwritable`'s probe)."""
   try:
-    os.makedirs(directory, exist_ok=True)
+    paths.run_path(directory).mkdir(parents=True, exist_ok=True)
   except OSError as e:
     return e.strerror or str(e)
   return outputs.unwritable(directory)
@@ -265,7 +277,8 @@ class Checkpointer:
     if isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int) or max_to_keep < 1:
       raise ValueError(f"config.checkpoint.max_to_keep: must be an integer >= 1, got "
                        f"{max_to_keep!r}")
-    self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
+    self.directory = paths.name(paths.run_path(workdir) / "checkpoints")
+    self.remote = paths.is_uri(self.directory)
     self.checksums, self.read_only = checksums, read_only
     if not isinstance(allow_unverified, bool):
       raise ValueError(f"config.checkpoint.allow_unverified: must be True or False, got "
@@ -280,8 +293,9 @@ class Checkpointer:
       options = ocp.CheckpointManagerOptions(
           max_to_keep=max_to_keep, create=True, save_interval_steps=save_interval_steps,
           cleanup_tmp_directories=True,
-          temporary_path_class=_ManifestRename if checksums else None)
-    self._mngr = ocp.CheckpointManager(self.directory, item_names=("state", "data", "meta"),
+          temporary_path_class=(None if not checksums else
+                                _ManifestCommit if self.remote else _ManifestRename))
+    self._mngr = ocp.CheckpointManager(paths.run_path(self.directory), item_names=("state", "data", "meta"),
                                        options=options)
     self._pending: int | None = None   # step of a save that may still run in the background
     self.restored_step: int | None = None
@@ -295,13 +309,16 @@ class Checkpointer:
     """The committed steps on disk, oldest first: what a rerun can resume from. Read from the
     folder, not from orbax's own list, which also holds a save still in progress (or one that
     is failing: a temporary folder on disk, never a step) and drops the steps it is about to
-    prune before their folders are gone."""
+    prune before their folders are gone. On object storage a step is written in place, so only
+    the folders holding orbax's commit object count (`_ManifestCommit`)."""
+    root = paths.run_path(self.directory)
     try:
-      names = os.listdir(self.directory)
+      found = [p for p in root.iterdir() if p.name.isdigit() and p.is_dir()]
     except (FileNotFoundError, NotADirectoryError):
       return []
-    return sorted(int(n) for n in names
-                  if n.isdigit() and os.path.isdir(os.path.join(self.directory, n)))
+    if self.remote:
+      found = [p for p in found if (p / ocp.path.atomicity.COMMIT_SUCCESS_FILE).exists()]
+    return sorted(int(p.name) for p in found)
 
   @property
   def pending_step(self) -> int | None:
@@ -309,7 +326,7 @@ class Checkpointer:
     return self._pending
 
   def step_dir(self, step: int) -> str:
-    return os.path.join(self.directory, str(step))
+    return paths.name(paths.run_path(self.directory) / str(step))
 
   def save(self, step: int, state: Any, data_iter: Any = None, meta: dict | None = None, *,
            force: bool = False) -> bool:
@@ -359,7 +376,7 @@ class Checkpointer:
   def verify(self, step: int) -> str | None:
     """None if step's files match their manifest or it has none (`has_manifest`: such a step
     cannot be verified, see `check_verifiable`), else the problem."""
-    if not os.path.isdir(self.step_dir(step)):   # pruned by the training run while read
+    if not paths.run_path(self.step_dir(step)).is_dir():   # pruned by the run while read
       return f"its folder {self.step_dir(step)} is gone"
     problem = verify_manifest(self.step_dir(step))
     return None if problem == "no manifest" else problem
@@ -379,7 +396,7 @@ class Checkpointer:
     return False
 
   def has_manifest(self, step: int) -> bool:
-    return os.path.isfile(os.path.join(self.step_dir(step), MANIFEST))
+    return (paths.run_path(self.step_dir(step)) / MANIFEST).is_file()
 
   def warn_unverified(self, step: int) -> None:
     """The warning for a step without a checksum manifest that orbax read without complaint."""
@@ -396,12 +413,12 @@ class Checkpointer:
     way of the run saving that step again; returns the new path."""
     target = self.step_dir(step) + ".corrupt"
     n = 0
-    while os.path.exists(target):
+    while paths.run_path(target).exists():
       n += 1
       target = f"{self.step_dir(step)}.corrupt.{n}"
     assert not self.read_only, "a read-only Checkpointer never moves a step"
     if jax.process_index() == 0:
-      os.rename(self.step_dir(step), target)
+      paths.move(self.step_dir(step), target)
     if jax.process_count() > 1:
       from jax.experimental import multihost_utils
       multihost_utils.sync_global_devices(f"attn_jax_ckpt_set_aside_{step}")
@@ -640,11 +657,11 @@ def config_to_json(config) -> dict:
   return json.loads(config.to_json_best_effort())
 
 
-def run_checkpoints(workdir: str) -> str:
+def run_checkpoints(workdir) -> str:
   """`<workdir>/checkpoints`, or FileNotFoundError when `workdir` is not a training run's
   folder (checked before anything else is done with it)."""
-  directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
-  if not os.path.isdir(directory):
+  directory = paths.name(paths.run_path(workdir) / "checkpoints")
+  if not paths.run_path(directory).is_dir():
     raise FileNotFoundError(f"no checkpoint found under {directory} (is {workdir!r} a "
                             "training run directory?)")
   return directory
@@ -700,7 +717,7 @@ def _load_newest(ckpt: Checkpointer, step: int | None, devices, retries: int = 3
     try:
       model, config = _load_step(ckpt, s, devices)
     except CheckpointCorruptError as e:
-      if retries and not os.path.isdir(ckpt.step_dir(s)):
+      if retries and not paths.run_path(ckpt.step_dir(s)).is_dir():
         logging.warning("checkpoint step %d in %s was deleted while it was read (the training "
                         "run keeps checkpoint.max_to_keep steps); loading the newest again", s,
                         ckpt.directory)

@@ -46,6 +46,8 @@ import jax
 import ml_collections
 import numpy as np
 
+from attn_jax import paths
+
 TRAINABLE = ("all", "new", "new+norms")
 COMPUTE_FIELDS = ("dtype", "param_dtype", "remat", "scan_layers", "attention_impl",
                   "max_seq_len", "init_std", "embed_init_std")
@@ -132,9 +134,10 @@ def _run_tokenizer(path: str, saved) -> str:
   """The run's tokenizer: its own copy (a converted run's tokenizer.json) when the saved path
   has moved, else the saved `data.tokenizer`."""
   spec = str(saved.data.tokenizer)
-  own = os.path.join(path, "tokenizer.json")
-  if spec not in ("bytes", "byte", "") and not os.path.isfile(spec) and os.path.isfile(own):
-    return own
+  own = paths.run_path(path) / "tokenizer.json"
+  if (spec not in ("bytes", "byte", "") and not paths.run_path(spec).is_file()
+      and own.is_file()):
+    return paths.name(own)
   return spec
 
 
@@ -157,11 +160,10 @@ def _check_vocabulary(config, saved, path: str) -> None:
 
 
 def _new_params(path: str) -> tuple[str, ...]:
-  info = os.path.join(path, INFO_FILE)
-  if not os.path.isfile(info):
+  info = paths.run_path(path) / INFO_FILE
+  if not info.is_file():
     return ()
-  with open(info) as f:
-    return tuple(sorted(json.load(f).get("variant", {}).get("new", {})))
+  return tuple(sorted(json.loads(info.read_text()).get("variant", {}).get("new", {})))
 
 
 def check(config: ml_collections.ConfigDict) -> InitSource | None:
@@ -175,7 +177,7 @@ def check(config: ml_collections.ConfigDict) -> InitSource | None:
       raise ValueError(f"config.train.trainable={trainable!r} needs config.train.init_from (a "
                        "converted run whose new parameters are listed)")
     return None
-  if not os.path.isdir(os.path.join(path, "checkpoints")):
+  if not (paths.run_path(path) / "checkpoints").is_dir():
     raise ValueError(f"config.train.init_from={path}: not a run directory (no checkpoints/)")
   step = int(t.get("init_step", -1))
   step = None if step < 0 else step   # -1: the newest usable step, as a resume picks it
@@ -187,7 +189,7 @@ def check(config: ml_collections.ConfigDict) -> InitSource | None:
     raise ValueError(f"config.train.trainable={trainable!r}: config.train.init_from={path} "
                      "lists no new parameters (its pretrained.json has none: only "
                      "experiments/convert.py --mixer=... writes them); use 'all'")
-  return InitSource(os.path.abspath(path), step, new)
+  return InitSource(paths.name(path), step, new)
 
 
 def _path(keys) -> str:

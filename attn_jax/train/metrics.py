@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from typing import Any, Mapping
 
 import jax
 import numpy as np
 
+from attn_jax import paths
 from attn_jax.train import writers as writers_lib
 
 
@@ -54,13 +54,13 @@ class MetricWriter:
   def __init__(self, workdir: str, *, enabled: bool | None = None, tensorboard: bool = True,
                stall_s: float = writers_lib.STALL_S):
     self.enabled = jax.process_index() == 0 if enabled is None else enabled
-    self.path = os.path.join(workdir, "metrics.jsonl")
-    self._tb_dir = os.path.join(workdir, "tb") if tensorboard else None
+    self.path = paths.name(paths.run_path(workdir) / "metrics.jsonl")
+    self._tb_dir = paths.name(paths.run_path(workdir) / "tb") if tensorboard else None
     self._should_stop = lambda: False
     self.writers: list = []
     self._tb = None
     if self.enabled:
-      os.makedirs(workdir, exist_ok=True)
+      paths.run_path(workdir).mkdir(parents=True, exist_ok=True)
       self.writers.append(writers_lib.JsonlWriter(self.path))
       if tensorboard:
         self._tb = self.add(writers_lib.Background(writers_lib.TensorBoardWriter(self._tb_dir),
@@ -89,7 +89,7 @@ class MetricWriter:
     step = int(step)
     if self._tb is not None:  # TensorBoard hides the events >= step + 1 written before this
       self._tb.call("purge", step + 1)
-    if not os.path.isfile(self.path):
+    if not paths.run_path(self.path).is_file():
       return 0
     kept, dropped = [], 0
     for number, line, row_step in row_steps(self.path):
@@ -101,11 +101,8 @@ class MetricWriter:
         dropped += 1
       else:
         kept.append(line if line.endswith("\n") else line + "\n")
-    tmp = self.path + ".tmp"
     try:
-      with open(tmp, "w") as f:
-        f.writelines(kept)
-      os.replace(tmp, self.path)
+      self._rewrite(kept)
     except OSError as e:
       raise writers_lib.write_error("metrics.jsonl", self.path, step, e) from e
     if dropped:
@@ -113,6 +110,19 @@ class MetricWriter:
                       "run after its last checkpoint; they are logged again)", dropped, step,
                       self.path)
     return dropped
+
+  def _rewrite(self, lines: list[str]) -> None:
+    """metrics.jsonl replaced by `lines` at once (locally a rename; an object is written
+    whole); the jsonl writer starts from them."""
+    target = paths.run_path(self.path)
+    if paths.is_uri(target):
+      target.write_text("".join(lines))
+    else:
+      tmp = target.parent / (target.name + ".tmp")
+      tmp.write_text("".join(lines))
+      tmp.replace(target)
+    for w in self.writers:
+      getattr(w, "reopen", lambda: None)()
 
   def write(self, step: int, metrics: Mapping[str, Any]) -> None:
     if not self.enabled:
@@ -155,7 +165,7 @@ def row_steps(path: str) -> list[tuple[int, str, int | None]]:
   """(line number, line, its "step" or None when unreadable) of each non-blank row of a
   metrics.jsonl (a row cut short by an interrupted write reads as None)."""
   rows = []
-  with open(path) as f:
+  with paths.run_path(path).open() as f:
     for number, line in enumerate(f, start=1):
       if not line.strip():
         continue
@@ -167,6 +177,6 @@ def row_steps(path: str) -> list[tuple[int, str, int | None]]:
   return rows
 
 
-def read_metrics(workdir: str) -> list[dict]:
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+def read_metrics(workdir) -> list[dict]:
+  with (paths.run_path(workdir) / "metrics.jsonl").open() as f:
     return [json.loads(line) for line in f if line.strip()]

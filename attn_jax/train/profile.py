@@ -16,9 +16,12 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import tempfile
 
 import jax
 
+from attn_jax import paths
 from attn_jax.config import profile_steps, profile_window_problem
 
 DIRNAME = "profile"
@@ -32,7 +35,8 @@ class StepProfiler:
     window that a resumed run has passed already is said at start (`profile_window_problem`;
     config.validate says the rest)."""
     self.window = profile_steps(spec)
-    self.directory = os.path.join(workdir, DIRNAME)
+    self.directory = paths.name(paths.run_path(workdir) / DIRNAME)
+    self._local: str | None = None   # where the profiler writes before an upload
     self.active = self.done = False
     if start and last is not None:   # a fresh run's window was checked by config.validate
       problem = profile_window_problem(spec, last, start=start)
@@ -46,7 +50,11 @@ class StepProfiler:
       return
     first, stop = self.window
     if not self.active and first <= step < stop:
-      jax.profiler.start_trace(self.directory, create_perfetto_trace=True)
+      # The profiler writes local files only: on object storage it traces into a temporary
+      # folder that `stop` uploads into the workdir and deletes.
+      self._local = None if paths.is_local(self.directory) else tempfile.mkdtemp(
+          prefix="attn_jax_profile")
+      jax.profiler.start_trace(self._local or self.directory, create_perfetto_trace=True)
       self.active = True
       logging.info("profiling steps %d to %d into %s", step, stop - 1, self.directory)
     elif self.active and step >= stop:
@@ -62,4 +70,18 @@ class StepProfiler:
         jax.block_until_ready(state)
     finally:
       jax.profiler.stop_trace()
+      if self._local is not None:
+        _upload(self._local, self.directory)
+        shutil.rmtree(self._local, ignore_errors=True)
+        self._local = None
       logging.info("profile written to %s", self.directory)
+
+
+def _upload(local: str, target: str) -> None:
+  """Copies the files under `local` to the same names under `target` (object storage)."""
+  for root, _, names in os.walk(local):
+    for n in names:
+      src = os.path.join(root, n)
+      dst = paths.run_path(target) / os.path.relpath(src, local)
+      dst.parent.mkdir(parents=True, exist_ok=True)
+      dst.write_bytes(open(src, "rb").read())

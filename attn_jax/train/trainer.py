@@ -62,7 +62,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 from typing import Any, Callable, Sequence
 
@@ -74,6 +73,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding
 
+from attn_jax import paths
 from attn_jax import sharding as shd
 from attn_jax.config import ModelConfig, validate
 from attn_jax.data.documents import batch_keys
@@ -231,7 +231,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   result has `preempted`, `before_training` and `step` (the restored step, 0 for a new run).
   Every check of the config and its data runs before the workdir is made or locked.
   """
-  workdir = os.path.abspath(workdir)
+  workdir = paths.name(workdir)   # absolute when local; a gs:// URI kept as it is (paths.py)
   # Signals are the run's from here on: a stop before the first step ends it cleanly, the lock
   # released (early_signals.py: at once where nothing is written, else at the next phase).
   early_signals.stopped_when(early_signals.BEFORE_TRAINING)
@@ -245,7 +245,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
     except StoppedBeforeTraining as e:
       logging.warning("%s: stopped %s", e.signal_name, early_signals.BEFORE_TRAINING)
       return {"preempted": e.signal_name, "step": e.step, "before_training": True,
-              "workdir": workdir, "checkpoint_dir": os.path.join(workdir, "checkpoints")}
+              "workdir": workdir,
+              "checkpoint_dir": paths.name(paths.run_path(workdir) / "checkpoints")}
 
 
 def _checked_setup(config: ml_collections.ConfigDict) -> "Setup":
@@ -256,6 +257,37 @@ def _checked_setup(config: ml_collections.ConfigDict) -> "Setup":
   validate_for_training(config, setup)
   check_installed(config)       # config.metrics.wandb_project without wandb
   return setup
+
+
+# The quickstart (MQAR, about 0.1M parameters) is meant to train on generated data; a model past
+# this size on generated data is most likely a preset run without its data.* fields.
+GENERATED_DATA_WARN_PARAMS = 1_000_000
+
+
+def data_source(config) -> str:
+  """One line naming what the run trains on."""
+  d = config.data
+  if str(d.source) == "synthetic":
+    task = str(d.synthetic_task)
+    what = (f"multi-query associative recall ({d.mqar_num_pairs} key-value pairs, "
+            f"{d.mqar_num_queries} queries, keys and values from {d.mqar_vocab} tokens)"
+            if task == "mqar" else "uniform random tokens (nothing to learn: a throughput run)")
+    return (f"data: GENERATED {what}, made on the fly (data.source='synthetic', "
+            f"data.synthetic_task={task!r})")
+  return (f"data: data.source={str(d.source)!r} from data.paths={str(d.paths)!r}, tokenizer "
+          f"{str(d.tokenizer)!r}")
+
+
+def say_data_source(config, n_params: int) -> None:
+  """Logs `data_source` first thing; a warning when a model larger than the quickstart trains
+  on generated data."""
+  logging.info("%s", data_source(config))
+  if str(config.data.source) == "synthetic" and n_params > GENERATED_DATA_WARN_PARAMS:
+    logging.warning(
+        "this %.1fM-parameter model trains on GENERATED data (data.source='synthetic', the "
+        "base config's default), not on text: for a language model pass "
+        "--config.data.source=jsonl (or text, shards) --config.data.paths=... "
+        "--config.data.tokenizer=...", n_params / 1e6)
 
 
 def _locked(config, workdir: str, eval_callbacks, setup: "Setup",
@@ -272,9 +304,9 @@ def _locked(config, workdir: str, eval_callbacks, setup: "Setup",
   with early_signals.on_abandon(release):
     try:
       locks.append(lock_workdir(workdir))   # process 0 only; creates workdir, names it when
-      os.makedirs(workdir, exist_ok=True)   # unusable
+      paths.run_path(workdir).mkdir(parents=True, exist_ok=True)   # unusable
       locks.append(lock_tensorboard(workdir))   # tb/ reached by another run through a symlink
-      check_writable(os.path.join(workdir, "checkpoints"))   # not at the first save, minutes in
+      check_writable(paths.run_path(workdir) / "checkpoints")   # not at the first save
       return _train_and_evaluate(config, workdir, eval_callbacks, setup, guard)
     finally:
       release()
@@ -559,7 +591,7 @@ def check_resumable(workdir: str, setup: Setup, config) -> None:
   array read) against the state this config builds; CheckpointMismatchError naming the changed
   config fields. A step whose metadata cannot be read is left to the restore, which judges
   corruption. Opened read-only: nothing is cleaned or moved here."""
-  if not os.path.isdir(os.path.join(workdir, "checkpoints")):
+  if not (paths.run_path(workdir) / "checkpoints").is_dir():
     return
   ckpt = Checkpointer(workdir, read_only=True)
   try:
@@ -588,6 +620,8 @@ def _warn_config_changes(saved: dict, now: dict, step: int) -> None:
 def _train_and_evaluate(config, workdir, eval_callbacks, setup: Setup,
                         guard: PreemptionGuard) -> dict[str, Any]:
   check_resumable(workdir, setup, config)     # a changed model config: stop before compiling
+  say_data_source(config, int(setup.n_params["total"]))   # the run's first line (a refused
+                                                          # run logs nothing before its error)
   with early_signals.abandonable():
     geo = _fit_memory(setup, config)          # before any data is read: may shrink the micro-batch
   _stop_if_signalled(guard, 0)
@@ -920,14 +954,14 @@ HISTORY = ("metrics.jsonl", "tb")
 def _history_entries(workdir: str) -> dict[str, list[str]]:
   """{"metrics.jsonl": [it], "tb": [its event files...]} for the non-empty ones."""
   out = {}
-  metrics = os.path.join(workdir, "metrics.jsonl")
-  if os.path.isfile(metrics) and os.path.getsize(metrics) > 0:
-    out["metrics.jsonl"] = [metrics]
-  tb = os.path.join(workdir, "tb")
-  if os.path.isdir(tb):
-    names = sorted(n for n in os.listdir(tb) if n != TB_LOCK)
+  metrics = paths.run_path(workdir) / "metrics.jsonl"
+  if metrics.is_file() and metrics.stat().length > 0:
+    out["metrics.jsonl"] = [paths.name(metrics)]
+  tb = paths.run_path(workdir) / "tb"
+  if tb.is_dir():
+    names = sorted(p.name for p in tb.iterdir() if p.name != TB_LOCK)
     if names:
-      out["tb"] = [os.path.join(tb, n) for n in names]
+      out["tb"] = [paths.name(tb / n) for n in names]
   return out
 
 
@@ -940,30 +974,32 @@ def rotate_history(workdir: str, checkpoint_dir: str = "") -> dict[str, str]:
   found = _history_entries(workdir)
   if not found:
     return {}
+  home = paths.run_path(workdir)
   k = 1
-  while any(os.path.exists(os.path.join(workdir, f"{n}.{k}")) for n in HISTORY):
+  while any((home / f"{n}.{k}").exists() for n in HISTORY):
     k += 1
   moved = {}
   if "metrics.jsonl" in found:
     steps = [s for _, _, s in row_steps(found["metrics.jsonl"][0]) if s is not None]
     rows = (f"{len(steps)} metric rows" + (f", steps {min(steps)}-{max(steps)}" if steps
                                             else ""))
-    moved[found["metrics.jsonl"][0]] = os.path.join(workdir, f"metrics.jsonl.{k}")
+    moved[found["metrics.jsonl"][0]] = paths.name(home / f"metrics.jsonl.{k}")
   else:
     rows = "TensorBoard events"
   if "tb" in found:
-    target = os.path.join(workdir, f"tb.{k}")
-    os.makedirs(target)
-    moved.update({p: os.path.join(target, os.path.basename(p)) for p in found["tb"]})
+    target = home / f"tb.{k}"
+    target.mkdir(parents=True)
+    moved.update({p: paths.name(target / paths.run_path(p).name) for p in found["tb"]})
   for old, new in moved.items():
-    os.rename(old, new)
-  corrupt = sorted(n for n in (os.listdir(checkpoint_dir) if os.path.isdir(checkpoint_dir)
-                               else ()) if ".corrupt" in n)
+    paths.move(old, new)
+  ckpts = paths.run_path(checkpoint_dir) if checkpoint_dir else None
+  corrupt = sorted(p.name for p in (ckpts.iterdir() if ckpts and ckpts.is_dir() else ())
+                   if ".corrupt" in p.name)
   why = (f"its checkpoints were set aside as corrupt ({', '.join(corrupt)})" if corrupt
          else "it left no checkpoint to resume from")
   logging.warning("starting at step 0 in %s, which holds an earlier run's history (%s; %s): "
                   "moved it aside to %s, nothing was deleted", workdir, rows, why,
-                  " and ".join(sorted({os.path.join(workdir, f"{n}.{k}") for n in found})))
+                  " and ".join(sorted({paths.name(home / f"{n}.{k}") for n in found})))
   return moved
 
 

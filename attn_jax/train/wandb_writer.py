@@ -31,8 +31,10 @@ from __future__ import annotations
 import importlib.util
 import os
 import secrets
+import tempfile
 from typing import Any, Mapping
 
+from attn_jax import paths
 from attn_jax.train import writers as writers_lib
 
 RUN_ID_FILE = "wandb_run_id"
@@ -59,17 +61,19 @@ def check_installed(config) -> None:
 def run_id(workdir: str, *, fresh: bool = False) -> str:
   """The W&B run id of the training run in `workdir`: the kept one, or (none kept, or `fresh`:
   a run starting at step 0) a new one, kept."""
-  path = os.path.join(workdir, RUN_ID_FILE)
-  if not fresh and os.path.isfile(path):
-    with open(path) as f:
-      kept = f.read().strip()
+  path = paths.run_path(workdir) / RUN_ID_FILE
+  if not fresh and path.is_file():
+    kept = path.read_text().strip()
     if kept:
       return kept
   new = secrets.token_hex(4)   # W&B ids: up to 64 of [a-z0-9_-]
   try:
-    with open(path + ".tmp", "w") as f:
-      f.write(new + "\n")
-    os.replace(path + ".tmp", path)
+    if paths.is_uri(path):   # an object is written whole
+      path.write_text(new + "\n")
+    else:
+      tmp = path.parent / (path.name + ".tmp")
+      tmp.write_text(new + "\n")
+      tmp.replace(path)
   except OSError as e:
     raise writers_lib.write_error("wandb", path, None, e) from e
   return new
@@ -82,7 +86,11 @@ class WandbWriter:
 
   def __init__(self, workdir: str, project: str, *, entity: str = "", config: dict,
                info: dict, fresh: bool = False):
-    self.workdir, self.path = workdir, os.path.join(workdir, "wandb")
+    # W&B's own files are local files: for a workdir on object storage they go to a
+    # temporary folder (the run id, what a resume needs, is kept in the workdir).
+    self.workdir = paths.name(workdir)
+    self.path = (os.path.join(self.workdir, "wandb") if paths.is_local(workdir)
+                 else os.path.join(tempfile.mkdtemp(prefix="attn_jax_wandb"), "wandb"))
     self.project, self.entity = project, entity or None
     self.id = run_id(workdir, fresh=fresh)
     self.config, self.info = config, info
@@ -98,9 +106,9 @@ class WandbWriter:
   def _init(self) -> None:
     import wandb
     os.makedirs(self.path, exist_ok=True)
-    name = os.path.basename(os.path.abspath(self.workdir))
+    name = paths.run_path(self.workdir).name
     self.run = wandb.init(project=self.project, entity=self.entity, id=self.id, resume="allow",
-                          dir=self.workdir, name=name, config=self.config,
+                          dir=os.path.dirname(self.path), name=name, config=self.config,
                           settings=wandb.Settings(console="off"))
     self.run.config.update(self.info, allow_val_change=True)
 

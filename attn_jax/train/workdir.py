@@ -19,6 +19,17 @@ once, naming the first. Choices:
     restart from step 0 would move that run's events into this workdir's `tb.<k>/`. A link to a
     folder of its own (a faster disk) is fine.
   * Readers (evaluation, streaming) take no lock: they never write a run's files.
+  * On object storage (a `gs://` workdir, attn_jax/paths.py) there is no flock: the lock is the
+    object `<workdir>/.lock` holding the holder's host, pid, start time and a lease renewed
+    every `LEASE_S / 4` seconds by a thread of the holder (`ObjectLock`). It is stale, and
+    taken over with the same warning, when its holder is on this host and its pid is gone (a
+    SIGKILLed run resumed on its machine goes on at once) or when its lease has not been
+    renewed for `LEASE_S` (a holder on another host that died: a preempted VM's replacement
+    waits at most that long). A released lock is an empty object, as locally. Two runs starting
+    within the same second on one workdir cannot be told apart by a plain object store (no
+    compare-and-swap through fsspec): each writes its claim, reads it back after a pause, and
+    the one that does not find its own claim stops. The TensorBoard folder has no lock of its
+    own there: it cannot be a link, so only this workdir's run reaches it.
 """
 
 from __future__ import annotations
@@ -28,7 +39,11 @@ import json
 import logging
 import os
 import socket
+import threading
 import time
+import uuid
+
+from attn_jax import paths
 
 
 class WorkdirLockedError(RuntimeError):
@@ -58,7 +73,7 @@ class WorkdirLock:
   FILENAME = ".lock"
 
   def __init__(self, workdir: str, *, filename: str = FILENAME, what: str = "--workdir"):
-    self.workdir = os.path.abspath(workdir)
+    self.workdir = paths.name(workdir)
     self.path = os.path.join(self.workdir, filename)
     self.what = what
     self._fd: int | None = None
@@ -116,7 +131,134 @@ class WorkdirLock:
     self.release()
 
 
-def _on_process_0(lock: WorkdirLock, process_index: int | None) -> WorkdirLock | None:
+LEASE_S = 120.0   # an object lock not renewed for this long is stale (its holder died)
+_SETTLE_S = 1.0   # how long a claim waits before reading itself back
+
+
+def _pid_alive(pid) -> bool:
+  try:
+    os.kill(int(pid), 0)
+  except ProcessLookupError:
+    return False
+  except (PermissionError, ValueError, TypeError, OverflowError):
+    return True   # someone else's process, or not a pid: not ours to call dead
+  return True
+
+
+class ObjectLock:
+  """The lock of a workdir on object storage (see the module docstring); the same interface
+  and messages as WorkdirLock."""
+
+  def __init__(self, workdir, *, filename: str = WorkdirLock.FILENAME, what: str = "--workdir",
+               lease_s: float = LEASE_S, settle_s: float = _SETTLE_S):
+    self.workdir = paths.name(workdir)
+    self.path = paths.run_path(workdir) / filename
+    self.what, self.lease_s, self.settle_s = what, float(lease_s), float(settle_s)
+    self._token: str | None = None
+    self._started = ""
+    self._stop = threading.Event()
+    self._thread: threading.Thread | None = None
+
+  def _holder(self) -> dict:
+    try:
+      raw = self.path.read_bytes()
+    except FileNotFoundError:
+      return {}
+    try:
+      return json.loads(raw) if raw.strip() else {}
+    except ValueError:
+      return {"raw": raw[:200].decode("utf-8", "replace")}
+
+  def stale(self, holder: dict) -> bool:
+    """Whether `holder` (the lock object's content) names a run that is gone."""
+    if holder.get("host") == socket.gethostname() and not _pid_alive(holder.get("pid")):
+      return True
+    try:
+      renewed = float(holder.get("renewed"))
+    except (TypeError, ValueError):
+      return True   # not a lock this code wrote
+    return time.time() - renewed > self.lease_s
+
+  def _claim(self) -> dict:
+    return {"pid": os.getpid(), "host": socket.gethostname(), "started": self._started,
+            "renewed": time.time(), "token": self._token}
+
+  def _locked_error(self, holder: dict) -> WorkdirLockedError:
+    return WorkdirLockedError(
+        f"{self.what} {self.workdir} is in use by pid {holder.get('pid', '?')} on host "
+        f"{holder.get('host', '?')} (since {holder.get('started', '?')}); lock object "
+        f"{self.path}, renewed every {self.lease_s / 4:.0f} s while that run lives (stale "
+        f"after {self.lease_s:.0f} s without renewal). Stop that run or choose another "
+        "--workdir.")
+
+  def acquire(self) -> "ObjectLock":
+    if self._token is not None:
+      return self
+    try:
+      holder = self._holder()
+    except Exception as e:  # noqa: BLE001 - a missing bucket, no credentials: say which
+      raise OSError(f"{self.what} {self.workdir} is not usable: cannot read {self.path}: "
+                    f"{type(e).__name__}: {e}") from None
+    if holder.get("pid") is not None:
+      if not self.stale(holder):
+        raise self._locked_error(holder)
+      logging.warning("taking over the stale lock of pid %s on host %s in %s (that run ended "
+                      "without releasing it)", holder.get("pid"), holder.get("host"), self.path)
+    self._token = uuid.uuid4().hex
+    self._started = time.strftime("%Y-%m-%d %H:%M:%S")
+    claim = self._claim()
+    try:
+      self.path.write_text(json.dumps(claim))
+    except Exception as e:  # noqa: BLE001
+      self._token = None
+      raise OSError(f"{self.what} {self.workdir} is not usable: cannot create {self.path}: "
+                    f"{type(e).__name__}: {e}") from None
+    time.sleep(self.settle_s)
+    now = self._holder()
+    if now.get("token") != self._token:
+      self._token = None
+      raise self._locked_error(now)
+    self._stop.clear()
+    self._thread = threading.Thread(target=self._renew, name="attn_jax workdir lease",
+                                    daemon=True)
+    self._thread.start()
+    return self
+
+  def _renew(self) -> None:
+    while not self._stop.wait(self.lease_s / 4):
+      try:
+        holder = self._holder()
+        if holder.get("token") != self._token:   # taken over after a lapse: say so, stop
+          logging.error("the workdir lock %s was taken over by pid %s on host %s after this "
+                        "run's lease lapsed: two runs may now write %s", self.path,
+                        holder.get("pid"), holder.get("host"), self.workdir)
+          return
+        self.path.write_text(json.dumps(self._claim()))
+      except Exception as e:  # noqa: BLE001 - a lapse is retried; the run goes on
+        logging.warning("could not renew the workdir lease %s: %s", self.path, e)
+
+  def release(self) -> None:
+    if self._token is None:
+      return
+    self._stop.set()
+    if self._thread is not None:
+      self._thread.join(10)
+      self._thread = None
+    try:
+      if self._holder().get("token") == self._token:
+        self.path.write_bytes(b"")   # an empty lock is a released one
+    except Exception as e:  # noqa: BLE001 - the lease lapses on its own
+      logging.warning("could not release the workdir lock %s: %s", self.path, e)
+    self._token = None
+
+  def __enter__(self) -> "ObjectLock":
+    return self.acquire()
+
+  def __exit__(self, *exc) -> None:
+    self.release()
+
+
+def _on_process_0(lock, process_index: int | None) -> WorkdirLock | None:
   """`lock` taken on process 0; the other processes return None (every host shares it)."""
   if process_index is None:
     import jax
@@ -124,9 +266,11 @@ def _on_process_0(lock: WorkdirLock, process_index: int | None) -> WorkdirLock |
   return lock.acquire() if process_index == 0 else None
 
 
-def lock_workdir(workdir: str, *, process_index: int | None = None) -> WorkdirLock | None:
-  """Takes the lock on process 0 (others return None); raises WorkdirLockedError if held."""
-  return _on_process_0(WorkdirLock(workdir), process_index)
+def lock_workdir(workdir, *, process_index: int | None = None):
+  """Takes the lock on process 0 (others return None); raises WorkdirLockedError if held. A
+  WorkdirLock on a local disk, an ObjectLock on object storage."""
+  lock = WorkdirLock(workdir) if paths.is_local(workdir) else ObjectLock(workdir)
+  return _on_process_0(lock, process_index)
 
 
 TB_LOCK = ".writer.lock"
@@ -135,7 +279,10 @@ TB_LOCK = ".writer.lock"
 def lock_tensorboard(workdir: str, *, process_index: int | None = None) -> WorkdirLock | None:
   """Takes the lock of `<workdir>/tb` on process 0; WorkdirLockedError when another live run
   writes the same folder (reached through a symlink or a bind mount), TensorBoardLinkError
-  when it is a link into another run's folder (`check_tensorboard_link`)."""
+  when it is a link into another run's folder (`check_tensorboard_link`). None on object
+  storage (no links there: the workdir's lock covers it)."""
+  if paths.is_uri(workdir):
+    return None
   lock = _on_process_0(WorkdirLock(os.path.join(workdir, "tb"), filename=TB_LOCK,
                                    what="the TensorBoard folder"), process_index)
   try:
@@ -149,7 +296,7 @@ def lock_tensorboard(workdir: str, *, process_index: int | None = None) -> Workd
 
 def check_tensorboard_link(workdir: str) -> None:
   """TensorBoardLinkError when `<workdir>/tb` resolves into another run's folder."""
-  tb = os.path.join(os.path.abspath(workdir), "tb")
+  tb = os.path.join(paths.name(workdir), "tb")
   real, home = os.path.realpath(tb), os.path.realpath(workdir)
   owner = os.path.dirname(real)
   if real == os.path.join(home, "tb") or owner == home:

@@ -42,6 +42,8 @@ import threading
 import time
 from typing import Any, Callable, Mapping, Protocol
 
+from attn_jax import paths
+
 STALL_S = 120.0    # a writer that takes no row for this long is broken (a hung network share)
 QUEUE_ROWS = 64   # calls a Background writer may hold (a burst of rows while it writes)
 _SLICE_S = 0.05    # how often a waiting put looks at the writer's error and the stop request
@@ -84,7 +86,10 @@ def _size(n: int) -> str:
 
 
 def describe_disk(path: str) -> str:
-  """"the disk mounted at /mnt/x (12.0 KiB free of 3.0 MiB)" for the file system of `path`."""
+  """"the disk mounted at /mnt/x (12.0 KiB free of 3.0 MiB)" for the file system of `path`;
+  "object storage gs://bucket" for a URI (no free-space figure there)."""
+  if paths.is_uri(path):
+    return f"object storage {paths.bucket(path)}"
   mount = _mount_point(path)
   try:
     st = os.statvfs(mount)
@@ -124,20 +129,31 @@ def _error(number: int, message: str) -> WriteError:
 
 
 class JsonlWriter:
-  """One JSON object per line, appended (and closed) per row in the calling thread."""
+  """One JSON object per line, appended (and closed) per row in the calling thread. On object
+  storage the object is written again whole after each row (paths.Appender)."""
 
   name = "metrics.jsonl"
 
   def __init__(self, path: str):
     self.path = path
+    self._object = paths.Appender(path) if paths.is_uri(path) else None
+
+  def reopen(self) -> None:
+    """The file was replaced (MetricWriter.truncate_after): read it again at the next row."""
+    if self._object is not None:
+      self._object = paths.Appender(self.path)
 
   def write(self, step: int, row: Mapping[str, Any]) -> None:
     # JSON has no NaN/Inf: they are written as strings, so every line stays valid JSON.
     clean = {k: (str(v) if isinstance(v, float) and not math.isfinite(v) else v)
              for k, v in row.items()}
     try:
-      with open(self.path, "a") as f:
-        f.write(json.dumps(clean) + "\n")
+      if self._object is not None:
+        self._object.write((json.dumps(clean) + "\n").encode())
+        self._object.flush()
+      else:
+        with open(self.path, "a") as f:
+          f.write(json.dumps(clean) + "\n")
     except OSError as e:
       raise write_error(self.name, self.path, step, e) from e
 
@@ -151,7 +167,8 @@ class JsonlWriter:
 class TensorBoardWriter:
   """Scalar events in `<directory>/events.out.tfevents.*` (TFRecord framing, tensorboardX's
   Event protos), written and flushed per row by the caller's thread (run it behind
-  `Background`), fsync'ed by `flush`; the file is opened at the first call. `purge(step)` makes
+  `Background`), fsync'ed by `flush`; the file is opened at the first call (on object storage
+  an object written whole at each flush: paths.Appender). `purge(step)` makes
   TensorBoard discard the events with step >= `step` written before it (a SessionLog START,
   what tensorboardX's purge_step writes)."""
 
@@ -163,13 +180,13 @@ class TensorBoardWriter:
 
   def _file(self):
     if self._f is None:
-      os.makedirs(self.path, exist_ok=True)
+      paths.run_path(self.path).mkdir(parents=True, exist_ok=True)
       # A nanosecond suffix: two files of one second (a purge right after a start, a quick
       # rerun) neither overwrite each other nor sort out of order (TensorBoard reads them in
       # name order, and a purge only hides the events of files read before it).
       now = time.time_ns()
       name = f"events.out.tfevents.{now // 10**9:010d}.{socket.gethostname()}.{now}"
-      self._f = open(os.path.join(self.path, name), "ab")
+      self._f = paths.Appender(paths.run_path(self.path) / name)
       self._put(file_version="brain.Event:2")
     return self._f
 
@@ -195,8 +212,7 @@ class TensorBoardWriter:
 
   def flush(self) -> None:
     if self._f is not None:
-      self._f.flush()
-      os.fsync(self._f.fileno())
+      self._f.flush(sync=True)
 
   def close(self) -> None:
     if self._f is not None:
