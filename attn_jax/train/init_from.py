@@ -51,7 +51,7 @@ from attn_jax import paths
 TRAINABLE = ("all", "new", "new+norms")
 COMPUTE_FIELDS = ("dtype", "param_dtype", "remat", "scan_layers", "attention_impl",
                   "max_seq_len", "init_std", "embed_init_std")
-INFO_FILE = "pretrained.json"   # = pretrained.workdir.INFO_FILE (no import of that package)
+INFO_FILE = "pretrained.json"   # = pretrained.run_dir.INFO_FILE (no import of that package)
 
 
 @dataclasses.dataclass(frozen=True)
