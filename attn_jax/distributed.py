@@ -37,6 +37,8 @@ from typing import Callable, Mapping, Sequence
 
 import jax
 
+from attn_jax import native_logs
+
 ENV_COORDINATOR = "ATTN_JAX_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "ATTN_JAX_NUM_PROCESSES"
 ENV_PROCESS_ID = "ATTN_JAX_PROCESS_ID"
@@ -81,7 +83,6 @@ def cluster_detected(env: Mapping[str, str] = os.environ, *, tpu_vm: bool | None
   if all(v in env for v in SLURM_STEP_VARS) and int(env["SLURM_NTASKS"] or 1) > 1:
     return "slurm"
   if tpu_vm is None:
-    from attn_jax import native_logs
     tpu_vm = native_logs.has_tpu_device()
   if tpu_vm:
     hosts = env.get("TPU_PROCESS_ADDRESSES") or env.get("TPU_WORKER_HOSTNAMES")

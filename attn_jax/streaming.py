@@ -39,11 +39,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from attn_jax import paths as paths_lib
+from attn_jax import decode, paths as paths_lib
 from attn_jax.attention import cache as cache_lib
-from attn_jax.config import ModelConfig
+from attn_jax.config import ModelConfig, validate_model
+from attn_jax.data.text import read_text_file, split_paths
+from attn_jax.data.tokenizer import get_tokenizer
 from attn_jax.decode import jit_stateful
-from attn_jax.model import mixer_limits
+from attn_jax.model import abstract_model, mixer_limits
 from attn_jax.options import is_int
 from attn_jax.registry import get_mixer
 
@@ -108,8 +110,6 @@ def with_max_seq_len(model, max_seq_len: int):
   """The same parameters under `model.max_seq_len` raised (a config override at inference:
   the parameters do not depend on it, RoPE has no table). Dense attention then runs positions
   past the length the model was trained at; nothing else changes."""
-  from attn_jax.config import validate_model
-  from attn_jax.model import abstract_model
   if not is_int(max_seq_len, 1):
     raise ValueError(f"max_seq_len must be an integer >= 1, got {max_seq_len!r}")
   cfg = dataclasses.replace(model.cfg, max_seq_len=int(max_seq_len))
@@ -134,8 +134,6 @@ def read_stream(paths: str | Iterable[str], tokenizer: str = "bytes", *, tail: f
   """Token ids [N] of the concatenated files (EOS between files). `tail` in (0, 1): only the
   last fraction of the stream (e.g. a training run's held-out part); `max_tokens`: at most
   this many (from the start of what is kept)."""
-  from attn_jax.data.tokenizer import get_tokenizer
-  from attn_jax.data.text import read_text_file, split_paths
   tok = get_tokenizer(tokenizer)
   ids = []
   for p in split_paths(paths):
@@ -275,7 +273,6 @@ def greedy_continuation(model, prompt: np.ndarray, policy: StreamPolicy, *,
 
   Cache policies run `decode.generate` (one jitted loop; bounded caches generate any length);
   "recompute" runs a fresh [1, window] forward per token (positions -1 pad a short window)."""
-  from attn_jax import decode
   check_policy(model.cfg, policy)
   prompt = np.asarray(prompt, np.int32)
   T = len(prompt)

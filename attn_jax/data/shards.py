@@ -75,6 +75,7 @@ from attn_jax import jsonio, paths
 from attn_jax.data import documents as doc_lib
 from attn_jax.data.formats import FORMATS, INDEX, input_format
 from attn_jax.data.offsets import check_window
+from attn_jax.data.text import split_counts
 from attn_jax.data.tokenizer import ByteTokenizer, Tokenizer, get_tokenizer
 
 ON_ERROR = ("raise", "skip")
@@ -840,7 +841,6 @@ def check_tokenizer(index: dict, data_cfg) -> None:
 
 def make_shard_source(data_cfg, *, split: str = "train") -> ShardWindows:
   """The packed train or eval split of the prepared folder `data.paths`."""
-  from attn_jax.data.text import split_counts
   directory = str(data_cfg.paths).strip()
   if not directory or "," in directory:
     raise ValueError(f"data.paths must be one prepared folder for data.source='shards', got "

@@ -18,10 +18,12 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from attn_jax import paths
+from attn_jax import outputs, paths
+from attn_jax.data import pipeline
 from attn_jax.data.tokenizer import Tokenizer, get_tokenizer
-from attn_jax.eval import harness, mqar, niah, result_tables
-from attn_jax.eval import tasks as tasks_lib
+from attn_jax.eval import harness, mqar, niah, result_tables, tasks as tasks_lib
+from attn_jax.model import abstract_model
+from attn_jax.train.checkpoint import load_for_inference, run_checkpoints
 
 ALIASES = tasks_lib.ALIASES
 GENERATED = tasks_lib.GENERATED
@@ -134,7 +136,6 @@ def run_tasks(logits_fn, config: ml_collections.ConfigDict, tasks: Sequence[str]
     if res.not_available:
       results["niah"]["notes"] = list(res.not_available.values())
   if "mqar" in tasks:
-    from attn_jax.data import pipeline
     if config.data.source != "synthetic" or config.data.synthetic_task != "mqar":
       mcfg = ml_collections.ConfigDict(config.data.to_dict())
       mcfg.update(source="synthetic", synthetic_task="mqar")
@@ -154,7 +155,6 @@ def task_callback(config: ml_collections.ConfigDict):
   model's abstract graph, and the train state's parameters are set at each call, so every
   evaluation after the first reuses its compilations.
   """
-  from attn_jax.model import abstract_model
 
   tasks = parse_tasks(config.eval.tasks)
   if not tasks:
@@ -197,8 +197,6 @@ def evaluate_checkpoint(workdir: str, tasks: str | Sequence[str], *, step: int |
   unwritable `out_dir` is an error at once; a run directory that cannot be written sends the
   results to a fallback folder (named in a warning and in `paths`); a write that fails at the
   end prints the results before its error."""
-  from attn_jax import outputs
-  from attn_jax.train.checkpoint import load_for_inference, run_checkpoints
 
   names = parse_tasks(tasks)
   run_checkpoints(workdir)   # a run directory, before any folder is made in it
@@ -230,8 +228,6 @@ def explain_checkpoint(workdir: str, *, max_examples: int = 3) -> list[str]:
   """A newcomer's summary of an MQAR training run: held-out answer accuracy next to the
   no-lookup baselines, then `mqar.describe_examples` on fresh held-out sequences (the eval split's
   random stream: pairs the model never trained on)."""
-  from attn_jax.data import pipeline
-  from attn_jax.train.checkpoint import load_for_inference
 
   model, config, step = load_for_inference(workdir)
   d = config.data

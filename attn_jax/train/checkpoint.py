@@ -67,7 +67,8 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from attn_jax import outputs, paths
+from attn_jax import outputs, paths, sharding as shd
+from attn_jax.model import abstract_model
 from attn_jax.train import early_signals
 from attn_jax.train.writers import WriteError, describe_disk, disk_full
 
@@ -741,8 +742,6 @@ def _load_step(ckpt: Checkpointer, step: int, devices):
   import ml_collections
   from flax import nnx
 
-  from attn_jax import sharding as shd
-  from attn_jax.model import abstract_model
 
   problem = ckpt.verify(step)
   if problem:

@@ -47,6 +47,9 @@ import ml_collections
 import numpy as np
 
 from attn_jax import paths
+from attn_jax.config import ModelConfig
+from attn_jax.data.tokenizer import get_tokenizer
+from attn_jax.train.checkpoint import Checkpointer, _tuples, load_for_inference
 
 TRAINABLE = ("all", "new", "new+norms")
 COMPUTE_FIELDS = ("dtype", "param_dtype", "remat", "scan_layers", "attention_impl",
@@ -71,7 +74,6 @@ def _ignored_option(name: str) -> bool:
 def _saved_config(path: str, step: int | None) -> tuple[ml_collections.ConfigDict, int]:
   """The config saved with `step` (None: with the newest step whose saved config reads; a
   damaged step is judged when the parameters load, `initial_state`) and that step."""
-  from attn_jax.train.checkpoint import Checkpointer, _tuples
   ckpt = Checkpointer(path, read_only=True)
   try:
     steps = sorted(ckpt.all_steps())
@@ -95,7 +97,6 @@ def _saved_config(path: str, step: int | None) -> tuple[ml_collections.ConfigDic
 
 def architecture(model_cfg) -> dict[str, Any]:
   """The fields of a model config that decide what its parameters compute (flat)."""
-  from attn_jax.config import ModelConfig
   cfg = ModelConfig.from_config(model_cfg) if isinstance(
       model_cfg, ml_collections.ConfigDict) else model_cfg
   out = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
@@ -124,7 +125,6 @@ def _check_architecture(config, saved, path: str) -> None:
 
 def _vocabulary(spec: str) -> tuple[str, dict | None, int]:
   """(how to name it, token -> id table (None: bytes), size)."""
-  from attn_jax.data.tokenizer import get_tokenizer
   tok = get_tokenizer(str(spec))
   table = tok._tok.get_vocab(with_added_tokens=True) if hasattr(tok, "_tok") else None
   return str(spec), table, int(tok.vocab_size)
@@ -258,7 +258,6 @@ def initial_state(config: ml_collections.ConfigDict, setup, fresh: dict) -> dict
     return fresh
   from flax import nnx
 
-  from attn_jax.train.checkpoint import load_for_inference
   # init_step -1: the newest step that verifies and loads (a damaged newest step is skipped
   # with a warning and left in place, as load_for_inference does for the evaluator).
   model, _, step = load_for_inference(src.path, src.step)

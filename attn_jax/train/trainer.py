@@ -73,26 +73,29 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from attn_jax import paths
-from attn_jax import sharding as shd
+from attn_jax import paths, sharding as shd
 from attn_jax.config import ModelConfig, validate
+from attn_jax.data import pipeline, text
 from attn_jax.data.documents import batch_keys
 from attn_jax.model import build_model, count_params
 from attn_jax.options import field_check
-from attn_jax.train import flops as flops_lib
-from attn_jax.train.checkpoint import (Checkpointer, CheckpointMismatchError,
-                                       CheckpointSaveError, PreemptionGuard,
-                                       abstract_with_shardings, check_writable, config_to_json)
+from attn_jax.train import early_signals, flops as flops_lib, init_from, memory
+from attn_jax.train.checkpoint import (
+  Checkpointer,
+  CheckpointMismatchError,
+  CheckpointSaveError,
+  PreemptionGuard,
+  abstract_with_shardings,
+  check_writable,
+  config_to_json,
+)
 from attn_jax.train.metrics import MetricWriter, flatten_metrics, row_steps
+from attn_jax.train.optim import make_optimizer
 from attn_jax.train.profile import StepProfiler
+from attn_jax.train.step import make_eval_step, make_train_step
 from attn_jax.train.wandb_writer import add_wandb, check_installed
 from attn_jax.train.workdir import TB_LOCK, lock_tensorboard, lock_workdir
 from attn_jax.train.writers import WriteError
-from attn_jax.train import early_signals, init_from
-from attn_jax.train import memory
-from attn_jax.train.optim import make_optimizer
-from attn_jax.train.step import make_eval_step, make_train_step
-
 
 BASE_KEYS = ("inputs", "targets", "weights")
 
@@ -177,7 +180,6 @@ def make_heldout_batches(config: ml_collections.ConfigDict, setup: Setup,
                          num_batches: int = 4) -> list[dict]:
   """Held-out batches as global [B, L] arrays with `eval_batch_sharding`; each host reads only
   the rows its devices hold (right on several hosts, not only on one)."""
-  from attn_jax.data import pipeline
   sh = eval_batch_sharding(setup)
   shape = (config.data.global_batch_size, config.data.seq_len)
   rows = shd.host_batch_rows(sh, shape, batch_dim=0)
@@ -342,7 +344,6 @@ def validate_for_training(config: ml_collections.ConfigDict, setup: Setup) -> No
   (Each host's rows come from the batch sharding, `sharding.host_batch_rows`: a host whose
   devices hold a replicated batch reads all of it, so no divisibility by the process count is
   required.)"""
-  from attn_jax.data import pipeline, text
   t = config.train
   need = field_check("config.train")
   need(t.nonfinite in NONFINITE_MODES, "nonfinite", f"{t.nonfinite!r} not in {NONFINITE_MODES}")
@@ -683,7 +684,6 @@ class _Run:
   step t+1 is dispatched before the host waits for step t."""
 
   def __init__(self, config, workdir: str, setup: Setup, geo: BatchGeometry):
-    from attn_jax.data import pipeline
     self.config, self.workdir, self.setup, self.geo = config, workdir, setup, geo
     self.ckpt = Checkpointer(workdir, max_to_keep=config.checkpoint.max_to_keep,
                              allow_unverified=config.checkpoint.get("allow_unverified", False))
