@@ -22,3 +22,15 @@ def write(obj: Any, path: str, *, indent: int | None = 1, sort_keys: bool = Fals
   with open(tmp, "w") as f:
     json.dump(obj, f, indent=indent, sort_keys=sort_keys)
   os.replace(tmp, path)
+
+
+def flatten(tree: dict, sep: str, prefix: str = "") -> dict[str, Any]:
+  """{"a": {"b": x}} -> {"a<sep>b": x}: a nested dict (a config's JSON form, a parameter
+  tree) keyed by its paths."""
+  out = {}
+  for k, v in tree.items():
+    if isinstance(v, dict):
+      out.update(flatten(v, sep, f"{prefix}{k}{sep}"))
+    else:
+      out[f"{prefix}{k}"] = v
+  return out

@@ -160,9 +160,9 @@ def params_of(workdir: str, step=None) -> dict:
   from flax import nnx
 
   from attn_jax.train.checkpoint import load_for_inference
-  from attn_jax.pretrained.variants import flat_paths
+  from attn_jax.jsonio import flatten
   model, _, _ = load_for_inference(workdir, step)
-  params = flat_paths(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+  params = flatten(nnx.to_pure_dict(nnx.state(model, nnx.Param)), "/")
   return {k: np.asarray(v) for k, v in params.items()}
 
 
@@ -322,7 +322,7 @@ def test_trainable_masks_name_the_right_parameters(converted, tmp_path):
   from flax import nnx
 
   from attn_jax.model import abstract_model
-  from attn_jax.pretrained.variants import flat_paths
+  from attn_jax.jsonio import flatten
   from attn_jax.train.init_from import trainable_mask
   run = converted["fox"]["workdir"]
   with open(os.path.join(run, "pretrained.json")) as f:
@@ -330,7 +330,7 @@ def test_trainable_masks_name_the_right_parameters(converted, tmp_path):
   for trainable in ("new", "new+norms"):
     c = finetune_config(run, text_file(tmp_path), trainable=trainable)
     abs_params = nnx.state(abstract_model(c.model), nnx.Param)
-    mask = flat_paths(trainable_mask(c, abs_params))
+    mask = flatten(trainable_mask(c, abs_params), "/")
     on = {p for p, m in mask.items() if m}
     norms = {p for p in mask if p.endswith("norm/scale")}
     assert norms and on == (new | norms if trainable == "new+norms" else new)

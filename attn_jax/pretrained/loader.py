@@ -29,20 +29,10 @@ from flax import nnx
 from attn_jax.config import ModelConfig
 from attn_jax.data.tokenizer import HFTokenizer
 from attn_jax.model import abstract_model
-from attn_jax.pretrained import (
-  checkpoint_tokenizer as tok_lib,
-  gguf as gguf_lib,
-  granite_swa,
-  hf as hf_lib,
-)
-from attn_jax.pretrained.llama import (
-  LlamaSpec,
-  PretrainedError,
-  exportable_problem,
-  model_config,
-  params_from_hf,
-  params_to_hf,
-)
+from attn_jax.pretrained import (checkpoint_tokenizer as tok_lib, gguf as gguf_lib, granite_swa,
+                                 hf as hf_lib)
+from attn_jax.pretrained.llama import (LlamaSpec, PretrainedError, exportable_problem, model_config,
+                                       params_from_hf, params_to_hf)
 from attn_jax.pretrained.packaged import resolve
 
 

@@ -62,6 +62,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from attn_jax import jsonio
 from attn_jax.config import ModelConfig
 from attn_jax.model import abstract_model, build_model
 from attn_jax.pretrained.llama import PretrainedError, exportable_problem
@@ -119,17 +120,6 @@ def variant_config(cfg: ModelConfig, variant: str, init: VariantInit) -> ModelCo
                                                forget_bias_init=float(init.fox_bias))
 
 
-def flat_paths(tree: dict, prefix: str = "") -> dict[str, Any]:
-  """{"a": {"b": x}} -> {"a/b": x}: a nested parameter dict keyed by its slash paths."""
-  out = {}
-  for k, v in tree.items():
-    if isinstance(v, dict):
-      out.update(flat_paths(v, f"{prefix}{k}/"))
-    else:
-      out[f"{prefix}{k}"] = v
-  return out
-
-
 def _unflat(flat: dict[str, Any]) -> dict:
   out: dict = {}
   for path, v in flat.items():
@@ -158,9 +148,9 @@ def variant_params(plain: dict, cfg: ModelConfig, var_cfg: ModelConfig, variant:
   every array of the plain import copied (K/V heads repeated where the variant has one key
   head per query head), the new ones at the variant's random init (`seed`) or the identity
   value of `_IDENTITY`."""
-  fresh = flat_paths(jax.tree.map(np.asarray, nnx.to_pure_dict(
-      nnx.state(build_model(var_cfg, seed=seed), nnx.Param))))
-  have = flat_paths(jax.tree.map(np.asarray, plain))
+  fresh = jsonio.flatten(jax.tree.map(np.asarray, nnx.to_pure_dict(
+      nnx.state(build_model(var_cfg, seed=seed), nnx.Param))), "/")
+  have = jsonio.flatten(jax.tree.map(np.asarray, plain), "/")
   group = cfg.n_heads // cfg.kv_heads
   out, record = {}, {"from_checkpoint": [], "expanded": {}, "new": {}}
   for path, arr in fresh.items():

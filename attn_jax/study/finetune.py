@@ -38,7 +38,7 @@ import numpy as np
 
 from attn_jax import jsonio
 from attn_jax.pretrained.convert import convert
-from attn_jax.pretrained.variants import VariantInit, flat_paths
+from attn_jax.pretrained.variants import VariantInit
 from attn_jax.streaming import StreamPolicy, score_stream
 from attn_jax.study.lm import heldout_stream
 from attn_jax.study.matching import set_override
@@ -204,7 +204,7 @@ def new_param_values(run_dir: str, new: list[str]) -> dict[str, dict]:
   from flax import nnx
 
   model, _, _ = load_for_inference(run_dir)
-  flat = flat_paths(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+  flat = jsonio.flatten(nnx.to_pure_dict(nnx.state(model, nnx.Param)), "/")
   return {p: {"mean": float(np.mean(flat[p])), "absmax": float(np.abs(flat[p]).max())}
           for p in new if p in flat}
 

@@ -73,22 +73,16 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from attn_jax import paths, sharding as shd
+from attn_jax import jsonio, paths, sharding as shd
 from attn_jax.config import ModelConfig, validate
 from attn_jax.data import pipeline, text
 from attn_jax.data.documents import batch_keys
 from attn_jax.model import build_model, count_params
 from attn_jax.options import field_check
 from attn_jax.train import early_signals, flops as flops_lib, init_from, memory
-from attn_jax.train.checkpoint import (
-  Checkpointer,
-  CheckpointMismatchError,
-  CheckpointSaveError,
-  PreemptionGuard,
-  abstract_with_shardings,
-  check_writable,
-  config_to_json,
-)
+from attn_jax.train.checkpoint import (Checkpointer, CheckpointMismatchError, CheckpointSaveError,
+                                       PreemptionGuard, abstract_with_shardings, check_writable,
+                                       config_to_json)
 from attn_jax.train.metrics import MetricWriter, flatten_metrics, row_steps
 from attn_jax.train.optim import make_optimizer
 from attn_jax.train.profile import StepProfiler
@@ -529,19 +523,9 @@ def _log_setup(setup: Setup) -> None:
                f"{n['non_embedding']:,}", f"{n['mixer']:,}", f"{n['mlp']:,}")
 
 
-def _flat_config(tree: dict, prefix: str = "") -> dict[str, Any]:
-  out = {}
-  for k, v in tree.items():
-    if isinstance(v, dict):
-      out.update(_flat_config(v, f"{prefix}{k}."))
-    else:
-      out[f"{prefix}{k}"] = v
-  return out
-
-
 def config_changes(saved: dict, now: dict) -> list[str]:
   """"field: saved -> now" for every config field that differs (JSON forms of two configs)."""
-  a, b = _flat_config(saved), _flat_config(now)
+  a, b = jsonio.flatten(saved, "."), jsonio.flatten(now, ".")
   return [f"config.{k}: {a.get(k, '(absent)')!r} -> {b.get(k, '(absent)')!r}"
           for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)]
 
