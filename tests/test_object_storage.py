@@ -297,11 +297,11 @@ def test_a_gs_run_holds_its_tensorboard_events_and_metrics(gcs, reference):
 def test_history_rotation_and_init_from_work_on_gs(gcs, reference, config_file, caplog):
   """A run from step 0 in a gs:// workdir holding an earlier run's metrics and events moves
   them aside (metrics.jsonl.1, tb.1/), nothing deleted; init_from takes a gs:// run."""
-  from attn_jax.train import init_from, trainer as trainer_lib
+  from attn_jax.train import init_from, trainer as trainer_lib, workdir as workdir_lib
   run = f"gs://{BUCKET}/rotated"
   paths.run_path(f"{run}/metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
   paths.run_path(f"{run}/tb/events.out.tfevents.1.host.1").write_bytes(b"events")
-  moved = trainer_lib.rotate_history(run, f"{run}/checkpoints")
+  moved = workdir_lib.rotate_history(run, f"{run}/checkpoints")
   assert moved == {f"{run}/metrics.jsonl": f"{run}/metrics.jsonl.1",
                    f"{run}/tb/events.out.tfevents.1.host.1":
                        f"{run}/tb.1/events.out.tfevents.1.host.1"}

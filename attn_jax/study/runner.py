@@ -49,7 +49,8 @@ from attn_jax.provenance import source_commit
 from attn_jax.study import matching, sinks, throughput
 from attn_jax.study.lm import lm_callback
 from attn_jax.study.needle import needle_callback
-from attn_jax.train.trainer import config_changes, train_and_evaluate
+from attn_jax.train.resume import config_changes
+from attn_jax.train.trainer import train_and_evaluate
 
 RESULTS = "results.json"
 RUN_SUMMARY = "study_run.json"

@@ -7,7 +7,9 @@ Order of work (abstract first, nothing materialised unsharded), as `train_and_ev
   included), before any file is written -> the workdir's locks (`_locked`) -> `_fit_memory`
   (the batch geometry whose compiled step fits the device; the run's config is rewritten to
   it) -> `_Run` (checkpointer, data iterator) -> restore from the latest checkpoint (state,
-  data position, loss monitor) or jitted init (out_shardings) -> `compile_step` for that
+  data position, loss monitor; `resume.py`, `loss_monitor.py`) or jitted init (out_shardings;
+  a fresh start moves an earlier run's history aside, `workdir.rotate_history`) ->
+  `compile_step` for that
   geometry (explicit in/out shardings, state donated; memory analysis logged) -> loop ->
   `_Run.on_exit` (last row, data rewind, final save) -> final evaluation.
 
@@ -73,22 +75,23 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from attn_jax import jsonio, paths, sharding as shd
+from attn_jax import paths, sharding as shd
 from attn_jax.config import ModelConfig, validate
 from attn_jax.data import pipeline, text
 from attn_jax.data.documents import batch_keys
 from attn_jax.model import build_model, count_params
 from attn_jax.options import field_check
-from attn_jax.train import early_signals, flops as flops_lib, init_from, memory
-from attn_jax.train.checkpoint import (Checkpointer, CheckpointMismatchError, CheckpointSaveError,
-                                       PreemptionGuard, abstract_with_shardings, check_writable,
-                                       config_to_json)
-from attn_jax.train.metrics import MetricWriter, flatten_metrics, row_steps
+from attn_jax.train import (early_signals, flops as flops_lib, init_from, memory, resume,
+                            workdir as workdir_lib)
+from attn_jax.train.checkpoint import (Checkpointer, CheckpointSaveError, PreemptionGuard,
+                                       abstract_with_shardings, check_writable, config_to_json)
+from attn_jax.train.loss_monitor import NONFINITE_MODES, LossMonitor, NonFiniteTrainingError
+from attn_jax.train.metrics import MetricWriter, flatten_metrics
 from attn_jax.train.optim import make_optimizer
 from attn_jax.train.profile import StepProfiler
 from attn_jax.train.step import make_eval_step, make_train_step
 from attn_jax.train.wandb_writer import add_wandb, check_installed
-from attn_jax.train.workdir import TB_LOCK, lock_tensorboard, lock_workdir
+from attn_jax.train.workdir import lock_tensorboard, lock_workdir
 from attn_jax.train.writers import WriteError
 
 BASE_KEYS = ("inputs", "targets", "weights")
@@ -221,7 +224,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
 
   One run per workdir: a second run on the same workdir (or writing the same TensorBoard
   folder) stops at once (WorkdirLockedError naming the holder's pid). A run that starts at step
-  0 in a workdir holding an earlier run's metrics moves them aside first (`rotate_history`).
+  0 in a workdir holding an earlier run's metrics moves them aside first (`workdir.rotate_history`).
   SIGTERM/SIGINT/SIGHUP stop at a step boundary with a checkpoint; the result then has
   `preempted` (the signal's name). A signal before the first step stops the run there: the
   result has `preempted`, `before_training` and `step` (the restored step, 0 for a new run).
@@ -324,13 +327,6 @@ def _stop_if_signalled(guard: PreemptionGuard, step: int) -> None:
     raise StoppedBeforeTraining(guard.signal_name or "signal", step)
 
 
-class NonFiniteTrainingError(FloatingPointError):
-  """Training stopped at a step whose loss, gradient or update was not finite."""
-
-
-NONFINITE_MODES = ("skip", "halt")
-
-
 def validate_for_training(config: ml_collections.ConfigDict, setup: Setup) -> None:
   """What a training run checks beyond `config.validate` (which `build_setup` ran): the
   non-finite and spike options, the vocabulary against the data's, and the global batch against
@@ -357,59 +353,6 @@ def validate_for_training(config: ml_collections.ConfigDict, setup: Setup) -> No
   if gbs % shards:
     raise ValueError(f"config.data.global_batch_size={gbs} is not divisible by the "
                      f"{shards} batch shards of the mesh {dict(setup.mesh.shape)}")
-
-
-class LossMonitor:
-  """Host-side watch over every step's loss: non-finite steps and loss spikes.
-
-  A spike is a finite loss above mean + k * max(std, 1e-3 * |mean|) of the previous `window`
-  finite losses (k = `threshold`), once the window holds at least max(2, window // 4) of them;
-  the floor on the std keeps a flat loss curve from flagging rounding noise. Every finite loss
-  enters the window (a lasting level shift stops being flagged once the window has seen it).
-  `state()` / `load()` carry the counters and window through a checkpoint's meta.
-  """
-
-  def __init__(self, window: int, threshold: float):
-    self.window, self.threshold = int(window), float(threshold)
-    self.losses: list[float] = []
-    self.nonfinite_steps = 0
-    self.loss_spikes = 0
-    self.consecutive_nonfinite = 0
-    self.last_finite_step: int | None = None
-
-  def update(self, step: int, loss: float, nonfinite: bool) -> bool:
-    """Records a step; returns whether its loss is a spike."""
-    if nonfinite:
-      self.nonfinite_steps += 1
-      self.consecutive_nonfinite += 1
-      return False
-    self.consecutive_nonfinite = 0
-    self.last_finite_step = step
-    if not self.window:
-      return False
-    spike = False
-    if len(self.losses) >= max(2, self.window // 4):
-      hist = np.asarray(self.losses, np.float64)
-      mean = float(hist.mean())
-      std = max(float(hist.std()), 1e-3 * abs(mean))
-      spike = loss > mean + self.threshold * std
-    self.losses = (self.losses + [float(loss)])[-self.window:]
-    self.loss_spikes += int(spike)
-    return spike
-
-  def state(self) -> dict:
-    return {"losses": list(self.losses), "nonfinite_steps": self.nonfinite_steps,
-            "loss_spikes": self.loss_spikes, "consecutive_nonfinite": self.consecutive_nonfinite,
-            "last_finite_step": self.last_finite_step}
-
-  def load(self, state: dict | None) -> None:
-    if not state:
-      return
-    self.losses = [float(x) for x in state.get("losses", [])][-self.window:] if self.window else []
-    self.nonfinite_steps = int(state.get("nonfinite_steps", 0))
-    self.loss_spikes = int(state.get("loss_spikes", 0))
-    self.consecutive_nonfinite = int(state.get("consecutive_nonfinite", 0))
-    self.last_finite_step = state.get("last_finite_step")
 
 
 def compile_step(setup: Setup, batch: dict, compiler_options: dict | None = None):
@@ -523,88 +466,9 @@ def _log_setup(setup: Setup) -> None:
                f"{n['non_embedding']:,}", f"{n['mixer']:,}", f"{n['mlp']:,}")
 
 
-def config_changes(saved: dict, now: dict) -> list[str]:
-  """"field: saved -> now" for every config field that differs (JSON forms of two configs)."""
-  a, b = jsonio.flatten(saved, "."), jsonio.flatten(now, ".")
-  return [f"config.{k}: {a.get(k, '(absent)')!r} -> {b.get(k, '(absent)')!r}"
-          for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)]
-
-
-_SCHEDULE_FIELDS = ("config.train.steps", "config.optim.lr", "config.optim.warmup_steps",
-                    "config.optim.min_lr_ratio")
-
-
-def _restore(ckpt: Checkpointer, setup: Setup, data_it, config):
-  """The latest usable checkpoint (or None); a state that does not match this config's model is
-  an error naming the differing arrays and config fields, with every checkpoint left as it was.
-  On any error the checkpointer is closed before it propagates (no orbax work left at exit)."""
-  try:
-    return _restore_or_explain(ckpt, setup, data_it, config)
-  except BaseException:
-    try:
-      ckpt.close()
-    except Exception as e:  # the restore error is the one that matters
-      logging.error("closing the checkpointer after a failed restore: %s", e)
-    raise
-
-
-def _restore_or_explain(ckpt: Checkpointer, setup: Setup, data_it, config):
-  try:
-    return ckpt.restore(setup.abstract_state, data_it)
-  except CheckpointMismatchError as e:
-    raise _explained(ckpt, e, config) from None
-
-
-def _explained(ckpt: Checkpointer, e: CheckpointMismatchError, config) -> BaseException:
-  """`e` with the config fields that differ from the checkpoint's saved config named."""
-  try:
-    saved = ckpt.restore_meta(e.step).get("config", {})
-    changes = config_changes(saved, config_to_json(config))
-  except Exception:  # the saved config is unreadable: the arrays alone must do
-    changes = []
-  if not changes:
-    return e
-  return CheckpointMismatchError(
-      f"checkpoint step {e.step} in {ckpt.directory} was saved with another config: "
-      f"{', '.join(changes[:8])}. Nothing was moved or changed: resume with the saved config, "
-      f"or use another --workdir for the new one. Stored vs requested arrays: "
-      f"{'; '.join(e.differences)}", step=e.step, differences=e.differences)
-
-
-def check_resumable(workdir: str, setup: Setup, config) -> None:
-  """Before anything is compiled: the newest checkpoint's stored arrays (orbax's metadata, no
-  array read) against the state this config builds; CheckpointMismatchError naming the changed
-  config fields. A step whose metadata cannot be read is left to the restore, which judges
-  corruption. Opened read-only: nothing is cleaned or moved here."""
-  if not (paths.run_path(workdir) / "checkpoints").is_dir():
-    return
-  ckpt = Checkpointer(workdir, read_only=True)
-  try:
-    step = ckpt.latest_step()
-    if step is not None:
-      ckpt.check_matches(step, setup.abstract_state)
-  except CheckpointMismatchError as e:
-    raise _explained(ckpt, e, config) from None
-  finally:
-    ckpt.close()
-
-
-def _warn_config_changes(saved: dict, now: dict, step: int) -> None:
-  """Resuming with a changed config is allowed (e.g. more steps) but never silent."""
-  changes = config_changes(saved, now) if saved else []
-  if not changes:
-    return
-  logging.warning("resuming at step %d with a config that differs from the checkpoint's: %s",
-                  step, "; ".join(changes[:12]))
-  if any(c.split(":")[0] in _SCHEDULE_FIELDS for c in changes):
-    logging.warning("the learning-rate schedule (warm-up + cosine over config.train.steps) "
-                    "changed with it: from step %d on the run follows the new schedule, not "
-                    "the one it started with", step)
-
-
 def _train_and_evaluate(config, workdir, eval_callbacks, setup: Setup,
                         guard: PreemptionGuard) -> dict[str, Any]:
-  check_resumable(workdir, setup, config)     # a changed model config: stop before compiling
+  resume.check_resumable(workdir, setup, config)   # a changed model config: stop before compiling
   say_data_source(config, int(setup.n_params["total"]))   # the run's first line (a refused
                                                           # run logs nothing before its error)
   with early_signals.abandonable():
@@ -689,7 +553,7 @@ class _Run:
 
   def restore(self) -> None:
     """The latest checkpoint's state, data position and loss monitor, or a fresh state."""
-    state = _restore(self.ckpt, self.setup, self.data_it, self.config)
+    state = resume.restore(self.ckpt, self.setup, self.data_it, self.config)
     if state is None:
       # a fresh init, or config.train.init_from's parameters with a fresh optimizer state
       state = init_from.initial_state(self.config, self.setup, self.setup.init_fn())
@@ -698,7 +562,7 @@ class _Run:
       self.start = int(state["step"])
       meta = self.ckpt.restore_meta(self.ckpt.restored_step)
       self.monitor.load(meta.get("monitor"))
-      _warn_config_changes(meta.get("config", {}), config_to_json(self.config), self.start)
+      resume.warn_config_changes(meta.get("config", {}), config_to_json(self.config), self.start)
       logging.info("resumed from %s at step %d", self.ckpt.directory, self.start)
     if self.monitor.last_finite_step is None:
       self.monitor.last_finite_step = self.start
@@ -710,7 +574,7 @@ class _Run:
     the evaluator and the progress bar."""
     c, n = self.config, self.setup.n_params
     if self.start == 0 and jax.process_index() == 0:
-      rotate_history(self.workdir, self.ckpt.directory)
+      workdir_lib.rotate_history(self.workdir, self.ckpt.directory)
     self.writer = MetricWriter(self.workdir)
     if self.start:
       self.writer.truncate_after(self.start)
@@ -930,61 +794,6 @@ class _Run:
       self.evaluate(step)
     self.writer.close()
     return dict(self.last, workdir=self.workdir, checkpoint_dir=self.ckpt.directory)
-
-
-HISTORY = ("metrics.jsonl", "tb")
-
-
-def _history_entries(workdir: str) -> dict[str, list[str]]:
-  """{"metrics.jsonl": [it], "tb": [its event files...]} for the non-empty ones."""
-  out = {}
-  metrics = paths.run_path(workdir) / "metrics.jsonl"
-  if metrics.is_file() and metrics.stat().length > 0:
-    out["metrics.jsonl"] = [paths.name(metrics)]
-  tb = paths.run_path(workdir) / "tb"
-  if tb.is_dir():
-    names = sorted(p.name for p in tb.iterdir() if p.name != TB_LOCK)
-    if names:
-      out["tb"] = [paths.name(tb / n) for n in names]
-  return out
-
-
-def rotate_history(workdir: str, checkpoint_dir: str = "") -> dict[str, str]:
-  """Before a run starts at step 0 in `workdir`: an earlier run's metrics.jsonl and TensorBoard
-  events (its checkpoints are gone or were set aside as corrupt) are moved to metrics.jsonl.<k>
-  and tb.<k>/ (k: the first number free for both), with a warning saying so; nothing is
-  deleted. (The TensorBoard folder stays where it is with its lock; its files move.) Returns
-  {old path: new path}."""
-  found = _history_entries(workdir)
-  if not found:
-    return {}
-  home = paths.run_path(workdir)
-  k = 1
-  while any((home / f"{n}.{k}").exists() for n in HISTORY):
-    k += 1
-  moved = {}
-  if "metrics.jsonl" in found:
-    steps = [s for _, _, s in row_steps(found["metrics.jsonl"][0]) if s is not None]
-    rows = (f"{len(steps)} metric rows" + (f", steps {min(steps)}-{max(steps)}" if steps
-                                            else ""))
-    moved[found["metrics.jsonl"][0]] = paths.name(home / f"metrics.jsonl.{k}")
-  else:
-    rows = "TensorBoard events"
-  if "tb" in found:
-    target = home / f"tb.{k}"
-    target.mkdir(parents=True)
-    moved.update({p: paths.name(target / paths.run_path(p).name) for p in found["tb"]})
-  for old, new in moved.items():
-    paths.move(old, new)
-  ckpts = paths.run_path(checkpoint_dir) if checkpoint_dir else None
-  corrupt = sorted(p.name for p in (ckpts.iterdir() if ckpts and ckpts.is_dir() else ())
-                   if ".corrupt" in p.name)
-  why = (f"its checkpoints were set aside as corrupt ({', '.join(corrupt)})" if corrupt
-         else "it left no checkpoint to resume from")
-  logging.warning("starting at step 0 in %s, which holds an earlier run's history (%s; %s): "
-                  "moved it aside to %s, nothing was deleted", workdir, rows, why,
-                  " and ".join(sorted({paths.name(home / f"{n}.{k}") for n in found})))
-  return moved
 
 
 def _attempt(error: BaseException | None, what: str, fn: Callable[[], Any]) -> None:

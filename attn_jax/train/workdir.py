@@ -44,6 +44,7 @@ import time
 import uuid
 
 from attn_jax import paths
+from attn_jax.train.metrics import row_steps
 
 
 class WorkdirLockedError(RuntimeError):
@@ -308,3 +309,60 @@ def check_tensorboard_link(workdir: str) -> None:
         f"run ({owner} holds {', '.join(found)}): this run would mix its curves into that "
         "run's and could move that run's events into its own history. Remove the link (the "
         "run then makes its own tb/), or point it at a folder of its own")
+
+
+# ------------------------------------------------------------------ history rotation
+
+HISTORY = ("metrics.jsonl", "tb")
+
+
+def _history_entries(workdir: str) -> dict[str, list[str]]:
+  """{"metrics.jsonl": [it], "tb": [its event files...]} for the non-empty ones."""
+  out = {}
+  metrics = paths.run_path(workdir) / "metrics.jsonl"
+  if metrics.is_file() and metrics.stat().length > 0:
+    out["metrics.jsonl"] = [paths.name(metrics)]
+  tb = paths.run_path(workdir) / "tb"
+  if tb.is_dir():
+    names = sorted(p.name for p in tb.iterdir() if p.name != TB_LOCK)
+    if names:
+      out["tb"] = [paths.name(tb / n) for n in names]
+  return out
+
+
+def rotate_history(workdir: str, checkpoint_dir: str = "") -> dict[str, str]:
+  """Before a run starts at step 0 in `workdir`: an earlier run's metrics.jsonl and TensorBoard
+  events (its checkpoints are gone or were set aside as corrupt) are moved to metrics.jsonl.<k>
+  and tb.<k>/ (k: the first number free for both), with a warning saying so; nothing is
+  deleted. (The TensorBoard folder stays where it is with its lock; its files move.) Returns
+  {old path: new path}."""
+  found = _history_entries(workdir)
+  if not found:
+    return {}
+  home = paths.run_path(workdir)
+  k = 1
+  while any((home / f"{n}.{k}").exists() for n in HISTORY):
+    k += 1
+  moved = {}
+  if "metrics.jsonl" in found:
+    steps = [s for _, _, s in row_steps(found["metrics.jsonl"][0]) if s is not None]
+    rows = (f"{len(steps)} metric rows" + (f", steps {min(steps)}-{max(steps)}" if steps
+                                            else ""))
+    moved[found["metrics.jsonl"][0]] = paths.name(home / f"metrics.jsonl.{k}")
+  else:
+    rows = "TensorBoard events"
+  if "tb" in found:
+    target = home / f"tb.{k}"
+    target.mkdir(parents=True)
+    moved.update({p: paths.name(target / paths.run_path(p).name) for p in found["tb"]})
+  for old, new in moved.items():
+    paths.move(old, new)
+  ckpts = paths.run_path(checkpoint_dir) if checkpoint_dir else None
+  corrupt = sorted(p.name for p in (ckpts.iterdir() if ckpts and ckpts.is_dir() else ())
+                   if ".corrupt" in p.name)
+  why = (f"its checkpoints were set aside as corrupt ({', '.join(corrupt)})" if corrupt
+         else "it left no checkpoint to resume from")
+  logging.warning("starting at step 0 in %s, which holds an earlier run's history (%s; %s): "
+                  "moved it aside to %s, nothing was deleted", workdir, rows, why,
+                  " and ".join(sorted({paths.name(home / f"{n}.{k}") for n in found})))
+  return moved
