@@ -12,7 +12,7 @@ always the machine that traces it: compiling for a TPU slice or 8 x H100 from a 
   2. the process's default backend (eager use in a notebook: the program runs where it is
      traced).
 
-It is read at trace time. A program built for a mesh (`trainer.Setup.step_fn`) enters its
+It is read at trace time. A program built for a mesh (`setup.Setup.step_fn`) enters its
 mesh's platform inside its own trace, so it compiles that target's kernels wherever and
 however it is lowered. Only this module and the kernel that lowers for two compilers
 (`kernels/decayed.py`: Triton on a GPU, Mosaic on a TPU) read `target()`; mixers ask the

@@ -43,7 +43,7 @@ def _config(pattern, n_layers):
 def compile_seconds(pattern: tuple[str, ...], n_layers: int) -> float:
   import jax
 
-  from attn_jax.train.trainer import abstract_batch, build_setup, compile_step
+  from attn_jax.train.setup import abstract_batch, build_setup, compile_step
 
   setup = build_setup(_config(pattern, n_layers), devices=jax.devices()[:1])
   batch = abstract_batch(setup, 1, 8, 64)

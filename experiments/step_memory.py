@@ -2,9 +2,9 @@
 
   python experiments/step_memory.py --config=transformer_152m --batch=32 --seq_len=2048
 
-Builds the trainer's step (`attn_jax.train.trainer.build_setup`), compiles it as the trainer
+Builds the trainer's step (`attn_jax.train.setup.build_setup`), compiles it as the trainer
 does on the abstract train state and an abstract [1, batch, seq_len] batch
-(`trainer.step_memory`) and prints XLA's
+(`setup.step_memory`) and prints XLA's
 `memory_analysis()` (arguments, outputs, donated, temporaries, code) and the fit verdict of
 `attn_jax.train.memory.check_fit` on this machine's first device. Run it on two checkouts
 (PYTHONPATH=...) to compare, e.g., the plain and the blockwise cross-entropy.
@@ -30,7 +30,7 @@ _REMAT = flags.DEFINE_string("remat", "", "Override model.remat.")
 def main(argv):
   del argv
   from attn_jax.train import memory
-  from attn_jax.train.trainer import build_setup, step_memory
+  from attn_jax.train.setup import build_setup, step_memory
 
   config = importlib.import_module(f"configs.{_CONFIG.value}").get_config()
   config.data.global_batch_size = _BATCH.value

@@ -110,6 +110,7 @@ distributed.initialize()
 import jax
 import numpy as np
 from attn_jax.train import trainer
+from attn_jax.train import setup as setup_lib
 from configs import quickstart
 
 spec = json.loads(sys.argv[1])
@@ -125,13 +126,13 @@ if spec.get("tensor_across_hosts"):     # tensor x data, "tensor" first: it span
   c.mesh.axis_names = ("tensor", "data", "fsdp")
 if spec.get("sigterm", {}).get("process") == jax.process_index():
   import signal, threading              # this process alone is told to stop during a step
-  real_next, calls = trainer._next_batch, [0]
+  real_next, calls = setup_lib.next_batch, [0]
   def next_batch(*a, **k):
     calls[0] += 1
     if calls[0] == spec["sigterm"]["step"]:   # to the main thread: handled before it returns
       signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)
     return real_next(*a, **k)
-  trainer._next_batch = next_batch
+  setup_lib.next_batch = next_batch
 res = trainer.train_and_evaluate(c, spec["workdir"])
 out = {"process": jax.process_index(), "count": jax.process_count(),
        "devices": jax.device_count(), "eval_loss": res.get("eval/loss"),
@@ -139,7 +140,7 @@ out = {"process": jax.process_index(), "count": jax.process_count(),
 if spec.get("restore"):                 # one process: restore both runs' final checkpoints
   from attn_jax.train.checkpoint import Checkpointer, load_for_inference
   from flax import nnx
-  setup = trainer.build_setup(c)
+  setup = setup_lib.build_setup(c)
   flat = {}
   for name in ("one", "pair"):
     ck = Checkpointer(spec[name])

@@ -31,7 +31,7 @@ import pytest
 
 from attn_jax import config as config_lib
 from attn_jax.train import checkpoint as ckpt_lib
-from attn_jax.train import trainer as trainer_lib
+from attn_jax.train import setup as setup_lib, trainer as trainer_lib
 from attn_jax.train.checkpoint import Checkpointer, PreemptionGuard
 from attn_jax.train.metrics import read_metrics
 from tests.signal_setup import deliver
@@ -128,7 +128,7 @@ def test_sighup_stops_at_a_step_boundary_and_the_rerun_is_identical(trained, tmp
     raise RuntimeError("SIGHUP reached the process: the run would have died")
 
   previous = signal.signal(signal.SIGHUP, not_intercepted)
-  real_next = trainer_lib._next_batch
+  real_next = setup_lib.next_batch
   calls = {"n": 0}
 
   def hangup_at_step_3(*a, **k):
@@ -138,14 +138,14 @@ def test_sighup_stops_at_a_step_boundary_and_the_rerun_is_identical(trained, tmp
     return real_next(*a, **k)
 
   try:
-    monkeypatch.setattr(trainer_lib, "_next_batch", hangup_at_step_3)
+    monkeypatch.setattr(setup_lib, "next_batch", hangup_at_step_3)
     out = trainer_lib.train_and_evaluate(run_config(), str(tmp_path))
     assert out["preempted"] == "SIGHUP" and out["step"] == 3
     assert signal.getsignal(signal.SIGHUP) is not_intercepted   # put back afterwards
   finally:
     signal.signal(signal.SIGHUP, previous)
   assert Checkpointer(str(tmp_path)).latest_step() == 3
-  monkeypatch.setattr(trainer_lib, "_next_batch", real_next)
+  monkeypatch.setattr(setup_lib, "next_batch", real_next)
   trainer_lib.train_and_evaluate(run_config(), str(tmp_path))
   assert losses(tmp_path) == trained[1]
 

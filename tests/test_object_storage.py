@@ -101,12 +101,12 @@ def _config(config_file):
 
 
 def _arrays(workdir, config, step):
-  from attn_jax.train import trainer as trainer_lib
+  from attn_jax.train import setup as setup_lib
   from attn_jax.train.checkpoint import Checkpointer
   import jax
   ckpt = Checkpointer(workdir, read_only=True)
   try:
-    state = ckpt.restore(trainer_lib.build_setup(config).abstract_state, step=step)
+    state = ckpt.restore(setup_lib.build_setup(config).abstract_state, step=step)
   finally:
     ckpt.close()
   return [np.asarray(x) for x in jax.tree.leaves(state)]
@@ -297,7 +297,7 @@ def test_a_gs_run_holds_its_tensorboard_events_and_metrics(gcs, reference):
 def test_history_rotation_and_init_from_work_on_gs(gcs, reference, config_file, caplog):
   """A run from step 0 in a gs:// workdir holding an earlier run's metrics and events moves
   them aside (metrics.jsonl.1, tb.1/), nothing deleted; init_from takes a gs:// run."""
-  from attn_jax.train import init_from, trainer as trainer_lib, workdir as workdir_lib
+  from attn_jax.train import init_from, workdir as workdir_lib
   run = f"gs://{BUCKET}/rotated"
   paths.run_path(f"{run}/metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
   paths.run_path(f"{run}/tb/events.out.tfevents.1.host.1").write_bytes(b"events")

@@ -13,7 +13,7 @@ from flax import nnx
 
 from attn_jax.data import pipeline, text
 from attn_jax.data.tokenizer import ByteTokenizer
-from attn_jax.train import trainer as trainer_lib
+from attn_jax.train import setup as setup_lib, trainer as trainer_lib
 from attn_jax.train.step import make_loss_fn
 from tests.test_train import PARAM_ATOL, losses, run_interrupted, tiny_config
 from tests.test_trunk import TOL, _cfg, _close, _model
@@ -89,9 +89,9 @@ def text_config(tmp_path, steps=6):
 
 def _two_steps(c, devices):
   """Two train steps on the first batch, assembled as the trainer does (`_next_batch`)."""
-  setup = trainer_lib.build_setup(c, devices=devices)
+  setup = setup_lib.build_setup(c, devices=devices)
   it = pipeline.make_train_iterator(c.data, seed=0)
-  b = trainer_lib._next_batch(it, 1, setup.batch_sharding, (1, 8, c.data.seq_len),
+  b = setup_lib.next_batch(it, 1, setup.batch_sharding, (1, 8, c.data.seq_len),
                               setup.batch_keys)
   assert set(b) == {"inputs", "targets", "weights", "segment_ids", "positions"}
   assert int(b["segment_ids"].max()) >= 3               # several documents per row

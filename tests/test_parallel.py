@@ -22,7 +22,7 @@ from flax import nnx
 from attn_jax import sharding as shd
 from attn_jax.model import abstract_model
 from attn_jax.registry import available_mixers
-from attn_jax.train import trainer as trainer_lib
+from attn_jax.train import setup as setup_lib
 from tests.test_train import PARAM_ATOL, _batch, tiny_config
 from tests.test_trunk import set_tiny
 
@@ -53,7 +53,7 @@ def two_steps(mixer, mesh_name):
   shape = MESHES.get(mesh_name, (1, 1, 1))
   c = config(mixer, shape)
   devices = jax.devices()[:1] if mesh_name is None else jax.devices()
-  setup = trainer_lib.build_setup(c, devices=devices)
+  setup = setup_lib.build_setup(c, devices=devices)
   batch = {k: jax.device_put(v, setup.batch_sharding) for k, v in _batch(c).items()}
   state = setup.init_fn()
   state, m1 = setup.step_fn(state, batch)
@@ -150,4 +150,4 @@ def test_heads_that_do_not_divide_the_tensor_axis_are_a_clear_error():
   c.model.hybrid_heads.ssm_heads = 4
   with pytest.raises(ValueError, match=r"mixer/ssm/.*'heads' of size 4 is not divisible by "
                      r"mesh axes \('tensor',\) \(size 8\)"):
-    trainer_lib.build_setup(c)
+    setup_lib.build_setup(c)

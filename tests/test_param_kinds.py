@@ -1,7 +1,7 @@
 """Weight decay by parameter kind, through the trainer's optimizer, for every registered mixer.
 
 Each mixer (iterated from the registry, so a new one is covered without editing this file) is
-built in a small model by `trainer.build_setup`; every parameter is set to 1 and the optimizer
+built in a small model by `setup.build_setup`; every parameter is set to 1 and the optimizer
 applies one update with zero gradients. Adam's part of that update is 0 (first and second
 moments 0), so a parameter moves iff `add_decayed_weights` decays it. The decayed set is then
 checked against names the reference recipes exempt (biases, norm scales, A_log, D, dt_bias,
@@ -17,7 +17,7 @@ from flax import nnx
 from attn_jax import registry
 from attn_jax.layers import param
 from attn_jax.train.optim import param_groups
-from attn_jax.train.trainer import build_setup
+from attn_jax.train.setup import build_setup
 from configs import quickstart
 
 NOT_DECAYED = {"bias", "dt_bias", "A_log", "D", "scale", "lambda_raw", "norm_scale", "b_bias",

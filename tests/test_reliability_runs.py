@@ -27,7 +27,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from attn_jax.train import checkpoint as ckpt_lib
-from attn_jax.train import trainer as trainer_lib
+from attn_jax.train import setup as setup_lib, trainer as trainer_lib
 from attn_jax.train.checkpoint import Checkpointer
 from attn_jax.train.workdir import WorkdirLockedError, lock_tensorboard
 from tests.test_faults import run_config, tmpfs
@@ -52,7 +52,7 @@ def copy_run(reference, tmp_path):
 
 
 def final_state(workdir, step=4):
-  setup = trainer_lib.build_setup(run_config())
+  setup = setup_lib.build_setup(run_config())
   ckpt = Checkpointer(str(workdir))
   try:
     return jax.device_get(ckpt.restore(setup.abstract_state, step=step))
@@ -324,7 +324,7 @@ def test_a_step_without_a_manifest_is_refused_unless_allowed_then_said_unverifie
   resuming run refuse the step (nothing moved, no older step in its place), naming the switch;
   allowed, the load says plainly that it is unverified (no "older version" excuse)."""
   d = copy_run(reference, tmp_path)
-  abstract_state = trainer_lib.build_setup(run_config()).abstract_state
+  abstract_state = setup_lib.build_setup(run_config()).abstract_state
   i, changed = _change_a_value_unseen(d / "checkpoints" / "4", abstract_state)
   refused = (r"checkpoint step 4 in .*checkpoints has no checksum manifest "
              r"\(attn_jax_sha256.json\), so damaged bytes in it cannot be detected, and it was "
@@ -362,7 +362,7 @@ def test_a_saved_config_that_does_not_build_its_arrays_is_a_named_mismatch(tmp_p
   the arrays, for the newest step and for an explicit one, and tries no older step."""
   c = tiny_config()
   c.model.pattern = ("fox",)
-  setup = trainer_lib.build_setup(c)
+  setup = setup_lib.build_setup(c)
   ckpt = Checkpointer(str(tmp_path), max_to_keep=5)
   for s in (1, 2):
     ckpt.save(s, setup.init_fn(), meta={"config": ckpt_lib.config_to_json(c)}, force=True)
@@ -492,9 +492,9 @@ import os, runpy, signal, sys, threading, time
 sys.path.insert(0, os.getcwd())
 import attn_jax.cli  # JAX starts as in the entry point (its native start-up lines filtered)
 import orbax.checkpoint as ocp
-from attn_jax.train import checkpoint, trainer
+from attn_jax.train import checkpoint, setup as setup_lib
 
-real_next, real_wait = trainer._next_batch, checkpoint.Checkpointer.wait
+real_next, real_wait = setup_lib.next_batch, checkpoint.Checkpointer.wait
 real_commit_wait = ocp.CheckpointManager.wait_until_finished
 armed, waiting = [], threading.Event()
 # Ctrl-C as in a terminal, whatever pytest inherited (a background job ignores SIGINT), sent to
@@ -536,7 +536,7 @@ def wait(self):   # ... and again while the run waits for step 2's commit
   return real_wait(self)
 
 
-trainer._next_batch, checkpoint.Checkpointer.wait = next_batch, wait
+setup_lib.next_batch, checkpoint.Checkpointer.wait = next_batch, wait
 ocp.CheckpointManager.wait_until_finished = commit_wait
 script = sys.argv[1]
 sys.argv = sys.argv[1:]
@@ -560,9 +560,9 @@ _SIGTERM_IN_COMPILE_RUNNER = """
 import os, runpy, signal, sys, time
 sys.path.insert(0, os.getcwd())
 import attn_jax.cli  # JAX starts as in the entry point (its native start-up lines filtered)
-from attn_jax.train import trainer
+from attn_jax.train import fitting
 
-real = trainer.compile_step
+real = fitting.compile_step
 
 
 def compile_step(*a, **k):   # the first compile: the scheduler's SIGTERM comes in the middle of
@@ -571,7 +571,7 @@ def compile_step(*a, **k):   # the first compile: the scheduler's SIGTERM comes 
   return real(*a, **k)
 
 
-trainer.compile_step = compile_step
+fitting.compile_step = compile_step   # what fitting.compile_for calls
 script = sys.argv[1]
 sys.argv = sys.argv[1:]
 runpy.run_path(os.path.join("experiments", script), run_name="__main__")

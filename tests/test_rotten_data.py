@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from attn_jax.data import pipeline, shards
-from attn_jax.train import trainer as trainer_lib
+from attn_jax.train import setup as setup_lib, trainer as trainer_lib
 from tests.test_shards import data_config
 from tests.test_train import tiny_config
 
@@ -137,14 +137,14 @@ def test_a_run_on_a_shard_with_an_id_outside_the_vocabulary_stops_naming_it(prep
 def test_a_run_whose_every_step_is_skipped_ends_in_an_error(tmp_path, monkeypatch):
   """Every batch's weights NaN: every step non-finite and skipped. With fewer steps than
   train.nonfinite_max_consecutive (10) the run used to return a result (status 0)."""
-  real = trainer_lib._next_batch
+  real = setup_lib.next_batch
 
   def nan_weights(*a, **k):
     b = real(*a, **k)
     b["weights"] = b["weights"] * np.nan
     return b
 
-  monkeypatch.setattr(trainer_lib, "_next_batch", nan_weights)
+  monkeypatch.setattr(setup_lib, "next_batch", nan_weights)
   c = tiny_config(steps=4)
   c.checkpoint.every_steps = 2
   with pytest.raises(trainer_lib.NonFiniteTrainingError, match=(

@@ -250,11 +250,11 @@ def test_a_setup_step_lowered_outside_any_context_compiles_the_targets_kernels()
   outside `use_rules` and any platform block: the program carries its mesh's platform
   (`sharding.traced_for`), so it holds cuDNN attention, not the CPU's blocked core."""
   _need(GPU)
-  from attn_jax.train import trainer
-  setup = trainer.build_setup(tiny_config(("attention",), MESHES["data_fsdp"]),
+  from attn_jax.train import setup as setup_lib
+  setup = setup_lib.build_setup(tiny_config(("attention",), MESHES["data_fsdp"]),
                               devices=targets.devices(GPU))
   assert kernel_choice.target() == "cpu"
-  batch = trainer.abstract_batch(setup, 1, 4, SEQ_LEN)
+  batch = setup_lib.abstract_batch(setup, 1, 4, SEQ_LEN)
   text = setup.step_fn.lower(setup.abstract_state, batch).compile().as_text()
   kernels = aot.kernels_in(text)
   assert kernels.get("cuDNN attention fwd") and kernels.get("cuDNN attention bwd"), kernels

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from attn_jax.train import trainer as trainer_lib
+from attn_jax.train import setup as setup_lib, fitting
 from attn_jax.train.metrics import read_metrics
 from configs import quickstart
 
@@ -30,7 +31,7 @@ def losses(workdir):
 
 def run_interrupted(c, workdir, monkeypatch, *, at_batch):
   """A run stopped by a KeyboardInterrupt while it pulls its `at_batch`-th batch."""
-  real_next = trainer_lib._next_batch
+  real_next = setup_lib.next_batch
   calls = {"n": 0}
 
   def interrupting(*a, **k):
@@ -39,10 +40,10 @@ def run_interrupted(c, workdir, monkeypatch, *, at_batch):
       raise KeyboardInterrupt
     return real_next(*a, **k)
 
-  monkeypatch.setattr(trainer_lib, "_next_batch", interrupting)
+  monkeypatch.setattr(setup_lib, "next_batch", interrupting)
   with pytest.raises(KeyboardInterrupt):
     trainer_lib.train_and_evaluate(c, str(workdir))
-  monkeypatch.setattr(trainer_lib, "_next_batch", real_next)
+  monkeypatch.setattr(setup_lib, "next_batch", real_next)
 
 
 def test_resume_is_bit_identical(tmp_path, monkeypatch):
@@ -83,7 +84,7 @@ PARAM_ATOL = 1e-5
 
 
 def _one_step(c, devices, batch):
-  setup = trainer_lib.build_setup(c, devices=devices)
+  setup = setup_lib.build_setup(c, devices=devices)
   state = setup.init_fn()
   b = {k: jax.device_put(v, setup.batch_sharding) for k, v in batch.items()}
   state, m = setup.step_fn(state, b)
@@ -179,17 +180,17 @@ def test_batch_geometry_rewrites_only_the_batch_fields_of_a_copy():
   """`_fit_memory` returns a BatchGeometry; `apply` gives the run's config: the same object when
   the batch is the config's own, else a copy with the micro-batch and accumulation replaced."""
   c = tiny_config()
-  geo = trainer_lib.BatchGeometry.of(c)
+  geo = fitting.BatchGeometry.of(c)
   assert geo.shape == (1, 8, 32) and geo.tokens == 8 * 32
   assert geo.apply(c) is c
-  smaller = trainer_lib.BatchGeometry(accum=4, micro=2, seq_len=32)
+  smaller = fitting.BatchGeometry(accum=4, micro=2, seq_len=32)
   c2 = smaller.apply(c)
   assert (c2.data.global_batch_size, c2.train.grad_accum) == (2, 4)
   assert (c.data.global_batch_size, c.train.grad_accum) == (8, 1)   # the caller's is untouched
   assert smaller.tokens == geo.tokens
   rest = lambda cfg: {k: v for k, v in cfg.to_dict().items() if k not in ("data", "train")}
   assert rest(c2) == rest(c)
-  assert trainer_lib.BatchGeometry.of(c2) == smaller
+  assert fitting.BatchGeometry.of(c2) == smaller
 
 
 def test_a_run_names_its_data_source_first_and_warns_on_generated_data_for_a_large_model(

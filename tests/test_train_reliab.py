@@ -19,7 +19,7 @@ import optax
 import pytest
 from flax import nnx
 
-from attn_jax.train import trainer as trainer_lib
+from attn_jax.train import fitting, setup as setup_lib, trainer as trainer_lib
 from attn_jax.train.checkpoint import Checkpointer, all_finite
 from attn_jax.train.metrics import read_metrics
 from attn_jax.train.step import make_train_step
@@ -31,7 +31,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _finite_checkpoints(c, workdir):
   """Every checkpoint of a run restores to finite values (the Checkpointer checks that too)."""
-  setup = trainer_lib.build_setup(c)
+  setup = setup_lib.build_setup(c)
   ckpt = Checkpointer(str(workdir))
   steps = ckpt.all_steps()
   for s in steps:
@@ -51,7 +51,7 @@ def test_interrupt_in_the_middle_of_gradient_accumulation_resumes_identically(tm
   full = losses(tmp_path / "full")
   assert [s for s, _ in full] == list(range(1, 6))
 
-  real_next = trainer_lib._next_batch
+  real_next = setup_lib.next_batch
   calls = {"n": 0}
 
   def interrupting(it, *a, **k):
@@ -61,10 +61,10 @@ def test_interrupt_in_the_middle_of_gradient_accumulation_resumes_identically(tm
       raise KeyboardInterrupt
     return real_next(it, *a, **k)
 
-  monkeypatch.setattr(trainer_lib, "_next_batch", interrupting)
+  monkeypatch.setattr(setup_lib, "next_batch", interrupting)
   with pytest.raises(KeyboardInterrupt):
     trainer_lib.train_and_evaluate(c, str(tmp_path / "resumed"))
-  monkeypatch.setattr(trainer_lib, "_next_batch", real_next)
+  monkeypatch.setattr(setup_lib, "next_batch", real_next)
   assert Checkpointer(str(tmp_path / "resumed")).latest_step() == 3
   trainer_lib.train_and_evaluate(c, str(tmp_path / "resumed"))
   assert losses(tmp_path / "resumed") == full   # no micro-batch skipped
@@ -75,7 +75,7 @@ def test_ctrl_c_during_the_first_compile_stops_before_training_with_the_lock_rel
   """The trainer takes the signals from its first line (before: only from its loop, so a
   Ctrl-C in a compile was a KeyboardInterrupt and a SIGTERM killed the process): a signal during
   the memory check's compile stops the run at the next phase, before any step, nothing saved."""
-  real = trainer_lib.compile_step
+  real = setup_lib.compile_step
   calls = []
 
   def compile_step(*a, **k):
@@ -83,7 +83,7 @@ def test_ctrl_c_during_the_first_compile_stops_before_training_with_the_lock_rel
     deliver(signal.SIGINT)   # Ctrl-C in the middle of the first compile
     return real(*a, **k)
 
-  monkeypatch.setattr(trainer_lib, "compile_step", compile_step)
+  monkeypatch.setattr(fitting, "compile_step", compile_step)
   with handled(signal.SIGINT), caplog.at_level(logging.WARNING):
     out = trainer_lib.train_and_evaluate(tiny_config(steps=4), str(tmp_path))
   assert out["preempted"] == "SIGINT" and out["before_training"] and out["step"] == 0, out
@@ -97,7 +97,7 @@ def test_ctrl_c_during_the_first_compile_stops_before_training_with_the_lock_rel
 def test_a_failing_step_is_reraised_and_nothing_is_saved_from_its_input(tmp_path, monkeypatch):
   c = tiny_config(steps=6)
   c.checkpoint.every_steps = 2
-  real_next = trainer_lib._next_batch
+  real_next = setup_lib.next_batch
   calls = {"n": 0}
 
   def bad_batch(*a, **k):
@@ -107,7 +107,7 @@ def test_a_failing_step_is_reraised_and_nothing_is_saved_from_its_input(tmp_path
       batch = dict(batch, inputs=batch["inputs"][:, :4])
     return batch
 
-  monkeypatch.setattr(trainer_lib, "_next_batch", bad_batch)
+  monkeypatch.setattr(setup_lib, "next_batch", bad_batch)
   with pytest.raises((TypeError, ValueError)) as e:
     trainer_lib.train_and_evaluate(c, str(tmp_path))
   assert "deleted" not in str(e.value)   # the step's own error, not one from saving
@@ -177,7 +177,7 @@ def test_nonfinite_skip_counts_and_halts_after_too_many_in_a_row(tmp_path):
 
 def test_step_drops_an_update_that_would_make_params_nonfinite():
   c = tiny_config()
-  setup = trainer_lib.build_setup(c, devices=jax.devices()[:1])
+  setup = setup_lib.build_setup(c, devices=jax.devices()[:1])
   state = setup.init_fn()
   from tests.test_train import _batch
   batch = _batch(c)
@@ -316,8 +316,8 @@ def test_a_step_that_does_not_fit_stops_with_the_knobs_or_shrinks_the_micro_batc
   c.eval.every_steps = 0
   c.data.global_batch_size = 64
   from attn_jax.train.memory import needed_bytes
-  setup = trainer_lib.build_setup(c)
-  need = lambda rows: needed_bytes(trainer_lib.step_memory(setup, rows, 1, c.data.seq_len))
+  setup = setup_lib.build_setup(c)
+  need = lambda rows: needed_bytes(setup_lib.step_memory(setup, rows, 1, c.data.seq_len))
   assert need(16) < need(64)
   # usable (95%) memory half-way between the needs of 16 and 64 rows: 64 do not fit, 16 do
   # (the parameters and optimizer state are a fixed part: a fraction of need(64) alone may
@@ -356,12 +356,12 @@ def test_niah_lengths_beyond_max_seq_len_warn_and_too_long_ones_are_named(caplog
 def test_heldout_batches_are_global_arrays_with_the_batch_sharding():
   c = tiny_config()
   c.mesh.shape = (2, 4, 1)
-  setup = trainer_lib.build_setup(c)
+  setup = setup_lib.build_setup(c)
   from attn_jax.data import pipeline
-  batches = trainer_lib.make_heldout_batches(c, setup, num_batches=2)
+  batches = setup_lib.make_heldout_batches(c, setup, num_batches=2)
   plain = pipeline.make_eval_batches(c.data, seed=c.seed, num_batches=2)
   for b, p in zip(batches, plain):
     for k in ("inputs", "targets", "weights"):
-      assert b[k].sharding.is_equivalent_to(trainer_lib.eval_batch_sharding(setup), 2)
+      assert b[k].sharding.is_equivalent_to(setup_lib.eval_batch_sharding(setup), 2)
       assert b[k].addressable_shards[0].data.shape == (1, c.data.seq_len)   # 8 row shards
       np.testing.assert_array_equal(np.asarray(b[k]), p[k])

@@ -224,7 +224,7 @@ def test_program_size_is_flat_in_depth():
   """The train step of 12 and 24 layers of a 2-kind pattern lowers to programs of nearly the
   same size: the period is scanned, never unrolled (compile time: experiments/bench_compile.py)."""
   from configs import quickstart
-  from attn_jax.train.trainer import build_setup
+  from attn_jax.train.setup import build_setup
   sizes = {}
   for n_layers in (12, 24):
     c = quickstart.get_config()
@@ -277,7 +277,7 @@ def test_train_step_noise_is_a_function_of_the_step():
   """Same state, same batch: the same step number gives the same loss; another step number
   gives other noise (so a resumed run redraws exactly what it would have drawn)."""
   from configs import quickstart
-  from attn_jax.train.trainer import build_setup
+  from attn_jax.train.setup import build_setup
   c = quickstart.get_config()
   c.model.update(mixer="_test_noise", pattern=(), n_layers=2)
   c.mesh.shape = (1, 1, 1)
@@ -301,7 +301,7 @@ def test_sisa_lambda_gets_a_tenth_of_the_lr_and_no_decay_through_metadata():
   -lr * 1 per entry (bias-corrected m / sqrt(v) = 1), so lambda_raw moves by exactly 0.1 lr,
   a norm scale (1-D, no decay) by lr, and a matrix by lr (1 + wd * p)."""
   from configs import quickstart
-  from attn_jax.train.trainer import build_setup
+  from attn_jax.train.setup import build_setup
   c = quickstart.get_config()
   c.model.update(mixer="sisa", pattern=())
   c.optim.update(warmup_steps=0, lr=1e-2, weight_decay=0.1, clip_norm=0.0, eps=1e-12)
@@ -432,7 +432,7 @@ def test_build_setup_reads_the_model_config_once(monkeypatch):
   their own."""
   from configs import quickstart
   from attn_jax.config import ModelConfig
-  from attn_jax.train.trainer import build_setup
+  from attn_jax.train.setup import build_setup
   calls = []
   made = ModelConfig.from_config.__func__
 

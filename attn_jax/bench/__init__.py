@@ -15,8 +15,8 @@ and MFU, compiled peak memory, decode tokens/s):
                       (experiments/bench_stream.py)
 
 Each config is timed with the trainer's jitted train step (forward + backward + clipped AdamW
-update with the mixer's optimizer overrides; `attn_jax.train.trainer.build_setup`), compiled as
-the trainer compiles it (`trainer.compile_step`). The first config is the baseline of the
+update with the mixer's optimizer overrides; `attn_jax.train.setup.build_setup`), compiled as
+the trainer compiles it (`setup.compile_step`). The first config is the baseline of the
 ratios. Reported: best wall time of the timed steps (tok/s, ratio) and the median process CPU
 time per step (cpu s, cpu ratio); on a shared machine the CPU time is the steadier comparison.
 A `--study` run benches every variant of a study config at its matched parameter count

@@ -7,7 +7,7 @@ from __future__ import annotations
 def print_table(L, rows, names, options) -> None:
   """The train-step table at length `L`; sets each row's "ratio" / "cpu_ratio" to the first."""
   base = rows[names[0]]
-  print(f"\nseq_len {L} (batch {base['batch']}, step: trainer.build_setup)")
+  print(f"\nseq_len {L} (batch {base['batch']}, step: setup.build_setup)")
   print(f"{'config':<22}{'params':>12}{'d_ff':>6}{'step s':>9}{'tok/s':>9}{'ratio':>7}"
         f"{'cpu s':>8}{'cpu ratio':>10}{'GFLOP/tok':>10}{'FLOPs ratio':>12}{'TFLOP/s':>9}"
         f"{'MFU meas':>9}{'MFU sheet':>10}{'mem GiB':>8}{'decode tok/s':>13}{'compile s':>10}"

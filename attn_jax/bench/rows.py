@@ -1,8 +1,8 @@
 """One row of experiments/bench.py's tables: a config's train step timed at one length (with its
 decode figures), or its step on packed rows beside plain rows (--document_mask).
 
-The step is the trainer's jitted train step (`trainer.build_setup`, compiled as the trainer
-compiles it, `trainer.compile_step`); best wall time of the timed steps and the median process
+The step is the trainer's jitted train step (`setup.build_setup`, compiled as the trainer
+compiles it, `setup.compile_step`); best wall time of the timed steps and the median process
 CPU time per step (on a shared machine the steadier comparison). A config/length whose step
 does not fit the device (`train.memory.check_fit` on the compiled step's `memory_analysis()`)
 is a skipped row with the fit message. Decode: `decode.generate` extends min(batch,
@@ -27,7 +27,7 @@ from attn_jax.data.documents import document_fields
 from attn_jax.model import build_model, count_params
 from attn_jax.study import throughput
 from attn_jax.train import flops as flops_lib, memory
-from attn_jax.train.trainer import compile_step
+from attn_jax.train.setup import compile_step
 
 
 class DeviceLimits:

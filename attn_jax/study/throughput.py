@@ -20,7 +20,7 @@ import ml_collections
 import numpy as np
 
 from attn_jax import sharding as shd
-from attn_jax.train.trainer import build_setup, compile_step
+from attn_jax.train.setup import build_setup, compile_step
 
 
 def random_batch(vocab_size: int, batch: int, seq_len: int, seed: int = 0):

@@ -4,7 +4,7 @@
 devices (`attn_jax.targets`) and compiles, with the trainer's own `build_setup`, the programs a
 run executes:
 
-  train    the train step, exactly as the trainer compiles it (`trainer.compile_step`), for the
+  train    the train step, exactly as the trainer compiles it (`setup.compile_step`), for the
            config's batch geometry [grad_accum, global_batch_size, seq_len];
   eval     the held-out step (`step.make_eval_step`) on one [global_batch_size, seq_len] batch;
   prefill  `decode.prefill` of a [global_batch_size, seq_len] prompt into states of capacity
@@ -42,7 +42,7 @@ import ml_collections
 from flax import nnx
 
 from attn_jax import decode, native_logs, sharding as shd, targets as targets_lib
-from attn_jax.train import hlo_loops, memory, trainer
+from attn_jax.train import hlo_loops, memory, setup as setup_lib
 from attn_jax.train.step import make_eval_step
 
 DECODE_NEW = 128   # decoding capacity beyond the prompt
@@ -179,15 +179,15 @@ def _geometry(config) -> tuple[int, int, int]:
   return (config.train.grad_accum, config.data.global_batch_size, config.data.seq_len)
 
 
-def compile_train(setup: trainer.Setup, accum: int, micro: int, seq_len: int) -> Program:
-  batch = trainer.abstract_batch(setup, accum, micro, seq_len)
+def compile_train(setup: setup_lib.Setup, accum: int, micro: int, seq_len: int) -> Program:
+  batch = setup_lib.abstract_batch(setup, accum, micro, seq_len)
   return _program("train", f"[{accum}, {micro}, {seq_len}]",
-                  lambda opts: trainer.compile_step(setup, batch, opts), seq_len)
+                  lambda opts: setup_lib.compile_step(setup, batch, opts), seq_len)
 
 
-def compile_eval(setup: trainer.Setup, batch: int, seq_len: int) -> Program:
+def compile_eval(setup: setup_lib.Setup, batch: int, seq_len: int) -> Program:
   step = jax.jit(make_eval_step(setup.graphdef))
-  sh = trainer.eval_batch_sharding(setup)
+  sh = setup_lib.eval_batch_sharding(setup)
   b = {k: jax.ShapeDtypeStruct((batch, seq_len), jnp.float32 if k == "weights" else jnp.int32,
                                sharding=sh) for k in setup.batch_keys}
   st = setup.abstract_state
@@ -198,7 +198,7 @@ def compile_eval(setup: trainer.Setup, batch: int, seq_len: int) -> Program:
   return _program("eval", f"[{batch}, {seq_len}]", run, seq_len)
 
 
-def _decoding_state(setup: trainer.Setup) -> dict:
+def _decoding_state(setup: setup_lib.Setup) -> dict:
   """{"params", "rest"} (pure dicts, as the trainer's state) of the abstract model's
   `for_decoding` copy, with the trained state's shardings (only dtypes change)."""
   graphdef, st = setup.graphdef, setup.abstract_state
@@ -212,7 +212,7 @@ def _decoding_state(setup: trainer.Setup) -> dict:
   return {k: jax.tree.map(keep, n, st[k]) for k, n in zip(("params", "rest"), new)}
 
 
-def compile_decode(setup: trainer.Setup, batch: int, prompt: int) -> tuple[Program, Program]:
+def compile_decode(setup: setup_lib.Setup, batch: int, prompt: int) -> tuple[Program, Program]:
   """`decode.prefill` of [batch, prompt] tokens, then one `decode.decode_step`, as
   `decode.generate` runs them: on the `Decoder.for_decoding` parameters, with the per-layer
   parameters (`Decoder.layer_params`) made once outside the step."""
@@ -271,7 +271,7 @@ class Report:
                                # activation [.., T, width] (`activation_widths`)
 
 
-def activation_widths(setup: trainer.Setup) -> set[int]:
+def activation_widths(setup: setup_lib.Setup) -> set[int]:
   """The widths an activation may have: every dimension of a parameter and every product of
   two adjacent ones (heads x head_dim flattened). When the training length T is one of them
   (Mamba-2 369M: d_inner = 32 x 64 = 2048), a buffer [.., T, T] may be [.., T, width]:
@@ -291,7 +291,7 @@ def _fitting_batch(setup, accum: int, micro: int, seq_len: int, available: int,
   total = micro * accum
   try:
     return memory.pick_micro_batch(
-        lambda m: trainer.step_memory(setup, m, total // m, seq_len, options or None), total,
+        lambda m: setup_lib.step_memory(setup, m, total // m, seq_len, options or None), total,
         available=available, multiple_of=shd.batch_shards(setup.mesh, setup.rules)), ""
   except ValueError as e:
     return None, str(e)
@@ -304,7 +304,7 @@ def compile_for_target(config: ml_collections.ConfigDict, target_name: str, *,
   fit the target's devices is an error naming config.mesh.shape."""
   target = targets_lib.get(target_name)
   devs = targets_lib.devices(target_name)
-  setup = trainer.build_setup(config, devices=devs)
+  setup = setup_lib.build_setup(config, devices=devs)
   accum, micro, T = _geometry(config)
   progs = []
   if "train" in programs:

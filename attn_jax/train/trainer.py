@@ -2,15 +2,15 @@
 
 Order of work (abstract first, nothing materialised unsharded), as `train_and_evaluate` reads:
   the `PreemptionGuard` (signals are the run's from its first line) -> `_checked_setup`:
-  `build_setup` (config.validate -> mesh -> abstract model/state -> shardings -> jitted init
-  and step) and `validate_for_training` (the checks that need the setup, the data files
-  included), before any file is written -> the workdir's locks (`_locked`) -> `_fit_memory`
-  (the batch geometry whose compiled step fits the device; the run's config is rewritten to
-  it) -> `_Run` (checkpointer, data iterator) -> restore from the latest checkpoint (state,
-  data position, loss monitor; `resume.py`, `loss_monitor.py`) or jitted init (out_shardings;
-  a fresh start moves an earlier run's history aside, `workdir.rotate_history`) ->
-  `compile_step` for that
-  geometry (explicit in/out shardings, state donated; memory analysis logged) -> loop ->
+  `setup.build_setup` (config.validate -> mesh -> abstract model/state -> shardings -> jitted
+  init and step) and `validate_for_training` (the checks that need the setup, the data files
+  included), before any file is written -> the workdir's locks (`_locked`) ->
+  `fitting.fit_memory` (the batch geometry whose compiled step fits the device; the run's
+  config is rewritten to it) -> `_Run` (checkpointer, data iterator) -> restore from the latest
+  checkpoint (state, data position, loss monitor; `resume.py`, `loss_monitor.py`) or jitted
+  init (out_shardings; a fresh start moves an earlier run's history aside,
+  `workdir.rotate_history`) -> `fitting.compile_for` that geometry (explicit in/out shardings,
+  state donated; memory analysis logged) -> loop ->
   `_Run.on_exit` (last row, data rewind, final save) -> final evaluation.
 
 Loop hygiene: step t+1 is dispatched before the metrics of step t are read; a checkpoint is
@@ -62,156 +62,28 @@ Reliability (the choices):
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from typing import Any, Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 import ml_collections
-import numpy as np
-import optax
-from flax import nnx
-from jax.sharding import NamedSharding
 
 from attn_jax import paths, sharding as shd
-from attn_jax.config import ModelConfig, validate
 from attn_jax.data import pipeline, text
-from attn_jax.data.documents import batch_keys
-from attn_jax.model import build_model, count_params
 from attn_jax.options import field_check
-from attn_jax.train import (early_signals, flops as flops_lib, init_from, memory, resume,
-                            workdir as workdir_lib)
+from attn_jax.train import (early_signals, fitting, flops as flops_lib, init_from, resume,
+                            setup as setup_lib, workdir as workdir_lib)
 from attn_jax.train.checkpoint import (Checkpointer, CheckpointSaveError, PreemptionGuard,
-                                       abstract_with_shardings, check_writable, config_to_json)
+                                       check_writable, config_to_json)
+from attn_jax.train.fitting import BatchGeometry
 from attn_jax.train.loss_monitor import NONFINITE_MODES, LossMonitor, NonFiniteTrainingError
 from attn_jax.train.metrics import MetricWriter, flatten_metrics
-from attn_jax.train.optim import make_optimizer
 from attn_jax.train.profile import StepProfiler
-from attn_jax.train.step import make_eval_step, make_train_step
+from attn_jax.train.setup import EvalCallback, Setup, build_setup, make_heldout_batches
 from attn_jax.train.wandb_writer import add_wandb, check_installed
 from attn_jax.train.workdir import lock_tensorboard, lock_workdir
 from attn_jax.train.writers import WriteError
-
-BASE_KEYS = ("inputs", "targets", "weights")
-
-
-@dataclasses.dataclass
-class Setup:
-  """Everything built before the loop; also what tests and benchmarks reuse."""
-  cfg: ModelConfig
-  mesh: Any
-  rules: dict
-  graphdef: Any
-  tx: optax.GradientTransformation
-  lr_schedule: Any
-  state_shardings: Any
-  abstract_state: Any
-  init_fn: Any          # jitted () -> state, sharded
-  step_fn: Any          # jitted (state, batch[A, B, L]) -> (state, metrics)
-  batch_sharding: Any   # for [A, B, L] arrays
-  n_params: dict
-  batch_keys: tuple[str, ...] = BASE_KEYS   # the batch dict's keys (data.document_mask adds two)
-
-
-def build_setup(config: ml_collections.ConfigDict, *, devices=None) -> Setup:
-  cfg = validate(config)
-  mesh = shd.make_mesh(config.mesh.shape, config.mesh.axis_names, devices)
-  rules = shd.config_rules(config, cfg)
-  abs_model = nnx.eval_shape(lambda: build_model(cfg, seed=config.seed))
-  graphdef, abs_params, abs_rest = nnx.split(abs_model, nnx.Param, ...)
-  # per-parameter treatment from metadata; config.train.trainable may freeze some (init_from.py)
-  tx, sched = make_optimizer(config, abs_params, *init_from.optimizer_groups(config, abs_params))
-
-  replicate = tuple(config.mesh.get("replicate_indivisible", ()))
-  param_sh = shd.state_shardings(abs_params, mesh, rules, replicate_indivisible=replicate)
-  rest_sh = shd.state_shardings(abs_rest, mesh, rules, replicate_indivisible=replicate)
-  repl = shd.replicated(mesh)
-
-  def init():
-    model = build_model(cfg, seed=config.seed)
-    _, params, rest = nnx.split(model, nnx.Param, ...)
-    params, rest = nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
-    return {"params": params, "rest": rest, "opt_state": tx.init(params),
-            "step": jnp.zeros((), jnp.int32), "rng": jax.random.key_data(
-                jax.random.key(config.seed + 1))}
-
-  abstract = jax.eval_shape(init)
-  opt_sh = optax.tree_map_params(tx, lambda _, s: s, abstract["opt_state"], param_sh,
-                                 transform_non_params=lambda _: repl)
-  state_sh = {"params": param_sh, "rest": rest_sh, "opt_state": opt_sh, "step": repl,
-              "rng": repl}
-  batch_sh = shd.batch_sharding(mesh, rules, ndim=3, batch_dim=1)   # [A, B, L]
-  # Programs for this mesh: traced under its rules and platform wherever they are lowered.
-  step = shd.traced_for(mesh, rules, make_train_step(graphdef, tx, sched))
-  step_fn = jax.jit(step, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, repl),
-                    donate_argnums=(0,))
-  init_fn = jax.jit(init, out_shardings=state_sh)
-  return Setup(cfg, mesh, rules, graphdef, tx, sched, state_sh,
-               abstract_with_shardings(abstract, state_sh), init_fn, step_fn, batch_sh,
-               count_params(cfg, abs_model), batch_keys(config.data))
-
-
-def _next_batch(it, accum: int, batch_sh, global_shape, keys=BASE_KEYS) -> dict:
-  """Pull `accum` host micro-batches (this host's rows), stack to [A, B_host, L], build global
-  [A, B, L] arrays of `keys` (`Setup.batch_keys`)."""
-  mbs = [next(it) for _ in range(accum)]
-  local = {k: np.stack([mb[k] for mb in mbs]) for k in keys}
-  return {k: jax.make_array_from_process_local_data(batch_sh, v, global_shape)
-          for k, v in local.items()}
-
-
-EvalCallback = Callable[[dict, int], dict]
-"""`callback(state, step) -> {metric: value}`, run at every evaluation (see `train_and_evaluate`);
-`state` is the train state dict (params, rest, opt_state, step, rng). Benchmark tasks come in this
-way (`attn_jax.eval.run.task_callback`), so the trainer never imports the evaluator."""
-
-
-def eval_batch_sharding(setup: Setup) -> NamedSharding:
-  """The sharding of a held-out [B, L] batch: rows over the `batch` rule's mesh axes."""
-  return shd.batch_sharding(setup.mesh, setup.rules)
-
-
-def make_heldout_batches(config: ml_collections.ConfigDict, setup: Setup,
-                         num_batches: int = 4) -> list[dict]:
-  """Held-out batches as global [B, L] arrays with `eval_batch_sharding`; each host reads only
-  the rows its devices hold (right on several hosts, not only on one)."""
-  sh = eval_batch_sharding(setup)
-  shape = (config.data.global_batch_size, config.data.seq_len)
-  rows = shd.host_batch_rows(sh, shape, batch_dim=0)
-  local = pipeline.make_eval_batches(config.data, seed=config.seed, num_batches=num_batches,
-                                     host_rows=rows)
-  return [{k: jax.make_array_from_process_local_data(sh, np.asarray(v), shape)
-           for k, v in b.items()} for b in local]
-
-
-class _Evaluator:
-  """Periodic evaluation during training: held-out loss/accuracy, then the callbacks. Built
-  once, so every evaluation after the first reuses its compilations (the state is an argument
-  of the jitted functions)."""
-
-  def __init__(self, setup: Setup, heldout, callbacks: Sequence[EvalCallback]):
-    self._heldout = heldout   # global arrays (make_heldout_batches)
-    self._mesh, self._rules = setup.mesh, setup.rules
-    self._step = jax.jit(shd.traced_for(setup.mesh, setup.rules, make_eval_step(setup.graphdef)))
-    self._callbacks = tuple(callbacks)
-
-  def heldout(self, state) -> dict[str, float]:
-    """Loss/accuracy on held-out batches (weighted tokens only), summed exactly over batches."""
-    nll = w = hits = 0.0
-    for b in self._heldout:
-      n, ww, h = self._step(state["params"], state["rest"], b)
-      nll, w, hits = nll + float(n), w + float(ww), hits + float(h)
-    w = max(w, 1.0)
-    return {"eval/loss": nll / w, "eval/accuracy": hits / w, "eval/weighted_tokens": w}
-
-  def __call__(self, state, step: int) -> dict[str, float]:
-    with shd.use_rules(self._mesh, self._rules):  # traced like the train step
-      out = self.heldout(state)
-      for cb in self._callbacks:
-        out.update(cb(state, step))
-    return out
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
@@ -355,133 +227,22 @@ def validate_for_training(config: ml_collections.ConfigDict, setup: Setup) -> No
                      f"{shards} batch shards of the mesh {dict(setup.mesh.shape)}")
 
 
-def compile_step(setup: Setup, batch: dict, compiler_options: dict | None = None):
-  """The train step compiled for `batch` (arrays or ShapeDtypeStructs) as the trainer compiles
-  it: traced inside the mesh's logical-axis rules, so the model's activation constraints
-  apply. Benchmarks and memory reports use this, not a bare `step_fn.lower`.
-  `compiler_options`: XLA options for this compile only (train/aot.py's fallback)."""
-  with shd.use_rules(setup.mesh, setup.rules):
-    return setup.step_fn.lower(setup.abstract_state, batch).compile(compiler_options)
-
-
-def abstract_batch(setup: Setup, accum: int, micro_batch: int, seq_len: int) -> dict:
-  """The train step's [accum, micro_batch, seq_len] batch as sharded ShapeDtypeStructs."""
-  return {k: jax.ShapeDtypeStruct((accum, micro_batch, seq_len),
-                                  jnp.float32 if k == "weights" else jnp.int32,
-                                  sharding=setup.batch_sharding)
-          for k in setup.batch_keys}
-
-
-def step_memory(setup: Setup, micro_batch: int, accum: int, seq_len: int,
-                compiler_options: dict | None = None):
-  """Compiled memory analysis of the train step for `accum` micro-batches of `micro_batch`
-  rows (abstract shapes: nothing runs, nothing is allocated); a `memory.Refused` one when the
-  compiler refuses the step for memory (TPU)."""
-  batch = abstract_batch(setup, accum, micro_batch, seq_len)
-  return memory.analysis_or_refusal(lambda: compile_step(setup, batch, compiler_options))
-
-
-@dataclasses.dataclass(frozen=True)
-class BatchGeometry:
-  """One optimizer step's batch: `accum` micro-batches of `micro` rows of `seq_len` tokens, the
-  global [accum, micro, seq_len] arrays the step takes.
-
-  `Setup` does not depend on it (the step is traced per batch shape), so memory fitting can pick
-  it after `build_setup`; the run's config is then rewritten to it (`apply`) before anything
-  reads the config's batch: the data iterator, the held-out batches and the config saved with
-  every checkpoint all see the batch the run trains on."""
-  accum: int
-  micro: int
-  seq_len: int
-
-  @classmethod
-  def of(cls, config: ml_collections.ConfigDict) -> "BatchGeometry":
-    return cls(config.train.grad_accum, config.data.global_batch_size, config.data.seq_len)
-
-  @property
-  def shape(self) -> tuple[int, int, int]:
-    return (self.accum, self.micro, self.seq_len)
-
-  @property
-  def tokens(self) -> int:
-    """Tokens per optimizer step."""
-    return self.accum * self.micro * self.seq_len
-
-  def apply(self, config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-    """`config` itself when its batch is this one, else a copy with data.global_batch_size and
-    train.grad_accum set to it."""
-    if BatchGeometry.of(config) == self:
-      return config
-    config = ml_collections.ConfigDict(config.to_dict())
-    config.data.global_batch_size, config.train.grad_accum = self.micro, self.accum
-    return config
-
-
-def _fit_memory(setup: Setup, config: ml_collections.ConfigDict) -> BatchGeometry:
-  """The batch geometry to train with, after comparing the compiled step's memory with the
-  device's (before the first step).
-
-  Fits (or the backend reports no analysis): the config's own geometry. Does not fit: with
-  `train.auto_microbatch`, the largest micro-batch that fits (same tokens per optimizer step
-  through `train.grad_accum`), logged; else stop with a MemoryError whose one paragraph names
-  the needed and available memory and the knobs. `train.device_memory_gb` (> 0) overrides the
-  detected memory (e.g. to size a run for another device)."""
-  t, geo = config.train, BatchGeometry.of(config)
-  avail = int(t.get("device_memory_gb", 0.0) * 2**30) or None
-  mem = step_memory(setup, geo.micro, geo.accum, geo.seq_len)
-  if mem is None:   # the backend reports no analysis
-    return geo
-  fit = memory.check_fit(mem, available=avail, micro_batch=geo.micro, grad_accum=geo.accum,
-                         remat=setup.cfg.remat)
-  logging.info("%s", fit.message)
-  if fit.fits:
-    return geo
-  if not t.get("auto_microbatch", False):
-    raise MemoryError(fit.message)
-  total = geo.micro * geo.accum
-  micro, accum = memory.pick_micro_batch(
-      lambda m: step_memory(setup, m, total // m, geo.seq_len), total, available=avail,
-      multiple_of=shd.batch_shards(setup.mesh, setup.rules))
-  logging.warning("train.auto_microbatch: micro-batch %d x grad_accum %d (was %d x %d) fits",
-                  micro, accum, geo.micro, geo.accum)
-  return dataclasses.replace(geo, micro=micro, accum=accum)
-
-
-def _compile(setup: Setup, geo: BatchGeometry):
-  """The loop's step: `compile_step` for the run's batch, its compile time and memory logged."""
-  t0 = time.perf_counter()
-  compiled = compile_step(setup, abstract_batch(setup, *geo.shape))
-  logging.info("train step compiled in %.1fs", time.perf_counter() - t0)
-  try:
-    logging.info("memory analysis: %s", compiled.memory_analysis())
-  except Exception:  # not every backend reports it
-    pass
-  return compiled
-
-
-def _log_setup(setup: Setup) -> None:
-  n = setup.n_params
-  logging.info("devices: %s; mesh %s", jax.devices(), dict(setup.mesh.shape))
-  logging.info("parameters: total %s, non-embedding %s, mixer %s, mlp %s", f"{n['total']:,}",
-               f"{n['non_embedding']:,}", f"{n['mixer']:,}", f"{n['mlp']:,}")
-
-
 def _train_and_evaluate(config, workdir, eval_callbacks, setup: Setup,
                         guard: PreemptionGuard) -> dict[str, Any]:
   resume.check_resumable(workdir, setup, config)   # a changed model config: stop before compiling
   say_data_source(config, int(setup.n_params["total"]))   # the run's first line (a refused
                                                           # run logs nothing before its error)
   with early_signals.abandonable():
-    geo = _fit_memory(setup, config)          # before any data is read: may shrink the micro-batch
+    geo = fitting.fit_memory(setup, config)          # before any data is read: may shrink the micro-batch
   _stop_if_signalled(guard, 0)
   config = geo.apply(config)                  # from here on the config holds the run's batch
-  _log_setup(setup)
+  setup_lib.log_setup(setup)
   run = _Run(config, workdir, setup, geo)     # checkpointer, data iterator, loss monitor
   run.restore()                               # or a fresh init
   try:
     _stop_if_signalled(guard, run.start)
     with early_signals.abandonable():
-      compiled = _compile(setup, geo)
+      compiled = fitting.compile_for(setup, geo)
     _stop_if_signalled(guard, run.start)
   except BaseException:
     run.ckpt.close()
@@ -584,7 +345,7 @@ class _Run:
                                                 dtype=c.model.dtype)  # fp32: the TF32 peak
     self.n_dev = jax.device_count()
     self.base_meta = {"config": config_to_json(c), "n_params": n}
-    self.evaluator = _Evaluator(self.setup, make_heldout_batches(c, self.setup), eval_callbacks)
+    self.evaluator = setup_lib.Evaluator(self.setup, make_heldout_batches(c, self.setup), eval_callbacks)
     if c.train.progress_bar and jax.process_index() == 0:
       from tqdm import tqdm
       self.bar = tqdm(total=c.train.steps, initial=self.start, unit="step", dynamic_ncols=True)
@@ -593,7 +354,7 @@ class _Run:
   def train_step(self, compiled, step: int) -> None:
     """Dispatch `step` (its micro-batches pulled first), then log the step before it."""
     self.data_pos = self.data_it.get_state()
-    batch = _next_batch(self.data_it, self.geo.accum, self.setup.batch_sharding, self.geo.shape,
+    batch = setup_lib.next_batch(self.data_it, self.geo.accum, self.setup.batch_sharding, self.geo.shape,
                         self.setup.batch_keys)
     self.state_valid = False
     self.state, metrics = compiled(self.state, batch)
