@@ -1,202 +1,336 @@
-"""Typed, validated views of the ml-collections config.
+"""The run's typed config: one frozen dataclass per section, and every default declared once.
 
-`ModelConfig` is a frozen, hashable dataclass (it becomes static structure of the NNX graph);
-`validate(config)` checks the whole ConfigDict in one place, with errors naming the field.
+A run is configured as an ml-collections `ConfigDict` (presets in `configs/`, `--config.a.b=v`
+on the command line, the config saved in a checkpoint's meta). Entry points turn it into a
+`RunConfig` once (`validate`), and everything below them reads that object's typed fields:
+
+    RunConfig(seed, model: ModelConfig, data: DataConfig, train: TrainConfig,
+              optim: OptimConfig, checkpoint: CheckpointConfig, eval: EvalConfig,
+              mesh: MeshConfig, metrics: MetricsConfig, extra)
+
+The defaults below are the only ones: `default_config()` builds the ConfigDict every preset
+starts from (`configs/base.py`) out of these dataclasses and the registry's mixer options, and
+`RunConfig.from_config` fills a field the ConfigDict lacks (a config saved before the field
+existed) with the same default. A field no section declares is an error naming it, so a typo in
+a preset or an override never passes silently. Top-level sections other than the eight above
+(a study's `study`) are kept, as plain dicts, in `extra`: only their own entry points read them.
+`RunConfig.to_json()` is what `config_to_json` makes of the ConfigDict (the checkpoint meta's
+`config`), unchanged.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import types
 from typing import Any
 
 import ml_collections
 
-from attn_jax.data.documents import document_mask
-from attn_jax.data.offsets import WINDOW_OFFSETS, window_offset
+from attn_jax.data.offsets import WINDOW_OFFSETS
 from attn_jax.data.pipeline import DATA_SOURCES
-from attn_jax.kernel_choice import ATTENTION_IMPLS
+from attn_jax.model_config import ModelConfig
 from attn_jax.options import field_check, is_int, is_number
-from attn_jax.registry import get_mixer
+from attn_jax.registry import available_mixers, default_options, get_mixer
+from attn_jax.sharding import TRUNK_RULES
 
 
 @dataclasses.dataclass(frozen=True)
-class LayerSpec:
-  """One layer of the pattern: a mixer (registry name) and whether the block has an MLP."""
-  mixer: str
-  mlp: bool = True
-
-  @classmethod
-  def parse(cls, spec: str) -> "LayerSpec":
-    """ "mixer" or "mixer:nomlp" (a block without the SwiGLU, e.g. a Mamba block)."""
-    name, _, flag = str(spec).partition(":")
-    if flag not in ("", "nomlp") or not name:
-      raise ValueError(f"config.model.pattern: bad layer spec {spec!r} (use 'mixer' or "
-                       "'mixer:nomlp')")
-    return cls(name, flag != "nomlp")
+class DataConfig:
+  """config.data: where the tokens come from and how they are cut into windows."""
+  source: str = "synthetic"      # synthetic | text | jsonl | shards
+  paths: str = ""                # text/jsonl: comma-separated files; shards: the folder written
+                                 # by experiments/prepare_data.py (index.json + shard_*.bin)
+  text_field: str = "text"       # JSONL field holding the document
+  tokenizer: str = "bytes"       # "bytes" or a path to a tokenizers JSON file
+  seq_len: int = 2048
+  global_batch_size: int = 32    # sequences per micro-batch, summed over hosts
+  shuffle: bool = True
+  num_workers: int = 0
+  synthetic_task: str = "mqar"   # mqar | random (for throughput runs)
+  mqar_num_pairs: int = 8
+  mqar_num_queries: int = 4
+  mqar_vocab: int = 64
+  random_vocab: int = 256        # synthetic_task=random: tokens uniform in [0, random_vocab)
+  text_document: str = "line"    # source=text: "line" = one document per non-blank line;
+                                 # "file" = one per file
+  eval_fraction: float = 0.01    # text/jsonl: last fraction of packed sequences held out
+  document_mask: bool = False    # packed rows: False = plain concatenation (documents joined by
+                                 # EOS, every mixer reads across them: what the SISA paper's
+                                 # authors trained with); True = each document exact as if alone
+                                 # (batches add `segment_ids`, `positions` restarting at 0; the
+                                 # EOS ending a document is the next one's BOS; data/documents.py)
+  window_offset: str = "none"    # text/jsonl/shards training windows: "none" = at multiples of
+                                 # seq_len; "random" = each at a random token, new every epoch
+                                 # (data/offsets.py; the eval split stays aligned)
+  verify_mb: int = 2048          # shards: MB re-hashed against index.json at every start (all
+                                 # of a smaller corpus; else the least recently verified first;
+                                 # new or changed shards always; -1 = all; data/shards.py)
+  read_threads: int = 4          # grain threads building batches (0 = in the training thread)
+  prefetch_batches: int = 8      # batches read ahead per process
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelConfig:
-  """The model's shape. `pattern` is the repeating period of layer specs (n_layers must be a
-  multiple of its length); empty means `(mixer,)`, today's homogeneous stack. `options` holds
-  each mixer's `Options` instance (defaults from the mixer module, overridden by the config's
-  `model.<mixer>` sub-dict); read them with `cfg.options_for(name)`."""
-  mixer: str = "attention"
-  pattern: tuple[str, ...] = ()
-  vocab_size: int = 50277
-  vocab_multiple: int = 128      # the embedding/head tables are padded to a multiple of this
-  d_model: int = 768
-  n_layers: int = 12
-  n_heads: int = 12
-  n_kv_heads: int = 0
-  d_ff: int = 3072
-  max_seq_len: int = 2048
-  rope_theta: float = 10000.0
-  tie_embeddings: bool = True
-  norm_eps: float = 1e-5
-  init_std: float = 0.02
-  embed_init_std: float = 0.0    # std of the token table's N(0, s) draw; 0 = init_std
-  dtype: str = "bfloat16"
-  param_dtype: str = "float32"
-  remat: str = "none"
-  scan_layers: bool = True
-  attention_impl: str = "auto"
-  sink_tokens: int = 0           # learnable sink tokens prepended to every sequence (model.py)
-  options: tuple[tuple[str, Any], ...] = ()   # (mixer name, its Options instance)
+class TrainConfig:
+  """config.train: the loop, its guards and fine-tuning's starting point."""
+  steps: int = 10_000
+  grad_accum: int = 1            # micro-batches per optimizer step
+  log_every: int = 10
+  progress_bar: bool = True
+  profile_steps: str = ""        # "20:25": a jax.profiler trace of steps 20-24 in
+                                 # <workdir>/profile (TensorBoard / Perfetto; docs/guide.md)
+  peak_flops: float = 0.0        # per device, FLOP/s; 0 = look up from the device kind
+  auto_microbatch: bool = False  # step does not fit the device: pick the largest micro-batch
+                                 # that does (same tokens per step via grad_accum); else stop
+  device_memory_gb: float = 0.0  # > 0: size the run for this much memory per device
+  nonfinite: str = "skip"        # a step with a NaN/Inf loss, gradient or update is never
+                                 # applied; "skip": count it and go on, "halt": stop and name
+                                 # the last finite step and the latest checkpoint
+  nonfinite_max_consecutive: int = 10  # skip: halt after this many non-finite steps in a row
+  spike_window: int = 100        # loss-spike detector: running window of finite losses (0 = off)
+  spike_threshold: float = 6.0   # spike: loss > mean + spike_threshold * std of the window
+  init_from: str = ""            # fine-tune: a run directory whose parameters start this run
+                                 # (experiments/convert.py or train.py; train/init_from.py)
+  init_step: int = -1            # its checkpoint step; -1 = the newest usable one
+  trainable: str = "all"         # all | new (the parameters a conversion added) | new+norms
+  new_scalar_lr_mult: float = 1.0  # lr multiplier of the scalars/biases a conversion added
 
-  @property
-  def embed_std(self) -> float:
-    """The token table's init std: `embed_init_std`, or `init_std` when that is 0."""
-    return float(self.embed_init_std or self.init_std)
 
-  @property
-  def head_dim(self) -> int:
-    return self.d_model // self.n_heads
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+  """config.optim: AdamW with warm-up and cosine decay to min_lr_ratio * lr (train/optim.py)."""
+  lr: float = 6e-4
+  min_lr_ratio: float = 0.1
+  warmup_steps: int = 500
+  b1: float = 0.9
+  b2: float = 0.95
+  eps: float = 1e-8
+  weight_decay: float = 0.1
+  clip_norm: float = 1.0
 
-  @property
-  def kv_heads(self) -> int:
-    return self.n_kv_heads or self.n_heads
 
-  @property
-  def period(self) -> tuple[LayerSpec, ...]:
-    return tuple(LayerSpec.parse(s) for s in (self.pattern or (self.mixer,)))
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+  """config.checkpoint: how often and how many (train/checkpoint.py)."""
+  every_steps: int = 1000
+  max_to_keep: int = 3
+  allow_unverified: bool = False  # resume from a step without its checksum manifest (copied
+                                  # without it, written by other code): its bytes cannot be checked
 
-  @property
-  def n_repeats(self) -> int:
-    return self.n_layers // len(self.period)
 
-  @property
-  def layer_specs(self) -> tuple[LayerSpec, ...]:
-    """All n_layers specs in order (the period repeated)."""
-    return self.period * self.n_repeats
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+  """config.eval: held-out loss and the benchmark tasks run at eval steps (eval/run.py)."""
+  every_steps: int = 0           # 0 = only at the end of training
+  tasks: str = ""                # extra tasks at eval steps, comma-separated, e.g. "mqar,niah"
+  batch_size: int = 8
+  data_dir: str = ""             # benchmark files laid out like shared/data (lambada/, arc/, ...)
+  max_len: int = 0               # 0 = data.seq_len
+  limit: int = 0                 # 0 = every document
+  niah_lengths: tuple = (256, 512)   # context lengths (tokens) of the needle grid
+  niah_depths: tuple = (0.0, 0.25, 0.5, 0.75, 1.0)
+  niah_samples: int = 2          # needles per (length, depth) cell
 
-  def options_for(self, mixer: str):
-    for k, v in self.options:
-      if k == mixer:
-        return v
-    return get_mixer(mixer).Options()
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  """config.mesh: the device mesh and the logical -> mesh axis rules (sharding.py). Tuples,
+  not lists: config_flags cannot override lists."""
+  shape: tuple = (-1, 1, 1)      # -1 = all remaining devices
+  axis_names: tuple = ("data", "fsdp", "tensor")
+  replicate_indivisible: tuple = ()  # fnmatch patterns (parameter path or logical axis name)
+                                 # allowed to replicate when their size does not divide their
+                                 # mesh axes; anything else is an error naming the parameter
+  # logical axis -> mesh axis (or None = replicated); batch goes over data + fsdp. Mixers' own
+  # axes come from their `axis_rules` (sharding.config_rules); a rule here, for either, wins.
+  rules: tuple = TRUNK_RULES
+
+
+@dataclasses.dataclass(frozen=True)
+class MetricsConfig:
+  """config.metrics: where metric rows go besides metrics.jsonl and TensorBoard."""
+  wandb_project: str = ""        # Weights & Biases project: log the run there too ("" = off;
+                                 # pip install 'attn_jax[wandb]'; train/wandb_writer.py)
+  wandb_entity: str = ""         # its team or user ("" = wandb's default)
+
+
+SECTIONS = {"data": DataConfig, "train": TrainConfig, "optim": OptimConfig,
+            "checkpoint": CheckpointConfig, "eval": EvalConfig, "mesh": MeshConfig,
+            "metrics": MetricsConfig}
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+  """The whole run, typed. Build it with `validate(config)`; `replace_in` edits a section."""
+  seed: int = 0
+  model: ModelConfig = ModelConfig()
+  data: DataConfig = DataConfig()
+  train: TrainConfig = TrainConfig()
+  optim: OptimConfig = OptimConfig()
+  checkpoint: CheckpointConfig = CheckpointConfig()
+  eval: EvalConfig = EvalConfig()
+  mesh: MeshConfig = MeshConfig()
+  metrics: MetricsConfig = MetricsConfig()
+  extra: types.MappingProxyType = dataclasses.field(
+      default_factory=lambda: types.MappingProxyType({}))   # other top-level sections
 
   @classmethod
-  def from_config(cls, m: ml_collections.ConfigDict) -> "ModelConfig":
-    fields = {f.name for f in dataclasses.fields(cls)} - {"options"}
-    kw, subs = {}, {}
-    for key, val in m.items():
-      if key in fields:
-        kw[key] = tuple(val) if key == "pattern" else val
-      elif isinstance(val, ml_collections.ConfigDict):
-        subs[key] = val.to_dict()
-      else:
-        raise ValueError(f"config.model.{key}: unknown field (known: {', '.join(sorted(fields))})")
-    cfg = cls(**kw, options=tuple(sorted((k, make_options(k, v)) for k, v in subs.items())))
-    validate_model(cfg)
-    return cfg
+  def from_config(cls, config: ml_collections.ConfigDict) -> "RunConfig":
+    """The typed run config of `config`; a missing field takes its default, an unknown one is
+    an error naming it. No validation beyond types of structure: see `validate`."""
+    kw: dict[str, Any] = {"seed": int(config.get("seed", 0))}
+    kw["model"] = ModelConfig.from_config(config.model)
+    for name, section_cls in SECTIONS.items():
+      kw[name] = section_of(section_cls, name, config[name] if name in config else {})
+    known = set(SECTIONS) | {"seed", "model"}
+    extra = {k: _plain(config[k]) for k in config if k not in known}
+    return cls(**kw, extra=types.MappingProxyType(extra))
 
-  def replace(self, **kw) -> "ModelConfig":
-    return dataclasses.replace(self, **kw)
+  def to_json(self) -> dict:
+    """The config as JSON, as `config_to_json` writes the ConfigDict it came from (what a
+    checkpoint's meta records as `config`): equal to it, field for field, plus any edit made
+    with `replace_in`."""
+    d: dict[str, Any] = {"seed": self.seed}
+    m = {f.name: getattr(self.model, f.name) for f in dataclasses.fields(ModelConfig)
+         if f.name != "options"}
+    d["model"] = {**m, **{k: dataclasses.asdict(v) for k, v in self.model.options}}
+    for name in SECTIONS:
+      d[name] = dataclasses.asdict(getattr(self, name))
+    d.update(self.extra)
+    return json.loads(json.dumps(d, default=str))
 
-  def with_options(self, mixer: str, **overrides) -> "ModelConfig":
-    """A copy whose `mixer` options have these fields replaced (validated)."""
-    opts = dataclasses.replace(self.options_for(mixer), **overrides)
-    rest = tuple((k, v) for k, v in self.options if k != mixer)
-    cfg = self.replace(options=tuple(sorted(rest + ((mixer, opts),))))
-    validate_model(cfg)
-    return cfg
-
-
-def make_options(mixer: str, values: dict):
-  """The mixer's Options from a config sub-dict; unknown names are errors naming the field."""
-  try:
-    opt_cls = get_mixer(mixer).Options
-  except ValueError:
-    raise ValueError(f"config.model.{mixer}: not a field and not a registered mixer") from None
-  known = {f.name for f in dataclasses.fields(opt_cls)}
-  for k in values:
-    if k not in known:
-      raise ValueError(f"config.model.{mixer}.{k}: unknown option (known: "
-                       f"{', '.join(sorted(known))})")
-  vals = {k: (tuple(v) if isinstance(v, list) else v) for k, v in values.items()}
-  return opt_cls(**vals)
+  def replace_in(self, section: str, **fields) -> "RunConfig":
+    """A copy with these fields of one section replaced (e.g. the fitted micro-batch)."""
+    return dataclasses.replace(self, **{section: dataclasses.replace(getattr(self, section),
+                                                                     **fields)})
 
 
-_REMAT = ("none", "full", "dots", "dots_no_batch")
+def config_to_json(config: ml_collections.ConfigDict) -> dict:
+  """The ConfigDict as JSON (what a checkpoint's meta records as `config`)."""
+  return json.loads(config.to_json_best_effort())
 
 
-def validate_model(cfg: ModelConfig) -> None:
-  need = field_check("config.model")
-  for f in ("vocab_size", "vocab_multiple", "d_model", "n_layers", "n_heads", "max_seq_len"):
-    need(int(getattr(cfg, f)) > 0, f, f"must be a positive integer, got {getattr(cfg, f)!r}")
-  need(cfg.d_model % cfg.n_heads == 0, "d_model",
-       f"d_model={cfg.d_model} is not divisible by n_heads={cfg.n_heads}")
-  need(cfg.head_dim % 2 == 0, "n_heads", f"head_dim={cfg.head_dim} must be even for RoPE")
-  need(cfg.n_kv_heads >= 0 and cfg.n_heads % cfg.kv_heads == 0, "n_kv_heads",
-       f"n_heads={cfg.n_heads} must be a multiple of n_kv_heads={cfg.n_kv_heads}")
-  need(cfg.remat in _REMAT, "remat", f"{cfg.remat!r} not in {_REMAT}")
-  need(cfg.attention_impl in ATTENTION_IMPLS, "attention_impl",
-       f"{cfg.attention_impl!r} not in {ATTENTION_IMPLS}")
-  for f in ("dtype", "param_dtype"):
-    need(getattr(cfg, f) in ("float32", "bfloat16", "float16"), f,
-         f"{getattr(cfg, f)!r} not in (float32, bfloat16, float16)")
-  need(is_number(cfg.embed_init_std, 0), "embed_init_std",
-       f"must be a number >= 0 (0 = init_std), got {cfg.embed_init_std!r}")
-  need(cfg.d_ff >= 0, "d_ff", f"must be >= 0 (0 = no MLP), got {cfg.d_ff}")
-  need(is_int(cfg.sink_tokens, 0), "sink_tokens",
-       f"must be an integer >= 0 (0 = none), got {cfg.sink_tokens!r}")
-  need(not (cfg.pattern and cfg.mixer != "attention"), "pattern",
-       f"set either model.mixer ({cfg.mixer!r}) or model.pattern ({cfg.pattern!r}), not both")
-  period = cfg.period   # parses every spec
-  need(cfg.n_layers % len(period) == 0, "n_layers",
-       f"n_layers={cfg.n_layers} is not a multiple of the pattern's period {len(period)} "
-       f"({cfg.pattern})")
-  for spec in period:
-    try:
-      mixer_cls = get_mixer(spec.mixer)
-    except ValueError as e:
-      field = "pattern" if cfg.pattern else "mixer"
-      raise ValueError(f"config.model.{field}: {e}") from None
-    opts = cfg.options_for(spec.mixer)
-    if not isinstance(opts, mixer_cls.Options):
-      raise ValueError(f"config.model.{spec.mixer}: options of type {type(opts).__name__}, "
-                       f"expected {mixer_cls.__name__}.Options")
-    if hasattr(opts, "validate"):
-      opts.validate(cfg, f"config.model.{spec.mixer}")
+def _plain(value):
+  return value.to_dict() if isinstance(value, ml_collections.ConfigDict) else value
 
 
-def seq_len_problem(max_seq_len: int, length: int, what: str) -> str | None:
-  """The one rule for every entry point (decode.generate, streaming windows, NIAH contexts): a
-  single forward pass sees at most `model.max_seq_len` tokens, the longest the model was built
-  and trained for. None when `length` is within it, else the message."""
-  if int(length) <= int(max_seq_len):
-    return None
-  return (f"{what}: {int(length)} tokens is longer than the model's max_seq_len="
-          f"{int(max_seq_len)} (config.model.max_seq_len)")
+def section_of(section_cls: type, name: str, values) -> Any:
+  """`section_cls` from a ConfigDict section (or dict): lists become tuples, a missing field
+  takes its default, an unknown field is an error naming it."""
+  known = {f.name for f in dataclasses.fields(section_cls)}
+  kw = {}
+  for key in values:
+    if key not in known:
+      raise ValueError(f"config.{name}.{key}: unknown field (known: {', '.join(sorted(known))})")
+    val = _plain(values[key])
+    kw[key] = _frozen(val)
+  return section_cls(**kw)
 
 
-def check_seq_len(max_seq_len: int, length: int, what: str) -> None:
-  """ValueError (see `seq_len_problem`) when `length` exceeds `max_seq_len`."""
-  problem = seq_len_problem(max_seq_len, length, what)
-  if problem:
-    raise ValueError(problem)
+def _frozen(val):
+  if isinstance(val, (list, tuple)):
+    return tuple(_frozen(v) for v in val)
+  return val
+
+
+def default_config() -> ml_collections.ConfigDict:
+  """The ConfigDict every preset starts from: the dataclasses' defaults, the model's fields
+  and one sub-dict per registered mixer with that mixer's `Options` defaults (so an override
+  like --config.model.sisa.d_state=16, or a pattern naming any mixer, finds its sub-dict)."""
+  c = ml_collections.ConfigDict()
+  c.seed = RunConfig.seed
+  model = {f.name: getattr(ModelConfig(), f.name) for f in dataclasses.fields(ModelConfig)
+           if f.name != "options"}
+  c.model = ml_collections.ConfigDict(model)
+  for name in available_mixers():
+    c.model[name] = ml_collections.ConfigDict(default_options(name))
+  for name, section_cls in SECTIONS.items():
+    c[name] = ml_collections.ConfigDict(dataclasses.asdict(section_cls()))
+  return c
+
+
+def validate(config: ml_collections.ConfigDict) -> RunConfig:
+  """Check the whole config, with errors naming the field; returns the typed run config."""
+  run = RunConfig.from_config(config)
+  cfg, d, t, o = run.model, run.data, run.train, run.optim
+  need = field_check("config")
+  need(d.seq_len > 0, "data.seq_len", "must be positive")
+  need(d.seq_len <= cfg.max_seq_len, "data.seq_len",
+       f"{d.seq_len} exceeds model.max_seq_len={cfg.max_seq_len}")
+  need(d.global_batch_size > 0, "data.global_batch_size", "must be positive")
+  need(t.steps > 0, "train.steps", "must be positive")
+  need(t.grad_accum >= 1, "train.grad_accum", "must be >= 1")
+  need(t.log_every >= 1, "train.log_every", "must be >= 1")
+  window_problem = profile_window_problem(t.profile_steps, int(t.steps))
+  if window_problem:   # a window past the run's end traced nothing, silently
+    logging.warning("%s", window_problem)
+  _check_optim(o, need)
+  need(d.source in DATA_SOURCES, "data.source", f"{d.source!r} not in {DATA_SOURCES}")
+  need(d.window_offset in WINDOW_OFFSETS, "data.window_offset",
+       f"{d.window_offset!r} not in {WINDOW_OFFSETS}")
+  need(d.window_offset == "none" or d.source != "synthetic", "data.window_offset",
+       "'random' needs a packed source (text, jsonl, shards), not data.source='synthetic'")
+  need(run.checkpoint.every_steps >= 1, "checkpoint.every_steps", "must be >= 1")
+  keep = run.checkpoint.max_to_keep
+  need(is_int(keep, 1), "checkpoint.max_to_keep",
+       f"must be an integer >= 1 (the newest steps kept), got {keep!r}")
+  every = run.eval.every_steps
+  need(is_int(every, 0), "eval.every_steps",
+       f"must be an integer >= 0 (0 = only at the end), got {every!r}")
+  if o.warmup_steps >= t.steps:
+    logging.warning("config.optim.warmup_steps=%d >= config.train.steps=%d: the learning rate "
+                    "never reaches optim.lr=%g (warm-up is cut at step %d, then decays)",
+                    o.warmup_steps, t.steps, o.lr, max(t.steps - 1, 0))
+  need(len(run.mesh.shape) == len(run.mesh.axis_names), "mesh.shape",
+       f"{run.mesh.shape} does not match mesh.axis_names {run.mesh.axis_names}")
+  check_document_mask(cfg, d)
+  return run
+
+
+def as_run(config: ml_collections.ConfigDict | RunConfig) -> RunConfig:
+  """`config` itself when it is already typed, else `validate(config)`: for library functions
+  that a notebook may call with a ConfigDict (an entry point passes its RunConfig down)."""
+  return config if isinstance(config, RunConfig) else validate(config)
+
+
+def _check_optim(o: OptimConfig, need) -> None:
+  need(is_number(o.lr) and o.lr > 0, "optim.lr", f"must be a finite positive number, got {o.lr!r}")
+  need(is_number(o.min_lr_ratio, 0) and o.min_lr_ratio <= 1, "optim.min_lr_ratio",
+       f"must be in [0, 1], got {o.min_lr_ratio!r}")
+  for f in ("b1", "b2"):
+    v = getattr(o, f)
+    need(is_number(v, 0) and v < 1, f"optim.{f}", f"must be in [0, 1), got {v!r}")
+  need(is_number(o.eps) and o.eps > 0, "optim.eps",
+       f"must be a finite positive number, got {o.eps!r}")
+  for f in ("weight_decay", "clip_norm"):
+    v = getattr(o, f)
+    need(is_number(v, 0), f"optim.{f}", f"must be a finite number >= 0, got {v!r}")
+  need(0 <= o.warmup_steps, "optim.warmup_steps", "must be >= 0")
+
+
+def check_document_mask(cfg: ModelConfig, data_cfg) -> None:
+  """`data.document_mask` (packed rows, data/documents.py): refused for a mixer whose
+  `packed_rows_problem(opts)` names a reason (sinkhorn's non-causal mode). With
+  `model.sink_tokens` > 0: the sink tokens are the shared prefix of every document, so every
+  layer's mixer must read that prefix per document exactly (`reads_shared_prefix`, mixer.py);
+  a mixer that restarts a recurrent state at each document's first token cannot."""
+  if not data_cfg.document_mask:
+    return
+  for name in sorted({s.mixer for s in cfg.period}):
+    why = get_mixer(name).packed_rows_problem(cfg.options_for(name))
+    if why:
+      raise ValueError(f"config.data.document_mask: {why}; set data.document_mask=False")
+  if not cfg.sink_tokens:
+    return
+  lacking = sorted({s.mixer for s in cfg.period
+                    if not getattr(get_mixer(s.mixer), "reads_shared_prefix", False)})
+  if lacking:
+    raise ValueError(
+        f"config.data.document_mask: with model.sink_tokens={cfg.sink_tokens} every layer's "
+        f"mixer must give each packed document the shared sink prefix (reads_shared_prefix, "
+        f"attn_jax/mixer.py), and {', '.join(lacking)} does not; set data.document_mask="
+        "False or model.sink_tokens=0")
 
 
 def profile_steps(spec: str) -> tuple[int, int] | None:
@@ -230,74 +364,3 @@ def profile_window_problem(spec: str, last: int, *, start: int = 0) -> str | Non
     return (f"{field}: the trace stops at the run's last step {last} (config.train.steps), "
             f"not at step {stop - 1}")
   return None
-
-
-def validate(config: ml_collections.ConfigDict) -> ModelConfig:
-  """Check the whole config; returns the typed model config."""
-  cfg = ModelConfig.from_config(config.model)
-  d, t, o = config.data, config.train, config.optim
-  need = field_check("config")
-  need(d.seq_len > 0, "data.seq_len", "must be positive")
-  need(d.seq_len <= cfg.max_seq_len, "data.seq_len",
-       f"{d.seq_len} exceeds model.max_seq_len={cfg.max_seq_len}")
-  need(d.global_batch_size > 0, "data.global_batch_size", "must be positive")
-  need(t.steps > 0, "train.steps", "must be positive")
-  need(t.grad_accum >= 1, "train.grad_accum", "must be >= 1")
-  need(t.log_every >= 1, "train.log_every", "must be >= 1")
-  window_problem = profile_window_problem(t.get("profile_steps", ""), int(t.steps))
-  if window_problem:   # a window past the run's end traced nothing, silently
-    logging.warning("%s", window_problem)
-  need(is_number(o.lr) and o.lr > 0, "optim.lr", f"must be a finite positive number, got {o.lr!r}")
-  need(is_number(o.min_lr_ratio, 0) and o.min_lr_ratio <= 1, "optim.min_lr_ratio",
-       f"must be in [0, 1], got {o.min_lr_ratio!r}")
-  for f in ("b1", "b2"):
-    need(is_number(o[f], 0) and o[f] < 1, f"optim.{f}", f"must be in [0, 1), got {o[f]!r}")
-  need(is_number(o.eps) and o.eps > 0, "optim.eps",
-       f"must be a finite positive number, got {o.eps!r}")
-  for f in ("weight_decay", "clip_norm"):
-    need(is_number(o[f], 0), f"optim.{f}", f"must be a finite number >= 0, got {o[f]!r}")
-  need(d.source in DATA_SOURCES, "data.source", f"{d.source!r} not in {DATA_SOURCES}")
-  need(d.get("window_offset", "none") in WINDOW_OFFSETS, "data.window_offset",
-       f"{d.get('window_offset')!r} not in {WINDOW_OFFSETS}")
-  need(window_offset(d) == "none" or d.source != "synthetic", "data.window_offset",
-       "'random' needs a packed source (text, jsonl, shards), not data.source='synthetic'")
-  need(0 <= o.warmup_steps, "optim.warmup_steps", "must be >= 0")
-  need(config.checkpoint.every_steps >= 1, "checkpoint.every_steps", "must be >= 1")
-  keep = config.checkpoint.max_to_keep
-  need(is_int(keep, 1), "checkpoint.max_to_keep",
-       f"must be an integer >= 1 (the newest steps kept), got {keep!r}")
-  every = config.eval.get("every_steps", 0) if "eval" in config else 0
-  need(is_int(every, 0), "eval.every_steps",
-       f"must be an integer >= 0 (0 = only at the end), got {every!r}")
-  if o.warmup_steps >= t.steps:
-    logging.warning("config.optim.warmup_steps=%d >= config.train.steps=%d: the learning rate "
-                    "never reaches optim.lr=%g (warm-up is cut at step %d, then decays)",
-                    o.warmup_steps, t.steps, o.lr, max(t.steps - 1, 0))
-  need(len(config.mesh.shape) == len(config.mesh.axis_names), "mesh.shape",
-       f"{config.mesh.shape} does not match mesh.axis_names {config.mesh.axis_names}")
-  check_document_mask(cfg, d)
-  return cfg
-
-
-def check_document_mask(cfg: ModelConfig, data_cfg) -> None:
-  """`data.document_mask` (packed rows, data/documents.py): refused for a mixer whose
-  `packed_rows_problem(opts)` names a reason (sinkhorn's non-causal mode). With
-  `model.sink_tokens` > 0: the sink tokens are the shared prefix of every document, so every
-  layer's mixer must read that prefix per document exactly (`reads_shared_prefix`, mixer.py);
-  a mixer that restarts a recurrent state at each document's first token cannot."""
-  if not document_mask(data_cfg):
-    return
-  for name in sorted({s.mixer for s in cfg.period}):
-    why = get_mixer(name).packed_rows_problem(cfg.options_for(name))
-    if why:
-      raise ValueError(f"config.data.document_mask: {why}; set data.document_mask=False")
-  if not cfg.sink_tokens:
-    return
-  lacking = sorted({s.mixer for s in cfg.period
-                    if not getattr(get_mixer(s.mixer), "reads_shared_prefix", False)})
-  if lacking:
-    raise ValueError(
-        f"config.data.document_mask: with model.sink_tokens={cfg.sink_tokens} every layer's "
-        f"mixer must give each packed document the shared sink prefix (reads_shared_prefix, "
-        f"attn_jax/mixer.py), and {', '.join(lacking)} does not; set data.document_mask="
-        "False or model.sink_tokens=0")

@@ -41,7 +41,7 @@ from flax import nnx
 
 from attn_jax import decode, paths as paths_lib
 from attn_jax.attention import cache as cache_lib
-from attn_jax.config import ModelConfig, validate_model
+from attn_jax.model_config import ModelConfig, validate_model
 from attn_jax.data.text import read_text_file, split_paths
 from attn_jax.data.tokenizer import get_tokenizer
 from attn_jax.decode import jit_stateful

@@ -59,7 +59,7 @@ def decode_compile_seconds(pattern: tuple[str, ...], n_layers: int) -> float:
   from flax import nnx
 
   from attn_jax import decode
-  from attn_jax.config import ModelConfig
+  from attn_jax.model_config import ModelConfig
   from attn_jax.model import abstract_model, init_state
 
   cfg = ModelConfig.from_config(_config(pattern, n_layers).model)

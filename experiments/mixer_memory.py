@@ -31,7 +31,7 @@ _DTYPE = flags.DEFINE_string("dtype", "float32", "model.dtype (bfloat16 for the 
 
 def main(argv):
   del argv
-  from attn_jax.config import ModelConfig
+  from attn_jax.model_config import ModelConfig
   from attn_jax.train import memory
   from configs import base
 

@@ -10,7 +10,7 @@ from flax import nnx
 
 from attn_jax.attention.alibi import ALiBi, alibi_slopes
 from attn_jax.attention.cache import SinksRing
-from attn_jax.config import ModelConfig
+from attn_jax.model_config import ModelConfig
 from attn_jax.model import Decoder, count_params
 from configs import base
 

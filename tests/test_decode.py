@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from attn_jax import decode
-from attn_jax.config import ModelConfig, validate_model
+from attn_jax.model_config import ModelConfig, validate_model
 from attn_jax.model import abstract_model
 
 TOL = 1e-5  # fp32, fixed once

@@ -84,7 +84,7 @@ def test_head_on_selected_rows_equals_full_logits(bench_data):
   """ModelScorer's hidden/head path (LM head on continuation rows only) gives the same
   per-example log-likelihoods and greedy flags as scoring from the full logits."""
   import numpy as np
-  from attn_jax.config import ModelConfig
+  from attn_jax.model_config import ModelConfig
   from attn_jax.data.tokenizer import ByteTokenizer
   from attn_jax.eval import harness, tasks
   from attn_jax.eval.run import ModelScorer
@@ -108,7 +108,7 @@ def test_scorer_set_state_reuses_compilations(bench_data):
   scores of a scorer built on the new model, and compile nothing new."""
   import numpy as np
   from flax import nnx
-  from attn_jax.config import ModelConfig
+  from attn_jax.model_config import ModelConfig
   from attn_jax.data.tokenizer import ByteTokenizer
   from attn_jax.eval import harness, tasks
   from attn_jax.eval.run import ModelScorer

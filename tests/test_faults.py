@@ -29,7 +29,7 @@ import jax
 import numpy as np
 import pytest
 
-from attn_jax import config as config_lib
+from attn_jax import config as config_lib, model_config
 from attn_jax.train import checkpoint as ckpt_lib
 from attn_jax.train import setup as setup_lib, trainer as trainer_lib
 from attn_jax.train.checkpoint import Checkpointer, PreemptionGuard
@@ -512,7 +512,7 @@ def test_generate_refuses_a_prompt_longer_than_max_seq_len():
   from attn_jax.model import build_model
   c = tiny_config()
   c.model.max_seq_len = 16
-  model = build_model(config_lib.ModelConfig.from_config(c.model), seed=0)
+  model = build_model(model_config.ModelConfig.from_config(c.model), seed=0)
   with pytest.raises(ValueError, match=r"decode.generate: the prompt: 17 tokens is longer than "
                      r"the model's max_seq_len=16"):
     decode.generate(model, np.zeros((1, 17), np.int32), max_new_tokens=1)

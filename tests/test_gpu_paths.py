@@ -21,7 +21,7 @@ from flax import nnx
 from attn_jax.attention import sisa as S
 from attn_jax.attention.core import attend, attention_reference
 from attn_jax.kernel_choice import attention_impl
-from attn_jax.config import ModelConfig
+from attn_jax.model_config import ModelConfig
 from configs import base
 
 IMPL = os.environ.get("ATTN_JAX_GPU_TESTS_IMPL", "cudnn")

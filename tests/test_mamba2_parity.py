@@ -151,7 +151,7 @@ def test_model_specs_resolve_or_name_the_problem():
 def test_mamba3_chunked_gradient_equals_its_recurrence():
   """The gradient Mamba-3 trains with (chunked trapezoid, chunk 4 over 10 tokens) equals the
   gradient through its token-by-token recurrence (`Mamba3.reference`)."""
-  from attn_jax.config import ModelConfig
+  from attn_jax.model_config import ModelConfig
   from attn_jax.registry import get_mixer
   cls = get_mixer("mamba3")
   cfg = ModelConfig(d_model=32, n_heads=4, n_layers=1, vocab_size=64, dtype="float32",

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from attn_jax.config import ModelConfig, validate_model
+from attn_jax.model_config import ModelConfig, validate_model
 from attn_jax.ssm import mamba3 as M
 from attn_jax.ssm.mamba3 import Mamba3
 

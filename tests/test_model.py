@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from attn_jax.config import ModelConfig, validate_model
+from attn_jax.model_config import ModelConfig, validate_model
 from attn_jax.model import abstract_model, build_model, count_params
 from configs import base, transformer_50m, transformer_152m, transformer_369m
 

@@ -24,7 +24,7 @@ import pytest
 from flax import nnx
 
 from attn_jax.attention import sisa as sisa_lib
-from attn_jax.config import ModelConfig
+from attn_jax.model_config import ModelConfig
 from attn_jax.eval import maps
 from attn_jax.model import build_model
 from attn_jax.registry import available_mixers, get_mixer

@@ -193,5 +193,5 @@ def test_sink_tokens_with_document_mask_need_shared_prefix_readers():
     validate(_config(sink_tokens=1, pattern=("attention", "mamba2:nomlp"), n_layers=2))
   c = _config(sink_tokens=1, pattern=("attention", "mamba2:nomlp"), n_layers=2)
   del c.data["document_mask"]                   # a config from before the switch: off
-  validate(c)
-  assert "segment_ids" not in pipeline.make_source(c.data, seed=0)[0]
+  run = validate(c)
+  assert "segment_ids" not in pipeline.make_source(run.data, seed=0)[0]

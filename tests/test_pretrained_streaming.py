@@ -24,7 +24,7 @@ import pytest
 from flax import nnx
 
 from attn_jax import streaming
-from attn_jax.config import ModelConfig
+from attn_jax.model_config import ModelConfig
 from attn_jax.eval import attention_mass
 from attn_jax.model import build_model
 from attn_jax.streaming import StreamPolicy

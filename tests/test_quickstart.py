@@ -31,7 +31,7 @@ def _pairs(example, num_pairs):
 
 def test_config_is_valid_and_holds_the_data_vocabulary():
   c = quickstart.get_config()
-  cfg = validate(c)
+  cfg = validate(c).model
   assert cfg.vocab_size >= pipeline.vocab_size_needed(c.data)
   assert c.data.source == "synthetic" and c.data.synthetic_task == "mqar"
   synthetic.check_mqar_config(c.data)
@@ -177,7 +177,7 @@ def test_describe_examples_runs_a_tiny_model_and_marks_wrong_answers():
   c = quickstart.get_config()
   c.model.update(d_model=16, n_layers=2, n_heads=2, d_ff=32)
   n, v = c.data.mqar_num_pairs, c.data.mqar_vocab
-  model = build_model(validate(c), seed=0)
+  model = build_model(validate(c).model, seed=0)
   batch = _batch(2)
   lines = mqar.describe_examples(lambda t: model(jnp.asarray(t)), batch, num_pairs=n,
                                  mqar_vocab=v, max_examples=2, max_queries=8)

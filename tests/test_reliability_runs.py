@@ -26,6 +26,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+from attn_jax import config as config_lib
 from attn_jax.train import checkpoint as ckpt_lib
 from attn_jax.train import setup as setup_lib, trainer as trainer_lib
 from attn_jax.train.checkpoint import Checkpointer
@@ -365,7 +366,7 @@ def test_a_saved_config_that_does_not_build_its_arrays_is_a_named_mismatch(tmp_p
   setup = setup_lib.build_setup(c)
   ckpt = Checkpointer(str(tmp_path), max_to_keep=5)
   for s in (1, 2):
-    ckpt.save(s, setup.init_fn(), meta={"config": ckpt_lib.config_to_json(c)}, force=True)
+    ckpt.save(s, setup.init_fn(), meta={"config": config_lib.config_to_json(c)}, force=True)
   ckpt.close()
   assert ckpt_lib.load_for_inference(str(tmp_path))[2] == 2   # as saved: loads
   _edit_meta(os.path.join(tmp_path, "checkpoints", "2"), lambda m: m.update(pattern=[]))

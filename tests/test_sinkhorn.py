@@ -15,7 +15,7 @@ from attn_jax.attention.sinkhorn import (SinkhornAttention, SortPlan, _blocks, _
                                          causal_sort_row, greedy_permutation, sinkhorn_log,
                                          sinkhorn_attention_reference, sort_blocks)
 from attn_jax import sharding as shd
-from attn_jax.config import ModelConfig
+from attn_jax.model_config import ModelConfig
 from tests.test_packing import one_row
 
 Opts = SinkhornAttention.Options

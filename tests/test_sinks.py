@@ -13,7 +13,7 @@ from flax import nnx
 from attn_jax import decode
 from attn_jax.attention import core, sisa
 from attn_jax.attention.mha import Attention
-from attn_jax.config import ModelConfig
+from attn_jax.model_config import ModelConfig
 from attn_jax.model import build_model
 
 TOL = 2e-5   # fp32, relative to the largest |value|; fixed once
@@ -100,7 +100,7 @@ def test_sink_and_cache_options_are_validated_with_the_field_name():
     with pytest.raises(ValueError, match=msg):
       cache_lib.init_cache(policy, 1, 8, 1, 2, 2, jnp.float32)
   with pytest.raises(ValueError, match=r"config\.model\.sink_tokens: must be"):
-    from attn_jax.config import validate_model
+    from attn_jax.model_config import validate_model
     validate_model(cfg.replace(sink_tokens=-1))
 
 

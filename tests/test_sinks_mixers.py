@@ -23,7 +23,7 @@ from attn_jax import decode
 from attn_jax.attention.sinkhorn import (SinkhornAttention, _blocks,
                                          sinkhorn_attention_reference)
 from attn_jax.attention.window import SlidingWindowAttention
-from attn_jax.config import ModelConfig
+from attn_jax.model_config import ModelConfig
 from tests.test_trunk import _cfg as _trunk_cfg
 from tests.test_trunk import _close as _trunk_close
 from tests.test_trunk import _decode, _full, _model, _tokens

@@ -175,7 +175,7 @@ def test_sisa_on_splash_keeps_no_block_residuals(remat_chunked, monkeypatch):
   from flax import nnx
 
   from attn_jax.attention import sisa as S
-  from attn_jax.config import ModelConfig
+  from attn_jax.model_config import ModelConfig
   from configs import base
   c = base.get_config()
   c.model.update(mixer="sisa", d_model=64, n_heads=2, n_layers=1, d_ff=64, vocab_size=64,

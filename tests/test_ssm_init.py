@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from attn_jax.config import ModelConfig
+from attn_jax.model_config import ModelConfig
 from attn_jax.registry import get_mixer
 from attn_jax.ssm import ssd
 

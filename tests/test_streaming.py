@@ -15,7 +15,7 @@ from attn_jax import decode, kernel_choice, streaming
 from attn_jax.attention import cache as cache_lib
 from attn_jax.attention import sisa
 from attn_jax.attention.projection import rope
-from attn_jax.config import ModelConfig
+from attn_jax.model_config import ModelConfig
 from attn_jax.model import build_model
 from attn_jax.streaming import StreamPolicy
 

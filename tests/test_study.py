@@ -308,7 +308,7 @@ def test_study_152m_configs_validate():
   assert len(cfgs) == len(study_152m.VARIANTS)
   assert cfgs["transformer"][1]["params"] == 151_878_144
   for name, (vc, info) in cfgs.items():
-    cfg = validate(vc)
+    cfg = validate(vc).model
     assert abs(info["diff_pct"]) <= 100 * c.study.param_tolerance, name
     assert vc.data.seq_len == 2048 and cfg.d_model == 768
   assert cfgs["sisa_ds32"][0].model.d_ff == 2748   # docs/papers.md §1.4

@@ -7,6 +7,7 @@ import jax
 import numpy as np
 import pytest
 
+from attn_jax import config as config_lib
 from attn_jax.train import trainer as trainer_lib
 from attn_jax.train import setup as setup_lib, fitting
 from attn_jax.train.metrics import read_metrics
@@ -179,7 +180,7 @@ def test_unknown_config_field_via_flags(tmp_path):
 def test_batch_geometry_rewrites_only_the_batch_fields_of_a_copy():
   """`_fit_memory` returns a BatchGeometry; `apply` gives the run's config: the same object when
   the batch is the config's own, else a copy with the micro-batch and accumulation replaced."""
-  c = tiny_config()
+  c = config_lib.validate(tiny_config())
   geo = fitting.BatchGeometry.of(c)
   assert geo.shape == (1, 8, 32) and geo.tokens == 8 * 32
   assert geo.apply(c) is c
@@ -188,7 +189,7 @@ def test_batch_geometry_rewrites_only_the_batch_fields_of_a_copy():
   assert (c2.data.global_batch_size, c2.train.grad_accum) == (2, 4)
   assert (c.data.global_batch_size, c.train.grad_accum) == (8, 1)   # the caller's is untouched
   assert smaller.tokens == geo.tokens
-  rest = lambda cfg: {k: v for k, v in cfg.to_dict().items() if k not in ("data", "train")}
+  rest = lambda cfg: {k: v for k, v in cfg.to_json().items() if k not in ("data", "train")}
   assert rest(c2) == rest(c)
   assert fitting.BatchGeometry.of(c2) == smaller
 

@@ -16,7 +16,7 @@ import pytest
 from flax import nnx
 
 from attn_jax import decode
-from attn_jax.config import ModelConfig, validate_model
+from attn_jax.model_config import ModelConfig, validate_model
 from attn_jax.layers import Linear
 from attn_jax.model import build_model, count_params, init_state
 from attn_jax.mixer import Mixer
@@ -431,7 +431,7 @@ def test_build_setup_reads_the_model_config_once(monkeypatch):
   mesh rules and the parameter count take it (and the abstract model) instead of building
   their own."""
   from configs import quickstart
-  from attn_jax.config import ModelConfig
+  from attn_jax.model_config import ModelConfig
   from attn_jax.train.setup import build_setup
   calls = []
   made = ModelConfig.from_config.__func__

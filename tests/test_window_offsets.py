@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from attn_jax.config import validate
+from attn_jax.config import DataConfig, section_of, validate
 from attn_jax.data import offsets, pipeline, shards, text
 from attn_jax.data.tokenizer import ByteTokenizer
 from configs.base import get_config
@@ -68,7 +68,7 @@ def test_default_is_unchanged(corpus):
   absent = data_config(corpus["jsonl"])
   del absent["window_offset"]
   a = take(pipeline.make_train_iterator(none, seed=3), 6)
-  b = take(pipeline.make_train_iterator(absent, seed=3), 6)
+  b = take(pipeline.make_train_iterator(section_of(DataConfig, "data", absent), seed=3), 6)
   tokens, _ = stream()
   for x, y in zip(a, b):
     for k in x:

@@ -35,7 +35,7 @@ from flax import nnx
 
 from attn_jax.attention.fox import BiasOptions, ScoreBiasAttention
 from attn_jax.attention.projection import QKVProjection, make_sink_logit
-from attn_jax.config import ModelConfig
+from attn_jax.model_config import ModelConfig
 from attn_jax.layers import stat_dtype
 from attn_jax.registry import register_mixer
 

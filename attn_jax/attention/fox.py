@@ -123,7 +123,7 @@ from attn_jax.attention.core import (attention_flops_per_token, blocked_attentio
                                      causal_block_mask, causal_keys, segment_mask)
 from attn_jax.attention.projection import (QKVProjection, SinkLogitOptions, make_sink_logit,
                                            probs_with_sink, rope, sink_logit_of)
-from attn_jax.config import ModelConfig
+from attn_jax.model_config import ModelConfig
 from attn_jax.kernels import decayed
 from attn_jax.layers import (Linear, causal_positions, dtype_of, param, segment_starts,
                              stat_dtype, time_cumsum)

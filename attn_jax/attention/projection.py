@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from attn_jax.attention.core import positional_mask
-from attn_jax.config import ModelConfig
+from attn_jax.model_config import ModelConfig
 from attn_jax.layers import Linear, apply_rope, causal_positions, dtype_of, param, rope_angles
 
 SINK_LOGITS = ("none", "learned", "softmax1")

@@ -93,7 +93,7 @@ from attn_jax.attention import cache as cache_lib
 from attn_jax.attention.core import NEG_INF, attend
 from attn_jax.attention.projection import (QKVProjection, SinkLogitOptions, make_sink_logit,
                                     sink_logit_of)
-from attn_jax.config import ModelConfig
+from attn_jax.model_config import ModelConfig
 from attn_jax.layers import (Linear, apply_rope, causal_positions, dtype_of, rope_angles,
                              segment_starts)
 from attn_jax.mixer import Mixer

@@ -38,7 +38,7 @@ from attn_jax.attention import cache as cache_lib
 from attn_jax.attention.core import attend, attention_flops_per_token, causal_keys
 from attn_jax.attention.projection import (QKVProjection, SinkLogitOptions, make_sink_logit,
                                            qk_probs, sink_logit_of)
-from attn_jax.config import ModelConfig
+from attn_jax.model_config import ModelConfig
 from attn_jax.layers import causal_positions
 from attn_jax.options import field_check, is_int
 from attn_jax.registry import register_mixer

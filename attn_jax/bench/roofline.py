@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from attn_jax import decode
-from attn_jax.config import ModelConfig
+from attn_jax.model_config import ModelConfig
 from attn_jax.layers import dtype_of
 from attn_jax.model import init_state
 

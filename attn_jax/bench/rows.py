@@ -168,7 +168,7 @@ def _decode_tok_s(cfg, state, toks, seq_len, o: Options, policy=None):
 def decode_only_row(name: str, config, options: Options, limits) -> dict:
   """The decode-step rows of `config` at initialisation (--decode_only: no train step)."""
   o = options
-  cfg = validate(config)
+  cfg = validate(config).model
   lim = limits(cfg.dtype)
   model, n_params = build_model(cfg, seed=0), count_params(cfg)
   return {"decode_steps": [
@@ -204,10 +204,9 @@ def bench_document_mask(name: str, seq_len: int, options: Options, config=None) 
   doc_len = o.document_len or max(1, seq_len // 4)
   row = {"config": name, "seq_len": seq_len, "batch": plain["inputs"].shape[1],
          "doc_len": doc_len}
-  config.data.document_mask = True
   packed = dict(plain, **packed_fields(plain, doc_len))
   try:
-    check_document_mask(setup.cfg, config.data)
+    check_document_mask(setup.cfg, setup.run.replace_in("data", document_mask=True).data)
     compiled_packed = compile_step(setup, packed)   # the same step; the batch has the keys
   except (NotImplementedError, ValueError) as e:
     return dict(row, skipped=f"{type(e).__name__}: {e}")

@@ -27,7 +27,7 @@ import os
 import time
 
 from attn_jax import decode, streaming
-from attn_jax.config import ModelConfig
+from attn_jax.model_config import ModelConfig
 from attn_jax.model import build_model
 
 

@@ -74,17 +74,17 @@ def warn_if_one_document(num_documents: int, data_cfg) -> None:
   if num_documents > 1 or not document_mask(data_cfg):
     return
   how = ("data.text_document='file' makes each file one document; with 'line' every non-blank "
-         "line is one" if str(data_cfg.get("source", "")) == "text" else
+         "line is one" if str(data_cfg.source) == "text" else
          "documents come from the corpus's records / EOS-separated texts")
   logging.warning("config.data.document_mask=True, but data.paths=%r holds %d document (%s): "
                   "every row lies inside it, all segment ids are 1 and the mask changes "
                   "nothing; split the corpus into documents or set data.document_mask=False",
-                  str(data_cfg.get("paths", "")), num_documents, how)
+                  str(data_cfg.paths), num_documents, how)
 
 
 def document_mask(data_cfg) -> bool:
-  """`data.document_mask` (absent in configs older than the switch: off)."""
-  value = data_cfg.get("document_mask", False)
+  """`data.document_mask` of the run's `DataConfig`, checked to be a bool."""
+  value = data_cfg.document_mask
   if not isinstance(value, bool):
     raise ValueError(f"config.data.document_mask must be True or False, got {value!r}")
   return value

@@ -35,8 +35,8 @@ _OFFSET_STREAM = 0x51_0FF5E7   # keeps these draws apart from any other use of t
 
 
 def window_offset(data_cfg) -> str:
-  """`data.window_offset` ("none" when the field is absent: configs from before it)."""
-  value = data_cfg.get("window_offset", "none")
+  """`data.window_offset` of the run's `DataConfig`, checked to be one of WINDOW_OFFSETS."""
+  value = data_cfg.window_offset
   if value not in WINDOW_OFFSETS:
     raise ValueError(f"config.data.window_offset must be one of {WINDOW_OFFSETS}, got {value!r}")
   return value

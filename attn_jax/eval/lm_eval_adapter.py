@@ -133,7 +133,7 @@ class AttnJaxLM(TemplateLM):
       model, config, loaded_step = load_for_inference(os.fspath(checkpoint), _as_int(step, "step"))
       if tokenizer is None:
         tokenizer = config.data.tokenizer
-      default_len = int(config.eval.get("max_len", 0) or config.data.seq_len)
+      default_len = int(config.eval.max_len or config.data.seq_len)
       self._source = f"{os.path.abspath(checkpoint)} step {loaded_step}"
     if isinstance(tokenizer, (str, os.PathLike)):
       tokenizer = get_tokenizer(os.fspath(tokenizer))

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from attn_jax import paths
-from attn_jax.config import seq_len_problem
+from attn_jax.model_config import seq_len_problem
 from attn_jax.data.tokenizer import Tokenizer
 from attn_jax.eval.harness import LogitsFn, ScorerFns, per_logits_fn_cache, scorer_state
 

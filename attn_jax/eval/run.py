@@ -9,16 +9,17 @@ settings, the held-out random stream).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from typing import Any, Mapping, Sequence
 
 import jax
-import ml_collections
 import numpy as np
 from flax import nnx
 
 from attn_jax import outputs, paths
+from attn_jax.config import RunConfig, as_run
 from attn_jax.data import pipeline
 from attn_jax.data.tokenizer import Tokenizer, get_tokenizer
 from attn_jax.eval import harness, mqar, niah, result_tables, tasks as tasks_lib
@@ -76,7 +77,7 @@ def _check_vocab(tokenizer: Tokenizer, vocab_size: int) -> None:
                      "(config.data.tokenizer)")
 
 
-def niah_lengths(config: ml_collections.ConfigDict, max_len: int) -> tuple[int, ...]:
+def niah_lengths(config: RunConfig, max_len: int) -> tuple[int, ...]:
   """The NIAH context lengths to run: `config.eval.niah_lengths` up to `max_len`.
 
   Lengths over `max_len` are dropped with a warning (an error if none is left). A length over
@@ -84,7 +85,7 @@ def niah_lengths(config: ml_collections.ConfigDict, max_len: int) -> tuple[int, 
   `config.seq_len_problem`): its cells are reported as "n/a: ... longer than the model's
   max_seq_len", never as a 0% that would say nothing about retrieval within its range.
   """
-  asked = tuple(int(x) for x in config.eval.get("niah_lengths", (256, 512)))
+  asked = tuple(int(x) for x in config.eval.niah_lengths)
   lengths = tuple(x for x in asked if x <= max_len)
   if not lengths:
     raise ValueError(f"config.eval.niah_lengths={asked}: none fits max_len={max_len} "
@@ -93,23 +94,25 @@ def niah_lengths(config: ml_collections.ConfigDict, max_len: int) -> tuple[int, 
     logging.warning("config.eval.niah_lengths=%s: skipping %s, longer than max_len=%d "
                     "(config.eval.max_len, default config.data.seq_len)", asked,
                     tuple(x for x in asked if x > max_len), max_len)
-  model_max = int(config.model.get("max_seq_len", 0) or 0)
-  beyond = tuple(x for x in lengths if model_max and x > model_max)
+  model_max = int(config.model.max_seq_len)
+  beyond = tuple(x for x in lengths if x > model_max)
   if beyond:
     logging.warning("config.eval.niah_lengths=%s: %s exceed config.model.max_seq_len=%d; "
                     "those cells are not run and are reported as n/a", asked, beyond, model_max)
   return lengths
 
 
-def run_tasks(logits_fn, config: ml_collections.ConfigDict, tasks: Sequence[str], *,
+def run_tasks(logits_fn, config: RunConfig, tasks: Sequence[str], *,
               tokenizer: Tokenizer | None = None,
               data_paths: Mapping[str, Any] | None = None, max_len: int | None = None,
               batch_size: int | None = None, limit: int | None = None) -> dict:
-  """{"results": {task: metrics}, "config": {...}} for the given tasks."""
+  """{"results": {task: metrics}, "config": {...}} for the given tasks (`config`: the run's
+  typed config, or a ConfigDict, validated here)."""
+  config = as_run(config)
   e = config.eval
-  max_len = int(max_len or e.get("max_len", 0) or config.data.seq_len)
+  max_len = int(max_len or e.max_len or config.data.seq_len)
   batch_size = int(batch_size or e.batch_size)
-  limit = limit if limit is not None else (int(e.get("limit", 0)) or None)
+  limit = limit if limit is not None else (int(e.limit) or None)
   bench = [t for t in tasks if t not in GENERATED]
   results: dict[str, Any] = {}
   if bench or "niah" in tasks:
@@ -117,7 +120,7 @@ def run_tasks(logits_fn, config: ml_collections.ConfigDict, tasks: Sequence[str]
     _check_vocab(tokenizer, config.model.vocab_size)
   if bench:
     if data_paths is None:
-      if not e.get("data_dir", ""):
+      if not e.data_dir:
         raise ValueError(f"tasks {bench} need data files: set config.eval.data_dir (a folder "
                          "laid out like shared/data; --data_dir of experiments/eval.py) or "
                          "pass data_paths")
@@ -128,17 +131,15 @@ def run_tasks(logits_fn, config: ml_collections.ConfigDict, tasks: Sequence[str]
   if "niah" in tasks:
     lengths = niah_lengths(config, max_len)
     res = niah.run_niah(logits_fn, tokenizer, context_lengths=lengths,
-                        depths=tuple(e.get("niah_depths", (0.0, 0.25, 0.5, 0.75, 1.0))),
-                        samples_per_cell=int(e.get("niah_samples", 2)), batch_size=batch_size,
-                        max_seq_len=int(config.model.get("max_seq_len", 0) or 0) or None)
+                        depths=tuple(e.niah_depths), samples_per_cell=int(e.niah_samples),
+                        batch_size=batch_size, max_seq_len=int(config.model.max_seq_len))
     results["niah"] = {"acc": res.accuracy, "grid": res.grid.tolist(),
                        "context_lengths": list(res.context_lengths), "depths": list(res.depths)}
     if res.not_available:
       results["niah"]["notes"] = list(res.not_available.values())
   if "mqar" in tasks:
     if config.data.source != "synthetic" or config.data.synthetic_task != "mqar":
-      mcfg = ml_collections.ConfigDict(config.data.to_dict())
-      mcfg.update(source="synthetic", synthetic_task="mqar")
+      mcfg = dataclasses.replace(config.data, source="synthetic", synthetic_task="mqar")
     else:
       mcfg = config.data
     batches = pipeline.make_eval_batches(mcfg, seed=config.seed, num_batches=4,
@@ -148,7 +149,7 @@ def run_tasks(logits_fn, config: ml_collections.ConfigDict, tasks: Sequence[str]
                                          "batch_size": batch_size, "limit": limit}}
 
 
-def task_callback(config: ml_collections.ConfigDict):
+def task_callback(config: RunConfig):
   """The trainer's evaluation callback for `config.eval.tasks`: `(state, step) -> metrics`.
 
   Task names are checked now (before hours of training). The scorer is built once from the
@@ -156,6 +157,7 @@ def task_callback(config: ml_collections.ConfigDict):
   evaluation after the first reuses its compilations.
   """
 
+  config = as_run(config)
   tasks = parse_tasks(config.eval.tasks)
   if not tasks:
     return None
@@ -203,12 +205,12 @@ def evaluate_checkpoint(workdir: str, tasks: str | Sequence[str], *, step: int |
   folder = outputs.results_folder(workdir, "eval", explicit=out_dir, flag="--out_dir").path
   model, config, step = load_for_inference(workdir, step, allow_unverified=allow_unverified)
   if data_dir:
-    config.eval.data_dir = data_dir
+    config = config.replace_in("eval", data_dir=data_dir)
   tok = get_tokenizer(tokenizer) if tokenizer else None
   out = run_tasks(ModelScorer(model), config, names, tokenizer=tok, data_paths=data_paths,
                   max_len=max_len or None, batch_size=batch_size or None, limit=limit)
   out["config"].update(workdir=paths.name(workdir), step=int(step),
-                       mixer=config.model.mixer, pattern=list(config.model.get("pattern", ())))
+                       mixer=config.model.mixer, pattern=list(config.model.pattern))
 
 
   def write() -> dict:

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from attn_jax.config import ModelConfig
+from attn_jax.model_config import ModelConfig
 from attn_jax.pretrained.hf import hf_config as llama_config
 from attn_jax.pretrained.llama import LlamaSpec, exportable_problem, params_to_hf
 from attn_jax.registry import get_mixer

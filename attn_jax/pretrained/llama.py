@@ -41,7 +41,7 @@ from typing import Mapping
 
 import numpy as np
 
-from attn_jax.config import LayerSpec, ModelConfig
+from attn_jax.model_config import LayerSpec, ModelConfig
 from attn_jax.model import padded_vocab
 from attn_jax.registry import get_mixer
 

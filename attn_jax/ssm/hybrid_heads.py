@@ -47,7 +47,7 @@ from attn_jax import kernel_choice
 from attn_jax.attention import cache as cache_lib
 from attn_jax.attention.core import attend
 from attn_jax.attention.projection import QKVProjection
-from attn_jax.config import ModelConfig
+from attn_jax.model_config import ModelConfig
 from attn_jax.layers import causal_positions, dtype_of, param
 from attn_jax.mixer import Mixer
 from attn_jax.registry import register_mixer

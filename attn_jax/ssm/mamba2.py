@@ -72,7 +72,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from attn_jax.config import ModelConfig
+from attn_jax.model_config import ModelConfig
 from attn_jax.layers import (Linear, causal_positions, dtype_of, fan_in_uniform, param,
                              segment_starts)
 from attn_jax.mixer import Mixer

@@ -45,7 +45,8 @@ from attn_jax.study.matching import set_override
 from attn_jax.study.report import copy_plots, marker_pair, page_links, splice
 from attn_jax.study.runner import (StudyStopped, enable_compilation_cache, finished_record,
                                    machine_info)
-from attn_jax.train.checkpoint import config_to_json, load_for_inference
+from attn_jax.config import config_to_json
+from attn_jax.train.checkpoint import load_for_inference
 from attn_jax.train.init_from import finetune_config
 from attn_jax.train.trainer import train_and_evaluate
 

@@ -26,6 +26,7 @@ import optax
 from flax import nnx
 
 from attn_jax import jsonio
+from attn_jax.config import RunConfig
 from attn_jax.data import pipeline
 from attn_jax.eval import mqar
 from attn_jax.model import build_model
@@ -153,7 +154,7 @@ def mean_nll(logits_fn):
   return loss_fn
 
 
-def train(c, logits_fn, params, decay, mult, batches, evals, *, every: int):
+def train(c: RunConfig, logits_fn, params, decay, mult, batches, evals, *, every: int):
   """The optax chain of the trainer over `batches`; -> (final params, curve rows)."""
   tx, _ = optim.optimizer_from_groups(c, decay, mult)
   scorer = _Scorer(logits_fn)
@@ -185,7 +186,8 @@ def run_one(base, spec_label, recipe, seed, steps, batches, every, batch_size=12
            else build_minimal(c, recipe))
   logits_fn, params, decay, mult = build
   t0 = time.perf_counter()
-  _, rows = train(c, logits_fn, params, decay, mult, batches, eval_batches(c), every=every)
+  _, rows = train(RunConfig.from_config(c), logits_fn, params, decay, mult, batches,
+                  eval_batches(c), every=every)
   n = sum(int(np.size(a)) for a in jax.tree.leaves(params))
   return {"model": spec_label, "seed": seed, "params": n, "curve": rows,
           "final_recall": rows[-1]["recall"], "wall_s": time.perf_counter() - t0}

@@ -68,6 +68,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from attn_jax import outputs, paths, sharding as shd
+from attn_jax.config import RunConfig
 from attn_jax.model import abstract_model
 from attn_jax.train import early_signals
 from attn_jax.train.writers import WriteError, describe_disk, disk_full
@@ -654,10 +655,6 @@ def abstract_with_shardings(tree: Any, shardings: Any) -> Any:
                       shardings)
 
 
-def config_to_json(config) -> dict:
-  return json.loads(config.to_json_best_effort())
-
-
 def run_checkpoints(workdir) -> str:
   """`<workdir>/checkpoints`, or FileNotFoundError when `workdir` is not a training run's
   folder (checked before anything else is done with it)."""
@@ -670,7 +667,8 @@ def run_checkpoints(workdir) -> str:
 
 def load_for_inference(workdir: str, step: int | None = None, *, devices=None,
                        allow_unverified: bool = False):
-  """(model, config, step) from a training run directory, for a notebook or the evaluator.
+  """(model, config, step) from a training run directory, for a notebook or the evaluator;
+  `config` is the run's typed `attn_jax.config.RunConfig`, read from the checkpoint's meta.
 
   Read-only: the run directory is opened with `Checkpointer(read_only=True)` (no folder
   created, no temporary folder cleaned, nothing pruned or moved) and its lock is not taken, so
@@ -737,7 +735,7 @@ def _load_newest(ckpt: Checkpointer, step: int | None, devices, retries: int = 3
 
 
 def _load_step(ckpt: Checkpointer, step: int, devices):
-  """(model, config) of one verified step; CheckpointCorruptError when it cannot be read,
+  """(model, RunConfig) of one verified step; CheckpointCorruptError when it cannot be read,
   CheckpointMismatchError when its saved config does not build its stored parameters."""
   import ml_collections
   from flax import nnx
@@ -751,14 +749,18 @@ def _load_step(ckpt: Checkpointer, step: int, devices):
     config = ml_collections.ConfigDict(_tuples(ckpt.restore_meta(step)["config"]))
   except Exception as e:
     raise CheckpointCorruptError(f"its meta (the saved config) cannot be read: {_short(e)}")
-  mesh = shd.make_mesh(config.mesh.shape, config.mesh.axis_names, devices)
-  rules = shd.config_rules(config)
-  graphdef, abs_params, abs_rest = nnx.split(abstract_model(config.model), nnx.Param, ...)
+  try:
+    run = RunConfig.from_config(config)
+  except ValueError as e:
+    raise CheckpointCorruptError(f"its meta (the saved config) is not a valid config: {e}")
+  mesh = shd.make_mesh(run.mesh.shape, run.mesh.axis_names, devices)
+  rules = shd.config_rules(run)
+  graphdef, abs_params, abs_rest = nnx.split(abstract_model(run.model), nnx.Param, ...)
   target = {}
   for name, abs_part in (("params", abs_params), ("rest", abs_rest)):
     shardings = shd.state_shardings(abs_part, mesh, rules)
     target[name] = abstract_with_shardings(nnx.to_pure_dict(abs_part), shardings)
-  _check_meta_matches(ckpt, step, config, target)
+  _check_meta_matches(ckpt, step, run.model, target)
   try:
     restored = ckpt.restore_subtree(target, step)
   except Exception as e:  # tensorstore: undecodable chunks, missing files
@@ -768,20 +770,19 @@ def _load_step(ckpt: Checkpointer, step: int, devices):
   params, rest = nnx.State(abs_params), nnx.State(abs_rest)
   nnx.replace_by_pure_dict(params, restored["params"])
   nnx.replace_by_pure_dict(rest, restored["rest"])
-  return nnx.merge(graphdef, params, rest), config
+  return nnx.merge(graphdef, params, rest), run
 
 
-def _check_meta_matches(ckpt: Checkpointer, step: int, config, target: dict) -> None:
+def _check_meta_matches(ckpt: Checkpointer, step: int, m, target: dict) -> None:
   """The parameters the saved config builds must be the stored ones, leaf for leaf."""
   diffs = ckpt.stored_differences(step, target, only=tuple(target))
   if diffs is None:
     raise CheckpointCorruptError("orbax cannot read the metadata of its arrays")
   if diffs:
-    m = config.model
     raise CheckpointMismatchError(
         f"checkpoint step {step} in {ckpt.directory}: the config saved with it (its meta: "
-        f"model.mixer={m.get('mixer')!r}, model.pattern={tuple(m.get('pattern', ()))!r}, "
-        f"d_model={m.get('d_model')}, n_layers={m.get('n_layers')}) does not build the "
+        f"model.mixer={m.mixer!r}, model.pattern={tuple(m.pattern)!r}, "
+        f"d_model={m.d_model}, n_layers={m.n_layers}) does not build the "
         f"parameters stored in it, so nothing was loaded (was the meta edited, or written by "
         f"other code?): {'; '.join(diffs)}", step=step, differences=diffs)
 

@@ -9,10 +9,11 @@ import dataclasses
 import logging
 import time
 
-import ml_collections
+
 
 from attn_jax import sharding as shd
-from attn_jax.train import (memory)
+from attn_jax.config import RunConfig
+from attn_jax.train import memory
 from attn_jax.train.setup import Setup, abstract_batch, compile_step, step_memory
 
 
@@ -30,7 +31,7 @@ class BatchGeometry:
   seq_len: int
 
   @classmethod
-  def of(cls, config: ml_collections.ConfigDict) -> "BatchGeometry":
+  def of(cls, config: RunConfig) -> "BatchGeometry":
     return cls(config.train.grad_accum, config.data.global_batch_size, config.data.seq_len)
 
   @property
@@ -42,17 +43,16 @@ class BatchGeometry:
     """Tokens per optimizer step."""
     return self.accum * self.micro * self.seq_len
 
-  def apply(self, config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  def apply(self, config: RunConfig) -> RunConfig:
     """`config` itself when its batch is this one, else a copy with data.global_batch_size and
     train.grad_accum set to it."""
     if BatchGeometry.of(config) == self:
       return config
-    config = ml_collections.ConfigDict(config.to_dict())
-    config.data.global_batch_size, config.train.grad_accum = self.micro, self.accum
-    return config
+    return (config.replace_in("data", global_batch_size=self.micro)
+            .replace_in("train", grad_accum=self.accum))
 
 
-def fit_memory(setup: Setup, config: ml_collections.ConfigDict) -> BatchGeometry:
+def fit_memory(setup: Setup, config: RunConfig) -> BatchGeometry:
   """The batch geometry to train with, after comparing the compiled step's memory with the
   device's (before the first step).
 
@@ -62,7 +62,7 @@ def fit_memory(setup: Setup, config: ml_collections.ConfigDict) -> BatchGeometry
   the needed and available memory and the knobs. `train.device_memory_gb` (> 0) overrides the
   detected memory (e.g. to size a run for another device)."""
   t, geo = config.train, BatchGeometry.of(config)
-  avail = int(t.get("device_memory_gb", 0.0) * 2**30) or None
+  avail = int(t.device_memory_gb * 2**30) or None
   mem = step_memory(setup, geo.micro, geo.accum, geo.seq_len)
   if mem is None:   # the backend reports no analysis
     return geo
@@ -71,7 +71,7 @@ def fit_memory(setup: Setup, config: ml_collections.ConfigDict) -> BatchGeometry
   logging.info("%s", fit.message)
   if fit.fits:
     return geo
-  if not t.get("auto_microbatch", False):
+  if not t.auto_microbatch:
     raise MemoryError(fit.message)
   total = geo.micro * geo.accum
   micro, accum = memory.pick_micro_batch(

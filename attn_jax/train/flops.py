@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import jax
 
-from attn_jax.config import ModelConfig
+from attn_jax.model_config import ModelConfig
 from attn_jax.registry import get_mixer
 
 # Dense bf16 peak per device (FLOP/s), from vendor datasheets (no sparsity).

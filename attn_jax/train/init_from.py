@@ -47,8 +47,9 @@ import ml_collections
 import numpy as np
 
 from attn_jax import paths
-from attn_jax.config import ModelConfig
+from attn_jax.config import RunConfig
 from attn_jax.data.tokenizer import get_tokenizer
+from attn_jax.model_config import ModelConfig
 from attn_jax.train.checkpoint import Checkpointer, _tuples, load_for_inference
 
 TRAINABLE = ("all", "new", "new+norms")
@@ -166,10 +167,10 @@ def _new_params(path: str) -> tuple[str, ...]:
   return tuple(sorted(json.loads(info.read_text()).get("variant", {}).get("new", {})))
 
 
-def check(config: ml_collections.ConfigDict) -> InitSource | None:
+def check(config: RunConfig) -> InitSource | None:
   """The init_from run (None without one), every check done (module docstring)."""
   t = config.train
-  path, trainable = str(t.get("init_from", "") or ""), str(t.get("trainable", "all"))
+  path, trainable = str(t.init_from or ""), str(t.trainable)
   if trainable not in TRAINABLE:
     raise ValueError(f"config.train.trainable: {trainable!r} not in {TRAINABLE}")
   if not path:
@@ -179,7 +180,7 @@ def check(config: ml_collections.ConfigDict) -> InitSource | None:
     return None
   if not (paths.run_path(path) / "checkpoints").is_dir():
     raise ValueError(f"config.train.init_from={path}: not a run directory (no checkpoints/)")
-  step = int(t.get("init_step", -1))
+  step = int(t.init_step)
   step = None if step < 0 else step   # -1: the newest usable step, as a resume picks it
   saved, _ = _saved_config(path, step)
   _check_architecture(config, saved, path)
@@ -196,10 +197,10 @@ def _path(keys) -> str:
   return "/".join(str(getattr(k, "key", k)) for k in keys)
 
 
-def trainable_mask(config: ml_collections.ConfigDict, abstract_params) -> Any | None:
+def trainable_mask(config: RunConfig, abstract_params) -> Any | None:
   """A pure-dict tree of bools (True = trains) over the parameters, or None (all train)."""
   from flax import nnx
-  trainable = str(config.train.get("trainable", "all"))
+  trainable = str(config.train.trainable)
   if trainable == "all":
     return None
   src = check(config)
@@ -219,11 +220,11 @@ def trainable_mask(config: ml_collections.ConfigDict, abstract_params) -> Any | 
   return mask
 
 
-def lr_scale(config: ml_collections.ConfigDict, abstract_params) -> Any | None:
+def lr_scale(config: RunConfig, abstract_params) -> Any | None:
   """A pure-dict tree of lr multipliers (`new_scalar_lr_mult` on the new parameters of kind
   scalar or bias, 1 elsewhere), or None when it is 1."""
   from flax import nnx
-  mult = float(config.train.get("new_scalar_lr_mult", 1.0))
+  mult = float(config.train.new_scalar_lr_mult)
   if not mult > 0:
     raise ValueError(f"config.train.new_scalar_lr_mult: must be > 0, got {mult!r}")
   if mult == 1.0:
@@ -243,13 +244,13 @@ def lr_scale(config: ml_collections.ConfigDict, abstract_params) -> Any | None:
   return nnx.to_pure_dict(tree) if isinstance(tree, nnx.State) else tree
 
 
-def optimizer_groups(config: ml_collections.ConfigDict, abstract_params) -> tuple[Any, Any]:
+def optimizer_groups(config: RunConfig, abstract_params) -> tuple[Any, Any]:
   """(trainable mask, lr scale) for `optim.make_optimizer` (each None when it changes
   nothing)."""
   return trainable_mask(config, abstract_params), lr_scale(config, abstract_params)
 
 
-def initial_state(config: ml_collections.ConfigDict, setup, fresh: dict) -> dict:
+def initial_state(config: RunConfig, setup, fresh: dict) -> dict:
   """`fresh` (the trainer's jitted init: sharded, optimizer state zero) with the init_from
   run's parameters and non-trainable state put in, on the same shardings; `fresh` itself
   without init_from."""
@@ -275,7 +276,7 @@ def initial_state(config: ml_collections.ConfigDict, setup, fresh: dict) -> dict
                "values, vocabulary padding rows included (config.train.trainable=%r); "
                "optimizer state fresh (AdamW moments 0, step 0, "
                "the LR schedule from its start)", src.path, step, f"{n_train:,}", f"{n:,}",
-               str(config.train.get("trainable", "all")))
+               str(config.train.trainable))
   return fresh
 
 

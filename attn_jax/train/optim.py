@@ -19,14 +19,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import optax
 from flax import nnx
 
+from attn_jax.config import OptimConfig, RunConfig
 from attn_jax.layers import PARAM_KINDS
 
 
-def lr_schedule(o: ml_collections.ConfigDict, total_steps: int) -> optax.Schedule:
+def lr_schedule(o: OptimConfig, total_steps: int) -> optax.Schedule:
   warmup = min(int(o.warmup_steps), max(total_steps - 1, 0))
   return optax.warmup_cosine_decay_schedule(
       init_value=0.0, peak_value=o.lr, warmup_steps=warmup,
@@ -57,7 +57,7 @@ def scale_by_tree(multipliers: Any) -> optax.GradientTransformation:
       lambda u, m: u if m == 1.0 else u * jnp.asarray(m, u.dtype), updates, multipliers))
 
 
-def make_optimizer(config: ml_collections.ConfigDict, abstract_params: Any,
+def make_optimizer(config: RunConfig, abstract_params: Any,
                    trainable: Any = None, lr_scale: Any = None):
   """Returns (optax transform, lr schedule). `abstract_params` is an nnx.State of Params;
   `trainable`, `lr_scale` (a tree multiplying the lr multipliers; None = 1): see the module
@@ -68,7 +68,7 @@ def make_optimizer(config: ml_collections.ConfigDict, abstract_params: Any,
   return optimizer_from_groups(config, decay_mask, lr_mult, trainable=trainable)
 
 
-def optimizer_from_groups(config: ml_collections.ConfigDict, decay_mask: Any, lr_mult: Any,
+def optimizer_from_groups(config: RunConfig, decay_mask: Any, lr_mult: Any,
                           trainable: Any = None):
   """`make_optimizer`'s chain from explicit (decay mask, lr multiplier) trees, for parameters
   that are not nnx Params (a plain-JAX model trained with the same optimizer)."""

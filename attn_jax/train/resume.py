@@ -7,7 +7,8 @@ from __future__ import annotations
 import logging
 
 from attn_jax import jsonio, paths
-from attn_jax.train.checkpoint import Checkpointer, CheckpointMismatchError, config_to_json
+from attn_jax.config import config_to_json
+from attn_jax.train.checkpoint import Checkpointer, CheckpointMismatchError
 
 
 def config_changes(saved: dict, now: dict) -> list[str]:

@@ -19,7 +19,8 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from attn_jax import sharding as shd
-from attn_jax.config import ModelConfig, validate
+from attn_jax.config import RunConfig, as_run
+from attn_jax.model_config import ModelConfig
 from attn_jax.data import pipeline
 from attn_jax.data.documents import batch_keys
 from attn_jax.model import build_model, count_params
@@ -34,7 +35,7 @@ BASE_KEYS = ("inputs", "targets", "weights")
 @dataclasses.dataclass
 class Setup:
   """Everything built before the loop; also what tests and benchmarks reuse."""
-  cfg: ModelConfig
+  cfg: ModelConfig      # run.model
   mesh: Any
   rules: dict
   graphdef: Any
@@ -47,18 +48,21 @@ class Setup:
   batch_sharding: Any   # for [A, B, L] arrays
   n_params: dict
   batch_keys: tuple[str, ...] = BASE_KEYS   # the batch dict's keys (data.document_mask adds two)
+  run: RunConfig = RunConfig()   # the typed run config everything below the setup reads
 
 
-def build_setup(config: ml_collections.ConfigDict, *, devices=None) -> Setup:
-  cfg = validate(config)
+def build_setup(config: ml_collections.ConfigDict | RunConfig, *, devices=None) -> Setup:
+  """The setup of `config` (a ConfigDict is validated here, once; a RunConfig is used as is)."""
+  config = as_run(config)
+  cfg = config.model
   mesh = shd.make_mesh(config.mesh.shape, config.mesh.axis_names, devices)
-  rules = shd.config_rules(config, cfg)
+  rules = shd.config_rules(config)
   abs_model = nnx.eval_shape(lambda: build_model(cfg, seed=config.seed))
   graphdef, abs_params, abs_rest = nnx.split(abs_model, nnx.Param, ...)
   # per-parameter treatment from metadata; config.train.trainable may freeze some (init_from.py)
   tx, sched = make_optimizer(config, abs_params, *init_from.optimizer_groups(config, abs_params))
 
-  replicate = tuple(config.mesh.get("replicate_indivisible", ()))
+  replicate = config.mesh.replicate_indivisible
   param_sh = shd.state_shardings(abs_params, mesh, rules, replicate_indivisible=replicate)
   rest_sh = shd.state_shardings(abs_rest, mesh, rules, replicate_indivisible=replicate)
   repl = shd.replicated(mesh)
@@ -84,7 +88,7 @@ def build_setup(config: ml_collections.ConfigDict, *, devices=None) -> Setup:
   init_fn = jax.jit(init, out_shardings=state_sh)
   return Setup(cfg, mesh, rules, graphdef, tx, sched, state_sh,
                abstract_with_shardings(abstract, state_sh), init_fn, step_fn, batch_sh,
-               count_params(cfg, abs_model), batch_keys(config.data))
+               count_params(cfg, abs_model), batch_keys(config.data), config)
 
 
 def next_batch(it, accum: int, batch_sh, global_shape, keys=BASE_KEYS) -> dict:
@@ -107,7 +111,7 @@ def eval_batch_sharding(setup: Setup) -> NamedSharding:
   return shd.batch_sharding(setup.mesh, setup.rules)
 
 
-def make_heldout_batches(config: ml_collections.ConfigDict, setup: Setup,
+def make_heldout_batches(config: RunConfig, setup: Setup,
                          num_batches: int = 4) -> list[dict]:
   """Held-out batches as global [B, L] arrays with `eval_batch_sharding`; each host reads only
   the rows its devices hold (right on several hosts, not only on one)."""

@@ -70,12 +70,13 @@ import jax
 import ml_collections
 
 from attn_jax import paths, sharding as shd
+from attn_jax.config import config_to_json
 from attn_jax.data import pipeline, text
 from attn_jax.options import field_check
 from attn_jax.train import (early_signals, fitting, flops as flops_lib, init_from, resume,
                             setup as setup_lib, workdir as workdir_lib)
 from attn_jax.train.checkpoint import (Checkpointer, CheckpointSaveError, PreemptionGuard,
-                                       check_writable, config_to_json)
+                                       check_writable)
 from attn_jax.train.fitting import BatchGeometry
 from attn_jax.train.loss_monitor import NONFINITE_MODES, LossMonitor, NonFiniteTrainingError
 from attn_jax.train.metrics import MetricWriter, flatten_metrics

@@ -41,12 +41,12 @@ RUN_ID_FILE = "wandb_run_id"
 
 
 def settings(config) -> dict[str, str] | None:
-  """{"project", "entity"} when config.metrics.wandb_project is set, else None (off)."""
-  m = config.get("metrics") or {}
-  project = m.get("wandb_project", "") or ""
-  if not project:
+  """{"project", "entity"} when the run's (`RunConfig`) metrics.wandb_project is set, else
+  None (off)."""
+  m = config.metrics
+  if not m.wandb_project:
     return None
-  return {"project": str(project), "entity": str(m.get("wandb_entity", "") or "")}
+  return {"project": str(m.wandb_project), "entity": str(m.wandb_entity or "")}
 
 
 def check_installed(config) -> None:
