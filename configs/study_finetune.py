@@ -71,6 +71,7 @@ def get_config():
   s.stream_tokens = 8192              # held-out tokens scored as a stream (eval split)
   s.stream_cache = 512                # window(512) vs streaming(4 + 508)
   s.stream_sinks = 4
+  s.stream_keep = ()                  # kept first tokens streamed; () = (stream_sinks,)
   s.stream_chunk = 256                # tokens per scoring call
   s.stream_bin = 256                  # positions per point of the NLL-by-position plot
   return c

@@ -177,6 +177,7 @@ def study_defaults() -> ml_collections.ConfigDict:
   s.throughput_batch_tokens = 2048
   s.throughput_steps = 3
   s.throughput_repeats = 1
+  s.sink_stream = False          # the sink study's stream phase (configs/study_sinks.py)
   return s
 
 

@@ -152,7 +152,7 @@ def stream_policies(config):
   (default: `study.stream_sinks` alone)."""
   s = config.study
   cache = int(s.stream_cache)
-  keep = [int(k) for k in s.get("stream_keep", ())] or [int(s.stream_sinks)]
+  keep = [int(k) for k in s.stream_keep] or [int(s.stream_sinks)]
   if any(not 0 <= k < cache for k in keep):
     raise ValueError(f"config.study.stream_keep: kept first tokens must be in [0, "
                      f"study.stream_cache={cache}), got {keep}")

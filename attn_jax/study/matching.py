@@ -44,7 +44,7 @@ def variant_names(config: ml_collections.ConfigDict) -> list[str]:
   base = config.study.baseline
   if base not in names:
     raise ValueError(f"config.study.baseline: {base!r} is not one of the variants {names}")
-  only = config.study.get("only", ())
+  only = config.study.only
   only = [s.strip() for s in (only.split(",") if isinstance(only, str) else only) if s.strip()]
   unknown = sorted(set(only) - set(names))
   if unknown:

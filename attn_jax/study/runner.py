@@ -145,7 +145,7 @@ def eval_callbacks(config: ml_collections.ConfigDict) -> list[Callable]:
   tasks = task_callback(config)
   if tasks is not None:
     cbs.append(tasks)
-  if config.study.get("lm_eval", False):
+  if config.study.lm_eval:
     cbs.append(lm_callback(config))
   if config.study.niah == "synthetic":
     cbs.append(needle_callback(config))
@@ -157,7 +157,7 @@ def eval_callbacks(config: ml_collections.ConfigDict) -> list[Callable]:
 
 def variant_lrs(config: ml_collections.ConfigDict) -> list[float]:
   """The learning rates a (variant's) config sweeps: `study.lrs`, or `optim.lr` alone."""
-  lrs = [float(x) for x in (config.study.get("lrs", ()) or ())]
+  lrs = [float(x) for x in (config.study.lrs or ())]
   if any(not x > 0 for x in lrs) or len(set(lrs)) != len(lrs):
     raise ValueError(f"config.study.lrs: want distinct positive learning rates, got {lrs}")
   return lrs or [float(config.optim.lr)]
@@ -194,7 +194,7 @@ SELECTION_FIELDS = ("variants", "baseline", "only", "seeds", "lrs", "sweep_seed"
 def run_fields(config: ml_collections.ConfigDict) -> dict:
   """What a study run computes: its config as JSON without the study's selection fields."""
   d = json.loads(json.dumps(config.to_dict(), default=str))
-  d["study"] = {k: v for k, v in d.get("study", {}).items() if k not in SELECTION_FIELDS}
+  d["study"] = {k: v for k, v in d["study"].items() if k not in SELECTION_FIELDS}
   return d
 
 
@@ -308,8 +308,8 @@ def _runs(config, cfgs, workdir, log, on_run):
   """Train the sweep, then every seed at each variant's best lr. -> (runs, sweep rows, lrs).
   `on_run(runs, sweep, lrs)` is called after every run (to rewrite results.json)."""
   s = config.study
-  metric = s.get("sweep_metric", "") or s.recall_metric
-  seed0 = int(s.get("sweep_seed", -1)) if s.get("sweep_seed", -1) >= 0 else int(s.seeds[0])
+  metric = s.sweep_metric or s.recall_metric
+  seed0 = int(s.sweep_seed) if s.sweep_seed >= 0 else int(s.seeds[0])
   runs, sweep, chosen, at_best = [], [], {}, {}
 
   def train(name, vc, info, seed, lr, swept):
@@ -377,7 +377,7 @@ def run_study(config: ml_collections.ConfigDict, workdir: str, *, command: str =
                  "throughput_wall_s": throughput_wall_s(workdir),
                  "baseline": m.baseline, "seeds": list(m.seeds),
                  "recall_metric": m.recall_metric, "niah_metric": m.niah_metric,
-                 "niah": m.niah, "sweep_metric": m.get("sweep_metric", "") or m.recall_metric,
+                 "niah": m.niah, "sweep_metric": m.sweep_metric or m.recall_metric,
                  "steps": int(config.train.steps), "eval_every": int(config.eval.every_steps),
                  "seq_len": int(config.data.seq_len),
                  "batch": int(config.data.global_batch_size) * int(config.train.grad_accum),
@@ -390,7 +390,7 @@ def run_study(config: ml_collections.ConfigDict, workdir: str, *, command: str =
                               lambda r, s, c: jsonio.write(results(r, s, c, None), path))
   thr = run_throughput(config, {n: c for n, (c, _) in cfgs.items()}, workdir, log)
   out = results(runs, sweep, chosen, thr)
-  if config.study.get("sink_stream", False):   # the sink study's stream phase (sinks.py)
+  if config.study.sink_stream:   # the sink study's stream phase (sinks.py)
     out["sinks"] = sinks.stream_all(config, runs, log)
     out["meta"]["finished"] = datetime.datetime.now(datetime.timezone.utc).isoformat(
         timespec="seconds")
