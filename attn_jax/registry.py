@@ -65,7 +65,8 @@ def available_mixers(include_private: bool = False) -> list[str]:
 
 
 def default_options(name: str) -> dict:
-  """The mixer's option defaults as a plain dict (configs/base.py builds its sub-dicts from it)."""
+  """The mixer's option defaults as a plain dict (`config.default_config` builds its sub-dicts
+  from it)."""
   return {f.name: getattr(get_mixer(name).Options(), f.name)
           for f in dataclasses.fields(get_mixer(name).Options)}
 

@@ -21,7 +21,7 @@ Resumable: each stage writes its output last (a conversion: the run directory re
 place; a fine-tune: finetune_run.json after the trainer's final checkpoint; a stream score:
 stream.json), so a rerun of the same command skips what is done and resumes a fine-tune from
 its latest checkpoint. A finished fine-tune whose config has changed since (a field's value;
-a field added to configs/base.py since, at its default, is not a change) is an error naming
+a field added to attn_jax/config.py since, at its default, is not a change) is an error naming
 it and the fields. Entry point: experiments/finetune_study.py.
 """
 

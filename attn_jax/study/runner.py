@@ -21,7 +21,7 @@ Layout under the study's workdir:
 Resuming (`finished_record`, also the fine-tuning study's rule): a run with a study_run.json
 whose saved config (every field but the study's selection fields, `SELECTION_FIELDS`) has the
 values the study's config has now is skipped; a field the saved config lacks (added to
-configs/base.py since, at its default) is no change. Summaries from before configs were saved
+attn_jax/config.py since, at its default) is no change. Summaries from before configs were saved
 in them are matched on their digest, or, older still, on steps, parameters and lr. An
 unfinished run is restarted with the same command and the trainer resumes from its latest
 checkpoint. A finished run whose config has changed since is an error naming the run and up to
@@ -200,7 +200,7 @@ def run_fields(config: ml_collections.ConfigDict) -> dict:
 
 def changed_fields(saved: dict, now: dict) -> list[str]:
   """"field: saved -> now" for the fields whose value differs; a field the saved config lacks
-  (added to configs/base.py since, at its default) is not a change of the run."""
+  (added to attn_jax/config.py since, at its default) is not a change of the run."""
   return [c for c in config_changes(saved, now) if ": '(absent)' ->" not in c]
 
 
