@@ -61,10 +61,11 @@ def main(argv):
     sys.exit(compile_only_main(_CONFIG.value, _COMPILE_ONLY.value, _config_name()))
   from attn_jax import distributed
   distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+  from attn_jax.config import validate
   from attn_jax.eval.run import task_callback
   from attn_jax.train.trainer import train_and_evaluate
 
-  config = _CONFIG.value
+  config = validate(_CONFIG.value)   # the typed run config, once: everything below reads it
   workdir = _WORKDIR.value or os.path.join("runs", _config_name())
   tasks = task_callback(config)   # config.eval.tasks, checked before training starts
   result = train_and_evaluate(config, workdir, eval_callbacks=[tasks] if tasks else [])

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from attn_jax.data import pipeline, shards
-from attn_jax.train import setup as setup_lib, trainer as trainer_lib
+from attn_jax.train import loss_monitor, setup as setup_lib, trainer as trainer_lib
 from tests.test_shards import data_config
 from tests.test_train import tiny_config
 
@@ -147,7 +147,7 @@ def test_a_run_whose_every_step_is_skipped_ends_in_an_error(tmp_path, monkeypatc
   monkeypatch.setattr(setup_lib, "next_batch", nan_weights)
   c = tiny_config(steps=4)
   c.checkpoint.every_steps = 2
-  with pytest.raises(trainer_lib.NonFiniteTrainingError, match=(
+  with pytest.raises(loss_monitor.NonFiniteTrainingError, match=(
       r"step 4: .*every one of the 4 steps this run trained \(steps 1-4\) was non-finite and "
       r"skipped.*nonfinite_max_consecutive=10.* The last finite step is 0; the latest "
       r"checkpoint \(from before it\) is step 2")):

@@ -9,7 +9,7 @@ import pytest
 
 from attn_jax import config as config_lib
 from attn_jax.train import trainer as trainer_lib
-from attn_jax.train import setup as setup_lib, fitting
+from attn_jax.train import fitting, preflight, setup as setup_lib
 from attn_jax.train.metrics import read_metrics
 from configs import quickstart
 
@@ -202,18 +202,18 @@ def test_a_run_names_its_data_source_first_and_warns_on_generated_data_for_a_lar
   from configs import sisa_152m
   c = tiny_config()
   with caplog.at_level(logging.INFO):
-    trainer_lib.say_data_source(c, 50_000)
+    preflight.say_data_source(c, 50_000)
   assert [r.levelno for r in caplog.records] == [logging.INFO]
   assert "GENERATED multi-query associative recall (4 key-value pairs" in caplog.text
   caplog.clear()
   big = sisa_152m.get_config()
   with caplog.at_level(logging.INFO):
-    trainer_lib.say_data_source(big, 152_000_000)
+    preflight.say_data_source(big, 152_000_000)
   warning = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
   assert len(warning) == 1 and "152.0M-parameter model trains on GENERATED data" in warning[0]
   caplog.clear()
   big.data.update(source="jsonl", paths="gs://b/train.jsonl", tokenizer="tok.json")
   with caplog.at_level(logging.INFO):
-    trainer_lib.say_data_source(big, 152_000_000)
+    preflight.say_data_source(big, 152_000_000)
   assert [r.getMessage() for r in caplog.records] == [
       "data: data.source='jsonl' from data.paths='gs://b/train.jsonl', tokenizer 'tok.json'"]

@@ -19,7 +19,7 @@ import optax
 import pytest
 from flax import nnx
 
-from attn_jax.train import fitting, setup as setup_lib, trainer as trainer_lib
+from attn_jax.train import fitting, loss_monitor, setup as setup_lib, trainer as trainer_lib
 from attn_jax.train.checkpoint import Checkpointer, all_finite
 from attn_jax.train.metrics import read_metrics
 from attn_jax.train.step import make_train_step
@@ -150,7 +150,7 @@ def diverging_config(steps):
 def test_nonfinite_halt_names_the_last_finite_step_and_never_saves_nan(tmp_path):
   c = diverging_config(10)
   c.train.nonfinite = "halt"
-  with pytest.raises(trainer_lib.NonFiniteTrainingError) as e:
+  with pytest.raises(loss_monitor.NonFiniteTrainingError) as e:
     trainer_lib.train_and_evaluate(c, str(tmp_path))
   msg = str(e.value)
   step = int(msg.split(":")[0].split()[-1])   # "step N: ..."
@@ -164,7 +164,7 @@ def test_nonfinite_halt_names_the_last_finite_step_and_never_saves_nan(tmp_path)
 def test_nonfinite_skip_counts_and_halts_after_too_many_in_a_row(tmp_path):
   c = diverging_config(12)
   c.train.update(nonfinite="skip", nonfinite_max_consecutive=3)
-  with pytest.raises(trainer_lib.NonFiniteTrainingError, match="3 non-finite steps in a row"):
+  with pytest.raises(loss_monitor.NonFiniteTrainingError, match="3 non-finite steps in a row"):
     trainer_lib.train_and_evaluate(c, str(tmp_path))
   rows = [r for r in read_metrics(str(tmp_path)) if "loss" in r]
   skipped = [r["step"] for r in rows if r["nonfinite"] == 1.0]
@@ -198,7 +198,7 @@ def test_step_drops_an_update_that_would_make_params_nonfinite():
 
 
 def test_loss_monitor_flags_spikes_and_round_trips():
-  mon = trainer_lib.LossMonitor(window=8, threshold=4.0)
+  mon = loss_monitor.LossMonitor(window=8, threshold=4.0)
   rng = np.random.default_rng(0)
   flags = [mon.update(s, 2.0 + 1e-4 * rng.standard_normal(), False) for s in range(1, 9)]
   assert not any(flags)
@@ -206,11 +206,11 @@ def test_loss_monitor_flags_spikes_and_round_trips():
   assert not mon.update(10, 2.0, False)
   assert not mon.update(11, float("nan"), True) and mon.nonfinite_steps == 1
   assert mon.last_finite_step == 10
-  twin = trainer_lib.LossMonitor(window=8, threshold=4.0)
+  twin = loss_monitor.LossMonitor(window=8, threshold=4.0)
   twin.load(mon.state())
   assert twin.state() == mon.state()
   assert twin.update(12, 2.5, False) == mon.update(12, 2.5, False)
-  flat = trainer_lib.LossMonitor(window=8, threshold=4.0)   # a flat curve is not noise
+  flat = loss_monitor.LossMonitor(window=8, threshold=4.0)   # a flat curve is not noise
   assert not any(flat.update(s, 3.0, False) for s in range(1, 8))
   assert not flat.update(8, 3.0 + 1e-4, False)
 

@@ -845,7 +845,7 @@ def make_shard_source(data_cfg, *, split: str = "train") -> ShardWindows:
   if not directory or "," in directory:
     raise ValueError(f"data.paths must be one prepared folder for data.source='shards', got "
                      f"{data_cfg.paths!r}")
-  verify_mb = data_cfg.get("verify_mb", VERIFY_MB)
+  verify_mb = data_cfg.verify_mb
   if (isinstance(verify_mb, bool) or not isinstance(verify_mb, (int, float))
       or (verify_mb < 0 and verify_mb != -1)):
     raise ValueError(f"config.data.verify_mb: must be a number of MB >= 0, or -1 (every shard "

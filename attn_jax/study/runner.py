@@ -44,6 +44,7 @@ import ml_collections
 import numpy as np
 
 from attn_jax import jsonio
+from attn_jax.config import RunConfig, validate
 from attn_jax.eval.run import task_callback
 from attn_jax.provenance import source_commit
 from attn_jax.study import matching, sinks, throughput
@@ -136,13 +137,13 @@ def summarize_run(run_dir: str, config: ml_collections.ConfigDict, variant: str,
           "wall_s": wall_s, "cpu_s": cpu_s, "workdir": os.path.relpath(run_dir)}
 
 
-def eval_callbacks(config: ml_collections.ConfigDict) -> list[Callable]:
+def eval_callbacks(config: ml_collections.ConfigDict, run: RunConfig) -> list[Callable]:
   """The same evaluators for every variant: `task_callback` (config.eval.tasks: MQAR recall,
   text NIAH, benchmarks), with `study.lm_eval` the language-modelling bits per byte and loss
   by position (attn_jax/study/lm.py), and with `study.niah == "synthetic"` the MQAR-space
-  needle grid."""
+  needle grid. `run`: `config` validated (the study's own section stays in `config`)."""
   cbs = []
-  tasks = task_callback(config)
+  tasks = task_callback(run)
   if tasks is not None:
     cbs.append(tasks)
   if config.study.lm_eval:
@@ -244,7 +245,8 @@ def run_one(config, variant, info, workdir, log, run_dir=None) -> dict:
   log(f"[study] {variant} seed {config.seed} lr {config.optim.lr:g}: {info['params']:,} "
       f"params ({info['diff_pct']:+.2f}%), training {config.train.steps} steps")
   t, c = time.perf_counter(), time.process_time()
-  out = train_and_evaluate(config, run_dir, eval_callbacks=eval_callbacks(config))
+  run = validate(config)   # once per run: the trainer and the evaluators read the typed config
+  out = train_and_evaluate(run, run_dir, eval_callbacks=eval_callbacks(config, run))
   wall, cpu = time.perf_counter() - t, time.process_time() - c
   if out.get("preempted"):
     raise StudyStopped(f"{variant} seed {config.seed}: stopped by {out['preempted']} "

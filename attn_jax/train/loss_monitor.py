@@ -1,6 +1,11 @@
 """The host-side watch over a run's losses: non-finite steps (skipped or halting the run, as
 `config.train.nonfinite` says) and loss spikes (`config.train.spike_window` / `spike_threshold`),
-carried through checkpoints in their meta."""
+carried through checkpoints in their meta.
+
+The halt rules: `halt_reason` says whether a non-finite step stops the run ("halt": the first
+one; "skip": `nonfinite_max_consecutive` in a row), and `halt_message` is the error the run stops
+with: the step, the last finite step, and the latest checkpoint from before it (none ever holds
+non-finite values), with what to change."""
 
 from __future__ import annotations
 
@@ -65,3 +70,28 @@ class LossMonitor:
     self.loss_spikes = int(state.get("loss_spikes", 0))
     self.consecutive_nonfinite = int(state.get("consecutive_nonfinite", 0))
     self.last_finite_step = state.get("last_finite_step")
+
+
+def halt_reason(config, monitor: LossMonitor) -> str | None:
+  """Why a non-finite step stops the run, or None when it is skipped."""
+  t, consecutive = config.train, monitor.consecutive_nonfinite
+  if t.nonfinite == "halt":
+    return "stopping (config.train.nonfinite='halt')"
+  if consecutive >= t.nonfinite_max_consecutive:
+    return (f"{consecutive} non-finite steps in a row (config.train."
+            f"nonfinite_max_consecutive={t.nonfinite_max_consecutive})")
+  return None
+
+
+def halt_message(ckpt, monitor: LossMonitor, step: int, loss: float, why: str) -> str:
+  """The message of the NonFiniteTrainingError that stops the run at `step`, naming the resume
+  point among the steps `ckpt` (a train/checkpoint.py Checkpointer) holds."""
+  saved = [s for s in ckpt.all_steps() if s < step]
+  where = (f"the latest checkpoint (from before it) is step {max(saved)} in "
+           f"{ckpt.directory}" if saved
+           else f"there is no checkpoint yet in {ckpt.directory}")
+  return (f"step {step}: the loss ({loss}), a gradient or the parameter update is not "
+          f"finite; {why}. The update was not applied. The last finite step is "
+          f"{monitor.last_finite_step}; {where} (no checkpoint ever holds non-finite "
+          "values). Lower config.optim.lr / raise optim.warmup_steps, or set "
+          "config.train.nonfinite='skip' to step over isolated events.")

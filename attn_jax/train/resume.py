@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 
 from attn_jax import jsonio, paths
-from attn_jax.config import config_to_json
+from attn_jax.config import RunConfig
 from attn_jax.train.checkpoint import Checkpointer, CheckpointMismatchError
 
 
@@ -22,7 +22,7 @@ _SCHEDULE_FIELDS = ("config.train.steps", "config.optim.lr", "config.optim.warmu
                     "config.optim.min_lr_ratio")
 
 
-def restore(ckpt: Checkpointer, setup, data_it, config):
+def restore(ckpt: Checkpointer, setup, data_it, config: RunConfig):
   """The latest usable checkpoint (or None); a state that does not match this config's model is
   an error naming the differing arrays and config fields, with every checkpoint left as it was.
   On any error the checkpointer is closed before it propagates (no orbax work left at exit)."""
@@ -43,11 +43,12 @@ def _restore_or_explain(ckpt: Checkpointer, setup, data_it, config):
     raise _explained(ckpt, e, config) from None
 
 
-def _explained(ckpt: Checkpointer, e: CheckpointMismatchError, config) -> BaseException:
+def _explained(ckpt: Checkpointer, e: CheckpointMismatchError, config: RunConfig
+               ) -> BaseException:
   """`e` with the config fields that differ from the checkpoint's saved config named."""
   try:
     saved = ckpt.restore_meta(e.step).get("config", {})
-    changes = config_changes(saved, config_to_json(config))
+    changes = config_changes(saved, config.to_json())
   except Exception:  # the saved config is unreadable: the arrays alone must do
     changes = []
   if not changes:
@@ -59,7 +60,7 @@ def _explained(ckpt: Checkpointer, e: CheckpointMismatchError, config) -> BaseEx
       f"{'; '.join(e.differences)}", step=e.step, differences=e.differences)
 
 
-def check_resumable(workdir: str, setup, config) -> None:
+def check_resumable(workdir: str, setup, config: RunConfig) -> None:
   """Before anything is compiled: the newest checkpoint's stored arrays (orbax's metadata, no
   array read) against the state this config builds; CheckpointMismatchError naming the changed
   config fields. A step whose metadata cannot be read is left to the restore, which judges

@@ -1,17 +1,18 @@
 """`train_and_evaluate(config, workdir)`: the whole training run, importable from a notebook.
 
 Order of work (abstract first, nothing materialised unsharded), as `train_and_evaluate` reads:
-  the `PreemptionGuard` (signals are the run's from its first line) -> `_checked_setup`:
-  `setup.build_setup` (config.validate -> mesh -> abstract model/state -> shardings -> jitted
-  init and step) and `validate_for_training` (the checks that need the setup, the data files
-  included), before any file is written -> the workdir's locks (`_locked`) ->
-  `fitting.fit_memory` (the batch geometry whose compiled step fits the device; the run's
-  config is rewritten to it) -> `_Run` (checkpointer, data iterator) -> restore from the latest
-  checkpoint (state, data position, loss monitor; `resume.py`, `loss_monitor.py`) or jitted
-  init (out_shardings; a fresh start moves an earlier run's history aside,
-  `workdir.rotate_history`) -> `fitting.compile_for` that geometry (explicit in/out shardings,
-  state donated; memory analysis logged) -> loop ->
-  `_Run.on_exit` (last row, data rewind, final save) -> final evaluation.
+  the `PreemptionGuard` (signals are the run's from its first line) ->
+  `preflight.checked_setup`: `setup.build_setup` (config.validate -> mesh -> abstract
+  model/state -> shardings -> jitted init and step) and `preflight.validate_for_training` (the
+  checks that need the setup, the data files included), before any file is written -> the
+  workdir's locks (`_locked`) -> `fitting.fit_memory` (the batch geometry whose compiled step
+  fits the device; the run's config is rewritten to it) -> `_Run` (checkpointer, data
+  iterator) -> restore from the latest checkpoint (state, data position, loss monitor;
+  `resume.py`, `loss_monitor.py`) or jitted init -> `fitting.compile_for` that geometry
+  (explicit in/out shardings, state donated; memory analysis logged) -> the metric writers
+  (`run_outputs.RunOutputs`; a fresh start moves an earlier run's history aside,
+  `workdir.rotate_history`) -> loop -> `_Run.on_exit` (last row, data rewind, final save) ->
+  final evaluation.
 
 Loop hygiene: step t+1 is dispatched before the metrics of step t are read; a checkpoint is
 written every `checkpoint.every_steps`, at the end, and when the run is interrupted, so work is
@@ -63,31 +64,27 @@ Reliability (the choices):
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any, Callable, Sequence
 
 import jax
 import ml_collections
 
 from attn_jax import paths, sharding as shd
-from attn_jax.config import config_to_json
-from attn_jax.data import pipeline, text
-from attn_jax.options import field_check
-from attn_jax.train import (early_signals, fitting, flops as flops_lib, init_from, resume,
-                            setup as setup_lib, workdir as workdir_lib)
-from attn_jax.train.checkpoint import (Checkpointer, CheckpointSaveError, PreemptionGuard,
-                                       check_writable)
+from attn_jax.config import RunConfig
+from attn_jax.data import pipeline
+from attn_jax.train import early_signals, fitting, init_from, preflight, resume, setup as setup_lib
+from attn_jax.train.checkpoint import Checkpointer, PreemptionGuard, check_writable
 from attn_jax.train.fitting import BatchGeometry
-from attn_jax.train.loss_monitor import NONFINITE_MODES, LossMonitor, NonFiniteTrainingError
-from attn_jax.train.metrics import MetricWriter, flatten_metrics
+from attn_jax.train.loss_monitor import (LossMonitor, NonFiniteTrainingError, halt_message,
+                                         halt_reason)
 from attn_jax.train.profile import StepProfiler
-from attn_jax.train.setup import EvalCallback, Setup, build_setup, make_heldout_batches
-from attn_jax.train.wandb_writer import add_wandb, check_installed
+from attn_jax.train.run_outputs import RunOutputs, write_failed
+from attn_jax.train.setup import EvalCallback, Evaluator, Setup, make_heldout_batches
 from attn_jax.train.workdir import lock_tensorboard, lock_workdir
 from attn_jax.train.writers import WriteError
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
+def train_and_evaluate(config: ml_collections.ConfigDict | RunConfig, workdir: str, *,
                        eval_callbacks: Sequence[EvalCallback] = ()) -> dict[str, Any]:
   """Train (or resume) a model; returns the final metrics.
 
@@ -101,7 +98,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   SIGTERM/SIGINT/SIGHUP stop at a step boundary with a checkpoint; the result then has
   `preempted` (the signal's name). A signal before the first step stops the run there: the
   result has `preempted`, `before_training` and `step` (the restored step, 0 for a new run).
-  Every check of the config and its data runs before the workdir is made or locked.
+  Every check of the config and its data runs before the workdir is made or locked. `config`:
+  a ConfigDict (validated here, once) or the typed `RunConfig` an entry point already made;
+  everything below reads the typed one (`Setup.run`).
   """
   workdir = paths.name(workdir)   # absolute when local; a gs:// URI kept as it is (paths.py)
   # Signals are the run's from here on: a stop before the first step ends it cleanly, the lock
@@ -111,9 +110,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
     guard.then = f"stopping {early_signals.BEFORE_TRAINING}"
     try:
       with early_signals.abandonable():   # every check, before any file is written
-        setup = _checked_setup(config)
+        setup = preflight.checked_setup(config)
       _stop_if_signalled(guard, 0)
-      return _locked(config, workdir, eval_callbacks, setup, guard)
+      return _locked(setup.run, workdir, eval_callbacks, setup, guard)
     except StoppedBeforeTraining as e:
       logging.warning("%s: stopped %s", e.signal_name, early_signals.BEFORE_TRAINING)
       return {"preempted": e.signal_name, "step": e.step, "before_training": True,
@@ -121,48 +120,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
               "checkpoint_dir": paths.name(paths.run_path(workdir) / "checkpoints")}
 
 
-def _checked_setup(config: ml_collections.ConfigDict) -> "Setup":
-  """Every check of the config (and of the data files and init_from run it names) that needs
-  no workdir, and the abstract set-up they need: a refused run writes nothing."""
-  init_from.check(config)       # config.train.init_from
-  setup = build_setup(config)   # runs config.validate
-  validate_for_training(config, setup)
-  check_installed(config)       # config.metrics.wandb_project without wandb
-  return setup
-
-
-# The quickstart (MQAR, about 0.1M parameters) is meant to train on generated data; a model past
-# this size on generated data is most likely a preset run without its data.* fields.
-GENERATED_DATA_WARN_PARAMS = 1_000_000
-
-
-def data_source(config) -> str:
-  """One line naming what the run trains on."""
-  d = config.data
-  if str(d.source) == "synthetic":
-    task = str(d.synthetic_task)
-    what = (f"multi-query associative recall ({d.mqar_num_pairs} key-value pairs, "
-            f"{d.mqar_num_queries} queries, keys and values from {d.mqar_vocab} tokens)"
-            if task == "mqar" else "uniform random tokens (nothing to learn: a throughput run)")
-    return (f"data: GENERATED {what}, made on the fly (data.source='synthetic', "
-            f"data.synthetic_task={task!r})")
-  return (f"data: data.source={str(d.source)!r} from data.paths={str(d.paths)!r}, tokenizer "
-          f"{str(d.tokenizer)!r}")
-
-
-def say_data_source(config, n_params: int) -> None:
-  """Logs `data_source` first thing; a warning when a model larger than the quickstart trains
-  on generated data."""
-  logging.info("%s", data_source(config))
-  if str(config.data.source) == "synthetic" and n_params > GENERATED_DATA_WARN_PARAMS:
-    logging.warning(
-        "this %.1fM-parameter model trains on GENERATED data (data.source='synthetic', the "
-        "base config's default), not on text: for a language model pass "
-        "--config.data.source=jsonl (or text, shards) --config.data.paths=... "
-        "--config.data.tokenizer=...", n_params / 1e6)
-
-
-def _locked(config, workdir: str, eval_callbacks, setup: "Setup",
+def _locked(config: RunConfig, workdir: str, eval_callbacks, setup: "Setup",
             guard: PreemptionGuard) -> dict[str, Any]:
   """`_train_and_evaluate` holding the workdir's and TensorBoard's locks (released on the way
   out, and by a signal that ends the process before training: early_signals.on_abandon)."""
@@ -200,41 +158,13 @@ def _stop_if_signalled(guard: PreemptionGuard, step: int) -> None:
     raise StoppedBeforeTraining(guard.signal_name or "signal", step)
 
 
-def validate_for_training(config: ml_collections.ConfigDict, setup: Setup) -> None:
-  """What a training run checks beyond `config.validate` (which `build_setup` ran): the
-  non-finite and spike options, the vocabulary against the data's, and the global batch against
-  the mesh's batch shards; every error names the config field.
-  (Each host's rows come from the batch sharding, `sharding.host_batch_rows`: a host whose
-  devices hold a replicated batch reads all of it, so no divisibility by the process count is
-  required.)"""
-  t = config.train
-  need = field_check("config.train")
-  need(t.nonfinite in NONFINITE_MODES, "nonfinite", f"{t.nonfinite!r} not in {NONFINITE_MODES}")
-  need(int(t.nonfinite_max_consecutive) >= 1, "nonfinite_max_consecutive",
-       f"must be >= 1, got {t.nonfinite_max_consecutive!r}")
-  need(int(t.spike_window) >= 0 and int(t.spike_window) != 1, "spike_window",
-       f"must be 0 (off) or >= 2, got {t.spike_window!r}")
-  need(float(t.spike_threshold) > 0, "spike_threshold",
-       f"must be > 0, got {t.spike_threshold!r}")
-  if str(config.data.source) in text.TEXT_SOURCES:
-    text.data_files(config.data)   # every file there (a folder: its files), named if missing
-  vocab = pipeline.vocab_size_needed(config.data)
-  if vocab > setup.cfg.vocab_size:
-    raise ValueError(f"config.model.vocab_size={setup.cfg.vocab_size} is smaller than the data's "
-                     f"vocabulary ({vocab}, from config.data.tokenizer/source)")
-  gbs, shards = config.data.global_batch_size, shd.batch_shards(setup.mesh, setup.rules)
-  if gbs % shards:
-    raise ValueError(f"config.data.global_batch_size={gbs} is not divisible by the "
-                     f"{shards} batch shards of the mesh {dict(setup.mesh.shape)}")
-
-
-def _train_and_evaluate(config, workdir, eval_callbacks, setup: Setup,
+def _train_and_evaluate(config: RunConfig, workdir, eval_callbacks, setup: Setup,
                         guard: PreemptionGuard) -> dict[str, Any]:
   resume.check_resumable(workdir, setup, config)   # a changed model config: stop before compiling
-  say_data_source(config, int(setup.n_params["total"]))   # the run's first line (a refused
-                                                          # run logs nothing before its error)
+  preflight.say_data_source(config, int(setup.n_params["total"]))   # the run's first line (a
+                                                  # refused run logs nothing before its error)
   with early_signals.abandonable():
-    geo = fitting.fit_memory(setup, config)          # before any data is read: may shrink the micro-batch
+    geo = fitting.fit_memory(setup, config)   # before any data is read: may shrink the micro-batch
   _stop_if_signalled(guard, 0)
   config = geo.apply(config)                  # from here on the config holds the run's batch
   setup_lib.log_setup(setup)
@@ -251,9 +181,9 @@ def _train_and_evaluate(config, workdir, eval_callbacks, setup: Setup,
   guard.then = "stopping at the end of this step after a checkpoint"
   run.open_outputs(eval_callbacks)            # metrics file, evaluator, progress bar
 
-  profiler = StepProfiler(config.train.get("profile_steps", ""), workdir, start=run.start,
+  profiler = StepProfiler(config.train.profile_steps, workdir, start=run.start,
                           last=config.train.steps)
-  run.writer.stop_when(lambda: guard.should_stop)   # a stalled writer never delays a signal
+  run.out.writer.stop_when(lambda: guard.should_stop)   # a stalled writer never delays a signal
   error: BaseException | None = None
   try:
     for step in range(run.start + 1, config.train.steps + 1):
@@ -264,14 +194,14 @@ def _train_and_evaluate(config, workdir, eval_callbacks, setup: Setup,
       if config.eval.every_steps and step % config.eval.every_steps == 0:
         run.evaluate(step)
       run.ckpt.check_saves()   # a background save that failed (disk full) stops the run now,
-      run.writer.check()       # and so does a metrics writer that failed (writers.py)
+      run.out.writer.check()   # and so does a metrics writer that failed (writers.py)
       if run.preempted_at(guard, step):   # SIGTERM/SIGINT/SIGHUP: stop here (saved on exit)
         break
     run.flush()
     if run.preempted is None:
       run.check_progress()     # a run whose every step was skipped as non-finite is an error
   except WriteError as e:
-    error = run.write_failed(e)   # names the resume point
+    error = write_failed(e, run.ckpt)   # names the resume point
     raise error
   except BaseException as e:
     error = e
@@ -293,13 +223,14 @@ class _Run:
   between steps. The step's metrics are read one step late (`pending`, logged by `flush`), so
   step t+1 is dispatched before the host waits for step t."""
 
-  def __init__(self, config, workdir: str, setup: Setup, geo: BatchGeometry):
+  def __init__(self, config: RunConfig, workdir: str, setup: Setup, geo: BatchGeometry):
     self.config, self.workdir, self.setup, self.geo = config, workdir, setup, geo
     self.ckpt = Checkpointer(workdir, max_to_keep=config.checkpoint.max_to_keep,
-                             allow_unverified=config.checkpoint.get("allow_unverified", False))
+                             allow_unverified=config.checkpoint.allow_unverified)
     rows = shd.host_batch_rows(setup.batch_sharding, geo.shape, batch_dim=1)
     self.data_it = pipeline.make_train_iterator(config.data, seed=config.seed, host_rows=rows)
     self.monitor = LossMonitor(config.train.spike_window, config.train.spike_threshold)
+    self.base_meta = {"config": config.to_json(), "n_params": setup.n_params}
     self.state: Any = None
     self.start = self.last_saved = 0
     self.pending = None      # (step, metrics) of the step dispatched before the current one
@@ -309,9 +240,9 @@ class _Run:
     self.logged = 0          # steps this run has logged (read by `check_progress`)
     self.last_loss = float("nan")
     self.preempted: str | None = None
-    self.last: dict[str, Any] = {}
     self.last_eval = -1
-    self.writer = self.evaluator = self.bar = None
+    self.out: RunOutputs | None = None
+    self.evaluator = None
 
   def restore(self) -> None:
     """The latest checkpoint's state, data position and loss monitor, or a fresh state."""
@@ -324,46 +255,31 @@ class _Run:
       self.start = int(state["step"])
       meta = self.ckpt.restore_meta(self.ckpt.restored_step)
       self.monitor.load(meta.get("monitor"))
-      resume.warn_config_changes(meta.get("config", {}), config_to_json(self.config), self.start)
+      resume.warn_config_changes(meta.get("config", {}), self.config.to_json(), self.start)
       logging.info("resumed from %s at step %d", self.ckpt.directory, self.start)
     if self.monitor.last_finite_step is None:
       self.monitor.last_finite_step = self.start
     self.state, self.last_saved = state, self.start
 
   def open_outputs(self, eval_callbacks: Sequence[EvalCallback]) -> None:
-    """Metrics file (a resumed run: rows an interrupted run logged after its last checkpoint
-    dropped; a run from step 0: an earlier run's rows moved aside), the throughput constants,
-    the evaluator and the progress bar."""
-    c, n = self.config, self.setup.n_params
-    if self.start == 0 and jax.process_index() == 0:
-      workdir_lib.rotate_history(self.workdir, self.ckpt.directory)
-    self.writer = MetricWriter(self.workdir)
-    if self.start:
-      self.writer.truncate_after(self.start)
-    add_wandb(self.writer, c, self.workdir, self.setup, config_to_json(c), start=self.start)
-    self.flops_per_tok = flops_lib.train_flops_per_token(self.setup.cfg, n, self.geo.seq_len)
-    self.peak = flops_lib.peak_flops_per_device(override=c.train.peak_flops,
-                                                dtype=c.model.dtype)  # fp32: the TF32 peak
-    self.n_dev = jax.device_count()
-    self.base_meta = {"config": config_to_json(c), "n_params": n}
-    self.evaluator = setup_lib.Evaluator(self.setup, make_heldout_batches(c, self.setup), eval_callbacks)
-    if c.train.progress_bar and jax.process_index() == 0:
-      from tqdm import tqdm
-      self.bar = tqdm(total=c.train.steps, initial=self.start, unit="step", dynamic_ncols=True)
-    self.t_log, self.step_log = time.perf_counter(), self.start
+    """The metric writers (run_outputs.py), the evaluator, then the progress bar."""
+    self.out = RunOutputs(self.config, self.workdir, self.setup, self.geo, self.ckpt.directory,
+                          self.start)
+    self.evaluator = Evaluator(self.setup, make_heldout_batches(self.config, self.setup),
+                               eval_callbacks)
+    self.out.show_progress(self.config, self.start)
 
   def train_step(self, compiled, step: int) -> None:
     """Dispatch `step` (its micro-batches pulled first), then log the step before it."""
     self.data_pos = self.data_it.get_state()
-    batch = setup_lib.next_batch(self.data_it, self.geo.accum, self.setup.batch_sharding, self.geo.shape,
-                        self.setup.batch_keys)
+    batch = setup_lib.next_batch(self.data_it, self.geo.accum, self.setup.batch_sharding,
+                                 self.geo.shape, self.setup.batch_keys)
     self.state_valid = False
     self.state, metrics = compiled(self.state, batch)
     self.state_valid, self.data_pos = True, None
     self.flush()
     self.pending = (step, metrics)
-    if self.bar is not None:
-      self.bar.update(1)
+    self.out.stepped()
 
   def flush(self) -> None:
     """Log the pending step; NonFiniteTrainingError when it stops the run."""
@@ -373,7 +289,7 @@ class _Run:
 
   def save(self, step: int) -> None:
     self.flush()
-    self.writer.sync()    # no checkpoint newer than the rows every writer has taken
+    self.out.writer.sync()    # no checkpoint newer than the rows every writer has taken
     self._checkpoint(step)
 
   def _checkpoint(self, step: int) -> None:
@@ -382,9 +298,7 @@ class _Run:
     self.last_saved = step
 
   def evaluate(self, step: int) -> None:
-    ev = self.evaluator(self.state, step)
-    self.writer.write(step, ev)
-    self.last.update(ev)
+    self.out.write(step, self.evaluator(self.state, step))
     self.last_eval = step
 
   def preempted_at(self, guard: PreemptionGuard, step: int) -> bool:
@@ -403,7 +317,7 @@ class _Run:
     loss, nonfinite = float(m["loss"]), bool(float(m["nonfinite"]) > 0)
     spike = self.monitor.update(step, loss, nonfinite)
     self.logged, self.last_loss = self.logged + 1, loss
-    halt = self._halt_reason() if nonfinite else None
+    halt = halt_reason(self.config, self.monitor) if nonfinite else None
     if nonfinite and halt is None:
       logging.warning("step %d: non-finite loss (%s), gradient or update; update skipped "
                       "(%d non-finite steps so far)", step, loss, self.monitor.nonfinite_steps)
@@ -412,10 +326,10 @@ class _Run:
                       "%d spikes so far)", step, loss, self.monitor.threshold,
                       len(self.monitor.losses) - 1, self.monitor.loss_spikes)
     if step % t.log_every == 0 or step == t.steps or nonfinite or spike:
-      self._write_row(step, m, spike)
+      self.out.step_row(step, m, spike, self.monitor)
     if halt is not None:
       self.diverged = True
-      raise NonFiniteTrainingError(self._halt_message(step, loss, halt))
+      raise NonFiniteTrainingError(halt_message(self.ckpt, self.monitor, step, loss, halt))
 
   def check_progress(self) -> None:
     """At the normal end of the run: NonFiniteTrainingError when every step this run trained
@@ -426,65 +340,10 @@ class _Run:
       return
     self.diverged = True
     step = self.start + n
-    raise NonFiniteTrainingError(self._halt_message(step, self.last_loss, (
+    raise NonFiniteTrainingError(halt_message(self.ckpt, self.monitor, step, self.last_loss, (
         f"every one of the {n} steps this run trained (steps {self.start + 1}-{step}) was "
         f"non-finite and skipped, so it trained nothing (config.train.nonfinite_max_consecutive="
         f"{self.config.train.nonfinite_max_consecutive} halts longer streaks)")))
-
-  def write_failed(self, e: WriteError) -> WriteError:
-    """A failed write of the metrics writers, with the resume point named (a failed
-    checkpoint save already names the steps kept)."""
-    if isinstance(e, CheckpointSaveError):
-      return e
-    unfinished, pending = "", self.ckpt.pending_step
-    try:   # a save still in progress decides the resume point: its end is awaited
-      self.ckpt.wait()
-    except CheckpointSaveError:   # the same disk, most likely
-      unfinished = f" (step {pending}, which was being saved, is not: its save failed too)"
-    latest = self.ckpt.latest_step()        # committed steps only, read from the disk
-    kept = (f"the latest checkpoint, step {latest} in {self.ckpt.directory}, is kept: rerun "
-            "the same command to resume from it" if latest is not None
-            else f"there is no checkpoint yet in {self.ckpt.directory}")
-    out = WriteError(f"{e}. The run stopped without saving again; {kept}{unfinished}")
-    out.errno, out.__cause__ = e.errno, e
-    return out
-
-  def _halt_reason(self) -> str | None:
-    """Why a non-finite step stops the run, or None when it is skipped."""
-    t, consecutive = self.config.train, self.monitor.consecutive_nonfinite
-    if t.nonfinite == "halt":
-      return "stopping (config.train.nonfinite='halt')"
-    if consecutive >= t.nonfinite_max_consecutive:
-      return (f"{consecutive} non-finite steps in a row (config.train."
-              f"nonfinite_max_consecutive={t.nonfinite_max_consecutive})")
-    return None
-
-  def _halt_message(self, step: int, loss: float, why: str) -> str:
-    saved = [s for s in self.ckpt.all_steps() if s < step]
-    where = (f"the latest checkpoint (from before it) is step {max(saved)} in "
-             f"{self.ckpt.directory}" if saved
-             else f"there is no checkpoint yet in {self.ckpt.directory}")
-    return (f"step {step}: the loss ({loss}), a gradient or the parameter update is not "
-            f"finite; {why}. The update was not applied. The last finite step is "
-            f"{self.monitor.last_finite_step}; {where} (no checkpoint ever holds non-finite "
-            "values). Lower config.optim.lr / raise optim.warmup_steps, or set "
-            "config.train.nonfinite='skip' to step over isolated events.")
-
-  def _write_row(self, step: int, m: dict, spike: bool) -> None:
-    now = time.perf_counter()
-    tps = self.geo.tokens * (step - self.step_log) / max(now - self.t_log, 1e-9)
-    out = flatten_metrics(m)
-    out.update(tokens_per_sec=tps, tokens_seen=step * self.geo.tokens, loss_spike=float(spike),
-               loss_spikes=self.monitor.loss_spikes,
-               nonfinite_steps=self.monitor.nonfinite_steps)
-    if self.peak:
-      out["mfu"] = tps * self.flops_per_tok / (self.peak * self.n_dev)
-    self.writer.write(step, out)
-    self.last.update(out)
-    self.t_log, self.step_log = now, step
-    if self.bar is not None:
-      self.bar.set_postfix(loss=f"{float(m['loss']):.4f}", acc=f"{out['accuracy']:.3f}",
-                           tok_s=f"{tps:,.0f}")
 
   def on_exit(self, error: BaseException | None) -> None:
     """The way out (normal end, preemption or an exception): log the last dispatched step, put
@@ -511,23 +370,7 @@ class _Run:
     elif not self.diverged:
       attempt("the final checkpoint", self._final_save)
     attempt("closing the checkpointer", self.ckpt.close)
-    self._close_writers(error)
-    if self.bar is not None:
-      self.bar.close()
-
-  def _close_writers(self, error: BaseException | None) -> None:
-    """Flush (normal end: `result` closes them after the final evaluation) or close them
-    (each waits a bounded time); a writer's failure that is the error in flight is not
-    reported twice."""
-    if error is None:
-      self.writer.flush()
-      return
-    try:
-      self.writer.close()
-    except WriteError as e:
-      if not isinstance(error, WriteError):
-        logging.error("while stopping after %s: closing the metric writers failed: %s",
-                      type(error).__name__, e)
+    self.out.close_on_exit(error)
 
   def _log_last(self) -> None:
     """The last dispatched step's row, even when interrupted (a halt is logged, not raised)."""
@@ -540,22 +383,22 @@ class _Run:
     step = int(self.state["step"])
     if step > self.last_saved:  # interrupted or finished: never lose work
       try:
-        self.writer.sync()   # as before every save: the rows first
+        self.out.writer.sync()   # as before every save: the rows first
       except WriteError as e:
-        raise self.write_failed(e)
+        raise write_failed(e, self.ckpt)
       self._checkpoint(step)
 
   def result(self) -> dict[str, Any]:
     """The final metrics: after a final evaluation, or as they stand when preempted."""
     step = int(self.state["step"])
     if self.preempted is not None:
-      self.writer.close()
-      return dict(self.last, workdir=self.workdir, checkpoint_dir=self.ckpt.directory,
+      self.out.close()
+      return dict(self.out.last, workdir=self.workdir, checkpoint_dir=self.ckpt.directory,
                   preempted=self.preempted, step=step)
     if self.last_eval != step:
       self.evaluate(step)
-    self.writer.close()
-    return dict(self.last, workdir=self.workdir, checkpoint_dir=self.ckpt.directory)
+    self.out.close()
+    return dict(self.out.last, workdir=self.workdir, checkpoint_dir=self.ckpt.directory)
 
 
 def _attempt(error: BaseException | None, what: str, fn: Callable[[], Any]) -> None:
