@@ -217,3 +217,22 @@ def test_a_run_names_its_data_source_first_and_warns_on_generated_data_for_a_lar
     preflight.say_data_source(big, 152_000_000)
   assert [r.getMessage() for r in caplog.records] == [
       "data: data.source='jsonl' from data.paths='gs://b/train.jsonl', tokenizer 'tok.json'"]
+
+
+def test_a_failure_while_opening_the_outputs_leaves_no_writer_open(tmp_path, monkeypatch):
+  """The metric writers are open when the evaluator's held-out batches are built; a failure
+  there ends the run with that error, its writers and checkpointer closed (no writer thread
+  left running), and the workdir usable by the next run."""
+  import threading
+
+  def broken(*args, **kwargs):
+    raise RuntimeError("held-out batches unavailable")
+
+  monkeypatch.setattr(trainer_lib, "make_heldout_batches", broken)
+  with pytest.raises(RuntimeError, match="held-out batches unavailable"):
+    trainer_lib.train_and_evaluate(tiny_config(steps=2), str(tmp_path))
+  writers = [t.name for t in threading.enumerate() if t.name.endswith(" writer")]
+  assert not writers, writers
+  monkeypatch.undo()
+  trainer_lib.train_and_evaluate(tiny_config(steps=2), str(tmp_path))
+  assert [step for step, _ in losses(str(tmp_path))] == [1, 2]

@@ -175,11 +175,13 @@ def _train_and_evaluate(config: RunConfig, workdir, eval_callbacks, setup: Setup
     with early_signals.abandonable():
       compiled = fitting.compile_for(setup, geo)
     _stop_if_signalled(guard, run.start)
-  except BaseException:
+    guard.then = "stopping at the end of this step after a checkpoint"
+    run.open_outputs(eval_callbacks)          # metrics file, evaluator, progress bar
+  except BaseException as e:   # e.g. the held-out batches cannot be built: nothing left open
+    if run.out is not None:
+      run.out.close_on_exit(e)
     run.ckpt.close()
     raise
-  guard.then = "stopping at the end of this step after a checkpoint"
-  run.open_outputs(eval_callbacks)            # metrics file, evaluator, progress bar
 
   profiler = StepProfiler(config.train.profile_steps, workdir, start=run.start,
                           last=config.train.steps)
