@@ -61,7 +61,7 @@ if "debug" not in flags.FLAGS:
 def _project_types() -> tuple[type, ...]:
   """The project's own error types (imported lazily: the entry points start fast)."""
   from attn_jax.config_flags import ConfigFieldError
-  from attn_jax.data.shards import DataError
+  from attn_jax.data.doc_reader import DataError
   from attn_jax.outputs import OutputError
   from attn_jax.train.checkpoint import CheckpointError, CheckpointSaveError
   from attn_jax.train.workdir import WorkdirLockedError

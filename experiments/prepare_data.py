@@ -16,7 +16,8 @@ downloaded in full), its --text_field tokenised into shards of --docs_per_shard 
 --workers processes while it streams; --hf_dataset=json --hf_data_files=<urls or globs> streams
 raw JSONL files the same way. With
 --on_error=skip bad records (undecodable line, invalid JSON, missing field, empty file) are
-counted and listed (file:line) instead of stopping. Format: see attn_jax/data/shards.py.
+counted and listed (file:line) instead of stopping. Format: see attn_jax/data/shard_prep.py
+(writing), attn_jax/data/doc_reader.py (bad records) and attn_jax/data/shards.py (reading).
 """
 
 import os
@@ -55,7 +56,7 @@ _VERIFY = flags.DEFINE_bool("verify", False, "Only re-hash the shards of --outpu
 
 def main(argv):
   del argv
-  from attn_jax.data import shards
+  from attn_jax.data import doc_reader, shard_prep, shards
 
   if _VERIFY.value:
     problems = shards.verify_shards(_OUTPUT.value)
@@ -69,13 +70,13 @@ def main(argv):
                 doc_boundaries=_DOC_BOUNDARIES.value, overwrite=_OVERWRITE.value)
   try:
     if _HF_DATASET.value is not None:
-      out = shards.prepare_hf(_HF_DATASET.value, _OUTPUT.value, split=_HF_SPLIT.value,
-                              config=_HF_CONFIG.value, data_files=_HF_DATA_FILES.value,
-                              docs_per_shard=_DOCS_PER_SHARD.value, **common)
+      out = shard_prep.prepare_hf(_HF_DATASET.value, _OUTPUT.value, split=_HF_SPLIT.value,
+                                  config=_HF_CONFIG.value, data_files=_HF_DATA_FILES.value,
+                                  docs_per_shard=_DOCS_PER_SHARD.value, **common)
     else:
-      out = shards.prepare(_INPUT.value, _OUTPUT.value, text_document=_TEXT_DOCUMENT.value,
-                           **common)
-  except (shards.DataError, FileNotFoundError, FileExistsError, ImportError) as e:
+      out = shard_prep.prepare(_INPUT.value, _OUTPUT.value, text_document=_TEXT_DOCUMENT.value,
+                               **common)
+  except (doc_reader.DataError, FileNotFoundError, FileExistsError, ImportError) as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
   print(f"{out['total_tokens']:,} tokens ({out['dtype']}) in {len(out['shards'])} shard(s), "

@@ -138,6 +138,7 @@ def run(workdir, text, *, step=None, tokenizer=None, tail=0.0, max_tokens=0,
     raise ValueError("--text is required (the files to stream)")
   from attn_jax import outputs, streaming
   from attn_jax import paths as paths_lib
+  from attn_jax.eval import stream_reports
   from attn_jax.train.checkpoint import load_for_inference, run_checkpoints
   if window < 0:
     raise ValueError(f"--window must be >= 0 (0 = what the model holds), got {window}")
@@ -168,18 +169,18 @@ def run(workdir, text, *, step=None, tokenizer=None, tail=0.0, max_tokens=0,
           "recompute_stride": int(stride), "sink_tokens": int(model.cfg.sink_tokens),
           "title": f"{paths_lib.run_path(workdir).name}: {len(tokens)} tokens, "
                    f"trained at {config.data.seq_len}"}
-  summary = {k: streaming.summarize(v) for k, v in results.items()}
+  summary = {k: stream_reports.summarize(v) for k, v in results.items()}
   paths = {}
   if results:
     for k, v in results.items():
       if edges:
-        summary[k]["ranges"] = streaming.summarize_ranges(v, edges)
+        summary[k]["ranges"] = stream_reports.summarize_ranges(v, edges)
     sub = [p for p in pols if p.name == "recompute" and stride > 1]
-    extra = {"paired": {p.label: streaming.paired(results, p.label, start=p.window)
+    extra = {"paired": {p.label: stream_reports.paired(results, p.label, start=p.window)
                         for p in sub}}   # past recompute's first window
 
     def write() -> dict:
-      written = streaming.write_results(out, results, meta, smooth=smooth)
+      written = stream_reports.write_results(out, results, meta, smooth=smooth)
       written["summary"] = paths_lib.name(paths_lib.run_path(out) / "summary.json")
       with paths_lib.open_for_write(written["summary"]) as f:
         json.dump({"meta": meta, "summary": summary, **extra}, f, indent=1)

@@ -39,20 +39,20 @@ _NAME = flags.DEFINE_string("name", "stream", "Output file stem.")
 
 def main(argv):
   del argv
-  from attn_jax import streaming
+  from attn_jax.eval import stream_reports
   edges = [int(e) for e in _RANGES.value]
-  results, tokens = streaming.read_results(_RUNS.value)
-  table = streaming.report_table(results, edges)
+  results, tokens = stream_reports.read_results(_RUNS.value)
+  table = stream_reports.report_table(results, edges)
   os.makedirs(_OUT.value, exist_ok=True)
   stem = os.path.join(_OUT.value, _NAME.value)
-  markdown = streaming.table_markdown(table, tokens) + "\n"
+  markdown = stream_reports.table_markdown(table, tokens) + "\n"
   with open(stem + ".md", "w") as f:
     f.write(markdown)
   with open(stem + ".json", "w") as f:
     json.dump({"tokens": tokens, "runs": _RUNS.value, "table": table}, f, indent=1)
-  streaming.plot_report(stem + ".png", stem + "_eviction.png", results, bin_width=_BIN.value,
-                        smooth=_SMOOTH.value, zoom=_ZOOM.value, mark=_MARK.value,
-                        paired_path=stem + "_paired.png")
+  stream_reports.plot_report(stem + ".png", stem + "_eviction.png", results,
+                             bin_width=_BIN.value, smooth=_SMOOTH.value, zoom=_ZOOM.value,
+                             mark=_MARK.value, paired_path=stem + "_paired.png")
   print(markdown)
 
 

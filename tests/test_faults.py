@@ -330,21 +330,21 @@ def test_a_crash_right_after_a_save_resumes_from_a_verified_step(tmp_path, caplo
 
 
 def test_a_bit_flipped_shard_is_an_error_naming_it_when_a_run_opens_it(tmp_path, monkeypatch):
-  from attn_jax.data import shards
+  from attn_jax.data import doc_reader, shard_prep, shards
   monkeypatch.setenv("ATTN_JAX_CACHE", str(tmp_path / "cache"))
   (tmp_path / "in").mkdir()
   for i in range(2):
     (tmp_path / "in" / f"d{i}.txt").write_text("\n".join(f"document {i} {j} " * 8
                                                          for j in range(20)))
   out = tmp_path / "out"
-  shards.prepare(str(tmp_path / "in"), str(out), workers=1, progress=False)
+  shard_prep.prepare(str(tmp_path / "in"), str(out), workers=1, progress=False)
   shards.TokenShards(str(out))   # verified once ...
   assert os.path.isfile(tmp_path / "cache" / "verified_shards.json")
   path = out / "shard_00001.bin"
   data = bytearray(path.read_bytes())
   data[len(data) // 2] ^= 0x01   # same size: the size check alone misses it
   path.write_bytes(bytes(data))
-  with pytest.raises(shards.DataError, match=r"corrupt token shard .*shard_00001\.bin: its "
+  with pytest.raises(doc_reader.DataError, match=r"corrupt token shard .*shard_00001\.bin: its "
                      "sha256 differs"):
     shards.TokenShards(str(out))
 

@@ -335,7 +335,7 @@ def test_the_lease_is_renewed_while_the_run_lives(gcs, caplog):
 def test_token_shards_on_gs_read_as_the_local_folder(gcs, tmp_path, monkeypatch):
   """data.source=shards with data.paths=gs://...: the index, every shard (ranged reads, no
   local copy), its document ends and its sha256 check, as from the local folder."""
-  from attn_jax.data import shards
+  from attn_jax.data import doc_reader, shard_prep, shards
   monkeypatch.setenv("ATTN_JAX_CACHE", str(tmp_path / "cache"))
   src = tmp_path / "src"
   src.mkdir()
@@ -343,7 +343,7 @@ def test_token_shards_on_gs_read_as_the_local_folder(gcs, tmp_path, monkeypatch)
     (src / f"{k}.jsonl").write_text("".join(json.dumps({"text": f"doc {i} " + "ab" * i}) + "\n"
                                             for i in range(10 * k, 10 * k + 10)))
   local = tmp_path / "shards"
-  shards.prepare(str(src), str(local), workers=1, progress=False, doc_boundaries=True)
+  shard_prep.prepare(str(src), str(local), workers=1, progress=False, doc_boundaries=True)
   remote = f"gs://{BUCKET}/shards"
   for f in sorted(local.iterdir()):
     paths.run_path(f"{remote}/{f.name}").write_bytes(f.read_bytes())
@@ -358,7 +358,7 @@ def test_token_shards_on_gs_read_as_the_local_folder(gcs, tmp_path, monkeypatch)
   bad = bytearray(paths.run_path(there.files[1]).read_bytes())
   bad[3] ^= 0x01
   paths.run_path(there.files[1]).write_bytes(bytes(bad))
-  with pytest.raises(shards.DataError, match="corrupt token shard gs://"):
+  with pytest.raises(doc_reader.DataError, match="corrupt token shard gs://"):
     shards.TokenShards(remote)
 
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from attn_jax.config import validate
-from attn_jax.data import documents, pipeline, shards, synthetic, text
+from attn_jax.data import doc_reader, documents, pipeline, shard_prep, synthetic, text
 from attn_jax.data.tokenizer import ByteTokenizer
 from configs.base import get_config
 
@@ -112,7 +112,7 @@ def _shard_corpus(tmp_path, name, doc_boundaries):
   for i in range(0, len(DOCS), 4):   # several shards: windows span shard boundaries
     write_jsonl(src / f"{i:03d}.jsonl", DOCS[i:i + 4])
   out = tmp_path / name
-  shards.prepare(str(src), str(out), workers=1, progress=False, doc_boundaries=doc_boundaries)
+  shard_prep.prepare(str(src), str(out), workers=1, progress=False, doc_boundaries=doc_boundaries)
   return out
 
 
@@ -142,7 +142,7 @@ def test_boundary_files_are_read_and_checked(tmp_path):
   ends = np.load(out / "shard_00000.docs.npy")
   np.save(out / "shard_00000.docs.npy", ends[:-1])   # one document fewer than the index says
   src = pipeline.make_source(data_config(source="shards", paths=str(out)), seed=0)
-  with pytest.raises(shards.DataError, match="shard_00000.docs.npy"):
+  with pytest.raises(doc_reader.DataError, match="shard_00000.docs.npy"):
     src[0]
 
 

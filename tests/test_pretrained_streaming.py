@@ -24,8 +24,8 @@ import pytest
 from flax import nnx
 
 from attn_jax import streaming
+from attn_jax.eval import attention_mass, stream_reports
 from attn_jax.model_config import ModelConfig
-from attn_jax.eval import attention_mass
 from attn_jax.model import build_model
 from attn_jax.streaming import StreamPolicy
 from conftest import TEST_DATA, train_tiny_bpe
@@ -162,19 +162,19 @@ def test_recompute_stride_scores_the_stride_one_losses():
 def test_summaries_over_ranges_and_paired_positions():
   v = np.arange(1.0, 11.0)                                # losses[i]: the query at position i
   v[[3, 7]] = np.nan
-  rng = streaming.summarize_ranges(v, [4, 8])
+  rng = stream_reports.summarize_ranges(v, [4, 8])
   assert [(r["start"], r["end"], r["n"]) for r in rng] == [(0, 4, 3), (4, 8, 3), (8, 10, 2)]
   assert [r["mean"] for r in rng] == [2.0, 6.0, 9.5]
   assert rng[0]["ppl"] == pytest.approx(np.exp(2.0))
-  past = streaming.summarize_ranges(v, [4, 8, 16])        # a range past the stream's end
+  past = stream_reports.summarize_ranges(v, [4, 8, 16])   # a range past the stream's end
   assert [(r["start"], r["end"], r["n"]) for r in past][2:] == [(8, 16, 2), (16, 17, 0)]
   assert np.isnan(past[3]["mean"])
   other = np.full(10, 2.0)
   other[0] = 4.0
-  pr = streaming.paired({"sub": v, "other": other}, "sub")
+  pr = stream_reports.paired({"sub": v, "other": other}, "sub")
   assert pr["other"] == pytest.approx((4.0 + 2.0 * 7) / 8) and pr["sub"] == np.nanmean(v)
-  assert streaming.paired({"sub": v, "other": other}, "sub", start=1)["other"] == 2.0
-  centres, means = streaming.binned_means(v, 4)
+  assert stream_reports.paired({"sub": v, "other": other}, "sub", start=1)["other"] == 2.0
+  centres, means = stream_reports.binned_means(v, 4)
   assert centres.tolist() == [2.0, 6.0, 9.0] and means.tolist() == [2.0, 6.0, 9.5]
 
 
@@ -185,11 +185,12 @@ def test_report_over_several_runs(tmp_path):
   rec[9::2] = np.nan
   b = {"recompute(8)": rec, "dense": rng.random(30)}
   for name, res in (("a", a), ("b", b)):
-    streaming.write_results(str(tmp_path / name), res, {"tokens": 31, "text": "t"}, smooth=4)
-  results, tokens = streaming.read_results([str(tmp_path / "a"), str(tmp_path / "b")])
+    stream_reports.write_results(str(tmp_path / name), res, {"tokens": 31, "text": "t"},
+                                 smooth=4)
+  results, tokens = stream_reports.read_results([str(tmp_path / "a"), str(tmp_path / "b")])
   assert tokens == 31 and list(results) == ["window(8)", "streaming(2+6)", "recompute(8)",
                                             "dense"]
-  table = streaming.report_table(results, [16])
+  table = stream_reports.report_table(results, [16])
   rows = {r["label"]: r for r in table["rows"]}
   assert [rows[k]["cache"] for k in results] == [8, 8, 8, None]
   assert rows["recompute(8)"]["scored"] == 30 - len(range(9, 30, 2))
@@ -201,24 +202,25 @@ def test_report_over_several_runs(tmp_path):
   pr = table["paired"]["recompute(8)"]
   assert pr["n"] == int(mask.sum()) == 1 + len(range(10, 30, 2))
   assert pr["means"]["window(8)"] == pytest.approx(a["window(8)"][mask].mean(), abs=1e-5)
-  md = streaming.table_markdown(table, tokens)
+  md = stream_reports.table_markdown(table, tokens)
   assert "| streaming(2+6) | 8 | 30 |" in md and "positions each subsampled policy" in md
-  streaming.plot_report(str(tmp_path / "r.png"), str(tmp_path / "e.png"), results,
-                        bin_width=8, smooth=4, zoom=20, mark=16, paired_path=str(tmp_path / "p.png"))
+  stream_reports.plot_report(str(tmp_path / "r.png"), str(tmp_path / "e.png"), results,
+                             bin_width=8, smooth=4, zoom=20, mark=16,
+                             paired_path=str(tmp_path / "p.png"))
   assert all(os.path.getsize(tmp_path / f) > 0 for f in ("r.png", "e.png", "p.png"))
   short = {"window(4)": rng.random(20)}      # the same text, fewer tokens: allowed
-  streaming.write_results(str(tmp_path / "c"), short, {"tokens": 21, "text": "t"})
-  results, tokens = streaming.read_results([str(tmp_path / n) for n in "abc"])
-  table = streaming.report_table(results, [16])
+  stream_reports.write_results(str(tmp_path / "c"), short, {"tokens": 21, "text": "t"})
+  results, tokens = stream_reports.read_results([str(tmp_path / n) for n in "abc"])
+  table = stream_reports.report_table(results, [16])
   assert tokens == 31 and np.isnan(table["paired"]["recompute(8)"]["means"]["window(4)"])
   assert table["rows"][-1]["ranges"][1]["mean"] == pytest.approx(short["window(4)"][16:].mean(),
                                                                  abs=1e-5)
-  streaming.write_results(str(tmp_path / "d"), {"dense": rng.random(20)},
-                          {"tokens": 21, "text": "u"})
+  stream_reports.write_results(str(tmp_path / "d"), {"dense": rng.random(20)},
+                               {"tokens": 21, "text": "u"})
   with pytest.raises(ValueError, match="read 'u' \\(tail 0.0\\), the runs before it 't'"):
-    streaming.read_results([str(tmp_path / "a"), str(tmp_path / "d")])
+    stream_reports.read_results([str(tmp_path / "a"), str(tmp_path / "d")])
   with pytest.raises(ValueError, match="policy window\\(8\\) is in two of the runs"):
-    streaming.read_results([str(tmp_path / "a"), str(tmp_path / "a")])
+    stream_reports.read_results([str(tmp_path / "a"), str(tmp_path / "a")])
 
 
 # ------------------------------------------------------------------ max_seq_len at inference

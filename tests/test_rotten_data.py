@@ -11,7 +11,7 @@ import os
 import numpy as np
 import pytest
 
-from attn_jax.data import pipeline, shards
+from attn_jax.data import doc_reader, pipeline, shard_checks, shard_prep, shards
 from attn_jax.train import loss_monitor, setup as setup_lib, trainer as trainer_lib
 from tests.test_shards import data_config
 from tests.test_train import tiny_config
@@ -22,20 +22,20 @@ def prepared(tmp_path, monkeypatch):
   """Three shards (~1.2 KB each) of byte tokens, verified once; the verification cache private
   to the test."""
   monkeypatch.setenv("ATTN_JAX_CACHE", str(tmp_path / "cache"))
-  monkeypatch.setattr(shards, "_VERIFIED_HERE", {}, raising=False)
+  monkeypatch.setattr(shard_checks, "_VERIFIED_HERE", {}, raising=False)
   src = tmp_path / "src"
   src.mkdir()
   for i in range(3):
     (src / f"d{i}.txt").write_text("\n".join(f"document {i} {j} " * 6 for j in range(12)))
   out = tmp_path / "out"
-  shards.prepare(str(src), str(out), workers=1, progress=False)
+  shard_prep.prepare(str(src), str(out), workers=1, progress=False)
   shards.TokenShards(str(out))
   return out
 
 
 def new_start(monkeypatch):
   """What a new process starts from: the on-disk verification cache only."""
-  monkeypatch.setattr(shards, "_VERIFIED_HERE", {}, raising=False)
+  monkeypatch.setattr(shard_checks, "_VERIFIED_HERE", {}, raising=False)
 
 
 def rot(path, offset_tokens, value):
@@ -56,18 +56,18 @@ def test_a_shard_changed_with_its_mtime_kept_is_caught_at_the_next_start(prepare
   old = rot(prepared / "shard_00001.bin", 100, ord("Z"))
   assert old != ord("Z")   # a valid id: only the hash can tell
   new_start(monkeypatch)
-  with pytest.raises(shards.DataError, match=r"corrupt token shard .*shard_00001\.bin: its "
+  with pytest.raises(doc_reader.DataError, match=r"corrupt token shard .*shard_00001\.bin: its "
                      "sha256 differs"):
     shards.TokenShards(str(prepared))
 
 
-_SHA256 = shards._sha256_file
+_SHA256 = shard_checks._sha256_file
 
 
 def _hashed(monkeypatch):
   """The names of the shards hashed from now on (until the next call)."""
   seen = []
-  monkeypatch.setattr(shards, "_sha256_file", lambda p: seen.append(os.path.basename(p))
+  monkeypatch.setattr(shard_checks, "_sha256_file", lambda p: seen.append(os.path.basename(p))
                       or _SHA256(p))
   return seen
 
@@ -83,7 +83,7 @@ def test_verify_mb_rehashes_a_rotating_sample_of_a_larger_corpus(prepared, monke
     rounds.append(seen)
   assert [len(r) for r in rounds] == [1, 1, 1], rounds
   assert sorted(sum(rounds, [])) == [f"shard_0000{i}.bin" for i in range(3)]   # all in turn
-  for mb, count in ((shards.VERIFY_MB, 3), (-1, 3), (0, 0)):   # the default: all of a small one
+  for mb, count in ((shard_checks.VERIFY_MB, 3), (-1, 3), (0, 0)):   # default: all of a small one
     new_start(monkeypatch)
     seen = _hashed(monkeypatch)
     shards.TokenShards(str(prepared), verify_mb=mb)
@@ -107,14 +107,14 @@ def test_an_id_outside_the_vocabulary_names_the_shard_and_offset(prepared, monke
   stream = shards.TokenShards(str(prepared), verify_mb=0)   # not re-hashed at this start
   first = stream.starts[2]
   stream.read(0, first)   # the shards before it read fine
-  with pytest.raises(shards.DataError, match=(
+  with pytest.raises(doc_reader.DataError, match=(
       r"corrupt token shard .*shard_00002\.bin: token id 60000 at token offset 37 \(byte 74\) "
       r"is outside the vocabulary \(vocab_size 257 in index.json\)")):
     stream.read(first + 30, first + 40)
   cfg = data_config(source="shards", paths=str(prepared), verify_mb=0, shuffle=False,
                     read_threads=2, eval_fraction=0.0)
   it = pipeline.make_train_iterator(cfg, seed=0)
-  with pytest.raises(shards.DataError, match=r"shard_00002\.bin: token id 60000"):
+  with pytest.raises(doc_reader.DataError, match=r"shard_00002\.bin: token id 60000"):
     for _ in range(200):   # through grain's read threads, as training reads
       next(it)
 
@@ -129,7 +129,7 @@ def test_a_run_on_a_shard_with_an_id_outside_the_vocabulary_stops_naming_it(prep
                   eval_fraction=0.1, verify_mb=0)
   c.model.vocab_size = 257
   c.data.update(shuffle=False, read_threads=0)
-  with pytest.raises(shards.DataError, match=r"shard_00000\.bin: token id 65000 at token "
+  with pytest.raises(doc_reader.DataError, match=r"shard_00000\.bin: token id 65000 at token "
                      r"offset 5 "):
     trainer_lib.train_and_evaluate(c, str(tmp_path / "run"))
 

@@ -8,7 +8,7 @@ import pickle
 import numpy as np
 import pytest
 
-from attn_jax.data import pipeline, shards, text
+from attn_jax.data import doc_reader, formats, pipeline, shard_prep, shards, text
 from attn_jax.data.tokenizer import ByteTokenizer
 from configs.base import get_config
 
@@ -42,8 +42,8 @@ def reference_stream(docs):
 
 
 def test_prepare_stream_equals_the_in_memory_packing(corpus, tmp_path):
-  out = shards.prepare(str(corpus), str(tmp_path / "out"), workers=1, progress=False,
-                       doc_boundaries=True)
+  out = shard_prep.prepare(str(corpus), str(tmp_path / "out"), workers=1, progress=False,
+                           doc_boundaries=True)
   assert out["dtype"] == "uint16" and out["total_docs"] == 50
   stream = shards.TokenShards(str(tmp_path / "out"))
   want = reference_stream(DOCS_A + DOCS_B)   # files in sorted order: a.jsonl, b.txt
@@ -60,7 +60,7 @@ def test_shard_batches_equal_jsonl_batches(corpus, tmp_path):
   src.mkdir()
   for i, d in enumerate(DOCS_A):
     (src / f"{i:03d}.jsonl").write_text(json.dumps({"text": d}) + "\n")
-  shards.prepare(str(src), str(tmp_path / "out"), workers=2, progress=False)
+  shard_prep.prepare(str(src), str(tmp_path / "out"), workers=2, progress=False)
   paths = ",".join(str(src / f"{i:03d}.jsonl") for i in range(len(DOCS_A)))
   ref_cfg = data_config(source="jsonl", paths=paths)
   cfg = data_config(source="shards", paths=str(tmp_path / "out"))
@@ -79,7 +79,7 @@ def test_shard_batches_equal_jsonl_batches(corpus, tmp_path):
 
 
 def test_resume_and_host_rows(corpus, tmp_path):
-  shards.prepare(str(corpus), str(tmp_path / "out"), workers=1, progress=False)
+  shard_prep.prepare(str(corpus), str(tmp_path / "out"), workers=1, progress=False)
   cfg = data_config(source="shards", paths=str(tmp_path / "out"))
   it = pipeline.make_train_iterator(cfg, seed=1)
   [next(it) for _ in range(5)]
@@ -105,12 +105,12 @@ def test_large_vocabulary_uses_uint32(tmp_path):
   tok_path = str(tmp_path / "tok.json")
   tok.save(tok_path)
   (tmp_path / "in.txt").write_text("w69999 w5\nw65536 w1 w2\n")
-  out = shards.prepare(str(tmp_path / "in.txt"), str(tmp_path / "out"), tokenizer=tok_path,
-                       workers=1, progress=False)
+  out = shard_prep.prepare(str(tmp_path / "in.txt"), str(tmp_path / "out"), tokenizer=tok_path,
+                           workers=1, progress=False)
   assert out["dtype"] == "uint32"
   stream = shards.TokenShards(str(tmp_path / "out"))
   np.testing.assert_array_equal(stream.read(0, 7), [69999, 5, 70000, 65536, 1, 2, 70000])
-  assert shards.token_dtype(65536) == np.uint16 and shards.token_dtype(65537) == np.uint32
+  assert shard_prep.token_dtype(65536) == np.uint16 and shard_prep.token_dtype(65537) == np.uint32
   # Training with another tokenizer than the shards were made with is an error.
   with pytest.raises(ValueError, match="data.tokenizer='bytes' is not the tokenizer"):
     shards.make_shard_source(data_config(source="shards", paths=str(tmp_path / "out"),
@@ -121,27 +121,27 @@ def test_parquet_input(tmp_path):
   pa = pytest.importorskip("pyarrow")  # in the dev extra
   import pyarrow.parquet as pq
   pq.write_table(pa.table({"text": DOCS_B, "n": list(range(20))}), tmp_path / "d.parquet")
-  shards.prepare(str(tmp_path / "d.parquet"), str(tmp_path / "out"), workers=1, progress=False)
+  shard_prep.prepare(str(tmp_path / "d.parquet"), str(tmp_path / "out"), workers=1, progress=False)
   stream = shards.TokenShards(str(tmp_path / "out"))
   np.testing.assert_array_equal(stream.read(0, stream.num_tokens), reference_stream(DOCS_B))
   (tmp_path / "bad.parquet").write_bytes(b"PAR1 not really")
-  with pytest.raises(shards.DataError, match="bad.parquet: not a readable Parquet file"):
-    shards.prepare(str(tmp_path / "bad.parquet"), str(tmp_path / "o2"), workers=1,
-                   progress=False)
+  with pytest.raises(doc_reader.DataError, match="bad.parquet: not a readable Parquet file"):
+    shard_prep.prepare(str(tmp_path / "bad.parquet"), str(tmp_path / "o2"), workers=1,
+                       progress=False)
 
 
 def test_zstd_input(tmp_path):
   zstandard = pytest.importorskip("zstandard")  # in the dev extra
   raw = "".join(json.dumps({"text": d}) + "\n" for d in DOCS_A).encode()
   (tmp_path / "a.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(raw))
-  shards.prepare(str(tmp_path / "a.jsonl.zst"), str(tmp_path / "out"), workers=1,
-                 progress=False)
+  shard_prep.prepare(str(tmp_path / "a.jsonl.zst"), str(tmp_path / "out"), workers=1,
+                     progress=False)
   stream = shards.TokenShards(str(tmp_path / "out"))
   np.testing.assert_array_equal(stream.read(0, stream.num_tokens), reference_stream(DOCS_A))
   (tmp_path / "bad.jsonl.zst").write_bytes(b"\x28\xb5\x2f\xfd garbage")
-  with pytest.raises(shards.DataError, match="bad.jsonl.zst: corrupt zstd"):
-    shards.prepare(str(tmp_path / "bad.jsonl.zst"), str(tmp_path / "o2"), workers=1,
-                   progress=False)
+  with pytest.raises(doc_reader.DataError, match="bad.jsonl.zst: corrupt zstd"):
+    shard_prep.prepare(str(tmp_path / "bad.jsonl.zst"), str(tmp_path / "o2"), workers=1,
+                       progress=False)
 
 
 def _bad_corpus(tmp_path):
@@ -155,16 +155,16 @@ def _bad_corpus(tmp_path):
 
 def test_bad_data_errors_name_file_and_line(tmp_path):
   src = _bad_corpus(tmp_path)
-  with pytest.raises(shards.DataError, match=r"a\.jsonl:2: not valid UTF-8"):
-    shards.prepare(str(src / "a.jsonl"), str(tmp_path / "o"), workers=1, progress=False)
-  with pytest.raises(shards.DataError, match=r"empty\.txt: empty file"):
-    shards.prepare(str(src / "empty.txt"), str(tmp_path / "o"), workers=1, progress=False)
+  with pytest.raises(doc_reader.DataError, match=r"a\.jsonl:2: not valid UTF-8"):
+    shard_prep.prepare(str(src / "a.jsonl"), str(tmp_path / "o"), workers=1, progress=False)
+  with pytest.raises(doc_reader.DataError, match=r"empty\.txt: empty file"):
+    shard_prep.prepare(str(src / "empty.txt"), str(tmp_path / "o"), workers=1, progress=False)
 
 
 def test_bad_data_skip_mode_counts_and_lists(tmp_path):
   src = _bad_corpus(tmp_path)
-  out = shards.prepare(str(src), str(tmp_path / "o"), workers=1, progress=False,
-                       on_error="skip")
+  out = shard_prep.prepare(str(src), str(tmp_path / "o"), workers=1, progress=False,
+                           on_error="skip")
   assert out["total_docs"] == 2 and out["skipped_records"] == 4
   assert out["skipped_files"] == [str(src / "empty.txt")]
   listed = "\n".join(out["skipped_examples"])
@@ -178,7 +178,7 @@ def test_bad_data_skip_mode_counts_and_lists(tmp_path):
 
 def test_corrupt_shards_are_detected(corpus, tmp_path):
   out_dir = tmp_path / "out"
-  shards.prepare(str(corpus), str(out_dir), workers=1, progress=False)
+  shard_prep.prepare(str(corpus), str(out_dir), workers=1, progress=False)
   assert shards.verify_shards(str(out_dir)) == []
   shard = out_dir / "shard_00001.bin"
   data = bytearray(shard.read_bytes())
@@ -195,12 +195,12 @@ def test_corrupt_shards_are_detected(corpus, tmp_path):
   with pytest.raises(FileNotFoundError, match="no index.json"):
     shards.TokenShards(str(out_dir))
   with pytest.raises(FileExistsError):
-    shards.prepare(str(corpus), str(tmp_path / "o2"), workers=1, progress=False)
-    shards.prepare(str(corpus), str(tmp_path / "o2"), workers=1, progress=False)
+    shard_prep.prepare(str(corpus), str(tmp_path / "o2"), workers=1, progress=False)
+    shard_prep.prepare(str(corpus), str(tmp_path / "o2"), workers=1, progress=False)
 
 
 def test_building_the_source_reads_no_token_data(corpus, tmp_path, monkeypatch):
-  shards.prepare(str(corpus), str(tmp_path / "out"), workers=1, progress=False)
+  shard_prep.prepare(str(corpus), str(tmp_path / "out"), workers=1, progress=False)
   opened = []
   real = np.memmap
   monkeypatch.setattr(shards.np, "memmap", lambda *a, **k: opened.append(a) or real(*a, **k))
@@ -225,7 +225,7 @@ def _write_jsonl(path, records):
 
 
 def _shard_files(out):
-  index = json.loads((out / shards.INDEX).read_text())
+  index = json.loads((out / formats.INDEX).read_text())
   return index, [(out / s["file"]).read_bytes() for s in index["shards"]]
 
 
@@ -240,7 +240,7 @@ def _assert_same_shards(got, want):
 
 
 def _loader(records, calls):
-  """A stand-in for `shards.hf_records`: records from memory, arguments recorded."""
+  """A stand-in for `shard_prep.hf_records`: records from memory, arguments recorded."""
   def load(name, *, split, config, data_files):
     calls.append((name, split, config, data_files))
     return iter(records)
@@ -251,12 +251,12 @@ def test_records_give_the_shards_of_the_same_jsonl(tmp_path):
   """A record stream (what --hf_dataset streams) and the same records as JSONL: identical
   shards; with docs_per_shard=k, the shards of k-record JSONL files, tokenised in 2 workers."""
   _write_jsonl(tmp_path / "all.jsonl", RECORDS)
-  shards.prepare(str(tmp_path / "all.jsonl"), str(tmp_path / "from_jsonl"), workers=1,
-                 progress=False, doc_boundaries=True)
+  shard_prep.prepare(str(tmp_path / "all.jsonl"), str(tmp_path / "from_jsonl"), workers=1,
+                     progress=False, doc_boundaries=True)
   calls = []
-  out = shards.prepare_hf("org/corpus", str(tmp_path / "from_hf"), split="train", config="en",
-                          load=_loader(RECORDS, calls), workers=1, progress=False,
-                          doc_boundaries=True)
+  out = shard_prep.prepare_hf("org/corpus", str(tmp_path / "from_hf"), split="train", config="en",
+                              load=_loader(RECORDS, calls), workers=1, progress=False,
+                              doc_boundaries=True)
   assert calls == [("org/corpus", "train", "en", None)]
   assert out["shards"][0]["source"] == "hf:org/corpus/en[train] records 1-51"
   _assert_same_shards(tmp_path / "from_hf", tmp_path / "from_jsonl")
@@ -271,37 +271,37 @@ def test_records_give_the_shards_of_the_same_jsonl(tmp_path):
   parts.mkdir()
   for k in range(0, len(docs), 12):
     _write_jsonl(parts / f"{k:03d}.jsonl", docs[k:k + 12])
-  shards.prepare(str(parts), str(tmp_path / "parts_out"), workers=1, progress=False)
-  out = shards.prepare_records(iter(docs), str(tmp_path / "chunked"), source="mem",
-                               docs_per_shard=12, workers=2, progress=False)
+  shard_prep.prepare(str(parts), str(tmp_path / "parts_out"), workers=1, progress=False)
+  out = shard_prep.prepare_records(iter(docs), str(tmp_path / "chunked"), source="mem",
+                                   docs_per_shard=12, workers=2, progress=False)
   assert len(out["shards"]) == 5 and out["total_docs"] == 50
   _assert_same_shards(tmp_path / "chunked", tmp_path / "parts_out")
 
 
 def test_bad_records_name_the_record(tmp_path):
   bad = [{"text": "good"}, {"content": "x"}, {"text": 3}, "not a dict", {"text": "fine"}]
-  with pytest.raises(shards.DataError, match=r"hf:d\[train\]:record 2: no field 'text'"):
-    shards.prepare_hf("d", str(tmp_path / "o"), load=_loader(bad, []), workers=1,
-                      progress=False)
-  out = shards.prepare_hf("d", str(tmp_path / "o2"), load=_loader(bad, []), workers=1,
-                          progress=False, on_error="skip")
+  with pytest.raises(doc_reader.DataError, match=r"hf:d\[train\]:record 2: no field 'text'"):
+    shard_prep.prepare_hf("d", str(tmp_path / "o"), load=_loader(bad, []), workers=1,
+                          progress=False)
+  out = shard_prep.prepare_hf("d", str(tmp_path / "o2"), load=_loader(bad, []), workers=1,
+                              progress=False, on_error="skip")
   assert out["total_docs"] == 2 and out["skipped_records"] == 3
   assert "hf:d[train]:record 3: field 'text' is a int, not a string" in out["skipped_examples"]
   stream = shards.TokenShards(str(tmp_path / "o2"))
   np.testing.assert_array_equal(stream.read(0, stream.num_tokens),
                                 reference_stream(["good", "fine"]))
-  with pytest.raises(shards.DataError, match=r"no usable documents in hf:d\[train\]"):
-    shards.prepare_hf("d", str(tmp_path / "o3"), load=_loader([{"text": ""}], []), workers=1,
-                      progress=False)
+  with pytest.raises(doc_reader.DataError, match=r"no usable documents in hf:d\[train\]"):
+    shard_prep.prepare_hf("d", str(tmp_path / "o3"), load=_loader([{"text": ""}], []), workers=1,
+                          progress=False)
   with pytest.raises(ValueError, match="docs_per_shard must be >= 1"):
-    shards.prepare_records([], str(tmp_path / "o4"), source="s", docs_per_shard=0)
+    shard_prep.prepare_records([], str(tmp_path / "o4"), source="s", docs_per_shard=0)
 
 
 def test_hf_records_without_datasets_names_the_extra(monkeypatch):
   import sys
   monkeypatch.setitem(sys.modules, "datasets", None)   # import datasets -> ImportError
   with pytest.raises(ImportError, match=r'--hf_dataset needs .*pip install "attn_jax\[hf\]"'):
-    shards.hf_records("org/corpus")
+    shard_prep.hf_records("org/corpus")
 
 
 def test_prepare_data_cli_streams_a_local_hf_json_dataset(tmp_path):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from attn_jax.config import DataConfig, section_of, validate
-from attn_jax.data import offsets, pipeline, shards, text
+from attn_jax.data import offsets, pipeline, shard_prep, text
 from attn_jax.data.tokenizer import ByteTokenizer
 from configs.base import get_config
 from tests.test_packed_data import reference_fields
@@ -38,8 +38,8 @@ def corpus(tmp_path_factory):
   jsonl.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS), encoding="utf-8")
   txt = root / "c.txt"
   txt.write_text("".join(d + "\n" for d in DOCS), encoding="utf-8")
-  shards.prepare(str(jsonl), str(root / "shards"), workers=1, progress=False,
-                 doc_boundaries=True)
+  shard_prep.prepare(str(jsonl), str(root / "shards"), workers=1, progress=False,
+                     doc_boundaries=True)
   return {"jsonl": jsonl, "text": txt, "shards": root / "shards"}
 
 

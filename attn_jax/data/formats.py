@@ -1,8 +1,9 @@
 """The data files attn_jax reads by name: the input formats `experiments/prepare_data.py` turns
 into token shards (and a folder in `data.paths` is searched for), and the shard folder's index.
 
-Shared by the shard writer / reader (`data/shards.py`) and the text readers (`data/text.py`),
-which both need them and must not import each other.
+Shared by the document reader (`data/doc_reader.py`), the shard writer (`data/shard_prep.py`)
+and reader (`data/shards.py`) and the text readers (`data/text.py`): the document reader must
+not import the others, and text.py not the shard modules.
 """
 
 from __future__ import annotations

@@ -5,6 +5,10 @@ Sources (`data.source`):
     document; with "file" each whole file is one document.
   * "jsonl": one JSON object per line, the document in field `data.text_field` (a string).
     Blank lines are skipped; empty documents are skipped.
+Every file is read by `doc_reader.read_documents` (the reader experiments/prepare_data.py uses
+too), as .txt for "text" and .jsonl for "jsonl" whatever its name: a bad line (not UTF-8; in a
+JSONL file, not a JSON object, without the field or with a non-string one) is an error naming
+file:line, and a file without any document (empty, blank) is an error naming it.
 `data.paths`: comma-separated files or folders; a folder stands for its `.txt` ("text") or
 `.jsonl` ("jsonl") files, searched recursively and read in sorted order, as
 experiments/prepare_data.py reads a folder (`data_files`). A folder of prepared token shards,
@@ -43,13 +47,12 @@ import numpy as np
 
 from attn_jax import paths
 from attn_jax.data import documents as doc_lib
+from attn_jax.data.doc_reader import read_documents
 from attn_jax.data.formats import INDEX, input_format
-from attn_jax.data.jsonl import parse_object
 from attn_jax.data.offsets import check_window
 from attn_jax.data.tokenizer import Tokenizer, get_tokenizer
 
 TEXT_SOURCES = ("text", "jsonl")
-TEXT_DOCUMENT_MODES = ("line", "file")
 
 
 def split_paths(paths: str | Sequence[str]) -> list[str]:
@@ -59,8 +62,8 @@ def split_paths(paths: str | Sequence[str]) -> list[str]:
   return [os.path.expanduser(p.strip()) for p in paths if p.strip()]
 
 
-# The files a folder in data.paths contributes, per source (as experiments/prepare_data.py
-# reads a folder: recursively, known formats only, sorted).
+# The format each source reads its files as, and the files a folder in data.paths contributes
+# (as experiments/prepare_data.py reads a folder: recursively, known formats only, sorted).
 FOLDER_FORMATS = {"text": ".txt", "jsonl": ".jsonl"}
 
 
@@ -112,11 +115,15 @@ def data_files(data_cfg) -> list[str]:
   return files
 
 
+def _require_file(path: str, what: str, source: str) -> None:
+  if not paths.run_path(path).is_file():
+    raise FileNotFoundError(f"{what} not found: {path!r} (from {source})")
+
+
 def read_text_file(path: str, *, what: str = "data file", source: str = "data.paths") -> str:
   """The whole UTF-8 text of `path`; a missing, binary / non-UTF-8 or empty file is an error
   naming it, the byte offset and where the path came from (`source`: a config field or flag)."""
-  if not paths.run_path(path).is_file():
-    raise FileNotFoundError(f"{what} not found: {path!r} (from {source})")
+  _require_file(path, what, source)
   try:
     content = paths.run_path(path).read_bytes().decode("utf-8")
   except UnicodeDecodeError as e:
@@ -127,57 +134,30 @@ def read_text_file(path: str, *, what: str = "data file", source: str = "data.pa
   return content
 
 
-def read_text_documents(path: str, *, text_document: str = "line") -> list[str]:
-  """Documents of a plain text file: its non-blank lines, or the whole file."""
-  if text_document not in TEXT_DOCUMENT_MODES:
-    raise ValueError(
-        f"data.text_document must be one of {TEXT_DOCUMENT_MODES}, got {text_document!r}")
-  content = read_text_file(path)
-  if text_document == "file":
-    return [content]
-  # Split on "\n" only (str.splitlines also breaks on \x0c, \u2028, ...).
-  return [line.rstrip("\r") for line in content.split("\n") if line.strip()]
-
-
-def read_jsonl_documents(path: str, *, text_field: str = "text") -> list[str]:
-  """Documents of a JSONL file: field `text_field` of every object. Errors name file:line."""
-  content = read_text_file(path)
-  documents = []
-  for line_number, line in enumerate(content.split("\n"), start=1):
-    if not line.strip():
-      continue
-    where = f"{path}:{line_number}"
-    record = parse_object(line, where)
-    if text_field not in record:
-      raise ValueError(
-          f"{where}: missing field {text_field!r} (data.text_field); the object has keys "
-          f"{sorted(record)[:10]}")
-    document = record[text_field]
-    if not isinstance(document, str):
-      raise ValueError(
-          f"{where}: field {text_field!r} must be a string, got {type(document).__name__}")
-    if document:
-      documents.append(document)
+def file_documents(path: str, *, source: str, text_field: str = "text",
+                   text_document: str = "line") -> list[str]:
+  """The documents of one data.paths file for `source` "text" or "jsonl" (module docstring): a
+  bad line is a DataError naming file:line; a missing file, or one without a document, an
+  error naming it."""
+  if source not in TEXT_SOURCES:
+    raise ValueError(f"data.source must be one of {TEXT_SOURCES} here, got {source!r}")
+  _require_file(path, "data file", "data.paths")
+  documents = list(read_documents(path, fmt=FOLDER_FORMATS[source], text_field=text_field,
+                                  text_document=text_document))
   if not documents:
+    read_text_file(path)   # a blank file: "data file is empty"
     raise ValueError(f"data file has no non-empty {text_field!r} documents: {path!r}")
   return documents
 
 
-def read_documents(
-    paths: Sequence[str], *, source: str, text_field: str = "text", text_document: str = "line"
-) -> list[str]:
-  """All documents of `paths` in order, for `source` "text" or "jsonl"."""
-  if source not in TEXT_SOURCES:
-    raise ValueError(f"data.source must be one of {TEXT_SOURCES} here, got {source!r}")
-  if not paths:
-    raise ValueError(f"data.paths is empty: data.source={source!r} needs at least one file")
-  documents = []
-  for path in paths:
-    if source == "text":
-      documents.extend(read_text_documents(path, text_document=text_document))
-    else:
-      documents.extend(read_jsonl_documents(path, text_field=text_field))
-  return documents
+def read_text_documents(path: str, *, text_document: str = "line") -> list[str]:
+  """Documents of a plain text file: its non-blank lines, or the whole file."""
+  return file_documents(path, source="text", text_document=text_document)
+
+
+def read_jsonl_documents(path: str, *, text_field: str = "text") -> list[str]:
+  """Documents of a JSONL file: field `text_field` of every object. Errors name file:line."""
+  return file_documents(path, source="jsonl", text_field=text_field)
 
 
 def tokenize_documents(tokenizer: Tokenizer, documents: Sequence[str]) -> np.ndarray:
@@ -213,8 +193,8 @@ def _cached_corpus(
     text_document: str, tokenizer_spec: str
 ) -> tuple[np.ndarray, np.ndarray]:
   del file_stamps  # only part of the cache key
-  documents = read_documents(paths, source=source, text_field=text_field,
-                             text_document=text_document)
+  documents = [d for path in paths for d in file_documents(
+      path, source=source, text_field=text_field, text_document=text_document)]
   tokens_T, ends_D = pack_documents(get_tokenizer(tokenizer_spec), documents)
   tokens_T.setflags(write=False)  # shared by every caller of the cache
   ends_D.setflags(write=False)

@@ -42,6 +42,7 @@ import numpy as np
 
 from attn_jax import jsonio, streaming
 from attn_jax.eval.attention_mass import _spread, attention_maps
+from attn_jax.eval.stream_reports import binned_means
 from attn_jax.streaming import StreamPolicy
 from attn_jax.study.lm import heldout_stream
 from attn_jax.study.tables import markdown_table as _table, spread
@@ -150,7 +151,7 @@ def stream_run(config: ml_collections.ConfigDict, run: dict, log: Callable) -> d
       skipped[name] = str(e)
       continue
     nll[name] = float(np.nanmean(losses[W:]))
-    centres, means = streaming.binned_means(losses, BIN)
+    centres, means = binned_means(losses, BIN)
     curves[name] = {"x": centres.tolist(), "nll": means.tolist()}
   mass = attention_mass(model, tokens, seq_len=int(config.data.seq_len),
                         n_seqs=int(s.sink_mass_seqs), min_query=int(s.sink_mass_min_query))
