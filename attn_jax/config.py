@@ -17,7 +17,8 @@ from attn_jax.data.offsets import WINDOW_OFFSETS, window_offset
 from attn_jax.data.pipeline import DATA_SOURCES
 from attn_jax.kernel_choice import ATTENTION_IMPLS
 from attn_jax.options import field_check, is_int, is_number
-from attn_jax.registry import get_mixer
+from attn_jax.registry import axis_rules, get_mixer
+from attn_jax.sharding import MeshAxes, rules_dict
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,6 +181,17 @@ def validate_model(cfg: ModelConfig) -> None:
                        f"expected {mixer_cls.__name__}.Options")
     if hasattr(opts, "validate"):
       opts.validate(cfg, f"config.model.{spec.mixer}")
+
+
+def config_rules(config, cfg: ModelConfig | None = None) -> dict[str, MeshAxes]:
+  """The logical-axis rules of a run (what `attn_jax.sharding` shards by): those the pattern's
+  mixers declare (`Mixer.axis_rules`), overridden by `config.mesh.rules` (the trunk's, from
+  configs/base.py, plus any the user sets). `cfg`: the run's model config when the caller has
+  it (else made from config.model). Here and not in sharding.py, which the mixers' attention
+  cores import: a module they import must not import the registry or this module."""
+  cfg = ModelConfig.from_config(config.model) if cfg is None else cfg
+  names = [spec.mixer for spec in cfg.period]
+  return {**axis_rules(names), **rules_dict(config.mesh.rules)}
 
 
 def seq_len_problem(max_seq_len: int, length: int, what: str) -> str | None:

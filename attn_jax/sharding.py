@@ -40,8 +40,6 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from attn_jax import kernel_choice
-from attn_jax.config import ModelConfig
-from attn_jax.registry import axis_rules
 
 MeshAxes = str | tuple[str, ...] | None
 
@@ -95,15 +93,6 @@ TRUNK_RULES: tuple[tuple[str, MeshAxes], ...] = (
 
 def rules_dict(rules: Sequence[tuple[str, MeshAxes]]) -> dict[str, MeshAxes]:
   return {name: (tuple(ax) if isinstance(ax, list) else ax) for name, ax in rules}
-
-
-def config_rules(config, cfg: ModelConfig | None = None) -> dict[str, MeshAxes]:
-  """The logical-axis rules of a run: those the pattern's mixers declare (`Mixer.axis_rules`),
-  overridden by `config.mesh.rules` (the trunk's, from configs/base.py, plus any the user
-  sets). `cfg`: the run's model config when the caller has it (else made from config.model)."""
-  cfg = ModelConfig.from_config(config.model) if cfg is None else cfg
-  names = [spec.mixer for spec in cfg.period]
-  return {**axis_rules(names), **rules_dict(config.mesh.rules)}
 
 
 def _flat(axes: MeshAxes) -> tuple[str, ...]:

@@ -141,7 +141,7 @@ def get_config() -> ml_collections.ConfigDict:
                                  # to replicate when their size does not divide their mesh axes;
                                  # anything else is an error naming the parameter
   # logical axis -> mesh axis (or None = replicated). Batch goes over data+fsdp.
-  # Mixers' own axes come from their `axis_rules` (sharding.config_rules); a rule here, for
+  # Mixers' own axes come from their `axis_rules` (config.config_rules); a rule here, for
   # either kind, overrides.
   s.rules = TRUNK_RULES
   return c

@@ -68,6 +68,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from attn_jax import outputs, paths, sharding as shd
+from attn_jax.config import config_rules
 from attn_jax.model import abstract_model
 from attn_jax.train import early_signals
 from attn_jax.train.writers import WriteError, describe_disk, disk_full
@@ -752,7 +753,7 @@ def _load_step(ckpt: Checkpointer, step: int, devices):
   except Exception as e:
     raise CheckpointCorruptError(f"its meta (the saved config) cannot be read: {_short(e)}")
   mesh = shd.make_mesh(config.mesh.shape, config.mesh.axis_names, devices)
-  rules = shd.config_rules(config)
+  rules = config_rules(config)
   graphdef, abs_params, abs_rest = nnx.split(abstract_model(config.model), nnx.Param, ...)
   target = {}
   for name, abs_part in (("params", abs_params), ("rest", abs_rest)):

@@ -19,7 +19,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from attn_jax import sharding as shd
-from attn_jax.config import ModelConfig, validate
+from attn_jax.config import ModelConfig, config_rules, validate
 from attn_jax.data import pipeline
 from attn_jax.data.documents import batch_keys
 from attn_jax.model import build_model, count_params
@@ -52,7 +52,7 @@ class Setup:
 def build_setup(config: ml_collections.ConfigDict, *, devices=None) -> Setup:
   cfg = validate(config)
   mesh = shd.make_mesh(config.mesh.shape, config.mesh.axis_names, devices)
-  rules = shd.config_rules(config, cfg)
+  rules = config_rules(config, cfg)
   abs_model = nnx.eval_shape(lambda: build_model(cfg, seed=config.seed))
   graphdef, abs_params, abs_rest = nnx.split(abs_model, nnx.Param, ...)
   # per-parameter treatment from metadata; config.train.trainable may freeze some (init_from.py)
