@@ -32,8 +32,8 @@ from attn_jax.data.offsets import WINDOW_OFFSETS
 from attn_jax.data.pipeline import DATA_SOURCES
 from attn_jax.model_config import ModelConfig
 from attn_jax.options import field_check, is_int, is_number
-from attn_jax.registry import available_mixers, default_options, get_mixer
-from attn_jax.sharding import TRUNK_RULES
+from attn_jax.registry import available_mixers, axis_rules, default_options, get_mixer
+from attn_jax.sharding import TRUNK_RULES, MeshAxes, rules_dict
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,7 +143,7 @@ class MeshConfig:
                                  # allowed to replicate when their size does not divide their
                                  # mesh axes; anything else is an error naming the parameter
   # logical axis -> mesh axis (or None = replicated); batch goes over data + fsdp. Mixers' own
-  # axes come from their `axis_rules` (sharding.config_rules); a rule here, for either, wins.
+  # axes come from their `axis_rules` (config_rules below); a rule here, for either, wins.
   rules: tuple = TRUNK_RULES
 
 
@@ -226,6 +226,15 @@ def section_of(section_cls: type, name: str, values) -> Any:
     val = _plain(values[key])
     kw[key] = _frozen(val)
   return section_cls(**kw)
+
+
+def config_rules(run: RunConfig) -> dict[str, MeshAxes]:
+  """The logical-axis rules of a run (what `attn_jax.sharding` shards by): those the pattern's
+  mixers declare (`Mixer.axis_rules`), overridden by `run.mesh.rules` (the trunk's defaults
+  plus any the user sets). Here and not in sharding.py, which the mixers' attention cores
+  import: a module they import must not import the registry or this module."""
+  names = [spec.mixer for spec in run.model.period]
+  return {**axis_rules(names), **rules_dict(run.mesh.rules)}
 
 
 def _frozen(val):

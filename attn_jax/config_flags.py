@@ -6,16 +6,27 @@
 raises `ConfigFieldError("config.model.foo: unknown field (known: ...)")` naming the full path,
 the known fields and the closest match. `flags_parser()` plugs this into `absl.app.run`, so a
 script prints one line and exits with status 2 instead of a traceback.
+
+`apply_overrides(config, ["model.d_model=512", ...])` is the same override as a list of strings,
+for entry points that take overrides in one flag (experiments/bench.py's `--set`, its
+"config@a.b=v" names): the path is checked by `check_path`, the value is read by the parser
+`--config.<path>=<value>` would use for that field's type (ml_collections picks absl's integer,
+float, boolean, string or its tuple parser by the field's current type; any other type: a Python
+literal, else the string), and it is set through `config_path.set_value` as that flag sets it. A
+value of the wrong type is a `ConfigFieldError` naming the field, its type and the value.
 """
 
 from __future__ import annotations
 
+import ast
 import difflib
 import os
 import sys
 from typing import Any, Sequence
 
 import ml_collections
+from absl import flags
+from ml_collections.config_flags import config_path, tuple_parser
 
 
 class ConfigFieldError(ValueError):
@@ -40,6 +51,65 @@ def check_path(config: Any, path: str, *, root: str = "config") -> None:
       raise ConfigFieldError(
           f"{done}.{key}: unknown field (known: {', '.join(sorted(keys))}){hint}")
     node, done = node[key], f"{done}.{key}"
+
+
+# The parser ml_collections' config flag uses for a field of each type (`--config.<path>=v`).
+_PARSERS = {int: flags.IntegerParser(), float: flags.FloatParser(), bool: flags.BooleanParser(),
+            str: flags.ArgumentParser(), tuple: tuple_parser.TupleParser()}
+
+
+def _literal(text: str) -> Any:
+  """A field of any other type: a Python literal ("true" / "false" too), else the string."""
+  try:
+    return ast.literal_eval(text.capitalize() if text in ("true", "false") else text)
+  except (ValueError, SyntaxError):
+    return text
+
+
+def split_overrides(text: str) -> list[str]:
+  """"a.b=1,c=(2, 3)" -> ["a.b=1", "c=(2, 3)"]: commas inside brackets or quotes do not split."""
+  items, depth, quote, start = [], 0, "", 0
+  for i, ch in enumerate(text):
+    if quote:
+      quote = "" if ch == quote else quote
+    elif ch in "'\"":
+      quote = ch
+    elif ch in "([{":
+      depth += 1
+    elif ch in ")]}":
+      depth -= 1
+    elif ch == "," and depth == 0:
+      items.append(text[start:i])
+      start = i + 1
+  items.append(text[start:])
+  return [item.strip() for item in items if item.strip()]
+
+
+def parse_override(config: Any, item: str, *, root: str = "config") -> tuple[str, Any]:
+  """"a.b=v" -> ("a.b", v): the path checked against `config`, v read as config.a.b's type."""
+  path, eq, text = item.partition("=")
+  path = path.strip()
+  if not eq or not path:
+    raise ConfigFieldError(f"override {item!r}: want <path>=<value>, e.g. model.d_model=512")
+  check_path(config, path, root=root)
+  field_type = config_path.get_type(path, config)
+  parser = _PARSERS.get(field_type)
+  try:
+    return path, (parser.parse(text) if parser else _literal(text))
+  except (ValueError, TypeError) as e:
+    raise ConfigFieldError(f"{root}.{path}={text}: not a valid {field_type.__name__} "
+                           f"({' '.join(map(str, e.args)) or type(e).__name__})") from None
+
+
+def apply_overrides(config: Any, items: Sequence[str], *, root: str = "config") -> Any:
+  """Sets each "path=value" of `items` on `config`, in order (a later item wins); returns it."""
+  for item in items:
+    path, value = parse_override(config, item, root=root)
+    try:
+      config_path.set_value(path, config, value)
+    except TypeError as e:   # a ConfigDict field keeps its type
+      raise ConfigFieldError(f"{root}.{path}={value!r}: {e}") from None
+  return config
 
 
 def override_paths(argv: Sequence[str], flag_name: str = "config") -> list[str]:

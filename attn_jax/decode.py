@@ -41,8 +41,8 @@ from flax import nnx
 
 from attn_jax import kernel_choice
 from attn_jax.attention import cache as cache_lib
-from attn_jax.model_config import check_seq_len
 from attn_jax.model import mixer_limits
+from attn_jax.model_config import check_seq_len
 
 
 def jit_stateful(fn, **kw):

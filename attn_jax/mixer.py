@@ -5,6 +5,12 @@ none of them branches on a mixer's name. A new variant is one module under `attn
 or `attn_jax/ssm/` (discovered by `registry.py`) plus a config; `docs/mixers.md` walks through
 one, and `tests/test_mixer_contract.py` runs that walk-through as written.
 
+`register_mixer(name)` lives here, beside the contract it checks, and not in `registry.py`: the
+registry imports every mixer module (discovery), so neither a mixer module nor anything it
+imports may import the registry, or `attn_jax.config` (which imports the registry; a mixer names
+`ModelConfig` only under `TYPE_CHECKING`). tests/test_layout.py checks the import graph, the
+discovery's edges included, for cycles.
+
     @register_mixer("name")
     class MyMixer(Mixer):
       @dataclasses.dataclass(frozen=True)
@@ -73,7 +79,7 @@ Class-level hooks (defaults below; override what applies):
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 from flax import nnx
 
@@ -81,7 +87,7 @@ from flax import nnx
 class Mixer(nnx.Module):
   """Base class of every token mixer (see the module docstring for the contract)."""
 
-  mixer_name: ClassVar[str] = ""            # set by `registry.register_mixer`
+  mixer_name: ClassVar[str] = ""            # set by `register_mixer`
   reads_shared_prefix: ClassVar[bool] = False
   axis_rules: ClassVar[tuple[tuple[str, Any], ...]] = ()
 
@@ -129,3 +135,23 @@ class Mixer(nnx.Module):
   def stream_limit(cls, cfg, opts, capacity: int, policy=None) -> int | None:
     del cfg, opts, capacity, policy
     return None
+
+
+# name -> mixer class, filled by `register_mixer` as the mixer modules are imported; looked up
+# through `attn_jax.registry` (which imports them all first).
+REGISTERED: dict[str, type] = {}
+
+
+def register_mixer(name: str) -> Callable[[type], type]:
+  def deco(cls: type) -> type:
+    if name in REGISTERED and REGISTERED[name].__qualname__ != cls.__qualname__:
+      raise ValueError(f"mixer {name!r} is already registered by {REGISTERED[name].__module__}")
+    if not (isinstance(cls, type) and issubclass(cls, Mixer)):
+      raise TypeError(f"mixer {name!r} ({getattr(cls, '__module__', cls)}) must subclass "
+                      "attn_jax.mixer.Mixer")
+    if not dataclasses.is_dataclass(getattr(cls, "Options", None)):
+      raise TypeError(f"mixer {name!r} ({cls.__module__}) needs a dataclass `Options`")
+    REGISTERED[name] = cls
+    cls.mixer_name = name
+    return cls
+  return deco

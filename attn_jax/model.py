@@ -47,8 +47,8 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from attn_jax.model_config import LayerSpec, ModelConfig, validate_model
 from attn_jax.layers import SHARED_SEGMENT, Linear, RMSNorm, SwiGLU, dtype_of, param
+from attn_jax.model_config import LayerSpec, ModelConfig, validate_model
 from attn_jax.registry import get_mixer
 from attn_jax.sharding import constrain, pad_vocab
 

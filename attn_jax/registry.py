@@ -5,7 +5,8 @@ Every module under `attn_jax/attention/` and `attn_jax/ssm/` is imported on the 
 variant needs: there is no hand-written list.
 
 The contract a mixer meets (its signature, class hooks and their defaults) is one base class,
-`attn_jax.mixer.Mixer`; `register_mixer` refuses a class that does not subclass it. The decoder,
+`attn_jax.mixer.Mixer`; `register_mixer` (defined there, beside the contract, so that a mixer
+module imports nothing above it) refuses a class that does not subclass it. The decoder,
 trainer, decoding and evaluator use a mixer only through that interface and never branch on a
 mixer's name.
 """
@@ -15,28 +16,11 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import pkgutil
-from typing import Callable
 
-from attn_jax.mixer import Mixer
+from attn_jax.mixer import REGISTERED
 
-_MIXERS: dict[str, type] = {}
 _PACKAGES = ("attn_jax.attention", "attn_jax.ssm")
 _discovered = False
-
-
-def register_mixer(name: str) -> Callable[[type], type]:
-  def deco(cls: type) -> type:
-    if name in _MIXERS and _MIXERS[name].__qualname__ != cls.__qualname__:
-      raise ValueError(f"mixer {name!r} is already registered by {_MIXERS[name].__module__}")
-    if not (isinstance(cls, type) and issubclass(cls, Mixer)):
-      raise TypeError(f"mixer {name!r} ({getattr(cls, '__module__', cls)}) must subclass "
-                      "attn_jax.mixer.Mixer")
-    if not dataclasses.is_dataclass(getattr(cls, "Options", None)):
-      raise TypeError(f"mixer {name!r} ({cls.__module__}) needs a dataclass `Options`")
-    _MIXERS[name] = cls
-    cls.mixer_name = name
-    return cls
-  return deco
 
 
 def _discover() -> None:
@@ -53,15 +37,16 @@ def _discover() -> None:
 
 def get_mixer(name: str) -> type:
   _discover()
-  if name not in _MIXERS:
-    raise ValueError(f"unknown mixer {name!r}; registered mixers: {', '.join(sorted(_MIXERS))}")
-  return _MIXERS[name]
+  if name not in REGISTERED:
+    raise ValueError(f"unknown mixer {name!r}; registered mixers: "
+                     f"{', '.join(sorted(REGISTERED))}")
+  return REGISTERED[name]
 
 
 def available_mixers(include_private: bool = False) -> list[str]:
   """Registered names; names starting with "_" (test doubles) only with `include_private`."""
   _discover()
-  return sorted(n for n in _MIXERS if include_private or not n.startswith("_"))
+  return sorted(n for n in REGISTERED if include_private or not n.startswith("_"))
 
 
 def default_options(name: str) -> dict:

@@ -40,7 +40,6 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from attn_jax import kernel_choice
-from attn_jax.registry import axis_rules
 
 MeshAxes = str | tuple[str, ...] | None
 
@@ -94,14 +93,6 @@ TRUNK_RULES: tuple[tuple[str, MeshAxes], ...] = (
 
 def rules_dict(rules: Sequence[tuple[str, MeshAxes]]) -> dict[str, MeshAxes]:
   return {name: (tuple(ax) if isinstance(ax, list) else ax) for name, ax in rules}
-
-
-def config_rules(run) -> dict[str, MeshAxes]:
-  """The logical-axis rules of a run (its typed `attn_jax.config.RunConfig`): those the
-  pattern's mixers declare (`Mixer.axis_rules`), overridden by `run.mesh.rules` (the trunk's
-  defaults plus any the user sets)."""
-  names = [spec.mixer for spec in run.model.period]
-  return {**axis_rules(names), **rules_dict(run.mesh.rules)}
 
 
 def _flat(axes: MeshAxes) -> tuple[str, ...]:

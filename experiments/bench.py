@@ -4,13 +4,18 @@ means: attn_jax/bench/__init__.py).
 
   python experiments/bench.py --preset=cpu_50m_fp32   # the 50M Transformer's shapes, fp32
   python experiments/bench.py --configs=transformer_152m,sisa_152m --seq_lens=1024,4096,16384
-  python experiments/bench.py --scale=tiny --dtype=float32 --seq_lens=1024,4096 \
+  python experiments/bench.py --scale=tiny --set=model.dtype=float32 --seq_lens=1024,4096 \
       --configs=transformer_152m,sisa_152m,sisa_152m@fast,sisa_152m@chunked   # a 2-core CPU
   python experiments/bench.py --study=configs/study_tiny.py --seq_lens=256,1024 # every mixer
   python experiments/bench.py --configs=transformer_152m,transformer_152m@model.n_layers=4
+  python experiments/bench.py --set=model.d_model=512,model.d_ff=2048,model.sisa.d_state=16
 
-A config suffix `@a.b=v,...` sets any config fields; `@auto|@fast|@chunked` the SISA path;
-`@window|@streaming` decodes the same model under that cache policy.
+The model changes only through dotted config paths, parsed and checked as training's
+--config.<path>=<value> overrides are: `--set=a.b=v,...` for every config (after --scale and
+--preset, which are such overrides too: attn_jax/bench/configs.py, which also says how the SISA
+and FoX twins are re-matched to their Transformer), a config suffix `@a.b=v,...` for that one;
+`@auto|@fast|@chunked` sets the SISA path; `@window|@streaming` decodes the same model under
+that cache policy.
 """
 
 import dataclasses
@@ -22,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import flags  # noqa: E402
 
 from attn_jax import cli  # noqa: E402
-from attn_jax.bench import PRESETS, Options, run  # noqa: E402
+from attn_jax.bench import PRESETS, SCALES, Options, run  # noqa: E402
 
 flags.DEFINE_list("configs", ["transformer_152m", "sisa_152m"], "Config modules under "
                   "configs/; the first is the baseline. A suffix @auto|@fast|@chunked forces "
@@ -33,23 +38,16 @@ flags.DEFINE_integer("steps", 5, "Timed steps per config (after warmup).")
 flags.DEFINE_integer("warmup", 2, "Untimed steps (the first compiles).")
 flags.DEFINE_integer("repeats", 1, "Alternate the configs this many times; best time per "
                      "config is reported (less noise on a shared CPU).")
-flags.DEFINE_enum("scale", "full", ["full", "tiny"], "tiny: CPU-sized, see "
-                  "attn_jax/bench/configs.py.")
-flags.DEFINE_integer("d_model", 0, "Override d_model (0 = keep).")
-flags.DEFINE_integer("n_heads", 0, "Override n_heads.")
-flags.DEFINE_integer("n_layers", 0, "Override n_layers.")
-flags.DEFINE_integer("vocab_size", 0, "Override vocab_size.")
-flags.DEFINE_integer("d_ff", 0, "Transformer d_ff at the overridden width (0 = 4 d).")
-flags.DEFINE_integer("d_state", 0, "Override SISA d_state (d_ff re-matched).")
-flags.DEFINE_string("dtype", "", "Override the compute dtype (e.g. float32 on CPU).")
-flags.DEFINE_enum("sisa_path", "", ["", "auto", "fast", "chunked"], "Force the SISA path.")
-flags.DEFINE_float("sisa_decay_bias", None, "Override decay_bias_init (e.g. -2.63: half-life "
-                   "~10 tokens, long decay range).")
-flags.DEFINE_string("remat", "", "Override model.remat.")
+flags.DEFINE_enum("scale", "full", list(SCALES), "tiny: CPU-sized (d 256 / 4 heads / 4 layers "
+                  "/ vocab 4096 / d_ff 1024), overrides listed in attn_jax/bench/configs.py.")
+flags.DEFINE_string("set", "", "Config overrides for every config, comma-separated dotted paths "
+                    "as training's --config.<path>=<value>, e.g. model.d_model=512,"
+                    "model.d_ff=2048,model.dtype=float32,model.sisa.d_state=16 (after --scale "
+                    "and --preset; SISA / FoX d_ff re-matched to the Transformer's).")
 flags.DEFINE_enum("preset", "", [""] + list(PRESETS), "cpu_50m_fp32: configs "
                   "transformer_152m, sisa_152m, sisa_152m@fast at the 50M shapes (d 512 / 8 "
-                  "heads / 6 layers / vocab 50277), fp32, batch 4 x 1024 (explicit flags "
-                  "still override).")
+                  "heads / 6 layers / vocab 50277 / d_ff 2048), fp32, batch 4 x 1024 (explicit "
+                  "flags and --set still override).")
 flags.DEFINE_integer("decode_tokens", 128, "Generated tokens (0 = no decode).")
 flags.DEFINE_integer("decode_batch", 4, "Largest decode batch.")
 flags.DEFINE_list("decode_step_batches", ["1", "32"], "Batches of the decode-step table "

@@ -14,8 +14,9 @@
 #                                               # a real LLM's generation, SISA's paths vs T,
 #                                               # decode with CUDA graphs over loops
 #   QUICK=1 bash experiments/device_check.sh    # numerics + T 2048 only
-#   JAX_PLATFORMS=cpu ATTN_JAX_GPU_TESTS_IMPL=xla BENCH_EXTRA="--scale=tiny --dtype=float32 \
-#     --steps=1 --warmup=1 --batch_tokens=4096" TUNE_EXTRA="--tokens=1024 --seq_lens=128" \
+#   JAX_PLATFORMS=cpu ATTN_JAX_GPU_TESTS_IMPL=xla BENCH_EXTRA="--scale=tiny \
+#     --set=model.dtype=float32 --steps=1 --warmup=1 --batch_tokens=4096" \
+#     TUNE_EXTRA="--tokens=1024 --seq_lens=128" \
 #     bash experiments/device_check.sh          # CPU dry run (the sweep step reports no cuDNN)
 #
 # The device image has jax with CUDA, flax, optax, orbax and chex, and no network. Carry the

@@ -10,8 +10,8 @@ from flax import nnx
 
 from attn_jax.attention.alibi import ALiBi, alibi_slopes
 from attn_jax.attention.cache import SinksRing
-from attn_jax.model_config import ModelConfig
 from attn_jax.model import Decoder, count_params
+from attn_jax.model_config import ModelConfig
 from configs import base
 
 TOL = 1e-5            # fp32, relative to the largest |value|; fixed once

@@ -1,8 +1,12 @@
-"""attn_jax/bench's config plumbing (experiments/bench.py's): `@field=value` suffixes and the
---study rows (every study variant at its matched parameter count plus the cache-policy rows)."""
+"""attn_jax/bench's config plumbing (experiments/bench.py's): `--set` / `@field=value`
+overrides (dotted config paths, as training's --config.*), --scale and --preset as such
+overrides, and the --study rows (every study variant at its matched parameter count plus the
+cache-policy rows)."""
 
 import os
+import re
 import runpy
+import subprocess
 import sys
 
 import pytest
@@ -29,7 +33,7 @@ def test_suffix_sets_any_field_and_keeps_the_sisa_path_shorthand():
       "transformer_152m@model.attention.sink_logit=learned,model.n_layers=2")
   assert c.model.attention.sink_logit == "learned" and c.model.n_layers == 2
   assert bench_configs.named_config("sisa_152m@chunked").model.sisa.path == "chunked"
-  with pytest.raises(ValueError, match=r"config\.model\.nope\.x is not a field"):
+  with pytest.raises(ValueError, match=r"config\.model\.nope: unknown field"):
     bench_configs.named_config("transformer_152m@model.nope.x=1")
 
 
@@ -57,12 +61,12 @@ def test_the_cpu_50m_fp32_preset_is_what_its_name_says(bench_flags):
   import importlib
   (name,) = bench_configs.PRESETS
   assert name == "cpu_50m_fp32"
-  p = bench_configs.PRESETS[name]
+  p = dict(item.split("=") for item in bench_configs.PRESETS[name]["set"].split(","))
   m50 = importlib.import_module("configs.transformer_50m").get_config().model
-  assert (p["d_model"], p["n_heads"], p["n_layers"], p["vocab_size"]) == (
-      m50.d_model, m50.n_heads, m50.n_layers, m50.vocab_size)
-  assert 4 * p["d_model"] == m50.d_ff   # bench's d_ff for an overridden d_model
-  assert p["dtype"] == "float32"
+  assert (p["model.d_model"], p["model.n_heads"], p["model.n_layers"], p["model.vocab_size"]) == (
+      str(m50.d_model), str(m50.n_heads), str(m50.n_layers), str(m50.vocab_size))
+  assert p["model.d_ff"] == str(4 * m50.d_model) == str(m50.d_ff)
+  assert p["model.dtype"] == "float32"
   assert bench_flags["preset"].parser.enum_values == ["", name]
 
 
@@ -92,12 +96,81 @@ def test_document_mask_rows_pack_documents_and_print_skips(capsys):
 
 
 def test_a_preset_fills_only_the_options_not_given():
-  o = bench_configs.Options(preset="cpu_50m_fp32", n_layers=2, steps=3)
-  got = o.with_preset(given={"preset", "n_layers", "steps"})
-  assert (got.n_layers, got.steps) == (2, 3)                        # given: kept
-  assert (got.d_model, got.batch_tokens, got.dtype) == (512, 4096, "float32")   # the preset's
+  o = bench_configs.Options(preset="cpu_50m_fp32", set="model.n_layers=2", steps=3)
+  got = o.with_preset(given={"preset", "set", "steps"})
+  m = bench_configs.named_config("transformer_152m", got).model
+  assert (m.n_layers, got.steps) == (2, 3)                          # given: kept
+  assert (m.d_model, got.batch_tokens, m.dtype) == (512, 4096, "float32")   # the preset's
   assert list(got.configs) == ["transformer_152m", "sisa_152m", "sisa_152m@fast"]
   assert bench_configs.Options().with_preset() == bench_configs.Options()   # no preset
+
+
+# The model fields --scale=tiny and --preset=cpu_50m_fp32 gave when they were flags of their own
+# (--d_model, --n_heads, ..., --dtype; commit 0d5e272), spelled out: the same models now.
+SHAPE = ("mixer", "d_model", "n_heads", "n_layers", "vocab_size", "d_ff", "dtype")
+BEFORE = {
+    ("tiny", "transformer_152m"): ("attention", 256, 4, 4, 4096, 1024, "bfloat16"),
+    ("tiny", "sisa_152m"): ("sisa", 256, 4, 4, 4096, 916, "bfloat16"),
+    ("cpu_50m_fp32", "transformer_152m"): ("attention", 512, 8, 6, 50277, 2048, "float32"),
+    ("cpu_50m_fp32", "sisa_152m"): ("sisa", 512, 8, 6, 50277, 1832, "float32"),
+}
+
+
+@pytest.mark.parametrize("setting, name", sorted(BEFORE))
+def test_scale_and_preset_give_the_model_configs_they_gave_before(setting, name):
+  from attn_jax.model_config import ModelConfig
+  options = (bench_configs.Options(scale="tiny") if setting == "tiny" else
+             bench_configs.Options(preset=setting).with_preset())
+  got = ModelConfig.from_config(bench_configs.named_config(name, options).model)
+  assert tuple(getattr(got, f) for f in SHAPE) == BEFORE[setting, name]
+  assert got.options_for("sisa").d_state == 32 and got.options_for("sisa").path == "auto"
+  plain = ModelConfig.from_config(bench_configs.named_config(name).model)
+  assert got.replace(**{f: getattr(plain, f) for f in SHAPE}) == plain   # nothing else moved
+
+
+def test_set_reaches_the_model_config_and_rematches_the_twins():
+  """--set's dotted paths reach the typed model config the step is built from; SISA and FoX
+  get the d_ff that matches the overridden Transformer (model.d_ff is the Transformer's)."""
+  from attn_jax.model_config import ModelConfig
+  from attn_jax.model import count_params
+  o = bench_configs.Options(set="model.d_model=512,model.n_heads=8,model.d_ff=2048,"
+                                "model.sisa.d_state=16,model.remat=full")
+  m = ModelConfig.from_config(bench_configs.named_config("sisa_152m", o).model)
+  assert (m.d_model, m.n_heads, m.d_ff, m.remat, m.options_for("sisa").d_state) == (
+      512, 8, 1940, "full", 16)
+  t = bench_configs.named_config("transformer_152m", o).model
+  assert (t.d_model, t.n_heads, t.d_ff) == (512, 8, 2048)
+  fox = bench_configs.named_config("fox_50m", o).model     # its Transformer: transformer_50m
+  assert fox.d_ff == 2044
+  total = lambda m: count_params(m)["total"]
+  gap = total(fox) - total(bench_configs.named_config("transformer_50m", o).model)
+  assert abs(gap) <= fox.n_layers * 3 * fox.d_model * 2   # d_ff rounded to a multiple of 4
+  # a config's own suffix comes after --set and is not re-matched
+  assert bench_configs.named_config("sisa_152m@model.d_ff=100", o).model.d_ff == 100
+
+
+def test_a_bad_override_names_the_field():
+  from attn_jax.config_flags import ConfigFieldError
+  with pytest.raises(ConfigFieldError, match=r"^config\.model\.d_modle: unknown field .*"
+                                             r"did you mean config\.model\.d_model\?"):
+    bench_configs.named_config("transformer_152m", bench_configs.Options(set="model.d_modle=5"))
+  with pytest.raises(ConfigFieldError, match=r"^config\.model\.n_heads=4\.5: not a valid int"):
+    bench_configs.named_config("sisa_152m", bench_configs.Options(set="model.n_heads=4.5"))
+  with pytest.raises(ConfigFieldError, match=r"want <path>=<value>"):
+    bench_configs.named_config("sisa_152m", bench_configs.Options(set="model.d_model"))
+
+
+def test_bench_script_reports_a_bad_set_path_in_one_line():
+  r = subprocess.run([sys.executable, "experiments/bench.py", "--configs=transformer_152m",
+                      "--set=model.d_model=64,model.sisa.d_stat=8"], cwd=ROOT,
+                     capture_output=True, text=True, timeout=300,
+                     env=dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu"))
+  assert r.returncode == 2, r.stderr[-3000:]
+  assert r.stdout == ""                        # nothing measured, nothing printed
+  lines = [l for l in r.stderr.splitlines() if l.startswith("error:")]
+  assert len(lines) == 1 and lines[0].startswith(
+      "error: config.model.sisa.d_stat: unknown field (known: "), r.stderr[-3000:]
+  assert "did you mean config.model.sisa.d_state?" in lines[0]
 
 
 def test_sinkhorn_crossover_is_the_length_from_which_it_stays_faster():
@@ -150,3 +223,30 @@ def test_kernel_profile_of_a_real_cpu_step(tmp_path):
   rows, busy = kernel_profile.top_kernels(kernel_profile.trace_call(lambda: f(a), str(tmp_path)))
   assert busy > 0 and rows
   assert not any(r.name.startswith("ThunkExecutor") for r in rows)
+
+
+def _documented_bench_commands():
+  """The flags of every `experiments/bench.py ...` command in the docs, the README, the device
+  check and bench.py's own docstring."""
+  paths = [os.path.join(ROOT, "docs", f) for f in sorted(os.listdir(os.path.join(ROOT, "docs")))
+           if f.endswith(".md")]
+  paths += [os.path.join(ROOT, p) for p in ("README.md", "experiments/device_check.sh",
+                                            "experiments/bench.py")]
+  for path in paths:
+    text = open(path).read().replace("\\\n", " ")
+    for m in re.finditer(r"experiments/bench\.py((?: +--?[^\s`|;#]+)*)", text):
+      yield path, m.group(1).split()
+
+
+def test_every_documented_bench_command_uses_flags_bench_has(bench_flags):
+  commands = list(_documented_bench_commands())
+  assert len(commands) >= 10
+  for path, args in commands:
+    for arg in args:
+      name, _, value = arg.lstrip("-").partition("=")
+      assert name in bench_flags or name.removeprefix("no") in bench_flags, (path, arg)
+      if name == "set":
+        bench_configs.named_config("transformer_152m", bench_configs.Options(set=value))
+      if name == "configs" and "$" not in value:
+        for config in value.split(","):
+          bench_configs.named_config(config)

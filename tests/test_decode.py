@@ -10,8 +10,8 @@ import pytest
 from flax import nnx
 
 from attn_jax import decode
-from attn_jax.model_config import ModelConfig, validate_model
 from attn_jax.model import abstract_model
+from attn_jax.model_config import ModelConfig, validate_model
 
 TOL = 1e-5  # fp32, fixed once
 VOCAB = 97

@@ -17,8 +17,8 @@ from flax import nnx
 from attn_jax import kernel_choice
 from attn_jax.attention import fox as F
 from attn_jax.attention.cache import Ring, SinksRing
-from attn_jax.model_config import ModelConfig
 from attn_jax.model import Decoder, count_params
+from attn_jax.model_config import ModelConfig
 from configs import base
 from tests.test_packing import one_row
 

@@ -1,11 +1,15 @@
 """The package's layout rules: one file per stem, the library never reaches up into configs/,
-and mixer discovery imports the mixer packages only (no reference models)."""
+mixer discovery imports the mixer packages only (no reference models), and no import cycle,
+counting the edges that discovery's `import_module` makes."""
 
+import ast
 import collections
 import pathlib
 import re
 import subprocess
 import sys
+
+from attn_jax import registry
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "attn_jax"
 IMPORTS_CONFIGS = re.compile(r"^\s*(from configs\b|import configs\b)|import_module\(f?[\"']configs\.",
@@ -32,3 +36,77 @@ def test_mixer_discovery_imports_no_reference_model():
                        check=True, env={"JAX_PLATFORMS": "cpu", "PATH": ""}).stdout
   assert "attn_jax.study" not in out and "mamba2_minimal" not in out
   assert "attn_jax.ssm.mamba2" in out and "attn_jax.attention.sisa" in out
+
+
+def _import_nodes(statements):
+  """Every import statement among `statements` and inside them (function-local ones too),
+  except those under `if TYPE_CHECKING:` (never run)."""
+  for node in statements:
+    if isinstance(node, (ast.Import, ast.ImportFrom)):
+      yield node
+    elif isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING",
+                                                                  "typing.TYPE_CHECKING"):
+      yield from _import_nodes(node.orelse)
+    else:
+      yield from _import_nodes(ast.iter_child_nodes(node))
+
+
+def _runtime_import_graph() -> dict[str, set[str]]:
+  """{module: the attn_jax modules it imports when run}, plus the edges attn_jax.registry's
+  discovery adds (`importlib.import_module` of every module of `_PACKAGES`). A package's
+  `__init__` importing its own children is not counted."""
+  files = {}
+  for f in PACKAGE.rglob("*.py"):
+    parts = f.relative_to(PACKAGE.parent).with_suffix("").parts
+    files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
+  graph = {m: set() for m in files}
+  for mod, f in files.items():
+    package = mod if f.name == "__init__.py" else mod.rpartition(".")[0]
+    for node in _import_nodes(ast.parse(f.read_text()).body):
+      if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+      else:
+        base = node.module or ""
+        if node.level:
+          parts = package.split(".")[:len(package.split(".")) - node.level + 1]
+          base = ".".join(parts + ([base] if base else []))
+        names = [base] + [f"{base}.{a.name}" for a in node.names]
+      graph[mod] |= {n for n in names if n in files and n != mod
+                     and not (n.startswith(mod + ".") or mod.startswith(n + "."))}
+  for pkg in registry._PACKAGES:
+    graph["attn_jax.registry"] |= {m for m in files if m.startswith(pkg + ".")}
+  return graph
+
+
+def _a_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+  """One import cycle as a path [a, b, ..., a], or None (depth-first search)."""
+  state, path = {}, []
+
+  def visit(mod):
+    state[mod] = "open"
+    path.append(mod)
+    for dep in sorted(graph[mod]):
+      if state.get(dep) == "open":
+        return path[path.index(dep):] + [dep]
+      if dep not in state:
+        found = visit(dep)
+        if found:
+          return found
+    state[mod] = "done"
+    path.pop()
+    return None
+
+  for mod in sorted(graph):
+    if mod not in state:
+      found = visit(mod)
+      if found:
+        return found
+  return None
+
+
+def test_no_import_cycle_through_the_registry_discovery():
+  """The registry imports every mixer module on first lookup, so a mixer module (or anything it
+  imports) that imports attn_jax.config, which imports the registry, closes a cycle that a
+  plain import scan does not see. Annotation-only imports go under `if TYPE_CHECKING:`."""
+  cycle = _a_cycle(_runtime_import_graph())
+  assert cycle is None, "import cycle: " + " -> ".join(cycle)

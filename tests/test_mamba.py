@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from attn_jax.model_config import ModelConfig, validate_model
 from attn_jax.model import count_params
+from attn_jax.model_config import ModelConfig, validate_model
 from attn_jax.ssm import ssd
 from attn_jax.ssm.hybrid_heads import HybridHeads
 from attn_jax.ssm.mamba2 import Mamba2

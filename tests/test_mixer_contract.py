@@ -18,7 +18,7 @@ import textwrap
 import pytest
 
 from attn_jax import registry
-from attn_jax.mixer import Mixer
+from attn_jax.mixer import Mixer, register_mixer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 GUIDE = ROOT / "docs" / "mixers.md"
@@ -124,4 +124,4 @@ def test_register_refuses_a_class_outside_the_contract():
   class NotAMixer:
     pass
   with pytest.raises(TypeError, match="must subclass attn_jax.mixer.Mixer"):
-    registry.register_mixer("_not_a_mixer")(NotAMixer)
+    register_mixer("_not_a_mixer")(NotAMixer)

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from attn_jax.model_config import ModelConfig, validate_model
 from attn_jax.model import abstract_model, build_model, count_params
+from attn_jax.model_config import ModelConfig, validate_model
 from configs import base, transformer_50m, transformer_152m, transformer_369m
 
 TOL = 1e-5  # fp32, fixed once

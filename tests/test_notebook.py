@@ -24,9 +24,9 @@ import pytest
 from flax import nnx
 
 from attn_jax.attention import sisa as sisa_lib
-from attn_jax.model_config import ModelConfig
 from attn_jax.eval import maps
 from attn_jax.model import build_model
+from attn_jax.model_config import ModelConfig
 from attn_jax.registry import available_mixers, get_mixer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -20,6 +20,7 @@ import pytest
 from flax import nnx
 
 from attn_jax import sharding as shd
+from attn_jax.config import config_rules, validate
 from attn_jax.model import abstract_model
 from attn_jax.registry import available_mixers
 from attn_jax.train import setup as setup_lib
@@ -105,7 +106,7 @@ def test_parallel_run_equals_single_device_and_follows_the_rules(mixer, mesh):
                jax.device_get(state["params"]), jax.device_get(ref["params"]))
 
   names = logical_names(mixer)
-  rules = shd.config_rules(config(mixer))
+  rules = config_rules(validate(config(mixer)))
   mu = state["opt_state"][1].mu   # clip, adam, ...: Adam's moments mirror the parameters
 
   def check(path, arr, names_, moment):

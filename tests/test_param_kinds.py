@@ -16,6 +16,7 @@ from flax import nnx
 
 from attn_jax import registry
 from attn_jax.layers import param
+from attn_jax.mixer import REGISTERED
 from attn_jax.train.optim import param_groups
 from attn_jax.train.setup import build_setup
 from configs import quickstart
@@ -27,7 +28,7 @@ NOT_DECAYED = {"bias", "dt_bias", "A_log", "D", "scale", "lambda_raw", "norm_sca
 
 def _mixers():
   registry.get_mixer("attention")   # imports every mixer module (registration)
-  return sorted(registry._MIXERS)
+  return sorted(REGISTERED)
 
 
 def _config(mixer):

@@ -25,8 +25,8 @@ from flax import nnx
 
 from attn_jax import streaming
 from attn_jax.eval import attention_mass, stream_reports
-from attn_jax.model_config import ModelConfig
 from attn_jax.model import build_model
+from attn_jax.model_config import ModelConfig
 from attn_jax.streaming import StreamPolicy
 from conftest import TEST_DATA, train_tiny_bpe
 

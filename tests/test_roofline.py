@@ -6,10 +6,10 @@ import types
 
 import pytest
 
-from attn_jax.model_config import ModelConfig
-from attn_jax.model import build_model, count_params
-from attn_jax.registry import available_mixers
 from attn_jax.bench import roofline
+from attn_jax.model import build_model, count_params
+from attn_jax.model_config import ModelConfig
+from attn_jax.registry import available_mixers
 from attn_jax.train import flops
 from tests.test_trunk import _cfg
 

@@ -14,7 +14,7 @@ from attn_jax.attention.sinkhorn import (SinkhornAttention, SortPlan, _blocks, _
                                          causal_prefix_problem, causal_sinkhorn_rows,
                                          causal_sort_row, greedy_permutation, sinkhorn_log,
                                          sinkhorn_attention_reference, sort_blocks)
-from attn_jax import sharding as shd
+from attn_jax.config import config_rules, validate
 from attn_jax.model_config import ModelConfig
 from tests.test_packing import one_row
 
@@ -342,7 +342,7 @@ def test_configs_build_valid_options_rules_and_matched_parameters():
             sinkhorn_tiny.get_config()):
     assert c.model.mixer == "sinkhorn"
     Opts(**c.model.sinkhorn.to_dict()).validate(CFG, "config.model.sinkhorn")
-    rules = shd.config_rules(c)
+    rules = config_rules(validate(c))
     assert rules["sort_hidden"] is None and rules["sort_dim"] is None
   assert sinkhorn_152m.get_config("sortcut=2").model.sinkhorn.n_sortcut == 2
 

@@ -13,8 +13,8 @@ from flax import nnx
 from attn_jax import decode
 from attn_jax.attention import core, sisa
 from attn_jax.attention.mha import Attention
-from attn_jax.model_config import ModelConfig
 from attn_jax.model import build_model
+from attn_jax.model_config import ModelConfig
 
 TOL = 2e-5   # fp32, relative to the largest |value|; fixed once
 D, H = 32, 4

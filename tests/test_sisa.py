@@ -18,8 +18,8 @@ from attn_jax import kernel_choice
 from attn_jax.attention import sisa as S
 from attn_jax.attention.core import attention_reference
 from attn_jax.attention.mha import Attention
-from attn_jax.model_config import ModelConfig, validate_model
 from attn_jax.model import Decoder, count_params
+from attn_jax.model_config import ModelConfig, validate_model
 from configs import base
 from tests.test_packing import one_row
 

@@ -9,8 +9,8 @@ import pytest
 from flax import nnx
 
 from attn_jax.attention import split
-from attn_jax.attention.core import attention_reference
 from attn_jax.attention import sisa as S
+from attn_jax.attention.core import attention_reference
 from attn_jax.model_config import ModelConfig
 from attn_jax.train import memory
 from configs import base

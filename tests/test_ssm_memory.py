@@ -11,8 +11,8 @@ from flax import nnx
 from jax._src.ad_checkpoint import saved_residuals
 
 from attn_jax import model as model_lib
-from attn_jax.model_config import ModelConfig
 from attn_jax.layers import causal_positions
+from attn_jax.model_config import ModelConfig
 from attn_jax.ssm.hybrid_heads import HybridHeads
 from attn_jax.ssm.mamba2 import IN_PROJ, Mamba2
 from attn_jax.ssm.mamba3 import Mamba3

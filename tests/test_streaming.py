@@ -15,8 +15,8 @@ from attn_jax import decode, kernel_choice, streaming
 from attn_jax.attention import cache as cache_lib
 from attn_jax.attention import sisa
 from attn_jax.attention.projection import rope
-from attn_jax.model_config import ModelConfig
 from attn_jax.model import build_model
+from attn_jax.model_config import ModelConfig
 from attn_jax.streaming import StreamPolicy
 
 TOL = 2e-5   # fp32, relative to the largest |value|; fixed once

@@ -16,11 +16,11 @@ import pytest
 from flax import nnx
 
 from attn_jax import decode
-from attn_jax.model_config import ModelConfig, validate_model
 from attn_jax.layers import Linear
+from attn_jax.mixer import Mixer, register_mixer
 from attn_jax.model import build_model, count_params, init_state
-from attn_jax.mixer import Mixer
-from attn_jax.registry import available_mixers, get_mixer, register_mixer
+from attn_jax.model_config import ModelConfig, validate_model
+from attn_jax.registry import available_mixers, get_mixer
 
 TOL = 2e-5  # fp32, relative to the largest |logit|; fixed once
 VOCAB = 61

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import TYPE_CHECKING
 
 import jax.numpy as jnp
 import numpy as np
@@ -35,9 +36,11 @@ from flax import nnx
 
 from attn_jax.attention.fox import BiasOptions, ScoreBiasAttention
 from attn_jax.attention.projection import QKVProjection, make_sink_logit
-from attn_jax.model_config import ModelConfig
 from attn_jax.layers import stat_dtype
-from attn_jax.registry import register_mixer
+from attn_jax.mixer import register_mixer
+
+if TYPE_CHECKING:  # annotations only: model_config imports the registry, which imports the mixers
+  from attn_jax.model_config import ModelConfig
 
 
 def alibi_slopes(n_heads: int) -> np.ndarray:

@@ -15,14 +15,17 @@ diagnostics.
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from attn_jax.attention.core import positional_mask
-from attn_jax.model_config import ModelConfig
 from attn_jax.layers import Linear, apply_rope, causal_positions, dtype_of, param, rope_angles
+
+if TYPE_CHECKING:  # annotations only: model_config imports the registry, which imports the mixers
+  from attn_jax.model_config import ModelConfig
 
 SINK_LOGITS = ("none", "learned", "softmax1")
 

@@ -82,7 +82,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -93,12 +93,13 @@ from attn_jax.attention import cache as cache_lib
 from attn_jax.attention.core import NEG_INF, attend
 from attn_jax.attention.projection import (QKVProjection, SinkLogitOptions, make_sink_logit,
                                     sink_logit_of)
-from attn_jax.model_config import ModelConfig
 from attn_jax.layers import (Linear, apply_rope, causal_positions, dtype_of, rope_angles,
                              segment_starts)
-from attn_jax.mixer import Mixer
+from attn_jax.mixer import Mixer, register_mixer
 from attn_jax.options import field_check, is_int, is_number
-from attn_jax.registry import register_mixer
+
+if TYPE_CHECKING:  # annotations only: model_config imports the registry, which imports the mixers
+  from attn_jax.model_config import ModelConfig
 
 
 # ---------------------------------------------------------------- Sinkhorn in log space

@@ -31,6 +31,7 @@ core reads only each query chunk's key prefix.
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 from flax import nnx
 
@@ -38,10 +39,12 @@ from attn_jax.attention import cache as cache_lib
 from attn_jax.attention.core import attend, attention_flops_per_token, causal_keys
 from attn_jax.attention.projection import (QKVProjection, SinkLogitOptions, make_sink_logit,
                                            qk_probs, sink_logit_of)
-from attn_jax.model_config import ModelConfig
 from attn_jax.layers import causal_positions
+from attn_jax.mixer import register_mixer
 from attn_jax.options import field_check, is_int
-from attn_jax.registry import register_mixer
+
+if TYPE_CHECKING:  # annotations only: model_config imports the registry, which imports the mixers
+  from attn_jax.model_config import ModelConfig
 
 
 @register_mixer("sliding_window")

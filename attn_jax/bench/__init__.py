@@ -2,8 +2,8 @@
 train-step throughput of several configs side by side (tokens/s and ratios, analytic FLOPs
 and MFU, compiled peak memory, decode tokens/s):
 
-  configs.py          Options (one field per flag), the named configs and their overrides,
-                      study rows
+  configs.py          Options (one field per flag), the named configs and their overrides
+                      (dotted config paths, as training's --config.*), study rows
   rows.py             one row: the trainer's step timed, its decode figures; document masking
   printout.py         the printed tables
   suite.py            run(options): every config built first, then the table asked for, JSON
@@ -47,8 +47,8 @@ code); a config/length whose step does not fit the device is skipped with the fi
 long seq_lens run "where memory allows".
 """
 
-from attn_jax.bench.configs import (PRESETS, Options, named_config, row_policy,  # noqa: F401
-                                    study_configs)
+from attn_jax.bench.configs import (PRESETS, SCALES, Options, named_config,  # noqa: F401
+                                    row_policy, study_configs)
 from attn_jax.bench.suite import run  # noqa: F401
 
-__all__ = ["PRESETS", "Options", "named_config", "row_policy", "study_configs", "run"]
+__all__ = ["PRESETS", "SCALES", "Options", "named_config", "row_policy", "study_configs", "run"]

@@ -1,24 +1,35 @@
 """What experiments/bench.py benches: its options (one field per flag), the configs named on its
 command line ("module", "module@chunked", "module@a.b=v,...", "module@window|streaming") with
-the --scale / size overrides applied, and a study's variants plus cache-policy rows.
+the shared overrides applied, and a study's variants plus cache-policy rows.
 
---scale=tiny keeps the architecture family at CPU size: d_model 256, 4 heads (d_h 64, as at
-152M), 4 layers, vocab 4096, Transformer d_ff 4 d; SISA's d_ff is recomputed with
-`matched_d_ff` so both models have the same parameter count. Explicit d_model, n_heads,
-n_layers, vocab_size, d_ff (Transformer width; SISA and the Transformer twins with a `matched`
-function, fox_*, re-matched) override it.
+The model is changed only through dotted config paths, read and applied as training's
+`--config.<path>=<value>` overrides are (`attn_jax.config_flags.apply_overrides`: the field
+must exist, the value is parsed as its type). The shared overrides, in order (a later one wins):
+`--scale` (SCALES), `--preset` (its "set" in PRESETS), then `--set=a.b=v,...`; every config of
+the run gets them, then its own "@a.b=v" suffix. --scale=tiny keeps the architecture family at
+CPU size: d_model 256, 4 heads (d_h 64, as at 152M), 4 layers, vocab 4096, d_ff 1024 (4 d). An
+override of model.d_model does not move model.d_ff: set both.
+
+Parameter-matched twins are re-matched after the shared overrides: a config module named
+"<mixer>_<size>" whose model.mixer is "sisa" or "fox" (sisa_152m, sisa_152m_sink, fox_50m, ...)
+gets the same overrides applied to its Transformer, configs/transformer_<size>.py, and its
+model.d_ff recomputed from it (SISA: `sisa.matched_d_ff` at its, possibly overridden, d_state;
+FoX: `fox.matched_d_ff` of its gate's `extra_params`), as the twin's config module does. So
+model.d_ff in the shared overrides is the Transformer's width, and the twins keep its
+parameter count. A config's own "@a.b=v" suffix comes after this and is not re-matched.
 """
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import importlib
 import importlib.util
 import os
 
 from attn_jax.attention import cache as cache_lib
-from attn_jax.attention.sisa import matched_d_ff
+from attn_jax.attention import fox, sisa
+from attn_jax.config_flags import apply_overrides, split_overrides
+from attn_jax.model_config import make_options
 from attn_jax.study import matching
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -35,16 +46,7 @@ class Options:
   warmup: int = 2
   repeats: int = 1
   scale: str = "full"
-  d_model: int = 0
-  n_heads: int = 0
-  n_layers: int = 0
-  vocab_size: int = 0
-  d_ff: int = 0
-  d_state: int = 0
-  dtype: str = ""
-  sisa_path: str = ""
-  sisa_decay_bias: float | None = None
-  remat: str = ""
+  set: str = ""
   preset: str = ""
   decode_tokens: int = 128
   decode_batch: int = 4
@@ -63,79 +65,51 @@ class Options:
   profile_dir: str = ""
 
   def with_preset(self, given=()) -> "Options":
-    """The preset's values for every field not in `given` (the flags set on the command line)."""
+    """The preset's values for every field not in `given` (the flags set on the command line);
+    its "set" overrides go before this run's `set` (which therefore wins)."""
     if not self.preset:
       return self
-    return dataclasses.replace(self, **{k: v for k, v in PRESETS[self.preset].items()
-                                        if k not in given})
+    preset = PRESETS[self.preset]
+    values = {k: v for k, v in preset.items() if k not in given and k != "set"}
+    joined = ",".join(filter(None, (preset.get("set", ""), self.set)))
+    return dataclasses.replace(self, set=joined, **values)
+
+  def overrides(self) -> list[str]:
+    """The "a.b=v" overrides every config gets: the scale's, then `set`."""
+    return split_overrides(SCALES[self.scale]) + split_overrides(self.set)
 
 
+SCALES = {"full": "",
+          "tiny": "model.d_model=256,model.n_heads=4,model.n_layers=4,model.vocab_size=4096,"
+                  "model.d_ff=1024"}
+
+# The 152M configs at the 50M Transformer's shapes (configs/transformer_50m.py), fp32.
 PRESETS = {"cpu_50m_fp32": dict(configs=["transformer_152m", "sisa_152m", "sisa_152m@fast"],
-                                seq_lens=["1024"], batch_tokens=4096, d_model=512, n_heads=8,
-                                n_layers=6, vocab_size=50277, dtype="float32")}
+                                seq_lens=["1024"], batch_tokens=4096,
+                                set="model.d_model=512,model.n_heads=8,model.n_layers=6,"
+                                    "model.vocab_size=50277,model.d_ff=2048,model.dtype=float32")}
 
 ROW_POLICIES = ("window", "streaming")
 
 
-def _model_overrides(name: str, m, o: Options) -> None:
-  tiny = o.scale == "tiny"
-  d = o.d_model or (256 if tiny else 0)
-  h = o.n_heads or (4 if tiny else 0)
-  n = o.n_layers or (4 if tiny else 0)
-  vocab = o.vocab_size or (4096 if tiny else 0)
-  if d:
-    m.d_model = d
-    m.d_ff = o.d_ff or 4 * d
-  if h:
-    m.n_heads = h
-  if n:
-    m.n_layers = n
-  if vocab:
-    m.vocab_size = vocab
-  if o.dtype:
-    m.dtype = o.dtype
-  if o.remat:
-    m.remat = o.remat
-  if m.mixer == "sisa":
-    _sisa_overrides(name, m, o, d, h)
-  twin = importlib.import_module(f"configs.{name}")
-  if hasattr(twin, "matched") and (d or h):  # a Transformer twin (fox_*): re-match its d_ff too
-    ref = importlib.import_module(f"configs.transformer_{name.split('_', 1)[1]}").get_config()
-    ref.model.update(d_model=m.d_model, d_ff=o.d_ff or 4 * m.d_model, n_heads=m.n_heads)
-    m.d_ff = twin.matched(ref).model.d_ff
+def _twin_d_ff(model, reference) -> int:
+  """The d_ff that gives a SISA / FoX model the parameter count of its Transformer."""
+  if model.mixer == "sisa":
+    return sisa.matched_d_ff(reference, model.sisa.d_state)
+  opts = make_options("fox", model.fox.to_dict())
+  kv_heads = reference.n_kv_heads or reference.n_heads
+  return fox.matched_d_ff(reference, fox.extra_params(reference.d_model, reference.n_heads,
+                                                      kv_heads, opts))
 
 
-def _sisa_overrides(name: str, m, o: Options, d: int, h: int) -> None:
-  if o.d_state:
-    m.sisa.d_state = o.d_state
-  if d or h or o.d_state:  # re-match the SwiGLU width to the (overridden) Transformer
-    ref = importlib.import_module(f"configs.{name.replace('sisa_', 'transformer_')}")
-    t = ref.get_config().model
-    if d:
-      t.d_model, t.d_ff = d, o.d_ff or 4 * d
-    if h:
-      t.n_heads = h
-    m.d_ff = matched_d_ff(t, m.sisa.d_state)
-  if o.sisa_path:
-    m.sisa.path = o.sisa_path
-  if o.sisa_decay_bias is not None:
-    m.sisa.decay_bias_init = o.sisa_decay_bias
-
-
-def _set_path(config, path: str, text: str) -> None:
-  """config.<path> = the literal `text` (a Python literal, else the string)."""
-  try:
-    value = ast.literal_eval(text)
-  except (ValueError, SyntaxError):
-    value = text
-  *parents, leaf = path.split(".")
-  node = config
-  for p in parents + [leaf]:
-    if p not in node:
-      raise ValueError(f"config suffix {path}={text}: config.{path} is not a field")
-    if p != leaf:
-      node = node[p]
-  node[leaf] = value
+def _rematch(module: str, config, overrides: list[str]) -> None:
+  """A twin's d_ff re-matched to its overridden Transformer (the module docstring's rule)."""
+  mixer, _, size = module.partition("_")
+  if mixer not in ("sisa", "fox") or config.model.mixer != mixer:
+    return
+  reference = _config_module(module, f"transformer_{size}").get_config()
+  apply_overrides(reference, overrides)
+  config.model.d_ff = _twin_d_ff(config.model, reference.model)
 
 
 def _config_module(name: str, module: str):
@@ -151,13 +125,16 @@ def _config_module(name: str, module: str):
 def named_config(name: str, options: Options = Options()):
   """"module", "module@chunked" (SISA path, as before), "module@a.b=v,c.d=w" (any fields) or
   "module@window" / "module@streaming" (the same model, decoded under that cache policy:
-  `row_policy`)."""
+  `row_policy`); `options`' shared overrides first (the module docstring)."""
   module, _, suffix = name.partition("@")
   config = _config_module(name, module).get_config()
-  _model_overrides(module, config.model, options)
-  for item in filter(None, suffix.split(",")):
+  overrides = options.overrides()
+  if overrides:
+    apply_overrides(config, overrides)
+    _rematch(module, config, overrides)
+  for item in split_overrides(suffix):
     if "=" in item:
-      _set_path(config, *item.split("=", 1))
+      apply_overrides(config, [item])
     elif item not in ROW_POLICIES:
       config.model.sisa.path = item
   return config

@@ -42,9 +42,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from attn_jax import decode
-from attn_jax.model_config import ModelConfig
 from attn_jax.layers import dtype_of
 from attn_jax.model import init_state
+from attn_jax.model_config import ModelConfig
 
 
 def best_seconds(fn, args, repeats: int) -> float:

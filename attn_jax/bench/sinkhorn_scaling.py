@@ -20,8 +20,8 @@ import time
 from attn_jax.attention.core import attend
 from attn_jax.attention.projection import QKVProjection
 from attn_jax.attention.sinkhorn import SinkhornAttention
-from attn_jax.model_config import ModelConfig
 from attn_jax.layers import apply_rope, rope_angles
+from attn_jax.model_config import ModelConfig
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,8 +27,8 @@ import os
 import time
 
 from attn_jax import decode, streaming
-from attn_jax.model_config import ModelConfig
 from attn_jax.model import build_model
+from attn_jax.model_config import ModelConfig
 
 
 def tiny_cfg(mixer, max_len):

@@ -13,9 +13,8 @@ from attn_jax.bench.rows import (DeviceLimits, bench_document_mask, bench_one, d
                                  merge)
 
 # The options written into the JSON file beside the rows.
-JSON_OPTIONS = ("configs", "seq_lens", "batch_tokens", "d_model", "n_heads", "n_layers",
-                "vocab_size", "dtype", "steps", "repeats", "preset", "study", "document_mask",
-                "document_len")
+JSON_OPTIONS = ("configs", "seq_lens", "batch_tokens", "scale", "set", "steps", "repeats",
+                "preset", "study", "document_mask", "document_len")
 
 
 def run(options: Options) -> list[dict]:

@@ -28,9 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from attn_jax import paths
-from attn_jax.model_config import seq_len_problem
 from attn_jax.data.tokenizer import Tokenizer
 from attn_jax.eval.harness import LogitsFn, ScorerFns, per_logits_fn_cache, scorer_state
+from attn_jax.model_config import seq_len_problem
 
 FILLER_SENTENCES = (
     "The river bends twice before it reaches the old mill at the edge of town.",

@@ -41,8 +41,8 @@ from typing import Mapping
 
 import numpy as np
 
-from attn_jax.model_config import LayerSpec, ModelConfig
 from attn_jax.model import padded_vocab
+from attn_jax.model_config import LayerSpec, ModelConfig
 from attn_jax.registry import get_mixer
 
 

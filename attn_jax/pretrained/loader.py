@@ -26,9 +26,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from attn_jax.model_config import ModelConfig
 from attn_jax.data.tokenizer import HFTokenizer
 from attn_jax.model import abstract_model
+from attn_jax.model_config import ModelConfig
 from attn_jax.pretrained import (checkpoint_tokenizer as tok_lib, gguf as gguf_lib, granite_swa,
                                  hf as hf_lib)
 from attn_jax.pretrained.llama import (LlamaSpec, PretrainedError, exportable_problem, model_config,

@@ -29,10 +29,9 @@ import os
 import ml_collections
 from flax import nnx
 
-from attn_jax.config import validate
+from attn_jax.config import config_to_json, validate
 from attn_jax.pretrained.hf import TOKENIZER as TOKENIZER_FILE, write_tokenizer
 from attn_jax.pretrained.loader import Pretrained, special_names, staged_dir
-from attn_jax.config import config_to_json
 from attn_jax.train.checkpoint import Checkpointer
 
 INFO_FILE = "pretrained.json"

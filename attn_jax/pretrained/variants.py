@@ -63,8 +63,8 @@ import numpy as np
 from flax import nnx
 
 from attn_jax import jsonio
-from attn_jax.model_config import ModelConfig
 from attn_jax.model import abstract_model, build_model
+from attn_jax.model_config import ModelConfig
 from attn_jax.pretrained.llama import PretrainedError, exportable_problem
 
 VARIANTS = ("attention", "sink_logit", "sisa", "fox")

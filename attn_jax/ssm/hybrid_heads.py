@@ -38,6 +38,7 @@ Mamba-2 heads restart their conv window and state at the document's first token
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -47,11 +48,12 @@ from attn_jax import kernel_choice
 from attn_jax.attention import cache as cache_lib
 from attn_jax.attention.core import attend
 from attn_jax.attention.projection import QKVProjection
-from attn_jax.model_config import ModelConfig
 from attn_jax.layers import causal_positions, dtype_of, param
-from attn_jax.mixer import Mixer
-from attn_jax.registry import register_mixer
+from attn_jax.mixer import Mixer, register_mixer
 from attn_jax.ssm.mamba2 import Mamba2, document_resets
+
+if TYPE_CHECKING:  # annotations only: model_config imports the registry, which imports the mixers
+  from attn_jax.model_config import ModelConfig
 
 f32 = jnp.float32
 

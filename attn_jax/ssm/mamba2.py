@@ -66,19 +66,21 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from attn_jax.model_config import ModelConfig
 from attn_jax.layers import (Linear, causal_positions, dtype_of, fan_in_uniform, param,
                              segment_starts)
-from attn_jax.mixer import Mixer
+from attn_jax.mixer import Mixer, register_mixer
 from attn_jax.options import field_check, is_int, is_number
-from attn_jax.registry import register_mixer
 from attn_jax.ssm import ssd
+
+if TYPE_CHECKING:  # annotations only: model_config imports the registry, which imports the mixers
+  from attn_jax.model_config import ModelConfig
 
 f32 = jnp.float32
 

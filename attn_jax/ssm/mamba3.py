@@ -100,21 +100,23 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from attn_jax.model_config import ModelConfig
 from attn_jax import layers
 from attn_jax.layers import Linear, causal_positions, dtype_of, param, segmented_cumsum
-from attn_jax.mixer import Mixer
+from attn_jax.mixer import Mixer, register_mixer
 from attn_jax.options import field_check, is_int, is_number
-from attn_jax.registry import register_mixer
 from attn_jax.ssm import ssd
 from attn_jax.ssm.mamba2 import (IN_PROJ, FullForwardRemat, document_resets, dt_bias_init,
                                  last_valid_window, projection_inits, valid_mask)
+
+if TYPE_CHECKING:  # annotations only: model_config imports the registry, which imports the mixers
+  from attn_jax.model_config import ModelConfig
 
 f32 = jnp.float32
 TWO_PI = 2.0 * math.pi

@@ -37,6 +37,7 @@ import ml_collections
 import numpy as np
 
 from attn_jax import jsonio
+from attn_jax.config import config_to_json
 from attn_jax.pretrained.convert import convert
 from attn_jax.pretrained.variants import VariantInit
 from attn_jax.streaming import StreamPolicy, score_stream
@@ -45,7 +46,6 @@ from attn_jax.study.matching import set_override
 from attn_jax.study.report import copy_plots, marker_pair, page_links, splice
 from attn_jax.study.runner import (StudyStopped, enable_compilation_cache, finished_record,
                                    machine_info)
-from attn_jax.config import config_to_json
 from attn_jax.train.checkpoint import load_for_inference
 from attn_jax.train.init_from import finetune_config
 from attn_jax.train.trainer import train_and_evaluate

@@ -68,7 +68,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from attn_jax import outputs, paths, sharding as shd
-from attn_jax.config import RunConfig
+from attn_jax.config import RunConfig, config_rules
 from attn_jax.model import abstract_model
 from attn_jax.train import early_signals
 from attn_jax.train.writers import WriteError, describe_disk, disk_full
@@ -754,7 +754,7 @@ def _load_step(ckpt: Checkpointer, step: int, devices):
   except ValueError as e:
     raise CheckpointCorruptError(f"its meta (the saved config) is not a valid config: {e}")
   mesh = shd.make_mesh(run.mesh.shape, run.mesh.axis_names, devices)
-  rules = shd.config_rules(run)
+  rules = config_rules(run)
   graphdef, abs_params, abs_rest = nnx.split(abstract_model(run.model), nnx.Param, ...)
   target = {}
   for name, abs_part in (("params", abs_params), ("rest", abs_rest)):

@@ -24,8 +24,8 @@ from typing import Any
 import jax
 from tqdm import tqdm
 
-from attn_jax.train import flops as flops_lib, workdir as workdir_lib
 from attn_jax.config import RunConfig
+from attn_jax.train import flops as flops_lib, workdir as workdir_lib
 from attn_jax.train.checkpoint import Checkpointer, CheckpointSaveError
 from attn_jax.train.fitting import BatchGeometry
 from attn_jax.train.loss_monitor import LossMonitor

@@ -19,11 +19,11 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from attn_jax import sharding as shd
-from attn_jax.config import RunConfig, as_run
-from attn_jax.model_config import ModelConfig
+from attn_jax.config import RunConfig, as_run, config_rules
 from attn_jax.data import pipeline
 from attn_jax.data.documents import batch_keys
 from attn_jax.model import build_model, count_params
+from attn_jax.model_config import ModelConfig
 from attn_jax.train import (init_from, memory)
 from attn_jax.train.checkpoint import (abstract_with_shardings)
 from attn_jax.train.optim import make_optimizer
@@ -56,7 +56,7 @@ def build_setup(config: ml_collections.ConfigDict | RunConfig, *, devices=None) 
   config = as_run(config)
   cfg = config.model
   mesh = shd.make_mesh(config.mesh.shape, config.mesh.axis_names, devices)
-  rules = shd.config_rules(config)
+  rules = config_rules(config)
   abs_model = nnx.eval_shape(lambda: build_model(cfg, seed=config.seed))
   graphdef, abs_params, abs_rest = nnx.split(abs_model, nnx.Param, ...)
   # per-parameter treatment from metadata; config.train.trainable may freeze some (init_from.py)
