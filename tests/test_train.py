@@ -228,11 +228,13 @@ def test_a_failure_while_opening_the_outputs_leaves_no_writer_open(tmp_path, mon
   def broken(*args, **kwargs):
     raise RuntimeError("held-out batches unavailable")
 
+  writers = lambda: {t for t in threading.enumerate() if t.name.endswith(" writer")}
+  before = writers()   # another test's run in this process may hold its own
   monkeypatch.setattr(trainer_lib, "make_heldout_batches", broken)
   with pytest.raises(RuntimeError, match="held-out batches unavailable"):
     trainer_lib.train_and_evaluate(tiny_config(steps=2), str(tmp_path))
-  writers = [t.name for t in threading.enumerate() if t.name.endswith(" writer")]
-  assert not writers, writers
+  left = [t.name for t in writers() - before]
+  assert not left, left
   monkeypatch.undo()
   trainer_lib.train_and_evaluate(tiny_config(steps=2), str(tmp_path))
   assert [step for step, _ in losses(str(tmp_path))] == [1, 2]
