@@ -48,7 +48,7 @@ numerics() {  # $1 = timeout s, the rest = test files
 want 1 && numerics 70 tests/test_kernels.py tests/test_gpu_paths.py | tee "$out/numerics.txt"
 want 1x && numerics 170 tests/test_attention.py tests/test_decode.py tests/test_sisa.py tests/test_trunk.py \
   tests/test_ssd.py tests/test_mamba.py tests/test_sinkhorn.py tests/test_sinks.py tests/test_fox.py \
-  tests/test_mamba3_mimo.py tests/test_flash.py tests/test_split.py tests/test_loss.py \
+  tests/test_mamba3_mimo.py tests/test_blockwise.py tests/test_lse_merge.py tests/test_loss.py \
   | tee -a "$out/numerics.txt"
 
 # t. (opt-in: kernels/decayed.GPU_TUNING holds its H200 result) the decayed-attention kernel's

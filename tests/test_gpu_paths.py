@@ -158,9 +158,9 @@ def test_sisa_bf16_matches_reference(path, decay_bias, chunked):
 
 
 def test_split_fused_route_bf16_with_gradients():
-  """attention/split.py's fused route (past keys, no bias): cuDNN's output and lse, with the
+  """attention/lse_merge.py's fused route (past keys, no bias): cuDNN's output and lse, with the
   custom VJP that restores the lse gradient cuDNN's own rule drops, combined with a biased part."""
-  from attn_jax.attention import split
+  from attn_jax.attention import lse_merge
   B, T, S_, H, D = 2, 64, 192, 4, 80
   q, k, v = _normal(20, (B, T, H, D)), _normal(21, (B, S_, H, D)), _normal(22, (B, S_, H, 64))
   cut = 128
@@ -169,10 +169,10 @@ def test_split_fused_route_bf16_with_gradients():
   dout = _normal(23, (B, T, H, 64), jnp.float32)
 
   def ours(q, k, v):
-    parts = [split.partial_attention(q, k[:, :cut], v[:, :cut], scale=D ** -0.5, impl=IMPL),
-             split.partial_attention(q, k[:, cut:], v[:, cut:], scale=D ** -0.5, bias=bias,
+    parts = [lse_merge.partial_attention(q, k[:, :cut], v[:, :cut], scale=D ** -0.5, impl=IMPL),
+             lse_merge.partial_attention(q, k[:, cut:], v[:, cut:], scale=D ** -0.5, bias=bias,
                                      mask=mask)]
-    return split.combine(parts)
+    return lse_merge.combine(parts)
 
   def ref(q, k, v):
     f = lambda a: a.astype(jnp.float32)

@@ -110,3 +110,28 @@ def test_no_import_cycle_through_the_registry_discovery():
   plain import scan does not see. Annotation-only imports go under `if TYPE_CHECKING:`."""
   cycle = _a_cycle(_runtime_import_graph())
   assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def _local_imports():
+  """(file:line, why) of every attn_jax import inside a function; `why` is the comment on its
+  line or the line above, or the enclosing function's docstring sentence naming the import."""
+  for path in sorted(PACKAGE.rglob("*.py")):
+    lines = path.read_text().splitlines()
+    tree = ast.parse("\n".join(lines))
+    for fn in ast.walk(tree):
+      if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        continue
+      doc = ast.get_docstring(fn) or ""
+      for node in ast.walk(fn):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("attn_jax"):
+          here = lines[node.lineno - 1] + lines[node.lineno - 2]
+          why = here.partition("#")[2].strip() or ("import" in doc and doc)
+          yield f"{path.relative_to(PACKAGE.parent)}:{node.lineno}", why
+
+
+def test_function_local_imports_are_few_and_say_why():
+  """attn_jax imports sit at the top of a file, except where a cycle or start-up time needs
+  otherwise (at most 15 places), and each such place says why."""
+  found = list(_local_imports())
+  assert len(found) <= 15, [where for where, _ in found]
+  assert all(why for _, why in found), [where for where, why in found if not why]

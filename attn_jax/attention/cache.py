@@ -67,7 +67,7 @@ from attn_jax.attention.core import from_rows, positional_mask, rows_softmax, to
 from attn_jax.attention.projection import rope
 from attn_jax.layers import apply_rope, rope_angles
 from attn_jax.mixer import Mixer
-from attn_jax.options import is_int
+from attn_jax.field_checks import is_int
 
 
 # ------------------------------------------------------------------ policies

@@ -51,10 +51,10 @@ compute the same softmax (`path`; "auto" = `choose_path`):
   each block's probabilities (O(T^2 / 2) over the blocks, like any blocked attention): hence
   the length limit of "auto".
 - "flash" (longer T): the diagonal blocks, j <= i in one block, as one batch of [c, c] biased,
-  masked blocks (`split.partial_attention`); a query block I over an earlier key block J,
-  s = q.k scale + l_i + r_j formed inside `flash.past_blocks`' loops, plus M[I, J] as its
+  masked blocks (`lse_merge.partial_attention`); a query block I over an earlier key block J,
+  s = q.k scale + l_i + r_j formed inside `blockwise.past_blocks`' loops, plus M[I, J] as its
   block-pair term (online softmax forward, recomputing backward; O(T) memory beside the
-  n^2 block-pair terms); the two parts combined exactly by log-sum-exp (`split.combine`).
+  n^2 block-pair terms); the two parts combined exactly by log-sum-exp (`lse_merge.combine`).
   "auto" takes it for longer T, and at every T on GPU / TPU (`kernel_choice.forget_path`): there the
   blocked path's O(T^2 / 2) residuals per layer (all layers' at once in a training step) cost
   twice the Transformer's memory at 152M (17.2 vs 8.2 GiB on H100 at 4 x 2048 per device,
@@ -118,7 +118,7 @@ from flax import nnx
 
 from attn_jax import kernel_choice
 from attn_jax.attention import cache as cache_lib
-from attn_jax.attention import flash, split
+from attn_jax.attention import blockwise, lse_merge
 from attn_jax.attention.core import (attention_flops_per_token, blocked_attention,
                                      causal_block_mask, causal_keys, segment_mask)
 from attn_jax.attention.projection import (QKVProjection, SinkLogitOptions, make_sink_logit,
@@ -127,7 +127,7 @@ from attn_jax.kernels import decayed
 from attn_jax.layers import (Linear, causal_positions, dtype_of, param, segment_starts,
                              stat_dtype, time_cumsum)
 from attn_jax.mixer import register_mixer
-from attn_jax.options import field_check, is_int, is_number
+from attn_jax.field_checks import field_check, is_int, is_number
 
 if TYPE_CHECKING:  # annotations only: model_config imports the registry, which imports the mixers
   from attn_jax.model_config import ModelConfig
@@ -233,7 +233,7 @@ def _pair_decay2(lq, lk):
 
 
 def _past_scores(scale, shared, qa, ka):
-  """Score of (query block I, earlier key block J) for `flash.past_blocks`:
+  """Score of (query block I, earlier key block J) for `blockwise.past_blocks`:
   q.k scale + l_i + r_j; past_blocks adds the pair's M[I, J], so that the decay is
   l_i + M[I, J] + r_j = g_i - g_j, three sums over disjoint ranges, each <= 0."""
   del shared
@@ -281,7 +281,7 @@ def choose_path(path: str, T: int) -> str:
 
 def _flash(q, k, v, l, r, m, *, scale, c, sink_logit_H, seg):
   """The diagonal blocks as one batch of biased [c, c] blocks (l_i - l_j), the earlier blocks
-  through `flash.past_blocks` (l_i + r_j per pair, M[I, J] per block pair), joined by
+  through `blockwise.past_blocks` (l_i + r_j per pair, M[I, J] per block pair), joined by
   log-sum-exp."""
   B, T = q.shape[:2]
   n = T // c
@@ -291,10 +291,10 @@ def _flash(q, k, v, l, r, m, *, scale, c, sink_logit_H, seg):
   lf = tuple(map(fold, l))
   bias = jnp.where(causal, _pair_decay2(lf, lf), 0.0)
   mask = causal if seg is None else causal & segment_mask(fold(seg), fold(seg))[:, None]
-  diag = split.partial_attention(fold(q), fold(k), fold(v), scale=scale, bias=bias, mask=mask)
-  past = flash.past_blocks(functools.partial(_past_scores, float(scale)), (), (q, l[0] + l[1]),
+  diag = lse_merge.partial_attention(fold(q), fold(k), fold(v), scale=scale, bias=bias, mask=mask)
+  past = blockwise.past_blocks(functools.partial(_past_scores, float(scale)), (), (q, l[0] + l[1]),
                            (k, r), v, block=c, segment_ids_BT=seg, block_bias_BHNN=m)
-  return split.combine([tuple(map(unfold, diag)), past], sink_logit_H)
+  return lse_merge.combine([tuple(map(unfold, diag)), past], sink_logit_H)
 
 
 def _blocked(q, k, v, l, r, m, *, scale, c, sink_logit_H, seg):

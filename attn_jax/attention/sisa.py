@@ -32,8 +32,8 @@ is evaluated is <= 1 or <= e^T for a fixed T, and no reference reads a later tok
 - chunked path (`_chunked`): blocks of c tokens (`block_len`); a query block and an earlier key
   block take r = g at the key block's last token, so both factors are <= 1; a block's own
   pairs enter as a [c, c] bias lambda e^{g_i - g_j} C.B formed from the difference
-  g_i - g_j <= 0 (Mamba-2's segsum); the parts are combined by log-sum-exp (`split.py`), the
-  past through `flash.past_blocks` (O(T) memory), or, with a fused cuDNN core, query chunks
+  g_i - g_j <= 0 (Mamba-2's segsum); the parts are combined by log-sum-exp (`lse_merge.py`), the
+  past through `blockwise.past_blocks` (O(T) memory), or, with a fused cuDNN core, query chunks
   whose past goes through that kernel (`_fused_chunks`).
 - `path="auto"`: a `jax.lax.cond` on the measured range -min g (both paths compute the same
   function). A cond keeps both branches' residuals, so with a core in
@@ -82,7 +82,7 @@ from flax import nnx
 
 from attn_jax import kernel_choice
 from attn_jax.attention import cache as cache_lib
-from attn_jax.attention import flash, split
+from attn_jax.attention import blockwise, lse_merge
 from attn_jax.attention.core import (attend, attention_flops_per_token, causal_keys,
                                      segment_mask)
 from attn_jax.attention.projection import (QKVProjection, SinkLogitOptions, make_sink_logit,
@@ -92,7 +92,7 @@ from attn_jax.layers import (Linear, causal_positions, dtype_of, param, segment_
                              angle_cumsum, starts_like, stat_dtype,
                              time_cumsum, time_scan)
 from attn_jax.mixer import register_mixer
-from attn_jax.options import field_check, is_int, is_number
+from attn_jax.field_checks import field_check, is_int, is_number
 
 if TYPE_CHECKING:  # annotations only: model_config imports the registry, which imports the mixers
   from attn_jax.model_config import ModelConfig
@@ -213,7 +213,7 @@ def _widen(x_BTHD, f_BTH, r_BTHS):
 
 
 def _past_scores(scale, shared, qa, ka):
-  """Score of a (query block, earlier key block) pair for `flash.past_blocks`: the widened
+  """Score of a (query block, earlier key block) pair for `blockwise.past_blocks`: the widened
   q.k with reference r = g at the key block's last token, so query factors e^{g_i - r} <= 1
   (i after the block) and key factors e^{r - g_j} <= 1 (j in the block). [B, H, c, c] in fp32
   (fp64 for a float64 model)."""
@@ -495,7 +495,7 @@ class SISA(cache_lib.CachedMixer):
     # O(T)); so is the blockwise chunked one (every core but cuDNN, splash included), whose
     # residuals (the diagonal blocks' probabilities, the flash part's out and lse) the cond
     # would otherwise zero-fill at every step the fast path is taken; the cuDNN chunked one
-    # keeps only its inputs by construction (`split.sequential`).
+    # keeps only its inputs by construction (`lse_merge.sequential`).
     fast, chunked = self._fast, self._chunked
     core = self._core_impl(ops)
     if core in kernel_choice.REMAT_CORE_IMPLS:
@@ -547,7 +547,7 @@ class SISA(cache_lib.CachedMixer):
   def _blockwise(self, ops: SISAOperands):
     """Blocks of c tokens (T padded up to a multiple: padded keys sit in the last block, which
     no query's past contains; padded queries are dropped). Diagonal blocks: all n at once as a
-    batch of [c, c] biased, masked blocks. Past blocks: `flash.past_blocks` with the pair's
+    batch of [c, c] biased, masked blocks. Past blocks: `blockwise.past_blocks` with the pair's
     reference r = g at the key block's last token. Combined by log-sum-exp."""
     cfg, dt = self.cfg, ops.q.dtype
     B, T, H, _ = ops.q.shape
@@ -564,27 +564,27 @@ class SISA(cache_lib.CachedMixer):
       causal = causal & segment_mask(fold(seg), fold(seg))[:, None]
     loc = _local_bias(fold(rc), fold(rb), fold(g), fold(g), ops.lam, causal)
     scale = cfg.head_dim ** -0.5
-    diag = split.partial_attention(fold(q), fold(k), fold(v), scale=scale, bias=loc, mask=causal)
-    past = flash.past_blocks(functools.partial(_past_scores, scale), (ops.qscale,), (q, rc, g),
+    diag = lse_merge.partial_attention(fold(q), fold(k), fold(v), scale=scale, bias=loc, mask=causal)
+    past = blockwise.past_blocks(functools.partial(_past_scores, scale), (ops.qscale,), (q, rc, g),
                              (k, rb, g), v, block=c, segment_ids_BT=seg)
-    out = split.combine([tuple(map(unfold, diag)), past], ops.sink)
+    out = lse_merge.combine([tuple(map(unfold, diag)), past], ops.sink)
     return out[:, :T].astype(dt)
 
   def _fused_chunks(self, ops: SISAOperands):
     """Query chunks with reference g_{a-1}, run one after another and rematerialised
-    (`split.sequential`): the residuals are the full inputs; each chunk's past keys go through
+    (`lse_merge.sequential`): the residuals are the full inputs; each chunk's past keys go through
     one call of the fused kernel (O(T) memory on GPU)."""
     T = ops.q.shape[1]
     c = self.chunk_len(self.opts, T)
     fns = [functools.partial(self._chunk, a, min(a + c, T)) for a in range(0, T, c)]
-    outs = split.sequential(fns, (ops,))
+    outs = lse_merge.sequential(fns, (ops,))
     out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
     return out.astype(ops.q.dtype)
 
   def _chunk(self, a: int, e: int, ops: SISAOperands):
     """Queries [a, e): past keys [0, a) through one unbiased, unmasked call (the widened Q/K,
     key factors e^{r - g_j} <= 1), the chunk's own keys through a small block with the
-    difference-form SISA bias; the two parts combined by log-sum-exp (`split.combine`).
+    difference-form SISA bias; the two parts combined by log-sum-exp (`lse_merge.combine`).
     Packed rows: both parts masked by document (the past then takes the masked einsum route),
     the factors' exponents clamped at 0 (a no-op on every visible pair, module docstring)."""
     cfg, dt = self.cfg, ops.q.dtype
@@ -597,7 +597,7 @@ class SISA(cache_lib.CachedMixer):
       causal = causal & segment_mask(seg[:, a:e], seg[:, a:e])[:, None]
       past_mask = segment_mask(seg[:, a:e], seg[:, :a])[:, None]
     loc = _local_bias(rc[:, a:e], rb[:, a:e], g[:, a:e], g[:, a:e], ops.lam, causal)
-    parts = [split.partial_attention(q[:, a:e], k[:, a:e], v[:, a:e], scale=scale,
+    parts = [lse_merge.partial_attention(q[:, a:e], k[:, a:e], v[:, a:e], scale=scale,
                                      bias=loc, mask=causal)]
     if a > 0:
       qf = jnp.exp(_nonpositive(g[:, a:e] - r[:, None])) * ops.qscale   # <= qscale
@@ -605,9 +605,9 @@ class SISA(cache_lib.CachedMixer):
       kf = jnp.exp(_nonpositive(r[:, None] - g[:, :a]))                 # <= 1
       kh = _widen(k[:, :a], kf, rb[:, :a])
       impl = kernel_choice.attention_impl(cfg.attention_impl, dt, qh.shape[-1])
-      parts.append(split.partial_attention(qh, kh, v[:, :a], scale=scale, impl=impl,
+      parts.append(lse_merge.partial_attention(qh, kh, v[:, :a], scale=scale, impl=impl,
                                            mask=past_mask))
-    return split.combine(parts, ops.sink)
+    return lse_merge.combine(parts, ops.sink)
 
   # -------------------------------------------------------------- decoding
   def _cached(self, ops: SISAOperands, positions_BT, kv: cache_lib.KVCache):

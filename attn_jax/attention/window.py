@@ -41,7 +41,7 @@ from attn_jax.attention.projection import (QKVProjection, SinkLogitOptions, make
                                            qk_probs, sink_logit_of)
 from attn_jax.layers import causal_positions
 from attn_jax.mixer import register_mixer
-from attn_jax.options import field_check, is_int
+from attn_jax.field_checks import field_check, is_int
 
 if TYPE_CHECKING:  # annotations only: model_config imports the registry, which imports the mixers
   from attn_jax.model_config import ModelConfig

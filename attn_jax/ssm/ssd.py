@@ -72,7 +72,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from attn_jax.options import is_int, is_number
+from attn_jax.field_checks import is_int, is_number
 
 f32 = jnp.float32
 

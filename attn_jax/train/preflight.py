@@ -21,7 +21,7 @@ import ml_collections
 from attn_jax import sharding as shd
 from attn_jax.config import RunConfig, as_run
 from attn_jax.data import pipeline, text
-from attn_jax.options import field_check
+from attn_jax.field_checks import field_check
 from attn_jax.train import init_from
 from attn_jax.train.loss_monitor import NONFINITE_MODES
 from attn_jax.train.setup import Setup, build_setup

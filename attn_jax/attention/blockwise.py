@@ -4,7 +4,7 @@ FlashAttention-2 loops (online softmax forward, recomputing backward) written wi
 
 With T = n c tokens cut into blocks of c, query block I attends to the keys of blocks J < I
 (the *past* part of a causal attention whose diagonal blocks a caller handles itself, e.g. with
-a bias; `split.combine` joins the parts). For a pair, `score_fn(shared, qa_I, ka_J)` returns
+a bias; `lse_merge.combine` joins the parts). For a pair, `score_fn(shared, qa_I, ka_J)` returns
 s [B, H, c, c] fp32 (the scale included); then
 
     forward   m, l, acc <- online softmax over J < I:  m' = max(m, max_j s),
@@ -38,7 +38,7 @@ of another document adds nothing even while m is still NEG_INF) and in the backw
 (p = e^{s - lse} is recomputed as 0 there, so ds = 0 and the score function's VJP sees a zero
 cotangent). A query with no visible past key (the first block of a document, or any query of
 a document that starts inside its block) keeps l = 0: out = 0 and lse = NEG_INF, weight 0 in
-`split.combine`. The score function is still evaluated on invisible pairs, so it must be finite
+`lse_merge.combine`. The score function is still evaluated on invisible pairs, so it must be finite
 there (the callers' are: every factor is bounded whatever the pair, fox.py / sisa.py); a
 finite score with a zero cotangent contributes exactly 0 to every gradient.
 """

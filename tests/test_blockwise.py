@@ -1,4 +1,4 @@
-"""attention/flash.py: past-block attention (query block I over key blocks J < I) equals an
+"""attention/blockwise.py: past-block attention (query block I over key blocks J < I) equals an
 explicit masked softmax, values and gradients (through out *and* lse), for the plain dot
 score and a score with a shared parameter and per-pair reference (SISA's form)."""
 
@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from attn_jax.attention import flash
+from attn_jax.attention import blockwise
 from attn_jax.attention.core import NEG_INF
 
 TOL = 2e-5  # fp32, fixed once
@@ -54,7 +54,7 @@ def test_dot_scores_equal_masked_softmax_values_and_gradients(block):
   kk = jnp.repeat(k, 1, axis=2)
 
   def ours(q, k, v):
-    return flash.past_blocks(flash.dot_scores(scale), (), q, k, v, block=block)
+    return blockwise.past_blocks(blockwise.dot_scores(scale), (), q, k, v, block=block)
 
   def ref(q, k, v):
     s = jnp.einsum("bthd,bshd->bhts", q, k) * scale
@@ -92,7 +92,7 @@ def test_pair_score_with_shared_parameter_and_reference_gradients():
   v, gout, glse, w = f(B, T, H, 5), f(B, T, H, 5), f(B, T, H), jnp.float32(0.8)
 
   def ours(w, q, c, g, k, b, v):
-    return flash.past_blocks(_decay_scores, (w,), (q, c, g), (k, b, g), v, block=blk)
+    return blockwise.past_blocks(_decay_scores, (w,), (q, c, g), (k, b, g), v, block=blk)
 
   def ref(w, q, c, g, k, b, v):
     dec = jnp.exp(g.transpose(0, 2, 1)[..., :, None] - g.transpose(0, 2, 1)[..., None, :])
@@ -115,7 +115,7 @@ def test_memory_is_linear_in_length():
     v = jax.ShapeDtypeStruct((1, T, 2, 16), jnp.float32)
 
     def loss(q, k, v):
-      out, lse = flash.past_blocks(flash.dot_scores(0.25), (), q, k, v, block=64)
+      out, lse = blockwise.past_blocks(blockwise.dot_scores(0.25), (), q, k, v, block=64)
       return jnp.sum(out) + jnp.sum(jnp.where(lse > NEG_INF / 2, lse, 0.0))
     c = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, q, v).compile()
     return c.memory_analysis().temp_size_in_bytes
@@ -126,13 +126,13 @@ def test_memory_is_linear_in_length():
 def test_bad_lengths_and_block_pair_shapes_error():
   q = jnp.zeros((1, 10, 2, 4))
   with pytest.raises(ValueError, match="not a multiple of the block 4"):
-    flash.past_blocks(flash.dot_scores(1.0), (), q, q, q, block=4)
+    blockwise.past_blocks(blockwise.dot_scores(1.0), (), q, q, q, block=4)
   with pytest.raises(ValueError, match="same length"):
-    flash.past_blocks(flash.dot_scores(1.0), (), q, q[:, :8], q, block=2)
+    blockwise.past_blocks(blockwise.dot_scores(1.0), (), q, q[:, :8], q, block=2)
   for bad in ((1, 2, 5, 5), (2, 2, 2, 2), (1, 3, 2, 2)):   # wrong batch, blocks, heads
     with pytest.raises(ValueError, match=r"block-pair term needs shape \[B, H, N, N\] = "
                                           r"\(1, 2, 2, 2\)"):
-      flash.past_blocks(flash.dot_scores(1.0), (), q[:, :8], q[:, :8], q[:, :8], block=4,
+      blockwise.past_blocks(blockwise.dot_scores(1.0), (), q[:, :8], q[:, :8], q[:, :8], block=4,
                         block_bias_BHNN=jnp.zeros(bad))
 
 
@@ -146,7 +146,7 @@ def test_segments_mask_other_documents_values_and_gradients():
   scale, block = 0.37, 3
 
   def ours(q, k, v):
-    return flash.past_blocks(flash.dot_scores(scale), (), q, k, v, block=block,
+    return blockwise.past_blocks(blockwise.dot_scores(scale), (), q, k, v, block=block,
                              segment_ids_BT=seg)
 
   def ref(q, k, v):

@@ -1,4 +1,4 @@
-"""attention/split.py: attention over split key sets combined by log-sum-exp equals one softmax
+"""attention/lse_merge.py: attention over split key sets combined by log-sum-exp equals one softmax
 over all keys (outputs and gradients, every route), and SISA's chunked path built on it keeps
 its memory linear in the sequence length."""
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from attn_jax.attention import split
+from attn_jax.attention import lse_merge
 from attn_jax.attention import sisa as S
 from attn_jax.attention.core import attention_reference
 from attn_jax.model_config import ModelConfig
@@ -33,10 +33,10 @@ def _split_attention(q, k, v, cut, sink, impl):
   bias = 0.5 * jnp.sin(jnp.arange(T)[:, None] * 0.7 + jnp.arange(S - cut)[None, :])
   mask = (jnp.arange(T)[:, None] + cut) >= jnp.arange(cut, S)[None, :]
   scale = q.shape[-1] ** -0.5
-  parts = [split.partial_attention(q, k[:, :cut], v[:, :cut], scale=scale, impl=impl),
-           split.partial_attention(q, k[:, cut:], v[:, cut:], scale=scale, bias=bias,
+  parts = [lse_merge.partial_attention(q, k[:, :cut], v[:, :cut], scale=scale, impl=impl),
+           lse_merge.partial_attention(q, k[:, cut:], v[:, cut:], scale=scale, bias=bias,
                                    mask=mask)]
-  return split.combine(parts, sink)
+  return lse_merge.combine(parts, sink)
 
 
 def _reference(q, k, v, cut, sink):
@@ -75,17 +75,17 @@ def test_fused_route_gradient_does_not_rely_on_the_kernels_lse_vjp():
   """The lse alone (no output) must still get its gradient: that is what the custom VJP adds."""
   q, k, v = _normal(5, (1, 3, 2, 4)), _normal(6, (1, 7, 2, 4)), _normal(7, (1, 7, 2, 4))
   f = lambda impl: lambda a, b: jnp.sum(
-      jnp.sin(split.partial_attention(a, b, v, scale=0.5, impl=impl)[1]))
+      jnp.sin(lse_merge.partial_attention(a, b, v, scale=0.5, impl=impl)[1]))
   for g_, w_ in zip(jax.grad(f("xla"), (0, 1))(q, k), jax.grad(f("einsum"), (0, 1))(q, k)):
     _close(g_, w_)
 
 
 def test_a_part_with_no_visible_key_has_weight_zero():
   q, k, v = _normal(8, (1, 2, 1, 4)), _normal(9, (1, 3, 1, 4)), _normal(10, (1, 3, 1, 4))
-  none = split.partial_attention(q, k, v, scale=0.5, mask=jnp.zeros((2, 3), bool))
-  some = split.partial_attention(q, k, v, scale=0.5)
-  _close(split.combine([none, some]), split.combine([some]))
-  assert float(jnp.max(jnp.abs(split.combine([none])))) == 0.0
+  none = lse_merge.partial_attention(q, k, v, scale=0.5, mask=jnp.zeros((2, 3), bool))
+  some = lse_merge.partial_attention(q, k, v, scale=0.5)
+  _close(lse_merge.combine([none, some]), lse_merge.combine([some]))
+  assert float(jnp.max(jnp.abs(lse_merge.combine([none])))) == 0.0
 
 
 def _sisa_cfg(impl, chunk_size, T):
@@ -99,9 +99,9 @@ def _sisa_cfg(impl, chunk_size, T):
 @pytest.mark.parametrize("impl,route", [("einsum", "blockwise"), ("blocked", "blockwise"),
                                         ("xla", "blockwise"), ("xla", "fused_chunks")])
 def test_sisa_chunked_equals_reference_on_every_impl(impl, route, monkeypatch):
-  """Both routes of the chunked path: blockwise (flash.py past blocks; every non-cuDNN core)
+  """Both routes of the chunked path: blockwise (blockwise.py past blocks; every non-cuDNN core)
   and the fused per-chunk route cuDNN takes, run here through XLA's kernel and the same
-  custom VJP (`split._fused_lse`)."""
+  custom VJP (`lse_merge._fused_lse`)."""
   if route == "fused_chunks":
     monkeypatch.setattr(S.SISA, "_chunked", S.SISA._fused_chunks)
   cfg = _sisa_cfg(impl, 5, 13)
@@ -125,7 +125,7 @@ def test_sisa_chunked_equals_reference_on_every_impl(impl, route, monkeypatch):
 
 def test_sisa_chunked_memory_grows_linearly():
   """Compiled fwd+bwd temporaries of one SISA layer on the chunked path (blockwise: diagonal
-  blocks batched, past blocks through flash.past_blocks) at 1K / 2K / 4K: each doubling of T
+  blocks batched, past blocks through blockwise.past_blocks) at 1K / 2K / 4K: each doubling of T
   at most 2.3x (a [T, S] tensor anywhere would make it ~4x, as plain attention's CPU kernel
   does)."""
   c = base.get_config()
