@@ -21,10 +21,11 @@ _COMPARE = config_flags.DEFINE_config_file("compare", None, "Optional config to 
 def main(argv):
   del argv
   from attn_jax.model import count_params
+  from attn_jax.model_config import ModelConfig
 
-  m_cfg = _CONFIG.value.model
+  m_cfg = ModelConfig.from_config(_CONFIG.value.model)   # validates once, names a bad field
   n = count_params(m_cfg)
-  pattern = tuple(m_cfg.get("pattern", ())) or (m_cfg.mixer,)
+  pattern = m_cfg.pattern or (m_cfg.mixer,)
   print(f"{flags.FLAGS['config'].config_filename}: pattern={pattern}, {m_cfg.n_layers} layers")
   for k, v in n.items():
     if k != "by_kind":
