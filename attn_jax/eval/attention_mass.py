@@ -43,7 +43,7 @@ def attention_maps(model, tokens_BT) -> list:
   return [_probs(mixer, x) for _, mixer, x in layer_inputs(model, tokens_BT)]
 
 
-def _spread(tokens, n_seqs: int, L: int) -> tuple[np.ndarray, np.ndarray]:
+def spread_windows(tokens, n_seqs: int, L: int) -> tuple[np.ndarray, np.ndarray]:
   """([n_seqs, L] int32 sequences spread evenly over the stream, the first at token 0, the last
   ending at its end; their start positions)."""
   tokens = np.asarray(tokens, np.int32)
@@ -76,7 +76,7 @@ def run(model, tokens: np.ndarray, out_dir: str, *, n_seqs: int = 4, seq_len: in
   if L <= min_query:
     raise ValueError(f"attention mass needs sequences longer than min_query={min_query}, "
                      f"the stream has {len(tokens)} tokens")
-  batch, _ = _spread(tokens, n_seqs, L)
+  batch, _ = spread_windows(tokens, n_seqs, L)
   table = mass_table(attention_maps(model, jnp.asarray(batch)), min_query=min_query,
                      n_keys=n_keys)
   table["meta"] = {"sequences": int(n_seqs), "seq_len": int(L), "min_query": min_query,
@@ -158,7 +158,7 @@ def run_sink_profile(model, tokens: np.ndarray, out_dir: str, *, n_seqs: int = 2
   first starts at token 0); writes sink_mass.json, sink_mass.png (layers x token0 / first4 /
   local, head means) and sink_mass_heads.png (layers x heads, first4 and local)."""
   L = min(seq_len, len(tokens))
-  batch, starts = _spread(tokens, n_seqs, L)
+  batch, starts = spread_windows(tokens, n_seqs, L)
   table = sink_profile(model, jnp.asarray(batch), local=local, min_query=min_query)
   table["meta"] = {"sequences": int(n_seqs), "seq_len": int(L), "starts": starts.tolist(),
                    "local": int(local), "min_query": int(min_query),

@@ -41,7 +41,7 @@ import ml_collections
 import numpy as np
 
 from attn_jax import jsonio, streaming
-from attn_jax.eval.attention_mass import _spread, attention_maps
+from attn_jax.eval.attention_mass import spread_windows, attention_maps
 from attn_jax.eval.stream_reports import binned_means
 from attn_jax.streaming import StreamPolicy
 from attn_jax.study.lm import heldout_stream
@@ -114,7 +114,7 @@ def attention_mass(model, tokens: np.ndarray, *, seq_len: int, n_seqs: int,
   if L <= min_query + 4:
     raise ValueError(f"config.study.sink_mass_min_query={min_query}: windows of {L} tokens "
                      "leave no query past the first tokens")
-  batch, _ = _spread(tokens, n_seqs, L)
+  batch, _ = spread_windows(tokens, n_seqs, L)
   return _mass_rows(attention_maps(model, jnp.asarray(batch)), int(model.cfg.sink_tokens),
                     min_query)
 

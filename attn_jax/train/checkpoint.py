@@ -64,8 +64,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
+from flax import nnx
 
 from attn_jax import outputs, paths, sharding as shd
 from attn_jax.config import RunConfig, config_rules
@@ -551,6 +553,11 @@ class Checkpointer:
     step = self.latest_step() if step is None else step
     return self._mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
 
+  def saved_config(self, step: int):
+    """The ml-collections config saved in `step`'s meta, with JSON's lists turned back into the
+    tuples configs hold (config_flags cannot override lists)."""
+    return ml_collections.ConfigDict(_tuples(self.restore_meta(step)["config"]))
+
   def wait(self) -> None:
     """Waits for a background save; CheckpointSaveError if it failed. Ctrl-C while a save is
     being committed first lets that commit finish (a process that exits now would leave the
@@ -746,16 +753,12 @@ def _load_newest(ckpt: Checkpointer, step: int | None, devices, retries: int = 3
 def _load_step(ckpt: Checkpointer, step: int, devices):
   """(model, RunConfig) of one verified step; CheckpointCorruptError when it cannot be read,
   CheckpointMismatchError when its saved config does not build its stored parameters."""
-  import ml_collections
-  from flax import nnx
-
-
   problem = ckpt.verify(step)
   if problem:
     raise CheckpointCorruptError(problem)
   manifested = ckpt.check_verifiable(step)
   try:
-    config = ml_collections.ConfigDict(_tuples(ckpt.restore_meta(step)["config"]))
+    config = ckpt.saved_config(step)
   except Exception as e:
     raise CheckpointCorruptError(f"its meta (the saved config) cannot be read: {_short(e)}")
   try:
@@ -797,7 +800,7 @@ def _check_meta_matches(ckpt: Checkpointer, step: int, m, target: dict) -> None:
 
 
 def _tuples(x):
-  """JSON turns tuples into lists; configs hold tuples (config_flags can't override lists)."""
+  """`x` with every list (JSON's form of a tuple) a tuple again."""
   if isinstance(x, dict):
     return {k: _tuples(v) for k, v in x.items()}
   if isinstance(x, list):

@@ -50,7 +50,7 @@ from attn_jax import paths
 from attn_jax.config import RunConfig
 from attn_jax.data.tokenizer import get_tokenizer
 from attn_jax.model_config import ModelConfig
-from attn_jax.train.checkpoint import Checkpointer, _tuples, load_for_inference
+from attn_jax.train.checkpoint import Checkpointer, load_for_inference
 
 TRAINABLE = ("all", "new", "new+norms")
 COMPUTE_FIELDS = ("dtype", "param_dtype", "remat", "scan_layers", "attention_impl",
@@ -85,7 +85,7 @@ def _saved_config(path: str, step: int | None) -> tuple[ml_collections.ConfigDic
     errors = []
     for s in ([step] if step is not None else steps[::-1]):
       try:
-        return ml_collections.ConfigDict(_tuples(ckpt.restore_meta(s)["config"])), s
+        return ckpt.saved_config(s), s
       except Exception as e:  # noqa: BLE001 - a damaged meta: the previous step's, as a resume
         if step is not None:
           raise
