@@ -30,8 +30,8 @@ import ml_collections
 
 from attn_jax.data.offsets import WINDOW_OFFSETS
 from attn_jax.data.pipeline import DATA_SOURCES
-from attn_jax.model_config import ModelConfig
 from attn_jax.field_checks import field_check, is_int, is_number
+from attn_jax.model_config import ModelConfig
 from attn_jax.registry import available_mixers, axis_rules, default_options, get_mixer
 from attn_jax.sharding import TRUNK_RULES, MeshAxes, rules_dict
 

@@ -14,8 +14,8 @@ from typing import Any
 
 import ml_collections
 
-from attn_jax.kernel_choice import ATTENTION_IMPLS
 from attn_jax.field_checks import field_check, is_int, is_number
+from attn_jax.kernel_choice import ATTENTION_IMPLS
 from attn_jax.registry import get_mixer
 
 

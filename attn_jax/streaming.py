@@ -43,9 +43,9 @@ from attn_jax.attention import cache as cache_lib
 from attn_jax.data.text import read_text_file, split_paths
 from attn_jax.data.tokenizer import get_tokenizer
 from attn_jax.decode import jit_stateful
+from attn_jax.field_checks import is_int
 from attn_jax.model import abstract_model, mixer_limits
 from attn_jax.model_config import ModelConfig, validate_model
-from attn_jax.field_checks import is_int
 from attn_jax.registry import get_mixer
 
 POLICIES = ("dense", "window", "recompute", "streaming")

@@ -59,8 +59,8 @@ def decode_compile_seconds(pattern: tuple[str, ...], n_layers: int) -> float:
   from flax import nnx
 
   from attn_jax import decode
-  from attn_jax.model_config import ModelConfig
   from attn_jax.model import abstract_model, init_state
+  from attn_jax.model_config import ModelConfig
 
   cfg = ModelConfig.from_config(_config(pattern, n_layers).model)
   graphdef, params = nnx.split(abstract_model(cfg))

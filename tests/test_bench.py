@@ -131,8 +131,8 @@ def test_scale_and_preset_give_the_model_configs_they_gave_before(setting, name)
 def test_set_reaches_the_model_config_and_rematches_the_twins():
   """--set's dotted paths reach the typed model config the step is built from; SISA and FoX
   get the d_ff that matches the overridden Transformer (model.d_ff is the Transformer's)."""
-  from attn_jax.model_config import ModelConfig
   from attn_jax.model import count_params
+  from attn_jax.model_config import ModelConfig
   o = bench_configs.Options(set="model.d_model=512,model.n_heads=8,model.d_ff=2048,"
                                 "model.sisa.d_state=16,model.remat=full")
   m = ModelConfig.from_config(bench_configs.named_config("sisa_152m", o).model)

@@ -84,11 +84,11 @@ def test_head_on_selected_rows_equals_full_logits(bench_data):
   """ModelScorer's hidden/head path (LM head on continuation rows only) gives the same
   per-example log-likelihoods and greedy flags as scoring from the full logits."""
   import numpy as np
-  from attn_jax.model_config import ModelConfig
   from attn_jax.data.tokenizer import ByteTokenizer
   from attn_jax.eval import harness, tasks
   from attn_jax.eval.run import ModelScorer
   from attn_jax.model import build_model
+  from attn_jax.model_config import ModelConfig
 
   model = build_model(ModelConfig(vocab_size=257, d_model=32, n_layers=2, n_heads=2, d_ff=64,
                                   max_seq_len=256, dtype="float32"))
@@ -108,11 +108,11 @@ def test_scorer_set_state_reuses_compilations(bench_data):
   scores of a scorer built on the new model, and compile nothing new."""
   import numpy as np
   from flax import nnx
-  from attn_jax.model_config import ModelConfig
   from attn_jax.data.tokenizer import ByteTokenizer
   from attn_jax.eval import harness, tasks
   from attn_jax.eval.run import ModelScorer
   from attn_jax.model import build_model
+  from attn_jax.model_config import ModelConfig
 
   # untied: a tied random model predicts its own input token, whatever the seed
   cfg = ModelConfig(vocab_size=257, d_model=32, n_layers=1, n_heads=2, d_ff=64,

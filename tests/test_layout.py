@@ -1,6 +1,6 @@
 """The package's layout rules: one file per stem, the library never reaches up into configs/,
-mixer discovery imports the mixer packages only (no reference models), and no import cycle,
-counting the edges that discovery's `import_module` makes."""
+mixer discovery imports the mixer packages only (no reference models), no import cycle,
+counting the edges that discovery's `import_module` makes, and the package's own imports in module order."""
 
 import ast
 import collections
@@ -135,3 +135,29 @@ def test_function_local_imports_are_few_and_say_why():
   found = list(_local_imports())
   assert len(found) <= 15, [where for where, _ in found]
   assert all(why for _, why in found), [where for where, why in found if not why]
+
+
+def _unsorted_import_runs():
+  """(file:line, modules) of every run of adjacent top-level `from attn_jax... import` /
+  `import attn_jax...` statements (no other line between them) not in module order."""
+  for path in sorted(PACKAGE.rglob("*.py")):
+    run, last = [], None
+    for node in ast.parse(path.read_text()).body + [None]:
+      mod = None
+      if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("attn_jax"):
+        mod = node.module
+      elif isinstance(node, ast.Import) and node.names[0].name.startswith("attn_jax"):
+        mod = node.names[0].name
+      if mod is not None and last is not None and node.lineno == last + 1:
+        run.append(mod)
+      else:
+        if run != sorted(run):
+          yield f"{path.relative_to(PACKAGE.parent)}:{start}", run
+        run, start = ([mod], node.lineno) if mod is not None else ([], None)
+      last = node.end_lineno if mod is not None else None
+
+
+def test_the_packages_own_imports_are_in_module_order():
+  """Within each block of attn_jax imports, modules in alphabetical order (a reader finds one
+  at a glance; a rename that leaves it out of place shows here)."""
+  assert list(_unsorted_import_runs()) == []

@@ -23,8 +23,8 @@ from lm_eval.api.instance import Instance  # noqa: E402
 
 from attn_jax import decode  # noqa: E402
 from attn_jax.eval import crosscheck, harness, tasks  # noqa: E402
-from attn_jax.eval.crosscheck import TASK_FILES  # noqa: E402
 from attn_jax.eval import lm_eval_adapter  # noqa: E402
+from attn_jax.eval.crosscheck import TASK_FILES  # noqa: E402
 from attn_jax.eval.lm_eval_adapter import AttnJaxLM  # noqa: E402
 from attn_jax.model import build_model  # noqa: E402
 from configs import quickstart  # noqa: E402

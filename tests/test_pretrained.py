@@ -169,8 +169,8 @@ def test_sharded_bf16_folder_imports_exactly(torch_tf, hf_untied, tiny_tok, tmp_
 @pytest.mark.parametrize("tie", [True, False])
 def test_export_of_a_native_model_matches_transformers(torch_tf, tiny_tok, tmp_path, tie):
   """A model built by attn_jax (not imported): transformers computes the same logits."""
-  from attn_jax.model_config import ModelConfig
   from attn_jax.model import build_model
+  from attn_jax.model_config import ModelConfig
   cfg = ModelConfig(vocab_size=tiny_tok.get_vocab_size(), d_model=64, n_layers=2, n_heads=4,
                     n_kv_heads=2, d_ff=96, max_seq_len=64, rope_theta=300.0, norm_eps=1e-5,
                     tie_embeddings=tie, dtype="float32", init_std=0.1)
@@ -189,8 +189,8 @@ def test_export_of_a_native_model_matches_transformers(torch_tf, tiny_tok, tmp_p
     (dict(d_ff=0), "d_ff"),
 ])
 def test_export_refuses_models_without_a_llama_equivalent(tmp_path, change, words):
-  from attn_jax.model_config import ModelConfig
   from attn_jax.model import build_model
+  from attn_jax.model_config import ModelConfig
   cfg = ModelConfig(**{**dict(vocab_size=64, d_model=32, n_layers=2, n_heads=2, d_ff=64,
                              max_seq_len=32, dtype="float32"), **change})
   with pytest.raises(PretrainedError, match=words):
@@ -201,8 +201,8 @@ def test_export_refuses_models_without_a_llama_equivalent(tmp_path, change, word
 def test_a_sink_logit_goes_to_hf_as_granite_swa_never_to_gguf(tmp_path):
   """No Llama holds a sink logit: the HF folder is transformers' GraniteSWA (its logits are
   checked against transformers in tests/test_pretrained_variants.py); GGUF is refused."""
-  from attn_jax.model_config import ModelConfig
   from attn_jax.model import build_model
+  from attn_jax.model_config import ModelConfig
   cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2, d_ff=64, max_seq_len=32,
                     dtype="float32").with_options("attention", sink_logit="learned")
   model = build_model(cfg)

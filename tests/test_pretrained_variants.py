@@ -159,8 +159,8 @@ def finetune_config(run: str, data: str, **train):
 def params_of(workdir: str, step=None) -> dict:
   from flax import nnx
 
-  from attn_jax.train.checkpoint import load_for_inference
   from attn_jax.jsonio import flatten
+  from attn_jax.train.checkpoint import load_for_inference
   model, _, _ = load_for_inference(workdir, step)
   params = flatten(nnx.to_pure_dict(nnx.state(model, nnx.Param)), "/")
   return {k: np.asarray(v) for k, v in params.items()}
@@ -321,8 +321,8 @@ def test_trainable_masks_name_the_right_parameters(converted, tmp_path):
   """new: exactly the listed new parameters; new+norms: those and every norm scale."""
   from flax import nnx
 
-  from attn_jax.model import abstract_model
   from attn_jax.jsonio import flatten
+  from attn_jax.model import abstract_model
   from attn_jax.train.init_from import trainable_mask
   run = converted["fox"]["workdir"]
   with open(os.path.join(run, "pretrained.json")) as f:

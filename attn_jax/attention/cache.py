@@ -65,9 +65,9 @@ from flax import struct
 
 from attn_jax.attention.core import from_rows, positional_mask, rows_softmax, to_rows
 from attn_jax.attention.projection import rope
+from attn_jax.field_checks import is_int
 from attn_jax.layers import apply_rope, rope_angles
 from attn_jax.mixer import Mixer
-from attn_jax.field_checks import is_int
 
 
 # ------------------------------------------------------------------ policies

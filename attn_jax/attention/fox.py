@@ -123,11 +123,11 @@ from attn_jax.attention.core import (attention_flops_per_token, blocked_attentio
                                      causal_block_mask, causal_keys, segment_mask)
 from attn_jax.attention.projection import (QKVProjection, SinkLogitOptions, make_sink_logit,
                                            probs_with_sink, rope, sink_logit_of)
+from attn_jax.field_checks import field_check, is_int, is_number
 from attn_jax.kernels import decayed
 from attn_jax.layers import (Linear, causal_positions, dtype_of, param, segment_starts,
                              stat_dtype, time_cumsum)
 from attn_jax.mixer import register_mixer
-from attn_jax.field_checks import field_check, is_int, is_number
 
 if TYPE_CHECKING:  # annotations only: model_config imports the registry, which imports the mixers
   from attn_jax.model_config import ModelConfig

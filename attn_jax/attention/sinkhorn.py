@@ -93,10 +93,10 @@ from attn_jax.attention import cache as cache_lib
 from attn_jax.attention.core import NEG_INF, attend
 from attn_jax.attention.projection import (QKVProjection, SinkLogitOptions, make_sink_logit,
                                     sink_logit_of)
+from attn_jax.field_checks import field_check, is_int, is_number
 from attn_jax.layers import (Linear, apply_rope, causal_positions, dtype_of, rope_angles,
                              segment_starts)
 from attn_jax.mixer import Mixer, register_mixer
-from attn_jax.field_checks import field_check, is_int, is_number
 
 if TYPE_CHECKING:  # annotations only: model_config imports the registry, which imports the mixers
   from attn_jax.model_config import ModelConfig

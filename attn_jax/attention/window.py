@@ -39,9 +39,9 @@ from attn_jax.attention import cache as cache_lib
 from attn_jax.attention.core import attend, attention_flops_per_token, causal_keys
 from attn_jax.attention.projection import (QKVProjection, SinkLogitOptions, make_sink_logit,
                                            qk_probs, sink_logit_of)
+from attn_jax.field_checks import field_check, is_int
 from attn_jax.layers import causal_positions
 from attn_jax.mixer import register_mixer
-from attn_jax.field_checks import field_check, is_int
 
 if TYPE_CHECKING:  # annotations only: model_config imports the registry, which imports the mixers
   from attn_jax.model_config import ModelConfig

@@ -16,8 +16,8 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from attn_jax.kernels import decayed
 from attn_jax.bench import roofline
+from attn_jax.kernels import decayed
 
 
 def quick_candidates() -> list[decayed.GpuTuning]:

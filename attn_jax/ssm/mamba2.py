@@ -73,10 +73,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from attn_jax.field_checks import field_check, is_int, is_number
 from attn_jax.layers import (Linear, causal_positions, dtype_of, fan_in_uniform, param,
                              segment_starts)
 from attn_jax.mixer import Mixer, register_mixer
-from attn_jax.field_checks import field_check, is_int, is_number
 from attn_jax.ssm import ssd
 
 if TYPE_CHECKING:  # annotations only: model_config imports the registry, which imports the mixers

@@ -108,9 +108,9 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from attn_jax import layers
+from attn_jax.field_checks import field_check, is_int, is_number
 from attn_jax.layers import Linear, causal_positions, dtype_of, param, segmented_cumsum
 from attn_jax.mixer import Mixer, register_mixer
-from attn_jax.field_checks import field_check, is_int, is_number
 from attn_jax.ssm import ssd
 from attn_jax.ssm.mamba2 import (IN_PROJ, FullForwardRemat, document_resets, dt_bias_init,
                                  last_valid_window, projection_inits, valid_mask)

@@ -12,9 +12,9 @@
 Entry point: experiments/study.py.
 """
 
+from attn_jax.study.matching import variant_config, match_params, variant_names  # noqa: F401
 from attn_jax.study.report import write_report, update_readme  # noqa: F401
 from attn_jax.study.runner import run_study  # noqa: F401
-from attn_jax.study.matching import variant_config, match_params, variant_names  # noqa: F401
 
 __all__ = ["write_report", "update_readme", "run_study", "variant_config", "match_params",
            "variant_names"]
