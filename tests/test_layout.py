@@ -1,6 +1,7 @@
 """The package's layout rules: one file per stem, the library never reaches up into configs/,
-mixer discovery imports the mixer packages only (no reference models), no import cycle,
-counting the edges that discovery's `import_module` makes, and the package's own imports in module order."""
+mixer discovery imports the mixer packages only (no reference models), no import cycle
+(counting the edges that discovery's `import_module` makes), and the package's own imports in
+module order."""
 
 import ast
 import collections
