@@ -25,7 +25,6 @@ import subprocess
 import sys
 import time
 
-import jax
 import numpy as np
 import pytest
 

@@ -11,7 +11,6 @@ several tiles, skips tiles above the diagonal and visits partial ones.
 
 import functools
 
-import chex
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -142,7 +142,7 @@ def _unsorted_import_runs():
   """(file:line, modules) of every run of adjacent top-level `from attn_jax... import` /
   `import attn_jax...` statements (no other line between them) not in module order."""
   for path in sorted(PACKAGE.rglob("*.py")):
-    run, last = [], None
+    run, last, start = [], None, None
     for node in ast.parse(path.read_text()).body + [None]:
       mod = None
       if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("attn_jax"):

@@ -10,7 +10,6 @@ The default run covers every mesh for attention (and the FSDP memory bound); the
 mixers' (mixer, mesh) pairs are marked slow (`pytest -m slow tests/test_parallel.py`).
 """
 
-import dataclasses
 import functools
 import math
 

@@ -96,7 +96,6 @@ def plain_hf_dir(tiny_tok, tmp_path_factory):
   """A HF folder written by attn_jax itself (no torch needed): the bad-input tests' source."""
   from attn_jax.model import build_model
   from attn_jax.pretrained.llama import model_config
-  from attn_jax.pretrained.loader import hf_tensors
   path = str(tmp_path_factory.mktemp("plain") / "hf")
   cfg = model_config(hf_lib.spec_from_config(
       {"model_type": "llama", "vocab_size": tiny_tok.get_vocab_size(), "hidden_size": 64,

@@ -77,7 +77,7 @@ def test_answers_are_not_predictable_without_reading_the_pairs():
   """Table predictors fitted on 2,000 training sequences (answer from the asked key, from the
   position, or from both) score at chance on held-out sequences; reading the pairs scores 1."""
   c = quickstart.get_config().data
-  n, v = c.mqar_num_pairs, c.mqar_vocab
+  n = c.mqar_num_pairs
   train, held = _source("train"), _source("eval")
 
   def rows(src, count):

@@ -1,9 +1,7 @@
 """Attention sinks: the per-head sink logit and softmax1 in the mixers (against the explicit
 formulas, with gradients), option validation, and the decoder's learnable sink-token prefix."""
 
-import dataclasses
 
-import chex
 import jax
 import jax.numpy as jnp
 import numpy as np

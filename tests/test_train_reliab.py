@@ -17,7 +17,6 @@ import jax
 import numpy as np
 import optax
 import pytest
-from flax import nnx
 
 from attn_jax.train import fitting, loss_monitor, setup as setup_lib, trainer as trainer_lib
 from attn_jax.train.checkpoint import Checkpointer, all_finite

@@ -386,7 +386,7 @@ def attend(q, k, v, *, scale: float, causal: bool = True, q_positions=None, kv_p
   another document is masked). `shared_prefix=False` promises that no key is in
   SHARED_SEGMENT (the row has no shared prefix), which lets splash take the segments."""
   B, T, H, Dqk = q.shape
-  S, K, Dv = k.shape[1], k.shape[2], v.shape[-1]
+  S, K = k.shape[1], k.shape[2]
   if k.shape[-1] != Dqk or H % K or v.shape[:3] != k.shape[:3]:
     raise ValueError(f"attention shapes do not fit: q {q.shape}, k {k.shape}, v {v.shape}")
   if sink_logit_H is not None and jnp.shape(sink_logit_H) != (H,):

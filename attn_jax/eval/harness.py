@@ -418,7 +418,7 @@ def evaluate_task(name: str, docs: Sequence[tasks_lib.Doc], logits_fn: LogitsFn,
                   bootstrap_iters: int = 1000) -> dict:
   """Scores `docs` of task `name`; returns its metrics, each accuracy with `<metric>_stderr`,
   plus n_docs, n_requests, seconds, examples_per_s (docs/s) and requests_per_s."""
-  spec = tasks_lib.get_task(name)
+  tasks_lib.get_task(name)   # an unknown task name is refused before any scoring
   if not docs:
     raise ValueError(f"task {name!r}: no documents")
   t0 = time.perf_counter()

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from typing import Any, Mapping, Sequence
 
 import jax

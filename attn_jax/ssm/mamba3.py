@@ -246,7 +246,6 @@ def mimo_chunked(u_BTHIP, a_BTH, k_BTHIN, q_BTHON, *, chunk, h0_BHPN=None, reset
   multiple of `chunk` (the tail is padded with a = 0, u = k = q = 0). `reset_BT`: the state
   restarts there (a = -inf, as `ssd.ssd_chunked`); `dot_dtype` as there."""
   Bsz, T, H, _, P = u_BTHIP.shape
-  N = k_BTHIN.shape[-1]
   a_BTH = ssd.restart_decay(a_BTH, reset_BT)
   Q = max(1, min(int(chunk), T))
   nc = -(-T // Q)

@@ -44,8 +44,7 @@ from attn_jax.streaming import StreamPolicy, score_stream
 from attn_jax.study.lm import heldout_stream
 from attn_jax.study.matching import set_override
 from attn_jax.study.report import copy_plots, marker_pair, page_links, splice
-from attn_jax.study.runner import (StudyStopped, enable_compilation_cache, finished_record,
-                                   machine_info)
+from attn_jax.study.runner import enable_compilation_cache, machine_info, train_once
 from attn_jax.train.checkpoint import load_for_inference
 from attn_jax.train.init_from import finetune_config
 from attn_jax.train.trainer import train_and_evaluate
@@ -119,30 +118,25 @@ def run_fields(config) -> dict:
 
 def finetune_one(c, run_dir: str, name: str, log) -> dict:
   """Train (or resume, or skip when done) one fine-tune; its record."""
-  fields, done = run_fields(c), os.path.join(run_dir, RUN_DONE)
-  rec = finished_record(done, fields, f"{name} lr {c.optim.lr:g} seed {c.seed}")
-  if rec is not None:
-    log(f"[finetune] {name} lr {c.optim.lr:g} seed {c.seed}: finished earlier, skipped")
+  what = f"{name} lr {c.optim.lr:g} seed {c.seed}"
+
+  def train():
+    log(f"[finetune] {what}: {c.train.steps} steps of "
+        f"{c.data.global_batch_size} x {c.data.seq_len} tokens")
+    return train_and_evaluate(c, run_dir)
+
+  def record(out, wall, cpu):
+    rec = {"variant": name, "seed": int(c.seed), "lr": float(c.optim.lr),
+           "steps": int(c.train.steps),
+           "tokens": int(c.train.steps) * int(c.train.grad_accum) *
+           int(c.data.global_batch_size) * int(c.data.seq_len),
+           "heldout_nll": float(out["eval/loss"]), "final_train_loss": out.get("loss"),
+           "wall_s": wall, "cpu_s": cpu, "workdir": os.path.abspath(run_dir)}
+    log(f"[finetune] {what}: held-out NLL {rec['heldout_nll']:.4f} in {wall:.0f} s")
     return rec
-  log(f"[finetune] {name} lr {c.optim.lr:g} seed {c.seed}: {c.train.steps} steps of "
-      f"{c.data.global_batch_size} x {c.data.seq_len} tokens")
-  t0, c0 = time.perf_counter(), time.process_time()
-  out = train_and_evaluate(c, run_dir)
-  if out.get("preempted"):
-    raise StudyStopped(f"{name} lr {c.optim.lr:g} seed {c.seed}: stopped by "
-                       f"{out['preempted']} (checkpoint saved); rerun the same command to "
-                       "resume", str(out["preempted"]))
-  rec = {"variant": name, "seed": int(c.seed), "lr": float(c.optim.lr),
-         "steps": int(c.train.steps),
-         "tokens": int(c.train.steps) * int(c.train.grad_accum) *
-         int(c.data.global_batch_size) * int(c.data.seq_len),
-         "heldout_nll": float(out["eval/loss"]), "final_train_loss": out.get("loss"),
-         "wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0,
-         "workdir": os.path.abspath(run_dir), "config": fields}
-  jsonio.write(rec, done)
-  log(f"[finetune] {name} lr {c.optim.lr:g} seed {c.seed}: held-out NLL "
-      f"{rec['heldout_nll']:.4f} in {rec['wall_s']:.0f} s")
-  return rec
+
+  return train_once("[finetune]", what, os.path.join(run_dir, RUN_DONE), run_fields(c), log,
+                    train, record)
 
 
 # ------------------------------------------------------------------ stage 4: streams

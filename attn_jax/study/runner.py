@@ -233,31 +233,45 @@ def _legacy_match(rec: dict, config, info) -> bool:
           and rec.get("lr", float(config.optim.lr)) == float(config.optim.lr))
 
 
-def run_one(config, variant, info, workdir, log, run_dir=None) -> dict:
-  run_dir = run_dir or os.path.join(workdir, "runs", variant, f"seed{config.seed}")
-  done = os.path.join(run_dir, RUN_SUMMARY)
-  fields = run_fields(config)
-  rec = finished_record(done, fields, f"{variant} seed {config.seed}",
-                        legacy=lambda r: _legacy_match(r, config, info))
+def train_once(tag: str, what: str, done: str, fields: dict, log, train, record, *,
+               legacy=None) -> dict:
+  """The record at `done` of a run that finished earlier with `fields` (`finished_record`),
+  or a new one: `train()` runs it (its trainer result; a preempted run raises StudyStopped,
+  rerun to resume), `record(out, wall_s, cpu_s)` makes its record, written to `done` with
+  `fields` as its config. `tag` and `what` start the log lines ("[study]", "sisa seed 0")."""
+  rec = finished_record(done, fields, what, legacy=legacy)
   if rec is not None:
-    log(f"[study] {variant} seed {config.seed}: finished earlier, skipped")
+    log(f"{tag} {what}: finished earlier, skipped")
     return rec
-  log(f"[study] {variant} seed {config.seed} lr {config.optim.lr:g}: {info['params']:,} "
-      f"params ({info['diff_pct']:+.2f}%), training {config.train.steps} steps")
   t, c = time.perf_counter(), time.process_time()
-  run = validate(config)   # once per run: the trainer and the evaluators read the typed config
-  out = train_and_evaluate(run, run_dir, eval_callbacks=eval_callbacks(config, run))
+  out = train()
   wall, cpu = time.perf_counter() - t, time.process_time() - c
   if out.get("preempted"):
-    raise StudyStopped(f"{variant} seed {config.seed}: stopped by {out['preempted']} "
-                       "(checkpoint saved); rerun the same command to resume",
-                       str(out["preempted"]))
-  rec = summarize_run(run_dir, config, variant, info, wall_s=wall, cpu_s=cpu)
-  rec["config"] = fields
+    raise StudyStopped(f"{what}: stopped by {out['preempted']} (checkpoint saved); rerun the "
+                       "same command to resume", str(out["preempted"]))
+  rec = dict(record(out, wall, cpu), config=fields)
   jsonio.write(rec, done)
-  log(f"[study] {variant} seed {config.seed}: done in {wall:.0f} s (CPU {cpu:.0f} s); "
-      f"loss {rec['final_loss']}, recall {rec['recall_acc']}, niah {rec['niah_acc']}")
   return rec
+
+
+def run_one(config, variant, info, workdir, log, run_dir=None) -> dict:
+  run_dir = run_dir or os.path.join(workdir, "runs", variant, f"seed{config.seed}")
+  what = f"{variant} seed {config.seed}"
+
+  def train():
+    log(f"[study] {what} lr {config.optim.lr:g}: {info['params']:,} params "
+        f"({info['diff_pct']:+.2f}%), training {config.train.steps} steps")
+    run = validate(config)   # once per run: the trainer and the evaluators read the typed config
+    return train_and_evaluate(run, run_dir, eval_callbacks=eval_callbacks(config, run))
+
+  def record(out, wall, cpu):
+    rec = summarize_run(run_dir, config, variant, info, wall_s=wall, cpu_s=cpu)
+    log(f"[study] {what}: done in {wall:.0f} s (CPU {cpu:.0f} s); "
+        f"loss {rec['final_loss']}, recall {rec['recall_acc']}, niah {rec['niah_acc']}")
+    return rec
+
+  return train_once("[study]", what, os.path.join(run_dir, RUN_SUMMARY), run_fields(config),
+                    log, train, record, legacy=lambda r: _legacy_match(r, config, info))
 
 
 def run_throughput(config, cfgs: dict, workdir: str, log) -> list[dict]:

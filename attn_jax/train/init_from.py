@@ -39,7 +39,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 from typing import Any
 
 import jax
