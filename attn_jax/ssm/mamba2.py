@@ -158,6 +158,11 @@ def last_valid_window(prev_BWX: jax.Array, new_BTX: jax.Array, n_valid_B: jax.Ar
   return jnp.take_along_axis(cat, idx, axis=1)
 
 
+def tiny_ssd_options(options):
+  """`options` (an SSD mixer's) for test-sized models (d_model 32, 4 heads)."""
+  return dataclasses.replace(options, d_state=8, head_dim=8, chunk_size=4)
+
+
 class CausalConv(nnx.Module):
   """Depthwise causal conv over time with bias: y_t = b + sum_k w_k x_{t-K+1+k}.
 
@@ -250,8 +255,7 @@ class Mamba2(FullForwardRemat, Mixer):
 
   @classmethod
   def tiny(cls):
-    """Options for test-sized models (d_model 32, 4 heads)."""
-    return dataclasses.replace(cls.Options(), d_state=8, head_dim=8, chunk_size=4)
+    return tiny_ssd_options(cls.Options())
 
   def __init__(self, cfg: ModelConfig, opts: "Mamba2.Options", *, rngs: nnx.Rngs):
     self.cfg, self.opts = cfg, opts

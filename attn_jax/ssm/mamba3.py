@@ -113,7 +113,8 @@ from attn_jax.layers import Linear, causal_positions, dtype_of, param, segmented
 from attn_jax.mixer import Mixer, register_mixer
 from attn_jax.ssm import ssd
 from attn_jax.ssm.mamba2 import (IN_PROJ, FullForwardRemat, document_resets, dt_bias_init,
-                                 last_valid_window, projection_inits, valid_mask)
+                                 last_valid_window, projection_inits, tiny_ssd_options,
+                                 valid_mask)
 
 if TYPE_CHECKING:  # annotations only: model_config imports the registry, which imports the mixers
   from attn_jax.model_config import ModelConfig
@@ -347,8 +348,7 @@ class Mamba3(FullForwardRemat, Mixer):
 
   @classmethod
   def tiny(cls):
-    """Options for test-sized models (d_model 32, 4 heads)."""
-    return dataclasses.replace(cls.Options(), d_state=8, head_dim=8, chunk_size=4)
+    return tiny_ssd_options(cls.Options())
 
   def __init__(self, cfg: ModelConfig, opts: "Mamba3.Options", *, rngs: nnx.Rngs):
     self.cfg, self.opts = cfg, opts
