@@ -1,12 +1,16 @@
-"""Where a published number came from: the commit of the code that computed it.
+"""Where a published number came from: the commit of the code that computed it, and the
+machine it ran on.
 
 Pages generated from measurements (docs/hardware.md, docs/studies.md, the fine-tuning study)
 name the commit they were produced at, so a reader can tell whether a figure predates a change.
+`machine_info` is the one place a report reads the backend it ran on (kernel choices read the
+target platform through `kernel_choice`, which may differ: compile-only runs trace on a CPU).
 """
 
 from __future__ import annotations
 
 import os
+import platform
 import subprocess
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -25,3 +29,16 @@ def source_commit() -> str:
   except (OSError, subprocess.CalledProcessError, subprocess.TimeoutExpired):
     return "unknown"
   return commit + ("+modified" if dirty else "")
+
+
+def machine_info() -> dict:
+  """The commit, Python, JAX and the devices this process runs on (study records, benchmark
+  headers): `backend` is JAX's default backend ("cpu", "gpu", "tpu")."""
+  import jax   # the commit alone is asked for without importing JAX (docs generators)
+  dev = jax.devices()
+  return {"commit": source_commit(), "platform": platform.platform(),
+          "python": platform.python_version(),
+          "jax": jax.__version__, "backend": jax.default_backend(), "devices": len(dev),
+          "device_kind": dev[0].device_kind, "cpu_count": os.cpu_count(),
+          "affinity_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+          else None}

@@ -61,10 +61,9 @@ def test_decayed_kernel_by_platform_shapes_and_override(caplog):
 
 def test_the_platform_is_read_by_kernel_choice_and_the_two_compiler_kernel_only():
   """No mixer or trunk module reads the platform (or the default backend) to choose an
-  implementation: they ask kernel_choice. Run-facts modules that record the machine a process
-  runs on (study metadata, the benchmark's header and dtype) are listed."""
-  allowed = {"kernel_choice.py", "kernels/decayed.py",
-             "study/runner.py", "bench/suite.py", "bench/sinkhorn_scaling.py"}   # run facts, not kernels
+  implementation: they ask kernel_choice. Reports that record the machine a process runs on
+  (study records, benchmark headers) ask provenance.machine_info, the one run-facts reader."""
+  allowed = {"kernel_choice.py", "kernels/decayed.py", "provenance.py"}
   readers = {str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")
              if READS_PLATFORM.search(p.read_text())}
   assert readers <= allowed, sorted(readers - allowed)

@@ -22,6 +22,7 @@ from attn_jax.attention.projection import QKVProjection
 from attn_jax.attention.sinkhorn import SinkhornAttention
 from attn_jax.layers import apply_rope, rope_angles
 from attn_jax.model_config import ModelConfig
+from attn_jax.provenance import machine_info
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,8 +157,8 @@ def summarise(rows, variants) -> dict:
 def run(s: Setting, seq_lens, *, out: str, dtype: str = "", from_json: str = "") -> dict:
   """Times every variant at every length (or re-reads `from_json`'s rows), prints the rows and
   the summary, writes `out` (JSON) and the PNG beside it; returns the result."""
-  import jax
-  plat = jax.default_backend()
+  machine = machine_info()
+  plat = machine["backend"]
   dtype = dtype or ("bfloat16" if plat == "gpu" else "float32")
   d_model = s.heads * s.head_dim
   rows = []
@@ -171,9 +172,9 @@ def run(s: Setting, seq_lens, *, out: str, dtype: str = "", from_json: str = "")
       print(f"L={L:6d} {v:8s} fwd+bwd {r['wall_s']:8.3f} s wall  {r['cpu_s']:8.3f} s cpu  "
             f"temp {r['temp_bytes'] / 2 ** 20:9.1f} MiB", flush=True)
   summary = summarise(rows, s.variants)
-  res = dict(platform=plat, device=str(jax.devices()[0].device_kind), dtype=dtype,
+  res = dict(platform=plat, device=machine["device_kind"], dtype=dtype,
              batch=s.batch, heads=s.heads, head_dim=s.head_dim, block_size=s.block_size,
-             n_sortcut=s.n_sortcut, jax=jax.__version__, rows=rows, summary=summary)
+             n_sortcut=s.n_sortcut, jax=machine["jax"], rows=rows, summary=summary)
   os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
   with open(out, "w") as fh:
     json.dump(res, fh, indent=1)

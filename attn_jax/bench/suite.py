@@ -5,12 +5,12 @@ JSON when `options.json` names a file."""
 from __future__ import annotations
 
 import json
-import os
 
 from attn_jax.bench import printout
 from attn_jax.bench.configs import Options, named_config, study_configs
 from attn_jax.bench.rows import (DeviceLimits, bench_document_mask, bench_one, decode_only_row,
                                  merge)
+from attn_jax.provenance import machine_info
 
 # The options written into the JSON file beside the rows.
 JSON_OPTIONS = ("configs", "seq_lens", "batch_tokens", "scale", "set", "steps", "repeats",
@@ -19,13 +19,13 @@ JSON_OPTIONS = ("configs", "seq_lens", "batch_tokens", "scale", "set", "steps", 
 
 def run(options: Options) -> list[dict]:
   """Benchmarks what `options` names, prints the tables; returns the rows."""
-  import jax
   o = options
   prepared = study_configs(o.study, o) if o.study else {}
   names = list(prepared) or list(o.configs)
   prepared = {n: prepared.get(n) or named_config(n, o) for n in names}
-  print(f"backend {jax.default_backend()} x{jax.device_count()}, "
-        f"{os.cpu_count()} CPU cores, batch_tokens {o.batch_tokens}", flush=True)
+  machine = machine_info()
+  print(f"backend {machine['backend']} x{machine['devices']}, "
+        f"{machine['cpu_count']} CPU cores, batch_tokens {o.batch_tokens}", flush=True)
   limits = DeviceLimits(o.peak_n)
   if o.decode_only:
     for name in names:

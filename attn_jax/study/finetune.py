@@ -40,11 +40,12 @@ from attn_jax import jsonio
 from attn_jax.config import config_to_json
 from attn_jax.pretrained.convert import convert
 from attn_jax.pretrained.variants import VariantInit
+from attn_jax.provenance import machine_info
 from attn_jax.streaming import StreamPolicy, score_stream
 from attn_jax.study.lm import heldout_stream
 from attn_jax.study.matching import set_override
 from attn_jax.study.report import copy_plots, marker_pair, page_links, splice
-from attn_jax.study.runner import enable_compilation_cache, machine_info, train_once
+from attn_jax.study.runner import enable_compilation_cache, train_once
 from attn_jax.train.checkpoint import load_for_inference
 from attn_jax.train.init_from import finetune_config
 from attn_jax.train.trainer import train_and_evaluate

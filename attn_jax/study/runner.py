@@ -36,7 +36,6 @@ import datetime
 import hashlib
 import json
 import os
-import platform
 import time
 from typing import Any, Callable
 
@@ -46,7 +45,7 @@ import numpy as np
 from attn_jax import jsonio
 from attn_jax.config import RunConfig, validate
 from attn_jax.eval.run import task_callback
-from attn_jax.provenance import source_commit
+from attn_jax.provenance import machine_info
 from attn_jax.study import matching, sinks, throughput
 from attn_jax.study.lm import lm_callback
 from attn_jax.study.needle import needle_callback
@@ -78,17 +77,6 @@ def enable_compilation_cache(workdir: str) -> str:
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
   return path
-
-
-def machine_info() -> dict:
-  import jax
-  dev = jax.devices()
-  return {"commit": source_commit(), "platform": platform.platform(),
-          "python": platform.python_version(),
-          "jax": jax.__version__, "backend": jax.default_backend(), "devices": len(dev),
-          "device_kind": dev[0].device_kind, "cpu_count": os.cpu_count(),
-          "affinity_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-          else None}
 
 
 def _read_jsonl(path: str) -> list[dict]:
