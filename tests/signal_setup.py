@@ -46,3 +46,20 @@ def deliver(signum: int, until=None, timeout: float = 30.0) -> None:
       raise AssertionError(f"{signal.Signals(signum).name} delivered, but its handler's effect "
                            f"was not seen within {timeout:.0f} s")
     time.sleep(0.001)
+
+
+def killed_run_config(steps: int, checkpoint_every: int) -> str:
+  """The text of a config file for a tiny run that a test starts in a subprocess and kills:
+  quickstart's MQAR at d_model 32, a row per step, a checkpoint every `checkpoint_every`."""
+  return f"""
+from configs import quickstart
+def get_config():
+  c = quickstart.get_config()
+  c.model.update(d_model=32, n_heads=2, d_ff=64, n_layers=2, pattern=())
+  c.data.update(seq_len=32, global_batch_size=8, mqar_num_pairs=4, mqar_num_queries=4)
+  c.train.update(steps={steps}, log_every=1, progress_bar=False)
+  c.checkpoint.every_steps = {checkpoint_every}
+  c.eval.every_steps = 0
+  c.optim.warmup_steps = 2
+  return c
+"""

@@ -26,21 +26,11 @@ if not all(importlib.util.find_spec(m) for m in ("gcsfs", "fake_gcs_server_pytho
 
 from attn_jax import paths  # noqa: E402
 from tests.gcs_emulator import BUCKET, Emulator  # noqa: E402
+from tests.signal_setup import killed_run_config  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 12
-CONFIG = f"""
-from configs import quickstart
-def get_config():
-  c = quickstart.get_config()
-  c.model.update(d_model=32, n_heads=2, d_ff=64, n_layers=2, pattern=())
-  c.data.update(seq_len=32, global_batch_size=8, mqar_num_pairs=4, mqar_num_queries=4)
-  c.train.update(steps={STEPS}, log_every=1, progress_bar=False)
-  c.checkpoint.every_steps = 3
-  c.eval.every_steps = 0
-  c.optim.warmup_steps = 2
-  return c
-"""
+CONFIG = killed_run_config(STEPS, checkpoint_every=3)
 
 
 @pytest.fixture(scope="module")

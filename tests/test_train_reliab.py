@@ -22,7 +22,7 @@ from attn_jax.train import fitting, loss_monitor, setup as setup_lib, trainer as
 from attn_jax.train.checkpoint import Checkpointer, all_finite
 from attn_jax.train.metrics import read_metrics
 from attn_jax.train.step import make_train_step
-from tests.signal_setup import deliver, handled
+from tests.signal_setup import deliver, handled, killed_run_config
 from tests.test_train import losses, tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -217,18 +217,7 @@ def test_loss_monitor_flags_spikes_and_round_trips():
 # ------------------------------------------------------------------ killed processes
 
 STEPS = 120
-CONFIG = f"""
-from configs import quickstart
-def get_config():
-  c = quickstart.get_config()
-  c.model.update(d_model=32, n_heads=2, d_ff=64, n_layers=2, pattern=())
-  c.data.update(seq_len=32, global_batch_size=8, mqar_num_pairs=4, mqar_num_queries=4)
-  c.train.update(steps={STEPS}, log_every=1, progress_bar=False)
-  c.checkpoint.every_steps = 7
-  c.eval.every_steps = 0
-  c.optim.warmup_steps = 2
-  return c
-"""
+CONFIG = killed_run_config(STEPS, checkpoint_every=7)
 
 
 def _train_cmd(config_path, workdir):
