@@ -41,7 +41,7 @@ import ml_collections
 import numpy as np
 
 from attn_jax import jsonio, streaming
-from attn_jax.eval.attention_mass import spread_windows, attention_maps
+from attn_jax.eval.attention_mass import attention_maps, spread_windows
 from attn_jax.eval.stream_reports import binned_means
 from attn_jax.streaming import StreamPolicy
 from attn_jax.study.lm import heldout_stream

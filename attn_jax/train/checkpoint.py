@@ -332,14 +332,15 @@ class Checkpointer:
   def step_dir(self, step: int) -> str:
     return paths.name(paths.run_path(self.directory) / str(step))
 
-  def settled_steps(self) -> list[int]:
-    """`all_steps` once a save still in flight has been committed: the resume points an error
-    message can name. A failed save is logged, and the steps before it are what it names."""
+  def settle(self) -> CheckpointSaveError | None:
+    """Waits for a save still in flight and returns its failure instead of raising it: for a
+    caller already reporting another error, which then names the resume point from
+    `all_steps` / `latest_step` (exactly the committed steps after this)."""
     try:
       self.wait()
     except CheckpointSaveError as e:
-      logging.error("%s", e)
-    return self.all_steps()
+      return e
+    return None
 
   def save(self, step: int, state: Any, data_iter: Any = None, meta: dict | None = None, *,
            force: bool = False) -> bool:

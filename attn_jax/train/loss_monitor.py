@@ -9,6 +9,8 @@ non-finite values), with what to change."""
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 
 
@@ -87,7 +89,10 @@ def halt_message(ckpt, monitor: LossMonitor, step: int, loss: float, why: str) -
   """The message of the NonFiniteTrainingError that stops the run at `step`, naming the resume
   point among the steps `ckpt` (a train/checkpoint.py Checkpointer) holds once its save in
   flight, if any, has been committed (the one from just before the event, usually)."""
-  saved = [s for s in ckpt.settled_steps() if s < step]
+  failed = ckpt.settle()
+  if failed is not None:
+    logging.error("%s", failed)
+  saved = [s for s in ckpt.all_steps() if s < step]
   where = (f"the latest checkpoint (from before it) is step {max(saved)} in "
            f"{ckpt.directory}" if saved
            else f"there is no checkpoint yet in {ckpt.directory}")

@@ -115,11 +115,11 @@ def write_failed(e: WriteError, ckpt: Checkpointer) -> WriteError:
   checkpoint save already names the steps kept)."""
   if isinstance(e, CheckpointSaveError):
     return e
-  unfinished, pending = "", ckpt.pending_step
-  try:   # a save still in progress decides the resume point: its end is awaited
-    ckpt.wait()
-  except CheckpointSaveError:   # the same disk, most likely
-    unfinished = f" (step {pending}, which was being saved, is not: its save failed too)"
+  pending = ckpt.pending_step
+  # A save still in progress decides the resume point: its end is awaited. Its failure: the
+  # same disk, most likely.
+  unfinished = ("" if ckpt.settle() is None else
+                f" (step {pending}, which was being saved, is not: its save failed too)")
   latest = ckpt.latest_step()        # committed steps only, read from the disk
   kept = (f"the latest checkpoint, step {latest} in {ckpt.directory}, is kept: rerun "
           "the same command to resume from it" if latest is not None
