@@ -32,11 +32,11 @@ once, naming the first. Choices:
     name and pid 1), for one renewal period and a margin (`RESTART_WATCH`): a live holder
     renews within it and the waiter stops naming it; a process's previous incarnation does
     not, and its lock is taken. Two live processes are so always refused: the second sees the
-    first's pid alive, or sees it renew. A released lock is an empty object, as locally. Two runs starting
-    within the same second on one workdir cannot be told apart by a plain object store (no
-    compare-and-swap through fsspec): each writes its claim, reads it back after a pause, and
-    the one that does not find its own claim stops. The TensorBoard folder has no lock of its
-    own there: it cannot be a link, so only this workdir's run reaches it.
+    first's pid alive, or sees it renew. A released lock is an empty object, as locally. Two
+    runs starting within the same second on one workdir cannot be told apart by a plain object
+    store (no compare-and-swap through fsspec): each writes its claim, reads it back after a
+    pause, and the one that does not find its own claim stops. The TensorBoard folder has no
+    lock of its own there: it cannot be a link, so only this workdir's run reaches it.
   * A shared file system without `flock` (Lustre mounted without `-o flock`, NFS without its
     lock daemon: ENOLCK, ENOSYS, EOPNOTSUPP) gets the lease lock of object storage on the same
     `.lock` file, with a warning saying why: the run is still protected from a second one
