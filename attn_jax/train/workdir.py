@@ -55,7 +55,8 @@ import threading
 import time
 import uuid
 
-from attn_jax import paths
+from attn_jax import paths, run_layout
+from attn_jax.run_layout import RunLayout
 from attn_jax.train.metrics import row_steps
 
 
@@ -65,9 +66,6 @@ class WorkdirLockedError(RuntimeError):
 
 class TensorBoardLinkError(ValueError):
   """`<workdir>/tb` is a link into another run's folder."""
-
-
-RUN_MARKERS = (".lock", "checkpoints", "metrics.jsonl")
 
 
 def _read(fd: int) -> dict:
@@ -83,7 +81,7 @@ class WorkdirLock:
   """`with WorkdirLock(workdir): train(...)`; or `.acquire()` / `.release()`. `filename` and
   `what` (how messages name the folder) lock another folder the same way."""
 
-  FILENAME = ".lock"
+  FILENAME = run_layout.LOCK
 
   def __init__(self, workdir: str, *, filename: str = FILENAME, what: str = "--workdir"):
     self.workdir = paths.name(workdir)
@@ -357,9 +355,6 @@ def lock_workdir(workdir, *, process_index: int | None = None):
   return _on_process_0(lock, process_index)
 
 
-TB_LOCK = ".writer.lock"
-
-
 def lock_tensorboard(workdir: str, *, process_index: int | None = None) -> WorkdirLock | None:
   """Takes the lock of `<workdir>/tb` on process 0; WorkdirLockedError when another live run
   writes the same folder (reached through a symlink or a bind mount), TensorBoardLinkError
@@ -367,7 +362,8 @@ def lock_tensorboard(workdir: str, *, process_index: int | None = None) -> Workd
   storage (no links there: the workdir's lock covers it)."""
   if paths.is_uri(workdir):
     return None
-  lock = _on_process_0(WorkdirLock(os.path.join(workdir, "tb"), filename=TB_LOCK,
+  tb = paths.name(RunLayout.of(workdir).tb)
+  lock = _on_process_0(WorkdirLock(tb, filename=run_layout.TB_LOCK,
                                    what="the TensorBoard folder"), process_index)
   try:
     check_tensorboard_link(workdir)
@@ -380,12 +376,12 @@ def lock_tensorboard(workdir: str, *, process_index: int | None = None) -> Workd
 
 def check_tensorboard_link(workdir: str) -> None:
   """TensorBoardLinkError when `<workdir>/tb` resolves into another run's folder."""
-  tb = os.path.join(paths.name(workdir), "tb")
+  tb = paths.name(RunLayout.of(workdir).tb)
   real, home = os.path.realpath(tb), os.path.realpath(workdir)
   owner = os.path.dirname(real)
-  if real == os.path.join(home, "tb") or owner == home:
+  if real == paths.name(RunLayout.of(home).tb) or owner == home:
     return
-  found = [m for m in RUN_MARKERS if os.path.exists(os.path.join(owner, m))]
+  found = [m for m, p in RunLayout.of(owner).markers().items() if os.path.exists(p)]
   if found:
     raise TensorBoardLinkError(
         f"the TensorBoard folder {tb} is a link to {real}, the TensorBoard folder of another "
@@ -396,20 +392,16 @@ def check_tensorboard_link(workdir: str) -> None:
 
 # ------------------------------------------------------------------ history rotation
 
-HISTORY = ("metrics.jsonl", "tb")
-
-
 def _history_entries(workdir: str) -> dict[str, list[str]]:
   """{"metrics.jsonl": [it], "tb": [its event files...]} for the non-empty ones."""
   out = {}
-  metrics = paths.run_path(workdir) / "metrics.jsonl"
-  if metrics.is_file() and metrics.stat().length > 0:
-    out["metrics.jsonl"] = [paths.name(metrics)]
-  tb = paths.run_path(workdir) / "tb"
-  if tb.is_dir():
-    names = sorted(p.name for p in tb.iterdir() if p.name != TB_LOCK)
+  layout = RunLayout.of(workdir)
+  if layout.metrics.is_file() and layout.metrics.stat().length > 0:
+    out[run_layout.METRICS] = [paths.name(layout.metrics)]
+  if layout.tb.is_dir():
+    names = sorted(p.name for p in layout.tb.iterdir() if p.name != run_layout.TB_LOCK)
     if names:
-      out["tb"] = [paths.name(tb / n) for n in names]
+      out[run_layout.TB] = [paths.name(layout.tb / n) for n in names]
   return out
 
 
@@ -422,22 +414,22 @@ def rotate_history(workdir: str, checkpoint_dir: str = "") -> dict[str, str]:
   found = _history_entries(workdir)
   if not found:
     return {}
-  home = paths.run_path(workdir)
+  home = RunLayout.of(workdir)
   k = 1
-  while any((home / f"{n}.{k}").exists() for n in HISTORY):
+  while any(home.history(n, k).exists() for n in run_layout.HISTORY):
     k += 1
   moved = {}
-  if "metrics.jsonl" in found:
-    steps = [s for _, _, s in row_steps(found["metrics.jsonl"][0]) if s is not None]
+  if run_layout.METRICS in found:
+    steps = [s for _, _, s in row_steps(found[run_layout.METRICS][0]) if s is not None]
     rows = (f"{len(steps)} metric rows" + (f", steps {min(steps)}-{max(steps)}" if steps
                                             else ""))
-    moved[found["metrics.jsonl"][0]] = paths.name(home / f"metrics.jsonl.{k}")
+    moved[found[run_layout.METRICS][0]] = paths.name(home.history(run_layout.METRICS, k))
   else:
     rows = "TensorBoard events"
-  if "tb" in found:
-    target = home / f"tb.{k}"
+  if run_layout.TB in found:
+    target = home.history(run_layout.TB, k)
     target.mkdir(parents=True)
-    moved.update({p: paths.name(target / paths.run_path(p).name) for p in found["tb"]})
+    moved.update({p: paths.name(target / paths.run_path(p).name) for p in found[run_layout.TB]})
   for old, new in moved.items():
     paths.move(old, new)
   ckpts = paths.run_path(checkpoint_dir) if checkpoint_dir else None
@@ -447,5 +439,5 @@ def rotate_history(workdir: str, checkpoint_dir: str = "") -> dict[str, str]:
          else "it left no checkpoint to resume from")
   logging.warning("starting at step 0 in %s, which holds an earlier run's history (%s; %s): "
                   "moved it aside to %s, nothing was deleted", workdir, rows, why,
-                  " and ".join(sorted({paths.name(home / f"{n}.{k}") for n in found})))
+                  " and ".join(sorted({paths.name(home.history(n, k)) for n in found})))
   return moved
