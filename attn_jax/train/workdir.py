@@ -212,7 +212,7 @@ class ObjectLock:
     except ValueError:
       return {"raw": raw[:200].decode("utf-8", "replace")}
 
-  def judge(self, holder: dict) -> tuple[str, float]:
+  def judge(self, holder: dict) -> tuple[str, str | float]:
     """What `holder` (the lock object's content, naming a pid) is: ("stale", why) for a run
     that is gone, ("live", "") for one that runs, ("wait", until) for one whose pid this
     process cannot check: it is gone if it does not renew its lease by time `until`."""
