@@ -31,6 +31,7 @@ import tempfile
 from typing import Callable
 
 from attn_jax import paths
+from attn_jax.run_layout import RunLayout
 
 
 class OutputError(OSError):
@@ -66,7 +67,7 @@ def results_folder(workdir: str, kind: str, *, explicit: str | None, flag: str) 
       raise OutputError(f"{flag}={explicit} cannot be written ({why}); nothing was computed. "
                         f"Point {flag} at a writable folder")
     return Folder(paths.name(explicit))
-  default = paths.name(paths.run_path(workdir) / kind)
+  default = paths.name(RunLayout.of(workdir).results(kind))
   why = unwritable(default)
   if why is None:
     return Folder(default)

@@ -39,13 +39,14 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from attn_jax import kernel_choice
+from attn_jax import distributed, kernel_choice
 
 MeshAxes = str | tuple[str, ...] | None
 
 
 def make_mesh(shape: Sequence[int], axis_names: Sequence[str], devices=None) -> Mesh:
   """Mesh over all devices (or `devices`); one -1 entry in `shape` takes the rest."""
+  given = devices
   devices = list(jax.devices() if devices is None else devices)
   shape = [int(s) for s in shape]
   if len(shape) != len(axis_names):
@@ -61,7 +62,8 @@ def make_mesh(shape: Sequence[int], axis_names: Sequence[str], devices=None) -> 
     shape[shape.index(-1)] = len(devices) // known
   if math.prod(shape) != len(devices):
     raise ValueError(f"config.mesh.shape {tuple(shape)} needs {math.prod(shape)} devices, "
-                     f"have {len(devices)}")
+                     f"have {len(devices)}"
+                     + (distributed.devices_hint(math.prod(shape)) if given is None else ""))
   return jax.make_mesh(tuple(shape), tuple(axis_names),
                        axis_types=(AxisType.Auto,) * len(shape), devices=devices)
 

@@ -16,8 +16,7 @@ scalars (a sink logit, a forget bias), which also needs a small `--config.optim.
 gradients are ~1e-11).
 """
 
-import os
-
+from attn_jax.run_layout import RunLayout
 from configs.base import get_config as base_config
 
 DEFAULT_RUN = "runs/smollm2"
@@ -26,7 +25,7 @@ DEFAULT_RUN = "runs/smollm2"
 def get_config(run: str = ""):
   c = base_config()
   run = run or DEFAULT_RUN
-  if os.path.isdir(os.path.join(run, "checkpoints")):
+  if RunLayout.of(run).checkpoints.is_dir():
     from attn_jax.train.init_from import finetune_config
     c = finetune_config(run, c)
   else:   # a template: train.py stops at init_from's check, naming the missing run

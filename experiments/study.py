@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 
-from attn_jax import cli  # noqa: E402
+from attn_jax import cli, run_layout  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Study config (configs/study_*.py).")
@@ -45,8 +45,9 @@ def _refuse_a_training_run(workdir: str, flag: str) -> None:
   """A study folder holds results.json and runs/<variant>/seed<k>/; one training run's own
   folder (experiments/train.py --workdir) holds checkpoints/ and metrics.jsonl at its top. A
   study started there would mix its runs into that run's files."""
-  marks = [n for n in ("checkpoints", "metrics.jsonl")
-           if os.path.exists(os.path.join(workdir, n))]
+  layout = run_layout.RunLayout.of(workdir)
+  marks = [n for n, p in ((run_layout.CHECKPOINTS, layout.checkpoints),
+                          (run_layout.METRICS, layout.metrics)) if p.exists()]
   if marks and not os.path.isfile(os.path.join(workdir, "results.json")):
     raise ValueError(f"{flag}={workdir} is a training run's folder (it holds "
                      f"{' and '.join(marks)}), not a study folder: give the study a folder of "

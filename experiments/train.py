@@ -33,7 +33,7 @@ from absl import flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from attn_jax import cli  # noqa: E402
-from attn_jax import paths  # noqa: E402
+from attn_jax.run_layout import RunLayout  # noqa: E402
 from attn_jax import config_flags as checked_flags  # noqa: E402
 
 _DEFAULT_CONFIG = "configs/quickstart.py"
@@ -80,9 +80,9 @@ def main(argv):
     sys.exit(128 + int(signum))   # the shell convention for "terminated by that signal"
   logging.info("done: %s", result)
   if lead:
-    run = paths.run_path(result["workdir"])   # a local folder or a gs:// URI
-    print(f"\nmetrics:     {run / 'metrics.jsonl'}")
-    print(f"tensorboard: {run / 'tb'}")
+    run = RunLayout.of(result["workdir"])   # a local folder or a gs:// URI
+    print(f"\nmetrics:     {run.metrics}")
+    print(f"tensorboard: {run.tb}")
     print(f"checkpoints: {result['checkpoint_dir']}")
     for k in ("loss", "accuracy", "eval/loss", "eval/accuracy"):
       if k in result:

@@ -354,3 +354,157 @@ def test_eval_and_stream_refuse_to_run_as_one_of_several_processes():
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2, r.stderr[-2000:]
     assert f"{script} runs as one process on one host, and srun" in r.stderr, r.stderr[-2000:]
+
+
+# ------------------------------------------------------------------ what each process joins
+# For each scheduler, the variables it sets in a process: what `distributed.initialize` hands
+# to jax.distributed.initialize (mocked), and what JAX's own detection makes of that on the
+# same variables (jax/_src/clusters, as jax.distributed.initialize runs it): the coordinator,
+# the process count and id, and the local devices the process drives (None: all it sees).
+
+_SCHEDULER_VARS = ("SLURM_", "TPU_", "JOB", "JAX_", "CUDA_VISIBLE", "ROCR_", "HIP_", "OMPI_",
+                   "PMI_", "MEGASCALE_", "REPLICATED_JOB", "ATTN_JAX_", "KUBERNETES_")
+
+
+def _joined(monkeypatch, env, *, tpu_vm=False, metadata=None, args=()):
+  from jax._src import clusters
+  from jax._src.clusters import cloud_tpu_cluster
+  calls = []
+  monkeypatch.setattr(distributed.jax.distributed, "is_initialized", lambda: False)
+  monkeypatch.setattr(distributed.jax.distributed, "initialize",
+                      lambda *a, **k: calls.append((a, k)))
+  monkeypatch.setattr(distributed.native_logs, "has_tpu_device", lambda: tpu_vm)
+  monkeypatch.setattr(distributed, "tpu_metadata", lambda key, env=None: (metadata or {}).get(key))
+  # JAX's TPU clusters: a TPU VM, its metadata server, no DNS wait for the coordinator
+  monkeypatch.setattr(cloud_tpu_cluster, "running_in_cloud_tpu_vm", tpu_vm)
+  monkeypatch.setattr(clusters.cluster, "running_in_cloud_tpu_vm", tpu_vm)
+  monkeypatch.setattr(cloud_tpu_cluster, "get_metadata",
+                      lambda key: ((metadata or {}).get(key, ""), 200 if key in (metadata or {})
+                                   else 404))
+  monkeypatch.setattr(cloud_tpu_cluster.BaseTpuCluster, "wait_for_coordinator",
+                      classmethod(lambda cls, address, timeout: None))
+  for k in list(os.environ):
+    if k.startswith(_SCHEDULER_VARS):
+      monkeypatch.delenv(k)
+  for k, v in env.items():
+    monkeypatch.setenv(k, v)
+  assert distributed.initialize(*args) is False   # the mock joined nothing
+  [(a, k)] = calls
+  coordinator, n, pid = (list(a) + [None] * 3)[:3]
+  ids, method = k.get("local_device_ids"), k.get("cluster_detection_method")
+  if method != "deactivate" and None in (coordinator, n, pid, ids):   # as jax does
+    coordinator, n, pid, ids = clusters.ClusterEnv.auto_detect_unset_distributed_params(
+        coordinator, n, pid, ids, method, 300)
+  return coordinator, n, pid, None if ids is None else list(ids)
+
+
+SRUN_4_NODES = {"SLURM_JOB_ID": "4242", "SLURM_STEP_NODELIST": "gpu[01-04]",
+                "SLURM_STEP_NUM_NODES": "4", "SLURM_JOB_NODELIST": "gpu[01-04]"}
+SLURM_PORT = str(4242 % 2**12 + 65535 - 2**12 + 1)   # JAX's port from the job id
+
+
+def test_slurm_one_task_per_node_drives_every_gpu_of_its_node(monkeypatch):
+  """`--nodes=4 --ntasks-per-node=1 --gpus-per-node=8` (docs/multihost.md's recipe): task 2 on
+  gpu03 sees 8 GPUs. JAX's default would give it GPU SLURM_LOCALID=0 only (jax#16788)."""
+  env = dict(SRUN_4_NODES, SLURM_NTASKS="4", SLURM_NTASKS_PER_NODE="1", SLURM_PROCID="2",
+             SLURM_LOCALID="0", SLURM_NODEID="2", SLURM_STEP_TASKS_PER_NODE="1(x4)",
+             SLURM_GPUS_ON_NODE="8", CUDA_VISIBLE_DEVICES="0,1,2,3,4,5,6,7")
+  assert _joined(monkeypatch, env) == (f"gpu01:{SLURM_PORT}", 4, 2, list(range(8)))
+  # SLURM with gres but no list in the environment: every GPU the process sees
+  no_list = {k: v for k, v in env.items() if k != "CUDA_VISIBLE_DEVICES"}
+  assert _joined(monkeypatch, no_list)[3] == list(range(8))
+  no_count = {k: v for k, v in no_list.items() if k != "SLURM_GPUS_ON_NODE"}
+  assert _joined(monkeypatch, no_count)[3] == []   # JAX restricts nothing: all GPUs
+  # only the step's tasks-per-node string (no --ntasks-per-node): the same
+  step = {k: v for k, v in env.items() if k != "SLURM_NTASKS_PER_NODE"}
+  assert _joined(monkeypatch, step)[3] == list(range(8))
+  # the explicit recipe (flags from scontrol) under srun: still every GPU of the node
+  assert _joined(monkeypatch, env, args=("gpu01:12345", 4, 2)) == ("gpu01:12345", 4, 2,
+                                                                    list(range(8)))
+
+
+def test_slurm_one_task_per_gpu_drives_its_own(monkeypatch):
+  """`--ntasks-per-node=8`: with every GPU visible to every task, task SLURM_LOCALID drives
+  GPU SLURM_LOCALID (JAX's own rule); with `--gpus-per-task=1` SLURM shows each task only
+  its GPU, which is ordinal 0 in that task (JAX's default, 5, names a GPU it cannot see)."""
+  env = dict(SRUN_4_NODES, SLURM_NTASKS="32", SLURM_NTASKS_PER_NODE="8", SLURM_PROCID="13",
+             SLURM_LOCALID="5", SLURM_NODEID="1", SLURM_GPUS_ON_NODE="8",
+             CUDA_VISIBLE_DEVICES="0,1,2,3,4,5,6,7")
+  assert _joined(monkeypatch, env) == (f"gpu01:{SLURM_PORT}", 32, 13, [5])
+  bound = dict(env, CUDA_VISIBLE_DEVICES="5")
+  assert _joined(monkeypatch, bound) == (f"gpu01:{SLURM_PORT}", 32, 13, [0])
+  # 2 tasks per node sharing 8 visible GPUs: 4 each
+  two = dict(env, SLURM_NTASKS="8", SLURM_NTASKS_PER_NODE="2", SLURM_PROCID="3",
+             SLURM_LOCALID="1")
+  assert _joined(monkeypatch, two)[3] == [4, 5, 6, 7]
+  uneven = dict(env, SLURM_NTASKS_PER_NODE="3", SLURM_LOCALID="1")
+  with pytest.raises(ValueError, match="do not split evenly"):
+    _joined(monkeypatch, uneven)
+  # a CPU-only SLURM cluster: nothing to choose, JAX's default
+  cpu = {k: v for k, v in env.items() if k not in ("CUDA_VISIBLE_DEVICES", "SLURM_GPUS_ON_NODE")}
+  assert _joined(monkeypatch, cpu)[3] == [5]
+
+
+def test_slurm_tasks_per_node_strings():
+  assert distributed._tasks_on_node({"SLURM_STEP_TASKS_PER_NODE": "2(x3),1",
+                                     "SLURM_NODEID": "3"}) == 1
+  assert distributed._tasks_on_node({"SLURM_TASKS_PER_NODE": "2(x3),1",
+                                     "SLURM_NODEID": "1"}) == 2
+  assert distributed._tasks_on_node({}) is None
+
+
+JOBSET_GPU = {"KUBERNETES_SERVICE_HOST": "10.0.0.1", "JOBSET_NAME": "sisa152m",
+              "REPLICATED_JOB_NAME": "workers", "REPLICATED_JOB_REPLICAS": "1", "JOB_INDEX": "0",
+              "JOB_COMPLETION_INDEX": "3", "JAX_NUM_PROCESSES": "4",
+              "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}
+
+
+def test_a_gke_gpu_jobset_pod_finds_pod_0_without_the_kubernetes_package(monkeypatch):
+  """JobSet's own variables name the coordinator (pod 0's DNS name) and the process id; JAX's
+  Kubernetes detection (which would need the `kubernetes` package and API permissions) is not
+  run, and each pod drives all its GPUs."""
+  assert _joined(monkeypatch, JOBSET_GPU) == ("sisa152m-workers-0-0.sisa152m:8476", 4, 3, None)
+  two_jobs = dict(JOBSET_GPU, REPLICATED_JOB_REPLICAS="2", JOB_INDEX="1",
+                  JOB_COMPLETION_INDEX="1", JAX_COORDINATOR_PORT="1234")
+  assert _joined(monkeypatch, two_jobs) == ("sisa152m-workers-0-0.sisa152m:1234", 4, 3, None)
+  with pytest.raises(ValueError, match="Indexed"):
+    _joined(monkeypatch, {k: v for k, v in JOBSET_GPU.items() if k != "JOB_COMPLETION_INDEX"})
+
+
+def test_a_gke_tpu_jobset_pod_finds_worker_0_from_the_webhooks_variables(monkeypatch):
+  """GKE's TPU webhook sets TPU_WORKER_HOSTNAMES / TPU_WORKER_ID: JAX's GKE TPU cluster reads
+  them (no Kubernetes API); TPU processes are never restricted to some chips."""
+  env = {"KUBERNETES_SERVICE_HOST": "10.0.0.1", "JOBSET_NAME": "sisa152m",
+         "REPLICATED_JOB_NAME": "slice", "JOB_INDEX": "0", "JOB_COMPLETION_INDEX": "2",
+         "TPU_WORKER_HOSTNAMES": "sisa152m-slice-0-0.sisa152m,sisa152m-slice-0-1.sisa152m,"
+                                 "sisa152m-slice-0-2.sisa152m,sisa152m-slice-0-3.sisa152m",
+         "TPU_WORKER_ID": "2"}
+  assert _joined(monkeypatch, env, tpu_vm=True) == ("sisa152m-slice-0-0.sisa152m:8482", 4, 2,
+                                                     None)
+
+
+def test_a_tpu_vm_worker_finds_worker_0_through_the_metadata_server(monkeypatch):
+  metadata = {"agent-worker-number": "3",
+              "worker-network-endpoints": "unknown:unknown:10.130.0.2,unknown:unknown:10.130.0.3,"
+                                          "unknown:unknown:10.130.0.4,unknown:unknown:10.130.0.5",
+              "tpu-env": ""}
+  assert _joined(monkeypatch, {}, tpu_vm=True, metadata=metadata) == ("10.130.0.2:8482", 4, 3,
+                                                                       None)
+
+
+def test_explicit_variables_restrict_no_device(monkeypatch):
+  env = {"ATTN_JAX_COORDINATOR_ADDRESS": "10.0.0.1:12345", "ATTN_JAX_NUM_PROCESSES": "2",
+         "ATTN_JAX_PROCESS_ID": "1"}
+  assert _joined(monkeypatch, env) == ("10.0.0.1:12345", 2, 1, None)
+  assert _joined(monkeypatch, dict(env, ATTN_JAX_LOCAL_DEVICE_IDS="2,3"))[3] == [2, 3]
+
+
+def test_a_mesh_short_of_devices_names_each_processs_share(monkeypatch):
+  """4 processes that each drive one GPU of 8: the error says so, and what to launch."""
+  from attn_jax import sharding as shd
+  monkeypatch.setattr(distributed.jax, "process_count", lambda: 4)
+  monkeypatch.setattr(distributed.jax, "local_device_count", lambda: 1)
+  with pytest.raises(ValueError, match=r"needs 32 devices, have 8 \(4 processes x 1 device "
+                                       r"each; 32 devices need 8 per process: each process "
+                                       r"drives fewer accelerators .*--ntasks-per-node=1"):
+    shd.make_mesh((4, 8, 1), ("data", "fsdp", "tensor"))

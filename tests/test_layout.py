@@ -162,3 +162,12 @@ def test_the_packages_own_imports_are_in_module_order():
   """Within each block of attn_jax imports, modules in alphabetical order (a reader finds one
   at a glance; a rename that leaves it out of place shows here)."""
   assert list(_unsorted_import_runs()) == []
+
+
+def test_every_entry_point_stays_thin():
+  """experiments/*.py: flags in, one library call out; the work lives in attn_jax, importable
+  without flag parsing. Each stays within 200 lines (docstring included)."""
+  entry_points = sorted((PACKAGE.parent / "experiments").glob("*.py"))
+  assert len(entry_points) >= 20
+  long = {p.name: n for p in entry_points if (n := len(p.read_text().splitlines())) > 200}
+  assert long == {}, long

@@ -239,7 +239,7 @@ def test_raised_max_seq_len_scores_dense_past_the_old_length():
 
 
 def test_stream_refuses_dense_past_max_seq_len_without_the_override(tiny_llama):
-  import stream
+  from attn_jax.eval import stream_run as stream
   _, _, run_dir, _ = tiny_llama
   with pytest.raises(ValueError, match=r"feeds 97 tokens to the model, more than "
                      r"model.max_seq_len=96; pass --max_seq_len=97 "):
@@ -254,7 +254,7 @@ def test_stream_refuses_dense_past_max_seq_len_without_the_override(tiny_llama):
 # ------------------------------------------------------------------ experiments/stream.py
 
 def test_stream_end_to_end_on_a_converted_llama(tiny_llama, tmp_path):
-  import stream
+  from attn_jax.eval import stream_run as stream
   _, _, run_dir, _ = tiny_llama
   out = str(tmp_path / "out")
   res = stream.run(run_dir, str(SHAKESPEARE), names=["dense", "window", "recompute",

@@ -85,9 +85,8 @@ def _documented_stream_flags(doc: str) -> dict[str, str]:
   return dict(f[2:].split("=", 1) for f in line.split() if f.startswith("--"))
 
 
-def test_streams_default_window_is_what_the_model_holds(monkeypatch):
-  monkeypatch.syspath_prepend(os.path.join(ROOT, "experiments"))
-  import stream
+def test_streams_default_window_is_what_the_model_holds():
+  from attn_jax.eval import stream_run as stream
   assert stream.default_window(128, 4) == 124 and stream.default_window(2048, 1) == 2047
   with pytest.raises(ValueError, match=r"--sinks=128 leaves no room for a window in "
                      r"model.max_seq_len=128"):
@@ -95,12 +94,11 @@ def test_streams_default_window_is_what_the_model_holds(monkeypatch):
 
 
 @pytest.mark.slow   # trains configs/stream_tiny.py, then three streaming policies: ~75 s
-def test_stream_tiny_documented_commands_run_as_written(tmp_path, monkeypatch):
+def test_stream_tiny_documented_commands_run_as_written(tmp_path):
   """configs/stream_tiny.py's docstring: train on a text file, then its stream.py command as
   written (with no --window, which used to default to 1020 > the model's 128 tokens)."""
+  from attn_jax.eval import stream_run as stream
   from configs import stream_tiny
-  monkeypatch.syspath_prepend(os.path.join(ROOT, "experiments"))
-  import stream
   flags = _documented_stream_flags(stream_tiny.__doc__)
   assert flags == {"workdir": "runs/stream_tiny", "text": "/path/to/input.txt", "tail": "0.01",
                    "policies": "window,recompute,streaming"}, flags

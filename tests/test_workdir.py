@@ -1,16 +1,21 @@
 """One run per workdir: the second stops at once naming the holder; stale locks are taken over;
 a run refused for its config or its data writes nothing (no workdir skeleton left behind)."""
 
+import errno
+import json
 import logging
 import os
+import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 
 from attn_jax.train import trainer as trainer_lib
-from attn_jax.train.workdir import WorkdirLock, WorkdirLockedError, lock_workdir
+from attn_jax.train import workdir as workdir_lib
+from attn_jax.train.workdir import ObjectLock, WorkdirLock, WorkdirLockedError, lock_workdir
 from tests.test_train import tiny_config
 
 HOLDER = """
@@ -55,6 +60,121 @@ def test_release_then_reacquire_is_clean(tmp_path, caplog):
       pass
   assert not any("stale" in r.getMessage() for r in caplog.records)
   assert lock_workdir(str(tmp_path), process_index=1) is None   # only process 0 locks
+
+
+# ------------------------------------------------------------------ the lease lock
+# ObjectLock on a local folder (epath writes the same JSON object a bucket would hold): the
+# rules for a holder this process cannot check, without an emulator.
+
+def _holder(**kw) -> dict:
+  return dict({"pid": os.getpid(), "host": socket.gethostname(), "started": "before",
+               "renewed": time.time(), "token": "previous", "space": "other-boot/pid:[1]"}, **kw)
+
+
+def _renewing(path, holder, stop):
+  """A live holder elsewhere: rewrites its lease every 50 ms until `stop`."""
+  while not stop.wait(0.05):
+    path.write_text(json.dumps(dict(holder, renewed=time.time())))
+
+
+def test_a_restarted_container_takes_its_own_lock(tmp_path, caplog):
+  """A container restarted in its pod comes back with the same host name and pid (1) in a new
+  pid namespace: its previous incarnation's lock is taken after one renewal period without a
+  renewal, well before the lease lapses; it used to be refused (exit 2) until then."""
+  lock_file = tmp_path / ".lock"
+  lock_file.write_text(json.dumps(_holder()))
+  t0 = time.monotonic()
+  with caplog.at_level(logging.WARNING):
+    lock = ObjectLock(str(tmp_path), lease_s=3.2, settle_s=0).acquire()
+  waited = time.monotonic() - t0
+  assert 0.5 < waited < 3.2 * 0.6, waited          # RESTART_WATCH = 1 s of this 3.2 s lease
+  assert "cannot check: waiting up to" in caplog.text and "taking over the stale" in caplog.text
+  assert json.loads(lock_file.read_text())["token"] != "previous"
+  lock.release()
+  assert lock_file.read_text() == ""
+
+
+def test_a_live_holder_with_the_same_host_and_pid_is_still_refused(tmp_path):
+  """Another live process that happens to have this host name and pid (another container with
+  host networking) renews its lease while the newcomer watches: refused."""
+  lock_file = tmp_path / ".lock"
+  holder = _holder(token="theirs")
+  lock_file.write_text(json.dumps(holder))
+  stop = threading.Event()
+  t = threading.Thread(target=_renewing, args=(lock_file, holder, stop), daemon=True)
+  t.start()
+  try:
+    with pytest.raises(WorkdirLockedError, match="renewed its lease while this run waited"):
+      ObjectLock(str(tmp_path), lease_s=3.2, settle_s=0).acquire()
+  finally:
+    stop.set()
+    t.join()
+  assert json.loads(lock_file.read_text())["token"] == "theirs"
+
+
+def test_a_rerun_on_another_host_waits_for_the_lease_instead_of_being_refused(tmp_path, caplog):
+  """A TPU worker rerun (or a preempted VM's replacement) before the old lease lapsed: waited
+  for, then taken; a live holder on another host renewing meanwhile is refused."""
+  lock_file = tmp_path / ".lock"
+  lock_file.write_text(json.dumps(_holder(host="tpu-worker-old", pid=4321, space="x")))
+  t0 = time.monotonic()
+  with caplog.at_level(logging.WARNING):
+    lock = ObjectLock(str(tmp_path), lease_s=1.0, settle_s=0).acquire()
+  assert 0.7 < time.monotonic() - t0 < 3.0
+  assert "taking over the stale lock of pid 4321 on host tpu-worker-old" in caplog.text
+  lock.release()
+  holder = _holder(host="tpu-worker-live", pid=4321, token="theirs")
+  lock_file.write_text(json.dumps(holder))
+  stop = threading.Event()
+  t = threading.Thread(target=_renewing, args=(lock_file, holder, stop), daemon=True)
+  t.start()
+  try:
+    with pytest.raises(WorkdirLockedError, match="tpu-worker-live"):
+      ObjectLock(str(tmp_path), lease_s=1.0, settle_s=0).acquire()
+  finally:
+    stop.set()
+    t.join()
+
+
+def test_a_holder_this_process_can_check_is_judged_at_once(tmp_path):
+  """Same host, same pid namespace: the pid decides, without waiting (a second lock in this
+  process is refused; a dead pid's lock is taken)."""
+  first = ObjectLock(str(tmp_path), settle_s=0).acquire()
+  t0 = time.monotonic()
+  with pytest.raises(WorkdirLockedError, match=f"pid {os.getpid()}"):
+    ObjectLock(str(tmp_path), settle_s=0).acquire()
+  first.release()
+  dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                        capture_output=True, text=True).stdout.strip()
+  (tmp_path / ".lock").write_text(json.dumps(_holder(pid=int(dead),
+                                                     space=workdir_lib.process_space())))
+  ObjectLock(str(tmp_path), settle_s=0).acquire().release()
+  assert time.monotonic() - t0 < 1.0
+
+
+def test_a_file_system_without_flock_gets_the_lease_lock(tmp_path, monkeypatch, caplog):
+  """Lustre without `-o flock` (ENOSYS), NFS without lockd (ENOLCK): the lock is the lease
+  object on the same .lock file, with one warning saying why; a second run is refused and a
+  release empties it. Other errors are not swallowed."""
+  def no_flock(fd, op):
+    raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+  monkeypatch.setattr(workdir_lib.fcntl, "flock", no_flock)
+  with caplog.at_level(logging.WARNING):
+    lock = WorkdirLock(str(tmp_path)).acquire()
+  assert "has no flock (ENOLCK" in caplog.text and "-o flock" in caplog.text
+  assert json.loads((tmp_path / ".lock").read_text())["pid"] == os.getpid()
+  with pytest.raises(WorkdirLockedError, match=f"pid {os.getpid()}"):
+    WorkdirLock(str(tmp_path)).acquire()
+  lock.release()
+  assert (tmp_path / ".lock").read_text() == ""
+
+  def broken(fd, op):
+    raise OSError(errno.EIO, "I/O error")
+
+  monkeypatch.setattr(workdir_lib.fcntl, "flock", broken)
+  with pytest.raises(OSError, match="I/O error"):
+    WorkdirLock(str(tmp_path)).acquire()
 
 
 def _bad_field(c, tmp_path):

@@ -90,6 +90,30 @@ def offset_examples(source, data_cfg, *, seed: int) -> grain.MapDataset:
   return OffsetWindows(indices.repeat(), source, seed=seed, count=count)
 
 
+class WindowSource:
+  """What the windowed sources share (text.PackedSequences, shards.ShardWindows): `count`
+  windows of `seq_len` tokens from stream window `first`; their length, indexing (item i is
+  window i at offset 0) and where window i moved `offset` tokens later starts in the stream.
+  A subclass sets `first`, `count` and `seq_len` and defines `window(index, offset)`."""
+
+  ITEM = "window"   # how an index error names an item
+
+  def __len__(self) -> int:
+    return self.count
+
+  def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+    index = int(index)
+    if not 0 <= index < self.count:
+      raise IndexError(f"{self.ITEM} index {index} out of range [0, {self.count})")
+    return self.window(index, 0)
+
+  def start(self, index: int, offset: int) -> int:
+    """The stream position where window `index` moved `offset` tokens later starts (the
+    window checked to lie in its split, `check_window`)."""
+    check_window(index, offset, count=self.count, seq_len=self.seq_len)
+    return (self.first + index) * self.seq_len + offset
+
+
 def check_window(index: int, offset: int, *, count: int, seq_len: int) -> None:
   """Window `index` moved by `offset` must lie in its split: [0, count * L + 1) relative."""
   if not 0 <= offset < seq_len:

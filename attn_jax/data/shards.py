@@ -30,6 +30,7 @@ DataError naming the shard, the token offset and the id, never NaN losses.
 from __future__ import annotations
 
 import bisect
+import functools
 import io
 import json
 import logging
@@ -40,10 +41,10 @@ from attn_jax import paths
 from attn_jax.data import documents as doc_lib
 from attn_jax.data.doc_reader import DataError
 from attn_jax.data.formats import INDEX
-from attn_jax.data.offsets import check_window
+from attn_jax.data.offsets import WindowSource
 from attn_jax.data.shard_checks import (
     VERIFY_MB, file_size, rehash, tokenizer_id, verify_checksums)
-from attn_jax.data.text import split_counts
+from attn_jax.data.text import split_counts, split_source
 
 
 def read_index(directory: str) -> dict:
@@ -191,7 +192,7 @@ class TokenShards:
         "again)")
 
 
-class ShardWindows:
+class ShardWindows(WindowSource):
   """Random-access source of windows `first + i` of a TokenShards stream (grain protocol)."""
 
   def __init__(self, shards: TokenShards, *, seq_len: int, first: int, count: int,
@@ -207,19 +208,9 @@ class ShardWindows:
                       "documents are split at EOS tokens instead", missing,
                       len(shards.has_ends), shards.directory)
 
-  def __len__(self) -> int:
-    return self.count
-
-  def __getitem__(self, index: int) -> dict[str, np.ndarray]:
-    index = int(index)
-    if not 0 <= index < self.count:
-      raise IndexError(f"window index {index} out of range [0, {self.count})")
-    return self.window(index, 0)
-
   def window(self, index: int, offset: int) -> dict[str, np.ndarray]:
     """Window `index` moved `offset` tokens later (`data.window_offset`, offsets.py)."""
-    check_window(index, offset, count=self.count, seq_len=self.seq_len)
-    start = (self.first + index) * self.seq_len + offset
+    start = self.start(index, offset)
     window_T = self.shards.read(start, start + self.seq_len + 1)
     example = {"inputs": window_T[:-1], "targets": window_T[1:],
                "weights": np.ones(self.seq_len, np.float32)}
@@ -266,12 +257,8 @@ def make_shard_source(data_cfg, *, split: str = "train") -> ShardWindows:
     counts = [meta.get("docs") for meta in shards.index["shards"]]
     if all(c is not None for c in counts):
       doc_lib.warn_if_one_document(sum(int(c) for c in counts), data_cfg)
-    return ShardWindows(shards, first=0, count=num_train, **kw)
-  if split == "eval":
-    if num_eval == 0:
-      raise ValueError("no eval split: data.eval_fraction is 0")
-    return ShardWindows(shards, first=num_train, count=num_eval, **kw)
-  raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+  return split_source(functools.partial(ShardWindows, shards, **kw), split, num_train,
+                      num_eval)
 
 
 def shards_vocab_size(data_cfg) -> int:

@@ -49,7 +49,7 @@ from attn_jax import paths
 from attn_jax.data import documents as doc_lib
 from attn_jax.data.doc_reader import read_documents
 from attn_jax.data.formats import INDEX, input_format
-from attn_jax.data.offsets import check_window
+from attn_jax.data.offsets import WindowSource
 from attn_jax.data.tokenizer import Tokenizer, get_tokenizer
 
 TEXT_SOURCES = ("text", "jsonl")
@@ -219,12 +219,14 @@ def load_corpus(data_cfg) -> tuple[np.ndarray, np.ndarray]:
       str(data_cfg.text_document), str(data_cfg.tokenizer))
 
 
-class PackedSequences:
+class PackedSequences(WindowSource):
   """Random-access source of packed windows: item i = stream window `first + i` (see above).
 
   `doc_ends` (the documents' end offsets, `pack_documents`): items also carry `segment_ids`
   and `positions` (documents.py). Satisfies grain's RandomAccessDataSource protocol.
   """
+
+  ITEM = "sequence"
 
   def __init__(self, tokens_T: np.ndarray, *, seq_len: int, first: int, count: int,
                doc_ends: np.ndarray | None = None):
@@ -236,19 +238,9 @@ class PackedSequences:
     self.count = count
     self.doc_ends = doc_ends
 
-  def __len__(self) -> int:
-    return self.count
-
-  def __getitem__(self, index: int) -> dict[str, np.ndarray]:
-    index = int(index)
-    if not 0 <= index < self.count:
-      raise IndexError(f"sequence index {index} out of range [0, {self.count})")
-    return self.window(index, 0)
-
   def window(self, index: int, offset: int) -> dict[str, np.ndarray]:
     """Item `index` moved `offset` tokens later (`data.window_offset`, offsets.py)."""
-    check_window(index, offset, count=self.count, seq_len=self.seq_len)
-    start = (self.first + index) * self.seq_len + offset
+    start = self.start(index, offset)
     window_T = self.tokens_T[start : start + self.seq_len + 1]
     example = {
         "inputs": window_T[:-1].copy(),
@@ -286,6 +278,18 @@ def split_counts(num_tokens: int, data_cfg) -> tuple[int, int]:
   return num_sequences - num_eval, num_eval
 
 
+def split_source(make, split: str, num_train: int, num_eval: int):
+  """`make(first=, count=)` of the train split (windows [0, num_train)) or of the eval split
+  (the num_eval windows after them)."""
+  if split == "train":
+    return make(first=0, count=num_train)
+  if split == "eval":
+    if num_eval == 0:
+      raise ValueError("no eval split: data.eval_fraction is 0")
+    return make(first=num_train, count=num_eval)
+  raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+
+
 def make_text_source(data_cfg, *, split: str = "train") -> PackedSequences:
   """The packed train or eval split of the corpus in `data.paths`."""
   tokens_T, ends_D = load_corpus(data_cfg)
@@ -294,9 +298,5 @@ def make_text_source(data_cfg, *, split: str = "train") -> PackedSequences:
             doc_ends=ends_D if doc_lib.document_mask(data_cfg) else None)
   if split == "train":
     doc_lib.warn_if_one_document(len(ends_D), data_cfg)
-    return PackedSequences(tokens_T, first=0, count=num_train, **kw)
-  if split == "eval":
-    if num_eval == 0:
-      raise ValueError("no eval split: data.eval_fraction is 0")
-    return PackedSequences(tokens_T, first=num_train, count=num_eval, **kw)
-  raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+  return split_source(functools.partial(PackedSequences, tokens_T, **kw), split, num_train,
+                      num_eval)

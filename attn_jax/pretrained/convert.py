@@ -20,15 +20,17 @@ from typing import Any
 
 import ml_collections
 
+from attn_jax import paths
 from attn_jax.pretrained import granite_swa, loader
 from attn_jax.pretrained.llama import PretrainedError, exportable_problem
-from attn_jax.pretrained.run_dir import INFO_FILE, write_workdir
+from attn_jax.pretrained.run_dir import write_workdir
 from attn_jax.pretrained.variants import VariantInit, check_variant, to_variant
+from attn_jax.run_layout import RunLayout
 from attn_jax.train.checkpoint import load_for_inference
 
 
 def is_run_dir(path: str) -> bool:
-  return os.path.isdir(os.path.join(path, "checkpoints"))
+  return RunLayout.of(path).checkpoints.is_dir()
 
 
 def load_run(workdir: str, step: int | None = None,
@@ -37,7 +39,7 @@ def load_run(workdir: str, step: int | None = None,
   None for the byte tokenizer, which has no tokenizers JSON)."""
   model, config, _ = load_for_inference(workdir, step)
   spec_ids = {}
-  info = os.path.join(workdir, INFO_FILE)
+  info = paths.name(RunLayout.of(workdir).pretrained_info)
   if os.path.isfile(info):
     with open(info) as f:
       s = json.load(f).get("spec", {})

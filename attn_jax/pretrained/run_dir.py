@@ -29,13 +29,12 @@ import os
 import ml_collections
 from flax import nnx
 
+from attn_jax import paths
 from attn_jax.config import config_to_json, validate
-from attn_jax.pretrained.hf import TOKENIZER as TOKENIZER_FILE, write_tokenizer
+from attn_jax.pretrained.hf import write_tokenizer
 from attn_jax.pretrained.loader import Pretrained, special_names, staged_dir
+from attn_jax.run_layout import RunLayout
 from attn_jax.train.checkpoint import Checkpointer
-
-INFO_FILE = "pretrained.json"
-
 
 def run_config(pre: Pretrained, base: ml_collections.ConfigDict,
                workdir: str) -> ml_collections.ConfigDict:
@@ -47,7 +46,7 @@ def run_config(pre: Pretrained, base: ml_collections.ConfigDict,
       config.model[name][key] = tuple(value) if isinstance(value, list) else value
   for key, value in fields.items():
     config.model[key] = tuple(value) if isinstance(value, list) else value
-  config.data.tokenizer = os.path.join(os.path.abspath(workdir), TOKENIZER_FILE)
+  config.data.tokenizer = paths.name(RunLayout.of(workdir).tokenizer)
   config.data.seq_len = int(pre.cfg.max_seq_len)
   config.eval.max_len = int(pre.cfg.max_seq_len)
   validate(config)
@@ -68,7 +67,7 @@ def write_workdir(pre: Pretrained, workdir: str, base: ml_collections.ConfigDict
     write_tokenizer(tmp, pre.tokenizer.to_str(),
                     special_names(pre.tokenizer, pre.spec) if pre.spec else {},
                     pre.cfg.max_seq_len)
-    with open(os.path.join(tmp, INFO_FILE), "w") as f:
+    with open(paths.name(RunLayout.of(tmp).pretrained_info), "w") as f:
       json.dump(info, f, indent=1)
     ckpt = Checkpointer(tmp, max_to_keep=1)
     try:

@@ -36,11 +36,12 @@ from typing import Any, Callable
 import ml_collections
 import numpy as np
 
-from attn_jax import jsonio
+from attn_jax import jsonio, paths
 from attn_jax.config import config_to_json
 from attn_jax.pretrained.convert import convert
 from attn_jax.pretrained.variants import VariantInit
 from attn_jax.provenance import machine_info
+from attn_jax.run_layout import RunLayout
 from attn_jax.streaming import StreamPolicy, score_stream
 from attn_jax.study.lm import heldout_stream
 from attn_jax.study.matching import set_override
@@ -84,14 +85,14 @@ def convert_variant(config, base_config, workdir: str, name: str, spec: dict, lo
   """The converted run of `name` (made once, its training fields from `base_config`) and its
   record from pretrained.json."""
   path = converted_dir(workdir, name)
-  if not os.path.isfile(os.path.join(path, "pretrained.json")):
+  if not RunLayout.of(path).pretrained_info.is_file():
     log(f"[finetune] {name}: converting {config.study.src} -> --mixer={spec['mixer']}")
     out = convert(str(config.study.src), workdir=path, base_config=base_config,
                   mixer=spec["mixer"], variant_init=VariantInit(**spec["init"]),
                   seed=int(config.study.convert_seed))
     log(f"[finetune] {name}: step-0 logits within {out['step0_rel_logit_diff']:.2e} relative "
         "of the plain import")
-  return jsonio.read(os.path.join(path, "pretrained.json"))["variant"]
+  return jsonio.read(paths.name(RunLayout.of(path).pretrained_info))["variant"]
 
 
 # ------------------------------------------------------------------ stage 2/3: fine-tuning

@@ -42,10 +42,11 @@ from typing import Any, Callable
 import ml_collections
 import numpy as np
 
-from attn_jax import jsonio
+from attn_jax import jsonio, paths
 from attn_jax.config import RunConfig, validate
 from attn_jax.eval.run import task_callback
 from attn_jax.provenance import machine_info
+from attn_jax.run_layout import RunLayout
 from attn_jax.study import matching, sinks, throughput
 from attn_jax.study.lm import lm_callback
 from attn_jax.study.needle import needle_callback
@@ -93,7 +94,7 @@ def _num(v):
 def summarize_run(run_dir: str, config: ml_collections.ConfigDict, variant: str, info: dict,
                   *, wall_s: float, cpu_s: float) -> dict:
   """The run's record for results.json, from its metrics.jsonl."""
-  rows = _read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+  rows = _read_jsonl(paths.name(RunLayout.of(run_dir).metrics))
   train = [{"step": r["step"], "loss": _num(r["loss"]), "accuracy": _num(r.get("accuracy")),
             "tokens_per_sec": _num(r.get("tokens_per_sec"))} for r in rows if "loss" in r]
   evals: dict[int, dict] = {}

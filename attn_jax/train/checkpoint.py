@@ -72,6 +72,7 @@ from flax import nnx
 from attn_jax import outputs, paths, sharding as shd
 from attn_jax.config import RunConfig, config_rules
 from attn_jax.model import abstract_model
+from attn_jax.run_layout import RunLayout
 from attn_jax.train import early_signals
 from attn_jax.train.writers import WriteError, describe_disk, disk_full
 
@@ -281,7 +282,7 @@ class Checkpointer:
     if isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int) or max_to_keep < 1:
       raise ValueError(f"config.checkpoint.max_to_keep: must be an integer >= 1, got "
                        f"{max_to_keep!r}")
-    self.directory = paths.name(paths.run_path(workdir) / "checkpoints")
+    self.directory = paths.name(RunLayout.of(workdir).checkpoints)
     self.remote = paths.is_uri(self.directory)
     self.checksums, self.read_only = checksums, read_only
     if not isinstance(allow_unverified, bool):
@@ -675,7 +676,7 @@ def abstract_with_shardings(tree: Any, shardings: Any) -> Any:
 def run_checkpoints(workdir) -> str:
   """`<workdir>/checkpoints`, or FileNotFoundError when `workdir` is not a training run's
   folder (checked before anything else is done with it)."""
-  directory = paths.name(paths.run_path(workdir) / "checkpoints")
+  directory = paths.name(RunLayout.of(workdir).checkpoints)
   if not paths.run_path(directory).is_dir():
     raise FileNotFoundError(f"no checkpoint found under {directory} (is {workdir!r} a "
                             "training run directory?)")

@@ -49,12 +49,12 @@ from attn_jax import paths
 from attn_jax.config import RunConfig
 from attn_jax.data.tokenizer import get_tokenizer
 from attn_jax.model_config import ModelConfig
+from attn_jax.run_layout import RunLayout
 from attn_jax.train.checkpoint import Checkpointer, load_for_inference
 
 TRAINABLE = ("all", "new", "new+norms")
 COMPUTE_FIELDS = ("dtype", "param_dtype", "remat", "scan_layers", "attention_impl",
                   "max_seq_len", "init_std", "embed_init_std")
-INFO_FILE = "pretrained.json"   # = pretrained.run_dir.INFO_FILE (no import of that package)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,7 +134,7 @@ def _run_tokenizer(path: str, saved) -> str:
   """The run's tokenizer: its own copy (a converted run's tokenizer.json) when the saved path
   has moved, else the saved `data.tokenizer`."""
   spec = str(saved.data.tokenizer)
-  own = paths.run_path(path) / "tokenizer.json"
+  own = RunLayout.of(path).tokenizer
   if (spec not in ("bytes", "byte", "") and not paths.run_path(spec).is_file()
       and own.is_file()):
     return paths.name(own)
@@ -160,7 +160,7 @@ def _check_vocabulary(config, saved, path: str) -> None:
 
 
 def _new_params(path: str) -> tuple[str, ...]:
-  info = paths.run_path(path) / INFO_FILE
+  info = RunLayout.of(path).pretrained_info
   if not info.is_file():
     return ()
   return tuple(sorted(json.loads(info.read_text()).get("variant", {}).get("new", {})))
@@ -177,7 +177,7 @@ def check(config: RunConfig) -> InitSource | None:
       raise ValueError(f"config.train.trainable={trainable!r} needs config.train.init_from (a "
                        "converted run whose new parameters are listed)")
     return None
-  if not (paths.run_path(path) / "checkpoints").is_dir():
+  if not RunLayout.of(path).checkpoints.is_dir():
     raise ValueError(f"config.train.init_from={path}: not a run directory (no checkpoints/)")
   step = int(t.init_step)
   step = None if step < 0 else step   # -1: the newest usable step, as a resume picks it

@@ -18,6 +18,7 @@ import jax
 import numpy as np
 
 from attn_jax import paths
+from attn_jax.run_layout import RunLayout
 from attn_jax.train import writers as writers_lib
 
 
@@ -54,13 +55,14 @@ class MetricWriter:
   def __init__(self, workdir: str, *, enabled: bool | None = None, tensorboard: bool = True,
                stall_s: float = writers_lib.STALL_S):
     self.enabled = jax.process_index() == 0 if enabled is None else enabled
-    self.path = paths.name(paths.run_path(workdir) / "metrics.jsonl")
-    self._tb_dir = paths.name(paths.run_path(workdir) / "tb") if tensorboard else None
+    layout = RunLayout.of(workdir)
+    self.path = paths.name(layout.metrics)
+    self._tb_dir = paths.name(layout.tb) if tensorboard else None
     self._should_stop = lambda: False
     self.writers: list = []
     self._tb = None
     if self.enabled:
-      paths.run_path(workdir).mkdir(parents=True, exist_ok=True)
+      layout.root.mkdir(parents=True, exist_ok=True)
       self.writers.append(writers_lib.JsonlWriter(self.path))
       if tensorboard:
         self._tb = self.add(writers_lib.Background(writers_lib.TensorBoardWriter(self._tb_dir),
@@ -178,5 +180,5 @@ def row_steps(path: str) -> list[tuple[int, str, int | None]]:
 
 
 def read_metrics(workdir) -> list[dict]:
-  with (paths.run_path(workdir) / "metrics.jsonl").open() as f:
+  with RunLayout.of(workdir).metrics.open() as f:
     return [json.loads(line) for line in f if line.strip()]

@@ -23,9 +23,7 @@ import jax
 
 from attn_jax import paths
 from attn_jax.config import profile_steps, profile_window_problem
-
-DIRNAME = "profile"
-
+from attn_jax.run_layout import RunLayout
 
 class StepProfiler:
   """`before(step, state)` at the top of every step; `stop()` on the way out."""
@@ -35,7 +33,7 @@ class StepProfiler:
     window that a resumed run has passed already is said at start (`profile_window_problem`;
     config.validate says the rest)."""
     self.window = profile_steps(spec)
-    self.directory = paths.name(paths.run_path(workdir) / DIRNAME)
+    self.directory = paths.name(RunLayout.of(workdir).profile)
     self._local: str | None = None   # where the profiler writes before an upload
     self.active = self.done = False
     if start and last is not None:   # a fresh run's window was checked by config.validate

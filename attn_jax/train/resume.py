@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import logging
 
-from attn_jax import jsonio, paths
+from attn_jax import jsonio
 from attn_jax.config import RunConfig
+from attn_jax.run_layout import RunLayout
 from attn_jax.train.checkpoint import Checkpointer, CheckpointMismatchError
 
 
@@ -65,7 +66,7 @@ def check_resumable(workdir: str, setup, config: RunConfig) -> None:
   array read) against the state this config builds; CheckpointMismatchError naming the changed
   config fields. A step whose metadata cannot be read is left to the restore, which judges
   corruption. Opened read-only: nothing is cleaned or moved here."""
-  if not (paths.run_path(workdir) / "checkpoints").is_dir():
+  if not RunLayout.of(workdir).checkpoints.is_dir():
     return
   ckpt = Checkpointer(workdir, read_only=True)
   try:

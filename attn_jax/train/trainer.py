@@ -72,6 +72,7 @@ import ml_collections
 from attn_jax import paths, sharding as shd
 from attn_jax.config import RunConfig
 from attn_jax.data import pipeline
+from attn_jax.run_layout import RunLayout
 from attn_jax.train import early_signals, fitting, init_from, preflight, resume, setup as setup_lib
 from attn_jax.train.checkpoint import Checkpointer, PreemptionGuard, check_writable
 from attn_jax.train.fitting import BatchGeometry
@@ -117,7 +118,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict | RunConfig, workdir: s
       logging.warning("%s: stopped %s", e.signal_name, early_signals.BEFORE_TRAINING)
       return {"preempted": e.signal_name, "step": e.step, "before_training": True,
               "workdir": workdir,
-              "checkpoint_dir": paths.name(paths.run_path(workdir) / "checkpoints")}
+              "checkpoint_dir": paths.name(RunLayout.of(workdir).checkpoints)}
 
 
 def _locked(config: RunConfig, workdir: str, eval_callbacks, setup: "Setup",
@@ -134,9 +135,9 @@ def _locked(config: RunConfig, workdir: str, eval_callbacks, setup: "Setup",
   with early_signals.on_abandon(release):
     try:
       locks.append(lock_workdir(workdir))   # process 0 only; creates workdir, names it when
-      paths.run_path(workdir).mkdir(parents=True, exist_ok=True)   # unusable
+      RunLayout.of(workdir).root.mkdir(parents=True, exist_ok=True)   # unusable
       locks.append(lock_tensorboard(workdir))   # tb/ reached by another run through a symlink
-      check_writable(paths.run_path(workdir) / "checkpoints")   # not at the first save
+      check_writable(RunLayout.of(workdir).checkpoints)   # not at the first save
       return _train_and_evaluate(config, workdir, eval_callbacks, setup, guard)
     finally:
       release()

@@ -34,10 +34,11 @@ import secrets
 import tempfile
 from typing import Any, Mapping
 
-from attn_jax import paths
+from attn_jax import paths, run_layout
+from attn_jax.run_layout import RunLayout
 from attn_jax.train import writers as writers_lib
 
-RUN_ID_FILE = "wandb_run_id"
+RUN_ID_FILE = run_layout.WANDB_RUN_ID
 
 
 def settings(config) -> dict[str, str] | None:
@@ -61,7 +62,7 @@ def check_installed(config) -> None:
 def run_id(workdir: str, *, fresh: bool = False) -> str:
   """The W&B run id of the training run in `workdir`: the kept one, or (none kept, or `fresh`:
   a run starting at step 0) a new one, kept."""
-  path = paths.run_path(workdir) / RUN_ID_FILE
+  path = RunLayout.of(workdir).wandb_run_id
   if not fresh and path.is_file():
     kept = path.read_text().strip()
     if kept:
@@ -89,8 +90,8 @@ class WandbWriter:
     # W&B's own files are local files: for a workdir on object storage they go to a
     # temporary folder (the run id, what a resume needs, is kept in the workdir).
     self.workdir = paths.name(workdir)
-    self.path = (os.path.join(self.workdir, "wandb") if paths.is_local(workdir)
-                 else os.path.join(tempfile.mkdtemp(prefix="attn_jax_wandb"), "wandb"))
+    self.path = (paths.name(RunLayout.of(self.workdir).wandb) if paths.is_local(workdir)
+                 else paths.name(RunLayout.of(tempfile.mkdtemp(prefix="attn_jax_wandb")).wandb))
     self.project, self.entity = project, entity or None
     self.id = run_id(workdir, fresh=fresh)
     self.config, self.info = config, info

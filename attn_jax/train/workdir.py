@@ -21,19 +21,31 @@ once, naming the first. Choices:
   * Readers (evaluation, streaming) take no lock: they never write a run's files.
   * On object storage (a `gs://` workdir, attn_jax/paths.py) there is no flock: the lock is the
     object `<workdir>/.lock` holding the holder's host, pid, start time and a lease renewed
-    every `LEASE_S / 4` seconds by a thread of the holder (`ObjectLock`). It is stale, and
-    taken over with the same warning, when its holder is on this host and its pid is gone (a
-    SIGKILLed run resumed on its machine goes on at once) or when its lease has not been
-    renewed for `LEASE_S` (a holder on another host that died: a preempted VM's replacement
-    waits at most that long). A released lock is an empty object, as locally. Two runs starting
-    within the same second on one workdir cannot be told apart by a plain object store (no
-    compare-and-swap through fsspec): each writes its claim, reads it back after a pause, and
-    the one that does not find its own claim stops. The TensorBoard folder has no lock of its
-    own there: it cannot be a link, so only this workdir's run reaches it.
+    every `LEASE_S / 4` seconds by a thread of the holder (`ObjectLock`), and where its pid
+    means something (`process_space`: the kernel's boot id and the pid namespace). A holder
+    whose pid this process can check (same host, same space) is live while that pid lives
+    and is taken over at once when it is gone (a SIGKILLed run resumed on its machine). A
+    holder whose pid cannot be checked (another host, another container) is waited for, not
+    refused: until its lease lapses (`LEASE_S` after its last renewal: a preempted VM's
+    replacement, a TPU worker rerun), or, when it names this host and this very pid from
+    another pid namespace (a container restarted in its pod comes back with the same host
+    name and pid 1), for one renewal period and a margin (`RESTART_WATCH`): a live holder
+    renews within it and the waiter stops naming it; a process's previous incarnation does
+    not, and its lock is taken. Two live processes are so always refused: the second sees the
+    first's pid alive, or sees it renew. A released lock is an empty object, as locally. Two
+    runs starting within the same second on one workdir cannot be told apart by a plain object
+    store (no compare-and-swap through fsspec): each writes its claim, reads it back after a
+    pause, and the one that does not find its own claim stops. The TensorBoard folder has no
+    lock of its own there: it cannot be a link, so only this workdir's run reaches it.
+  * A shared file system without `flock` (Lustre mounted without `-o flock`, NFS without its
+    lock daemon: ENOLCK, ENOSYS, EOPNOTSUPP) gets the lease lock of object storage on the same
+    `.lock` file, with a warning saying why: the run is still protected from a second one
+    (a kernel lock only frees a crashed holder's lock sooner), and the user needs no remount.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import logging
@@ -43,7 +55,8 @@ import threading
 import time
 import uuid
 
-from attn_jax import paths
+from attn_jax import paths, run_layout
+from attn_jax.run_layout import RunLayout
 from attn_jax.train.metrics import row_steps
 
 
@@ -53,9 +66,6 @@ class WorkdirLockedError(RuntimeError):
 
 class TensorBoardLinkError(ValueError):
   """`<workdir>/tb` is a link into another run's folder."""
-
-
-RUN_MARKERS = (".lock", "checkpoints", "metrics.jsonl")
 
 
 def _read(fd: int) -> dict:
@@ -71,16 +81,17 @@ class WorkdirLock:
   """`with WorkdirLock(workdir): train(...)`; or `.acquire()` / `.release()`. `filename` and
   `what` (how messages name the folder) lock another folder the same way."""
 
-  FILENAME = ".lock"
+  FILENAME = run_layout.LOCK
 
   def __init__(self, workdir: str, *, filename: str = FILENAME, what: str = "--workdir"):
     self.workdir = paths.name(workdir)
     self.path = os.path.join(self.workdir, filename)
     self.what = what
     self._fd: int | None = None
+    self._lease: ObjectLock | None = None   # where the file system has no flock
 
   def acquire(self) -> "WorkdirLock":
-    if self._fd is not None:
+    if self._fd is not None or self._lease is not None:
       return self
     if os.path.exists(self.workdir) and not os.path.isdir(self.workdir):
       raise NotADirectoryError(f"{self.what} {self.workdir} is a file, not a directory")
@@ -92,7 +103,12 @@ class WorkdirLock:
                     f"{self.path}: {e.strerror}") from None
     try:
       fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+    except OSError as e:
+      if not isinstance(e, BlockingIOError):
+        os.close(fd)
+        if e.errno not in NO_FLOCK:
+          raise
+        return self._lease_instead(e)
       holder = _read(fd)
       os.close(fd)
       raise WorkdirLockedError(
@@ -113,11 +129,24 @@ class WorkdirLock:
     self._fd = fd
     return self
 
+  def _lease_instead(self, e: OSError) -> "WorkdirLock":
+    logging.warning("the file system of %s has no flock (%s: %s; e.g. Lustre mounted without "
+                    "`-o flock`): this run holds %s as a lease, renewed every %.0f s, as on "
+                    "object storage (a crashed run's lock is taken over when its lease lapses, "
+                    "or at once on its host)", self.workdir, errno.errorcode.get(e.errno, "?"),
+                    e.strerror, self.path, LEASE_S / 4)
+    self._lease = ObjectLock(self.workdir, filename=os.path.basename(self.path),
+                             what=self.what).acquire()
+    return self
+
   def _resolved(self) -> str:
     real = os.path.realpath(self.workdir)
     return "" if real == self.workdir else f" (= {real})"
 
   def release(self) -> None:
+    if self._lease is not None:
+      self._lease.release()
+      self._lease = None
     if self._fd is None:
       return
     os.ftruncate(self._fd, 0)   # an empty lock file is a released one
@@ -134,6 +163,19 @@ class WorkdirLock:
 
 LEASE_S = 120.0   # an object lock not renewed for this long is stale (its holder died)
 _SETTLE_S = 1.0   # how long a claim waits before reading itself back
+RESTART_WATCH = 5 / 16   # x LEASE_S after its last renewal: 1.25 renewal periods (see above)
+NO_FLOCK = {errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL}
+
+
+def process_space() -> str:
+  """Where a pid names this process: the kernel's boot id and the pid namespace ('' where
+  /proc does not say). Two processes with the same space see the same pids."""
+  try:
+    with open("/proc/sys/kernel/random/boot_id") as f:
+      boot = f.read().strip()
+    return f"{boot}/{os.readlink('/proc/self/ns/pid')}"
+  except OSError:
+    return ""
 
 
 def _pid_alive(pid) -> bool:
@@ -170,24 +212,67 @@ class ObjectLock:
     except ValueError:
       return {"raw": raw[:200].decode("utf-8", "replace")}
 
-  def stale(self, holder: dict) -> bool:
-    """Whether `holder` (the lock object's content) names a run that is gone."""
-    if holder.get("host") == socket.gethostname() and not _pid_alive(holder.get("pid")):
-      return True
+  def judge(self, holder: dict) -> tuple[str, str | float]:
+    """What `holder` (the lock object's content, naming a pid) is: ("stale", why) for a run
+    that is gone, ("live", "") for one that runs, ("wait", until) for one whose pid this
+    process cannot check: it is gone if it does not renew its lease by time `until`."""
     try:
       renewed = float(holder.get("renewed"))
     except (TypeError, ValueError):
-      return True   # not a lock this code wrote
-    return time.time() - renewed > self.lease_s
+      return "stale", "it is not a lock this code wrote"
+    if time.time() - renewed > self.lease_s:
+      return "stale", f"its lease lapsed {time.time() - renewed:.0f} s ago"
+    host, pid, space = holder.get("host"), holder.get("pid"), holder.get("space")
+    mine = str(pid) == str(os.getpid())
+    if host == socket.gethostname():
+      here = process_space()
+      if (space == here and here) or (space is None and not mine):   # None: older code's lock
+        if mine or _pid_alive(pid):
+          return "live", ""
+        return "stale", "its process is gone"
+      if mine:   # our host name and pid from another pid namespace: a restarted container?
+        return "wait", renewed + self.lease_s * RESTART_WATCH
+    return "wait", renewed + self.lease_s
+
+  def _wait_for(self, holder: dict) -> None:
+    """Returns once `holder` is gone (stale, released, lapsed); WorkdirLockedError when it is
+    live or renews its lease while this waits (see the module docstring). The wait is bounded
+    by the lease: a holder that stops renewing lapses."""
+    said = False
+    while holder.get("pid") is not None:
+      kind, why = self.judge(holder)
+      if kind == "wait" and time.time() >= why:
+        kind, why = "stale", (f"it did not renew its lease for "
+                              f"{time.time() - float(holder['renewed']):.0f} s")
+      if kind == "live":
+        raise self._locked_error(holder)
+      if kind == "stale":
+        logging.warning("taking over the stale lock of pid %s on host %s in %s (%s: that run "
+                        "ended without releasing it)", holder.get("pid"), holder.get("host"),
+                        self.path, why)
+        return
+      if not said:
+        logging.warning("%s %s is held by pid %s on host %s, which this process cannot check: "
+                        "waiting up to %.3g s for its lease to lapse (a live holder renews it "
+                        "every %.3g s, and this run then stops)", self.what, self.workdir,
+                        holder.get("pid"), holder.get("host"), why - time.time(),
+                        self.lease_s / 4)
+        said = True
+      time.sleep(max(0.0, min(self.lease_s / 16, 5.0, why - time.time())) + 0.01)
+      now = self._holder()
+      if now.get("token") == holder.get("token") and now.get("renewed") != holder.get("renewed"):
+        raise self._locked_error(now, waited=True)
+      holder = now
 
   def _claim(self) -> dict:
     return {"pid": os.getpid(), "host": socket.gethostname(), "started": self._started,
-            "renewed": time.time(), "token": self._token}
+            "renewed": time.time(), "token": self._token, "space": process_space()}
 
-  def _locked_error(self, holder: dict) -> WorkdirLockedError:
+  def _locked_error(self, holder: dict, waited: bool = False) -> WorkdirLockedError:
     return WorkdirLockedError(
         f"{self.what} {self.workdir} is in use by pid {holder.get('pid', '?')} on host "
-        f"{holder.get('host', '?')} (since {holder.get('started', '?')}); lock object "
+        f"{holder.get('host', '?')} (since {holder.get('started', '?')}"
+        f"{'; it renewed its lease while this run waited' if waited else ''}); lock object "
         f"{self.path}, renewed every {self.lease_s / 4:.0f} s while that run lives (stale "
         f"after {self.lease_s:.0f} s without renewal). Stop that run or choose another "
         "--workdir.")
@@ -200,11 +285,7 @@ class ObjectLock:
     except Exception as e:  # noqa: BLE001 - a missing bucket, no credentials: say which
       raise OSError(f"{self.what} {self.workdir} is not usable: cannot read {self.path}: "
                     f"{type(e).__name__}: {e}") from None
-    if holder.get("pid") is not None:
-      if not self.stale(holder):
-        raise self._locked_error(holder)
-      logging.warning("taking over the stale lock of pid %s on host %s in %s (that run ended "
-                      "without releasing it)", holder.get("pid"), holder.get("host"), self.path)
+    self._wait_for(holder)
     self._token = uuid.uuid4().hex
     self._started = time.strftime("%Y-%m-%d %H:%M:%S")
     claim = self._claim()
@@ -274,9 +355,6 @@ def lock_workdir(workdir, *, process_index: int | None = None):
   return _on_process_0(lock, process_index)
 
 
-TB_LOCK = ".writer.lock"
-
-
 def lock_tensorboard(workdir: str, *, process_index: int | None = None) -> WorkdirLock | None:
   """Takes the lock of `<workdir>/tb` on process 0; WorkdirLockedError when another live run
   writes the same folder (reached through a symlink or a bind mount), TensorBoardLinkError
@@ -284,7 +362,8 @@ def lock_tensorboard(workdir: str, *, process_index: int | None = None) -> Workd
   storage (no links there: the workdir's lock covers it)."""
   if paths.is_uri(workdir):
     return None
-  lock = _on_process_0(WorkdirLock(os.path.join(workdir, "tb"), filename=TB_LOCK,
+  tb = paths.name(RunLayout.of(workdir).tb)
+  lock = _on_process_0(WorkdirLock(tb, filename=run_layout.TB_LOCK,
                                    what="the TensorBoard folder"), process_index)
   try:
     check_tensorboard_link(workdir)
@@ -297,12 +376,12 @@ def lock_tensorboard(workdir: str, *, process_index: int | None = None) -> Workd
 
 def check_tensorboard_link(workdir: str) -> None:
   """TensorBoardLinkError when `<workdir>/tb` resolves into another run's folder."""
-  tb = os.path.join(paths.name(workdir), "tb")
+  tb = paths.name(RunLayout.of(workdir).tb)
   real, home = os.path.realpath(tb), os.path.realpath(workdir)
   owner = os.path.dirname(real)
-  if real == os.path.join(home, "tb") or owner == home:
+  if real == paths.name(RunLayout.of(home).tb) or owner == home:
     return
-  found = [m for m in RUN_MARKERS if os.path.exists(os.path.join(owner, m))]
+  found = [m for m, p in RunLayout.of(owner).markers().items() if os.path.exists(p)]
   if found:
     raise TensorBoardLinkError(
         f"the TensorBoard folder {tb} is a link to {real}, the TensorBoard folder of another "
@@ -313,20 +392,16 @@ def check_tensorboard_link(workdir: str) -> None:
 
 # ------------------------------------------------------------------ history rotation
 
-HISTORY = ("metrics.jsonl", "tb")
-
-
 def _history_entries(workdir: str) -> dict[str, list[str]]:
   """{"metrics.jsonl": [it], "tb": [its event files...]} for the non-empty ones."""
   out = {}
-  metrics = paths.run_path(workdir) / "metrics.jsonl"
-  if metrics.is_file() and metrics.stat().length > 0:
-    out["metrics.jsonl"] = [paths.name(metrics)]
-  tb = paths.run_path(workdir) / "tb"
-  if tb.is_dir():
-    names = sorted(p.name for p in tb.iterdir() if p.name != TB_LOCK)
+  layout = RunLayout.of(workdir)
+  if layout.metrics.is_file() and layout.metrics.stat().length > 0:
+    out[run_layout.METRICS] = [paths.name(layout.metrics)]
+  if layout.tb.is_dir():
+    names = sorted(p.name for p in layout.tb.iterdir() if p.name != run_layout.TB_LOCK)
     if names:
-      out["tb"] = [paths.name(tb / n) for n in names]
+      out[run_layout.TB] = [paths.name(layout.tb / n) for n in names]
   return out
 
 
@@ -339,22 +414,22 @@ def rotate_history(workdir: str, checkpoint_dir: str = "") -> dict[str, str]:
   found = _history_entries(workdir)
   if not found:
     return {}
-  home = paths.run_path(workdir)
+  home = RunLayout.of(workdir)
   k = 1
-  while any((home / f"{n}.{k}").exists() for n in HISTORY):
+  while any(home.history(n, k).exists() for n in run_layout.HISTORY):
     k += 1
   moved = {}
-  if "metrics.jsonl" in found:
-    steps = [s for _, _, s in row_steps(found["metrics.jsonl"][0]) if s is not None]
+  if run_layout.METRICS in found:
+    steps = [s for _, _, s in row_steps(found[run_layout.METRICS][0]) if s is not None]
     rows = (f"{len(steps)} metric rows" + (f", steps {min(steps)}-{max(steps)}" if steps
                                             else ""))
-    moved[found["metrics.jsonl"][0]] = paths.name(home / f"metrics.jsonl.{k}")
+    moved[found[run_layout.METRICS][0]] = paths.name(home.history(run_layout.METRICS, k))
   else:
     rows = "TensorBoard events"
-  if "tb" in found:
-    target = home / f"tb.{k}"
+  if run_layout.TB in found:
+    target = home.history(run_layout.TB, k)
     target.mkdir(parents=True)
-    moved.update({p: paths.name(target / paths.run_path(p).name) for p in found["tb"]})
+    moved.update({p: paths.name(target / paths.run_path(p).name) for p in found[run_layout.TB]})
   for old, new in moved.items():
     paths.move(old, new)
   ckpts = paths.run_path(checkpoint_dir) if checkpoint_dir else None
@@ -364,5 +439,5 @@ def rotate_history(workdir: str, checkpoint_dir: str = "") -> dict[str, str]:
          else "it left no checkpoint to resume from")
   logging.warning("starting at step 0 in %s, which holds an earlier run's history (%s; %s): "
                   "moved it aside to %s, nothing was deleted", workdir, rows, why,
-                  " and ".join(sorted({paths.name(home / f"{n}.{k}") for n in found})))
+                  " and ".join(sorted({paths.name(home.history(n, k)) for n in found})))
   return moved
