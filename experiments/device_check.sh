@@ -41,10 +41,10 @@ dry=""   # the CPU dry run, asked for explicitly
 if [[ "$backend" == cpu && "${JAX_PLATFORMS:-}" == cpu ]]; then
   dry="--dry_run"
 elif [[ "$backend" != gpu && "$backend" != tpu ]]; then
-  echo "device_check.sh needs a GPU (or TPU): JAX sees ${backend:-no backend (jax did not" \
-    "start)} here, so nothing was run. The CPU dry run is asked for explicitly:" \
-    "JAX_PLATFORMS=cpu bash experiments/device_check.sh (with the header's BENCH_EXTRA and" \
-    "TUNE_EXTRA)" >&2
+  seen="${backend:-no backend (jax did not start)}"
+  echo "device_check.sh needs a GPU (or TPU): JAX sees $seen here, so nothing was run. The" \
+    "CPU dry run is asked for explicitly: JAX_PLATFORMS=cpu bash experiments/device_check.sh" \
+    "(with the header's BENCH_EXTRA and TUNE_EXTRA)" >&2
   exit 2
 fi
 out="${OUT:-/tmp/attn_jax_device_check}"
