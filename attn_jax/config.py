@@ -141,9 +141,10 @@ class MeshConfig:
   not lists: config_flags cannot override lists."""
   shape: tuple[int, ...] = (-1, 1, 1)      # -1 = all remaining devices
   axis_names: tuple[str, ...] = ("data", "fsdp", "tensor")
-  replicate_indivisible: tuple[str, ...] = ()  # fnmatch patterns (parameter path or logical axis name)
-                                 # allowed to replicate when their size does not divide their
-                                 # mesh axes; anything else is an error naming the parameter
+  replicate_indivisible: tuple[str, ...] = ()  # fnmatch patterns (parameter path or logical
+                                 # axis name) allowed to replicate when their size does not
+                                 # divide their mesh axes; anything else is an error naming the
+                                 # parameter
   # logical axis -> mesh axis (or None = replicated); batch goes over data + fsdp. Mixers' own
   # axes come from their `axis_rules` (config_rules below); a rule here, for either, wins.
   rules: tuple = TRUNK_RULES

@@ -22,7 +22,8 @@ import ml_collections
 
 from attn_jax import sharding as shd
 from attn_jax.config import RunConfig, as_run
-from attn_jax.data import pipeline, shards, text
+from attn_jax.data import pipeline, text
+from attn_jax.data.shards import TokenShards
 from attn_jax.field_checks import field_check
 from attn_jax.train import init_from
 from attn_jax.train.loss_monitor import NONFINITE_MODES
@@ -89,7 +90,7 @@ def check_heldout_batch(config: RunConfig, setup: Setup) -> None:
     if not directory or "," in directory:
       raise ValueError(f"config.data.paths must be one prepared folder for data.source="
                        f"'shards', got {d.paths!r}")
-    n_tokens = shards.TokenShards(directory, verify=False).num_tokens   # checksums: at open
+    n_tokens = TokenShards(directory, verify=False).num_tokens   # checksums: at open
   n_train, n_eval = text.split_counts(n_tokens, d)
   need = (shd.batch_shards(setup.mesh, setup.rules) if config.train.auto_microbatch
           else d.global_batch_size)
