@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ast
 import difflib
+import linecache
 import os
 import sys
 from typing import Any, Sequence
@@ -190,18 +191,22 @@ def flags_parser(flag_name: str = "config", default: str | None = None):
   return parse
 
 
+# where a config file's own frames are not: Python, the libraries, this package
+_NOT_CONFIG_FILES = ("<", sys.prefix, sys.base_prefix, os.path.dirname(os.path.abspath(__file__)))
+
+
 def config_file_error(e: BaseException) -> str:
   """One line for an error raised while a config file loaded: the error itself, not
   ml_collections' re-raise of it ("Error whilst parsing config file:" and the traceback as its
-  message), and where in the project's files it happened, with that line's source
+  message), and the config file's line it came from, with that line's source
   ('configs/x.py:4 (c.train.steps = "3")', which names the field)."""
-  import linecache
   if str(e).startswith("Error whilst parsing config file") and e.__context__ is not None:
     e = e.__context__
-  where, tb = "", e.__traceback__
-  while tb is not None:
+  where, tb, called = "", e.__traceback__, False
+  while tb is not None:   # the frames below ml_collections' call of get_config: the config's
     name = tb.tb_frame.f_code.co_filename
-    if "site-packages" not in name and "ml_collections" not in name:
+    called = called or "ml_collections" in name
+    if called and not name.startswith(_NOT_CONFIG_FILES) and "site-packages" not in name:
       line = linecache.getline(name, tb.tb_lineno).strip()
       shown = os.path.relpath(name) if name.startswith(os.getcwd() + os.sep) else name
       where = f"{shown}:{tb.tb_lineno}" + (f" ({line})" if line else "") + ": "

@@ -283,3 +283,18 @@ def test_train_py_a_mistyped_override_is_one_line_exit_2(tmp_path):
   line = _train(tmp_path, "--config.train.steps=3.0")
   assert line == ("FATAL Flags parsing error: flag --config.train.steps=3.0: invalid literal "
                   "for int() with base 10: '3.0'"), line
+
+
+def test_a_config_file_error_is_one_line_naming_its_line(tmp_path):
+  from attn_jax import config_flags
+  cases = [('c.train.steps = "3"', f"{tmp_path}/cfg0.py:8 (c.train.steps = \"3\"): TypeError: "
+            "Could not override field 'steps'"),
+           ("c.train.steps = (", "SyntaxError: ")]
+  for i, (body, said) in enumerate(cases):
+    path = tmp_path / f"cfg{i}.py"
+    path.write_text(_FILE.format(body=body))
+    with pytest.raises(Exception) as info:
+      config_flags.load_config_file(str(path))
+    line = config_flags.config_file_error(info.value)
+    assert "\n" not in line and line.startswith(said), line
+    assert "Traceback" not in line and "Error whilst parsing" not in line
