@@ -21,6 +21,7 @@ a preset or an override never passes silently. Top-level sections other than the
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import types
@@ -28,9 +29,10 @@ from typing import Any
 
 import ml_collections
 
+from attn_jax import jsonio
 from attn_jax.data.offsets import WINDOW_OFFSETS
 from attn_jax.data.pipeline import DATA_SOURCES
-from attn_jax.field_checks import field_check, is_int, is_number
+from attn_jax.field_checks import check_fields, field_check, is_int, is_number, type_problem
 from attn_jax.model_config import ModelConfig
 from attn_jax.registry import available_mixers, axis_rules, default_options, get_mixer
 from attn_jax.sharding import TRUNK_RULES, MeshAxes, rules_dict
@@ -128,8 +130,8 @@ class EvalConfig:
   data_dir: str = ""             # benchmark files laid out like shared/data (lambada/, arc/, ...)
   max_len: int = 0               # 0 = data.seq_len
   limit: int = 0                 # 0 = every document
-  niah_lengths: tuple = (256, 512)   # context lengths (tokens) of the needle grid
-  niah_depths: tuple = (0.0, 0.25, 0.5, 0.75, 1.0)
+  niah_lengths: tuple[int, ...] = (256, 512)   # context lengths (tokens) of the needle grid
+  niah_depths: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)   # needle depths, in [0, 1]
   niah_samples: int = 2          # needles per (length, depth) cell
 
 
@@ -137,11 +139,12 @@ class EvalConfig:
 class MeshConfig:
   """config.mesh: the device mesh and the logical -> mesh axis rules (sharding.py). Tuples,
   not lists: config_flags cannot override lists."""
-  shape: tuple = (-1, 1, 1)      # -1 = all remaining devices
-  axis_names: tuple = ("data", "fsdp", "tensor")
-  replicate_indivisible: tuple = ()  # fnmatch patterns (parameter path or logical axis name)
-                                 # allowed to replicate when their size does not divide their
-                                 # mesh axes; anything else is an error naming the parameter
+  shape: tuple[int, ...] = (-1, 1, 1)      # -1 = all remaining devices
+  axis_names: tuple[str, ...] = ("data", "fsdp", "tensor")
+  replicate_indivisible: tuple[str, ...] = ()  # fnmatch patterns (parameter path or logical
+                                 # axis name) allowed to replicate when their size does not
+                                 # divide their mesh axes; anything else is an error naming the
+                                 # parameter
   # logical axis -> mesh axis (or None = replicated); batch goes over data + fsdp. Mixers' own
   # axes come from their `axis_rules` (config_rules below); a rule here, for either, wins.
   rules: tuple = TRUNK_RULES
@@ -178,8 +181,13 @@ class RunConfig:
   @classmethod
   def from_config(cls, config: ml_collections.ConfigDict) -> "RunConfig":
     """The typed run config of `config`; a missing field takes its default, an unknown one is
-    an error naming it. No validation beyond types of structure: see `validate`."""
-    kw: dict[str, Any] = {"seed": int(config.get("seed", 0))}
+    an error naming it; a value not of its field's declared type is an error naming the field
+    (`field_checks.type_problem`: 3.0 is not an int, "3" not a number). Values: `validate`."""
+    seed = config.get("seed", 0)
+    why = type_problem(seed, int)
+    if why:
+      raise ValueError(f"config.seed: {why}")
+    kw: dict[str, Any] = {"seed": seed}
     kw["model"] = ModelConfig.from_config(config.model)
     for name, section_cls in SECTIONS.items():
       kw[name] = section_of(section_cls, name, config[name] if name in config else {})
@@ -217,7 +225,8 @@ def _plain(value):
 
 def section_of(section_cls: type, name: str, values) -> Any:
   """`section_cls` from a ConfigDict section (or dict): lists become tuples, a missing field
-  takes its default, an unknown field is an error naming it."""
+  takes its default, an unknown field or a value not of the field's declared type is an error
+  naming it (`field_checks.check_fields`)."""
   known = {f.name for f in dataclasses.fields(section_cls)}
   kw = {}
   for key in values:
@@ -225,6 +234,7 @@ def section_of(section_cls: type, name: str, values) -> Any:
       raise ValueError(f"config.{name}.{key}: unknown field (known: {', '.join(sorted(known))})")
     val = _plain(values[key])
     kw[key] = _frozen(val)
+  check_fields(section_cls, kw, f"config.{name}")
   return section_cls(**kw)
 
 
@@ -259,6 +269,19 @@ def default_config() -> ml_collections.ConfigDict:
   return c
 
 
+@functools.lru_cache(maxsize=1)
+def _default_json_fields() -> dict[str, Any]:
+  return jsonio.flatten(config_to_json(default_config()), ".")
+
+
+def is_default(path: str, value: Any) -> bool:
+  """Whether `path` ("data.window_offset", "model.sisa.d_state") is a field declared here whose
+  default is `value` (in JSON form: tuples as lists). A config saved before the field existed
+  lacks it and meant this default (`RunConfig.from_config` fills it in)."""
+  defaults = _default_json_fields()
+  return path in defaults and defaults[path] == value
+
+
 def validate(config: ml_collections.ConfigDict) -> RunConfig:
   """Check the whole config, with errors naming the field; returns the typed run config."""
   run = RunConfig.from_config(config)
@@ -284,9 +307,7 @@ def validate(config: ml_collections.ConfigDict) -> RunConfig:
   keep = run.checkpoint.max_to_keep
   need(is_int(keep, 1), "checkpoint.max_to_keep",
        f"must be an integer >= 1 (the newest steps kept), got {keep!r}")
-  every = run.eval.every_steps
-  need(is_int(every, 0), "eval.every_steps",
-       f"must be an integer >= 0 (0 = only at the end), got {every!r}")
+  _check_eval(run.eval, need)
   if o.warmup_steps >= t.steps:
     logging.warning("config.optim.warmup_steps=%d >= config.train.steps=%d: the learning rate "
                     "never reaches optim.lr=%g (warm-up is cut at step %d, then decays)",
@@ -301,6 +322,24 @@ def as_run(config: ml_collections.ConfigDict | RunConfig) -> RunConfig:
   """`config` itself when it is already typed, else `validate(config)`: for library functions
   that a notebook may call with a ConfigDict (an entry point passes its RunConfig down)."""
   return config if isinstance(config, RunConfig) else validate(config)
+
+
+def _check_eval(e: EvalConfig, need) -> None:
+  """config.eval's values (their types are checked by `section_of`): read at eval steps and at
+  the end of training, so a bad one must stop the run here, not after hours of training."""
+  need(is_int(e.every_steps, 0), "eval.every_steps",
+       f"must be an integer >= 0 (0 = only at the end), got {e.every_steps!r}")
+  for f in ("batch_size", "niah_samples"):
+    need(is_int(getattr(e, f), 1), f"eval.{f}", f"must be an integer >= 1, got "
+         f"{getattr(e, f)!r}")
+  for f in ("max_len", "limit"):
+    need(is_int(getattr(e, f), 0), f"eval.{f}", f"must be an integer >= 0 (0 = the default), "
+         f"got {getattr(e, f)!r}")
+  need(len(e.niah_lengths) > 0 and all(is_int(x, 1) for x in e.niah_lengths),
+       "eval.niah_lengths", f"must be context lengths in tokens (integers >= 1), got "
+       f"{e.niah_lengths!r}")
+  need(len(e.niah_depths) > 0 and all(is_number(x, 0) and x <= 1 for x in e.niah_depths),
+       "eval.niah_depths", f"must be depths in [0, 1], got {e.niah_depths!r}")
 
 
 def _check_optim(o: OptimConfig, need) -> None:

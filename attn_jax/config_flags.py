@@ -5,7 +5,10 @@
 `--config.<path>[=value]` (and absl's boolean `--noconfig.<path>`) through the loaded config and
 raises `ConfigFieldError("config.model.foo: unknown field (known: ...)")` naming the full path,
 the known fields and the closest match. `flags_parser()` plugs this into `absl.app.run`, so a
-script prints one line and exits with status 2 instead of a traceback.
+script prints one line and exits with status 2 instead of a traceback; so does a config file
+that raises while it loads (`config_file_error`: the error and its file:line, not
+ml_collections' traceback), and a flag value of the wrong type (`parse_flags`, which
+`attn_jax.cli.run` uses for every entry point: absl alone exits 1).
 
 `apply_overrides(config, ["model.d_model=512", ...])` is the same override as a list of strings,
 for entry points that take overrides in one flag (experiments/bench.py's `--set`, its
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import ast
 import difflib
+import linecache
 import os
 import sys
 from typing import Any, Sequence
@@ -167,7 +171,6 @@ def check_overrides(config: Any, argv: Sequence[str], flag_name: str = "config")
 def flags_parser(flag_name: str = "config", default: str | None = None):
   """An `absl.app.run(..., flags_parser=...)` that rejects a config file that does not load and
   unknown override fields in one line (exit status 2)."""
-  from absl import app
 
   def parse(argv):
     spec = config_argument(argv, flag_name, default)
@@ -180,10 +183,48 @@ def flags_parser(flag_name: str = "config", default: str | None = None):
       except ConfigFieldError as e:
         problem = str(e)
       except Exception as e:  # the config file itself fails (syntax, import): name it
-        problem = f"--{flag_name}={spec}: {type(e).__name__}: {e}"
+        problem = f"--{flag_name}={spec}: {config_file_error(e)}"
       if problem:
-        print(f"FATAL Flags parsing error: {problem}", file=sys.stderr)
-        sys.exit(2)
-    return app.parse_flags_with_usage(argv)
+        _fatal(problem)
+    return parse_flags(argv)
 
   return parse
+
+
+# where a config file's own frames are not: Python, the libraries, this package
+_NOT_CONFIG_FILES = ("<", sys.prefix, sys.base_prefix, os.path.dirname(os.path.abspath(__file__)))
+
+
+def config_file_error(e: BaseException) -> str:
+  """One line for an error raised while a config file loaded: the error itself, not
+  ml_collections' re-raise of it ("Error whilst parsing config file:" and the traceback as its
+  message), and the config file's line it came from, with that line's source
+  ('configs/x.py:4 (c.train.steps = "3")', which names the field)."""
+  if str(e).startswith("Error whilst parsing config file") and e.__context__ is not None:
+    e = e.__context__
+  where, tb, called = "", e.__traceback__, False
+  while tb is not None:   # the frames below ml_collections' call of get_config: the config's
+    name = tb.tb_frame.f_code.co_filename
+    called = called or "ml_collections" in name
+    if called and not name.startswith(_NOT_CONFIG_FILES) and "site-packages" not in name:
+      line = linecache.getline(name, tb.tb_lineno).strip()
+      shown = os.path.relpath(name) if name.startswith(os.getcwd() + os.sep) else name
+      where = f"{shown}:{tb.tb_lineno}" + (f" ({line})" if line else "") + ": "
+    tb = tb.tb_next
+  return where + f"{type(e).__name__}: " + " ".join(str(e).split())
+
+
+def _fatal(problem: str) -> None:
+  print(f"FATAL Flags parsing error: {' '.join(problem.split())}", file=sys.stderr)
+  sys.exit(2)
+
+
+def parse_flags(argv: Sequence[str]) -> list[str]:
+  """absl's flag parsing (`app.parse_flags_with_usage`), except that a bad flag value
+  (`--config.train.steps=abc`, `--config.train.steps=3.0`, an unknown flag) is one line and
+  exit status 2, a user's mistake like every other (attn_jax/cli.py), not absl's status 1 and
+  its usage hint. `cli.run`'s default flags parser."""
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    _fatal(str(e))

@@ -14,7 +14,7 @@ from typing import Any
 
 import ml_collections
 
-from attn_jax.field_checks import field_check, is_int, is_number
+from attn_jax.field_checks import check_fields, field_check, is_int, is_number
 from attn_jax.kernel_choice import ATTENTION_IMPLS
 from attn_jax.registry import get_mixer
 
@@ -107,6 +107,7 @@ class ModelConfig:
         subs[key] = val.to_dict()
       else:
         raise ValueError(f"config.model.{key}: unknown field (known: {', '.join(sorted(fields))})")
+    check_fields(cls, kw, "config.model")   # 3.0 layers, "64" for d_model: named here
     cfg = cls(**kw, options=tuple(sorted((k, make_options(k, v)) for k, v in subs.items())))
     validate_model(cfg)
     return cfg
@@ -135,6 +136,7 @@ def make_options(mixer: str, values: dict):
       raise ValueError(f"config.model.{mixer}.{k}: unknown option (known: "
                        f"{', '.join(sorted(known))})")
   vals = {k: (tuple(v) if isinstance(v, list) else v) for k, v in values.items()}
+  check_fields(opt_cls, vals, f"config.model.{mixer}")
   return opt_cls(**vals)
 
 

@@ -17,7 +17,13 @@
 #   JAX_PLATFORMS=cpu ATTN_JAX_GPU_TESTS_IMPL=xla BENCH_EXTRA="--scale=tiny \
 #     --set=model.dtype=float32 --steps=1 --warmup=1 --batch_tokens=4096" \
 #     TUNE_EXTRA="--tokens=1024 --seq_lens=128" \
-#     bash experiments/device_check.sh          # CPU dry run (the sweep step reports no cuDNN)
+#     bash experiments/device_check.sh          # CPU dry run (the sweep step reports no cuDNN;
+#                                               # tune_decayed.py runs with --dry_run: no file)
+#
+# It needs a GPU (or TPU): run plainly where JAX sees neither, its first line says so and it
+# stops (exit 2); the CPU dry run above is asked for explicitly with JAX_PLATFORMS=cpu. Every
+# selected step runs even when one before it fails (the numerics run every test, no -x), and
+# the last line names the steps that failed or timed out (exit 1 then).
 #
 # The device image has jax with CUDA, flax, optax, orbax and chex, and no network. Carry the
 # pure-Python rest in .device_deps (git-ignored):
@@ -29,36 +35,65 @@
 # to that pip line (their wheels for the device's Python) when the run trains.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD:$PWD/.device_deps${PYTHONPATH:+:$PYTHONPATH}"
+backend="$(python3 -c "import jax; print(jax.default_backend())" 2>/dev/null | tail -n 1)"
+dry=""   # the CPU dry run, asked for explicitly
+if [[ "$backend" == cpu && "${JAX_PLATFORMS:-}" == cpu ]]; then
+  dry="--dry_run"
+elif [[ "$backend" != gpu && "$backend" != tpu ]]; then
+  seen="${backend:-no backend (jax did not start)}"
+  echo "device_check.sh needs a GPU (or TPU): JAX sees $seen here, so nothing was run. The" \
+    "CPU dry run is asked for explicitly: JAX_PLATFORMS=cpu bash experiments/device_check.sh" \
+    "(with the header's BENCH_EXTRA and TUNE_EXTRA)" >&2
+  exit 2
+fi
 out="${OUT:-/tmp/attn_jax_device_check}"
 mkdir -p "$out"
-export PYTHONPATH="$PWD:$PWD/.device_deps${PYTHONPATH:+:$PYTHONPATH}"
 python3 -c "import jax; print(jax.__version__, jax.devices())" | tee "$out/devices.txt"
 want() { [[ " ${STEPS:-1 2 2L 2b} " == *" $1 "* ]]; }  # is step $1 selected?
+failed=()
+step() {  # $1 = step name, the rest = its command; a failure is noted and the script goes on
+  local name="$1"; shift
+  "$@"
+  local rc=$?
+  (( rc == 124 )) && failed+=("$name (timed out)")
+  (( rc != 0 && rc != 124 )) && failed+=("$name (exit $rc)")
+  return 0
+}
+quiet() { grep -v "^[IW][0-9]" || true; }   # JAX's native log lines dropped (none left: fine)
 
 # 1. numerics on the accelerator: the decayed-attention Triton kernel against the float64
 #    references, cuDNN and SISA's GPU paths against the fp32 ones. 1x (not in the default, its
 #    compile time alone is minutes): the backend-independent attention / SISA / SSM / decoding
 #    tests run on the device backend.
 # fp32 tests compare at 1e-5: keep fp32 matmuls in full precision (no TF32) for them.
-numerics() {  # $1 = timeout s, the rest = test files
-  local t="$1"; shift
-  JAX_PLATFORMS="${JAX_PLATFORMS:-cuda}" XLA_FLAGS="" JAX_DEFAULT_MATMUL_PRECISION=highest \
-    timeout "$t" python3 -m pytest -q -x -p no:cacheprovider "$@" 2>&1 | tail -25
+platform="${JAX_PLATFORMS:-$([[ "$backend" == tpu ]] && echo tpu || echo cuda)}"
+numerics() {  # $1 = timeout s, the rest = test files; every test runs (no -x: a failure in the
+  local t="$1"; shift   # first file used to skip the GPU paths of the second)
+  JAX_PLATFORMS="$platform" XLA_FLAGS="" JAX_DEFAULT_MATMUL_PRECISION=highest \
+    timeout "$t" python3 -m pytest -q -p no:cacheprovider "$@" 2>&1 | tail -25
 }
-want 1 && numerics 70 tests/test_kernels.py tests/test_gpu_paths.py | tee "$out/numerics.txt"
-want 1x && numerics 170 tests/test_attention.py tests/test_decode.py tests/test_sisa.py tests/test_trunk.py \
-  tests/test_ssd.py tests/test_mamba.py tests/test_sinkhorn.py tests/test_sinks.py tests/test_fox.py \
-  tests/test_mamba3_mimo.py tests/test_blockwise.py tests/test_lse_merge.py tests/test_loss.py \
-  | tee -a "$out/numerics.txt"
+step1() { numerics 70 tests/test_kernels.py tests/test_gpu_paths.py | tee "$out/numerics.txt"; }
+step1x() {
+  numerics 170 tests/test_attention.py tests/test_decode.py tests/test_sisa.py tests/test_trunk.py \
+    tests/test_ssd.py tests/test_mamba.py tests/test_sinkhorn.py tests/test_sinks.py tests/test_fox.py \
+    tests/test_mamba3_mimo.py tests/test_blockwise.py tests/test_lse_merge.py tests/test_loss.py \
+    | tee -a "$out/numerics.txt"
+}
+want 1 && step 1 step1
+want 1x && step 1x step1x
 
 # t. (opt-in: kernels/decayed.GPU_TUNING holds its H200 result) the decayed-attention kernel's
 #    Triton choices (kernels/decayed.GpuTuning): one SISA layer's fwd + bwd at the 152M shape per
 #    candidate, beside cuDNN's flash attention on the same q, k, v. The best (least total time)
 #    is written to $out/decayed_tuning.json and the train steps below run with it
 #    ($ATTN_JAX_DECAYED_TUNING); the sweep's table gives the default beside it.
-want t && timeout 100 python3 experiments/tune_decayed.py --quick --kinds=sisa --seq_lens=2048,8192 \
-  --steps=3 --write="$out/decayed_tuning.json" ${TUNE_EXTRA:-} 2>&1 | grep -v "^[IW][0-9]" \
-  | tee "$out/tune_decayed.txt"
+stept() {
+  timeout 100 python3 experiments/tune_decayed.py --quick --kinds=sisa --seq_lens=2048,8192 \
+    --steps=3 --write="$out/decayed_tuning.json" $dry ${TUNE_EXTRA:-} 2>&1 | quiet \
+    | tee "$out/tune_decayed.txt"
+}
+want t && step t stept
 [ -s "$out/decayed_tuning.json" ] && export ATTN_JAX_DECAYED_TUNING="$out/decayed_tuning.json"
 
 # 2. train-step throughput, MFU against the bf16 matmul peak measured in the same run and the
@@ -67,38 +102,53 @@ want t && timeout 100 python3 experiments/tune_decayed.py --quick --kinds=sisa -
 bench() {  # $1 = timeout s, $2 = configs, $3 = lengths
   timeout "$1" python3 experiments/bench.py --configs="$2" --seq_lens="$3" --batch_tokens=65536 \
     --steps=3 --warmup=1 --decode_step_batches= --decode_tokens=0 --profile_top=8 \
-    ${BENCH_EXTRA:-} 2>&1 | grep -v "^[IW][0-9]"
+    ${BENCH_EXTRA:-} 2>&1 | quiet
 }
-want 2 && bench 250 transformer_152m,sisa_152m,mamba2_152m,fox_152m,alibi_152m,hybrid_head_152m,hybrid_block_152m,sinkhorn_152m,mamba3_152m \
-  2048 | tee "$out/bench.txt"
+step2() {
+  bench 250 transformer_152m,sisa_152m,mamba2_152m,fox_152m,alibi_152m,hybrid_head_152m,hybrid_block_152m,sinkhorn_152m,mamba3_152m \
+    2048 | tee "$out/bench.txt"
+}
+want 2 && step 2 step2
 # 2L. the long rows: the variants whose cost is per pair of tokens or per chunk, at T 8192
-[ -z "${QUICK:-}" ] && want 2L && bench 130 transformer_152m,sisa_152m,fox_152m,alibi_152m,mamba2_152m \
-  8192 | tee "$out/bench_8192.txt"
+step2L() { bench 130 transformer_152m,sisa_152m,fox_152m,alibi_152m,mamba2_152m 8192 | tee "$out/bench_8192.txt"; }
+[ -z "${QUICK:-}" ] && want 2L && step 2L step2L
 
 # 2b. decode against memory bandwidth: one-token decode steps (after a 128-token prefill) at
 #     batch 1 and 32 per mixer and cache policy, tokens/s vs copy bandwidth / bytes per step
 #     (parameters + decoding state), with the measured copy bandwidth.
-want 2b && timeout 80 python3 experiments/bench.py --decode_only --configs=transformer_152m,sisa_152m,mamba2_152m \
-  --decode_step_batches=1,32 ${BENCH_EXTRA:-} 2>&1 | grep -v "^[IW][0-9]" | tee "$out/decode.txt"
+step2b() {
+  timeout 80 python3 experiments/bench.py --decode_only --configs=transformer_152m,sisa_152m,mamba2_152m \
+    --decode_step_batches=1,32 ${BENCH_EXTRA:-} 2>&1 | quiet | tee "$out/decode.txt"
+}
+want 2b && step 2b step2b
 
 # 2g. (opt-in) XLA:GPU command buffers (CUDA graphs) holding while loops and conditionals too
 #     (the flags are accepted by the CUDA plugin; what they do on a device is not measured yet):
 #     do they cut the per-launch cost of a one-token step and the host round trip per loop
 #     iteration (the layer scan, the loss chunks, the decoding loop)? Decode and train rows.
 cb_flags="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"
-want 2g && XLA_FLAGS="${XLA_FLAGS:-} $cb_flags" timeout 60 python3 experiments/bench.py --decode_only \
-  --configs=transformer_152m,sisa_152m,mamba2_152m --decode_step_batches=1,32 ${BENCH_EXTRA:-} 2>&1 \
-  | grep -v "^[IW][0-9]" | tee "$out/decode_graphs.txt"
-want 2g && XLA_FLAGS="${XLA_FLAGS:-} $cb_flags" bench 90 transformer_152m,mamba2_152m 2048 \
-  | tee "$out/bench_graphs.txt"
+step2g() {
+  XLA_FLAGS="${XLA_FLAGS:-} $cb_flags" timeout 60 python3 experiments/bench.py --decode_only \
+    --configs=transformer_152m,sisa_152m,mamba2_152m --decode_step_batches=1,32 ${BENCH_EXTRA:-} 2>&1 \
+    | quiet | tee "$out/decode_graphs.txt"
+}
+step2g_train() {
+  XLA_FLAGS="${XLA_FLAGS:-} $cb_flags" bench 90 transformer_152m,mamba2_152m 2048 \
+    | tee "$out/bench_graphs.txt"
+}
+want 2g && step 2g step2g
+want 2g && step "2g (train)" step2g_train
 
 # 3. SISA's chunked path (with cuDNN: fused past keys per query chunk + biased in-chunk block)
 #    against plain attention, compiled fwd+bwd temporaries of one layer vs length on the GPU
 #    core: both should grow ~linearly (on CPU attention grows ~T^2, SISA's blockwise path
 #    linearly).
-want 3 && timeout 100 python3 experiments/mixer_memory.py --mixers=attention,sisa --dtype=bfloat16 \
-  --seq_lens=2048,4096,8192,16384 --batch=4 --d_model=768 --n_heads=12 2>&1 \
-  | grep -v "^[IW][0-9]" | tee "$out/mixer_memory.txt"
+step3() {
+  timeout 100 python3 experiments/mixer_memory.py --mixers=attention,sisa --dtype=bfloat16 \
+    --seq_lens=2048,4096,8192,16384 --batch=4 --d_model=768 --n_heads=12 2>&1 \
+    | quiet | tee "$out/mixer_memory.txt"
+}
+want 3 && step 3 step3
 
 # 4. batch-1 generation of a real LLM's shape (the pretrained prefill speed target): SmolLM2-135M with random
 #    weights (its file cannot be carried), fp32, 512-token prompt + 128 greedy tokens, against
@@ -109,10 +159,20 @@ want 3 && timeout 100 python3 experiments/mixer_memory.py --mixers=attention,sis
 #    splash core and SISA's chunked path (per-chunk cuDNN calls + a biased in-chunk block), at
 #    T 2048 and 8192 with the same tokens per step. Goal: SISA >= 0.8x the Transformer's step.
 long="2048,8192"; [ -n "${QUICK:-}" ] && long="2048"
-want 5 && timeout 200 python3 experiments/bench.py --configs=transformer_152m,sisa_152m,sisa_152m@chunked,fox_152m,alibi_152m \
-  --seq_lens="$long" --batch_tokens=65536 --steps=5 --warmup=2 --decode_step_batches= --decode_tokens=0 ${BENCH_EXTRA:-} \
-  2>&1 | grep -v "^[IW][0-9]" | tee "$out/kernel_speed.txt"
-
-want 4 && timeout 90 python3 experiments/bench_pretrained.py --random=smollm2 --prompt_len=512 \
-  --new_tokens=128 --repeats=5 2>&1 | grep -v "^[IW][0-9]" | tee "$out/pretrained_speed.txt"
+step5() {
+  timeout 200 python3 experiments/bench.py --configs=transformer_152m,sisa_152m,sisa_152m@chunked,fox_152m,alibi_152m \
+    --seq_lens="$long" --batch_tokens=65536 --steps=5 --warmup=2 --decode_step_batches= --decode_tokens=0 ${BENCH_EXTRA:-} \
+    2>&1 | quiet | tee "$out/kernel_speed.txt"
+}
+want 5 && step 5 step5
+step4() {
+  timeout 90 python3 experiments/bench_pretrained.py --random=smollm2 --prompt_len=512 \
+    --new_tokens=128 --repeats=5 2>&1 | quiet | tee "$out/pretrained_speed.txt"
+}
+want 4 && step 4 step4
+if (( ${#failed[@]} )); then
+  list=""; for f in "${failed[@]}"; do list+="${list:+, }$f"; done
+  echo "device_check: steps ${STEPS:-1 2 2L 2b} done; FAILED: $list; results in $out"
+  exit 1
+fi
 echo "device_check: steps ${STEPS:-1 2 2L 2b} done; results in $out"

@@ -12,6 +12,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import flags  # noqa: E402
 
 from attn_jax import cli  # noqa: E402
+from attn_jax import config_flags as checked_flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.")
@@ -42,4 +43,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  cli.run(main)
+  # a config file that fails to load, an unknown or mistyped --config.* field: one line, exit 2
+  cli.run(main, flags_parser=checked_flags.flags_parser("config"))

@@ -218,6 +218,7 @@ def make_eval_batches(
   """
   if num_batches < 1:
     raise ValueError(f"num_batches must be >= 1, got {num_batches}")
+  field = "data.global_batch_size" if batch_size is None else "the evaluation's batch size"
   if batch_size is None:
     batch_size = data_cfg.global_batch_size
   rows = resolve_host_rows(batch_size, process_index=process_index,
@@ -228,8 +229,8 @@ def make_eval_batches(
   available = len(batches)
   if available == 0:
     raise ValueError(
-        f"the eval split has {len(source)} sequences, fewer than one batch of {batch_size}; "
-        "raise data.eval_fraction or lower the eval batch size")
+        f"the eval split has {len(source)} sequences, fewer than one batch of {batch_size} "
+        f"({field}); raise data.eval_fraction or lower {field}")
   return [batches[i] for i in range(min(num_batches, available))]
 
 

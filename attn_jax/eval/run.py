@@ -76,7 +76,7 @@ def _check_vocab(tokenizer: Tokenizer, vocab_size: int) -> None:
                      "(config.data.tokenizer)")
 
 
-def niah_lengths(config: RunConfig, max_len: int) -> tuple[int, ...]:
+def niah_lengths(config: RunConfig, max_len: int, *, warn: bool = True) -> tuple[int, ...]:
   """The NIAH context lengths to run: `config.eval.niah_lengths` up to `max_len`.
 
   Lengths over `max_len` are dropped with a warning (an error if none is left). A length over
@@ -89,16 +89,56 @@ def niah_lengths(config: RunConfig, max_len: int) -> tuple[int, ...]:
   if not lengths:
     raise ValueError(f"config.eval.niah_lengths={asked}: none fits max_len={max_len} "
                      "(config.eval.max_len, default config.data.seq_len)")
-  if len(lengths) < len(asked):
+  if len(lengths) < len(asked) and warn:
     logging.warning("config.eval.niah_lengths=%s: skipping %s, longer than max_len=%d "
                     "(config.eval.max_len, default config.data.seq_len)", asked,
                     tuple(x for x in asked if x > max_len), max_len)
   model_max = int(config.model.max_seq_len)
   beyond = tuple(x for x in lengths if x > model_max)
-  if beyond:
+  if beyond and warn:
     logging.warning("config.eval.niah_lengths=%s: %s exceed config.model.max_seq_len=%d; "
                     "those cells are not run and are reported as n/a", asked, beyond, model_max)
   return lengths
+
+
+def eval_max_len(config: RunConfig, max_len: int | None = None) -> int:
+  """The evaluation's context length: `max_len`, else config.eval.max_len, else data.seq_len."""
+  return int(max_len or config.eval.max_len or config.data.seq_len)
+
+
+def _check_data_dir(config: RunConfig, bench: Sequence[str]) -> None:
+  if not config.eval.data_dir:
+    raise ValueError(f"tasks {list(bench)} need data files: set config.eval.data_dir (a folder "
+                     "laid out like shared/data; --data_dir of experiments/eval.py) or "
+                     "pass data_paths")
+
+
+def check_tasks(config: RunConfig, tasks: Sequence[str]) -> None:
+  """What `run_tasks` would refuse at the first evaluation, checked before training: the
+  benchmark tasks' config.eval.data_dir and the tokenizer's vocabulary, and for niah a grid
+  with a cell to run (config.eval.niah_lengths within config.eval.max_len / data.seq_len and
+  model.max_seq_len, the shortest one long enough for the needle and its question)."""
+  bench = [t for t in tasks if t not in GENERATED]
+  if bench:
+    _check_data_dir(config, bench)
+  if not bench and "niah" not in tasks:
+    return
+  tokenizer = get_tokenizer(config.data.tokenizer)
+  _check_vocab(tokenizer, config.model.vocab_size)
+  if "niah" not in tasks:
+    return
+  lengths = niah_lengths(config, eval_max_len(config), warn=False)
+  model_max = int(config.model.max_seq_len)
+  runnable = [x for x in lengths if x <= model_max]
+  if not runnable:
+    raise ValueError(f"config.eval.niah_lengths={tuple(lengths)}: every length exceeds "
+                     f"config.model.max_seq_len={model_max}, so eval.tasks=niah would run no "
+                     "cell; lower eval.niah_lengths or drop niah from eval.tasks")
+  try:
+    niah.build_case(tokenizer, min(runnable), 0.0, 1000)
+  except ValueError as err:
+    raise ValueError(f"config.eval.niah_lengths={tuple(lengths)}: {err}; raise "
+                     "eval.niah_lengths (and eval.max_len / data.seq_len)") from None
 
 
 def run_tasks(logits_fn, config: RunConfig, tasks: Sequence[str], *,
@@ -109,7 +149,7 @@ def run_tasks(logits_fn, config: RunConfig, tasks: Sequence[str], *,
   typed config, or a ConfigDict, validated here)."""
   config = as_run(config)
   e = config.eval
-  max_len = int(max_len or e.max_len or config.data.seq_len)
+  max_len = eval_max_len(config, max_len)
   batch_size = int(batch_size or e.batch_size)
   limit = limit if limit is not None else (int(e.limit) or None)
   bench = [t for t in tasks if t not in GENERATED]
@@ -119,10 +159,7 @@ def run_tasks(logits_fn, config: RunConfig, tasks: Sequence[str], *,
     _check_vocab(tokenizer, config.model.vocab_size)
   if bench:
     if data_paths is None:
-      if not e.data_dir:
-        raise ValueError(f"tasks {bench} need data files: set config.eval.data_dir (a folder "
-                         "laid out like shared/data; --data_dir of experiments/eval.py) or "
-                         "pass data_paths")
+      _check_data_dir(config, bench)
       data_paths = tasks_lib.shared_data_paths(e.data_dir)
     out = harness.evaluate(bench, logits_fn, tokenizer, data_paths, max_len=max_len,
                            batch_size=batch_size, limit=limit)
@@ -151,7 +188,8 @@ def run_tasks(logits_fn, config: RunConfig, tasks: Sequence[str], *,
 def task_callback(config: RunConfig):
   """The trainer's evaluation callback for `config.eval.tasks`: `(state, step) -> metrics`.
 
-  Task names are checked now (before hours of training). The scorer is built once from the
+  Task names and what the tasks need (`check_tasks`) are checked now (before hours of
+  training). The scorer is built once from the
   model's abstract graph, and the train state's parameters are set at each call, so every
   evaluation after the first reuses its compilations.
   """
@@ -160,6 +198,7 @@ def task_callback(config: RunConfig):
   tasks = parse_tasks(config.eval.tasks)
   if not tasks:
     return None
+  check_tasks(config, tasks)
   graphdef = nnx.split(abstract_model(config.model))[0]
   scorer = ModelScorer(graphdef=graphdef)
 

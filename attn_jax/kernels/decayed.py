@@ -202,10 +202,12 @@ class Cols(NamedTuple):
 
 def _dot(a, b, dims=None):
   """fp32-accumulating matmul; fp32 operands at full precision (Triton's default for them is
-  TF32, Mosaic's may round them too), bf16 ones native."""
+  TF32, Mosaic's may round them too), bf16 ones native. Both precisions explicit: None would
+  take `jax_default_matmul_precision`, and its "highest" asks Mosaic for an fp32 contraction
+  of bf16 operands, which it refuses ("Bad lhs type")."""
   both32 = a.dtype == jnp.float32 and b.dtype == jnp.float32
   return lax.dot_general(a, b, dims or (((1,), (0,)), ((), ())),
-                         precision=lax.Precision.HIGHEST if both32 else None,
+                         precision=lax.Precision.HIGHEST if both32 else lax.Precision.DEFAULT,
                          preferred_element_type=jnp.float32)
 
 

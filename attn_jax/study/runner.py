@@ -347,18 +347,31 @@ def _runs(config, cfgs, workdir, log, on_run):
   return runs, sweep, chosen
 
 
+def check_study(config: ml_collections.ConfigDict, cfgs: dict) -> None:
+  """What the study reads only after runs have trained, checked before the first one: every
+  variant's config (`config.validate`) and learning rates (study.lrs), and the sink study's
+  stream layouts (study.sink_keep within study.sink_cache: `sinks.policies`), which it used to
+  refuse after every run had trained. Errors name the field."""
+  for vc, _ in cfgs.values():
+    validate(vc)
+    variant_lrs(vc)
+  if config.study.get("sink_stream"):
+    sinks.policies(config.study)
+
+
 def run_study(config: ml_collections.ConfigDict, workdir: str, *, command: str = "",
               log: Callable[[str], Any] = print) -> dict:
   """Train every (variant, seed) (after the lr sweep), measure throughput, write
   results.json; returns it."""
   workdir = os.path.abspath(workdir)
-  os.makedirs(workdir, exist_ok=True)
-  enable_compilation_cache(workdir)
   started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
   load0 = os.getloadavg()
   machine = machine_info()   # the commit of the code this process loaded, not of later edits
   t0, c0 = time.perf_counter(), time.process_time()
   cfgs = matching.all_variant_configs(config)
+  check_study(config, cfgs)   # before anything is written or trained
+  os.makedirs(workdir, exist_ok=True)
+  enable_compilation_cache(workdir)
   for name, (_, info) in cfgs.items():
     log(f"[study] {name}: {info['params']:,} parameters ({info['diff_pct']:+.2f}% vs "
         f"{config.study.baseline}; {info['match_field'] or '-'} = {info['match_value']})")

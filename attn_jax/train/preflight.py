@@ -5,8 +5,10 @@ on.
 `config.validate` inside `setup.build_setup`, `validate_for_training`, the W&B package when a
 project is named), with the abstract set-up those checks need: a refused run has made no folder
 and taken no lock. `validate_for_training` holds the checks a training run adds to
-`config.validate`: the non-finite and spike options, the data files, the vocabulary against the
-data's and the global batch against the mesh; each error names the config field.
+`config.validate`: the non-finite and spike options, the data (every text / JSONL file read:
+an empty or non-UTF-8 one is named before the workdir exists; the token shards' index), its
+held-out split against one batch, the vocabulary against the data's and the global batch
+against the mesh; each error names the config field.
 
 `data_source` / `say_data_source` give the run's first log line: the data it trains on, and a
 warning when a model larger than the quickstart trains on generated data (most likely a preset
@@ -21,6 +23,7 @@ import ml_collections
 from attn_jax import sharding as shd
 from attn_jax.config import RunConfig, as_run
 from attn_jax.data import pipeline, text
+from attn_jax.data.shards import TokenShards
 from attn_jax.field_checks import field_check
 from attn_jax.train import init_from
 from attn_jax.train.loss_monitor import NONFINITE_MODES
@@ -58,6 +61,7 @@ def validate_for_training(config: RunConfig, setup: Setup) -> None:
        f"must be > 0, got {t.spike_threshold!r}")
   if str(config.data.source) in text.TEXT_SOURCES:
     text.data_files(config.data)   # every file there (a folder: its files), named if missing
+  check_heldout_batch(config, setup)
   vocab = pipeline.vocab_size_needed(config.data)
   if vocab > setup.cfg.vocab_size:
     raise ValueError(f"config.model.vocab_size={setup.cfg.vocab_size} is smaller than the data's "
@@ -66,6 +70,36 @@ def validate_for_training(config: RunConfig, setup: Setup) -> None:
   if gbs % shards:
     raise ValueError(f"config.data.global_batch_size={gbs} is not divisible by the "
                      f"{shards} batch shards of the mesh {dict(setup.mesh.shape)}")
+
+
+def check_heldout_batch(config: RunConfig, setup: Setup) -> None:
+  """A packed source's held-out split holds one batch: the trainer evaluates on batches of
+  `data.global_batch_size` sequences (`setup.make_heldout_batches`; with
+  `train.auto_microbatch` the fitted micro-batch, at least one row per batch shard) from the
+  last `data.eval_fraction` of the corpus (`text.split_counts`). Text / JSONL: the corpus is
+  read and tokenized here (cached: the run reads it once), so an empty, binary or non-UTF-8
+  file is an error naming it before anything is written; shards: their index and sizes."""
+  d = config.data
+  source = str(d.source)
+  if source == "synthetic":   # an endless generated held-out stream
+    return
+  if source in text.TEXT_SOURCES:
+    n_tokens = len(text.load_token_stream(d))
+  else:
+    directory = str(d.paths).strip()
+    if not directory or "," in directory:
+      raise ValueError(f"config.data.paths must be one prepared folder for data.source="
+                       f"'shards', got {d.paths!r}")
+    n_tokens = TokenShards(directory, verify=False).num_tokens   # checksums: at open
+  n_train, n_eval = text.split_counts(n_tokens, d)
+  need = (shd.batch_shards(setup.mesh, setup.rules) if config.train.auto_microbatch
+          else d.global_batch_size)
+  if n_eval < need:
+    raise ValueError(
+        f"config.data.global_batch_size={d.global_batch_size}: the held-out split has {n_eval} "
+        f"sequence(s) of data.seq_len={d.seq_len} (data.eval_fraction={d.eval_fraction} of "
+        f"{n_train + n_eval}), fewer than one held-out batch of {need}: raise "
+        "data.eval_fraction, add data, or lower data.global_batch_size")
 
 
 # The quickstart (MQAR, about 0.1M parameters) is meant to train on generated data; a model past

@@ -7,16 +7,19 @@ from __future__ import annotations
 import logging
 
 from attn_jax import jsonio
-from attn_jax.config import RunConfig
+from attn_jax.config import RunConfig, is_default
 from attn_jax.run_layout import RunLayout
 from attn_jax.train.checkpoint import Checkpointer, CheckpointMismatchError
 
 
 def config_changes(saved: dict, now: dict) -> list[str]:
-  """"field: saved -> now" for every config field that differs (JSON forms of two configs)."""
+  """"field: saved -> now" for every config field that differs (JSON forms of two configs). A
+  field the saved config lacks (declared in attn_jax/config.py since it was saved) is not a
+  change while `now` holds its default: the run was made with that value."""
   a, b = jsonio.flatten(saved, "."), jsonio.flatten(now, ".")
   return [f"config.{k}: {a.get(k, '(absent)')!r} -> {b.get(k, '(absent)')!r}"
-          for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)]
+          for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)
+          and not (k not in a and k in b and is_default(k, b[k]))]
 
 
 _SCHEDULE_FIELDS = ("config.train.steps", "config.optim.lr", "config.optim.warmup_steps",
