@@ -192,7 +192,7 @@ def run(main: Callable, **kwargs) -> None:
   """`absl.app.run(main, **kwargs)` with `guarded` error handling; a bad flag value is one line
   and exit status 2 too (`config_flags.parse_flags`, unless `flags_parser` is given)."""
   if "flags_parser" not in kwargs:
-    from attn_jax.config_flags import parse_flags
+    from attn_jax.config_flags import parse_flags  # cli stays light: entry points import it first
     kwargs["flags_parser"] = parse_flags
   app.run(guarded(main), **kwargs)
 
