@@ -1,0 +1,507 @@
+"""The attention kernels' compiled inner loops, counted without a GPU: the kernel census.
+
+Each pass of the decayed-attention Pallas kernel (`kernels/decayed.py`: fwd, dq, dkv; called as
+the SISA, FoX and ALiBi mixers call it) and JAX's own Pallas-Triton flash attention
+(`jax.experimental.pallas.ops.gpu.attention.mha`, fwd and bwd: the reference row) is compiled
+for an H100 through `attn_jax.targets` (compile-only devices), with XLA's dump
+(`xla_dump_to`) into a temporary folder. From the dump:
+
+  PTX (`*.ptx`)          one `.entry` per Triton kernel, named after its Pallas call
+                         (decayed_fwd, decayed_dq, decayed_dkv, mha_forward, mha_backward);
+  thunk sequence         each kernel's launch: grid, threads, dynamic shared memory (the PTX
+                         declares `global_smem[]` without a size);
+
+and from the traced program (`pallas_calls`, its jaxpr): each Pallas call's warps, stages and
+the tile of each loop in its kernel body, the output shape [M, N] of the first matmul in the
+loop body (the score tile q k^T of a flash-attention loop: [block_q, block_k]).
+
+Convention (what a figure means):
+- a *loop* of a kernel's PTX is a back-edge: a branch to a label at or before the branch; its
+  blocks are the instructions from the label to the branch. Only innermost loops (no back-edge
+  inside) are counted: Triton's software pipelining leaves one loop per `fori_loop` of the
+  Pallas kernel, with its prologue and epilogue outside it;
+- an *instruction* is one PTX statement (text up to ';') that is not a directive (`.reg`, `.loc`,
+  ...), a label, a comment or a brace: `@%p bra` and `mov` count, as do the statements of
+  inline assembly (`wgmma.fence`, `wgmma.wait_group`);
+- instructions per (query, key) element of a loop = its instructions (per thread, one
+  iteration) x the kernel's threads / (M N), the loop's tile: every thread runs the loop's
+  code once per tile of M x N elements. Summed over the loops of a kernel (JAX's `mha_backward`
+  has two: dk / dv over query tiles, dq over key tiles, each visiting every element once);
+- `ex2` per element the same for MUFU `ex2.approx` (libdevice's `expf` is one `ex2` among
+  ~10 instructions; `exp2` with log2 e folded into the scale is the `ex2` alone);
+- MMA: the loop's `wgmma.mma_async` (Hopper's warpgroup MMA) and `mma.sync` (Ampere's warp
+  MMA, what Triton emits when a matmul's M is below 64 per warpgroup) instructions, by shape,
+  per iteration (static count).
+
+Counted statically: a branch inside the loop (a masked-tile path) counts all its instructions,
+as if each iteration ran every path. PTX is not SASS: ptxas schedules, fuses and may unroll
+further, so these are the compiler's input, comparable between kernels compiled alike, not
+cycle counts.
+
+Checked against issue 60's table (main at 7a9c5ce, T 2048, head dim 64, bf16, this module's
+count): SISA fwd 66 / dq 56 / dkv 98 instructions per element (ex2 3 / 2 / 4: 9 summed; dkv
+160 `mma.sync` m16n8k16 a loop, the 128 x 32 tile transposed to M = 32), FoX 54 / 41 / 64,
+JAX `mha` fwd 10, bwd 44. ALiBi is compiled here as the ALiBi mixer calls the kernel today:
+through `fox.ScoreBiasAttention`, g a double word (hi, lo) like FoX's, so its kernel and its
+counts are FoX's; the issue's ALiBi row (51 / 37 / 60) is the kernel given a single-word g (no
+lo), 3 to 4 instructions per element fewer (`DecayedCall.single_word_g`).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import glob
+import os
+import re
+import tempfile
+from typing import Any, Callable, Iterable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# ---------------------------------------------------------------- PTX
+
+_ENTRY_RE = re.compile(r"\.entry\s+([\w$]+)\s*\(")
+_NTID_RE = re.compile(r"\.(?:reqntid|maxntid)\s+(\d+)(?:\s*,\s*(\d+))?(?:\s*,\s*(\d+))?")
+_LABEL_RE = re.compile(r"^\s*([\w$]+):")
+_BRANCH_RE = re.compile(r"^(?:@!?%\w+\s+)?bra(?:\.uni)?\s+([\w$]+)\s*$")
+_EX2_RE = re.compile(r"^(?:@!?%\w+\s+)?ex2\.approx")
+_MMA_RE = re.compile(r"^(?:@!?%\w+\s+)?((?:wgmma\.mma_async|mma\.sync)[\w.]*)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Loop:
+  """One innermost loop of a kernel's PTX: per iteration and thread, its instructions, MUFU
+  `ex2` and MMA instructions (by opcode: `wgmma.mma_async...m64n32k16...`, `mma.sync...`)."""
+  instructions: int
+  ex2: int
+  mma: dict[str, int]
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelCode:
+  """One `.entry` of a PTX module: its threads per block (`.reqntid` / `.maxntid`), its
+  instructions and MMA instructions in all, and its innermost loops in program order."""
+  name: str
+  threads: int | None
+  instructions: int
+  mma: dict[str, int]
+  loops: tuple[Loop, ...]
+
+
+def _statements(body: str) -> tuple[list[str], dict[str, int]]:
+  """The instructions of a function body (module docstring: what counts) and each label's
+  position (the index of the instruction after it)."""
+  out, labels, pending = [], {}, ""
+  for raw in body.splitlines():
+    line = raw.split("//", 1)[0].strip()
+    while line:
+      m = _LABEL_RE.match(line)
+      if m and not pending:
+        labels[m.group(1)] = len(out)
+        line = line[m.end():].strip()
+        continue
+      if line[0] in "{}" and not pending:
+        line = line[1:].strip()
+        continue
+      stmt, sep, line = line.partition(";")
+      pending = f"{pending} {stmt}".strip()
+      if not sep:
+        break
+      if pending and not pending.startswith("."):
+        out.append(" ".join(pending.split()))
+      pending = ""
+      line = line.strip()
+  return out, labels
+
+
+def _innermost(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+  """The spans (first, last instruction; one per loop header, the farthest back-edge) that
+  contain no other span, in program order."""
+  by_head: dict[int, int] = {}
+  for a, b in spans:
+    by_head[a] = max(b, by_head.get(a, b))
+  merged = sorted(by_head.items())
+  return [(a, b) for a, b in merged
+          if not any((a, b) != (c, d) and a <= c and d <= b for c, d in merged)]
+
+
+def _count(stmts: Iterable[str]) -> tuple[int, int, dict[str, int]]:
+  stmts = list(stmts)
+  mma = collections.Counter(m.group(1) for s in stmts if (m := _MMA_RE.match(s)))
+  return len(stmts), sum(bool(_EX2_RE.match(s)) for s in stmts), dict(sorted(mma.items()))
+
+
+def _body(text: str, start: int) -> tuple[str, str]:
+  """(the header between `.entry` and its body's '{', the body) of the entry at `start`."""
+  open_ = text.index("{", text.index(")", start))
+  depth, i = 0, open_
+  while True:
+    if text[i] == "{":
+      depth += 1
+    elif text[i] == "}":
+      depth -= 1
+      if depth == 0:
+        return text[start:open_], text[open_ + 1:i]
+    i += 1
+
+
+def read_ptx(text: str) -> dict[str, KernelCode]:
+  """Every kernel (`.entry`) of a PTX module, by name (module docstring: the convention)."""
+  out = {}
+  for m in _ENTRY_RE.finditer(text):
+    header, body = _body(text, m.start())
+    nt = _NTID_RE.search(header)
+    threads = int(np.prod([int(x) for x in nt.groups() if x])) if nt else None
+    stmts, labels = _statements(body)
+    spans = []
+    for i, s in enumerate(stmts):
+      b = _BRANCH_RE.match(s)
+      if b and b.group(1) in labels and labels[b.group(1)] <= i:
+        spans.append((labels[b.group(1)], i))
+    loops = tuple(Loop(*_count(stmts[a:b + 1])) for a, b in _innermost(spans))
+    n, _, mma = _count(stmts)
+    out[m.group(1)] = KernelCode(m.group(1), threads, n, mma, loops)
+  return out
+
+
+# ---------------------------------------------------------------- launches
+
+_THUNK_RE = re.compile(r"kCustomKernel\b.*?\]\s+([\w.$-]+)\s+grid:\s*\[([\d,\s]+)\]\s+"
+                       r"threads:\s*\[([\d,\s]+)\]\s+shared_memory:\s*(\d+)\s*bytes")
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+  """A kernel's launch as XLA's thunk sequence gives it."""
+  grid: tuple[int, ...]
+  threads: int
+  shared_bytes: int
+
+
+def read_launches(text: str) -> dict[str, Launch]:
+  """{kernel name: its launch} of a `*.thunk_sequence*.txt` dump."""
+  out = {}
+  for m in _THUNK_RE.finditer(text):
+    grid = tuple(int(x) for x in m.group(2).split(","))
+    threads = int(np.prod([int(x) for x in m.group(3).split(",")]))
+    out[m.group(1)] = Launch(grid, threads, int(m.group(4)))
+  return out
+
+
+# ---------------------------------------------------------------- the traced Pallas calls
+
+@dataclasses.dataclass(frozen=True)
+class PallasCall:
+  """A Pallas call of a traced program: its name, Triton warps / stages (None elsewhere) and
+  the tile [M, N] of each innermost loop of its kernel, in program order."""
+  name: str
+  warps: int | None
+  stages: int | None
+  tiles: tuple[tuple[int, int], ...]
+
+
+def _subjaxprs(params: dict):
+  from jax.extend import core as jcore
+  for v in params.values():
+    for x in (v if isinstance(v, (tuple, list)) else (v,)):
+      if isinstance(x, jcore.ClosedJaxpr):
+        yield x.jaxpr
+      elif isinstance(x, jcore.Jaxpr):
+        yield x
+
+
+def _first_dot(jaxpr) -> tuple[int, int] | None:
+  for e in jaxpr.eqns:
+    if e.primitive.name == "dot_general":
+      shape = e.outvars[0].aval.shape
+      return int(np.prod(shape[:-1])), int(shape[-1])
+    for sub in _subjaxprs(e.params):
+      if (t := _first_dot(sub)) is not None:
+        return t
+  return None
+
+
+# a loop primitive -> its body's parameter (`fori_loop` is a `while`, or a `scan` when its bounds
+# are static)
+_LOOP_BODY = {"while": "body_jaxpr", "scan": "jaxpr"}
+
+
+def _loop_tiles(jaxpr) -> list[tuple[int, int]]:
+  """The tile of each innermost loop of a kernel body, in program order."""
+  out = []
+  for e in jaxpr.eqns:
+    subs = list(_subjaxprs(e.params))
+    inner = [t for s in subs for t in _loop_tiles(s)]
+    if e.primitive.name in _LOOP_BODY and not inner:
+      tile = _first_dot(e.params[_LOOP_BODY[e.primitive.name]].jaxpr)
+      if tile is not None:
+        out.append(tile)
+    out += inner
+  return out
+
+
+def pallas_calls(jaxpr) -> list[PallasCall]:
+  """Every Pallas call of a (closed) jaxpr, nested ones included, in program order."""
+  jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+  out = []
+  for e in jaxpr.eqns:
+    if e.primitive.name == "pallas_call":
+      cp = e.params.get("compiler_params")
+      cp = next(iter(cp.values()), None) if isinstance(cp, dict) else cp
+      out.append(PallasCall(str(e.params.get("name") or e.params["name_and_src_info"].name),
+                            getattr(cp, "num_warps", None), getattr(cp, "num_stages", None),
+                            tuple(_loop_tiles(e.params["jaxpr"]))))
+    else:
+      for sub in _subjaxprs(e.params):
+        out += pallas_calls(sub)
+  return out
+
+
+# ---------------------------------------------------------------- one pass's figures
+
+@dataclasses.dataclass(frozen=True)
+class Pass:
+  """One compiled kernel of a census row (module docstring: what each figure means)."""
+  variant: str
+  kernel: str
+  tiles: tuple[tuple[int, int], ...]
+  warps: int | None
+  stages: int | None
+  threads: int
+  shared_bytes: int | None
+  instructions: float     # per (query, key) element, summed over the kernel's loops
+  ex2: float              # per element
+  loop_mma: dict[str, int]     # per iteration of the loops, by opcode
+  kernel_mma: dict[str, int]   # in the whole kernel
+
+  def mma_kinds(self) -> dict[str, int]:
+    """{"wgmma": n, "mma.sync": n} in the loops (an iteration each)."""
+    out: collections.Counter = collections.Counter()
+    for op, n in self.loop_mma.items():
+      out["wgmma" if op.startswith("wgmma") else "mma.sync"] += n
+    return dict(out)
+
+  def to_json(self) -> dict:
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_json(cls, d: dict) -> "Pass":
+    d = dict(d, tiles=tuple(tuple(t) for t in d["tiles"]))
+    return cls(**d)
+
+
+def combine(variant: str, code: KernelCode, call: PallasCall,
+            launch: Launch | None) -> Pass:
+  """A kernel's figures from its PTX, its Pallas call and its launch. The loops of the PTX and
+  the loops of the Pallas kernel must match one to one (else: an error naming both counts)."""
+  if len(code.loops) != len(call.tiles):
+    raise ValueError(f"{code.name}: {len(code.loops)} innermost loop(s) in the PTX against "
+                     f"{len(call.tiles)} in the Pallas kernel ({call.tiles}): the census "
+                     "cannot tell which tile each PTX loop iterates over")
+  threads = launch.threads if launch else code.threads
+  if threads is None:
+    raise ValueError(f"{code.name}: no threads per block in the PTX nor the thunk sequence")
+  per = [threads / (m * n) for m, n in call.tiles]
+  mma: collections.Counter = collections.Counter()
+  for loop in code.loops:
+    mma.update(loop.mma)
+  return Pass(variant, code.name, call.tiles, call.warps, call.stages, threads,
+              launch.shared_bytes if launch else None,
+              sum(lp.instructions * f for lp, f in zip(code.loops, per)),
+              sum(lp.ex2 * f for lp, f in zip(code.loops, per)),
+              dict(sorted(mma.items())), code.mma)
+
+
+def read_dump(folder: str) -> tuple[dict[str, KernelCode], dict[str, Launch]]:
+  """The kernels of every PTX file of an XLA dump folder and their launches."""
+  codes, launches = {}, {}
+  for path in sorted(glob.glob(os.path.join(folder, "*.ptx"))):
+    with open(path) as f:
+      codes.update(read_ptx(f.read()))
+  for path in sorted(glob.glob(os.path.join(folder, "*thunk_sequence*.txt"))):
+    with open(path) as f:
+      launches.update(read_launches(f.read()))
+  return codes, launches
+
+
+@contextlib.contextmanager
+def _optimized():
+  """XLA's backend (LLVM) optimisations on inside the block: the census counts the code a run
+  gets, also where JAX_DISABLE_MOST_OPTIMIZATIONS is set (the test suite's tests/conftest.py;
+  without them the same loops read ~1.8x the instructions)."""
+  flag = "jax_disable_most_optimizations"
+  before = jax.config.read(flag)
+  jax.config.update(flag, False)
+  try:
+    yield
+  finally:
+    jax.config.update(flag, before)
+
+
+def census_of(variant: str, fn: Callable, args: tuple, device) -> list[Pass]:
+  """The Pallas kernels of `jax.jit(fn)(*args)` compiled for `device` (a compile-only GPU
+  device of `attn_jax.targets`), one Pass each, in program order."""
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+  from attn_jax import kernel_choice, targets
+
+  with kernel_choice.use_platform(device):
+    calls = pallas_calls(jax.make_jaxpr(fn)(*args))
+    mesh = Mesh(np.array([device]), ("x",))
+    with tempfile.TemporaryDirectory(prefix="kernel_census_") as folder, \
+        targets.no_persistent_cache(), _optimized():
+      jax.jit(fn, in_shardings=NamedSharding(mesh, P())).lower(*args).compile(
+          {"xla_dump_to": folder})
+      codes, launches = read_dump(folder)
+  out = []
+  for call in calls:
+    if call.name not in codes:
+      raise ValueError(f"{variant}: Pallas call {call.name!r} has no kernel in the PTX of the "
+                       f"dump (kernels there: {', '.join(sorted(codes))})")
+    if call.tiles:    # a kernel without a loop (a preprocessing pass) is no census row
+      out.append(combine(variant, codes[call.name], call, launches.get(call.name)))
+  return out
+
+
+# ---------------------------------------------------------------- the programs counted
+
+@dataclasses.dataclass(frozen=True)
+class DecayedCall:
+  """How a mixer calls `decayed.decayed_attention` (the census compiles the same call):
+  SISA's factors c, b (bf16 like q, d_state wide; g fp32), FoX's double-word g (hi, lo) with
+  the logit bias (`fox=True`). `single_word_g`: g without its low word (not a mixer's call:
+  what issue 60's ALiBi row measured)."""
+  sisa: bool = False
+  fox: bool = False
+  single_word_g: bool = False
+
+
+VARIANTS = {"SISA": DecayedCall(sisa=True), "FoX": DecayedCall(fox=True),
+            # ALiBi: `fox.ScoreBiasAttention` with log f = -slope, called as FoX (hi, lo)
+            "ALiBi": DecayedCall(fox=True)}
+REFERENCE = "JAX mha"
+D_STATE = 32     # SISA's d_state in the 152M / 369M presets (configs/sisa_152m.py)
+
+
+def _decayed_program(call: DecayedCall, T: int, D: int, dtype, d_state: int = D_STATE):
+  """(loss, abstract args): fwd + bwd of one head of the kernel, every input's gradient."""
+  from attn_jax.kernels import decayed
+  sds, f32 = jax.ShapeDtypeStruct, jnp.float32
+  qkv = (sds((1, T, 1, D), dtype),) * 3
+  args = qkv + (sds((1, T, 1), f32),)
+  if call.fox and not call.single_word_g:
+    args += (sds((1, T, 1), f32),)
+  if call.sisa:
+    args += (sds((1, T, 1, d_state), dtype),) * 2
+
+  def loss(q, k, v, g, *rest):
+    kw = dict(g_BTH=g, fox=call.fox)
+    if call.fox and not call.single_word_g:
+      kw["g_lo_BTH"], rest = rest[0], rest[1:]
+    if call.sisa:
+      kw["c_BTHS"], kw["b_BTHS"] = rest
+    o = decayed.decayed_attention(q, k, v, scale=D ** -0.5, **kw)
+    return jnp.sum(o.astype(f32) ** 2)
+  return jax.grad(loss, argnums=tuple(range(len(args)))), args
+
+
+def _reference_program(T: int, D: int, dtype):
+  """JAX's Pallas-Triton flash attention, causal, at its default tiles and warps."""
+  from jax.experimental.pallas.ops.gpu import attention
+  sds = jax.ShapeDtypeStruct
+
+  def loss(q, k, v):
+    o = attention.mha(q, k, v, None, sm_scale=D ** -0.5, causal=True)
+    return jnp.sum(o.astype(jnp.float32) ** 2)
+  return jax.grad(loss, argnums=(0, 1, 2)), (sds((1, T, 1, D), dtype),) * 3
+
+
+def census(target: str = "h100x1", *, seq_len: int = 2048, head_dim: int = 64,
+           dtype=jnp.bfloat16, variants: Iterable[str] = (*VARIANTS, REFERENCE),
+           progress: Callable[[str], None] | None = None) -> list[Pass]:
+  """Every pass of the decayed kernel for each variant, and JAX's `mha`, compiled for the
+  first device of GPU `target` at one batch row and one head of [seq_len, head_dim] (the
+  counts are per element: the batch, heads and length change the grid, not the loops)."""
+  from attn_jax import targets
+  if targets.get(target).platform != "gpu":
+    raise ValueError(f"the kernel census reads Triton's PTX: {target!r} is not a GPU target")
+  device = targets.devices(target)[0]
+  out = []
+  for name in variants:
+    if progress:
+      progress(f"kernel census: compiling {name} for {target} ...")
+    fn, args = (_reference_program(seq_len, head_dim, dtype) if name == REFERENCE else
+                _decayed_program(VARIANTS[name], seq_len, head_dim, dtype))
+    out += census_of(name, fn, args, device)
+  return out
+
+
+# ---------------------------------------------------------------- reading the census
+
+@dataclasses.dataclass(frozen=True)
+class Total:
+  """A variant's passes summed: instructions and ex2 per element, `mma.sync` per iteration."""
+  instructions: float
+  ex2: float
+  mma_sync: int
+
+
+def totals(passes: Iterable[Pass]) -> dict[str, Total]:
+  out: dict[str, list[Pass]] = collections.defaultdict(list)
+  for p in passes:
+    out[p.variant].append(p)
+  return {v: Total(sum(p.instructions for p in ps), sum(p.ex2 for p in ps),
+                   sum(p.mma_kinds().get("mma.sync", 0) for p in ps))
+          for v, ps in out.items()}
+
+
+def _pass_name(kernel: str) -> str:
+  return kernel.removeprefix("decayed_")
+
+
+def _mma(p: Pass) -> str:
+  return ", ".join(f"{n} {k}" for k, n in sorted(p.mma_kinds().items())) or "none"
+
+
+def _tiles(p: Pass) -> str:
+  return " + ".join(f"{m}x{n}" for m, n in p.tiles)
+
+
+def format_census(passes: list[Pass], where: str = "") -> str:
+  """The census as lines a person reads (experiments/train.py --compile_only prints it)."""
+  lines = [f"kernel census{where}: per (query, key) element of each pass's inner loop(s) "
+           "(train/kernel_census.py)"]
+  for p in passes:
+    smem = "?" if p.shared_bytes is None else f"{p.shared_bytes / 1024:.0f} KiB"
+    lines.append(f"  {p.variant:8s} {_pass_name(p.kernel):14s} {p.instructions:6.1f} instr"
+                 f"  {p.ex2:4.2f} ex2  MMA/iter: {_mma(p):22s} tile {_tiles(p):9s} "
+                 f"warps {p.warps} stages {p.stages}  smem {smem}")
+  for v, t in totals(passes).items():
+    lines.append(f"  {v:8s} {'sum':14s} {t.instructions:6.1f} instr  {t.ex2:4.2f} ex2  "
+                 f"mma.sync/iter {t.mma_sync}")
+  return "\n".join(lines)
+
+
+def markdown(passes: list[Pass]) -> list[str]:
+  """The census as a markdown table (docs/hardware.md), one row per pass and one per sum."""
+  lines = ["| variant | pass | instructions / element | ex2 / element | MMA per iteration "
+           "| tile(s) | warps | stages | shared memory |",
+           "|---|---|---|---|---|---|---|---|---|"]
+  tot = totals(passes)
+  for v in tot:
+    for p in (p for p in passes if p.variant == v):
+      smem = "?" if p.shared_bytes is None else f"{p.shared_bytes / 1024:.0f} KiB"
+      lines.append(f"| {v} | {_pass_name(p.kernel)} | {p.instructions:.1f} | {p.ex2:.2f} | "
+                   f"{_mma(p)} | {_tiles(p)} | {p.warps} | {p.stages} | {smem} |")
+    t = tot[v]
+    lines.append(f"| **{v}** | **sum** | **{t.instructions:.1f}** | **{t.ex2:.2f}** | "
+                 f"mma.sync {t.mma_sync} | | | | |")
+  return lines
+
+
+def passes_json(passes: list[Pass]) -> list[dict[str, Any]]:
+  return [p.to_json() for p in passes]
