@@ -3,6 +3,7 @@ instruction, which blocks are the loop, per-element normalisation), the tiles re
 Pallas kernel, and (slow, CI with the targets extra) the decayed kernel's census for an H100
 against issue 60's limits."""
 
+import dataclasses
 import functools
 
 import jax
@@ -183,3 +184,31 @@ def test_decayed_kernel_costs_what_flash_attention_costs():
   over += [f"{v}: {t.ex2:.2f} ex2 > {EX2_LIMIT}" for v, t in tot.items() if t.ex2 > EX2_LIMIT]
   over += [f"{p.variant} {p.kernel}: mma.sync" for p in passes if p.mma_kinds().get("mma.sync")]
   assert not over, "; ".join(over) + "\n" + table
+
+
+def test_the_hardware_page_keeps_and_renders_the_census(tmp_path, monkeypatch):
+  """docs/hardware.md's census: measured once per fingerprint (the kernels' source), a row per
+  pass and one per variant's sum."""
+  from attn_jax.bench import hardware_page as hp
+  code, launch = kc.read_ptx(PTX)["flash"], kc.read_launches(THUNKS)["flash"]
+  calls = []
+
+  def fake(target, **kw):
+    calls.append((target, kw["seq_len"], kw["head_dim"]))
+    return [kc.combine("SISA", dataclasses.replace(code, name=k),
+                       kc.PallasCall(k, 4, 3, ((128, 32),)), launch)
+            for k in ("decayed_fwd", "decayed_dq")]
+
+  monkeypatch.setattr(kc, "census", fake)
+  out = str(tmp_path / "cells.json")
+  done = hp.run_census(out, progress=lambda s: None)
+  hp.run_census(out, progress=lambda s: None)
+  assert calls == [("h100x1", 2048, 64)]          # kept: the kernels did not change
+  monkeypatch.setattr(hp, "census_fingerprint", lambda c=hp.CENSUS: "other")
+  hp.run_census(out, progress=lambda s: None)
+  assert len(calls) == 2
+  text = hp.page(done, [], rows=(), length_rows=())
+  assert "## Kernel census" in text
+  assert "| SISA | fwd | 0.3 | 0.06 | 2 mma.sync, 1 wgmma | 128x32 | 4 | 3 | 57 KiB |" in text
+  assert "| **SISA** | **sum** | **0.7** | **0.12** | mma.sync 4 |" in text
+  assert "No census in the cells yet" in hp.page({}, [], rows=(), length_rows=())
