@@ -222,7 +222,7 @@ def _census_section(done: dict, c: Census = CENSUS) -> list[str]:
       "Every pass of the decayed-attention Pallas kernel (SISA, FoX, ALiBi, each called as its "
       "mixer calls it) and JAX's own Pallas-Triton flash attention (`mha`, the reference) "
       f"compiled for an H100 at T {c.seq_len}, head dim {c.head_dim}, {c.dtype} (one row, one "
-      "head; the loops' code does not depend on them) with `xla_dump_to`, read from each "
+      "head: the loops' code is the same for more) with `xla_dump_to`, read from each "
       "Triton kernel's PTX (`attn_jax/train/kernel_census.py`, whose docstring states the "
       "convention): instructions and MUFU `ex2` per (query, key) element of the inner loop(s) "
       "(per thread and iteration x threads / tile), MMA instructions per iteration (`wgmma`: "

@@ -19,32 +19,40 @@ Convention (what a figure means):
 - a *loop* of a kernel's PTX is a back-edge: a branch to a label at or before the branch; its
   blocks are the instructions from the label to the branch. Only innermost loops (no back-edge
   inside) are counted: Triton's software pipelining leaves one loop per `fori_loop` of the
-  Pallas kernel, with its prologue and epilogue outside it;
+  Pallas kernel, with its prologue and epilogue outside it. One iteration is a path through
+  the loop's blocks from the label to a back-edge: a loop of one block (every kernel here at
+  7a9c5ce) runs all of it; with a branch inside (a `lax.cond` / `pl.when`), the figures are
+  those of the *longest* path (the most one iteration can cost; `Loop.shortest` and
+  `Loop.static`, all its blocks, are kept beside it);
 - an *instruction* is one PTX statement (text up to ';') that is not a directive (`.reg`, `.loc`,
   ...), a label, a comment or a brace: `@%p bra` and `mov` count, as do the statements of
   inline assembly (`wgmma.fence`, `wgmma.wait_group`);
 - instructions per (query, key) element of a loop = its instructions (per thread, one
   iteration) x the kernel's threads / (M N), the loop's tile: every thread runs the loop's
   code once per tile of M x N elements. Summed over the loops of a kernel (JAX's `mha_backward`
-  has two: dk / dv over query tiles, dq over key tiles, each visiting every element once);
+  has two: dk / dv over query tiles, dq over key tiles, each visiting every element once). A
+  kernel whose loops split the tiles between them (one loop over full tiles, one over the
+  diagonal's) is over-counted by that sum: which tiles a loop visits is not in its code;
 - `ex2` per element the same for MUFU `ex2.approx` (libdevice's `expf` is one `ex2` among
   ~10 instructions; `exp2` with log2 e folded into the scale is the `ex2` alone);
 - MMA: the loop's `wgmma.mma_async` (Hopper's warpgroup MMA) and `mma.sync` (Ampere's warp
   MMA, what Triton emits when a matmul's M is below 64 per warpgroup) instructions, by shape,
   per iteration (static count).
 
-Counted statically: a branch inside the loop (a masked-tile path) counts all its instructions,
-as if each iteration ran every path. PTX is not SASS: ptxas schedules, fuses and may unroll
+Counted statically, from the code: PTX is not SASS: ptxas schedules, fuses and may unroll
 further, so these are the compiler's input, comparable between kernels compiled alike, not
 cycle counts.
 
-Checked against issue 60's table (main at 7a9c5ce, T 2048, head dim 64, bf16, this module's
-count): SISA fwd 66 / dq 56 / dkv 98 instructions per element (ex2 3 / 2 / 4: 9 summed; dkv
-160 `mma.sync` m16n8k16 a loop, the 128 x 32 tile transposed to M = 32), FoX 54 / 41 / 64,
-JAX `mha` fwd 10, bwd 44. ALiBi is compiled here as the ALiBi mixer calls the kernel today:
-through `fox.ScoreBiasAttention`, g a double word (hi, lo) like FoX's, so its kernel and its
-counts are FoX's; the issue's ALiBi row (51 / 37 / 60) is the kernel given a single-word g (no
-lo), 3 to 4 instructions per element fewer (`DecayedCall.single_word_g`).
+Checked against issue 60's table (main at 7a9c5ce, T 2048, head dim 64, bf16), this module's
+counts: SISA fwd 66.1 / dq 55.6 / dkv 97.7 instructions per element (issue: 66 / 56 / 98), ex2
+3 / 2 / 4 (9 summed), dkv 160 `mma.sync` m16n8k16 an iteration (its matmuls over the 128 x 32
+tile transposed, M = 32) beside 20 wgmma; FoX 54.1 / 40.3 / 63.7 (issue: 54 / 41 / 64); JAX
+`mha` fwd 10.1, bwd 43.8 (issue: 10, 44). ALiBi is compiled here as the ALiBi mixer calls the
+kernel today: through `fox.ScoreBiasAttention`, g a double word (hi, lo) like FoX's, so its
+kernel and its counts are FoX's; the issue's ALiBi row (51 / 37 / 60, 147 summed) is the kernel
+given a single-word g (no lo): 50.5 / 36.8 / 59.5 here, 146.8 summed
+(`DecayedCall(fox=True, single_word_g=True)`). The counts need XLA's backend optimisations,
+which the test suite turns off (`_optimized`).
 """
 
 from __future__ import annotations
@@ -74,11 +82,16 @@ _MMA_RE = re.compile(r"^(?:@!?%\w+\s+)?((?:wgmma\.mma_async|mma\.sync)[\w.]*)")
 
 @dataclasses.dataclass(frozen=True)
 class Loop:
-  """One innermost loop of a kernel's PTX: per iteration and thread, its instructions, MUFU
-  `ex2` and MMA instructions (by opcode: `wgmma.mma_async...m64n32k16...`, `mma.sync...`)."""
+  """One innermost loop of a kernel's PTX: per iteration and thread, along its longest path
+  (module docstring), its instructions, MUFU `ex2` and MMA instructions (by opcode:
+  `wgmma.mma_async...m64n32k16...`, `mma.sync...`); `shortest`: the instructions of its
+  shortest path; `static`: all the instructions of its blocks (branches inside the loop make
+  the three differ)."""
   instructions: int
   ex2: int
   mma: dict[str, int]
+  shortest: int = 0
+  static: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,6 +162,54 @@ def _body(text: str, start: int) -> tuple[str, str]:
     i += 1
 
 
+def _blocks(stmts: list[str], labels: dict[str, int], a: int, b: int) -> dict[int, tuple]:
+  """The basic blocks of the loop [a, b]: {start: (end, successors, ends the iteration)},
+  successors being the blocks a branch or the fall-through reach inside the loop; a block whose
+  branch goes back to the header `a` ends an iteration."""
+  inside = {pos for pos in labels.values() if a < pos <= b}
+  starts = sorted({a} | inside | {i + 1 for i in range(a, b) if _BRANCH_RE.match(stmts[i])})
+  out = {}
+  for s, e in zip(starts, starts[1:] + [b + 1]):
+    last = stmts[e - 1]
+    m = _BRANCH_RE.match(last)
+    succ, back = [], False
+    if m:
+      target = labels.get(m.group(1))
+      back = target == a
+      if target is not None and a < target <= b:
+        succ.append(target)
+    if (not m or last.startswith("@")) and e <= b:
+      succ.append(e)
+    out[s] = (e, succ, back)
+  return out
+
+
+def _paths(stmts: list[str], labels: dict[str, int], a: int, b: int):
+  """(the instructions of the longest path from the header to a back-edge, the length of the
+  shortest): the work of one iteration at most and at least. Paths that leave the loop (its
+  exit) are not iterations."""
+  blocks = _blocks(stmts, labels, a, b)
+  INF = float("inf")
+  longest: dict[int, tuple[float, list[int]]] = {}    # (instructions, blocks) to a back-edge
+  shortest: dict[int, float] = {}
+  for s in sorted(blocks, reverse=True):     # forward edges only: successors are solved first
+    e, succ, back = blocks[s]
+    rest = [longest[t] for t in succ if t > s] + ([(0, [])] if back else [])
+    n, path = max(rest, key=lambda r: r[0], default=(-INF, []))
+    longest[s] = (n + e - s, [s] + path)
+    shortest[s] = (e - s) + min([shortest[t] for t in succ if t > s] + [0 if back else INF])
+  n, path = longest[a]
+  if n == -INF:
+    return [], 0
+  return [x for s in path for x in stmts[s:blocks[s][0]]], shortest[a]
+
+
+def _loop(stmts: list[str], labels: dict[str, int], a: int, b: int) -> Loop:
+  path, shortest = _paths(stmts, labels, a, b)
+  n, ex2, mma = _count(path)
+  return Loop(n, ex2, mma, int(shortest), b - a + 1)
+
+
 def read_ptx(text: str) -> dict[str, KernelCode]:
   """Every kernel (`.entry`) of a PTX module, by name (module docstring: the convention)."""
   out = {}
@@ -162,7 +223,7 @@ def read_ptx(text: str) -> dict[str, KernelCode]:
       b = _BRANCH_RE.match(s)
       if b and b.group(1) in labels and labels[b.group(1)] <= i:
         spans.append((labels[b.group(1)], i))
-    loops = tuple(Loop(*_count(stmts[a:b + 1])) for a, b in _innermost(spans))
+    loops = tuple(_loop(stmts, labels, a, b) for a, b in _innermost(spans))
     n, _, mma = _count(stmts)
     out[m.group(1)] = KernelCode(m.group(1), threads, n, mma, loops)
   return out
@@ -277,6 +338,7 @@ class Pass:
   ex2: float              # per element
   loop_mma: dict[str, int]     # per iteration of the loops, by opcode
   kernel_mma: dict[str, int]   # in the whole kernel
+  shortest: float = 0.0        # instructions per element along the loops' shortest paths
 
   def mma_kinds(self) -> dict[str, int]:
     """{"wgmma": n, "mma.sync": n} in the loops (an iteration each)."""
@@ -313,7 +375,8 @@ def combine(variant: str, code: KernelCode, call: PallasCall,
               launch.shared_bytes if launch else None,
               sum(lp.instructions * f for lp, f in zip(code.loops, per)),
               sum(lp.ex2 * f for lp, f in zip(code.loops, per)),
-              dict(sorted(mma.items())), code.mma)
+              dict(sorted(mma.items())), code.mma,
+              sum(lp.shortest * f for lp, f in zip(code.loops, per)))
 
 
 def read_dump(folder: str) -> tuple[dict[str, KernelCode], dict[str, Launch]]:
@@ -425,7 +488,8 @@ def census(target: str = "h100x1", *, seq_len: int = 2048, head_dim: int = 64,
            progress: Callable[[str], None] | None = None) -> list[Pass]:
   """Every pass of the decayed kernel for each variant, and JAX's `mha`, compiled for the
   first device of GPU `target` at one batch row and one head of [seq_len, head_dim] (the
-  counts are per element: the batch, heads and length change the grid, not the loops)."""
+  counts are per element: the batch and heads change the grid, not the loops; the length
+  changes the loops' code a little, e.g. SISA's dkv 97.9 at T 256, 97.7 at 2048)."""
   from attn_jax import targets
   if targets.get(target).platform != "gpu":
     raise ValueError(f"the kernel census reads Triton's PTX: {target!r} is not a GPU target")
@@ -467,6 +531,13 @@ def _mma(p: Pass) -> str:
   return ", ".join(f"{n} {k}" for k, n in sorted(p.mma_kinds().items())) or "none"
 
 
+def _instructions(p: Pass) -> str:
+  """'66.1', or '66.1 (41.0 shortest)' when a branch inside the loop gives paths of two costs."""
+  short = f" ({p.shortest:.1f} shortest)" if round(p.shortest, 1) < round(p.instructions, 1) \
+      else ""
+  return f"{p.instructions:.1f}{short}"
+
+
 def _tiles(p: Pass) -> str:
   return " + ".join(f"{m}x{n}" for m, n in p.tiles)
 
@@ -477,8 +548,8 @@ def format_census(passes: list[Pass], where: str = "") -> str:
            "(train/kernel_census.py)"]
   for p in passes:
     smem = "?" if p.shared_bytes is None else f"{p.shared_bytes / 1024:.0f} KiB"
-    lines.append(f"  {p.variant:8s} {_pass_name(p.kernel):14s} {p.instructions:6.1f} instr"
-                 f"  {p.ex2:4.2f} ex2  MMA/iter: {_mma(p):22s} tile {_tiles(p):9s} "
+    lines.append(f"  {p.variant:8s} {_pass_name(p.kernel):14s} {_instructions(p):>6s} instr"
+                 f"  {p.ex2:4.2f} ex2  MMA/iter: {_mma(p):24s} tile {_tiles(p):9s} "
                  f"warps {p.warps} stages {p.stages}  smem {smem}")
   for v, t in totals(passes).items():
     lines.append(f"  {v:8s} {'sum':14s} {t.instructions:6.1f} instr  {t.ex2:4.2f} ex2  "
@@ -495,7 +566,7 @@ def markdown(passes: list[Pass]) -> list[str]:
   for v in tot:
     for p in (p for p in passes if p.variant == v):
       smem = "?" if p.shared_bytes is None else f"{p.shared_bytes / 1024:.0f} KiB"
-      lines.append(f"| {v} | {_pass_name(p.kernel)} | {p.instructions:.1f} | {p.ex2:.2f} | "
+      lines.append(f"| {v} | {_pass_name(p.kernel)} | {_instructions(p)} | {p.ex2:.2f} | "
                    f"{_mma(p)} | {_tiles(p)} | {p.warps} | {p.stages} | {smem} |")
     t = tot[v]
     lines.append(f"| **{v}** | **sum** | **{t.instructions:.1f}** | **{t.ex2:.2f}** | "
