@@ -243,3 +243,37 @@ def test_the_hardware_page_keeps_and_renders_the_census(tmp_path, monkeypatch):
   assert "| SISA | fwd | 0.3 | 0.06 | 2 mma.sync, 1 wgmma | 128x32 | 4 | 3 | 57 KiB |" in text
   assert "| **SISA** | **sum** | **0.7** | **0.12** | mma.sync 4 |" in text
   assert "No census in the cells yet" in hp.page({}, [], rows=(), length_rows=())
+
+
+def test_compile_only_prints_the_census_when_the_step_runs_pallas_gpu_kernels(monkeypatch,
+                                                                             capsys):
+  """`experiments/train.py --compile_only` (aot.compile_only_main): after the report, the
+  census at the config's head dim and dtype, the length rounded up to JAX mha's 128; none for
+  a step without Pallas Triton kernels."""
+  import ml_collections
+  from attn_jax.train import aot
+  if not targets.available("h100x1"):
+    pytest.skip("no compiler plugin for h100x1")
+  code, launch = kc.read_ptx(PTX)["flash"], kc.read_launches(THUNKS)["flash"]
+  asked = []
+
+  def fake_census(target, **kw):
+    asked.append((target, kw["seq_len"], kw["head_dim"], jnp.dtype(kw["dtype"]).name))
+    return [kc.combine("SISA", code, kc.PallasCall("flash", 4, 3, ((128, 32),)), launch)]
+
+  kernels = {"Triton (Pallas GPU)": 3}
+  report = lambda *a, **k: aot.Report("c", targets.get("h100x1"), {}, 1, [aot.Program(
+      "train", "", 0.0, None, dict(kernels), {}, [])], None, None)
+  monkeypatch.setattr(kc, "census", fake_census)
+  monkeypatch.setattr(aot, "compile_for_target", report)
+  monkeypatch.setattr(aot, "format_report", lambda r: "the report")
+  config = ml_collections.ConfigDict({"model": {"d_model": 128, "n_heads": 2,
+                                                "dtype": "bfloat16"}, "data": {"seq_len": 300}})
+  aot.compile_only_main(config, "h100x1")
+  out = capsys.readouterr().out
+  assert asked == [("h100x1", 384, 64, "bfloat16")]
+  assert out.startswith("the report\nkernel census (h100x1, T 384, head dim 64, bfloat16)")
+  assert "SISA     flash" in out and "SISA     sum" in out
+  kernels.clear()
+  aot.compile_only_main(config, "h100x1")
+  assert "kernel census" not in capsys.readouterr().out and len(asked) == 1
