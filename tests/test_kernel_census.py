@@ -185,7 +185,42 @@ def test_tiles_and_launch_choices_come_from_the_traced_kernel():
                         compiler_params=pltriton.CompilerParams(num_warps=2, num_stages=1))
   x, y = jnp.zeros((32, 64)), jnp.zeros((64, 8))
   (c,) = kc.pallas_calls(jax.make_jaxpr(lambda x, y: jax.jit(call)(x, y) * 2)(x, y))
-  assert c == kc.PallasCall("tiled", 2, 1, ((32, 8),))
+  assert c == kc.PallasCall("tiled", 2, 1, ((32, 8),), (0,))
+
+
+def _two_loop_kernel(x_ref, y_ref, o_ref, *, chained: bool):
+  """Two loops over the column tiles of x: one accumulation handed from the first (tiles
+  below `split`) to the second (`chained`), or two accumulations of their own."""
+  split = x_ref[0, 0].astype(jnp.int32)     # data-dependent bounds, as a tile schedule's
+
+  def body(j, acc):
+    return acc + jnp.dot(x_ref[:, pl.ds(j * 16, 16)], y_ref[pl.ds(j * 16, 16), :])
+  acc = jax.lax.fori_loop(0, split, body, jnp.zeros(o_ref.shape))
+  acc2 = jax.lax.fori_loop(split, 4, body, acc if chained else jnp.zeros(o_ref.shape))
+  o_ref[...] = acc2 if chained else acc + acc2
+
+
+@pytest.mark.parametrize("chained", [True, False])
+def test_loops_handing_on_one_accumulation_are_one_chain_weighted_by_iterations(chained):
+  """A full-tile loop then a partial-tile loop (one carry) split the tiles: their figures are
+  averaged, weighted by the iterations each ran (counted in interpret mode); two loops with
+  accumulations of their own each visit every element: summed."""
+  x, y = jnp.full((32, 64), 3.0), jnp.zeros((64, 8))
+
+  def fn(x, y):     # pallas_call made while traced, as the census's programs make theirs
+    return pl.pallas_call(functools.partial(_two_loop_kernel, chained=chained),
+                          out_shape=jax.ShapeDtypeStruct((32, 8), jnp.float32), name="two",
+                          interpret=True)(x, y) * 2
+  (c,) = kc.pallas_calls(jax.make_jaxpr(fn)(x, y))
+  assert c.tiles == ((32, 8), (32, 8)) and c.chains == ((0, 0) if chained else (0, 1))
+  trips = kc.loop_trips(lambda: (fn, (x, y)), "cpu")
+  assert trips == {"two": [3, 1]}
+  per = functools.partial(kc._per_element, tiles=c.tiles, chains=c.chains, threads=64)
+  if chained:
+    assert per([10, 30], trips=(3, 1)) == pytest.approx((3 * 10 + 30) * 64 / (4 * 256))
+    assert per([10, 30], trips=()) == pytest.approx(30 * 64 / 256)   # uncounted: the larger
+  else:
+    assert per([10, 30], trips=(3, 1)) == pytest.approx((10 + 30) * 64 / 256)
 
 
 def test_the_hardware_page_keeps_and_renders_the_census(tmp_path, monkeypatch):

@@ -29,10 +29,18 @@ Convention (what a figure means):
   inline assembly (`wgmma.fence`, `wgmma.wait_group`);
 - instructions per (query, key) element of a loop = its instructions (per thread, one
   iteration) x the kernel's threads / (M N), the loop's tile: every thread runs the loop's
-  code once per tile of M x N elements. Summed over the loops of a kernel (JAX's `mha_backward`
-  has two: dk / dv over query tiles, dq over key tiles, each visiting every element once). A
-  kernel whose loops split the tiles between them (one loop over full tiles, one over the
-  diagonal's) is over-counted by that sum: which tiles a loop visits is not in its code;
+  code once per tile of M x N elements;
+- a kernel's loops form *chains* (`PallasCall.chains`, from the traced kernel): loops that
+  hand one accumulation on (the carry one returns reaches the next one's operands) split the
+  tiles between them (a loop over full tiles without a mask, then one over the diagonal's
+  partial tiles), loops with accumulations of their own each visit every element (JAX's
+  `mha_backward`: dk / dv over query tiles, then dq over key tiles). Chains are summed; the
+  loops of one chain are weighted by the iterations each runs over the launch,
+  sum_l trips_l x instructions_l x threads / sum_l trips_l M_l N_l. The iterations are not in
+  the code: `loop_trips` runs the program on this CPU in Pallas interpret mode with the same
+  tiles, on example inputs (`_example`: one document, g decreasing by 0.01 a token), each
+  kernel's `fori_loop` bodies counting their iterations; uncounted, a chain takes its largest
+  loop's figure;
 - `ex2` per element the same for MUFU `ex2.approx` (libdevice's `expf` is one `ex2` among
   ~10 instructions; `exp2` with log2 e folded into the scale is the `ex2` alone);
 - MMA: the loop's `wgmma.mma_async` (Hopper's warpgroup MMA) and `mma.sync` (Ampere's warp
@@ -60,6 +68,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 import glob
 import os
 import re
@@ -257,12 +266,19 @@ def read_launches(text: str) -> dict[str, Launch]:
 
 @dataclasses.dataclass(frozen=True)
 class PallasCall:
-  """A Pallas call of a traced program: its name, Triton warps / stages (None elsewhere) and
-  the tile [M, N] of each innermost loop of its kernel, in program order."""
+  """A Pallas call of a traced program: its name, Triton warps / stages (None elsewhere), the
+  tile [M, N] of each innermost loop of its kernel, in program order, and each loop's chain:
+  loops of one chain carry one accumulation from one to the next (a loop over full tiles, then
+  one over partial tiles), loops of different chains accumulate apart (JAX's `mha_backward`:
+  dk / dv, then dq). Empty: every loop its own chain."""
   name: str
   warps: int | None
   stages: int | None
   tiles: tuple[tuple[int, int], ...]
+  chains: tuple[int, ...] = ()
+
+  def chain_of(self) -> tuple[int, ...]:
+    return self.chains or tuple(range(len(self.tiles)))
 
 
 def _subjaxprs(params: dict):
@@ -291,18 +307,40 @@ def _first_dot(jaxpr) -> tuple[int, int] | None:
 _LOOP_BODY = {"while": "body_jaxpr", "scan": "jaxpr"}
 
 
-def _loop_tiles(jaxpr) -> list[tuple[int, int]]:
-  """The tile of each innermost loop of a kernel body, in program order."""
-  out = []
-  for e in jaxpr.eqns:
-    subs = list(_subjaxprs(e.params))
-    inner = [t for s in subs for t in _loop_tiles(s)]
+def _loops_of(jaxpr, next_chain: list[int]) -> list[tuple[tuple[int, int], int]]:
+  """(tile, chain) of each innermost loop of a kernel body, in program order. Two loops of one
+  jaxpr are of one chain when a value the first returns reaches the second's operands (the
+  carry handed on); `next_chain` numbers the chains of the whole kernel."""
+  out, level = [], []
+  for idx, e in enumerate(jaxpr.eqns):
+    inner = [x for sub in _subjaxprs(e.params) for x in _loops_of(sub, next_chain)]
     if e.primitive.name in _LOOP_BODY and not inner:
       tile = _first_dot(e.params[_LOOP_BODY[e.primitive.name]].jaxpr)
       if tile is not None:
-        out.append(tile)
+        level.append((idx, len(out)))
+        out.append((tile, -1))
     out += inner
+  root = list(range(len(level)))
+  for a, (idx, _) in enumerate(level):
+    tainted = set(jaxpr.eqns[idx].outvars)
+    for e in jaxpr.eqns[idx + 1:]:
+      if any(v in tainted for v in e.invars if not hasattr(v, "val")):
+        tainted.update(e.outvars)
+    for b, (jdx, _) in enumerate(level[a + 1:], a + 1):
+      if any(v in tainted for v in jaxpr.eqns[jdx].invars if not hasattr(v, "val")):
+        root[b] = root[a]
+  ids: dict[int, int] = {}
+  for a, (_, pos) in enumerate(level):
+    if root[a] not in ids:
+      ids[root[a]] = next_chain[0]
+      next_chain[0] += 1
+    out[pos] = (out[pos][0], ids[root[a]])
   return out
+
+
+def _loop_tiles(jaxpr) -> list[tuple[int, int]]:
+  """The tile of each innermost loop of a kernel body, in program order."""
+  return [t for t, _ in _loops_of(jaxpr, [0])]
 
 
 def pallas_calls(jaxpr) -> list[PallasCall]:
@@ -313,9 +351,10 @@ def pallas_calls(jaxpr) -> list[PallasCall]:
     if e.primitive.name == "pallas_call":
       cp = e.params.get("compiler_params")
       cp = next(iter(cp.values()), None) if isinstance(cp, dict) else cp
+      loops = _loops_of(e.params["jaxpr"], [0])
       out.append(PallasCall(str(e.params.get("name") or e.params["name_and_src_info"].name),
                             getattr(cp, "num_warps", None), getattr(cp, "num_stages", None),
-                            tuple(_loop_tiles(e.params["jaxpr"]))))
+                            tuple(t for t, _ in loops), tuple(c for _, c in loops)))
     else:
       for sub in _subjaxprs(e.params):
         out += pallas_calls(sub)
@@ -339,6 +378,8 @@ class Pass:
   loop_mma: dict[str, int]     # per iteration of the loops, by opcode
   kernel_mma: dict[str, int]   # in the whole kernel
   shortest: float = 0.0        # instructions per element along the loops' shortest paths
+  chains: tuple[int, ...] = ()            # each loop's chain (`PallasCall`)
+  trips: tuple[int | None, ...] = ()      # each loop's iterations over the launch, when counted
 
   def mma_kinds(self) -> dict[str, int]:
     """{"wgmma": n, "mma.sync": n} in the loops (an iteration each)."""
@@ -352,14 +393,35 @@ class Pass:
 
   @classmethod
   def from_json(cls, d: dict) -> "Pass":
-    d = dict(d, tiles=tuple(tuple(t) for t in d["tiles"]))
+    d = dict(d, tiles=tuple(tuple(t) for t in d["tiles"]), chains=tuple(d.get("chains", ())),
+             trips=tuple(d.get("trips", ())))
     return cls(**d)
 
 
-def combine(variant: str, code: KernelCode, call: PallasCall,
-            launch: Launch | None) -> Pass:
-  """A kernel's figures from its PTX, its Pallas call and its launch. The loops of the PTX and
-  the loops of the Pallas kernel must match one to one (else: an error naming both counts)."""
+def _per_element(values: list[float], tiles, chains, trips, threads: int) -> float:
+  """A per-iteration figure of each loop per (query, key) element of the kernel: each chain's
+  loops (one accumulation over disjoint tiles) weighted by the iterations each ran,
+  sum_l trips_l v_l threads / sum_l trips_l M_l N_l, or the largest loop's when the
+  iterations are not known; the chains (accumulations of their own over every element)
+  summed."""
+  out = 0.0
+  for c in sorted(set(chains)):
+    idx = [i for i, ci in enumerate(chains) if ci == c]
+    per = [values[i] * threads / (tiles[i][0] * tiles[i][1]) for i in idx]
+    ts = [trips[i] if trips else None for i in idx]
+    if len(idx) > 1 and None not in ts and sum(ts) > 0:
+      out += (sum(t * values[i] * threads for t, i in zip(ts, idx))
+              / sum(t * tiles[i][0] * tiles[i][1] for t, i in zip(ts, idx)))
+    else:
+      out += max(per)
+  return out
+
+
+def combine(variant: str, code: KernelCode, call: PallasCall, launch: Launch | None,
+            trips: tuple[int | None, ...] = ()) -> Pass:
+  """A kernel's figures from its PTX, its Pallas call, its launch and (optional) each loop's
+  iterations (`_per_element`). The loops of the PTX and of the Pallas kernel must match one to
+  one (else: an error naming both counts)."""
   if len(code.loops) != len(call.tiles):
     raise ValueError(f"{code.name}: {len(code.loops)} innermost loop(s) in the PTX against "
                      f"{len(call.tiles)} in the Pallas kernel ({call.tiles}): the census "
@@ -367,16 +429,17 @@ def combine(variant: str, code: KernelCode, call: PallasCall,
   threads = launch.threads if launch else code.threads
   if threads is None:
     raise ValueError(f"{code.name}: no threads per block in the PTX nor the thunk sequence")
-  per = [threads / (m * n) for m, n in call.tiles]
+  chains = call.chain_of()
+  per = functools.partial(_per_element, tiles=call.tiles, chains=chains, trips=trips,
+                          threads=threads)
   mma: collections.Counter = collections.Counter()
   for loop in code.loops:
     mma.update(loop.mma)
   return Pass(variant, code.name, call.tiles, call.warps, call.stages, threads,
               launch.shared_bytes if launch else None,
-              sum(lp.instructions * f for lp, f in zip(code.loops, per)),
-              sum(lp.ex2 * f for lp, f in zip(code.loops, per)),
-              dict(sorted(mma.items())), code.mma,
-              sum(lp.shortest * f for lp, f in zip(code.loops, per)))
+              per([lp.instructions for lp in code.loops]), per([lp.ex2 for lp in code.loops]),
+              dict(sorted(mma.items())), code.mma, per([lp.shortest for lp in code.loops]),
+              chains, tuple(trips))
 
 
 def read_dump(folder: str) -> tuple[dict[str, KernelCode], dict[str, Launch]]:
@@ -405,9 +468,77 @@ def _optimized():
     jax.config.update(flag, before)
 
 
-def census_of(variant: str, fn: Callable, args: tuple, device) -> list[Pass]:
+@contextlib.contextmanager
+def _counting_loops(counts: collections.Counter, innermost: dict[str, list[int]]):
+  """While a program is traced: each Pallas kernel's `fori_loop`s count their iterations
+  (a debug callback in the body) into counts[(kernel name, k)], k the loop's order among the
+  kernel's `fori_loop`s; innermost[name]: the k of those with no `fori_loop` inside. Through
+  the module attributes `pallas.pallas_call` and `lax.fori_loop` (how kernels/decayed.py and
+  JAX's `mha` call them), put back on exit."""
+  from jax.experimental import pallas as pl
+  call, fori = pl.pallas_call, jax.lax.fori_loop
+  kernels: list[list] = []          # [name, loops so far] of the kernels being traced
+  open_loops: list[tuple[str, int]] = []
+
+  def pallas_call(kernel, *a, **kw):
+    name = kw.get("name") or getattr(kernel, "__name__", "?")
+
+    @functools.wraps(kernel)
+    def traced(*refs, **kr):
+      kernels.append([name, 0])
+      try:
+        return kernel(*refs, **kr)
+      finally:
+        kernels.pop()
+    return call(traced, *a, **kw)
+
+  def fori_loop(lower, upper, body, init, **kw):
+    if not kernels:
+      return fori(lower, upper, body, init, **kw)
+    key = (kernels[-1][0], kernels[-1][1])
+    kernels[-1][1] += 1
+    for name, k in open_loops:        # a loop inside another: the outer one is not innermost
+      if name == key[0]:
+        innermost[name] = [x for x in innermost[name] if x != k]
+    innermost.setdefault(key[0], []).append(key[1])
+
+    def counted(i, carry):
+      jax.debug.callback(functools.partial(counts.update, [key]))
+      return body(i, carry)
+    open_loops.append(key)
+    try:
+      return fori(lower, upper, counted, init, **kw)
+    finally:
+      open_loops.pop()
+
+  pl.pallas_call, jax.lax.fori_loop = pallas_call, fori_loop
+  try:
+    yield
+  finally:
+    pl.pallas_call, jax.lax.fori_loop = call, fori
+
+
+def loop_trips(program: Callable[[], tuple[Callable, tuple]], device) -> dict[str, list[int]]:
+  """{kernel name: iterations of each innermost loop, in program order, over the whole launch}
+  of `fn(*example)` (`program()` -> (fn, concrete example arguments), fn calling its kernels in
+  Pallas interpret mode) run on this CPU with the kernels built for `device`."""
+  from attn_jax import kernel_choice
+  counts: collections.Counter = collections.Counter()
+  innermost: dict[str, list[int]] = {}
+  jax.clear_caches()     # a kernel traced before (same function and shapes) is traced again
+  with kernel_choice.use_platform(device), _counting_loops(counts, innermost):
+    fn, example = program()
+    jax.block_until_ready(jax.jit(fn)(*example))
+  jax.effects_barrier()
+  return {name: [counts[name, k] for k in ks] for name, ks in innermost.items()}
+
+
+def census_of(variant: str, fn: Callable, args: tuple, device,
+              interpreted: Callable[[], tuple[Callable, tuple]] | None = None) -> list[Pass]:
   """The Pallas kernels of `jax.jit(fn)(*args)` compiled for `device` (a compile-only GPU
-  device of `attn_jax.targets`), one Pass each, in program order."""
+  device of `attn_jax.targets`), one Pass each, in program order. `interpreted`: the same
+  program in Pallas interpret mode with example arguments (`loop_trips`), run when a kernel has
+  chained loops, whose iterations weight them (`_per_element`)."""
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
   from attn_jax import kernel_choice, targets
@@ -420,13 +551,17 @@ def census_of(variant: str, fn: Callable, args: tuple, device) -> list[Pass]:
       jax.jit(fn, in_shardings=NamedSharding(mesh, P())).lower(*args).compile(
           {"xla_dump_to": folder})
       codes, launches = read_dump(folder)
+  chained = any(len(set(c.chain_of())) < len(c.tiles) for c in calls)
+  trips = loop_trips(interpreted, device) if chained and interpreted else {}
   out = []
   for call in calls:
     if call.name not in codes:
       raise ValueError(f"{variant}: Pallas call {call.name!r} has no kernel in the PTX of the "
                        f"dump (kernels there: {', '.join(sorted(codes))})")
     if call.tiles:    # a kernel without a loop (a preprocessing pass) is no census row
-      out.append(combine(variant, codes[call.name], call, launches.get(call.name)))
+      ts = trips.get(call.name, [])
+      out.append(combine(variant, codes[call.name], call, launches.get(call.name),
+                         tuple(ts) if len(ts) == len(call.tiles) else ()))
   return out
 
 
@@ -450,8 +585,10 @@ REFERENCE = "JAX mha"
 D_STATE = 32     # SISA's d_state in the 152M / 369M presets (configs/sisa_152m.py)
 
 
-def _decayed_program(call: DecayedCall, T: int, D: int, dtype, d_state: int = D_STATE):
-  """(loss, abstract args): fwd + bwd of one head of the kernel, every input's gradient."""
+def _decayed_program(call: DecayedCall, T: int, D: int, dtype, d_state: int = D_STATE,
+                     interpret: bool = False):
+  """(loss, abstract args): fwd + bwd of one head of the kernel, every input's gradient
+  (`interpret`: the kernels in Pallas interpret mode)."""
   from attn_jax.kernels import decayed
   sds, f32 = jax.ShapeDtypeStruct, jnp.float32
   qkv = (sds((1, T, 1, D), dtype),) * 3
@@ -467,20 +604,54 @@ def _decayed_program(call: DecayedCall, T: int, D: int, dtype, d_state: int = D_
       kw["g_lo_BTH"], rest = rest[0], rest[1:]
     if call.sisa:
       kw["c_BTHS"], kw["b_BTHS"] = rest
+    if interpret:
+      kw["interpret"] = True
     o = decayed.decayed_attention(q, k, v, scale=D ** -0.5, **kw)
     return jnp.sum(o.astype(f32) ** 2)
   return jax.grad(loss, argnums=tuple(range(len(args)))), args
 
 
-def _reference_program(T: int, D: int, dtype):
+def _reference_program(T: int, D: int, dtype, interpret: bool = False):
   """JAX's Pallas-Triton flash attention, causal, at its default tiles and warps."""
   from jax.experimental.pallas.ops.gpu import attention
   sds = jax.ShapeDtypeStruct
 
   def loss(q, k, v):
-    o = attention.mha(q, k, v, None, sm_scale=D ** -0.5, causal=True)
+    o = attention.mha(q, k, v, None, sm_scale=D ** -0.5, causal=True, interpret=interpret)
     return jnp.sum(o.astype(jnp.float32) ** 2)
   return jax.grad(loss, argnums=(0, 1, 2)), (sds((1, T, 1, D), dtype),) * 3
+
+
+DECAY_PER_TOKEN = -0.01   # the example's log-decay: g_t = -0.01 t (a pair 100 tokens apart: e^-1)
+
+
+def _example(args) -> tuple:
+  """Concrete arguments of a census program: normal q, k, v and factors, and a cumulative
+  log-decay g (the [1, T, 1] fp32 arguments: g, then its low word, 0) that decreases along the
+  row as a mixer's does (SISA's tile classes depend on it)."""
+  rng = np.random.default_rng(0)
+  out, gs = [], 0
+  for a in args:
+    if a.shape == args[0].shape[:2] + (1,) and a.dtype == jnp.float32:
+      g = DECAY_PER_TOKEN * np.arange(a.shape[1], dtype=np.float32)[None, :, None]
+      out.append(jnp.asarray(g if gs == 0 else np.zeros_like(g)))
+      gs += 1
+    else:
+      out.append(jnp.asarray(rng.standard_normal(a.shape), a.dtype))
+  return tuple(out)
+
+
+def _programs(name: str, T: int, D: int, dtype):
+  """(fn, abstract args, the interpreted program for `loop_trips`) of a census row."""
+  def make(interpret: bool):
+    if name == REFERENCE:
+      return _reference_program(T, D, dtype, interpret)
+    return _decayed_program(VARIANTS[name], T, D, dtype, interpret=interpret)
+
+  def interpreted():
+    fn, args = make(True)
+    return fn, _example(args)
+  return (*make(False), interpreted)
 
 
 def census(target: str = "h100x1", *, seq_len: int = 2048, head_dim: int = 64,
@@ -498,9 +669,8 @@ def census(target: str = "h100x1", *, seq_len: int = 2048, head_dim: int = 64,
   for name in variants:
     if progress:
       progress(f"kernel census: compiling {name} for {target} ...")
-    fn, args = (_reference_program(seq_len, head_dim, dtype) if name == REFERENCE else
-                _decayed_program(VARIANTS[name], seq_len, head_dim, dtype))
-    out += census_of(name, fn, args, device)
+    fn, args, interpreted = _programs(name, seq_len, head_dim, dtype)
+    out += census_of(name, fn, args, device, interpreted)
   return out
 
 
@@ -539,7 +709,15 @@ def _instructions(p: Pass) -> str:
 
 
 def _tiles(p: Pass) -> str:
-  return " + ".join(f"{m}x{n}" for m, n in p.tiles)
+  """'128x32'; loops of one chain joined by '>', chains by '+', each loop's iterations over the
+  launch in brackets where counted: '128x64 [240] > 128x64 [32]'."""
+  chains = p.chains or tuple(range(len(p.tiles)))
+  out = ""
+  for i, (m, n) in enumerate(p.tiles):
+    if i:
+      out += " > " if chains[i] == chains[i - 1] else " + "
+    out += f"{m}x{n}" + (f" [{p.trips[i]}]" if p.trips and p.trips[i] is not None else "")
+  return out
 
 
 def format_census(passes: list[Pass], where: str = "") -> str:
@@ -549,7 +727,7 @@ def format_census(passes: list[Pass], where: str = "") -> str:
   for p in passes:
     smem = "?" if p.shared_bytes is None else f"{p.shared_bytes / 1024:.0f} KiB"
     lines.append(f"  {p.variant:8s} {_pass_name(p.kernel):14s} {_instructions(p):>6s} instr"
-                 f"  {p.ex2:4.2f} ex2  MMA/iter: {_mma(p):24s} tile {_tiles(p):9s} "
+                 f"  {p.ex2:4.2f} ex2  MMA/iter: {_mma(p):24s} tiles {_tiles(p):9s} "
                  f"warps {p.warps} stages {p.stages}  smem {smem}")
   for v, t in totals(passes).items():
     lines.append(f"  {v:8s} {'sum':14s} {t.instructions:6.1f} instr  {t.ex2:4.2f} ex2  "
@@ -560,7 +738,7 @@ def format_census(passes: list[Pass], where: str = "") -> str:
 def markdown(passes: list[Pass]) -> list[str]:
   """The census as a markdown table (docs/hardware.md), one row per pass and one per sum."""
   lines = ["| variant | pass | instructions / element | ex2 / element | MMA per iteration "
-           "| tile(s) | warps | stages | shared memory |",
+           "| tiles [iterations] | warps | stages | shared memory |",
            "|---|---|---|---|---|---|---|---|---|"]
   tot = totals(passes)
   for v in tot:
