@@ -152,6 +152,8 @@ def test_per_element_is_per_thread_iteration_times_threads_over_the_tile():
   # two loops over their own tiles: each normalised by its own, then summed
   two = kc.combine("v", code["nested"], kc.PallasCall("nested", 2, 1, ((8, 8), (16, 4))), None)
   assert two.threads == 64 and two.instructions == pytest.approx(3 + 4)
+  assert two.loop_instructions == (3, 4) and "each loop alone: 3.0 + 4.0 instr" in \
+      kc.format_census([two])
   assert kc.Pass.from_json(p.to_json()) == p
   with pytest.raises(ValueError, match="1 innermost loop.*2 in the Pallas kernel"):
     kc.combine("v", code["flash"], kc.PallasCall("flash", 4, 3, ((8, 8), (8, 8))), None)

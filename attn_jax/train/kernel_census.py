@@ -380,6 +380,7 @@ class Pass:
   shortest: float = 0.0        # instructions per element along the loops' shortest paths
   chains: tuple[int, ...] = ()            # each loop's chain (`PallasCall`)
   trips: tuple[int | None, ...] = ()      # each loop's iterations over the launch, when counted
+  loop_instructions: tuple[float, ...] = ()   # per element, each loop alone
 
   def mma_kinds(self) -> dict[str, int]:
     """{"wgmma": n, "mma.sync": n} in the loops (an iteration each)."""
@@ -394,7 +395,8 @@ class Pass:
   @classmethod
   def from_json(cls, d: dict) -> "Pass":
     d = dict(d, tiles=tuple(tuple(t) for t in d["tiles"]), chains=tuple(d.get("chains", ())),
-             trips=tuple(d.get("trips", ())))
+             trips=tuple(d.get("trips", ())),
+             loop_instructions=tuple(d.get("loop_instructions", ())))
     return cls(**d)
 
 
@@ -439,7 +441,9 @@ def combine(variant: str, code: KernelCode, call: PallasCall, launch: Launch | N
               launch.shared_bytes if launch else None,
               per([lp.instructions for lp in code.loops]), per([lp.ex2 for lp in code.loops]),
               dict(sorted(mma.items())), code.mma, per([lp.shortest for lp in code.loops]),
-              chains, tuple(trips))
+              chains, tuple(trips),
+              tuple(lp.instructions * threads / (m * n)
+                    for lp, (m, n) in zip(code.loops, call.tiles)))
 
 
 def read_dump(folder: str) -> tuple[dict[str, KernelCode], dict[str, Launch]]:
@@ -720,6 +724,23 @@ def _tiles(p: Pass) -> str:
   return out
 
 
+def _each_loop(p: Pass) -> str:
+  """Each loop's instructions per element alone ('10.1 > 33.2': one chain; '+': chains), for
+  a kernel of several loops; '' for one loop."""
+  if len(p.loop_instructions) < 2:
+    return ""
+  chains = p.chains or tuple(range(len(p.tiles)))
+  out = f"{p.loop_instructions[0]:.1f}"
+  for i in range(1, len(p.loop_instructions)):
+    out += (" > " if chains[i] == chains[i - 1] else " + ") + f"{p.loop_instructions[i]:.1f}"
+  return out
+
+
+def _loops_line(p: Pass) -> str | None:
+  each = _each_loop(p)
+  return f"  {'':8s} {'':14s} each loop alone: {each} instr" if each else None
+
+
 def format_census(passes: list[Pass], where: str = "") -> str:
   """The census as lines a person reads (experiments/train.py --compile_only prints it)."""
   lines = [f"kernel census{where}: per (query, key) element of each pass's inner loop(s) "
@@ -729,6 +750,8 @@ def format_census(passes: list[Pass], where: str = "") -> str:
     lines.append(f"  {p.variant:8s} {_pass_name(p.kernel):14s} {_instructions(p):>6s} instr"
                  f"  {p.ex2:4.2f} ex2  MMA/iter: {_mma(p):24s} tiles {_tiles(p):9s} "
                  f"warps {p.warps} stages {p.stages}  smem {smem}")
+    if (loops := _loops_line(p)) is not None:
+      lines.append(loops)
   for v, t in totals(passes).items():
     lines.append(f"  {v:8s} {'sum':14s} {t.instructions:6.1f} instr  {t.ex2:4.2f} ex2  "
                  f"mma.sync/iter {t.mma_sync}")
@@ -744,7 +767,9 @@ def markdown(passes: list[Pass]) -> list[str]:
   for v in tot:
     for p in (p for p in passes if p.variant == v):
       smem = "?" if p.shared_bytes is None else f"{p.shared_bytes / 1024:.0f} KiB"
-      lines.append(f"| {v} | {_pass_name(p.kernel)} | {_instructions(p)} | {p.ex2:.2f} | "
+      each = _each_loop(p)
+      each = f" (loops: {each})" if each else ""
+      lines.append(f"| {v} | {_pass_name(p.kernel)} | {_instructions(p)}{each} | {p.ex2:.2f} | "
                    f"{_mma(p)} | {_tiles(p)} | {p.warps} | {p.stages} | {smem} |")
     t = tot[v]
     lines.append(f"| **{v}** | **sum** | **{t.instructions:.1f}** | **{t.ex2:.2f}** | "
