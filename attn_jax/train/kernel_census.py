@@ -373,7 +373,7 @@ class Pass:
   stages: int | None
   threads: int
   shared_bytes: int | None
-  instructions: float     # per (query, key) element, summed over the kernel's loops
+  instructions: float     # per (query, key) element of the kernel's loops (`_per_element`)
   ex2: float              # per element
   loop_mma: dict[str, int]     # per iteration of the loops, by opcode
   kernel_mma: dict[str, int]   # in the whole kernel
