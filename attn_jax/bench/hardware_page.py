@@ -44,9 +44,9 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from attn_jax import jsonio
+from attn_jax import jsonio, kernels
 from attn_jax.provenance import source_commit
-from attn_jax.train import aot, memory
+from attn_jax.train import aot, kernel_census, memory
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,8 +186,6 @@ def run(out_json: str, todo, presets: Presets, *, fresh: bool = False,
 def census_fingerprint(c: Census = CENSUS) -> str:
   """sha256 of what the census measures: the kernels' sources (attn_jax/kernels), the census's
   own, jax's version and the shapes (a changed kernel is measured again)."""
-  from attn_jax import kernels
-  from attn_jax.train import kernel_census
   h = hashlib.sha256(f"{jax.__version__} {c}".encode())
   files = sorted(glob.glob(os.path.join(kernels.__path__[0], "**", "*.py"), recursive=True))
   for path in files + [kernel_census.__file__]:
@@ -199,7 +197,6 @@ def census_fingerprint(c: Census = CENSUS) -> str:
 def run_census(out_json: str, *, fresh: bool = False, c: Census = CENSUS,
                progress: Callable[[str], None] = print) -> dict:
   """The census cell of `out_json`, measured when missing, stale or `fresh`; saved with it."""
-  from attn_jax.train import kernel_census
   done = jsonio.read(out_json) if os.path.exists(out_json) else {}
   fp = census_fingerprint(c)
   if fresh or done.get(c.key, {}).get("config") != fp:
@@ -215,7 +212,6 @@ def run_census(out_json: str, *, fresh: bool = False, c: Census = CENSUS,
 
 
 def _census_section(done: dict, c: Census = CENSUS) -> list[str]:
-  from attn_jax.train import kernel_census
   d = done.get(c.key)
   lines = [
       f"## Kernel census: the attention kernels' inner loops on {c.target}", "",

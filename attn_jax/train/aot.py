@@ -46,7 +46,7 @@ import ml_collections
 from flax import nnx
 
 from attn_jax import decode, native_logs, sharding as shd, targets as targets_lib
-from attn_jax.train import hlo_loops, memory, setup as setup_lib
+from attn_jax.train import hlo_loops, kernel_census, memory, setup as setup_lib
 from attn_jax.train.step import make_eval_step
 
 DECODE_NEW = 128   # decoding capacity beyond the prompt
@@ -407,7 +407,6 @@ def census_report(config: ml_collections.ConfigDict, target_name: str) -> str:
   compiled for the target's first device. The counts are per (query, key) element of the
   loops' code, which the length hardly changes (SISA's dkv: 97.9 at T 256, 97.7 at 2048):
   compiled at the config's seq_len rounded up to a multiple of 128 (JAX's `mha` tiles)."""
-  from attn_jax.train import kernel_census
   m = config.model
   T = -(-config.data.seq_len // 128) * 128
   head_dim = m.d_model // m.n_heads

@@ -79,6 +79,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from attn_jax import kernel_choice, targets
+from attn_jax.kernels import decayed
+
 # ---------------------------------------------------------------- PTX
 
 _ENTRY_RE = re.compile(r"\.entry\s+([\w$]+)\s*\(")
@@ -526,7 +529,6 @@ def loop_trips(program: Callable[[], tuple[Callable, tuple]], device) -> dict[st
   """{kernel name: iterations of each innermost loop, in program order, over the whole launch}
   of `fn(*example)` (`program()` -> (fn, concrete example arguments), fn calling its kernels in
   Pallas interpret mode) run on this CPU with the kernels built for `device`."""
-  from attn_jax import kernel_choice
   counts: collections.Counter = collections.Counter()
   innermost: dict[str, list[int]] = {}
   jax.clear_caches()     # a kernel traced before (same function and shapes) is traced again
@@ -544,8 +546,6 @@ def census_of(variant: str, fn: Callable, args: tuple, device,
   program in Pallas interpret mode with example arguments (`loop_trips`), run when a kernel has
   chained loops, whose iterations weight them (`_per_element`)."""
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-
-  from attn_jax import kernel_choice, targets
 
   with kernel_choice.use_platform(device):
     calls = pallas_calls(jax.make_jaxpr(fn)(*args))
@@ -593,7 +593,6 @@ def _decayed_program(call: DecayedCall, T: int, D: int, dtype, d_state: int = D_
                      interpret: bool = False):
   """(loss, abstract args): fwd + bwd of one head of the kernel, every input's gradient
   (`interpret`: the kernels in Pallas interpret mode)."""
-  from attn_jax.kernels import decayed
   sds, f32 = jax.ShapeDtypeStruct, jnp.float32
   qkv = (sds((1, T, 1, D), dtype),) * 3
   args = qkv + (sds((1, T, 1), f32),)
@@ -665,7 +664,6 @@ def census(target: str = "h100x1", *, seq_len: int = 2048, head_dim: int = 64,
   first device of GPU `target` at one batch row and one head of [seq_len, head_dim] (the
   counts are per element: the batch and heads change the grid, not the loops; the length
   changes the loops' code a little, e.g. SISA's dkv 97.9 at T 256, 97.7 at 2048)."""
-  from attn_jax import targets
   if targets.get(target).platform != "gpu":
     raise ValueError(f"the kernel census reads Triton's PTX: {target!r} is not a GPU target")
   device = targets.devices(target)[0]
