@@ -1,7 +1,9 @@
 """attn_jax/train/kernel_census.py: the PTX reader on hand-written kernels (what counts as an
-instruction, which blocks are the loop, per-element normalisation), the tiles read from a traced
-Pallas kernel, and (slow, CI with the targets extra) the decayed kernel's census for an H100
-against issue 60's limits."""
+instruction, which blocks are the loop, a branch inside it, per-element normalisation), the
+tiles and chains read from a traced Pallas kernel, loop iterations counted in interpret mode,
+the census in docs/hardware.md and in --compile_only, and (slow, CI with the targets extra)
+JAX's own flash attention as a check of the normalisation and the decayed kernel's census for
+an H100 against issue 60's limits."""
 
 import dataclasses
 import functools
@@ -14,7 +16,7 @@ from jax.experimental import pallas as pl
 from attn_jax import targets
 from attn_jax.train import kernel_census as kc
 
-# Two kernels. `flash`: a prologue, a forward branch around the loop (not a loop), one loop of
+# Three kernels. `flash`: a prologue, a forward branch around the loop (not a loop), one loop of
 # 11 instructions (label to back-edge; comments, a `.reg` directive inside inline assembly's
 # braces, a label and blank lines are not instructions; a statement over two lines is one),
 # with 2 ex2, 2 mma.sync and 1 wgmma. `nested`: an outer loop around an inner one (only the
