@@ -1,9 +1,10 @@
 """docs/hardware.md: every 152M / 369M preset's train step compiled for 8 x H100, v5e-8, v5p-8,
-v6e-8 and two hosts of 8 H100, and the attention presets' length scaling (T 2048 to 32768)
-(attn_jax/bench/hardware_page.py). Resumes where it stopped.
+v6e-8 and two hosts of 8 H100, the attention presets' length scaling (T 2048 to 32768) and the
+attention kernels' census on an H100 (attn_jax/bench/hardware_page.py). Resumes where it stopped.
 
   python experiments/hardware_page.py                        # every preset and target
   python experiments/hardware_page.py --presets=sisa_152m --targets=v5e-8
+  python experiments/hardware_page.py --targets=h100x1       # the kernel census only
 """
 
 import os
@@ -18,7 +19,8 @@ from attn_jax import cli  # noqa: E402
 
 _OUT = flags.DEFINE_string("out", "docs/hardware.md", "The page (its cells: <out>.json beside).")
 _PRESETS = flags.DEFINE_list("presets", [], "Presets to measure (default: every 152M / 369M).")
-_TARGETS = flags.DEFINE_list("targets", [], "Targets of hardware_page.ROWS (default: all).")
+_TARGETS = flags.DEFINE_list("targets", [], "Targets of hardware_page.ROWS, and h100x1 for the "
+                             "kernel census (default: all).")
 _FRESH = flags.DEFINE_bool("fresh", False, "Re-measure the cells already measured.")
 
 
@@ -42,6 +44,8 @@ def main(argv):
   cells = os.path.splitext(_OUT.value)[0] + ".json"
   todo = hp.cells(names, picked(hp.ROWS), picked(hp.LENGTH_ROWS), lengths)
   done = hp.run(cells, todo, presets, fresh=_FRESH.value)
+  if not _TARGETS.value or hp.CENSUS.target in _TARGETS.value:
+    done = hp.run_census(cells, fresh=_FRESH.value)
   with open(_OUT.value, "w") as f:
     f.write(hp.page(done, every))
   print(f"wrote {_OUT.value} ({len(done)} cells in {cells})")

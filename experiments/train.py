@@ -47,7 +47,8 @@ _PROCESS_ID = flags.DEFINE_integer("process_id", None, "Multi-process: this proc
 _COMPILE_ONLY = flags.DEFINE_string(
     "compile_only", None, "Compile the config's train, eval and decode programs for this "
     "hardware target (e.g. h100x8, v5e-8; attn_jax/targets.py) and report memory, fit, kernels "
-    "and collectives; nothing is allocated or run (needs the targets extra).")
+    "and collectives (on a GPU whose step runs Pallas kernels, the kernel census: "
+    "train/kernel_census.py); nothing is allocated or run (needs the targets extra).")
 
 
 def main(argv):

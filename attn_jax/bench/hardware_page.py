@@ -14,6 +14,12 @@ row of T = 2048, 8192, 32768 tokens per device (`LENGTHS`) on a GPU and a TPU ta
 for the longest (`LENGTH_ROWS`): flash-style kernels keep the temporaries linear in T (x16 from
 2048 to 32768), a [T, T] score tensor would make them quadratic (x256).
 
+A third table is the kernel census (`train/kernel_census.py`, `CENSUS`): every pass of the
+decayed-attention kernel (SISA, FoX, ALiBi) and JAX's own Pallas `mha`, compiled for an H100 at
+T 2048, head dim 64, bf16: per (query, key) element of each inner loop, the PTX instructions
+and MUFU ex2, the MMA kinds, tiles, warps, stages and shared memory. Its cell's fingerprint is
+the kernels' and the census's source with jax's version (`census_fingerprint`).
+
 Each result is kept in a JSON file beside the page as soon as it is measured, with the
 fingerprint of the config it compiled (`fingerprint`: sha256 of the config's JSON), so a run
 that stops resumes where it stopped and a cell whose preset changed is measured again
@@ -27,6 +33,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import datetime
+import glob
 import hashlib
 import math
 import os
@@ -34,11 +41,12 @@ import platform as host
 from typing import Callable, Mapping
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 
-from attn_jax import jsonio
+from attn_jax import jsonio, kernels
 from attn_jax.provenance import source_commit
-from attn_jax.train import aot, memory
+from attn_jax.train import aot, kernel_census, memory
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +84,22 @@ LENGTH_ROWS = (
     Row("h100x8", (8, 1, 1), "data parallel"),
     Row("v5p-8", (4, 1, 1), "data parallel: a v5p chip holds 95 GiB"),
 )
+
+
+@dataclasses.dataclass(frozen=True)
+class Census:
+  """Where and at which shapes the kernel census is compiled."""
+  target: str = "h100x1"
+  seq_len: int = 2048
+  head_dim: int = 64
+  dtype: str = "bfloat16"
+
+  @property
+  def key(self) -> str:
+    return f"census@{self.target}@T{self.seq_len}@D{self.head_dim}@{self.dtype}"
+
+
+CENSUS = Census()
 
 
 def _config(get_config, mesh, seq_len: int | None = None):
@@ -159,6 +183,63 @@ def run(out_json: str, todo, presets: Presets, *, fresh: bool = False,
   return done
 
 
+def census_fingerprint(c: Census = CENSUS) -> str:
+  """sha256 of what the census measures: the kernels' sources (attn_jax/kernels), the census's
+  own, jax's version and the shapes (a changed kernel is measured again)."""
+  h = hashlib.sha256(f"{jax.__version__} {c}".encode())
+  files = sorted(glob.glob(os.path.join(kernels.__path__[0], "**", "*.py"), recursive=True))
+  for path in files + [kernel_census.__file__]:
+    with open(path, "rb") as f:
+      h.update(f.read())
+  return h.hexdigest()[:16]
+
+
+def run_census(out_json: str, *, fresh: bool = False, c: Census = CENSUS,
+               progress: Callable[[str], None] = print) -> dict:
+  """The census cell of `out_json`, measured when missing, stale or `fresh`; saved with it."""
+  done = jsonio.read(out_json) if os.path.exists(out_json) else {}
+  fp = census_fingerprint(c)
+  if fresh or done.get(c.key, {}).get("config") != fp:
+    try:
+      passes = kernel_census.census(c.target, seq_len=c.seq_len, head_dim=c.head_dim,
+                                    dtype=jnp.dtype(c.dtype), progress=progress)
+      cell = {"passes": kernel_census.passes_json(passes)}
+    except Exception as e:   # a kernel the census cannot read is a result too
+      cell = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+    done[c.key] = dict(cell, config=fp, commit=source_commit())
+    jsonio.write(done, out_json, sort_keys=True)
+  return done
+
+
+def _census_section(done: dict, c: Census = CENSUS) -> list[str]:
+  d = done.get(c.key)
+  lines = [
+      f"## Kernel census: the attention kernels' inner loops on {c.target}", "",
+      "Every pass of the decayed-attention Pallas kernel (SISA, FoX, ALiBi, each called as its "
+      "mixer calls it) and JAX's own Pallas-Triton flash attention (`mha`, the reference) "
+      f"compiled for an H100 at T {c.seq_len}, head dim {c.head_dim}, {c.dtype} (one row, one "
+      "head: the loops' code is the same for more) with `xla_dump_to`, read from each "
+      "Triton kernel's PTX (`attn_jax/train/kernel_census.py`, whose docstring states the "
+      "convention): instructions and MUFU `ex2` per (query, key) element of the inner loop(s) "
+      "(per thread and iteration x threads / tile; loops that hand one accumulation on, "
+      "'>' in the tiles column, weighted by the iterations each ran over the launch on example "
+      "inputs in Pallas interpret mode, in brackets; loops of their own, '+', summed), MMA "
+      "instructions per iteration of the loops, summed over them (`wgmma`: "
+      "Hopper's warpgroup MMA; `mma.sync`: the Ampere path), the tiles, warps, stages and "
+      "shared memory of each launch. The PTX is the compiler's input, not cycle counts: a "
+      "figure to compare kernels compiled alike. Issue 60's limits (tests/"
+      "test_kernel_census.py): SISA <= 60 instructions per element over fwd + dq + dkv, FoX "
+      "and ALiBi <= 45, ex2 <= 3.2, no `mma.sync`.", ""]
+  if not d:
+    return lines + ["No census in the cells yet: `python experiments/hardware_page.py "
+                    f"--targets={c.target}` compiles it.", ""]
+  if "error" in d:
+    return lines + [f"error: {d['error']}", ""]
+  passes = [kernel_census.Pass.from_json(p) for p in d["passes"]]
+  return lines + [f"Measured at {d.get('commit', 'an unrecorded commit')}.", ""] \
+      + kernel_census.markdown(passes) + [""]
+
+
 def _kernels(d: dict) -> str:
   k = {n: c for n, c in d.get("kernels", {}).items()   # families (names: --compile_only)
        if not n.startswith(("cuBLAS", "Pallas kernels"))}
@@ -190,7 +271,7 @@ def measured_at(done: dict) -> str:
 
 
 def page(done: dict, names, rows=ROWS, length_rows=LENGTH_ROWS,
-         length_names=LENGTH_PRESETS) -> str:
+         length_names=LENGTH_PRESETS, census: bool = True) -> str:
   """The markdown page from the measured cells (missing ones say so)."""
   lines = [
       "# Hardware targets", "",
@@ -225,6 +306,8 @@ def page(done: dict, names, rows=ROWS, length_rows=LENGTH_ROWS,
     lines.append("")
   if length_rows:
     lines += _length_section(done, length_rows, length_names)
+  if census:
+    lines += _census_section(done)
   return "\n".join(lines)
 
 

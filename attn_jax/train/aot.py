@@ -21,6 +21,10 @@ micro-batch loop) counts once, not once per iteration. Counted per execution ins
 multiply; XLA:GPU pays a host round trip per iteration) with the code each loop comes
 from, the conditionals run, and the kernel launches (fusions, custom calls, collectives, copies
 at the top level of the entry and of the loop bodies, times their loops' iterations).
+On a GPU target whose train step runs Pallas (Triton) kernels, `--compile_only` adds the kernel
+census (`train/kernel_census.py`): per (query, key) element of each decayed-attention pass's
+inner loop, its instructions, MUFU ex2 and MMA kinds, with its tiles, warps and shared memory,
+JAX's own Pallas `mha` beside it.
 The train step's fit is judged against the target's usable memory (`Target.usable_bytes`) with
 `memory.check_fit`'s headroom; when it does not fit, the largest micro-batch that does
 (`memory.pick_micro_batch`, what `train.auto_microbatch` would pick) is searched for and named. A program the compiler refuses for memory (XLA for TPU checks HBM
@@ -42,7 +46,7 @@ import ml_collections
 from flax import nnx
 
 from attn_jax import decode, native_logs, sharding as shd, targets as targets_lib
-from attn_jax.train import hlo_loops, memory, setup as setup_lib
+from attn_jax.train import hlo_loops, kernel_census, memory, setup as setup_lib
 from attn_jax.train.step import make_eval_step
 
 DECODE_NEW = 128   # decoding capacity beyond the prompt
@@ -387,4 +391,26 @@ def compile_only_main(config: ml_collections.ConfigDict, target_name: str,
     targets_lib.devices(target_name)
   report = compile_for_target(config, target_name, config_name=config_name)
   print(format_report(report))
+  if runs_pallas_gpu_kernels(report):
+    print(census_report(config, target_name))
   return 0 if fits_somewhere(report) else 3
+
+
+def runs_pallas_gpu_kernels(r: Report) -> bool:
+  """Whether a program of the report runs Pallas kernels through Triton (a GPU target)."""
+  return any(p.kernels.get("Triton (Pallas GPU)") for p in r.programs)
+
+
+def census_report(config: ml_collections.ConfigDict, target_name: str) -> str:
+  """The kernel census (`train/kernel_census.py`) at the config's head dim and dtype: every
+  pass of the decayed-attention kernel as each mixer calls it, and JAX's own Pallas `mha`,
+  compiled for the target's first device. The counts are per (query, key) element of the
+  loops' code, which the length hardly changes (SISA's dkv: 97.9 at T 256, 97.7 at 2048):
+  compiled at the config's seq_len rounded up to a multiple of 128 (JAX's `mha` tiles)."""
+  m = config.model
+  T = -(-config.data.seq_len // 128) * 128
+  head_dim = m.d_model // m.n_heads
+  passes = kernel_census.census(target_name, seq_len=T, head_dim=head_dim,
+                                dtype=jnp.dtype(m.dtype))
+  return kernel_census.format_census(
+      passes, f" ({target_name}, T {T}, head dim {head_dim}, {jnp.dtype(m.dtype).name})")
