@@ -1,4 +1,5 @@
-"""The one attention core every mixer calls, plus its explicit reference.
+"""The softmax-attention cores (no decay) and their explicit reference; `entry.attend` chooses
+among them and calls them.
 
     out_i = sum_j p_ij v_j,   p_ij = exp(s_ij) / (sum_{j' visible} exp(s_ij') + exp(sink_h))
     s_ij  = scale * q_i . k_j + bias_ij          (j visible to i; p_ij = 0 otherwise)
@@ -12,8 +13,8 @@ sink_h and a zero value, dropped after the softmax (attention sinks, "gpt-oss" s
 softmax1 / "off-by-one" softmax is sink_h = 0). A query may then put weight on "nothing".
 Without a sink the term exp(sink_h) is absent.
 
-Masking is positional: a key at position p_k is visible to a query at position p_q iff
-0 <= p_k <= p_q (causal) — or iff 0 <= p_k (non-causal). Empty cache slots carry position -1.
+Masking is positional (masks.py): a key at position p_k is visible to a query at position p_q
+iff 0 <= p_k <= p_q (causal) — or iff 0 <= p_k (non-causal). Empty cache slots carry position -1.
 When neither q nor kv positions are given and the call is causal, the standard lower-triangular
 mask is used.
 
@@ -42,14 +43,16 @@ Implementations (`impl`):
   For the plain causal mask (top-left aligned `is_causal`) a dummy query row is prepended as
   well, so the [T+1, T+1] causal square shows the sink slot to every real query; the dummy
   output row is dropped. For cuDNN the extra channel is padded to a multiple of 8.
-- "splash" (TPU): the Pallas splash-attention kernel shipped with JAX (splash.py: MQA form
+- "splash" (TPU; splash.py, called by `entry.attend`): the Pallas splash-attention kernel
+  shipped with JAX (MQA form
   vmapped over batch and kv heads, block-sparse causal mask, native per-head sinks, V narrower
   than Q/K as it is, documents and padding as the kernel's segment ids, and a `shard_map` over
   the batch / head axes of the mesh the program is traced for, so it runs on any slice). Used
   for causal self-attention of one stream (the plain call, or positions / segments with
   `prefix_causal`) with no bias, no window, T a multiple of 128 and no shared prefix among the
-  keys (`shared_prefix=False` with segments); anything else falls back to "xla" (`splash_problem`
-  names why). Off TPU the same kernel runs in the Pallas interpreter (tests).
+  keys (`shared_prefix=False` with segments); anything else falls back to "xla"
+  (`splash.splash_problem` names why). Off TPU the same kernel runs in the Pallas interpreter
+  (tests).
 
 The softmax of the einsum / blocked paths (`_softmax`) is fp32 with a hand-written backward,
 ds = p * (g - sum_j g_j p_j) (the sink column's output is dropped, so its cotangent is 0), and
@@ -69,48 +72,18 @@ none (no sink tokens) passes `shared_prefix=False`. A fully masked query row ret
 every path.
 
 "auto" resolves by platform in `kernel_choice.attention_impl` (from
-`experiments/bench_attention.py`, fwd + bwd): CPU -> "blocked", GPU -> "cudnn" for bf16/fp16
-inputs with head dims cuDNN supports (else "xla"), TPU -> "splash" where it applies (else
-"xla").
+`experiments/bench_attention.py`, fwd + bwd; entry.py's docstring lists the choices).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from attn_jax import kernel_choice
-from attn_jax.attention import splash
-from attn_jax.layers import SHARED_SEGMENT, causal_positions  # noqa: F401  (also re-exported)
+from attn_jax.kernels.masks import NEG_INF, positional_mask
+from attn_jax.layers import causal_positions
 
-NEG_INF = -1e30  # finite: masked scores; the softmax floors its row max at NEG_INF / 2
 DEFAULT_CHUNK = 256  # query rows per block of the "blocked" path
-
-
-def segment_mask(q_seg_BT: jax.Array, kv_seg_BS: jax.Array) -> jax.Array:
-  """[B, T, S] boolean: key in the query's document, or in the shared prefix (segment 0)."""
-  kv = kv_seg_BS[:, None, :]
-  return (kv == q_seg_BT[:, :, None]) | (kv == SHARED_SEGMENT)
-
-
-def positional_mask(q_pos_BT: jax.Array, kv_pos_BS: jax.Array, causal: bool,
-                    window: int | None = None, q_seg_BT: jax.Array | None = None,
-                    kv_seg_BS: jax.Array | None = None) -> jax.Array:
-  """[B, 1, T, S] boolean: key visible to query. `window`: only keys with q_pos - k_pos <
-  window (a sliding window of that many tokens, the query included). Segments (both or
-  neither): only keys of the query's document or of the shared prefix (`segment_mask`)."""
-  valid = kv_pos_BS[:, None, :] >= 0
-  if causal:
-    valid = valid & (kv_pos_BS[:, None, :] <= q_pos_BT[:, :, None])
-  if window is not None:
-    valid = valid & (q_pos_BT[:, :, None] - kv_pos_BS[:, None, :] < window)
-  if (q_seg_BT is None) != (kv_seg_BS is None):
-    raise ValueError("q and kv segment ids come together (both or neither)")
-  if q_seg_BT is not None:
-    valid = valid & segment_mask(q_seg_BT, kv_seg_BS)
-  return valid[:, None, :, :]
-
 
 def attention_reference(q, k, v, *, scale, causal=True, q_positions=None, kv_positions=None,
                         bias=None, sink_logit_H=None, window=None, q_segments=None,
@@ -275,13 +248,6 @@ def _bias_rows(b, K, G, c):
   return b5.reshape(b5.shape[0], K, G * c, b5.shape[4])
 
 
-def causal_block_mask(a, e, s_end):
-  """Static lower-triangular mask of rows [a, e) over keys [0, s_end) (None if all visible)."""
-  if s_end <= a + 1:
-    return None
-  return np.arange(s_end)[None, :] <= np.arange(a, e)[:, None]
-
-
 # ------------------------------------------------------------------ dot_product_attention paths
 
 def _sink_slot(q, k, v, *, scale, sink_H, mask, bias, plain_causal, pad_to):
@@ -342,109 +308,3 @@ def cudnn_takes(T: int, S: int) -> bool:
   return T % 2 == 0 and S % 2 == 0
 
 
-def _splash(q, k, v, *, scale, sink_H, q_ids=None, kv_ids=None):
-  """TPU: Pallas splash attention of one causal stream per row, sharded (splash.py)."""
-  return splash.splash_attention(q, k, v, scale=scale, sink_H=sink_H, q_ids=q_ids,
-                                 kv_ids=kv_ids)
-
-
-def splash_problem(*, causal: bool, T: int, S: int, bias, window, one_stream: bool,
-                   segmented: bool, shared_prefix: bool) -> str | None:
-  """Why the splash kernel cannot take a call (None: it can). `one_stream`: the plain causal
-  call, or positions / segments with `prefix_causal` (index order is the causal order)."""
-  if not causal or T != S:
-    return "splash runs causal self-attention only (T == S)"
-  if T % splash.BLOCK:
-    return f"splash needs T a multiple of {splash.BLOCK}, got {T}"
-  if bias is not None:
-    return "splash takes no score bias"
-  if window is not None:
-    return "splash is not given the sliding window here"
-  if not one_stream:
-    return "positions without prefix_causal: the causal order is not the index order"
-  if segmented and shared_prefix:
-    return ("segment ids with a possible shared prefix (segment 0, visible to every document): "
-            "not expressible as splash's SegmentIds (pass shared_prefix=False when the row has "
-            "none)")
-  return None
-
-
-# ------------------------------------------------------------------ dispatch
-
-def attend(q, k, v, *, scale: float, causal: bool = True, q_positions=None, kv_positions=None,
-           bias=None, sink_logit_H=None, prefix_causal: bool = False, impl: str = "auto",
-           chunk: int | None = None, window: int | None = None, q_segments=None,
-           kv_segments=None, shared_prefix: bool = True) -> jax.Array:
-  """Multi-head attention; see the module docstring. Returns [B, T, H, Dv] in q's dtype.
-
-  `prefix_causal`: q and kv are one stream (T == S, valid positions increasing, -1 padding),
-  so key j > query i is never visible; lets the blocked path skip the upper triangle with
-  positional masks. `chunk`: query rows per block of the blocked path. `window`: keys with
-  q_pos - k_pos < window only (sliding-window attention). `q_segments` / `kv_segments`: document
-  ids of packed rows (module docstring); with them, `prefix_causal` still holds when positions
-  restart per document (a later key of the same document has a larger position, one of
-  another document is masked). `shared_prefix=False` promises that no key is in
-  SHARED_SEGMENT (the row has no shared prefix), which lets splash take the segments."""
-  B, T, H, Dqk = q.shape
-  S, K = k.shape[1], k.shape[2]
-  if k.shape[-1] != Dqk or H % K or v.shape[:3] != k.shape[:3]:
-    raise ValueError(f"attention shapes do not fit: q {q.shape}, k {k.shape}, v {v.shape}")
-  if sink_logit_H is not None and jnp.shape(sink_logit_H) != (H,):
-    raise ValueError(f"sink_logit_H must have shape ({H},), got {jnp.shape(sink_logit_H)}")
-  segmented = q_segments is not None or kv_segments is not None
-  plain_causal = (causal and q_positions is None and kv_positions is None and T == S
-                  and window is None and not segmented)
-  impl = kernel_choice.attention_impl(impl, q.dtype, Dqk)
-  if impl == "splash" and splash_problem(
-      causal=causal, T=T, S=S, bias=bias, window=window, segmented=segmented,
-      one_stream=plain_causal or prefix_causal, shared_prefix=shared_prefix):
-    impl = "xla"
-  if impl == "splash":   # one stream: documents and padding as the kernel's segment ids
-    q_ids, kv_ids = splash.segment_ids(q_positions, kv_positions, q_segments, kv_segments)
-    out = _splash(q, k, v, scale=scale, sink_H=sink_logit_H, q_ids=q_ids, kv_ids=kv_ids)
-    if q_positions is None:
-      return out
-    return jnp.where((q_positions >= 0)[:, :, None, None], out, jnp.zeros((), out.dtype))
-  if (impl in ("xla", "cudnn") and window is not None and causal and T == S and not segmented
-      and q_positions is None and kv_positions is None and sink_logit_H is None and bias is None):
-    # one causal stream with a sliding window: the kernel's own window, no [T, S] mask
-    return dpa(q, k, v, scale=scale, impl=impl, plain_causal=True, window=window)
-  mask = None
-  if not plain_causal and (causal or kv_positions is not None or window is not None
-                           or segmented):
-    if q_positions is None:
-      q_positions = causal_positions(B, T) + (S - T)
-    if kv_positions is None:
-      kv_positions = causal_positions(B, S)
-    mask = positional_mask(q_positions, kv_positions, causal, window, q_segments, kv_segments)
-
-  if impl in ("einsum", "blocked"):
-    prefix = impl == "blocked" and causal and T == S and (plain_causal or prefix_causal)
-    step = (chunk or DEFAULT_CHUNK) if prefix else T
-    mask_fn = None
-    if plain_causal:
-      mask_fn = causal_block_mask
-    elif mask is not None:
-      mask_fn = lambda a, e, s_end: mask[..., a:e, :s_end]
-    bias_fn = None if bias is None else (lambda a, e, s_end: bias[..., a:e, :s_end])
-    return blocked_attention(q, k, v, scale=scale, mask_fn=mask_fn, bias_fn=bias_fn,
-                             sink_logit_H=sink_logit_H, chunk=step, prefix=prefix)
-  return dpa(q, k, v, scale=scale, mask=mask, bias=bias, sink_H=sink_logit_H,
-              plain_causal=plain_causal, impl=impl)
-
-
-# ------------------------------------------------------------------ flops
-
-def attention_flops_per_token(n_heads: int, d_qk: int, d_v: int, keys: float) -> float:
-  """Scores (d_qk) and values (d_v) per query against `keys` keys: 2 FLOPs per MAC."""
-  return 2.0 * n_heads * (d_qk + d_v) * keys
-
-
-def causal_keys(seq_len: int, window: int | None = None) -> float:
-  """Mean keys per query of a causal (optionally windowed) sequence of `seq_len` tokens: the
-  lower triangle only ((L+1)/2 without a window), as in the FlashAttention/MaxText convention."""
-  L = seq_len
-  if window is None or window >= L:
-    return (L + 1) / 2.0
-  w = window  # the first w queries see 1..w keys, the rest w each
-  return (w * (w + 1) / 2.0 + (L - w) * w) / L
