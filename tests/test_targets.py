@@ -29,7 +29,7 @@ import pytest
 
 from attn_jax import kernel_choice, targets
 from attn_jax import sharding as shd
-from attn_jax.kernels import dense
+from attn_jax.kernels import dpa
 from attn_jax.registry import available_mixers
 from attn_jax.train import aot, memory
 from configs import quickstart
@@ -194,8 +194,8 @@ def test_a_gpu_tiling_failure_is_compiled_again_without_triton_gemm():
 
 
 def test_cudnn_takes_even_lengths_only():
-  assert dense.cudnn_takes(32, 32) and not dense.cudnn_takes(31, 31)
-  assert not dense.cudnn_takes(32, 33)
+  assert dpa.cudnn_takes(32, 32) and not dpa.cudnn_takes(31, 31)
+  assert not dpa.cudnn_takes(32, 33)
 
 
 # ------------------------------------------------------------------ compiling

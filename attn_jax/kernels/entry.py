@@ -16,7 +16,8 @@ options) and calls it. No mixer names a core; each computes its features and cal
 
 The cores, one module each:
   dense.py       the fp32 softmax, the "einsum" / CPU "blocked" core (query chunks over their key
-                 prefix), and `jax.nn.dot_product_attention` with "xla" / "cudnn" (`dense.dpa`)
+                 prefix), the explicit reference
+  dpa.py         `jax.nn.dot_product_attention` with "xla" / "cudnn" (GPU: cuDNN flash attention)
   splash.py      TPU: JAX's Pallas splash-attention kernel under a `shard_map`
   blockwise.py   the FlashAttention-2 loops in XLA over earlier key blocks, for any score
                  function (online softmax forward, recomputing backward; O(T) memory)
@@ -58,7 +59,7 @@ import jax
 import jax.numpy as jnp
 
 from attn_jax import kernel_choice
-from attn_jax.kernels import decayed, dense, forget_xla, sisa_xla, splash
+from attn_jax.kernels import decayed, dense, dpa, forget_xla, sisa_xla, splash
 from attn_jax.kernels.masks import causal_block_mask, positional_mask
 from attn_jax.layers import causal_positions, segment_starts
 
@@ -116,7 +117,7 @@ def _attend(q, k, v, sink_logit_H, *, scale, causal, q_positions, kv_positions, 
   if (impl in ("xla", "cudnn") and window is not None and causal and T == S and not segmented
       and q_positions is None and kv_positions is None and sink_logit_H is None and bias is None):
     # one causal stream with a sliding window: the kernel's own window, no [T, S] mask
-    return dense.dpa(q, k, v, scale=scale, impl=impl, plain_causal=True, window=window)
+    return dpa.dpa(q, k, v, scale=scale, impl=impl, plain_causal=True, window=window)
   mask = None
   if not plain_causal and (causal or kv_positions is not None or window is not None
                            or segmented):
@@ -137,8 +138,8 @@ def _attend(q, k, v, sink_logit_H, *, scale, causal, q_positions, kv_positions, 
     bias_fn = None if bias is None else (lambda a, e, s_end: bias[..., a:e, :s_end])
     return dense.blocked_attention(q, k, v, scale=scale, mask_fn=mask_fn, bias_fn=bias_fn,
                                    sink_logit_H=sink_logit_H, chunk=step, prefix=prefix)
-  return dense.dpa(q, k, v, scale=scale, mask=mask, bias=bias, sink_H=sink_logit_H,
-                   plain_causal=plain_causal, impl=impl)
+  return dpa.dpa(q, k, v, scale=scale, mask=mask, bias=bias, sink_H=sink_logit_H,
+                 plain_causal=plain_causal, impl=impl)
 
 
 # ------------------------------------------------------------------ decayed attention

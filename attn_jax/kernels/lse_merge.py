@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attn_jax.kernels.dense import dpa
+from attn_jax.kernels.dpa import dpa
 from attn_jax.kernels.masks import NEG_INF
 
 
