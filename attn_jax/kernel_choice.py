@@ -15,15 +15,17 @@ always the machine that traces it: compiling for a TPU slice or 8 x H100 from a 
 It is read at trace time. A program built for a mesh (`setup.Setup.step_fn`) enters its
 mesh's platform inside its own trace, so it compiles that target's kernels wherever and
 however it is lowered. Only this module and the kernel that lowers for two compilers
-(`kernels/decayed.py`: Triton on a GPU, Mosaic on a TPU) read `target()`; mixers ask the
-functions below.
+(`kernels/decayed.py`: Triton on a GPU, Mosaic on a TPU) read `target()`. The kernels room's
+entry point (`kernels/entry.py`) asks the functions below which core to call; mixers hand it
+their features and name no core (a few platform facts that are not a core, such as
+`parallel_time_sums`, they ask directly).
 
 The choices (each distinct outcome is logged once, at INFO):
 
   attention_impl     `attention_impl="auto"` -> "cudnn" on a GPU for bf16 / fp16 heads of at
                      most 256 channels, a multiple of 8 (cuDNN's flash attention), else "xla";
                      "splash" on a TPU; "blocked" on a CPU (`experiments/bench_attention.py`).
-  remat_attention    whether a mixer rematerialises its attention core: the cores that keep
+  remat_attention    whether a call rematerialises its attention core: the cores that keep
                      the [T, S] probabilities for the backward ("einsum", "blocked", "xla") are
                      recomputed instead (on a CPU faster as well as smaller); fused kernels
                      (cuDNN, splash) keep O(T) residuals and are not.
@@ -32,7 +34,7 @@ The choices (each distinct outcome is logged once, at INFO):
                      is a slow step) or a `lax.scan` (CPU, where an iteration is cheap and
                      `jnp.cumsum` lowers to an O(T^2) reduce_window).
   forget_path        FoX's "auto": "blocked" on a CPU up to a length, else "flash".
-  decayed_kernel     whether a mixer's full forward takes `kernels/decayed.py` (auto, on GPU /
+  decayed_kernel     whether a decayed call takes `kernels/decayed.py` (auto, on GPU /
                      TPU, shapes it takes; a misfit is logged once per reason, as a warning).
   pallas_interpret   whether a Pallas kernel written for one backend runs in the interpreter
                      (any other platform: tests on a CPU).

@@ -34,7 +34,7 @@ Arguments of `__call__`:
   sink tokens, which every document reads); `positions_BT` then restart at 0 in every document.
   The mixer makes the boundary exact: a document's outputs (and gradients) equal those of the
   document alone in a row of its own. Attention-like mixers mask keys of other documents
-  (`core.attend(q_segments=, kv_segments=)`), recurrent ones restart their state and
+  (`entry.attend(q_segments=, kv_segments=)`), recurrent ones restart their state and
   convolution window where a document starts (`layers.segment_starts`). None: one stream per
   row (plain concatenation, and every decoding call).
 - `state`: None for a full forward; else the layer's decoding state (fixed-shape arrays from

@@ -257,7 +257,7 @@ def _rules_and_platform(mesh: Mesh, rules):
 def active() -> tuple[Mesh, Mapping[str, MeshAxes]] | None:
   """(mesh, rules) of the innermost `use_rules` block, or None outside one: what a caller that
   places its own computation (a `shard_map` around a kernel XLA cannot partition,
-  attention/splash.py) reads, so its specs follow the same rules as `constrain`."""
+  kernels/splash.py) reads, so its specs follow the same rules as `constrain`."""
   return _ACTIVE.get()
 
 

@@ -40,7 +40,8 @@ def main(argv):
   import jax.numpy as jnp
   import numpy as np
 
-  from attn_jax.attention.core import DEFAULT_CHUNK, attend
+  from attn_jax.kernels.dense import DEFAULT_CHUNK
+  from attn_jax.kernels.entry import attend
   from attn_jax.kernel_choice import attention_impl
 
   plat = jax.default_backend()

@@ -5,7 +5,7 @@
 
 Same architecture as attn_jax's Transformer: pre-norm RMSNorm blocks, RoPE (GPT-NeoX halves),
 SwiGLU, tied embeddings, no biases; attention is an einsum over the full [T, T] square with a
-causal mask (--attention=einsum) or `attn_jax.attention.core.attend` (--attention=blocked|xla);
+causal mask (--attention=einsum) or `attn_jax.kernels.entry.attend` (--attention=blocked|xla);
 the loss is the plain [B, T, V] fp32 cross-entropy; optax clip(1.0) + AdamW. Layers are a
 Python loop over a list of parameter dicts (no scan). Prints the best wall time and the median
 process CPU time per step over --steps steps (after --warmup).
@@ -49,7 +49,7 @@ def init_params(key, d, h, n_layers, vocab, d_ff):
 def forward(params, tokens_BT, n_heads, attention):
   import jax
   import jax.numpy as jnp
-  from attn_jax.attention.core import attend
+  from attn_jax.kernels.entry import attend
 
   def rms(x, w):
     return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-5) * w

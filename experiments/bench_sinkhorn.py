@@ -3,8 +3,8 @@ against sequence length, in one run; writes JSON and a PNG plot and prints the c
 (flags in, `attn_jax.bench.sinkhorn_scaling.run` out).
 
 Both sides are whole mixers with the same head configuration (q/k/v/o projections + RoPE):
-"dense" is `attend` (core.py, causal), "soft" the Sinkhorn mixer with soft sorting (training
-mode, Gumbel noise), "sortcut" the same with SortCut (top-m gathered blocks). Memory is the
+"dense" is `attend` (kernels/entry.py, causal), "soft" the Sinkhorn mixer with soft sorting
+(training mode, Gumbel noise), "sortcut" the same with SortCut (top-m gathered blocks). Memory is the
 compiled program's `memory_analysis().temp_size_in_bytes` (activations/residuals, not params).
 
   python experiments/bench_sinkhorn.py --seq_lens=1024,2048,4096,8192,16384 \

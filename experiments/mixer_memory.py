@@ -6,7 +6,7 @@
 Abstract shapes only (`attn_jax.train.memory.mixer_memory`): prints XLA's temporaries per
 mixer and length, and each mixer's ratio to the first one. On CPU plain attention's kernels
 keep per-chunk score blocks and grow ~T^2; SISA's chunked path (blockwise, past blocks through
-attention/blockwise.py) grows linearly.
+kernels/blockwise.py) grows linearly.
 """
 
 import os

@@ -1,4 +1,5 @@
-"""attention/core.py: `attend` (einsum and XLA paths) against the explicit `attention_reference`."""
+"""kernels/entry.py, kernels/dense.py: `attend` (einsum and XLA paths) against the explicit
+`attention_reference`."""
 
 import functools
 
@@ -7,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from attn_jax.attention.core import attend, attention_reference
+from attn_jax.kernels.dense import attention_reference
+from attn_jax.kernels.entry import attend
 
 TOL = 1e-5  # fp32, fixed once
 BF16_TOL = 2e-2
@@ -372,7 +374,8 @@ def test_segments_match_reference_with_gradients_on_every_impl(impl, window, sin
 def test_sliding_window_through_the_kernels_own_window_equals_the_reference(G):
   """One causal stream with a window: the "xla" path (as "cudnn" on a GPU) takes
   dot_product_attention's local window instead of a [T, S] mask; same outputs and gradients."""
-  from attn_jax.attention.core import attend, attention_reference
+  from attn_jax.kernels.dense import attention_reference
+  from attn_jax.kernels.entry import attend
   B, T, K, D, w = 2, 40, 2, 8, 7
   ks = jax.random.split(jax.random.key(3), 3)
   q = jax.random.normal(ks[0], (B, T, K * G, D))

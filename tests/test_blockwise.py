@@ -1,4 +1,4 @@
-"""attention/blockwise.py: past-block attention (query block I over key blocks J < I) equals an
+"""kernels/blockwise.py: past-block attention (query block I over key blocks J < I) equals an
 explicit masked softmax, values and gradients (through out *and* lse), for the plain dot
 score and a score with a shared parameter and per-pair reference (SISA's form)."""
 
@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from attn_jax.attention import blockwise
-from attn_jax.attention.core import NEG_INF
+from attn_jax.kernels import blockwise
+from attn_jax.kernels.masks import NEG_INF
 
 TOL = 2e-5  # fp32, fixed once
 

@@ -16,7 +16,11 @@ from flax import nnx
 
 from attn_jax import kernel_choice
 from attn_jax.attention import fox as F
+from attn_jax.attention import score_bias as SB
 from attn_jax.attention.cache import Ring, SinksRing
+from attn_jax.attention.projection import sink_logit_of
+from attn_jax.kernels import forget_xla as FX
+from attn_jax.layers import time_cumsum
 from attn_jax.model import Decoder, count_params
 from attn_jax.model_config import ModelConfig
 from configs import base
@@ -68,8 +72,8 @@ def _mixer(cfg, seed=0):
 def _reference(m, x, pos=None):
   """The mixer's own features through the explicit reference, then its output stage."""
   q, k, v, loga, _ = m.features(x, pos, None)
-  sink = F.sink_logit_of(m.opts, m.sink_logit, m.cfg.n_heads)
-  y, _ = F.forget_attention_reference(q, k, v, jnp.cumsum(loga, axis=1),
+  sink = sink_logit_of(m.opts, m.sink_logit, m.cfg.n_heads)
+  y, _ = SB.forget_attention_reference(q, k, v, jnp.cumsum(loga, axis=1),
                                       scale=m.cfg.head_dim ** -0.5, sink_logit_H=sink)
   return m.proj.o(m.finish(y.astype(q.dtype), x))
 
@@ -88,23 +92,23 @@ def test_forget_attention_matches_reference(T, block, H, K, sink, path):
   q, k, v = _normal(0, (2, T, H, 8)), _normal(1, (2, T, K, 8)), _normal(2, (2, T, K, 8))
   loga = -jnp.abs(_normal(3, (2, T, H))) * 2
   s = _normal(5, (H,)) if sink else None
-  got = F.forget_attention(q, k, v, loga, scale=8 ** -0.5, block=block, sink_logit_H=s,
+  got = FX.forget_attention(q, k, v, loga, scale=8 ** -0.5, block=block, sink_logit_H=s,
                            path=path)
-  want, _ = F.forget_attention_reference(q, k, v, jnp.cumsum(loga, 1), scale=8 ** -0.5,
+  want, _ = SB.forget_attention_reference(q, k, v, jnp.cumsum(loga, 1), scale=8 ** -0.5,
                                          sink_logit_H=s)
   _close(got, want)
 
 
 def test_auto_path_is_blocked_up_to_its_length_then_flash():
-  assert F.choose_path("auto", F.BLOCKED_MAX_LEN) == "blocked"
-  assert F.choose_path("auto", F.BLOCKED_MAX_LEN + 256) == "flash"
-  assert F.choose_path("flash", 8) == "flash"
+  assert FX.choose_path("auto", FX.BLOCKED_MAX_LEN) == "blocked"
+  assert FX.choose_path("auto", FX.BLOCKED_MAX_LEN + 256) == "flash"
+  assert FX.choose_path("flash", 8) == "flash"
   for plat in ("gpu", "tpu"):   # accelerators: O(T) memory at every length
     with kernel_choice.use_platform(plat):
-      assert F.choose_path("auto", 256) == "flash"
-      assert F.choose_path("blocked", 256) == "blocked"
+      assert FX.choose_path("auto", 256) == "flash"
+      assert FX.choose_path("blocked", 256) == "blocked"
   with pytest.raises(ValueError, match="unknown path 'fast'"):
-    F.choose_path("fast", 8)
+    FX.choose_path("fast", 8)
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -117,9 +121,9 @@ def test_gradients_match_reference_and_finite_differences_float64(path):
     args = (_normal(0, (1, T, H, 4), jnp.float64), _normal(1, (1, T, H, 4), jnp.float64),
             _normal(2, (1, T, H, 4), jnp.float64), -jnp.abs(_normal(3, (1, T, H), jnp.float64)))
     w = _normal(4, (1, T, H, 4), jnp.float64)
-    blk = lambda q, k, v, la: jnp.sum(w * F.forget_attention(q, k, v, la, scale=0.5, block=3,
+    blk = lambda q, k, v, la: jnp.sum(w * FX.forget_attention(q, k, v, la, scale=0.5, block=3,
                                                              path=path))
-    ref = lambda q, k, v, la: jnp.sum(w * F.forget_attention_reference(
+    ref = lambda q, k, v, la: jnp.sum(w * SB.forget_attention_reference(
         q, k, v, jnp.cumsum(la, 1), scale=0.5)[0])
     g_blk = jax.grad(blk, argnums=(0, 1, 2, 3))(*args)
     g_ref = jax.grad(ref, argnums=(0, 1, 2, 3))(*args)
@@ -138,12 +142,12 @@ def _strong_gates(seed, B, T, H):
 
 
 def _f64_reference(q, k, v, loga, idx, scale):
-  """The explicit reference (`F.forget_attention_reference`: g = cumsum(log f),
+  """The explicit reference (`SB.forget_attention_reference`: g = cumsum(log f),
   s_ij = scale q_i.k_j + g_i - g_j for j <= i, softmax over j) in float64, rows idx; g is
   summed in float64 numpy."""
   f64 = lambda a: np.asarray(a, np.float64)
   with jax.enable_x64(True):
-    out, _ = F.forget_attention_reference(
+    out, _ = SB.forget_attention_reference(
         *(jnp.asarray(f64(a)) for a in (q, k, v)), jnp.asarray(np.cumsum(f64(loga), axis=1)),
         scale=scale, query_idx=idx)
     return np.asarray(out)
@@ -155,7 +159,7 @@ def _strong_forgetting(T, block, path, rows=None):
   every 7th plus both sides of every block boundary)."""
   q, k, v = _normal(0, (1, T, 4, 16)) * 2, _normal(1, (1, T, 2, 16)) * 2, _normal(2, (1, T, 2, 16))
   loga = _strong_gates(3, 1, T, 4)
-  run = jax.jit(lambda *a: F.forget_attention(*a, scale=0.25, block=block, path=path))
+  run = jax.jit(lambda *a: FX.forget_attention(*a, scale=0.25, block=block, path=path))
   out = run(q, k, v, loga)
   idx = np.arange(T) if rows is None else np.unique(np.concatenate(
       [np.arange(0, T, 7), np.arange(block - 2, T, block), np.arange(block, T, block)]))
@@ -200,7 +204,7 @@ def test_cached_prefill_under_strong_forgetting(chunks):
 @pytest.mark.parametrize("T", [4096, 8192])
 def test_strong_forgetting_at_4k_and_8k(T, path):
   """The same at T 4096 / 8192 with the default block (|g| ~ 65,000 nats at 8K)."""
-  _strong_forgetting(T, F.DEFAULT_BLOCK, path, rows="sampled")
+  _strong_forgetting(T, FX.DEFAULT_BLOCK, path, rows="sampled")
 
 
 def _long(T, block=256, path="auto"):
@@ -211,10 +215,10 @@ def _long(T, block=256, path="auto"):
   idx = np.unique(np.concatenate([np.arange(8), np.linspace(0, T - 1, 40).astype(int)]))
 
   def loss(q, k, v, la):
-    return jnp.sum(F.forget_attention(q, k, v, la, scale=8 ** -0.5, block=block,
+    return jnp.sum(FX.forget_attention(q, k, v, la, scale=8 ** -0.5, block=block,
                                       path=path)[:, idx])
 
-  out = jax.jit(lambda *a: F.forget_attention(*a, scale=8 ** -0.5, block=block, path=path))(
+  out = jax.jit(lambda *a: FX.forget_attention(*a, scale=8 ** -0.5, block=block, path=path))(
       q, k, v, loga)
   grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, loga)
   assert np.all(np.isfinite(out)) and all(np.all(np.isfinite(g)) for g in grads)
@@ -413,10 +417,10 @@ def test_packed_rows_match_reference_and_each_document_alone(path):
   q, k, v = _normal(0, (1, T, 4, 8)) * 2, _normal(1, (1, T, 2, 8)) * 2, _normal(2, (1, T, 2, 8))
   loga = -jnp.abs(_normal(3, (1, T, 4))) * 6
   w = _normal(4, (1, T, 4, 8))
-  blk = lambda q, k, v, la, s=seg: F.forget_attention(q, k, v, la, scale=8 ** -0.5, block=block,
+  blk = lambda q, k, v, la, s=seg: FX.forget_attention(q, k, v, la, scale=8 ** -0.5, block=block,
                                                       segment_ids_BT=s, path=path)
-  ref = lambda q, k, v, la: F.forget_attention_reference(
-      q, k, v, F.time_cumsum(la, segment_starts(seg)), scale=8 ** -0.5, segment_ids_BT=seg)[0]
+  ref = lambda q, k, v, la: SB.forget_attention_reference(
+      q, k, v, time_cumsum(la, segment_starts(seg)), scale=8 ** -0.5, segment_ids_BT=seg)[0]
   grads = lambda f, mask: jax.grad(lambda *a: jnp.sum(mask * w * f(*a)), argnums=(0, 1, 2, 3))
   args = (q, k, v, loga)
 

@@ -19,8 +19,9 @@ import pytest
 from flax import nnx
 
 from attn_jax.attention import sisa as S
-from attn_jax.attention.core import attend, attention_reference
 from attn_jax.kernel_choice import attention_impl
+from attn_jax.kernels.dense import attention_reference
+from attn_jax.kernels.entry import attend
 from attn_jax.model_config import ModelConfig
 from configs import base
 
@@ -158,9 +159,9 @@ def test_sisa_bf16_matches_reference(path, decay_bias, chunked):
 
 
 def test_split_fused_route_bf16_with_gradients():
-  """attention/lse_merge.py's fused route (past keys, no bias): cuDNN's output and lse, with the
+  """kernels/lse_merge.py's fused route (past keys, no bias): cuDNN's output and lse, with the
   custom VJP that restores the lse gradient cuDNN's own rule drops, combined with a biased part."""
-  from attn_jax.attention import lse_merge
+  from attn_jax.kernels import lse_merge
   B, T, S_, H, D = 2, 64, 192, 4, 80
   q, k, v = _normal(20, (B, T, H, D)), _normal(21, (B, S_, H, D)), _normal(22, (B, S_, H, 64))
   cut = 128

@@ -17,11 +17,12 @@ import numpy as np
 import pytest
 
 from attn_jax import kernel_choice, targets
-from attn_jax.attention import fox as F
+from attn_jax.attention import score_bias as SB
 from attn_jax.attention import sisa as S
 from attn_jax.attention.alibi import alibi_slopes
-from attn_jax.attention.core import attention_reference
 from attn_jax.kernels import decayed as K
+from attn_jax.kernels import forget_xla as FX
+from attn_jax.kernels.dense import attention_reference
 
 TOL = 1e-5            # fp32, relative to the largest |value|; fixed once
 TOL_BF16 = 2e-2       # bf16 inputs: q, k, v and the probabilities p rounded to 8 bits
@@ -115,7 +116,7 @@ def test_sisa_matches_float64_reference():
 
 def test_fox_matches_float64_reference_under_strong_forgetting():
   """GQA (4 query heads on 2 kv heads), packed documents, a sink, log f from ~0 to -20 nats per
-  token. The kernel's g is fp32's double-word cumulative sum of log f (fox._cumsum2); the
+  token. The kernel's g is fp32's double-word cumulative sum of log f (forget_xla.cumsum2); the
   reference sums log f in float64. Gradients reach log f through each."""
   rng = np.random.default_rng(1)
   B, T, H, KH, D = 2, 200, 4, 2, 16
@@ -127,13 +128,13 @@ def test_fox_matches_float64_reference_under_strong_forgetting():
           jnp.asarray(-rng.uniform(0, 1, (B, T, H)) * rate, jnp.float32), _normal(rng, (H,)))
 
   def kernel(q, k, v, loga, sink):
-    hi, lo = F._cumsum2(loga, starts)
+    hi, lo = FX.cumsum2(loga, starts)
     return K.decayed_attention(q, k, v, scale=D ** -0.5, g_BTH=hi, g_lo_BTH=lo, fox=True,
                                segment_ids_BT=seg, sink_logit_H=sink, block_q=64, block_k=32)
 
   def ref(q, k, v, loga, sink):
     g = _seg_cumsum_jnp(loga, starts)
-    return F.forget_attention_reference(q, k, v, g, scale=D ** -0.5, sink_logit_H=sink,
+    return SB.forget_attention_reference(q, k, v, g, scale=D ** -0.5, sink_logit_H=sink,
                                         segment_ids_BT=seg)[0]
 
   _check(kernel, ref, args, ("q", "k", "v", "log f", "sink"), seed=1)
@@ -422,7 +423,7 @@ def test_sisa_and_fox_long_sequences_match_float64_reference(T):
                                segment_ids_BT=seg, sink_logit_H=sink, block_q=128, block_k=128)
 
   def fox(q, k, v, loga):
-    hi, lo = F._cumsum2(loga, starts)
+    hi, lo = FX.cumsum2(loga, starts)
     return K.decayed_attention(q, k, v, scale=D ** -0.5, g_BTH=hi, g_lo_BTH=lo, fox=True,
                                segment_ids_BT=seg, sink_logit_H=sink, block_q=128, block_k=128)
 
@@ -432,7 +433,7 @@ def test_sisa_and_fox_long_sequences_match_float64_reference(T):
                                       segment_ids_BT=seg)[0]
 
   def fox_ref(q, k, v, loga, idx):
-    return F.forget_attention_reference(q, k, v, _seg_cumsum_jnp(loga, starts), scale=D ** -0.5,
+    return SB.forget_attention_reference(q, k, v, _seg_cumsum_jnp(loga, starts), scale=D ** -0.5,
                                         sink_logit_H=sink.astype(q.dtype), query_idx=idx,
                                         segment_ids_BT=seg)[0]
 

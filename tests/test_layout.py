@@ -1,14 +1,16 @@
 """The package's layout rules: one file per stem, the library never reaches up into configs/,
 mixer discovery imports the mixer packages only (no reference models), no import cycle
-(counting the edges that discovery's `import_module` makes), and the package's own imports in
-module order."""
+(counting the edges that discovery's `import_module` makes), the package's own imports in
+module order, and no mixer module naming an attention core (the kernels room chooses)."""
 
 import ast
 import collections
+import io
 import pathlib
 import re
 import subprocess
 import sys
+import tokenize
 
 from attn_jax import registry
 
@@ -171,3 +173,39 @@ def test_every_entry_point_stays_thin():
   assert len(entry_points) >= 20
   long = {p.name: n for p in entry_points if (n := len(p.read_text().splitlines())) > 200}
   assert long == {}, long
+
+
+NAMES_A_CORE = re.compile(r"cudnn|splash|pallas|triton", re.I)
+
+
+def _code_mentions(source: str, pattern: re.Pattern) -> list[tuple[int, str]]:
+  """(line, token) of every token of `source` matching `pattern`, leaving out comments and
+  docstrings (module, class and function ones); names and other strings (error messages,
+  implementation names) count."""
+  docs = set()
+  for node in ast.walk(ast.parse(source)):
+    body = getattr(node, "body", None)
+    if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        and body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+        and isinstance(body[0].value.value, str)):
+      docs.update(range(body[0].lineno, body[0].end_lineno + 1))
+  return [(t.start[0], t.string) for t in tokenize.generate_tokens(io.StringIO(source).readline)
+          if t.type != tokenize.COMMENT and not (t.type == tokenize.STRING and t.start[0] in docs)
+          and pattern.search(t.string)]
+
+
+def test_the_code_scan_sees_names_and_strings_but_not_comments_or_docstrings():
+  src = ('"""Runs on splash."""\n'
+         'def f(impl):\n  """cuDNN or Triton."""\n  # pallas\n'
+         '  return impl == "cudnn" or splash_core()\n')
+  assert _code_mentions(src, NAMES_A_CORE) == [(5, '"cudnn"'), (5, "splash_core")]
+
+
+def test_no_mixer_module_names_a_core():
+  """Mixers (attention/, ssm/) compute features and call the kernels room's entry point
+  (kernels/entry.py), which chooses the core through kernel_choice and calls it: no mixer code
+  names a core or a kernel language (comments and docstrings may, to explain)."""
+  found = {f"{p.relative_to(PACKAGE)}:{line}": tok
+           for folder in ("attention", "ssm") for p in sorted((PACKAGE / folder).glob("*.py"))
+           for line, tok in _code_mentions(p.read_text(), NAMES_A_CORE)}
+  assert found == {}

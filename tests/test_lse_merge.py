@@ -1,4 +1,4 @@
-"""attention/lse_merge.py: attention over split key sets combined by log-sum-exp equals one softmax
+"""kernels/lse_merge.py: attention over split key sets combined by log-sum-exp equals one softmax
 over all keys (outputs and gradients, every route), and SISA's chunked path built on it keeps
 its memory linear in the sequence length."""
 
@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from attn_jax.attention import lse_merge
 from attn_jax.attention import sisa as S
-from attn_jax.attention.core import attention_reference
+from attn_jax.kernels import lse_merge, sisa_xla
+from attn_jax.kernels.dense import attention_reference
 from attn_jax.model_config import ModelConfig
 from attn_jax.train import memory
 from configs import base
@@ -103,7 +103,7 @@ def test_sisa_chunked_equals_reference_on_every_impl(impl, route, monkeypatch):
   and the fused per-chunk route cuDNN takes, run here through XLA's kernel and the same
   custom VJP (`lse_merge._fused_lse`)."""
   if route == "fused_chunks":
-    monkeypatch.setattr(S.SISA, "_chunked", S.SISA._fused_chunks)
+    monkeypatch.setattr(sisa_xla, "chunked", sisa_xla.fused_chunks)
   cfg = _sisa_cfg(impl, 5, 13)
   m = S.SISA(cfg, cfg.options_for("sisa"), rngs=nnx.Rngs(0))
   for lin, f in ((m.b_proj, 6.0), (m.c_proj, 6.0), (m.phase_proj, 20.0)):

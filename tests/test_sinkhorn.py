@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from attn_jax.attention.core import attention_reference
+from attn_jax.kernels.dense import attention_reference
 from attn_jax.attention.sinkhorn import (SinkhornAttention, SortPlan, _blocks, _harmonic,
                                          causal_prefix_problem, causal_sinkhorn_rows,
                                          causal_sort_row, greedy_permutation, sinkhorn_log,

@@ -9,7 +9,8 @@ import pytest
 from flax import nnx
 
 from attn_jax import decode
-from attn_jax.attention import core, sisa
+from attn_jax.attention import sisa
+from attn_jax.kernels import dense
 from attn_jax.attention.mha import Attention
 from attn_jax.model import build_model
 from attn_jax.model_config import ModelConfig
@@ -48,9 +49,9 @@ def test_attention_sink_logit_equals_the_explicit_formula_with_gradients(impl, k
 
   def ref(params, x):
     m = nnx.merge(graphdef, params)
-    q, k, v = m.proj.rotated_qkv(x, core.causal_positions(2, 9), cfg.rope_theta)
+    q, k, v = m.proj.rotated_qkv(x, dense.causal_positions(2, 9), cfg.rope_theta)
     sink = m.sink_logit[...] if kind == "learned" else jnp.zeros((H,))
-    out = core.attention_reference(q, k, v, scale=cfg.head_dim ** -0.5, sink_logit_H=sink)
+    out = dense.attention_reference(q, k, v, scale=cfg.head_dim ** -0.5, sink_logit_H=sink)
     return m.proj.o(out)
 
   def run(params, x):

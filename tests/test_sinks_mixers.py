@@ -1,6 +1,6 @@
 """The sink logit ("learned") and softmax1 in the sliding_window and sinkhorn mixers.
 
-Each is checked against an explicit formula written here, independent of core.attend: the
+Each is checked against an explicit formula written here, independent of entry.attend: the
 softmax over [scores ; s_h] (s_h the learned per-head logit, or 0 for softmax1) with the extra
 column dropped, i.e. a virtual key of value zero. Outputs and gradients (inputs, every parameter,
 and d/d s_h) on each attention implementation that runs on CPU; causality by gradient; decoding

@@ -16,8 +16,9 @@ from flax import nnx
 
 from attn_jax import kernel_choice
 from attn_jax.attention import sisa as S
-from attn_jax.attention.core import attention_reference
 from attn_jax.attention.mha import Attention
+from attn_jax.kernels import sisa_xla
+from attn_jax.kernels.dense import attention_reference
 from attn_jax.model import Decoder, count_params
 from attn_jax.model_config import ModelConfig, validate_model
 from configs import base
@@ -288,7 +289,7 @@ def test_learn_lambda_switch(learn):
 
 def _attend64(q, k, v, *, scale, causal=True, q_positions=None, kv_positions=None, bias=None,
               impl="auto", sink_logit_H=None):
-  """Plain float64 attention (core.attend computes in fp32) for the finite-difference check."""
+  """Plain float64 attention (entry.attend computes in fp32) for the finite-difference check."""
   del impl
   assert sink_logit_H is None
   B, T, H, _ = q.shape
@@ -577,7 +578,7 @@ def test_packed_rows_match_reference_and_each_document_alone(monkeypatch, path, 
   pair's decay exponent across a restart is > 0, ~100 nats on the chunked rows) and exactly
   zero outside the output's document."""
   if route == "fused_chunks":   # what a cuDNN core picks (its past parts then run on CPU)
-    monkeypatch.setattr(S.SISA, "_chunked", lambda self, *a: self._fused_chunks(*a))
+    monkeypatch.setattr(sisa_xla, "chunked", sisa_xla.fused_chunks)
   if route == "parallel_sums":
     monkeypatch.setattr(kernel_choice, "FORCE_PARALLEL_TIME_SUMS", True)
   m = _mixer(_cfg(path=path, chunk_size=4, decay_bias_init=decay_bias))

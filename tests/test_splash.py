@@ -1,4 +1,4 @@
-"""The splash path of `core.attend` (attention/splash.py): its numerics (the kernel itself, run
+"""The splash path of `entry.attend` (kernels/splash.py): its numerics (the kernel itself, run
 in the Pallas interpreter on CPU) under a `shard_map` over a simulated 8-device mesh, the specs
 the logical rules give it, which calls take it and which fall back (and why), and the
 compiled program for a TPU v5e-4 slice (a Mosaic call, no [T, T] buffer), where the plugin is
@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 from attn_jax import sharding as shd
 from attn_jax import targets
-from attn_jax.attention import core, splash
+from attn_jax.kernels import dense, entry, splash
 
 RULES = shd.rules_dict(shd.TRUNK_RULES)
 
@@ -54,9 +54,9 @@ def test_sharded_splash_matches_the_reference():
   seg, pos = _packed(q.shape[0], q.shape[1])
   kw = dict(scale=q.shape[-1] ** -0.5, sink_logit_H=sink, q_positions=pos, kv_positions=pos,
             q_segments=seg, kv_segments=seg)
-  ours = lambda q, k, v: core.attend(q, k, v, impl="splash", prefix_causal=True,
+  ours = lambda q, k, v: entry.attend(q, k, v, impl="splash", prefix_causal=True,
                                      shared_prefix=False, **kw)
-  ref = lambda q, k, v: core.attention_reference(q, k, v, **kw)
+  ref = lambda q, k, v: dense.attention_reference(q, k, v, **kw)
   loss = lambda f: lambda *a: jnp.sum(jnp.sin(f(*a)))
   with shd.use_rules(_mesh((2, 2, 2)), RULES):
     out = jax.jit(ours)(q, k, v)
@@ -93,14 +93,14 @@ def test_each_device_gets_its_rows_and_heads():
 
   def stand_in(q, k, v, sink_H, q_ids, kv_ids):
     seen.append((q.shape, k.shape, sink_H.shape, q_ids.shape))
-    return core.attention_reference(q, k, v, scale=0.3, sink_logit_H=sink_H,
+    return dense.attention_reference(q, k, v, scale=0.3, sink_logit_H=sink_H,
                                     q_segments=q_ids, kv_segments=kv_ids)
 
   seg = jnp.ones(q.shape[:2], jnp.int32).at[:, 64:].set(2)
   with shd.use_rules(_mesh((2, 2, 2)), RULES):
     out = jax.jit(lambda *a: splash.sharded(stand_in, *a))(q, k, v, sink, seg, seg)
   assert seen == [((2, 128, 2, 24), (2, 128, 1, 24), (2,), (2, 128))]
-  want = core.attention_reference(q, k, v, scale=0.3, sink_logit_H=sink, q_segments=seg,
+  want = dense.attention_reference(q, k, v, scale=0.3, sink_logit_H=sink, q_segments=seg,
                                   kv_segments=seg)
   np.testing.assert_allclose(out, want, atol=1e-6)
 
@@ -109,23 +109,24 @@ def test_which_calls_take_splash(monkeypatch):
   """Packed rows take the kernel unless the row may hold a shared prefix (segment 0: not an
   equality of ids); each fallback has a reason."""
   asked = []
-  monkeypatch.setattr(core, "_splash", lambda *a, **kw: asked.append(kw) or jnp.zeros_like(a[0]))
+  monkeypatch.setattr(splash, "splash_attention",
+                      lambda *a, **kw: asked.append(kw) or jnp.zeros_like(a[0]))
   q, k, v, _ = _inputs(B=2, D=16, E=16)
   seg, pos = _packed(2, 128, pad_row=0)
   packed = dict(q_positions=pos, kv_positions=pos, q_segments=seg, kv_segments=seg,
                 prefix_causal=True)
-  core.attend(q, k, v, scale=1.0, impl="splash", shared_prefix=False, **packed)
+  entry.attend(q, k, v, scale=1.0, impl="splash", shared_prefix=False, **packed)
   assert len(asked) == 1 and asked[0]["q_ids"] is not None
-  core.attend(q, k, v, scale=1.0, impl="splash", **packed)           # may hold segment 0
-  core.attend(q, k, v, scale=1.0, impl="splash", window=8)
-  core.attend(q[:, :100], k[:, :100], v[:, :100], scale=1.0, impl="splash")
+  entry.attend(q, k, v, scale=1.0, impl="splash", **packed)           # may hold segment 0
+  entry.attend(q, k, v, scale=1.0, impl="splash", window=8)
+  entry.attend(q[:, :100], k[:, :100], v[:, :100], scale=1.0, impl="splash")
   assert len(asked) == 1
   base = dict(causal=True, T=128, S=128, bias=None, window=None, one_stream=True,
               segmented=True, shared_prefix=True)
-  assert "shared prefix" in core.splash_problem(**base)
-  assert core.splash_problem(**dict(base, shared_prefix=False)) is None
-  assert "multiple of 128" in core.splash_problem(**dict(base, T=100, S=100))
-  assert "prefix_causal" in core.splash_problem(**dict(base, one_stream=False))
+  assert "shared prefix" in splash.splash_problem(**base)
+  assert splash.splash_problem(**dict(base, shared_prefix=False)) is None
+  assert "multiple of 128" in splash.splash_problem(**dict(base, T=100, S=100))
+  assert "prefix_causal" in splash.splash_problem(**dict(base, one_stream=False))
 
 
 def test_segment_ids_of_padding():
@@ -156,7 +157,7 @@ def test_compiles_for_a_tpu_slice(mesh_shape):
   seg = jax.ShapeDtypeStruct((4, T), jnp.int32)
 
   def loss(q, k, v, sink, seg):
-    out = core.attend(q, k, v, scale=0.1, sink_logit_H=sink, q_positions=seg, kv_positions=seg,
+    out = entry.attend(q, k, v, scale=0.1, sink_logit_H=sink, q_positions=seg, kv_positions=seg,
                       q_segments=seg, kv_segments=seg, prefix_causal=True, shared_prefix=False)
     return jnp.sum(out.astype(jnp.float32))
 

@@ -29,7 +29,7 @@ import pytest
 
 from attn_jax import kernel_choice, targets
 from attn_jax import sharding as shd
-from attn_jax.attention import core
+from attn_jax.kernels import dpa
 from attn_jax.registry import available_mixers
 from attn_jax.train import aot, memory
 from configs import quickstart
@@ -41,7 +41,7 @@ SEQ_LEN = 1024
 MESHES = {"data_fsdp": (2, 2, 1), "data_tensor": (2, 1, 2)}
 PATTERNS = {m: (m,) for m in available_mixers()}
 PATTERNS["hybrid_block"] = ("attention", "mamba2:nomlp")
-SPLASH_WINDOW = ("known: splash is not given the sliding window (core.splash_problem), so the "
+SPLASH_WINDOW = ("known: splash is not given the sliding window (splash.splash_problem), so the "
                  "window's TPU step falls back to XLA with a [T, T] mask; splash's LocalMask is "
                  "exact for contiguous positions per document, not promised by prefix_causal")
 KERNEL = {GPU: "cuDNN attention fwd", TPU: "Mosaic (Pallas TPU)"}
@@ -194,8 +194,8 @@ def test_a_gpu_tiling_failure_is_compiled_again_without_triton_gemm():
 
 
 def test_cudnn_takes_even_lengths_only():
-  assert core.cudnn_takes(32, 32) and not core.cudnn_takes(31, 31)
-  assert not core.cudnn_takes(32, 33)
+  assert dpa.cudnn_takes(32, 32) and not dpa.cudnn_takes(31, 31)
+  assert not dpa.cudnn_takes(32, 33)
 
 
 # ------------------------------------------------------------------ compiling

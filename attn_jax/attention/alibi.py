@@ -9,13 +9,14 @@ every other slope of 2n heads (the odd-indexed ones 2^(-4 / n), 2^(-12 / n), ...
 
 Why a mixer and not an option of `attention`: -m_h (i - j) is Forgetting Attention with a fixed
 log forget rate, log f_t = -m_h, so g_i - g_j = -m_h (i - j) exactly (i - j counts the tokens in
-between). ALiBi therefore runs on FoX's exact blockwise path and decoding state (fox.py: the
-bias never goes through a [T, T] tensor, the cache stores g_j = -m_h n_j), with no RoPE; an
+between). ALiBi therefore runs on FoX's exact blockwise path and decoding state (score_bias.py and
+kernels/forget_xla.py: the bias never goes through a [T, T] tensor, the cache stores
+g_j = -m_h n_j), with no RoPE; an
 `attention` option would have needed a second attention core and a second cache layout inside
 attention's RoPE-based caches. Counting tokens rather than subtracting positions makes padding
 (position -1, log f = 0) free: a right-padded row's distances are its own tokens'.
 
-Packed rows: as FoX (fox.py): pairs of different documents are masked, and within a document
+Packed rows: as FoX (score_bias.py): pairs of different documents are masked, and within a document
 g_i - g_j = -m_h (i - j) counts only that document's tokens, exactly its alone value.
 
 Eviction (a `Ring` / `SinksRing` policy at decode time): the cache keeps g_j - g_last, so a kept key keeps its
@@ -34,8 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from attn_jax.attention.fox import BiasOptions, ScoreBiasAttention
 from attn_jax.attention.projection import QKVProjection, make_sink_logit
+from attn_jax.attention.score_bias import BiasOptions, ScoreBiasAttention
 from attn_jax.layers import stat_dtype
 from attn_jax.mixer import register_mixer
 
@@ -59,7 +60,7 @@ class ALiBi(ScoreBiasAttention):
   """ALiBi attention (module docstring). Options: `config.model.alibi`."""
 
   @dataclasses.dataclass(frozen=True)
-  class Options(BiasOptions):     # the block and the sink logit only (fox.BiasOptions)
+  class Options(BiasOptions):     # the block and the sink logit only (score_bias.BiasOptions)
     def validate(self, cfg: ModelConfig, where: str) -> None:
       del cfg
       self.validate_bias(where)
@@ -70,7 +71,7 @@ class ALiBi(ScoreBiasAttention):
     self.sink_logit = make_sink_logit(cfg, opts, rngs)
 
   def features(self, x_BTD, positions_BT, state, segment_ids_BT=None):
-    del state, segment_ids_BT   # no token shift: the masks of fox.forget_attention suffice
+    del state, segment_ids_BT   # no token shift: the core's document masks suffice
     p, f = self.proj, stat_dtype(self.cfg)
     B, T, _ = x_BTD.shape
     loga = jnp.broadcast_to(-jnp.asarray(alibi_slopes(self.cfg.n_heads), f), (B, T,

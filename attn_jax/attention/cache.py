@@ -13,7 +13,7 @@ int32 (the stream position each slot holds, -1 = empty), ptr [B] int32 (valid to
 so far, per row), base [B] int32 (the rings' RoPE frame, below; 0 for `Linear`) and `extra`,
 a mixer's own per-key data (any pytree of [B, S, ...] arrays, e.g.
 SISA's g_j and R(Phi_j) B_j), written slot for slot with the keys. Slots are not positions:
-masks come from `pos` (`core.positional_mask`), so a caller never computes a slot.
+masks come from `pos` (`masks.positional_mask`), so a caller never computes a slot.
 
 A `CachePolicy` is an inference-time choice (the parameters do not depend on it), passed when the
 state is made (`model.init_state(batch, capacity, policy=...)`); it owns three things:
@@ -63,9 +63,10 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from attn_jax.attention.core import from_rows, positional_mask, rows_softmax, to_rows
 from attn_jax.attention.projection import rope
 from attn_jax.field_checks import is_int
+from attn_jax.kernels.dense import from_rows, rows_softmax, to_rows
+from attn_jax.kernels.masks import positional_mask
 from attn_jax.layers import apply_rope, rope_angles
 from attn_jax.mixer import Mixer
 
@@ -288,7 +289,7 @@ def attend_cache(cache: KVCache, q_BTHD, k_BTKD, v_BTKV, positions_BT, *, scale:
 
   The cached keys and the new ones are scored apart (no [cache ; new] buffer is formed; the
   head-major cache is read where it lies) and share one fp32 softmax over their S + T columns
-  (`core.rows_softmax`), the same arithmetic on every platform: decoding reads the cache once
+  (`dense.rows_softmax`), the same arithmetic on every platform: decoding reads the cache once
   per token, a bandwidth-bound product rather than a fused kernel's. `q_sink_BTHD`: the query
   the sink slots are scored with (default q); `bias` [B|1, H|1, T|1, S + T]: added to the scores
   of [cache ; new]; sink slots are visible to every query of the call (module docstring);

@@ -12,14 +12,12 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-import jax
 from flax import nnx
 
-from attn_jax import kernel_choice
 from attn_jax.attention import cache as cache_lib
-from attn_jax.attention.core import attend, attention_flops_per_token, causal_keys
 from attn_jax.attention.projection import (QKVProjection, SinkLogitOptions, make_sink_logit,
                                            qk_probs, sink_logit_of)
+from attn_jax.kernels import entry
 from attn_jax.layers import causal_positions
 from attn_jax.mixer import register_mixer
 
@@ -57,14 +55,13 @@ class Attention(cache_lib.CachedMixer):
     B, T, _ = x_BTD.shape
     pos_BT = causal_positions(B, T) if positions_BT is None else positions_BT
     q, k, v = p.rotated_qkv(x_BTD, pos_BT, cfg.rope_theta)
-    core_fn = lambda q, k, v, sink: attend(   # positions None: the kernels' fast causal path
+    out = entry.attend(   # positions None: the cores' fast causal path
         q, k, v, scale=scale, causal=True, q_positions=positions_BT, kv_positions=positions_BT,
         sink_logit_H=sink, impl=cfg.attention_impl, prefix_causal=True,
         q_segments=segment_ids_BT, kv_segments=segment_ids_BT,
-        shared_prefix=cfg.sink_tokens > 0)   # no sink tokens: no segment-0 key (splash takes it)
-    if kernel_choice.remat_attention(cfg.attention_impl, q.dtype, q.shape[-1]):
-      core_fn = jax.checkpoint(core_fn)
-    return p.o(core_fn(q, k, v, sink)), None, {}
+        shared_prefix=cfg.sink_tokens > 0,   # no sink tokens: no segment-0 key in the row
+        remat=True)                          # no [T, S] probabilities kept for the backward
+    return p.o(out), None, {}
 
   def attention_probs(self, x_BTD):
     """[B, H, T, T + 1] attention map of a full forward (last column: the sink); diagnostics."""
@@ -72,5 +69,5 @@ class Attention(cache_lib.CachedMixer):
 
   @classmethod
   def flops_per_token(cls, cfg: ModelConfig, opts, seq_len: int) -> float:
-    return attention_flops_per_token(cfg.n_heads, cfg.head_dim, cfg.head_dim,
-                                     causal_keys(seq_len))
+    return entry.attention_flops_per_token(cfg.n_heads, cfg.head_dim, cfg.head_dim,
+                                           entry.causal_keys(seq_len))

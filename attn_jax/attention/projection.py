@@ -6,7 +6,7 @@ attention-sink logit (docs/papers.md §3.4; `config.model.<mixer>.sink_logit`):
   dropped (gpt-oss "sinks"): p_ij = e^{s_ij} / (e^{sink_h} + sum_j' e^{s_ij'}). Initialised at
   0, no weight decay;
 - "softmax1": the same column with the logit fixed at 0 ("Attention is off by one").
-All three go to `core.attend(sink_logit_H=...)`, which every implementation supports natively.
+All three go to `entry.attend(sink_logit_H=...)`, which every implementation supports natively.
 
 Plus the explicit attention map of a q.k mixer (`qk_probs`, `probs_with_sink`), for
 diagnostics.
@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from attn_jax.attention.core import positional_mask
+from attn_jax.kernels.masks import positional_mask
 from attn_jax.layers import Linear, apply_rope, causal_positions, dtype_of, param, rope_angles
 
 if TYPE_CHECKING:  # annotations only: model_config imports the registry, which imports the mixers
@@ -49,7 +49,7 @@ def make_sink_logit(cfg: ModelConfig, opts: SinkLogitOptions, rngs: nnx.Rngs):
 
 
 def sink_logit_of(opts: SinkLogitOptions, sink_param, n_heads: int):
-  """The [H] sink logit handed to `core.attend` (None for the plain softmax)."""
+  """The [H] sink logit handed to `entry.attend` (None for the plain softmax)."""
   if opts.sink_logit == "learned":
     return sink_param[...].astype(jnp.float32)
   if opts.sink_logit == "softmax1":

@@ -46,7 +46,7 @@ Choices where the paper leaves room (reasons in docs/sinkhorn.md):
 7. aux["sinkhorn_sharpness"]: the mean largest weight of a sort row.
 8. Positions: RoPE at absolute positions before sorting.
 9. Sink logit (`sink_logit`, `projection.SinkLogitOptions`): the extra column of every query's
-   one softmax over [sorted ; local] (`core.attend(sink_logit_H=)`), in every mode; not sorted.
+   one softmax over [sorted ; local] (`entry.attend(sink_logit_H=)`), in every mode; not sorted.
 10. Packed rows (`segment_ids_BT`): a block sorts for the document of its first token, from
    that document's pure blocks only, attention masked by segment: nothing crosses a document
    boundary, and a document that starts at a block boundary (or lies inside one block) gets
@@ -90,10 +90,11 @@ import numpy as np
 from flax import nnx
 
 from attn_jax.attention import cache as cache_lib
-from attn_jax.attention.core import NEG_INF, attend
 from attn_jax.attention.projection import (QKVProjection, SinkLogitOptions, make_sink_logit,
                                     sink_logit_of)
 from attn_jax.field_checks import field_check, is_int, is_number
+from attn_jax.kernels import entry
+from attn_jax.kernels.masks import NEG_INF
 from attn_jax.layers import (Linear, apply_rope, causal_positions, dtype_of, rope_angles,
                              segment_starts)
 from attn_jax.mixer import Mixer, register_mixer
@@ -395,7 +396,7 @@ def block_attend(q_BNQHD, sk_BNSKD, sv_BNSKD, s_valid_BKNS, lk_BNLKD, lv_BNLKD, 
   if causal:  # a causal sorted slot only holds past blocks: visible to every valid query
     spos = jnp.where(jnp.all(s_valid_BKNS, axis=1), 0, -1).astype(jnp.int32)
     kv_pos = fold(jnp.concatenate([spos, lpos_BNL], axis=-1))
-    out = attend(q, k, v, scale=scale, causal=True, q_positions=fold(qpos_BNQ),
+    out = entry.attend(q, k, v, scale=scale, causal=True, q_positions=fold(qpos_BNQ),
                  kv_positions=kv_pos, sink_logit_H=sink_logit_H, impl=impl, **seg_kw)
   else:       # validity may differ per head: an additive bias on the sorted slots
     # (*_like: new arrays keep the batch sharding of the inputs under explicit meshes)
@@ -407,7 +408,7 @@ def block_attend(q_BNQHD, sk_BNSKD, sv_BNSKD, s_valid_BKNS, lk_BNLKD, lv_BNLKD, 
     lb = jnp.zeros_like(sb[..., :1]) + jnp.zeros_like(lpos_BNL, jnp.float32)[:, :, None, :]
     bias = jnp.concatenate([sb, lb], axis=-1)
     bias = jnp.broadcast_to(fold(bias)[:, :, None, :], (B * N, H, Q, S + L))
-    out = attend(q, k, v, scale=scale, causal=False, kv_positions=kv_pos, bias=bias,
+    out = entry.attend(q, k, v, scale=scale, causal=False, kv_positions=kv_pos, bias=bias,
                  sink_logit_H=sink_logit_H, impl=impl, **seg_kw)
   return out.reshape(B, N, Q, H, -1)
 
@@ -706,7 +707,7 @@ class SinkhornAttention(Mixer):
     return y, dict(q=q, k=k, v=v, plan=plan, logp=logp, n_blocks=n, allowed=allowed)
 
   def sink(self):
-    """The [H] sink logit for `core.attend` (None without one; docstring 9)."""
+    """The [H] sink logit for `entry.attend` (None without one; docstring 9)."""
     return sink_logit_of(self.opts, self.sink_logit, self.cfg.n_heads)
 
   @staticmethod

@@ -26,15 +26,17 @@ Exact at any length, with no clamp (the authors' code clamps g - c to [-11, 11] 
 from the whole sequence: wrong past 22 nats of decay, and not causal). Every exponential that
 is evaluated is <= 1 or <= e^T for a fixed T, and no reference reads a later token:
 
-- fast path (`_fast`): r = 0, one attend call; query factors e^{g_i} <= 1, key factors
-  e^{-g_j} <= e^T, valid while the decay range -g_{T-1} <= T = `fast_max_range` (60 nats,
-  4 for float16): inside the fp32/bf16 exponent range with headroom for B, C and lambda.
-- chunked path (`_chunked`): blocks of c tokens (`block_len`); a query block and an earlier key
-  block take r = g at the key block's last token, so both factors are <= 1; a block's own
+The full forward hands these features to the kernels room (`entry.attend_decayed` with
+`entry.MatchDecay`), which chooses and calls the core: the decayed Pallas kernel on GPU / TPU
+(kernels/decayed.py: exact at any decay range in one call), else kernels/sisa_xla.py's paths:
+- fast (`path="fast"`): r = 0, one softmax-attention call; query factors e^{g_i} <= 1, key
+  factors e^{-g_j} <= e^T, valid while the decay range -g_{T-1} <= T = `fast_max_range` (60
+  nats, 4 for float16): inside the fp32/bf16 exponent range with headroom for B, C and lambda.
+- chunked (`path="chunked"`): blocks of c tokens (`chunk_size`); a query block and an earlier
+  key block take r = g at the key block's last token, so both factors are <= 1; a block's own
   pairs enter as a [c, c] bias lambda e^{g_i - g_j} C.B formed from the difference
-  g_i - g_j <= 0 (Mamba-2's segsum); the parts are combined by log-sum-exp (`lse_merge.py`), the
-  past through `blockwise.past_blocks` (O(T) memory), or, with a fused cuDNN core, query chunks
-  whose past goes through that kernel (`_fused_chunks`).
+  g_i - g_j <= 0 (Mamba-2's segsum); the parts are combined by log-sum-exp, the past in O(T)
+  memory, or, with a fused cuDNN core, query chunks whose past goes through that kernel.
 - `path="auto"`: a `jax.lax.cond` on the measured range -min g (both paths compute the same
   function). A cond keeps both branches' residuals, so with a core in
   `kernel_choice.REMAT_CORE_IMPLS` both branches are rematerialised; fused cores keep O(T) residuals.
@@ -49,7 +51,7 @@ is evaluated is <= 1 or <= e^T for a fixed T, and no reference reads a later tok
 Padding tokens (position -1) get log a = 0 and theta = 0: they leave g and Phi unchanged.
 Packed rows (`segment_ids_BT`): g and Phi restart at every document start and pairs of other
 documents are masked on every path; a chunked reference that lies in another document is
-clamped to a factor <= 1 (`_nonpositive`, a no-op on visible pairs). `reads_shared_prefix` is
+clamped to a factor <= 1 (sisa_xla.py, a no-op on visible pairs). `reads_shared_prefix` is
 False (a shared prefix has no meaningful decay to a restarted g).
 
 Precision: g and Phi are fp32 cumulative sums (fp64 for a float64 model); g_i - g_j carries an
@@ -71,7 +73,6 @@ by `experiments/bench.py`.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -82,13 +83,12 @@ from flax import nnx
 
 from attn_jax import kernel_choice
 from attn_jax.attention import cache as cache_lib
-from attn_jax.attention import blockwise, lse_merge
-from attn_jax.attention.core import (attend, attention_flops_per_token, causal_keys,
-                                     segment_mask)
 from attn_jax.attention.projection import (QKVProjection, SinkLogitOptions, make_sink_logit,
                                            probs_with_sink, sink_logit_of)
 from attn_jax.field_checks import field_check, is_int, is_number
-from attn_jax.kernels import decayed
+from attn_jax.kernels import entry
+from attn_jax.kernels.masks import segment_mask
+from attn_jax.kernels.sisa_xla import local_bias
 from attn_jax.layers import (Linear, causal_positions, dtype_of, param, segment_starts,
                              angle_cumsum, starts_like, stat_dtype,
                              time_cumsum, time_scan)
@@ -97,7 +97,7 @@ from attn_jax.mixer import register_mixer
 if TYPE_CHECKING:  # annotations only: model_config imports the registry, which imports the mixers
   from attn_jax.model_config import ModelConfig
 
-PATHS = ("auto", "fast", "chunked")
+PATHS = entry.DECAY_PATHS[entry.MatchDecay]   # auto | fast | chunked
 # Largest fast-path decay range per compute dtype (nats): e^T must leave headroom below the
 # dtype's max (fp32/bf16: e^88.7; fp16: e^11.1, and its normal range starts at e^-9.7).
 _DTYPE_RANGE_LIMIT = {"float16": 4.0}
@@ -168,67 +168,6 @@ def rotate_pairs(x_BTHS: jax.Array, phi_BTHP: jax.Array) -> jax.Array:
   return jnp.stack([x0 * c - x1 * s, x0 * s + x1 * c], axis=-1).reshape(x_BTHS.shape)
 
 
-def _local_bias(rc_BTHS, rb_BSHS, g_q_BTH, g_k_BSH, lam_H, causal_TS):
-  """lambda e^{g_i - g_j} (R C_i).(R B_j) for an in-chunk block, [B, H, T, S] fp32.
-
-  e^{g_i - g_j} is formed from the difference (<= 0 where causal), never from large factors.
-  """
-  match = jnp.einsum("bths,bjhs->bhtj", rc_BTHS, rb_BSHS, preferred_element_type=g_q_BTH.dtype)
-  dg = g_q_BTH.transpose(0, 2, 1)[..., :, None] - g_k_BSH.transpose(0, 2, 1)[..., None, :]
-  dec = jnp.exp(jnp.where(causal_TS, dg, -jnp.inf))
-  return lam_H[None, :, None, None] * dec * match
-
-
-def _nonpositive(x):
-  """x where x <= 0, else 0: a decay exponent that is <= 0 on every visible pair; in a packed
-  row g restarts at a document start, so a masked pair's exponent may be > 0, and this keeps its
-  factor <= 1 (no inf, hence no NaN in the masked pair's zero-cotangent backward). A select,
-  not a clamp: the gradient passes unchanged wherever x <= 0."""
-  return jnp.where(x <= 0, x, jnp.zeros_like(x))
-
-
-def _segment_kw(seg, shared_prefix: bool) -> dict:
-  """attend's segment arguments of a packed row (none without one: the plain causal call).
-  One stream, so `prefix_causal` holds: the blocked core keeps skipping the upper triangle.
-  `shared_prefix`: whether segment-0 keys (the decoder's sink tokens) may be in the row."""
-  if seg is None:
-    return {}
-  return {"q_segments": seg, "kv_segments": seg, "prefix_causal": True,
-          "shared_prefix": shared_prefix}
-
-
-def _pad_operands(ops, pad: int):
-  """`SISAOperands` with `pad` tokens appended: zeros, g repeated (no decay), and a document
-  id of their own (-1) in a packed row."""
-  zpad = lambda x: jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))
-  seg = None if ops.seg is None else jnp.pad(ops.seg, ((0, 0), (0, pad)), constant_values=-1)
-  return ops._replace(q=zpad(ops.q), k=zpad(ops.k), v=zpad(ops.v), rc=zpad(ops.rc),
-                      rb=zpad(ops.rb), g=jnp.pad(ops.g, ((0, 0), (0, pad), (0, 0)), mode="edge"),
-                      seg=seg)
-
-
-def _widen(x_BTHD, f_BTH, r_BTHS):
-  """[x ; f r]: q or k widened by its scaled SISA factor (C or B, rotated), in x's dtype."""
-  return jnp.concatenate([x_BTHD, (f_BTH[..., None] * r_BTHS).astype(x_BTHD.dtype)], axis=-1)
-
-
-def _past_scores(scale, shared, qa, ka):
-  """Score of a (query block, earlier key block) pair for `blockwise.past_blocks`: the widened
-  q.k with reference r = g at the key block's last token, so query factors e^{g_i - r} <= 1
-  (i after the block) and key factors e^{r - g_j} <= 1 (j in the block). [B, H, c, c] in fp32
-  (fp64 for a float64 model)."""
-  (qscale,) = shared
-  q, rc, g_q = qa
-  k, rb, g_k = ka
-  dt = q.dtype
-  r = g_k[:, -1]                                                       # [B, H]
-  qf = jnp.exp(_nonpositive(g_q - r[:, None])) * qscale
-  kf = jnp.exp(_nonpositive(r[:, None] - g_k))
-  qh, kh = _widen(q, qf, rc), _widen(k, kf, rb)
-  f = jnp.promote_types(dt, jnp.float32)
-  return jnp.einsum("bthd,bshd->bhts", qh, kh, preferred_element_type=f) * scale
-
-
 # ---------------------------------------------------------------- explicit reference
 
 def sisa_attention_reference(q_BTHD, k_BTHD, v_BTHD, c_BTHS, b_BTHS, g_BTH, phi_BTHP, lam_H, *,
@@ -287,22 +226,6 @@ class SISAFeatures(NamedTuple):
   lam: jax.Array        # [H]: lambda
 
 
-class SISAOperands(NamedTuple):
-  """What every attention path of the mixer reads (`SISA._operands`): the features after the
-  cumulative sums, C and B rotated. A full forward's g is measured from the empty prefix; a
-  cached call's from the last cached token (`SISA._cached`)."""
-  q: jax.Array          # [B, T, H, d_h]: after RoPE (before it for a cached call)
-  k: jax.Array          # [B, T, K, d_h]: likewise
-  v: jax.Array          # [B, T, K, d_h]
-  rc: jax.Array         # [B, T, H, d_s]: R(Phi_i) C_i (C itself without phase), stat dtype
-  rb: jax.Array         # [B, T, H, d_s]: R(Phi_j) B_j
-  g: jax.Array          # [B, T, H]: cumulative log-decay from the reference
-  lam: jax.Array        # [H]: lambda
-  qscale: jax.Array     # [H]: lambda sqrt(d_h), the query side's scale s^2
-  sink: jax.Array | None = None   # [H]: the sink logit (None: no sink column)
-  seg: jax.Array | None = None    # [B, T]: document ids of a packed row (None: one stream)
-
-
 class SISAKeys(NamedTuple):
   """SISA's per-key data in the KV cache (beside it, R(Phi_j) B_j: the cache's extra key
   channels `kx`, [B, H, S, d_s], head-major like the keys)."""
@@ -314,11 +237,6 @@ class SISAState(NamedTuple):
   cache: cache_lib.KVCache
   g: jax.Array      # [B, H]: g of the last token (the stream's total decay; `decay_range`)
   phi: jax.Array    # [B, H, d_s/2]: Phi of the last token, mod 2 pi
-
-def _sink_kw(sink) -> dict:
-  """attend's sink argument only when there is a sink (keeps the plain call unchanged)."""
-  return {} if sink is None else {"sink_logit_H": sink}
-
 
 @register_mixer("sisa")
 class SISA(cache_lib.CachedMixer):
@@ -333,7 +251,7 @@ class SISA(cache_lib.CachedMixer):
     use_phase: bool = True
     learn_lambda: bool = True
     chunk_size: int = 0             # block / query chunk of the chunked path; 0 = auto
-                                    # (`block_len`, or `chunk_len` with a cuDNN core)
+                                    # (sisa_xla.block_len, or chunk_len with cuDNN)
     path: str = "auto"              # auto (cond on the decay range) | fast | chunked (all exact)
     fast_max_range: float = 60.0    # nats: largest decay range of the one-call fast path (<= 80)
     phase_init_std: float = 0.01    # init std of W_theta (as the authors' code)
@@ -441,12 +359,15 @@ class SISA(cache_lib.CachedMixer):
     g, phi = decay_and_phase(f.loga, f.theta, None if seg is None else segment_starts(seg))
     if state is not None and phi is not None:
       phi = wrap_phase(state.phi[:, None] + phi)
-    ops = self._operands(f, g, phi, seg)
+    decay = self._decay(f, g, phi)
+    sink = sink_logit_of(self.opts, self.sink_logit, self.cfg.n_heads)
 
-    if state is None:
-      out, chunked = self._full(ops)
+    if state is None:   # the kernels room chooses: the decayed kernel, or the fast / chunked path
+      out, chunked = entry.attend_decayed(
+          f.q, f.k, f.v, decay, scale=self.cfg.head_dim ** -0.5, impl=self.cfg.attention_impl,
+          path=self.opts.path, sink_logit_H=sink, segment_ids_BT=seg, what="sisa")
     else:
-      out, kv = self._cached(ops, positions_BT, state.cache)
+      out, kv = self._cached(f, decay, sink, seg, positions_BT, state.cache)
       g = state.g[:, None] + g                   # the running g: only for `decay_range`
       state = SISAState(kv, g[:, -1], state.phi if phi is None else phi[:, -1])
       chunked = jnp.ones((), jnp.float32)
@@ -465,152 +386,20 @@ class SISA(cache_lib.CachedMixer):
     }
     return self.proj.o(out), state, aux
 
-  def _operands(self, f: SISAFeatures, g, phi, seg=None) -> SISAOperands:
-    """The paths' operands from the features and the cumulative sums g, Phi (None: no phase)."""
+  def _decay(self, f: SISAFeatures, g, phi) -> entry.MatchDecay:
+    """The decay features from the features and the cumulative sums g, Phi (None: no phase):
+    C and B rotated, the query side's scale s^2 = lambda sqrt(d_h), and the options the kernels
+    room chooses a path by."""
+    cfg, o = self.cfg, self.opts
     rc = f.c.astype(g.dtype) if phi is None else rotate_pairs(f.c, phi)
     rb = f.b.astype(g.dtype) if phi is None else rotate_pairs(f.b, phi)
-    qscale = f.lam * math.sqrt(self.cfg.head_dim)               # s^2 = lambda sqrt(d_h)
-    sink = sink_logit_of(self.opts, self.sink_logit, self.cfg.n_heads)
-    return SISAOperands(f.q, f.k, f.v, rc, rb, g, f.lam, qscale, sink, seg)
-
-  # -------------------------------------------------------------- full sequence
-  def _full(self, ops: SISAOperands):
-    """-> (out, chunked flag): the path asked for, or (auto) the decayed-attention kernel on
-    GPU / TPU (kernels/decayed.py: exact at any decay range in one call), else a cond on the
-    decay range."""
-    cfg = self.cfg
-    path = self.opts.path
-    if path == "auto" and decayed.use_kernel(cfg.attention_impl, ops.q.shape, ops.k.shape,
-                                             ops.v.shape, what="sisa"):
-      return self._kernel(ops), jnp.zeros((), jnp.float32)
-    if path == "fast":
-      return self._fast(ops), jnp.zeros((), jnp.float32)
-    if path == "chunked":
-      return self._chunked(ops), jnp.ones((), jnp.float32)
-    # g is non-increasing (log a <= 0, and rounding is monotone), so its range from the empty
-    # prefix is -g at the last token (packed rows: at the last token of each document).
-    use_fast = -jnp.min(ops.g) <= self.fast_range_limit(cfg, self.opts)
-    # Neither branch leaves [T, S] residuals to the cond (docs/sisa.md, "Picking the path"): the
-    # fast one is rematerialised (except a fused cuDNN / splash call, whose own residuals are
-    # O(T)); so is the blockwise chunked one (every core but cuDNN, splash included), whose
-    # residuals (the diagonal blocks' probabilities, the flash part's out and lse) the cond
-    # would otherwise zero-fill at every step the fast path is taken; the cuDNN chunked one
-    # keeps only its inputs by construction (`lse_merge.sequential`).
-    fast, chunked = self._fast, self._chunked
-    core = self._core_impl(ops)
-    if core in kernel_choice.REMAT_CORE_IMPLS:
-      fast = jax.checkpoint(fast)
-    if core != "cudnn":   # `_chunked` takes `_blockwise`
-      chunked = jax.checkpoint(chunked)
-    out = jax.lax.cond(use_fast, fast, chunked, ops)
-    return out, 1.0 - use_fast.astype(jnp.float32)
-
-  def _kernel(self, ops: SISAOperands, positions_BT=None):
-    """The kernel's score q.k / sqrt(d_h) + e^{g_i - g_j} (lambda R C_i).(R B_j): lambda on the
-    query factor, so its gradient comes from the factor's. The factors enter in q's dtype, as
-    the widened Q/K of the method do (bf16 in a bf16 model: the tile products c.b then run on
-    the tensor cores with fp32 accumulation like q.k; fp32 factors would make the kernel's
-    three c.b-shaped products per tile fp32 matmuls at full precision, a few times slower on a
-    GPU); g and the decay factor e^{g_i - g_j} stay fp32."""
-    c = (ops.lam.astype(ops.rc.dtype)[:, None] * ops.rc).astype(ops.q.dtype)
-    return decayed.decayed_attention(ops.q, ops.k, ops.v, scale=self.cfg.head_dim ** -0.5,
-                                     g_BTH=ops.g, c_BTHS=c, b_BTHS=ops.rb.astype(ops.q.dtype),
-                                     positions_BT=positions_BT, segment_ids_BT=ops.seg,
-                                     sink_logit_H=ops.sink)
-
-  def _core_impl(self, ops: SISAOperands) -> str:
-    """The attention core a call of the widened Q/K (d_h + d_s channels) runs on."""
-    return kernel_choice.attention_impl(self.cfg.attention_impl, ops.q.dtype,
-                                        ops.q.shape[-1] + ops.rc.shape[-1])
-
-  def _fast(self, ops: SISAOperands):
-    """One attend call; reference r = 0 (valid while -g <= fast_max_range; packed rows: g
-    restarts at 0 in every document, and pairs of other documents are masked)."""
-    cfg = self.cfg
-    limit = self.fast_range_limit(cfg, self.opts)
-    # The clips are no-ops when this path is chosen; they keep a speculative evaluation
-    # (e.g. cond under vmap becomes select) free of inf.
-    qf = jnp.exp(jnp.maximum(ops.g, -limit)) * ops.qscale    # [B, T, H] <= 1 * qscale
-    kf = jnp.exp(jnp.minimum(-ops.g, limit))                 # [B, T, H] in [1, e^limit]
-    qh, kh = _widen(ops.q, qf, ops.rc), _widen(ops.k, kf, ops.rb)
-    return attend(qh, kh, ops.v, scale=cfg.head_dim ** -0.5, causal=True,
-                  impl=cfg.attention_impl, **_sink_kw(ops.sink),
-                  **_segment_kw(ops.seg, cfg.sink_tokens > 0))
-
-  def _chunked(self, ops: SISAOperands):
-    """The exact path for any decay range: block pairs in O(T) memory (`_blockwise`), or with a
-    fused cuDNN core, query chunks whose past goes through that kernel (`_fused_chunks`)."""
-    if self._core_impl(ops) == "cudnn":
-      return self._fused_chunks(ops)
-    return self._blockwise(ops)
-
-  def _blockwise(self, ops: SISAOperands):
-    """Blocks of c tokens (T padded up to a multiple: padded keys sit in the last block, which
-    no query's past contains; padded queries are dropped). Diagonal blocks: all n at once as a
-    batch of [c, c] biased, masked blocks. Past blocks: `blockwise.past_blocks` with the pair's
-    reference r = g at the key block's last token. Combined by log-sum-exp."""
-    cfg, dt = self.cfg, ops.q.dtype
-    B, T, H, _ = ops.q.shape
-    c = self.block_len(self.opts, T)
-    pad = -T % c
-    if pad:
-      ops = _pad_operands(ops, pad)
-    q, k, v, rc, rb, g, seg = ops.q, ops.k, ops.v, ops.rc, ops.rb, ops.g, ops.seg
-    n = (T + pad) // c
-    fold = lambda x: x.reshape((B * n, c) + x.shape[2:])
-    unfold = lambda x: x.reshape((B, n * c) + x.shape[2:])
-    causal = jnp.tril(jnp.ones((c, c), bool))
-    if seg is not None:
-      causal = causal & segment_mask(fold(seg), fold(seg))[:, None]
-    loc = _local_bias(fold(rc), fold(rb), fold(g), fold(g), ops.lam, causal)
-    scale = cfg.head_dim ** -0.5
-    diag = lse_merge.partial_attention(fold(q), fold(k), fold(v), scale=scale, bias=loc, mask=causal)
-    past = blockwise.past_blocks(functools.partial(_past_scores, scale), (ops.qscale,), (q, rc, g),
-                             (k, rb, g), v, block=c, segment_ids_BT=seg)
-    out = lse_merge.combine([tuple(map(unfold, diag)), past], ops.sink)
-    return out[:, :T].astype(dt)
-
-  def _fused_chunks(self, ops: SISAOperands):
-    """Query chunks with reference g_{a-1}, run one after another and rematerialised
-    (`lse_merge.sequential`): the residuals are the full inputs; each chunk's past keys go through
-    one call of the fused kernel (O(T) memory on GPU)."""
-    T = ops.q.shape[1]
-    c = self.chunk_len(self.opts, T)
-    fns = [functools.partial(self._chunk, a, min(a + c, T)) for a in range(0, T, c)]
-    outs = lse_merge.sequential(fns, (ops,))
-    out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
-    return out.astype(ops.q.dtype)
-
-  def _chunk(self, a: int, e: int, ops: SISAOperands):
-    """Queries [a, e): past keys [0, a) through one unbiased, unmasked call (the widened Q/K,
-    key factors e^{r - g_j} <= 1), the chunk's own keys through a small block with the
-    difference-form SISA bias; the two parts combined by log-sum-exp (`lse_merge.combine`).
-    Packed rows: both parts masked by document (the past then takes the masked einsum route),
-    the factors' exponents clamped at 0 (a no-op on every visible pair, module docstring)."""
-    cfg, dt = self.cfg, ops.q.dtype
-    q, k, v, rc, rb, g, seg = ops.q, ops.k, ops.v, ops.rc, ops.rb, ops.g, ops.seg
-    scale = cfg.head_dim ** -0.5
-    r = g[:, a - 1] if a > 0 else jnp.zeros_like(g[:, 0])              # [B, H]
-    causal = jnp.arange(a, e)[:, None] >= jnp.arange(a, e)[None, :]
-    past_mask = None
-    if seg is not None:
-      causal = causal & segment_mask(seg[:, a:e], seg[:, a:e])[:, None]
-      past_mask = segment_mask(seg[:, a:e], seg[:, :a])[:, None]
-    loc = _local_bias(rc[:, a:e], rb[:, a:e], g[:, a:e], g[:, a:e], ops.lam, causal)
-    parts = [lse_merge.partial_attention(q[:, a:e], k[:, a:e], v[:, a:e], scale=scale,
-                                     bias=loc, mask=causal)]
-    if a > 0:
-      qf = jnp.exp(_nonpositive(g[:, a:e] - r[:, None])) * ops.qscale   # <= qscale
-      qh = _widen(q[:, a:e], qf, rc[:, a:e])
-      kf = jnp.exp(_nonpositive(r[:, None] - g[:, :a]))                 # <= 1
-      kh = _widen(k[:, :a], kf, rb[:, :a])
-      impl = kernel_choice.attention_impl(cfg.attention_impl, dt, qh.shape[-1])
-      parts.append(lse_merge.partial_attention(qh, kh, v[:, :a], scale=scale, impl=impl,
-                                           mask=past_mask))
-    return lse_merge.combine(parts, ops.sink)
+    qscale = f.lam * math.sqrt(cfg.head_dim)                    # s^2 = lambda sqrt(d_h)
+    return entry.MatchDecay(rc, rb, g, f.lam, qscale, self.fast_range_limit(cfg, o),
+                            int(o.chunk_size), cfg.sink_tokens > 0)
 
   # -------------------------------------------------------------- decoding
-  def _cached(self, ops: SISAOperands, positions_BT, kv: cache_lib.KVCache):
+  def _cached(self, f: SISAFeatures, decay: entry.MatchDecay, sink, seg, positions_BT,
+              kv: cache_lib.KVCache):
     """T new tokens (q, k before RoPE) after the cached ones, under the cache's policy: one
     chunk with reference r = g of the last cached token. Cached g_j are kept relative to it
     (g_j - r >= 0, shifted after every call), so key factors e^{r - g_j} <= 1, and ell = g - r
@@ -618,22 +407,24 @@ class SISA(cache_lib.CachedMixer):
     e^{ell_i - ell_j} keep full precision however long the stream. Only the q.k part's RoPE
     positions depend on the policy (a ring re-assigns them); a cached key keeps its g_j and
     R(Phi_j) B_j, so a sink still sees the true decay accumulated over every token since.
-    `ops.g` is ell. A prefill's first call (`kv.fresh`) on GPU / TPU computes its outputs
-    with the full forward's kernel (`_kernel`: no [T, T] scores), then writes the same keys."""
+    `decay.g_BTH` is ell. A prefill's first call (`kv.fresh`) on GPU / TPU computes its outputs
+    with the full forward's kernel (`entry.fused_prefill`: no [T, T] scores), then writes the
+    same keys."""
     cfg = self.cfg
-    q, k, v, rc, rb, ell = ops.q, ops.k, ops.v, ops.rc, ops.rb, ops.g
+    q, k, v, rc, rb, ell = f.q, f.k, f.v, decay.rc_BTHS, decay.rb_BTHS, decay.g_BTH
     T = q.shape[1]
     fresh_out = None
-    if kv.fresh and decayed.use_kernel(cfg.attention_impl, q.shape, k.shape, v.shape,
-                                       what="sisa prefill"):
-      fresh_out = lambda q_rot, k_rot: self._kernel(ops._replace(q=q_rot, k=k_rot), positions_BT)
+    if kv.fresh:
+      fresh_out = entry.fused_prefill(q, k, v, decay, scale=cfg.head_dim ** -0.5,
+                                      impl=cfg.attention_impl, positions_BT=positions_BT,
+                                      sink_logit_H=sink, segment_ids_BT=seg, what="sisa prefill")
     kf = jnp.exp(jnp.where((kv.pos >= 0)[..., None], -kv.extra.g, -jnp.inf))  # 0 when empty
     causal = jnp.arange(T)[:, None] >= jnp.arange(T)[None, :]
-    widen = cache_lib.Widening(q=(jnp.exp(ell) * ops.qscale)[..., None] * rc, k_scale=kf,
-                               bias_new=_local_bias(rc, rb, ell, ell, ops.lam, causal))
+    widen = cache_lib.Widening(q=(jnp.exp(ell) * decay.qscale_H)[..., None] * rc, k_scale=kf,
+                               bias_new=local_bias(rc, rb, ell, ell, decay.lam_H, causal))
     out, kv = cache_lib.cached_attention(
         kv, q, k, v, positions_BT, theta=cfg.rope_theta, scale=cfg.head_dim ** -0.5,
-        sink_logit_H=ops.sink, widen=widen,
+        sink_logit_H=sink, widen=widen,
         extra_new=SISAKeys(g=ell), kx_new=rb, fresh_out=fresh_out)
     last = ell[:, -1:]     # padding (log a = 0) keeps the last valid token's g
     return out, kv.replace(extra=kv.extra._replace(g=kv.extra.g - last.astype(kv.extra.g.dtype)))
@@ -651,23 +442,6 @@ class SISA(cache_lib.CachedMixer):
   def fast_range_limit(cfg: ModelConfig, opts: "SISA.Options") -> float:
     return min(float(opts.fast_max_range), _DTYPE_RANGE_LIMIT.get(cfg.dtype, 1e9))
 
-  @staticmethod
-  def block_len(opts: "SISA.Options", seq_len: int) -> int:
-    """Block of the blockwise chunked path: `chunk_size`, or auto = 256 (fixed, so memory
-    grows linearly with T), at most T rounded up to a multiple of 8."""
-    c = int(opts.chunk_size) if int(opts.chunk_size) > 0 else 256
-    return min(c, -(-seq_len // 8) * 8)
-
-  @staticmethod
-  def chunk_len(opts: "SISA.Options", seq_len: int) -> int:
-    """Query chunk of the fused-kernel chunked path: `chunk_size`, or auto = max(128, T/8)
-    rounded up to 64 (at most 8 unrolled chunks; each reads only its key prefix)."""
-    c = int(opts.chunk_size)
-    if c <= 0:
-      c = max(128, -(-seq_len // 8))
-      c = -(-c // 64) * 64
-    return min(c, seq_len)
-
   @classmethod
   def init_state(cls, cfg: ModelConfig, opts: "SISA.Options", batch: int, capacity: int, dtype,
                  policy: cache_lib.CachePolicy | None = None) -> "SISAState":
@@ -683,6 +457,6 @@ class SISA(cache_lib.CachedMixer):
     # Q^K^T over d_h + d_s channels and PV over d_h, causal lower triangle as attention's.
     # The elementwise O(H d_s) work per token (cumsums, rotations, decay factors) is not
     # counted, like RoPE and softmax (train/flops.py).
-    return attention_flops_per_token(cfg.n_heads, cfg.head_dim + int(opts.d_state),
-                                     cfg.head_dim, causal_keys(seq_len))
+    return entry.attention_flops_per_token(cfg.n_heads, cfg.head_dim + int(opts.d_state),
+                                           cfg.head_dim, entry.causal_keys(seq_len))
 

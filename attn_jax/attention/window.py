@@ -16,11 +16,11 @@ step alike:
 
     y_i = sum_{i - w < j <= i} v_j e^{s_ij} / (e^{sink_h} + sum_{i - w < j' <= i} e^{s_ij'})
 
-It goes to `core.attend(sink_logit_H=...)` like in `attention`. The virtual column belongs to the
+It goes to `entry.attend(sink_logit_H=...)` like in `attention`. The virtual column belongs to the
 softmax, not to the stream, so the ring's window is unchanged.
 
 Packed rows (`segment_ids_BT`): the window's mask is intersected with the document mask
-(`core.segment_mask`): a query sees keys j with p_i - p_j < w *and* in its own document (or
+(`masks.segment_mask`): a query sees keys j with p_i - p_j < w *and* in its own document (or
 the shared prefix of sink tokens, at positions 0..n-1 before every document's, so a document
 reads them exactly as alone). Positions restart per document, so the window counts tokens of
 the document only: exactly the document alone. The sink logit stays one column per query.
@@ -36,10 +36,10 @@ from typing import TYPE_CHECKING
 from flax import nnx
 
 from attn_jax.attention import cache as cache_lib
-from attn_jax.attention.core import attend, attention_flops_per_token, causal_keys
 from attn_jax.attention.projection import (QKVProjection, SinkLogitOptions, make_sink_logit,
                                            qk_probs, sink_logit_of)
 from attn_jax.field_checks import field_check, is_int
+from attn_jax.kernels import entry
 from attn_jax.layers import causal_positions
 from attn_jax.mixer import register_mixer
 
@@ -87,9 +87,10 @@ class SlidingWindowAttention(cache_lib.CachedMixer):
     pos_BT = causal_positions(B, T) if positions_BT is None else positions_BT
     q, k, v = p.rotated_qkv(x_BTD, pos_BT, cfg.rope_theta)
     mask_pos = positions_BT   # None: one plain stream, so a kernel may take its own window
-    out = attend(q, k, v, scale=scale, causal=True, q_positions=mask_pos, kv_positions=mask_pos,
-                 window=w, sink_logit_H=sink, impl=cfg.attention_impl, prefix_causal=True,
-                 q_segments=segment_ids_BT, kv_segments=segment_ids_BT)
+    out = entry.attend(q, k, v, scale=scale, causal=True, q_positions=mask_pos,
+                       kv_positions=mask_pos, window=w, sink_logit_H=sink,
+                       impl=cfg.attention_impl, prefix_causal=True,
+                       q_segments=segment_ids_BT, kv_segments=segment_ids_BT)
     return p.o(out), None, {}
 
   def attention_probs(self, x_BTD):
@@ -105,5 +106,5 @@ class SlidingWindowAttention(cache_lib.CachedMixer):
 
   @classmethod
   def flops_per_token(cls, cfg: ModelConfig, opts, seq_len: int) -> float:
-    return attention_flops_per_token(cfg.n_heads, cfg.head_dim, cfg.head_dim,
-                                     causal_keys(seq_len, opts.window))
+    return entry.attention_flops_per_token(cfg.n_heads, cfg.head_dim, cfg.head_dim,
+                                           entry.causal_keys(seq_len, opts.window))

@@ -2,8 +2,8 @@
 against sequence length, in one run; writes JSON and a PNG plot and prints the crossover length.
 
 Both sides are whole mixers with the same head configuration (q/k/v/o projections + RoPE):
-"dense" is `attend` (core.py, causal), "soft" the Sinkhorn mixer with soft sorting (training
-mode, Gumbel noise), "sortcut" the same with SortCut (top-m gathered blocks). Memory is the
+"dense" is `attend` (kernels/entry.py, causal), "soft" the Sinkhorn mixer with soft sorting
+(training mode, Gumbel noise), "sortcut" the same with SortCut (top-m gathered blocks). Memory is the
 compiled program's `memory_analysis().temp_size_in_bytes` (activations/residuals, not params).
 
 Entry point: experiments/bench_sinkhorn.py.
@@ -17,9 +17,9 @@ import os
 import statistics
 import time
 
-from attn_jax.attention.core import attend
 from attn_jax.attention.projection import QKVProjection
 from attn_jax.attention.sinkhorn import SinkhornAttention
+from attn_jax.kernels.entry import attend
 from attn_jax.layers import apply_rope, rope_angles
 from attn_jax.model_config import ModelConfig
 from attn_jax.provenance import machine_info

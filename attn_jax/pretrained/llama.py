@@ -15,7 +15,7 @@ with a final RMSNorm and an LM head (tied to the embedding or not): exactly `mod
   layout of `layers.apply_rope`; the frequencies theta^(-2j/d) are the same. (llama.cpp stores
   q/k rows permuted for its interleaved layout: `gguf.py` undoes that before it gets here.)
 - Attention: softmax(q k^T / sqrt(head_dim)) with grouped K/V heads (head h reads K/V head
-  h // (H / K)), as `attention/core.py`. attn_jax has head_dim = d_model / n_heads, so a
+  h // (H / K)), as `kernels/dense.py`. attn_jax has head_dim = d_model / n_heads, so a
   checkpoint with another head_dim does not map.
 - Projections: a torch `Linear` weight is [out, in]; attn_jax's `Linear` kernel is
   [*in, *out] with the head axes split out: q [D, H, Dh], k/v [D, K, Dh], o [H, Dh, D],

@@ -28,7 +28,7 @@ mask, so padding tokens, position -1, are never written nor attended to).
 
 Packed rows (`segment_ids_BT`, full forwards, positions restarting at 0 per document): both
 branches keep to a token's document. The attention heads mask every key of another document
-(`core.attend(q_segments=, kv_segments=)`, as the attention mixer; with positions restarting,
+(`entry.attend(q_segments=, kv_segments=)`, as the attention mixer; with positions restarting,
 a later key of the same document still has a larger position, so `prefix_causal` holds); the
 Mamba-2 heads restart their conv window and state at the document's first token
 (`mamba2.Mamba2.ssm_heads`). The SSM heads cannot give every document a shared prefix, so
@@ -44,10 +44,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from attn_jax import kernel_choice
 from attn_jax.attention import cache as cache_lib
-from attn_jax.attention.core import attend
 from attn_jax.attention.projection import QKVProjection
+from attn_jax.kernels import entry
 from attn_jax.layers import causal_positions, dtype_of, param
 from attn_jax.mixer import Mixer, register_mixer
 from attn_jax.ssm.mamba2 import Mamba2, document_resets
@@ -99,13 +98,10 @@ class HybridHeads(Mixer):
     if kv is None:
       q, k, v = p.rotated_qkv(x_BTD, positions_BT, cfg.rope_theta)
       pos = None if plain else positions_BT
-      core = lambda q, k, v: attend(
+      out = entry.attend(
           q, k, v, scale=scale, causal=True, q_positions=pos, kv_positions=pos,
           impl=cfg.attention_impl, prefix_causal=True, q_segments=segment_ids_BT,
-          kv_segments=segment_ids_BT)
-      if kernel_choice.remat_attention(cfg.attention_impl, q.dtype, q.shape[-1]):
-        core = jax.checkpoint(core)   # no [T, S] scores kept (kernel_choice.remat_attention)
-      out = core(q, k, v)
+          kv_segments=segment_ids_BT, remat=True)   # no [T, S] scores kept for the backward
     else:   # the shared KV cache (attention/cache.py), as the attention mixer
       out, kv = cache_lib.cached_attention(kv, p.q(x_BTD), p.k(x_BTD), p.v(x_BTD), positions_BT,
                                            theta=cfg.rope_theta, scale=scale)

@@ -10,7 +10,7 @@ which is the softmax over the union (plus the optional sink column) — the spli
 FlashAttention-2 (its section 3.1.1). It lets a caller send each part through the cheapest
 exact route: SISA's chunked path sends a query chunk's *past* keys through one fused kernel
 with no bias and no mask, and only the chunk's own keys through a small biased, masked block
-(sisa.py), so no [T, S] bias exists and the fused kernel is kept on GPU.
+(sisa_xla.py), so no [T, S] bias exists and the fused kernel is kept on GPU.
 
 `partial_attention` returns (out, lse) in fp32 (fp64 for float64 inputs). Routes:
 - "cudnn" / "xla" (no bias, no mask): `jax.nn.dot_product_attention(..., return_residual=True)`. Its
@@ -35,7 +35,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attn_jax.attention.core import NEG_INF, dpa
+from attn_jax.kernels.dpa import dpa
+from attn_jax.kernels.masks import NEG_INF
 
 
 def _acc(x):

@@ -20,18 +20,18 @@ log-sum-exp, so lse is an output with a gradient. The residuals are the inputs, 
 fixed block. The loops run exactly the n (n - 1) / 2 causal pairs (trip counts depend on the
 loop index: `fori_loop` becomes a while loop, which needs no reverse-mode rule here because the
 VJP is written out). The score function is differentiated by `jax.vjp` inside the backward, so
-any differentiable score works — SISA's widened Q/K with a per-pair reference (sisa.py), or the
-plain scaled dot product (`dot_scores`).
+any differentiable score works — SISA's widened Q/K with a per-pair reference (sisa_xla.py), or
+the plain scaled dot product (`dot_scores`).
 
 GQA: V has K <= H heads; query head h reads value head h // (H / K).
 
 Block-pair term (`block_bias_BHNN`, [B, H, n, n]): an optional constant per head and (query
 block I, key block J), added to every score of that pair after the score function (FoX's decay
-between the two blocks, fox.py). Its gradient is the sum of the pair's ds, written once per
+between the two blocks, forget_xla.py). Its gradient is the sum of the pair's ds, written once per
 pair into the [B, H, n, n] cotangent (each pair is visited once). It is n^2 per head, not
 O(T): smaller than one [T, d_h] head while T < c^2 d_h.
 
-Packed rows (`segment_ids_BT`, [B, T] int32, `core.segment_mask`): a pair (i, j) is visible
+Packed rows (`segment_ids_BT`, [B, T] int32, `masks.segment_mask`): a pair (i, j) is visible
 iff key j is in query i's document (or the shared prefix, segment 0). Invisible pairs get
 p_ij = 0 exactly, in the forward (the online softmax's e^{s - m'} is replaced by 0, so a block
 of another document adds nothing even while m is still NEG_INF) and in the backward
@@ -39,7 +39,7 @@ of another document adds nothing even while m is still NEG_INF) and in the backw
 cotangent). A query with no visible past key (the first block of a document, or any query of
 a document that starts inside its block) keeps l = 0: out = 0 and lse = NEG_INF, weight 0 in
 `lse_merge.combine`. The score function is still evaluated on invisible pairs, so it must be finite
-there (the callers' are: every factor is bounded whatever the pair, fox.py / sisa.py); a
+there (the callers' are: every factor is bounded whatever the pair, forget_xla.py / sisa_xla.py); a
 finite score with a zero cotangent contributes exactly 0 to every gradient.
 """
 
@@ -51,7 +51,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from attn_jax.attention.core import NEG_INF, segment_mask
+from attn_jax.kernels.masks import NEG_INF, segment_mask
 
 ScoreFn = Callable[[Any, Any, Any], jax.Array]
 

@@ -1,4 +1,4 @@
-"""TPU splash attention (the Pallas kernel shipped with JAX) as a core of `core.attend`:
+"""TPU splash attention (the Pallas kernel shipped with JAX) as a core of `entry.attend`:
 per-device calls, document ids, and a `shard_map` over the mesh the program is traced for.
 
 Per device (`local_attention`): `jax.experimental.pallas.ops.tpu.splash_attention`'s MQA
@@ -10,12 +10,12 @@ head dim of its own for V). Scores are q.k * scale with the scale folded into q.
 Document ids (`segment_ids`): the kernel's `SegmentIds(q, kv)` shows key j to query i iff
 q_ids[i] == kv_ids[j] (AND its causal mask). That expresses "same document" exactly, and
 padding too: a token at position -1 gets PAD_SEGMENT on both sides, so no real query sees a
-padding key (a padding query sees padding keys; `core.attend` zeroes its output, as every
+padding key (a padding query sees padding keys; `entry.attend` zeroes its output, as every
 other path returns zeros for a query that sees no key). It cannot express the shared prefix
-of `core.segment_mask`, "same document OR segment 0": that relation is not an equality of
+of `masks.segment_mask`, "same document OR segment 0": that relation is not an equality of
 per-token labels (queries of documents 1 and 2 both see a segment-0 key, but not each other's
 keys), and the kernel's static mask is ANDed with the ids, never ORed. So a call whose keys
-may hold `SHARED_SEGMENT` keeps the XLA fallback (`core.attend(shared_prefix=True)`, what the
+may hold `SHARED_SEGMENT` keeps the XLA fallback (`entry.attend(shared_prefix=True)`, what the
 decoder's sink tokens with packed rows need); every other packed call takes the kernel. Index
 order is the causal order, so the caller must promise one stream (`prefix_causal`: valid
 positions increase along the row, padding -1).
@@ -138,3 +138,24 @@ def splash_attention(q, k, v, *, scale: float, sink_H=None, q_ids=None, kv_ids=N
   """Causal splash attention of one stream per row, sharded over the active mesh: [B, T, H, E]
   in q's dtype. ids: `segment_ids` (None: every earlier key visible)."""
   return sharded(functools.partial(local_attention, scale=scale), q, k, v, sink_H, q_ids, kv_ids)
+
+
+def splash_problem(*, causal: bool, T: int, S: int, bias, window, one_stream: bool,
+                   segmented: bool, shared_prefix: bool) -> str | None:
+  """Why the splash kernel cannot take a call (None: it can). `one_stream`: the plain causal
+  call, or positions / segments with `prefix_causal` (index order is the causal order)."""
+  if not causal or T != S:
+    return "splash runs causal self-attention only (T == S)"
+  if T % BLOCK:
+    return f"splash needs T a multiple of {BLOCK}, got {T}"
+  if bias is not None:
+    return "splash takes no score bias"
+  if window is not None:
+    return "splash is not given the sliding window here"
+  if not one_stream:
+    return "positions without prefix_causal: the causal order is not the index order"
+  if segmented and shared_prefix:
+    return ("segment ids with a possible shared prefix (segment 0, visible to every document): "
+            "not expressible as splash's SegmentIds (pass shared_prefix=False when the row has "
+            "none)")
+  return None
