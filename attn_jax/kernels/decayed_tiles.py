@@ -1,0 +1,424 @@
+"""The tile maths of the decayed-attention kernel (`kernels/decayed.py`): one (query tile,
+key tile) pair's contribution to each pass, in the two forms a pair may take.
+
+Logits are kept in log2 units inside the kernel (s2 = s log2 e), so every exponential is one
+`exp2` with log2 e folded into the factor that already scales q.k (`_exp2`: one PTX `ex2` on a
+GPU, never libdevice's `expf`); the forward writes lse in natural units.
+
+Orientation: the fwd and dq passes hold a query tile and walk key tiles; their tiles are
+[bq, bk], row vectors (per query) [bq, 1], column vectors (per key) [1, bk]. The dkv pass holds
+a key tile and walks query tiles in the transposed orientation: tiles [bk, bq] (so its
+products dk += ds^T q, dv += p^T do have M = bk, what Hopper's wgmma needs), key vectors
+[bk, 1], query vectors [1, bq]. `_mm(a_rows, a_cols, t)` is the pair product in either.
+
+Partial form (`partial_scores`: diagonal tiles, document boundaries, padding, a window's edge):
+the visibility mask of every element and the decay per element, as `core.positional_mask`:
+
+    s_ij = scale q_i.k_j + [fox] (g_i - g_j) + [sisa] e_ij (c_i . b_j),  e_ij = exp(min(g_i - g_j, 0))
+
+(g_i - g_j from the double word when given: rounded at the pair's own size). A masked pair is
+NEG_INF; e is 0 there and on a visible pair across a document start (module docstring of
+`decayed.py`).
+
+Full form (`RowFrame` / `ColFrame`: every pair of the tile is visible, `decayed._classes`): no
+mask, and the decay factors through one reference R per tile pair:
+
+- FoX / ALiBi. s_ij = scale q.k + (g_i - R) + (R - g_j). The row term rho_i = g_i - R is the
+  same for every key of row i, so it shifts the row's softmax and only enters through the
+  running max / lse (m - rho, lse - rho: per row, once per tile); per element it is one FFMA,
+  scale q.k log2e + beta_j with the key bias beta_j = (R - g_j) log2 e. R is g's high word at
+  the held tile's extreme (fwd / dq: the query tile's largest g; dkv: the key tile's smallest
+  g): for a full tile (all rows after all keys, g non-increasing) R lies between g_i and g_j,
+  so both |rho_i| and |R - g_j| are at most |g_i - g_j| and each is rounded at the pair's own
+  size, as the partial form's double word. The row frame and the true frame differ by rho_i,
+  rounded once per row: it moves the full tiles' keys against the partial tiles' by
+  ulp(|rho_i|), and their weight is at most exp(rho_i + spread of q.k), so the error stays
+  below fp32 rounding of the logits wherever it is not multiplied by a vanishing weight.
+- SISA. e_ij = exp(g_i - g_j) = exp(g_i - R) exp(R - g_j) for any R; with R_I = max g over the
+  query tile and R_J = min g over the key tile, a pair with R_I <= R_J (`decayed._classes`:
+  all rows after all keys inside one document; never across a document start, where g
+  restarts) takes R = R_I in the fwd / dq passes and R = R_J in the dkv pass: both factors are
+  then <= 1, and if one underflows the product it bounds is below fp32's range too. The tile
+  is plain attention over widened operands, one accumulator:
+
+      s = scale (q.k + c~_i . b~_j),  c~ = c exp(g - R) / scale,  b~ = b exp(R - g)
+
+  (the held side's factor once per program, the walked side's per tile: bk or bq exponentials
+  and a [tile, ds] scaling, never one per element). Its gradients follow the factoring: with
+  A = sum_J ds b~ (dq pass), dc = f_row A and the row part of dg is rowsum(c * dc); with
+  B = sum_I ds^T c~ (dkv pass), db = f_col scale B and the column part of dg is
+  -rowsum(b * db). Every other pair (the fallback: diagonal tiles, tiles meeting a document
+  boundary or padding, keys of the shared prefix read by a later document, any tile whose
+  R_I > R_J) keeps the partial form.
+
+The rows' part of FoX's dg is not computed here: sum_j ds_ij = dlse_i (`decayed._attend_bwd`).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+NEG_INF = -1e30
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+F32 = jnp.float32
+_A_BT = (((1,), (1,)), ((), ()))    # a @ b.T
+_AB = (((1,), (0,)), ((), ()))      # a @ b
+
+
+class Rows(NamedTuple):
+  """A query tile's operands: q [bq, D]; g / glo / pos / seg per query (row vectors of the
+  pass's orientation); c [bq, ds] or None."""
+  q: jax.Array
+  g: jax.Array
+  glo: jax.Array | None
+  c: jax.Array | None
+  pos: jax.Array
+  seg: jax.Array
+
+
+class Cols(NamedTuple):
+  """A key tile's operands: k [bk, D], v [bk, Dv]; g / glo / pos / seg per key; b [bk, ds] or
+  None."""
+  k: jax.Array
+  v: jax.Array
+  g: jax.Array
+  glo: jax.Array | None
+  b: jax.Array | None
+  pos: jax.Array
+  seg: jax.Array
+
+
+class Grads(NamedTuple):
+  """A query tile's backward operands: do [bq, Dv]; lse2 (log2 units, +1e30 on a row that sees
+  no key, so every p of it is 0) and delta per query."""
+  do: jax.Array
+  lse2: jax.Array
+  delta: jax.Array
+
+
+def exp2(asm: bool, x):
+  """2^x in fp32: on a GPU one `ex2.approx.ftz.f32` (relative error 2^-22, denormal results
+  flushed to 0, which only ever drops terms below fp32's range); elsewhere `jnp.exp2`."""
+  if not asm:
+    return jnp.exp2(x)
+  from jax.experimental.pallas import triton as pltriton
+  [y] = pltriton.elementwise_inline_asm(
+      "ex2.approx.ftz.f32 $0, $1;", args=[x], constraints="=f,f", pack=1,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, x.dtype)])
+  return y
+
+
+def dot(a, b, dims=_AB):
+  """fp32-accumulating matmul; fp32 operands at full precision (Triton's default for them is
+  TF32, Mosaic's may round them too), bf16 ones native."""
+  both32 = a.dtype == jnp.float32 and b.dtype == jnp.float32
+  return lax.dot_general(a, b, dims, precision=lax.Precision.HIGHEST if both32 else None,
+                         preferred_element_type=jnp.float32)
+
+
+def _mm(a_rows, a_cols, t: bool):
+  """The pair product of a row-side and a column-side operand: [bq, bk] (t False) or its
+  transpose [bk, bq] (t True, the dkv pass)."""
+  return dot(a_cols, a_rows, _A_BT) if t else dot(a_rows, a_cols, _A_BT)
+
+
+def rowb(x, t: bool):
+  """A per-query vector made broadcastable against the pass's tiles (a 1D vector of the loop
+  driver: [bq, 1] or [1, bq]; the grid driver's are laid out so already)."""
+  if x.ndim == 2:
+    return x
+  return x[None, :] if t else x[:, None]
+
+
+def colb(x, t: bool):
+  """A per-key vector made broadcastable against the pass's tiles."""
+  if x.ndim == 2:
+    return x
+  return x[:, None] if t else x[None, :]
+
+
+def along(x):
+  """A per-row vector of a [rows, n] operand (q, c, b, an accumulator) as [rows, 1]."""
+  if x.ndim == 1:
+    return x[:, None]
+  return x if x.shape[1] == 1 else x.T
+
+
+def _red(f, x, axis: int, keep: bool):
+  """A reduction over the tile's axis: 1D (the loop driver's vectors, Triton's slice layout:
+  one value per row, not one per element of a [bq, 1] tensor's replicated layout) or kept
+  2D (the grid driver's, Mosaic's)."""
+  return f(x, axis=axis, keepdims=keep)
+
+
+def _gdiff(hi_a, lo_a, hi_b, lo_b):
+  """(hi_a - hi_b) + (lo_a - lo_b), the lo words absent when g is one word."""
+  d = hi_a - hi_b
+  if lo_a is not None:
+    d = d + (lo_a - lo_b)
+  return d
+
+
+def visible(spec, r: Rows, c: Cols, t: bool):
+  """The positional mask of a tile (`core.positional_mask`) in the pass's orientation."""
+  rpos, cpos = rowb(r.pos, t), colb(c.pos, t)
+  rseg, cseg = rowb(r.seg, t), colb(c.seg, t)
+  vis = (cpos >= 0) & ((cseg == rseg) | (cseg == 0))
+  if spec.causal:
+    vis = vis & (cpos <= rpos)
+  if spec.window is not None:
+    vis = vis & (rpos - cpos < spec.window)
+  return vis
+
+
+def partial_scores(spec, r: Rows, c: Cols, t: bool):
+  """Partial form: (s2 [log2 units, NEG_INF where masked], e, c.b) of a tile (e, c.b: SISA
+  only, else None)."""
+  s = _mm(r.q, c.k, t) * spec.scale
+  vis = visible(spec, r, c, t)
+  lo = lambda a, f: None if a is None else f(a, t)
+  dg = _gdiff(rowb(r.g, t), lo(r.glo, rowb), colb(c.g, t), lo(c.glo, colb))
+  e = cb = None
+  if spec.fox:
+    s = s + dg
+  if spec.sisa:   # min(., 0): a no-op on pairs inside one document (module docstring)
+    e = exp2(spec.ex2_asm, jnp.where(vis & (dg <= 0), dg * LOG2E, NEG_INF))
+    cb = _mm(r.c, c.b, t)
+    s = s + e * cb
+  return jnp.where(vis, s * LOG2E, NEG_INF), e, cb
+
+
+def _zero_lo(x):
+  """The reference's low word (0) where g is a double word, None where it is one word."""
+  return None if x is None else 0.0
+
+
+# ---------------------------------------------------------------- full form, fwd / dq
+
+class RowFrame(NamedTuple):
+  """The held query tile's side of the full form (fwd / dq): R = max g of the tile; rho2 =
+  (g - R) log2 e per row (FoX), f = exp(g - R) per row and c~ = c f / scale (SISA)."""
+  R: jax.Array
+  rho2: jax.Array | None
+  f: jax.Array | None
+  ct: jax.Array | None
+
+
+def row_frame(spec, r: Rows) -> RowFrame:
+  R = jnp.max(r.g)
+  d2 = _gdiff(r.g, r.glo, R, _zero_lo(r.glo)) * LOG2E                 # per row, <= 0
+  f = ct = None
+  if spec.sisa:
+    f = exp2(spec.ex2_asm, d2)
+    ct = (r.c.astype(F32) * (along(f) * (1.0 / spec.scale))).astype(r.c.dtype)
+  return RowFrame(R, d2 if spec.fox else None, f, ct)
+
+
+def full_scores_rows(spec, fr: RowFrame, c: Cols, q):
+  """Full form of a key tile against the held query tile: (s2 - rho2 [bq, bk], b~ or None)."""
+  acc = _mm(q, c.k, False)
+  bt = None
+  beta = _gdiff(fr.R, _zero_lo(c.glo), c.g, c.glo) * LOG2E              # per key, <= 0
+  if spec.sisa:
+    f = exp2(spec.ex2_asm, along(beta))                                 # [bk, 1]
+    bt = (c.b.astype(F32) * f).astype(c.b.dtype)
+    acc = acc + _mm(fr.ct, bt, False)
+  s2 = acc * (spec.scale * LOG2E)
+  if spec.fox:
+    s2 = s2 + colb(beta, False)
+  return s2, bt
+
+
+# ---------------------------------------------------------------- forward
+
+def fwd_init(spec, bq: int, dv: int):
+  vec = (bq,) if spec.flat else (bq, 1)
+  return (jnp.full(vec, NEG_INF / 2, F32), jnp.zeros(vec, F32), jnp.zeros((bq, dv), F32))
+
+
+def _online(spec, s2, off, v, carry):
+  """One tile of the online softmax (log2 units): s2 - off are the tile's logits in the
+  carry's frame (off: a per-row shift, or None)."""
+  m, l, acc = carry
+  mx = _red(jnp.max, s2, 1, not spec.flat)
+  if off is not None:
+    mx = mx + off
+  m_new = jnp.maximum(m, mx)
+  alpha = exp2(spec.ex2_asm, m - m_new)
+  p = exp2(spec.ex2_asm, s2 - rowb(m_new if off is None else m_new - off, False))
+  l = alpha * l + _red(jnp.sum, p, 1, not spec.flat)
+  acc = along(alpha) * acc + dot(p.astype(v.dtype), v)
+  return m_new, l, acc
+
+
+def fwd_full(spec, fr: RowFrame, r: Rows, c: Cols, carry):
+  s2, _ = full_scores_rows(spec, fr, c, r.q)
+  return _online(spec, s2, fr.rho2, c.v, carry)
+
+
+def fwd_partial(spec, r: Rows, c: Cols, carry):
+  s2, _, _ = partial_scores(spec, r, c, False)
+  return _online(spec, s2, None, c.v, carry)
+
+
+def fwd_finish(carry, o_ref, lse_ref):
+  m, l, acc = carry
+  seen = l > 0
+  safe = jnp.where(seen, l, 1.0)
+  o_ref[...] = jnp.where(along(seen), acc / along(safe), 0.0).astype(o_ref.dtype)
+  lse_ref[...] = jnp.where(seen, (m + jnp.log2(safe)) * LN2, NEG_INF)
+
+
+def lse2_of(lse):
+  """lse (natural units, NEG_INF on a row that sees no key) -> log2 units, +1e30 there (every
+  p of such a row is then 0 without a mask)."""
+  return jnp.where(lse > NEG_INF / 2, lse * LOG2E, -NEG_INF)
+
+
+# ---------------------------------------------------------------- dq pass
+
+def dq_init(spec, r: Rows):
+  vec = r.g.shape
+  return (jnp.zeros(r.q.shape, F32), jnp.zeros(r.c.shape, F32) if spec.sisa else None,
+          jnp.zeros(vec, F32) if spec.sisa else None)
+
+
+def dq_full(spec, fr: RowFrame, lam2, r: Rows, c: Cols, d: Grads, carry):
+  """carry (dq, A, dg): A = sum ds b~ (SISA), turned into dc and dg by `dq_unfactor`.
+  lam2 = lse2 - rho2."""
+  dq, a, dg = carry
+  s2, bt = full_scores_rows(spec, fr, c, r.q)
+  p = exp2(spec.ex2_asm, s2 - rowb(lam2, False))
+  ds = p * (dot(d.do, c.v, _A_BT) - rowb(d.delta, False))
+  dq = dq + dot(ds.astype(c.k.dtype), c.k)
+  if spec.sisa:
+    a = a + dot(ds.astype(bt.dtype), bt)
+  return dq, a, dg
+
+
+def dq_unfactor(spec, fr: RowFrame, r: Rows, carry):
+  """After the full tiles: dc = f A, the rows' SISA part of dg = rowsum(c dc)."""
+  dq, a, dg = carry
+  if not spec.sisa:
+    return carry
+  dc = along(fr.f) * a
+  return dq, dc, dg + _red(jnp.sum, r.c.astype(F32) * dc, 1, not spec.flat)
+
+
+def dq_partial(spec, r: Rows, c: Cols, d: Grads, carry):
+  dq, dc, dg = carry
+  s2, e, cb = partial_scores(spec, r, c, False)
+  p = exp2(spec.ex2_asm, s2 - rowb(d.lse2, False))
+  ds = p * (dot(d.do, c.v, _A_BT) - rowb(d.delta, False))
+  dq = dq + dot(ds.astype(c.k.dtype), c.k)
+  if spec.sisa:
+    dse = ds * e
+    dc = dc + dot(dse.astype(c.b.dtype), c.b)
+    dg = dg + _red(jnp.sum, dse * cb, 1, not spec.flat)
+  return dq, dc, dg
+
+
+def dq_finish(spec, carry, dq_ref, dg_ref, dc_ref):
+  dq, dc, dg = carry
+  dq_ref[...] = (dq * spec.scale).astype(dq_ref.dtype)
+  if spec.sisa:
+    dg_ref[...] = dg
+    dc_ref[...] = dc.astype(dc_ref.dtype)
+
+
+# ---------------------------------------------------------------- dkv pass (transposed)
+
+class ColFrame(NamedTuple):
+  """The held key tile's side of the full form (dkv): R = min g of the tile; beta2 =
+  (R - g) log2 e per key (FoX); f = exp(R - g) per key and b~ = b f (SISA)."""
+  R: jax.Array
+  beta2: jax.Array | None
+  f: jax.Array | None
+  bt: jax.Array | None
+
+
+def col_frame(spec, c: Cols) -> ColFrame:
+  R = jnp.min(c.g)
+  d2 = _gdiff(R, _zero_lo(c.glo), c.g, c.glo) * LOG2E                 # per key, <= 0
+  f = bt = None
+  if spec.sisa:
+    f = exp2(spec.ex2_asm, d2)
+    bt = (c.b.astype(F32) * along(f)).astype(c.b.dtype)
+  return ColFrame(R, d2 if spec.fox else None, f, bt)
+
+
+def dkv_init(spec, c: Cols):
+  vec = c.g.shape
+  return (jnp.zeros(c.k.shape, F32), jnp.zeros(c.v.shape, F32),
+          jnp.zeros(vec, F32) if spec.fox or spec.sisa else None,
+          jnp.zeros(c.b.shape, F32) if spec.sisa else None)
+
+
+def _dkv_common(spec, pT, r: Rows, c: Cols, d: Grads, carry):
+  dk, dv, dg, db = carry
+  dsT = pT * (dot(c.v, d.do, _A_BT) - rowb(d.delta, True))
+  dv = dv + dot(pT.astype(d.do.dtype), d.do)
+  dk = dk + dot(dsT.astype(r.q.dtype), r.q)
+  return dsT, (dk, dv, dg, db)
+
+
+def dkv_full(spec, fr: ColFrame, r: Rows, c: Cols, d: Grads, carry):
+  """carry (dk, dv, dg, B): B = sum ds^T c~ (SISA), turned into db and dg by
+  `dkv_unfactor`."""
+  rho = _gdiff(r.g, r.glo, fr.R, _zero_lo(r.glo)) * LOG2E              # per query, <= 0
+  acc = _mm(r.q, c.k, True)
+  ct = None
+  if spec.sisa:
+    f = exp2(spec.ex2_asm, along(rho))                                  # [bq, 1]
+    ct = (r.c.astype(F32) * (f * (1.0 / spec.scale))).astype(r.c.dtype)
+    acc = acc + _mm(ct, fr.bt, True)
+  s2 = acc * (spec.scale * LOG2E)
+  lam2 = d.lse2
+  if spec.fox:
+    s2 = s2 + colb(fr.beta2, True)
+    lam2 = lam2 - rho
+  pT = exp2(spec.ex2_asm, s2 - rowb(lam2, True))
+  dsT, (dk, dv, dg, b) = _dkv_common(spec, pT, r, c, d, carry)
+  if spec.fox:
+    dg = dg - _red(jnp.sum, dsT, 1, not spec.flat)
+  if spec.sisa:
+    b = b + dot(dsT.astype(ct.dtype), ct)
+  return dk, dv, dg, b
+
+
+def dkv_unfactor(spec, fr: ColFrame, c: Cols, carry):
+  """After the full tiles: db = f scale B, the keys' SISA part of dg = -rowsum(b db)."""
+  dk, dv, dg, b = carry
+  if not spec.sisa:
+    return carry
+  db = along(fr.f) * (spec.scale * b)
+  return dk, dv, dg - _red(jnp.sum, c.b.astype(F32) * db, 1, not spec.flat), db
+
+
+def dkv_partial(spec, r: Rows, c: Cols, d: Grads, carry):
+  s2, e, cb = partial_scores(spec, r, c, True)
+  pT = exp2(spec.ex2_asm, s2 - rowb(d.lse2, True))
+  dsT, (dk, dv, dg, db) = _dkv_common(spec, pT, r, c, d, carry)
+  w = dsT if spec.fox else None
+  if spec.sisa:
+    dse = dsT * e
+    w = dse * cb if w is None else w + dse * cb
+    db = db + dot(dse.astype(r.c.dtype), r.c)
+  if w is not None:
+    dg = dg - _red(jnp.sum, w, 1, not spec.flat)
+  return dk, dv, dg, db
+
+
+def dkv_finish(spec, carry, dk_ref, dv_ref, dg_ref, db_ref):
+  dk, dv, dg, db = carry
+  dk_ref[...] = (dk * spec.scale).astype(dk_ref.dtype)
+  dv_ref[...] = dv.astype(dv_ref.dtype)
+  if dg is not None:
+    dg_ref[...] = dg
+  if spec.sisa:
+    db_ref[...] = db.astype(db_ref.dtype)
