@@ -548,3 +548,118 @@ def test_grid_driver_equals_loop_driver(terms):
   for name, a, r in zip(("loss", "dq", "dk", "dv", "dg"), jax.tree.leaves(got),
                         jax.tree.leaves(ref)):
     _close(a, r, what=name)
+
+
+# ---------------------------------------------------------------- tile classes (interpret mode)
+
+def _decayed_reference(q, k, v, c, b, g, *, scale, fox, sisa, pos, seg, window):
+  """Explicit float64 decayed attention (the kernel's definition, module docstring): logit
+  scale q.k + [fox] (g_i - g_j) + [sisa] exp(g_i - g_j) c.b on visible pairs, the SISA factor 0
+  on a visible pair with g_i > g_j (a shared-prefix key read across a document start); a row
+  that sees nothing returns zeros."""
+  B, T, H, D = q.shape
+  G = H // k.shape[2]
+  k, v = jnp.repeat(k, G, axis=2), jnp.repeat(v, G, axis=2)
+  s = jnp.einsum("bihd,bjhd->bhij", q, k) * scale
+  pi, pj = pos[:, None, :, None], pos[:, None, None, :]
+  si, sj = seg[:, None, :, None], seg[:, None, None, :]
+  vis = (pj >= 0) & ((sj == si) | (sj == 0)) & (pj <= pi)
+  if window is not None:
+    vis = vis & (pi - pj < window)
+  gH = g.transpose(0, 2, 1)
+  dg = gH[..., :, None] - gH[..., None, :]
+  if fox:
+    s = s + dg
+  if sisa:
+    e = jnp.exp(jnp.where(vis & (dg <= 0), dg, -jnp.inf))
+    s = s + e * jnp.einsum("bihs,bjhs->bhij", c, b)
+  s = jnp.where(vis, s, -jnp.inf)
+  seen = jnp.any(vis, axis=-1, keepdims=True)
+  p = jnp.where(vis, jax.nn.softmax(jnp.where(seen, s, 0.0), axis=-1), 0.0)
+  return jnp.einsum("bhij,bjhd->bihd", p, v)
+
+
+def _classes_of(kw, T, bq, bk, g, pos, seg, sisa):
+  """The kernel's tile classes (`decayed._classes`) of a call's fwd tiling, [B, H, nq, nk]."""
+  H = g.shape[-1]
+  spec = K.Spec(1.0, kw["fox"], sisa, False, True, kw["window"], bq, bk, 1, True)
+  x = K._pad(spec, jnp.zeros((1, T, H, 16)), jnp.zeros((1, T, H, 16)),
+             jnp.zeros((1, T, H, 16)), g, None, None, None, pos, seg)
+  return np.asarray(K._classes(spec, x, bq, bk))
+
+
+TILE_SCENARIOS = {
+    # one document, causal: skipped tiles above the diagonal, full ones below, partial on it
+    "causal": dict(lengths=None, prefix=0, window=None, pad=0),
+    # two packed documents: tiles meeting the boundary partial, the later document's queries
+    # against the earlier document's keys empty
+    "documents": dict(lengths=[70, 122], prefix=0, window=None, pad=0),
+    # a window: tiles W or more behind empty, its edge partial; right padding partial
+    "window": dict(lengths=None, prefix=0, window=80, pad=23),
+    # a shared prefix (segment 0) read by a document whose g restarts: every pair of those
+    # tiles is visible (full for FoX) but g_i > g_j there, so SISA takes the fallback
+    "prefix": dict(lengths=[64, 128], prefix=1, window=None, pad=0),
+}
+
+
+@pytest.mark.parametrize("terms,scenario", [
+    (t, sc) if t == "sisa" or sc in ("causal", "prefix") else
+    pytest.param(t, sc, marks=pytest.mark.slow)     # FoX's full and partial forms: also above
+    for t in ("sisa", "fox") for sc in sorted(TILE_SCENARIOS)])
+def test_every_tile_class_matches_float64_reference(scenario, terms):
+  """Each tile class the schedule makes (empty: never visited; full: no mask, FoX's per-key
+  bias / SISA's factored decay; partial: masked, per-element decay; document boundaries;
+  SISA's fallback on fully visible tiles whose decay does not factor) forward and backward
+  against the explicit float64 reference, T 192 in tiles of 32 (interpret mode). The scenario
+  is checked to produce the classes it is named for."""
+  sc = TILE_SCENARIOS[scenario]
+  rng = np.random.default_rng(12)
+  B, T, H, D, ds, bq, bk = 1, 192, 2, 16, 8, 32, 32
+  if sc["lengths"] is None:
+    seg = jnp.ones((B, T), jnp.int32)
+  else:
+    seg = _segments([sc["lengths"]]) - sc["prefix"]          # prefix: document 1 -> segment 0
+  valid = np.arange(T) < T - sc["pad"]
+  starts = _starts(seg)
+  pos_np = np.zeros((B, T), np.int64)
+  for t in range(T):                        # positions restart in every document
+    pos_np[:, t] = 0 if t == 0 or starts[0, t] else pos_np[:, t - 1] + 1
+  if sc["prefix"]:                          # a document after the prefix continues its positions
+    pos_np = np.arange(T)[None]
+  pos = jnp.asarray(np.where(valid, pos_np, -1), jnp.int32)
+  loga = -rng.uniform(0, 1, (B, T, H)) * np.array([0.05, 3.0])
+  g = jnp.asarray(_seg_cumsum(loga, starts), jnp.float32)
+  sisa, fox = terms == "sisa", terms == "fox"
+  kw = dict(fox=fox, window=sc["window"])
+  cls = _classes_of(kw, T, bq, bk, g, pos, seg, sisa)
+  assert {0, 1, 2} <= set(np.unique(cls)), (scenario, np.unique(cls))
+  if scenario == "prefix":
+    fox_cls = _classes_of(dict(kw, fox=True), T, bq, bk, g, pos, seg, False)
+    prefix_pairs = (slice(None), slice(None), slice(2, None), slice(0, 2))
+    assert np.all(fox_cls[prefix_pairs] == 0)                      # visible everywhere
+    if sisa:   # the fallback where some pair has g_i > g_j (the document's start), else full
+      assert np.any(cls[prefix_pairs] == 1) and np.all(cls[prefix_pairs] <= 1)
+      gq = np.asarray(g)[0].reshape(-1, bq, H).max(1).T               # [H, nq]
+      gk = np.asarray(g)[0].reshape(-1, bk, H).min(1).T
+      want = np.where(gq[:, 2:, None] <= gk[:, None, :2], 0, 1)
+      np.testing.assert_array_equal(cls[0][:, 2:, :2], want)
+  args = (_normal(rng, (B, T, H, D), 2.0), _normal(rng, (B, T, H, D), 2.0),
+          _normal(rng, (B, T, H, D)), _normal(rng, (B, T, H, ds)), _normal(rng, (B, T, H, ds)),
+          g)
+
+  def kernel(q, k, v, c, b, g):
+    sis = dict(c_BTHS=c, b_BTHS=b) if sisa else {}
+    return K.decayed_attention(q, k, v, scale=D ** -0.5, g_BTH=g, positions_BT=pos,
+                               segment_ids_BT=seg, block_q=bq, block_k=bk, **kw, **sis)
+
+  def ref(q, k, v, c, b, g):
+    return _decayed_reference(q, k, v, c, b, g, scale=D ** -0.5, sisa=sisa,
+                              pos=jnp.asarray(pos), seg=jnp.asarray(seg), **kw)
+
+  names = ("q", "k", "v", "c", "b", "g")
+  if sisa:
+    _check(kernel, ref, args, names, seed=12)
+  else:
+    _check(lambda q, k, v, g: kernel(q, k, v, None, None, g),
+           lambda q, k, v, g: ref(q, k, v, None, None, g),
+           args[:3] + args[5:], ("q", "k", "v", "g"), seed=12)
