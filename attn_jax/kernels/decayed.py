@@ -10,8 +10,9 @@ visible pair (i, j) is
 - FoX: g = cumsum log f;  ALiBi: FoX with g_t = -slope_h * t (fixed, no gradient wanted).
 
 Every visible pair has g_i - g_j <= 0, so exp(g_i - g_j) <= 1 and nothing overflows at any
-length: each [bq, bk] score tile is formed from O(tile) inputs (the rows' q, g, c and the
-columns' k, g, b), with no reference point and no [T, T] tensor. A masked pair's difference
+length: each score tile is formed from O(tile) inputs (the rows' q, g, c and the columns' k,
+g, b), with references chosen per tile pair (never one for the whole row) and no [T, T]
+tensor. A masked pair's difference
 may be positive (g restarts per document, or j > i on a diagonal tile); it is replaced by
 NEG_INF before the exponential, so its factor is 0, never inf. A *visible* pair with
 g_i - g_j > 0 exists only across a document start (a shared-prefix key, segment 0, read by a
@@ -20,22 +21,34 @@ input makes the kernel overflow; within a document this is a no-op and the gradi
 
 Visibility (as `core.positional_mask`): key j is visible to query i iff pos_j >= 0 (padding is
 -1), [causal] pos_j <= pos_i, [window W] pos_i - pos_j < W, and seg_j == seg_i or seg_j == 0
-(packed documents with the shared prefix). Tiles are *skipped* by index: the kernel is for
-one self-attention stream (T == S, positions increasing by one inside a document, padding -1),
-so a key after the query's index is never visible (causal) and one W or more indices before it
-is never visible (window). Positions decide the mask inside a visited tile.
+(packed documents with the shared prefix). The kernel is for one self-attention stream (T == S,
+positions increasing by one inside a document, padding -1), so a key tile after the query
+tile's last index is never visible (causal) and one W or more indices before it never is
+(window).
 
-Forward (`_fwd_*`, grid [B, H, T / bq]): one query tile against its key tiles, online softmax
-in fp32 (row max floored at NEG_INF / 2, so a fully masked row has weight 0 everywhere),
-returning the output and the row log-sum-exp lse (NEG_INF for a row that sees no key). Only the
-tiles a query tile may see are visited (above the diagonal / outside the window skipped).
+Tile classes (`_classes`, `_schedule`: in XLA before the call, one entry per tile pair from per-tile ranges
+of positions, segments and g): each (query tile, key tile) pair is *empty* (provably no visible
+pair: skipped, never loaded), *full* (provably every pair visible; for SISA also max g of the
+query tile <= min g of the key tile) or *partial* (anything else). Each program's schedule
+lists its full tiles, then its partial ones; the loop driver runs two loops, the full tiles in
+the full form (no mask; FoX / ALiBi a per-key bias, SISA the decay factored per tile pair) and
+the partial ones in the partial form (the mask and the decay per element): the forms and their
+maths are in `decayed_tiles`. The partial form is the exact per-pair definition above; the
+full form equals it on a full tile (`decayed_tiles` says how the references are chosen and why
+the roundings stay at each pair's own size).
 
-Two drivers run the same tile steps (`_fwd_step`, `_dq_step`, `_dkv_step`): on GPU (and in the
-interpreter) a loop inside the program over whole-head refs of the other side, which stay in
-HBM and are loaded tile by tile; on TPU a fourth grid axis over the other side's tiles
-("arbitrary"), the carry in VMEM scratch, the out-of-range steps clamped to a loaded tile and
-skipped, so Mosaic pipelines one tile at a time and VMEM use does not grow with T (whole-head
-refs in VMEM ran out of it at T 8192 for the 152M presets).
+Forward (`decayed_fwd`, grid [B, H, T / bq]): one query tile against its scheduled key tiles,
+online softmax in fp32 log2 units (exp2 with log2 e folded in: one `ex2` per element on a GPU;
+row max floored at NEG_INF / 2, so a fully masked row has weight 0 everywhere), returning the
+output and the row log-sum-exp lse in natural units (NEG_INF for a row that sees no key).
+
+Two drivers run the same tile steps (`decayed_tiles`): on GPU (and in the interpreter) loops
+inside the program over whole-head refs of the other side, which stay in HBM and are loaded
+tile by tile in schedule order; on TPU a fourth grid axis over the other side's tiles
+("arbitrary"), the carry in VMEM scratch, the steps outside the index range clamped to a loaded
+tile and skipped, each visited tile in the partial form, so Mosaic pipelines one tile at a time
+and VMEM use does not grow with T (whole-head refs in VMEM ran out of it at T 8192 for the 152M
+presets).
 
 The sink logit (one extra softmax column with zero value) is *not* in the kernel: with the
 kernel's (o, lse) over the real keys, lse' = logaddexp(lse, sink_h) and o' = o exp(lse - lse')
@@ -44,22 +57,25 @@ custom VJP therefore takes a cotangent for lse as well: ds_ij = p_ij (dp_ij - D_
 D_i = do_i . o_i - dlse_i.
 
 Backward (two kernels, as JAX's own GPU flash attention):
-- `_dq_*`, grid [B, H, T / bq], over key tiles: dq = scale ds k, dc = (ds e) b, and
-  the row part of dg, sum_j w_ij, with w = ds ([fox]) + ds e (c.b) ([sisa]);
-- `_dkv_*`, grid [B, H, T / bk], over query tiles: dv = p^T do, dk = scale ds^T q,
-  db = (ds e)^T c and the column part of dg, -sum_i w_ij. dk, dv are per query head and summed
-  over the G heads of a kv head (GQA) outside.
+- `decayed_dq`, grid [B, H, T / bq], over key tiles: dq = scale ds k, and for SISA dc and the
+  rows' part of dg (sum_j ds_ij e_ij c_i.b_j); FoX's rows' part of dg is dlse_i, outside the
+  kernel (`_attend_bwd`);
+- `decayed_dkv`, grid [B, H, T / bk], over query tiles, in the transposed orientation (tiles
+  [bk, bq], so dk += ds^T q and dv += p^T do have M = bk): dv, dk = scale ds^T q, db and the
+  columns' part of dg, -sum_i w_ij with w = ds ([fox]) + ds e (c.b) ([sisa]). dk, dv are per
+  query head and summed over the G heads of a kv head (GQA) outside.
 The probabilities are recomputed from lse (fp32); residuals are the inputs, o and lse: O(T).
 
 Layout: heads first, every block's last two dims equal to the array's (TPU's (8, 128) rule is
-then met at any T and head dim): rows [B, H, nq, bq, D], per-row vectors [.., bq, 1],
-per-column vectors [.., nk, 1, bk]; T is padded to a multiple of the tiles (padded keys have
-position -1, padded queries are dropped).
+then met at any T and head dim): rows [B, H, nq, bq, D]; per-time vectors 1D per tile for the
+loop driver ([.., n, bt]: Triton keeps one value per row in a slice layout), 2D for the grid
+driver; each pass tiled by its own (block_q, block_k) (`Spec.tiles`); T is padded to a
+multiple of every pass's tiles (padded keys have position -1, padded queries are dropped).
 
 Targets (`_compiler_params`): Mosaic on TPU (tiles of 128, the grid driver), Triton on GPU
-(tiles of 64: at 128 the backward exceeds H100's shared memory; JAX's Mosaic GPU backend would
-stage whole blocks in shared memory). fp32 x fp32 tile matmuls run at HIGHEST precision (Triton's
-default is TF32). On CPU the kernel runs in the Pallas interpreter (tests).
+(`GpuTuning`: tiles, warps and stages per pass; JAX's Mosaic GPU backend would stage whole
+blocks in shared memory). fp32 x fp32 tile matmuls run at HIGHEST precision (Triton's default is
+TF32). On CPU the kernel runs in the Pallas interpreter (tests).
 
 Sharding (`_sharded`): XLA does not partition Pallas calls, so under `sharding.use_rules` the
 call runs in a `jax.shard_map` over the active mesh: rows by the `batch` rule, heads by the
@@ -243,7 +259,12 @@ class Operands(NamedTuple):
   b: jax.Array | None   # [B, H, nk, bk, ds]
   kpos: jax.Array   # [B, nk, *]
   kseg: jax.Array   # [B, nk, *]
-  meta: jax.Array   # [B, H, n_outer, 2 + n_inner] int32 (`_classes`)
+  meta: jax.Array   # [B, H, n_outer, 2 + n_inner] int32 (`_schedule`)
+  sig: jax.Array    # [B, H, n_outer, n_inner] fp32, each scheduled pair's (R_I - R_J) log2 e
+  rho: jax.Array | None     # the full form's row side (`_frames`), FoX or SISA
+  cp: jax.Array | None      # SISA
+  beta: jax.Array | None    # the full form's key side
+  bp: jax.Array | None
 
 
 def _tiles(x_BHTD, bt: int):
@@ -311,19 +332,50 @@ def _tile_stats(x_BT, bt: int):
   return jnp.min(t, axis=-1), jnp.max(t, axis=-1)
 
 
-def _classes(spec: Spec, x: Padded, bq: int, bk: int):
-  """Each (query tile, key tile) pair's class, [B, H, nq, nk] int32: 0 full (every pair
-  visible, and for SISA the decay factors through the pair's reference: max g of the query
-  tile <= min g of the key tile), 1 partial (some pair may be visible), 2 empty (none is).
+class Frames(NamedTuple):
+  """The full form's per-tile references and the operands built from them (`decayed_tiles`):
+  R_I = max g (high word) over each query tile, R_J = min g over each key tile; per query
+  rho = ((g - R_I) + lo) log2 e and c' = c exp(g - R_I); per key beta = ((R_J - g) - lo) log2 e
+  and b' = b exp(R_J - g); per tile pair sig = (R_I - R_J) log2 e. On a full tile the three
+  pieces of (g_i - g_j) log2 e = rho_i + sig + beta_j are each at most the pair's own size,
+  so each is rounded at it; c' and b' scale by factors <= 1."""
+  Rq: jax.Array     # [B, H, nq]
+  Rk: jax.Array     # [B, H, nk]
+  rho: jax.Array    # [B, H, Tp]
+  beta: jax.Array
+  cp: jax.Array | None      # [B, H, Tp, ds]
+  bp: jax.Array | None
+  sig: jax.Array    # [B, H, nq, nk]
 
-  From per-tile ranges of positions, segments and g (O(T) work): a class is claimed only when
-  the ranges prove it, so a pair that is neither provably full nor provably empty is partial
-  and keeps the mask. Empty: the index skip of the module docstring (a key tile after the
-  query tile, or W or more indices before it), all keys padding, [causal] every key position
-  after every query position, [window] every pair W or more apart, or segment ranges that
-  cannot meet (no key in segment 0). Full: no padding key, every key in segment 0 or all in
-  the query tile's one segment, [causal] every key position <= every query position,
-  [window] every pair less than W apart."""
+
+def _frames(spec: Spec, x: Padded, bq: int, bk: int) -> Frames:
+  B, H, Tp = x.g.shape
+  Rq = jnp.max(x.g.reshape(B, H, -1, bq), axis=-1)
+  Rk = jnp.min(x.g.reshape(B, H, -1, bk), axis=-1)
+  rho = x.g - jnp.repeat(Rq, bq, axis=-1)
+  beta = jnp.repeat(Rk, bk, axis=-1) - x.g
+  if x.glo is not None:
+    rho, beta = rho + x.glo, beta - x.glo
+  rho, beta = rho * T.LOG2E, beta * T.LOG2E
+  scaled = lambda a, f: None if a is None else (
+      a.astype(F32) * jnp.exp2(f)[..., None]).astype(a.dtype)
+  sig = (Rq[..., :, None] - Rk[..., None, :]) * T.LOG2E
+  return Frames(Rq, Rk, rho, beta, scaled(x.c, rho), scaled(x.b, beta), sig)
+
+
+def _classes(spec: Spec, x: Padded, bq: int, bk: int, fr: Frames | None = None):
+  """Each (query tile, key tile) pair's class, [B, H, nq, nk] int32: 0 full (every pair
+  visible, and for SISA the decay factors through the pair's references: R_I <= R_J,
+  `_frames`), 1 partial (some pair may be visible), 2 empty (none is).
+
+  From per-tile ranges of positions, segments and g: a class is claimed only when the ranges
+  prove it, so a pair that is neither provably full nor provably empty is partial and keeps
+  the mask. Empty: the index skip of the module docstring (a key tile after the query tile,
+  or W or more indices before it), all keys padding, [causal] every key position after every
+  query position, [window] every pair W or more apart, or segment ranges that cannot meet (no
+  key in segment 0). Full: no padding key, every key in segment 0 or all in the query tile's
+  one segment, [causal] every key position <= every query position, [window] every pair less
+  than W apart."""
   nq, nk = x.q.shape[2] // bq, x.q.shape[2] // bk
   qp0, qp1 = (a[:, :, None] for a in _tile_stats(x.pos, bq))
   kp0, kp1 = (a[:, None, :] for a in _tile_stats(x.pos, bk))
@@ -341,45 +393,56 @@ def _classes(spec: Spec, x: Padded, bq: int, bk: int):
     full = full & (qp1 - kp0 < spec.window)
   empty, full = empty[:, None], full[:, None]                         # [B, 1, nq, nk]
   if spec.sisa:
-    gq = jnp.max(x.g.reshape(x.g.shape[:2] + (nq, bq)), axis=-1)
-    gk = jnp.min(x.g.reshape(x.g.shape[:2] + (nk, bk)), axis=-1)
-    full = full & (gq[..., :, None] <= gk[..., None, :])
-  H = x.q.shape[1]
-  shape = (x.q.shape[0], H, nq, nk)
+    fr = fr or _frames(spec, x, bq, bk)
+    full = full & (fr.Rq[..., :, None] <= fr.Rk[..., None, :])
+  shape = (x.q.shape[0], x.q.shape[1], nq, nk)
   return jnp.where(jnp.broadcast_to(empty, shape), 2,
                    jnp.where(jnp.broadcast_to(full, shape), 0, 1)).astype(jnp.int32)
 
 
-def _schedule(cls, rows_outer: bool):
+def _schedule(cls, sig, rows_outer: bool):
   """Per outer tile, [n_full, n_partial, the inner tiles: full ones first, then partial,
-  then empty], [B, H, n_outer, 2 + n_inner] int32."""
+  then empty] ([B, H, n_outer, 2 + n_inner] int32) and each scheduled pair's sig."""
   if not rows_outer:
-    cls = jnp.swapaxes(cls, -1, -2)
+    cls, sig = jnp.swapaxes(cls, -1, -2), jnp.swapaxes(sig, -1, -2)
   order = jnp.argsort(cls, axis=-1, stable=True).astype(jnp.int32)
   counts = jnp.stack([jnp.sum(cls == 0, axis=-1), jnp.sum(cls == 1, axis=-1)], axis=-1)
-  return jnp.concatenate([counts.astype(jnp.int32), order], axis=-1)
+  return (jnp.concatenate([counts.astype(jnp.int32), order], axis=-1),
+          jnp.take_along_axis(sig, order, axis=-1))
 
 
 def _layout(spec: Spec, x: Padded, pass_name: str) -> Operands:
-  """One pass's operands (the dkv pass transposed: `decayed_tiles`)."""
+  """One pass's operands (the dkv pass transposed: `decayed_tiles`); the full form's frames
+  for the loop driver only (the grid driver visits every tile in the partial form)."""
   bq, bk = spec.tiles(pass_name)
   t = pass_name == "dkv"
   opt = lambda a, f: None if a is None else f(a)
   rv = lambda a: _vec(a, bq, t, spec.flat)
   cv = lambda a: _vec(a, bk, not t, spec.flat)
+  fr = _frames(spec, x, bq, bk)
+  meta, sig = _schedule(_classes(spec, x, bq, bk, fr), fr.sig, rows_outer=not t)
+  framed = spec.flat and (spec.fox or spec.sisa)
+  sisa = framed and spec.sisa
   return Operands(
       q=_tiles(x.q, bq), g=rv(x.g), glo=opt(x.glo, rv), c=opt(x.c, lambda a: _tiles(a, bq)),
       pos=rv(x.pos), seg=rv(x.seg), k=_tiles(x.k, bk), v=_tiles(x.v, bk), kg=cv(x.g),
       kglo=opt(x.glo, cv), b=opt(x.b, lambda a: _tiles(a, bk)), kpos=cv(x.pos),
-      kseg=cv(x.seg), meta=_schedule(_classes(spec, x, bq, bk), rows_outer=not t))
+      kseg=cv(x.seg), meta=meta, sig=sig, rho=rv(fr.rho) if framed else None,
+      cp=_tiles(fr.cp, bq) if sisa else None, beta=cv(fr.beta) if framed else None,
+      bp=_tiles(fr.bp, bk) if sisa else None)
 
 
 def _present(spec: Spec, name: str) -> bool:
-  """Whether operand `name` is passed: c / b for SISA only, glo / kglo with a double-word g."""
+  """Whether operand `name` is passed: c / b for SISA only, glo / kglo with a double-word g,
+  the full form's frames (rho, beta; SISA's c', b') with the loop driver only."""
   if name in ("c", "b"):
     return spec.sisa
   if name in ("glo", "kglo"):
     return spec.lo
+  if name in ("rho", "beta"):
+    return spec.flat and (spec.fox or spec.sisa)
+  if name in ("cp", "bp"):
+    return spec.flat and spec.sisa
   return True
 
 
@@ -389,8 +452,8 @@ def _split(spec: Spec, refs, names):
   return dict(zip(names, refs)), refs[len(names):]
 
 
-_ROW_NAMES = ("q", "g", "glo", "c", "pos", "seg")
-_COL_NAMES = ("k", "v", "kg", "kglo", "b", "kpos", "kseg")
+_ROW_NAMES = ("q", "g", "glo", "c", "pos", "seg", "rho", "cp")
+_COL_NAMES = ("k", "v", "kg", "kglo", "b", "kpos", "kseg", "beta", "bp")
 
 
 def _read(x, at):
@@ -402,21 +465,22 @@ def _cols_at(x, j=None) -> Cols:
   """The key tile (refs of one tile), or tile j of whole-head column refs ([nk, ...])."""
   v = _read({n: x[n] for n in _COL_NAMES if n in x},
             (lambda r: r[...]) if j is None else (lambda r: r[j]))
-  return Cols(v["k"], v["v"], v["kg"], v.get("kglo"), v.get("b"), v["kpos"], v["kseg"])
+  return Cols(v["k"], v["v"], v["kg"], v.get("kglo"), v.get("b"), v["kpos"], v["kseg"],
+              v.get("beta"), v.get("bp"))
 
 
 def _rows_at(x, i=None) -> Rows:
   """The query tile (refs of one tile), or tile i of whole-head row refs ([nq, ...])."""
   v = _read({n: x[n] for n in _ROW_NAMES if n in x},
             (lambda r: r[...]) if i is None else (lambda r: r[i]))
-  return Rows(v["q"], v["g"], v.get("glo"), v.get("c"), v["pos"], v["seg"])
+  return Rows(v["q"], v["g"], v.get("glo"), v.get("c"), v["pos"], v["seg"], v.get("rho"),
+              v.get("cp"))
 
 
 def _grads_at(refs, i=None) -> Grads:
-  """do, lse2 (from lse) and delta of a query tile."""
+  """do, lse2, delta (and nu) of a query tile."""
   at = (lambda r: r[...]) if i is None else (lambda r: r[i])
-  do, lse, delta = (at(r) for r in refs)
-  return Grads(do, T.lse2_of(lse), delta)
+  return Grads(*(at(r) for r in refs))
 
 
 # ---------------------------------------------------------------- kernels
@@ -441,50 +505,56 @@ def _pad_outs(name: str, outs):
   return outs + [None] * ({"dq": 3, "dkv": 4}[name] - len(outs))
 
 
-def _schedule_loops(meta, full_step, partial_step, between, carry):
-  """The full tiles of `meta` through full_step, `between` on the carry, the partial ones
-  through partial_step (each step (tile index, carry) -> carry)."""
+def _schedule_loops(sched, full_step, partial_step, between, carry):
+  """The full tiles of the schedule (`meta`, `sig` refs) through full_step (tile index, the
+  pair's sig, carry), `between` on the carry, the partial ones through partial_step (tile
+  index, carry)."""
+  meta, sig = sched
   n_full, n_part = meta[0], meta[1]
-  carry = lax.fori_loop(0, n_full, lambda t, cr: full_step(meta[2 + t], cr), carry)
+  carry = lax.fori_loop(0, n_full, lambda t, cr: full_step(meta[2 + t], sig[t], cr), carry)
   carry = between(carry)
   return lax.fori_loop(n_full, n_full + n_part, lambda t, cr: partial_step(meta[2 + t], cr),
                        carry)
 
 
+_SCHED = ("meta", "sig")
+
+
 def _loop_fwd(spec: Spec, *refs):
-  x, rest = _split(spec, refs, _ROW_NAMES + _COL_NAMES + ("meta",))
+  x, rest = _split(spec, refs, _ROW_NAMES + _COL_NAMES + _SCHED)
   r = _rows_at(x)
   fr = T.row_frame(spec, r)
   carry = _schedule_loops(
-      x["meta"], lambda j, cr: T.fwd_full(spec, fr, r, _cols_at(x, j), cr),
+      (x["meta"], x["sig"]), lambda j, sg, cr: T.fwd_full(spec, fr, r, _cols_at(x, j), sg, cr),
       lambda j, cr: T.fwd_partial(spec, r, _cols_at(x, j), cr), lambda cr: cr,
       T.fwd_init(spec, r.q.shape[0], rest[0].shape[-1]))
   T.fwd_finish(carry, *rest)
 
 
 def _loop_dq(spec: Spec, *refs):
-  x, rest = _split(spec, refs, _ROW_NAMES + _COL_NAMES + ("meta",))
+  x, rest = _split(spec, refs, _ROW_NAMES + _COL_NAMES + _SCHED)
   r, d = _rows_at(x), _grads_at(rest[:3])
   fr = T.row_frame(spec, r)
-  lam2 = d.lse2 if fr.rho2 is None else d.lse2 - fr.rho2
+  lam2 = d.lse2 - r.rho if spec.fox else d.lse2
   carry = _schedule_loops(
-      x["meta"], lambda j, cr: T.dq_full(spec, fr, lam2, r, _cols_at(x, j), d, cr),
+      (x["meta"], x["sig"]),
+      lambda j, sg, cr: T.dq_full(spec, fr, lam2, r, _cols_at(x, j), d, sg, cr),
       lambda j, cr: T.dq_partial(spec, r, _cols_at(x, j), d, cr),
       lambda cr: T.dq_unfactor(spec, fr, r, cr), T.dq_init(spec, r))
   T.dq_finish(spec, carry, *_pad_outs("dq", rest[3:]))
 
 
 def _loop_dkv(spec: Spec, *refs):
-  y, refs = _split(spec, refs, _COL_NAMES + ("meta",))
+  y, refs = _split(spec, refs, _COL_NAMES + _SCHED)
   x, rest = _split(spec, refs, _ROW_NAMES)
+  n_extra = 3 + spec.fox
   c = _cols_at(y)
-  fr = T.col_frame(spec, c)
-  full = lambda i, cr: T.dkv_full(spec, fr, _rows_at(x, i), c, _grads_at(rest[:3], i), cr)
-  part = lambda i, cr: T.dkv_partial(spec, _rows_at(x, i), c, _grads_at(rest[:3], i), cr)
-  carry = _schedule_loops(
-      y["meta"], full, part,
-      lambda cr: T.dkv_unfactor(spec, fr, c, cr), T.dkv_init(spec, c))
-  T.dkv_finish(spec, carry, *_pad_outs("dkv", rest[3:]))
+  grads = lambda i: _grads_at(rest[:n_extra], i)
+  full = lambda i, sg, cr: T.dkv_full(spec, _rows_at(x, i), c, grads(i), sg, cr)
+  part = lambda i, cr: T.dkv_partial(spec, _rows_at(x, i), c, grads(i), cr)
+  carry = _schedule_loops((y["meta"], y["sig"]), full, part,
+                          lambda cr: T.dkv_unfactor(spec, c, cr), T.dkv_init(spec, c))
+  T.dkv_finish(spec, carry, *_pad_outs("dkv", rest[n_extra:]))
 
 
 # -- grid driver (TPU): grid axis 3 walks the other side's tiles, the carry in VMEM scratch
@@ -552,9 +622,9 @@ def _sides(ops: Operands, groups: int):
   per row (positions and segments, shared by every head). Absent operands are None."""
   kv, row = (lambda b, h: (b, _div(h, groups))), (lambda b, h: (b,))
   rows = [(ops.q, _head), (ops.g, _head), (ops.glo, _head), (ops.c, _head), (ops.pos, row),
-          (ops.seg, row)]
+          (ops.seg, row), (ops.rho, _head), (ops.cp, _head)]
   cols = [(ops.k, kv), (ops.v, kv), (ops.kg, _head), (ops.kglo, _head), (ops.b, _head),
-          (ops.kpos, row), (ops.kseg, row)]
+          (ops.kpos, row), (ops.kseg, row), (ops.beta, _head), (ops.bp, _head)]
   return rows, cols
 
 
@@ -585,7 +655,7 @@ def _specs(spec: Spec, ops: Operands, rows_tiled: bool):
   rows, cols = _sides(ops, spec.groups)
   rows = [(a, lead, row) for a, lead in rows]
   cols = [(a, lead, col) for a, lead in cols]
-  meta = [(ops.meta, _head, _tile_spec)]
+  meta = [(ops.meta, _head, _tile_spec), (ops.sig, _head, _tile_spec)]
   items = _present_items(rows + cols + meta if rows_tiled else cols + meta + rows)
   return [a for a, _, _ in items], [f(a, lead) for a, lead, f in items]
 
@@ -679,11 +749,18 @@ def _forward(spec: Spec, x: Padded):
                outs, out_specs)
 
 
-def _row_extra(spec: Spec, do_BHTE, lse_BHT, delta_BHT, bq: int, across: bool):
-  """The backward's per-query arrays in a pass's tiles: do [B, H, nq, bq, Dv], lse and delta
-  as row vectors of the pass's orientation."""
-  return (_tiles(do_BHTE, bq), _vec(lse_BHT, bq, across, spec.flat),
-          _vec(delta_BHT, bq, across, spec.flat))
+def _row_extra(spec: Spec, x: Padded, do_BHTE, lse_BHT, delta_BHT, pass_name: str):
+  """The backward's per-query arrays in a pass's tiles: do [B, H, nq, bq, Dv]; lse2
+  (`decayed_tiles.lse2_of`), delta and (the dkv pass's full form, FoX) nu = lse2 - rho as
+  row vectors of the pass's orientation."""
+  bq, bk = spec.tiles(pass_name)
+  across = pass_name == "dkv"
+  vec = lambda a: _vec(a, bq, across, spec.flat)
+  lse2 = T.lse2_of(lse_BHT)
+  out = [_tiles(do_BHTE, bq), vec(lse2), vec(delta_BHT)]
+  if across and spec.fox and spec.flat:
+    out.append(vec(lse2 - _frames(spec, x, bq, bk).rho))
+  return tuple(out)
 
 
 def _backward(spec: Spec, x: Padded, do_BHTE, lse_BHT, delta_BHT):
@@ -706,8 +783,8 @@ def _backward(spec: Spec, x: Padded, do_BHTE, lse_BHT, delta_BHT):
   if spec.sisa:
     col_outs.append(jax.ShapeDtypeStruct(col_ops.b.shape, col_ops.b.dtype))
   row_outs, col_outs = tuple(row_outs), tuple(col_outs)
-  row_extra = _row_extra(spec, do_BHTE, lse_BHT, delta_BHT, bq, across=False)
-  col_extra = _row_extra(spec, do_BHTE, lse_BHT, delta_BHT, col_ops.q.shape[3], across=True)
+  row_extra = _row_extra(spec, x, do_BHTE, lse_BHT, delta_BHT, "dq")
+  col_extra = _row_extra(spec, x, do_BHTE, lse_BHT, delta_BHT, "dkv")
   if spec.grid:
     ins, in_specs = _grid_specs(spec, row_ops, rows_outer=True, extra=row_extra)
     row_grads = _call(spec, functools.partial(_grid_dq, spec, nk), (B, H, nq, nk), ins,

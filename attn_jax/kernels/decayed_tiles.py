@@ -72,18 +72,22 @@ _AB = (((1,), (0,)), ((), ()))      # a @ b
 
 class Rows(NamedTuple):
   """A query tile's operands: q [bq, D]; g / glo / pos / seg per query (row vectors of the
-  pass's orientation); c [bq, ds] or None."""
+  pass's orientation); c [bq, ds] or None; the full form's row side (`decayed._frames`, with
+  R_I the tile's max g): rho = (g - R_I) log2 e per query, c' = c exp(g - R_I) (SISA)."""
   q: jax.Array
   g: jax.Array
   glo: jax.Array | None
   c: jax.Array | None
   pos: jax.Array
   seg: jax.Array
+  rho: jax.Array | None = None
+  cp: jax.Array | None = None
 
 
 class Cols(NamedTuple):
   """A key tile's operands: k [bk, D], v [bk, Dv]; g / glo / pos / seg per key; b [bk, ds] or
-  None."""
+  None; the full form's key side (R_J the tile's min g): beta = (R_J - g) log2 e per key,
+  b' = b exp(R_J - g) (SISA)."""
   k: jax.Array
   v: jax.Array
   g: jax.Array
@@ -91,20 +95,24 @@ class Cols(NamedTuple):
   b: jax.Array | None
   pos: jax.Array
   seg: jax.Array
+  beta: jax.Array | None = None
+  bp: jax.Array | None = None
 
 
 class Grads(NamedTuple):
   """A query tile's backward operands: do [bq, Dv]; lse2 (log2 units, +1e30 on a row that sees
-  no key, so every p of it is 0) and delta per query."""
+  no key, so every p of it is 0), delta and (dkv pass, FoX) nu = lse2 - rho per query."""
   do: jax.Array
   lse2: jax.Array
   delta: jax.Array
+  nu: jax.Array | None = None
 
 
 def exp2(asm: bool, x):
   """2^x in fp32: on a GPU one `ex2.approx.ftz.f32` (relative error 2^-22, denormal results
-  flushed to 0, which only ever drops terms below fp32's range); elsewhere `jnp.exp2`."""
-  if not asm:
+  flushed to 0, which only ever drops terms below fp32's range); elsewhere, and for a scalar
+  (one per tile), `jnp.exp2`."""
+  if not asm or x.ndim == 0:
     return jnp.exp2(x)
   from jax.experimental.pallas import triton as pltriton
   [y] = pltriton.elementwise_inline_asm(
@@ -193,44 +201,42 @@ def partial_scores(spec, r: Rows, c: Cols, t: bool):
   return jnp.where(vis, s * LOG2E, NEG_INF), e, cb
 
 
-def _zero_lo(x):
-  """The reference's low word (0) where g is a double word, None where it is one word."""
-  return None if x is None else 0.0
+def fma(asm: bool, a, b, c):
+  """a b + c elementwise (b, c broadcast to a's shape): one PTX `fma.rn.f32` on a GPU (Triton
+  writes a separate mul.rn and add.rn, which ptxas may not contract), else a * b + c."""
+  if not asm:
+    return a * b + c
+  from jax.experimental.pallas import triton as pltriton
+  b = jnp.broadcast_to(jnp.asarray(b, a.dtype), a.shape)
+  c = jnp.broadcast_to(c, a.shape)
+  [y] = pltriton.elementwise_inline_asm(
+      "fma.rn.f32 $0, $1, $2, $3;", args=[a, b, c], constraints="=f,f,f,f", pack=1,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, a.dtype)])
+  return y
 
 
 # ---------------------------------------------------------------- full form, fwd / dq
 
 class RowFrame(NamedTuple):
-  """The held query tile's side of the full form (fwd / dq): R = max g of the tile; rho2 =
-  (g - R) log2 e per row (FoX), f = exp(g - R) per row and c~ = c f / scale (SISA)."""
-  R: jax.Array
-  rho2: jax.Array | None
-  f: jax.Array | None
+  """The held query tile's side of the full form (fwd / dq): c~ = c' / scale (SISA)."""
   ct: jax.Array | None
 
 
 def row_frame(spec, r: Rows) -> RowFrame:
-  R = jnp.max(r.g)
-  d2 = _gdiff(r.g, r.glo, R, _zero_lo(r.glo)) * LOG2E                 # per row, <= 0
-  f = ct = None
-  if spec.sisa:
-    f = exp2(spec.ex2_asm, d2)
-    ct = (r.c.astype(F32) * (along(f) * (1.0 / spec.scale))).astype(r.c.dtype)
-  return RowFrame(R, d2 if spec.fox else None, f, ct)
+  ct = (r.cp.astype(F32) * (1.0 / spec.scale)).astype(r.cp.dtype) if spec.sisa else None
+  return RowFrame(ct)
 
 
-def full_scores_rows(spec, fr: RowFrame, c: Cols, q):
-  """Full form of a key tile against the held query tile: (s2 - rho2 [bq, bk], b~ or None)."""
+def full_scores_rows(spec, fr: RowFrame, c: Cols, q, sig2):
+  """Full form of a key tile against the held query tile: (s2 - rho2 - sig2 [bq, bk], b~ or
+  None), sig2 = (R_I - R_J) log2 e the pair's scalar (`decayed._frames`)."""
   acc = _mm(q, c.k, False)
   bt = None
-  beta = _gdiff(fr.R, _zero_lo(c.glo), c.g, c.glo) * LOG2E              # per key, <= 0
   if spec.sisa:
-    f = exp2(spec.ex2_asm, along(beta))                                 # [bk, 1]
-    bt = (c.b.astype(F32) * f).astype(c.b.dtype)
+    bt = (c.bp.astype(F32) * exp2(spec.ex2_asm, sig2)).astype(c.bp.dtype)
     acc = acc + _mm(fr.ct, bt, False)
-  s2 = acc * (spec.scale * LOG2E)
-  if spec.fox:
-    s2 = s2 + colb(beta, False)
+  C = spec.scale * LOG2E
+  s2 = fma(spec.ex2_asm, acc, C, colb(c.beta, False)) if spec.fox else acc * C
   return s2, bt
 
 
@@ -256,9 +262,9 @@ def _online(spec, s2, off, v, carry):
   return m_new, l, acc
 
 
-def fwd_full(spec, fr: RowFrame, r: Rows, c: Cols, carry):
-  s2, _ = full_scores_rows(spec, fr, c, r.q)
-  return _online(spec, s2, fr.rho2, c.v, carry)
+def fwd_full(spec, fr: RowFrame, r: Rows, c: Cols, sig2, carry):
+  s2, _ = full_scores_rows(spec, fr, c, r.q, sig2)
+  return _online(spec, s2, r.rho + sig2 if spec.fox else None, c.v, carry)
 
 
 def fwd_partial(spec, r: Rows, c: Cols, carry):
@@ -288,12 +294,12 @@ def dq_init(spec, r: Rows):
           jnp.zeros(vec, F32) if spec.sisa else None)
 
 
-def dq_full(spec, fr: RowFrame, lam2, r: Rows, c: Cols, d: Grads, carry):
+def dq_full(spec, fr: RowFrame, lam2, r: Rows, c: Cols, d: Grads, sig2, carry):
   """carry (dq, A, dg): A = sum ds b~ (SISA), turned into dc and dg by `dq_unfactor`.
-  lam2 = lse2 - rho2."""
+  lam2 = lse2 - rho (FoX; lse2 otherwise)."""
   dq, a, dg = carry
-  s2, bt = full_scores_rows(spec, fr, c, r.q)
-  p = exp2(spec.ex2_asm, s2 - rowb(lam2, False))
+  s2, bt = full_scores_rows(spec, fr, c, r.q, sig2)
+  p = exp2(spec.ex2_asm, s2 - rowb(lam2 - sig2 if spec.fox else lam2, False))
   ds = p * (dot(d.do, c.v, _A_BT) - rowb(d.delta, False))
   dq = dq + dot(ds.astype(c.k.dtype), c.k)
   if spec.sisa:
@@ -306,7 +312,7 @@ def dq_unfactor(spec, fr: RowFrame, r: Rows, carry):
   dq, a, dg = carry
   if not spec.sisa:
     return carry
-  dc = along(fr.f) * a
+  dc = along(exp2(spec.ex2_asm, r.rho)) * a
   return dq, dc, dg + _red(jnp.sum, r.c.astype(F32) * dc, 1, not spec.flat)
 
 
@@ -333,25 +339,6 @@ def dq_finish(spec, carry, dq_ref, dg_ref, dc_ref):
 
 # ---------------------------------------------------------------- dkv pass (transposed)
 
-class ColFrame(NamedTuple):
-  """The held key tile's side of the full form (dkv): R = min g of the tile; beta2 =
-  (R - g) log2 e per key (FoX); f = exp(R - g) per key and b~ = b f (SISA)."""
-  R: jax.Array
-  beta2: jax.Array | None
-  f: jax.Array | None
-  bt: jax.Array | None
-
-
-def col_frame(spec, c: Cols) -> ColFrame:
-  R = jnp.min(c.g)
-  d2 = _gdiff(R, _zero_lo(c.glo), c.g, c.glo) * LOG2E                 # per key, <= 0
-  f = bt = None
-  if spec.sisa:
-    f = exp2(spec.ex2_asm, d2)
-    bt = (c.b.astype(F32) * along(f)).astype(c.b.dtype)
-  return ColFrame(R, d2 if spec.fox else None, f, bt)
-
-
 def dkv_init(spec, c: Cols):
   vec = c.g.shape
   return (jnp.zeros(c.k.shape, F32), jnp.zeros(c.v.shape, F32),
@@ -367,22 +354,21 @@ def _dkv_common(spec, pT, r: Rows, c: Cols, d: Grads, carry):
   return dsT, (dk, dv, dg, db)
 
 
-def dkv_full(spec, fr: ColFrame, r: Rows, c: Cols, d: Grads, carry):
+def dkv_full(spec, r: Rows, c: Cols, d: Grads, sig2, carry):
   """carry (dk, dv, dg, B): B = sum ds^T c~ (SISA), turned into db and dg by
-  `dkv_unfactor`."""
-  rho = _gdiff(r.g, r.glo, fr.R, _zero_lo(r.glo)) * LOG2E              # per query, <= 0
+  `dkv_unfactor`. The per-query offset is nu = lse2 - rho (FoX; lse2 otherwise), computed
+  before the call; the pair's scalar sig2 goes to the held key side."""
   acc = _mm(r.q, c.k, True)
   ct = None
   if spec.sisa:
-    f = exp2(spec.ex2_asm, along(rho))                                  # [bq, 1]
-    ct = (r.c.astype(F32) * (f * (1.0 / spec.scale))).astype(r.c.dtype)
-    acc = acc + _mm(ct, fr.bt, True)
-  s2 = acc * (spec.scale * LOG2E)
-  lam2 = d.lse2
+    ct = (r.cp.astype(F32) * (exp2(spec.ex2_asm, sig2) * (1.0 / spec.scale))).astype(r.cp.dtype)
+    acc = acc + _mm(ct, c.bp, True)
+  C = spec.scale * LOG2E
   if spec.fox:
-    s2 = s2 + colb(fr.beta2, True)
-    lam2 = lam2 - rho
-  pT = exp2(spec.ex2_asm, s2 - rowb(lam2, True))
+    s2 = fma(spec.ex2_asm, acc, C, colb(c.beta + sig2, True)) - rowb(d.nu, True)
+  else:
+    s2 = acc * C - rowb(d.lse2, True)
+  pT = exp2(spec.ex2_asm, s2)
   dsT, (dk, dv, dg, b) = _dkv_common(spec, pT, r, c, d, carry)
   if spec.fox:
     dg = dg - _red(jnp.sum, dsT, 1, not spec.flat)
@@ -391,12 +377,13 @@ def dkv_full(spec, fr: ColFrame, r: Rows, c: Cols, d: Grads, carry):
   return dk, dv, dg, b
 
 
-def dkv_unfactor(spec, fr: ColFrame, c: Cols, carry):
-  """After the full tiles: db = f scale B, the keys' SISA part of dg = -rowsum(b db)."""
+def dkv_unfactor(spec, c: Cols, carry):
+  """After the full tiles: db = f scale B (f = exp(R_J - g)), the keys' SISA part of dg =
+  -rowsum(b db)."""
   dk, dv, dg, b = carry
   if not spec.sisa:
     return carry
-  db = along(fr.f) * (spec.scale * b)
+  db = along(exp2(spec.ex2_asm, c.beta)) * (spec.scale * b)
   return dk, dv, dg - _red(jnp.sum, c.b.astype(F32) * db, 1, not spec.flat), db
 
 
