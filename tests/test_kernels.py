@@ -608,8 +608,9 @@ TILE_SCENARIOS = {
     for t in ("sisa", "fox") for sc in sorted(TILE_SCENARIOS)])
 def test_every_tile_class_matches_float64_reference(scenario, terms):
   """Each tile class the schedule makes (empty: never visited; full: no mask, FoX's per-key
-  bias / SISA's factored decay; partial: masked, per-element decay; document boundaries;
-  SISA's fallback on fully visible tiles whose decay does not factor) forward and backward
+  bias / SISA's factored decay; SISA's masked factored tiles (the diagonal within a span);
+  partial: masked, per-element decay; document boundaries; SISA's fallback on fully visible
+  tiles whose decay does not factor, and on diagonal tiles of a long span) forward and backward
   against the explicit float64 reference, T 192 in tiles of 32 (interpret mode). The scenario
   is checked to produce the classes it is named for."""
   sc = TILE_SCENARIOS[scenario]
@@ -632,16 +633,21 @@ def test_every_tile_class_matches_float64_reference(scenario, terms):
   sisa, fox = terms == "sisa", terms == "fox"
   kw = dict(fox=fox, window=sc["window"])
   cls = _classes_of(kw, T, bq, bk, g, pos, seg, sisa)
-  assert {0, 1, 2} <= set(np.unique(cls)), (scenario, np.unique(cls))
+  want = {K.FULL, K.PARTIAL, K.EMPTY} if fox else {K.FULL, K.MASKED_FACTORED, K.EMPTY}
+  if sisa and scenario != "causal":
+    want.add(K.PARTIAL)       # document boundaries, padding, the prefix's fallback
+  assert want <= set(np.unique(cls)), (scenario, np.unique(cls))
+  if sisa:                    # head 1's diagonal tiles span more than FACTOR_SPAN somewhere
+    assert K.PARTIAL in set(np.unique(cls[0, 1][np.arange(T // bq), np.arange(T // bk)]))
   if scenario == "prefix":
     fox_cls = _classes_of(dict(kw, fox=True), T, bq, bk, g, pos, seg, False)
     prefix_pairs = (slice(None), slice(None), slice(2, None), slice(0, 2))
-    assert np.all(fox_cls[prefix_pairs] == 0)                      # visible everywhere
+    assert np.all(fox_cls[prefix_pairs] == K.FULL)                  # visible everywhere
     if sisa:   # the fallback where some pair has g_i > g_j (the document's start), else full
-      assert np.any(cls[prefix_pairs] == 1) and np.all(cls[prefix_pairs] <= 1)
       gq = np.asarray(g)[0].reshape(-1, bq, H).max(1).T               # [H, nq]
       gk = np.asarray(g)[0].reshape(-1, bk, H).min(1).T
-      want = np.where(gq[:, 2:, None] <= gk[:, None, :2], 0, 1)
+      want = np.where(gq[:, 2:, None] <= gk[:, None, :2], K.FULL, K.PARTIAL)
+      assert np.any(want == K.PARTIAL)
       np.testing.assert_array_equal(cls[0][:, 2:, :2], want)
   args = (_normal(rng, (B, T, H, D), 2.0), _normal(rng, (B, T, H, D), 2.0),
           _normal(rng, (B, T, H, D)), _normal(rng, (B, T, H, ds)), _normal(rng, (B, T, H, ds)),

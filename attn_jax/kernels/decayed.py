@@ -259,7 +259,7 @@ class Operands(NamedTuple):
   b: jax.Array | None   # [B, H, nk, bk, ds]
   kpos: jax.Array   # [B, nk, *]
   kseg: jax.Array   # [B, nk, *]
-  meta: jax.Array   # [B, H, n_outer, 2 + n_inner] int32 (`_schedule`)
+  meta: jax.Array   # [B, H, n_outer, 3 + n_inner] int32 (`_schedule`)
   sig: jax.Array    # [B, H, n_outer, n_inner] fp32, each scheduled pair's (R_I - R_J) log2 e
   rho: jax.Array | None     # the full form's row side (`_frames`), FoX or SISA
   cp: jax.Array | None      # SISA
@@ -363,14 +363,29 @@ def _frames(spec: Spec, x: Padded, bq: int, bk: int) -> Frames:
   return Frames(Rq, Rk, rho, beta, scaled(x.c, rho), scaled(x.b, beta), sig)
 
 
+FULL, MASKED_FACTORED, PARTIAL, EMPTY = 0, 1, 2, 3     # tile classes (`_classes`)
+# SISA's decay factors on a masked tile (MASKED_FACTORED) while R_I - R_J stays below this many
+# nats: the key factors exp(R_I - g_j) are then at most e^40 (fp32 and bf16 hold 3e38).
+FACTOR_SPAN = 40.0
+
+
 def _classes(spec: Spec, x: Padded, bq: int, bk: int, fr: Frames | None = None):
-  """Each (query tile, key tile) pair's class, [B, H, nq, nk] int32: 0 full (every pair
-  visible, and for SISA the decay factors through the pair's references: R_I <= R_J,
-  `_frames`), 1 partial (some pair may be visible), 2 empty (none is).
+  """Each (query tile, key tile) pair's class, [B, H, nq, nk] int32:
+
+  FULL             every pair visible, and for SISA the decay factors through the pair's
+                   references with both factors <= 1 (R_I <= R_J, `_frames`);
+  MASKED_FACTORED  (SISA without FoX) some pair may be masked, the decay factors: R_I <= R_J,
+                   or the tiles lie in one document (one segment, no padding), g does not
+                   rise anywhere from the first index of the two to the last (so a visible
+                   pair, j <= i, has g_i <= g_j) and R_I - R_J <= FACTOR_SPAN (the key
+                   factors exp(R_I - g_j) stay finite; on a visible pair the product is <= 1);
+  PARTIAL          anything else that may have a visible pair: the mask and the per-element
+                   decay (document boundaries, padding, a shared prefix read across a
+                   document start, spans beyond FACTOR_SPAN);
+  EMPTY            provably no visible pair (never visited).
 
   From per-tile ranges of positions, segments and g: a class is claimed only when the ranges
-  prove it, so a pair that is neither provably full nor provably empty is partial and keeps
-  the mask. Empty: the index skip of the module docstring (a key tile after the query tile,
+  prove it. Empty: the index skip of the module docstring (a key tile after the query tile,
   or W or more indices before it), all keys padding, [causal] every key position after every
   query position, [window] every pair W or more apart, or segment ranges that cannot meet (no
   key in segment 0). Full: no padding key, every key in segment 0 or all in the query tile's
@@ -392,21 +407,35 @@ def _classes(spec: Spec, x: Padded, bq: int, bk: int, fr: Frames | None = None):
     empty = empty | (i * bq - (j + 1) * bk + 1 >= spec.window) | (qp0 - kp1 >= spec.window)
     full = full & (qp1 - kp0 < spec.window)
   empty, full = empty[:, None], full[:, None]                         # [B, 1, nq, nk]
+  factored = None
   if spec.sisa:
     fr = fr or _frames(spec, x, bq, bk)
-    full = full & (fr.Rq[..., :, None] <= fr.Rk[..., None, :])
+    ordered = fr.Rq[..., :, None] <= fr.Rk[..., None, :]
+    full = full & ordered
+    if not spec.fox:
+      one_doc = ((qs0 == qs1) & (ks0 == ks1) & (qs0 == ks0) & (kp0 >= 0) & (qp0 >= 0))[:, None]
+      rises = jnp.cumsum(jnp.pad(x.g[..., 1:] > x.g[..., :-1], ((0, 0), (0, 0), (1, 0))),
+                         axis=-1)                                      # [B, H, Tp]
+      first = jnp.minimum(i * bq, j * bk)
+      last = jnp.maximum((i + 1) * bq, (j + 1) * bk) - 1
+      flat = jnp.take(rises, last, axis=-1) == jnp.take(rises, first, axis=-1)
+      span_ok = fr.Rq[..., :, None] - fr.Rk[..., None, :] <= FACTOR_SPAN
+      factored = ordered | (one_doc & flat & span_ok & spec.causal)
   shape = (x.q.shape[0], x.q.shape[1], nq, nk)
-  return jnp.where(jnp.broadcast_to(empty, shape), 2,
-                   jnp.where(jnp.broadcast_to(full, shape), 0, 1)).astype(jnp.int32)
+  cls = jnp.where(jnp.broadcast_to(full, shape), FULL, PARTIAL)
+  if factored is not None:
+    cls = jnp.where((cls == PARTIAL) & factored, MASKED_FACTORED, cls)
+  return jnp.where(jnp.broadcast_to(empty, shape), EMPTY, cls).astype(jnp.int32)
 
 
 def _schedule(cls, sig, rows_outer: bool):
-  """Per outer tile, [n_full, n_partial, the inner tiles: full ones first, then partial,
-  then empty] ([B, H, n_outer, 2 + n_inner] int32) and each scheduled pair's sig."""
+  """Per outer tile, [n of each visited class (FULL, MASKED_FACTORED, PARTIAL), the inner
+  tiles in class order] ([B, H, n_outer, 3 + n_inner] int32) and each scheduled pair's sig."""
   if not rows_outer:
     cls, sig = jnp.swapaxes(cls, -1, -2), jnp.swapaxes(sig, -1, -2)
   order = jnp.argsort(cls, axis=-1, stable=True).astype(jnp.int32)
-  counts = jnp.stack([jnp.sum(cls == 0, axis=-1), jnp.sum(cls == 1, axis=-1)], axis=-1)
+  counts = jnp.stack([jnp.sum(cls == k, axis=-1) for k in (FULL, MASKED_FACTORED, PARTIAL)],
+                     axis=-1)
   return (jnp.concatenate([counts.astype(jnp.int32), order], axis=-1),
           jnp.take_along_axis(sig, order, axis=-1))
 
@@ -505,16 +534,24 @@ def _pad_outs(name: str, outs):
   return outs + [None] * ({"dq": 3, "dkv": 4}[name] - len(outs))
 
 
-def _schedule_loops(sched, full_step, partial_step, between, carry):
-  """The full tiles of the schedule (`meta`, `sig` refs) through full_step (tile index, the
-  pair's sig, carry), `between` on the carry, the partial ones through partial_step (tile
-  index, carry)."""
+def _schedule_loops(sched, full_step, masked_step, partial_step, between, carry):
+  """The schedule (`meta`, `sig` refs): its FULL tiles through full_step, its MASKED_FACTORED
+  ones through masked_step (each (tile index, the pair's sig, carry)), `between` on the carry,
+  its PARTIAL ones through partial_step (tile index, carry). masked_step None: none."""
   meta, sig = sched
-  n_full, n_part = meta[0], meta[1]
-  carry = lax.fori_loop(0, n_full, lambda t, cr: full_step(meta[2 + t], sig[t], cr), carry)
+  n0, n1, n2 = meta[0], meta[1], meta[2]
+  carry = lax.fori_loop(0, n0, lambda t, cr: full_step(meta[3 + t], sig[t], cr), carry)
+  if masked_step is not None:
+    carry = lax.fori_loop(n0, n0 + n1, lambda t, cr: masked_step(meta[3 + t], sig[t], cr),
+                          carry)
   carry = between(carry)
-  return lax.fori_loop(n_full, n_full + n_part, lambda t, cr: partial_step(meta[2 + t], cr),
+  return lax.fori_loop(n0 + n1, n0 + n1 + n2, lambda t, cr: partial_step(meta[3 + t], cr),
                        carry)
+
+
+def _masks(spec: Spec) -> bool:
+  """Whether a schedule may hold MASKED_FACTORED tiles (`_classes`)."""
+  return spec.sisa and not spec.fox
 
 
 _SCHED = ("meta", "sig")
@@ -526,6 +563,8 @@ def _loop_fwd(spec: Spec, *refs):
   fr = T.row_frame(spec, r)
   carry = _schedule_loops(
       (x["meta"], x["sig"]), lambda j, sg, cr: T.fwd_full(spec, fr, r, _cols_at(x, j), sg, cr),
+      (lambda j, sg, cr: T.fwd_full(spec, fr, r, _cols_at(x, j), sg, cr, masked=True))
+      if _masks(spec) else None,
       lambda j, cr: T.fwd_partial(spec, r, _cols_at(x, j), cr), lambda cr: cr,
       T.fwd_init(spec, r.q.shape[0], rest[0].shape[-1]))
   T.fwd_finish(carry, *rest)
@@ -539,6 +578,8 @@ def _loop_dq(spec: Spec, *refs):
   carry = _schedule_loops(
       (x["meta"], x["sig"]),
       lambda j, sg, cr: T.dq_full(spec, fr, lam2, r, _cols_at(x, j), d, sg, cr),
+      (lambda j, sg, cr: T.dq_full(spec, fr, lam2, r, _cols_at(x, j), d, sg, cr, masked=True))
+      if _masks(spec) else None,
       lambda j, cr: T.dq_partial(spec, r, _cols_at(x, j), d, cr),
       lambda cr: T.dq_unfactor(spec, fr, r, cr), T.dq_init(spec, r))
   T.dq_finish(spec, carry, *_pad_outs("dq", rest[3:]))
@@ -551,8 +592,9 @@ def _loop_dkv(spec: Spec, *refs):
   c = _cols_at(y)
   grads = lambda i: _grads_at(rest[:n_extra], i)
   full = lambda i, sg, cr: T.dkv_full(spec, _rows_at(x, i), c, grads(i), sg, cr)
+  masked = lambda i, sg, cr: T.dkv_full(spec, _rows_at(x, i), c, grads(i), sg, cr, masked=True)
   part = lambda i, cr: T.dkv_partial(spec, _rows_at(x, i), c, grads(i), cr)
-  carry = _schedule_loops((y["meta"], y["sig"]), full, part,
+  carry = _schedule_loops((y["meta"], y["sig"]), full, masked if _masks(spec) else None, part,
                           lambda cr: T.dkv_unfactor(spec, c, cr), T.dkv_init(spec, c))
   T.dkv_finish(spec, carry, *_pad_outs("dkv", rest[n_extra:]))
 

@@ -229,7 +229,8 @@ def row_frame(spec, r: Rows) -> RowFrame:
 
 def full_scores_rows(spec, fr: RowFrame, c: Cols, q, sig2):
   """Full form of a key tile against the held query tile: (s2 - rho2 - sig2 [bq, bk], b~ or
-  None), sig2 = (R_I - R_J) log2 e the pair's scalar (`decayed._frames`)."""
+  None), sig2 = (R_I - R_J) log2 e the pair's scalar (`decayed._frames`). On a
+  MASKED_FACTORED tile (SISA only) sig2 may be > 0 (b~'s factors up to e^FACTOR_SPAN)."""
   acc = _mm(q, c.k, False)
   bt = None
   if spec.sisa:
@@ -262,8 +263,14 @@ def _online(spec, s2, off, v, carry):
   return m_new, l, acc
 
 
-def fwd_full(spec, fr: RowFrame, r: Rows, c: Cols, sig2, carry):
+def _masked(spec, s2, r: Rows, c: Cols, t: bool, masked: bool):
+  """A MASKED_FACTORED tile's scores with the mask applied (a FULL tile's unchanged)."""
+  return jnp.where(visible(spec, r, c, t), s2, NEG_INF) if masked else s2
+
+
+def fwd_full(spec, fr: RowFrame, r: Rows, c: Cols, sig2, carry, masked=False):
   s2, _ = full_scores_rows(spec, fr, c, r.q, sig2)
+  s2 = _masked(spec, s2, r, c, False, masked)
   return _online(spec, s2, r.rho + sig2 if spec.fox else None, c.v, carry)
 
 
@@ -294,11 +301,12 @@ def dq_init(spec, r: Rows):
           jnp.zeros(vec, F32) if spec.sisa else None)
 
 
-def dq_full(spec, fr: RowFrame, lam2, r: Rows, c: Cols, d: Grads, sig2, carry):
+def dq_full(spec, fr: RowFrame, lam2, r: Rows, c: Cols, d: Grads, sig2, carry, masked=False):
   """carry (dq, A, dg): A = sum ds b~ (SISA), turned into dc and dg by `dq_unfactor`.
   lam2 = lse2 - rho (FoX; lse2 otherwise)."""
   dq, a, dg = carry
   s2, bt = full_scores_rows(spec, fr, c, r.q, sig2)
+  s2 = _masked(spec, s2, r, c, False, masked)
   p = exp2(spec.ex2_asm, s2 - rowb(lam2 - sig2 if spec.fox else lam2, False))
   ds = p * (dot(d.do, c.v, _A_BT) - rowb(d.delta, False))
   dq = dq + dot(ds.astype(c.k.dtype), c.k)
@@ -354,7 +362,7 @@ def _dkv_common(spec, pT, r: Rows, c: Cols, d: Grads, carry):
   return dsT, (dk, dv, dg, db)
 
 
-def dkv_full(spec, r: Rows, c: Cols, d: Grads, sig2, carry):
+def dkv_full(spec, r: Rows, c: Cols, d: Grads, sig2, carry, masked=False):
   """carry (dk, dv, dg, B): B = sum ds^T c~ (SISA), turned into db and dg by
   `dkv_unfactor`. The per-query offset is nu = lse2 - rho (FoX; lse2 otherwise), computed
   before the call; the pair's scalar sig2 goes to the held key side."""
@@ -367,7 +375,7 @@ def dkv_full(spec, r: Rows, c: Cols, d: Grads, sig2, carry):
   if spec.fox:
     s2 = fma(spec.ex2_asm, acc, C, colb(c.beta + sig2, True)) - rowb(d.nu, True)
   else:
-    s2 = acc * C - rowb(d.lse2, True)
+    s2 = _masked(spec, acc * C, r, c, True, masked) - rowb(d.lse2, True)
   pT = exp2(spec.ex2_asm, s2)
   dsT, (dk, dv, dg, b) = _dkv_common(spec, pT, r, c, d, carry)
   if spec.fox:
