@@ -669,3 +669,20 @@ def test_every_tile_class_matches_float64_reference(scenario, terms):
     _check(lambda q, k, v, g: kernel(q, k, v, None, None, g),
            lambda q, k, v, g: ref(q, k, v, None, None, g),
            args[:3] + args[5:], ("q", "k", "v", "g"), seed=12)
+
+
+def test_tile_visits_count_the_schedule_and_tuning_files_round_trip(tmp_path):
+  """`tile_visits` (what a census weighs each loop by): at T 2048 with the head-dim-64 choice
+  (fwd / dq 128 x 64, dkv 64 x 128) a causal row visits the 272 tiles of the lower triangle in
+  each pass, the 32 meeting the diagonal masked (SISA: factored, FoX: partial); a tuning file
+  keeps the dkv pass's tiles."""
+  tune = K.GPU_TUNING[64]
+  assert tune.dkv_tile[1] >= 64 and all(w % 4 == 0 for w in tune.warps)   # wgmma's M, warps
+  sisa = K.tile_visits(2048, 64, sisa=True)
+  fox = K.tile_visits(2048, 64, fox=True)
+  for name in K.PASSES:
+    assert sisa[name] == (240, 32, 0), (name, sisa[name])
+    assert fox[name] == (240, 0, 32), (name, fox[name])
+  path = str(tmp_path / "tuning.json")
+  K.write_tuning(path, {64: tune, 128: K.GpuTuning()})
+  assert K.read_tuning(path) == {64: tune, 128: K.GpuTuning()}

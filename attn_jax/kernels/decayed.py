@@ -1021,6 +1021,32 @@ def decayed_attention(q_BTHD, k_BTKD, v_BTKE, *, scale: float, g_BTH=None, g_lo_
   return _sharded(functools.partial(_local, spec), args, _NAMES)
 
 
+# ---------------------------------------------------------------- what the loops visit
+
+def tile_visits(T: int, head_dim: int, *, fox: bool = False, sisa: bool = False,
+                window: int | None = None, gpu_tuning: GpuTuning | None = None,
+                decay_per_token: float = 0.01) -> dict[str, tuple[int, int, int]]:
+  """How many tiles each pass's loops visit on one unpacked causal row of T tokens on a GPU
+  (`_classes` of its tiles; g decaying by `decay_per_token` nats a token): {pass: (FULL,
+  MASKED_FACTORED, PARTIAL)}. A compiled-code census weighs each loop's cost per element by
+  these (every visited tile is block_q x block_k elements of its pass); the loop driver runs
+  one loop per class, in this order, the MASKED_FACTORED loop only for SISA without FoX."""
+  tune = gpu_tuning or default_gpu_tuning(head_dim)
+  dkv = tune.dkv_tile or (0, 0)
+  spec = Spec(1.0, fox, sisa, False, True, window, tune.block_q, tune.block_k, 1, False,
+              False, tune.warps, tune.stages, dkv[0], dkv[1])
+  g = -decay_per_token * jnp.arange(T, dtype=F32)[None, :, None]
+  pos = jnp.arange(T, dtype=jnp.int32)[None]
+  z = jnp.zeros((1, T, 1, 1), jnp.bfloat16)
+  x = _pad(spec, z, z, z, g, None, None, None, pos, jnp.ones((1, T), jnp.int32))
+  out = {}
+  for name in PASSES:
+    cls = _classes(spec, x, *spec.tiles(name))
+    out[name] = tuple(int(jnp.sum(cls == k)) for k in (FULL, MASKED_FACTORED, PARTIAL))
+  out["dq"] = out["fwd"] if spec.tiles("dq") == spec.tiles("fwd") else out["dq"]
+  return out
+
+
 # ---------------------------------------------------------------- choosing the kernel
 
 def use_kernel(impl: str, q_shape, k_shape, v_shape, *, what: str) -> bool:

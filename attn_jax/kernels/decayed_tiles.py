@@ -11,8 +11,9 @@ a key tile and walks query tiles in the transposed orientation: tiles [bk, bq] (
 products dk += ds^T q, dv += p^T do have M = bk, what Hopper's wgmma needs), key vectors
 [bk, 1], query vectors [1, bq]. `_mm(a_rows, a_cols, t)` is the pair product in either.
 
-Partial form (`partial_scores`: diagonal tiles, document boundaries, padding, a window's edge):
-the visibility mask of every element and the decay per element, as `core.positional_mask`:
+Partial form (`partial_scores`: PARTIAL tiles; document boundaries, padding, a shared prefix
+read across a document start, SISA diagonals of a long span): the visibility mask of every
+element and the decay per element, as `core.positional_mask`:
 
     s_ij = scale q_i.k_j + [fox] (g_i - g_j) + [sisa] e_ij (c_i . b_j),  e_ij = exp(min(g_i - g_j, 0))
 
@@ -20,36 +21,44 @@ the visibility mask of every element and the decay per element, as `core.positio
 NEG_INF; e is 0 there and on a visible pair across a document start (module docstring of
 `decayed.py`).
 
-Full form (`RowFrame` / `ColFrame`: every pair of the tile is visible, `decayed._classes`): no
-mask, and the decay factors through one reference R per tile pair:
+Full form (FULL tiles: every pair visible; `decayed._classes`): no mask, and the decay splits
+at two references per tile pair, R_I = max g (high word) over the query tile and R_J = min g
+over the key tile (`decayed._frames`, computed before the call):
 
-- FoX / ALiBi. s_ij = scale q.k + (g_i - R) + (R - g_j). The row term rho_i = g_i - R is the
-  same for every key of row i, so it shifts the row's softmax and only enters through the
-  running max / lse (m - rho, lse - rho: per row, once per tile); per element it is one FFMA,
-  scale q.k log2e + beta_j with the key bias beta_j = (R - g_j) log2 e. R is g's high word at
-  the held tile's extreme (fwd / dq: the query tile's largest g; dkv: the key tile's smallest
-  g): for a full tile (all rows after all keys, g non-increasing) R lies between g_i and g_j,
-  so both |rho_i| and |R - g_j| are at most |g_i - g_j| and each is rounded at the pair's own
-  size, as the partial form's double word. The row frame and the true frame differ by rho_i,
-  rounded once per row: it moves the full tiles' keys against the partial tiles' by
-  ulp(|rho_i|), and their weight is at most exp(rho_i + spread of q.k), so the error stays
-  below fp32 rounding of the logits wherever it is not multiplied by a vanishing weight.
-- SISA. e_ij = exp(g_i - g_j) = exp(g_i - R) exp(R - g_j) for any R; with R_I = max g over the
-  query tile and R_J = min g over the key tile, a pair with R_I <= R_J (`decayed._classes`:
-  all rows after all keys inside one document; never across a document start, where g
-  restarts) takes R = R_I in the fwd / dq passes and R = R_J in the dkv pass: both factors are
-  then <= 1, and if one underflows the product it bounds is below fp32's range too. The tile
-  is plain attention over widened operands, one accumulator:
+    (g_i - g_j) log2 e = rho_i + sig_IJ + beta_j,
+    rho_i = (g_i - R_I) log2 e <= 0,  sig_IJ = (R_I - R_J) log2 e,  beta_j = (R_J - g_j) log2 e <= 0
 
-      s = scale (q.k + c~_i . b~_j),  c~ = c exp(g - R) / scale,  b~ = b exp(R - g)
+(lo words in rho / beta). On a full tile all rows come after all keys inside one document, so
+g_i <= R_I <= R_J <= g_j: the three pieces have one sign and each is at most |g_i - g_j|, so
+each is rounded at the pair's own size, as the partial form's double word.
 
-  (the held side's factor once per program, the walked side's per tile: bk or bq exponentials
-  and a [tile, ds] scaling, never one per element). Its gradients follow the factoring: with
-  A = sum_J ds b~ (dq pass), dc = f_row A and the row part of dg is rowsum(c * dc); with
-  B = sum_I ds^T c~ (dkv pass), db = f_col scale B and the column part of dg is
-  -rowsum(b * db). Every other pair (the fallback: diagonal tiles, tiles meeting a document
-  boundary or padding, keys of the shared prefix read by a later document, any tile whose
-  R_I > R_J) keeps the partial form.
+- FoX / ALiBi. rho_i is the same for every key of row i: it shifts the row's softmax and
+  enters only through the running max / lse, once per row (fwd: the carry's frame offset
+  rho + sig; dq: lse2 - rho - sig; dkv: nu = lse2 - rho computed before the call, sig added to
+  the held key side), so the per-element work is one FFMA, s2 = (q.k) scale log2 e + beta_j,
+  then the subtraction of the row's offset and one ex2. The row frame and the true frame
+  differ by the row offset, rounded once per row: it moves the full tiles' keys against the
+  partial tiles' by ulp(|rho_i|), and their weight is at most exp(rho_i + the spread of
+  scale q.k), so the error stays below fp32 rounding of the logits wherever it is not
+  multiplied by a vanishing weight.
+- SISA. e_ij = exp(g_i - g_j) = exp(rho_i / log2 e) exp(sig) exp(beta_j / log2 e): with
+  c' = c exp(g - R_I) and b' = b exp(R_J - g) (factors <= 1, before the call) the tile is
+  plain attention over widened operands, one accumulator:
+
+      s = scale (q.k + c~_i . b~_j),  fwd / dq: c~ = c' / scale, b~ = b' 2^sig;
+                                       dkv:      c~ = c' 2^sig / scale, b~ = b'
+
+  (the walked side scaled per tile by the pair's scalar: a [tile, ds] product, never an
+  exponential per element). With sig <= 0 (FULL) every factor is <= 1; if one underflows, the
+  product it bounds is below fp32's range too. Gradients follow the factoring: with
+  A = sum_J ds b~ (dq pass), dc = exp(g - R_I) A and the rows' part of dg is rowsum(c * dc);
+  with B = sum_I ds^T c~ (dkv pass), db = exp(R_J - g) scale B and the keys' part of dg is
+  -rowsum(b * db) (`dq_unfactor`, `dkv_unfactor`, after the factored tiles).
+- SISA, MASKED_FACTORED tiles (`decayed._classes`; SISA without FoX): the same factoring
+  under the tile's mask, where every visible pair has g_i <= g_j (one document, g not rising
+  over the two tiles: the diagonal) and sig <= FACTOR_SPAN log2 e, so the key factors
+  exp(R_I - g_j) <= e^40 stay finite and a visible pair's product is <= 1. Any other tile
+  keeps the partial form (the fallback).
 
 The rows' part of FoX's dg is not computed here: sum_j ds_ij = dlse_i (`decayed._attend_bwd`).
 """
@@ -218,7 +227,8 @@ def fma(asm: bool, a, b, c):
 # ---------------------------------------------------------------- full form, fwd / dq
 
 class RowFrame(NamedTuple):
-  """The held query tile's side of the full form (fwd / dq): c~ = c' / scale (SISA)."""
+  """The held query tile's side of the full form (fwd / dq), once per program: c~ = c' /
+  scale (SISA)."""
   ct: jax.Array | None
 
 
