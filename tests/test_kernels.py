@@ -241,8 +241,9 @@ def test_unsupported_names_why():
 
 # ---------------------------------------------------------------- compiled for the targets
 
-def _compiled_text(target: str, T: int = 256, D: int = 128, ds: int = 32):
-  """The SISA + FoX kernel's fwd + bwd (bf16 q, k, v) compiled for a target's first device."""
+def _compiled_text(target: str, T: int = 256, D: int = 128, ds: int = 32, sisa: bool = True):
+  """The SISA + FoX kernel's (FoX's alone: sisa False) fwd + bwd (bf16 q, k, v) compiled for a
+  target's first device."""
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
   from attn_jax import kernel_choice
   devs = targets.devices(target)
@@ -253,8 +254,8 @@ def _compiled_text(target: str, T: int = 256, D: int = 128, ds: int = 32):
           sds((B, T, H), f32), sds((B, T, H, ds), f32), sds((B, T, H, ds), f32), sds((H,), f32))
 
   def loss(q, k, v, g, c, b, sink):
-    o = K.decayed_attention(q, k, v, scale=D ** -0.5, g_BTH=g, c_BTHS=c, b_BTHS=b, fox=True,
-                            sink_logit_H=sink)
+    o = K.decayed_attention(q, k, v, scale=D ** -0.5, g_BTH=g, c_BTHS=c if sisa else None,
+                            b_BTHS=b if sisa else None, fox=True, sink_logit_H=sink)
     return jnp.sum(o.astype(f32) ** 2)
 
   mesh = Mesh(np.array(devs[:1]), ("x",))
@@ -275,6 +276,15 @@ def test_kernel_compiles_for_target(target, call):
     pytest.skip(f"no compiler plugin for {target}")
   text, _ = _compiled_text(target)
   assert text.count(call) >= 3, text[:2000]
+
+
+def test_fox_full_form_compiles_for_tpu():
+  """FoX alone on TPU: the grid driver's branch between the full form (per-key bias) and the
+  partial form compiles with Mosaic (fwd and both backward kernels), at T 512."""
+  if not targets.available("v5e-4"):
+    pytest.skip("no compiler plugin for v5e-4")
+  text, _ = _compiled_text("v5e-4", T=512, sisa=False)
+  assert text.count("tpu_custom_call") >= 3, text[:2000]
 
 
 @pytest.mark.parametrize("head_dim", sorted(K.GPU_TUNING))
@@ -686,3 +696,27 @@ def test_tile_visits_count_the_schedule_and_tuning_files_round_trip(tmp_path):
   path = str(tmp_path / "tuning.json")
   K.write_tuning(path, {64: tune, 128: K.GpuTuning()})
   assert K.read_tuning(path) == {64: tune, 128: K.GpuTuning()}
+
+
+def test_grid_driver_full_form_equals_loop_driver():
+  """FoX on the TPU driver with FULL pairs (one document, T a multiple of the tiles): the grid
+  step's branch to the full form (frames from the loaded tiles) gives the loop driver's
+  output and gradients (interpret mode)."""
+  rng = np.random.default_rng(13)
+  B, T, H, D = 1, 384, 2, 16
+  q, k, v, w = (_normal(rng, (B, T, H, D)) for _ in range(4))
+  g = jnp.cumsum(-jnp.abs(_normal(rng, (B, T, H))) * 0.5, axis=1)
+  cls = _classes_of(dict(fox=True, window=None), T, 128, 128, g, jnp.arange(T)[None],
+                    jnp.ones((B, T), jnp.int32), False)
+  assert np.sum(cls == K.FULL) == 2 * 3                       # (1, 0), (2, 0), (2, 1) per head
+
+  def loss(grid, q, k, v, g):
+    out = K.decayed_attention(q, k, v, scale=D ** -0.5, g_BTH=g, fox=True, block_q=128,
+                              block_k=128, tile_grid=grid)
+    return jnp.sum(out * w)
+
+  ref = jax.value_and_grad(functools.partial(loss, False), argnums=(0, 1, 2, 3))(q, k, v, g)
+  got = jax.value_and_grad(functools.partial(loss, True), argnums=(0, 1, 2, 3))(q, k, v, g)
+  for name, a, r in zip(("loss", "dq", "dk", "dv", "dg"), jax.tree.leaves(got),
+                        jax.tree.leaves(ref)):
+    _close(a, r, what=name)

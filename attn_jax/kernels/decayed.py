@@ -620,13 +620,51 @@ def _accumulate(init, step, finish, scratch, lo, hi, n: int):
   pl.when(j == n - 1)(lambda: finish(read()))
 
 
+def _grid_full(spec: Spec, r: Rows, c: Cols):
+  """The grid driver's FULL test of the loaded pair (`_classes`' test on the tiles' own
+  ranges), a 0-d bool, or None where the grid driver keeps the partial form (SISA: its
+  factored accumulators would interleave with the partial ones)."""
+  if not spec.fox or spec.sisa:
+    return None
+  kp0, kp1, qp0, qp1 = jnp.min(c.pos), jnp.max(c.pos), jnp.min(r.pos), jnp.max(r.pos)
+  ks0, ks1, qs0, qs1 = jnp.min(c.seg), jnp.max(c.seg), jnp.min(r.seg), jnp.max(r.seg)
+  full = (kp0 >= 0) & (((ks0 == 0) & (ks1 == 0)) | ((ks0 == ks1) & (qs0 == qs1) & (ks0 == qs0)))
+  if spec.causal:
+    full = full & (kp1 <= qp0)
+  if spec.window is not None:
+    full = full & (qp1 - kp0 < spec.window)
+  return full
+
+
+def _grid_frames(spec: Spec, r: Rows, c: Cols):
+  """FoX's full-form frames of the loaded pair (`_frames`, from the tiles): (rows with rho,
+  cols with beta, sig2)."""
+  Rq, Rk = jnp.max(r.g), jnp.min(c.g)
+  rho, beta = r.g - Rq, Rk - c.g
+  if spec.lo:
+    rho, beta = rho + r.glo, beta - c.glo
+  return (r._replace(rho=rho * T.LOG2E), c._replace(beta=beta * T.LOG2E),
+          (Rq - Rk) * T.LOG2E)
+
+
+def _grid_step(spec: Spec, r: Rows, c: Cols, full_step, partial_step):
+  """One grid step: FoX's full form on a FULL pair, else the partial form."""
+  full = _grid_full(spec, r, c)
+  if full is None:
+    return partial_step
+  r2, c2, sig2 = _grid_frames(spec, r, c)
+  return lambda k: lax.cond(full, lambda k: full_step(r2, c2, sig2, k), partial_step, k)
+
+
 def _grid_fwd(spec: Spec, nk: int, *refs):
   x, rest = _split(spec, refs, _ROW_NAMES + _COL_NAMES)
   r, c = _rows_at(x), _cols_at(x)
   (o_ref, lse_ref), scratch = rest[:2], rest[2:]
   lo, hi = _key_range(spec, pl.program_id(2), nk, *spec.tiles("fwd"))
-  _accumulate(T.fwd_init(spec, r.q.shape[0], o_ref.shape[-1]),
-              lambda k: T.fwd_partial(spec, r, c, k),
+  step = _grid_step(spec, r, c,
+                    lambda r2, c2, sg, k: T.fwd_full(spec, T.RowFrame(None), r2, c2, sg, k),
+                    lambda k: T.fwd_partial(spec, r, c, k))
+  _accumulate(T.fwd_init(spec, r.q.shape[0], o_ref.shape[-1]), step,
               lambda k: T.fwd_finish(k, o_ref, lse_ref), scratch, lo, hi, nk)
 
 
@@ -636,8 +674,11 @@ def _grid_dq(spec: Spec, nk: int, *refs):
   n = _n_out(spec, "dq")
   outs, scratch = _pad_outs("dq", rest[3:3 + n]), rest[3 + n:]
   lo, hi = _key_range(spec, pl.program_id(2), nk, *spec.tiles("dq"))
-  _accumulate(T.dq_init(spec, r), lambda k: T.dq_partial(spec, r, c, d, k),
-              lambda k: T.dq_finish(spec, k, *outs), scratch, lo, hi, nk)
+  full = lambda r2, c2, sg, k: T.dq_full(spec, T.RowFrame(None), d.lse2 - r2.rho, r2, c2, d,
+                                         sg, k)
+  step = _grid_step(spec, r, c, full, lambda k: T.dq_partial(spec, r, c, d, k))
+  _accumulate(T.dq_init(spec, r), step, lambda k: T.dq_finish(spec, k, *outs), scratch, lo,
+              hi, nk)
 
 
 def _grid_dkv(spec: Spec, nq: int, *refs):
@@ -647,8 +688,10 @@ def _grid_dkv(spec: Spec, nq: int, *refs):
   n = _n_out(spec, "dkv")
   outs, scratch = _pad_outs("dkv", rest[3:3 + n]), rest[3 + n:]
   lo, hi = _query_range(spec, pl.program_id(2), nq, *spec.tiles("dkv"))
-  _accumulate(T.dkv_init(spec, c), lambda k: T.dkv_partial(spec, r, c, d, k),
-              lambda k: T.dkv_finish(spec, k, *outs), scratch, lo, hi, nq)
+  full = lambda r2, c2, sg, k: T.dkv_full(spec, r2, c2, d._replace(nu=d.lse2 - r2.rho), sg, k)
+  step = _grid_step(spec, r, c, full, lambda k: T.dkv_partial(spec, r, c, d, k))
+  _accumulate(T.dkv_init(spec, c), step, lambda k: T.dkv_finish(spec, k, *outs), scratch,
+              lo, hi, nq)
 
 
 # ---------------------------------------------------------------- calls
