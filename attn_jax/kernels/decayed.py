@@ -57,9 +57,8 @@ custom VJP therefore takes a cotangent for lse as well: ds_ij = p_ij (dp_ij - D_
 D_i = do_i . o_i - dlse_i.
 
 Backward (two kernels, as JAX's own GPU flash attention):
-- `decayed_dq`, grid [B, H, T / bq], over key tiles: dq = scale ds k, and for SISA dc and the
-  rows' part of dg (sum_j ds_ij e_ij c_i.b_j); FoX's rows' part of dg is dlse_i, outside the
-  kernel (`_attend_bwd`);
+- `decayed_dq`, grid [B, H, T / bq], over key tiles: dq = scale ds k, for SISA dc, and the
+  rows' part of dg, sum_j w_ij with w = ds ([fox]) + ds e (c.b) ([sisa]);
 - `decayed_dkv`, grid [B, H, T / bk], over query tiles, in the transposed orientation (tiles
   [bk, bq], so dk += ds^T q and dv += p^T do have M = bk): dv, dk = scale ds^T q, db and the
   columns' part of dg, -sum_i w_ij with w = ds ([fox]) + ds e (c.b) ([sisa]). dk, dv are per
@@ -524,7 +523,7 @@ def _grads_at(refs, i=None) -> Grads:
 def _n_out(spec: Spec, name: str) -> int:
   """How many outputs a pass writes (`_backward`'s lists)."""
   if name == "dq":
-    return 3 if spec.sisa else 1
+    return 1 + (spec.fox or spec.sisa) + spec.sisa
   return 2 + (spec.fox or spec.sisa) + spec.sisa
 
 
@@ -856,9 +855,10 @@ def _backward(spec: Spec, x: Padded, do_BHTE, lse_BHT, delta_BHT):
   nk, Dv = row_ops.k.shape[2], row_ops.v.shape[-1]
   ds_ = x.c.shape[-1] if spec.sisa else None
   row_outs = [jax.ShapeDtypeStruct(row_ops.q.shape, row_ops.q.dtype)]
+  if spec.fox or spec.sisa:
+    row_outs.append(jax.ShapeDtypeStruct(row_ops.g.shape, F32))
   if spec.sisa:
-    row_outs += [jax.ShapeDtypeStruct(row_ops.g.shape, F32),
-                 jax.ShapeDtypeStruct(row_ops.c.shape, row_ops.c.dtype)]
+    row_outs.append(jax.ShapeDtypeStruct(row_ops.c.shape, row_ops.c.dtype))
   cB, cH, cnk, cbk, _ = col_ops.k.shape
   cnq = col_ops.q.shape[2]
   col_outs = [jax.ShapeDtypeStruct((B, H, cnk, cbk, D), col_ops.k.dtype),
@@ -874,7 +874,8 @@ def _backward(spec: Spec, x: Padded, do_BHTE, lse_BHT, delta_BHT):
     ins, in_specs = _grid_specs(spec, row_ops, rows_outer=True, extra=row_extra)
     row_grads = _call(spec, functools.partial(_grid_dq, spec, nk), (B, H, nq, nk), ins,
                       in_specs, row_outs, _out_blocks(row_outs),
-                      _vmem([(bq, D), ds_ and (bq, ds_), ds_ and (bq, 1)]))   # dq, dc, dg
+                      _vmem([(bq, D), ds_ and (bq, ds_),
+                             (spec.fox or spec.sisa) and (bq, 1)]))   # dq, dc, dg
     ins, in_specs = _grid_specs(spec, col_ops, rows_outer=False, extra=col_extra)
     col_grads = _call(spec, functools.partial(_grid_dkv, spec, cnq), (B, H, cnk, cnq), ins,
                       in_specs, col_outs, _out_blocks(col_outs),
@@ -910,9 +911,8 @@ def _attend_fwd(spec, q, k, v, g, glo, c, b, pos, seg):
 
 
 def _attend_bwd(spec, res, cts):
-  """The two backward passes, and the rows' part of FoX's dg: g_i enters every logit of row i
-  with coefficient 1, which moves lse_i and nothing else, so d g_i (rows) = dlse_i (0 on a row
-  that sees no key)."""
+  """The two backward passes (dg = the rows' part from the dq pass + the keys' part from the
+  dkv pass)."""
   q, k, v, g, glo, c, b, pos, seg, o, lse = res
   do_BTHE, dlse_BTH = cts
   B, T, H, D = q.shape
@@ -927,13 +927,10 @@ def _attend_bwd(spec, res, cts):
   rows, cols = _backward(spec, x, do.astype(o.dtype), lse_BHT, delta)
   vec = lambda a: _untile_vec(a, T)
   dg = jnp.zeros((B, T, H), F32)
-  if spec.fox:
-    dg = dg + jnp.where(lse_BHT > NEG_INF / 2, dlse, 0.0)[:, :, :T].transpose(0, 2, 1)
   if spec.fox or spec.sisa:
-    dg = dg + vec(cols[2])
+    dg = dg + vec(rows[1]) + vec(cols[2])
   dc = db = None
   if spec.sisa:
-    dg = dg + vec(rows[1])
     dc = _untile(rows[2], T).astype(c.dtype)
     db = _untile(cols[3], T).astype(b.dtype)
   group = lambda x: x.reshape(B, T, K, H // K, x.shape[-1]).sum(3)

@@ -60,7 +60,8 @@ each is rounded at the pair's own size, as the partial form's double word.
   exp(R_I - g_j) <= e^40 stay finite and a visible pair's product is <= 1. Any other tile
   keeps the partial form (the fallback).
 
-The rows' part of FoX's dg is not computed here: sum_j ds_ij = dlse_i (`decayed._attend_bwd`).
+The rows' part of FoX's dg is sum_j ds_ij, summed per element as the reference does
+(mathematically it is dlse_i, but the explicit sum is what the fp32 paths compute).
 """
 
 from __future__ import annotations
@@ -308,7 +309,7 @@ def lse2_of(lse):
 def dq_init(spec, r: Rows):
   vec = r.g.shape
   return (jnp.zeros(r.q.shape, F32), jnp.zeros(r.c.shape, F32) if spec.sisa else None,
-          jnp.zeros(vec, F32) if spec.sisa else None)
+          jnp.zeros(vec, F32) if spec.fox or spec.sisa else None)
 
 
 def dq_full(spec, fr: RowFrame, lam2, r: Rows, c: Cols, d: Grads, sig2, carry, masked=False):
@@ -320,6 +321,8 @@ def dq_full(spec, fr: RowFrame, lam2, r: Rows, c: Cols, d: Grads, sig2, carry, m
   p = exp2(spec.ex2_asm, s2 - rowb(lam2 - sig2 if spec.fox else lam2, False))
   ds = p * (dot(d.do, c.v, _A_BT) - rowb(d.delta, False))
   dq = dq + dot(ds.astype(c.k.dtype), c.k)
+  if spec.fox:
+    dg = dg + _red(jnp.sum, ds, 1, not spec.flat)
   if spec.sisa:
     a = a + dot(ds.astype(bt.dtype), bt)
   return dq, a, dg
@@ -340,18 +343,22 @@ def dq_partial(spec, r: Rows, c: Cols, d: Grads, carry):
   p = exp2(spec.ex2_asm, s2 - rowb(d.lse2, False))
   ds = p * (dot(d.do, c.v, _A_BT) - rowb(d.delta, False))
   dq = dq + dot(ds.astype(c.k.dtype), c.k)
+  w = ds if spec.fox else None
   if spec.sisa:
     dse = ds * e
     dc = dc + dot(dse.astype(c.b.dtype), c.b)
-    dg = dg + _red(jnp.sum, dse * cb, 1, not spec.flat)
+    w = dse * cb if w is None else w + dse * cb
+  if w is not None:
+    dg = dg + _red(jnp.sum, w, 1, not spec.flat)
   return dq, dc, dg
 
 
 def dq_finish(spec, carry, dq_ref, dg_ref, dc_ref):
   dq, dc, dg = carry
   dq_ref[...] = (dq * spec.scale).astype(dq_ref.dtype)
-  if spec.sisa:
+  if dg is not None:
     dg_ref[...] = dg
+  if spec.sisa:
     dc_ref[...] = dc.astype(dc_ref.dtype)
 
 
