@@ -26,14 +26,15 @@ positions increasing by one inside a document, padding -1), so a key tile after 
 tile's last index is never visible (causal) and one W or more indices before it never is
 (window).
 
-Tile classes (`_classes`, `_schedule`: in XLA before the call, one entry per tile pair from per-tile ranges
-of positions, segments and g): each (query tile, key tile) pair is *empty* (provably no visible
-pair: skipped, never loaded), *full* (provably every pair visible; for SISA also max g of the
-query tile <= min g of the key tile) or *partial* (anything else). Each program's schedule
-lists its full tiles, then its partial ones; the loop driver runs two loops, the full tiles in
-the full form (no mask; FoX / ALiBi a per-key bias, SISA the decay factored per tile pair) and
-the partial ones in the partial form (the mask and the decay per element): the forms and their
-maths are in `decayed_tiles`. The partial form is the exact per-pair definition above; the
+Tile classes (`_classes`, `_schedule`: in XLA before the call, one entry per tile pair, from
+per-tile ranges of positions, segments and g): each (query tile, key tile) pair is EMPTY
+(provably no visible pair: skipped, never loaded), FULL (provably every pair visible; for SISA
+also max g of the query tile <= min g of the key tile), MASKED_FACTORED (SISA alone: a masked
+tile whose decay still factors, the diagonal of a document) or PARTIAL (anything else). Each
+program's schedule lists its tiles class by class; the loop driver runs one loop per class:
+FULL tiles in the full form (no mask; FoX / ALiBi a per-key bias, SISA the decay factored per
+tile pair), MASKED_FACTORED ones in the full form under the mask, PARTIAL ones in the partial
+form (the mask and the decay per element): the forms and their maths are in `decayed_tiles`. The partial form is the exact per-pair definition above; the
 full form equals it on a full tile (`decayed_tiles` says how the references are chosen and why
 the roundings stay at each pair's own size).
 
@@ -46,9 +47,12 @@ Two drivers run the same tile steps (`decayed_tiles`): on GPU (and in the interp
 inside the program over whole-head refs of the other side, which stay in HBM and are loaded
 tile by tile in schedule order; on TPU a fourth grid axis over the other side's tiles
 ("arbitrary"), the carry in VMEM scratch, the steps outside the index range clamped to a loaded
-tile and skipped, each visited tile in the partial form, so Mosaic pipelines one tile at a time
-and VMEM use does not grow with T (whole-head refs in VMEM ran out of it at T 8192 for the 152M
-presets).
+tile and skipped, so Mosaic pipelines one tile at a time and VMEM use does not grow with T
+(whole-head refs in VMEM ran out of it at T 8192 for the 152M presets). There each visited
+tile decides its class from its own ranges (`_grid_full`): FoX / ALiBi take the full form on a
+FULL tile (frames from the loaded tiles, `_grid_frames`) and the partial form otherwise; SISA
+keeps the partial form on every tile (its factored gradients A, B would need accumulators
+apart from the partial tiles' dc, db, as the tiles interleave on the grid).
 
 The sink logit (one extra softmax column with zero value) is *not* in the kernel: with the
 kernel's (o, lse) over the real keys, lse' = logaddexp(lse, sink_h) and o' = o exp(lse - lse')
@@ -108,7 +112,7 @@ from jax.sharding import PartitionSpec as P
 
 from attn_jax import kernel_choice, sharding
 from attn_jax.kernels import decayed_tiles as T
-from attn_jax.kernels.decayed_tiles import F32, NEG_INF, Cols, Grads, Rows
+from attn_jax.kernels.decayed_tiles import F32, Cols, Grads, Rows
 
 # Tile sizes by target: TPU lanes are 128 wide; on H100 the Triton kernels at 128 x 128 with
 # head dim 128 exceed the 227 KiB of shared memory a block may use (the dkv pass holds dk, dv,
@@ -187,7 +191,7 @@ class Spec:
   scale: float
   fox: bool            # add g_i - g_j to the logit
   sisa: bool           # add exp(g_i - g_j) c_i . b_j (c, b given)
-  lo: bool             # g comes as a double word (hi, lo): g_i - g_j = (hi_i - hi_j) + (lo_i - lo_j)
+  lo: bool             # g as a double word (hi, lo): g_i - g_j = (hi_i - hi_j) + (lo_i - lo_j)
   causal: bool
   window: int | None
   block_q: int         # tiles of the fwd and dq passes
@@ -441,7 +445,7 @@ def _schedule(cls, sig, rows_outer: bool):
 
 def _layout(spec: Spec, x: Padded, pass_name: str) -> Operands:
   """One pass's operands (the dkv pass transposed: `decayed_tiles`); the full form's frames
-  for the loop driver only (the grid driver visits every tile in the partial form)."""
+  for the loop driver only (the grid driver builds FoX's from the loaded tiles: `_grid_frames`)."""
   bq, bk = spec.tiles(pass_name)
   t = pass_name == "dkv"
   opt = lambda a, f: None if a is None else f(a)

@@ -15,7 +15,8 @@ Partial form (`partial_scores`: PARTIAL tiles; document boundaries, padding, a s
 read across a document start, SISA diagonals of a long span): the visibility mask of every
 element and the decay per element, as `core.positional_mask`:
 
-    s_ij = scale q_i.k_j + [fox] (g_i - g_j) + [sisa] e_ij (c_i . b_j),  e_ij = exp(min(g_i - g_j, 0))
+    s_ij = scale q_i.k_j + [fox] (g_i - g_j) + [sisa] e_ij (c_i . b_j)
+    e_ij = exp(min(g_i - g_j, 0))
 
 (g_i - g_j from the double word when given: rounded at the pair's own size). A masked pair is
 NEG_INF; e is 0 there and on a visible pair across a document start (module docstring of
