@@ -698,21 +698,24 @@ def test_tile_visits_count_the_schedule_and_tuning_files_round_trip(tmp_path):
   assert K.read_tuning(path) == {64: tune, 128: K.GpuTuning()}
 
 
-def test_grid_driver_full_form_equals_loop_driver():
-  """FoX on the TPU driver with FULL pairs (one document, T a multiple of the tiles): the grid
-  step's branch to the full form (frames from the loaded tiles) gives the loop driver's
-  output and gradients (interpret mode)."""
+@pytest.mark.parametrize("terms", ["fox", "sisa"])
+def test_grid_driver_full_form_equals_loop_driver(terms):
+  """FoX / SISA on the TPU driver with FULL pairs (one document, T a multiple of the tiles):
+  the grid step's branch to the full form (frames from the loaded tiles; SISA's decay a
+  rank-one product) gives the loop driver's output and gradients (interpret mode)."""
   rng = np.random.default_rng(13)
-  B, T, H, D = 1, 384, 2, 16
+  B, T, H, D, ds = 1, 384, 2, 16, 8
   q, k, v, w = (_normal(rng, (B, T, H, D)) for _ in range(4))
+  c, b = (_normal(rng, (B, T, H, ds)) for _ in range(2))
   g = jnp.cumsum(-jnp.abs(_normal(rng, (B, T, H))) * 0.5, axis=1)
-  cls = _classes_of(dict(fox=True, window=None), T, 128, 128, g, jnp.arange(T)[None],
-                    jnp.ones((B, T), jnp.int32), False)
+  cls = _classes_of(dict(fox=terms == "fox", window=None), T, 128, 128, g,
+                    jnp.arange(T)[None], jnp.ones((B, T), jnp.int32), terms == "sisa")
   assert np.sum(cls == K.FULL) == 2 * 3                       # (1, 0), (2, 0), (2, 1) per head
+  kw = dict(fox=True) if terms == "fox" else dict(c_BTHS=c, b_BTHS=b)
 
   def loss(grid, q, k, v, g):
-    out = K.decayed_attention(q, k, v, scale=D ** -0.5, g_BTH=g, fox=True, block_q=128,
-                              block_k=128, tile_grid=grid)
+    out = K.decayed_attention(q, k, v, scale=D ** -0.5, g_BTH=g, block_q=128, block_k=128,
+                              tile_grid=grid, **kw)
     return jnp.sum(out * w)
 
   ref = jax.value_and_grad(functools.partial(loss, False), argnums=(0, 1, 2, 3))(q, k, v, g)

@@ -49,10 +49,12 @@ tile by tile in schedule order; on TPU a fourth grid axis over the other side's 
 ("arbitrary"), the carry in VMEM scratch, the steps outside the index range clamped to a loaded
 tile and skipped, so Mosaic pipelines one tile at a time and VMEM use does not grow with T
 (whole-head refs in VMEM ran out of it at T 8192 for the 152M presets). There each visited
-tile decides its class from its own ranges (`_grid_full`): FoX / ALiBi take the full form on a
-FULL tile (frames from the loaded tiles, `_grid_frames`) and the partial form otherwise; SISA
-keeps the partial form on every tile (its factored gradients A, B would need accumulators
-apart from the partial tiles' dc, db, as the tiles interleave on the grid).
+tile decides its class from its own ranges (`_grid_full`): on a FULL tile FoX / ALiBi take the
+full form (frames from the loaded tiles, `_grid_frames`) and SISA the partial form's
+arithmetic without the mask and with its decay the rank-one product of the pair's factors
+(no exp per element; the widened matmul and its factored gradients would need accumulators
+apart from the partial tiles' dc, db, as the tiles interleave on the grid); every other tile
+the partial form.
 
 The sink logit (one extra softmax column with zero value) is *not* in the kernel: with the
 kernel's (o, lse) over the real keys, lse' = logaddexp(lse, sink_h) and o' = o exp(lse - lse')
@@ -625,9 +627,8 @@ def _accumulate(init, step, finish, scratch, lo, hi, n: int):
 
 def _grid_full(spec: Spec, r: Rows, c: Cols):
   """The grid driver's FULL test of the loaded pair (`_classes`' test on the tiles' own
-  ranges), a 0-d bool, or None where the grid driver keeps the partial form (SISA: its
-  factored accumulators would interleave with the partial ones)."""
-  if not spec.fox or spec.sisa:
+  ranges, SISA's R_I <= R_J included), a 0-d bool; None without a decay."""
+  if not (spec.fox or spec.sisa):
     return None
   kp0, kp1, qp0, qp1 = jnp.min(c.pos), jnp.max(c.pos), jnp.min(r.pos), jnp.max(r.pos)
   ks0, ks1, qs0, qs1 = jnp.min(c.seg), jnp.max(c.seg), jnp.min(r.seg), jnp.max(r.seg)
@@ -636,27 +637,34 @@ def _grid_full(spec: Spec, r: Rows, c: Cols):
     full = full & (kp1 <= qp0)
   if spec.window is not None:
     full = full & (qp1 - kp0 < spec.window)
+  if spec.sisa:
+    full = full & (jnp.max(r.g) <= jnp.min(c.g))
   return full
 
 
 def _grid_frames(spec: Spec, r: Rows, c: Cols):
-  """FoX's full-form frames of the loaded pair (`_frames`, from the tiles): (rows with rho,
-  cols with beta, sig2)."""
+  """The full form's frames of the loaded pair (`_frames`, from the tiles): (rho2 per query,
+  beta2 per key, sig2)."""
   Rq, Rk = jnp.max(r.g), jnp.min(c.g)
   rho, beta = r.g - Rq, Rk - c.g
   if spec.lo:
     rho, beta = rho + r.glo, beta - c.glo
-  return (r._replace(rho=rho * T.LOG2E), c._replace(beta=beta * T.LOG2E),
-          (Rq - Rk) * T.LOG2E)
+  return rho * T.LOG2E, beta * T.LOG2E, (Rq - Rk) * T.LOG2E
 
 
 def _grid_step(spec: Spec, r: Rows, c: Cols, full_step, partial_step):
-  """One grid step: FoX's full form on a FULL pair, else the partial form."""
+  """One grid step: on a FULL pair FoX's full form (full_step(rows with rho, cols with beta,
+  sig2, carry)), SISA's decay as a rank-one product without the mask (partial_step(carry,
+  frame)); else the partial form."""
   full = _grid_full(spec, r, c)
   if full is None:
     return partial_step
-  r2, c2, sig2 = _grid_frames(spec, r, c)
-  return lambda k: lax.cond(full, lambda k: full_step(r2, c2, sig2, k), partial_step, k)
+  rho2, beta2, sig2 = _grid_frames(spec, r, c)
+  if spec.sisa:
+    on_full = lambda k: partial_step(k, (rho2, beta2, sig2))
+  else:
+    on_full = lambda k: full_step(r._replace(rho=rho2), c._replace(beta=beta2), sig2, k)
+  return lambda k: lax.cond(full, on_full, partial_step, k)
 
 
 def _grid_fwd(spec: Spec, nk: int, *refs):
@@ -666,7 +674,7 @@ def _grid_fwd(spec: Spec, nk: int, *refs):
   lo, hi = _key_range(spec, pl.program_id(2), nk, *spec.tiles("fwd"))
   step = _grid_step(spec, r, c,
                     lambda r2, c2, sg, k: T.fwd_full(spec, T.RowFrame(None), r2, c2, sg, k),
-                    lambda k: T.fwd_partial(spec, r, c, k))
+                    lambda k, fr=None: T.fwd_partial(spec, r, c, k, fr))
   _accumulate(T.fwd_init(spec, r.q.shape[0], o_ref.shape[-1]), step,
               lambda k: T.fwd_finish(k, o_ref, lse_ref), scratch, lo, hi, nk)
 
@@ -679,7 +687,7 @@ def _grid_dq(spec: Spec, nk: int, *refs):
   lo, hi = _key_range(spec, pl.program_id(2), nk, *spec.tiles("dq"))
   full = lambda r2, c2, sg, k: T.dq_full(spec, T.RowFrame(None), d.lse2 - r2.rho, r2, c2, d,
                                          sg, k)
-  step = _grid_step(spec, r, c, full, lambda k: T.dq_partial(spec, r, c, d, k))
+  step = _grid_step(spec, r, c, full, lambda k, fr=None: T.dq_partial(spec, r, c, d, k, fr))
   _accumulate(T.dq_init(spec, r), step, lambda k: T.dq_finish(spec, k, *outs), scratch, lo,
               hi, nk)
 
@@ -692,7 +700,7 @@ def _grid_dkv(spec: Spec, nq: int, *refs):
   outs, scratch = _pad_outs("dkv", rest[3:3 + n]), rest[3 + n:]
   lo, hi = _query_range(spec, pl.program_id(2), nq, *spec.tiles("dkv"))
   full = lambda r2, c2, sg, k: T.dkv_full(spec, r2, c2, d._replace(nu=d.lse2 - r2.rho), sg, k)
-  step = _grid_step(spec, r, c, full, lambda k: T.dkv_partial(spec, r, c, d, k))
+  step = _grid_step(spec, r, c, full, lambda k, fr=None: T.dkv_partial(spec, r, c, d, k, fr))
   _accumulate(T.dkv_init(spec, c), step, lambda k: T.dkv_finish(spec, k, *outs), scratch,
               lo, hi, nq)
 

@@ -195,20 +195,28 @@ def visible(spec, r: Rows, c: Cols, t: bool):
   return vis
 
 
-def partial_scores(spec, r: Rows, c: Cols, t: bool):
+def partial_scores(spec, r: Rows, c: Cols, t: bool, frame=None):
   """Partial form: (s2 [log2 units, NEG_INF where masked], e, c.b) of a tile (e, c.b: SISA
-  only, else None)."""
+  only, else None). With `frame` (rho2, beta2, sig2: the TPU driver's FULL SISA tile) no mask,
+  and e the rank-one product 2^rho2_i 2^(beta2_j + sig2) instead of an exp per element."""
   s = _mm(r.q, c.k, t) * spec.scale
-  vis = visible(spec, r, c, t)
-  lo = lambda a, f: None if a is None else f(a, t)
-  dg = _gdiff(rowb(r.g, t), lo(r.glo, rowb), colb(c.g, t), lo(c.glo, colb))
+  vis = None if frame is not None else visible(spec, r, c, t)
   e = cb = None
+  if spec.fox or (spec.sisa and frame is None):
+    lo = lambda a, f: None if a is None else f(a, t)
+    dg = _gdiff(rowb(r.g, t), lo(r.glo, rowb), colb(c.g, t), lo(c.glo, colb))
   if spec.fox:
     s = s + dg
   if spec.sisa:   # min(., 0): a no-op on pairs inside one document (module docstring)
-    e = exp2(spec.ex2_asm, jnp.where(vis & (dg <= 0), dg * LOG2E, NEG_INF))
+    if frame is None:
+      e = exp2(spec.ex2_asm, jnp.where(vis & (dg <= 0), dg * LOG2E, NEG_INF))
+    else:
+      rho2, beta2, sig2 = frame
+      e = rowb(exp2(spec.ex2_asm, rho2), t) * colb(exp2(spec.ex2_asm, beta2 + sig2), t)
     cb = _mm(r.c, c.b, t)
     s = s + e * cb
+  if vis is None:
+    return s * LOG2E, e, cb
   return jnp.where(vis, s * LOG2E, NEG_INF), e, cb
 
 
@@ -286,8 +294,8 @@ def fwd_full(spec, fr: RowFrame, r: Rows, c: Cols, sig2, carry, masked=False):
   return _online(spec, s2, r.rho + sig2 if spec.fox else None, c.v, carry)
 
 
-def fwd_partial(spec, r: Rows, c: Cols, carry):
-  s2, _, _ = partial_scores(spec, r, c, False)
+def fwd_partial(spec, r: Rows, c: Cols, carry, frame=None):
+  s2, _, _ = partial_scores(spec, r, c, False, frame)
   return _online(spec, s2, None, c.v, carry)
 
 
@@ -338,9 +346,9 @@ def dq_unfactor(spec, fr: RowFrame, r: Rows, carry):
   return dq, dc, dg + _red(jnp.sum, r.c.astype(F32) * dc, 1, not spec.flat)
 
 
-def dq_partial(spec, r: Rows, c: Cols, d: Grads, carry):
+def dq_partial(spec, r: Rows, c: Cols, d: Grads, carry, frame=None):
   dq, dc, dg = carry
-  s2, e, cb = partial_scores(spec, r, c, False)
+  s2, e, cb = partial_scores(spec, r, c, False, frame)
   p = exp2(spec.ex2_asm, s2 - rowb(d.lse2, False))
   ds = p * (dot(d.do, c.v, _A_BT) - rowb(d.delta, False))
   dq = dq + dot(ds.astype(c.k.dtype), c.k)
@@ -413,8 +421,8 @@ def dkv_unfactor(spec, c: Cols, carry):
   return dk, dv, dg - _red(jnp.sum, c.b.astype(F32) * db, 1, not spec.flat), db
 
 
-def dkv_partial(spec, r: Rows, c: Cols, d: Grads, carry):
-  s2, e, cb = partial_scores(spec, r, c, True)
+def dkv_partial(spec, r: Rows, c: Cols, d: Grads, carry, frame=None):
+  s2, e, cb = partial_scores(spec, r, c, True, frame)
   pT = exp2(spec.ex2_asm, s2 - rowb(d.lse2, True))
   dsT, (dk, dv, dg, db) = _dkv_common(spec, pT, r, c, d, carry)
   w = dsT if spec.fox else None
