@@ -612,10 +612,8 @@ TILE_SCENARIOS = {
 }
 
 
-@pytest.mark.parametrize("terms,scenario", [
-    (t, sc) if t == "sisa" or sc in ("causal", "prefix") else
-    pytest.param(t, sc, marks=pytest.mark.slow)     # FoX's full and partial forms: also above
-    for t in ("sisa", "fox") for sc in sorted(TILE_SCENARIOS)])
+@pytest.mark.parametrize("terms", ["sisa", "fox"])
+@pytest.mark.parametrize("scenario", sorted(TILE_SCENARIOS))
 def test_every_tile_class_matches_float64_reference(scenario, terms):
   """Each tile class the schedule makes (empty: never visited; full: no mask, FoX's per-key
   bias / SISA's factored decay; SISA's masked factored tiles (the diagonal within a span);

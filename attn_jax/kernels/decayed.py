@@ -1091,12 +1091,10 @@ def tile_visits(T: int, head_dim: int, *, fox: bool = False, sisa: bool = False,
   pos = jnp.arange(T, dtype=jnp.int32)[None]
   z = jnp.zeros((1, T, 1, 1), jnp.bfloat16)
   x = _pad(spec, z, z, z, g, None, None, None, pos, jnp.ones((1, T), jnp.int32))
-  out = {}
-  for name in PASSES:
-    cls = _classes(spec, x, *spec.tiles(name))
-    out[name] = tuple(int(jnp.sum(cls == k)) for k in (FULL, MASKED_FACTORED, PARTIAL))
-  out["dq"] = out["fwd"] if spec.tiles("dq") == spec.tiles("fwd") else out["dq"]
-  return out
+  count = jax.jit(lambda x, bq, bk: jnp.stack([jnp.sum(_classes(spec, x, bq, bk) == k)
+                                              for k in (FULL, MASKED_FACTORED, PARTIAL)]),
+                  static_argnums=(1, 2))
+  return {name: tuple(int(n) for n in count(x, *spec.tiles(name))) for name in PASSES}
 
 
 # ---------------------------------------------------------------- choosing the kernel
