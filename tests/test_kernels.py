@@ -242,8 +242,9 @@ def test_unsupported_names_why():
 
 # ---------------------------------------------------------------- compiled for the targets
 
-def _compiled_text(target: str, T: int = 256, D: int = 128, ds: int = 32):
-  """The SISA + FoX kernel's fwd + bwd (bf16 q, k, v) compiled for a target's first device."""
+def _compiled_text(target: str, T: int = 256, D: int = 128, ds: int = 32, sisa: bool = True):
+  """The SISA + FoX kernel's (FoX's alone: sisa False) fwd + bwd (bf16 q, k, v) compiled for a
+  target's first device."""
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
   from attn_jax import kernel_choice
   devs = targets.devices(target)
@@ -254,8 +255,8 @@ def _compiled_text(target: str, T: int = 256, D: int = 128, ds: int = 32):
           sds((B, T, H), f32), sds((B, T, H, ds), f32), sds((B, T, H, ds), f32), sds((H,), f32))
 
   def loss(q, k, v, g, c, b, sink):
-    o = K.decayed_attention(q, k, v, scale=D ** -0.5, g_BTH=g, c_BTHS=c, b_BTHS=b, fox=True,
-                            sink_logit_H=sink)
+    o = K.decayed_attention(q, k, v, scale=D ** -0.5, g_BTH=g, c_BTHS=c if sisa else None,
+                            b_BTHS=b if sisa else None, fox=True, sink_logit_H=sink)
     return jnp.sum(o.astype(f32) ** 2)
 
   mesh = Mesh(np.array(devs[:1]), ("x",))
@@ -276,6 +277,15 @@ def test_kernel_compiles_for_target(target, call):
     pytest.skip(f"no compiler plugin for {target}")
   text, _ = _compiled_text(target)
   assert text.count(call) >= 3, text[:2000]
+
+
+def test_fox_full_form_compiles_for_tpu():
+  """FoX alone on TPU: the grid driver's branch between the full form (per-key bias) and the
+  partial form compiles with Mosaic (fwd and both backward kernels), at T 512."""
+  if not targets.available("v5e-4"):
+    pytest.skip("no compiler plugin for v5e-4")
+  text, _ = _compiled_text("v5e-4", T=512, sisa=False)
+  assert text.count("tpu_custom_call") >= 3, text[:2000]
 
 
 @pytest.mark.parametrize("head_dim", sorted(K.GPU_TUNING))
@@ -544,6 +554,169 @@ def test_grid_driver_equals_loop_driver(terms):
 
   grid_jaxpr = str(jax.make_jaxpr(functools.partial(loss, True))(q, k, v, g))
   assert "grid=(1, 4, 3, 3)" in grid_jaxpr
+  ref = jax.value_and_grad(functools.partial(loss, False), argnums=(0, 1, 2, 3))(q, k, v, g)
+  got = jax.value_and_grad(functools.partial(loss, True), argnums=(0, 1, 2, 3))(q, k, v, g)
+  for name, a, r in zip(("loss", "dq", "dk", "dv", "dg"), jax.tree.leaves(got),
+                        jax.tree.leaves(ref)):
+    _close(a, r, what=name)
+
+
+# ---------------------------------------------------------------- tile classes (interpret mode)
+
+def _decayed_reference(q, k, v, c, b, g, *, scale, fox, sisa, pos, seg, window):
+  """Explicit float64 decayed attention (the kernel's definition, module docstring): logit
+  scale q.k + [fox] (g_i - g_j) + [sisa] exp(g_i - g_j) c.b on visible pairs, the SISA factor 0
+  on a visible pair with g_i > g_j (a shared-prefix key read across a document start); a row
+  that sees nothing returns zeros."""
+  B, T, H, D = q.shape
+  G = H // k.shape[2]
+  k, v = jnp.repeat(k, G, axis=2), jnp.repeat(v, G, axis=2)
+  s = jnp.einsum("bihd,bjhd->bhij", q, k) * scale
+  pi, pj = pos[:, None, :, None], pos[:, None, None, :]
+  si, sj = seg[:, None, :, None], seg[:, None, None, :]
+  vis = (pj >= 0) & ((sj == si) | (sj == 0)) & (pj <= pi)
+  if window is not None:
+    vis = vis & (pi - pj < window)
+  gH = g.transpose(0, 2, 1)
+  dg = gH[..., :, None] - gH[..., None, :]
+  if fox:
+    s = s + dg
+  if sisa:
+    e = jnp.exp(jnp.where(vis & (dg <= 0), dg, -jnp.inf))
+    s = s + e * jnp.einsum("bihs,bjhs->bhij", c, b)
+  s = jnp.where(vis, s, -jnp.inf)
+  seen = jnp.any(vis, axis=-1, keepdims=True)
+  p = jnp.where(vis, jax.nn.softmax(jnp.where(seen, s, 0.0), axis=-1), 0.0)
+  return jnp.einsum("bhij,bjhd->bihd", p, v)
+
+
+def _classes_of(kw, T, bq, bk, g, pos, seg, sisa):
+  """The kernel's tile classes (`decayed._classes`) of a call's fwd tiling, [B, H, nq, nk]."""
+  H = g.shape[-1]
+  spec = K.Spec(1.0, kw["fox"], sisa, False, True, kw["window"], bq, bk, 1, True)
+  x = K._pad(spec, jnp.zeros((1, T, H, 16)), jnp.zeros((1, T, H, 16)),
+             jnp.zeros((1, T, H, 16)), g, None, None, None, pos, seg)
+  return np.asarray(K._classes(spec, x, bq, bk))
+
+
+TILE_SCENARIOS = {
+    # one document, causal: skipped tiles above the diagonal, full ones below, partial on it
+    "causal": dict(lengths=None, prefix=0, window=None, pad=0),
+    # two packed documents: tiles meeting the boundary partial, the later document's queries
+    # against the earlier document's keys empty
+    "documents": dict(lengths=[70, 122], prefix=0, window=None, pad=0),
+    # a window: tiles W or more behind empty, its edge partial; right padding partial
+    "window": dict(lengths=None, prefix=0, window=80, pad=23),
+    # a shared prefix (segment 0) read by a document whose g restarts: every pair of those
+    # tiles is visible (full for FoX) but g_i > g_j there, so SISA takes the fallback
+    "prefix": dict(lengths=[64, 128], prefix=1, window=None, pad=0),
+}
+
+
+@pytest.mark.parametrize("terms", ["sisa", "fox"])
+@pytest.mark.parametrize("scenario", sorted(TILE_SCENARIOS))
+def test_every_tile_class_matches_float64_reference(scenario, terms):
+  """Each tile class the schedule makes (empty: never visited; full: no mask, FoX's per-key
+  bias / SISA's factored decay; SISA's masked factored tiles (the diagonal within a span);
+  partial: masked, per-element decay; document boundaries; SISA's fallback on fully visible
+  tiles whose decay does not factor, and on diagonal tiles of a long span) forward and backward
+  against the explicit float64 reference, T 192 in tiles of 32 (interpret mode). The scenario
+  is checked to produce the classes it is named for."""
+  sc = TILE_SCENARIOS[scenario]
+  rng = np.random.default_rng(12)
+  B, T, H, D, ds, bq, bk = 1, 192, 2, 16, 8, 32, 32
+  if sc["lengths"] is None:
+    seg = jnp.ones((B, T), jnp.int32)
+  else:
+    seg = _segments([sc["lengths"]]) - sc["prefix"]          # prefix: document 1 -> segment 0
+  valid = np.arange(T) < T - sc["pad"]
+  starts = _starts(seg)
+  pos_np = np.zeros((B, T), np.int64)
+  for t in range(T):                        # positions restart in every document
+    pos_np[:, t] = 0 if t == 0 or starts[0, t] else pos_np[:, t - 1] + 1
+  if sc["prefix"]:                          # a document after the prefix continues its positions
+    pos_np = np.arange(T)[None]
+  pos = jnp.asarray(np.where(valid, pos_np, -1), jnp.int32)
+  loga = -rng.uniform(0, 1, (B, T, H)) * np.array([0.05, 3.0])
+  g = jnp.asarray(_seg_cumsum(loga, starts), jnp.float32)
+  sisa, fox = terms == "sisa", terms == "fox"
+  kw = dict(fox=fox, window=sc["window"])
+  cls = _classes_of(kw, T, bq, bk, g, pos, seg, sisa)
+  want = {K.FULL, K.PARTIAL, K.EMPTY} if fox else {K.FULL, K.MASKED_FACTORED, K.EMPTY}
+  if sisa and scenario != "causal":
+    want.add(K.PARTIAL)       # document boundaries, padding, the prefix's fallback
+  assert want <= set(np.unique(cls)), (scenario, np.unique(cls))
+  if sisa:                    # head 1's diagonal tiles span more than FACTOR_SPAN somewhere
+    assert K.PARTIAL in set(np.unique(cls[0, 1][np.arange(T // bq), np.arange(T // bk)]))
+  if scenario == "prefix":
+    fox_cls = _classes_of(dict(kw, fox=True), T, bq, bk, g, pos, seg, False)
+    prefix_pairs = (slice(None), slice(None), slice(2, None), slice(0, 2))
+    assert np.all(fox_cls[prefix_pairs] == K.FULL)                  # visible everywhere
+    if sisa:   # the fallback where some pair has g_i > g_j (the document's start), else full
+      gq = np.asarray(g)[0].reshape(-1, bq, H).max(1).T               # [H, nq]
+      gk = np.asarray(g)[0].reshape(-1, bk, H).min(1).T
+      want = np.where(gq[:, 2:, None] <= gk[:, None, :2], K.FULL, K.PARTIAL)
+      assert np.any(want == K.PARTIAL)
+      np.testing.assert_array_equal(cls[0][:, 2:, :2], want)
+  args = (_normal(rng, (B, T, H, D), 2.0), _normal(rng, (B, T, H, D), 2.0),
+          _normal(rng, (B, T, H, D)), _normal(rng, (B, T, H, ds)), _normal(rng, (B, T, H, ds)),
+          g)
+
+  def kernel(q, k, v, c, b, g):
+    sis = dict(c_BTHS=c, b_BTHS=b) if sisa else {}
+    return K.decayed_attention(q, k, v, scale=D ** -0.5, g_BTH=g, positions_BT=pos,
+                               segment_ids_BT=seg, block_q=bq, block_k=bk, **kw, **sis)
+
+  def ref(q, k, v, c, b, g):
+    return _decayed_reference(q, k, v, c, b, g, scale=D ** -0.5, sisa=sisa,
+                              pos=jnp.asarray(pos), seg=jnp.asarray(seg), **kw)
+
+  names = ("q", "k", "v", "c", "b", "g")
+  if sisa:
+    _check(kernel, ref, args, names, seed=12)
+  else:
+    _check(lambda q, k, v, g: kernel(q, k, v, None, None, g),
+           lambda q, k, v, g: ref(q, k, v, None, None, g),
+           args[:3] + args[5:], ("q", "k", "v", "g"), seed=12)
+
+
+def test_tile_visits_count_the_schedule_and_tuning_files_round_trip(tmp_path):
+  """`tile_visits` (what a census weighs each loop by): at T 2048 with the head-dim-64 choice
+  (fwd / dq 128 x 64, dkv 64 x 128) a causal row visits the 272 tiles of the lower triangle in
+  each pass, the 32 meeting the diagonal masked (SISA: factored, FoX: partial); a tuning file
+  keeps the dkv pass's tiles."""
+  tune = K.GPU_TUNING[64]
+  assert tune.dkv_tile[1] >= 64 and all(w % 4 == 0 for w in tune.warps)   # wgmma's M, warps
+  sisa = K.tile_visits(2048, 64, sisa=True)
+  fox = K.tile_visits(2048, 64, fox=True)
+  for name in K.PASSES:
+    assert sisa[name] == (240, 32, 0), (name, sisa[name])
+    assert fox[name] == (240, 0, 32), (name, fox[name])
+  path = str(tmp_path / "tuning.json")
+  K.write_tuning(path, {64: tune, 128: K.GpuTuning()})
+  assert K.read_tuning(path) == {64: tune, 128: K.GpuTuning()}
+
+
+@pytest.mark.parametrize("terms", ["fox", "sisa"])
+def test_grid_driver_full_form_equals_loop_driver(terms):
+  """FoX / SISA on the TPU driver with FULL pairs (one document, T a multiple of the tiles):
+  the grid step's branch to the full form (frames from the loaded tiles; SISA's decay a
+  rank-one product) gives the loop driver's output and gradients (interpret mode)."""
+  rng = np.random.default_rng(13)
+  B, T, H, D, ds = 1, 384, 2, 16, 8
+  q, k, v, w = (_normal(rng, (B, T, H, D)) for _ in range(4))
+  c, b = (_normal(rng, (B, T, H, ds)) for _ in range(2))
+  g = jnp.cumsum(-jnp.abs(_normal(rng, (B, T, H))) * 0.5, axis=1)
+  cls = _classes_of(dict(fox=terms == "fox", window=None), T, 128, 128, g,
+                    jnp.arange(T)[None], jnp.ones((B, T), jnp.int32), terms == "sisa")
+  assert np.sum(cls == K.FULL) == 2 * 3                       # (1, 0), (2, 0), (2, 1) per head
+  kw = dict(fox=True) if terms == "fox" else dict(c_BTHS=c, b_BTHS=b)
+
+  def loss(grid, q, k, v, g):
+    out = K.decayed_attention(q, k, v, scale=D ** -0.5, g_BTH=g, block_q=128, block_k=128,
+                              tile_grid=grid, **kw)
+    return jnp.sum(out * w)
+
   ref = jax.value_and_grad(functools.partial(loss, False), argnums=(0, 1, 2, 3))(q, k, v, g)
   got = jax.value_and_grad(functools.partial(loss, True), argnums=(0, 1, 2, 3))(q, k, v, g)
   for name, a, r in zip(("loss", "dq", "dk", "dv", "dg"), jax.tree.leaves(got),

@@ -21,19 +21,25 @@ from attn_jax.kernels import decayed
 
 
 def quick_candidates() -> list[decayed.GpuTuning]:
-  """Ten of `candidates`: today's choice, larger query or key tiles, deeper pipelines, 8 warps
-  with the larger tiles."""
-  pick = [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 4, 2), (128, 64, 4, 3), (128, 64, 8, 2),
-          (128, 64, 8, 3), (64, 128, 4, 2), (64, 32, 4, 3), (128, 128, 8, 2), (128, 32, 4, 3)]
-  return [decayed.GpuTuning(bq, bk, (w,) * 3, (st,) * 3) for bq, bk, w, st in pick]
+  """Ten of `candidates`: today's choice first, larger query or key tiles, deeper pipelines,
+  8 warps with the larger tiles; the dkv pass over 64 x 128 tiles (its M, the key tile, 128:
+  wgmma on Hopper) throughout."""
+  pick = [(128, 64, (4, 8, 8), (3, 2, 2)), (64, 64, (4, 4, 4), (2, 2, 2)),
+          (64, 64, (4, 4, 8), (3, 3, 2)), (128, 64, (4, 4, 8), (2, 2, 2)),
+          (128, 64, (8, 8, 8), (2, 2, 2)), (128, 64, (8, 8, 8), (3, 3, 2)),
+          (64, 128, (4, 4, 8), (2, 2, 2)), (128, 128, (8, 8, 8), (2, 2, 2)),
+          (128, 32, (4, 4, 8), (3, 3, 2)), (128, 64, (4, 8, 4), (3, 2, 2))]
+  return [decayed.GpuTuning(bq, bk, w, st, (64, 128)) for bq, bk, w, st in pick]
 
 
 def candidates() -> list[decayed.GpuTuning]:
-  """Tiles 64 / 128 (query) x 32 / 64 / 128 (key), 4 or 8 warps, 1-3 stages, one choice for
-  all three passes (a pass-wise refinement starts from the best of these)."""
+  """Tiles 64 / 128 (query) x 32 / 64 / 128 (key) for the fwd and dq passes, 64 x 128 or
+  128 x 128 for dkv, 4 or 8 warps, 1-3 stages (one warps / stages choice for all three passes:
+  a pass-wise refinement starts from the best of these)."""
   out = []
-  for bq, bk, w, st in itertools.product((64, 128), (32, 64, 128), (4, 8), (1, 2, 3)):
-    out.append(decayed.GpuTuning(bq, bk, (w,) * 3, (st,) * 3))
+  for bq, bk, dkv, w, st in itertools.product((64, 128), (32, 64, 128), ((64, 128), (128, 128)),
+                                              (4, 8), (1, 2, 3)):
+    out.append(decayed.GpuTuning(bq, bk, (w,) * 3, (st,) * 3, dkv))
   return out
 
 

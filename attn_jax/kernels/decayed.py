@@ -10,32 +10,51 @@ visible pair (i, j) is
 - FoX: g = cumsum log f;  ALiBi: FoX with g_t = -slope_h * t (fixed, no gradient wanted).
 
 Every visible pair has g_i - g_j <= 0, so exp(g_i - g_j) <= 1 and nothing overflows at any
-length: each [bq, bk] score tile is formed from O(tile) inputs (the rows' q, g, c and the
-columns' k, g, b), with no reference point and no [T, T] tensor. A masked pair's difference
+length: each score tile is formed from O(tile) inputs (the rows' q, g, c and the columns' k,
+g, b), with references chosen per tile pair (never one for the whole row) and no [T, T]
+tensor. A masked pair's difference
 may be positive (g restarts per document, or j > i on a diagonal tile); it is replaced by
 NEG_INF before the exponential, so its factor is 0, never inf. A *visible* pair with
 g_i - g_j > 0 exists only across a document start (a shared-prefix key, segment 0, read by a
 document whose g restarted): its SISA factor is set to 0 there (so are its gradients), and no
 input makes the kernel overflow; within a document this is a no-op and the gradient exact.
 
-Visibility (as `core.positional_mask`): key j is visible to query i iff pos_j >= 0 (padding is
+Visibility (as `masks.positional_mask`): key j is visible to query i iff pos_j >= 0 (padding is
 -1), [causal] pos_j <= pos_i, [window W] pos_i - pos_j < W, and seg_j == seg_i or seg_j == 0
-(packed documents with the shared prefix). Tiles are *skipped* by index: the kernel is for
-one self-attention stream (T == S, positions increasing by one inside a document, padding -1),
-so a key after the query's index is never visible (causal) and one W or more indices before it
-is never visible (window). Positions decide the mask inside a visited tile.
+(packed documents with the shared prefix). The kernel is for one self-attention stream (T == S,
+positions increasing by one inside a document, padding -1), so a key tile after the query
+tile's last index is never visible (causal) and one W or more indices before it never is
+(window).
 
-Forward (`_fwd_*`, grid [B, H, T / bq]): one query tile against its key tiles, online softmax
-in fp32 (row max floored at NEG_INF / 2, so a fully masked row has weight 0 everywhere),
-returning the output and the row log-sum-exp lse (NEG_INF for a row that sees no key). Only the
-tiles a query tile may see are visited (above the diagonal / outside the window skipped).
+Tile classes (`_classes`, `_schedule`: in XLA before the call, one entry per tile pair, from
+per-tile ranges of positions, segments and g): each (query tile, key tile) pair is EMPTY
+(provably no visible pair: skipped, never loaded), FULL (provably every pair visible; for SISA
+also max g of the query tile <= min g of the key tile), MASKED_FACTORED (SISA alone: a masked
+tile whose decay still factors, the diagonal of a document) or PARTIAL (anything else). Each
+program's schedule lists its tiles class by class; the loop driver runs one loop per class:
+FULL tiles in the full form (no mask; FoX / ALiBi a per-key bias, SISA the decay factored per
+tile pair), MASKED_FACTORED ones in the full form under the mask, PARTIAL ones in the partial
+form (the mask and the decay per element): the forms and their maths are in `decayed_tiles`. The partial form is the exact per-pair definition above; the
+full form equals it on a full tile (`decayed_tiles` says how the references are chosen and why
+the roundings stay at each pair's own size).
 
-Two drivers run the same tile steps (`_fwd_step`, `_dq_step`, `_dkv_step`): on GPU (and in the
-interpreter) a loop inside the program over whole-head refs of the other side, which stay in
-HBM and are loaded tile by tile; on TPU a fourth grid axis over the other side's tiles
-("arbitrary"), the carry in VMEM scratch, the out-of-range steps clamped to a loaded tile and
-skipped, so Mosaic pipelines one tile at a time and VMEM use does not grow with T (whole-head
-refs in VMEM ran out of it at T 8192 for the 152M presets).
+Forward (`decayed_fwd`, grid [B, H, T / bq]): one query tile against its scheduled key tiles,
+online softmax in fp32 log2 units (exp2 with log2 e folded in: one `ex2` per element on a GPU;
+row max floored at NEG_INF / 2, so a fully masked row has weight 0 everywhere), returning the
+output and the row log-sum-exp lse in natural units (NEG_INF for a row that sees no key).
+
+Two drivers run the same tile steps (`decayed_tiles`): on GPU (and in the interpreter) loops
+inside the program over whole-head refs of the other side, which stay in HBM and are loaded
+tile by tile in schedule order; on TPU a fourth grid axis over the other side's tiles
+("arbitrary"), the carry in VMEM scratch, the steps outside the index range clamped to a loaded
+tile and skipped, so Mosaic pipelines one tile at a time and VMEM use does not grow with T
+(whole-head refs in VMEM ran out of it at T 8192 for the 152M presets). There each visited
+tile decides its class from its own ranges (`_grid_full`): on a FULL tile FoX / ALiBi take the
+full form (frames from the loaded tiles, `_grid_frames`) and SISA the partial form's
+arithmetic without the mask and with its decay the rank-one product of the pair's factors
+(no exp per element; the widened matmul and its factored gradients would need accumulators
+apart from the partial tiles' dc, db, as the tiles interleave on the grid); every other tile
+the partial form.
 
 The sink logit (one extra softmax column with zero value) is *not* in the kernel: with the
 kernel's (o, lse) over the real keys, lse' = logaddexp(lse, sink_h) and o' = o exp(lse - lse')
@@ -44,22 +63,24 @@ custom VJP therefore takes a cotangent for lse as well: ds_ij = p_ij (dp_ij - D_
 D_i = do_i . o_i - dlse_i.
 
 Backward (two kernels, as JAX's own GPU flash attention):
-- `_dq_*`, grid [B, H, T / bq], over key tiles: dq = scale ds k, dc = (ds e) b, and
-  the row part of dg, sum_j w_ij, with w = ds ([fox]) + ds e (c.b) ([sisa]);
-- `_dkv_*`, grid [B, H, T / bk], over query tiles: dv = p^T do, dk = scale ds^T q,
-  db = (ds e)^T c and the column part of dg, -sum_i w_ij. dk, dv are per query head and summed
-  over the G heads of a kv head (GQA) outside.
+- `decayed_dq`, grid [B, H, T / bq], over key tiles: dq = scale ds k, for SISA dc, and the
+  rows' part of dg, sum_j w_ij with w = ds ([fox]) + ds e (c.b) ([sisa]);
+- `decayed_dkv`, grid [B, H, T / bk], over query tiles, in the transposed orientation (tiles
+  [bk, bq], so dk += ds^T q and dv += p^T do have M = bk): dv, dk = scale ds^T q, db and the
+  columns' part of dg, -sum_i w_ij with w = ds ([fox]) + ds e (c.b) ([sisa]). dk, dv are per
+  query head and summed over the G heads of a kv head (GQA) outside.
 The probabilities are recomputed from lse (fp32); residuals are the inputs, o and lse: O(T).
 
 Layout: heads first, every block's last two dims equal to the array's (TPU's (8, 128) rule is
-then met at any T and head dim): rows [B, H, nq, bq, D], per-row vectors [.., bq, 1],
-per-column vectors [.., nk, 1, bk]; T is padded to a multiple of the tiles (padded keys have
-position -1, padded queries are dropped).
+then met at any T and head dim): rows [B, H, nq, bq, D]; per-time vectors 1D per tile for the
+loop driver ([.., n, bt]: Triton keeps one value per row in a slice layout), 2D for the grid
+driver; each pass tiled by its own (block_q, block_k) (`Spec.tiles`); T is padded to a
+multiple of every pass's tiles (padded keys have position -1, padded queries are dropped).
 
 Targets (`_compiler_params`): Mosaic on TPU (tiles of 128, the grid driver), Triton on GPU
-(tiles of 64: at 128 the backward exceeds H100's shared memory; JAX's Mosaic GPU backend would
-stage whole blocks in shared memory). fp32 x fp32 tile matmuls run at HIGHEST precision (Triton's
-default is TF32). On CPU the kernel runs in the Pallas interpreter (tests).
+(`GpuTuning`: tiles, warps and stages per pass; JAX's Mosaic GPU backend would stage whole
+blocks in shared memory). fp32 x fp32 tile matmuls run at HIGHEST precision (Triton's default is
+TF32). On CPU the kernel runs in the Pallas interpreter (tests).
 
 Sharding (`_sharded`): XLA does not partition Pallas calls, so under `sharding.use_rules` the
 call runs in a `jax.shard_map` over the active mesh: rows by the `batch` rule, heads by the
@@ -92,11 +113,9 @@ from jax.experimental import pallas as pl
 from jax.sharding import PartitionSpec as P
 
 from attn_jax import kernel_choice, sharding
+from attn_jax.kernels import decayed_tiles as T
+from attn_jax.kernels.decayed_tiles import F32, Cols, Grads, Rows
 
-
-NEG_INF = -1e30
-_A_BT = (((1,), (1,)), ((), ()))    # a @ b.T
-_AT_B = (((0,), (0,)), ((), ()))    # a.T @ b
 # Tile sizes by target: TPU lanes are 128 wide; on H100 the Triton kernels at 128 x 128 with
 # head dim 128 exceed the 227 KiB of shared memory a block may use (the dkv pass holds dk, dv,
 # db), 64 x 64 fits (checked by compiling for `targets.devices("h100x1")`).
@@ -106,27 +125,33 @@ PASSES = ("fwd", "dq", "dkv")
 
 @dataclasses.dataclass(frozen=True)
 class GpuTuning:
-  """Triton launch choices on a GPU: the tiles (shared by the three passes: the operands are
-  tiled once) and, per pass (fwd, dq, dkv), warps per program and software-pipelining stages.
+  """Triton launch choices on a GPU: the tiles of the fwd and dq passes (block_q x block_k),
+  the dkv pass's (`dkv_tile`, (block_q, block_k); None: the same), and per pass (fwd, dq, dkv)
+  warps per program and software-pipelining stages. The dkv pass holds a key tile and forms
+  [bk, bq] tiles (`decayed_tiles`), so its block_k is the M of its products dk, dv: >= 64
+  with warps a multiple of 4 for Hopper's wgmma (below that Triton emits Ampere's mma.sync).
   `experiments/tune_decayed.py` times candidates on a GPU; each must compile for the target
   (shared memory: `tests/test_kernels.py` compiles the chosen ones for an H100)."""
   block_q: int = 64
   block_k: int = 64
   warps: tuple[int, int, int] = (4, 4, 4)
   stages: tuple[int, int, int] = (2, 2, 2)
+  dkv_tile: tuple[int, int] | None = None
 
   def label(self) -> str:
-    return (f"{self.block_q}x{self.block_k} warps {'/'.join(map(str, self.warps))} "
+    dkv = f" dkv {self.dkv_tile[0]}x{self.dkv_tile[1]}" if self.dkv_tile else ""
+    return (f"{self.block_q}x{self.block_k}{dkv} warps {'/'.join(map(str, self.warps))} "
             f"stages {'/'.join(map(str, self.stages))}")
 
 
 # The GPU choice by head dim (default: `GpuTuning()`); the value used is the entry for the
 # call's head dim. $ATTN_JAX_DECAYED_TUNING names a JSON file of choices measured on the
 # machine (`experiments/tune_decayed.py --write`) that take precedence (`gpu_tuning`).
-# Head dim 64 (the 152M / 369M presets): the fastest of tune_decayed.py --quick's ten on one
-# H200 (2026-12-04; SISA fwd + bwd, 65,536 tokens, T 2048 and 8192: 11.0 / 37.7 ms a layer
-# against 14.3 / 50.0 for 64 x 64, 4 warps, 2 stages; docs/benchmarks.md).
-GPU_TUNING: dict[int, GpuTuning] = {64: GpuTuning(128, 32, (4, 4, 4), (3, 3, 3))}
+# Head dim 64 (the 152M / 369M presets): fwd and dq over 128 x 64 tiles (M 128 for wgmma),
+# dkv over 64 x 128 (its M, the key tile, 128), 4 / 8 / 8 warps, chosen so each pass's
+# products are Hopper wgmma when compiled for an H100 (the compiled-code census); not yet timed
+# on a GPU (`experiments/tune_decayed.py` measures candidates).
+GPU_TUNING: dict[int, GpuTuning] = {64: GpuTuning(128, 64, (4, 8, 8), (3, 2, 2), (64, 128))}
 TUNING_ENV = "ATTN_JAX_DECAYED_TUNING"
 
 
@@ -142,7 +167,9 @@ def read_tuning(path: str) -> dict[int, GpuTuning]:
     raw = json.load(f)
   try:
     return {int(d): GpuTuning(int(t["block_q"]), int(t["block_k"]), tuple(map(int, t["warps"])),
-                              tuple(map(int, t["stages"]))) for d, t in raw.items()}
+                              tuple(map(int, t["stages"])),
+                              tuple(map(int, t["dkv_tile"])) if t.get("dkv_tile") else None)
+            for d, t in raw.items()}
   except (KeyError, TypeError, ValueError) as e:
     raise ValueError(f"{path}: not a decayed-attention tuning file ({TUNING_ENV}): "
                      f"{type(e).__name__} {e}") from None
@@ -166,72 +193,32 @@ class Spec:
   scale: float
   fox: bool            # add g_i - g_j to the logit
   sisa: bool           # add exp(g_i - g_j) c_i . b_j (c, b given)
-  lo: bool             # g comes as a double word (hi, lo): g_i - g_j = (hi_i - hi_j) + (lo_i - lo_j)
+  lo: bool             # g as a double word (hi, lo): g_i - g_j = (hi_i - hi_j) + (lo_i - lo_j)
   causal: bool
   window: int | None
-  block_q: int
+  block_q: int         # tiles of the fwd and dq passes
   block_k: int
   groups: int          # query heads per kv head (GQA)
   interpret: bool
   grid: bool = False   # the grid driver (TPU): the other side's tiles on grid axis 3
   warps: tuple[int, int, int] = (4, 4, 4)    # Triton, per pass (PASSES)
   stages: tuple[int, int, int] = (2, 2, 2)
+  dkv_block_q: int = 0  # tiles of the dkv pass (0: block_q / block_k)
+  dkv_block_k: int = 0
+  ex2_asm: bool = False  # exp2 as one PTX ex2 (Triton on a GPU)
 
+  @property
+  def flat(self) -> bool:
+    """Per-time vectors 1D in the kernel (the loop driver: Triton's slice layout holds one
+    value per row; a [bq, 1] tensor would be replicated over the tile's columns and every op
+    on it repeated per element), else 2D (the grid driver: Mosaic's tiles)."""
+    return not self.grid
 
-class Rows(NamedTuple):
-  """A query tile's operands: q [bq, D], g / glo / pos / seg [bq, 1], c [bq, ds] or None."""
-  q: jax.Array
-  g: jax.Array
-  glo: jax.Array | None
-  c: jax.Array | None
-  pos: jax.Array
-  seg: jax.Array
-
-
-class Cols(NamedTuple):
-  """A key tile's operands: k [bk, D], v [bk, Dv], g / glo / pos / seg [1, bk], b [bk, ds] or
-  None."""
-  k: jax.Array
-  v: jax.Array
-  g: jax.Array
-  glo: jax.Array | None
-  b: jax.Array | None
-  pos: jax.Array
-  seg: jax.Array
-
-
-def _dot(a, b, dims=None):
-  """fp32-accumulating matmul; fp32 operands at full precision (Triton's default for them is
-  TF32, Mosaic's may round them too), bf16 ones native. Both precisions explicit: None would
-  take `jax_default_matmul_precision`, and its "highest" asks Mosaic for an fp32 contraction
-  of bf16 operands, which it refuses ("Bad lhs type")."""
-  both32 = a.dtype == jnp.float32 and b.dtype == jnp.float32
-  return lax.dot_general(a, b, dims or (((1,), (0,)), ((), ())),
-                         precision=lax.Precision.HIGHEST if both32 else lax.Precision.DEFAULT,
-                         preferred_element_type=jnp.float32)
-
-
-def _tile(spec: Spec, r: Rows, c: Cols):
-  """Scores of one tile, [bq, bk] fp32, masked with NEG_INF; with the visibility, the decay
-  factor e = exp(g_i - g_j) (0 where masked or g_i - g_j > 0) and c.b (SISA only, else
-  None)."""
-  s = _dot(r.q, c.k, _A_BT) * spec.scale
-  vis = (c.pos >= 0) & ((c.seg == r.seg) | (c.seg == 0))
-  if spec.causal:
-    vis = vis & (c.pos <= r.pos)
-  if spec.window is not None:
-    vis = vis & (r.pos - c.pos < spec.window)
-  dg = r.g - c.g
-  if spec.lo:
-    dg = dg + (r.glo - c.glo)
-  e = cb = None
-  if spec.fox:
-    s = s + dg
-  if spec.sisa:   # min(., 0): a no-op on pairs inside one document (module docstring)
-    e = jnp.exp(jnp.where(vis & (dg <= 0), dg, NEG_INF))
-    cb = _dot(r.c, c.b, _A_BT)
-    s = s + e * cb
-  return jnp.where(vis, s, NEG_INF), vis, e, cb
+  def tiles(self, pass_name: str) -> tuple[int, int]:
+    """(block_q, block_k) of a pass."""
+    if pass_name == "dkv":
+      return self.dkv_block_q or self.block_q, self.dkv_block_k or self.block_k
+    return self.block_q, self.block_k
 
 
 def _div(a, n: int):
@@ -240,9 +227,8 @@ def _div(a, n: int):
   return lax.div(a, jnp.int32(n))
 
 
-def _key_range(spec: Spec, i, nk: int):
-  """Key tiles [lo, hi) that query tile i may see (index skipping, module docstring)."""
-  bq, bk = spec.block_q, spec.block_k
+def _key_range(spec: Spec, i, nk: int, bq: int, bk: int):
+  """Key tiles [lo, hi) that query tile i may see by index (module docstring)."""
   hi = jnp.minimum(nk, _div((i + 1) * bq - 1, bk) + 1) if spec.causal else nk
   lo = 0
   if spec.window is not None:
@@ -250,9 +236,8 @@ def _key_range(spec: Spec, i, nk: int):
   return lo, hi
 
 
-def _query_range(spec: Spec, j, nq: int):
-  """Query tiles [lo, hi) that may see key tile j."""
-  bq, bk = spec.block_q, spec.block_k
+def _query_range(spec: Spec, j, nq: int, bq: int, bk: int):
+  """Query tiles [lo, hi) that may see key tile j by index."""
   lo = _div(j * bk, bq) if spec.causal else 0
   hi = nq
   if spec.window is not None:
@@ -260,12 +245,238 @@ def _query_range(spec: Spec, j, nq: int):
   return lo, hi
 
 
+# ---------------------------------------------------------------- layout
+
+class Operands(NamedTuple):
+  """Kernel-layout operands of one pass (module docstring): heads first, tiled along time;
+  per-time vectors laid out for the pass's orientation (`decayed_tiles`): fwd / dq rows
+  [.., bq, 1], columns [.., 1, bk]; dkv rows [.., 1, bq], columns [.., bk, 1]."""
+  q: jax.Array      # [B, H, nq, bq, D]
+  g: jax.Array      # [B, H, nq, *] fp32
+  glo: jax.Array | None   # the low word of a double-word g
+  c: jax.Array | None   # [B, H, nq, bq, ds]
+  pos: jax.Array    # [B, nq, *] int32
+  seg: jax.Array    # [B, nq, *] int32
+  k: jax.Array      # [B, K, nk, bk, D]
+  v: jax.Array      # [B, K, nk, bk, Dv]
+  kg: jax.Array     # [B, H, nk, *] fp32
+  kglo: jax.Array | None
+  b: jax.Array | None   # [B, H, nk, bk, ds]
+  kpos: jax.Array   # [B, nk, *]
+  kseg: jax.Array   # [B, nk, *]
+  meta: jax.Array   # [B, H, n_outer, 3 + n_inner] int32 (`_schedule`)
+  sig: jax.Array    # [B, H, n_outer, n_inner] fp32, each scheduled pair's (R_I - R_J) log2 e
+  rho: jax.Array | None     # the full form's row side (`_frames`), FoX or SISA
+  cp: jax.Array | None      # SISA
+  beta: jax.Array | None    # the full form's key side
+  bp: jax.Array | None
+
+
+def _tiles(x_BHTD, bt: int):
+  """[B, H, T, D] (T = n bt) -> [B, H, n, bt, D]."""
+  B, H, T, D = x_BHTD.shape
+  return x_BHTD.reshape(B, H, T // bt, bt, D)
+
+
+def _vec(x, bt: int, across: bool, flat: bool):
+  """[..., T] -> [..., n, bt] (flat), else [..., n, bt, 1] (down a tile's rows) or
+  [..., n, 1, bt] (across its columns)."""
+  sh = x.shape[:-1] + (x.shape[-1] // bt,)
+  return x.reshape(sh + ((bt,) if flat else (1, bt) if across else (bt, 1)))
+
+
+def _untile_vec(x, T: int):
+  """A per-time vector in tiles (any of `_vec`'s layouts) -> [B, T, H]."""
+  B, H = x.shape[:2]
+  return x.reshape(B, H, -1)[:, :, :T].transpose(0, 2, 1)
+
+
+def _untile(x_BHNTD, T: int):
+  """[B, H, n, bt, D] -> [B, T, H, D], cropped to T steps."""
+  B, H, n, bt, D = x_BHNTD.shape
+  return x_BHNTD.reshape(B, H, n * bt, D)[:, :, :T].transpose(0, 2, 1, 3)
+
+
+def _padded_len(spec: Spec, T: int) -> int:
+  """T rounded up to a multiple of every pass's tiles."""
+  tile = 1
+  for n in spec.tiles("fwd") + spec.tiles("dkv"):
+    tile = tile * n // math.gcd(tile, n)
+  return -(-T // tile) * tile
+
+
+class Padded(NamedTuple):
+  """The inputs heads first, padded to `_padded_len` (keys at position -1, g by its edge)."""
+  q: jax.Array      # [B, H, Tp, D]
+  k: jax.Array      # [B, K, Tp, D]
+  v: jax.Array
+  g: jax.Array      # [B, H, Tp] fp32
+  glo: jax.Array | None
+  c: jax.Array | None
+  b: jax.Array | None
+  pos: jax.Array    # [B, Tp]
+  seg: jax.Array
+
+
+def _pad(spec: Spec, q, k, v, g, glo, c, b, pos, seg) -> Padded:
+  T = q.shape[1]
+  pad = _padded_len(spec, T) - T
+  tpad = lambda x, val=0: jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2),
+                                  constant_values=val)
+  heads = lambda x: tpad(x).transpose(0, 2, 1, 3)
+  vec = lambda x: jnp.pad(x.astype(F32), ((0, 0), (0, pad), (0, 0)),
+                          mode="edge").transpose(0, 2, 1)
+  return Padded(heads(q), heads(k), heads(v), vec(g), None if glo is None else vec(glo),
+                None if c is None else heads(c), None if b is None else heads(b),
+                tpad(pos, -1), tpad(seg, -1))
+
+
+def _tile_stats(x_BT, bt: int):
+  """(min, max) over each tile of bt steps: [B, n] each."""
+  t = x_BT.reshape(x_BT.shape[:-1] + (-1, bt))
+  return jnp.min(t, axis=-1), jnp.max(t, axis=-1)
+
+
+class Frames(NamedTuple):
+  """The full form's per-tile references and the operands built from them (`decayed_tiles`):
+  R_I = max g (high word) over each query tile, R_J = min g over each key tile; per query
+  rho = ((g - R_I) + lo) log2 e and c' = c exp(g - R_I); per key beta = ((R_J - g) - lo) log2 e
+  and b' = b exp(R_J - g); per tile pair sig = (R_I - R_J) log2 e. On a full tile the three
+  pieces of (g_i - g_j) log2 e = rho_i + sig + beta_j are each at most the pair's own size,
+  so each is rounded at it; c' and b' scale by factors <= 1."""
+  Rq: jax.Array     # [B, H, nq]
+  Rk: jax.Array     # [B, H, nk]
+  rho: jax.Array    # [B, H, Tp]
+  beta: jax.Array
+  cp: jax.Array | None      # [B, H, Tp, ds]
+  bp: jax.Array | None
+  sig: jax.Array    # [B, H, nq, nk]
+
+
+def _frames(spec: Spec, x: Padded, bq: int, bk: int) -> Frames:
+  B, H, Tp = x.g.shape
+  Rq = jnp.max(x.g.reshape(B, H, -1, bq), axis=-1)
+  Rk = jnp.min(x.g.reshape(B, H, -1, bk), axis=-1)
+  rho = x.g - jnp.repeat(Rq, bq, axis=-1)
+  beta = jnp.repeat(Rk, bk, axis=-1) - x.g
+  if x.glo is not None:
+    rho, beta = rho + x.glo, beta - x.glo
+  rho, beta = rho * T.LOG2E, beta * T.LOG2E
+  scaled = lambda a, f: None if a is None else (
+      a.astype(F32) * jnp.exp2(f)[..., None]).astype(a.dtype)
+  sig = (Rq[..., :, None] - Rk[..., None, :]) * T.LOG2E
+  return Frames(Rq, Rk, rho, beta, scaled(x.c, rho), scaled(x.b, beta), sig)
+
+
+FULL, MASKED_FACTORED, PARTIAL, EMPTY = 0, 1, 2, 3     # tile classes (`_classes`)
+# SISA's decay factors on a masked tile (MASKED_FACTORED) while R_I - R_J stays below this many
+# nats: the key factors exp(R_I - g_j) are then at most e^40 (fp32 and bf16 hold 3e38).
+FACTOR_SPAN = 40.0
+
+
+def _classes(spec: Spec, x: Padded, bq: int, bk: int, fr: Frames | None = None):
+  """Each (query tile, key tile) pair's class, [B, H, nq, nk] int32:
+
+  FULL             every pair visible, and for SISA the decay factors through the pair's
+                   references with both factors <= 1 (R_I <= R_J, `_frames`);
+  MASKED_FACTORED  (SISA without FoX) some pair may be masked, the decay factors: R_I <= R_J,
+                   or the tiles lie in one document (one segment, no padding), g does not
+                   rise anywhere from the first index of the two to the last (so a visible
+                   pair, j <= i, has g_i <= g_j) and R_I - R_J <= FACTOR_SPAN (the key
+                   factors exp(R_I - g_j) stay finite; on a visible pair the product is <= 1);
+  PARTIAL          anything else that may have a visible pair: the mask and the per-element
+                   decay (document boundaries, padding, a shared prefix read across a
+                   document start, spans beyond FACTOR_SPAN);
+  EMPTY            provably no visible pair (never visited).
+
+  From per-tile ranges of positions, segments and g: a class is claimed only when the ranges
+  prove it. Empty: the index skip of the module docstring (a key tile after the query tile,
+  or W or more indices before it), all keys padding, [causal] every key position after every
+  query position, [window] every pair W or more apart, or segment ranges that cannot meet (no
+  key in segment 0). Full: no padding key, every key in segment 0 or all in the query tile's
+  one segment, [causal] every key position <= every query position, [window] every pair less
+  than W apart."""
+  nq, nk = x.q.shape[2] // bq, x.q.shape[2] // bk
+  qp0, qp1 = (a[:, :, None] for a in _tile_stats(x.pos, bq))
+  kp0, kp1 = (a[:, None, :] for a in _tile_stats(x.pos, bk))
+  qs0, qs1 = (a[:, :, None] for a in _tile_stats(x.seg, bq))
+  ks0, ks1 = (a[:, None, :] for a in _tile_stats(x.seg, bk))
+  i = jnp.arange(nq)[:, None]
+  j = jnp.arange(nk)[None, :]
+  empty = (kp1 < 0) | ((ks0 > 0) & ((ks1 < qs0) | (ks0 > qs1)))
+  full = (kp0 >= 0) & (((ks0 == 0) & (ks1 == 0)) | ((ks0 == ks1) & (qs0 == qs1) & (ks0 == qs0)))
+  if spec.causal:
+    empty = empty | (j * bk > (i + 1) * bq - 1) | (kp0 > qp1)
+    full = full & (kp1 <= qp0)
+  if spec.window is not None:
+    empty = empty | (i * bq - (j + 1) * bk + 1 >= spec.window) | (qp0 - kp1 >= spec.window)
+    full = full & (qp1 - kp0 < spec.window)
+  empty, full = empty[:, None], full[:, None]                         # [B, 1, nq, nk]
+  factored = None
+  if spec.sisa:
+    fr = fr or _frames(spec, x, bq, bk)
+    ordered = fr.Rq[..., :, None] <= fr.Rk[..., None, :]
+    full = full & ordered
+    if not spec.fox:
+      one_doc = ((qs0 == qs1) & (ks0 == ks1) & (qs0 == ks0) & (kp0 >= 0) & (qp0 >= 0))[:, None]
+      rises = jnp.cumsum(jnp.pad(x.g[..., 1:] > x.g[..., :-1], ((0, 0), (0, 0), (1, 0))),
+                         axis=-1)                                      # [B, H, Tp]
+      first = jnp.minimum(i * bq, j * bk)
+      last = jnp.maximum((i + 1) * bq, (j + 1) * bk) - 1
+      flat = jnp.take(rises, last, axis=-1) == jnp.take(rises, first, axis=-1)
+      span_ok = fr.Rq[..., :, None] - fr.Rk[..., None, :] <= FACTOR_SPAN
+      factored = ordered | (one_doc & flat & span_ok & spec.causal)
+  shape = (x.q.shape[0], x.q.shape[1], nq, nk)
+  cls = jnp.where(jnp.broadcast_to(full, shape), FULL, PARTIAL)
+  if factored is not None:
+    cls = jnp.where((cls == PARTIAL) & factored, MASKED_FACTORED, cls)
+  return jnp.where(jnp.broadcast_to(empty, shape), EMPTY, cls).astype(jnp.int32)
+
+
+def _schedule(cls, sig, rows_outer: bool):
+  """Per outer tile, [n of each visited class (FULL, MASKED_FACTORED, PARTIAL), the inner
+  tiles in class order] ([B, H, n_outer, 3 + n_inner] int32) and each scheduled pair's sig."""
+  if not rows_outer:
+    cls, sig = jnp.swapaxes(cls, -1, -2), jnp.swapaxes(sig, -1, -2)
+  order = jnp.argsort(cls, axis=-1, stable=True).astype(jnp.int32)
+  counts = jnp.stack([jnp.sum(cls == k, axis=-1) for k in (FULL, MASKED_FACTORED, PARTIAL)],
+                     axis=-1)
+  return (jnp.concatenate([counts.astype(jnp.int32), order], axis=-1),
+          jnp.take_along_axis(sig, order, axis=-1))
+
+
+def _layout(spec: Spec, x: Padded, pass_name: str) -> Operands:
+  """One pass's operands (the dkv pass transposed: `decayed_tiles`); the full form's frames
+  for the loop driver only (the grid driver builds FoX's from the loaded tiles: `_grid_frames`)."""
+  bq, bk = spec.tiles(pass_name)
+  t = pass_name == "dkv"
+  opt = lambda a, f: None if a is None else f(a)
+  rv = lambda a: _vec(a, bq, t, spec.flat)
+  cv = lambda a: _vec(a, bk, not t, spec.flat)
+  fr = _frames(spec, x, bq, bk)
+  meta, sig = _schedule(_classes(spec, x, bq, bk, fr), fr.sig, rows_outer=not t)
+  framed = spec.flat and (spec.fox or spec.sisa)
+  sisa = framed and spec.sisa
+  return Operands(
+      q=_tiles(x.q, bq), g=rv(x.g), glo=opt(x.glo, rv), c=opt(x.c, lambda a: _tiles(a, bq)),
+      pos=rv(x.pos), seg=rv(x.seg), k=_tiles(x.k, bk), v=_tiles(x.v, bk), kg=cv(x.g),
+      kglo=opt(x.glo, cv), b=opt(x.b, lambda a: _tiles(a, bk)), kpos=cv(x.pos),
+      kseg=cv(x.seg), meta=meta, sig=sig, rho=rv(fr.rho) if framed else None,
+      cp=_tiles(fr.cp, bq) if sisa else None, beta=cv(fr.beta) if framed else None,
+      bp=_tiles(fr.bp, bk) if sisa else None)
+
+
 def _present(spec: Spec, name: str) -> bool:
-  """Whether operand `name` is passed: c / b for SISA only, glo / kglo with a double-word g."""
+  """Whether operand `name` is passed: c / b for SISA only, glo / kglo with a double-word g,
+  the full form's frames (rho, beta; SISA's c', b') with the loop driver only."""
   if name in ("c", "b"):
     return spec.sisa
   if name in ("glo", "kglo"):
     return spec.lo
+  if name in ("rho", "beta"):
+    return spec.flat and (spec.fox or spec.sisa)
+  if name in ("cp", "bp"):
+    return spec.flat and spec.sisa
   return True
 
 
@@ -275,8 +486,8 @@ def _split(spec: Spec, refs, names):
   return dict(zip(names, refs)), refs[len(names):]
 
 
-_ROW_NAMES = ("q", "g", "glo", "c", "pos", "seg")
-_COL_NAMES = ("k", "v", "kg", "kglo", "b", "kpos", "kseg")
+_ROW_NAMES = ("q", "g", "glo", "c", "pos", "seg", "rho", "cp")
+_COL_NAMES = ("k", "v", "kg", "kglo", "b", "kpos", "kseg", "beta", "bp")
 
 
 def _read(x, at):
@@ -284,169 +495,113 @@ def _read(x, at):
   return {n: at(r) for n, r in x.items()}
 
 
-def _cols_at(spec: Spec, x, j=None) -> Cols:
+def _cols_at(x, j=None) -> Cols:
   """The key tile (refs of one tile), or tile j of whole-head column refs ([nk, ...])."""
-  v = _read(x, (lambda r: r[...]) if j is None else (lambda r: r[j]))
-  return Cols(v["k"], v["v"], v["kg"], v.get("kglo"), v.get("b"), v["kpos"], v["kseg"])
+  v = _read({n: x[n] for n in _COL_NAMES if n in x},
+            (lambda r: r[...]) if j is None else (lambda r: r[j]))
+  return Cols(v["k"], v["v"], v["kg"], v.get("kglo"), v.get("b"), v["kpos"], v["kseg"],
+              v.get("beta"), v.get("bp"))
 
 
-def _rows_at(spec: Spec, x, i=None) -> Rows:
+def _rows_at(x, i=None) -> Rows:
   """The query tile (refs of one tile), or tile i of whole-head row refs ([nq, ...])."""
-  v = _read(x, (lambda r: r[...]) if i is None else (lambda r: r[i]))
-  return Rows(v["q"], v["g"], v.get("glo"), v.get("c"), v["pos"], v["seg"])
-
-
-# ---------------------------------------------------------------- kernels
-#
-# Each pass is an accumulation over the tiles of the other side: `init` (the carry), `step`
-# (one tile's contribution), `finish` (write the outputs). Two drivers run them: a loop inside
-# one program over whole-head refs of the other side (`_loop_*`: GPU, the interpreter) and,
-# on TPU, a fourth grid axis over its tiles with the carry in VMEM scratch (`_grid_*`), so
-# Mosaic streams one tile at a time and VMEM does not grow with T.
-
-F32 = jnp.float32
-
-
-def _fwd_init(spec: Spec, r: Rows, dv: int):
-  bq = r.q.shape[0]
-  return (jnp.full((bq, 1), NEG_INF / 2, F32), jnp.zeros((bq, 1), F32), jnp.zeros((bq, dv), F32))
-
-
-def _fwd_step(spec: Spec, r: Rows, c: Cols, carry):
-  m, l, acc = carry
-  s, _, _, _ = _tile(spec, r, c)
-  m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
-  alpha = jnp.exp(m - m_new)
-  p = jnp.exp(s - m_new)
-  l = alpha * l + jnp.sum(p, axis=1, keepdims=True)
-  acc = alpha * acc + _dot(p.astype(c.v.dtype), c.v)
-  return m_new, l, acc
-
-
-def _fwd_finish(spec: Spec, carry, o_ref, lse_ref):
-  m, l, acc = carry
-  seen = l > 0
-  safe = jnp.where(seen, l, 1.0)
-  o_ref[...] = jnp.where(seen, acc / safe, 0.0).astype(o_ref.dtype)
-  lse_ref[...] = jnp.where(seen, m + jnp.log(safe), NEG_INF)
-
-
-def _probs(spec: Spec, r: Rows, c: Cols, lse, delta, do):
-  """Recomputed p, ds = p (dp - D), e and c.b of a tile (backward)."""
-  s, vis, e, cb = _tile(spec, r, c)
-  p = jnp.where(vis, jnp.exp(s - lse), 0.0)
-  ds = p * (_dot(do, c.v, _A_BT) - delta)
-  return p, ds, e, cb
-
-
-def _decay_weight(spec: Spec, ds, e, cb):
-  """w = d L / d (g_i - g_j) per pair: ds (FoX) + ds e c.b (SISA)."""
-  w = ds if spec.fox else None
-  if spec.sisa:
-    t = ds * e * cb
-    w = t if w is None else w + t
-  return w
-
-
-class Grads(NamedTuple):
-  """A row tile's extra backward operands: do [bq, Dv], lse and delta [bq, 1]."""
-  do: jax.Array
-  lse: jax.Array
-  delta: jax.Array
-
-
-def _dq_init(spec: Spec, r: Rows):
-  return (jnp.zeros(r.q.shape, F32), jnp.zeros((r.q.shape[0], 1), F32),
-          jnp.zeros(r.c.shape, F32) if spec.sisa else None)
-
-
-def _dq_step(spec: Spec, r: Rows, c: Cols, d: Grads, carry):
-  dq, dg, dc = carry
-  _, ds, e, cb = _probs(spec, r, c, d.lse, d.delta, d.do)
-  dq = dq + _dot(ds.astype(c.k.dtype), c.k)
-  w = _decay_weight(spec, ds, e, cb)
-  if w is not None:
-    dg = dg + jnp.sum(w, axis=1, keepdims=True)
-  if spec.sisa:
-    dc = dc + _dot((ds * e).astype(c.b.dtype), c.b)
-  return dq, dg, dc
-
-
-def _dq_finish(spec: Spec, carry, dq_ref, dg_ref, dc_ref):
-  dq, dg, dc = carry
-  dq_ref[...] = (dq * spec.scale).astype(dq_ref.dtype)
-  dg_ref[...] = dg
-  if spec.sisa:
-    dc_ref[...] = dc.astype(dc_ref.dtype)
-
-
-def _dkv_init(spec: Spec, c: Cols):
-  return (jnp.zeros(c.k.shape, F32), jnp.zeros(c.v.shape, F32),
-          jnp.zeros((1, c.k.shape[0]), F32), jnp.zeros(c.b.shape, F32) if spec.sisa else None)
-
-
-def _dkv_step(spec: Spec, r: Rows, c: Cols, d: Grads, carry):
-  dk, dv, dg, db = carry
-  p, ds, e, cb = _probs(spec, r, c, d.lse, d.delta, d.do)
-  dv = dv + _dot(p.astype(d.do.dtype), d.do, _AT_B)
-  dk = dk + _dot(ds.astype(r.q.dtype), r.q, _AT_B)
-  w = _decay_weight(spec, ds, e, cb)
-  if w is not None:
-    dg = dg - jnp.sum(w, axis=0, keepdims=True)
-  if spec.sisa:
-    db = db + _dot((ds * e).astype(r.c.dtype), r.c, _AT_B)
-  return dk, dv, dg, db
-
-
-def _dkv_finish(spec: Spec, carry, dk_ref, dv_ref, dg_ref, db_ref):
-  dk, dv, dg, db = carry
-  dk_ref[...] = (dk * spec.scale).astype(dk_ref.dtype)
-  dv_ref[...] = dv.astype(dv_ref.dtype)
-  dg_ref[...] = dg
-  if spec.sisa:
-    db_ref[...] = db.astype(db_ref.dtype)
+  v = _read({n: x[n] for n in _ROW_NAMES if n in x},
+            (lambda r: r[...]) if i is None else (lambda r: r[i]))
+  return Rows(v["q"], v["g"], v.get("glo"), v.get("c"), v["pos"], v["seg"], v.get("rho"),
+              v.get("cp"))
 
 
 def _grads_at(refs, i=None) -> Grads:
+  """do, lse2, delta (and nu) of a query tile."""
   at = (lambda r: r[...]) if i is None else (lambda r: r[i])
   return Grads(*(at(r) for r in refs))
 
 
-def _outs(spec: Spec, rest, n: int):
-  """The n output refs (the last one SISA's only) and what follows them (scratch)."""
-  n_out = n if spec.sisa else n - 1
-  outs = list(rest[:n_out]) + [None] * (n - n_out)
-  return outs, rest[n_out:]
+# ---------------------------------------------------------------- kernels
+#
+# Each pass is an accumulation over the tiles of the other side: `init` (the carry), a step
+# per tile (`decayed_tiles`: full or partial form), `finish` (write the outputs). Two drivers
+# run them: a loop inside one program over whole-head refs of the other side (`_loop_*`: GPU,
+# the interpreter), visiting the full tiles, then the partial ones, of its schedule (`meta`:
+# `_schedule`; empty tiles are never visited) and, on TPU, a fourth grid axis over the tiles
+# the index range allows, the carry in VMEM scratch (`_grid_*`), each in the partial form.
+
+def _n_out(spec: Spec, name: str) -> int:
+  """How many outputs a pass writes (`_backward`'s lists)."""
+  if name == "dq":
+    return 1 + (spec.fox or spec.sisa) + spec.sisa
+  return 2 + (spec.fox or spec.sisa) + spec.sisa
 
 
-# -- loop driver: the other side whole-head, looped over inside the program
-
-def _loop_fwd(spec: Spec, nk: int, *refs):
-  x, rest = _split(spec, refs, _ROW_NAMES + _COL_NAMES)
-  r = _rows_at(spec, x)
-  lo, hi = _key_range(spec, pl.program_id(2), nk)
-  step = lambda j, carry: _fwd_step(spec, r, _cols_at(spec, x, j), carry)
-  _fwd_finish(spec, lax.fori_loop(lo, hi, step, _fwd_init(spec, r, rest[0].shape[-1])), *rest)
+def _pad_outs(name: str, outs):
+  """A pass's output refs, the absent ones (always the last: `_n_out`) as None."""
+  outs = list(outs)
+  return outs + [None] * ({"dq": 3, "dkv": 4}[name] - len(outs))
 
 
-def _loop_dq(spec: Spec, nk: int, *refs):
-  x, rest = _split(spec, refs, _ROW_NAMES + _COL_NAMES)
-  r, d = _rows_at(spec, x), _grads_at(rest[:3])
-  lo, hi = _key_range(spec, pl.program_id(2), nk)
-  step = lambda j, carry: _dq_step(spec, r, _cols_at(spec, x, j), d, carry)
-  outs, _ = _outs(spec, rest[3:], 3)
-  _dq_finish(spec, lax.fori_loop(lo, hi, step, _dq_init(spec, r)), *outs)
+def _schedule_loops(sched, full_step, masked_step, partial_step, between, carry):
+  """The schedule (`meta`, `sig` refs): its FULL tiles through full_step, its MASKED_FACTORED
+  ones through masked_step (each (tile index, the pair's sig, carry)), `between` on the carry,
+  its PARTIAL ones through partial_step (tile index, carry). masked_step None: none."""
+  meta, sig = sched
+  n0, n1, n2 = meta[0], meta[1], meta[2]
+  carry = lax.fori_loop(0, n0, lambda t, cr: full_step(meta[3 + t], sig[t], cr), carry)
+  if masked_step is not None:
+    carry = lax.fori_loop(n0, n0 + n1, lambda t, cr: masked_step(meta[3 + t], sig[t], cr),
+                          carry)
+  carry = between(carry)
+  return lax.fori_loop(n0 + n1, n0 + n1 + n2, lambda t, cr: partial_step(meta[3 + t], cr),
+                       carry)
 
 
-def _loop_dkv(spec: Spec, nq: int, *refs):
-  y, refs = _split(spec, refs, _COL_NAMES)
+def _masks(spec: Spec) -> bool:
+  """Whether a schedule may hold MASKED_FACTORED tiles (`_classes`)."""
+  return spec.sisa and not spec.fox
+
+
+_SCHED = ("meta", "sig")
+
+
+def _loop_fwd(spec: Spec, *refs):
+  x, rest = _split(spec, refs, _ROW_NAMES + _COL_NAMES + _SCHED)
+  r = _rows_at(x)
+  fr = T.row_frame(spec, r)
+  carry = _schedule_loops(
+      (x["meta"], x["sig"]), lambda j, sg, cr: T.fwd_full(spec, fr, r, _cols_at(x, j), sg, cr),
+      (lambda j, sg, cr: T.fwd_full(spec, fr, r, _cols_at(x, j), sg, cr, masked=True))
+      if _masks(spec) else None,
+      lambda j, cr: T.fwd_partial(spec, r, _cols_at(x, j), cr), lambda cr: cr,
+      T.fwd_init(spec, r.q.shape[0], rest[0].shape[-1]))
+  T.fwd_finish(carry, *rest)
+
+
+def _loop_dq(spec: Spec, *refs):
+  x, rest = _split(spec, refs, _ROW_NAMES + _COL_NAMES + _SCHED)
+  r, d = _rows_at(x), _grads_at(rest[:3])
+  fr = T.row_frame(spec, r)
+  lam2 = d.lse2 - r.rho if spec.fox else d.lse2
+  carry = _schedule_loops(
+      (x["meta"], x["sig"]),
+      lambda j, sg, cr: T.dq_full(spec, fr, lam2, r, _cols_at(x, j), d, sg, cr),
+      (lambda j, sg, cr: T.dq_full(spec, fr, lam2, r, _cols_at(x, j), d, sg, cr, masked=True))
+      if _masks(spec) else None,
+      lambda j, cr: T.dq_partial(spec, r, _cols_at(x, j), d, cr),
+      lambda cr: T.dq_unfactor(spec, fr, r, cr), T.dq_init(spec, r))
+  T.dq_finish(spec, carry, *_pad_outs("dq", rest[3:]))
+
+
+def _loop_dkv(spec: Spec, *refs):
+  y, refs = _split(spec, refs, _COL_NAMES + _SCHED)
   x, rest = _split(spec, refs, _ROW_NAMES)
-  c = _cols_at(spec, y)
-  lo, hi = _query_range(spec, pl.program_id(2), nq)
-  step = lambda i, carry: _dkv_step(spec, _rows_at(spec, x, i), c, _grads_at(rest[:3], i),
-                                    carry)
-  outs, _ = _outs(spec, rest[3:], 4)
-  _dkv_finish(spec, lax.fori_loop(lo, hi, step, _dkv_init(spec, c)), *outs)
+  n_extra = 3 + spec.fox
+  c = _cols_at(y)
+  grads = lambda i: _grads_at(rest[:n_extra], i)
+  full = lambda i, sg, cr: T.dkv_full(spec, _rows_at(x, i), c, grads(i), sg, cr)
+  masked = lambda i, sg, cr: T.dkv_full(spec, _rows_at(x, i), c, grads(i), sg, cr, masked=True)
+  part = lambda i, cr: T.dkv_partial(spec, _rows_at(x, i), c, grads(i), cr)
+  carry = _schedule_loops((y["meta"], y["sig"]), full, masked if _masks(spec) else None, part,
+                          lambda cr: T.dkv_unfactor(spec, c, cr), T.dkv_init(spec, c))
+  T.dkv_finish(spec, carry, *_pad_outs("dkv", rest[n_extra:]))
 
 
 # -- grid driver (TPU): grid axis 3 walks the other side's tiles, the carry in VMEM scratch
@@ -454,7 +609,7 @@ def _loop_dkv(spec: Spec, nq: int, *refs):
 def _accumulate(init, step, finish, scratch, lo, hi, n: int):
   """Axis 3 of the grid: the scratch carry set to `init` at 0, each tile in [lo, hi) added,
   the outputs written at the last (tiles outside [lo, hi) are `_clamp`'s repeats: no compute).
-  None parts of the carry (SISA's alone) have no scratch."""
+  None parts of the carry have no scratch."""
   j = pl.program_id(3)
 
   def put(carry):
@@ -470,90 +625,87 @@ def _accumulate(init, step, finish, scratch, lo, hi, n: int):
   pl.when(j == n - 1)(lambda: finish(read()))
 
 
+def _grid_full(spec: Spec, r: Rows, c: Cols):
+  """The grid driver's FULL test of the loaded pair (`_classes`' test on the tiles' own
+  ranges, SISA's R_I <= R_J included), a 0-d bool; None without a decay."""
+  if not (spec.fox or spec.sisa):
+    return None
+  kp0, kp1, qp0, qp1 = jnp.min(c.pos), jnp.max(c.pos), jnp.min(r.pos), jnp.max(r.pos)
+  ks0, ks1, qs0, qs1 = jnp.min(c.seg), jnp.max(c.seg), jnp.min(r.seg), jnp.max(r.seg)
+  full = (kp0 >= 0) & (((ks0 == 0) & (ks1 == 0)) | ((ks0 == ks1) & (qs0 == qs1) & (ks0 == qs0)))
+  if spec.causal:
+    full = full & (kp1 <= qp0)
+  if spec.window is not None:
+    full = full & (qp1 - kp0 < spec.window)
+  if spec.sisa:
+    full = full & (jnp.max(r.g) <= jnp.min(c.g))
+  return full
+
+
+def _grid_frames(spec: Spec, r: Rows, c: Cols):
+  """The full form's frames of the loaded pair (`_frames`, from the tiles): (rho2 per query,
+  beta2 per key, sig2)."""
+  Rq, Rk = jnp.max(r.g), jnp.min(c.g)
+  rho, beta = r.g - Rq, Rk - c.g
+  if spec.lo:
+    rho, beta = rho + r.glo, beta - c.glo
+  return rho * T.LOG2E, beta * T.LOG2E, (Rq - Rk) * T.LOG2E
+
+
+def _grid_step(spec: Spec, r: Rows, c: Cols, full_step, partial_step):
+  """One grid step: on a FULL pair FoX's full form (full_step(rows with rho, cols with beta,
+  sig2, carry)), SISA's decay as a rank-one product without the mask (partial_step(carry,
+  frame)); else the partial form."""
+  full = _grid_full(spec, r, c)
+  if full is None:
+    return partial_step
+  rho2, beta2, sig2 = _grid_frames(spec, r, c)
+  if spec.sisa:
+    on_full = lambda k: partial_step(k, (rho2, beta2, sig2))
+  else:
+    on_full = lambda k: full_step(r._replace(rho=rho2), c._replace(beta=beta2), sig2, k)
+  return lambda k: lax.cond(full, on_full, partial_step, k)
+
+
 def _grid_fwd(spec: Spec, nk: int, *refs):
   x, rest = _split(spec, refs, _ROW_NAMES + _COL_NAMES)
-  r, c = _rows_at(spec, x), _cols_at(spec, x)
+  r, c = _rows_at(x), _cols_at(x)
   (o_ref, lse_ref), scratch = rest[:2], rest[2:]
-  lo, hi = _key_range(spec, pl.program_id(2), nk)
-  _accumulate(_fwd_init(spec, r, o_ref.shape[-1]), lambda k: _fwd_step(spec, r, c, k),
-              lambda k: _fwd_finish(spec, k, o_ref, lse_ref), scratch, lo, hi, nk)
+  lo, hi = _key_range(spec, pl.program_id(2), nk, *spec.tiles("fwd"))
+  step = _grid_step(spec, r, c,
+                    lambda r2, c2, sg, k: T.fwd_full(spec, T.RowFrame(None), r2, c2, sg, k),
+                    lambda k, fr=None: T.fwd_partial(spec, r, c, k, fr))
+  _accumulate(T.fwd_init(spec, r.q.shape[0], o_ref.shape[-1]), step,
+              lambda k: T.fwd_finish(k, o_ref, lse_ref), scratch, lo, hi, nk)
 
 
 def _grid_dq(spec: Spec, nk: int, *refs):
   x, rest = _split(spec, refs, _ROW_NAMES + _COL_NAMES)
-  r, c, d = _rows_at(spec, x), _cols_at(spec, x), _grads_at(rest[:3])
-  outs, scratch = _outs(spec, rest[3:], 3)
-  lo, hi = _key_range(spec, pl.program_id(2), nk)
-  _accumulate(_dq_init(spec, r), lambda k: _dq_step(spec, r, c, d, k),
-              lambda k: _dq_finish(spec, k, *outs), scratch, lo, hi, nk)
+  r, c, d = _rows_at(x), _cols_at(x), _grads_at(rest[:3])
+  n = _n_out(spec, "dq")
+  outs, scratch = _pad_outs("dq", rest[3:3 + n]), rest[3 + n:]
+  lo, hi = _key_range(spec, pl.program_id(2), nk, *spec.tiles("dq"))
+  full = lambda r2, c2, sg, k: T.dq_full(spec, T.RowFrame(None), d.lse2 - r2.rho, r2, c2, d,
+                                         sg, k)
+  step = _grid_step(spec, r, c, full, lambda k, fr=None: T.dq_partial(spec, r, c, d, k, fr))
+  _accumulate(T.dq_init(spec, r), step, lambda k: T.dq_finish(spec, k, *outs), scratch, lo,
+              hi, nk)
 
 
 def _grid_dkv(spec: Spec, nq: int, *refs):
   y, refs = _split(spec, refs, _COL_NAMES)
   x, rest = _split(spec, refs, _ROW_NAMES)
-  r, c, d = _rows_at(spec, x), _cols_at(spec, y), _grads_at(rest[:3])
-  outs, scratch = _outs(spec, rest[3:], 4)
-  lo, hi = _query_range(spec, pl.program_id(2), nq)
-  _accumulate(_dkv_init(spec, c), lambda k: _dkv_step(spec, r, c, d, k),
-              lambda k: _dkv_finish(spec, k, *outs), scratch, lo, hi, nq)
+  r, c, d = _rows_at(x), _cols_at(y), _grads_at(rest[:3])
+  n = _n_out(spec, "dkv")
+  outs, scratch = _pad_outs("dkv", rest[3:3 + n]), rest[3 + n:]
+  lo, hi = _query_range(spec, pl.program_id(2), nq, *spec.tiles("dkv"))
+  full = lambda r2, c2, sg, k: T.dkv_full(spec, r2, c2, d._replace(nu=d.lse2 - r2.rho), sg, k)
+  step = _grid_step(spec, r, c, full, lambda k, fr=None: T.dkv_partial(spec, r, c, d, k, fr))
+  _accumulate(T.dkv_init(spec, c), step, lambda k: T.dkv_finish(spec, k, *outs), scratch,
+              lo, hi, nq)
 
 
-# ---------------------------------------------------------------- layout
-
-class Operands(NamedTuple):
-  """Kernel-layout operands (module docstring): heads first, tiled along time."""
-  q: jax.Array      # [B, H, nq, bq, D]
-  g: jax.Array      # [B, H, nq, bq, 1] fp32
-  glo: jax.Array | None   # [B, H, nq, bq, 1] fp32: the low word of a double-word g
-  c: jax.Array | None   # [B, H, nq, bq, ds]
-  pos: jax.Array    # [B, nq, bq, 1] int32
-  seg: jax.Array    # [B, nq, bq, 1] int32
-  k: jax.Array      # [B, K, nk, bk, D]
-  v: jax.Array      # [B, K, nk, bk, Dv]
-  kg: jax.Array     # [B, H, nk, 1, bk] fp32
-  kglo: jax.Array | None  # [B, H, nk, 1, bk] fp32
-  b: jax.Array | None   # [B, H, nk, bk, ds]
-  kpos: jax.Array   # [B, nk, 1, bk]
-  kseg: jax.Array   # [B, nk, 1, bk]
-
-
-def _tiles(x_BTHD, n: int, bt: int):
-  """[B, T, H, D] (T = n bt) -> [B, H, n, bt, D]."""
-  B, T, H, D = x_BTHD.shape
-  return x_BTHD.transpose(0, 2, 1, 3).reshape(B, H, n, bt, D)
-
-
-def _untile(x_BHNTD, T: int):
-  """Inverse of `_tiles`, cropped to T steps: [B, T, H, D]."""
-  B, H, n, bt, D = x_BHNTD.shape
-  return x_BHNTD.reshape(B, H, n * bt, D)[:, :, :T].transpose(0, 2, 1, 3)
-
-
-def _operands(spec: Spec, q, k, v, g, glo, c, b, pos, seg) -> Operands:
-  """Pad T to a multiple of both tiles (keys at position -1) and lay the operands out."""
-  bq, bk = spec.block_q, spec.block_k
-  B, T = q.shape[:2]
-  tile = bq * bk // math.gcd(bq, bk)
-  Tp = -(-T // tile) * tile
-  nq, nk = Tp // bq, Tp // bk
-  pad = Tp - T
-  tpad = lambda x, val=0: jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2),
-                                  constant_values=val)
-  q, k, v, pos, seg = tpad(q), tpad(k), tpad(v), tpad(pos, -1), tpad(seg, -1)
-  heads = lambda x: jnp.pad(x.astype(jnp.float32), ((0, 0), (0, pad), (0, 0)),
-                            mode="edge").transpose(0, 2, 1)              # [B, H, Tp]
-  gH = heads(g)
-  loH = None if glo is None else heads(glo)
-  return Operands(
-      q=_tiles(q, nq, bq), g=gH.reshape(B, -1, nq, bq, 1),
-      glo=None if loH is None else loH.reshape(B, -1, nq, bq, 1),
-      kglo=None if loH is None else loH.reshape(B, -1, nk, 1, bk),
-      c=None if c is None else _tiles(tpad(c), nq, bq),
-      pos=pos.reshape(B, nq, bq, 1), seg=seg.reshape(B, nq, bq, 1),
-      k=_tiles(k, nk, bk), v=_tiles(v, nk, bk), kg=gH.reshape(B, -1, nk, 1, bk),
-      b=None if b is None else _tiles(tpad(b), nk, bk),
-      kpos=pos.reshape(B, nk, 1, bk), kseg=seg.reshape(B, nk, 1, bk))
-
+# ---------------------------------------------------------------- calls
 
 def _head(b, h):
   """Leading indices of a per-query-head array at grid index (b, h)."""
@@ -566,9 +718,9 @@ def _sides(ops: Operands, groups: int):
   per row (positions and segments, shared by every head). Absent operands are None."""
   kv, row = (lambda b, h: (b, _div(h, groups))), (lambda b, h: (b,))
   rows = [(ops.q, _head), (ops.g, _head), (ops.glo, _head), (ops.c, _head), (ops.pos, row),
-          (ops.seg, row)]
+          (ops.seg, row), (ops.rho, _head), (ops.cp, _head)]
   cols = [(ops.k, kv), (ops.v, kv), (ops.kg, _head), (ops.kglo, _head), (ops.b, _head),
-          (ops.kpos, row), (ops.kseg, row)]
+          (ops.kpos, row), (ops.kseg, row), (ops.beta, _head), (ops.bp, _head)]
   return rows, cols
 
 
@@ -593,13 +745,14 @@ def _tile_spec(x, lead):
 
 
 def _specs(spec: Spec, ops: Operands, rows_tiled: bool):
-  """(arrays, BlockSpecs) of the row and column operands for the loop driver: one tile of the
-  tiled side, the whole head of the other."""
+  """(arrays, BlockSpecs) of the row and column operands and the schedule for the loop
+  driver: one tile of the tiled side, the whole head of the other."""
   row, col = (_tile_spec, _full) if rows_tiled else (_full, _tile_spec)
   rows, cols = _sides(ops, spec.groups)
   rows = [(a, lead, row) for a, lead in rows]
   cols = [(a, lead, col) for a, lead in cols]
-  items = _present_items(rows + cols if rows_tiled else cols + rows)   # dkv reads keys first
+  meta = [(ops.meta, _head, _tile_spec), (ops.sig, _head, _tile_spec)]
+  items = _present_items(rows + cols + meta if rows_tiled else cols + meta + rows)
   return [a for a, _, _ in items], [f(a, lead) for a, lead, f in items]
 
 
@@ -623,10 +776,11 @@ def _grid_specs(spec: Spec, ops: Operands, rows_outer: bool, extra=()):
   grid axis 2, the inner side's at axis 3, clamped to the range the outer tile meets; `extra`
   (per-head row arrays: do, lse, delta) follow the rows."""
   nq, nk = ops.q.shape[2], ops.k.shape[2]
+  bq, bk = ops.q.shape[3], ops.k.shape[3]
   if rows_outer:
-    rt, ct = (lambda i, j: i), (lambda i, j: _clamp(j, *_key_range(spec, i, nk)))
+    rt, ct = (lambda i, j: i), (lambda i, j: _clamp(j, *_key_range(spec, i, nk, bq, bk)))
   else:
-    ct, rt = (lambda i, j: i), (lambda i, j: _clamp(j, *_query_range(spec, i, nq)))
+    ct, rt = (lambda i, j: i), (lambda i, j: _clamp(j, *_query_range(spec, i, nq, bq, bk)))
   rows, cols = _sides(ops, spec.groups)
   rows = [(a, lead, rt) for a, lead in rows]
   cols = [(a, lead, ct) for a, lead in cols]
@@ -674,55 +828,81 @@ def _vmem(shapes):
   return [pltpu.VMEM(sh, F32) for sh in shapes if sh is not None]
 
 
-def _forward(spec: Spec, ops: Operands):
+def _forward(spec: Spec, x: Padded):
+  """(o [B, H, nq, bq, Dv], lse [B, H, nq, bq, 1] fp32) in the fwd pass's tiles."""
+  ops = _layout(spec, x, "fwd")
   B, H, nq, bq, D = ops.q.shape
   nk, Dv = ops.k.shape[2], ops.v.shape[-1]
   outs = (jax.ShapeDtypeStruct((B, H, nq, bq, Dv), ops.q.dtype),
-          jax.ShapeDtypeStruct((B, H, nq, bq, 1), F32))
+          jax.ShapeDtypeStruct(ops.g.shape, F32))
   if spec.grid:
     ins, in_specs = _grid_specs(spec, ops, rows_outer=True)
     return _call(spec, functools.partial(_grid_fwd, spec, nk), (B, H, nq, nk), ins, in_specs,
                  outs, _out_blocks(outs), _vmem([(bq, 1), (bq, 1), (bq, Dv)]))
   ins, in_specs = _specs(spec, ops, rows_tiled=True)
   out_specs = (_tile_spec(outs[0], _head), _tile_spec(outs[1], _head))
-  return _call(spec, functools.partial(_loop_fwd, spec, nk), (B, H, nq), ins, in_specs,
+  return _call(spec, functools.partial(_loop_fwd, spec), (B, H, nq), ins, in_specs,
                outs, out_specs)
 
 
-def _backward(spec: Spec, ops: Operands, do, lse, delta):
-  """(dq, dg_row, dc) [row layout], (dk, dv, dg_col, db) [per query head, column layout]."""
-  B, H, nq, bq, D = ops.q.shape
-  nk, bk, Dv = ops.k.shape[2], ops.k.shape[3], ops.v.shape[-1]
-  ds_ = ops.c.shape[-1] if spec.sisa else None
-  extra = (do, lse, delta)
-  row_outs = [jax.ShapeDtypeStruct(ops.q.shape, ops.q.dtype),
-              jax.ShapeDtypeStruct((B, H, nq, bq, 1), F32)]
-  col_outs = [jax.ShapeDtypeStruct((B, H, nk, bk, D), ops.k.dtype),
-              jax.ShapeDtypeStruct((B, H, nk, bk, Dv), ops.v.dtype),
-              jax.ShapeDtypeStruct((B, H, nk, 1, bk), F32)]
+def _row_extra(spec: Spec, x: Padded, do_BHTE, lse_BHT, delta_BHT, pass_name: str):
+  """The backward's per-query arrays in a pass's tiles: do [B, H, nq, bq, Dv]; lse2
+  (`decayed_tiles.lse2_of`), delta and (the dkv pass's full form, FoX) nu = lse2 - rho as
+  row vectors of the pass's orientation."""
+  bq, bk = spec.tiles(pass_name)
+  across = pass_name == "dkv"
+  vec = lambda a: _vec(a, bq, across, spec.flat)
+  lse2 = T.lse2_of(lse_BHT)
+  out = [_tiles(do_BHTE, bq), vec(lse2), vec(delta_BHT)]
+  if across and spec.fox and spec.flat:
+    out.append(vec(lse2 - _frames(spec, x, bq, bk).rho))
+  return tuple(out)
+
+
+def _backward(spec: Spec, x: Padded, do_BHTE, lse_BHT, delta_BHT):
+  """dq pass -> [dq] + [dg_row (SISA part), dc] with SISA, in its tiles; dkv pass -> [dk, dv]
+  + [dg_col] (FoX or SISA) + [db] (SISA), per query head, in its tiles."""
+  row_ops, col_ops = _layout(spec, x, "dq"), _layout(spec, x, "dkv")
+  B, H, nq, bq, D = row_ops.q.shape
+  nk, Dv = row_ops.k.shape[2], row_ops.v.shape[-1]
+  ds_ = x.c.shape[-1] if spec.sisa else None
+  row_outs = [jax.ShapeDtypeStruct(row_ops.q.shape, row_ops.q.dtype)]
+  if spec.fox or spec.sisa:
+    row_outs.append(jax.ShapeDtypeStruct(row_ops.g.shape, F32))
   if spec.sisa:
-    row_outs.append(jax.ShapeDtypeStruct(ops.c.shape, ops.c.dtype))
-    col_outs.append(jax.ShapeDtypeStruct(ops.b.shape, ops.b.dtype))
+    row_outs.append(jax.ShapeDtypeStruct(row_ops.c.shape, row_ops.c.dtype))
+  cB, cH, cnk, cbk, _ = col_ops.k.shape
+  cnq = col_ops.q.shape[2]
+  col_outs = [jax.ShapeDtypeStruct((B, H, cnk, cbk, D), col_ops.k.dtype),
+              jax.ShapeDtypeStruct((B, H, cnk, cbk, Dv), col_ops.v.dtype)]
+  if spec.fox or spec.sisa:
+    col_outs.append(jax.ShapeDtypeStruct(col_ops.kg.shape, F32))
+  if spec.sisa:
+    col_outs.append(jax.ShapeDtypeStruct(col_ops.b.shape, col_ops.b.dtype))
   row_outs, col_outs = tuple(row_outs), tuple(col_outs)
+  row_extra = _row_extra(spec, x, do_BHTE, lse_BHT, delta_BHT, "dq")
+  col_extra = _row_extra(spec, x, do_BHTE, lse_BHT, delta_BHT, "dkv")
   if spec.grid:
-    ins, in_specs = _grid_specs(spec, ops, rows_outer=True, extra=extra)
+    ins, in_specs = _grid_specs(spec, row_ops, rows_outer=True, extra=row_extra)
     row_grads = _call(spec, functools.partial(_grid_dq, spec, nk), (B, H, nq, nk), ins,
                       in_specs, row_outs, _out_blocks(row_outs),
-                      _vmem([(bq, D), (bq, 1), ds_ and (bq, ds_)]))
-    ins, in_specs = _grid_specs(spec, ops, rows_outer=False, extra=extra)
-    col_grads = _call(spec, functools.partial(_grid_dkv, spec, nq), (B, H, nk, nq), ins,
+                      _vmem([(bq, D), ds_ and (bq, ds_),
+                             (spec.fox or spec.sisa) and (bq, 1)]))   # dq, dc, dg
+    ins, in_specs = _grid_specs(spec, col_ops, rows_outer=False, extra=col_extra)
+    col_grads = _call(spec, functools.partial(_grid_dkv, spec, cnq), (B, H, cnk, cnq), ins,
                       in_specs, col_outs, _out_blocks(col_outs),
-                      _vmem([(bk, D), (bk, Dv), (1, bk), ds_ and (bk, ds_)]))
+                      _vmem([(cbk, D), (cbk, Dv), (spec.fox or spec.sisa) and (cbk, 1),
+                             ds_ and (cbk, ds_)]))
     return row_grads, col_grads
-  ins, in_specs = _specs(spec, ops, rows_tiled=True)     # dq pass: tiles of queries
-  ins += list(extra)
-  in_specs += [_tile_spec(a, _head) for a in extra]
-  row_grads = _call(spec, functools.partial(_loop_dq, spec, nk), (B, H, nq), ins, in_specs,
+  ins, in_specs = _specs(spec, row_ops, rows_tiled=True)     # dq pass: tiles of queries
+  ins += list(row_extra)
+  in_specs += [_tile_spec(a, _head) for a in row_extra]
+  row_grads = _call(spec, functools.partial(_loop_dq, spec), (B, H, nq), ins, in_specs,
                     row_outs, tuple(_tile_spec(o, _head) for o in row_outs))
-  ins, in_specs = _specs(spec, ops, rows_tiled=False)    # dkv pass: tiles of keys
-  ins += list(extra)
-  in_specs += [_full(a, _head) for a in extra]
-  col_grads = _call(spec, functools.partial(_loop_dkv, spec, nq), (B, H, nk), ins, in_specs,
+  ins, in_specs = _specs(spec, col_ops, rows_tiled=False)    # dkv pass: tiles of keys
+  ins += list(col_extra)
+  in_specs += [_full(a, _head) for a in col_extra]
+  col_grads = _call(spec, functools.partial(_loop_dkv, spec), (B, H, cnk), ins, in_specs,
                     col_outs, tuple(_tile_spec(o, _head) for o in col_outs))
   return row_grads, col_grads
 
@@ -737,36 +917,39 @@ def _attend(spec: Spec, q, k, v, g, glo, c, b, pos, seg):
 
 def _attend_fwd(spec, q, k, v, g, glo, c, b, pos, seg):
   T = q.shape[1]
-  ops = _operands(spec, q, k, v, g, glo, c, b, pos, seg)
-  o, lse = _forward(spec, ops)
-  out = (_untile(o, T), _untile(lse, T)[..., 0])
+  o, lse = _forward(spec, _pad(spec, q, k, v, g, glo, c, b, pos, seg))
+  out = (_untile(o, T), _untile_vec(lse, T))
   return out, (q, k, v, g, glo, c, b, pos, seg, o, lse)
 
 
 def _attend_bwd(spec, res, cts):
+  """The two backward passes (dg = the rows' part from the dq pass + the keys' part from the
+  dkv pass)."""
   q, k, v, g, glo, c, b, pos, seg, o, lse = res
   do_BTHE, dlse_BTH = cts
   B, T, H, D = q.shape
   K = k.shape[2]
-  ops = _operands(spec, q, k, v, g, glo, c, b, pos, seg)
-  nq, bq = ops.q.shape[2], ops.q.shape[3]
-  do = _tiles(jnp.pad(do_BTHE, ((0, 0), (0, nq * bq - T), (0, 0), (0, 0))), nq, bq)
-  dlse = _tiles(jnp.pad(dlse_BTH.astype(jnp.float32)[..., None],
-                        ((0, 0), (0, nq * bq - T), (0, 0), (0, 0))), nq, bq)
-  delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1,
-                  keepdims=True) - dlse
-  (dq, dg_row, *dc), (dk, dv, dg_col, *db) = _backward(spec, ops, do.astype(o.dtype), lse,
-                                                      delta)
-  dq = _untile(dq, T)
-  dg = (_untile(dg_row, T)[..., 0]
-        + dg_col.reshape(B, H, -1)[:, :, :T].transpose(0, 2, 1))
+  x = _pad(spec, q, k, v, g, glo, c, b, pos, seg)
+  Tp = x.q.shape[2]
+  do = jnp.pad(do_BTHE, ((0, 0), (0, Tp - T), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
+  dlse = jnp.pad(dlse_BTH.astype(F32), ((0, 0), (0, Tp - T), (0, 0))).transpose(0, 2, 1)
+  o_BHT = o.reshape(B, H, Tp, -1)
+  lse_BHT = lse.reshape(B, H, Tp)
+  delta = jnp.sum(do.astype(F32) * o_BHT.astype(F32), axis=-1) - dlse
+  rows, cols = _backward(spec, x, do.astype(o.dtype), lse_BHT, delta)
+  vec = lambda a: _untile_vec(a, T)
+  dg = jnp.zeros((B, T, H), F32)
+  if spec.fox or spec.sisa:
+    dg = dg + vec(rows[1]) + vec(cols[2])
+  dc = db = None
+  if spec.sisa:
+    dc = _untile(rows[2], T).astype(c.dtype)
+    db = _untile(cols[3], T).astype(b.dtype)
   group = lambda x: x.reshape(B, T, K, H // K, x.shape[-1]).sum(3)
-  dk = group(_untile(dk, T).astype(jnp.float32)).astype(k.dtype)
-  dv = group(_untile(dv, T).astype(jnp.float32)).astype(v.dtype)
-  dc = _untile(dc[0], T).astype(c.dtype) if spec.sisa else None
-  db = _untile(db[0], T).astype(b.dtype) if spec.sisa else None
+  dk = group(_untile(cols[0], T).astype(F32)).astype(k.dtype)
+  dv = group(_untile(cols[1], T).astype(F32)).astype(v.dtype)
   dglo = None if glo is None else dg.astype(glo.dtype)    # d/d lo = d/d hi
-  return dq, dk, dv, dg.astype(g.dtype), dglo, dc, db, None, None
+  return _untile(rows[0], T), dk, dv, dg.astype(g.dtype), dglo, dc, db, None, None
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)
@@ -849,7 +1032,7 @@ def decayed_attention(q_BTHD, k_BTKD, v_BTKE, *, scale: float, g_BTH=None, g_lo_
   """Decayed attention through the kernel (module docstring): [B, T, H, Dv] in q's dtype.
 
   g_BTH: cumulative log-decay (fp32; None: no decay); g_lo_BTH: its low word when g is a
-  double word (hi, lo) (fox.py's `_cumsum2`: each pair's difference is then rounded at its own
+  double word (hi, lo) (`forget_xla.cumsum2`: each pair's difference is then rounded at its own
   size, not at |g|'s). fox: add g_i - g_j to the logit.
   c_BTHS / b_BTHS: SISA's query / key factors (lambda folded into c). positions_BT: None =
   0..T-1; -1 marks padding. segment_ids_BT: packed documents (0 = shared prefix). sink_logit_H:
@@ -870,6 +1053,9 @@ def decayed_attention(q_BTHD, k_BTKD, v_BTKE, *, scale: float, g_BTH=None, g_lo_
   if tile_grid is None:
     tile_grid = plat == "tpu"
   tune = gpu_tuning or default_gpu_tuning(q_BTHD.shape[-1])
+  dkv_q = dkv_k = 0
+  if plat == "gpu" and block_q is None and block_k is None and tune.dkv_tile:
+    dkv_q, dkv_k = tune.dkv_tile
   if plat == "gpu":
     block_q, block_k = block_q or tune.block_q, block_k or tune.block_k
   block_q, block_k = block_q or BLOCKS[plat], block_k or BLOCKS[plat]
@@ -880,10 +1066,35 @@ def decayed_attention(q_BTHD, k_BTKD, v_BTKE, *, scale: float, g_BTH=None, g_lo_
       jnp.int32)
   spec = Spec(float(scale), bool(fox), sisa, g_lo_BTH is not None, bool(causal), window,
               int(block_q), int(block_k), H // k_BTKD.shape[2], bool(interpret),
-              bool(tile_grid), tuple(tune.warps), tuple(tune.stages))
+              bool(tile_grid), tuple(tune.warps), tuple(tune.stages), int(dkv_q), int(dkv_k),
+              plat == "gpu" and not interpret)
   args = dict(q=q_BTHD, k=k_BTKD, v=v_BTKE, g=g, glo=g_lo_BTH, c=c_BTHS, b=b_BTHS, pos=pos,
               seg=seg, sink=sink_logit_H)
   return _sharded(functools.partial(_local, spec), args, _NAMES)
+
+
+# ---------------------------------------------------------------- what the loops visit
+
+def tile_visits(T: int, head_dim: int, *, fox: bool = False, sisa: bool = False,
+                window: int | None = None, gpu_tuning: GpuTuning | None = None,
+                decay_per_token: float = 0.01) -> dict[str, tuple[int, int, int]]:
+  """How many tiles each pass's loops visit on one unpacked causal row of T tokens on a GPU
+  (`_classes` of its tiles; g decaying by `decay_per_token` nats a token): {pass: (FULL,
+  MASKED_FACTORED, PARTIAL)}. A compiled-code census weighs each loop's cost per element by
+  these (every visited tile is block_q x block_k elements of its pass); the loop driver runs
+  one loop per class, in this order, the MASKED_FACTORED loop only for SISA without FoX."""
+  tune = gpu_tuning or default_gpu_tuning(head_dim)
+  dkv = tune.dkv_tile or (0, 0)
+  spec = Spec(1.0, fox, sisa, False, True, window, tune.block_q, tune.block_k, 1, False,
+              False, tune.warps, tune.stages, dkv[0], dkv[1])
+  g = -decay_per_token * jnp.arange(T, dtype=F32)[None, :, None]
+  pos = jnp.arange(T, dtype=jnp.int32)[None]
+  z = jnp.zeros((1, T, 1, 1), jnp.bfloat16)
+  x = _pad(spec, z, z, z, g, None, None, None, pos, jnp.ones((1, T), jnp.int32))
+  count = jax.jit(lambda x, bq, bk: jnp.stack([jnp.sum(_classes(spec, x, bq, bk) == k)
+                                              for k in (FULL, MASKED_FACTORED, PARTIAL)]),
+                  static_argnums=(1, 2))
+  return {name: tuple(int(n) for n in count(x, *spec.tiles(name))) for name in PASSES}
 
 
 # ---------------------------------------------------------------- choosing the kernel
