@@ -34,6 +34,8 @@ The choices (each distinct outcome is logged once, at INFO):
   forget_path        FoX's "auto": "blocked" on a CPU up to a length, else "flash".
   decayed_kernel     whether a mixer's full forward takes `kernels/decayed.py` (auto, on GPU /
                      TPU, shapes it takes; a misfit is logged once per reason, as a warning).
+  ssd_kernel         whether a Mamba mixer's chunked SSD takes `kernels/ssd_chunks.py` (GPU /
+                     TPU, shapes it takes; a misfit is logged once per reason, as a warning).
   pallas_interpret   whether a Pallas kernel written for one backend runs in the interpreter
                      (any other platform: tests on a CPU).
   stateful_compiler_options  XLA options for steps that update a decoding state in place.
@@ -169,6 +171,21 @@ def decayed_kernel(impl: str, why_not: Callable[[str], str | None], *, what: str
           logging.WARNING)
     return False
   _note(f"{what}: decayed-attention kernel on {plat}")
+  return True
+
+
+def ssd_kernel(why_not: Callable[[str], str | None], *, what: str) -> bool:
+  """Whether `what` (a mixer) runs its chunked SSD on `kernels/ssd_chunks.py`: a GPU or TPU
+  (or `kernels_on_cpu`) and `why_not(platform)` None (the kernel's `unsupported` for these
+  shapes). A misfit is logged once per reason; the mixer then keeps `ssd.ssd_chunked`."""
+  plat = target()
+  if plat == "cpu" and not _KERNELS_ON_CPU.get():
+    return False
+  why = why_not(plat)
+  if why is not None:
+    _note(f"{what}: SSD kernel not used on {plat} ({why}); XLA chunked SSD", logging.WARNING)
+    return False
+  _note(f"{what}: SSD kernel on {plat}")
   return True
 
 
