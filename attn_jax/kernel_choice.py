@@ -14,9 +14,9 @@ always the machine that traces it: compiling for a TPU slice or 8 x H100 from a 
 
 It is read at trace time. A program built for a mesh (`setup.Setup.step_fn`) enters its
 mesh's platform inside its own trace, so it compiles that target's kernels wherever and
-however it is lowered. Only this module and the kernel that lowers for two compilers
-(`kernels/decayed.py`: Triton on a GPU, Mosaic on a TPU) read `target()`; mixers ask the
-functions below.
+however it is lowered. Only this module and the kernels that lower for two compilers
+(`kernels/decayed.py`, `kernels/ssd_chunks.py`: Triton on a GPU, Mosaic on a TPU) read
+`target()`; mixers ask the functions below.
 
 The choices (each distinct outcome is logged once, at INFO):
 

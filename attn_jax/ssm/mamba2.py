@@ -28,12 +28,14 @@ N(0, init_std) instead, kept as an ablation. The in-projection is kept as five
 Linears (z, x, B, C, dt) so each has its own logical axes; it is the same parameter count as
 the fused one.
 
-Training uses the chunked SSD (`ssd.ssd_chunked`). Rematerialisation: a full forward (no
-decoding state) runs under `jax.checkpoint` (`remat_full_forward`, whatever `cfg.remat` says)
-saving only its inputs and the five in-projection outputs (z, x, B, C, dt_raw in the compute
-dtype, tagged `IN_PROJ`): the backward pass recomputes the conv, SiLU, dt, the SSD's chunk
-internals (segment decays L [Q, Q] per chunk and head, C B^T, the chunk states and the states
-entering each chunk) and the gated norm from them, as state-spaces/mamba's fused kernel
+Training uses the chunked SSD: on a GPU / TPU the fused Pallas kernels (`kernels/ssd_chunks.py`,
+chosen by `kernel_choice.ssd_kernel` in a full forward), else `ssd.ssd_chunked`.
+Rematerialisation: a full forward (no decoding state) runs under `jax.checkpoint`
+(`remat_full_forward`, whatever `cfg.remat` says) saving only its inputs and the five
+in-projection outputs (z, x, B, C, dt_raw in the compute dtype, tagged `IN_PROJ`): the backward
+pass recomputes the conv, SiLU, dt, the SSD's chunk internals (segment decays L [Q, Q] per
+chunk and head, C B^T, the chunk states and the states entering each chunk) and the gated norm
+from them, as state-spaces/mamba's fused kernel
 (`mamba_split_conv1d_scan_combined`) does. Saved, those fp32 internals are about 27 tensors
 the size of x in fp32 per layer, which kept across a stack of layers made Mamba-2's train-step
 temporaries ~3.5x a Transformer's of the same size; the in-projections are 2 (2 d_inner +
@@ -74,6 +76,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from attn_jax.field_checks import field_check, is_int, is_number
+from attn_jax.kernels import ssd_chunks
 from attn_jax.layers import (Linear, causal_positions, dtype_of, fan_in_uniform, param,
                              segment_starts)
 from attn_jax.mixer import Mixer, register_mixer
@@ -306,8 +309,9 @@ class Mamba2(FullForwardRemat, Mixer):
       y, h = ssd.ssd_step(h0, x_in[:, 0], a[:, 0], bs[:, 0], cs[:, 0])
       y = y[:, None]
     else:
-      y, h = ssd.ssd_chunked(x_in, a, bs, cs, chunk=opts.chunk_size, h0_BHPN=h0,
-                             reset_BT=reset, dot_dtype=dtype_of(cfg.dtype))
+      y, h = self.chunked_ssd(state is None, x_in.shape, bs.shape)(
+          x_in, a, bs, cs, chunk=opts.chunk_size, h0_BHPN=h0, reset_BT=reset,
+          dot_dtype=dtype_of(cfg.dtype))
     y = y + self.D[...].astype(f32)[:, None] * xs
     y = y * jax.nn.silu(z.astype(f32))
     Bsz, T = y.shape[:2]
@@ -318,6 +322,15 @@ class Mamba2(FullForwardRemat, Mixer):
     if state is not None:
       new_state = {"conv_x": w_x, "conv_b": w_b, "conv_c": w_c, "ssm": h}
     return y.astype(dtype_of(cfg.dtype)), new_state
+
+  def chunked_ssd(self, full: bool, x_shape, b_shape):
+    """The chunked SSD a call runs: a full forward (no decoding state) on a GPU / TPU takes
+    the fused kernels (`kernels/ssd_chunks.ssd_kernel`, `kernel_choice.ssd_kernel`), else the
+    XLA form `ssd.ssd_chunked` (same arguments, same numerics up to rounding)."""
+    if full and ssd_chunks.use_kernel(x_shape, b_shape, self.opts.chunk_size,
+                                      what=type(self).__name__):
+      return ssd_chunks.ssd_kernel
+    return ssd.ssd_chunked
 
   def implicit_attention(self, x_BTD) -> dict:
     """The SSD's attention-like matrix of a full forward (positions 0..T-1), for diagnostics
