@@ -168,10 +168,10 @@ def test_kernels_compile_for_target(target, call):
 
 # ---------------------------------------------------------------- the mixers' kernel branch
 
-@pytest.mark.parametrize("name", ["mamba2", "hybrid_heads"])
+@pytest.mark.parametrize("name", ["mamba2", "hybrid_heads", "mamba3"])
 def test_mixer_takes_the_kernel_and_matches_xla(name):
-  """A Mamba-2 mixer's full forward (and the hybrid's SSM heads, `Mamba2.ssm_heads`) on a
-  packed row takes the kernel where `kernel_choice.ssd_kernel` says so (`kernels_on_cpu`) and
+  """A Mamba-2 mixer's full forward (the hybrid's SSM heads, `Mamba2.ssm_heads`, and Mamba-3's
+  SISO trapezoid with its rotated B, C alike) on a packed row takes the kernel where `kernel_choice.ssd_kernel` says so (`kernels_on_cpu`) and
   equals the XLA path, output and every parameter's gradient."""
   from flax import nnx
   from tests.test_mamba import _build, _packed
@@ -198,3 +198,48 @@ def test_mixer_takes_the_kernel_and_matches_xla(name):
   flat_x = dict(jax.tree_util.tree_leaves_with_path(g_x))
   for path, g in jax.tree_util.tree_leaves_with_path(g_k):
     _close(g, flat_x[path], TOL, f"d {jax.tree_util.keystr(path)}")
+
+
+def test_second_input_matches_xla_chunked():
+  """`extra = (x2, B2)` (Mamba-3's trapezoid): forward and every gradient (x2 and B2 included)
+  equal `ssd_chunked(extra=)`'s, fp32, packed documents, with one group per head (G = H, as
+  Mamba-3 passes its rotated B, C)."""
+  (x, a, b, c, h0), reset = _inputs(3, G=4)
+  rng = np.random.default_rng(9)
+  x2 = jnp.asarray(rng.standard_normal(x.shape), jnp.float32)
+  b2 = jnp.asarray(rng.standard_normal(b.shape) / 4, jnp.float32)
+  args = (x, a, b, c, h0, x2, b2)
+  w, wh = _weights(3, args)
+
+  def run(fn):
+    return lambda x, a, b, c, h0, x2, b2, r: fn(x, a, b, c, chunk=16, h0_BHPN=h0, extra=(x2, b2),
+                                                reset_BT=r)
+  (y, h), g = _grads(run(lambda *z, **k: K.ssd_kernel(*z, interpret=True, **k)), args, reset,
+                     w, wh)
+  (y_x, h_x), g_x = _grads(run(ssd.ssd_chunked), args, reset, w, wh)
+  _close(y, y_x, TOL, "y")
+  _close(h, h_x, TOL, "final state")
+  for name, gk, gx in zip(NAMES + ("x2", "B2"), g, g_x):
+    _close(gk, gx, TOL, f"d {name}")
+
+
+def test_sharded_over_batch_equals_one_device():
+  """Under `sharding.use_rules` on simulated devices (data 2 x tensor 4) the kernels run in a
+  shard_map (rows over data; heads whole) and equal the unsharded call, forward and
+  gradients."""
+  from attn_jax import sharding
+  if jax.device_count() < 8:   # the suite's CPU has 8 simulated devices
+    pytest.skip(f"needs 8 devices, have {jax.device_count()}")
+  args, reset = _inputs(4)
+  w, wh = _weights(4, args)
+  kernel = lambda x, a, b, c, h0, r: K.ssd_kernel(x, a, b, c, chunk=16, h0_BHPN=h0, reset_BT=r,
+                                                  interpret=True)
+  (y, h), g = _grads(kernel, args, reset, w, wh)
+  mesh = sharding.make_mesh((2, 1, 4), ("data", "fsdp", "tensor"))
+  with sharding.use_rules(mesh, sharding.TRUNK_RULES):
+    assert "shard_map" in str(jax.make_jaxpr(kernel)(*args, reset))
+    (y_s, h_s), g_s = _grads(kernel, args, reset, w, wh)
+  _close(y_s, y, 1e-6, "sharded y")
+  _close(h_s, h, 1e-6, "sharded final state")
+  for name, a, b in zip(NAMES, g_s, g):
+    _close(a, b, 1e-6, f"sharded d {name}")

@@ -30,6 +30,10 @@ per head and are summed over a group's heads in XLA. Four kernels against the au
 (state-spaces/mamba, `ssd_*.py`) ten or so: their chunk cumsum, the C B^T product and the
 dt / dA backward are folded into the chunk programs here.
 
+A second input (`extra = (x2, B2)`, Mamba-3's trapezoid, `ssd.ssd_chunked(extra=)`) adds
+x2_t B2_t^T per token: S and the intra-chunk output sum over the two inputs (x B^T and
+x2 B2^T), and `_dchunk` gives dx2, dB2 as dx, dB, their G and e terms added to da's.
+
 In-kernel exponents. seg is a product of masked matrices, seg = (M_le diag(a)) U_gt with
 M_le[t, r] = [r <= t], U_gt[r, s] = [r > s]: one fp32 Q x Q x Q matmul at full precision
 (IEEE on Triton), each entry a sum of its own terms (no difference). A and E are masked row
@@ -81,6 +85,7 @@ class Spec:
   groups: int          # heads per B/C group (J = H / G)
   dot_dtype: str       # operand dtype of the matmul steps
   interpret: bool
+  inputs: int = 1      # terms x_i B_i^T per token (2: Mamba-3's `extra`)
   warps: int = 4       # Triton
   stages: int = 2
 
@@ -112,22 +117,31 @@ class Exps:
 
 # ---------------------------------------------------------------- kernels (one chunk, one head)
 
-def _states_kernel(spec: Spec, x_ref, b_ref, a_ref, s_ref):
-  """S = sum_s exp(E_s) x_s B_s^T  [P, N]."""
+def _states_kernel(spec: Spec, *refs):
+  """S = sum_i sum_s exp(E_s) x_is B_is^T  [P, N]  (refs: x_i..., B_i..., a, S)."""
+  R = spec.inputs
   dt = jnp.dtype(spec.dot_dtype)
-  e = Exps(a_ref[...])
-  xe = (x_ref[...].astype(F32) * jnp.exp(e.E)).astype(dt)
-  s_ref[...] = _dot(xe, b_ref[...].astype(dt), _AT_B)
+  a_ref, s_ref = refs[2 * R:]
+  eE = jnp.exp(Exps(a_ref[...]).E)
+  s = 0.0
+  for x_ref, b_ref in zip(refs[:R], refs[R:2 * R]):
+    s = s + _dot((x_ref[...].astype(F32) * eE).astype(dt), b_ref[...].astype(dt), _AT_B)
+  s_ref[...] = s
 
 
-def _scan_kernel(spec: Spec, x_ref, b_ref, c_ref, a_ref, h_ref, y_ref):
-  """y = (L o C B^T) x + exp(A) o (C H^T)  [Q, P]."""
+def _scan_kernel(spec: Spec, *refs):
+  """y = sum_i (L o C B_i^T) x_i + exp(A) o (C H^T)  [Q, P]  (refs: x_i..., B_i..., C, a, H,
+  y)."""
+  R = spec.inputs
   dt = jnp.dtype(spec.dot_dtype)
+  c_ref, a_ref, h_ref, y_ref = refs[2 * R:]
   e = Exps(a_ref[...])
   c = c_ref[...].astype(dt)
-  cb = _dot(c, b_ref[...].astype(dt), _A_BT)
-  y = _dot((cb * e.L).astype(dt), x_ref[...].astype(dt))
-  y_ref[...] = y + jnp.exp(e.A) * _dot(c, h_ref[...].astype(dt), _A_BT)
+  y = jnp.exp(e.A) * _dot(c, h_ref[...].astype(dt), _A_BT)
+  for x_ref, b_ref in zip(refs[:R], refs[R:2 * R]):
+    cb = _dot(c, b_ref[...].astype(dt), _A_BT)
+    y = y + _dot((cb * e.L).astype(dt), x_ref[...].astype(dt))
+  y_ref[...] = y
 
 
 def _dstates_kernel(spec: Spec, dy_ref, c_ref, a_ref, dh_ref):
@@ -138,38 +152,45 @@ def _dstates_kernel(spec: Spec, dy_ref, c_ref, a_ref, dh_ref):
   dh_ref[...] = _dot(dya, c_ref[...].astype(dt), _AT_B)
 
 
-def _dchunk_kernel(spec: Spec, x_ref, b_ref, c_ref, a_ref, dy_ref, h_ref, ds_ref,
-                   dx_ref, db_ref, dc_ref, da_ref):
-  """dx, dB, dC (this head's share) and da of one chunk (module docstring)."""
+def _dchunk_kernel(spec: Spec, *refs):
+  """dx_i, dB_i (this head's share), dC (idem) and da of one chunk (module docstring; refs:
+  x_i..., B_i..., C, a, dy, H, dS, then dx_i..., dB_i..., dC, da)."""
+  R = spec.inputs
   dt = jnp.dtype(spec.dot_dtype)
+  xs, bs = refs[:R], refs[R:2 * R]
+  c_ref, a_ref, dy_ref, h_ref, ds_ref = refs[2 * R:2 * R + 5]
+  outs = refs[2 * R + 5:]
+  dx_refs, db_refs, (dc_ref, da_ref) = outs[:R], outs[R:2 * R], outs[2 * R:]
   e = Exps(a_ref[...])
-  x32, dy32 = x_ref[...].astype(F32), dy_ref[...].astype(F32)
-  x, b, c, dy = x32.astype(dt), b_ref[...].astype(dt), c_ref[...].astype(dt), dy32.astype(dt)
+  dy32 = dy_ref[...].astype(F32)
+  c, dy = c_ref[...].astype(dt), dy32.astype(dt)
   h, ds = h_ref[...].astype(dt), ds_ref[...].astype(dt)
   eA, eE = jnp.exp(e.A), jnp.exp(e.E)
-  # intra-chunk: y = (L o C B^T) x
-  cb = _dot(c, b, _A_BT)                                           # [t, s]
-  m = cb * e.L
-  dyx = _dot(dy, x, _A_BT)                                         # [t, s] = dy_t . x_s
-  dcb = (dyx * e.L).astype(dt)
-  dx = _dot(m.astype(dt), dy, _AT_B)
-  dc = _dot(dcb, b)
-  db = _dot(dcb, c, _AT_B)
-  G = dyx * m
   # entering state: y += exp(A) o (C H^T)
-  dc = dc + _dot((dy32 * eA).astype(dt), h)
+  dc = _dot((dy32 * eA).astype(dt), h)
   g = eA * jnp.sum(dy32 * _dot(c, h, _A_BT), axis=1, keepdims=True)       # [Q, 1]
-  # chunk state: S = sum_s exp(E_s) x_s B_s^T
-  bds = _dot(b, ds, _A_BT)                                         # [s, P] = dS B_s
-  dx = dx + eE * bds
-  db = db + _dot((x32 * eE).astype(dt), ds)
-  es = eE * jnp.sum(x32 * bds, axis=1, keepdims=True)              # [Q, 1]
+  G, es = 0.0, 0.0
+  for x_ref, b_ref, dx_ref, db_ref in zip(xs, bs, dx_refs, db_refs):
+    x32 = x_ref[...].astype(F32)
+    x, b = x32.astype(dt), b_ref[...].astype(dt)
+    # intra-chunk: y = (L o C B^T) x
+    cb = _dot(c, b, _A_BT)                                         # [t, s]
+    m = cb * e.L
+    dyx = _dot(dy, x, _A_BT)                                       # [t, s] = dy_t . x_s
+    dcb = (dyx * e.L).astype(dt)
+    dx = _dot(m.astype(dt), dy, _AT_B)
+    dc = dc + _dot(dcb, b)
+    db = _dot(dcb, c, _AT_B)
+    G = G + dyx * m
+    # chunk state: S = sum_s exp(E_s) x_s B_s^T
+    bds = _dot(b, ds, _A_BT)                                       # [s, P] = dS B_s
+    dx_ref[...] = (dx + eE * bds).astype(dx_ref.dtype)
+    db_ref[...] = (db + _dot((x32 * eE).astype(dt), ds)).astype(db_ref.dtype)
+    es = es + eE * jnp.sum(x32 * bds, axis=1, keepdims=True)      # [Q, 1]
   # da_r: seg's pairs s < r <= t, A's tokens t >= r, E's tokens s < r (as a row [1, Q])
   W = _dot(G, jnp.where(e.row < e.col, 1.0, 0.0).astype(F32))     # [t, r] = sum_{s<r} G_ts
   da = jnp.sum(jnp.where(e.col <= e.row, W + g, 0.0), axis=0, keepdims=True)
   da = da + jnp.sum(jnp.where(e.row < e.col, es, 0.0), axis=0, keepdims=True)
-  dx_ref[...] = dx.astype(dx_ref.dtype)
-  db_ref[...] = db.astype(db_ref.dtype)
   dc_ref[...] = dc.astype(dc_ref.dtype)
   da_ref[...] = da
 
@@ -212,19 +233,26 @@ def _call(spec: Spec, kernel, name: str, grid, ins, in_specs, outs, out_specs):
                         name="ssd_" + name, compiler_params=_compiler_params(spec))(*ins)
 
 
-def _states(spec: Spec, x, b, a):
-  B, H, C, Q, Pd = x.shape
-  N = b.shape[-1]
+def _inputs(spec: Spec, xs, bs):
+  """The inputs' arrays and blocks: x_i... (per head), B_i... (per group)."""
+  return (tuple(xs) + tuple(bs), [_per_head(x) for x in xs] + [_per_group(spec, b) for b in bs])
+
+
+def _states(spec: Spec, xs, bs, a):
+  B, H, C, Q, Pd = xs[0].shape
+  N = bs[0].shape[-1]
   out = jax.ShapeDtypeStruct((B, C, H, Pd, N), F32)
-  return _call(spec, _states_kernel, "states", (B, H, C), (x, b, a),
-               [_per_head(x), _per_group(spec, b), _per_head(a)], out, _state_block(out))
+  ins, specs = _inputs(spec, xs, bs)
+  return _call(spec, _states_kernel, "states", (B, H, C), ins + (a,), specs + [_per_head(a)],
+               out, _state_block(out))
 
 
-def _scan(spec: Spec, x, b, c, a, h_in):
-  out = jax.ShapeDtypeStruct(x.shape, F32)
-  return _call(spec, _scan_kernel, "scan", x.shape[:3], (x, b, c, a, h_in),
-               [_per_head(x), _per_group(spec, b), _per_group(spec, c), _per_head(a),
-                _state_block(h_in)], out, _per_head(out))
+def _scan(spec: Spec, xs, bs, c, a, h_in):
+  out = jax.ShapeDtypeStruct(xs[0].shape, F32)
+  ins, specs = _inputs(spec, xs, bs)
+  return _call(spec, _scan_kernel, "scan", out.shape[:3], ins + (c, a, h_in),
+               specs + [_per_group(spec, c), _per_head(a), _state_block(h_in)], out,
+               _per_head(out))
 
 
 def _dstates(spec: Spec, dy, c, a):
@@ -234,16 +262,17 @@ def _dstates(spec: Spec, dy, c, a):
                [_per_head(dy), _per_group(spec, c), _per_head(a)], out, _state_block(out))
 
 
-def _dchunk(spec: Spec, x, b, c, a, dy, h_in, ds):
-  B, H, C, Q, Pd = x.shape
-  N = b.shape[-1]
-  heads_bc = b.dtype if spec.groups == 1 else F32      # summed over a group's heads after
-  outs = (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct((B, H, C, Q, N), heads_bc),
-          jax.ShapeDtypeStruct((B, H, C, Q, N), heads_bc), jax.ShapeDtypeStruct(a.shape, F32))
-  return _call(spec, _dchunk_kernel, "dchunk", (B, H, C), (x, b, c, a, dy, h_in, ds),
-               [_per_head(x), _per_group(spec, b), _per_group(spec, c), _per_head(a),
-                _per_head(dy), _state_block(h_in), _state_block(ds)],
-               outs, tuple(_per_head(o) for o in outs))
+def _dchunk(spec: Spec, xs, bs, c, a, dy, h_in, ds):
+  """(dx_i..., dB_i... per head, dC per head, da)."""
+  B, H, C, Q, Pd = xs[0].shape
+  per_head = lambda like: jax.ShapeDtypeStruct(
+      (B, H, C, Q, like.shape[-1]), like.dtype if spec.groups == 1 else F32)   # summed after
+  outs = (tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in xs)
+          + tuple(per_head(b) for b in bs) + (per_head(c), jax.ShapeDtypeStruct(a.shape, F32)))
+  ins, specs = _inputs(spec, xs, bs)
+  return _call(spec, _dchunk_kernel, "dchunk", (B, H, C), ins + (c, a, dy, h_in, ds),
+               specs + [_per_group(spec, c), _per_head(a), _per_head(dy), _state_block(h_in),
+                        _state_block(ds)], outs, tuple(_per_head(o) for o in outs))
 
 
 def _passing(a, S, h0):
@@ -256,27 +285,33 @@ def _passing(a, S, h0):
 # ---------------------------------------------------------------- custom VJP
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _core(spec: Spec, x, b, c, a, h0):
-  """Kernel-layout SSD: (y [B, H, C, Q, P] fp32, final state [B, H, P, N] fp32)."""
-  return _core_fwd(spec, x, b, c, a, h0)[0]
+def _core(spec: Spec, xs, bs, c, a, h0):
+  """Kernel-layout SSD of the inputs (x_i, B_i): (y [B, H, C, Q, P] fp32, final state
+  [B, H, P, N] fp32)."""
+  return _core_fwd(spec, xs, bs, c, a, h0)[0]
 
 
-def _core_fwd(spec, x, b, c, a, h0):
-  h_in, final = _passing(a, _states(spec, x, b, a), h0)
-  return (_scan(spec, x, b, c, a, h_in), final), (x, b, c, a, h0)
+def _core_fwd(spec, xs, bs, c, a, h0):
+  h_in, final = _passing(a, _states(spec, xs, bs, a), h0)
+  return (_scan(spec, xs, bs, c, a, h_in), final), (xs, bs, c, a, h0)
 
 
 def _core_bwd(spec, res, cts):
-  x, b, c, a, h0 = res
+  xs, bs, c, a, h0 = res
+  R = spec.inputs
   dy, dfinal = cts
-  (h_in, _), vjp = jax.vjp(_passing, a, _states(spec, x, b, a), h0)
+  (h_in, _), vjp = jax.vjp(_passing, a, _states(spec, xs, bs, a), h0)
   dh = _dstates(spec, dy, c, a)
   da_z, ds, dh0 = vjp((dh, dfinal))
-  dx, db, dc, da = _dchunk(spec, x, b, c, a, dy, h_in, ds)
-  B, H, C, Q, N = db.shape
-  group = lambda d, like: d.reshape(B, H // spec.groups, spec.groups, C, Q, N).sum(2).astype(
-      like.dtype)
-  return dx, group(db, b), group(dc, c), da + da_z, dh0
+  grads = _dchunk(spec, xs, bs, c, a, dy, h_in, ds)
+  dxs, dbs, dc, da = grads[:R], grads[R:2 * R], grads[2 * R], grads[2 * R + 1]
+
+  def group(d, like):   # a group's heads' shares summed
+    B, H, C, Q, N = d.shape
+    return d.reshape(B, H // spec.groups, spec.groups, C, Q, N).sum(2).astype(like.dtype)
+
+  return (tuple(dxs), tuple(group(d, b) for d, b in zip(dbs, bs)), group(dc, c), da + da_z,
+          dh0)
 
 
 _core.defvjp(_core_fwd, _core_bwd)
@@ -298,7 +333,7 @@ def unsupported(x_shape, b_shape, chunk: int, plat: str | None = None) -> str | 
   return None
 
 
-def _local(spec: Spec, x, a, b, c, h0):
+def _local(spec: Spec, x, a, b, c, h0, x2=None, b2=None):
   """One device's call: layout, the custom-VJP core, back to [B, T, H, P]."""
   Bsz, T, H, Pd = x.shape
   G = b.shape[2]
@@ -309,7 +344,9 @@ def _local(spec: Spec, x, a, b, c, h0):
   heads_first = lambda z: padT(z).transpose(0, 2, 1, 3).reshape(Bsz, -1, nc, Q, z.shape[-1])
   a_l = padT(a).transpose(0, 2, 1).reshape(Bsz, H, nc, 1, Q)
   h0 = None if h0 is None else h0.astype(F32)
-  y, final = _core(spec, heads_first(x), heads_first(b), heads_first(c), a_l, h0)
+  xs = tuple(heads_first(z) for z in (x, x2) if z is not None)
+  bs = tuple(heads_first(z) for z in (b, b2) if z is not None)
+  y, final = _core(spec, xs, bs, heads_first(c), a_l, h0)
   y = y.reshape(Bsz, H, nc * Q, Pd)[:, :, :T].transpose(0, 2, 1, 3)
   return y, final
 
@@ -334,20 +371,26 @@ def _sharded(fn, args: dict):
                        check_vma=False)(*(args[k] for k in keys))
 
 
-def ssd_kernel(x_BTHP, a_BTH, b_BTGN, c_BTGN, *, chunk: int, h0_BHPN=None, reset_BT=None,
-               dot_dtype=None, interpret: bool | None = None, warps: int = 4, stages: int = 2):
+def ssd_kernel(x_BTHP, a_BTH, b_BTGN, c_BTGN, *, chunk: int, h0_BHPN=None, extra=None,
+               reset_BT=None, dot_dtype=None, interpret: bool | None = None, warps: int = 4,
+               stages: int = 2):
   """`ssd.ssd_chunked` through the kernels (module docstring), same arguments and returns:
-  (y_BTHP fp32, final state h_BHPN fp32). No `extra` input (Mamba-3's) yet.
+  (y_BTHP fp32, final state h_BHPN fp32). `extra = (x2_BTHP, b2_BTGN)`: a second input
+  x2_t B2_t^T per token (Mamba-3's trapezoid), through the same kernels.
 
   interpret: the Pallas interpreter (default: on CPU). warps / stages: Triton's."""
   _, T, H, G = ssd._check(x_BTHP, a_BTH, b_BTGN, c_BTGN)
   a = ssd.restart_decay(a_BTH, reset_BT).astype(F32)
   if interpret is None:
     interpret = kernel_choice.target() == "cpu"
+  x2, b2 = (None, None) if extra is None else extra
+  if extra is not None and (x2.shape != x_BTHP.shape or b2.shape != b_BTGN.shape):
+    raise ValueError(f"extra = (x2 {x2.shape}, B2 {b2.shape}) must have x's and B's shapes "
+                     f"({x_BTHP.shape}, {b_BTGN.shape})")
   spec = Spec(max(1, min(int(chunk), T)), H // G,
               jnp.dtype(F32 if dot_dtype is None else dot_dtype).name, bool(interpret),
-              int(warps), int(stages))
-  args = dict(x=x_BTHP, a=a, b=b_BTGN, c=c_BTGN, h0=h0_BHPN)
+              1 + (extra is not None), int(warps), int(stages))
+  args = dict(x=x_BTHP, a=a, b=b_BTGN, c=c_BTGN, h0=h0_BHPN, x2=x2, b2=b2)
   return _sharded(functools.partial(_local, spec), args)
 
 
@@ -356,3 +399,12 @@ def use_kernel(x_shape, b_shape, chunk: int, *, what: str) -> bool:
   and these shapes fit `unsupported`; a misfit is logged once, naming `what`)."""
   return kernel_choice.ssd_kernel(lambda plat: unsupported(x_shape, b_shape, chunk, plat),
                                   what=what)
+
+
+def chunked_ssd(full: bool, x_shape, b_shape, chunk: int, *, what: str):
+  """The chunked SSD a mixer call runs: a full forward (no decoding state) whose shapes the
+  kernels take on a GPU / TPU (`use_kernel`) gets `ssd_kernel`, else `ssd.ssd_chunked` (same
+  arguments and returns, the same numerics up to rounding)."""
+  if full and use_kernel(x_shape, b_shape, chunk, what=what):
+    return ssd_kernel
+  return ssd.ssd_chunked

@@ -29,7 +29,7 @@ Linears (z, x, B, C, dt) so each has its own logical axes; it is the same parame
 the fused one.
 
 Training uses the chunked SSD: on a GPU / TPU the fused Pallas kernels (`kernels/ssd_chunks.py`,
-chosen by `kernel_choice.ssd_kernel` in a full forward), else `ssd.ssd_chunked`.
+chosen by `ssd_chunks.chunked_ssd` in a full forward), else `ssd.ssd_chunked`.
 Rematerialisation: a full forward (no decoding state) runs under `jax.checkpoint`
 (`remat_full_forward`, whatever `cfg.remat` says) saving only its inputs and the five
 in-projection outputs (z, x, B, C, dt_raw in the compute dtype, tagged `IN_PROJ`): the backward
@@ -309,9 +309,10 @@ class Mamba2(FullForwardRemat, Mixer):
       y, h = ssd.ssd_step(h0, x_in[:, 0], a[:, 0], bs[:, 0], cs[:, 0])
       y = y[:, None]
     else:
-      y, h = self.chunked_ssd(state is None, x_in.shape, bs.shape)(
-          x_in, a, bs, cs, chunk=opts.chunk_size, h0_BHPN=h0, reset_BT=reset,
-          dot_dtype=dtype_of(cfg.dtype))
+      fn = ssd_chunks.chunked_ssd(state is None, x_in.shape, bs.shape, opts.chunk_size,
+                                  what=type(self).__name__)
+      y, h = fn(x_in, a, bs, cs, chunk=opts.chunk_size, h0_BHPN=h0, reset_BT=reset,
+                dot_dtype=dtype_of(cfg.dtype))
     y = y + self.D[...].astype(f32)[:, None] * xs
     y = y * jax.nn.silu(z.astype(f32))
     Bsz, T = y.shape[:2]
@@ -322,15 +323,6 @@ class Mamba2(FullForwardRemat, Mixer):
     if state is not None:
       new_state = {"conv_x": w_x, "conv_b": w_b, "conv_c": w_c, "ssm": h}
     return y.astype(dtype_of(cfg.dtype)), new_state
-
-  def chunked_ssd(self, full: bool, x_shape, b_shape):
-    """The chunked SSD a call runs: a full forward (no decoding state) on a GPU / TPU takes
-    the fused kernels (`kernels/ssd_chunks.ssd_kernel`, `kernel_choice.ssd_kernel`), else the
-    XLA form `ssd.ssd_chunked` (same arguments, same numerics up to rounding)."""
-    if full and ssd_chunks.use_kernel(x_shape, b_shape, self.opts.chunk_size,
-                                      what=type(self).__name__):
-      return ssd_chunks.ssd_kernel
-    return ssd.ssd_chunked
 
   def implicit_attention(self, x_BTD) -> dict:
     """The SSD's attention-like matrix of a full forward (positions 0..T-1), for diagnostics
