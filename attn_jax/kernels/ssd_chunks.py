@@ -26,9 +26,12 @@ d z, d h0), and `_dchunk`, which gives every per-token gradient of a chunk at on
 
 with L_ts = exp(seg(t, s)), G_ts = L_ts (C_t . B_s)(dy_t . x_s), g_t = exp(A_t) dy_t . (H C_t),
 e_s = exp(E_s) x_s . (dS B_s): each exponent's cotangent goes to the a_r it sums. dB, dC come
-per head and are summed over a group's heads in XLA. Four kernels against the authors'
-(state-spaces/mamba, `ssd_*.py`) ten or so: their chunk cumsum, the C B^T product and the
-dt / dA backward are folded into the chunk programs here.
+per head and are summed over a group's heads in XLA. Four kernels (two forward, two backward,
+and the states once more in the backward) against the authors' (state-spaces/mamba,
+`ssd_combined.py`) five forward (chunk cumsum, C B^T, chunk states, state passing, chunk scan)
+and a dozen or so backward (dstates, the passing's, dx, dB, dC, d(C B^T), the dA pieces, the
+cumsum's, with recomputes): their cumsum, C B^T and dA work are folded into the chunk programs
+here, and their state passing is XLA's `pass_chunk_states` (with its VJP) here.
 
 A second input (`extra = (x2, B2)`, Mamba-3's trapezoid, `ssd.ssd_chunked(extra=)`) adds
 x2_t B2_t^T per token: S and the intra-chunk output sum over the two inputs (x B^T and
