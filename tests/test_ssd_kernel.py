@@ -171,8 +171,9 @@ def test_kernels_compile_for_target(target, call):
 @pytest.mark.parametrize("name", ["mamba2", "hybrid_heads", "mamba3"])
 def test_mixer_takes_the_kernel_and_matches_xla(name):
   """A Mamba-2 mixer's full forward (the hybrid's SSM heads, `Mamba2.ssm_heads`, and Mamba-3's
-  SISO trapezoid with its rotated B, C alike) on a packed row takes the kernel where `kernel_choice.ssd_kernel` says so (`kernels_on_cpu`) and
-  equals the XLA path, output and every parameter's gradient."""
+  SISO trapezoid with its rotated B, C alike) on a packed row takes the kernel where
+  `kernel_choice.ssd_kernel` says so (`kernels_on_cpu`) and equals the XLA path, output and
+  every parameter's gradient."""
   from flax import nnx
   from tests.test_mamba import _build, _packed
   _, _, m = _build(name)

@@ -3,7 +3,8 @@
 Per chunk c of Q tokens and head h (one program each, grid [B, H, chunks]), with the chunk's
 log-decays a_r (fp32, <= 0, -inf at a document start, `ssd.restart_decay`) and
 
-    seg(t, s) = a_{s+1} + ... + a_t  (s <= t)     A_t = a_0 + ... + a_t     E_s = a_{s+1} + ... + a_end
+    seg(t, s) = a_{s+1} + ... + a_t  (s <= t)      A_t = a_0 + ... + a_t
+    E_s = a_{s+1} + ... + a_{Q-1}      (tokens 0 .. Q-1 of the chunk)
 
 (all *direct* segment sums within the chunk, never differences of one running sum: `ssd.py`'s
 convention), the chunked SSD is
