@@ -123,6 +123,7 @@ def test_unsupported_names_why():
   assert "head_dim" in K.unsupported((1, 64, 2, 24), (1, 64, 1, 64), 64, plat="gpu")
   assert "chunk" in K.unsupported((1, 64, 2, 64), (1, 64, 1, 64), 48, plat="gpu")
   assert K.unsupported((1, 64, 2, 64), (1, 64, 1, 64), 48, plat="cpu") is None
+  assert "shared memory" in K.unsupported((1, 512, 2, 64), (1, 512, 1, 64), 256, plat="gpu")
 
 
 # ---------------------------------------------------------------- compiled for the targets

@@ -80,6 +80,9 @@ NEG = -1e30
 _A_BT = (((1,), (1,)), ((), ()))    # a @ b.T
 _AT_B = (((0,), (0,)), ((), ()))    # a.T @ b
 PASSES = ("states", "scan", "dstates", "dchunk")
+# Largest chunk a GPU program takes: 64 compiles for an H100 (tests/test_ssd_kernel.py, head
+# dim and d_state 64); 256 (mamba_ssm's GPU default) exceeds its 227 KiB of shared memory.
+GPU_MAX_CHUNK = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -332,6 +335,9 @@ def unsupported(x_shape, b_shape, chunk: int, plat: str | None = None) -> str | 
     for name, n in (("chunk", Q), ("head_dim", x_shape[-1]), ("d_state", b_shape[-1])):
       if not p2(n):
         return f"Triton tiles need powers of two >= 16: {name} is {n}"
+    if Q > GPU_MAX_CHUNK:
+      return (f"chunk {Q} > {GPU_MAX_CHUNK}: the [chunk, chunk] fp32 tiles of one program "
+              "exceed an H100's shared memory (256 did; 128 not checked)")
   if plat == "tpu" and Q % 8:
     return f"TPU tiles need a chunk that is a multiple of 8, got {Q}"
   return None
