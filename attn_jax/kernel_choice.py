@@ -14,11 +14,12 @@ always the machine that traces it: compiling for a TPU slice or 8 x H100 from a 
 
 It is read at trace time. A program built for a mesh (`setup.Setup.step_fn`) enters its
 mesh's platform inside its own trace, so it compiles that target's kernels wherever and
-however it is lowered. Only this module and the kernel that lowers for two compilers
-(`kernels/decayed.py`: Triton on a GPU, Mosaic on a TPU) read `target()`. The kernels room's
-entry point (`kernels/entry.py`) asks the functions below which core to call; mixers hand it
-their features and name no core (a few platform facts that are not a core, such as
-`parallel_time_sums`, they ask directly).
+however it is lowered. Only this module and the kernels that lower for two compilers
+(`kernels/decayed.py`, `kernels/ssd_chunks.py`: Triton on a GPU, Mosaic on a TPU) read
+`target()`. The kernels room's entry points (`kernels/entry.py` for attention,
+`ssd_chunks.chunked_ssd` for the Mamba mixers' SSD) ask the functions below which core to call;
+mixers hand them their features and name no core (a few platform facts that are not a core,
+such as `parallel_time_sums`, they ask directly).
 
 The choices (each distinct outcome is logged once, at INFO):
 
@@ -35,6 +36,8 @@ The choices (each distinct outcome is logged once, at INFO):
                      `jnp.cumsum` lowers to an O(T^2) reduce_window).
   forget_path        FoX's "auto": "blocked" on a CPU up to a length, else "flash".
   decayed_kernel     whether a decayed call takes `kernels/decayed.py` (auto, on GPU /
+                     TPU, shapes it takes; a misfit is logged once per reason, as a warning).
+  ssd_kernel         whether a Mamba mixer's chunked SSD takes `kernels/ssd_chunks.py` (GPU /
                      TPU, shapes it takes; a misfit is logged once per reason, as a warning).
   pallas_interpret   whether a Pallas kernel written for one backend runs in the interpreter
                      (any other platform: tests on a CPU).
@@ -171,6 +174,21 @@ def decayed_kernel(impl: str, why_not: Callable[[str], str | None], *, what: str
           logging.WARNING)
     return False
   _note(f"{what}: decayed-attention kernel on {plat}")
+  return True
+
+
+def ssd_kernel(why_not: Callable[[str], str | None], *, what: str) -> bool:
+  """Whether `what` (a mixer) runs its chunked SSD on `kernels/ssd_chunks.py`: a GPU or TPU
+  (or `kernels_on_cpu`) and `why_not(platform)` None (the kernel's `unsupported` for these
+  shapes). A misfit is logged once per reason; the mixer then keeps `ssd.ssd_chunked`."""
+  plat = target()
+  if plat == "cpu" and not _KERNELS_ON_CPU.get():
+    return False
+  why = why_not(plat)
+  if why is not None:
+    _note(f"{what}: SSD kernel not used on {plat} ({why}); XLA chunked SSD", logging.WARNING)
+    return False
+  _note(f"{what}: SSD kernel on {plat}")
   return True
 
 

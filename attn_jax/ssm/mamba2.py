@@ -28,12 +28,14 @@ N(0, init_std) instead, kept as an ablation. The in-projection is kept as five
 Linears (z, x, B, C, dt) so each has its own logical axes; it is the same parameter count as
 the fused one.
 
-Training uses the chunked SSD (`ssd.ssd_chunked`). Rematerialisation: a full forward (no
-decoding state) runs under `jax.checkpoint` (`remat_full_forward`, whatever `cfg.remat` says)
-saving only its inputs and the five in-projection outputs (z, x, B, C, dt_raw in the compute
-dtype, tagged `IN_PROJ`): the backward pass recomputes the conv, SiLU, dt, the SSD's chunk
-internals (segment decays L [Q, Q] per chunk and head, C B^T, the chunk states and the states
-entering each chunk) and the gated norm from them, as state-spaces/mamba's fused kernel
+Training uses the chunked SSD: on a GPU / TPU the fused Pallas kernels (`kernels/ssd_chunks.py`,
+chosen by `ssd_chunks.chunked_ssd` in a full forward), else `ssd.ssd_chunked`.
+Rematerialisation: a full forward (no decoding state) runs under `jax.checkpoint`
+(`remat_full_forward`, whatever `cfg.remat` says) saving only its inputs and the five
+in-projection outputs (z, x, B, C, dt_raw in the compute dtype, tagged `IN_PROJ`): the backward
+pass recomputes the conv, SiLU, dt, the SSD's chunk internals (segment decays L [Q, Q] per
+chunk and head, C B^T, the chunk states and the states entering each chunk) and the gated norm
+from them, as state-spaces/mamba's fused kernel
 (`mamba_split_conv1d_scan_combined`) does. Saved, those fp32 internals are about 27 tensors
 the size of x in fp32 per layer, which kept across a stack of layers made Mamba-2's train-step
 temporaries ~3.5x a Transformer's of the same size; the in-projections are 2 (2 d_inner +
@@ -74,6 +76,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from attn_jax.field_checks import field_check, is_int, is_number
+from attn_jax.kernels import ssd_chunks
 from attn_jax.layers import (Linear, causal_positions, dtype_of, fan_in_uniform, param,
                              segment_starts)
 from attn_jax.mixer import Mixer, register_mixer
@@ -306,8 +309,10 @@ class Mamba2(FullForwardRemat, Mixer):
       y, h = ssd.ssd_step(h0, x_in[:, 0], a[:, 0], bs[:, 0], cs[:, 0])
       y = y[:, None]
     else:
-      y, h = ssd.ssd_chunked(x_in, a, bs, cs, chunk=opts.chunk_size, h0_BHPN=h0,
-                             reset_BT=reset, dot_dtype=dtype_of(cfg.dtype))
+      fn = ssd_chunks.chunked_ssd(state is None, x_in.shape, bs.shape, opts.chunk_size,
+                                  what=type(self).__name__)
+      y, h = fn(x_in, a, bs, cs, chunk=opts.chunk_size, h0_BHPN=h0, reset_BT=reset,
+                dot_dtype=dtype_of(cfg.dtype))
     y = y + self.D[...].astype(f32)[:, None] * xs
     y = y * jax.nn.silu(z.astype(f32))
     Bsz, T = y.shape[:2]

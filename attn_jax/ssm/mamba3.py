@@ -42,7 +42,9 @@ into one input of weight gamma_s + beta'_{s+1}, as the reference kernel does, re
 s + 1 for token s and cancels it again in the output: exact in algebra, but future tokens then
 reach past outputs through rounding, which the causality test detects.) The cumulative angles
 are computed per chunk and carried across chunks mod 2 pi (a scan), so they stay in range at
-any length.
+any length. On a GPU / TPU a SISO full forward runs this SSD through the fused Pallas kernels
+(`kernels/ssd_chunks.py`, `extra=` alike; chosen by `ssd_chunks.chunked_ssd`); MIMO and
+decoding keep the XLA forms.
 
 Implicit attention (`Mamba3.implicit_attention`, for eval/maps.py): unrolling the trapezoid
 from a zero state, y_t = sum_{j<=t} M_tj x_j + D x_t with
@@ -109,6 +111,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from attn_jax import layers
 from attn_jax.field_checks import field_check, is_int, is_number
+from attn_jax.kernels import ssd_chunks
 from attn_jax.layers import Linear, causal_positions, dtype_of, param, segmented_cumsum
 from attn_jax.mixer import Mixer, register_mixer
 from attn_jax.ssm import ssd
@@ -184,9 +187,10 @@ def previous_token(z_BTX, z0_BX, reset_BT=None):
 
 
 def trapezoid_chunked(x_BTHP, a_BTH, gamma_BTH, betap_BTH, k_BTHN, q_BTHN, *, chunk,
-                      h0_BHPN=None, x0_BHP=None, k0_BHN=None, reset_BT=None, dot_dtype=None):
+                      h0_BHPN=None, x0_BHP=None, k0_BHN=None, reset_BT=None, dot_dtype=None,
+                      ssd_fn=ssd.ssd_chunked):
   """Chunked trapezoidal SSM: one SSD with two inputs (see module docstring); `dot_dtype` as
-  `ssd.ssd_chunked`'s.
+  `ssd.ssd_chunked`'s; `ssd_fn`: that SSD or the fused kernels' (`ssd_chunks.chunked_ssd`).
 
   -> (y_BTHP without the D skip, h_T) fp32. (x0, k0): the token before the first (zeros if
   None); the second input is beta_t x_{t-1} k_{t-1}^T with beta_t = beta'_t exp(a_t).
@@ -198,9 +202,9 @@ def trapezoid_chunked(x_BTHP, a_BTH, gamma_BTH, betap_BTH, k_BTHN, q_BTHN, *, ch
   x_prev = previous_token(x_BTHP, x0, reset_BT)
   k_prev = previous_token(k_BTHN, k0, reset_BT)
   beta = betap_BTH * jnp.exp(a_BTH)
-  return ssd.ssd_chunked(x_BTHP * gamma_BTH[..., None], a_BTH, k_BTHN, q_BTHN, chunk=chunk,
-                         h0_BHPN=h0_BHPN, extra=(x_prev * beta[..., None], k_prev),
-                         reset_BT=reset_BT, dot_dtype=dot_dtype)
+  return ssd_fn(x_BTHP * gamma_BTH[..., None], a_BTH, k_BTHN, q_BTHN, chunk=chunk,
+                h0_BHPN=h0_BHPN, extra=(x_prev * beta[..., None], k_prev), reset_BT=reset_BT,
+                dot_dtype=dot_dtype)
 
 
 def trapezoid_step(h_BHPN, x0_BHP, k0_BHN, x_BHP, a_BH, gamma_BH, betap_BH, k_BHN, q_BHN):
@@ -436,8 +440,10 @@ class Mamba3(FullForwardRemat, Mixer):
     if recurrent:
       y, h = trapezoid_recurrent(*args, **carried)
     else:
+      fn = ssd_chunks.chunked_ssd(state is None, u["x"].shape, k.shape, self.opts.chunk_size,
+                                  what=type(self).__name__)
       y, h = trapezoid_chunked(*args, chunk=self.opts.chunk_size,
-                               dot_dtype=dtype_of(self.cfg.dtype), **carried)
+                               dot_dtype=dtype_of(self.cfg.dtype), ssd_fn=fn, **carried)
     y = (y + self.D[...].astype(f32)[:, None] * u["x"]) * jax.nn.silu(u["z"])
     return y, None if state is None else self._next_state(st, u, phi, h, k)
 
