@@ -41,9 +41,9 @@ Convention (what a figure means):
   tiles are never visited), and v_l is its own schedule for the census's inputs
   (`decayed.tile_visits`, `_visits`): one document of T tokens (no packing, no padding, T a
   multiple of the tiles or padded as the kernel pads), causal, no window, g_t = -0.01 t (a
-  cumulative log-decay falling 0.01 nats a token, `DECAY_PER_TOKEN`). The classes follow from
-  positions, segments and g alone, so these counts are the launch's on any q, k, v of that
-  shape. At T 2048 with the head-dim-64 tiles a pass visits the 240 off-diagonal tiles of the
+  cumulative log-decay falling 0.01 nats a token, `DECAY_PER_TOKEN`; FoX's and ALiBi's
+  classes do not depend on g, SISA's do). The classes follow from positions, segments and g
+  alone, so these counts are the launch's on any q, k, v (and SISA's c, b) of that shape. At T 2048 with the head-dim-64 tiles a pass visits the 240 off-diagonal tiles of the
   lower triangle in its FULL loop and the 32 meeting the diagonal in its MASKED_FACTORED
   (SISA) or PARTIAL (FoX, ALiBi) loop. SISA's PARTIAL loop (the per-element fallback: document
   boundaries, padding, a decay span beyond `decayed.FACTOR_SPAN` nats within a tile pair)
