@@ -1,15 +1,19 @@
 """attn_jax/train/kernel_census.py: the PTX reader on hand-written kernels (what counts as an
 instruction, which blocks are the loop, a branch inside it, per-element normalisation), the
-tiles and chains read from a traced Pallas kernel, loop iterations counted in interpret mode,
-the census in docs/hardware.md and in --compile_only, and (slow, CI with the targets extra)
-JAX's own flash attention as a check of the normalisation and the decayed kernel's census for
-an H100 against issue 60's limits."""
+tiles and chains read from a traced Pallas kernel, loops of a chain weighted by the tiles each
+visits, the census in docs/hardware.md and in --compile_only, and (slow, CI) the decayed
+kernel's `tile_visits` against its loops' trip counts in interpret mode, and, with the targets
+extra, JAX's own flash attention as a check of the normalisation and the decayed kernel's
+census for an H100 against issue 60's limits."""
 
+import collections
+import contextlib
 import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.experimental import pallas as pl
 
@@ -205,10 +209,10 @@ def _two_loop_kernel(x_ref, y_ref, o_ref, *, chained: bool):
 
 
 @pytest.mark.parametrize("chained", [True, False])
-def test_loops_handing_on_one_accumulation_are_one_chain_weighted_by_iterations(chained):
+def test_loops_handing_on_one_accumulation_are_one_chain_weighted_by_visits(chained):
   """A full-tile loop then a partial-tile loop (one carry) split the tiles: their figures are
-  averaged, weighted by the iterations each ran (counted in interpret mode); two loops with
-  accumulations of their own each visit every element: summed."""
+  averaged, weighted by the tiles each visits; two loops with accumulations of their own each
+  visit every element: summed."""
   x, y = jnp.full((32, 64), 3.0), jnp.zeros((64, 8))
 
   def fn(x, y):     # pallas_call made while traced, as the census's programs make theirs
@@ -217,14 +221,89 @@ def test_loops_handing_on_one_accumulation_are_one_chain_weighted_by_iterations(
                           interpret=True)(x, y) * 2
   (c,) = kc.pallas_calls(jax.make_jaxpr(fn)(x, y))
   assert c.tiles == ((32, 8), (32, 8)) and c.chains == ((0, 0) if chained else (0, 1))
-  trips = kc.loop_trips(lambda: (fn, (x, y)), "cpu")
-  assert trips == {"two": [3, 1]}
   per = functools.partial(kc._per_element, tiles=c.tiles, chains=c.chains, threads=64)
   if chained:
     assert per([10, 30], trips=(3, 1)) == pytest.approx((3 * 10 + 30) * 64 / (4 * 256))
-    assert per([10, 30], trips=()) == pytest.approx(30 * 64 / 256)   # uncounted: the larger
+    assert per([10, 30], trips=(3, 0)) == pytest.approx(10 * 64 / 256)   # a loop never run
+    assert per([10, 30], trips=()) == pytest.approx(30 * 64 / 256)   # unknown: the larger
   else:
     assert per([10, 30], trips=(3, 1)) == pytest.approx((10 + 30) * 64 / 256)
+
+
+@contextlib.contextmanager
+def _counting_loops(monkeypatch, counts: collections.Counter):
+  """While traced, each Pallas kernel's `fori_loop`s count their iterations (a debug callback
+  in the body) into counts[(kernel name, k)], k the loop's order in the kernel: through the
+  module attributes `pl.pallas_call` and `lax.fori_loop`, as kernels/decayed.py calls them."""
+  call, fori = pl.pallas_call, jax.lax.fori_loop
+  kernels = []        # [name, loops so far] of the kernel being traced
+
+  def pallas_call(kernel, *a, **kw):
+    @functools.wraps(kernel)
+    def traced(*refs, **kr):
+      kernels.append([kw.get("name"), 0])
+      try:
+        return kernel(*refs, **kr)
+      finally:
+        kernels.pop()
+    return call(traced, *a, **kw)
+
+  def fori_loop(lower, upper, body, init, **kw):
+    if not kernels:
+      return fori(lower, upper, body, init, **kw)
+    key = tuple(kernels[-1])
+    kernels[-1][1] += 1
+
+    def counted(i, carry):
+      jax.debug.callback(functools.partial(counts.update, [key]))
+      return body(i, carry)
+    return fori(lower, upper, counted, init, **kw)
+
+  monkeypatch.setattr(pl, "pallas_call", pallas_call)
+  monkeypatch.setattr(jax.lax, "fori_loop", fori_loop)
+  yield
+
+
+@pytest.mark.parametrize("terms", ["sisa", "fox"])
+def test_tile_visits_are_the_loops_trip_counts(monkeypatch, terms):
+  """What the census weighs the decayed kernel's loops by (`decayed.tile_visits`, `_visits`)
+  is what its loops run: the GPU loop driver in Pallas interpret mode (fwd + bwd, T 256, the
+  fwd / dq tiles 64 x 32, dkv's 32 x 64, g falling 1 nat a token) counts each pass's loop
+  iterations over the launch, equal to the visits in program order. With that decay SISA's
+  diagonal tiles split between MASKED_FACTORED (a decay span of 31 nats) and PARTIAL (63 >
+  FACTOR_SPAN): every class of every pass has tiles."""
+  from attn_jax import kernel_choice
+  from attn_jax.kernels import decayed
+  T, D, S = 256, 16, 8
+  tune = decayed.GpuTuning(64, 32, (4, 4, 4), (2, 2, 2), (32, 64))
+  sisa = terms == "sisa"
+  rng = np.random.default_rng(0)
+  q, k, v = (jnp.asarray(rng.standard_normal((1, T, 1, D)), jnp.float32) for _ in range(3))
+  c, b = (jnp.asarray(rng.standard_normal((1, T, 1, S)), jnp.float32) for _ in range(2))
+  g = -1.0 * jnp.arange(T, dtype=jnp.float32)[None, :, None]
+
+  def loss(q, k, v, c, b):
+    kw = dict(c_BTHS=c, b_BTHS=b) if sisa else dict(fox=True)
+    o = decayed.decayed_attention(q, k, v, scale=D ** -0.5, g_BTH=g, interpret=True,
+                                  gpu_tuning=tune, **kw)
+    return jnp.sum(o ** 2)
+
+  counts = collections.Counter()
+  jax.clear_caches()        # the kernels traced again, under the counting loops
+  with kernel_choice.use_platform("gpu"), _counting_loops(monkeypatch, counts):
+    jax.block_until_ready(jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(q, k, v, c, b))
+  jax.effects_barrier()
+  visits = decayed.tile_visits(T, D, fox=not sisa, sisa=sisa, gpu_tuning=tune,
+                               decay_per_token=1.0)
+  loops = kc._visits(kc.DecayedCall(sisa=sisa, fox=not sisa), T, D, gpu_tuning=tune,
+                     decay_per_token=1.0)
+  for name in decayed.PASSES:
+    full, factored, partial = visits[name]
+    assert full and partial and (factored > 0) == sisa, (name, visits[name])
+    kernel = f"decayed_{name}"
+    assert loops[kernel] == ((full, factored, partial) if sisa else (full, partial))
+    ran = tuple(counts[kernel, i] for i in range(len(loops[kernel]) + 1))
+    assert ran == loops[kernel] + (0,), (name, ran, visits[name])   # and no other loop ran
 
 
 def test_the_hardware_page_keeps_and_renders_the_census(tmp_path, monkeypatch):

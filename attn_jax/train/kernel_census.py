@@ -32,15 +32,25 @@ Convention (what a figure means):
   code once per tile of M x N elements;
 - a kernel's loops form *chains* (`PallasCall.chains`, from the traced kernel): loops that
   hand one accumulation on (the carry one returns reaches the next one's operands) split the
-  tiles between them (a loop over full tiles without a mask, then one over the diagonal's
-  partial tiles), loops with accumulations of their own each visit every element (JAX's
+  tiles between them, loops with accumulations of their own each visit every element (JAX's
   `mha_backward`: dk / dv over query tiles, then dq over key tiles). Chains are summed; the
-  loops of one chain are weighted by the iterations each runs over the launch,
-  sum_l trips_l x instructions_l x threads / sum_l trips_l M_l N_l. The iterations are not in
-  the code: `loop_trips` runs the program on this CPU in Pallas interpret mode with the same
-  tiles, on example inputs (`_example`: one document, g decreasing by 0.01 a token), each
-  kernel's `fori_loop` bodies counting their iterations; uncounted, a chain takes its largest
-  loop's figure;
+  loops of one chain are weighted by their share of the tiles the chain visits over the
+  launch (one iteration a tile), sum_l v_l x instructions_l x threads / sum_l v_l M_l N_l,
+  v_l the tiles loop l visits. The decayed kernel runs one loop per tile class in each pass
+  (`kernels/decayed.py`: FULL, then MASKED_FACTORED for SISA without FoX, then PARTIAL; EMPTY
+  tiles are never visited), and v_l is its own schedule for the census's inputs
+  (`decayed.tile_visits`, `_visits`): one document of T tokens (no packing, no padding, T a
+  multiple of the tiles or padded as the kernel pads), causal, no window, g_t = -0.01 t (a
+  cumulative log-decay falling 0.01 nats a token, `DECAY_PER_TOKEN`; FoX's and ALiBi's
+  classes do not depend on g, SISA's do). The classes follow from positions, segments and g
+  alone, so these counts are the launch's on any q, k, v (and SISA's c, b) of that shape. At T 2048 with the head-dim-64 tiles a pass visits the 240 off-diagonal tiles of the
+  lower triangle in its FULL loop and the 32 meeting the diagonal in its MASKED_FACTORED
+  (SISA) or PARTIAL (FoX, ALiBi) loop. SISA's PARTIAL loop (the per-element fallback: document
+  boundaries, padding, a decay span beyond `decayed.FACTOR_SPAN` nats within a tile pair)
+  depends on the data: for one document with gentle decay it visits no tile and weighs 0 in
+  the figure (its cost alone is in `Pass.loop_instructions`); packed documents or strong
+  decay give it a share. A kernel with no visit counts (JAX's `mha`, one loop per chain) takes
+  each chain's largest loop;
 - `ex2` per element the same for MUFU `ex2.approx` (libdevice's `expf` is one `ex2` among
   ~10 instructions; `exp2` with log2 e folded into the scale is the `ex2` alone);
 - MMA: the loop's `wgmma.mma_async` (Hopper's warpgroup MMA) and `mma.sync` (Ampere's warp
@@ -382,7 +392,7 @@ class Pass:
   kernel_mma: dict[str, int]   # in the whole kernel
   shortest: float = 0.0        # instructions per element along the loops' shortest paths
   chains: tuple[int, ...] = ()            # each loop's chain (`PallasCall`)
-  trips: tuple[int | None, ...] = ()      # each loop's iterations over the launch, when counted
+  trips: tuple[int | None, ...] = ()      # the tiles each loop visits over the launch, if known
   loop_instructions: tuple[float, ...] = ()   # per element, each loop alone
 
   def mma_kinds(self) -> dict[str, int]:
@@ -405,9 +415,9 @@ class Pass:
 
 def _per_element(values: list[float], tiles, chains, trips, threads: int) -> float:
   """A per-iteration figure of each loop per (query, key) element of the kernel: each chain's
-  loops (one accumulation over disjoint tiles) weighted by the iterations each ran,
-  sum_l trips_l v_l threads / sum_l trips_l M_l N_l, or the largest loop's when the
-  iterations are not known; the chains (accumulations of their own over every element)
+  loops (one accumulation over disjoint tiles) weighted by the tiles each visits (`trips`, one
+  iteration a tile), sum_l trips_l v_l threads / sum_l trips_l M_l N_l, or the largest loop's
+  when the visits are not known; the chains (accumulations of their own over every element)
   summed."""
   out = 0.0
   for c in sorted(set(chains)):
@@ -424,8 +434,8 @@ def _per_element(values: list[float], tiles, chains, trips, threads: int) -> flo
 
 def combine(variant: str, code: KernelCode, call: PallasCall, launch: Launch | None,
             trips: tuple[int | None, ...] = ()) -> Pass:
-  """A kernel's figures from its PTX, its Pallas call, its launch and (optional) each loop's
-  iterations (`_per_element`). The loops of the PTX and of the Pallas kernel must match one to
+  """A kernel's figures from its PTX, its Pallas call, its launch and (optional) the tiles each
+  loop visits (`_per_element`). The loops of the PTX and of the Pallas kernel must match one to
   one (else: an error naming both counts)."""
   if len(code.loops) != len(call.tiles):
     raise ValueError(f"{code.name}: {len(code.loops)} innermost loop(s) in the PTX against "
@@ -475,76 +485,13 @@ def _optimized():
     jax.config.update(flag, before)
 
 
-@contextlib.contextmanager
-def _counting_loops(counts: collections.Counter, innermost: dict[str, list[int]]):
-  """While a program is traced: each Pallas kernel's `fori_loop`s count their iterations
-  (a debug callback in the body) into counts[(kernel name, k)], k the loop's order among the
-  kernel's `fori_loop`s; innermost[name]: the k of those with no `fori_loop` inside. Through
-  the module attributes `pallas.pallas_call` and `lax.fori_loop` (how kernels/decayed.py and
-  JAX's `mha` call them), put back on exit."""
-  from jax.experimental import pallas as pl
-  call, fori = pl.pallas_call, jax.lax.fori_loop
-  kernels: list[list] = []          # [name, loops so far] of the kernels being traced
-  open_loops: list[tuple[str, int]] = []
-
-  def pallas_call(kernel, *a, **kw):
-    name = kw.get("name") or getattr(kernel, "__name__", "?")
-
-    @functools.wraps(kernel)
-    def traced(*refs, **kr):
-      kernels.append([name, 0])
-      try:
-        return kernel(*refs, **kr)
-      finally:
-        kernels.pop()
-    return call(traced, *a, **kw)
-
-  def fori_loop(lower, upper, body, init, **kw):
-    if not kernels:
-      return fori(lower, upper, body, init, **kw)
-    key = (kernels[-1][0], kernels[-1][1])
-    kernels[-1][1] += 1
-    for name, k in open_loops:        # a loop inside another: the outer one is not innermost
-      if name == key[0]:
-        innermost[name] = [x for x in innermost[name] if x != k]
-    innermost.setdefault(key[0], []).append(key[1])
-
-    def counted(i, carry):
-      jax.debug.callback(functools.partial(counts.update, [key]))
-      return body(i, carry)
-    open_loops.append(key)
-    try:
-      return fori(lower, upper, counted, init, **kw)
-    finally:
-      open_loops.pop()
-
-  pl.pallas_call, jax.lax.fori_loop = pallas_call, fori_loop
-  try:
-    yield
-  finally:
-    pl.pallas_call, jax.lax.fori_loop = call, fori
-
-
-def loop_trips(program: Callable[[], tuple[Callable, tuple]], device) -> dict[str, list[int]]:
-  """{kernel name: iterations of each innermost loop, in program order, over the whole launch}
-  of `fn(*example)` (`program()` -> (fn, concrete example arguments), fn calling its kernels in
-  Pallas interpret mode) run on this CPU with the kernels built for `device`."""
-  counts: collections.Counter = collections.Counter()
-  innermost: dict[str, list[int]] = {}
-  jax.clear_caches()     # a kernel traced before (same function and shapes) is traced again
-  with kernel_choice.use_platform(device), _counting_loops(counts, innermost):
-    fn, example = program()
-    jax.block_until_ready(jax.jit(fn)(*example))
-  jax.effects_barrier()
-  return {name: [counts[name, k] for k in ks] for name, ks in innermost.items()}
-
-
 def census_of(variant: str, fn: Callable, args: tuple, device,
-              interpreted: Callable[[], tuple[Callable, tuple]] | None = None) -> list[Pass]:
+              visits: dict[str, tuple[int, ...]] | None = None) -> list[Pass]:
   """The Pallas kernels of `jax.jit(fn)(*args)` compiled for `device` (a compile-only GPU
-  device of `attn_jax.targets`), one Pass each, in program order. `interpreted`: the same
-  program in Pallas interpret mode with example arguments (`loop_trips`), run when a kernel has
-  chained loops, whose iterations weight them (`_per_element`)."""
+  device of `attn_jax.targets`), one Pass each, in program order. `visits`: {kernel name: the
+  tiles each of its innermost loops visits over the launch, in program order} (`_visits`),
+  which weight the loops of a chain (`_per_element`); a kernel absent from it has none (its
+  chains take their largest loop's figure)."""
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
   with kernel_choice.use_platform(device):
@@ -555,17 +502,19 @@ def census_of(variant: str, fn: Callable, args: tuple, device,
       jax.jit(fn, in_shardings=NamedSharding(mesh, P())).lower(*args).compile(
           {"xla_dump_to": folder})
       codes, launches = read_dump(folder)
-  chained = any(len(set(c.chain_of())) < len(c.tiles) for c in calls)
-  trips = loop_trips(interpreted, device) if chained and interpreted else {}
+  visits = visits or {}
   out = []
   for call in calls:
     if call.name not in codes:
       raise ValueError(f"{variant}: Pallas call {call.name!r} has no kernel in the PTX of the "
                        f"dump (kernels there: {', '.join(sorted(codes))})")
     if call.tiles:    # a kernel without a loop (a preprocessing pass) is no census row
-      ts = trips.get(call.name, [])
-      out.append(combine(variant, codes[call.name], call, launches.get(call.name),
-                         tuple(ts) if len(ts) == len(call.tiles) else ()))
+      ts = tuple(visits.get(call.name, ()))
+      if ts and len(ts) != len(call.tiles):
+        raise ValueError(f"{variant}: {call.name} has {len(call.tiles)} innermost loop(s) "
+                         f"({call.tiles}) against {len(ts)} visit counts {ts}: the census "
+                         "cannot tell which loop visits which tiles")
+      out.append(combine(variant, codes[call.name], call, launches.get(call.name), ts))
   return out
 
 
@@ -589,10 +538,8 @@ REFERENCE = "JAX mha"
 D_STATE = 32     # SISA's d_state in the 152M / 369M presets (configs/sisa_152m.py)
 
 
-def _decayed_program(call: DecayedCall, T: int, D: int, dtype, d_state: int = D_STATE,
-                     interpret: bool = False):
-  """(loss, abstract args): fwd + bwd of one head of the kernel, every input's gradient
-  (`interpret`: the kernels in Pallas interpret mode)."""
+def _decayed_program(call: DecayedCall, T: int, D: int, dtype, d_state: int = D_STATE):
+  """(loss, abstract args): fwd + bwd of one head of the kernel, every input's gradient."""
   sds, f32 = jax.ShapeDtypeStruct, jnp.float32
   qkv = (sds((1, T, 1, D), dtype),) * 3
   args = qkv + (sds((1, T, 1), f32),)
@@ -607,54 +554,51 @@ def _decayed_program(call: DecayedCall, T: int, D: int, dtype, d_state: int = D_
       kw["g_lo_BTH"], rest = rest[0], rest[1:]
     if call.sisa:
       kw["c_BTHS"], kw["b_BTHS"] = rest
-    if interpret:
-      kw["interpret"] = True
     o = decayed.decayed_attention(q, k, v, scale=D ** -0.5, **kw)
     return jnp.sum(o.astype(f32) ** 2)
   return jax.grad(loss, argnums=tuple(range(len(args)))), args
 
 
-def _reference_program(T: int, D: int, dtype, interpret: bool = False):
+def _reference_program(T: int, D: int, dtype):
   """JAX's Pallas-Triton flash attention, causal, at its default tiles and warps."""
   from jax.experimental.pallas.ops.gpu import attention
   sds = jax.ShapeDtypeStruct
 
   def loss(q, k, v):
-    o = attention.mha(q, k, v, None, sm_scale=D ** -0.5, causal=True, interpret=interpret)
+    o = attention.mha(q, k, v, None, sm_scale=D ** -0.5, causal=True)
     return jnp.sum(o.astype(jnp.float32) ** 2)
   return jax.grad(loss, argnums=(0, 1, 2)), (sds((1, T, 1, D), dtype),) * 3
 
 
-DECAY_PER_TOKEN = -0.01   # the example's log-decay: g_t = -0.01 t (a pair 100 tokens apart: e^-1)
+DECAY_PER_TOKEN = 0.01   # the census's log-decay: g_t = -0.01 t (a pair 100 tokens apart: e^-1)
 
 
-def _example(args) -> tuple:
-  """Concrete arguments of a census program: normal q, k, v and factors, and a cumulative
-  log-decay g (the [1, T, 1] fp32 arguments: g, then its low word, 0) that decreases along the
-  row as a mixer's does (SISA's tile classes depend on it)."""
-  rng = np.random.default_rng(0)
-  out, gs = [], 0
-  for a in args:
-    if a.shape == args[0].shape[:2] + (1,) and a.dtype == jnp.float32:
-      g = DECAY_PER_TOKEN * np.arange(a.shape[1], dtype=np.float32)[None, :, None]
-      out.append(jnp.asarray(g if gs == 0 else np.zeros_like(g)))
-      gs += 1
-    else:
-      out.append(jnp.asarray(rng.standard_normal(a.shape), a.dtype))
-  return tuple(out)
+def _visits(call: DecayedCall, T: int, D: int, *, gpu_tuning: decayed.GpuTuning | None = None,
+            decay_per_token: float = DECAY_PER_TOKEN) -> dict[str, tuple[int, ...]]:
+  """{kernel name: the tiles each loop of the pass visits, in program order} for the census's
+  inputs (module docstring): the kernel's own schedule, `decayed.tile_visits`, one unpacked
+  causal row of T tokens, g decaying by `decay_per_token` a token, the head dim's tiles
+  (`gpu_tuning`: those of a call that names its own). Its loops are one per class
+  in the order (FULL, MASKED_FACTORED, PARTIAL), the MASKED_FACTORED one only for SISA without
+  FoX (`tile_visits`), where the class exists."""
+  masked = call.sisa and not call.fox
+  out = {}
+  for name, (full, factored, partial) in decayed.tile_visits(
+      T, D, fox=call.fox, sisa=call.sisa, gpu_tuning=gpu_tuning,
+      decay_per_token=decay_per_token).items():
+    if factored and not masked:
+      raise ValueError(f"decayed.tile_visits: {factored} MASKED_FACTORED tiles in the {name} "
+                       f"pass of a kernel without that loop ({call})")
+    out[f"decayed_{name}"] = (full, factored, partial) if masked else (full, partial)
+  return out
 
 
 def _programs(name: str, T: int, D: int, dtype):
-  """(fn, abstract args, the interpreted program for `loop_trips`) of a census row."""
-  def make(interpret: bool):
-    if name == REFERENCE:
-      return _reference_program(T, D, dtype, interpret)
-    return _decayed_program(VARIANTS[name], T, D, dtype, interpret=interpret)
-
-  def interpreted():
-    fn, args = make(True)
-    return fn, _example(args)
-  return (*make(False), interpreted)
+  """(fn, abstract args, the visits of its kernels' loops: `census_of`) of a census row."""
+  if name == REFERENCE:
+    return (*_reference_program(T, D, dtype), None)
+  call = VARIANTS[name]
+  return (*_decayed_program(call, T, D, dtype), _visits(call, T, D))
 
 
 def census(target: str = "h100x1", *, seq_len: int = 2048, head_dim: int = 64,
@@ -663,7 +607,8 @@ def census(target: str = "h100x1", *, seq_len: int = 2048, head_dim: int = 64,
   """Every pass of the decayed kernel for each variant, and JAX's `mha`, compiled for the
   first device of GPU `target` at one batch row and one head of [seq_len, head_dim] (the
   counts are per element: the batch and heads change the grid, not the loops; the length
-  changes the loops' code a little, e.g. SISA's dkv 97.9 at T 256, 97.7 at 2048)."""
+  changes the loops' code a little, e.g. SISA's dkv 97.9 at T 256, 97.7 at 2048 on main at
+  7a9c5ce, and the share of tiles each loop visits: `_visits`)."""
   if targets.get(target).platform != "gpu":
     raise ValueError(f"the kernel census reads Triton's PTX: {target!r} is not a GPU target")
   device = targets.devices(target)[0]
@@ -671,8 +616,8 @@ def census(target: str = "h100x1", *, seq_len: int = 2048, head_dim: int = 64,
   for name in variants:
     if progress:
       progress(f"kernel census: compiling {name} for {target} ...")
-    fn, args, interpreted = _programs(name, seq_len, head_dim, dtype)
-    out += census_of(name, fn, args, device, interpreted)
+    fn, args, visits = _programs(name, seq_len, head_dim, dtype)
+    out += census_of(name, fn, args, device, visits)
   return out
 
 
@@ -712,7 +657,7 @@ def _instructions(p: Pass) -> str:
 
 def _tiles(p: Pass) -> str:
   """'128x32'; loops of one chain joined by '>', chains by '+', each loop's iterations over the
-  launch in brackets where counted: '128x64 [240] > 128x64 [32]'."""
+  launch (the tiles it visits) in brackets where known: '128x64 [240] > 128x64 [32]'."""
   chains = p.chains or tuple(range(len(p.tiles)))
   out = ""
   for i, (m, n) in enumerate(p.tiles):
