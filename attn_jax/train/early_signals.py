@@ -42,6 +42,21 @@ BEFORE_TRAINING = "before training started (nothing to save)"
 AFTER_TRAINING = "after its training steps (their checkpoints are saved)"
 
 
+class StoppedBySignal(Exception):
+  """A run that a signal ended where no step boundary came (e.g. during a save that did not
+  end within the grace after the signal, train/checkpoint.py). Entry points print its message
+  as it is, without `error:`, and exit 128 + the signal (attn_jax/cli.py)."""
+
+  signal_name: str = "SIGTERM"
+
+  @property
+  def exit_status(self) -> int:
+    try:
+      return 128 + int(signal.Signals[str(self.signal_name)])
+    except KeyError:
+      return 128 + int(signal.SIGTERM)
+
+
 class _State:
   def __init__(self):
     self.installed = False
