@@ -646,7 +646,7 @@ class Checkpointer:
     known = [s for s in (self._committed, self.restored_step) if s is not None]
     return max(known) if known else None
 
-  def _resume_point(self) -> str:
+  def resume_point(self) -> str:
     last = self.last_committed
     return (f"the last committed step is {last} in {self.directory}: rerun the same command "
             "to resume from it" if last is not None
@@ -671,12 +671,12 @@ class Checkpointer:
           f"stopped by {signal_name} while checkpoint step {step} was being saved in "
           f"{self.directory}: the save did not end within {self.signal_grace_s:g} s of the "
           f"signal (config.checkpoint.signal_grace_s), so it was abandoned; "
-          f"{self._resume_point()}", step=step, last_committed=self.last_committed,
+          f"{self.resume_point()}", step=step, last_committed=self.last_committed,
           signal_name=signal_name)
     return CheckpointStalledError(
         f"saving checkpoint step {step} in {self.directory} stalled: it did not end within "
         f"{self.save_timeout_s:g} s (config.checkpoint.save_timeout_s), so it was abandoned "
-        f"(is the storage answering?); {self._resume_point()}", step=step,
+        f"(is the storage answering?); {self.resume_point()}", step=step,
         last_committed=self.last_committed)
 
   def _wait_for(self, step: int | None) -> None:
@@ -766,6 +766,12 @@ class PreemptionGuard:
     self.should_stop = False
     self.signal_name: str | None = None
     self.stop_time: float | None = None   # time.monotonic() of the first stop signal
+    # Where the trainer arms it: the process ends `backstop_s` after the first signal whatever
+    # it waits in, printing `backstop_line()` (early_signals.end_after); `disarm` cancels it.
+    self.backstop_s: float | None = None
+    self.backstop_line = lambda: early_signals.stopped_line(
+        self.signal_name or "signal", "(the run did not end in time)")
+    self._backstop = None
     self.sync_every = max(1, int(sync_every))
     self._previous: dict[int, Any] = {}
     self._active = False
@@ -778,7 +784,9 @@ class PreemptionGuard:
       raise KeyboardInterrupt
     if self.stop_time is None:
       self.stop_time = time.monotonic()   # a save still running signal_grace_s after this
-    self.should_stop = True               # is abandoned (Checkpointer.stop_when)
+      if self.backstop_s is not None:     # is abandoned (Checkpointer.stop_when)
+        self._backstop = early_signals.end_after(self.backstop_s, signum, self.backstop_line)
+    self.should_stop = True
     self.signal_name = signal.Signals(signum).name
     logging.warning("received %s: %s", self.signal_name, self.then)
 
@@ -794,6 +802,12 @@ class PreemptionGuard:
     self._active = True
     early_signals.guard_entered()   # the entry point's handlers step aside (early_signals.py)
     return self
+
+  def disarm(self) -> None:
+    """Cancels the backstop timer (the run ended by itself)."""
+    if self._backstop is not None:
+      self._backstop.cancel()
+      self._backstop = None
 
   def __exit__(self, *exc) -> None:
     """Puts the previous handlers back; a second call does nothing."""

@@ -175,6 +175,36 @@ def _end_if_abandonable(signum: int) -> None:
   os._exit(128 + int(signum))
 
 
+def end_after(seconds: float, signum: int, line: Callable[[], str]) -> threading.Timer | None:
+  """The backstop of a stop signal inside a guard (entry points only: None without `install`):
+  a daemon timer that, unless cancelled, ends the process `seconds` from now as a signal
+  outside a guard does (the `on_abandon` clean-ups, then `line()` and exit 128 + `signum`),
+  whatever the main thread is blocked in (a library call that waits without an end). The
+  trainer arms it past the bounded waits it should never be needed behind."""
+  if not _state.installed:
+    return None
+
+  def fire():
+    _state.lock.acquire(timeout=1.0)   # the watcher may be ending the process already
+    for cleanup in reversed(list(_state.cleanups)):
+      try:
+        cleanup()
+      except Exception:  # noqa: BLE001 - ending anyway
+        pass
+    try:
+      text = line()
+    except Exception:  # noqa: BLE001
+      text = stopped_line(signal.Signals(signum).name, "(the run did not end in time)")
+    _write_line(text)
+    os._exit(128 + int(signum))
+
+  timer = threading.Timer(seconds, fire)
+  timer.daemon = True
+  timer.name = "attn_jax-signal-backstop"
+  timer.start()
+  return timer
+
+
 def _flush() -> None:
   for stream in (sys.stdout, sys.stderr):
     try:

@@ -71,10 +71,11 @@ import ml_collections
 
 from attn_jax import paths, sharding as shd, storage
 from attn_jax.config import RunConfig
+from attn_jax.field_checks import is_number
 from attn_jax.data import pipeline
 from attn_jax.train import early_signals, fitting, init_from, preflight, resume, setup as setup_lib
-from attn_jax.train.checkpoint import (Checkpointer, CheckpointStalledError, PreemptionGuard,
-                                       check_writable)
+from attn_jax.train.checkpoint import (SIGNAL_GRACE_S, Checkpointer, CheckpointStalledError,
+                                       PreemptionGuard, check_writable)
 from attn_jax.train.fitting import BatchGeometry
 from attn_jax.train.loss_monitor import (LossMonitor, NonFiniteTrainingError, halt_message,
                                          halt_reason)
@@ -111,6 +112,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict | RunConfig, workdir: s
   early_signals.stopped_when(early_signals.BEFORE_TRAINING)
   with PreemptionGuard() as guard:
     guard.then = f"stopping {early_signals.BEFORE_TRAINING}"
+    # A signal's backstop (entry points): past the save's grace, the lock release and the
+    # writers' close, the process ends whatever it waits in (early_signals.end_after). The
+    # grace as given (validated with the rest below; a bad one falls back to the default).
+    grace = getattr(config.checkpoint, "signal_grace_s", SIGNAL_GRACE_S)
+    guard.backstop_s = (grace if is_number(grace) and grace > 0 else SIGNAL_GRACE_S) + \
+        BACKSTOP_MARGIN_S
     try:
       with early_signals.abandonable():   # every check, before any file is written
         setup = preflight.checked_setup(config)
@@ -121,6 +128,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict | RunConfig, workdir: s
       return {"preempted": e.signal_name, "step": e.step, "before_training": True,
               "workdir": workdir,
               "checkpoint_dir": paths.name(paths.run_path(workdir) / "checkpoints")}
+    finally:
+      guard.disarm()   # ended by itself (its locks released): no backstop needed
 
 
 def _locked(config: RunConfig, workdir: str, eval_callbacks, setup: "Setup",
@@ -144,6 +153,10 @@ def _locked(config: RunConfig, workdir: str, eval_callbacks, setup: "Setup",
     finally:
       release()
       locks.clear()
+
+
+BACKSTOP_MARGIN_S = 10.0   # after checkpoint.signal_grace_s: the writers' close (5 s) and the
+                          # lock release (object storage: 5 s)
 
 
 class StoppedBeforeTraining(Exception):
@@ -190,6 +203,9 @@ def _train_and_evaluate(config: RunConfig, workdir, eval_callbacks, setup: Setup
                           last=config.train.steps)
   run.out.writer.stop_when(lambda: guard.should_stop)   # a stalled writer never delays a signal
   run.ckpt.stop_when(guard)   # nor does a save: abandoned signal_grace_s after it (checkpoint.py)
+  guard.backstop_line = lambda: (
+      f"stopped by {guard.signal_name or 'a signal'}: the run did not end within "
+      f"{guard.backstop_s:g} s of the signal; {run.ckpt.resume_point()}")
   error: BaseException | None = None
   try:
     for step in range(run.start + 1, config.train.steps + 1):
