@@ -17,6 +17,15 @@ in the entry points that read a run. `check(path, what)` says either in one line
 A local path passes both. `StorageError` is an OSError raised by the project, so the entry
 points print it as their one `error:` line with exit status 2 (attn_jax/cli.py).
 
+Storage that stops answering. gcsfs sends its requests without a timeout (it passes
+`requests_timeout=None` to aiohttp, which turns off aiohttp's own) and fsspec's `sync()` waits
+for them without one, so a request that a server accepts and never answers waits for good, and
+so does whatever waits on it: orbax's commit of a save (its manifest is listed and written
+through gcsfs), and the run's close waiting for that commit. That was issue 61's hang at the end
+of a `gs://` run (reproduced with a fake-gcs-server whose log went to a pipe nobody read: it
+stops answering once the pipe is full). The run's own waits end it instead
+(train/checkpoint.py, "No wait without an end"; workdir.ObjectLock.release within 5 s).
+
 fsspec's IO loop (`keep_io_loop_awake`). Every gcsfs call from a thread runs on one asyncio
 loop in fsspec's "fsspecIO" thread, through `fsspec.asyn.sync`, which waits without a deadline.
 An asyncio loop only wakes from its `select` for I/O, a due timer, or a callback handed over
