@@ -26,7 +26,7 @@ which keeps the process alive for a long time and prints unrelated "cannot sched
 after shutdown" / "Event loop is closed" tracebacks under the one line that matters.
 
 Library noise (`quiet_libraries`, installed by `guarded` unless --debug): the INFO records of
-orbax, grain, etils, tensorstore and JAX's internals are dropped, and so is everything orbax and
+orbax, grain, etils, tensorstore, fsspec, gcsfs and JAX's internals are dropped, and so is everything orbax and
 gcsfs log below CRITICAL (gcsfs logs each retry of an object-storage request with its traceback;
 the failure reaches the user as the project's error naming the path). Every orbax failure reaches the user through the project's own exception
 raised from it (CheckpointSaveError, CheckpointError: the step, the cause, what was kept),
@@ -128,7 +128,7 @@ def leave(status: int) -> None:
   os._exit(status)
 
 
-_LIBRARIES = ("orbax", "grain", "jax/_src", "etils", "tensorstore")
+_LIBRARIES = ("orbax", "grain", "jax/_src", "etils", "tensorstore", "fsspec", "gcsfs")
 # Libraries whose records below CRITICAL are dropped: each failure of theirs reaches the user as
 # the project's own exception raised from it (orbax: every save and restore; gcsfs: every
 # object-storage call, whose retries log a traceback per attempt, ~60 lines for no network).
