@@ -26,10 +26,10 @@ which keeps the process alive for a long time and prints unrelated "cannot sched
 after shutdown" / "Event loop is closed" tracebacks under the one line that matters.
 
 Library noise (`quiet_libraries`, installed by `guarded` unless --debug): the INFO records of
-orbax, grain, etils, tensorstore, fsspec, gcsfs and JAX's internals are dropped, and so is everything orbax and
-gcsfs log below CRITICAL (gcsfs logs each retry of an object-storage request with its traceback;
-the failure reaches the user as the project's error naming the path). Every orbax failure reaches the user through the project's own exception
-raised from it (CheckpointSaveError, CheckpointError: the step, the cause, what was kept),
+orbax, grain, etils, tensorstore, fsspec, gcsfs and JAX's internals are dropped, and so is
+everything orbax and gcsfs log below CRITICAL (gcsfs logs each retry of an object-storage
+request with its traceback; the failure reaches the user as the project's error naming the
+path). Every orbax failure reaches the user through the project's own exception raised from it (CheckpointSaveError, CheckpointError: the step, the cause, what was kept),
 while orbax's background threads log that same failure three or four times with tracebacks
 (a full disk: ~400 lines before the one that says so). Likewise tensorstore reporting the end
 of a read into an orbax event loop that has already closed (a restore that stopped part-way)
