@@ -220,6 +220,26 @@ def test_every_entry_points_path_handling_keeps_a_gs_path_a_uri(tmp_path, monkey
   assert not os.path.exists(tmp_path / "gs:")
 
 
+def test_a_reader_names_the_storage_error_not_a_missing_run(monkeypatch):
+  """eval.py / stream.py (`run_checkpoints`) on a gs:// run whose listing fails (no
+  credentials: gcsfs's `is_dir` would say False) name that error; a run that is not there is
+  still "no checkpoint found"."""
+  from attn_jax import storage
+  from attn_jax.train import checkpoint
+  monkeypatch.setattr(storage, "check", lambda path, what: None)
+
+  def forbidden(directory):
+    raise OSError(f"Forbidden: {directory}\nAnonymous caller does not have storage.objects.list")
+
+  monkeypatch.setattr(checkpoint, "_lists", forbidden)
+  with pytest.raises(storage.StorageError, match=r"cannot read the run directory gs://b/run "
+                     r"\(gs://b/run/checkpoints\): OSError: Forbidden"):
+    checkpoint.run_checkpoints("gs://b/run")
+  monkeypatch.setattr(checkpoint, "_lists", lambda directory: False)
+  with pytest.raises(FileNotFoundError, match="no checkpoint found under gs://b/run/checkpoints"):
+    checkpoint.run_checkpoints("gs://b/run")
+
+
 def test_the_object_lock_refuses_a_live_holder_and_takes_over_a_dead_one(gcs, caplog):
   from attn_jax.train.workdir import ObjectLock, WorkdirLockedError
   run = f"gs://{BUCKET}/locked"
