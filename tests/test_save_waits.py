@@ -83,6 +83,8 @@ def test_a_stalled_save_is_abandoned_after_save_timeout_naming_the_last_committe
     assert "the last committed step is 2" in msg and not isinstance(info.value,
                                                                     CheckpointStoppedError)
     assert info.value.step == 4 and info.value.last_committed == 2
+    with pytest.raises(CheckpointStalledError, match="the save of step 4 was abandoned"):
+      _save(ckpt, 6)   # orbax's own save would wait for the abandoned one
     t = time.monotonic()
     ckpt.close()   # abandoned: orbax's close (which would wait for the save) is not called
     ckpt.wait()

@@ -406,6 +406,11 @@ class Checkpointer:
       raise NonFiniteStateError(
           f"refusing to save step {step}: non-finite values in {nonfinite_paths(state)}; {last}")
     self.wait()   # a failure of the previous save surfaces here, with its step
+    if self._abandoned is not None:   # orbax's own save would wait for that one, without end
+      raise CheckpointStalledError(
+          f"not saving checkpoint step {step} in {self.directory}: the save of step "
+          f"{self._abandoned} was abandoned and may still hold orbax; {self.resume_point()}",
+          step=step, last_committed=self.last_committed)
     items = {"state": ocp.args.StandardSave(state),
              "meta": ocp.args.JsonSave(meta or {})}
     if data_iter is not None:
