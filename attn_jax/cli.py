@@ -6,7 +6,9 @@
 A mistake of the user's (a bad config field, a missing or unreadable file, a bad data line, a
 busy workdir, an unusable checkpoint, a full disk) ends in one line on stderr,
 `error: <message naming the field / file / line>`, and exit status 2 (3 for a run that diverged
-or does not fit in memory), not a 30-line traceback whose last line is the message. `--debug`
+or does not fit in memory), not a 30-line traceback whose last line is the message. A run that a
+signal stopped where no step boundary came (`early_signals.StoppedBySignal`: a save abandoned
+after the signal's grace) prints its message as it is and exits 128 + the signal. `--debug`
 (or ATTN_JAX_DEBUG=1) re-raises instead, with the traceback.
 
 Which errors count as the user's (the rule, not a list of messages):
@@ -24,9 +26,10 @@ which keeps the process alive for a long time and prints unrelated "cannot sched
 after shutdown" / "Event loop is closed" tracebacks under the one line that matters.
 
 Library noise (`quiet_libraries`, installed by `guarded` unless --debug): the INFO records of
-orbax, grain, etils, tensorstore and JAX's internals are dropped, and so is everything orbax
-logs below CRITICAL. Every orbax failure reaches the user through the project's own exception
-raised from it (CheckpointSaveError, CheckpointError: the step, the cause, what was kept),
+orbax, grain, etils, tensorstore, fsspec, gcsfs and JAX's internals are dropped, and so is
+everything orbax and gcsfs log below CRITICAL (gcsfs logs each retry of an object-storage
+request with its traceback; the failure reaches the user as the project's error naming the
+path). Every orbax failure reaches the user through the project's own exception raised from it (CheckpointSaveError, CheckpointError: the step, the cause, what was kept),
 while orbax's background threads log that same failure three or four times with tracebacks
 (a full disk: ~400 lines before the one that says so). Likewise tensorstore reporting the end
 of a read into an orbax event loop that has already closed (a restore that stopped part-way)
@@ -63,26 +66,44 @@ def _project_types() -> tuple[type, ...]:
   from attn_jax.config_flags import ConfigFieldError
   from attn_jax.data.doc_reader import DataError
   from attn_jax.outputs import OutputError
+  from attn_jax.storage import StorageError
   from attn_jax.train.checkpoint import CheckpointError, CheckpointSaveError
   from attn_jax.train.workdir import WorkdirLockedError
   return (ConfigFieldError, DataError, CheckpointError, CheckpointSaveError,
-          WorkdirLockedError, OutputError)
+          WorkdirLockedError, OutputError, StorageError)
 
 
-def _raised_in_project(e: BaseException) -> bool:
+def _innermost_file(e: BaseException) -> str | None:
   tb, last = e.__traceback__, None
   while tb is not None:
     last, tb = tb.tb_frame.f_code.co_filename, tb.tb_next
-  return last is not None and os.path.abspath(last).startswith(_PROJECT_DIRS)
+  return None if last is None else os.path.abspath(last)
+
+
+def _raised_in_project(e: BaseException) -> bool:
+  last = _innermost_file(e)
+  return last is not None and last.startswith(_PROJECT_DIRS)
+
+
+def _missing_storage_backend(e: BaseException) -> bool:
+  """fsspec's "Please install gcsfs to access Google Storage" (a `gs://` path without the
+  package): an ImportError raised by fsspec's registry, wherever the path was first used."""
+  last = _innermost_file(e) or ""
+  return isinstance(e, ImportError) and last.replace(os.sep, "/").endswith("fsspec/registry.py")
 
 
 def exit_status(e: BaseException) -> int | None:
   """The exit status for a user-facing error, or None for a bug (show the traceback)."""
+  from attn_jax.train.early_signals import StoppedBySignal
+  if isinstance(e, StoppedBySignal):
+    return e.exit_status   # 128 + the signal: the run was stopped, its message says where
   if isinstance(e, (MemoryError, FloatingPointError)) and _raised_in_project(e):
     return DIVERGED   # does not fit / diverged: one paragraph naming the knobs
   if isinstance(e, _project_types()):
     return USER_ERROR
   if isinstance(e, (ValueError, OSError, ImportError)) and _raised_in_project(e):
+    return USER_ERROR
+  if _missing_storage_backend(e):
     return USER_ERROR
   return None
 
@@ -107,7 +128,11 @@ def leave(status: int) -> None:
   os._exit(status)
 
 
-_LIBRARIES = ("orbax", "grain", "jax/_src", "etils", "tensorstore")
+_LIBRARIES = ("orbax", "grain", "jax/_src", "etils", "tensorstore", "fsspec", "gcsfs")
+# Libraries whose records below CRITICAL are dropped: each failure of theirs reaches the user as
+# the project's own exception raised from it (orbax: every save and restore; gcsfs: every
+# object-storage call, whose retries log a traceback per attempt, ~60 lines for no network).
+_SILENCED = ("/orbax/", "/gcsfs/")
 
 
 class QuietLibraries(logging.Filter):
@@ -118,7 +143,7 @@ class QuietLibraries(logging.Filter):
     if _tensorstore_task_report(record):
       return False
     path = record.pathname.replace(os.sep, "/")
-    if "/orbax/" in path:
+    if any(name in path for name in _SILENCED):
       return record.levelno >= logging.CRITICAL
     return record.levelno >= logging.WARNING or not any(n in path for n in _LIBRARIES)
 
@@ -182,7 +207,7 @@ def guarded(main: Callable) -> Callable:
       status = exit_status(e)
       if status is None or debug_requested():
         raise
-      print(one_line(e), file=sys.stderr)
+      print(one_line(e) if status < 128 else " ".join(str(e).split()), file=sys.stderr)
       leave(status)
 
   return wrapped

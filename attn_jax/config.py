@@ -119,6 +119,10 @@ class CheckpointConfig:
   max_to_keep: int = 3
   allow_unverified: bool = False  # resume from a step without its checksum manifest (copied
                                   # without it, written by other code): its bytes cannot be checked
+  save_timeout_s: float = 600.0   # a save not committed within this is abandoned: the run ends
+                                  # naming the step and the last committed one (a stalled bucket)
+  signal_grace_s: float = 15.0    # after SIGTERM/SIGINT/SIGHUP, a save still running this long is
+                                  # abandoned (schedulers SIGKILL ~30 s after SIGTERM)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -307,6 +311,10 @@ def validate(config: ml_collections.ConfigDict) -> RunConfig:
   keep = run.checkpoint.max_to_keep
   need(is_int(keep, 1), "checkpoint.max_to_keep",
        f"must be an integer >= 1 (the newest steps kept), got {keep!r}")
+  for name in ("save_timeout_s", "signal_grace_s"):
+    seconds = getattr(run.checkpoint, name)
+    need(is_number(seconds) and seconds > 0, f"checkpoint.{name}",
+         f"must be a number of seconds > 0, got {seconds!r}")
   _check_eval(run.eval, need)
   if o.warmup_steps >= t.steps:
     logging.warning("config.optim.warmup_steps=%d >= config.train.steps=%d: the learning rate "

@@ -496,7 +496,7 @@ import orbax.checkpoint as ocp
 from attn_jax.train import checkpoint, setup as setup_lib
 
 real_next, real_wait = setup_lib.next_batch, checkpoint.Checkpointer.wait
-real_commit_wait = ocp.CheckpointManager.wait_until_finished
+real_in_progress = ocp.CheckpointManager.is_saving_in_progress
 armed, waiting = [], threading.Event()
 # Ctrl-C as in a terminal, whatever pytest inherited (a background job ignores SIGINT), sent to
 # the main thread (a signal sent to the process may be taken by any thread: handled late).
@@ -507,9 +507,11 @@ def ctrl_c():
   signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
 
 
-def commit_wait(self):   # marks the moment the run is inside orbax's wait for the commit
-  waiting.set()
-  return real_commit_wait(self)
+def in_progress(self):   # marks the moment the run is inside its wait for the commit (the
+  busy = real_in_progress(self)   # checkpointer polls this flag while a commit runs)
+  if busy:
+    waiting.set()
+  return busy
 
 
 def next_batch(it, *a, **k):   # Ctrl-C while step 3's micro-batches are pulled ...
@@ -538,7 +540,7 @@ def wait(self):   # ... and again while the run waits for step 2's commit
 
 
 setup_lib.next_batch, checkpoint.Checkpointer.wait = next_batch, wait
-ocp.CheckpointManager.wait_until_finished = commit_wait
+ocp.CheckpointManager.is_saving_in_progress = in_progress
 script = sys.argv[1]
 sys.argv = sys.argv[1:]
 runpy.run_path(os.path.join("experiments", script), run_name="__main__")

@@ -46,6 +46,16 @@ Reliability (the choices):
     `early_signals` take them from the process's first second.
   * Steps named in messages (`all_steps`, `latest_step`) are the committed step folders on
     disk, not orbax's list, which counts a save in progress and forgets a step it will prune.
+  * No wait without an end. Every wait for a background save (`wait`, and through it `save`,
+    `settle`, `check_saves`, `close`) polls orbax's save-in-progress flag instead of joining its
+    thread: it ends after `checkpoint.save_timeout_s` (a stalled bucket, a hung network mount;
+    orbax's own commit wait gets the same bound) and, once a stop signal came (`stop_when`: the
+    trainer's PreemptionGuard), `checkpoint.signal_grace_s` after the signal, so that a
+    scheduler's grace period (~30 s before SIGKILL) is never spent waiting. A save that did not
+    end in time is abandoned (`CheckpointStalledError`, or `CheckpointStoppedError` after a
+    signal: exit 128 + signal), the message naming the step and the last committed one
+    (`last_committed`, known without asking the storage); orbax's threads are never waited for
+    again (`close` skips orbax's own close), and the process is expected to end.
   * Readers never write: `load_for_inference` (evaluation, streaming, notebooks) opens the
     folder read-only and takes no lock, so it can run beside the training run that writes it.
 """
@@ -56,6 +66,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import math
 import os
 import signal
 import threading
@@ -69,8 +80,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from attn_jax import outputs, paths, sharding as shd
+from attn_jax import bounded, outputs, paths, sharding as shd, storage
 from attn_jax.config import RunConfig, config_rules
+from attn_jax.field_checks import is_number
 from attn_jax.model import abstract_model
 from attn_jax.run_layout import RunLayout
 from attn_jax.train import early_signals
@@ -80,6 +92,14 @@ MANIFEST = "attn_jax_sha256.json"
 # Written by orbax's own commit (after the manifest): not covered by it.
 _COMMIT_FILES = ("_CHECKPOINT_METADATA", "commit_success.txt")
 _CHUNK = 1 << 22
+SAVE_TIMEOUT_S = 600.0   # config.checkpoint.save_timeout_s's default: a save that takes longer
+                         # has stalled (a 152M model's state saves to a bucket in seconds)
+SIGNAL_GRACE_S = 15.0    # config.checkpoint.signal_grace_s's default: a save still running this
+                         # long after SIGTERM is abandoned (schedulers SIGKILL ~30 s after it)
+_LIST_S = 10.0           # how long a message may spend listing the committed steps
+_POLL_S = 0.05
+
+
 
 
 class CheckpointError(RuntimeError):
@@ -106,6 +126,26 @@ class CheckpointMismatchError(CheckpointError, ValueError):
 class CheckpointSaveError(WriteError):
   """A checkpoint save failed (e.g. the disk is full); older steps are kept. A WriteError like
   a failed metrics write: the trainer stops both the same way (writers.py)."""
+
+
+class CheckpointStalledError(CheckpointSaveError):
+  """A save that did not end within `checkpoint.save_timeout_s`; it was abandoned (orbax's
+  threads may still hold it: nothing waits for them again). `step`: the abandoned save,
+  `last_committed`: the resume point (None: none)."""
+
+  def __init__(self, message: str, *, step: int | None, last_committed: int | None):
+    super().__init__(message)
+    self.step, self.last_committed = step, last_committed
+
+
+class CheckpointStoppedError(CheckpointStalledError, early_signals.StoppedBySignal):
+  """A stop signal came while a save was still running, and the save did not end within
+  `checkpoint.signal_grace_s` of it: abandoned, the run ends with exit 128 + the signal."""
+
+  def __init__(self, message: str, *, step: int | None, last_committed: int | None,
+               signal_name: str):
+    CheckpointStalledError.__init__(self, message, step=step, last_committed=last_committed)
+    self.signal_name = signal_name
 
 
 class NonFiniteStateError(FloatingPointError):
@@ -278,10 +318,19 @@ class Checkpointer:
   in progress is a temporary folder until its rename)."""
 
   def __init__(self, workdir: str, *, max_to_keep: int = 3, save_interval_steps: int = 1,
-               checksums: bool = True, read_only: bool = False, allow_unverified: bool = False):
+               checksums: bool = True, read_only: bool = False, allow_unverified: bool = False,
+               save_timeout_s: float = SAVE_TIMEOUT_S, signal_grace_s: float = SIGNAL_GRACE_S):
     if isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int) or max_to_keep < 1:
       raise ValueError(f"config.checkpoint.max_to_keep: must be an integer >= 1, got "
                        f"{max_to_keep!r}")
+    for name, value in (("save_timeout_s", save_timeout_s), ("signal_grace_s", signal_grace_s)):
+      if not (is_number(value) and value > 0):
+        raise ValueError(f"config.checkpoint.{name}: must be a number of seconds > 0, got "
+                         f"{value!r}")
+    self.save_timeout_s, self.signal_grace_s = float(save_timeout_s), float(signal_grace_s)
+    self._guard = None           # stop_when: the PreemptionGuard whose signal shortens waits
+    self._abandoned: int | None = None   # a save given up on: orbax's threads may still hold it
+    self._committed: int | None = None   # the newest step this process saw committed
     self.directory = paths.name(RunLayout.of(workdir).checkpoints)
     self.remote = paths.is_uri(self.directory)
     self.checksums, self.read_only = checksums, read_only
@@ -298,6 +347,8 @@ class Checkpointer:
       options = ocp.CheckpointManagerOptions(
           max_to_keep=max_to_keep, create=True, save_interval_steps=save_interval_steps,
           cleanup_tmp_directories=True,
+          # orbax's own wait for a save's commit ends no later than ours (`wait`)
+          async_options=ocp.AsyncOptions(timeout_secs=max(1, math.ceil(self.save_timeout_s))),
           temporary_path_class=(None if not checksums else
                                 _ManifestCommit if self.remote else _ManifestRename))
     self._mngr = ocp.CheckpointManager(paths.run_path(self.directory), item_names=("state", "data", "meta"),
@@ -356,6 +407,11 @@ class Checkpointer:
       raise NonFiniteStateError(
           f"refusing to save step {step}: non-finite values in {nonfinite_paths(state)}; {last}")
     self.wait()   # a failure of the previous save surfaces here, with its step
+    if self._abandoned is not None:   # orbax's own save would wait for that one, without end
+      raise CheckpointStalledError(
+          f"not saving checkpoint step {step} in {self.directory}: the save of step "
+          f"{self._abandoned} was abandoned and may still hold orbax; {self.resume_point()}",
+          step=step, last_committed=self.last_committed)
     items = {"state": ocp.args.StandardSave(state),
              "meta": ocp.args.JsonSave(meta or {})}
     if data_iter is not None:
@@ -369,18 +425,42 @@ class Checkpointer:
       self._pending = step
     return saved
 
+  def steps_for_message(self) -> list[int]:
+    """The committed steps (`all_steps`) for a message about a failure, listed within
+    `_LIST_S`: the storage may be what failed (a bucket that stopped answering, a network gone).
+    When the listing fails or does not end in time, the steps known without the storage
+    (`last_committed`)."""
+    try:
+      return bounded.call(self.all_steps, _LIST_S, f"listing {self.directory}")
+    except Exception:  # noqa: BLE001 - the storage that failed: say what is known
+      return [] if self.last_committed is None else [self.last_committed]
+
+  def resume_step(self) -> int | None:
+    """The newest committed step (`steps_for_message`), or None."""
+    steps = self.steps_for_message()
+    return steps[-1] if steps else None
+
   def _save_error(self, step: int, e: BaseException) -> CheckpointSaveError:
-    kept = sorted(s for s in self.all_steps() if s != step)
+    kept = sorted(s for s in self.steps_for_message() if s != step)
     if disk_full(e):
       why = (f"the disk is full: {describe_disk(self.directory)} has no space left; free space "
              "or point --workdir elsewhere, then rerun to resume")
-    elif unwritable := _unwritable(self.directory):   # orbax reports it as a timeout
+    elif unwritable := self._unwritable_now():   # orbax reports it as a timeout
       why = f"the folder is not writable any more ({unwritable}); {_short(e)}"
     else:
       why = _short(e)
     return CheckpointSaveError(
         f"saving checkpoint step {step} in {self.directory} failed: {why}. Older steps are "
         f"kept: {kept or 'none'}")
+
+  def _unwritable_now(self) -> str | None:
+    """`_unwritable(directory)`, within `_LIST_S` (a probe object on storage that went away
+    would go through gcsfs's retries)."""
+    try:
+      return bounded.call(lambda: _unwritable(self.directory), _LIST_S,
+                          f"a write probe in {self.directory}")
+    except Exception as e:  # noqa: BLE001 - the probe itself failing says it
+      return storage.describe(e)
 
   def check_saves(self) -> None:
     """Raises CheckpointSaveError once a background save has failed (cheap: polled at step
@@ -560,33 +640,105 @@ class Checkpointer:
     tuples configs hold (config_flags cannot override lists)."""
     return ml_collections.ConfigDict(_tuples(self.restore_meta(step)["config"]))
 
+  def stop_when(self, guard: "PreemptionGuard") -> None:
+    """Once `guard` has a stop signal (`should_stop`, since `stop_time`), no wait for a save
+    lasts past `signal_grace_s` after that signal (the trainer passes its PreemptionGuard)."""
+    self._guard = guard
+
+  @property
+  def last_committed(self) -> int | None:
+    """The newest step known to be committed without asking the storage (which may be what is
+    failing): the step this process saw its last save of commit, else the step it restored."""
+    known = [s for s in (self._committed, self.restored_step) if s is not None]
+    return max(known) if known else None
+
+  def resume_point(self) -> str:
+    last = self.last_committed
+    return (f"the last committed step is {last} in {self.directory}: rerun the same command "
+            "to resume from it" if last is not None
+            else f"there is no committed step in {self.directory} yet")
+
+  def _deadline(self, start: float) -> tuple[float, str | None]:
+    """When a wait that began at `start` ends, and the stop signal that set it (None: the
+    save timeout did)."""
+    end, signal_name = start + self.save_timeout_s, None
+    g = self._guard
+    if g is not None and g.should_stop:
+      since = start if g.stop_time is None else g.stop_time
+      if since + self.signal_grace_s < end:
+        end, signal_name = since + self.signal_grace_s, g.signal_name or "signal"
+    return end, signal_name
+
+  def _abandon(self, step: int | None, signal_name: str | None) -> CheckpointStalledError:
+    """The save of `step` given up on: never waited for again (`wait`, `close`)."""
+    self._abandoned = step if step is not None else -1
+    if signal_name is not None:
+      return CheckpointStoppedError(
+          f"stopped by {signal_name} while checkpoint step {step} was being saved in "
+          f"{self.directory}: the save did not end within {self.signal_grace_s:g} s of the "
+          f"signal (config.checkpoint.signal_grace_s), so it was abandoned; "
+          f"{self.resume_point()}", step=step, last_committed=self.last_committed,
+          signal_name=signal_name)
+    return CheckpointStalledError(
+        f"saving checkpoint step {step} in {self.directory} stalled: it did not end within "
+        f"{self.save_timeout_s:g} s (config.checkpoint.save_timeout_s), so it was abandoned "
+        f"(is the storage answering?); {self.resume_point()}", step=step,
+        last_committed=self.last_committed)
+
+  def _wait_for(self, step: int | None) -> None:
+    """Polls orbax's save-in-progress flag until the save ends, or raises the abandonment once
+    its deadline (`_deadline`) passes. A polled flag, never a join of orbax's thread: a join
+    cannot be given up on, and a signal heard meanwhile could do nothing."""
+    start = time.monotonic()
+    while self._mngr.is_saving_in_progress():
+      end, signal_name = self._deadline(start)
+      if time.monotonic() >= end:
+        raise self._abandon(step, signal_name)
+      time.sleep(_POLL_S)
+
   def wait(self) -> None:
-    """Waits for a background save; CheckpointSaveError if it failed. Ctrl-C while a save is
-    being committed first lets that commit finish (a process that exits now would leave the
-    step as an uncommitted temporary folder: lost), then re-raises; a second Ctrl-C abandons
-    it."""
+    """Waits for a background save, within the bounds of `_deadline`; CheckpointSaveError if
+    it failed, CheckpointStalledError (CheckpointStoppedError after a signal) when it did not
+    end in time. After an abandoned save, returns at once. Ctrl-C while a save is being
+    committed first lets that commit finish (a process that exits now would leave the step as
+    an uncommitted temporary folder: lost) within the signal grace, then re-raises; a second
+    Ctrl-C abandons it."""
     step, self._pending = self._pending, None
+    if self._abandoned is not None:
+      return   # orbax's threads may still hold that save: never wait for them again
     try:
       try:
-        self._mngr.wait_until_finished()
+        if step is not None:
+          self._wait_for(step)
+        self._mngr.wait_until_finished()   # the save's thread has ended: returns at once,
+                                           # raising the save's error if it failed
       except KeyboardInterrupt:
         logging.warning("interrupted while checkpoint step %s in %s was being committed: "
                         "finishing that commit before stopping (Ctrl-C again abandons it)",
                         step, self.directory)
-        # Not a second wait_until_finished: Python's Thread.join, interrupted while the thread
-        # runs, marks that thread stopped (bpo-45274's fix), so joining it again returns at
-        # once. orbax clears its save-in-progress flag when the commit has ended.
-        while self._mngr.is_saving_in_progress():
-          time.sleep(0.02)
+        try:
+          self._wait_for(step)
+        except CheckpointStalledError:
+          pass
+        finally:   # the wait above may itself be interrupted (a third Ctrl-C): given up on
+          if self._mngr.is_saving_in_progress():
+            self._abandoned = step if step is not None else -1
         raise
+    except CheckpointStalledError:
+      raise
     except Exception as e:
       raise self._save_error(step, e) from e
+    if step is not None:
+      self._committed = step
 
   def close(self) -> None:
+    """Waits for the save in flight (bounded, `wait`), then closes orbax's manager; after an
+    abandoned save, orbax is left alone (its close would wait for that save without end)."""
     try:
       self.wait()
     finally:
-      self._mngr.close()
+      if self._abandoned is None:
+        self._mngr.close()
 
 
 # ------------------------------------------------------------------ preemption
@@ -619,6 +771,13 @@ class PreemptionGuard:
   def __init__(self, *, sync_every: int = 1):
     self.should_stop = False
     self.signal_name: str | None = None
+    self.stop_time: float | None = None   # time.monotonic() of the first stop signal
+    # Where the trainer arms it: the process ends `backstop_s` after the first signal whatever
+    # it waits in, printing `backstop_line()` (early_signals.end_after); `disarm` cancels it.
+    self.backstop_s: float | None = None
+    self.backstop_line = lambda: early_signals.stopped_line(
+        self.signal_name or "signal", "(the run did not end in time)")
+    self._backstop = None
     self.sync_every = max(1, int(sync_every))
     self._previous: dict[int, Any] = {}
     self._active = False
@@ -629,6 +788,10 @@ class PreemptionGuard:
     del frame
     if self.should_stop and signum == signal.SIGINT:
       raise KeyboardInterrupt
+    if self.stop_time is None:
+      self.stop_time = time.monotonic()   # a save still running signal_grace_s after this
+      if self.backstop_s is not None:     # is abandoned (Checkpointer.stop_when)
+        self._backstop = early_signals.end_after(self.backstop_s, signum, self.backstop_line)
     self.should_stop = True
     self.signal_name = signal.Signals(signum).name
     logging.warning("received %s: %s", self.signal_name, self.then)
@@ -645,6 +808,12 @@ class PreemptionGuard:
     self._active = True
     early_signals.guard_entered()   # the entry point's handlers step aside (early_signals.py)
     return self
+
+  def disarm(self) -> None:
+    """Cancels the backstop timer (the run ended by itself)."""
+    if self._backstop is not None:
+      self._backstop.cancel()
+      self._backstop = None
 
   def __exit__(self, *exc) -> None:
     """Puts the previous handlers back; a second call does nothing."""
@@ -673,14 +842,37 @@ def abstract_with_shardings(tree: Any, shardings: Any) -> Any:
                       shardings)
 
 
+_READ_S = 120.0   # the most a reader waits for its first listing of a run on object storage
+
+
 def run_checkpoints(workdir) -> str:
   """`<workdir>/checkpoints`, or FileNotFoundError when `workdir` is not a training run's
-  folder (checked before anything else is done with it)."""
+  folder (checked before anything else is done with it). On object storage, storage that
+  cannot be used is said as such (`storage.check`: no gcsfs, no network; a listing that fails
+  for another reason, e.g. no credentials, names that error), never as a missing run."""
   directory = paths.name(RunLayout.of(workdir).checkpoints)
-  if not paths.run_path(directory).is_dir():
+  if paths.is_uri(directory):
+    storage.check(workdir, "the run directory")
+    try:
+      found = bounded.call(lambda: _lists(directory), _READ_S, f"listing {directory}")
+    except (OSError, ValueError, RuntimeError) as e:
+      raise storage.StorageError(f"cannot read the run directory {paths.name(workdir)} "
+                                 f"({directory}): {storage.describe(e)}") from None
+  else:
+    found = paths.run_path(directory).is_dir()
+  if not found:
     raise FileNotFoundError(f"no checkpoint found under {directory} (is {workdir!r} a "
                             "training run directory?)")
   return directory
+
+
+def _lists(directory) -> bool:
+  """Whether `directory` holds anything; FileNotFoundError reads as no; any other error of the
+  storage propagates (gcsfs's `is_dir` would turn it into False)."""
+  try:
+    return any(True for _ in paths.run_path(directory).iterdir())
+  except FileNotFoundError:
+    return False
 
 
 def load_for_inference(workdir: str, step: int | None = None, *, devices=None,

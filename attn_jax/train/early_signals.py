@@ -42,6 +42,21 @@ BEFORE_TRAINING = "before training started (nothing to save)"
 AFTER_TRAINING = "after its training steps (their checkpoints are saved)"
 
 
+class StoppedBySignal(Exception):
+  """A run that a signal ended where no step boundary came (e.g. during a save that did not
+  end within the grace after the signal, train/checkpoint.py). Entry points print its message
+  as it is, without `error:`, and exit 128 + the signal (attn_jax/cli.py)."""
+
+  signal_name: str = "SIGTERM"
+
+  @property
+  def exit_status(self) -> int:
+    try:
+      return 128 + int(signal.Signals[str(self.signal_name)])
+    except KeyError:
+      return 128 + int(signal.SIGTERM)
+
+
 class _State:
   def __init__(self):
     self.installed = False
@@ -158,6 +173,36 @@ def _end_if_abandonable(signum: int) -> None:
       pass
   _write_line(stopped_line(signal.Signals(signum).name, when))
   os._exit(128 + int(signum))
+
+
+def end_after(seconds: float, signum: int, line: Callable[[], str]) -> threading.Timer | None:
+  """The backstop of a stop signal inside a guard (entry points only: None without `install`):
+  a daemon timer that, unless cancelled, ends the process `seconds` from now as a signal
+  outside a guard does (the `on_abandon` clean-ups, then `line()` and exit 128 + `signum`),
+  whatever the main thread is blocked in (a library call that waits without an end). The
+  trainer arms it past the bounded waits it should never be needed behind."""
+  if not _state.installed:
+    return None
+
+  def fire():
+    _state.lock.acquire(timeout=1.0)   # the watcher may be ending the process already
+    for cleanup in reversed(list(_state.cleanups)):
+      try:
+        cleanup()
+      except Exception:  # noqa: BLE001 - ending anyway
+        pass
+    try:
+      text = line()
+    except Exception:  # noqa: BLE001
+      text = stopped_line(signal.Signals(signum).name, "(the run did not end in time)")
+    _write_line(text)
+    os._exit(128 + int(signum))
+
+  timer = threading.Timer(seconds, fire)
+  timer.daemon = True
+  timer.name = "attn_jax-signal-backstop"
+  timer.start()
+  return timer
 
 
 def _flush() -> None:

@@ -69,12 +69,14 @@ from typing import Any, Callable, Sequence
 import jax
 import ml_collections
 
-from attn_jax import paths, sharding as shd
+from attn_jax import paths, sharding as shd, storage
 from attn_jax.config import RunConfig
+from attn_jax.field_checks import is_number
 from attn_jax.data import pipeline
 from attn_jax.run_layout import RunLayout
 from attn_jax.train import early_signals, fitting, init_from, preflight, resume, setup as setup_lib
-from attn_jax.train.checkpoint import Checkpointer, PreemptionGuard, check_writable
+from attn_jax.train.checkpoint import (SIGNAL_GRACE_S, Checkpointer, CheckpointStalledError,
+                                       PreemptionGuard, check_writable)
 from attn_jax.train.fitting import BatchGeometry
 from attn_jax.train.loss_monitor import (LossMonitor, NonFiniteTrainingError, halt_message,
                                          halt_reason)
@@ -104,11 +106,19 @@ def train_and_evaluate(config: ml_collections.ConfigDict | RunConfig, workdir: s
   everything below reads the typed one (`Setup.run`).
   """
   workdir = paths.name(workdir)   # absolute when local; a gs:// URI kept as it is (paths.py)
+  storage.check(workdir, "--workdir")   # object storage without its package or network: one
+                                        # line now, not after the set-up and a minute of retries
   # Signals are the run's from here on: a stop before the first step ends it cleanly, the lock
   # released (early_signals.py: at once where nothing is written, else at the next phase).
   early_signals.stopped_when(early_signals.BEFORE_TRAINING)
   with PreemptionGuard() as guard:
     guard.then = f"stopping {early_signals.BEFORE_TRAINING}"
+    # A signal's backstop (entry points): past the save's grace, the lock release and the
+    # writers' close, the process ends whatever it waits in (early_signals.end_after). The
+    # grace as given (validated with the rest below; a bad one falls back to the default).
+    grace = getattr(config.checkpoint, "signal_grace_s", SIGNAL_GRACE_S)
+    guard.backstop_s = (grace if is_number(grace) and grace > 0 else SIGNAL_GRACE_S) + \
+        BACKSTOP_MARGIN_S
     try:
       with early_signals.abandonable():   # every check, before any file is written
         setup = preflight.checked_setup(config)
@@ -119,6 +129,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict | RunConfig, workdir: s
       return {"preempted": e.signal_name, "step": e.step, "before_training": True,
               "workdir": workdir,
               "checkpoint_dir": paths.name(RunLayout.of(workdir).checkpoints)}
+    finally:
+      guard.disarm()   # ended by itself (its locks released): no backstop needed
 
 
 def _locked(config: RunConfig, workdir: str, eval_callbacks, setup: "Setup",
@@ -142,6 +154,10 @@ def _locked(config: RunConfig, workdir: str, eval_callbacks, setup: "Setup",
     finally:
       release()
       locks.clear()
+
+
+BACKSTOP_MARGIN_S = 10.0   # after checkpoint.signal_grace_s: the writers' close (5 s) and the
+                          # lock release (object storage: 5 s)
 
 
 class StoppedBeforeTraining(Exception):
@@ -187,6 +203,10 @@ def _train_and_evaluate(config: RunConfig, workdir, eval_callbacks, setup: Setup
   profiler = StepProfiler(config.train.profile_steps, workdir, start=run.start,
                           last=config.train.steps)
   run.out.writer.stop_when(lambda: guard.should_stop)   # a stalled writer never delays a signal
+  run.ckpt.stop_when(guard)   # nor does a save: abandoned signal_grace_s after it (checkpoint.py)
+  guard.backstop_line = lambda: (
+      f"stopped by {guard.signal_name or 'a signal'}: the run did not end within "
+      f"{guard.backstop_s:g} s of the signal; {run.ckpt.resume_point()}")
   error: BaseException | None = None
   try:
     for step in range(run.start + 1, config.train.steps + 1):
@@ -228,8 +248,10 @@ class _Run:
 
   def __init__(self, config: RunConfig, workdir: str, setup: Setup, geo: BatchGeometry):
     self.config, self.workdir, self.setup, self.geo = config, workdir, setup, geo
-    self.ckpt = Checkpointer(workdir, max_to_keep=config.checkpoint.max_to_keep,
-                             allow_unverified=config.checkpoint.allow_unverified)
+    c = config.checkpoint
+    self.ckpt = Checkpointer(workdir, max_to_keep=c.max_to_keep,
+                             allow_unverified=c.allow_unverified,
+                             save_timeout_s=c.save_timeout_s, signal_grace_s=c.signal_grace_s)
     rows = shd.host_batch_rows(setup.batch_sharding, geo.shape, batch_dim=1)
     self.data_it = pipeline.make_train_iterator(config.data, seed=config.seed, host_rows=rows)
     self.monitor = LossMonitor(config.train.spike_window, config.train.spike_threshold)
@@ -362,18 +384,28 @@ class _Run:
       attempt("rewinding the data iterator", lambda: self.data_it.set_state(self.data_pos))
     if wrote or not self.state_valid:   # the resume point named below: committed steps only
       attempt("waiting for the save in progress", self.ckpt.wait)
-    if wrote:   # a newer checkpoint than the rows logged would leave a hole in the history
+    if isinstance(error, CheckpointStalledError):
+      pass   # its message names the resume point, known without asking the storage again
+    elif wrote:   # a newer checkpoint than the rows logged would leave a hole in the history
       logging.error("not saving again after a failed write; the resume point is the latest "
-                    "checkpoint in %s (step %s)", self.ckpt.directory, self.ckpt.latest_step())
+                    "checkpoint in %s (step %s)", self.ckpt.directory, self.ckpt.resume_step())
     elif not self.state_valid:
       logging.error("not saving: the train step raised (%s) and its input state was donated "
                     "to it; the resume point is the latest checkpoint in %s (step %s)",
                     type(error).__name__ if error is not None else "?", self.ckpt.directory,
-                    self.ckpt.latest_step())
-    elif not self.diverged:
-      attempt("the final checkpoint", self._final_save)
-    attempt("closing the checkpointer", self.ckpt.close)
-    self.out.close_on_exit(error)
+                    self.ckpt.resume_step())
+    last = [("closing the checkpointer", self.ckpt.close)]
+    if not (wrote or not self.state_valid or self.diverged):
+      last.insert(0, ("the final checkpoint", self._final_save))
+    stalled = None   # a save abandoned here (a stall, a signal's grace spent): the run's end,
+    for what, fn in last:   # after the rest is closed
+      try:
+        attempt(what, fn)
+      except CheckpointStalledError as e:
+        stalled = stalled or e
+    self.out.close_on_exit(error or stalled)
+    if stalled is not None:
+      raise stalled
 
   def _log_last(self) -> None:
     """The last dispatched step's row, even when interrupted (a halt is logged, not raised)."""

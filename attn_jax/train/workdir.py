@@ -55,7 +55,7 @@ import threading
 import time
 import uuid
 
-from attn_jax import paths, run_layout
+from attn_jax import bounded, paths, run_layout, storage
 from attn_jax.run_layout import RunLayout
 from attn_jax.train.metrics import row_steps
 
@@ -162,6 +162,7 @@ class WorkdirLock:
 
 
 LEASE_S = 120.0   # an object lock not renewed for this long is stale (its holder died)
+RELEASE_S = 5.0   # the most a release waits for the storage (a run that is ending)
 _SETTLE_S = 1.0   # how long a claim waits before reading itself back
 RESTART_WATCH = 5 / 16   # x LEASE_S after its last renewal: 1.25 renewal periods (see above)
 NO_FLOCK = {errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL}
@@ -280,6 +281,7 @@ class ObjectLock:
   def acquire(self) -> "ObjectLock":
     if self._token is not None:
       return self
+    storage.check(self.workdir, self.what)   # no gcsfs, no network: one line, at once
     try:
       holder = self._holder()
     except Exception as e:  # noqa: BLE001 - a missing bucket, no credentials: say which
@@ -320,17 +322,25 @@ class ObjectLock:
         logging.warning("could not renew the workdir lease %s: %s", self.path, e)
 
   def release(self) -> None:
+    """Empties the lock object (when it is still this run's), within `RELEASE_S`: a run that
+    is ending (a stalled bucket, a signal's grace) never waits longer on the storage here; a
+    lock not released is stale once its lease lapses."""
     if self._token is None:
       return
     self._stop.set()
     if self._thread is not None:
-      self._thread.join(10)
+      self._thread.join(RELEASE_S / 2)
       self._thread = None
-    try:
+
+    def empty():
       if self._holder().get("token") == self._token:
         self.path.write_bytes(b"")   # an empty lock is a released one
+
+    try:
+      bounded.call(empty, RELEASE_S, f"releasing {self.path}")
     except Exception as e:  # noqa: BLE001 - the lease lapses on its own
-      logging.warning("could not release the workdir lock %s: %s", self.path, e)
+      logging.warning("could not release the workdir lock %s (%s): it is taken over once its "
+                      "lease lapses, %.0f s after its last renewal", self.path, e, self.lease_s)
     self._token = None
 
   def __enter__(self) -> "ObjectLock":
