@@ -49,6 +49,7 @@ from typing import Callable
 from absl import app, flags
 
 from attn_jax import native_logs
+from attn_jax.train.early_signals import StoppedBySignal
 
 DEBUG_ENV = "ATTN_JAX_DEBUG"
 USER_ERROR, DIVERGED = 2, 3
@@ -94,7 +95,6 @@ def _missing_storage_backend(e: BaseException) -> bool:
 
 def exit_status(e: BaseException) -> int | None:
   """The exit status for a user-facing error, or None for a bug (show the traceback)."""
-  from attn_jax.train.early_signals import StoppedBySignal
   if isinstance(e, StoppedBySignal):
     return e.exit_status   # 128 + the signal: the run was stopped, its message says where
   if isinstance(e, (MemoryError, FloatingPointError)) and _raised_in_project(e):

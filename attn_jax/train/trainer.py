@@ -71,8 +71,8 @@ import ml_collections
 
 from attn_jax import paths, sharding as shd, storage
 from attn_jax.config import RunConfig
-from attn_jax.field_checks import is_number
 from attn_jax.data import pipeline
+from attn_jax.field_checks import is_number
 from attn_jax.run_layout import RunLayout
 from attn_jax.train import early_signals, fitting, init_from, preflight, resume, setup as setup_lib
 from attn_jax.train.checkpoint import (SIGNAL_GRACE_S, Checkpointer, CheckpointStalledError,
