@@ -142,6 +142,10 @@ def test_compile_only_mistakes_are_one_line():
   lines = [x for x in r.stderr.splitlines() if x.strip()]
   assert r.returncode == 2 and len(lines) == 1, r.stderr[-2000:]
   assert lines[0].startswith("error: unknown compile target 'h100x3'; known: h100x1")
+  r = _script("--config=configs/quickstart.py", "--compile_only=h100x8,h100x3")   # a list:
+  lines = [x for x in r.stderr.splitlines() if x.strip()]                # every name checked
+  assert r.returncode == 2 and len(lines) == 1, r.stderr[-2000:]        # before any compile
+  assert lines[0].startswith("error: unknown compile target 'h100x3'; known: h100x1")
   _need(GPU)
   r = _script("--config=configs/quickstart.py", "--compile_only=h100x8",
               "--config.mesh.shape=(4,1,1)")
