@@ -232,11 +232,14 @@ def traced_for(mesh: Mesh, rules: Mapping[str, MeshAxes] | Sequence[tuple[str, M
   mesh's platform (`kernel_choice.use_platform`). Jitted, it is a program for that mesh: it
   picks the mesh's kernels however and wherever it is lowered (`setup.step_fn.lower(...)` in a
   notebook, outside any `use_rules`). `jax.set_mesh` is not entered (a trace cannot); nothing
-  traced reads the ambient mesh (`constrain` and the kernels' `shard_map` name theirs)."""
+  of ours reads the ambient mesh (`constrain` and the kernels' `shard_map` name theirs), but
+  the trace runs under the mesh's abstract mesh (`use_abstract_mesh`, as `use_rules` has it):
+  a Pallas GPU kernel's lowering (JAX >= 0.11) reads the GPU it compiles for from there, and
+  off a GPU (compile-only devices, `targets.py`) finds none anywhere else."""
 
   @functools.wraps(fn)
   def traced(*args, **kwargs):
-    with _rules_and_platform(mesh, rules):
+    with _rules_and_platform(mesh, rules), jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
       return fn(*args, **kwargs)
 
   return traced

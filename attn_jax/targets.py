@@ -6,7 +6,14 @@ topology (TPU through libtpu; NVIDIA GPUs through the jax-cuda12 plugin plus a
 lowered and compiled for, with the device compiler's own passes, the SPMD partitioner on that
 topology, the kernels it picks (cuDNN, Pallas/Mosaic) and a memory analysis, but never run.
 Both plugins load under `JAX_PLATFORMS=cpu`: the process keeps computing on its CPU, the
-target's devices are for compiling only (`pip install -e '.[targets]'`).
+target's devices are for compiling only (`pip install -e '.[targets]'`: jax 0.10.2's plugins on
+Python 3.11, jax 0.12's on 3.12+, pyproject.toml).
+
+Trace for a target under a mesh of its devices (`sharding.use_rules`, or a program built by
+`sharding.traced_for`), not only with shardings on them: from JAX 0.11 the Pallas Triton
+lowering reads the GPU it compiles for (compute capability) from the abstract mesh in context,
+and off a GPU finds none anywhere else ("No supported GPU devices found"); JAX 0.10 assumed
+compute capability 9.0 wherever no GPU was attached.
 
 A target is data: name -> platform, device kind, memory per device, topology. Nothing else in
 the package knows the list; `experiments/train.py --compile_only=<name>` builds the config's

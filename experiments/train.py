@@ -45,10 +45,11 @@ _COORDINATOR = flags.DEFINE_string(
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Multi-process: process count.")
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "Multi-process: this process's index.")
 _COMPILE_ONLY = flags.DEFINE_string(
-    "compile_only", None, "Compile the config's train, eval and decode programs for this "
-    "hardware target (e.g. h100x8, v5e-8; attn_jax/targets.py) and report memory, fit, kernels "
-    "and collectives (on a GPU whose step runs Pallas kernels, the kernel census: "
-    "train/kernel_census.py); nothing is allocated or run (needs the targets extra).")
+    "compile_only", None, "Compile the config's train, eval and decode programs for these "
+    "hardware targets (one or a comma-separated list, e.g. h100x8,v5e-8; attn_jax/targets.py) "
+    "and report memory, fit, kernels and collectives for each (on a GPU whose step runs Pallas "
+    "kernels, the kernel census: train/kernel_census.py); nothing is allocated or run (needs "
+    "the targets extra).")
 
 
 def main(argv):

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from attn_jax import kernel_choice, targets
+from attn_jax import sharding as shd
 from attn_jax.attention import score_bias as SB
 from attn_jax.attention import sisa as S
 from attn_jax.attention.alibi import alibi_slopes
@@ -246,7 +247,6 @@ def _compiled_text(target: str, T: int = 256, D: int = 128, ds: int = 32, sisa: 
   """The SISA + FoX kernel's (FoX's alone: sisa False) fwd + bwd (bf16 q, k, v) compiled for a
   target's first device."""
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-  from attn_jax import kernel_choice
   devs = targets.devices(target)
   B, H = 1, 2
   sds = jax.ShapeDtypeStruct
@@ -260,7 +260,9 @@ def _compiled_text(target: str, T: int = 256, D: int = 128, ds: int = 32, sisa: 
     return jnp.sum(o.astype(f32) ** 2)
 
   mesh = Mesh(np.array(devs[:1]), ("x",))
-  with kernel_choice.use_platform(devs[0]), targets.no_persistent_cache():
+  # Under the target's mesh (`use_rules`: its platform for the kernel choice, and `jax.set_mesh`,
+  # where JAX >= 0.11's Pallas GPU lowering finds the GPU it compiles for).
+  with shd.use_rules(mesh, {}), targets.no_persistent_cache():
     f = jax.jit(jax.grad(loss, argnums=tuple(range(7))), in_shardings=NamedSharding(mesh, P()))
     compiled = f.lower(*args).compile()
   return compiled.as_text(), compiled.memory_analysis()

@@ -59,15 +59,15 @@ def _pcfg(pattern, **kw):
   return _cfg(pattern, n_layers=len(pattern), max_seq_len=32, **kw)
 
 
-def _alone_rows(tokens, docs_per_row):
-  """Every document alone at the start of a row of its own, right-padded to T (position -1):
-  (tokens [N, T], positions [N, T], [(row, start, end)] of each document in the packed rows).
-  One batch of every document compiles once, whatever the documents' lengths."""
+def _alone_rows(tokens, docs_per_row, width=T):
+  """Every document alone at the start of a row of its own, right-padded to `width` (position
+  -1): (tokens [N, width], positions [N, width], [(row, start, end)] of each document in the
+  packed rows). One batch of every document compiles once, whatever the documents' lengths."""
   toks, pos, where = [], [], []
   for r, docs in enumerate(docs_per_row):
     for a, e in _spans(docs):
-      toks.append(np.pad(np.asarray(tokens[r, a:e]), (0, T - (e - a))))
-      pos.append(np.concatenate([np.arange(e - a), np.full(T - (e - a), -1)]))
+      toks.append(np.pad(np.asarray(tokens[r, a:e]), (0, width - (e - a))))
+      pos.append(np.concatenate([np.arange(e - a), np.full(width - (e - a), -1)]))
       where.append((r, a, e))
   return jnp.asarray(np.stack(toks), jnp.int32), jnp.asarray(np.stack(pos), jnp.int32), where
 
@@ -113,11 +113,39 @@ def test_packed_rows_equal_each_document_alone(pattern):
                   / scale)
   assert differs > 100 * TOL, "plain concatenation matched the documents alone: the test is void"
   _close(loss, want_loss)
+  noise = None
   for (path, got), want in zip(jax.tree_util.tree_leaves_with_path(grads),
                                jax.tree.leaves(want_grads)):
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
     err = np.max(np.abs(got - want), initial=0.0)
-    assert err <= TOL * np.max(np.abs(want), initial=0.0), (jax.tree_util.keystr(path), err)
+    if err <= TOL * np.max(np.abs(want), initial=0.0):
+      continue
+    noise = _gradient_noise(model, tokens, targets, want_grads) if noise is None else noise
+    name = jax.tree_util.keystr(path)
+    assert err <= NOISE_FACTOR * noise[name], (name, err, noise[name])
+
+
+# TOL relative to a leaf's own largest gradient assumes float32 rounding errors scale with that
+# leaf. Not so for a gradient that is a small difference of large terms: Sinkhorn's sort network
+# (sort_r, sort_u, sortnet) is reached through 2 x n_iters log-space normalisations, whose
+# backward is a projection (g - p * sum g), so its largest entry is ~1e-3 of the model's other
+# gradients while its rounding error is of their size (~1e-6 absolute on 2 cores, jax 0.10.2 and
+# 0.12). Such a leaf is held to the rounding noise of the computation itself, sampled by a second
+# float32 evaluation of the same documents alone (padded to another width, so other block counts
+# and reductions): packed vs alone measured at 0.3-2.0 x that sample on every leaf, both JAX lines.
+NOISE_FACTOR = 4
+NOISE_WIDTH = 27          # > T, another number of blocks for every mixer's tiny block sizes
+
+
+def _gradient_noise(model, tokens, targets, want_grads):
+  """{leaf path: max |alone at NOISE_WIDTH - alone at T|}: the float32 noise of each gradient."""
+  toks, pos, _ = _alone_rows(tokens, DOCS, NOISE_WIDTH)
+  tgts = _alone_rows(targets, DOCS, NOISE_WIDTH)[0]
+  other = _loss_grads_logits(model, toks, tgts, pos, None)[1]
+  return {jax.tree_util.keystr(path): float(np.max(np.abs(np.asarray(a, np.float64)
+                                                          - np.asarray(b, np.float64))))
+          for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(other),
+                                  jax.tree.leaves(want_grads))}
 
 
 def _mixer(pattern):

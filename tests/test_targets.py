@@ -142,6 +142,10 @@ def test_compile_only_mistakes_are_one_line():
   lines = [x for x in r.stderr.splitlines() if x.strip()]
   assert r.returncode == 2 and len(lines) == 1, r.stderr[-2000:]
   assert lines[0].startswith("error: unknown compile target 'h100x3'; known: h100x1")
+  r = _script("--config=configs/quickstart.py", "--compile_only=h100x8,h100x3")   # a list:
+  lines = [x for x in r.stderr.splitlines() if x.strip()]                # every name checked
+  assert r.returncode == 2 and len(lines) == 1, r.stderr[-2000:]        # before any compile
+  assert lines[0].startswith("error: unknown compile target 'h100x3'; known: h100x1")
   _need(GPU)
   r = _script("--config=configs/quickstart.py", "--compile_only=h100x8",
               "--config.mesh.shape=(4,1,1)")
@@ -247,17 +251,20 @@ def test_transformer_train_step_calls_cudnn_on_h100():
 
 def test_a_setup_step_lowered_outside_any_context_compiles_the_targets_kernels():
   """`build_setup` over H100s, then `setup.step_fn.lower(...).compile()` as a notebook would,
-  outside `use_rules` and any platform block: the program carries its mesh's platform
-  (`sharding.traced_for`), so it holds cuDNN attention, not the CPU's blocked core."""
+  outside `use_rules`, any mesh and any platform block: the program carries its mesh's platform
+  and abstract mesh (`sharding.traced_for`), so it holds cuDNN attention, not the CPU's blocked
+  core, and FoX's Pallas GPU kernels, whose lowering (JAX >= 0.11) finds the H100 it compiles
+  for only in the abstract mesh."""
   _need(GPU)
   from attn_jax.train import setup as setup_lib
-  setup = setup_lib.build_setup(tiny_config(("attention",), MESHES["data_fsdp"]),
+  setup = setup_lib.build_setup(tiny_config(("attention", "fox"), MESHES["data_fsdp"]),
                               devices=targets.devices(GPU))
   assert kernel_choice.target() == "cpu"
   batch = setup_lib.abstract_batch(setup, 1, 4, SEQ_LEN)
   text = setup.step_fn.lower(setup.abstract_state, batch).compile().as_text()
   kernels = aot.kernels_in(text)
   assert kernels.get("cuDNN attention fwd") and kernels.get("cuDNN attention bwd"), kernels
+  assert kernels.get(DECAYED_KERNEL[GPU], 0) >= 3, kernels     # FoX's forward and backward
 
 
 @pytest.mark.slow

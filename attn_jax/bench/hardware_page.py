@@ -272,6 +272,35 @@ def measured_at(done: dict) -> str:
   return ", ".join(f"{c} ({k} cell{'s' * (k != 1)})" for c, k in n.most_common()) or "none"
 
 
+# Written, not measured: which Pallas backend each kernel compiles to on each tested JAX line.
+PALLAS_GPU = """## Pallas on GPU: which backend each kernel uses
+
+| kernel | where | GPU, jax 0.10.2 (Python 3.11) | GPU, jax >= 0.11 (Python 3.12+) | TPU |
+|---|---|---|---|---|
+| decayed attention (SISA, FoX, ALiBi: forward, dq, dkv) | `attn_jax/kernels/decayed.py` | Pallas Triton | Pallas Triton, deprecated | Pallas Mosaic TPU |
+| chunked SSD (Mamba-2, Mamba-3 SISO, the hybrids' SSM heads: states, scan, dstates, dchunk) | `attn_jax/kernels/ssd_chunks.py` | Pallas Triton | Pallas Triton, deprecated | Pallas Mosaic TPU |
+| softmax attention (Transformer, sinks) | `kernels/dpa.py`, `kernels/splash.py` | cuDNN fused attention (XLA custom call), no Pallas | the same | splash attention (Pallas Mosaic TPU) |
+| Sinkhorn, sliding window, Mamba-3 MIMO, SSD chunk-state passing | `attention/`, `ssm/` | XLA | XLA | XLA |
+
+JAX 0.11 deprecates the Pallas Triton backend in favour of Mosaic GPU, JAX's own GPU backend
+for Pallas; the decayed and chunked-SSD kernels are affected. Until Triton is removed they
+compile and run as before, with a `DeprecationWarning` ("jax-pallas-triton") at each lowering. One thing already
+changed: from 0.11 Triton's lowering asks the mesh in context for the GPU it compiles for (0.10
+assumed compute capability 9.0 wherever no GPU was attached), so a compile-only H100 program is
+traced under its mesh (`sharding.use_rules`, `sharding.traced_for`); `--compile_only`, this page
+and the target tests do so on both lines. Once a JAX release removes the backend, SISA, FoX and
+ALiBi on a GPU would fall back to their blockwise XLA paths and Mamba's SSD to its XLA form,
+slower and with more memory.
+
+The plan: a Mosaic GPU version of the decayed kernel (same tile steps and custom VJP; Mosaic GPU
+stages whole blocks in shared memory, where the Triton version loops over HBM tiles) as a second
+GPU kernel behind `kernel_choice` (today `decayed_kernel` picks kernel or blockwise path), needing
+jax >= 0.11.1, so the Python 3.12+ line. It becomes the default on GPU once measured faster than
+the Triton kernel on an H100 / H200 at the presets' shapes (`experiments/tune_decayed.py`,
+`experiments/device_check.sh`); Triton stays for jax 0.10.2 until that line is dropped.
+"""
+
+
 def page(done: dict, names, rows=ROWS, length_rows=LENGTH_ROWS,
          length_names=LENGTH_PRESETS, census: bool = True) -> str:
   """The markdown page from the measured cells (missing ones say so)."""
@@ -310,6 +339,7 @@ def page(done: dict, names, rows=ROWS, length_rows=LENGTH_ROWS,
     lines += _length_section(done, length_rows, length_names)
   if census:
     lines += _census_section(done)
+  lines += [PALLAS_GPU.rstrip("\n"), ""]
   return "\n".join(lines)
 
 

@@ -380,20 +380,26 @@ def fits_somewhere(r: Report) -> bool:
   return r.fit is not None and (r.fit.fits or r.fitting_batch is not None)
 
 
-def compile_only_main(config: ml_collections.ConfigDict, target_name: str,
+def compile_only_main(config: ml_collections.ConfigDict, target_names: str,
                       config_name: str = "") -> int:
-  """`experiments/train.py --compile_only=<target>`: print the report; exit status 0 when the
-  train step fits the target (at the config's batch or a smaller micro-batch it names), 3
-  when it fits at none. The target's devices exist for compiling only, so the process computes
-  on its CPU (experiments/train.py sets JAX_PLATFORMS=cpu before JAX starts)."""
-  targets_lib.get(target_name)            # an unknown name: one line listing the known ones
-  with native_logs.filtered():            # libtpu's start-up warnings
-    targets_lib.devices(target_name)
-  report = compile_for_target(config, target_name, config_name=config_name)
-  print(format_report(report))
-  if runs_pallas_gpu_kernels(report):
-    print(census_report(config, target_name))
-  return 0 if fits_somewhere(report) else 3
+  """`experiments/train.py --compile_only=<target>[,<target>...]`: print each target's report
+  in turn; exit status 0 when the train step fits every target (at the config's batch or a
+  smaller micro-batch it names), 3 when it fits at none on some target. The targets' devices
+  exist for compiling only, so the process computes on its CPU (experiments/train.py sets
+  JAX_PLATFORMS=cpu before JAX starts)."""
+  names = [n.strip() for n in target_names.split(",") if n.strip()]
+  for name in names:
+    targets_lib.get(name)                 # an unknown name: one line listing the known ones
+  status = 0
+  for i, name in enumerate(names):
+    with native_logs.filtered():          # libtpu's start-up warnings
+      targets_lib.devices(name)
+    report = compile_for_target(config, name, config_name=config_name)
+    print(("\n" if i else "") + format_report(report))
+    if runs_pallas_gpu_kernels(report):
+      print(census_report(config, name))
+    status = status if fits_somewhere(report) else 3
+  return status
 
 
 def runs_pallas_gpu_kernels(r: Report) -> bool:
