@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from attn_jax.train.loss import cross_entropy, cross_entropy_from_hidden
+from attn_jax.train import hlo_loops
+from attn_jax.train.loss import chunk_len, cross_entropy, cross_entropy_from_hidden
 
 TOL = 1e-5  # fp32, fixed once (relative; sums of ~20 terms)
 B, T, D, V = 2, 7, 8, 37
@@ -95,12 +96,46 @@ def test_no_full_logits_in_the_backward():
     assert blockwise < full / 2, (mode, blockwise, full)
 
 
+@pytest.mark.parametrize("mode", ["fused", "remat"])
+def test_chunks_grow_past_max_chunks_with_the_same_values_and_gradients(mode):
+  """T = 7 with chunk 1 and max_chunks 3 runs 3 chunks of 3 positions (not 7 of 1): the values
+  and gradients are the plain form's."""
+  assert chunk_len(7, 1, 3) == 3 and chunk_len(7, 4, 3) == 4 and chunk_len(7, 64, 16) == 7
+  h, w, y, wt = _problem(2)
+  f = functools.partial(cross_entropy_from_hidden, chunk=1, max_chunks=3, mode=mode)
+  grad = lambda f: jax.grad(lambda h, w: f(h, w, y, wt)[0], argnums=(0, 1))(h, w)
+  chex.assert_trees_all_close(f(h, w, y, wt), _plain(h, w, y, wt), rtol=TOL, atol=TOL)
+  chex.assert_trees_all_close(grad(f), grad(_plain), rtol=TOL, atol=TOL)
+
+
+@pytest.mark.parametrize("mode", ["fused", "remat"])
+def test_the_chunk_scan_runs_at_most_max_chunks_iterations_at_any_length(mode):
+  """The compiled gradient's loops (train/hlo_loops.py, compiled for this CPU on abstract
+  shapes): T / 128 iterations up to T 2048, then 16 at every length (32768 here)."""
+  def iterations(T):
+    h = jax.ShapeDtypeStruct((2, T, 8), jnp.float32)
+    w = jax.ShapeDtypeStruct((8, 16), jnp.float32)
+    y = jax.ShapeDtypeStruct((2, T), jnp.int32)
+    wt = jax.ShapeDtypeStruct((2, T), jnp.float32)
+    f = lambda h, w, y, wt: cross_entropy_from_hidden(h, w, y, wt, mode=mode)[0]
+    text = jax.jit(jax.grad(f, argnums=(0, 1))).lower(h, w, y, wt).compile().as_text()
+    r = hlo_loops.read(text)
+    assert r.unknown_loops == 0
+    return r.serial_iterations
+
+  # one loop over the chunks (fused: its backward has none; remat: the gradient's only, the
+  # forward's sums being unused)
+  assert [iterations(T) for T in (512, 2048, 8192, 32768)] == [4, 16, 16, 16]
+
+
 def test_rejects_bad_options():
   h, w, y, wt = _problem()
   with pytest.raises(ValueError, match="mode"):
     cross_entropy_from_hidden(h, w, y, wt, mode="dense")
   with pytest.raises(ValueError, match="chunk"):
     cross_entropy_from_hidden(h, w, y, wt, chunk=0)
+  with pytest.raises(ValueError, match="max_chunks"):
+    cross_entropy_from_hidden(h, w, y, wt, max_chunks=0)
 
 
 def test_batch_sharded_hidden_states_give_the_same_loss_and_gradients():

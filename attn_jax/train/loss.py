@@ -6,10 +6,21 @@ embeddings: W = embed^T), target y_n and weight w_n:
     z_n = h_n W  (fp32),   lse_n = log sum_v exp(z_nv),   nll_n = lse_n - z_{n, y_n}
     returns  sum_n w_n nll_n,   sum_n w_n,   sum_n w_n [z_{n, y_n} = max_v z_nv]
 
-The sequence is cut into chunks of `chunk` positions (the last one padded with weight 0); a
+The sequence is cut into n chunks of c positions (the last one padded with weight 0); a
 `lax.scan` visits them, each chunk holding the whole batch (so a batch-sharded h stays
-sharded), so at most [B, chunk, V] logits are live. Two ways
-to get the gradient without keeping [B*T, V]:
+sharded), so at most [B, c, V] logits are live. The chunk grows with T past a fixed count:
+
+    c = max(chunk, ceil(T / max_chunks)),   n = ceil(T / c) <= max_chunks   (16 by default)
+
+so the scan runs at most `max_chunks` iterations at any length (a loop iteration is a host
+round trip on a GPU, and a step's serial iterations must stay within 2 n_layers + 64,
+train/hlo_loops.py), while the live logits stay bounded by the larger of two terms: the fixed
+[B, chunk, V] of short sequences (128 positions, the whole batch: the count reaches 16 at
+T 2048), or 1 / max_chunks of the full [B, T, V] beyond. The second grows with B T as the
+activations a step keeps for its backward do (tens of d_model-wide vectors per token and
+layer), so it stays the same small fraction of the step's memory at every length, the
+fraction it has at T 2048; `vocab_chunk` bounds it further when V is large. Two ways to get
+the gradient without keeping [B*T, V]:
 
 - "fused" (default): a `custom_vjp` whose forward also forms, per chunk, the logit gradient
   dz = w (softmax(z) - onehot(y)) and immediately contracts it: dh = dz W^T, dW += h^T dz.
@@ -113,6 +124,12 @@ def _chunk_sums(h_cD, w_DV, y_c, wt_c, vocab_chunk):
   lse, tgt, hit = _stats(h_cD, w_DV, y_c, vocab_chunk)
   nll_c = lse - tgt
   return nll_c, jnp.sum(nll_c * wt_c), jnp.sum(wt_c), jnp.sum(hit * wt_c)
+
+
+def chunk_len(T: int, chunk: int, max_chunks: int) -> int:
+  """Positions per chunk of the sequence scan: max(chunk, ceil(T / max_chunks)), at most T, so
+  ceil(T / c) <= max_chunks iterations whatever T (module docstring)."""
+  return min(max(chunk, -(-T // max_chunks)), T)
 
 
 def _chunked(h_BTD, y_BT, wt_BT, chunk):
@@ -224,19 +241,22 @@ _fused_ce.defvjp(_fused_fwd, _fused_bwd)
 
 def cross_entropy_from_hidden(h_BTD: jax.Array, w_DV: jax.Array, targets_BT: jax.Array,
                               weights_BT: jax.Array, *, chunk: int = 128,
-                              vocab_chunk: int | None = None, mode: str = "fused"):
-  """(sum w nll, sum w, sum w hits) of the logits h W, computed `chunk` positions (x the
-  whole batch) at a time.
+                              max_chunks: int = 16, vocab_chunk: int | None = None,
+                              mode: str = "fused"):
+  """(sum w nll, sum w, sum w hits) of the logits h W, computed `chunk_len(T, chunk,
+  max_chunks)` positions (x the whole batch) at a time: `chunk` positions, or more where T
+  needs more than `max_chunks` chunks of them.
 
   h_BTD: final hidden states (any float dtype; the matmuls accumulate in fp32);
   w_DV: head matrix (tied: embed.T). See the module docstring for `mode` and `vocab_chunk`."""
   if mode not in MODES:
     raise ValueError(f"cross-entropy mode must be one of {MODES}, got {mode!r}")
-  if chunk < 1 or (vocab_chunk is not None and vocab_chunk < 1):
-    raise ValueError(f"chunk ({chunk}) and vocab_chunk ({vocab_chunk}) must be >= 1")
+  if chunk < 1 or max_chunks < 1 or (vocab_chunk is not None and vocab_chunk < 1):
+    raise ValueError(f"chunk ({chunk}), max_chunks ({max_chunks}) and vocab_chunk "
+                     f"({vocab_chunk}) must be >= 1")
   y_BT = targets_BT.astype(jnp.int32)
   wt_BT = weights_BT.astype(jnp.float32)
-  chunk = min(chunk, h_BTD.shape[1])
+  chunk = chunk_len(h_BTD.shape[1], chunk, max_chunks)
   if mode == "remat":
     return _remat_ce(h_BTD, w_DV, y_BT, wt_BT, chunk, vocab_chunk)
   return _fused_ce(h_BTD, w_DV, y_BT, wt_BT, chunk, vocab_chunk)
