@@ -97,9 +97,17 @@ from attn_jax.kernels import decayed
 _ENTRY_RE = re.compile(r"\.entry\s+([\w$]+)\s*\(")
 _NTID_RE = re.compile(r"\.(?:reqntid|maxntid)\s+(\d+)(?:\s*,\s*(\d+))?(?:\s*,\s*(\d+))?")
 _LABEL_RE = re.compile(r"^\s*([\w$]+):")
-_BRANCH_RE = re.compile(r"^(?:@!?%\w+\s+)?bra(?:\.uni)?\s+([\w$]+)\s*$")
-_EX2_RE = re.compile(r"^(?:@!?%\w+\s+)?ex2\.approx")
-_MMA_RE = re.compile(r"^(?:@!?%\w+\s+)?((?:wgmma\.mma_async|mma\.sync)[\w.]*)")
+
+
+def _statement(opcode: str) -> re.Pattern:
+  """A PTX statement starting with `opcode` (a regex), under a guard predicate or not
+  (`@%p1 bra ...`, `@!%p2 ex2...`)."""
+  return re.compile(r"^(?:@!?%\w+\s+)?" + opcode)
+
+
+_BRANCH_RE = _statement(r"bra(?:\.uni)?\s+([\w$]+)\s*$")
+_EX2_RE = _statement(r"ex2\.approx")
+_MMA_RE = _statement(r"((?:wgmma\.mma_async|mma\.sync)[\w.]*)")
 
 
 @dataclasses.dataclass(frozen=True)
