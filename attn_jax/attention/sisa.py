@@ -73,6 +73,7 @@ by `experiments/bench.py`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -238,6 +239,29 @@ class SISAState(NamedTuple):
   g: jax.Array      # [B, H]: g of the last token (the stream's total decay; `decay_range`)
   phi: jax.Array    # [B, H, d_s/2]: Phi of the last token, mod 2 pi
 
+def _rotated(c_BTHS, b_BTHS, phi_BTHP, dtype):
+  """(R(Phi) C, R(Phi) B) in the sums' dtype (C, B themselves without phase)."""
+  if phi_BTHP is None:
+    return c_BTHS.astype(dtype), b_BTHS.astype(dtype)
+  return rotate_pairs(c_BTHS, phi_BTHP), rotate_pairs(b_BTHS, phi_BTHP)
+
+
+def _aux(loga_BTH, lam_H, g_BTH, chunked) -> dict:
+  """The layer's monitoring values."""
+  mean_loga = jnp.mean(loga_BTH)
+  return {
+      "lambda": jnp.mean(lam_H),
+      # tokens for the mean decay to halve a weight; inf without decay
+      "half_life": jnp.where(mean_loga < 0, math.log(0.5) / jnp.minimum(mean_loga, -1e-30),
+                             jnp.inf),
+      # total decay from the sequence start (g_-1 = 0) to the last token (packed rows: of
+      # the longest-decaying document), max over batch and heads: max(g) - min(g) with the
+      # empty prefix included; decides the path
+      "decay_range": -jnp.min(g_BTH),
+      "chunked": chunked,
+  }
+
+
 @register_mixer("sisa")
 class SISA(cache_lib.CachedMixer):
   """SISA token mixer (see the module docstring). Options: `config.model.sisa`."""
@@ -317,23 +341,30 @@ class SISA(cache_lib.CachedMixer):
 
     Padding tokens (position -1) get log a = 0 and theta = 0: they leave g and Phi unchanged.
     """
-    cfg, o = self.cfg, self.opts
-    p, f = self.proj, stat_dtype(cfg)
+    cfg, p = self.cfg, self.proj
     B, T, _ = x_BTD.shape
     pos_BT = causal_positions(B, T) if positions_BT is None else positions_BT
     if rotate:
       q, k, v = p.rotated_qkv(x_BTD, pos_BT, cfg.rope_theta)
     else:
       q, k, v = p.q(x_BTD), p.k(x_BTD), p.v(x_BTD)
-    # C, B, theta and the decay pre-activation in one matmul (their kernels side by side).
+    return SISAFeatures(q, k, v, *self._ssm_features(x_BTD, positions_BT))
+
+  def _ssm_features(self, x_BTD, positions_BT):
+    """(C, B, log a, theta, lambda): `features` without q, k, v."""
+    cfg, o = self.cfg, self.opts
+    f = stat_dtype(cfg)
+    # C, B, theta and the decay pre-activation in one matmul (their kernels side by side), its
+    # output [B, T, H n] with heads and channels on one axis: the array the kernel route keeps
+    # for the backward (`_kernel_forward`), whose last axis a TPU pads to a multiple of 128.
     H, D = cfg.n_heads, cfg.d_model
     parts = [self.c_proj, self.b_proj] + [self.phase_proj] * bool(o.use_phase) \
         + [self.decay_proj] * bool(o.use_decay)
     widths = [math.prod(lin.out_shape) // H for lin in parts]
     w = jnp.concatenate([lin.kernel[...].reshape(D, H, -1) for lin in parts], axis=-1)
-    ssm = jnp.einsum("btd,dhn->bthn", x_BTD.astype(self.c_proj.dtype),
-                     w.astype(self.c_proj.dtype))
-    ssm = jnp.split(ssm, np.cumsum(widths)[:-1], axis=-1)
+    ssm = jnp.einsum("btd,dn->btn", x_BTD.astype(self.c_proj.dtype),
+                     w.reshape(D, -1).astype(self.c_proj.dtype))
+    ssm = jnp.split(ssm.reshape(x_BTD.shape[:2] + (H, -1)), np.cumsum(widths)[:-1], axis=-1)
     c, b = ssm[0], ssm[1]
     theta = ssm[2].astype(f) if o.use_phase else None
     if o.use_decay:
@@ -348,12 +379,14 @@ class SISA(cache_lib.CachedMixer):
     lam = jax.nn.softplus(self.lambda_raw[...].astype(f))
     if not o.learn_lambda:
       lam = jax.lax.stop_gradient(lam)
-    return SISAFeatures(q, k, v, c, b, loga, theta, lam)
+    return c, b, loga, theta, lam
 
   def __call__(self, x_BTD, *, positions_BT=None, segment_ids_BT=None, state=None, rng=None,
                train=False):
     del rng, train
     seg = segment_ids_BT
+    if state is None and self._takes_kernel(x_BTD):
+      return self._kernel_forward(x_BTD, positions_BT, seg)
     f = self.features(x_BTD, positions_BT, rotate=state is None)
     # with a state: sums over the new tokens only; packed rows: restarted per document
     g, phi = decay_and_phase(f.loga, f.theta, None if seg is None else segment_starts(seg))
@@ -362,7 +395,7 @@ class SISA(cache_lib.CachedMixer):
     decay = self._decay(f, g, phi)
     sink = sink_logit_of(self.opts, self.sink_logit, self.cfg.n_heads)
 
-    if state is None:   # the kernels room chooses: the decayed kernel, or the fast / chunked path
+    if state is None:   # the kernels room's XLA paths: fast / chunked
       out, chunked = entry.attend_decayed(
           f.q, f.k, f.v, decay, scale=self.cfg.head_dim ** -0.5, impl=self.cfg.attention_impl,
           path=self.opts.path, sink_logit_H=sink, segment_ids_BT=seg, what="sisa")
@@ -371,28 +404,57 @@ class SISA(cache_lib.CachedMixer):
       g = state.g[:, None] + g                   # the running g: only for `decay_range`
       state = SISAState(kv, g[:, -1], state.phi if phi is None else phi[:, -1])
       chunked = jnp.ones((), jnp.float32)
+    return self.proj.o(out), state, _aux(f.loga, f.lam, g, chunked)
 
-    mean_loga = jnp.mean(f.loga)
-    aux = {
-        "lambda": jnp.mean(f.lam),
-        # tokens for the mean decay to halve a weight; inf without decay
-        "half_life": jnp.where(mean_loga < 0, math.log(0.5) / jnp.minimum(mean_loga, -1e-30),
-                               jnp.inf),
-        # total decay from the sequence start (g_-1 = 0) to the last token (packed rows: of
-        # the longest-decaying document), max over batch and heads: max(g) - min(g) with the
-        # empty prefix included; decides the path
-        "decay_range": -jnp.min(g),
-        "chunked": chunked,
-    }
-    return self.proj.o(out), state, aux
+  # -------------------------------------------------------------- full sequence, kernel
+  def _takes_kernel(self, x_BTD) -> bool:
+    """Whether the kernels room takes the decayed kernel for a full forward of x
+    (`entry.takes_decayed_kernel`: path "auto" on a GPU / TPU at shapes it fits); else
+    `entry.attend_decayed` chooses among the XLA paths."""
+    cfg = self.cfg
+    q_shape = x_BTD.shape[:2] + (cfg.n_heads, cfg.head_dim)
+    kv_shape = x_BTD.shape[:2] + (cfg.kv_heads, cfg.head_dim)
+    return entry.takes_decayed_kernel(cfg.attention_impl, self.opts.path, q_shape, kv_shape,
+                                      kv_shape, what="sisa")
+
+  def _kernel_forward(self, x_BTD, positions_BT, seg):
+    """A full forward through the decayed kernel. The kernel's factors are made from x in a
+    rematerialised function (`_factors_from_input`) that keeps only its one matmul's output
+    for the backward (C, B, theta and the decay pre-activation, [B, T, H (2 d_s + d_s/2 + 1)]
+    in the compute dtype): the cumulative sums, the rotations and their fp32 intermediates
+    ([B, T, H, d_s/2] cos, sin, pair halves) are recomputed in the backward (elementwise work,
+    no matmul) instead of being kept per layer, where on a TPU their d_s/2-wide last axis pads
+    to 128 lanes (docs/sisa.md, "What the backward keeps"). The same operations as the route
+    through `_decay` and `entry.match_factors`: the numerics do not change."""
+    cfg = self.cfg
+    B, T, _ = x_BTD.shape
+    pos_BT = causal_positions(B, T) if positions_BT is None else positions_BT
+    q, k, v = self.proj.rotated_qkv(x_BTD, pos_BT, cfg.rope_theta)
+    factors = jax.checkpoint(functools.partial(self._factors_from_input, dtype=q.dtype),
+                             policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+    c, b, g, loga, lam = factors(x_BTD, positions_BT, seg)
+    sink = sink_logit_of(self.opts, self.sink_logit, cfg.n_heads)
+    out, chunked = entry.attend_decayed(
+        q, k, v, entry.MatchFactors(c, b, g), scale=cfg.head_dim ** -0.5,
+        impl=cfg.attention_impl, path=self.opts.path, sink_logit_H=sink, segment_ids_BT=seg,
+        what="sisa")
+    return self.proj.o(out), None, _aux(loga, lam, g, chunked)
+
+  def _factors_from_input(self, x_BTD, positions_BT, seg, *, dtype):
+    """(lambda R(Phi) C and R(Phi) B in `dtype`, g, log a, lambda) of a full forward from the
+    layer's input: the kernel's factors (`entry.match_factors`)."""
+    c, b, loga, theta, lam = self._ssm_features(x_BTD, positions_BT)
+    g, phi = decay_and_phase(loga, theta, None if seg is None else segment_starts(seg))
+    rc, rb = _rotated(c, b, phi, g.dtype)
+    c, b = entry.match_factors(lam, rc, rb, dtype)
+    return c, b, g, loga, lam
 
   def _decay(self, f: SISAFeatures, g, phi) -> entry.MatchDecay:
     """The decay features from the features and the cumulative sums g, Phi (None: no phase):
     C and B rotated, the query side's scale s^2 = lambda sqrt(d_h), and the options the kernels
     room chooses a path by."""
     cfg, o = self.cfg, self.opts
-    rc = f.c.astype(g.dtype) if phi is None else rotate_pairs(f.c, phi)
-    rb = f.b.astype(g.dtype) if phi is None else rotate_pairs(f.b, phi)
+    rc, rb = _rotated(f.c, f.b, phi, g.dtype)
     qscale = f.lam * math.sqrt(cfg.head_dim)                    # s^2 = lambda sqrt(d_h)
     return entry.MatchDecay(rc, rb, g, f.lam, qscale, self.fast_range_limit(cfg, o),
                             int(o.chunk_size), cfg.sink_tokens > 0)

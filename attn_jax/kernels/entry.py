@@ -10,6 +10,12 @@ options) and calls it. No mixer names a core; each computes its features and cal
                                        (FoX; ALiBi with log f = -m_h)
       MatchDecay(R C, R B, g, lambda)  s_ij = scale q_i.k_j + lambda e^{g_i - g_j} (R C_i).(R B_j)
                                        (SISA)
+      MatchFactors(c, b, g)            MatchDecay with the kernel's factors made by the caller
+                                       (c = lambda R C, b = R B in q's dtype; `match_factors`),
+                                       only where `takes_decayed_kernel` says the kernel is taken
+  takes_decayed_kernel(...)            whether attend_decayed takes the decayed kernel: a mixer
+                                       that asks first can make the kernel's factors itself, in
+                                       a rematerialised function of its input (SISA)
   fused_prefill(q, k, v, decay, ...)   a prompt's first call into an empty dense cache: the
                                        decayed kernel's full forward, or None (the mixer's
                                        cached path)
@@ -162,12 +168,40 @@ class MatchDecay(NamedTuple):
   shared_prefix: bool = True       # segment-0 keys (sink tokens) may be in a packed row
 
 
-DECAY_PATHS = {LogitDecay: forget_xla.PATHS, MatchDecay: sisa_xla.PATHS}
+class MatchFactors(NamedTuple):
+  """MatchDecay as the decayed kernel takes it, its factors made by the caller
+  (`match_factors`): only for a call that takes the kernel (`takes_decayed_kernel`). A caller
+  that makes them inside a `jax.checkpoint` of its own input keeps only that function's matmul
+  outputs for the backward, not the fp32 rotations' intermediates (docs/sisa.md, "What the
+  backward keeps")."""
+  c_BTHS: jax.Array                # lambda R(Phi_i) C_i in q's dtype
+  b_BTHS: jax.Array                # R(Phi_j) B_j in q's dtype
+  g_BTH: jax.Array                 # cumulative log-decay, fp32
 
 
-def attend_decayed(q, k, v, decay: LogitDecay | MatchDecay, *, scale: float, impl: str = "auto",
-                   path: str = "auto", sink_logit_H=None, segment_ids_BT=None,
-                   what: str = "decayed attention"):
+DECAY_PATHS = {LogitDecay: forget_xla.PATHS, MatchDecay: sisa_xla.PATHS,
+               MatchFactors: ("auto",)}
+
+
+def takes_decayed_kernel(impl: str, path: str, q_shape, k_shape, v_shape, *,
+                         what: str = "decayed attention") -> bool:
+  """Whether `attend_decayed(impl=impl, path=path)` of these shapes takes the decayed Pallas
+  kernel (module docstring, "decayed"): path "auto" on a GPU / TPU where the shapes fit."""
+  return path == "auto" and decayed.use_kernel(impl, q_shape, k_shape, v_shape, what=what)
+
+
+def match_factors(lam_H, rc_BTHS, rb_BTHS, dtype):
+  """The decayed kernel's MatchDecay factors (lambda R C, R B) in `dtype` (q's): lambda on the
+  query factor (its gradient comes from the factor's), then the cast; the factors in q's dtype,
+  as the widened Q/K of the XLA paths (bf16 tile products c.b on the tensor cores with fp32
+  accumulation, like q.k)."""
+  c = (lam_H.astype(rc_BTHS.dtype)[:, None] * rc_BTHS).astype(dtype)
+  return c, rb_BTHS.astype(dtype)
+
+
+def attend_decayed(q, k, v, decay: LogitDecay | MatchDecay | MatchFactors, *, scale: float,
+                   impl: str = "auto", path: str = "auto", sink_logit_H=None,
+                   segment_ids_BT=None, what: str = "decayed attention"):
   """Causal decayed self-attention of one stream per row (module docstring): (out [B, T, H, Dv]
   in q's dtype, chunked: 1.0 where MatchDecay took its chunked path, else 0.0).
   `segment_ids_BT`: packed rows (pairs of different documents masked, the decay restarted by
@@ -176,9 +210,13 @@ def attend_decayed(q, k, v, decay: LogitDecay | MatchDecay, *, scale: float, imp
   if path not in paths:
     raise ValueError(f"{what}: unknown path {path!r} ({' | '.join(paths)})")
   zero = jnp.zeros((), jnp.float32)
-  if path == "auto" and decayed.use_kernel(impl, q.shape, k.shape, v.shape, what=what):
+  if takes_decayed_kernel(impl, path, q.shape, k.shape, v.shape, what=what):
     return _kernel(q, k, v, decay, scale=scale, sink_logit_H=sink_logit_H,
                    segment_ids_BT=segment_ids_BT), zero
+  if isinstance(decay, MatchFactors):
+    raise ValueError(f"{what}: MatchFactors are the decayed kernel's, which is not taken here "
+                     f"(impl {impl!r}, q {q.shape}); ask entry.takes_decayed_kernel first and "
+                     "pass a MatchDecay otherwise")
   if isinstance(decay, LogitDecay):
     return forget_xla.forget_attention(q, k, v, decay.log_f_BTH, scale=scale, block=decay.block,
                                        sink_logit_H=sink_logit_H, segment_ids_BT=segment_ids_BT,
@@ -202,19 +240,20 @@ def fused_prefill(q, k, v, decay: LogitDecay | MatchDecay, *, scale: float, impl
 
 def _kernel(q, k, v, decay, *, scale, sink_logit_H, segment_ids_BT=None, positions_BT=None):
   """The decayed Pallas kernel. LogitDecay: g as fp32's double word (hi, lo), so each pair's
-  decay is rounded at its own size (`forget_xla.cumsum2`). MatchDecay: lambda on the query
-  factor (its gradient comes from the factor's); the factors in q's dtype, as the widened Q/K
-  of the XLA paths (bf16 tile products c.b on the tensor cores with fp32 accumulation, like
-  q.k); g and the decay factor e^{g_i - g_j} stay fp32."""
+  decay is rounded at its own size (`forget_xla.cumsum2`). MatchDecay: the factors by
+  `match_factors` (MatchFactors: made so by the caller); g and the decay factor e^{g_i - g_j}
+  stay fp32."""
   kw = dict(scale=scale, positions_BT=positions_BT, segment_ids_BT=segment_ids_BT,
             sink_logit_H=sink_logit_H)
   if isinstance(decay, LogitDecay):
     starts = None if segment_ids_BT is None else segment_starts(segment_ids_BT)
     hi, lo = forget_xla.cumsum2(decay.log_f_BTH, starts)
     return decayed.decayed_attention(q, k, v, g_BTH=hi, g_lo_BTH=lo, fox=True, **kw)
-  c = (decay.lam_H.astype(decay.rc_BTHS.dtype)[:, None] * decay.rc_BTHS).astype(q.dtype)
-  return decayed.decayed_attention(q, k, v, g_BTH=decay.g_BTH, c_BTHS=c,
-                                   b_BTHS=decay.rb_BTHS.astype(q.dtype), **kw)
+  if isinstance(decay, MatchFactors):
+    c, b = decay.c_BTHS, decay.b_BTHS
+  else:
+    c, b = match_factors(decay.lam_H, decay.rc_BTHS, decay.rb_BTHS, q.dtype)
+  return decayed.decayed_attention(q, k, v, g_BTH=decay.g_BTH, c_BTHS=c, b_BTHS=b, **kw)
 
 
 def _match_paths(ops: sisa_xla.Operands, decay: MatchDecay, *, scale, impl, path):
