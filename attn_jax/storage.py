@@ -21,8 +21,8 @@ Storage that stops answering. gcsfs sends its requests without a timeout (it pas
 `requests_timeout=None` to aiohttp, which turns off aiohttp's own) and fsspec's `sync()` waits
 for them without one, so a request that a server accepts and never answers waits for good, and
 so does whatever waits on it: orbax's commit of a save (its manifest is listed and written
-through gcsfs), and the run's close waiting for that commit. That was issue 61's hang at the end
-of a `gs://` run (reproduced with a fake-gcs-server whose log went to a pipe nobody read: it
+through gcsfs), and the run's close waiting for that commit. That is how a `gs://` run hung at its
+end (reproduced with a fake-gcs-server whose log went to a pipe nobody read: it
 stops answering once the pipe is full). The run's own waits end it instead
 (train/checkpoint.py, "No wait without an end"; workdir.ObjectLock.release within 5 s).
 

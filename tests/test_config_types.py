@@ -1,5 +1,5 @@
 """Typed config values are type-checked, and every bad value is refused before anything is
-written: one line naming the field, exit status 2, no workdir (issue 61, item 4).
+written: one line naming the field, exit status 2, no workdir.
 
 The type rules (attn_jax/field_checks.py): an int field takes an integer, not a bool and not a
 float (3.0 neither); a float field takes any real number but a bool; a bool field True or False

@@ -4,7 +4,7 @@ tiles and chains read from a traced Pallas kernel, loops of a chain weighted by 
 visits, the census in docs/hardware.md and in --compile_only, and (slow, CI) the decayed
 kernel's `tile_visits` against its loops' trip counts in interpret mode, and, with the targets
 extra, JAX's own flash attention as a check of the normalisation and the decayed kernel's
-census for an H100 against issue 60's limits."""
+census for an H100 against the decayed kernel's limits."""
 
 import collections
 import contextlib
@@ -377,11 +377,11 @@ EX2_LIMIT = 3.2                                        # ex2 per element, fwd + 
 @pytest.mark.slow
 @pytest.mark.ci_extra
 def test_decayed_kernel_costs_what_flash_attention_costs():
-  """Issue 60: compiled for an H100 at T 2048, head dim 64, bf16, every pass of the decayed
+  """Compiled for an H100 at T 2048, head dim 64, bf16, every pass of the decayed
   kernel (fwd, dq, dkv) per (query, key) element of its inner loop: SISA <= 60 instructions
   summed over the three, FoX and ALiBi <= 45; <= 3.2 ex2 summed; no `mma.sync` in any pass
   (every tile matmul on Hopper's wgmma). (Main at 7a9c5ce: SISA 219, FoX / ALiBi 158, ex2 9 /
-  5, 160 / 64 mma.sync in dkv: this test fails until the kernel's algebra of issue 60 lands.)"""
+  5, 160 / 64 mma.sync in dkv: the per-element form before the tile algebra.)"""
   if not targets.available("h100x1"):
     pytest.skip("no compiler plugin for h100x1 (pip install -e '.[targets]')")
   passes = kc.census("h100x1", seq_len=2048, head_dim=64, dtype=jnp.bfloat16,

@@ -407,7 +407,7 @@ def test_quickstart_on_gs_ends_and_eval_and_stream_read_it_under_busy_cpus(gcs, 
                                                                           attempt):
   """The reported scenario: quickstart on gs://, a checkpoint every 2 steps, 4 steps, two busy
   CPU loops beside it; then eval.py and stream.py on the run. Every command ends (a hang used to
-  keep the run in its final close for good: issue 61), with status 0, a committed step 4.
+  keep the run in its final close for good), with status 0, a committed step 4.
   ATTN_JAX_GS_REPEATS=20 runs it 20 times."""
   local = Local(tmp_path)
   workdir = f"gs://{BUCKET}/quickstart-{attempt}"
@@ -588,7 +588,7 @@ runpy.run_path(os.path.join("experiments", "train.py"), run_name="__main__")
 @pytest.mark.slow
 def test_storage_that_stops_answering_during_the_last_save_ends_the_run(config_file,
                                                                           tmp_path):
-  """The hang of issue 61, made deterministic: the storage's server stops answering (SIGSTOP:
+  """The hang at a gs:// run's end, made deterministic: the storage's server stops answering (SIGSTOP:
   requests are accepted, never answered, as from a fake-gcs-server whose log pipe is full)
   while the last step commits. gcsfs sends its requests without a timeout and orbax's close
   waited for that commit without one: the run never ended (on 7a9c5ce it was still waiting

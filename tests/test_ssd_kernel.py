@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from attn_jax import kernel_choice, targets
+from attn_jax import kernel_choice, sharding as shd, targets
 from attn_jax.kernels import ssd_chunks as K
 from attn_jax.ssm import ssd
 
@@ -145,7 +145,9 @@ def _compiled_text(target: str, T: int = 256, H: int = 4, P: int = 64, N: int = 
     return jnp.sum(y ** 2) + jnp.sum(h)
 
   mesh = Mesh(np.array(devs[:1]), ("x",))
-  with kernel_choice.use_platform(devs[0]), targets.no_persistent_cache():
+  # Under the target's mesh (`use_rules`: its platform for the kernel choice, and the mesh in
+  # context, which Pallas Triton's lowering reads the GPU from on jax >= 0.11)
+  with shd.use_rules(mesh, {}), targets.no_persistent_cache():
     f = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)), in_shardings=NamedSharding(mesh, Ps()))
     compiled = f.lower(*args).compile()
   return compiled.as_text()

@@ -211,14 +211,9 @@ def test_clear_errors(tmp_path):
   (tmp_path / "empty.txt").write_text("")
   with pytest.raises(ValueError, match="empty"):
     streaming.read_stream(str(tmp_path / "empty.txt"))
-  import importlib
-  import sys
-  # One import of the entry point per process (its absl flags are global): the same module
-  # other tests import as `stream`.
-  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "experiments"))
-  cli = importlib.import_module("stream")
+  from attn_jax.eval import stream_run   # what experiments/stream.py calls
   with pytest.raises(FileNotFoundError, match="no checkpoint"):
-    cli.run(str(tmp_path / "nope"), str(tmp_path / "empty.txt"))
+    stream_run.run(str(tmp_path / "nope"), str(tmp_path / "empty.txt"))
 
 
 def test_read_stream_on_a_public_text():

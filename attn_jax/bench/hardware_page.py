@@ -229,7 +229,7 @@ def _census_section(done: dict, c: Census = CENSUS) -> list[str]:
       "instructions per iteration of the loops, summed over them (`wgmma`: "
       "Hopper's warpgroup MMA; `mma.sync`: the Ampere path), the tiles, warps, stages and "
       "shared memory of each launch. The PTX is the compiler's input, not cycle counts: a "
-      "figure to compare kernels compiled alike. Issue 60's limits (tests/"
+      "figure to compare kernels compiled alike. The limits (tests/"
       "test_kernel_census.py): SISA <= 60 instructions per element over fwd + dq + dkv, FoX "
       "and ALiBi <= 45, ex2 <= 3.2, no `mma.sync`.", ""]
   if not d:

@@ -61,13 +61,13 @@ Counted statically, from the code: PTX is not SASS: ptxas schedules, fuses and m
 further, so these are the compiler's input, comparable between kernels compiled alike, not
 cycle counts.
 
-Checked against issue 60's table (main at 7a9c5ce, T 2048, head dim 64, bf16), this module's
-counts: SISA fwd 66.1 / dq 55.6 / dkv 97.7 instructions per element (issue: 66 / 56 / 98), ex2
+Checked against a hand count at 7a9c5ce (main, T 2048, head dim 64, bf16), this module's
+counts: SISA fwd 66.1 / dq 55.6 / dkv 97.7 instructions per element (hand count: 66 / 56 / 98), ex2
 3 / 2 / 4 (9 summed), dkv 160 `mma.sync` m16n8k16 an iteration (its matmuls over the 128 x 32
-tile transposed, M = 32) beside 20 wgmma; FoX 54.1 / 40.3 / 63.7 (issue: 54 / 41 / 64); JAX
-`mha` fwd 10.1, bwd 43.8 (issue: 10, 44). ALiBi is compiled here as the ALiBi mixer calls the
-kernel today: through `fox.ScoreBiasAttention`, g a double word (hi, lo) like FoX's, so its
-kernel and its counts are FoX's; the issue's ALiBi row (51 / 37 / 60, 147 summed) is the kernel
+tile transposed, M = 32) beside 20 wgmma; FoX 54.1 / 40.3 / 63.7 (hand count: 54 / 41 / 64); JAX
+`mha` fwd 10.1, bwd 43.8 (hand count: 10, 44). ALiBi is compiled here as the ALiBi mixer calls the
+kernel today: through `score_bias.ScoreBiasAttention`, g a double word (hi, lo) like FoX's, so its
+kernel and its counts are FoX's; the hand count's ALiBi row (51 / 37 / 60, 147 summed) is the kernel
 given a single-word g (no lo): 50.5 / 36.8 / 59.5 here, 146.8 summed
 (`DecayedCall(fox=True, single_word_g=True)`). The counts need XLA's backend optimisations,
 which the test suite turns off (`_optimized`).
@@ -533,7 +533,7 @@ class DecayedCall:
   """How a mixer calls `decayed.decayed_attention` (the census compiles the same call):
   SISA's factors c, b (bf16 like q, d_state wide; g fp32), FoX's double-word g (hi, lo) with
   the logit bias (`fox=True`). `single_word_g`: g without its low word (not a mixer's call:
-  what issue 60's ALiBi row measured)."""
+  what the hand count's ALiBi row measured)."""
   sisa: bool = False
   fox: bool = False
   single_word_g: bool = False
