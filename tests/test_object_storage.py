@@ -521,7 +521,9 @@ BAD_FLAG = {"train.py": "--config.train.steps=0", "eval.py": "--tasks=nope",
             "stream.py": "--window=-1"}
 
 
-_KILL_STORAGE = """
+# A training run whose storage server gets a signal (SIGKILL: gone; SIGSTOP: stops answering)
+# while step 4 commits.
+_STORAGE_AT_STEP_4 = """
 import os, signal, sys
 sys.path.insert(0, os.getcwd())
 import attn_jax.cli
@@ -530,13 +532,13 @@ from attn_jax.train import checkpoint
 real = checkpoint.write_manifest
 
 
-def gone(step_dir):   # the storage's server dies while step 4 is being committed
+def at_step_4(step_dir):   # the storage's server gets EMULATOR_SIGNAL while step 4 commits
   if os.path.basename(step_dir.rstrip("/")).split(".")[0] == "4":
-    os.kill(int(os.environ["EMULATOR_PID"]), signal.SIGKILL)
+    os.kill(int(os.environ["EMULATOR_PID"]), getattr(signal, os.environ["EMULATOR_SIGNAL"]))
   return real(step_dir)
 
 
-checkpoint.write_manifest = gone
+checkpoint.write_manifest = at_step_4
 sys.argv = sys.argv[1:]
 import runpy
 runpy.run_path(os.path.join("experiments", "train.py"), run_name="__main__")
@@ -550,9 +552,10 @@ def test_storage_that_goes_away_during_a_save_is_one_line_naming_the_last_commit
   ... Older steps are kept: [2]`, exit 2 (it was a raw traceback, exit 1, no resume point)."""
   local = Local(tmp_path)
   runner = tmp_path / "runner.py"
-  runner.write_text(_KILL_STORAGE)
+  runner.write_text(_STORAGE_AT_STEP_4)
   with Emulator() as own:
-    env = dict(local.env(own), EMULATOR_PID=str(own._process.pid))
+    env = dict(local.env(own), EMULATOR_PID=str(own._process.pid),
+               EMULATOR_SIGNAL="SIGKILL")
     workdir = f"gs://{BUCKET}/gone"
     r = subprocess.run([sys.executable, str(runner), "train.py", f"--config={config_file}",
                         f"--workdir={workdir}", "--config.checkpoint.every_steps=2"],
@@ -561,28 +564,6 @@ def test_storage_that_goes_away_during_a_save_is_one_line_naming_the_last_commit
   last = r.stderr.strip().splitlines()[-1]
   assert last.startswith("error: saving checkpoint step 4") and "kept: [2]" in last, last
   assert "Traceback" not in r.stderr, r.stderr[-3000:]
-
-
-_STALL_STORAGE = """
-import os, signal, sys
-sys.path.insert(0, os.getcwd())
-import attn_jax.cli
-from attn_jax.train import checkpoint
-
-real = checkpoint.write_manifest
-
-
-def stalled(step_dir):   # the storage's server stops answering while step 4 is being committed
-  if os.path.basename(step_dir.rstrip("/")).split(".")[0] == "4":
-    os.kill(int(os.environ["EMULATOR_PID"]), signal.SIGSTOP)
-  return real(step_dir)
-
-
-checkpoint.write_manifest = stalled
-sys.argv = sys.argv[1:]
-import runpy
-runpy.run_path(os.path.join("experiments", "train.py"), run_name="__main__")
-"""
 
 
 @pytest.mark.slow
@@ -596,9 +577,10 @@ def test_storage_that_stops_answering_during_the_last_save_ends_the_run(config_f
   and the last committed step 2, exit 2."""
   local = Local(tmp_path)
   runner = tmp_path / "runner.py"
-  runner.write_text(_STALL_STORAGE)
+  runner.write_text(_STORAGE_AT_STEP_4)
   with Emulator() as own:
-    env = dict(local.env(own), EMULATOR_PID=str(own._process.pid))
+    env = dict(local.env(own), EMULATOR_PID=str(own._process.pid),
+               EMULATOR_SIGNAL="SIGSTOP")
     try:
       t = time.monotonic()
       r = subprocess.run([sys.executable, str(runner), "train.py", f"--config={config_file}",

@@ -77,6 +77,21 @@ def _renewing(path, holder, stop):
     path.write_text(json.dumps(dict(holder, renewed=time.time())))
 
 
+def _refused_while_renewing(lock_file, holder, lease_s: float, match: str) -> None:
+  """`holder` written to `lock_file` and renewed by a live thread: a newcomer's acquire is
+  refused with an error matching `match`."""
+  lock_file.write_text(json.dumps(holder))
+  stop = threading.Event()
+  t = threading.Thread(target=_renewing, args=(lock_file, holder, stop), daemon=True)
+  t.start()
+  try:
+    with pytest.raises(WorkdirLockedError, match=match):
+      ObjectLock(str(lock_file.parent), lease_s=lease_s, settle_s=0).acquire()
+  finally:
+    stop.set()
+    t.join()
+
+
 def test_a_restarted_container_takes_its_own_lock(tmp_path, caplog):
   """A container restarted in its pod comes back with the same host name and pid (1) in a new
   pid namespace: its previous incarnation's lock is taken after one renewal period without a
@@ -98,17 +113,8 @@ def test_a_live_holder_with_the_same_host_and_pid_is_still_refused(tmp_path):
   """Another live process that happens to have this host name and pid (another container with
   host networking) renews its lease while the newcomer watches: refused."""
   lock_file = tmp_path / ".lock"
-  holder = _holder(token="theirs")
-  lock_file.write_text(json.dumps(holder))
-  stop = threading.Event()
-  t = threading.Thread(target=_renewing, args=(lock_file, holder, stop), daemon=True)
-  t.start()
-  try:
-    with pytest.raises(WorkdirLockedError, match="renewed its lease while this run waited"):
-      ObjectLock(str(tmp_path), lease_s=3.2, settle_s=0).acquire()
-  finally:
-    stop.set()
-    t.join()
+  _refused_while_renewing(lock_file, _holder(token="theirs"), 3.2,
+                          "renewed its lease while this run waited")
   assert json.loads(lock_file.read_text())["token"] == "theirs"
 
 
@@ -123,17 +129,8 @@ def test_a_rerun_on_another_host_waits_for_the_lease_instead_of_being_refused(tm
   assert 0.7 < time.monotonic() - t0 < 3.0
   assert "taking over the stale lock of pid 4321 on host tpu-worker-old" in caplog.text
   lock.release()
-  holder = _holder(host="tpu-worker-live", pid=4321, token="theirs")
-  lock_file.write_text(json.dumps(holder))
-  stop = threading.Event()
-  t = threading.Thread(target=_renewing, args=(lock_file, holder, stop), daemon=True)
-  t.start()
-  try:
-    with pytest.raises(WorkdirLockedError, match="tpu-worker-live"):
-      ObjectLock(str(tmp_path), lease_s=1.0, settle_s=0).acquire()
-  finally:
-    stop.set()
-    t.join()
+  _refused_while_renewing(lock_file, _holder(host="tpu-worker-live", pid=4321, token="theirs"),
+                          1.0, "tpu-worker-live")
 
 
 def test_a_holder_this_process_can_check_is_judged_at_once(tmp_path):
