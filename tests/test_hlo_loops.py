@@ -221,7 +221,8 @@ def _serial(mixer: str, target: str) -> dict:
 def _check(mixer: str, target: str) -> None:
   t0 = time.perf_counter()
   progs = _serial(mixer, target)
-  bad = []
+  bad = [f"{key[0]} at T {key[1]}: refused for memory, its loops unknown" for key, p in
+         progs.items() if key[0] in ("train", "decode") and p.loops is None]
   for name in ("train", "decode"):
     (short, unk_s), (long, unk_l) = (_counted(progs[name, T]) for T in LENGTHS)
     if long > short or unk_s or unk_l:

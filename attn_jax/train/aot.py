@@ -219,7 +219,10 @@ def _decoding_state(setup: setup_lib.Setup) -> dict:
 def compile_decode(setup: setup_lib.Setup, batch: int, prompt: int) -> tuple[Program, Program]:
   """`decode.prefill` of [batch, prompt] tokens, then one `decode.decode_step`, as
   `decode.generate` runs them: on the `Decoder.for_decoding` parameters, with the per-layer
-  parameters (`Decoder.layer_params`) made once outside the step."""
+  parameters (`Decoder.layer_params`) made once outside the step. The step takes the state as
+  the compiled prefill lays it out; when the prefill is refused for memory, as the compiled
+  `init_state` lays out a state of the same capacity (the same arrays: the step is still
+  compiled and reported)."""
   graphdef, st = setup.graphdef, _decoding_state(setup)
   capacity = prompt + DECODE_NEW
   tok_sh = shd.batch_sharding(setup.mesh, setup.rules)
@@ -241,20 +244,25 @@ def compile_decode(setup: setup_lib.Setup, batch: int, prompt: int) -> tuple[Pro
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                         jax.eval_shape(f, *args), c.output_shardings)
 
+  def laid_out(f):
+    """f(params, rest)'s abstract outputs as its compiled program lays them out."""
+    with shd.use_rules(setup.mesh, setup.rules):
+      return outputs_of(jax.jit(f).lower(st["params"], st["rest"]).compile(), f,
+                        st["params"], st["rest"])
+
   def run_prefill(opts):
     with shd.use_rules(setup.mesh, setup.rules):
       c = decode.jit_stateful(prefill).lower(st["params"], st["rest"], prompt_BT).compile(opts)
-      split = lambda p, r: model(p, r).layer_params()
-      holder["layers"] = outputs_of(jax.jit(split).lower(st["params"], st["rest"]).compile(),
-                                    split, st["params"], st["rest"])
     holder["state"] = outputs_of(c, prefill, st["params"], st["rest"], prompt_BT)[1]
     return c
 
   def run_step(opts):
+    layers = laid_out(lambda p, r: model(p, r).layer_params())
+    state = holder["state"] if "state" in holder else laid_out(
+        lambda p, r: model(p, r).init_state(batch, capacity))
     with shd.use_rules(setup.mesh, setup.rules):
       return decode.jit_stateful(step, donate_argnums=(5,)).lower(
-          st["params"], st["rest"], holder["layers"], token_B, token_B,
-          holder["state"]).compile(opts)
+          st["params"], st["rest"], layers, token_B, token_B, state).compile(opts)
 
   pre = _program("prefill", f"[{batch}, {prompt}] -> capacity {capacity}", run_prefill, prompt)
   one = _program("decode", f"[{batch}, 1] at capacity {capacity}", run_step, prompt)
