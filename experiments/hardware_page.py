@@ -5,6 +5,7 @@ attention kernels' census on an H100 (attn_jax/bench/hardware_page.py). Resumes 
   python experiments/hardware_page.py                        # every preset and target
   python experiments/hardware_page.py --presets=sisa_152m --targets=v5e-8
   python experiments/hardware_page.py --targets=h100x1       # the kernel census only
+  python experiments/hardware_page.py --tables=lengths --fresh   # the length table again
 """
 
 import os
@@ -13,7 +14,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ["JAX_PLATFORMS"] = "cpu"   # the targets' devices compile only; compute on the CPU
 
-from absl import flags  # noqa: E402
+from absl import app, flags  # noqa: E402
 
 from attn_jax import cli  # noqa: E402
 
@@ -22,6 +23,8 @@ _PRESETS = flags.DEFINE_list("presets", [], "Presets to measure (default: every 
 _TARGETS = flags.DEFINE_list("targets", [], "Targets of hardware_page.ROWS, and h100x1 for the "
                              "kernel census (default: all).")
 _FRESH = flags.DEFINE_bool("fresh", False, "Re-measure the cells already measured.")
+_TABLES = flags.DEFINE_list("tables", ["targets", "lengths", "census"], "Tables to measure: "
+                            "targets (the presets on ROWS), lengths (LENGTH_ROWS), census.")
 
 
 def load_presets(root: str = "configs") -> dict:
@@ -42,9 +45,13 @@ def main(argv):
   names = _PRESETS.value or every
   lengths = [n for n in hp.LENGTH_PRESETS if n in names]
   cells = os.path.splitext(_OUT.value)[0] + ".json"
-  todo = hp.cells(names, picked(hp.ROWS), picked(hp.LENGTH_ROWS), lengths)
+  tables = set(_TABLES.value)
+  if tables - {"targets", "lengths", "census"}:
+    raise app.UsageError(f"--tables={','.join(_TABLES.value)}: each of targets, lengths, census")
+  todo = hp.cells(names, picked(hp.ROWS) if "targets" in tables else [],
+                  picked(hp.LENGTH_ROWS) if "lengths" in tables else [], lengths)
   done = hp.run(cells, todo, presets, fresh=_FRESH.value)
-  if not _TARGETS.value or hp.CENSUS.target in _TARGETS.value:
+  if "census" in tables and (not _TARGETS.value or hp.CENSUS.target in _TARGETS.value):
     done = hp.run_census(cells, fresh=_FRESH.value)
   with open(_OUT.value, "w") as f:
     f.write(hp.page(done, every))

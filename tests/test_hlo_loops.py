@@ -255,14 +255,14 @@ def test_serial_iterations_do_not_grow_with_t(mixer, target):
   _check(mixer, target)
 
 
-def test_the_hardware_page_shows_serial_iterations_and_a_dash_for_cells_measured_before():
+def test_the_hardware_page_shows_serial_iterations_a_dash_for_old_cells_and_their_commits():
   from attn_jax.bench import hardware_page as hp
 
   stored = hp._loops(_module_program())
   assert stored["serial_iterations"] == 23 and stored["loop_sources"]["ssm/ssd.py:42"] == 12
   old = {"gib": 20.5, "temp_gib": 2.0, "fits": True, "fit_micro": None, "fit_accum": None,
          "usable_gib": 59.3, "kernels": {}, "collectives": {}, "tt": [], "compile_s": 9.0}
-  new = dict(old, **stored)
+  new = dict(old, **stored, commit="abc1234")
   row, lrow = hp.ROWS[0], hp.LENGTH_ROWS[0]
   done = {hp._key("a_152m", row): old, hp._key("b_152m", row): new}
   done.update({hp._key("a_152m", lrow, t): new for t in hp.LENGTHS[1:]})
@@ -272,4 +272,11 @@ def test_the_hardware_page_shows_serial_iterations_and_a_dash_for_cells_measured
           "| 9 |") in text
   serial = " / ".join(["", *["23 + 1 of unknown count (5 loops)"] * (len(hp.LENGTHS) - 1)])
   rows = [line for line in text.split("## Pallas on GPU")[0].splitlines() if line.startswith("|")]
-  assert rows[-1].endswith(f"| none (XLA) | {serial} |")   # the length table's last row
+  # the length table's last row; its last column and the line under a target's table: the
+  # commits the cells were compiled at (figures such as the serial iterations are the code's)
+  assert rows[-1].endswith(f"| none (XLA) | {serial} | abc1234 |")
+  assert "Cells of this table compiled at an unrecorded commit (1 cell), abc1234 (1 cell)." in text
+  done[hp._key("a_152m", lrow, hp.LENGTHS[0])] = dict(old, commit="def5678")
+  text = hp.page(done, ["a_152m", "b_152m"], [row], [lrow], ["a_152m"])
+  rows = [line for line in text.split("## Pallas on GPU")[0].splitlines() if line.startswith("|")]
+  assert rows[-1].endswith(" | def5678, abc1234 |")   # a row of cells from two commits

@@ -23,9 +23,13 @@ the kernels' and the census's source with jax's version (`census_fingerprint`).
 Each result is kept in a JSON file beside the page as soon as it is measured, with the
 fingerprint of the config it compiled (`fingerprint`: sha256 of the config's JSON), so a run
 that stops resumes where it stopped and a cell whose preset changed is measured again
-(`--fresh`: all of the cells asked for; `--targets` / `--presets` pick them, the others
-are kept). A figure added to `measure` after a cell was stored is shown as '-'
-for that cell until it is measured again.
+(`--fresh`: all of the cells asked for; `--targets` / `--presets` / `--tables` pick them, the
+others are kept). A figure added to `measure` after a cell was stored is shown as '-'
+for that cell until it is measured again. The fingerprint is the config's, not the code's: a
+change of the code that moves a figure (the loss's chunk scan, a kernel) leaves the cells as
+they were until `--fresh` measures the ones it moves, so each cell keeps the commit it was
+compiled at: the line under each target's table names its cells' commits, the length
+table's last column each row's.
 """
 
 from __future__ import annotations
@@ -334,7 +338,7 @@ def page(done: dict, names, rows=ROWS, length_rows=LENGTH_ROWS,
       d = done.get(_key(name, row))
       cells = _cell(d) if d else ["not measured yet"] + [""] * 6
       lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    lines.append("")
+    lines += ["", _section_commits(done, [_key(n, row) for n in names]), ""]
   if length_rows:
     lines += _length_section(done, length_rows, length_names)
   if census:
@@ -367,8 +371,8 @@ def _length_section(done: dict, length_rows, length_names) -> list[str]:
       f"x{(LENGTHS[-1] // LENGTHS[0]) ** 2}. Arguments (parameters, optimizer state) do not "
       "grow. '[T, T]' lists any such buffer found in the step at the longest length.", "",
       f"| preset | target | {head} | temporaries x | [T, T] at {LENGTHS[-1]} | kernels | serial "
-      f"iterations at T {' / '.join(map(str, LENGTHS))} |",
-      "|---|---|" + "---|" * len(LENGTHS) + "---|---|---|---|"]
+      f"iterations at T {' / '.join(map(str, LENGTHS))} | compiled at |",
+      "|---|---|" + "---|" * len(LENGTHS) + "---|---|---|---|---|"]
   for name in length_names:
     for row in length_rows:
       ds = [done.get(_key(name, row, t)) for t in LENGTHS]
@@ -377,5 +381,17 @@ def _length_section(done: dict, length_rows, length_names) -> list[str]:
                    + " | ".join(_gib_cell(d) for d in ds)
                    + f" | {_growth(ds[0], ds[-1])} | {', '.join(last.get('tt', [])) or 'none'}"
                    f" | {_kernels(last) if last and 'error' not in last else ''}"
-                   f" | {' / '.join(_serial(d) if d else '' for d in ds)} |")
+                   f" | {' / '.join(_serial(d) if d else '' for d in ds)}"
+                   f" | {_row_commits(ds)} |")
   return lines + [""]
+
+
+def _row_commits(ds) -> str:
+  """The commits a row's cells were compiled at, in the row's order ('?': not recorded)."""
+  seen = dict.fromkeys(d.get("commit", "?") for d in ds if d)
+  return ", ".join(seen)
+
+
+def _section_commits(done: dict, keys) -> str:
+  """The line under a table naming the commits its cells were compiled at."""
+  return f"Cells of this table compiled at {measured_at({k: done[k] for k in keys if k in done})}."
