@@ -240,6 +240,28 @@ def _check(mixer: str, target: str) -> None:
   assert not bad, f"{mixer} on {target}:\n" + "\n".join(bad)
 
 
+def test_a_prefill_refused_for_memory_leaves_the_decode_step_compiled(monkeypatch):
+  """`aot.compile_decode` when the compiler refuses the prefill (the Transformer's T 32768
+  prefill on a v5e chip: 17.09 GiB of temporaries, its fresh-cache attention dense): the
+  prefill is reported refused, and the one-token step is still compiled, on the state as the
+  compiled `init_state` lays it out."""
+  if not targets.available(GPU):
+    pytest.skip(f"compile target {GPU} unavailable here (pip install -e '.[targets]')")
+  from attn_jax import decode
+
+  def refused(*a, **k):
+    raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total "
+                                     "memory required for HLO temporaries (17.09G) exceeds "
+                                     "available HBM (15.75G).")
+  monkeypatch.setattr(decode, "prefill", refused)
+  r = aot.compile_for_target(_config("attention", 256), GPU, programs=("decode",),
+                             search_fit=False)
+  pre, one = r.programs
+  assert (pre.name, pre.loops, pre.needed) == ("prefill", None, int(17.09 * 2 ** 30))
+  assert one.name == "decode" and one.loops is not None and one.launches
+  assert "refused by the compiler for memory" in aot.format_report(r)
+
+
 def test_attention_serial_iterations_do_not_grow_with_t_on_h100():
   """The default suite's share of the matrix below: the Transformer's steps on 4 x H100."""
   _check("attention", GPU)
