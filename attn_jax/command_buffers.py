@@ -40,9 +40,12 @@ names: the "+WHILE" form (add to the default) is accepted only in `XLA_FLAGS`, w
 for every program of the process. `compiler_options` below gives the full list: both lines'
 common default plus WHILE, and on jax >= 0.12 its extra default COLLECTIVES_KERNEL (a name a
 line does not know is a compile error, so 0.10.2 never gets it). Decoding programs
-(`decode.jit_stateful`, `decode.generate`) are compiled with it on a GPU; elsewhere it is {}.
+(`decode.jit_stateful`, `decode.generate`) are compiled with it on a GPU, through
+`kernel_choice.stateful_compiler_options` (the platform is kernel_choice's to read); elsewhere it
+is {}.
 Turned off with `ATTN_JAX_DECODE_COMMAND_BUFFERS=0` (read when a program is jitted) or inside
-`use(False)`; off, a decoding program gets XLA's default set (no WHILE), not an empty one.
+`use(False)`; off, a decoding program gets XLA's default set (no WHILE), not an empty one. An
+`XLA_FLAGS` that names the option wins (no per-program override).
 
 Where it shows without a GPU. The conversion is a pass over the thunk sequence, after the HLO
 is final: `compiled.as_text()` never shows it (no command-buffer computation on either line;
@@ -121,8 +124,10 @@ def use(on: bool) -> Iterator[None]:
 
 def compiler_options(platform: str) -> dict[str, str]:
   """XLA options for a decoding program compiled for `platform` ("gpu", "cpu", "tpu"): the
-  command buffers of `decode_commands` on a GPU when `enabled()`, else none."""
-  if platform != "gpu" or not enabled():
+  command buffers of `decode_commands` on a GPU when `enabled()`, else none. Where $XLA_FLAGS
+  names the option the process's own choice holds (`--xla_gpu_enable_command_buffer=`, the
+  empty set, is what XLA's out-of-memory error for graphs advises): none either."""
+  if platform != "gpu" or not enabled() or FLAG in os.environ.get("XLA_FLAGS", ""):
     return {}
   return {FLAG: ",".join(decode_commands())}
 

@@ -21,10 +21,9 @@ Ring(W), SinksRing(n, W)), chosen here at decode time for any model.
   `cache_len` in constant memory; for the others `cache_len` must hold the whole stream.
 
 `generate` runs prefill and the decode loop inside one `jax.jit` (`nnx.split` once; graphdef
-static; `nnx.merge` inside; compiled with `compiler_options`: states update in place, and on a
-GPU the step and the loop run as CUDA graphs, `command_buffers`; weight matrices cast to the
-compute dtype once (`model.for_decoding()`) and `model.layer_params()` sliced once, both before
-the loop) with a `jax.lax.while_loop` over
+static; `nnx.merge` inside; compiled with `kernel_choice.stateful_compiler_options`, so states
+update in place; weight matrices cast to the compute dtype once (`model.for_decoding()`) and
+`model.layer_params()` sliced once, both before the loop) with a `jax.lax.while_loop` over
 steps, so `decode_step` is traced once per generation shape, never once per token (tests guard
 it with `chex.assert_max_traces`).
 Sampling: greedy (`temperature == 0`) is argmax; otherwise logits / temperature, optionally
@@ -40,23 +39,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from attn_jax import command_buffers, kernel_choice
+from attn_jax import kernel_choice
 from attn_jax.attention import cache as cache_lib
 from attn_jax.model import mixer_limits
 from attn_jax.model_config import check_seq_len
 
 
-def compiler_options() -> dict:
-  """XLA options of a decoding program compiled for `kernel_choice.target()`:
-  `kernel_choice.stateful_compiler_options` (states updated in place) and, on a GPU, command
-  buffers that hold while loops too (`command_buffers.compiler_options`)."""
-  return {**kernel_choice.stateful_compiler_options(),
-          **command_buffers.compiler_options(kernel_choice.target())}
-
-
 def jit_stateful(fn, **kw):
-  """`jax.jit` with `compiler_options` (for steps that carry a decoding state)."""
-  return jax.jit(fn, compiler_options=compiler_options(), **kw)
+  """`jax.jit` with `kernel_choice.stateful_compiler_options` (for steps that carry a decoding
+  state)."""
+  return jax.jit(fn, compiler_options=kernel_choice.stateful_compiler_options(), **kw)
 
 
 def prompt_positions(lengths_B: jax.Array, start: int, length: int) -> jax.Array:
@@ -143,8 +135,8 @@ _GENERATE_STATIC = ("graphdef", "max_new_tokens", "cache_len", "greedy", "top_k"
 
 @functools.cache
 def _generate_jitted(options: tuple):
-  """`_generate_jit` compiled with these XLA options (`compiler_options` at the top level, none
-  inside another jit, whose options hold)."""
+  """`_generate_jit` compiled with these XLA options (`kernel_choice.stateful_compiler_options`
+  at the top level, none inside another jit, whose options hold)."""
   return jax.jit(_generate_jit, static_argnames=_GENERATE_STATIC,
                  compiler_options=dict(options) or None)
 
@@ -244,7 +236,7 @@ def generate(model, prompt_BT: jax.Array, *, max_new_tokens: int, lengths=None,
   graphdef, state = nnx.split(model)
   scalar = lambda x: jnp.asarray(x, jnp.int32)
   nested = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((state, prompt_BT)))
-  options = () if nested else tuple(sorted(compiler_options().items()))
+  options = () if nested else tuple(sorted(kernel_choice.stateful_compiler_options().items()))
   return _generate_jitted(options)(graphdef, state, prompt_BT, lengths, rng,
                        jnp.asarray(temperature, jnp.float32),
                        scalar(-1 if eos_id is None else eos_id), scalar(pad_id),

@@ -83,15 +83,21 @@ def test_options_are_gpu_only_a_full_list_and_switched_off_by_env_or_context(mon
   monkeypatch.setenv(cb.ENV, "maybe")
   with pytest.raises(ValueError, match=cb.ENV):
     cb.enabled()
+  monkeypatch.delenv(cb.ENV)
+  monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer=")   # the process's choice
+  assert cb.compiler_options("gpu") == {}
 
 
-def test_decoding_programs_take_the_options_for_the_platform_they_are_traced_for():
+def test_decoding_programs_take_the_options_for_the_platform_they_are_traced_for(monkeypatch):
+  monkeypatch.delenv("XLA_FLAGS", raising=False)
+  options = kernel_choice.stateful_compiler_options   # decode.jit_stateful's and generate's
   with kernel_choice.use_platform("gpu"), cb.use(True):
-    assert decode.compiler_options()[cb.FLAG].endswith(",WHILE")
+    assert options()[cb.FLAG].endswith(",WHILE")
   with kernel_choice.use_platform("gpu"), cb.use(False):
-    assert cb.FLAG not in decode.compiler_options()
-  with kernel_choice.use_platform("cpu"), cb.use(True):
-    assert cb.FLAG not in decode.compiler_options()
+    assert cb.FLAG not in options()
+  for plat in ("cpu", "tpu"):
+    with kernel_choice.use_platform(plat), cb.use(True):
+      assert cb.FLAG not in options()
 
 
 def test_the_h100_target_states_a_cuda_driver_and_runtime():
@@ -191,3 +197,11 @@ def test_decode_step_and_generation_loop_run_as_command_buffers_on_h100():
   (loop,) = gen.off.capture.loops
   assert not loop.captured and loop.per_iteration >= 1
   assert step.on.memory == step.off.memory and gen.on.memory == gen.off.memory
+
+
+def test_the_hardware_page_holds_the_command_buffer_section_it_generates():
+  import pathlib
+  from attn_jax.bench import hardware_page as hp
+  page = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "hardware.md").read_text()
+  assert hp.COMMAND_BUFFERS.rstrip("\n") in page
+  assert "| transformer_152m | step |" in hp.COMMAND_BUFFERS

@@ -2,7 +2,8 @@
 captures and what its memory analysis says (`attn_jax.command_buffers`: the options and the
 dump reader).
 
-Two programs, as decoding runs them (`decode.compiler_options` on the target's platform):
+Two programs, as decoding runs them (`kernel_choice.stateful_compiler_options` on the target's
+platform, `decode.jit_stateful`'s and `decode.generate`'s options):
 
   step      `decode.decode_step` of one token per row against the states a prefill of
             `prompt` tokens leaves (capacity prompt + new_tokens), on `Decoder.for_decoding`
@@ -69,18 +70,23 @@ def _programs(cfg, batch: int, prompt: int, new_tokens: int, sharding):
   return {
       "step": lambda: decode.jit_stateful(step, donate_argnums=(4,)).lower(
           put(params), put(layers), put(token_B), put(token_B), put(states)),
-      "generate": lambda: jax.jit(generate, compiler_options=decode.compiler_options()).lower(
+      "generate": lambda: jax.jit(
+          generate, compiler_options=kernel_choice.stateful_compiler_options()).lower(
           put(params), put(prompt_BT)),
   }
 
 
-def capture_report(cfg, target: str = "h100x1", *, batch: int = 1, prompt: int = 8,
+def capture_report(cfg, target: str = "h100x1", *, device=None, batch: int = 1, prompt: int = 8,
                    new_tokens: int = 8, programs=("step", "generate")) -> list[Row]:
-  """Each of `programs` of model `cfg` (a ModelConfig) compiled for GPU `target` with the
-  command-buffer options on and off (module docstring)."""
-  if targets.get(target).platform != "gpu":
-    raise ValueError(f"command buffers are XLA:GPU's: {target!r} is not a GPU target")
-  device = targets.devices(target)[0]
+  """Each of `programs` of model `cfg` (a ModelConfig) compiled for GPU `target` (or for
+  `device`, e.g. a real GPU's `jax.devices()[0]`) with the command-buffer options on and off
+  (module docstring)."""
+  if device is None:
+    if targets.get(target).platform != "gpu":
+      raise ValueError(f"command buffers are XLA:GPU's: {target!r} is not a GPU target")
+    device = targets.devices(target)[0]
+  elif kernel_choice.of_devices(device) != "gpu":
+    raise ValueError(f"command buffers are XLA:GPU's: {device} is not a GPU")
   sharding = NamedSharding(Mesh(np.array([device]), ("x",)), P())
   rows = []
   with kernel_choice.use_platform(device):
@@ -102,3 +108,24 @@ def format_rows(rows: list[Row]) -> str:
       mem = ", ".join(f"{k} {v}" for k, v in c.memory.items())
       out.append(f"{r.program:8s} {label:3s}: {c.capture.summary()}; memory bytes: {mem}")
   return "\n".join(out)
+
+
+def _cell(c: cb.Capture) -> str:
+  graphs = f"{c.command_buffers} graph{'s' * (c.command_buffers != 1)}"
+  out = f"{graphs}, {c.inside} thunks in / {c.outside} out"
+  for lp in c.loops:
+    out += (f"; loop inside ({lp.inside} thunks)" if lp.captured else
+            f"; loop host-driven, {lp.per_iteration} launches per token")
+  return out
+
+
+def markdown_rows(preset: str, rows: list[Row]) -> list[str]:
+  """Table rows (docs/hardware.md): per program the capture with the options and without, and
+  the memory analysis (arguments and temporaries; 'equal' where both settings agree)."""
+  out = []
+  for i, r in enumerate(rows):
+    mem = f"arguments {r.on.memory['argument']:,}, temporaries {r.on.memory['temp']:,}"
+    mem += ": equal" if r.on.memory == r.off.memory else f" (without: {r.off.memory})"
+    out.append(f"| {preset if i == 0 else ''} | {r.program} | {_cell(r.on.capture)} | "
+               f"{_cell(r.off.capture)} | {mem} |")
+  return out
