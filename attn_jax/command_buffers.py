@@ -31,8 +31,10 @@ The options (XLA `DebugOptions`; both JAX lines, read from the `*.config.pbtxt` 
   xla_gpu_command_buffer_update_mode / _scheduling_mode  how a graph is updated when its
                                   buffers move between runs (ALWAYS_UPDATE) and how thunks are
                                   grouped (LHS); left at their defaults.
-  `xla_gpu_graph_enable_concurrent_region` is no field of either line's DebugOptions (the name
-  survives only in the plugin's reserved list).
+  xla_gpu_graph_enable_concurrent_region  independent thunks as parallel branches of the graph
+                                  (default false; a one-token step is mostly a chain). The
+                                  older `xla_gpu_graph_level` and `_num_runs_to_instantiate`
+                                  are reserved names on both lines: gone.
 
 Per program. `jax.jit(f, compiler_options={...})` (or `.lower(...).compile({...})`) sets
 options for one program; the value of `xla_gpu_enable_command_buffer` is then a full list of

@@ -319,10 +319,12 @@ gives them XLA's default set instead). Read from each line's dump (`*.config.pbt
 | `xla_gpu_graph_min_graph_size` | fewest consecutive capturable thunks made into a graph | 5 | 5 |
 | `xla_gpu_command_buffer_unroll_loops` | a loop of known trip count unrolled into the graph | false | false |
 | `xla_gpu_command_buffer_update_mode`, `_scheduling_mode` | graph update when buffers move between calls; grouping | ALWAYS_UPDATE, LHS | ALWAYS_UPDATE, LHS |
+| `xla_gpu_graph_enable_concurrent_region` | independent thunks as parallel graph branches | false | false |
 
-`xla_gpu_graph_enable_concurrent_region` is no option of either line. Per program
-(`jax.jit(..., compiler_options=...)`) the set is a full list of names: the `+WHILE` form is
-accepted only in `XLA_FLAGS`, for every program of the process, and a name a line lacks
+`xla_gpu_graph_level` and `xla_gpu_graph_num_runs_to_instantiate` are reserved (removed) names
+on both lines. Per program (`jax.jit(..., compiler_options=...)`) the set is a full list of
+names: the `+WHILE` form is accepted only in `XLA_FLAGS`, for every program of the process (an
+`XLA_FLAGS` naming the option wins over the per-program set), and a name a line lacks
 (COLLECTIVES_KERNEL on 0.10.2) is a compile error.
 
 **Seen without a GPU.** The capture is a pass over the thunk sequence after the HLO is final,
@@ -358,8 +360,8 @@ allocator (instantiated graphs live in the driver: the free bytes without minus 
 same capture read from this GPU's own compile (`--check` fails the step if the loop is not
 captured). The graphs do not remove the kernels' own cost: inside a graph each kernel still
 starts and ends on the device, so a step of ~300 small kernels stays bound by their number. The
-H200's batch-1 figure (0.92 ms a token, 3.2 us per launch: docs/benchmarks.md) was measured on
-CUDA 13 with XLA's default set, where the step's body was most likely one graph already (not
+H200's batch-1 Transformer (1,082 tok/s, docs/benchmarks.md: 0.92 ms a token, 3.2 us for each
+of its ~285 kernels) was measured on CUDA 13 with XLA's default set, where the step's body was most likely one graph already (not
 checked on that run): `WHILE` can remove the per-token host work of the loop, not the cost of
 each kernel, which fewer kernels per step (fusion) cuts.
 """
