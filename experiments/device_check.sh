@@ -12,7 +12,7 @@
 #   STEPS="t" ...                               # the kernel's Triton choices timed (1.5 min)
 #   STEPS="3 4 5 2g" bash experiments/device_check.sh   # the longer extras: mixer memory vs T,
 #                                               # a real LLM's generation, SISA's paths vs T,
-#                                               # decode as CUDA graphs with and without (6.5 min)
+#                                               # decode as CUDA graphs with and without (8.5 min)
 #   QUICK=1 bash experiments/device_check.sh    # numerics + T 2048 only
 #   JAX_PLATFORMS=cpu ATTN_JAX_GPU_TESTS_IMPL=xla BENCH_EXTRA="--scale=tiny \
 #     --set=model.dtype=float32 --steps=1 --warmup=1 --batch_tokens=4096" \
@@ -130,12 +130,14 @@ want 2b && step 2b step2b
 #     decode steps (a jitted fori_loop of one-token steps, the bench's decode row) at batch 1
 #     and 32 with and without, one process per setting, and the device memory the graphs took
 #     (the driver's free bytes without minus with). The dry run compiles for a compile-only
-#     H100 instead and times nothing. Then train rows with XLA_FLAGS adding WHILE and
-#     CONDITIONAL to every program (the layer scan, the loss chunks).
+#     H100 instead and times nothing ($GRAPHS_EXTRA's flags come last and win, e.g.
+#     GRAPHS_EXTRA="--configs=transformer_50m --prompt=16 --new_tokens=16" for a short dry run).
+#     Then train rows with XLA_FLAGS adding WHILE and CONDITIONAL to every program (the layer
+#     scan, the loss chunks).
 step2g() {
   local where="--target=local --time"
   [ -n "$dry" ] && where="--target=h100x1"
-  timeout 300 python3 experiments/decode_graphs.py --configs=transformer_152m,mamba2_152m \
+  timeout 420 python3 experiments/decode_graphs.py --configs=transformer_152m,mamba2_152m \
     --check $where ${GRAPHS_EXTRA:-} 2>&1 | quiet | tee "$out/decode_graphs.txt"
 }
 cb_flags="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"
