@@ -41,7 +41,8 @@ The choices (each distinct outcome is logged once, at INFO):
                      TPU, shapes it takes; a misfit is logged once per reason, as a warning).
   pallas_interpret   whether a Pallas kernel written for one backend runs in the interpreter
                      (any other platform: tests on a CPU).
-  stateful_compiler_options  XLA options for steps that update a decoding state in place.
+  stateful_compiler_options  XLA options for steps that update a decoding state in place (and
+                     on a GPU run as CUDA graphs, their loops too: `command_buffers`).
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ from typing import Any, Callable, Iterator
 
 import jax
 import jax.numpy as jnp
+
+from attn_jax import command_buffers
 
 log = logging.getLogger(__name__)
 
@@ -199,11 +202,14 @@ def pallas_interpret(backend: str) -> bool:
 
 
 def stateful_compiler_options() -> dict:
-  """XLA options for compiling a step that reads a decoding state and updates it: on a CPU,
-  copy insertion with region analysis (off there by default, for compile time). Without it
-  XLA copies every KV buffer that is read before its in-place write (twice over for a batch of
-  one); with it the write happens in place (`experiments/bench_stream.py`). Other platforms:
-  none."""
-  if target() == "cpu":
+  """XLA options for compiling a step that reads a decoding state and updates it (every
+  decoding program: `decode.jit_stateful`, `decode.generate`): on a CPU, copy insertion with
+  region analysis (off there by default, for compile time). Without it XLA copies every KV
+  buffer that is read before its in-place write (twice over for a batch of one); with it the
+  write happens in place (`experiments/bench_stream.py`). On a GPU, XLA command buffers that
+  hold while loops too (`command_buffers.compiler_options`: the step and the generation loop as
+  CUDA graphs; off with ATTN_JAX_DECODE_COMMAND_BUFFERS=0). TPU: none."""
+  plat = target()
+  if plat == "cpu":
     return {"xla_cpu_copy_insertion_use_region_analysis": True}
-  return {}
+  return command_buffers.compiler_options(plat)

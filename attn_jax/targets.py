@@ -47,7 +47,10 @@ GiB = 1024 ** 3
 class GpuSpec:
   """What XLA's GPU compiler needs to know of an NVIDIA device (a `GpuTargetConfigProto`),
   from the vendor's data sheet: compute capability, SM count, memory size and bandwidth,
-  shared memory and clock."""
+  shared memory and clock; and the CUDA driver and runtime versions a machine running it
+  reports (`cuda`), which XLA gates features on: jax 0.10.2's XLA captures while loops,
+  conditionals and library calls in command buffers only for CUDA >= 12.3
+  (`attn_jax.command_buffers`), and a device stating no version is taken as older."""
   description: str          # the device kind JAX reports
   compute_capability: tuple[int, int]
   sm_count: int
@@ -58,11 +61,13 @@ class GpuSpec:
   shared_memory_per_sm: int = 233472
   shared_memory_per_block_optin: int = 232448
   dnn_version: tuple[int, int, int] = (9, 10, 0)
+  cuda: tuple[int, int, int] = (12, 8, 0)   # driver = runtime, a current machine's
 
   def target_config(self) -> str:
     """The text-format `GpuTargetConfigProto` of this device."""
     major, minor = self.compute_capability
     dnn = self.dnn_version
+    cuda = ".".join(map(str, self.cuda))
     return "\n".join([
         "gpu_device_info {",
         "  threads_per_block_limit: 1024", "  threads_per_warp: 32",
@@ -77,7 +82,7 @@ class GpuSpec:
         f"  shared_memory_per_block_optin: {self.shared_memory_per_block_optin}",
         f"  cuda_compute_capability {{ major: {major} minor: {minor} }}",
         "  registers_per_core_limit: 65536", "  registers_per_block_limit: 65536",
-        "}", 'platform_name: "CUDA"',
+        f'  driver_version: "{cuda}"', f'  runtime_version: "{cuda}"', "}", 'platform_name: "CUDA"',
         f"dnn_version_info {{ major: {dnn[0]} minor: {dnn[1]} patch: {dnn[2]} }}",
         f'device_description_str: "{self.description}"', ""])
 

@@ -12,7 +12,7 @@
 #   STEPS="t" ...                               # the kernel's Triton choices timed (1.5 min)
 #   STEPS="3 4 5 2g" bash experiments/device_check.sh   # the longer extras: mixer memory vs T,
 #                                               # a real LLM's generation, SISA's paths vs T,
-#                                               # decode with CUDA graphs over loops
+#                                               # decode as CUDA graphs with and without (8.5 min)
 #   QUICK=1 bash experiments/device_check.sh    # numerics + T 2048 only
 #   JAX_PLATFORMS=cpu ATTN_JAX_GPU_TESTS_IMPL=xla BENCH_EXTRA="--scale=tiny \
 #     --set=model.dtype=float32 --steps=1 --warmup=1 --batch_tokens=4096" \
@@ -122,16 +122,25 @@ step2b() {
 }
 want 2b && step 2b step2b
 
-# 2g. (opt-in) XLA:GPU command buffers (CUDA graphs) holding while loops and conditionals too
-#     (the flags are accepted by the CUDA plugin; what they do on a device is not measured yet):
-#     do they cut the per-launch cost of a one-token step and the host round trip per loop
-#     iteration (the layer scan, the loss chunks, the decoding loop)? Decode and train rows.
-cb_flags="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"
+# 2g. (opt-in) decoding as CUDA graphs (attn_jax/command_buffers.py): decoding programs are
+#     compiled with XLA command buffers that hold while loops too (the default set + WHILE).
+#     experiments/decode_graphs.py compiles each config's one-token step and generation loop
+#     for this GPU with and without, reads the thunk dump (fails, exit 1, unless with them the
+#     loop is inside a command buffer and nothing of the step is outside one), then times the
+#     decode steps (a jitted fori_loop of one-token steps, the bench's decode row) at batch 1
+#     and 32 with and without, one process per setting, and the device memory the graphs took
+#     (the driver's free bytes without minus with). The dry run compiles for a compile-only
+#     H100 instead and times nothing ($GRAPHS_EXTRA's flags come last and win, e.g.
+#     GRAPHS_EXTRA="--configs=transformer_50m --prompt=16 --new_tokens=16" for a short dry run).
+#     Then train rows with XLA_FLAGS adding WHILE and CONDITIONAL to every program (the layer
+#     scan, the loss chunks).
 step2g() {
-  XLA_FLAGS="${XLA_FLAGS:-} $cb_flags" timeout 60 python3 experiments/bench.py --decode_only \
-    --configs=transformer_152m,sisa_152m,mamba2_152m --decode_step_batches=1,32 ${BENCH_EXTRA:-} 2>&1 \
-    | quiet | tee "$out/decode_graphs.txt"
+  local where="--target=local --time"
+  [ -n "$dry" ] && where="--target=h100x1"
+  timeout 420 python3 experiments/decode_graphs.py --configs=transformer_152m,mamba2_152m \
+    --check $where ${GRAPHS_EXTRA:-} 2>&1 | quiet | tee "$out/decode_graphs.txt"
 }
+cb_flags="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"
 step2g_train() {
   XLA_FLAGS="${XLA_FLAGS:-} $cb_flags" bench 90 transformer_152m,mamba2_152m 2048 \
     | tee "$out/bench_graphs.txt"

@@ -101,6 +101,21 @@ def test_device_check_cpu_dry_run_when_asked_for(tmp_path):
   assert started[1].startswith("experiments/tune_decayed.py ") and "--dry_run" in started[1]
 
 
+def test_device_check_decode_graphs_step_checks_then_times_on_the_gpu_and_fails_loudly(tmp_path):
+  """Step 2g: decode_graphs.py on this GPU with --check (exit 1 unless the loop is captured)
+  and --time; its failure names the step. The dry run compiles for a compile-only H100 and
+  times nothing."""
+  rc, lines, commands = _device_check(tmp_path, backend="gpu", STEPS="2g")
+  graphs = [c for c in commands if c.startswith("experiments/decode_graphs.py ")]
+  assert rc == 0 and len(graphs) == 1, (lines, commands)
+  assert {"--check", "--target=local", "--time"} <= set(graphs[0].split())
+  rc, lines, _ = _device_check(tmp_path, backend="gpu", STEPS="2g", fail="decode_graphs.py")
+  assert rc == 1 and "FAILED: 2g (exit 1);" in lines[-1], lines[-1]
+  rc, lines, commands = _device_check(tmp_path, backend="cpu", JAX_PLATFORMS="cpu", STEPS="2g")
+  graphs = [c for c in commands if c.startswith("experiments/decode_graphs.py ")]
+  assert "--target=h100x1" in graphs[0].split() and "--time" not in graphs[0].split(), graphs
+
+
 def _tune(*args):
   env = {k: v for k, v in os.environ.items() if k != "ATTN_JAX_DEBUG"}
   return subprocess.run([sys.executable, "experiments/tune_decayed.py", *args], cwd=ROOT,

@@ -8,7 +8,7 @@ import re
 import jax.numpy as jnp
 import pytest
 
-from attn_jax import kernel_choice as kc
+from attn_jax import command_buffers, kernel_choice as kc
 
 PACKAGE = pathlib.Path(kc.__file__).resolve().parent
 READS_PLATFORM = re.compile(r"kernel_choice\.target\(|\b_TARGET\b|jax\.default_backend\(\)")
@@ -17,7 +17,7 @@ READS_PLATFORM = re.compile(r"kernel_choice\.target\(|\b_TARGET\b|jax\.default_b
 def test_choices_by_platform():
   cpu_opts = {"xla_cpu_copy_insertion_use_region_analysis": True}
   table = {"cpu": ("blocked", "blocked", True, "blocked", cpu_opts),
-           "gpu": ("cudnn", "xla", False, "flash", {}),
+           "gpu": ("cudnn", "xla", False, "flash", command_buffers.compiler_options("gpu")),
            "tpu": ("splash", "splash", False, "flash", {})}
   for plat, (bf16, fp32, remat, fox, opts) in table.items():
     with kc.use_platform(plat):

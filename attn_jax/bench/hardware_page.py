@@ -305,6 +305,72 @@ the Triton kernel on an H100 / H200 at the presets' shapes (`experiments/tune_de
 """
 
 
+# Measured once (experiments/decode_graphs.py --markdown, the commit that added it), not per
+# page: decoding programs and XLA's command buffers (attn_jax/command_buffers.py).
+COMMAND_BUFFERS = """## Decoding as CUDA graphs: XLA command buffers
+
+XLA:GPU records runs of thunks (its kernels, copies, library calls) into *command buffers*, CUDA
+graphs launched with one call, and with `WHILE` in the set a whole `lax.while_loop` (condition
+and body) as one graph node that CUDA's conditional nodes drive on the device. Decoding programs
+on a GPU (`decode.jit_stateful`: prefill and the one-token step; `decode.generate`: prefill and
+the generation loop) are compiled with `xla_gpu_enable_command_buffer` = the line's default set
+plus `WHILE`, per program (`attn_jax/command_buffers.py`; `ATTN_JAX_DECODE_COMMAND_BUFFERS=0`
+gives them XLA's default set instead). Read from each line's dump (`*.config.pbtxt`):
+
+| option | what it does | jax 0.10.2 default | jax 0.12.0.1 default |
+|---|---|---|---|
+| `xla_gpu_enable_command_buffer` | thunk kinds that may be captured: FUSION (XLA's kernels, device copies), CUBLAS, CUBLASLT, CUDNN, CUSTOM_CALL (graph-safe FFI handlers), DYNAMIC_SLICE_FUSION, CONDITIONAL, WHILE, COLLECTIVES, CONVOLUTION (+ COLLECTIVES_KERNEL on 0.12) | FUSION, CUBLAS, CUBLASLT, CUDNN, CUSTOM_CALL, DYNAMIC_SLICE_FUSION, CONDITIONAL | the same + COLLECTIVES_KERNEL |
+| `xla_gpu_graph_min_graph_size` | fewest consecutive capturable thunks made into a graph | 5 | 5 |
+| `xla_gpu_command_buffer_unroll_loops` | a loop of known trip count unrolled into the graph | false | false |
+| `xla_gpu_command_buffer_update_mode`, `_scheduling_mode` | graph update when buffers move between calls; grouping | ALWAYS_UPDATE, LHS | ALWAYS_UPDATE, LHS |
+| `xla_gpu_graph_enable_concurrent_region` | independent thunks as parallel graph branches | false | false |
+
+`xla_gpu_graph_level` and `xla_gpu_graph_num_runs_to_instantiate` are reserved (removed) names
+on both lines. Per program (`jax.jit(..., compiler_options=...)`) the set is a full list of
+names: the `+WHILE` form is accepted only in `XLA_FLAGS`, for every program of the process (an
+`XLA_FLAGS` naming the option wins over the per-program set), and a name a line lacks
+(COLLECTIVES_KERNEL on 0.10.2) is a compile error.
+
+**Seen without a GPU.** The capture is a pass over the thunk sequence after the HLO is final,
+so `compiled.as_text()` never shows it; the dump does: `*.thunk_sequence_after_thunk_passes.txt`
+nests the captured thunks under `kCommandBuffer` (`command_buffers.read_dump`). jax 0.10.2's XLA
+drops WHILE, CONDITIONAL and the library kinds when the device's CUDA driver or runtime is older
+than 12.3 or unknown, so the compile-only GPU targets state CUDA 12.8 (`targets.GpuSpec.cuda`);
+jax 0.12.0.1 captures them either way. Compiled for h100x1 on jax 0.10.2, batch 1, a prompt of
+128 tokens + 128 new tokens (`python experiments/decode_graphs.py --configs=<preset>`; counts are
+thunks of the dump, each once, a loop body's not multiplied by its iterations):
+
+| preset | program | with WHILE | XLA's default set | memory analysis (bytes) |
+|---|---|---|---|---|
+| transformer_152m | step | 1 graph, 297 thunks in / 0 out | 1 graph, 297 thunks in / 0 out | arguments 313,285,736, temporaries 4,783,640: equal |
+|  | generate | 1 graph, 627 thunks in / 0 out; loop inside (277 thunks) | 2 graphs, 626 thunks in / 1 out; loop host-driven, 2 launches per token | arguments 303,836,672, temporaries 246,649,360: equal |
+| sisa_152m | step | 1 graph, 473 thunks in / 0 out | 1 graph, 473 thunks in / 0 out | arguments 315,803,432, temporaries 4,332,568: equal |
+|  | generate | 1 graph, 1117 thunks in / 0 out; loop inside (374 thunks) | 2 graphs, 1116 thunks in / 1 out; loop host-driven, 2 launches per token | arguments 303,837,824, temporaries 242,910,832: equal |
+| mamba2_152m | step | 1 graph, 566 thunks in / 0 out | 1 graph, 566 thunks in / 0 out | arguments 317,747,688, temporaries 4,873,720: equal |
+|  | generate | 1 graph, 1814 thunks in / 0 out; loop inside (511 thunks) | 2 graphs, 1813 thunks in / 1 out; loop host-driven, 2 launches per token | arguments 305,248,992, temporaries 351,754,376: equal |
+| mamba3_152m | step | 1 graph, 694 thunks in / 0 out | 1 graph, 694 thunks in / 0 out | arguments 317,966,984, temporaries 4,867,608: equal |
+|  | generate | 1 graph, 2259 thunks in / 0 out; loop inside (641 thunks) | 2 graphs, 2258 thunks in / 1 out; loop host-driven, 2 launches per token | arguments 305,940,608, temporaries 262,396,912: equal |
+
+The one-token step is one graph with or without the option: on a machine with CUDA >= 12.3,
+XLA's default already captures all of it. What `WHILE` changes is the loop: with it the
+generation loop (and the bench's jitted loop of steps) is inside the graph, so a token costs no
+host work; without it the host drives every iteration (the condition's kernel, its predicate
+copied to the host and waited for, then the body's graph launched). Memory analysis is the same
+byte for byte: capture comes after buffer assignment.
+
+**Needs a GPU** (`STEPS=2g bash experiments/device_check.sh`, not run yet): decode tokens/s
+with and without at batch 1 and 32 per preset, the device memory the graphs take beyond XLA's
+allocator (instantiated graphs live in the driver: the free bytes without minus with), and the
+same capture read from this GPU's own compile (`--check` fails the step if the loop is not
+captured). The graphs do not remove the kernels' own cost: inside a graph each kernel still
+starts and ends on the device, so a step of ~300 small kernels stays bound by their number. The
+H200's batch-1 Transformer (1,082 tok/s, docs/benchmarks.md: 0.92 ms a token, 3.2 us for each
+of its ~285 kernels) was measured on CUDA 13 with XLA's default set, where the step's body was most likely one graph already (not
+checked on that run): `WHILE` can remove the per-token host work of the loop, not the cost of
+each kernel, which fewer kernels per step (fusion) cuts.
+"""
+
+
 def page(done: dict, names, rows=ROWS, length_rows=LENGTH_ROWS,
          length_names=LENGTH_PRESETS, census: bool = True) -> str:
   """The markdown page from the measured cells (missing ones say so)."""
@@ -343,7 +409,7 @@ def page(done: dict, names, rows=ROWS, length_rows=LENGTH_ROWS,
     lines += _length_section(done, length_rows, length_names)
   if census:
     lines += _census_section(done)
-  lines += [PALLAS_GPU.rstrip("\n"), ""]
+  lines += [PALLAS_GPU.rstrip("\n"), "", COMMAND_BUFFERS.rstrip("\n"), ""]
   return "\n".join(lines)
 
 
