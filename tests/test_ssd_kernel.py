@@ -158,15 +158,15 @@ TARGET_CALLS = [("h100x1", "__gpu$xla.gpu.triton"), ("v5e-4", "tpu_custom_call")
 
 @pytest.mark.parametrize("target,call", TARGET_CALLS)
 def test_kernels_compile_for_target(target, call):
-  """All four kernels (the states twice: forward and the backward's recompute) are custom calls
-  of the target's Pallas backend (Triton on H100: shared memory and registers at chunk 64,
+  """All four kernels (states, scan; dstates, dchunk: the backward reads the forward's states,
+  no recompute) are custom calls of the target's Pallas backend (Triton on H100: shared memory and registers at chunk 64,
   head dim 64, d_state 64 fit; Mosaic on TPU)."""
   if not targets.available(target):
     pytest.skip(f"no compiler plugin for {target}")
   text = _compiled_text(target)
   for name in K.PASSES:
     assert f"ssd_{name}" in text, (name, text[:3000])
-  assert text.count(call) >= 5, text[:3000]
+  assert text.count(call) >= 4, text[:3000]
 
 
 # ---------------------------------------------------------------- the mixers' kernel branch

@@ -1,60 +1,80 @@
 """Fused chunked SSD (Mamba-2's scalar-decay recurrence, `ssm/ssd.py`) in Pallas: four kernels.
 
-Per chunk c of Q tokens and head h (one program each, grid [B, H, chunks]), with the chunk's
-log-decays a_r (fp32, <= 0, -inf at a document start, `ssd.restart_decay`) and
+Per chunk c of Q tokens and head h, with the chunk's log-decays a_r (fp32, <= 0, -inf at a
+document start, `ssd.restart_decay`) and
 
     seg(t, s) = a_{s+1} + ... + a_t  (s <= t)      A_t = a_0 + ... + a_t
-    E_s = a_{s+1} + ... + a_{Q-1}      (tokens 0 .. Q-1 of the chunk)
+    E_s = a_{s+1} + ... + a_{Q-1}      z = a_0 + ... + a_{Q-1}   (tokens 0 .. Q-1 of the chunk)
 
 (all *direct* segment sums within the chunk, never differences of one running sum: `ssd.py`'s
-convention), the chunked SSD is
+convention), the chunked SSD with R inputs (x_i, B_i) and O output columns C_o is
 
-    states      S_c   = sum_s exp(E_s) x_s B_s^T                                  [P, N]
-    passing     H_c   = exp(z_{c-1}) H_{c-1} + S_{c-1}  (z the chunk's total log-decay; XLA:
-                        `ssd.pass_chunk_states`, exact and small)
-    scan        y_t   = sum_{s<=t} exp(seg(t, s)) (C_t . B_s) x_s + exp(A_t) H_c C_t
+    states      S_c   = sum_i sum_s exp(E_s) x_is B_is^T                            [P, N]
+    passing     H_0 = h0,  H_{c+1} = exp(z_c) H_c + S_c      (the final state H_C)
+    scan        y_ot  = sum_i sum_{s<=t} exp(seg(t, s)) (C_ot . B_is) x_is + exp(A_t) H_c C_ot
 
-Forward: `_states` (S_c), `ssd.pass_chunk_states` in XLA, `_scan` (y: the intra-chunk product
-C B^T, its decay mask and both outputs fused, so no [B, chunks, H, Q, Q] tensor is written).
-Backward (custom VJP; the inputs are the residuals, S and H recomputed as mamba_ssm's Triton
-backward does): `_dstates` (dH_c = sum_t exp(A_t) dy_t C_t^T), the passing's VJP in XLA (dS_c,
-d z, d h0), and `_dchunk`, which gives every per-token gradient of a chunk at once:
+R = O = 1 is Mamba-2 (and the hybrids' SSM heads); R = 2 Mamba-3 SISO's trapezoid (`extra =
+(x2, B2)`, as `ssd.ssd_chunked(extra=)`); R = 2r, O = r Mamba-3's MIMO (`mimo_kernel`, as
+`mamba3.mimo_chunked`: its input columns are the inputs, its r columns of Q the outputs, one
+[P, N] state). Its complex phase is the rotation of B and C by the cumulative angles, applied
+before the SSD: the kernels see rotated keys and queries, per head (G = H).
+
+Kernels (forward, then the custom VJP's backward; grids in brackets):
+  `_states`  [B, H]      the states entering every chunk, S_c and the passing in one loop over
+                         the chunks (the state carried in fp32 registers): writes H_c in
+                         `dot_dtype` and the final state in fp32;
+  `_scan`    [B, H, C]   y: C B^T, its decay mask, the state term, both products fused (no
+                         [.., Q, Q] tensor is written);
+  `_dstates` [B, H]      the state cotangents in one loop back over the chunks: g_C = d final,
+                         dS_c = g_{c+1}, g_c = exp(z_c) g_{c+1} + sum_o sum_t exp(A_t) dy_ot
+                         C_ot^T, d h0 = g_0; writes dS_c in `dot_dtype`;
+  `_dchunk`  [B, G, C]   every per-token gradient of a chunk, the group's J = H / G heads in a
+                         loop, so dB and dC are summed over the group's heads in registers and
+                         written once, in B's and C's dtype:
 
     dx_s = sum_{t>=s} L_ts (C_t . B_s) dy_t + exp(E_s) dS B_s
     dC_t = sum_s L_ts (dy_t . x_s) B_s + exp(A_t) dy_t H
     dB_s = sum_t L_ts (dy_t . x_s) C_t + exp(E_s) dS^T x_s
-    da_r = sum_{s < r <= t} G_ts + sum_{t >= r} g_t + sum_{s < r} e_s   (+ d z from the passing)
+    da_r = sum_{s < r <= t} G_ts + sum_{t >= r} g_t + sum_{s < r} e_s + exp(z) <dS, H>
 
 with L_ts = exp(seg(t, s)), G_ts = L_ts (C_t . B_s)(dy_t . x_s), g_t = exp(A_t) dy_t . (H C_t),
-e_s = exp(E_s) x_s . (dS B_s): each exponent's cotangent goes to the a_r it sums. dB, dC come
-per head and are summed over a group's heads in XLA. Four kernels (two forward, two backward,
-and the states once more in the backward) against the authors' (state-spaces/mamba,
-`ssd_combined.py`) five forward (chunk cumsum, C B^T, chunk states, state passing, chunk scan)
-and a dozen or so backward (dstates, the passing's, dx, dB, dC, d(C B^T), the dA pieces, the
-cumsum's, with recomputes): their cumsum, C B^T and dA work are folded into the chunk programs
-here, and their state passing is XLA's `pass_chunk_states` (with its VJP) here.
+e_s = exp(E_s) x_s . (dS B_s): each exponent's cotangent goes to the a_r it sums (the last
+term: z's, for every r of the chunk), summed over the inputs and output columns.
 
-A second input (`extra = (x2, B2)`, Mamba-3's trapezoid, `ssd.ssd_chunked(extra=)`) adds
-x2_t B2_t^T per token: S and the intra-chunk output sum over the two inputs (x B^T and
-x2 B2^T), and `_dchunk` gives dx2, dB2 as dx, dB, their G and e terms added to da's.
+Between kernels only H_c and dS_c ([B, H, C, P, N], in `dot_dtype`: bf16 in the mixers) and the
+outputs are written: no fp32 [B, chunks, H, P, N] or [.., Q, Q] array. The scan casts H_c to
+`dot_dtype` for its matmul in any case (as `ssd.ssd_chunked` does), and dchunk dS_c, so those
+roundings change nothing but d z's inner product, which reads them too. The authors'
+(state-spaces/mamba, `ops/triton/ssd_combined.py`) forward runs five kernels (chunk cumsum,
+C B^T, chunk states written in fp32, state passing written in C's dtype, chunk scan), their
+backward a dozen or so (dstates, the passing's, dx, dB, dC, d(C B^T), the dA pieces, the
+cumsum's, with the states recomputed): here the cumsum, C B^T and dA work are folded into the
+chunk programs and the chunk states never leave the passing loop; the backward reads the
+forward's H_c (a residual, one x-sized array at N = Q) instead of recomputing them.
 
-In-kernel exponents. seg is a product of masked matrices, seg = (M_le diag(a)) U_gt with
-M_le[t, r] = [r <= t], U_gt[r, s] = [r > s]: one fp32 Q x Q x Q matmul at full precision
-(IEEE on Triton), each entry a sum of its own terms (no difference). A and E are masked row
-sums. A matmul multiplies -inf by the mask's zeros (NaN), so the kernels floor a at
-NEG = -1e30 first: a sum holding a start is then <= -1e30 (its exp 0, as with -inf), every
-other sum unchanged; Q such floors stay far from fp32's range. The a_{t0} gradient the kernel
-returns at a start is discarded by `restart_decay`'s `where`, as in the XLA path.
+In-kernel exponents, in log2 units (a2 = a log2 e, then every exp is one `exp2`: one PTX
+`ex2.approx.ftz` on a GPU, `decayed_tiles.exp2`). seg is a product of masked matrices,
+seg = (M_le diag(a)) U_gt with M_le[t, r] = [r <= t], U_gt[r, s] = [r > s]; the 0/1 mask is
+exact in bf16, so the product runs as three bf16 matmuls on the exact split a = hi + mid + lo
+(`_mask_sum`): each entry a direct fp32 sum of its own terms, at the tensor cores' rate, not a
+Q-deep fp32 loop (the same for da's sum over s < r). A and E are masked row sums. A matmul
+multiplies -inf by the mask's zeros (NaN), so the kernels floor a2 at NEG = -1e30 first: a sum
+holding a start is then <= -1e30 (its exp 0, as with -inf), every other sum unchanged; Q such
+floors stay far from fp32's range. The a_{t0} gradient the kernel returns at a start is
+discarded by `restart_decay`'s `where`, as in the XLA path. The index masks are built once per
+program (`Masks`), outside the loops.
 
-Precision (`ssd.py`'s "Precision"): decays, exponents, states and accumulations fp32; every
-matmul step the XLA path runs in `dot_dtype` takes its operands in `dot_dtype` here (C B^T,
-its decayed product with x, the states, the state -> output, and their backward products with
-the cotangents cast to it); the exponent and da products are fp32.
+Precision (`ssd.py`'s "Precision"): decays, exponents, the carried states and accumulations
+fp32; every matmul step the XLA path runs in `dot_dtype` takes its operands in `dot_dtype` here
+(C B^T, its decayed product with x, the states, the state -> output, and their backward products
+with the cotangents cast to it). The passing is the sequential fp32 recurrence here, a segsum
+matmul in `ssd.pass_chunk_states`: the same sums, in another order.
 
-Layout: heads first and time in chunks, [B, H, chunks, Q, P] (B and C [B, G, chunks, Q, N],
-a [B, H, chunks, 1, Q]); states [B, chunks, H, P, N] as `pass_chunk_states` takes them. Every
-block's last two dims are the array's (TPU's tiling rule holds for any Q, P, N). T is padded to
-whole chunks (a = 0, x = B = C = 0: the state is unchanged, the padded outputs dropped).
+Layout: heads first, [B, H, T, P] (B and C [B, G, T, N]; a [B, H, C, 1, Q]; the states
+[B, H, C, P, N]); dchunk views the per-head arrays as [B, G, J, ...] (a free reshape). Every
+block's last two dims are a chunk's [Q, P] / [Q, N], the array's [P, N] or [1, Q] (TPU's tiling
+rule holds for Q a multiple of 8). T is padded to whole chunks (a = 0, x = B = C = 0: the state
+is unchanged, the padded outputs dropped).
 
 Targets (`_compiler_params`, as `kernels/decayed.py`): Triton on GPU, Mosaic on TPU, the
 Pallas interpreter on CPU (tests). Sharding (`_sharded`): under `sharding.use_rules` the call
@@ -73,9 +93,11 @@ from jax.experimental import pallas as pl
 from jax.sharding import PartitionSpec as P
 
 from attn_jax import kernel_choice, sharding
+from attn_jax.kernels.decayed_tiles import LOG2E, exp2
 from attn_jax.ssm import ssd
 
 F32 = jnp.float32
+BF16 = jnp.bfloat16
 NEG = -1e30
 _A_BT = (((1,), (1,)), ((), ()))    # a @ b.T
 _AT_B = (((0,), (0,)), ((), ()))    # a.T @ b
@@ -90,235 +112,345 @@ class Spec:
   """Static configuration of one call (hashable: a `custom_vjp` nondiff argument)."""
   chunk: int           # Q
   groups: int          # heads per B/C group (J = H / G)
-  dot_dtype: str       # operand dtype of the matmul steps
+  dot_dtype: str       # operand dtype of the matmul steps, and of the states written
   interpret: bool
-  inputs: int = 1      # terms x_i B_i^T per token (2: Mamba-3's `extra`)
+  inputs: int = 1      # R: terms x_i B_i^T per token (2: Mamba-3's `extra`; 2r: MIMO)
+  outputs: int = 1     # O: output columns C_o (r: MIMO)
   warps: int = 4       # Triton
   stages: int = 2
+  ex2: bool = False    # exp2 as one PTX `ex2` (Triton on a GPU)
 
 
 def _dot(a, b, dims=None):
-  """fp32-accumulating matmul; fp32 x fp32 at full precision (Triton's default is TF32)."""
-  both32 = a.dtype == F32 and b.dtype == F32
-  return lax.dot_general(a, b, dims or (((1,), (0,)), ((), ())),
-                         precision=lax.Precision.HIGHEST if both32 else None,
-                         preferred_element_type=F32)
+  """fp32-accumulating matmul of two operands of one dtype."""
+  return lax.dot_general(a, b, dims or (((1,), (0,)), ((), ())), preferred_element_type=F32)
+
+
+def _mask_sum(v, mask):
+  """v @ mask for fp32 v [Q, K] and a 0/1 mask [K, K] (bf16, exact) as three bf16 matmuls on
+  v's exact split v = hi + mid + lo (8 significant bits each; fp32 has 24): every product is
+  exact, the sums accumulate in fp32, so each entry is a direct fp32 sum of its own terms, at
+  a tensor core's bf16 rate rather than a Q-deep fp32 FMA loop (module docstring)."""
+  hi = v.astype(BF16)
+  r = v - hi.astype(F32)
+  mid = r.astype(BF16)
+  lo = (r - mid.astype(F32)).astype(BF16)
+  return _dot(lo, mask) + _dot(mid, mask) + _dot(hi, mask)
+
+
+class Masks:
+  """A program's index masks, built once and shared by its loop's iterations: [t, s] lower
+  (s <= t) and its strict upper complement, and the 0/1 matrices gt [r, s] = [r > s] and lt
+  [r, s] = [r < s] (bf16) that `_mask_sum` multiplies by."""
+
+  def __init__(self, Q: int):
+    row = lax.broadcasted_iota(jnp.int32, (Q, Q), 0)
+    col = lax.broadcasted_iota(jnp.int32, (Q, Q), 1)
+    self.lower = col <= row
+    self.upper = col > row
+    self.gt = jnp.where(row > col, 1.0, 0.0).astype(BF16)
+    self.lt = jnp.where(row < col, 1.0, 0.0).astype(BF16)
 
 
 class Exps:
-  """A chunk's exponents from its log-decays a [1, Q] (module docstring): L [Q (t), Q (s)]
-  = exp(seg(t, s)) on s <= t else 0, A and E as columns [Q, 1]; the index grids row / col."""
+  """A chunk's exponents from its log-decays a [1, Q] (natural units), in log2 units
+  (a2 = a log2 e, floored at NEG): A2, E2 [Q, 1] and the total z2 [1, 1]; `seg` adds L [t, s]
+  = 2^seg2(t, s) = exp(seg(t, s)) on s <= t, else 0."""
 
-  def __init__(self, a_1Q):
-    Q = a_1Q.shape[-1]
-    a = jnp.maximum(a_1Q.astype(F32), NEG)
-    self.row = lax.broadcasted_iota(jnp.int32, (Q, Q), 0)
-    self.col = lax.broadcasted_iota(jnp.int32, (Q, Q), 1)
-    lower = self.col <= self.row
-    terms = jnp.where(lower, a, 0.0)                               # [t, r] = a_r, r <= t
-    self.A = jnp.sum(terms, axis=1, keepdims=True)                 # [Q, 1]
-    self.E = jnp.sum(jnp.where(self.col > self.row, a, 0.0), axis=1, keepdims=True)
-    seg = _dot(terms, jnp.where(self.row > self.col, 1.0, 0.0).astype(F32))
-    self.L = jnp.where(lower, jnp.exp(seg), 0.0)
+  def __init__(self, spec: Spec, a_1Q, m: Masks, seg: bool = True):
+    a = jnp.maximum(a_1Q.astype(F32) * LOG2E, NEG)
+    terms = jnp.where(m.lower, a, 0.0)                             # [t, r] = a_r, r <= t
+    self.A2 = jnp.sum(terms, axis=1, keepdims=True)                # [Q, 1]
+    self.E2 = jnp.sum(jnp.where(m.upper, a, 0.0), axis=1, keepdims=True)
+    self.z2 = jnp.sum(a, axis=1, keepdims=True)                    # [1, 1]
+    self.spec = spec
+    if seg:
+      self.L = jnp.where(m.lower, self.exp(_mask_sum(terms, m.gt)), 0.0)
+
+  def exp(self, x):
+    return exp2(self.spec.ex2, x)
 
 
-# ---------------------------------------------------------------- kernels (one chunk, one head)
+def _rows(ref, c, Q: int):
+  """Chunk c's Q rows of a per-program [T, K] block."""
+  return ref[pl.ds(pl.multiple_of(c * Q, Q), Q), :]
+
+
+# ---------------------------------------------------------------- kernels
 
 def _states_kernel(spec: Spec, *refs):
-  """S = sum_i sum_s exp(E_s) x_is B_is^T  [P, N]  (refs: x_i..., B_i..., a, S)."""
-  R = spec.inputs
+  """The states entering each chunk, passed along the chunks in one loop (one head):
+  H_0 = h0, H_{c+1} = exp(z_c) H_c + S_c, S_c = sum_i sum_s exp(E_s) x_is B_is^T; writes
+  H_c [P, N] in `dot_dtype` and the final state fp32 (refs: x_i..., B_i..., a, [h0], H,
+  final)."""
+  R, Q = spec.inputs, spec.chunk
   dt = jnp.dtype(spec.dot_dtype)
-  a_ref, s_ref = refs[2 * R:]
-  eE = jnp.exp(Exps(a_ref[...]).E)
-  s = 0.0
-  for x_ref, b_ref in zip(refs[:R], refs[R:2 * R]):
-    s = s + _dot((x_ref[...].astype(F32) * eE).astype(dt), b_ref[...].astype(dt), _AT_B)
-  s_ref[...] = s
+  xs, bs, rest = refs[:R], refs[R:2 * R], refs[2 * R:]
+  a_ref, rest = rest[0], rest[1:]
+  h0_ref, (hin_ref, final_ref) = (rest[0], rest[1:]) if len(rest) == 3 else (None, rest)
+  m = Masks(Q)
+  Pd, N = hin_ref.shape[-2:]
+
+  def chunk(c, h):
+    e = Exps(spec, a_ref[c], m, seg=False)
+    eE = e.exp(e.E2)
+    s = 0.0
+    for x_ref, b_ref in zip(xs, bs):
+      xe = (_rows(x_ref, c, Q).astype(F32) * eE).astype(dt)
+      s = s + _dot(xe, _rows(b_ref, c, Q).astype(dt), _AT_B)
+    hin_ref[c] = h.astype(hin_ref.dtype)
+    return e.exp(e.z2) * h + s
+
+  h0 = jnp.zeros((Pd, N), F32) if h0_ref is None else h0_ref[...].astype(F32)
+  final_ref[...] = lax.fori_loop(0, a_ref.shape[0], chunk, h0)
 
 
 def _scan_kernel(spec: Spec, *refs):
-  """y = sum_i (L o C B_i^T) x_i + exp(A) o (C H^T)  [Q, P]  (refs: x_i..., B_i..., C, a, H,
-  y)."""
-  R = spec.inputs
+  """y_o = sum_i (L o C_o B_i^T) x_i + exp(A) o (C_o H^T)  [Q, P]  (one chunk of one head;
+  refs: x_i..., B_i..., C_o..., a, H, y_o...)."""
+  R, O = spec.inputs, spec.outputs
   dt = jnp.dtype(spec.dot_dtype)
-  c_ref, a_ref, h_ref, y_ref = refs[2 * R:]
-  e = Exps(a_ref[...])
-  c = c_ref[...].astype(dt)
-  y = jnp.exp(e.A) * _dot(c, h_ref[...].astype(dt), _A_BT)
-  for x_ref, b_ref in zip(refs[:R], refs[R:2 * R]):
-    cb = _dot(c, b_ref[...].astype(dt), _A_BT)
-    y = y + _dot((cb * e.L).astype(dt), x_ref[...].astype(dt))
-  y_ref[...] = y
+  xs, bs, cs = refs[:R], refs[R:2 * R], refs[2 * R:2 * R + O]
+  a_ref, h_ref = refs[2 * R + O:2 * R + O + 2]
+  ys = refs[2 * R + O + 2:]
+  e = Exps(spec, a_ref[...], Masks(spec.chunk))
+  eA = e.exp(e.A2)
+  h = h_ref[...].astype(dt)
+  for c_ref, y_ref in zip(cs, ys):
+    c = c_ref[...].astype(dt)
+    y = 0.0
+    for x_ref, b_ref in zip(xs, bs):
+      cb = _dot(c, b_ref[...].astype(dt), _A_BT)                    # [t, s]
+      y = y + _dot((cb * e.L).astype(dt), x_ref[...].astype(dt))
+    y_ref[...] = y + eA * _dot(c, h, _A_BT)
 
 
-def _dstates_kernel(spec: Spec, dy_ref, c_ref, a_ref, dh_ref):
-  """dH = sum_t exp(A_t) dy_t C_t^T  [P, N]."""
+def _dstates_kernel(spec: Spec, *refs):
+  """The state cotangents, passed back along the chunks in one loop (one head): g_C = d final,
+  dS_c = g_{c+1}, g_c = exp(z_c) g_{c+1} + sum_o sum_t exp(A_t) dy_ot C_ot^T, d h0 = g_0;
+  writes dS_c [P, N] in `dot_dtype` (refs: dy_o..., C_o..., a, d final, dS, [d h0])."""
+  O, Q = spec.outputs, spec.chunk
   dt = jnp.dtype(spec.dot_dtype)
-  e = Exps(a_ref[...])
-  dya = (dy_ref[...].astype(F32) * jnp.exp(e.A)).astype(dt)
-  dh_ref[...] = _dot(dya, c_ref[...].astype(dt), _AT_B)
+  dys, cs = refs[:O], refs[O:2 * O]
+  a_ref, dfinal_ref, ds_ref = refs[2 * O:2 * O + 3]
+  dh0_ref = refs[2 * O + 3] if len(refs) > 2 * O + 3 else None
+  m = Masks(Q)
+  n = a_ref.shape[0]
+
+  def chunk(k, g):
+    c = n - 1 - k
+    e = Exps(spec, a_ref[c], m, seg=False)
+    eA = e.exp(e.A2)
+    dh = 0.0
+    for dy_ref, c_ref in zip(dys, cs):
+      dya = (_rows(dy_ref, c, Q).astype(F32) * eA).astype(dt)
+      dh = dh + _dot(dya, _rows(c_ref, c, Q).astype(dt), _AT_B)
+    ds_ref[c] = g.astype(ds_ref.dtype)
+    return e.exp(e.z2) * g + dh
+
+  g = lax.fori_loop(0, n, chunk, dfinal_ref[...].astype(F32))
+  if dh0_ref is not None:
+    dh0_ref[...] = g
 
 
 def _dchunk_kernel(spec: Spec, *refs):
-  """dx_i, dB_i (this head's share), dC (idem) and da of one chunk (module docstring; refs:
-  x_i..., B_i..., C, a, dy, H, dS, then dx_i..., dB_i..., dC, da)."""
-  R = spec.inputs
+  """Every per-token gradient of one chunk of a B/C group (module docstring), its J heads in
+  one loop: dx_i and da per head, dB_i and dC_o summed over the group's heads in the loop
+  (refs: x_i..., B_i..., C_o..., a, dy_o..., H, dS, then dx_i..., dB_i..., dC_o..., da; the
+  per-head blocks [J, ...], indexed by the loop's head)."""
+  R, O, J = spec.inputs, spec.outputs, spec.groups
   dt = jnp.dtype(spec.dot_dtype)
-  xs, bs = refs[:R], refs[R:2 * R]
-  c_ref, a_ref, dy_ref, h_ref, ds_ref = refs[2 * R:2 * R + 5]
-  outs = refs[2 * R + 5:]
-  dx_refs, db_refs, (dc_ref, da_ref) = outs[:R], outs[R:2 * R], outs[2 * R:]
-  e = Exps(a_ref[...])
-  dy32 = dy_ref[...].astype(F32)
-  c, dy = c_ref[...].astype(dt), dy32.astype(dt)
-  h, ds = h_ref[...].astype(dt), ds_ref[...].astype(dt)
-  eA, eE = jnp.exp(e.A), jnp.exp(e.E)
-  # entering state: y += exp(A) o (C H^T)
-  dc = _dot((dy32 * eA).astype(dt), h)
-  g = eA * jnp.sum(dy32 * _dot(c, h, _A_BT), axis=1, keepdims=True)       # [Q, 1]
-  G, es = 0.0, 0.0
-  for x_ref, b_ref, dx_ref, db_ref in zip(xs, bs, dx_refs, db_refs):
-    x32 = x_ref[...].astype(F32)
-    x, b = x32.astype(dt), b_ref[...].astype(dt)
-    # intra-chunk: y = (L o C B^T) x
-    cb = _dot(c, b, _A_BT)                                         # [t, s]
-    m = cb * e.L
-    dyx = _dot(dy, x, _A_BT)                                       # [t, s] = dy_t . x_s
-    dcb = (dyx * e.L).astype(dt)
-    dx = _dot(m.astype(dt), dy, _AT_B)
-    dc = dc + _dot(dcb, b)
-    db = _dot(dcb, c, _AT_B)
-    G = G + dyx * m
-    # chunk state: S = sum_s exp(E_s) x_s B_s^T
-    bds = _dot(b, ds, _A_BT)                                       # [s, P] = dS B_s
-    dx_ref[...] = (dx + eE * bds).astype(dx_ref.dtype)
-    db_ref[...] = (db + _dot((x32 * eE).astype(dt), ds)).astype(db_ref.dtype)
-    es = es + eE * jnp.sum(x32 * bds, axis=1, keepdims=True)      # [Q, 1]
-  # da_r: seg's pairs s < r <= t, A's tokens t >= r, E's tokens s < r (as a row [1, Q])
-  W = _dot(G, jnp.where(e.row < e.col, 1.0, 0.0).astype(F32))     # [t, r] = sum_{s<r} G_ts
-  da = jnp.sum(jnp.where(e.col <= e.row, W + g, 0.0), axis=0, keepdims=True)
-  da = da + jnp.sum(jnp.where(e.row < e.col, es, 0.0), axis=0, keepdims=True)
-  dc_ref[...] = dc.astype(dc_ref.dtype)
-  da_ref[...] = da
+  it = iter(refs)
+  take = lambda k: tuple(next(it) for _ in range(k))
+  xs, bs, cs, (a_ref,), dys, (h_ref, ds_ref) = take(R), take(R), take(O), take(1), take(O), \
+      take(2)
+  dxs, dbs, dcs, (da_ref,) = take(R), take(R), take(O), take(1)
+  m = Masks(spec.chunk)
+  b = [r[...].astype(dt) for r in bs]
+  c = [r[...].astype(dt) for r in cs]
+  shared = J > 1 and R * O == 1     # C B^T once for the group's heads (Mamba-2)
+  cb0 = _dot(c[0], b[0], _A_BT) if shared else None
+
+  def head(j, carry):
+    db_acc, dc_acc = list(carry[:R]), list(carry[R:])
+    e = Exps(spec, a_ref[j], m)
+    eA, eE = e.exp(e.A2), e.exp(e.E2)
+    h, ds = h_ref[j].astype(dt), ds_ref[j].astype(dt)
+    dy32 = [r[j].astype(F32) for r in dys]
+    dy = [v.astype(dt) for v in dy32]
+    g = 0.0
+    for o in range(O):       # entering state: y_o += exp(A) o (C_o H^T)
+      dc_acc[o] = dc_acc[o] + _dot((dy32[o] * eA).astype(dt), h)
+      g = g + eA * jnp.sum(dy32[o] * _dot(c[o], h, _A_BT), axis=1, keepdims=True)   # [Q, 1]
+    G, es = 0.0, 0.0
+    for i in range(R):
+      x32 = xs[i][j].astype(F32)
+      x = x32.astype(dt)
+      dx, db = 0.0, 0.0
+      for o in range(O):     # intra-chunk: y_o = (L o C_o B_i^T) x_i
+        dyx = _dot(dy[o], x, _A_BT)                                  # [t, s] = dy_t . x_s
+        mm = (cb0 if shared else _dot(c[o], b[i], _A_BT)) * e.L
+        dcb = (dyx * e.L).astype(dt)
+        dx = dx + _dot(mm.astype(dt), dy[o], _AT_B)
+        dc_acc[o] = dc_acc[o] + _dot(dcb, b[i])
+        db = db + _dot(dcb, c[o], _AT_B)
+        G = G + dyx * mm
+      # chunk state: S = sum_s exp(E_s) x_s B_s^T
+      bds = _dot(b[i], ds, _A_BT)                                    # [s, P] = dS B_s
+      dxs[i][j] = (dx + eE * bds).astype(dxs[i].dtype)
+      db_acc[i] = db_acc[i] + db + _dot((x32 * eE).astype(dt), ds)
+      es = es + eE * jnp.sum(x32 * bds, axis=1, keepdims=True)      # [Q, 1]
+    # da_r: seg's pairs s < r <= t, A's tokens t >= r, E's tokens s < r, and the passing's
+    # exp(z) H (z = the chunk's sum) for every r (as a row [1, Q])
+    W = _mask_sum(G, m.lt)                                           # [t, r] = sum_{s<r} G_ts
+    da = jnp.sum(jnp.where(m.lower, W + g, 0.0), axis=0, keepdims=True)
+    da = da + jnp.sum(jnp.where(m.upper, es, 0.0), axis=0, keepdims=True)
+    hds = ds_ref[j].astype(F32) * h_ref[j].astype(F32)
+    dz = e.exp(e.z2) * jnp.sum(jnp.sum(hds, axis=1, keepdims=True), axis=0, keepdims=True)
+    da_ref[j] = da + dz
+    return tuple(db_acc) + tuple(dc_acc)
+
+  zeros = lambda like: jnp.zeros(like.shape, F32)
+  init = tuple(zeros(v) for v in b) + tuple(zeros(v) for v in c)
+  out = lax.fori_loop(0, J, head, init) if J > 1 else head(0, init)
+  for ref, v in zip(dbs + dcs, out):
+    ref[...] = v.astype(ref.dtype)
 
 
 # ---------------------------------------------------------------- calls
 
-def _compiler_params(spec: Spec):
-  """Mosaic on TPU (every grid axis independent), Triton on GPU, none in the interpreter."""
+def _compiler_params(spec: Spec, axes: int):
+  """Mosaic on TPU (`axes` grid axes: the chunk loops' programs independent), Triton on GPU,
+  none in the interpreter."""
   if spec.interpret:
     return None
   plat = kernel_choice.target()
   if plat == "tpu":
     from jax.experimental.pallas import tpu as pltpu
-    return pltpu.CompilerParams(dimension_semantics=("parallel",) * 3)
+    return pltpu.CompilerParams(dimension_semantics=("parallel",) * axes)
   if plat == "gpu":
     from jax.experimental.pallas import triton as pltriton
     return pltriton.CompilerParams(num_warps=spec.warps, num_stages=spec.stages)
   return None
 
 
-def _per_head(x):
-  """Block of one chunk of one head of [B, H, C, r, k] at grid (b, h, c)."""
-  return pl.BlockSpec((None, None, None) + x.shape[3:], lambda b, h, c: (b, h, c, 0, 0))
-
-
-def _per_group(spec: Spec, x):
-  """Block of one chunk of head h's group of [B, G, C, Q, N]."""
-  return pl.BlockSpec((None, None, None) + x.shape[3:],
-                      lambda b, h, c: (b, lax.div(h, jnp.int32(spec.groups)), c, 0, 0))
-
-
-def _state_block(x):
-  """Block of one state of [B, C, H, P, N] at grid (b, h, c)."""
-  return pl.BlockSpec((None, None, None) + x.shape[3:], lambda b, h, c: (b, c, h, 0, 0))
-
-
 def _call(spec: Spec, kernel, name: str, grid, ins, in_specs, outs, out_specs):
   return pl.pallas_call(functools.partial(kernel, spec), grid=grid, in_specs=in_specs,
                         out_specs=out_specs, out_shape=outs, interpret=spec.interpret,
-                        name="ssd_" + name, compiler_params=_compiler_params(spec))(*ins)
+                        name="ssd_" + name,
+                        compiler_params=_compiler_params(spec, len(grid)))(*ins)
 
 
-def _inputs(spec: Spec, xs, bs):
-  """The inputs' arrays and blocks: x_i... (per head), B_i... (per group)."""
-  return (tuple(xs) + tuple(bs), [_per_head(x) for x in xs] + [_per_group(spec, b) for b in bs])
+def _whole(x, group: int = 1):
+  """Block of the whole [T, K] (or [C, ...]) of one head of [B, H, ...] at grid (b, h); a
+  group's array ([B, G, ...]) when `group` (J) > 1."""
+  nd = x.ndim - 2
+  return pl.BlockSpec((None, None) + x.shape[2:],
+                      lambda b, h: (b, lax.div(h, jnp.int32(group))) + (0,) * nd)
 
 
-def _states(spec: Spec, xs, bs, a):
-  B, H, C, Q, Pd = xs[0].shape
-  N = bs[0].shape[-1]
-  out = jax.ShapeDtypeStruct((B, C, H, Pd, N), F32)
-  ins, specs = _inputs(spec, xs, bs)
-  return _call(spec, _states_kernel, "states", (B, H, C), ins + (a,), specs + [_per_head(a)],
-               out, _state_block(out))
+def _chunk_of(spec: Spec, x, group: int = 1):
+  """Block of chunk c of one head of [B, H, T, K] at grid (b, h, c) (a group's array when
+  `group` > 1)."""
+  Q, K = spec.chunk, x.shape[-1]
+  return pl.BlockSpec((None, None, Q, K),
+                      lambda b, h, c: (b, lax.div(h, jnp.int32(group)), c, 0))
 
 
-def _scan(spec: Spec, xs, bs, c, a, h_in):
-  out = jax.ShapeDtypeStruct(xs[0].shape, F32)
-  ins, specs = _inputs(spec, xs, bs)
-  return _call(spec, _scan_kernel, "scan", out.shape[:3], ins + (c, a, h_in),
-               specs + [_per_group(spec, c), _per_head(a), _state_block(h_in)], out,
-               _per_head(out))
+def _per_chunk(x):
+  """Block of chunk c of one head of [B, H, C, r, k] at grid (b, h, c)."""
+  return pl.BlockSpec((None, None, None) + x.shape[3:], lambda b, h, c: (b, h, c, 0, 0))
 
 
-def _dstates(spec: Spec, dy, c, a):
-  B, H, C, Q, Pd = dy.shape
-  out = jax.ShapeDtypeStruct((B, C, H, Pd, c.shape[-1]), F32)
-  return _call(spec, _dstates_kernel, "dstates", (B, H, C), (dy, c, a),
-               [_per_head(dy), _per_group(spec, c), _per_head(a)], out, _state_block(out))
+def _states(spec: Spec, xs, bs, a, h0):
+  """(H_c [B, H, C, P, N] in `dot_dtype`, final [B, H, P, N] fp32)."""
+  B, H, _, Pd = xs[0].shape
+  C, N, J = a.shape[2], bs[0].shape[-1], spec.groups
+  outs = (jax.ShapeDtypeStruct((B, H, C, Pd, N), jnp.dtype(spec.dot_dtype)),
+          jax.ShapeDtypeStruct((B, H, Pd, N), F32))
+  ins = tuple(xs) + tuple(bs) + (a,) + (() if h0 is None else (h0,))
+  specs = ([_whole(x) for x in xs] + [_whole(b, J) for b in bs] + [_whole(a)]
+           + ([] if h0 is None else [_whole(h0)]))
+  return _call(spec, _states_kernel, "states", (B, H), ins, specs, outs,
+               tuple(_whole(o) for o in outs))
 
 
-def _dchunk(spec: Spec, xs, bs, c, a, dy, h_in, ds):
-  """(dx_i..., dB_i... per head, dC per head, da)."""
-  B, H, C, Q, Pd = xs[0].shape
-  per_head = lambda like: jax.ShapeDtypeStruct(
-      (B, H, C, Q, like.shape[-1]), like.dtype if spec.groups == 1 else F32)   # summed after
-  outs = (tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in xs)
-          + tuple(per_head(b) for b in bs) + (per_head(c), jax.ShapeDtypeStruct(a.shape, F32)))
-  ins, specs = _inputs(spec, xs, bs)
-  return _call(spec, _dchunk_kernel, "dchunk", (B, H, C), ins + (c, a, dy, h_in, ds),
-               specs + [_per_group(spec, c), _per_head(a), _per_head(dy), _state_block(h_in),
-                        _state_block(ds)], outs, tuple(_per_head(o) for o in outs))
+def _scan(spec: Spec, xs, bs, cs, a, h_in):
+  """y_o [B, H, T, P] fp32 for each output column."""
+  B, H, T, Pd = xs[0].shape
+  J = spec.groups
+  outs = tuple(jax.ShapeDtypeStruct((B, H, T, Pd), F32) for _ in cs)
+  ins = tuple(xs) + tuple(bs) + tuple(cs) + (a, h_in)
+  specs = ([_chunk_of(spec, x) for x in xs] + [_chunk_of(spec, z, J) for z in bs + cs]
+           + [_per_chunk(a), _per_chunk(h_in)])
+  return _call(spec, _scan_kernel, "scan", (B, H, a.shape[2]), ins, specs, outs,
+               tuple(_chunk_of(spec, o) for o in outs))
 
 
-def _passing(a, S, h0):
-  """`ssd.pass_chunk_states` on kernel-layout decays a [B, H, C, 1, Q] (their chunk totals,
-  a direct sum) and states S [B, C, H, P, N]: (H_in, final)."""
-  z = jnp.sum(a[:, :, :, 0, :], axis=-1).transpose(0, 2, 1)      # [B, C, H]
-  return ssd.pass_chunk_states(z, S, h0)
+def _dstates(spec: Spec, dys, cs, a, dfinal, want_dh0: bool):
+  """(dS_c [B, H, C, P, N] in `dot_dtype`, d h0 [B, H, P, N] fp32 or None)."""
+  B, H, C = a.shape[:3]
+  Pd, N = dfinal.shape[-2:]
+  outs = (jax.ShapeDtypeStruct((B, H, C, Pd, N), jnp.dtype(spec.dot_dtype)),)
+  outs += (jax.ShapeDtypeStruct((B, H, Pd, N), F32),) if want_dh0 else ()
+  ins = tuple(dys) + tuple(cs) + (a, dfinal)
+  specs = ([_whole(d) for d in dys] + [_whole(c, spec.groups) for c in cs]
+           + [_whole(a), _whole(dfinal)])
+  res = _call(spec, _dstates_kernel, "dstates", (B, H), ins, specs, outs,
+              tuple(_whole(o) for o in outs))
+  return res[0], (res[1] if want_dh0 else None)
+
+
+def _dchunk(spec: Spec, xs, bs, cs, a, dys, h_in, ds):
+  """(dx_i..., dB_i..., dC_o..., da): per-head arrays viewed [B, G, J, ...] (a free reshape),
+  one program per chunk of a group, its heads in the kernel's loop."""
+  B, H, T, Pd = xs[0].shape
+  G, J, C = bs[0].shape[1], spec.groups, a.shape[2]
+  Q = spec.chunk
+  grp = lambda z: z.reshape((B, G, J) + z.shape[2:])
+  heads = lambda z: pl.BlockSpec((None, None, J, Q, z.shape[-1]),
+                                 lambda b, g, c: (b, g, 0, c, 0))
+  chunk_heads = lambda z: pl.BlockSpec((None, None, J, None) + z.shape[4:],
+                                       lambda b, g, c: (b, g, 0, c, 0, 0))
+  group = lambda z: pl.BlockSpec((None, None, Q, z.shape[-1]), lambda b, g, c: (b, g, c, 0))
+  per_head_in = [grp(z) for z in xs]
+  dy_in = [grp(z) for z in dys]
+  a_g, h_g, ds_g = grp(a), grp(h_in), grp(ds)
+  ins = tuple(per_head_in) + tuple(bs) + tuple(cs) + (a_g,) + tuple(dy_in) + (h_g, ds_g)
+  specs = ([heads(z) for z in per_head_in] + [group(z) for z in bs + cs] + [chunk_heads(a_g)]
+           + [heads(z) for z in dy_in] + [chunk_heads(h_g), chunk_heads(ds_g)])
+  outs = (tuple(jax.ShapeDtypeStruct(z.shape, z.dtype) for z in per_head_in)
+          + tuple(jax.ShapeDtypeStruct(z.shape, z.dtype) for z in bs + cs)
+          + (jax.ShapeDtypeStruct(a_g.shape, F32),))
+  out_specs = ([heads(z) for z in per_head_in] + [group(z) for z in bs + cs]
+               + [chunk_heads(a_g)])
+  res = _call(spec, _dchunk_kernel, "dchunk", (B, G, C), ins, specs, outs, tuple(out_specs))
+  R, O = spec.inputs, spec.outputs
+  ungrp = lambda z: z.reshape((B, H) + z.shape[3:])
+  return (tuple(ungrp(z) for z in res[:R]), tuple(res[R:2 * R]), tuple(res[2 * R:2 * R + O]),
+          ungrp(res[-1]))
 
 
 # ---------------------------------------------------------------- custom VJP
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _core(spec: Spec, xs, bs, c, a, h0):
-  """Kernel-layout SSD of the inputs (x_i, B_i): (y [B, H, C, Q, P] fp32, final state
-  [B, H, P, N] fp32)."""
-  return _core_fwd(spec, xs, bs, c, a, h0)[0]
+def _core(spec: Spec, xs, bs, cs, a, h0):
+  """Kernel-layout SSD (x_i [B, H, T, P], B_i, C_o [B, G, T, N], a [B, H, C, 1, Q], h0
+  [B, H, P, N] fp32 or None): (y_o [B, H, T, P] fp32..., final state [B, H, P, N] fp32)."""
+  return _core_fwd(spec, xs, bs, cs, a, h0)[0]
 
 
-def _core_fwd(spec, xs, bs, c, a, h0):
-  h_in, final = _passing(a, _states(spec, xs, bs, a), h0)
-  return (_scan(spec, xs, bs, c, a, h_in), final), (xs, bs, c, a, h0)
+def _core_fwd(spec, xs, bs, cs, a, h0):
+  h_in, final = _states(spec, xs, bs, a, h0)
+  return (_scan(spec, xs, bs, cs, a, h_in), final), (xs, bs, cs, a, h0, h_in)
 
 
 def _core_bwd(spec, res, cts):
-  xs, bs, c, a, h0 = res
-  R = spec.inputs
-  dy, dfinal = cts
-  (h_in, _), vjp = jax.vjp(_passing, a, _states(spec, xs, bs, a), h0)
-  dh = _dstates(spec, dy, c, a)
-  da_z, ds, dh0 = vjp((dh, dfinal))
-  grads = _dchunk(spec, xs, bs, c, a, dy, h_in, ds)
-  dxs, dbs, dc, da = grads[:R], grads[R:2 * R], grads[2 * R], grads[2 * R + 1]
-
-  def group(d, like):   # a group's heads' shares summed
-    B, H, C, Q, N = d.shape
-    return d.reshape(B, H // spec.groups, spec.groups, C, Q, N).sum(2).astype(like.dtype)
-
-  return (tuple(dxs), tuple(group(d, b) for d, b in zip(dbs, bs)), group(dc, c), da + da_z,
-          dh0)
+  xs, bs, cs, a, h0, h_in = res
+  dys, dfinal = cts
+  ds, dh0 = _dstates(spec, dys, cs, a, dfinal, h0 is not None)
+  dxs, dbs, dcs, da = _dchunk(spec, xs, bs, cs, a, dys, h_in, ds)
+  return dxs, dbs, dcs, da, dh0
 
 
 _core.defvjp(_core_fwd, _core_bwd)
@@ -343,42 +475,43 @@ def unsupported(x_shape, b_shape, chunk: int, plat: str | None = None) -> str | 
   return None
 
 
-def _local(spec: Spec, x, a, b, c, h0, x2=None, b2=None):
-  """One device's call: layout, the custom-VJP core, back to [B, T, H, P]."""
-  Bsz, T, H, Pd = x.shape
-  G = b.shape[2]
+def _local(spec: Spec, xs, bs, cs, a, h0):
+  """One device's call: time padded to whole chunks, heads first ([B, H, T, P]; a [B, H, C, 1,
+  Q]), the custom-VJP core, back to [B, T, H, P]: (y_o..., final)."""
+  Bsz, T, H, _ = xs[0].shape
   Q = spec.chunk
   nc = -(-T // Q)
   pad = nc * Q - T
   padT = lambda z: jnp.pad(z, [(0, 0), (0, pad)] + [(0, 0)] * (z.ndim - 2)) if pad else z
-  heads_first = lambda z: padT(z).transpose(0, 2, 1, 3).reshape(Bsz, -1, nc, Q, z.shape[-1])
+  heads_first = lambda zs: tuple(padT(z).transpose(0, 2, 1, 3) for z in zs)
   a_l = padT(a).transpose(0, 2, 1).reshape(Bsz, H, nc, 1, Q)
   h0 = None if h0 is None else h0.astype(F32)
-  xs = tuple(heads_first(z) for z in (x, x2) if z is not None)
-  bs = tuple(heads_first(z) for z in (b, b2) if z is not None)
-  y, final = _core(spec, xs, bs, heads_first(c), a_l, h0)
-  y = y.reshape(Bsz, H, nc * Q, Pd)[:, :, :T].transpose(0, 2, 1, 3)
-  return y, final
+  ys, final = _core(spec, heads_first(xs), heads_first(bs), heads_first(cs), a_l, h0)
+  return tuple(y[:, :, :T].transpose(0, 2, 1, 3) for y in ys), final
 
 
-def _sharded(fn, args: dict):
-  """fn(**args) under `jax.shard_map` over the active `sharding.use_rules` mesh (a plain call
-  outside one): XLA does not partition Pallas calls. Rows follow the `batch` rule; heads,
-  groups and time stay whole on every device."""
+def _sharded(fn, *args):
+  """fn(*args) under `jax.shard_map` over the active `sharding.use_rules` mesh (a plain call
+  outside one): XLA does not partition Pallas calls. Rows (every array's first axis) follow
+  the `batch` rule; heads, groups and time stay whole on every device."""
   active = sharding.active()
   if active is None:
-    return fn(**args)
+    return fn(*args)
   mesh, rules = active
-  batch = sharding.activation_spec(("batch",), args["x"].shape[:1], mesh, rules)[0]
-  keys = [k for k in args if args[k] is not None]
-  spec = lambda k: P(batch, *(None,) * (args[k].ndim - 1))
+  first = jax.tree.leaves(args)[0]
+  batch = sharding.activation_spec(("batch",), first.shape[:1], mesh, rules)[0]
+  specs = jax.tree.map(lambda z: P(batch), args)
+  return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=P(batch),
+                       check_vma=False)(*args)
 
-  def body(*xs):
-    return fn(**dict(args, **dict(zip(keys, xs))))
 
-  return jax.shard_map(body, mesh=mesh, in_specs=tuple(spec(k) for k in keys),
-                       out_specs=(P(batch, None, None, None), P(batch, None, None, None)),
-                       check_vma=False)(*(args[k] for k in keys))
+def _spec(T: int, H: int, G: int, chunk: int, dot_dtype, interpret, R: int, O: int, warps,
+          stages) -> Spec:
+  if interpret is None:
+    interpret = kernel_choice.target() == "cpu"
+  return Spec(max(1, min(int(chunk), T)), H // G,
+              jnp.dtype(F32 if dot_dtype is None else dot_dtype).name, bool(interpret), R, O,
+              int(warps), int(stages), ex2=not interpret and kernel_choice.target() == "gpu")
 
 
 def ssd_kernel(x_BTHP, a_BTH, b_BTGN, c_BTGN, *, chunk: int, h0_BHPN=None, extra=None,
@@ -391,17 +524,37 @@ def ssd_kernel(x_BTHP, a_BTH, b_BTGN, c_BTGN, *, chunk: int, h0_BHPN=None, extra
   interpret: the Pallas interpreter (default: on CPU). warps / stages: Triton's."""
   _, T, H, G = ssd._check(x_BTHP, a_BTH, b_BTGN, c_BTGN)
   a = ssd.restart_decay(a_BTH, reset_BT).astype(F32)
-  if interpret is None:
-    interpret = kernel_choice.target() == "cpu"
-  x2, b2 = (None, None) if extra is None else extra
-  if extra is not None and (x2.shape != x_BTHP.shape or b2.shape != b_BTGN.shape):
-    raise ValueError(f"extra = (x2 {x2.shape}, B2 {b2.shape}) must have x's and B's shapes "
-                     f"({x_BTHP.shape}, {b_BTGN.shape})")
-  spec = Spec(max(1, min(int(chunk), T)), H // G,
-              jnp.dtype(F32 if dot_dtype is None else dot_dtype).name, bool(interpret),
-              1 + (extra is not None), int(warps), int(stages))
-  args = dict(x=x_BTHP, a=a, b=b_BTGN, c=c_BTGN, h0=h0_BHPN, x2=x2, b2=b2)
-  return _sharded(functools.partial(_local, spec), args)
+  xs, bs = (x_BTHP,), (b_BTGN,)
+  if extra is not None:
+    x2, b2 = extra
+    if x2.shape != x_BTHP.shape or b2.shape != b_BTGN.shape:
+      raise ValueError(f"extra = (x2 {x2.shape}, B2 {b2.shape}) must have x's and B's shapes "
+                       f"({x_BTHP.shape}, {b_BTGN.shape})")
+    xs, bs = xs + (x2,), bs + (b2,)
+  spec = _spec(T, H, G, chunk, dot_dtype, interpret, len(xs), 1, warps, stages)
+  ys, final = _sharded(functools.partial(_local, spec), xs, bs, (c_BTGN,), a, h0_BHPN)
+  return ys[0], final
+
+
+def mimo_kernel(u_BTHIP, a_BTH, k_BTHIN, q_BTHON, *, chunk: int, h0_BHPN=None, reset_BT=None,
+                dot_dtype=None, interpret: bool | None = None, warps: int = 4,
+                stages: int = 2):
+  """Mamba-3's MIMO SSD (`mamba3.mimo_chunked`, same arguments and returns: y [B, T, H, O, P],
+  h_T [B, H, P, N] fp32) through the kernels: its I input columns (u_i, k_i) are the kernels'
+  inputs x_i B_i^T, its O output columns q_o their outputs C_o (keys and queries per head,
+  G = H)."""
+  Bsz, T, H, I, Pd = u_BTHIP.shape
+  O, N = q_BTHON.shape[3], q_BTHON.shape[-1]
+  if a_BTH.shape != (Bsz, T, H) or k_BTHIN.shape != (Bsz, T, H, I, N) or \
+      q_BTHON.shape[:3] != (Bsz, T, H):
+    raise ValueError(f"MIMO SSD shapes do not fit: u {u_BTHIP.shape}, a {a_BTH.shape}, "
+                     f"k {k_BTHIN.shape}, q {q_BTHON.shape}")
+  a = ssd.restart_decay(a_BTH, reset_BT).astype(F32)
+  cols = lambda z: tuple(z[:, :, :, i] for i in range(z.shape[3]))
+  spec = _spec(T, H, H, chunk, dot_dtype, interpret, I, O, warps, stages)
+  ys, final = _sharded(functools.partial(_local, spec), cols(u_BTHIP), cols(k_BTHIN),
+                       cols(q_BTHON), a, h0_BHPN)
+  return jnp.stack(ys, axis=3), final
 
 
 def use_kernel(x_shape, b_shape, chunk: int, *, what: str) -> bool:
