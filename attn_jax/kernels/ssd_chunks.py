@@ -52,17 +52,25 @@ cumsum's, with the states recomputed): here the cumsum, C B^T and dA work are fo
 chunk programs and the chunk states never leave the passing loop; the backward reads the
 forward's H_c (a residual, one x-sized array at N = Q) instead of recomputing them.
 
-In-kernel exponents, in log2 units (a2 = a log2 e, then every exp is one `exp2`: one PTX
-`ex2.approx.ftz` on a GPU, `decayed_tiles.exp2`). seg is a product of masked matrices,
+Exponents, in log2 units (a2 = a log2 e, then every exp is one `exp2`: one PTX
+`ex2.approx.ftz` on a GPU, `decayed_tiles.exp2`). The per-chunk sums A, E and z are made once
+in XLA (`_decays`: a cumulative sum, an exclusive reverse one and the total, each direct, as
+the authors' "chunk cumsum" kernel does), so the kernels read them as columns and spend no
+cross-lane reductions on them. seg is made in the kernels, as a product of masked matrices,
 seg = (M_le diag(a)) U_gt with M_le[t, r] = [r <= t], U_gt[r, s] = [r > s]; the 0/1 mask is
 exact in bf16, so the product runs as three bf16 matmuls on the exact split a = hi + mid + lo
 (`_mask_sum`): each entry a direct fp32 sum of its own terms, at the tensor cores' rate, not a
-Q-deep fp32 loop (the same for da's sum over s < r). A and E are masked row sums. A matmul
-multiplies -inf by the mask's zeros (NaN), so the kernels floor a2 at NEG = -1e30 first: a sum
-holding a start is then <= -1e30 (its exp 0, as with -inf), every other sum unchanged; Q such
-floors stay far from fp32's range. The a_{t0} gradient the kernel returns at a start is
-discarded by `restart_decay`'s `where`, as in the XLA path. The index masks are built once per
-program (`Masks`), outside the loops.
+Q-deep fp32 loop (the same for da's sum over s < r). A matmul multiplies -inf by the mask's
+zeros (NaN), so a2 is floored at NEG = -1e30 first: a sum holding a start is then <= -1e30 (its
+exp 0, as with -inf), every other sum unchanged; Q such floors stay far from fp32's range. The
+a_{t0} gradient the kernel returns at a start is discarded by `restart_decay`'s `where`, as in
+the XLA path. The index masks are built once per program (`Masks`), outside the loops.
+
+MIMO (`mimo_kernel`): a token's I input columns are I consecutive input rows and its O output
+columns O output rows of the same kernels (x [B, H, T I, P], B [.., T I, N], C and y
+[.., T O, ..]): L [QO, QI] has the entry of the rows' tokens, A repeats per output row, E per
+input row, and da sums each token's rows; every matmul is then a chunk's [QO, QI] one (rank 4,
+chunk 16: [64, 128], a wgmma tile) rather than r^2 small ones.
 
 Precision (`ssd.py`'s "Precision"): decays, exponents, the carried states and accumulations
 fp32; every matmul step the XLA path runs in `dot_dtype` takes its operands in `dot_dtype` here
@@ -85,6 +93,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -104,18 +113,22 @@ _AT_B = (((0,), (0,)), ((), ()))    # a.T @ b
 PASSES = ("states", "scan", "dstates", "dchunk")
 # Largest chunk a GPU program takes: 64 compiles for an H100 (tests/test_ssd_kernel.py, head
 # dim and d_state 64); 256 (mamba_ssm's GPU default) exceeds its 227 KiB of shared memory.
+# MIMO's rows (chunk x columns): 64 output and 128 input rows compile (rank 4, chunk 16, the
+# census), more are not checked.
 GPU_MAX_CHUNK = 64
+GPU_MAX_ROWS = 128
 
 
 @dataclasses.dataclass(frozen=True)
 class Spec:
   """Static configuration of one call (hashable: a `custom_vjp` nondiff argument)."""
-  chunk: int           # Q
+  chunk: int           # Q tokens
   groups: int          # heads per B/C group (J = H / G)
   dot_dtype: str       # operand dtype of the matmul steps, and of the states written
   interpret: bool
-  inputs: int = 1      # R: terms x_i B_i^T per token (2: Mamba-3's `extra`; 2r: MIMO)
-  outputs: int = 1     # O: output columns C_o (r: MIMO)
+  inputs: int = 1      # R: input arrays (x_i, B_i) (2: Mamba-3's `extra`)
+  in_rows: int = 1     # I: rows per token of each input (2r: MIMO's input columns)
+  out_rows: int = 1    # O: rows per token of C and y (r: MIMO's output columns)
   warps: int = 4       # Triton
   stages: int = 2
   ex2: bool = False    # exp2 as one PTX `ex2` (Triton on a GPU)
@@ -127,10 +140,10 @@ def _dot(a, b, dims=None):
 
 
 def _mask_sum(v, mask):
-  """v @ mask for fp32 v [Q, K] and a 0/1 mask [K, K] (bf16, exact) as three bf16 matmuls on
+  """v @ mask for fp32 v [M, K] and a 0/1 mask [K, L] (bf16, exact) as three bf16 matmuls on
   v's exact split v = hi + mid + lo (8 significant bits each; fp32 has 24): every product is
   exact, the sums accumulate in fp32, so each entry is a direct fp32 sum of its own terms, at
-  a tensor core's bf16 rate rather than a Q-deep fp32 FMA loop (module docstring)."""
+  a tensor core's bf16 rate rather than a K-deep fp32 FMA loop (module docstring)."""
   hi = v.astype(BF16)
   r = v - hi.astype(F32)
   mid = r.astype(BF16)
@@ -139,41 +152,69 @@ def _mask_sum(v, mask):
 
 
 class Masks:
-  """A program's index masks, built once and shared by its loop's iterations: [t, s] lower
-  (s <= t) and its strict upper complement, and the 0/1 matrices gt [r, s] = [r > s] and lt
-  [r, s] = [r < s] (bf16) that `_mask_sum` multiplies by."""
+  """A program's index masks, built once and shared by its loop's iterations. Rows of the
+  outputs are (token t, column) pairs, O a token, rows of the inputs (s, column), I a token
+  (1 and 1 but for MIMO); tau is a token of the chunk:
+    out_le [QO, Q]   tau <= t          (A's terms; da's pairs and g)
+    in_lt  [QI, Q]   tau > s           (E's terms; da's e)
+    pairs  [QO, QI]  s <= t            (L's support)
+    gt     [Q, QI]   tau > s  (bf16)   seg = (out_le o a) @ gt
+    lt     [QI, Q]   s < tau  (bf16)   da's W = G @ lt"""
 
-  def __init__(self, Q: int):
-    row = lax.broadcasted_iota(jnp.int32, (Q, Q), 0)
-    col = lax.broadcasted_iota(jnp.int32, (Q, Q), 1)
-    self.lower = col <= row
-    self.upper = col > row
-    self.gt = jnp.where(row > col, 1.0, 0.0).astype(BF16)
-    self.lt = jnp.where(row < col, 1.0, 0.0).astype(BF16)
+  def __init__(self, Q: int, I: int, O: int):
+    iota = lambda shape, d, k: lax.div(lax.broadcasted_iota(jnp.int32, shape, d), jnp.int32(k))
+    self.out_le = iota((Q * O, Q), 1, 1) <= iota((Q * O, Q), 0, O)
+    self.in_lt = iota((Q * I, Q), 1, 1) > iota((Q * I, Q), 0, I)
+    self.pairs = iota((Q * O, Q * I), 1, I) <= iota((Q * O, Q * I), 0, O)
+    self.gt = jnp.where(iota((Q, Q * I), 0, 1) > iota((Q, Q * I), 1, I), 1.0, 0.0).astype(BF16)
+    self.lt = jnp.where(self.in_lt, 1.0, 0.0).astype(BF16)
+
+
+class Decays(NamedTuple):
+  """A call's log-decays in log2 units (a2 = a log2 e, floored at NEG), per chunk, and their
+  direct sums, made once in XLA (`_decays`, the authors' "chunk cumsum"): a2 [B, H, C, 1, Q]
+  (a row, for seg), A2 per output row [.., QO, 1] and E2 per input row [.., QI, 1] (columns,
+  as the kernels scale rows by them), the chunk's total z2 [.., 1, 1]."""
+  a2: jax.Array
+  A2: jax.Array
+  E2: jax.Array
+  z2: jax.Array
+
+
+# the parts each kernel reads
+_STATES_PARTS, _SCAN_PARTS, _DSTATES_PARTS, _DCHUNK_PARTS = ("E2", "z2"), ("a2", "A2"), \
+    ("A2", "z2"), Decays._fields
 
 
 class Exps:
-  """A chunk's exponents from its log-decays a [1, Q] (natural units), in log2 units
-  (a2 = a log2 e, floored at NEG): A2, E2 [Q, 1] and the total z2 [1, 1]; `seg` adds L [t, s]
-  = 2^seg2(t, s) = exp(seg(t, s)) on s <= t, else 0."""
+  """A chunk's exponents (log2 units) from the parts of `Decays` a kernel reads (`parts`:
+  {name: array}); `seg` adds L [QO, QI] = 2^seg2(t, s) = exp(seg(t, s)) on s <= t, else 0
+  (seg2 from a2: `_mask_sum`)."""
 
-  def __init__(self, spec: Spec, a_1Q, m: Masks, seg: bool = True):
-    a = jnp.maximum(a_1Q.astype(F32) * LOG2E, NEG)
-    terms = jnp.where(m.lower, a, 0.0)                             # [t, r] = a_r, r <= t
-    self.A2 = jnp.sum(terms, axis=1, keepdims=True)                # [Q, 1]
-    self.E2 = jnp.sum(jnp.where(m.upper, a, 0.0), axis=1, keepdims=True)
-    self.z2 = jnp.sum(a, axis=1, keepdims=True)                    # [1, 1]
+  def __init__(self, spec: Spec, parts: dict, m: Masks, seg: bool = False):
     self.spec = spec
+    for k, v in parts.items():
+      setattr(self, k, v)
     if seg:
-      self.L = jnp.where(m.lower, self.exp(_mask_sum(terms, m.gt)), 0.0)
+      terms = jnp.where(m.out_le, parts["a2"], 0.0)               # [(t, o), tau] = a2_tau
+      self.L = jnp.where(m.pairs, self.exp(_mask_sum(terms, m.gt)), 0.0)
 
   def exp(self, x):
     return exp2(self.spec.ex2, x)
 
 
-def _rows(ref, c, Q: int):
-  """Chunk c's Q rows of a per-program [T, K] block."""
-  return ref[pl.ds(pl.multiple_of(c * Q, Q), Q), :]
+def _load(refs, names, idx) -> dict:
+  """{name: ref[idx]} of a kernel's decay refs."""
+  return {n: r[idx] for n, r in zip(names, refs)}
+
+
+def _masks(spec: Spec) -> Masks:
+  return Masks(spec.chunk, spec.in_rows, spec.out_rows)
+
+
+def _rows(ref, c, n: int):
+  """Chunk c's n rows of a per-program [rows, K] block."""
+  return ref[pl.ds(pl.multiple_of(c * n, n), n), :]
 
 
 # ---------------------------------------------------------------- kernels
@@ -181,139 +222,125 @@ def _rows(ref, c, Q: int):
 def _states_kernel(spec: Spec, *refs):
   """The states entering each chunk, passed along the chunks in one loop (one head):
   H_0 = h0, H_{c+1} = exp(z_c) H_c + S_c, S_c = sum_i sum_s exp(E_s) x_is B_is^T; writes
-  H_c [P, N] in `dot_dtype` and the final state fp32 (refs: x_i..., B_i..., a, [h0], H,
+  H_c [P, N] in `dot_dtype` and the final state fp32 (refs: x_i..., B_i..., E2, z2, [h0], H,
   final)."""
-  R, Q = spec.inputs, spec.chunk
+  R, n = spec.inputs, spec.chunk * spec.in_rows
   dt = jnp.dtype(spec.dot_dtype)
-  xs, bs, rest = refs[:R], refs[R:2 * R], refs[2 * R:]
-  a_ref, rest = rest[0], rest[1:]
+  xs, bs, d_refs, rest = refs[:R], refs[R:2 * R], refs[2 * R:2 * R + 2], refs[2 * R + 2:]
   h0_ref, (hin_ref, final_ref) = (rest[0], rest[1:]) if len(rest) == 3 else (None, rest)
-  m = Masks(Q)
-  Pd, N = hin_ref.shape[-2:]
+  m = _masks(spec)
 
   def chunk(c, h):
-    e = Exps(spec, a_ref[c], m, seg=False)
+    e = Exps(spec, _load(d_refs, _STATES_PARTS, c), m)
     eE = e.exp(e.E2)
     s = 0.0
     for x_ref, b_ref in zip(xs, bs):
-      xe = (_rows(x_ref, c, Q).astype(F32) * eE).astype(dt)
-      s = s + _dot(xe, _rows(b_ref, c, Q).astype(dt), _AT_B)
+      xe = (_rows(x_ref, c, n).astype(F32) * eE).astype(dt)
+      s = s + _dot(xe, _rows(b_ref, c, n).astype(dt), _AT_B)
     hin_ref[c] = h.astype(hin_ref.dtype)
     return e.exp(e.z2) * h + s
 
-  h0 = jnp.zeros((Pd, N), F32) if h0_ref is None else h0_ref[...].astype(F32)
-  final_ref[...] = lax.fori_loop(0, a_ref.shape[0], chunk, h0)
+  h0 = jnp.zeros(hin_ref.shape[-2:], F32) if h0_ref is None else h0_ref[...].astype(F32)
+  final_ref[...] = lax.fori_loop(0, d_refs[0].shape[0], chunk, h0)
 
 
 def _scan_kernel(spec: Spec, *refs):
-  """y_o = sum_i (L o C_o B_i^T) x_i + exp(A) o (C_o H^T)  [Q, P]  (one chunk of one head;
-  refs: x_i..., B_i..., C_o..., a, H, y_o...)."""
-  R, O = spec.inputs, spec.outputs
+  """y = sum_i (L o C B_i^T) x_i + exp(A) o (C H^T)  [QO, P]  (one chunk of one head; refs:
+  x_i..., B_i..., C, a2, A2, H, y)."""
+  R = spec.inputs
   dt = jnp.dtype(spec.dot_dtype)
-  xs, bs, cs = refs[:R], refs[R:2 * R], refs[2 * R:2 * R + O]
-  a_ref, h_ref = refs[2 * R + O:2 * R + O + 2]
-  ys = refs[2 * R + O + 2:]
-  e = Exps(spec, a_ref[...], Masks(spec.chunk))
-  eA = e.exp(e.A2)
-  h = h_ref[...].astype(dt)
-  for c_ref, y_ref in zip(cs, ys):
-    c = c_ref[...].astype(dt)
-    y = 0.0
-    for x_ref, b_ref in zip(xs, bs):
-      cb = _dot(c, b_ref[...].astype(dt), _A_BT)                    # [t, s]
-      y = y + _dot((cb * e.L).astype(dt), x_ref[...].astype(dt))
-    y_ref[...] = y + eA * _dot(c, h, _A_BT)
+  xs, bs = refs[:R], refs[R:2 * R]
+  c_ref, a2_ref, A2_ref, h_ref, y_ref = refs[2 * R:]
+  e = Exps(spec, _load((a2_ref, A2_ref), _SCAN_PARTS, ...), _masks(spec), seg=True)
+  c = c_ref[...].astype(dt)
+  y = 0.0
+  for x_ref, b_ref in zip(xs, bs):
+    cb = _dot(c, b_ref[...].astype(dt), _A_BT)                      # [t, s]
+    y = y + _dot((cb * e.L).astype(dt), x_ref[...].astype(dt))
+  y_ref[...] = y + e.exp(e.A2) * _dot(c, h_ref[...].astype(dt), _A_BT)
 
 
 def _dstates_kernel(spec: Spec, *refs):
   """The state cotangents, passed back along the chunks in one loop (one head): g_C = d final,
-  dS_c = g_{c+1}, g_c = exp(z_c) g_{c+1} + sum_o sum_t exp(A_t) dy_ot C_ot^T, d h0 = g_0;
-  writes dS_c [P, N] in `dot_dtype` (refs: dy_o..., C_o..., a, d final, dS, [d h0])."""
-  O, Q = spec.outputs, spec.chunk
+  dS_c = g_{c+1}, g_c = exp(z_c) g_{c+1} + sum_t exp(A_t) dy_t C_t^T, d h0 = g_0; writes dS_c
+  [P, N] in `dot_dtype` (refs: dy, C, A2, z2, d final, dS, [d h0])."""
+  n = spec.chunk * spec.out_rows
   dt = jnp.dtype(spec.dot_dtype)
-  dys, cs = refs[:O], refs[O:2 * O]
-  a_ref, dfinal_ref, ds_ref = refs[2 * O:2 * O + 3]
-  dh0_ref = refs[2 * O + 3] if len(refs) > 2 * O + 3 else None
-  m = Masks(Q)
-  n = a_ref.shape[0]
+  dy_ref, c_ref = refs[:2]
+  d_refs = refs[2:4]
+  dfinal_ref, ds_ref = refs[4:6]
+  dh0_ref = refs[6] if len(refs) > 6 else None
+  m = _masks(spec)
+  nc = d_refs[0].shape[0]
 
   def chunk(k, g):
-    c = n - 1 - k
-    e = Exps(spec, a_ref[c], m, seg=False)
-    eA = e.exp(e.A2)
-    dh = 0.0
-    for dy_ref, c_ref in zip(dys, cs):
-      dya = (_rows(dy_ref, c, Q).astype(F32) * eA).astype(dt)
-      dh = dh + _dot(dya, _rows(c_ref, c, Q).astype(dt), _AT_B)
+    c = nc - 1 - k
+    e = Exps(spec, _load(d_refs, _DSTATES_PARTS, c), m)
+    dya = (_rows(dy_ref, c, n).astype(F32) * e.exp(e.A2)).astype(dt)
     ds_ref[c] = g.astype(ds_ref.dtype)
-    return e.exp(e.z2) * g + dh
+    return e.exp(e.z2) * g + _dot(dya, _rows(c_ref, c, n).astype(dt), _AT_B)
 
-  g = lax.fori_loop(0, n, chunk, dfinal_ref[...].astype(F32))
+  g = lax.fori_loop(0, nc, chunk, dfinal_ref[...].astype(F32))
   if dh0_ref is not None:
     dh0_ref[...] = g
 
 
 def _dchunk_kernel(spec: Spec, *refs):
   """Every per-token gradient of one chunk of a B/C group (module docstring), its J heads in
-  one loop: dx_i and da per head, dB_i and dC_o summed over the group's heads in the loop
-  (refs: x_i..., B_i..., C_o..., a, dy_o..., H, dS, then dx_i..., dB_i..., dC_o..., da; the
+  one loop: dx_i and da per head, dB_i and dC summed over the group's heads in the loop
+  (refs: x_i..., B_i..., C, a2, A2, E2, z2, dy, H, dS, then dx_i..., dB_i..., dC, da; the
   per-head blocks [J, ...], indexed by the loop's head)."""
-  R, O, J = spec.inputs, spec.outputs, spec.groups
+  R, J = spec.inputs, spec.groups
   dt = jnp.dtype(spec.dot_dtype)
-  it = iter(refs)
-  take = lambda k: tuple(next(it) for _ in range(k))
-  xs, bs, cs, (a_ref,), dys, (h_ref, ds_ref) = take(R), take(R), take(O), take(1), take(O), \
-      take(2)
-  dxs, dbs, dcs, (da_ref,) = take(R), take(R), take(O), take(1)
-  m = Masks(spec.chunk)
+  xs, bs = refs[:R], refs[R:2 * R]
+  c_ref, d_refs = refs[2 * R], refs[2 * R + 1:2 * R + 5]
+  dy_ref, h_ref, ds_ref = refs[2 * R + 5:2 * R + 8]
+  outs = refs[2 * R + 8:]
+  dxs, dbs, (dc_ref, da_ref) = outs[:R], outs[R:2 * R], outs[2 * R:]
+  m = _masks(spec)
   b = [r[...].astype(dt) for r in bs]
-  c = [r[...].astype(dt) for r in cs]
-  shared = J > 1 and R * O == 1     # C B^T once for the group's heads (Mamba-2)
-  cb0 = _dot(c[0], b[0], _A_BT) if shared else None
+  c = c_ref[...].astype(dt)
+  shared = J > 1 and R == 1     # C B^T once for the group's heads (Mamba-2)
+  cb0 = _dot(c, b[0], _A_BT) if shared else None
 
   def head(j, carry):
-    db_acc, dc_acc = list(carry[:R]), list(carry[R:])
-    e = Exps(spec, a_ref[j], m)
+    db_acc, dc = list(carry[:R]), carry[R]
+    e = Exps(spec, _load(d_refs, _DCHUNK_PARTS, j), m, seg=True)
     eA, eE = e.exp(e.A2), e.exp(e.E2)
     h, ds = h_ref[j].astype(dt), ds_ref[j].astype(dt)
-    dy32 = [r[j].astype(F32) for r in dys]
-    dy = [v.astype(dt) for v in dy32]
-    g = 0.0
-    for o in range(O):       # entering state: y_o += exp(A) o (C_o H^T)
-      dc_acc[o] = dc_acc[o] + _dot((dy32[o] * eA).astype(dt), h)
-      g = g + eA * jnp.sum(dy32[o] * _dot(c[o], h, _A_BT), axis=1, keepdims=True)   # [Q, 1]
+    dy32 = dy_ref[j].astype(F32)
+    dy = dy32.astype(dt)
+    # entering state: y += exp(A) o (C H^T)
+    dc = dc + _dot((dy32 * eA).astype(dt), h)
+    g = eA * jnp.sum(dy32 * _dot(c, h, _A_BT), axis=1, keepdims=True)        # [QO, 1]
     G, es = 0.0, 0.0
     for i in range(R):
       x32 = xs[i][j].astype(F32)
       x = x32.astype(dt)
-      dx, db = 0.0, 0.0
-      for o in range(O):     # intra-chunk: y_o = (L o C_o B_i^T) x_i
-        dyx = _dot(dy[o], x, _A_BT)                                  # [t, s] = dy_t . x_s
-        mm = (cb0 if shared else _dot(c[o], b[i], _A_BT)) * e.L
-        dcb = (dyx * e.L).astype(dt)
-        dx = dx + _dot(mm.astype(dt), dy[o], _AT_B)
-        dc_acc[o] = dc_acc[o] + _dot(dcb, b[i])
-        db = db + _dot(dcb, c[o], _AT_B)
-        G = G + dyx * mm
+      # intra-chunk: y = (L o C B_i^T) x_i
+      dyx = _dot(dy, x, _A_BT)                                       # [t, s] = dy_t . x_s
+      mm = (cb0 if shared else _dot(c, b[i], _A_BT)) * e.L
+      dcb = (dyx * e.L).astype(dt)
+      dc = dc + _dot(dcb, b[i])
+      G = G + dyx * mm
       # chunk state: S = sum_s exp(E_s) x_s B_s^T
       bds = _dot(b[i], ds, _A_BT)                                    # [s, P] = dS B_s
-      dxs[i][j] = (dx + eE * bds).astype(dxs[i].dtype)
-      db_acc[i] = db_acc[i] + db + _dot((x32 * eE).astype(dt), ds)
-      es = es + eE * jnp.sum(x32 * bds, axis=1, keepdims=True)      # [Q, 1]
-    # da_r: seg's pairs s < r <= t, A's tokens t >= r, E's tokens s < r, and the passing's
-    # exp(z) H (z = the chunk's sum) for every r (as a row [1, Q])
-    W = _mask_sum(G, m.lt)                                           # [t, r] = sum_{s<r} G_ts
-    da = jnp.sum(jnp.where(m.lower, W + g, 0.0), axis=0, keepdims=True)
-    da = da + jnp.sum(jnp.where(m.upper, es, 0.0), axis=0, keepdims=True)
+      dxs[i][j] = (_dot(mm.astype(dt), dy, _AT_B) + eE * bds).astype(dxs[i].dtype)
+      db_acc[i] = db_acc[i] + _dot(dcb, c, _AT_B) + _dot((x32 * eE).astype(dt), ds)
+      es = es + eE * jnp.sum(x32 * bds, axis=1, keepdims=True)      # [QI, 1]
+    # da_tau: seg's pairs s < tau <= t, A's rows t >= tau, E's rows s < tau, and the passing's
+    # exp(z) <dS, H> (z = the chunk's sum) for every tau (as a row [1, Q])
+    W = _mask_sum(G, m.lt)                                           # [t, tau]: sum_{s<tau} G
+    da = jnp.sum(jnp.where(m.out_le, W + g, 0.0), axis=0, keepdims=True)
+    da = da + jnp.sum(jnp.where(m.in_lt, es, 0.0), axis=0, keepdims=True)
     hds = ds_ref[j].astype(F32) * h_ref[j].astype(F32)
     dz = e.exp(e.z2) * jnp.sum(jnp.sum(hds, axis=1, keepdims=True), axis=0, keepdims=True)
     da_ref[j] = da + dz
-    return tuple(db_acc) + tuple(dc_acc)
+    return tuple(db_acc) + (dc,)
 
-  zeros = lambda like: jnp.zeros(like.shape, F32)
-  init = tuple(zeros(v) for v in b) + tuple(zeros(v) for v in c)
+  init = tuple(jnp.zeros(v.shape, F32) for v in b) + (jnp.zeros(c.shape, F32),)
   out = lax.fori_loop(0, J, head, init) if J > 1 else head(0, init)
-  for ref, v in zip(dbs + dcs, out):
+  for ref, v in zip(dbs + (dc_ref,), out):
     ref[...] = v.astype(ref.dtype)
 
 
@@ -342,18 +369,17 @@ def _call(spec: Spec, kernel, name: str, grid, ins, in_specs, outs, out_specs):
 
 
 def _whole(x, group: int = 1):
-  """Block of the whole [T, K] (or [C, ...]) of one head of [B, H, ...] at grid (b, h); a
+  """Block of the whole [rows, K] (or [C, ...]) of one head of [B, H, ...] at grid (b, h); a
   group's array ([B, G, ...]) when `group` (J) > 1."""
   nd = x.ndim - 2
   return pl.BlockSpec((None, None) + x.shape[2:],
                       lambda b, h: (b, lax.div(h, jnp.int32(group))) + (0,) * nd)
 
 
-def _chunk_of(spec: Spec, x, group: int = 1):
-  """Block of chunk c of one head of [B, H, T, K] at grid (b, h, c) (a group's array when
-  `group` > 1)."""
-  Q, K = spec.chunk, x.shape[-1]
-  return pl.BlockSpec((None, None, Q, K),
+def _chunk_of(x, rows: int, group: int = 1):
+  """Block of chunk c (`rows` rows) of one head of [B, H, rows x C, K] at grid (b, h, c) (a
+  group's array when `group` > 1)."""
+  return pl.BlockSpec((None, None, rows, x.shape[-1]),
                       lambda b, h, c: (b, lax.div(h, jnp.int32(group)), c, 0))
 
 
@@ -362,95 +388,116 @@ def _per_chunk(x):
   return pl.BlockSpec((None, None, None) + x.shape[3:], lambda b, h, c: (b, h, c, 0, 0))
 
 
-def _states(spec: Spec, xs, bs, a, h0):
+def _parts(d: Decays, names):
+  return tuple(getattr(d, n) for n in names)
+
+
+def _states(spec: Spec, xs, bs, d: Decays, h0):
   """(H_c [B, H, C, P, N] in `dot_dtype`, final [B, H, P, N] fp32)."""
   B, H, _, Pd = xs[0].shape
-  C, N, J = a.shape[2], bs[0].shape[-1], spec.groups
+  C, N, J = d.a2.shape[2], bs[0].shape[-1], spec.groups
   outs = (jax.ShapeDtypeStruct((B, H, C, Pd, N), jnp.dtype(spec.dot_dtype)),
           jax.ShapeDtypeStruct((B, H, Pd, N), F32))
-  ins = tuple(xs) + tuple(bs) + (a,) + (() if h0 is None else (h0,))
-  specs = ([_whole(x) for x in xs] + [_whole(b, J) for b in bs] + [_whole(a)]
+  parts = _parts(d, _STATES_PARTS)
+  ins = tuple(xs) + tuple(bs) + parts + (() if h0 is None else (h0,))
+  specs = ([_whole(x) for x in xs] + [_whole(b, J) for b in bs] + [_whole(p) for p in parts]
            + ([] if h0 is None else [_whole(h0)]))
   return _call(spec, _states_kernel, "states", (B, H), ins, specs, outs,
                tuple(_whole(o) for o in outs))
 
 
-def _scan(spec: Spec, xs, bs, cs, a, h_in):
-  """y_o [B, H, T, P] fp32 for each output column."""
-  B, H, T, Pd = xs[0].shape
-  J = spec.groups
-  outs = tuple(jax.ShapeDtypeStruct((B, H, T, Pd), F32) for _ in cs)
-  ins = tuple(xs) + tuple(bs) + tuple(cs) + (a, h_in)
-  specs = ([_chunk_of(spec, x) for x in xs] + [_chunk_of(spec, z, J) for z in bs + cs]
-           + [_per_chunk(a), _per_chunk(h_in)])
-  return _call(spec, _scan_kernel, "scan", (B, H, a.shape[2]), ins, specs, outs,
-               tuple(_chunk_of(spec, o) for o in outs))
+def _scan(spec: Spec, xs, bs, c, d: Decays, h_in):
+  """y [B, H, T x O, P] fp32."""
+  B, H, _, Pd = xs[0].shape
+  J, Q, I, O = spec.groups, spec.chunk, spec.in_rows, spec.out_rows
+  out = jax.ShapeDtypeStruct((B, H, c.shape[2], Pd), F32)
+  parts = _parts(d, _SCAN_PARTS)
+  ins = tuple(xs) + tuple(bs) + (c,) + parts + (h_in,)
+  specs = ([_chunk_of(x, Q * I) for x in xs] + [_chunk_of(b, Q * I, J) for b in bs]
+           + [_chunk_of(c, Q * O, J)] + [_per_chunk(p) for p in parts] + [_per_chunk(h_in)])
+  return _call(spec, _scan_kernel, "scan", (B, H, d.a2.shape[2]), ins, specs, out,
+               _chunk_of(out, Q * O))
 
 
-def _dstates(spec: Spec, dys, cs, a, dfinal, want_dh0: bool):
+def _dstates(spec: Spec, dy, c, d: Decays, dfinal, want_dh0: bool):
   """(dS_c [B, H, C, P, N] in `dot_dtype`, d h0 [B, H, P, N] fp32 or None)."""
-  B, H, C = a.shape[:3]
+  B, H, C = d.a2.shape[:3]
   Pd, N = dfinal.shape[-2:]
   outs = (jax.ShapeDtypeStruct((B, H, C, Pd, N), jnp.dtype(spec.dot_dtype)),)
   outs += (jax.ShapeDtypeStruct((B, H, Pd, N), F32),) if want_dh0 else ()
-  ins = tuple(dys) + tuple(cs) + (a, dfinal)
-  specs = ([_whole(d) for d in dys] + [_whole(c, spec.groups) for c in cs]
-           + [_whole(a), _whole(dfinal)])
-  res = _call(spec, _dstates_kernel, "dstates", (B, H), ins, specs, outs,
-              tuple(_whole(o) for o in outs))
+  parts = _parts(d, _DSTATES_PARTS)
+  specs = ([_whole(dy), _whole(c, spec.groups)] + [_whole(p) for p in parts]
+           + [_whole(dfinal)])
+  res = _call(spec, _dstates_kernel, "dstates", (B, H), (dy, c) + parts + (dfinal,), specs,
+              outs, tuple(_whole(o) for o in outs))
   return res[0], (res[1] if want_dh0 else None)
 
 
-def _dchunk(spec: Spec, xs, bs, cs, a, dys, h_in, ds):
-  """(dx_i..., dB_i..., dC_o..., da): per-head arrays viewed [B, G, J, ...] (a free reshape),
-  one program per chunk of a group, its heads in the kernel's loop."""
-  B, H, T, Pd = xs[0].shape
-  G, J, C = bs[0].shape[1], spec.groups, a.shape[2]
-  Q = spec.chunk
+def _dchunk(spec: Spec, xs, bs, c, d: Decays, dy, h_in, ds):
+  """(dx_i..., dB_i..., dC, da): per-head arrays viewed [B, G, J, ...] (a free reshape), one
+  program per chunk of a group, its heads in the kernel's loop."""
+  B, H = xs[0].shape[:2]
+  G, J, C = bs[0].shape[1], spec.groups, d.a2.shape[2]
+  nI, nO = spec.chunk * spec.in_rows, spec.chunk * spec.out_rows
   grp = lambda z: z.reshape((B, G, J) + z.shape[2:])
-  heads = lambda z: pl.BlockSpec((None, None, J, Q, z.shape[-1]),
-                                 lambda b, g, c: (b, g, 0, c, 0))
+  heads = lambda z, n: pl.BlockSpec((None, None, J, n, z.shape[-1]),
+                                    lambda b, g, c: (b, g, 0, c, 0))
   chunk_heads = lambda z: pl.BlockSpec((None, None, J, None) + z.shape[4:],
                                        lambda b, g, c: (b, g, 0, c, 0, 0))
-  group = lambda z: pl.BlockSpec((None, None, Q, z.shape[-1]), lambda b, g, c: (b, g, c, 0))
-  per_head_in = [grp(z) for z in xs]
-  dy_in = [grp(z) for z in dys]
-  a_g, h_g, ds_g = grp(a), grp(h_in), grp(ds)
-  ins = tuple(per_head_in) + tuple(bs) + tuple(cs) + (a_g,) + tuple(dy_in) + (h_g, ds_g)
-  specs = ([heads(z) for z in per_head_in] + [group(z) for z in bs + cs] + [chunk_heads(a_g)]
-           + [heads(z) for z in dy_in] + [chunk_heads(h_g), chunk_heads(ds_g)])
-  outs = (tuple(jax.ShapeDtypeStruct(z.shape, z.dtype) for z in per_head_in)
-          + tuple(jax.ShapeDtypeStruct(z.shape, z.dtype) for z in bs + cs)
-          + (jax.ShapeDtypeStruct(a_g.shape, F32),))
-  out_specs = ([heads(z) for z in per_head_in] + [group(z) for z in bs + cs]
-               + [chunk_heads(a_g)])
+  group = lambda z, n: pl.BlockSpec((None, None, n, z.shape[-1]), lambda b, g, c: (b, g, c, 0))
+  xg, dyg, h_g, ds_g = [grp(z) for z in xs], grp(dy), grp(h_in), grp(ds)
+  parts = tuple(grp(p) for p in _parts(d, _DCHUNK_PARTS))
+  a_g = parts[0]
+  ins = tuple(xg) + tuple(bs) + (c,) + parts + (dyg, h_g, ds_g)
+  specs = ([heads(z, nI) for z in xg] + [group(z, nI) for z in bs] + [group(c, nO)]
+           + [chunk_heads(p) for p in parts]
+           + [heads(dyg, nO), chunk_heads(h_g), chunk_heads(ds_g)])
+  sds = lambda z, dtype=None: jax.ShapeDtypeStruct(z.shape, dtype or z.dtype)
+  outs = tuple(sds(z) for z in xg) + tuple(sds(z) for z in bs) + (sds(c), sds(a_g, F32))
+  out_specs = ([heads(z, nI) for z in xg] + [group(z, nI) for z in bs]
+               + [group(c, nO), chunk_heads(a_g)])
   res = _call(spec, _dchunk_kernel, "dchunk", (B, G, C), ins, specs, outs, tuple(out_specs))
-  R, O = spec.inputs, spec.outputs
+  R = spec.inputs
   ungrp = lambda z: z.reshape((B, H) + z.shape[3:])
-  return (tuple(ungrp(z) for z in res[:R]), tuple(res[R:2 * R]), tuple(res[2 * R:2 * R + O]),
-          ungrp(res[-1]))
+  return tuple(ungrp(z) for z in res[:R]), tuple(res[R:2 * R]), res[2 * R], ungrp(res[-1])
 
 
 # ---------------------------------------------------------------- custom VJP
 
+def _decays(spec: Spec, a) -> Decays:
+  """`Decays` of kernel-layout log-decays a [B, H, C, 1, Q] (natural units): every sum direct
+  (a cumulative sum, an exclusive reverse one, the total), output / input rows repeating their
+  token's."""
+  a2 = jnp.maximum(a.astype(F32) * LOG2E, NEG)
+  A2 = jnp.cumsum(a2, axis=-1)
+  E2 = jnp.pad(jnp.cumsum(a2[..., ::-1], axis=-1)[..., ::-1][..., 1:],
+               [(0, 0)] * 4 + [(0, 1)])
+  col = lambda v, k: jnp.repeat(jnp.swapaxes(v, -1, -2), k, axis=-2)
+  return Decays(a2, col(A2, spec.out_rows), col(E2, spec.in_rows),
+                jnp.sum(a2, axis=-1, keepdims=True))
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _core(spec: Spec, xs, bs, cs, a, h0):
-  """Kernel-layout SSD (x_i [B, H, T, P], B_i, C_o [B, G, T, N], a [B, H, C, 1, Q], h0
-  [B, H, P, N] fp32 or None): (y_o [B, H, T, P] fp32..., final state [B, H, P, N] fp32)."""
-  return _core_fwd(spec, xs, bs, cs, a, h0)[0]
+def _core(spec: Spec, xs, bs, c, a, h0):
+  """Kernel-layout SSD (x_i [B, H, T x I, P], B_i [B, G, T x I, N], C [B, G, T x O, N], a
+  [B, H, C, 1, Q], h0 [B, H, P, N] fp32 or None): (y [B, H, T x O, P] fp32, final state
+  [B, H, P, N] fp32)."""
+  return _core_fwd(spec, xs, bs, c, a, h0)[0]
 
 
-def _core_fwd(spec, xs, bs, cs, a, h0):
-  h_in, final = _states(spec, xs, bs, a, h0)
-  return (_scan(spec, xs, bs, cs, a, h_in), final), (xs, bs, cs, a, h0, h_in)
+def _core_fwd(spec, xs, bs, c, a, h0):
+  d = _decays(spec, a)
+  h_in, final = _states(spec, xs, bs, d, h0)
+  return (_scan(spec, xs, bs, c, d, h_in), final), (xs, bs, c, a, h0, h_in)
 
 
 def _core_bwd(spec, res, cts):
-  xs, bs, cs, a, h0, h_in = res
-  dys, dfinal = cts
-  ds, dh0 = _dstates(spec, dys, cs, a, dfinal, h0 is not None)
-  dxs, dbs, dcs, da = _dchunk(spec, xs, bs, cs, a, dys, h_in, ds)
-  return dxs, dbs, dcs, da, dh0
+  xs, bs, c, a, h0, h_in = res
+  dy, dfinal = cts
+  d = _decays(spec, a)
+  ds, dh0 = _dstates(spec, dy, c, d, dfinal, h0 is not None)
+  dxs, dbs, dc, da = _dchunk(spec, xs, bs, c, d, dy, h_in, ds)
+  return dxs, dbs, dc, da, dh0
 
 
 _core.defvjp(_core_fwd, _core_bwd)
@@ -458,36 +505,47 @@ _core.defvjp(_core_fwd, _core_bwd)
 
 # ---------------------------------------------------------------- public entry
 
-def unsupported(x_shape, b_shape, chunk: int, plat: str | None = None) -> str | None:
-  """Why the kernel cannot take these shapes on platform `plat` (None: it can)."""
+def unsupported(x_shape, b_shape, chunk: int, plat: str | None = None, *, in_rows: int = 1,
+                out_rows: int = 1) -> str | None:
+  """Why the kernel cannot take these shapes on platform `plat` (None: it can); `in_rows`,
+  `out_rows`: rows a token of the inputs and outputs (MIMO's 2r and r columns)."""
   plat = kernel_choice.target() if plat is None else kernel_choice.normalize(plat)
   Q = min(int(chunk), x_shape[1])
   if plat == "gpu":
     p2 = lambda n: n >= 16 and n & (n - 1) == 0
-    for name, n in (("chunk", Q), ("head_dim", x_shape[-1]), ("d_state", b_shape[-1])):
+    for name, n in (("chunk x input rows", Q * in_rows), ("chunk x output rows", Q * out_rows),
+                    ("head_dim", x_shape[-1]), ("d_state", b_shape[-1])):
       if not p2(n):
         return f"Triton tiles need powers of two >= 16: {name} is {n}"
-    if Q > GPU_MAX_CHUNK:
-      return (f"chunk {Q} > {GPU_MAX_CHUNK}: the [chunk, chunk] fp32 tiles of one program "
-              "exceed an H100's shared memory (256 did; 128 not checked)")
+    if Q * max(in_rows, out_rows) > GPU_MAX_ROWS or Q * out_rows > GPU_MAX_CHUNK:
+      return (f"chunk {Q} x rows ({in_rows} in, {out_rows} out) exceeds [{GPU_MAX_CHUNK}, "
+              f"{GPU_MAX_ROWS}]: the [chunk, chunk] fp32 tiles of one program exceed an "
+              "H100's shared memory (256 x 256 did; larger than these not checked)")
   if plat == "tpu" and Q % 8:
     return f"TPU tiles need a chunk that is a multiple of 8, got {Q}"
   return None
 
 
-def _local(spec: Spec, xs, bs, cs, a, h0):
-  """One device's call: time padded to whole chunks, heads first ([B, H, T, P]; a [B, H, C, 1,
-  Q]), the custom-VJP core, back to [B, T, H, P]: (y_o..., final)."""
-  Bsz, T, H, _ = xs[0].shape
+def _local(spec: Spec, xs, bs, c, a, h0):
+  """One device's call on arrays [B, T, X, rows, K] (rows a token: 1, or MIMO's columns): time
+  padded to whole chunks, heads first and rows in time ([B, X, T x rows, K]; a [B, H, C, 1,
+  Q]), the custom-VJP core, back to (y [B, T, H, O, P], final)."""
+  Bsz, T, H = xs[0].shape[:3]
   Q = spec.chunk
   nc = -(-T // Q)
   pad = nc * Q - T
   padT = lambda z: jnp.pad(z, [(0, 0), (0, pad)] + [(0, 0)] * (z.ndim - 2)) if pad else z
-  heads_first = lambda zs: tuple(padT(z).transpose(0, 2, 1, 3) for z in zs)
+
+  def layout(z):
+    z = padT(z).transpose(0, 2, 1, 3, 4)
+    return z.reshape(z.shape[:2] + (-1, z.shape[-1]))
+
   a_l = padT(a).transpose(0, 2, 1).reshape(Bsz, H, nc, 1, Q)
   h0 = None if h0 is None else h0.astype(F32)
-  ys, final = _core(spec, heads_first(xs), heads_first(bs), heads_first(cs), a_l, h0)
-  return tuple(y[:, :, :T].transpose(0, 2, 1, 3) for y in ys), final
+  y, final = _core(spec, tuple(layout(z) for z in xs), tuple(layout(z) for z in bs),
+                   layout(c), a_l, h0)
+  y = y.reshape(Bsz, H, nc * Q, spec.out_rows, -1)[:, :, :T]
+  return y.transpose(0, 2, 1, 3, 4), final
 
 
 def _sharded(fn, *args):
@@ -505,13 +563,13 @@ def _sharded(fn, *args):
                        check_vma=False)(*args)
 
 
-def _spec(T: int, H: int, G: int, chunk: int, dot_dtype, interpret, R: int, O: int, warps,
-          stages) -> Spec:
+def _spec(T: int, H: int, G: int, chunk: int, dot_dtype, interpret, R: int, I: int, O: int,
+          warps, stages) -> Spec:
   if interpret is None:
     interpret = kernel_choice.target() == "cpu"
   return Spec(max(1, min(int(chunk), T)), H // G,
-              jnp.dtype(F32 if dot_dtype is None else dot_dtype).name, bool(interpret), R, O,
-              int(warps), int(stages), ex2=not interpret and kernel_choice.target() == "gpu")
+              jnp.dtype(F32 if dot_dtype is None else dot_dtype).name, bool(interpret), R, I,
+              O, int(warps), int(stages), ex2=not interpret and kernel_choice.target() == "gpu")
 
 
 def ssd_kernel(x_BTHP, a_BTH, b_BTGN, c_BTGN, *, chunk: int, h0_BHPN=None, extra=None,
@@ -531,18 +589,20 @@ def ssd_kernel(x_BTHP, a_BTH, b_BTGN, c_BTGN, *, chunk: int, h0_BHPN=None, extra
       raise ValueError(f"extra = (x2 {x2.shape}, B2 {b2.shape}) must have x's and B's shapes "
                        f"({x_BTHP.shape}, {b_BTGN.shape})")
     xs, bs = xs + (x2,), bs + (b2,)
-  spec = _spec(T, H, G, chunk, dot_dtype, interpret, len(xs), 1, warps, stages)
-  ys, final = _sharded(functools.partial(_local, spec), xs, bs, (c_BTGN,), a, h0_BHPN)
-  return ys[0], final
+  spec = _spec(T, H, G, chunk, dot_dtype, interpret, len(xs), 1, 1, warps, stages)
+  row = lambda z: z[..., None, :]
+  y, final = _sharded(functools.partial(_local, spec), tuple(map(row, xs)),
+                      tuple(map(row, bs)), row(c_BTGN), a, h0_BHPN)
+  return y[:, :, :, 0], final
 
 
 def mimo_kernel(u_BTHIP, a_BTH, k_BTHIN, q_BTHON, *, chunk: int, h0_BHPN=None, reset_BT=None,
                 dot_dtype=None, interpret: bool | None = None, warps: int = 4,
                 stages: int = 2):
-  """Mamba-3's MIMO SSD (`mamba3.mimo_chunked`, same arguments and returns: y [B, T, H, O, P],
-  h_T [B, H, P, N] fp32) through the kernels: its I input columns (u_i, k_i) are the kernels'
-  inputs x_i B_i^T, its O output columns q_o their outputs C_o (keys and queries per head,
-  G = H)."""
+  """Mamba-3's MIMO SSD through the kernels (`mamba3.mimo_chunked`'s arguments and returns:
+  y [B, T, H, O, P], h_T [B, H, P, N] fp32): its I input columns (u_i, k_i) are I input rows a
+  token, its O output columns q_o O output rows a token (module docstring; keys and queries
+  per head, G = H)."""
   Bsz, T, H, I, Pd = u_BTHIP.shape
   O, N = q_BTHON.shape[3], q_BTHON.shape[-1]
   if a_BTH.shape != (Bsz, T, H) or k_BTHIN.shape != (Bsz, T, H, I, N) or \
@@ -550,11 +610,8 @@ def mimo_kernel(u_BTHIP, a_BTH, k_BTHIN, q_BTHON, *, chunk: int, h0_BHPN=None, r
     raise ValueError(f"MIMO SSD shapes do not fit: u {u_BTHIP.shape}, a {a_BTH.shape}, "
                      f"k {k_BTHIN.shape}, q {q_BTHON.shape}")
   a = ssd.restart_decay(a_BTH, reset_BT).astype(F32)
-  cols = lambda z: tuple(z[:, :, :, i] for i in range(z.shape[3]))
-  spec = _spec(T, H, H, chunk, dot_dtype, interpret, I, O, warps, stages)
-  ys, final = _sharded(functools.partial(_local, spec), cols(u_BTHIP), cols(k_BTHIN),
-                       cols(q_BTHON), a, h0_BHPN)
-  return jnp.stack(ys, axis=3), final
+  spec = _spec(T, H, H, chunk, dot_dtype, interpret, 1, I, O, warps, stages)
+  return _sharded(functools.partial(_local, spec), (u_BTHIP,), (k_BTHIN,), q_BTHON, a, h0_BHPN)
 
 
 def use_kernel(x_shape, b_shape, chunk: int, *, what: str) -> bool:
@@ -562,6 +619,19 @@ def use_kernel(x_shape, b_shape, chunk: int, *, what: str) -> bool:
   and these shapes fit `unsupported`; a misfit is logged once, naming `what`)."""
   return kernel_choice.ssd_kernel(lambda plat: unsupported(x_shape, b_shape, chunk, plat),
                                   what=what)
+
+
+def chunked_mimo(full: bool, x_shape, k_shape, chunk: int, *, what: str):
+  """`mimo_kernel` for a MIMO trapezoid's SSD (X [B, T, H, r, P], keys [B, T, H, r, N]: 2r
+  input columns, r outputs) when a full forward's shapes fit the kernels on a GPU / TPU
+  (`kernel_choice.ssd_kernel`), else None (the mixer keeps its XLA `mimo_chunked`)."""
+  r = x_shape[3]
+  flat = x_shape[:3] + x_shape[4:]
+  why = lambda plat: unsupported(flat, k_shape[:3] + k_shape[4:], chunk, plat, in_rows=2 * r,
+                                 out_rows=r)
+  if full and kernel_choice.ssd_kernel(why, what=what):
+    return mimo_kernel
+  return None
 
 
 def chunked_ssd(full: bool, x_shape, b_shape, chunk: int, *, what: str):
