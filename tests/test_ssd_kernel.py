@@ -310,3 +310,31 @@ def test_mimo_bf16_matches_mimo_chunked_with_bf16_dots():
   for name, gk, gx in zip(("u", "a", "k", "q", "h0"), g, g_x):
     assert gk.dtype == gx.dtype, name
     _close(gk, gx, TOL_BF16, f"d {name}")
+
+
+@pytest.mark.parametrize("name", ["mamba2", "mamba3", "mamba3-mimo"])
+def test_decode_steps_equal_the_kernels_full_forward(name):
+  """Decoding (one token a step from the carried state, the XLA recurrence) equals the full
+  forward through the kernels (`kernels_on_cpu`, interpret mode): the kernels' final states
+  and outputs are the recurrence's, as `tests/test_mamba.py` checks for the XLA SSD."""
+  import dataclasses
+  from flax import nnx
+  from tests.test_mamba import CFG, TOL as MIXER_TOL, _build, _pos, _state, _x
+  cls, opts, m = _build(name.split("-")[0])
+  if name.endswith("mimo"):
+    opts = dataclasses.replace(opts, mimo_rank=2)
+    m = cls(CFG, opts, rngs=nnx.Rngs(0))
+  B, T = 2, 11
+  x, pos = _x(B, T), _pos(B, T)
+  graphdef, state = nnx.split(m)
+  full = lambda st, x, p: nnx.merge(graphdef, st)(x, positions_BT=p)[0]
+  with kernel_choice.kernels_on_cpu():
+    assert "pallas_call" in str(jax.make_jaxpr(full)(state, x, pos))
+    y_full = jax.jit(full)(state, x, pos)
+  step = jax.jit(lambda st, x, p, s: nnx.merge(graphdef, st)(x, positions_BT=p, state=s)[:2])
+  st, ys = _state(cls, opts, B), []
+  for t in range(T):
+    y, st = step(state, x[:, t:t + 1], pos[:, t:t + 1], st)
+    ys.append(y)
+  np.testing.assert_allclose(np.asarray(jnp.concatenate(ys, 1)), np.asarray(y_full),
+                             **MIXER_TOL)

@@ -641,32 +641,37 @@ def census(target: str = "h100x1", *, seq_len: int = 2048, head_dim: int = 64,
 
 @dataclasses.dataclass(frozen=True)
 class SsdCall:
-  """How a mixer calls `kernels/ssd_chunks.py` (the census compiles the same call): R inputs
-  x_i B_i^T per token, O output columns C_o, J heads per B/C group, chunk Q."""
+  """How a mixer calls `kernels/ssd_chunks.py` (the census compiles the same call): R input
+  arrays x_i B_i^T (`ssd_kernel`), or MIMO's `rank` (2r input, r output columns:
+  `mimo_kernel`), J heads per B/C group, chunk Q."""
   inputs: int = 1
-  outputs: int = 1
+  rank: int = 0
   per_group: int = 1
   chunk: int = 64
+
+  def tile(self) -> tuple[int, int]:
+    """A chunk's [output rows, input rows] (`ssd_chunks`' L): [Q, Q], MIMO's [Q r, Q 2r]."""
+    return (self.chunk * max(1, self.rank), self.chunk * max(1, 2 * self.rank))
 
 
 SSD_HEADS = 4      # heads compiled (the loops' code is the same for more; a group's loop trips)
 SSD_VARIANTS = {
     "Mamba-2": SsdCall(per_group=SSD_HEADS),     # one B/C group (the presets' n_groups 1)
     "Mamba-3": SsdCall(inputs=2),                # the trapezoid's two inputs, B/C per head
-    "Mamba-3 MIMO": SsdCall(inputs=8, outputs=4, chunk=16),   # rank 4 (2r inputs), chunk 64/r
+    "Mamba-3 MIMO": SsdCall(rank=4, chunk=16),   # the paper's rank 4 with chunk 64 / r
 }
 
 
 def _ssd_program(call: SsdCall, T: int, P: int, N: int, dtype):
   """(loss, abstract args): fwd + bwd of one row of `SSD_HEADS` heads through the kernels
-  (`ssd_kernel`, or `mimo_kernel` for several output columns), every input's gradient."""
+  (`ssd_kernel`, or `mimo_kernel` for a rank), every input's gradient."""
   from attn_jax.kernels import ssd_chunks
   sds, f32, H = jax.ShapeDtypeStruct, jnp.float32, SSD_HEADS
   a = sds((1, T, H), f32)
-  if call.outputs > 1:
-    I, O = call.inputs, call.outputs
-    args = (sds((1, T, H, I, P), dtype), a, sds((1, T, H, I, N), dtype),
-            sds((1, T, H, O, N), dtype))
+  if call.rank:
+    r = call.rank
+    args = (sds((1, T, H, 2 * r, P), dtype), a, sds((1, T, H, 2 * r, N), dtype),
+            sds((1, T, H, r, N), dtype))
     run = lambda u, a, k, q: ssd_chunks.mimo_kernel(u, a, k, q, chunk=call.chunk,
                                                     dot_dtype=dtype)
   else:
@@ -685,25 +690,53 @@ def _ssd_program(call: SsdCall, T: int, P: int, N: int, dtype):
 
 
 def ssd_pass(variant: str, code: KernelCode, call: PallasCall, launch: Launch | None,
-             chunk: int) -> Pass:
-  """One SSD kernel's figures per (t, s) element of a chunk and head (module docstring of
-  `ssd_census`): its one innermost loop (a chunk or a group's head an iteration), or the whole
-  kernel where it has none (one program a chunk and head)."""
+             tile: tuple[int, int]) -> Pass:
+  """One SSD kernel's figures per element of a chunk's [output rows, input rows] tile, per head
+  (`ssd_census`): its one innermost loop (a chunk or a group's head an iteration), or the
+  whole kernel where it has none (one program a chunk and head)."""
   if len(code.loops) > 1:
     raise ValueError(f"{code.name}: {len(code.loops)} innermost loops in the PTX; the SSD "
                      "census counts one (a chunk or a head an iteration) or none")
   threads = launch.threads if launch else code.threads
   if threads is None:
     raise ValueError(f"{code.name}: no threads per block in the PTX nor the thunk sequence")
-  per = threads / (chunk * chunk)
+  per = threads / (tile[0] * tile[1])
   if code.loops:
     lp = code.loops[0]
     n, ex2, mma, short = lp.instructions, lp.ex2, lp.mma, lp.shortest
   else:
     n, ex2, mma, short = code.instructions, code.ex2, code.mma, code.instructions
-  return Pass(variant, code.name, ((chunk, chunk),), call.warps, call.stages, threads,
+  return Pass(variant, code.name, (tile,), call.warps, call.stages, threads,
               launch.shared_bytes if launch else None, n * per, ex2 * per, dict(mma), code.mma,
               short * per, (0,), (), ())
+
+
+_MNK_RE = re.compile(r"\.m(\d+)n(\d+)k(\d+)\.")
+
+
+def tensor_macs(p: Pass) -> float:
+  """Tensor-core multiply-adds per element of a one-tile pass (an SSD kernel): its loop's (or
+  kernel's) MMA instructions by shape, m n k each, a `wgmma` per warpgroup (128 threads), an
+  `mma.sync` per warp, x the warpgroups / warps, over the tile's elements."""
+  macs = 0.0
+  for op, n in p.loop_mma.items():
+    m = _MNK_RE.search(op)
+    if m is None:
+      raise ValueError(f"{p.kernel}: no m/n/k shape in MMA {op!r}")
+    per = p.threads / (128 if op.startswith("wgmma") else 32)
+    macs += n * int(m.group(1)) * int(m.group(2)) * int(m.group(3)) * per
+  (M, N), = p.tiles
+  return macs / (M * N)
+
+
+def per_64_macs(passes: Iterable[Pass]) -> dict[str, float]:
+  """{variant: its passes' instructions per element / (their tensor-core multiply-adds per
+  element / 64)}: instructions per head-dim-64 matmul's worth of MMA work (`ssd_census`)."""
+  out: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0])
+  for p in passes:
+    out[p.variant][0] += p.instructions
+    out[p.variant][1] += tensor_macs(p)
+  return {v: n / (m / 64) for v, (n, m) in out.items() if m}
 
 
 def ssd_census(target: str = "h100x1", *, seq_len: int = 2048, head_dim: int = 64,
@@ -714,15 +747,27 @@ def ssd_census(target: str = "h100x1", *, seq_len: int = 2048, head_dim: int = 6
   `target` at one row of `SSD_HEADS` heads of [seq_len, head_dim], d_state wide, with XLA's
   dump (as `census`).
 
-  Convention: figures per (t, s) element of a chunk, per head: a kernel's instructions (and
-  `ex2`) per thread for one chunk of one head x its threads / Q^2. The states and dstates
-  kernels pass the state along the chunks in one loop (an iteration a chunk), dchunk loops over
-  a group's heads (an iteration a head) when a group has several (Mamba-2), so their figure is
-  their loop's (the set-up before the loop, shared by the chunks or heads, is left out, as the
-  attention census leaves out a loop's prologue); the scan (one program a chunk and head) and a
-  dchunk of one head a group (Mamba-3) count the whole kernel. The four figures summed are one
-  (t, s) element's forward and backward: comparable with flash attention's per (query, key)
-  element (a chunk's Q x Q block is a tile of the causal matrix, its lower half used)."""
+  Convention: figures per element of a chunk's tile, per head: the tile is the intra-chunk
+  matrix L's [output rows, input rows], [Q, Q] (a (t, s) pair of tokens), MIMO's [Q r, Q 2r]
+  (a pair of a token's output column and a token's input column, `ssd_chunks.mimo_kernel`); a
+  kernel's instructions (and `ex2`) per thread for one chunk of one head x its threads / the
+  tile's elements. The states and dstates kernels pass the state along the chunks in one loop
+  (an iteration a chunk), dchunk loops over a group's heads (an iteration a head) when a group
+  has several (Mamba-2), so their figure is their loop's (the set-up before the loop, shared
+  by the chunks or heads, is left out, as the attention census leaves out a loop's prologue);
+  the scan (one program a chunk and head) and a dchunk of one head a group (Mamba-3) count the
+  whole kernel. The four figures summed are one element's forward and backward: comparable
+  with flash attention's per (query, key) element (a chunk's Q x Q block is a tile of the
+  causal matrix, its lower half used). `per_64_macs` divides them by the tensor-core work per
+  element (`tensor_macs`, in units of a head-dim-64 matmul's 64 multiply-adds): the SSD does
+  ~3x attention's matmul work per element (C B^T, its product with x, the states, the state
+  output, their backward products, and the split segment sums), so that ratio is the figure
+  to hold against flash attention's.
+
+  At 0f2bf8a (the kernels' first form here, T 2048, P = N = 64, bf16): Mamba-2 213.0 per
+  element (states 27.4, scan 50.5, dstates 27.5, dchunk 107.7), Mamba-3 271.4, every MMA a
+  wgmma: the per-chunk sums A, E, z were cross-lane reductions in every kernel then (~400 of
+  877 instructions of the states loop were shuffles and adds); made once in XLA since."""
   if targets.get(target).platform != "gpu":
     raise ValueError(f"the kernel census reads Triton's PTX: {target!r} is not a GPU target")
   device = targets.devices(target)[0]
@@ -736,7 +781,7 @@ def ssd_census(target: str = "h100x1", *, seq_len: int = 2048, head_dim: int = 6
     for c in calls:
       if c.name not in codes:
         raise ValueError(f"{name}: Pallas call {c.name!r} has no kernel in the PTX of the dump")
-      out.append(ssd_pass(name, codes[c.name], c, launches.get(c.name), call.chunk))
+      out.append(ssd_pass(name, codes[c.name], c, launches.get(c.name), call.tile()))
   return out
 
 
