@@ -331,9 +331,9 @@ PALLAS_GPU = """## Pallas on GPU: which backend each kernel uses
 | kernel | where | GPU, jax 0.10.2 (Python 3.11) | GPU, jax >= 0.11 (Python 3.12+) | TPU |
 |---|---|---|---|---|
 | decayed attention (SISA, FoX, ALiBi: forward, dq, dkv) | `attn_jax/kernels/decayed.py` | Pallas Triton | Pallas Triton, deprecated | Pallas Mosaic TPU |
-| chunked SSD (Mamba-2, Mamba-3 SISO, the hybrids' SSM heads: states, scan, dstates, dchunk) | `attn_jax/kernels/ssd_chunks.py` | Pallas Triton | Pallas Triton, deprecated | Pallas Mosaic TPU |
+| chunked SSD (Mamba-2, Mamba-3 SISO and MIMO, the hybrids' SSM heads: states with the chunk-state passing, scan, dstates, dchunk) | `attn_jax/kernels/ssd_chunks.py` | Pallas Triton | Pallas Triton, deprecated | Pallas Mosaic TPU |
 | softmax attention (Transformer, sinks) | `kernels/dpa.py`, `kernels/splash.py` | cuDNN fused attention (XLA custom call), no Pallas | the same | splash attention (Pallas Mosaic TPU) |
-| Sinkhorn, sliding window, Mamba-3 MIMO, SSD chunk-state passing | `attention/`, `ssm/` | XLA | XLA | XLA |
+| Sinkhorn, sliding window, Mamba decoding steps | `attention/`, `ssm/` | XLA | XLA | XLA |
 
 JAX 0.11 deprecates the Pallas Triton backend in favour of Mosaic GPU, JAX's own GPU backend
 for Pallas; the decayed and chunked-SSD kernels are affected. Until Triton is removed they
