@@ -1,6 +1,6 @@
 """docs/hardware.md: every 152M / 369M preset's train step compiled for 8 x H100, v5e-8, v5p-8,
 v6e-8 and two hosts of 8 H100, the attention presets' length scaling (T 2048 to 32768) and the
-attention kernels' census on an H100 (attn_jax/bench/hardware_page.py). Resumes where it stopped.
+attention and SSD kernels' census on an H100 (attn_jax/bench/hardware_page.py). Resumes where it stopped.
 
   python experiments/hardware_page.py                        # every preset and target
   python experiments/hardware_page.py --presets=sisa_152m --targets=v5e-8
@@ -52,7 +52,8 @@ def main(argv):
                   picked(hp.LENGTH_ROWS) if "lengths" in tables else [], lengths)
   done = hp.run(cells, todo, presets, fresh=_FRESH.value)
   if "census" in tables and (not _TARGETS.value or hp.CENSUS.target in _TARGETS.value):
-    done = hp.run_census(cells, fresh=_FRESH.value)
+    hp.run_census(cells, fresh=_FRESH.value)
+    done = hp.run_ssd_census(cells, fresh=_FRESH.value)
   with open(_OUT.value, "w") as f:
     f.write(hp.page(done, every))
   print(f"wrote {_OUT.value} ({len(done)} cells in {cells})")

@@ -102,6 +102,11 @@ class Census:
   def key(self) -> str:
     return f"census@{self.target}@T{self.seq_len}@D{self.head_dim}@{self.dtype}"
 
+  @property
+  def ssd_key(self) -> str:
+    """The fused SSD kernels' census (`kernel_census.ssd_census`: head dim, d_state 64)."""
+    return f"ssd_census@{self.target}@T{self.seq_len}@{self.dtype}"
+
 
 CENSUS = Census()
 
@@ -215,6 +220,54 @@ def run_census(out_json: str, *, fresh: bool = False, c: Census = CENSUS,
   return done
 
 
+def run_ssd_census(out_json: str, *, fresh: bool = False, c: Census = CENSUS,
+                   progress: Callable[[str], None] = print) -> dict:
+  """The SSD census cell of `out_json` (`run_census`'s rules: measured when missing, stale or
+  `fresh`; saved with it)."""
+  done = jsonio.read(out_json) if os.path.exists(out_json) else {}
+  fp = census_fingerprint(c)
+  if fresh or done.get(c.ssd_key, {}).get("config") != fp:
+    try:
+      passes = kernel_census.ssd_census(c.target, seq_len=c.seq_len, dtype=jnp.dtype(c.dtype),
+                                        progress=progress)
+      cell = {"passes": kernel_census.passes_json(passes)}
+    except Exception as e:   # a kernel the census cannot read is a result too
+      cell = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+    done[c.ssd_key] = dict(cell, config=fp, commit=source_commit())
+    jsonio.write(done, out_json, sort_keys=True)
+  return done
+
+
+def _ssd_census_section(done: dict, c: Census = CENSUS) -> list[str]:
+  d = done.get(c.ssd_key)
+  lines = [
+      "### The fused SSD kernels (Mamba-2, Mamba-3, Mamba-3 MIMO)", "",
+      "The four kernels of `attn_jax/kernels/ssd_chunks.py` (states, scan, dstates, dchunk), "
+      f"forward and backward, as each mixer calls them, compiled alike (T {c.seq_len}, head dim "
+      f"and d_state 64, {c.dtype}, 4 heads; Mamba-2 one B/C group, chunk 64; Mamba-3 two "
+      "inputs a token, B/C per head; MIMO rank 4, chunk 16) and read the same way "
+      "(`kernel_census.ssd_census`, whose docstring states the convention): figures per element "
+      "of a chunk's tile (the intra-chunk matrix: [Q, Q], MIMO's [Q r, Q 2r]) and head, the "
+      "loop of the states / dstates kernels (an iteration a chunk) and of dchunk over a group's "
+      "heads, the whole kernel where there is no loop. The last column divides by the "
+      "tensor-core work per element (MMA shapes, in head-dim-64 matmuls of 64 multiply-adds: "
+      "the SSD does ~3x attention's): instructions per 64 multiply-adds, JAX mha's 6.0 on the "
+      "same compile (5.0 forward, 6.25 backward). The limits (tests/test_ssd_census.py): <= 7.0 "
+      "per 64 multiply-adds, Mamba-2 <= 160, Mamba-3 <= 230, MIMO <= 100 instructions per "
+      "element over the four, ex2 <= 3.5, no `mma.sync`.", ""]
+  if not d:
+    return lines + ["No SSD census in the cells yet: `python experiments/hardware_page.py "
+                    f"--targets={c.target}` compiles it.", ""]
+  if "error" in d:
+    return lines + [f"error: {d['error']}", ""]
+  passes = [kernel_census.Pass.from_json(p) for p in d["passes"]]
+  ratio = kernel_census.per_64_macs(passes)
+  return lines + [f"Measured at {d.get('commit', 'an unrecorded commit')}.", ""] \
+      + kernel_census.markdown(passes) + ["", "| variant | instructions per 64 tensor-core "
+                                          "multiply-adds |", "|---|---|"] \
+      + [f"| {v} | {r:.2f} |" for v, r in ratio.items()] + [""]
+
+
 def _census_section(done: dict, c: Census = CENSUS) -> list[str]:
   d = done.get(c.key)
   lines = [
@@ -282,9 +335,9 @@ PALLAS_GPU = """## Pallas on GPU: which backend each kernel uses
 | kernel | where | GPU, jax 0.10.2 (Python 3.11) | GPU, jax >= 0.11 (Python 3.12+) | TPU |
 |---|---|---|---|---|
 | decayed attention (SISA, FoX, ALiBi: forward, dq, dkv) | `attn_jax/kernels/decayed.py` | Pallas Triton | Pallas Triton, deprecated | Pallas Mosaic TPU |
-| chunked SSD (Mamba-2, Mamba-3 SISO, the hybrids' SSM heads: states, scan, dstates, dchunk) | `attn_jax/kernels/ssd_chunks.py` | Pallas Triton | Pallas Triton, deprecated | Pallas Mosaic TPU |
+| chunked SSD (Mamba-2, Mamba-3 SISO and MIMO, the hybrids' SSM heads: states with the chunk-state passing, scan, dstates, dchunk) | `attn_jax/kernels/ssd_chunks.py` | Pallas Triton | Pallas Triton, deprecated | Pallas Mosaic TPU |
 | softmax attention (Transformer, sinks) | `kernels/dpa.py`, `kernels/splash.py` | cuDNN fused attention (XLA custom call), no Pallas | the same | splash attention (Pallas Mosaic TPU) |
-| Sinkhorn, sliding window, Mamba-3 MIMO, SSD chunk-state passing | `attention/`, `ssm/` | XLA | XLA | XLA |
+| Sinkhorn, sliding window, Mamba decoding steps | `attention/`, `ssm/` | XLA | XLA | XLA |
 
 JAX 0.11 deprecates the Pallas Triton backend in favour of Mosaic GPU, JAX's own GPU backend
 for Pallas; the decayed and chunked-SSD kernels are affected. Until Triton is removed they
@@ -408,7 +461,7 @@ def page(done: dict, names, rows=ROWS, length_rows=LENGTH_ROWS,
   if length_rows:
     lines += _length_section(done, length_rows, length_names)
   if census:
-    lines += _census_section(done)
+    lines += _census_section(done) + _ssd_census_section(done)
   lines += [PALLAS_GPU.rstrip("\n"), "", COMMAND_BUFFERS.rstrip("\n"), ""]
   return "\n".join(lines)
 

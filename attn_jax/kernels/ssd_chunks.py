@@ -1,60 +1,88 @@
 """Fused chunked SSD (Mamba-2's scalar-decay recurrence, `ssm/ssd.py`) in Pallas: four kernels.
 
-Per chunk c of Q tokens and head h (one program each, grid [B, H, chunks]), with the chunk's
-log-decays a_r (fp32, <= 0, -inf at a document start, `ssd.restart_decay`) and
+Per chunk c of Q tokens and head h, with the chunk's log-decays a_r (fp32, <= 0, -inf at a
+document start, `ssd.restart_decay`) and
 
     seg(t, s) = a_{s+1} + ... + a_t  (s <= t)      A_t = a_0 + ... + a_t
-    E_s = a_{s+1} + ... + a_{Q-1}      (tokens 0 .. Q-1 of the chunk)
+    E_s = a_{s+1} + ... + a_{Q-1}      z = a_0 + ... + a_{Q-1}   (tokens 0 .. Q-1 of the chunk)
 
 (all *direct* segment sums within the chunk, never differences of one running sum: `ssd.py`'s
-convention), the chunked SSD is
+convention), the chunked SSD with R inputs (x_i, B_i) and O output columns C_o is
 
-    states      S_c   = sum_s exp(E_s) x_s B_s^T                                  [P, N]
-    passing     H_c   = exp(z_{c-1}) H_{c-1} + S_{c-1}  (z the chunk's total log-decay; XLA:
-                        `ssd.pass_chunk_states`, exact and small)
-    scan        y_t   = sum_{s<=t} exp(seg(t, s)) (C_t . B_s) x_s + exp(A_t) H_c C_t
+    states      S_c   = sum_i sum_s exp(E_s) x_is B_is^T                            [P, N]
+    passing     H_0 = h0,  H_{c+1} = exp(z_c) H_c + S_c      (the final state H_C)
+    scan        y_ot  = sum_i sum_{s<=t} exp(seg(t, s)) (C_ot . B_is) x_is + exp(A_t) H_c C_ot
 
-Forward: `_states` (S_c), `ssd.pass_chunk_states` in XLA, `_scan` (y: the intra-chunk product
-C B^T, its decay mask and both outputs fused, so no [B, chunks, H, Q, Q] tensor is written).
-Backward (custom VJP; the inputs are the residuals, S and H recomputed as mamba_ssm's Triton
-backward does): `_dstates` (dH_c = sum_t exp(A_t) dy_t C_t^T), the passing's VJP in XLA (dS_c,
-d z, d h0), and `_dchunk`, which gives every per-token gradient of a chunk at once:
+R = O = 1 is Mamba-2 (and the hybrids' SSM heads); R = 2 Mamba-3 SISO's trapezoid (`extra =
+(x2, B2)`, as `ssd.ssd_chunked(extra=)`); R = 2r, O = r Mamba-3's MIMO (`mimo_kernel`, as
+`mamba3.mimo_chunked`: its input columns are the inputs, its r columns of Q the outputs, one
+[P, N] state). Its complex phase is the rotation of B and C by the cumulative angles, applied
+before the SSD: the kernels see rotated keys and queries, per head (G = H).
+
+Kernels (forward, then the custom VJP's backward; grids in brackets):
+  `_states`  [B, H]      the states entering every chunk, S_c and the passing in one loop over
+                         the chunks (the state carried in fp32 registers): writes H_c in
+                         `dot_dtype` and the final state in fp32;
+  `_scan`    [B, H, C]   y: C B^T, its decay mask, the state term, both products fused (no
+                         [.., Q, Q] tensor is written);
+  `_dstates` [B, H]      the state cotangents in one loop back over the chunks: g_C = d final,
+                         dS_c = g_{c+1}, g_c = exp(z_c) g_{c+1} + sum_o sum_t exp(A_t) dy_ot
+                         C_ot^T, d h0 = g_0; writes dS_c in `dot_dtype`;
+  `_dchunk`  [B, G, C]   every per-token gradient of a chunk, the group's J = H / G heads in a
+                         loop, so dB and dC are summed over the group's heads in registers and
+                         written once, in B's and C's dtype:
 
     dx_s = sum_{t>=s} L_ts (C_t . B_s) dy_t + exp(E_s) dS B_s
     dC_t = sum_s L_ts (dy_t . x_s) B_s + exp(A_t) dy_t H
     dB_s = sum_t L_ts (dy_t . x_s) C_t + exp(E_s) dS^T x_s
-    da_r = sum_{s < r <= t} G_ts + sum_{t >= r} g_t + sum_{s < r} e_s   (+ d z from the passing)
+    da_r = sum_{s < r <= t} G_ts + sum_{t >= r} g_t + sum_{s < r} e_s + exp(z) <dS, H>
 
 with L_ts = exp(seg(t, s)), G_ts = L_ts (C_t . B_s)(dy_t . x_s), g_t = exp(A_t) dy_t . (H C_t),
-e_s = exp(E_s) x_s . (dS B_s): each exponent's cotangent goes to the a_r it sums. dB, dC come
-per head and are summed over a group's heads in XLA. Four kernels (two forward, two backward,
-and the states once more in the backward) against the authors' (state-spaces/mamba,
-`ssd_combined.py`) five forward (chunk cumsum, C B^T, chunk states, state passing, chunk scan)
-and a dozen or so backward (dstates, the passing's, dx, dB, dC, d(C B^T), the dA pieces, the
-cumsum's, with recomputes): their cumsum, C B^T and dA work are folded into the chunk programs
-here, and their state passing is XLA's `pass_chunk_states` (with its VJP) here.
+e_s = exp(E_s) x_s . (dS B_s): each exponent's cotangent goes to the a_r it sums (the last
+term: z's, for every r of the chunk), summed over the inputs and output columns.
 
-A second input (`extra = (x2, B2)`, Mamba-3's trapezoid, `ssd.ssd_chunked(extra=)`) adds
-x2_t B2_t^T per token: S and the intra-chunk output sum over the two inputs (x B^T and
-x2 B2^T), and `_dchunk` gives dx2, dB2 as dx, dB, their G and e terms added to da's.
+Between kernels only H_c and dS_c ([B, H, C, P, N], in `dot_dtype`: bf16 in the mixers) and the
+outputs are written: no fp32 [B, chunks, H, P, N] or [.., Q, Q] array. The scan casts H_c to
+`dot_dtype` for its matmul in any case (as `ssd.ssd_chunked` does), and dchunk dS_c, so those
+roundings change nothing but d z's inner product, which reads them too. The authors'
+(state-spaces/mamba, `ops/triton/ssd_combined.py`) forward runs five kernels (chunk cumsum,
+C B^T, chunk states written in fp32, state passing written in C's dtype, chunk scan), their
+backward a dozen or so (dstates, the passing's, dx, dB, dC, d(C B^T), the dA pieces, the
+cumsum's, with the states recomputed): here the cumsum, C B^T and dA work are folded into the
+chunk programs and the chunk states never leave the passing loop; the backward reads the
+forward's H_c (a residual, one x-sized array at N = Q) instead of recomputing them.
 
-In-kernel exponents. seg is a product of masked matrices, seg = (M_le diag(a)) U_gt with
-M_le[t, r] = [r <= t], U_gt[r, s] = [r > s]: one fp32 Q x Q x Q matmul at full precision
-(IEEE on Triton), each entry a sum of its own terms (no difference). A and E are masked row
-sums. A matmul multiplies -inf by the mask's zeros (NaN), so the kernels floor a at
-NEG = -1e30 first: a sum holding a start is then <= -1e30 (its exp 0, as with -inf), every
-other sum unchanged; Q such floors stay far from fp32's range. The a_{t0} gradient the kernel
-returns at a start is discarded by `restart_decay`'s `where`, as in the XLA path.
+Exponents, in log2 units (a2 = a log2 e, then every exp is one `exp2`: one PTX
+`ex2.approx.ftz` on a GPU, `decayed_tiles.exp2`). The per-chunk sums A, E and z are made once
+in XLA (`_decays`: a cumulative sum, an exclusive reverse one and the total, each direct, as
+the authors' "chunk cumsum" kernel does), so the kernels read them as columns and spend no
+cross-lane reductions on them. seg is made in the kernels, as a product of masked matrices,
+seg = (M_le diag(a)) U_gt with M_le[t, r] = [r <= t], U_gt[r, s] = [r > s]; the 0/1 mask is
+exact in bf16, so the product runs as three bf16 matmuls on the exact split a = hi + mid + lo
+(`_mask_sum`): each entry a direct fp32 sum of its own terms, at the tensor cores' rate, not a
+Q-deep fp32 loop (the same for da's sum over s < r). A matmul multiplies -inf by the mask's
+zeros (NaN), so a2 is floored at NEG = -1e30 first: a sum holding a start is then <= -1e30 (its
+exp 0, as with -inf), every other sum unchanged; Q such floors stay far from fp32's range. The
+a_{t0} gradient the kernel returns at a start is discarded by `restart_decay`'s `where`, as in
+the XLA path. The index masks are built once per program (`Masks`), outside the loops.
 
-Precision (`ssd.py`'s "Precision"): decays, exponents, states and accumulations fp32; every
-matmul step the XLA path runs in `dot_dtype` takes its operands in `dot_dtype` here (C B^T,
-its decayed product with x, the states, the state -> output, and their backward products with
-the cotangents cast to it); the exponent and da products are fp32.
+MIMO (`mimo_kernel`): a token's I input columns are I consecutive input rows and its O output
+columns O output rows of the same kernels (x [B, H, T I, P], B [.., T I, N], C and y
+[.., T O, ..]): L [QO, QI] has the entry of the rows' tokens, A repeats per output row, E per
+input row, and da sums each token's rows; every matmul is then a chunk's [QO, QI] one (rank 4,
+chunk 16: [64, 128], a wgmma tile) rather than r^2 small ones.
 
-Layout: heads first and time in chunks, [B, H, chunks, Q, P] (B and C [B, G, chunks, Q, N],
-a [B, H, chunks, 1, Q]); states [B, chunks, H, P, N] as `pass_chunk_states` takes them. Every
-block's last two dims are the array's (TPU's tiling rule holds for any Q, P, N). T is padded to
-whole chunks (a = 0, x = B = C = 0: the state is unchanged, the padded outputs dropped).
+Precision (`ssd.py`'s "Precision"): decays, exponents, the carried states and accumulations
+fp32; every matmul step the XLA path runs in `dot_dtype` takes its operands in `dot_dtype` here
+(C B^T, its decayed product with x, the states, the state -> output, and their backward products
+with the cotangents cast to it). The passing is the sequential fp32 recurrence here, a segsum
+matmul in `ssd.pass_chunk_states`: the same sums, in another order.
+
+Layout: heads first, [B, H, T, P] (B and C [B, G, T, N]; a [B, H, C, 1, Q]; the states
+[B, H, C, P, N]); dchunk views the per-head arrays as [B, G, J, ...] (a free reshape). Every
+block's last two dims are a chunk's [Q, P] / [Q, N], the array's [P, N] or [1, Q] (TPU's tiling
+rule holds for Q a multiple of 8). T is padded to whole chunks (a = 0, x = B = C = 0: the state
+is unchanged, the padded outputs dropped).
 
 Targets (`_compiler_params`, as `kernels/decayed.py`): Triton on GPU, Mosaic on TPU, the
 Pallas interpreter on CPU (tests). Sharding (`_sharded`): under `sharding.use_rules` the call
@@ -65,6 +93,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -73,252 +102,402 @@ from jax.experimental import pallas as pl
 from jax.sharding import PartitionSpec as P
 
 from attn_jax import kernel_choice, sharding
+from attn_jax.kernels.decayed_tiles import LOG2E, exp2
 from attn_jax.ssm import ssd
 
 F32 = jnp.float32
+BF16 = jnp.bfloat16
 NEG = -1e30
 _A_BT = (((1,), (1,)), ((), ()))    # a @ b.T
 _AT_B = (((0,), (0,)), ((), ()))    # a.T @ b
 PASSES = ("states", "scan", "dstates", "dchunk")
 # Largest chunk a GPU program takes: 64 compiles for an H100 (tests/test_ssd_kernel.py, head
 # dim and d_state 64); 256 (mamba_ssm's GPU default) exceeds its 227 KiB of shared memory.
+# MIMO's rows (chunk x columns): 64 output and 128 input rows compile (rank 4, chunk 16, the
+# census), more are not checked.
 GPU_MAX_CHUNK = 64
+GPU_MAX_ROWS = 128
 
 
 @dataclasses.dataclass(frozen=True)
 class Spec:
   """Static configuration of one call (hashable: a `custom_vjp` nondiff argument)."""
-  chunk: int           # Q
+  chunk: int           # Q tokens
   groups: int          # heads per B/C group (J = H / G)
-  dot_dtype: str       # operand dtype of the matmul steps
+  dot_dtype: str       # operand dtype of the matmul steps, and of the states written
   interpret: bool
-  inputs: int = 1      # terms x_i B_i^T per token (2: Mamba-3's `extra`)
+  inputs: int = 1      # R: input arrays (x_i, B_i) (2: Mamba-3's `extra`)
+  in_rows: int = 1     # I: rows per token of each input (2r: MIMO's input columns)
+  out_rows: int = 1    # O: rows per token of C and y (r: MIMO's output columns)
   warps: int = 4       # Triton
   stages: int = 2
+  ex2: bool = False    # exp2 as one PTX `ex2` (Triton on a GPU)
 
 
 def _dot(a, b, dims=None):
-  """fp32-accumulating matmul; fp32 x fp32 at full precision (Triton's default is TF32)."""
-  both32 = a.dtype == F32 and b.dtype == F32
-  return lax.dot_general(a, b, dims or (((1,), (0,)), ((), ())),
-                         precision=lax.Precision.HIGHEST if both32 else None,
-                         preferred_element_type=F32)
+  """fp32-accumulating matmul of two operands of one dtype."""
+  return lax.dot_general(a, b, dims or (((1,), (0,)), ((), ())), preferred_element_type=F32)
+
+
+def _mask_sum(v, mask):
+  """v @ mask for fp32 v [M, K] and a 0/1 mask [K, L] (bf16, exact) as three bf16 matmuls on
+  v's exact split v = hi + mid + lo (8 significant bits each; fp32 has 24): every product is
+  exact, the sums accumulate in fp32, so each entry is a direct fp32 sum of its own terms, at
+  a tensor core's bf16 rate rather than a K-deep fp32 FMA loop (module docstring)."""
+  hi = v.astype(BF16)
+  r = v - hi.astype(F32)
+  mid = r.astype(BF16)
+  lo = (r - mid.astype(F32)).astype(BF16)
+  return _dot(lo, mask) + _dot(mid, mask) + _dot(hi, mask)
+
+
+class Masks:
+  """A program's index masks, built once and shared by its loop's iterations. Rows of the
+  outputs are (token t, column) pairs, O a token, rows of the inputs (s, column), I a token
+  (1 and 1 but for MIMO); tau is a token of the chunk:
+    out_le [QO, Q]   tau <= t          (A's terms; da's pairs and g)
+    in_lt  [QI, Q]   tau > s           (E's terms; da's e)
+    pairs  [QO, QI]  s <= t            (L's support)
+    gt     [Q, QI]   tau > s  (bf16)   seg = (out_le o a) @ gt
+    lt     [QI, Q]   s < tau  (bf16)   da's W = G @ lt"""
+
+  def __init__(self, Q: int, I: int, O: int):
+    iota = lambda shape, d, k: lax.div(lax.broadcasted_iota(jnp.int32, shape, d), jnp.int32(k))
+    self.out_le = iota((Q * O, Q), 1, 1) <= iota((Q * O, Q), 0, O)
+    self.in_lt = iota((Q * I, Q), 1, 1) > iota((Q * I, Q), 0, I)
+    self.pairs = iota((Q * O, Q * I), 1, I) <= iota((Q * O, Q * I), 0, O)
+    self.gt = jnp.where(iota((Q, Q * I), 0, 1) > iota((Q, Q * I), 1, I), 1.0, 0.0).astype(BF16)
+    self.lt = jnp.where(self.in_lt, 1.0, 0.0).astype(BF16)
+
+
+class Decays(NamedTuple):
+  """A call's log-decays in log2 units (a2 = a log2 e, floored at NEG), per chunk, and their
+  direct sums, made once in XLA (`_decays`, the authors' "chunk cumsum"): a2 [B, H, C, 1, Q]
+  (a row, for seg), A2 per output row [.., QO, 1] and E2 per input row [.., QI, 1] (columns,
+  as the kernels scale rows by them), the chunk's total z2 [.., 1, 1]."""
+  a2: jax.Array
+  A2: jax.Array
+  E2: jax.Array
+  z2: jax.Array
+
+
+# the parts each kernel reads
+_STATES_PARTS, _SCAN_PARTS, _DSTATES_PARTS, _DCHUNK_PARTS = ("E2", "z2"), ("a2", "A2"), \
+    ("A2", "z2"), Decays._fields
 
 
 class Exps:
-  """A chunk's exponents from its log-decays a [1, Q] (module docstring): L [Q (t), Q (s)]
-  = exp(seg(t, s)) on s <= t else 0, A and E as columns [Q, 1]; the index grids row / col."""
+  """A chunk's exponents (log2 units) from the parts of `Decays` a kernel reads (`parts`:
+  {name: array}); `seg` adds L [QO, QI] = 2^seg2(t, s) = exp(seg(t, s)) on s <= t, else 0
+  (seg2 from a2: `_mask_sum`)."""
 
-  def __init__(self, a_1Q):
-    Q = a_1Q.shape[-1]
-    a = jnp.maximum(a_1Q.astype(F32), NEG)
-    self.row = lax.broadcasted_iota(jnp.int32, (Q, Q), 0)
-    self.col = lax.broadcasted_iota(jnp.int32, (Q, Q), 1)
-    lower = self.col <= self.row
-    terms = jnp.where(lower, a, 0.0)                               # [t, r] = a_r, r <= t
-    self.A = jnp.sum(terms, axis=1, keepdims=True)                 # [Q, 1]
-    self.E = jnp.sum(jnp.where(self.col > self.row, a, 0.0), axis=1, keepdims=True)
-    seg = _dot(terms, jnp.where(self.row > self.col, 1.0, 0.0).astype(F32))
-    self.L = jnp.where(lower, jnp.exp(seg), 0.0)
+  def __init__(self, spec: Spec, parts: dict, m: Masks, seg: bool = False):
+    self.spec = spec
+    for k, v in parts.items():
+      setattr(self, k, v)
+    if seg:
+      terms = jnp.where(m.out_le, parts["a2"], 0.0)               # [(t, o), tau] = a2_tau
+      self.L = jnp.where(m.pairs, self.exp(_mask_sum(terms, m.gt)), 0.0)
+
+  def exp(self, x):
+    return exp2(self.spec.ex2, x)
 
 
-# ---------------------------------------------------------------- kernels (one chunk, one head)
+def _load(refs, names, idx) -> dict:
+  """{name: ref[idx]} of a kernel's decay refs."""
+  return {n: r[idx] for n, r in zip(names, refs)}
+
+
+def _masks(spec: Spec) -> Masks:
+  return Masks(spec.chunk, spec.in_rows, spec.out_rows)
+
+
+def _rows(ref, c, n: int):
+  """Chunk c's n rows of a per-program [rows, K] block."""
+  return ref[pl.ds(pl.multiple_of(c * n, n), n), :]
+
+
+# ---------------------------------------------------------------- kernels
 
 def _states_kernel(spec: Spec, *refs):
-  """S = sum_i sum_s exp(E_s) x_is B_is^T  [P, N]  (refs: x_i..., B_i..., a, S)."""
-  R = spec.inputs
+  """The states entering each chunk, passed along the chunks in one loop (one head):
+  H_0 = h0, H_{c+1} = exp(z_c) H_c + S_c, S_c = sum_i sum_s exp(E_s) x_is B_is^T; writes
+  H_c [P, N] in `dot_dtype` and the final state fp32 (refs: x_i..., B_i..., E2, z2, [h0], H,
+  final)."""
+  R, n = spec.inputs, spec.chunk * spec.in_rows
   dt = jnp.dtype(spec.dot_dtype)
-  a_ref, s_ref = refs[2 * R:]
-  eE = jnp.exp(Exps(a_ref[...]).E)
-  s = 0.0
-  for x_ref, b_ref in zip(refs[:R], refs[R:2 * R]):
-    s = s + _dot((x_ref[...].astype(F32) * eE).astype(dt), b_ref[...].astype(dt), _AT_B)
-  s_ref[...] = s
+  xs, bs, d_refs, rest = refs[:R], refs[R:2 * R], refs[2 * R:2 * R + 2], refs[2 * R + 2:]
+  h0_ref, (hin_ref, final_ref) = (rest[0], rest[1:]) if len(rest) == 3 else (None, rest)
+  m = _masks(spec)
+
+  def chunk(c, h):
+    e = Exps(spec, _load(d_refs, _STATES_PARTS, c), m)
+    eE = e.exp(e.E2)
+    s = 0.0
+    for x_ref, b_ref in zip(xs, bs):
+      xe = (_rows(x_ref, c, n).astype(F32) * eE).astype(dt)
+      s = s + _dot(xe, _rows(b_ref, c, n).astype(dt), _AT_B)
+    hin_ref[c] = h.astype(hin_ref.dtype)
+    return e.exp(e.z2) * h + s
+
+  h0 = jnp.zeros(hin_ref.shape[-2:], F32) if h0_ref is None else h0_ref[...].astype(F32)
+  final_ref[...] = lax.fori_loop(0, d_refs[0].shape[0], chunk, h0)
 
 
 def _scan_kernel(spec: Spec, *refs):
-  """y = sum_i (L o C B_i^T) x_i + exp(A) o (C H^T)  [Q, P]  (refs: x_i..., B_i..., C, a, H,
-  y)."""
-  R = spec.inputs
-  dt = jnp.dtype(spec.dot_dtype)
-  c_ref, a_ref, h_ref, y_ref = refs[2 * R:]
-  e = Exps(a_ref[...])
-  c = c_ref[...].astype(dt)
-  y = jnp.exp(e.A) * _dot(c, h_ref[...].astype(dt), _A_BT)
-  for x_ref, b_ref in zip(refs[:R], refs[R:2 * R]):
-    cb = _dot(c, b_ref[...].astype(dt), _A_BT)
-    y = y + _dot((cb * e.L).astype(dt), x_ref[...].astype(dt))
-  y_ref[...] = y
-
-
-def _dstates_kernel(spec: Spec, dy_ref, c_ref, a_ref, dh_ref):
-  """dH = sum_t exp(A_t) dy_t C_t^T  [P, N]."""
-  dt = jnp.dtype(spec.dot_dtype)
-  e = Exps(a_ref[...])
-  dya = (dy_ref[...].astype(F32) * jnp.exp(e.A)).astype(dt)
-  dh_ref[...] = _dot(dya, c_ref[...].astype(dt), _AT_B)
-
-
-def _dchunk_kernel(spec: Spec, *refs):
-  """dx_i, dB_i (this head's share), dC (idem) and da of one chunk (module docstring; refs:
-  x_i..., B_i..., C, a, dy, H, dS, then dx_i..., dB_i..., dC, da)."""
+  """y = sum_i (L o C B_i^T) x_i + exp(A) o (C H^T)  [QO, P]  (one chunk of one head; refs:
+  x_i..., B_i..., C, a2, A2, H, y)."""
   R = spec.inputs
   dt = jnp.dtype(spec.dot_dtype)
   xs, bs = refs[:R], refs[R:2 * R]
-  c_ref, a_ref, dy_ref, h_ref, ds_ref = refs[2 * R:2 * R + 5]
-  outs = refs[2 * R + 5:]
-  dx_refs, db_refs, (dc_ref, da_ref) = outs[:R], outs[R:2 * R], outs[2 * R:]
-  e = Exps(a_ref[...])
-  dy32 = dy_ref[...].astype(F32)
-  c, dy = c_ref[...].astype(dt), dy32.astype(dt)
-  h, ds = h_ref[...].astype(dt), ds_ref[...].astype(dt)
-  eA, eE = jnp.exp(e.A), jnp.exp(e.E)
-  # entering state: y += exp(A) o (C H^T)
-  dc = _dot((dy32 * eA).astype(dt), h)
-  g = eA * jnp.sum(dy32 * _dot(c, h, _A_BT), axis=1, keepdims=True)       # [Q, 1]
-  G, es = 0.0, 0.0
-  for x_ref, b_ref, dx_ref, db_ref in zip(xs, bs, dx_refs, db_refs):
-    x32 = x_ref[...].astype(F32)
-    x, b = x32.astype(dt), b_ref[...].astype(dt)
-    # intra-chunk: y = (L o C B^T) x
-    cb = _dot(c, b, _A_BT)                                         # [t, s]
-    m = cb * e.L
-    dyx = _dot(dy, x, _A_BT)                                       # [t, s] = dy_t . x_s
-    dcb = (dyx * e.L).astype(dt)
-    dx = _dot(m.astype(dt), dy, _AT_B)
-    dc = dc + _dot(dcb, b)
-    db = _dot(dcb, c, _AT_B)
-    G = G + dyx * m
-    # chunk state: S = sum_s exp(E_s) x_s B_s^T
-    bds = _dot(b, ds, _A_BT)                                       # [s, P] = dS B_s
-    dx_ref[...] = (dx + eE * bds).astype(dx_ref.dtype)
-    db_ref[...] = (db + _dot((x32 * eE).astype(dt), ds)).astype(db_ref.dtype)
-    es = es + eE * jnp.sum(x32 * bds, axis=1, keepdims=True)      # [Q, 1]
-  # da_r: seg's pairs s < r <= t, A's tokens t >= r, E's tokens s < r (as a row [1, Q])
-  W = _dot(G, jnp.where(e.row < e.col, 1.0, 0.0).astype(F32))     # [t, r] = sum_{s<r} G_ts
-  da = jnp.sum(jnp.where(e.col <= e.row, W + g, 0.0), axis=0, keepdims=True)
-  da = da + jnp.sum(jnp.where(e.row < e.col, es, 0.0), axis=0, keepdims=True)
-  dc_ref[...] = dc.astype(dc_ref.dtype)
-  da_ref[...] = da
+  c_ref, a2_ref, A2_ref, h_ref, y_ref = refs[2 * R:]
+  e = Exps(spec, _load((a2_ref, A2_ref), _SCAN_PARTS, ...), _masks(spec), seg=True)
+  c = c_ref[...].astype(dt)
+  y = 0.0
+  for x_ref, b_ref in zip(xs, bs):
+    cb = _dot(c, b_ref[...].astype(dt), _A_BT)                      # [t, s]
+    y = y + _dot((cb * e.L).astype(dt), x_ref[...].astype(dt))
+  y_ref[...] = y + e.exp(e.A2) * _dot(c, h_ref[...].astype(dt), _A_BT)
+
+
+def _dstates_kernel(spec: Spec, *refs):
+  """The state cotangents, passed back along the chunks in one loop (one head): g_C = d final,
+  dS_c = g_{c+1}, g_c = exp(z_c) g_{c+1} + sum_t exp(A_t) dy_t C_t^T, d h0 = g_0; writes dS_c
+  [P, N] in `dot_dtype` (refs: dy, C, A2, z2, d final, dS, [d h0])."""
+  n = spec.chunk * spec.out_rows
+  dt = jnp.dtype(spec.dot_dtype)
+  dy_ref, c_ref = refs[:2]
+  d_refs = refs[2:4]
+  dfinal_ref, ds_ref = refs[4:6]
+  dh0_ref = refs[6] if len(refs) > 6 else None
+  m = _masks(spec)
+  nc = d_refs[0].shape[0]
+
+  def chunk(k, g):
+    c = nc - 1 - k
+    e = Exps(spec, _load(d_refs, _DSTATES_PARTS, c), m)
+    dya = (_rows(dy_ref, c, n).astype(F32) * e.exp(e.A2)).astype(dt)
+    ds_ref[c] = g.astype(ds_ref.dtype)
+    return e.exp(e.z2) * g + _dot(dya, _rows(c_ref, c, n).astype(dt), _AT_B)
+
+  g = lax.fori_loop(0, nc, chunk, dfinal_ref[...].astype(F32))
+  if dh0_ref is not None:
+    dh0_ref[...] = g
+
+
+def _dchunk_kernel(spec: Spec, *refs):
+  """Every per-token gradient of one chunk of a B/C group (module docstring), its J heads in
+  one loop: dx_i and da per head, dB_i and dC summed over the group's heads in the loop
+  (refs: x_i..., B_i..., C, a2, A2, E2, z2, dy, H, dS, then dx_i..., dB_i..., dC, da; the
+  per-head blocks [J, ...], indexed by the loop's head)."""
+  R, J = spec.inputs, spec.groups
+  dt = jnp.dtype(spec.dot_dtype)
+  xs, bs = refs[:R], refs[R:2 * R]
+  c_ref, d_refs = refs[2 * R], refs[2 * R + 1:2 * R + 5]
+  dy_ref, h_ref, ds_ref = refs[2 * R + 5:2 * R + 8]
+  outs = refs[2 * R + 8:]
+  dxs, dbs, (dc_ref, da_ref) = outs[:R], outs[R:2 * R], outs[2 * R:]
+  m = _masks(spec)
+  b = [r[...].astype(dt) for r in bs]
+  c = c_ref[...].astype(dt)
+  shared = J > 1 and R == 1     # C B^T once for the group's heads (Mamba-2)
+  cb0 = _dot(c, b[0], _A_BT) if shared else None
+
+  def head(j, carry):
+    db_acc, dc = list(carry[:R]), carry[R]
+    e = Exps(spec, _load(d_refs, _DCHUNK_PARTS, j), m, seg=True)
+    eA, eE = e.exp(e.A2), e.exp(e.E2)
+    h, ds = h_ref[j].astype(dt), ds_ref[j].astype(dt)
+    dy32 = dy_ref[j].astype(F32)
+    dy = dy32.astype(dt)
+    # entering state: y += exp(A) o (C H^T)
+    dc = dc + _dot((dy32 * eA).astype(dt), h)
+    g = eA * jnp.sum(dy32 * _dot(c, h, _A_BT), axis=1, keepdims=True)        # [QO, 1]
+    G, es = 0.0, 0.0
+    for i in range(R):
+      x32 = xs[i][j].astype(F32)
+      x = x32.astype(dt)
+      # intra-chunk: y = (L o C B_i^T) x_i
+      dyx = _dot(dy, x, _A_BT)                                       # [t, s] = dy_t . x_s
+      mm = (cb0 if shared else _dot(c, b[i], _A_BT)) * e.L
+      dcb = (dyx * e.L).astype(dt)
+      dc = dc + _dot(dcb, b[i])
+      G = G + dyx * mm
+      # chunk state: S = sum_s exp(E_s) x_s B_s^T
+      bds = _dot(b[i], ds, _A_BT)                                    # [s, P] = dS B_s
+      dxs[i][j] = (_dot(mm.astype(dt), dy, _AT_B) + eE * bds).astype(dxs[i].dtype)
+      db_acc[i] = db_acc[i] + _dot(dcb, c, _AT_B) + _dot((x32 * eE).astype(dt), ds)
+      es = es + eE * jnp.sum(x32 * bds, axis=1, keepdims=True)      # [QI, 1]
+    # da_tau: seg's pairs s < tau <= t, A's rows t >= tau, E's rows s < tau, and the passing's
+    # exp(z) <dS, H> (z = the chunk's sum) for every tau (as a row [1, Q])
+    W = _mask_sum(G, m.lt)                                           # [t, tau]: sum_{s<tau} G
+    da = jnp.sum(jnp.where(m.out_le, W + g, 0.0), axis=0, keepdims=True)
+    da = da + jnp.sum(jnp.where(m.in_lt, es, 0.0), axis=0, keepdims=True)
+    hds = ds_ref[j].astype(F32) * h_ref[j].astype(F32)
+    dz = e.exp(e.z2) * jnp.sum(jnp.sum(hds, axis=1, keepdims=True), axis=0, keepdims=True)
+    da_ref[j] = da + dz
+    return tuple(db_acc) + (dc,)
+
+  init = tuple(jnp.zeros(v.shape, F32) for v in b) + (jnp.zeros(c.shape, F32),)
+  out = lax.fori_loop(0, J, head, init) if J > 1 else head(0, init)
+  for ref, v in zip(dbs + (dc_ref,), out):
+    ref[...] = v.astype(ref.dtype)
 
 
 # ---------------------------------------------------------------- calls
 
-def _compiler_params(spec: Spec):
-  """Mosaic on TPU (every grid axis independent), Triton on GPU, none in the interpreter."""
+def _compiler_params(spec: Spec, axes: int):
+  """Mosaic on TPU (`axes` grid axes: the chunk loops' programs independent), Triton on GPU,
+  none in the interpreter."""
   if spec.interpret:
     return None
   plat = kernel_choice.target()
   if plat == "tpu":
     from jax.experimental.pallas import tpu as pltpu
-    return pltpu.CompilerParams(dimension_semantics=("parallel",) * 3)
+    return pltpu.CompilerParams(dimension_semantics=("parallel",) * axes)
   if plat == "gpu":
     from jax.experimental.pallas import triton as pltriton
     return pltriton.CompilerParams(num_warps=spec.warps, num_stages=spec.stages)
   return None
 
 
-def _per_head(x):
-  """Block of one chunk of one head of [B, H, C, r, k] at grid (b, h, c)."""
-  return pl.BlockSpec((None, None, None) + x.shape[3:], lambda b, h, c: (b, h, c, 0, 0))
-
-
-def _per_group(spec: Spec, x):
-  """Block of one chunk of head h's group of [B, G, C, Q, N]."""
-  return pl.BlockSpec((None, None, None) + x.shape[3:],
-                      lambda b, h, c: (b, lax.div(h, jnp.int32(spec.groups)), c, 0, 0))
-
-
-def _state_block(x):
-  """Block of one state of [B, C, H, P, N] at grid (b, h, c)."""
-  return pl.BlockSpec((None, None, None) + x.shape[3:], lambda b, h, c: (b, c, h, 0, 0))
-
-
 def _call(spec: Spec, kernel, name: str, grid, ins, in_specs, outs, out_specs):
   return pl.pallas_call(functools.partial(kernel, spec), grid=grid, in_specs=in_specs,
                         out_specs=out_specs, out_shape=outs, interpret=spec.interpret,
-                        name="ssd_" + name, compiler_params=_compiler_params(spec))(*ins)
+                        name="ssd_" + name,
+                        compiler_params=_compiler_params(spec, len(grid)))(*ins)
 
 
-def _inputs(spec: Spec, xs, bs):
-  """The inputs' arrays and blocks: x_i... (per head), B_i... (per group)."""
-  return (tuple(xs) + tuple(bs), [_per_head(x) for x in xs] + [_per_group(spec, b) for b in bs])
+def _whole(x, group: int = 1):
+  """Block of the whole [rows, K] (or [C, ...]) of one head of [B, H, ...] at grid (b, h); a
+  group's array ([B, G, ...]) when `group` (J) > 1."""
+  nd = x.ndim - 2
+  return pl.BlockSpec((None, None) + x.shape[2:],
+                      lambda b, h: (b, lax.div(h, jnp.int32(group))) + (0,) * nd)
 
 
-def _states(spec: Spec, xs, bs, a):
-  B, H, C, Q, Pd = xs[0].shape
-  N = bs[0].shape[-1]
-  out = jax.ShapeDtypeStruct((B, C, H, Pd, N), F32)
-  ins, specs = _inputs(spec, xs, bs)
-  return _call(spec, _states_kernel, "states", (B, H, C), ins + (a,), specs + [_per_head(a)],
-               out, _state_block(out))
+def _chunk_of(x, rows: int, group: int = 1):
+  """Block of chunk c (`rows` rows) of one head of [B, H, rows x C, K] at grid (b, h, c) (a
+  group's array when `group` > 1)."""
+  return pl.BlockSpec((None, None, rows, x.shape[-1]),
+                      lambda b, h, c: (b, lax.div(h, jnp.int32(group)), c, 0))
 
 
-def _scan(spec: Spec, xs, bs, c, a, h_in):
-  out = jax.ShapeDtypeStruct(xs[0].shape, F32)
-  ins, specs = _inputs(spec, xs, bs)
-  return _call(spec, _scan_kernel, "scan", out.shape[:3], ins + (c, a, h_in),
-               specs + [_per_group(spec, c), _per_head(a), _state_block(h_in)], out,
-               _per_head(out))
+def _per_chunk(x):
+  """Block of chunk c of one head of [B, H, C, r, k] at grid (b, h, c)."""
+  return pl.BlockSpec((None, None, None) + x.shape[3:], lambda b, h, c: (b, h, c, 0, 0))
 
 
-def _dstates(spec: Spec, dy, c, a):
-  B, H, C, Q, Pd = dy.shape
-  out = jax.ShapeDtypeStruct((B, C, H, Pd, c.shape[-1]), F32)
-  return _call(spec, _dstates_kernel, "dstates", (B, H, C), (dy, c, a),
-               [_per_head(dy), _per_group(spec, c), _per_head(a)], out, _state_block(out))
+def _parts(d: Decays, names):
+  return tuple(getattr(d, n) for n in names)
 
 
-def _dchunk(spec: Spec, xs, bs, c, a, dy, h_in, ds):
-  """(dx_i..., dB_i... per head, dC per head, da)."""
-  B, H, C, Q, Pd = xs[0].shape
-  per_head = lambda like: jax.ShapeDtypeStruct(
-      (B, H, C, Q, like.shape[-1]), like.dtype if spec.groups == 1 else F32)   # summed after
-  outs = (tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in xs)
-          + tuple(per_head(b) for b in bs) + (per_head(c), jax.ShapeDtypeStruct(a.shape, F32)))
-  ins, specs = _inputs(spec, xs, bs)
-  return _call(spec, _dchunk_kernel, "dchunk", (B, H, C), ins + (c, a, dy, h_in, ds),
-               specs + [_per_group(spec, c), _per_head(a), _per_head(dy), _state_block(h_in),
-                        _state_block(ds)], outs, tuple(_per_head(o) for o in outs))
+def _states(spec: Spec, xs, bs, d: Decays, h0):
+  """(H_c [B, H, C, P, N] in `dot_dtype`, final [B, H, P, N] fp32)."""
+  B, H, _, Pd = xs[0].shape
+  C, N, J = d.a2.shape[2], bs[0].shape[-1], spec.groups
+  outs = (jax.ShapeDtypeStruct((B, H, C, Pd, N), jnp.dtype(spec.dot_dtype)),
+          jax.ShapeDtypeStruct((B, H, Pd, N), F32))
+  parts = _parts(d, _STATES_PARTS)
+  ins = tuple(xs) + tuple(bs) + parts + (() if h0 is None else (h0,))
+  specs = ([_whole(x) for x in xs] + [_whole(b, J) for b in bs] + [_whole(p) for p in parts]
+           + ([] if h0 is None else [_whole(h0)]))
+  return _call(spec, _states_kernel, "states", (B, H), ins, specs, outs,
+               tuple(_whole(o) for o in outs))
 
 
-def _passing(a, S, h0):
-  """`ssd.pass_chunk_states` on kernel-layout decays a [B, H, C, 1, Q] (their chunk totals,
-  a direct sum) and states S [B, C, H, P, N]: (H_in, final)."""
-  z = jnp.sum(a[:, :, :, 0, :], axis=-1).transpose(0, 2, 1)      # [B, C, H]
-  return ssd.pass_chunk_states(z, S, h0)
+def _scan(spec: Spec, xs, bs, c, d: Decays, h_in):
+  """y [B, H, T x O, P] fp32."""
+  B, H, _, Pd = xs[0].shape
+  J, Q, I, O = spec.groups, spec.chunk, spec.in_rows, spec.out_rows
+  out = jax.ShapeDtypeStruct((B, H, c.shape[2], Pd), F32)
+  parts = _parts(d, _SCAN_PARTS)
+  ins = tuple(xs) + tuple(bs) + (c,) + parts + (h_in,)
+  specs = ([_chunk_of(x, Q * I) for x in xs] + [_chunk_of(b, Q * I, J) for b in bs]
+           + [_chunk_of(c, Q * O, J)] + [_per_chunk(p) for p in parts] + [_per_chunk(h_in)])
+  return _call(spec, _scan_kernel, "scan", (B, H, d.a2.shape[2]), ins, specs, out,
+               _chunk_of(out, Q * O))
+
+
+def _dstates(spec: Spec, dy, c, d: Decays, dfinal, want_dh0: bool):
+  """(dS_c [B, H, C, P, N] in `dot_dtype`, d h0 [B, H, P, N] fp32 or None)."""
+  B, H, C = d.a2.shape[:3]
+  Pd, N = dfinal.shape[-2:]
+  outs = (jax.ShapeDtypeStruct((B, H, C, Pd, N), jnp.dtype(spec.dot_dtype)),)
+  outs += (jax.ShapeDtypeStruct((B, H, Pd, N), F32),) if want_dh0 else ()
+  parts = _parts(d, _DSTATES_PARTS)
+  specs = ([_whole(dy), _whole(c, spec.groups)] + [_whole(p) for p in parts]
+           + [_whole(dfinal)])
+  res = _call(spec, _dstates_kernel, "dstates", (B, H), (dy, c) + parts + (dfinal,), specs,
+              outs, tuple(_whole(o) for o in outs))
+  return res[0], (res[1] if want_dh0 else None)
+
+
+def _dchunk(spec: Spec, xs, bs, c, d: Decays, dy, h_in, ds):
+  """(dx_i..., dB_i..., dC, da): per-head arrays viewed [B, G, J, ...] (a free reshape), one
+  program per chunk of a group, its heads in the kernel's loop."""
+  B, H = xs[0].shape[:2]
+  G, J, C = bs[0].shape[1], spec.groups, d.a2.shape[2]
+  nI, nO = spec.chunk * spec.in_rows, spec.chunk * spec.out_rows
+  grp = lambda z: z.reshape((B, G, J) + z.shape[2:])
+  heads = lambda z, n: pl.BlockSpec((None, None, J, n, z.shape[-1]),
+                                    lambda b, g, c: (b, g, 0, c, 0))
+  chunk_heads = lambda z: pl.BlockSpec((None, None, J, None) + z.shape[4:],
+                                       lambda b, g, c: (b, g, 0, c, 0, 0))
+  group = lambda z, n: pl.BlockSpec((None, None, n, z.shape[-1]), lambda b, g, c: (b, g, c, 0))
+  xg, dyg, h_g, ds_g = [grp(z) for z in xs], grp(dy), grp(h_in), grp(ds)
+  parts = tuple(grp(p) for p in _parts(d, _DCHUNK_PARTS))
+  a_g = parts[0]
+  ins = tuple(xg) + tuple(bs) + (c,) + parts + (dyg, h_g, ds_g)
+  specs = ([heads(z, nI) for z in xg] + [group(z, nI) for z in bs] + [group(c, nO)]
+           + [chunk_heads(p) for p in parts]
+           + [heads(dyg, nO), chunk_heads(h_g), chunk_heads(ds_g)])
+  sds = lambda z, dtype=None: jax.ShapeDtypeStruct(z.shape, dtype or z.dtype)
+  outs = tuple(sds(z) for z in xg) + tuple(sds(z) for z in bs) + (sds(c), sds(a_g, F32))
+  out_specs = ([heads(z, nI) for z in xg] + [group(z, nI) for z in bs]
+               + [group(c, nO), chunk_heads(a_g)])
+  res = _call(spec, _dchunk_kernel, "dchunk", (B, G, C), ins, specs, outs, tuple(out_specs))
+  R = spec.inputs
+  ungrp = lambda z: z.reshape((B, H) + z.shape[3:])
+  return tuple(ungrp(z) for z in res[:R]), tuple(res[R:2 * R]), res[2 * R], ungrp(res[-1])
 
 
 # ---------------------------------------------------------------- custom VJP
 
+def _decays(spec: Spec, a) -> Decays:
+  """`Decays` of kernel-layout log-decays a [B, H, C, 1, Q] (natural units): every sum direct
+  (a cumulative sum, an exclusive reverse one, the total), output / input rows repeating their
+  token's."""
+  a2 = jnp.maximum(a.astype(F32) * LOG2E, NEG)
+  A2 = jnp.cumsum(a2, axis=-1)
+  E2 = jnp.pad(jnp.cumsum(a2[..., ::-1], axis=-1)[..., ::-1][..., 1:],
+               [(0, 0)] * 4 + [(0, 1)])
+  col = lambda v, k: jnp.repeat(jnp.swapaxes(v, -1, -2), k, axis=-2)
+  return Decays(a2, col(A2, spec.out_rows), col(E2, spec.in_rows),
+                jnp.sum(a2, axis=-1, keepdims=True))
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _core(spec: Spec, xs, bs, c, a, h0):
-  """Kernel-layout SSD of the inputs (x_i, B_i): (y [B, H, C, Q, P] fp32, final state
+  """Kernel-layout SSD (x_i [B, H, T x I, P], B_i [B, G, T x I, N], C [B, G, T x O, N], a
+  [B, H, C, 1, Q], h0 [B, H, P, N] fp32 or None): (y [B, H, T x O, P] fp32, final state
   [B, H, P, N] fp32)."""
   return _core_fwd(spec, xs, bs, c, a, h0)[0]
 
 
 def _core_fwd(spec, xs, bs, c, a, h0):
-  h_in, final = _passing(a, _states(spec, xs, bs, a), h0)
-  return (_scan(spec, xs, bs, c, a, h_in), final), (xs, bs, c, a, h0)
+  d = _decays(spec, a)
+  h_in, final = _states(spec, xs, bs, d, h0)
+  return (_scan(spec, xs, bs, c, d, h_in), final), (xs, bs, c, a, h0, h_in)
 
 
 def _core_bwd(spec, res, cts):
-  xs, bs, c, a, h0 = res
-  R = spec.inputs
+  xs, bs, c, a, h0, h_in = res
   dy, dfinal = cts
-  (h_in, _), vjp = jax.vjp(_passing, a, _states(spec, xs, bs, a), h0)
-  dh = _dstates(spec, dy, c, a)
-  da_z, ds, dh0 = vjp((dh, dfinal))
-  grads = _dchunk(spec, xs, bs, c, a, dy, h_in, ds)
-  dxs, dbs, dc, da = grads[:R], grads[R:2 * R], grads[2 * R], grads[2 * R + 1]
-
-  def group(d, like):   # a group's heads' shares summed
-    B, H, C, Q, N = d.shape
-    return d.reshape(B, H // spec.groups, spec.groups, C, Q, N).sum(2).astype(like.dtype)
-
-  return (tuple(dxs), tuple(group(d, b) for d, b in zip(dbs, bs)), group(dc, c), da + da_z,
-          dh0)
+  d = _decays(spec, a)
+  ds, dh0 = _dstates(spec, dy, c, d, dfinal, h0 is not None)
+  dxs, dbs, dc, da = _dchunk(spec, xs, bs, c, d, dy, h_in, ds)
+  return dxs, dbs, dc, da, dh0
 
 
 _core.defvjp(_core_fwd, _core_bwd)
@@ -326,59 +505,71 @@ _core.defvjp(_core_fwd, _core_bwd)
 
 # ---------------------------------------------------------------- public entry
 
-def unsupported(x_shape, b_shape, chunk: int, plat: str | None = None) -> str | None:
-  """Why the kernel cannot take these shapes on platform `plat` (None: it can)."""
+def unsupported(x_shape, b_shape, chunk: int, plat: str | None = None, *, in_rows: int = 1,
+                out_rows: int = 1) -> str | None:
+  """Why the kernel cannot take these shapes on platform `plat` (None: it can); `in_rows`,
+  `out_rows`: rows a token of the inputs and outputs (MIMO's 2r and r columns)."""
   plat = kernel_choice.target() if plat is None else kernel_choice.normalize(plat)
   Q = min(int(chunk), x_shape[1])
   if plat == "gpu":
     p2 = lambda n: n >= 16 and n & (n - 1) == 0
-    for name, n in (("chunk", Q), ("head_dim", x_shape[-1]), ("d_state", b_shape[-1])):
+    for name, n in (("chunk x input rows", Q * in_rows), ("chunk x output rows", Q * out_rows),
+                    ("head_dim", x_shape[-1]), ("d_state", b_shape[-1])):
       if not p2(n):
         return f"Triton tiles need powers of two >= 16: {name} is {n}"
-    if Q > GPU_MAX_CHUNK:
-      return (f"chunk {Q} > {GPU_MAX_CHUNK}: the [chunk, chunk] fp32 tiles of one program "
-              "exceed an H100's shared memory (256 did; 128 not checked)")
+    if Q * max(in_rows, out_rows) > GPU_MAX_ROWS or Q * out_rows > GPU_MAX_CHUNK:
+      return (f"chunk {Q} x rows ({in_rows} in, {out_rows} out) exceeds [{GPU_MAX_CHUNK}, "
+              f"{GPU_MAX_ROWS}]: the [chunk, chunk] fp32 tiles of one program exceed an "
+              "H100's shared memory (256 x 256 did; larger than these not checked)")
   if plat == "tpu" and Q % 8:
     return f"TPU tiles need a chunk that is a multiple of 8, got {Q}"
   return None
 
 
-def _local(spec: Spec, x, a, b, c, h0, x2=None, b2=None):
-  """One device's call: layout, the custom-VJP core, back to [B, T, H, P]."""
-  Bsz, T, H, Pd = x.shape
-  G = b.shape[2]
+def _local(spec: Spec, xs, bs, c, a, h0):
+  """One device's call on arrays [B, T, X, rows, K] (rows a token: 1, or MIMO's columns): time
+  padded to whole chunks, heads first and rows in time ([B, X, T x rows, K]; a [B, H, C, 1,
+  Q]), the custom-VJP core, back to (y [B, T, H, O, P], final)."""
+  Bsz, T, H = xs[0].shape[:3]
   Q = spec.chunk
   nc = -(-T // Q)
   pad = nc * Q - T
   padT = lambda z: jnp.pad(z, [(0, 0), (0, pad)] + [(0, 0)] * (z.ndim - 2)) if pad else z
-  heads_first = lambda z: padT(z).transpose(0, 2, 1, 3).reshape(Bsz, -1, nc, Q, z.shape[-1])
+
+  def layout(z):
+    z = padT(z).transpose(0, 2, 1, 3, 4)
+    return z.reshape(z.shape[:2] + (-1, z.shape[-1]))
+
   a_l = padT(a).transpose(0, 2, 1).reshape(Bsz, H, nc, 1, Q)
   h0 = None if h0 is None else h0.astype(F32)
-  xs = tuple(heads_first(z) for z in (x, x2) if z is not None)
-  bs = tuple(heads_first(z) for z in (b, b2) if z is not None)
-  y, final = _core(spec, xs, bs, heads_first(c), a_l, h0)
-  y = y.reshape(Bsz, H, nc * Q, Pd)[:, :, :T].transpose(0, 2, 1, 3)
-  return y, final
+  y, final = _core(spec, tuple(layout(z) for z in xs), tuple(layout(z) for z in bs),
+                   layout(c), a_l, h0)
+  y = y.reshape(Bsz, H, nc * Q, spec.out_rows, -1)[:, :, :T]
+  return y.transpose(0, 2, 1, 3, 4), final
 
 
-def _sharded(fn, args: dict):
-  """fn(**args) under `jax.shard_map` over the active `sharding.use_rules` mesh (a plain call
-  outside one): XLA does not partition Pallas calls. Rows follow the `batch` rule; heads,
-  groups and time stay whole on every device."""
+def _sharded(fn, *args):
+  """fn(*args) under `jax.shard_map` over the active `sharding.use_rules` mesh (a plain call
+  outside one): XLA does not partition Pallas calls. Rows (every array's first axis) follow
+  the `batch` rule; heads, groups and time stay whole on every device."""
   active = sharding.active()
   if active is None:
-    return fn(**args)
+    return fn(*args)
   mesh, rules = active
-  batch = sharding.activation_spec(("batch",), args["x"].shape[:1], mesh, rules)[0]
-  keys = [k for k in args if args[k] is not None]
-  spec = lambda k: P(batch, *(None,) * (args[k].ndim - 1))
+  first = jax.tree.leaves(args)[0]
+  batch = sharding.activation_spec(("batch",), first.shape[:1], mesh, rules)[0]
+  specs = jax.tree.map(lambda z: P(batch), args)
+  return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=P(batch),
+                       check_vma=False)(*args)
 
-  def body(*xs):
-    return fn(**dict(args, **dict(zip(keys, xs))))
 
-  return jax.shard_map(body, mesh=mesh, in_specs=tuple(spec(k) for k in keys),
-                       out_specs=(P(batch, None, None, None), P(batch, None, None, None)),
-                       check_vma=False)(*(args[k] for k in keys))
+def _spec(T: int, H: int, G: int, chunk: int, dot_dtype, interpret, R: int, I: int, O: int,
+          warps, stages) -> Spec:
+  if interpret is None:
+    interpret = kernel_choice.target() == "cpu"
+  return Spec(max(1, min(int(chunk), T)), H // G,
+              jnp.dtype(F32 if dot_dtype is None else dot_dtype).name, bool(interpret), R, I,
+              O, int(warps), int(stages), ex2=not interpret and kernel_choice.target() == "gpu")
 
 
 def ssd_kernel(x_BTHP, a_BTH, b_BTGN, c_BTGN, *, chunk: int, h0_BHPN=None, extra=None,
@@ -391,17 +582,36 @@ def ssd_kernel(x_BTHP, a_BTH, b_BTGN, c_BTGN, *, chunk: int, h0_BHPN=None, extra
   interpret: the Pallas interpreter (default: on CPU). warps / stages: Triton's."""
   _, T, H, G = ssd._check(x_BTHP, a_BTH, b_BTGN, c_BTGN)
   a = ssd.restart_decay(a_BTH, reset_BT).astype(F32)
-  if interpret is None:
-    interpret = kernel_choice.target() == "cpu"
-  x2, b2 = (None, None) if extra is None else extra
-  if extra is not None and (x2.shape != x_BTHP.shape or b2.shape != b_BTGN.shape):
-    raise ValueError(f"extra = (x2 {x2.shape}, B2 {b2.shape}) must have x's and B's shapes "
-                     f"({x_BTHP.shape}, {b_BTGN.shape})")
-  spec = Spec(max(1, min(int(chunk), T)), H // G,
-              jnp.dtype(F32 if dot_dtype is None else dot_dtype).name, bool(interpret),
-              1 + (extra is not None), int(warps), int(stages))
-  args = dict(x=x_BTHP, a=a, b=b_BTGN, c=c_BTGN, h0=h0_BHPN, x2=x2, b2=b2)
-  return _sharded(functools.partial(_local, spec), args)
+  xs, bs = (x_BTHP,), (b_BTGN,)
+  if extra is not None:
+    x2, b2 = extra
+    if x2.shape != x_BTHP.shape or b2.shape != b_BTGN.shape:
+      raise ValueError(f"extra = (x2 {x2.shape}, B2 {b2.shape}) must have x's and B's shapes "
+                       f"({x_BTHP.shape}, {b_BTGN.shape})")
+    xs, bs = xs + (x2,), bs + (b2,)
+  spec = _spec(T, H, G, chunk, dot_dtype, interpret, len(xs), 1, 1, warps, stages)
+  row = lambda z: z[..., None, :]
+  y, final = _sharded(functools.partial(_local, spec), tuple(map(row, xs)),
+                      tuple(map(row, bs)), row(c_BTGN), a, h0_BHPN)
+  return y[:, :, :, 0], final
+
+
+def mimo_kernel(u_BTHIP, a_BTH, k_BTHIN, q_BTHON, *, chunk: int, h0_BHPN=None, reset_BT=None,
+                dot_dtype=None, interpret: bool | None = None, warps: int = 4,
+                stages: int = 2):
+  """Mamba-3's MIMO SSD through the kernels (`mamba3.mimo_chunked`'s arguments and returns:
+  y [B, T, H, O, P], h_T [B, H, P, N] fp32): its I input columns (u_i, k_i) are I input rows a
+  token, its O output columns q_o O output rows a token (module docstring; keys and queries
+  per head, G = H)."""
+  Bsz, T, H, I, Pd = u_BTHIP.shape
+  O, N = q_BTHON.shape[3], q_BTHON.shape[-1]
+  if a_BTH.shape != (Bsz, T, H) or k_BTHIN.shape != (Bsz, T, H, I, N) or \
+      q_BTHON.shape[:3] != (Bsz, T, H):
+    raise ValueError(f"MIMO SSD shapes do not fit: u {u_BTHIP.shape}, a {a_BTH.shape}, "
+                     f"k {k_BTHIN.shape}, q {q_BTHON.shape}")
+  a = ssd.restart_decay(a_BTH, reset_BT).astype(F32)
+  spec = _spec(T, H, H, chunk, dot_dtype, interpret, 1, I, O, warps, stages)
+  return _sharded(functools.partial(_local, spec), (u_BTHIP,), (k_BTHIN,), q_BTHON, a, h0_BHPN)
 
 
 def use_kernel(x_shape, b_shape, chunk: int, *, what: str) -> bool:
@@ -409,6 +619,19 @@ def use_kernel(x_shape, b_shape, chunk: int, *, what: str) -> bool:
   and these shapes fit `unsupported`; a misfit is logged once, naming `what`)."""
   return kernel_choice.ssd_kernel(lambda plat: unsupported(x_shape, b_shape, chunk, plat),
                                   what=what)
+
+
+def chunked_mimo(full: bool, x_shape, k_shape, chunk: int, *, what: str):
+  """`mimo_kernel` for a MIMO trapezoid's SSD (X [B, T, H, r, P], keys [B, T, H, r, N]: 2r
+  input columns, r outputs) when a full forward's shapes fit the kernels on a GPU / TPU
+  (`kernel_choice.ssd_kernel`), else None (the mixer keeps its XLA `mimo_chunked`)."""
+  r = x_shape[3]
+  flat = x_shape[:3] + x_shape[4:]
+  why = lambda plat: unsupported(flat, k_shape[:3] + k_shape[4:], chunk, plat, in_rows=2 * r,
+                                 out_rows=r)
+  if full and kernel_choice.ssd_kernel(why, what=what):
+    return mimo_kernel
+  return None
 
 
 def chunked_ssd(full: bool, x_shape, b_shape, chunk: int, *, what: str):

@@ -42,9 +42,9 @@ into one input of weight gamma_s + beta'_{s+1}, as the reference kernel does, re
 s + 1 for token s and cancels it again in the output: exact in algebra, but future tokens then
 reach past outputs through rounding, which the causality test detects.) The cumulative angles
 are computed per chunk and carried across chunks mod 2 pi (a scan), so they stay in range at
-any length. On a GPU / TPU a SISO full forward runs this SSD through the fused Pallas kernels
-(`kernels/ssd_chunks.py`, `extra=` alike; chosen by `ssd_chunks.chunked_ssd`); MIMO and
-decoding keep the XLA forms.
+any length. On a GPU / TPU a full forward runs this SSD through the fused Pallas kernels
+(`kernels/ssd_chunks.py`: SISO with `extra=`, chosen by `ssd_chunks.chunked_ssd`; MIMO's
+columns as rows of the same kernels, `ssd_chunks.chunked_mimo`); decoding keeps the XLA forms.
 
 Implicit attention (`Mamba3.implicit_attention`, for eval/maps.py): unrolling the trapezoid
 from a zero state, y_t = sum_{j<=t} M_tj x_j + D x_t with
@@ -297,11 +297,14 @@ def mimo_recurrent(u_BTHIP, a_BTH, k_BTHIN, q_BTHON, *, h0_BHPN=None, reset_BT=N
 
 
 def trapezoid_mimo(x_BTHRP, a_BTH, gamma_BTH, betap_BTH, k_BTHRN, q_BTHRN, *, chunk=None,
-                   h0_BHPN=None, x0_BHRP=None, k0_BHRN=None, reset_BT=None, dot_dtype=None):
+                   h0_BHPN=None, x0_BHRP=None, k0_BHRN=None, reset_BT=None, dot_dtype=None,
+                   mimo_fn=None):
   """The trapezoid with rank-r inputs X (x times w^x) and keys K: 2r input columns
   [gamma X_t ; beta X_{t-1}] with keys [K_t ; K_{t-1}], beta = beta' e^a; `chunk` None = the
   recurrence. -> (Y [B, T, H, r, P] without the D skip, h_T). `reset_BT`: documents restart
-  at these tokens (module docstring); `dot_dtype` as `ssd.ssd_chunked`'s."""
+  at these tokens (module docstring); `dot_dtype` as `ssd.ssd_chunked`'s; `mimo_fn`: the
+  chunked SSD (None: `mimo_chunked`; the fused kernels' `ssd_chunks.mimo_kernel`, same
+  arguments and returns, as `ssd_chunks.chunked_mimo` chooses)."""
   B, T, H, r, P = x_BTHRP.shape
   N = k_BTHRN.shape[-1]
   x0 = jnp.zeros((B, H, r, P), f32) if x0_BHRP is None else x0_BHRP.astype(f32)
@@ -313,8 +316,8 @@ def trapezoid_mimo(x_BTHRP, a_BTH, gamma_BTH, betap_BTH, k_BTHRN, q_BTHRN, *, ch
   k = jnp.concatenate([k_BTHRN.astype(f32), k_prev], axis=3)
   if chunk is None:
     return mimo_recurrent(u, a_BTH, k, q_BTHRN, h0_BHPN=h0_BHPN, reset_BT=reset_BT)
-  return mimo_chunked(u, a_BTH, k, q_BTHRN, chunk=chunk, h0_BHPN=h0_BHPN, reset_BT=reset_BT,
-                      dot_dtype=dot_dtype)
+  return (mimo_fn or mimo_chunked)(u, a_BTH, k, q_BTHRN, chunk=chunk, h0_BHPN=h0_BHPN,
+                                   reset_BT=reset_BT, dot_dtype=dot_dtype)
 
 
 @register_mixer("mamba3")
@@ -471,10 +474,12 @@ class Mamba3(FullForwardRemat, Mixer):
     k, q = rotate_pairs(u["b"], phi[..., None, :]), rotate_pairs(u["c"], phi[..., None, :])
     wx, wz, wo = (w[...].astype(f32) for w in (self.mimo_x, self.mimo_z, self.mimo_o))
     xr = u["x"][..., None, :] * wx                                       # [B, T, H, r, P]
+    fn = None if recurrent else ssd_chunks.chunked_mimo(
+        state is None, xr.shape, k.shape, self.opts.chunk_size, what=type(self).__name__)
     y, h = trapezoid_mimo(xr, u["a"], u["gamma"], u["betap"], k, q,
                           chunk=None if recurrent else self.opts.chunk_size, h0_BHPN=st["ssm"],
                           x0_BHRP=st["x"].astype(f32)[:, :, None] * wx, k0_BHRN=st["k"],
-                          reset_BT=reset_BT, dot_dtype=dtype_of(self.cfg.dtype))
+                          reset_BT=reset_BT, dot_dtype=dtype_of(self.cfg.dtype), mimo_fn=fn)
     y = (y + self.D[...].astype(f32)[:, None, None] * xr) * jax.nn.silu(u["z"][..., None, :] * wz)
     y = jnp.sum(y * wo, axis=3)
     return y, None if state is None else self._next_state(st, u, phi, h, k)

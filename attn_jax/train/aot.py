@@ -405,7 +405,7 @@ def compile_only_main(config: ml_collections.ConfigDict, target_names: str,
     report = compile_for_target(config, name, config_name=config_name)
     print(("\n" if i else "") + format_report(report))
     if runs_pallas_gpu_kernels(report):
-      print(census_report(config, name))
+      print(census_report(config, name, ssd=runs_ssd_kernels(report)))
     status = status if fits_somewhere(report) else 3
   return status
 
@@ -415,18 +415,34 @@ def runs_pallas_gpu_kernels(r: Report) -> bool:
   return any(p.kernels.get("Triton (Pallas GPU)") for p in r.programs)
 
 
-def census_report(config: ml_collections.ConfigDict, target_name: str) -> str:
+def runs_ssd_kernels(r: Report) -> bool:
+  """Whether a program of the report runs the fused SSD kernels (`kernels/ssd_chunks.py`)."""
+  return any("ssd_" in k for p in r.programs for k in p.kernels if k.startswith("Pallas"))
+
+
+def census_report(config: ml_collections.ConfigDict, target_name: str, ssd: bool = False) -> str:
   """The kernel census (`train/kernel_census.py`) at the config's head dim and dtype: every
   pass of the decayed-attention kernel as each mixer calls it, and JAX's own Pallas `mha`,
   compiled for the target's first device, at the config's seq_len rounded up to a multiple of
   128 (JAX's `mha` tiles). The counts are per (query, key) element: the loops' code hardly
   changes with the length, the share of tiles each loop visits does (the tiles meeting the
   diagonal, which the masked loops visit, are 32 of a pass's 272 at T 2048 and head dim 64, 4
-  of 6 at T 256: there the decayed kernel's sums read higher)."""
+  of 6 at T 256: there the decayed kernel's sums read higher). `ssd`: the fused SSD kernels'
+  census too (`kernel_census.ssd_census`), for a step that runs them."""
   m = config.model
   T = -(-config.data.seq_len // 128) * 128
   head_dim = m.d_model // m.n_heads
   passes = kernel_census.census(target_name, seq_len=T, head_dim=head_dim,
                                 dtype=jnp.dtype(m.dtype))
-  return kernel_census.format_census(
-      passes, f" ({target_name}, T {T}, head dim {head_dim}, {jnp.dtype(m.dtype).name})")
+  dtype = jnp.dtype(m.dtype).name
+  out = kernel_census.format_census(
+      passes, f" ({target_name}, T {T}, head dim {head_dim}, {dtype})")
+  if ssd:   # the SSD kernels as each Mamba mixer calls them (`ssd_census`: head dim, d_state 64)
+    ps = kernel_census.ssd_census(target_name, seq_len=T, dtype=jnp.dtype(m.dtype))
+    ratio = kernel_census.per_64_macs(ps)
+    out += "\n" + kernel_census.format_census(
+        ps, f" (SSD, {target_name}, T {T}, head dim 64, d_state 64, {dtype})",
+        kernel_census.SSD_UNIT)
+    out += "\n" + "\n".join(f"  {v:8s} {r:.2f} instructions per 64 tensor-core multiply-adds"
+                             for v, r in ratio.items())
+  return out

@@ -133,6 +133,7 @@ class KernelCode:
   instructions: int
   mma: dict[str, int]
   loops: tuple[Loop, ...]
+  ex2: int = 0          # MUFU ex2 in the whole kernel
 
 
 def _statements(body: str) -> tuple[list[str], dict[str, int]]:
@@ -254,8 +255,8 @@ def read_ptx(text: str) -> dict[str, KernelCode]:
       if b and b.group(1) in labels and labels[b.group(1)] <= i:
         spans.append((labels[b.group(1)], i))
     loops = tuple(_loop(stmts, labels, a, b) for a, b in _innermost(spans))
-    n, _, mma = _count(stmts)
-    out[m.group(1)] = KernelCode(m.group(1), threads, n, mma, loops)
+    n, ex2, mma = _count(stmts)
+    out[m.group(1)] = KernelCode(m.group(1), threads, n, mma, loops, ex2)
   return out
 
 
@@ -493,13 +494,9 @@ def _optimized():
     jax.config.update(flag, before)
 
 
-def census_of(variant: str, fn: Callable, args: tuple, device,
-              visits: dict[str, tuple[int, ...]] | None = None) -> list[Pass]:
-  """The Pallas kernels of `jax.jit(fn)(*args)` compiled for `device` (a compile-only GPU
-  device of `attn_jax.targets`), one Pass each, in program order. `visits`: {kernel name: the
-  tiles each of its innermost loops visits over the launch, in program order} (`_visits`),
-  which weight the loops of a chain (`_per_element`); a kernel absent from it has none (its
-  chains take their largest loop's figure)."""
+def compile_dump(fn: Callable, args: tuple, device):
+  """(the Pallas calls of `jax.jit(fn)(*args)`, the kernels of its PTX, their launches),
+  compiled for `device` (a compile-only GPU device) with XLA's dump into a temporary folder."""
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
   with kernel_choice.use_platform(device):
@@ -510,6 +507,17 @@ def census_of(variant: str, fn: Callable, args: tuple, device,
       jax.jit(fn, in_shardings=NamedSharding(mesh, P())).lower(*args).compile(
           {"xla_dump_to": folder})
       codes, launches = read_dump(folder)
+  return calls, codes, launches
+
+
+def census_of(variant: str, fn: Callable, args: tuple, device,
+              visits: dict[str, tuple[int, ...]] | None = None) -> list[Pass]:
+  """The Pallas kernels of `jax.jit(fn)(*args)` compiled for `device` (a compile-only GPU
+  device of `attn_jax.targets`), one Pass each, in program order. `visits`: {kernel name: the
+  tiles each of its innermost loops visits over the launch, in program order} (`_visits`),
+  which weight the loops of a chain (`_per_element`); a kernel absent from it has none (its
+  chains take their largest loop's figure)."""
+  calls, codes, launches = compile_dump(fn, args, device)
   visits = visits or {}
   out = []
   for call in calls:
@@ -629,6 +637,154 @@ def census(target: str = "h100x1", *, seq_len: int = 2048, head_dim: int = 64,
   return out
 
 
+# ---------------------------------------------------------------- the SSD kernels
+
+@dataclasses.dataclass(frozen=True)
+class SsdCall:
+  """How a mixer calls `kernels/ssd_chunks.py` (the census compiles the same call): R input
+  arrays x_i B_i^T (`ssd_kernel`), or MIMO's `rank` (2r input, r output columns:
+  `mimo_kernel`), J heads per B/C group, chunk Q."""
+  inputs: int = 1
+  rank: int = 0
+  per_group: int = 1
+  chunk: int = 64
+
+  def tile(self) -> tuple[int, int]:
+    """A chunk's [output rows, input rows] (`ssd_chunks`' L): [Q, Q], MIMO's [Q r, Q 2r]."""
+    return (self.chunk * max(1, self.rank), self.chunk * max(1, 2 * self.rank))
+
+
+SSD_HEADS = 4      # heads compiled (the loops' code is the same for more; a group's loop trips)
+SSD_VARIANTS = {
+    "Mamba-2": SsdCall(per_group=SSD_HEADS),     # one B/C group (the presets' n_groups 1)
+    "Mamba-3": SsdCall(inputs=2),                # the trapezoid's two inputs, B/C per head
+    "Mamba-3 MIMO": SsdCall(rank=4, chunk=16),   # the paper's rank 4 with chunk 64 / r
+}
+
+
+def _ssd_program(call: SsdCall, T: int, P: int, N: int, dtype):
+  """(loss, abstract args): fwd + bwd of one row of `SSD_HEADS` heads through the kernels
+  (`ssd_kernel`, or `mimo_kernel` for a rank), every input's gradient."""
+  from attn_jax.kernels import ssd_chunks
+  sds, f32, H = jax.ShapeDtypeStruct, jnp.float32, SSD_HEADS
+  a = sds((1, T, H), f32)
+  if call.rank:
+    r = call.rank
+    args = (sds((1, T, H, 2 * r, P), dtype), a, sds((1, T, H, 2 * r, N), dtype),
+            sds((1, T, H, r, N), dtype))
+    run = lambda u, a, k, q: ssd_chunks.mimo_kernel(u, a, k, q, chunk=call.chunk,
+                                                    dot_dtype=dtype)
+  else:
+    G = H // call.per_group
+    args = (sds((1, T, H, P), dtype), a, sds((1, T, G, N), dtype), sds((1, T, G, N), dtype))
+    args += (sds((1, T, H, P), dtype), sds((1, T, G, N), dtype)) * (call.inputs - 1)
+
+    def run(x, a, b, c, *extra):
+      return ssd_chunks.ssd_kernel(x, a, b, c, chunk=call.chunk, dot_dtype=dtype,
+                                   extra=tuple(extra) or None)
+
+  def loss(*z):
+    y, h = run(*z)
+    return jnp.sum(y ** 2) + jnp.sum(h)
+  return jax.grad(loss, argnums=tuple(range(len(args)))), args
+
+
+def ssd_pass(variant: str, code: KernelCode, call: PallasCall, launch: Launch | None,
+             tile: tuple[int, int]) -> Pass:
+  """One SSD kernel's figures per element of a chunk's [output rows, input rows] tile, per head
+  (`ssd_census`): its one innermost loop (a chunk or a group's head an iteration), or the
+  whole kernel where it has none (one program a chunk and head)."""
+  if len(code.loops) > 1:
+    raise ValueError(f"{code.name}: {len(code.loops)} innermost loops in the PTX; the SSD "
+                     "census counts one (a chunk or a head an iteration) or none")
+  threads = launch.threads if launch else code.threads
+  if threads is None:
+    raise ValueError(f"{code.name}: no threads per block in the PTX nor the thunk sequence")
+  per = threads / (tile[0] * tile[1])
+  if code.loops:
+    lp = code.loops[0]
+    n, ex2, mma, short = lp.instructions, lp.ex2, lp.mma, lp.shortest
+  else:
+    n, ex2, mma, short = code.instructions, code.ex2, code.mma, code.instructions
+  return Pass(variant, code.name, (tile,), call.warps, call.stages, threads,
+              launch.shared_bytes if launch else None, n * per, ex2 * per, dict(mma), code.mma,
+              short * per, (0,), (), ())
+
+
+_MNK_RE = re.compile(r"\.m(\d+)n(\d+)k(\d+)\.")
+
+
+def tensor_macs(p: Pass) -> float:
+  """Tensor-core multiply-adds per element of a one-tile pass (an SSD kernel): its loop's (or
+  kernel's) MMA instructions by shape, m n k each, a `wgmma` per warpgroup (128 threads), an
+  `mma.sync` per warp, x the warpgroups / warps, over the tile's elements."""
+  macs = 0.0
+  for op, n in p.loop_mma.items():
+    m = _MNK_RE.search(op)
+    if m is None:
+      raise ValueError(f"{p.kernel}: no m/n/k shape in MMA {op!r}")
+    per = p.threads / (128 if op.startswith("wgmma") else 32)
+    macs += n * int(m.group(1)) * int(m.group(2)) * int(m.group(3)) * per
+  (M, N), = p.tiles
+  return macs / (M * N)
+
+
+def per_64_macs(passes: Iterable[Pass]) -> dict[str, float]:
+  """{variant: its passes' instructions per element / (their tensor-core multiply-adds per
+  element / 64)}: instructions per head-dim-64 matmul's worth of MMA work (`ssd_census`)."""
+  out: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0])
+  for p in passes:
+    out[p.variant][0] += p.instructions
+    out[p.variant][1] += tensor_macs(p)
+  return {v: n / (m / 64) for v, (n, m) in out.items() if m}
+
+
+def ssd_census(target: str = "h100x1", *, seq_len: int = 2048, head_dim: int = 64,
+               d_state: int = 64, dtype=jnp.bfloat16, variants: Iterable[str] = tuple(SSD_VARIANTS),
+               progress: Callable[[str], None] | None = None) -> list[Pass]:
+  """Every kernel of the fused chunked SSD (`kernels/ssd_chunks.py`: states, scan, dstates,
+  dchunk) as each mixer calls it (`SSD_VARIANTS`), compiled for the first device of GPU
+  `target` at one row of `SSD_HEADS` heads of [seq_len, head_dim], d_state wide, with XLA's
+  dump (as `census`).
+
+  Convention: figures per element of a chunk's tile, per head: the tile is the intra-chunk
+  matrix L's [output rows, input rows], [Q, Q] (a (t, s) pair of tokens), MIMO's [Q r, Q 2r]
+  (a pair of a token's output column and a token's input column, `ssd_chunks.mimo_kernel`); a
+  kernel's instructions (and `ex2`) per thread for one chunk of one head x its threads / the
+  tile's elements. The states and dstates kernels pass the state along the chunks in one loop
+  (an iteration a chunk), dchunk loops over a group's heads (an iteration a head) when a group
+  has several (Mamba-2), so their figure is their loop's (the set-up before the loop, shared
+  by the chunks or heads, is left out, as the attention census leaves out a loop's prologue);
+  the scan (one program a chunk and head) and a dchunk of one head a group (Mamba-3) count the
+  whole kernel. The four figures summed are one element's forward and backward: comparable
+  with flash attention's per (query, key) element (a chunk's Q x Q block is a tile of the
+  causal matrix, its lower half used). `per_64_macs` divides them by the tensor-core work per
+  element (`tensor_macs`, in units of a head-dim-64 matmul's 64 multiply-adds): the SSD does
+  ~3x attention's matmul work per element (C B^T, its product with x, the states, the state
+  output, their backward products, and the split segment sums), so that ratio is the figure
+  to hold against flash attention's.
+
+  At 0f2bf8a (the kernels' first form here, T 2048, P = N = 64, bf16): Mamba-2 213.0 per
+  element (states 27.4, scan 50.5, dstates 27.5, dchunk 107.7), Mamba-3 271.4, every MMA a
+  wgmma: the per-chunk sums A, E, z were cross-lane reductions in every kernel then (~400 of
+  877 instructions of the states loop were shuffles and adds); made once in XLA since."""
+  if targets.get(target).platform != "gpu":
+    raise ValueError(f"the kernel census reads Triton's PTX: {target!r} is not a GPU target")
+  device = targets.devices(target)[0]
+  out = []
+  for name in variants:
+    if progress:
+      progress(f"kernel census: compiling the SSD kernels as {name} calls them for {target} ...")
+    call = SSD_VARIANTS[name]
+    fn, args = _ssd_program(call, seq_len, head_dim, d_state, dtype)
+    calls, codes, launches = compile_dump(fn, args, device)
+    for c in calls:
+      if c.name not in codes:
+        raise ValueError(f"{name}: Pallas call {c.name!r} has no kernel in the PTX of the dump")
+      out.append(ssd_pass(name, codes[c.name], c, launches.get(c.name), call.tile()))
+  return out
+
+
 # ---------------------------------------------------------------- reading the census
 
 @dataclasses.dataclass(frozen=True)
@@ -649,7 +805,7 @@ def totals(passes: Iterable[Pass]) -> dict[str, Total]:
 
 
 def _pass_name(kernel: str) -> str:
-  return kernel.removeprefix("decayed_")
+  return kernel.removeprefix("decayed_").removeprefix("ssd_")
 
 
 def _mma(p: Pass) -> str:
@@ -692,10 +848,13 @@ def _loops_line(p: Pass) -> str | None:
   return f"  {'':8s} {'':14s} each loop alone: {each} instr" if each else None
 
 
-def format_census(passes: list[Pass], where: str = "") -> str:
+ATTENTION_UNIT = "per (query, key) element of each pass's inner loop(s)"
+SSD_UNIT = "per (t, s) element of a chunk and head (`ssd_census`)"
+
+
+def format_census(passes: list[Pass], where: str = "", unit: str = ATTENTION_UNIT) -> str:
   """The census as lines a person reads (experiments/train.py --compile_only prints it)."""
-  lines = [f"kernel census{where}: per (query, key) element of each pass's inner loop(s) "
-           "(train/kernel_census.py)"]
+  lines = [f"kernel census{where}: {unit} (train/kernel_census.py)"]
   for p in passes:
     smem = "?" if p.shared_bytes is None else f"{p.shared_bytes / 1024:.0f} KiB"
     lines.append(f"  {p.variant:8s} {_pass_name(p.kernel):14s} {_instructions(p):>6s} instr"
