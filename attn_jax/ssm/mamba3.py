@@ -52,10 +52,11 @@ M_tj = (q_t . k_j) L_tj (gamma_j + [j<t] beta'_{j+1}), L_tj = exp(a_{j+1} + ... 
 input of token j enters h_j with gamma_j and h_{j+1} with beta'_{j+1} alpha_{j+1}.
 
 Rematerialisation, as Mamba-2's (`mamba2.remat_full_forward`): a full forward keeps only its
-inputs and the eight in-projection outputs (z, x, B, C, dt, A, lambda, theta, in the compute
-dtype, tagged `mamba2.IN_PROJ`) for the backward pass, which recomputes the B/C norms, the
-angles and rotations, the trapezoid's shifted inputs, the SSD chunk internals of both inputs
-and the gate from them (kept, those fp32 tensors made a layer's residuals ~15x larger).
+inputs and the in-projection output (z, x, B, C, dt, A, lambda, theta side by side in the
+compute dtype: one matmul, `mamba2.fused_projection`, tagged `mamba2.IN_PROJ`) for the
+backward pass, which recomputes the B/C norms, the angles and rotations, the trapezoid's
+shifted inputs, the SSD chunk internals of both inputs and the gate from them (kept, those
+fp32 tensors made a layer's residuals ~15x larger).
 
 `trapezoid_recurrent` is the explicit recurrence (lax.scan over time, the test reference) and
 the decode step is one token of it. Decoding state: angles [H, R], h [H, P, N] (fp32), and the
@@ -107,7 +108,6 @@ from typing import TYPE_CHECKING
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.ad_checkpoint import checkpoint_name
 
 from attn_jax import layers
 from attn_jax.field_checks import field_check, is_int, is_number
@@ -115,9 +115,9 @@ from attn_jax.kernels import ssd_chunks
 from attn_jax.layers import Linear, causal_positions, dtype_of, param, segmented_cumsum
 from attn_jax.mixer import Mixer, register_mixer
 from attn_jax.ssm import ssd
-from attn_jax.ssm.mamba2 import (IN_PROJ, FullForwardRemat, document_resets, dt_bias_init,
-                                 last_valid_window, projection_inits, tiny_ssd_options,
-                                 valid_mask)
+from attn_jax.ssm.mamba2 import (FullForwardRemat, document_resets, dt_bias_init,
+                                 fused_projection, last_valid_window, projection_inits,
+                                 split_last, tiny_ssd_options, valid_mask)
 
 if TYPE_CHECKING:  # annotations only: model_config imports the registry, which imports the mixers
   from attn_jax.model_config import ModelConfig
@@ -409,17 +409,24 @@ class Mamba3(FullForwardRemat, Mixer):
   def _inputs(self, x_BTD, positions_BT):
     """Per-token SSM inputs (fp32): x, a, gamma, beta', B, C (unrotated), angle increments, z."""
     valid = valid_mask(positions_BT)
-    proj = lambda lin: checkpoint_name(lin(x_BTD), IN_PROJ).astype(f32)   # kept for backward
-    dt = jax.nn.softplus(proj(self.in_dt) + self.dt_bias[...].astype(f32))
+    lins = self.in_projections()
+    z, x, b, c, dt_raw, a_raw, lam_raw, theta_raw = (   # one matmul, kept for the backward
+        p.astype(f32) for p in split_last(fused_projection(x_BTD, lins),
+                                          [lin.out_shape for lin in lins]))
+    dt = jax.nn.softplus(dt_raw + self.dt_bias[...].astype(f32))
     dt = jnp.where(valid[..., None], dt, 0.0)
-    A = jnp.minimum(-A_ACTIVATIONS[self.opts.a_activation](proj(self.in_a)), -self.opts.a_floor)
-    lam = jax.nn.sigmoid(proj(self.in_lam))
-    theta = math.pi * jnp.tanh(proj(self.in_theta))                      # [B, T, R]
-    return dict(x=proj(self.in_x), a=A * dt, gamma=lam * dt, betap=(1 - lam) * dt,
-                b=self._bc(proj(self.in_b), self.b_norm, self.b_bias),
-                c=self._bc(proj(self.in_c), self.c_norm, self.c_bias),
-                inc=theta[:, :, None, :] * dt[..., None], z=proj(self.in_z),
+    A = jnp.minimum(-A_ACTIVATIONS[self.opts.a_activation](a_raw), -self.opts.a_floor)
+    lam = jax.nn.sigmoid(lam_raw)
+    theta = math.pi * jnp.tanh(theta_raw)                                # [B, T, R]
+    return dict(x=x, a=A * dt, gamma=lam * dt, betap=(1 - lam) * dt,
+                b=self._bc(b, self.b_norm, self.b_bias), c=self._bc(c, self.c_norm, self.c_bias),
+                inc=theta[:, :, None, :] * dt[..., None], z=z,
                 n_valid=valid.sum(axis=1).astype(jnp.int32))
+
+  def in_projections(self) -> tuple:
+    """The in-projections in the fused matmul's order (`mamba2.fused_projection`)."""
+    return (self.in_z, self.in_x, self.in_b, self.in_c, self.in_dt, self.in_a, self.in_lam,
+            self.in_theta)
 
   def ssm_heads(self, x_BTD, *, positions_BT, state=None, recurrent=False, segment_ids_BT=None):
     """-> (gated head outputs [B, T, H, P] fp32, new state). `recurrent`: the scan reference.
