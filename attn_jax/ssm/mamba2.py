@@ -181,22 +181,63 @@ def causal_conv(x_BTX, w_KX, b_X, window_BWX=None, n_valid_B=None, segment_ids_B
   prev = (jnp.zeros((B, K - 1) + x_BTX.shape[2:], f32) if window_BWX is None
           else window_BWX.astype(f32))
   cat = jnp.concatenate([prev, xf], axis=1)                       # [B, K-1+T, ...]
-  w = w_KX.astype(f32)
-  if segment_ids_BT is not None:
+  same = None
+  if segment_ids_BT is not None:   # same[b, t, k]: tap k of token t is in t's document
     seg = jnp.pad(segment_ids_BT, ((0, 0), (K - 1, 0)), mode="edge")   # t < 0 reads 0 anyway
-
-  def tap(k):   # x_{t-(K-1-k)} for every t; 0 where that token is in another document
-    x_k = cat[:, k:k + T]
-    if segment_ids_BT is None or k == K - 1:
-      return x_k
-    same = seg[:, k:k + T] == segment_ids_BT
-    return jnp.where(same.reshape((B, T) + (1,) * (xf.ndim - 2)), x_k, 0.0)
-
-  y = b_X.astype(f32) + sum(w[k] * tap(k) for k in range(K))
+    same = jnp.stack([seg[:, k:k + T] == segment_ids_BT for k in range(K)], axis=-1)
+  y = _tap_sum(cat, w_KX.astype(f32), b_X.astype(f32), same)
   new_window = None
   if window_BWX is not None:
     new_window = last_valid_window(window_BWX, x_BTX, n_valid_B).astype(window_BWX.dtype)
   return y, new_window
+
+
+def _taps(cat_BSX, same_BTK, K: int) -> list[jax.Array]:
+  """x_{t-(K-1-k)} for every t, k < K (the windows of `cat`, [B, K-1+T, X...]); 0 where that
+  token is in another document (`same` False; the last tap is the token itself)."""
+  T = cat_BSX.shape[1] - K + 1
+  out = []
+  for k in range(K):
+    x_k = cat_BSX[:, k:k + T]
+    if same_BTK is not None and k < K - 1:
+      keep = same_BTK[:, :, k].reshape(same_BTK.shape[:2] + (1,) * (cat_BSX.ndim - 2))
+      x_k = jnp.where(keep, x_k, 0.0)
+    out.append(x_k)
+  return out
+
+
+@jax.custom_vjp
+def _tap_sum(cat_BSX, w_KX, b_X, same_BTK):
+  """y_t = b + sum_k w_k tap_k(t) (`_taps`), with the VJP written out (`_tap_sum_bwd`)."""
+  return _tap_sum_fwd(cat_BSX, w_KX, b_X, same_BTK)[0]
+
+
+def _tap_sum_fwd(cat_BSX, w_KX, b_X, same_BTK):
+  K = w_KX.shape[0]
+  y = b_X + sum(w_KX[k] * u for k, u in enumerate(_taps(cat_BSX, same_BTK, K)))
+  return y, (cat_BSX, w_KX, same_BTK)
+
+
+def _tap_sum_bwd(res, g_BTX):
+  """dcat = sum_k (g w_k, masked) placed at tap k's window; (dw_k, db) = sum over rows and
+  time of g tap_k and of g: one reduction over the K taps and the bias stacked, where
+  autodiff's gave one per tap and one for the bias (each a kernel on a GPU)."""
+  cat, w, same = res
+  K = w.shape[0]
+  taps = _taps(cat, same, K)
+  dwb = jnp.sum(g_BTX[:, :, None] * jnp.stack(taps + [jnp.ones_like(g_BTX)], axis=2),
+                axis=(0, 1))
+  tail = [(0, 0)] * (cat.ndim - 2)
+  dcat = 0.0
+  for k in range(K):
+    d = g_BTX * w[k]
+    if same is not None and k < K - 1:
+      d = jnp.where(same[:, :, k].reshape(same.shape[:2] + (1,) * len(tail)), d, 0.0)
+    dcat = dcat + jnp.pad(d, [(0, 0), (k, K - 1 - k)] + tail)
+  return dcat, dwb[:K], dwb[K], None
+
+
+_tap_sum.defvjp(_tap_sum_fwd, _tap_sum_bwd)
 
 
 class CausalConv(nnx.Module):
