@@ -3,6 +3,8 @@ forward keeps only its in-projection outputs for the backward pass, so the SSD's
 internals are never held across layers and a stack of Mamba-2 layers needs no more activation
 memory than a Transformer of the same width and depth."""
 
+import math
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -20,7 +22,12 @@ from attn_jax.ssm.mamba3 import Mamba3
 CFG = ModelConfig(d_model=32, n_heads=4, n_layers=2, d_ff=64, vocab_size=64, dtype="bfloat16",
                   attention_impl="xla")
 B, T = 2, 16
-IN_PROJECTIONS = {"mamba2": 5, "mamba3": 8}   # z, x, B, C, dt (+ A, lambda, theta)
+
+
+def _in_width(layer) -> int:
+  """The fused in-projection's output width: z, x, B, C, dt (+ A, lambda, theta) side by side
+  (`mamba2.fused_projection`)."""
+  return sum(math.prod(lin.out_shape) for lin in layer.in_projections())
 
 
 def _layer(cls):
@@ -50,22 +57,23 @@ def _named(kept):
 @pytest.mark.parametrize("name,cls", [("mamba2", Mamba2), ("mamba3", Mamba3)])
 def test_full_forward_keeps_only_the_in_projections(name, cls):
   """Every float a full forward keeps for the backward is an in-projection output, in bf16."""
-  kept = _kept(_full_forward, _layer(cls))
+  layer = _layer(cls)
+  kept = _kept(_full_forward, layer)
   assert kept and all(f"named '{IN_PROJ}'" in why for _, why in kept), kept
-  assert len(kept) == IN_PROJECTIONS[name]
+  assert [a.shape for a, _ in kept] == [(B, T, _in_width(layer))], (name, kept)   # one matmul's
   assert all(a.dtype == jnp.bfloat16 for a, _ in kept), kept
 
 
 def test_hybrid_heads_keep_the_attention_branch_and_the_in_projections():
   """The head-fusion layer keeps what its attention branch alone keeps plus the SSM branch's
-  five in-projection outputs, nothing of the SSD."""
+  in-projection output (its five projections as one), nothing of the SSD."""
   layer = _layer(HybridHeads)
   kept = _kept(_full_forward, layer)
 
   def attention_branch(m, x):
     return m._attention(x, causal_positions(B, T), None, plain=True)[0]
   attn = _kept(attention_branch, layer)
-  assert len(_named(kept)) == IN_PROJECTIONS["mamba2"]
+  assert [a.shape for a in _named(kept)] == [(B, T, _in_width(layer.ssm))]
   assert sorted(str(a) for a, _ in kept) == sorted(
       [str(a) for a, _ in attn] + [str(a) for a in _named(kept)]), (kept, attn)
 

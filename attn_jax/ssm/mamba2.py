@@ -26,16 +26,18 @@ Weight decay (`layers.PARAM_KINDS`): projection and conv kernels only; conv bias
 `_no_weight_decay` (and exempts biases by name). `proj_init="normal"` is the Transformer's
 N(0, init_std) instead, kept as an ablation. The in-projection is kept as five
 Linears (z, x, B, C, dt) so each has its own logical axes; it is the same parameter count as
-the fused one.
+the fused one, and it runs as one matmul, their kernels concatenated at call time
+(`fused_projection`), as the conv runs once over the adjacent x, B, C channels (`fused_conv`):
+one kernel launch each where there were five and three, forward and backward.
 
 Training uses the chunked SSD: on a GPU / TPU the fused Pallas kernels (`kernels/ssd_chunks.py`,
 chosen by `ssd_chunks.chunked_ssd` in a full forward), else `ssd.ssd_chunked`.
 Rematerialisation: a full forward (no decoding state) runs under `jax.checkpoint`
-(`remat_full_forward`, whatever `cfg.remat` says) saving only its inputs and the five
-in-projection outputs (z, x, B, C, dt_raw in the compute dtype, tagged `IN_PROJ`): the backward
-pass recomputes the conv, SiLU, dt, the SSD's chunk internals (segment decays L [Q, Q] per
-chunk and head, C B^T, the chunk states and the states entering each chunk) and the gated norm
-from them, as state-spaces/mamba's fused kernel
+(`remat_full_forward`, whatever `cfg.remat` says) saving only its inputs and the fused
+in-projection's output (z, x, B, C, dt_raw side by side in the compute dtype, tagged
+`IN_PROJ`): the backward pass recomputes the conv, SiLU, dt, the SSD's chunk internals
+(segment decays L [Q, Q] per chunk and head, C B^T, the chunk states and the states entering
+each chunk) and the gated norm from them, as state-spaces/mamba's fused kernel
 (`mamba_split_conv1d_scan_combined`) does. Saved, those fp32 internals are about 27 tensors
 the size of x in fp32 per layer, which kept across a stack of layers made Mamba-2's train-step
 temporaries ~3.5x a Transformer's of the same size; the in-projections are 2 (2 d_inner +
@@ -90,6 +92,7 @@ f32 = jnp.float32
 # The checkpoint name of the in-projection outputs: the only values a full forward's backward
 # pass keeps (`remat_full_forward`, module docstring).
 IN_PROJ = "ssm_in_proj"
+CONV_STATE = ("conv_x", "conv_b", "conv_c")   # Mamba-2's conv windows in the decoding state
 
 
 # ----------------------------------------------------------------------- shared pieces
@@ -166,8 +169,79 @@ def tiny_ssd_options(options):
   return dataclasses.replace(options, d_state=8, head_dim=8, chunk_size=4)
 
 
+def causal_conv(x_BTX, w_KX, b_X, window_BWX=None, n_valid_B=None, segment_ids_BT=None):
+  """Depthwise causal conv over time with bias, y_t = b + sum_k w_k x_{t-K+1+k}, channels
+  [X...] (any trailing shape, `w_KX` [K, X...], `b_X` [X...]) -> (y_BTX fp32, new window or
+  None). window = the last K-1 inputs before x; `segment_ids_BT` (packed rows, no window): a
+  tap reaching into another document reads 0. Per channel, so the conv of several channel
+  groups concatenated is the concatenation of their convs, entry for entry."""
+  K = w_KX.shape[0]
+  B, T = x_BTX.shape[:2]
+  xf = x_BTX.astype(f32)
+  prev = (jnp.zeros((B, K - 1) + x_BTX.shape[2:], f32) if window_BWX is None
+          else window_BWX.astype(f32))
+  cat = jnp.concatenate([prev, xf], axis=1)                       # [B, K-1+T, ...]
+  same = None
+  if segment_ids_BT is not None:   # same[b, t, k]: tap k of token t is in t's document
+    seg = jnp.pad(segment_ids_BT, ((0, 0), (K - 1, 0)), mode="edge")   # t < 0 reads 0 anyway
+    same = jnp.stack([seg[:, k:k + T] == segment_ids_BT for k in range(K)], axis=-1)
+  y = _tap_sum(cat, w_KX.astype(f32), b_X.astype(f32), same)
+  new_window = None
+  if window_BWX is not None:
+    new_window = last_valid_window(window_BWX, x_BTX, n_valid_B).astype(window_BWX.dtype)
+  return y, new_window
+
+
+def _taps(cat_BSX, same_BTK, K: int) -> list[jax.Array]:
+  """x_{t-(K-1-k)} for every t, k < K (the windows of `cat`, [B, K-1+T, X...]); 0 where that
+  token is in another document (`same` False; the last tap is the token itself)."""
+  T = cat_BSX.shape[1] - K + 1
+  out = []
+  for k in range(K):
+    x_k = cat_BSX[:, k:k + T]
+    if same_BTK is not None and k < K - 1:
+      keep = same_BTK[:, :, k].reshape(same_BTK.shape[:2] + (1,) * (cat_BSX.ndim - 2))
+      x_k = jnp.where(keep, x_k, 0.0)
+    out.append(x_k)
+  return out
+
+
+@jax.custom_vjp
+def _tap_sum(cat_BSX, w_KX, b_X, same_BTK):
+  """y_t = b + sum_k w_k tap_k(t) (`_taps`), with the VJP written out (`_tap_sum_bwd`)."""
+  return _tap_sum_fwd(cat_BSX, w_KX, b_X, same_BTK)[0]
+
+
+def _tap_sum_fwd(cat_BSX, w_KX, b_X, same_BTK):
+  K = w_KX.shape[0]
+  y = b_X + sum(w_KX[k] * u for k, u in enumerate(_taps(cat_BSX, same_BTK, K)))
+  return y, (cat_BSX, w_KX, same_BTK)
+
+
+def _tap_sum_bwd(res, g_BTX):
+  """dcat = sum_k (g w_k, masked) placed at tap k's window; (dw_k, db) = sum over rows and
+  time of g tap_k and of g: one reduction over the K taps and the bias stacked, where
+  autodiff's gave one per tap and one for the bias (each a kernel on a GPU)."""
+  cat, w, same = res
+  K = w.shape[0]
+  taps = _taps(cat, same, K)
+  dwb = jnp.sum(g_BTX[:, :, None] * jnp.stack(taps + [jnp.ones_like(g_BTX)], axis=2),
+                axis=(0, 1))
+  tail = [(0, 0)] * (cat.ndim - 2)
+  dcat = 0.0
+  for k in range(K):
+    d = g_BTX * w[k]
+    if same is not None and k < K - 1:
+      d = jnp.where(same[:, :, k].reshape(same.shape[:2] + (1,) * len(tail)), d, 0.0)
+    dcat = dcat + jnp.pad(d, [(0, 0), (k, K - 1 - k)] + tail)
+  return dcat, dwb[:K], dwb[K], None
+
+
+_tap_sum.defvjp(_tap_sum_fwd, _tap_sum_bwd)
+
+
 class CausalConv(nnx.Module):
-  """Depthwise causal conv over time with bias: y_t = b + sum_k w_k x_{t-K+1+k}.
+  """Depthwise causal conv over time with bias (`causal_conv`).
 
   Channels have shape `channels` (e.g. (H, P)) with logical axes `axes`. PyTorch's Conv1d init
   (uniform +-1/sqrt(fan_in), fan_in = width for a depthwise conv), as Mamba uses.
@@ -181,30 +255,62 @@ class CausalConv(nnx.Module):
     self.bias = param(rngs, uniform_init(-bound, bound), channels, tuple(axes), kind="bias")
 
   def __call__(self, x_BTX: jax.Array, window_BWX=None, n_valid_B=None, segment_ids_BT=None):
-    """-> (y_BTX fp32, new window or None). window = the last width-1 inputs before x.
-    `segment_ids_BT` (packed rows, no window): a tap reaching into another document reads 0."""
-    K = self.width
-    B, T = x_BTX.shape[:2]
-    xf = x_BTX.astype(f32)
-    prev = (jnp.zeros((B, K - 1) + x_BTX.shape[2:], f32) if window_BWX is None
-            else window_BWX.astype(f32))
-    cat = jnp.concatenate([prev, xf], axis=1)                       # [B, K-1+T, ...]
-    w = self.kernel[...].astype(f32)
-    if segment_ids_BT is not None:
-      seg = jnp.pad(segment_ids_BT, ((0, 0), (K - 1, 0)), mode="edge")   # t < 0 reads 0 anyway
+    """-> (y_BTX fp32, new window or None) (`causal_conv`)."""
+    return causal_conv(x_BTX, self.kernel[...], self.bias[...], window_BWX, n_valid_B,
+                       segment_ids_BT)
 
-    def tap(k):   # x_{t-(K-1-k)} for every t; 0 where that token is in another document
-      x_k = cat[:, k:k + T]
-      if segment_ids_BT is None or k == K - 1:
-        return x_k
-      same = seg[:, k:k + T] == segment_ids_BT
-      return jnp.where(same.reshape((B, T) + (1,) * (xf.ndim - 2)), x_k, 0.0)
 
-    y = self.bias[...].astype(f32) + sum(w[k] * tap(k) for k in range(K))
-    new_window = None
-    if window_BWX is not None:
-      new_window = last_valid_window(window_BWX, x_BTX, n_valid_B).astype(window_BWX.dtype)
-    return y, new_window
+def fused_projection(x_BTD: jax.Array, linears) -> jax.Array:
+  """The outputs of several `Linear`s of one input as one matmul, [B, T, sum_i M_i] (each
+  Linear's outputs flattened, in the order given; `split_last`), tagged `IN_PROJ`:
+
+      x W_1, ..., x W_n  =  x [W_1 | ... | W_n]
+
+  column for column the same dot products, so the same values; one kernel (and one saved
+  residual, one weight-gradient matmul and one input-gradient matmul in the backward) where
+  there were n. The kernels are concatenated at call time, so the parameters stay one per
+  projection, each with its own logical axes (the checkpoints and the pretrained conversions
+  name them). Their output axes are concatenated, so a sharding of one projection's outputs
+  (heads over a `tensor` axis) does not carry to the fused one: the SSD kernels keep heads
+  whole on each device anyway (`ssd_chunks._sharded`)."""
+  first = linears[0]
+  if any(lin.in_shape != first.in_shape or lin.dtype != first.dtype for lin in linears):
+    raise ValueError("fused_projection: the Linears must share their input shape and dtype")
+  k = math.prod(first.in_shape)
+  lead = x_BTD.shape[:x_BTD.ndim - len(first.in_shape)]
+  w_KM = jnp.concatenate([lin.kernel[...].astype(first.dtype).reshape(k, -1) for lin in linears],
+                         axis=1)
+  y_NM = jnp.dot(x_BTD.astype(first.dtype).reshape(-1, k), w_KM)
+  return checkpoint_name(y_NM.reshape(lead + (w_KM.shape[1],)), IN_PROJ)
+
+
+def split_last(y_BTM: jax.Array, shapes) -> list[jax.Array]:
+  """`y`'s last axis cut into consecutive parts of these shapes (their sizes' sum)."""
+  out, start = [], 0
+  for shape in shapes:
+    n = math.prod(shape)
+    out.append(y_BTM[..., start:start + n].reshape(y_BTM.shape[:-1] + tuple(shape)))
+    start += n
+  if start != y_BTM.shape[-1]:
+    raise ValueError(f"split_last: parts of {start} entries for an axis of {y_BTM.shape[-1]}")
+  return out
+
+
+def fused_conv(convs, x_BTX: jax.Array, windows, n_valid_B, segment_ids_BT=None):
+  """The `CausalConv`s `convs` over consecutive channel groups of x [B, T, sum of their
+  channels (flattened)] as one conv (`causal_conv` is per channel); `windows`: each conv's
+  window [B, K-1, its channels] or None. -> (y [B, T, X] fp32, the new windows or None)."""
+  K = convs[0].width
+  flat = lambda a, lead: a.reshape(lead + (-1,))
+  w_KX = jnp.concatenate([flat(c.kernel[...], (K,)) for c in convs], axis=1)
+  b_X = jnp.concatenate([c.bias[...].reshape(-1) for c in convs])
+  window = None
+  if windows is not None:
+    window = jnp.concatenate([flat(w, w.shape[:2]) for w in windows], axis=-1)
+  y, new = causal_conv(x_BTX, w_KX, b_X, window, n_valid_B, segment_ids_BT)
+  if new is not None:
+    new = split_last(new, [w.shape[2:] for w in windows])
+  return y, new
 
 
 # ----------------------------------------------------------------------- the mixer
@@ -285,6 +391,11 @@ class Mamba2(FullForwardRemat, Mixer):
     kw.update(proj_out)   # the rescaled residual init (projection_inits)
     self.out = Linear((H, P), (D,), in_axes=("heads", "head_dim"), out_axes=("embed",), **kw)
 
+  def in_projections(self) -> tuple:
+    """The in-projections in the fused matmul's order (z, x, B, C, dt: x, B, C adjacent, the
+    conv's channels; `fused_projection`)."""
+    return (self.in_z, self.in_x, self.in_b, self.in_c, self.in_dt)
+
   # -------------------------------------------------------------- pieces reused by hybrids
   def ssm_heads(self, x_BTD, *, positions_BT, state=None, segment_ids_BT=None):
     """-> (gated-normed head outputs [B, T, H, P] in the compute dtype, new state).
@@ -293,14 +404,14 @@ class Mamba2(FullForwardRemat, Mixer):
     reset = document_resets(segment_ids_BT, state, type(self).__name__)
     valid = valid_mask(positions_BT)
     n_valid = valid.sum(axis=1).astype(jnp.int32)
-    st = state or {}
-    proj = lambda lin: checkpoint_name(lin(x_BTD), IN_PROJ)         # kept for the backward
-    z = proj(self.in_z)
-    xs, w_x = self.conv_x(proj(self.in_x), st.get("conv_x"), n_valid, segment_ids_BT)
-    bs, w_b = self.conv_b(proj(self.in_b), st.get("conv_b"), n_valid, segment_ids_BT)
-    cs, w_c = self.conv_c(proj(self.in_c), st.get("conv_c"), n_valid, segment_ids_BT)
-    xs, bs, cs = jax.nn.silu(xs), jax.nn.silu(bs), jax.nn.silu(cs)
-    dt = jax.nn.softplus(proj(self.in_dt).astype(f32) + self.dt_bias[...].astype(f32))
+    H, P, N, G = self.H, self.P, self.N, self.G
+    z, xbc, dt_raw = split_last(fused_projection(x_BTD, self.in_projections()),
+                                [(H, P), (H * P + 2 * G * N,), (H,)])   # kept for the backward
+    windows = None if state is None else [state[k] for k in CONV_STATE]
+    xbc, new_windows = fused_conv((self.conv_x, self.conv_b, self.conv_c), xbc, windows,
+                                  n_valid, segment_ids_BT)
+    xs, bs, cs = split_last(jax.nn.silu(xbc), [(H, P), (G, N), (G, N)])
+    dt = jax.nn.softplus(dt_raw.astype(f32) + self.dt_bias[...].astype(f32))
     dt = jnp.where(valid[..., None], dt, 0.0)                      # padding: state unchanged
     a = -jnp.exp(self.A_log[...].astype(f32)) * dt                 # [B, T, H], <= 0
     x_in = xs * dt[..., None]
@@ -321,7 +432,7 @@ class Mamba2(FullForwardRemat, Mixer):
     y = yg.reshape(y.shape) * self.norm_scale[...].astype(f32)
     new_state = None
     if state is not None:
-      new_state = {"conv_x": w_x, "conv_b": w_b, "conv_c": w_c, "ssm": h}
+      new_state = dict(zip(CONV_STATE, new_windows), ssm=h)
     return y.astype(dtype_of(cfg.dtype)), new_state
 
   def implicit_attention(self, x_BTD) -> dict:

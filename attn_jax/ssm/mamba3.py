@@ -52,10 +52,11 @@ M_tj = (q_t . k_j) L_tj (gamma_j + [j<t] beta'_{j+1}), L_tj = exp(a_{j+1} + ... 
 input of token j enters h_j with gamma_j and h_{j+1} with beta'_{j+1} alpha_{j+1}.
 
 Rematerialisation, as Mamba-2's (`mamba2.remat_full_forward`): a full forward keeps only its
-inputs and the eight in-projection outputs (z, x, B, C, dt, A, lambda, theta, in the compute
-dtype, tagged `mamba2.IN_PROJ`) for the backward pass, which recomputes the B/C norms, the
-angles and rotations, the trapezoid's shifted inputs, the SSD chunk internals of both inputs
-and the gate from them (kept, those fp32 tensors made a layer's residuals ~15x larger).
+inputs and the in-projection output (z, x, B, C, dt, A, lambda, theta side by side in the
+compute dtype: one matmul, `mamba2.fused_projection`, tagged `mamba2.IN_PROJ`) for the
+backward pass, which recomputes the B/C norms, the angles and rotations, the trapezoid's
+shifted inputs, the SSD chunk internals of both inputs and the gate from them (kept, those
+fp32 tensors made a layer's residuals ~15x larger).
 
 `trapezoid_recurrent` is the explicit recurrence (lax.scan over time, the test reference) and
 the decode step is one token of it. Decoding state: angles [H, R], h [H, P, N] (fp32), and the
@@ -107,7 +108,6 @@ from typing import TYPE_CHECKING
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.ad_checkpoint import checkpoint_name
 
 from attn_jax import layers
 from attn_jax.field_checks import field_check, is_int, is_number
@@ -115,9 +115,9 @@ from attn_jax.kernels import ssd_chunks
 from attn_jax.layers import Linear, causal_positions, dtype_of, param, segmented_cumsum
 from attn_jax.mixer import Mixer, register_mixer
 from attn_jax.ssm import ssd
-from attn_jax.ssm.mamba2 import (IN_PROJ, FullForwardRemat, document_resets, dt_bias_init,
-                                 last_valid_window, projection_inits, tiny_ssd_options,
-                                 valid_mask)
+from attn_jax.ssm.mamba2 import (FullForwardRemat, document_resets, dt_bias_init,
+                                 fused_projection, last_valid_window, projection_inits,
+                                 split_last, tiny_ssd_options, valid_mask)
 
 if TYPE_CHECKING:  # annotations only: model_config imports the registry, which imports the mixers
   from attn_jax.model_config import ModelConfig
@@ -402,27 +402,49 @@ class Mamba3(FullForwardRemat, Mixer):
                             ("heads", None, "head_dim"), kind="scalar")
     self.mimo_x, self.mimo_z, self.mimo_o = const(1.0 / r), const(1.0), const(1.0 / r)
 
-  def _bc(self, u_BTGN, scale, bias):
-    u = u_BTGN.astype(f32)
+  def _bc(self, u_BT2GX):
+    """B and C side by side ([B, T, 2, G, (r,) N]: the fused projection's adjacent parts) ->
+    [B, T, 2, H, (r,) N]: each column RMS-normed over N with its own scale (b_norm, c_norm),
+    repeated from groups to heads, plus its per-head bias (b_bias, c_bias). One pass for both,
+    each entry as B's and C's own."""
+    u = u_BT2GX.astype(f32)
     u = u * jax.lax.rsqrt(jnp.mean(u * u, axis=-1, keepdims=True) + self.cfg.norm_eps)
-    u = u * scale[...].astype(f32)
-    u = jnp.repeat(u, self.H // self.G, axis=2)                  # group -> heads
-    return u + bias[...].astype(f32)
+    pair = lambda b, c: jnp.stack([b[...].astype(f32), c[...].astype(f32)])
+    scale = pair(self.b_norm, self.c_norm)                       # [2, N]
+    u = u * scale.reshape((2,) + (1,) * (u.ndim - 4) + scale.shape[1:])
+    u = jnp.repeat(u, self.H // self.G, axis=3)                  # group -> heads
+    return u + pair(self.b_bias, self.c_bias)                    # [2, H, (r,) N]
 
   def _inputs(self, x_BTD, positions_BT):
-    """Per-token SSM inputs (fp32): x, a, gamma, beta', B, C (unrotated), angle increments, z."""
+    """Per-token SSM inputs (fp32): x, a, gamma, beta', B and C (unrotated, side by side on
+    axis 2: "bc"), angle increments, z."""
     valid = valid_mask(positions_BT)
-    proj = lambda lin: checkpoint_name(lin(x_BTD), IN_PROJ).astype(f32)   # kept for backward
-    dt = jax.nn.softplus(proj(self.in_dt) + self.dt_bias[...].astype(f32))
+    lins = self.in_projections()
+    shapes = [lin.out_shape for lin in lins]
+    shapes[2:4] = [(2,) + shapes[2]]                             # B, C adjacent, one array
+    z, x, bc, dt_raw, a_raw, lam_raw, theta_raw = (   # one matmul, kept for the backward
+        p.astype(f32) for p in split_last(fused_projection(x_BTD, lins), shapes))
+    dt = jax.nn.softplus(dt_raw + self.dt_bias[...].astype(f32))
     dt = jnp.where(valid[..., None], dt, 0.0)
-    A = jnp.minimum(-A_ACTIVATIONS[self.opts.a_activation](proj(self.in_a)), -self.opts.a_floor)
-    lam = jax.nn.sigmoid(proj(self.in_lam))
-    theta = math.pi * jnp.tanh(proj(self.in_theta))                      # [B, T, R]
-    return dict(x=proj(self.in_x), a=A * dt, gamma=lam * dt, betap=(1 - lam) * dt,
-                b=self._bc(proj(self.in_b), self.b_norm, self.b_bias),
-                c=self._bc(proj(self.in_c), self.c_norm, self.c_bias),
-                inc=theta[:, :, None, :] * dt[..., None], z=proj(self.in_z),
+    A = jnp.minimum(-A_ACTIVATIONS[self.opts.a_activation](a_raw), -self.opts.a_floor)
+    lam = jax.nn.sigmoid(lam_raw)
+    theta = math.pi * jnp.tanh(theta_raw)                                # [B, T, R]
+    return dict(x=x, a=A * dt, gamma=lam * dt, betap=(1 - lam) * dt, bc=self._bc(bc),
+                inc=theta[:, :, None, :] * dt[..., None], z=z,
                 n_valid=valid.sum(axis=1).astype(jnp.int32))
+
+  def _rotated(self, u, phi_BTHR):
+    """(k, q): B and C rotated by the angles, both in one pass."""
+    ang = phi_BTHR[:, :, None]                                   # [B, T, 1, H, R]
+    if self.opts.mimo_rank:
+      ang = ang[..., None, :]                                    # [B, T, 1, H, 1, R]
+    kq = rotate_pairs(u["bc"], ang)
+    return kq[:, :, 0], kq[:, :, 1]
+
+  def in_projections(self) -> tuple:
+    """The in-projections in the fused matmul's order (`mamba2.fused_projection`)."""
+    return (self.in_z, self.in_x, self.in_b, self.in_c, self.in_dt, self.in_a, self.in_lam,
+            self.in_theta)
 
   def ssm_heads(self, x_BTD, *, positions_BT, state=None, recurrent=False, segment_ids_BT=None):
     """-> (gated head outputs [B, T, H, P] fp32, new state). `recurrent`: the scan reference.
@@ -436,7 +458,7 @@ class Mamba3(FullForwardRemat, Mixer):
     st = state if state is not None else self.init_state(self.cfg, self.opts, B, 0, f32)
     recurrent = recurrent or (state is not None and T == 1)     # decode step: the recurrence
     phi = self._angles(u, st, recurrent, reset)
-    k, q = rotate_pairs(u["b"], phi), rotate_pairs(u["c"], phi)
+    k, q = self._rotated(u, phi)
     carried = dict(h0_BHPN=st["ssm"], x0_BHP=st["x"].astype(f32), k0_BHN=st["k"].astype(f32),
                    reset_BT=reset)
     args = (u["x"], u["a"], u["gamma"], u["betap"], k, q)
@@ -466,12 +488,12 @@ class Mamba3(FullForwardRemat, Mixer):
 
   def _mimo_heads(self, x_BTD, *, positions_BT, state=None, recurrent=False, reset_BT=None):
     """`ssm_heads` with rank-r inputs and outputs (module docstring); same returns."""
-    u = self._inputs(x_BTD, positions_BT)                 # b, c: [B, T, H, r, N]
+    u = self._inputs(x_BTD, positions_BT)                 # bc: [B, T, 2, H, r, N]
     B, T = x_BTD.shape[:2]
     st = state if state is not None else self.init_state(self.cfg, self.opts, B, 0, f32)
     recurrent = recurrent or (state is not None and T == 1)
     phi = self._angles(u, st, recurrent, reset_BT)
-    k, q = rotate_pairs(u["b"], phi[..., None, :]), rotate_pairs(u["c"], phi[..., None, :])
+    k, q = self._rotated(u, phi)
     wx, wz, wo = (w[...].astype(f32) for w in (self.mimo_x, self.mimo_z, self.mimo_o))
     xr = u["x"][..., None, :] * wx                                       # [B, T, H, r, P]
     fn = None if recurrent else ssd_chunks.chunked_mimo(
@@ -499,8 +521,7 @@ class Mamba3(FullForwardRemat, Mixer):
     u = self._inputs(x_BTD, causal_positions(B, T))
     phi = self._angles(u, self.init_state(self.cfg, self.opts, B, 0, f32), recurrent=False)
     r = self.opts.mimo_rank
-    ang = phi[..., None, :] if r else phi
-    k, q = rotate_pairs(u["b"], ang), rotate_pairs(u["c"], ang)
+    k, q = self._rotated(u, phi)
     mask = jnp.arange(T)[:, None] >= jnp.arange(T)[None, :]
     A = jnp.cumsum(u["a"], axis=1).transpose(0, 2, 1)                  # [B, H, T]
     L = jnp.exp(jnp.where(mask, A[..., :, None] - A[..., None, :], -jnp.inf))
