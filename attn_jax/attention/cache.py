@@ -188,15 +188,34 @@ class KVCache:
     valid_BT = positions_BT >= 0
     n_BT = self.ptr[:, None] + jnp.cumsum(valid_BT, axis=1, dtype=jnp.int32) - 1
     slot_BT = jnp.where(valid_BT, self.policy.slot_of(n_BT, S), S)   # out of range: dropped
+    if B == 1 and T == 1:   # one slot: an in-place dynamic-update-slice (`_put_one`)
+      put = lambda buf, new: _put_one(buf, new, slot_BT[0, 0], 1)
+      put_kv = lambda buf, new: _put_one(buf, jnp.swapaxes(new, 1, 2), slot_BT[0, 0], 2)
+      return self._written(put, put_kv, k_BTKD, v_BTKD, positions_BT, valid_BT, extra, kx_BTKE)
     rows_BT = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
     put = lambda buf, new: buf.at[rows_BT, slot_BT].set(new.astype(buf.dtype), mode="drop")
     # head-major k / v: the indexed axes 0 and 2 come first in the update ([B, T, K, D])
     put_kv = lambda buf, new: buf.at[rows_BT, :, slot_BT].set(new.astype(buf.dtype), mode="drop")
+    return self._written(put, put_kv, k_BTKD, v_BTKD, positions_BT, valid_BT, extra, kx_BTKE)
+
+  def _written(self, put, put_kv, k_BTKD, v_BTKD, positions_BT, valid_BT, extra, kx_BTKE):
     return self.replace(
         k=put_kv(self.k, k_BTKD), v=put_kv(self.v, v_BTKD), pos=put(self.pos, positions_BT),
         ptr=self.ptr + jnp.sum(valid_BT, axis=1, dtype=jnp.int32),
         extra=self.extra if extra is None else jax.tree.map(put, self.extra, extra),
         kx=self.kx if kx_BTKE is None else put_kv(self.kx, kx_BTKE), fresh=False)
+
+
+def _put_one(buf: jax.Array, new: jax.Array, slot, axis: int) -> jax.Array:
+  """`buf` (batch 1) with `new` (one token: size 1 along `axis`, the slot axis) at `slot`, or
+  unchanged when slot is out of range (padding, a full `Linear` cache): the slice at the
+  clamped slot is read, selected and written back at the same index, which XLA does in place
+  in one kernel (the scatter's drop semantics, without a scatter)."""
+  S = buf.shape[axis]
+  idx = [jnp.zeros((), jnp.int32)] * buf.ndim
+  idx[axis] = jnp.minimum(slot, S - 1).astype(jnp.int32)
+  old = jax.lax.dynamic_slice(buf, idx, new.shape)
+  return jax.lax.dynamic_update_slice(buf, jnp.where(slot < S, new.astype(buf.dtype), old), idx)
 
 
 def as_fresh(state: Any, fresh: bool = True) -> Any:
@@ -331,12 +350,7 @@ def _attend(cache, q_BTHD, k_BTKD, v_BTKV, positions_BT, scale, q_sink_BTHD, wid
     bias = new if bias is None else bias + new
   if cached:
     s = jnp.concatenate([_cache_scores(cache, q_BTHD, q_sink_BTHD, widen, f), s], axis=-1)
-    mask_pos = cache.pos
-    if n:
-      _, _, first = pol.frame(positions_BT)
-      mask_pos = jnp.where((jnp.arange(S) < n)[None, :] & (mask_pos >= 0), first[:, None],
-                           mask_pos)
-    kv_pos = jnp.concatenate([mask_pos, kv_pos], axis=1)
+    kv_pos = jnp.concatenate([_mask_positions(cache, positions_BT), kv_pos], axis=1)
   mask = positional_mask(positions_BT, kv_pos, True, span)
   p = rows_softmax(s * scale, mask=mask, bias=bias, sink_logit_H=sink_logit_H, T=T)
   vd = v_BTKV.dtype
@@ -345,6 +359,30 @@ def _attend(cache, q_BTHD, k_BTKD, v_BTKV, positions_BT, scale, q_sink_BTHD, wid
     o = jnp.einsum("bkms,bkse->bkme", p[..., :S].astype(vd), cache.v.astype(vd),
                    preferred_element_type=f) + o
   return from_rows(o, T).astype(q_BTHD.dtype)
+
+
+def _mask_positions(cache: KVCache, positions_BT) -> jax.Array:
+  """[B, S]: the positions the mask reads for the cached slots (a ring's sink slots get the
+  call's first query position: visible to every query, module docstring)."""
+  n, S = cache.policy.sinks, cache.pos.shape[1]
+  if not n:
+    return cache.pos
+  _, _, first = cache.policy.frame(positions_BT)
+  return jnp.where((jnp.arange(S) < n)[None, :] & (cache.pos >= 0), first[:, None], cache.pos)
+
+
+def _attend_written(cache: KVCache, q_BTHD, positions_BT, scale, q_sink_BTHD, sink_logit_H,
+                    span):
+  """One new token per row against a cache that already holds it (`cached_attention` writes
+  first for T == 1): the S cached columns alone, one score product, one softmax and one
+  value product, with no [cache ; new] columns to join."""
+  f = jnp.promote_types(q_BTHD.dtype, jnp.float32)
+  s = _cache_scores(cache, q_BTHD, q_sink_BTHD, None, f)
+  mask = positional_mask(positions_BT, _mask_positions(cache, positions_BT), True, span)
+  p = rows_softmax(s * scale, mask=mask, sink_logit_H=sink_logit_H, T=1)
+  vd = cache.v.dtype
+  o = jnp.einsum("bkms,bkse->bkme", p.astype(vd), cache.v, preferred_element_type=f)
+  return from_rows(o, 1).astype(q_BTHD.dtype)
 
 
 def cached_attention(cache: KVCache, q_BTHD, k_BTKD, v_BTKV, positions_BT, *, theta: float,
@@ -366,12 +404,23 @@ def cached_attention(cache: KVCache, q_BTHD, k_BTKD, v_BTKV, positions_BT, *, th
     base = cache.base
   rel = positions_BT - base[:, None]
   q, k_new = rope(q_BTHD, rel, theta), rope(k_BTKD, rel, theta)
+  q_sink = rope(q_BTHD, m, theta) if pol.sinks else None
+  if q_BTHD.shape[1] == 1 and widen is None and not cache.fresh and not pol.bounded:
+    # One token into a Linear cache: written first, then attended with the cache alone
+    # ([cache ; itself] is the written cache; past its capacity, which `stream_limit`
+    # refuses, the write would drop it). Not for the rings: writing into the keys their frame
+    # move (a `lax.cond`) returns makes XLA copy them every step.
+    written = cache.write(_stored_keys(cache, k_BTKD, k_new, positions_BT, theta), v_BTKV,
+                          positions_BT, extra_new, kx_new)
+    spans = [w for w in (pol.window, window) if w is not None]
+    out = _attend_written(written, q, positions_BT, scale, q_sink, sink_logit_H,
+                          min(spans) if spans else None)
+    return out, written
   if fresh_out is not None and cache.fresh and not pol.bounded and window is None:
     out = fresh_out(q, k_new)
   else:
     out = attend_cache(cache, q, k_new, v_BTKV, positions_BT, scale=scale,
-                       q_sink_BTHD=rope(q_BTHD, m, theta) if pol.sinks else None,
-                       widen=widen, sink_logit_H=sink_logit_H, window=window)
+                       q_sink_BTHD=q_sink, widen=widen, sink_logit_H=sink_logit_H, window=window)
   written = cache.write(_stored_keys(cache, k_BTKD, k_new, positions_BT, theta), v_BTKV,
                         positions_BT, extra_new, kx_new)
   return out, written
