@@ -22,7 +22,8 @@ Ring(W), SinksRing(n, W)), chosen here at decode time for any model.
 
 `generate` runs prefill and the decode loop inside one `jax.jit` (`nnx.split` once; graphdef
 static; `nnx.merge` inside; compiled with `kernel_choice.stateful_compiler_options`, so states
-update in place; weight matrices cast to the compute dtype once (`model.for_decoding()`) and
+update in place; weight matrices cast to the compute dtype, and the projections that read one
+input fused into one matrix, once (`model.for_decoding()`), and
 `model.layer_params()` sliced once, both before the loop) with a `jax.lax.while_loop` over
 steps, so `decode_step` is traced once per generation shape, never once per token (tests guard
 it with `chex.assert_max_traces`).

@@ -288,6 +288,31 @@ def apply_rope(x_BTHD: jax.Array, cos_BTK: jax.Array, sin_BTK: jax.Array,
   return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x_BTHD.dtype)
 
 
+def fused_param(parts: Sequence[jax.Array], axes: Sequence[str | None],
+                like: nnx.Variable) -> nnx.Param:
+  """One decoding-time kernel from `Linear` kernels that read the same input (`fuse_for_decoding`
+  of a module, called by `Decoder.for_decoding`): `parts` concatenated along axis -2, with the
+  logical `axes` of its own dims; leading dims beyond those (the stacked `layers` axis of the
+  blocks) keep the names `like` (one of the kernels) gives them. A matmul on it
+  (`fused_matmul`) computes every output element as the separate kernels do: the same dot
+  product over the same input, so one launch reads the input once instead of once per kernel."""
+  value = jnp.concatenate(parts, axis=-2)
+  lead = value.ndim - len(axes)
+  names = tuple(like.get_metadata().get("out_sharding") or ())
+  names = names[:lead] if len(names) >= lead else (None,) * lead
+  return nnx.Param(value, out_sharding=names + tuple(axes), eager_sharding=False, kind="weight")
+
+
+def fused_matmul(x: jax.Array, w: jax.Array, n_in: int, dtype) -> jax.Array:
+  """x [..., *in] @ w [*in, *out] as one 2-D matmul in `dtype` -> [..., *out] (`Linear`'s
+  product for a fused kernel: `fused_param`)."""
+  in_shape, out_shape = w.shape[:n_in], w.shape[n_in:]
+  lead = x.shape[:x.ndim - n_in]
+  y = jnp.dot(x.astype(dtype).reshape(-1, math.prod(in_shape)),
+              w.astype(dtype).reshape(math.prod(in_shape), -1))
+  return y.reshape(lead + out_shape)
+
+
 class SwiGLU(nnx.Module):
   """down(silu(gate(x)) * up(x))."""
 
@@ -302,4 +327,14 @@ class SwiGLU(nnx.Module):
                        init_std=out_std, **kw)
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+    if not hasattr(self, "gate_up"):
+      return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+    gu = fused_matmul(x, self.gate_up[...], 1, self.down.dtype)   # [..., 2, F]
+    return self.down(jax.nn.silu(gu[..., 0, :]) * gu[..., 1, :])
+
+  def fuse_for_decoding(self) -> None:
+    """Replace `gate` and `up` by one kernel [D, 2, F] (`gate_up`): one matmul reads x once
+    (`Decoder.for_decoding`). Each output element is the same dot product as before."""
+    parts = [jnp.expand_dims(m.kernel[...], -2) for m in (self.gate, self.up)]
+    self.gate_up = fused_param(parts, ("embed", None, "mlp"), self.gate.kernel)
+    del self.gate, self.up

@@ -266,8 +266,11 @@ class Decoder(nnx.Module):
     write 2, read 2 per weight, most of a small-batch decoding step's memory traffic); cast
     once here, it reads 2. Outputs are identical (the same casts, made earlier: a gather then
     a cast equals a cast then a gather). Parameters the forward reads in fp32 (norms, SSM
-    decays, convolutions) stay as they are. For inference only (a copy; the original's
-    parameters are what training updates)."""
+    decays, convolutions) stay as they are. Then every module with a `fuse_for_decoding`
+    replaces the kernels that read one input by their concatenation (`layers.fused_param`:
+    q/k/v, the SwiGLU's gate/up), so a one-token step launches one matmul per input instead
+    of one per kernel; the copy's parameter tree differs from the original's there. For
+    inference only (a copy; the original's parameters are what training updates)."""
     graphdef, state = nnx.split(self)
     target = {path + ("kernel",): m.dtype for path, m in nnx.iter_graph(self)
               if isinstance(m, Linear)}
@@ -279,7 +282,11 @@ class Decoder(nnx.Module):
       if dt is not None and jnp.dtype(dt).itemsize < var[...].dtype.itemsize:
         var = var.replace(var[...].astype(dt))
       cast.append((path, var))
-    return nnx.merge(graphdef, nnx.from_flat_state(cast))
+    copy = nnx.merge(graphdef, nnx.from_flat_state(cast))
+    for _, m in list(nnx.iter_graph(copy)):
+      if isinstance(m, nnx.Module) and hasattr(m, "fuse_for_decoding"):
+        m.fuse_for_decoding()
+    return copy
 
   def unembed_matrix(self) -> jax.Array:
     """The LM head as [D, V] (the embedding transposed when tied; padding rows dropped)."""

@@ -299,16 +299,20 @@ def test_a_sinkhorn_prefill_is_one_full_forward_without_a_loop():
 
 def test_the_decoding_copy_holds_bf16_weights_and_gives_identical_steps():
   """`for_decoding` of a bf16 model on fp32 parameters stores every Linear kernel and the
-  embedding in bf16 (norms stay fp32; the original is untouched) and its prefill and steps
-  equal the original's bit for bit: it makes the same casts, once."""
+  embedding in bf16 (norms stay fp32; the original is untouched), q/k/v and gate/up fused
+  into one kernel each, and its prefill and steps equal the original's bit for bit: it makes
+  the same casts, once, and the same dot products."""
   cfg = ModelConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, d_ff=64,
                     max_seq_len=64, dtype="bfloat16", param_dtype="float32")
   validate_model(cfg)
   model = _numpy_init_model(cfg)
   copy = model.for_decoding()
   dtypes = {"/".join(map(str, p)): v[...].dtype for p, v in nnx.to_flat_state(nnx.state(copy))}
-  kernels = [k for k in dtypes if k.endswith("kernel")]
-  assert len(kernels) == 7 and all(dtypes[k] == jnp.bfloat16 for k in kernels)
+  kernels = sorted(k.split("/", 3)[-1] for k in dtypes if k.endswith(("kernel", "gate_up")))
+  assert kernels == ["mixer/proj/o/kernel", "mixer/proj/qkv_kernel", "mlp/down/kernel",
+                     "mlp/gate_up"], kernels   # stacked over the 2 layers
+  assert all(dtypes[k] == jnp.bfloat16 for k in dtypes if k.endswith(("kernel", "gate_up")))
+  assert dtypes["blocks/layers/0/mixer/proj/qkv_kernel"] == jnp.bfloat16
   assert dtypes["embed"] == jnp.bfloat16 and dtypes["final_norm/scale"] == jnp.float32
   assert model.embed[...].dtype == jnp.float32
 

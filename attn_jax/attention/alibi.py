@@ -78,7 +78,7 @@ class ALiBi(ScoreBiasAttention):
                                                                               self.cfg.n_heads))
     if positions_BT is not None:
       loga = jnp.where((positions_BT >= 0)[..., None], loga, 0.0)
-    return p.q(x_BTD), p.k(x_BTD), p.v(x_BTD), loga, {}
+    return *p.qkv(x_BTD), loga, {}
 
   def finish(self, y_BTHD, x_BTD):
     return y_BTHD

@@ -176,10 +176,13 @@ class KVCache:
   # forward does (e.g. a fused kernel). Every write clears it.
   fresh: bool = struct.field(pytree_node=False, default=False)
 
-  def write(self, k_BTKD, v_BTKD, positions_BT, extra=None, kx_BTKE=None) -> "KVCache":
+  def write(self, k_BTKD, v_BTKD, positions_BT, extra=None, kx_BTKE=None,
+            extra_update=None) -> "KVCache":
     """Write the valid new tokens (position >= 0) after each row's pointer, in order (padding
     may sit anywhere), into the policy's slots; `extra`: their per-key data (as `self.extra`);
-    `kx_BTKE`: their extra key channels (a cache made with `kx_dim`)."""
+    `kx_BTKE`: their extra key channels (a cache made with `kx_dim`); `extra_update`: a map of
+    every cached key's extra before the new ones go in (FoX's shift of s_j: with one token,
+    one elementwise pass writes both)."""
     B, T = positions_BT.shape
     S = self.pos.shape[1]
     if self.policy.bounded and T > S - self.policy.sinks:
@@ -188,15 +191,44 @@ class KVCache:
     valid_BT = positions_BT >= 0
     n_BT = self.ptr[:, None] + jnp.cumsum(valid_BT, axis=1, dtype=jnp.int32) - 1
     slot_BT = jnp.where(valid_BT, self.policy.slot_of(n_BT, S), S)   # out of range: dropped
-    rows_BT = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
-    put = lambda buf, new: buf.at[rows_BT, slot_BT].set(new.astype(buf.dtype), mode="drop")
-    # head-major k / v: the indexed axes 0 and 2 come first in the update ([B, T, K, D])
-    put_kv = lambda buf, new: buf.at[rows_BT, :, slot_BT].set(new.astype(buf.dtype), mode="drop")
+    if B == 1 and T == 1:   # one slot: an in-place dynamic-update-slice (`_put_one`)
+      slot = slot_BT[0, 0]
+      put = lambda buf, new: _put_one(buf, new, slot, 1)
+      put_kv = lambda buf, new: _put_one(buf, jnp.swapaxes(new, 1, 2), slot, 2)
+      if extra_update is None:
+        put_extra = put
+      else:   # the whole extra is rewritten anyway: the new slot selected in the same pass
+        at = lambda b: (jnp.arange(S) == slot).reshape((1, S) + (1,) * (b.ndim - 2))
+        put_extra = lambda b, new: jnp.where(at(b), new.astype(b.dtype), extra_update(b))
+    else:
+      rows_BT = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
+      put = lambda buf, new: buf.at[rows_BT, slot_BT].set(new.astype(buf.dtype), mode="drop")
+      # head-major k / v: the indexed axes 0 and 2 come first in the update ([B, T, K, D])
+      put_kv = lambda buf, new: buf.at[rows_BT, :, slot_BT].set(new.astype(buf.dtype),
+                                                                mode="drop")
+      put_extra = put if extra_update is None else lambda b, new: put(extra_update(b), new)
     return self.replace(
         k=put_kv(self.k, k_BTKD), v=put_kv(self.v, v_BTKD), pos=put(self.pos, positions_BT),
         ptr=self.ptr + jnp.sum(valid_BT, axis=1, dtype=jnp.int32),
-        extra=self.extra if extra is None else jax.tree.map(put, self.extra, extra),
+        extra=self._extra(put_extra, extra, extra_update),
         kx=self.kx if kx_BTKE is None else put_kv(self.kx, kx_BTKE), fresh=False)
+
+  def _extra(self, put, extra, update):
+    if extra is not None:
+      return jax.tree.map(put, self.extra, extra)
+    return self.extra if update is None else jax.tree.map(update, self.extra)
+
+
+def _put_one(buf: jax.Array, new: jax.Array, slot, axis: int) -> jax.Array:
+  """`buf` (batch 1) with `new` (one token: size 1 along `axis`, the slot axis) at `slot`, or
+  unchanged when slot is out of range (padding, a full `Linear` cache): the slice at the
+  clamped slot is read, selected and written back at the same index, which XLA does in place
+  in one kernel (the scatter's drop semantics, without a scatter)."""
+  S = buf.shape[axis]
+  idx = [jnp.zeros((), jnp.int32)] * buf.ndim
+  idx[axis] = jnp.minimum(slot, S - 1).astype(jnp.int32)
+  old = jax.lax.dynamic_slice(buf, idx, new.shape)
+  return jax.lax.dynamic_update_slice(buf, jnp.where(slot < S, new.astype(buf.dtype), old), idx)
 
 
 def as_fresh(state: Any, fresh: bool = True) -> Any:
@@ -331,12 +363,7 @@ def _attend(cache, q_BTHD, k_BTKD, v_BTKV, positions_BT, scale, q_sink_BTHD, wid
     bias = new if bias is None else bias + new
   if cached:
     s = jnp.concatenate([_cache_scores(cache, q_BTHD, q_sink_BTHD, widen, f), s], axis=-1)
-    mask_pos = cache.pos
-    if n:
-      _, _, first = pol.frame(positions_BT)
-      mask_pos = jnp.where((jnp.arange(S) < n)[None, :] & (mask_pos >= 0), first[:, None],
-                           mask_pos)
-    kv_pos = jnp.concatenate([mask_pos, kv_pos], axis=1)
+    kv_pos = jnp.concatenate([_mask_positions(cache, positions_BT), kv_pos], axis=1)
   mask = positional_mask(positions_BT, kv_pos, True, span)
   p = rows_softmax(s * scale, mask=mask, bias=bias, sink_logit_H=sink_logit_H, T=T)
   vd = v_BTKV.dtype
@@ -345,6 +372,43 @@ def _attend(cache, q_BTHD, k_BTKD, v_BTKV, positions_BT, scale, q_sink_BTHD, wid
     o = jnp.einsum("bkms,bkse->bkme", p[..., :S].astype(vd), cache.v.astype(vd),
                    preferred_element_type=f) + o
   return from_rows(o, T).astype(q_BTHD.dtype)
+
+
+def _mask_positions(cache: KVCache, positions_BT) -> jax.Array:
+  """[B, S]: the positions the mask reads for the cached slots (a ring's sink slots get the
+  call's first query position: visible to every query, module docstring)."""
+  n, S = cache.policy.sinks, cache.pos.shape[1]
+  if not n:
+    return cache.pos
+  _, _, first = cache.policy.frame(positions_BT)
+  return jnp.where((jnp.arange(S) < n)[None, :] & (cache.pos >= 0), first[:, None], cache.pos)
+
+
+def attend_written(cache: KVCache, q_BTHD, positions_BT, *, scale: float, q_sink_BTHD=None,
+                   bias=None, sink_logit_H=None, window: int | None = None):
+  """One new token per row (T == 1) against a cache that already holds it: -> out [B, 1, H,
+  Dv]. For a Linear cache, [cache ; itself] is the cache after the token's write, so the step
+  writes first and scores the S cached columns alone: one score product, one softmax and one
+  value product, no [cache ; new] columns to join (`attend_cache`'s arguments otherwise;
+  `bias` [B|1, H|1, 1, S] on the cached columns)."""
+  if q_BTHD.shape[1] != 1:
+    raise ValueError(f"attend_written takes one token per row, got {q_BTHD.shape[1]}")
+  spans = [w for w in (cache.policy.window, window) if w is not None]
+  f = jnp.promote_types(q_BTHD.dtype, jnp.float32)
+  s = _cache_scores(cache, q_BTHD, q_sink_BTHD, None, f)
+  mask = positional_mask(positions_BT, _mask_positions(cache, positions_BT), True,
+                         min(spans) if spans else None)
+  p = rows_softmax(s * scale, mask=mask, bias=bias, sink_logit_H=sink_logit_H, T=1)
+  vd = cache.v.dtype
+  o = jnp.einsum("bkms,bkse->bkme", p.astype(vd), cache.v, preferred_element_type=f)
+  return from_rows(o, 1).astype(q_BTHD.dtype)
+
+
+def writes_first(cache: KVCache, q_BTHD) -> bool:
+  """Whether a call takes `attend_written` after its write: one token per row into a Linear
+  cache not known empty. Not for the rings: writing into the keys their frame move (a
+  `lax.cond`) returns makes XLA copy them every step, and a ring's write evicts a key."""
+  return q_BTHD.shape[1] == 1 and not cache.fresh and not cache.policy.bounded
 
 
 def cached_attention(cache: KVCache, q_BTHD, k_BTKD, v_BTKV, positions_BT, *, theta: float,
@@ -366,12 +430,18 @@ def cached_attention(cache: KVCache, q_BTHD, k_BTKD, v_BTKV, positions_BT, *, th
     base = cache.base
   rel = positions_BT - base[:, None]
   q, k_new = rope(q_BTHD, rel, theta), rope(k_BTKD, rel, theta)
+  q_sink = rope(q_BTHD, m, theta) if pol.sinks else None
+  if widen is None and writes_first(cache, q_BTHD):   # (past its capacity, which
+    # `stream_limit` refuses, a Linear cache drops the write and the token would not see itself)
+    written = cache.write(_stored_keys(cache, k_BTKD, k_new, positions_BT, theta), v_BTKV,
+                          positions_BT, extra_new, kx_new)
+    return attend_written(written, q, positions_BT, scale=scale, q_sink_BTHD=q_sink,
+                          sink_logit_H=sink_logit_H, window=window), written
   if fresh_out is not None and cache.fresh and not pol.bounded and window is None:
     out = fresh_out(q, k_new)
   else:
     out = attend_cache(cache, q, k_new, v_BTKV, positions_BT, scale=scale,
-                       q_sink_BTHD=rope(q_BTHD, m, theta) if pol.sinks else None,
-                       widen=widen, sink_logit_H=sink_logit_H, window=window)
+                       q_sink_BTHD=q_sink, widen=widen, sink_logit_H=sink_logit_H, window=window)
   written = cache.write(_stored_keys(cache, k_BTKD, k_new, positions_BT, theta), v_BTKV,
                         positions_BT, extra_new, kx_new)
   return out, written

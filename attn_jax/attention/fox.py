@@ -160,7 +160,7 @@ class FoX(ScoreBiasAttention):
     cfg, opts, p = self.cfg, self.opts, self.proj
     B, T, _ = x_BTD.shape
     pos = causal_positions(B, T) if positions_BT is None else positions_BT
-    q, k, v = p.q(x_BTD), p.k(x_BTD), p.v(x_BTD)
+    q, k, v = p.qkv(x_BTD)
     carry = {}
     for name, lin in (("k", self.k_shift), ("v", self.v_shift)):
       if lin is None:

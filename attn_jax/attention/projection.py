@@ -22,7 +22,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from attn_jax.kernels.masks import positional_mask
-from attn_jax.layers import Linear, apply_rope, causal_positions, dtype_of, param, rope_angles
+from attn_jax.layers import (Linear, apply_rope, causal_positions, dtype_of, fused_matmul, fused_param,
+                            param, rope_angles)
 
 if TYPE_CHECKING:  # annotations only: model_config imports the registry, which imports the mixers
   from attn_jax.model_config import ModelConfig
@@ -93,10 +94,35 @@ class QKVProjection(nnx.Module):
     self.v = Linear((D,), (K, Dh), in_axes=("embed",), out_axes=("kv_heads", "head_dim"), **kw)
     kw["init_std"] = cfg.init_std / (2 * cfg.n_layers) ** 0.5  # scaled residual init
     self.o = Linear((H, Dh), (D,), in_axes=("heads", "head_dim"), out_axes=("embed",), **kw)
+    self.dtype, self.heads = dt, (H, K)
+
+  def qkv(self, x_BTD):
+    """(q [B, T, H, Dh], k [B, T, K, Dh], v [B, T, K, Dh]): three matmuls, or one on the
+    decoding copy's fused kernel (`fuse_for_decoding`)."""
+    if not hasattr(self, "qkv_kernel"):
+      return self.q(x_BTD), self.k(x_BTD), self.v(x_BTD)
+    H, K = self.heads
+    y = fused_matmul(x_BTD, self.qkv_kernel[...], 1, self.dtype)   # [B, T, K, G + 2, Dh]
+    lead = y.shape[:-3]
+    return y[..., :-2, :].reshape(lead + (H, y.shape[-1])), y[..., -2, :], y[..., -1, :]
+
+  def fuse_for_decoding(self) -> None:
+    """Replace `q`, `k`, `v` by one kernel [D, K, G + 2, Dh] (`qkv_kernel`; G = H / K query
+    heads per kv head): kv head j's slice holds its G query heads (q head h reads kv head
+    h // G), then its key, then its value, so a split of the kv heads over devices keeps
+    each slice whole. One matmul reads x once (`Decoder.for_decoding`); every output element
+    is the same dot product as before."""
+    H, K = self.heads
+    wq = self.q.kernel[...]
+    lead, (D, _, Dh) = wq.shape[:-3], wq.shape[-3:]
+    parts = [wq.reshape(lead + (D, K, H // K, Dh))] + [
+        m.kernel[...].reshape(lead + (D, K, 1, Dh)) for m in (self.k, self.v)]
+    self.qkv_kernel = fused_param(parts, ("embed", "kv_heads", None, "head_dim"), self.k.kernel)
+    del self.q, self.k, self.v
 
   def rotated_qkv(self, x_BTD, positions_BT, rope_theta: float):
     """q, k after RoPE at `positions` (padding's -1 rotates harmlessly: it is masked), and v."""
-    q, k, v = self.q(x_BTD), self.k(x_BTD), self.v(x_BTD)
+    q, k, v = self.qkv(x_BTD)
     return rope(q, positions_BT, rope_theta), rope(k, positions_BT, rope_theta), v
 
 

@@ -120,14 +120,22 @@ class ScoreBiasAttention(cache_lib.CachedMixer):
       fused = entry.fused_prefill(q, k, v, entry.LogitDecay(loga), scale=cfg.head_dim ** -0.5,
                                   impl=cfg.attention_impl, positions_BT=positions_BT,
                                   sink_logit_H=sink, what=f"{type(self).__name__} prefill")
+    last = ell[:, -1]                       # padding (log f = 0) keeps the last valid g
+    own = (hi - hi[:, -1:]) + (lo - lo[:, -1:])                        # ell_j - ell_last
+    written = kv.write(k, v, positions_BT, own,
+                       extra_update=lambda e: e - last[:, None].astype(e.dtype))
     if fused is not None:
       out = fused(q, k)
+    elif cache_lib.writes_first(kv, q):
+      # one token: the written cache's -s_j is ell_i - s_j of every cached key (the shift by
+      # ell_i, then negated: the same rounding) and 0 = ell_i - ell_i for the token itself
+      rel = jnp.where((written.pos >= 0)[..., None], -written.extra, 0.0)
+      out = cache_lib.attend_written(written, q, positions_BT, scale=cfg.head_dim ** -0.5,
+                                     bias=rel.transpose(0, 2, 1)[:, :, None, :],
+                                     sink_logit_H=sink)
     else:
       out = self._attend_cache(q, k, v, (hi, lo), positions_BT, kv, sink)
-    last = ell[:, -1]                       # padding (log f = 0) keeps the last valid g
-    shifted = kv.replace(extra=kv.extra - last[:, None].astype(kv.extra.dtype))
-    own = (hi - hi[:, -1:]) + (lo - lo[:, -1:])                        # ell_j - ell_last
-    return out, shifted.write(k, v, positions_BT, own)
+    return out, written
 
   def _attend_cache(self, q, k, v, ell2, positions_BT, kv: cache_lib.KVCache, sink):
     """`attend_cache` with the decay bias: ell_i - s_j on cached keys, ell_i - ell_j (from the

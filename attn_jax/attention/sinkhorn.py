@@ -602,7 +602,7 @@ class SinkhornAttention(Mixer):
   def project(self, x_BTD, positions_BT):
     """q [B,T,H,D], k/v [B,T,K,D] (RoPE at the positions; padding tokens' k, v zeroed)."""
     cfg = self.cfg
-    q, k, v = self.proj.q(x_BTD), self.proj.k(x_BTD), self.proj.v(x_BTD)
+    q, k, v = self.proj.qkv(x_BTD)
     cos, sin = rope_angles(jnp.maximum(positions_BT, 0), cfg.head_dim, cfg.rope_theta)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     valid = (positions_BT >= 0)[..., None, None]

@@ -347,7 +347,7 @@ class SISA(cache_lib.CachedMixer):
     if rotate:
       q, k, v = p.rotated_qkv(x_BTD, pos_BT, cfg.rope_theta)
     else:
-      q, k, v = p.q(x_BTD), p.k(x_BTD), p.v(x_BTD)
+      q, k, v = p.qkv(x_BTD)
     return SISAFeatures(q, k, v, *self._ssm_features(x_BTD, positions_BT))
 
   def _ssm_features(self, x_BTD, positions_BT):

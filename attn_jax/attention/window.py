@@ -80,7 +80,7 @@ class SlidingWindowAttention(cache_lib.CachedMixer):
     sink = sink_logit_of(self.opts, self.sink_logit, cfg.n_heads)
     if state is not None:
       out, state = cache_lib.cached_attention(
-          state, p.q(x_BTD), p.k(x_BTD), p.v(x_BTD), positions_BT, theta=cfg.rope_theta,
+          state, *p.qkv(x_BTD), positions_BT, theta=cfg.rope_theta,
           scale=scale, sink_logit_H=sink, window=w)
       return p.o(out), state, {}
     B, T, _ = x_BTD.shape

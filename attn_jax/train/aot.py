@@ -202,18 +202,24 @@ def compile_eval(setup: setup_lib.Setup, batch: int, seq_len: int) -> Program:
   return _program("eval", f"[{batch}, {seq_len}]", run, seq_len)
 
 
-def _decoding_state(setup: setup_lib.Setup) -> dict:
-  """{"params", "rest"} (pure dicts, as the trainer's state) of the abstract model's
-  `for_decoding` copy, with the trained state's shardings (only dtypes change)."""
+def _decoding_state(setup: setup_lib.Setup) -> tuple[Any, dict]:
+  """(graphdef, {"params", "rest"}) of the abstract model's `for_decoding` copy (pure dicts, as
+  the trainer's state; its fused kernels change the tree), sharded by the same rules."""
   graphdef, st = setup.graphdef, setup.abstract_state
+  out = {}
 
   def cast(params, rest):
-    _, p, r = nnx.split(nnx.merge(graphdef, params, rest).for_decoding(), nnx.Param, ...)
-    return nnx.to_pure_dict(p), nnx.to_pure_dict(r)
+    g, p, r = nnx.split(nnx.merge(graphdef, params, rest).for_decoding(), nnx.Param, ...)
+    out["graphdef"] = g
+    return p, r
 
+  replicate = setup.run.mesh.replicate_indivisible
   new = jax.eval_shape(cast, st["params"], st["rest"])
-  keep = lambda n, o: jax.ShapeDtypeStruct(n.shape, n.dtype, sharding=o.sharding)
-  return {k: jax.tree.map(keep, n, st[k]) for k, n in zip(("params", "rest"), new)}
+  shard = lambda s: shd.state_shardings(s, setup.mesh, setup.rules,
+                                        replicate_indivisible=replicate)
+  keep = lambda n, sh: jax.ShapeDtypeStruct(n.shape, n.dtype, sharding=sh)
+  return out["graphdef"], {k: jax.tree.map(keep, nnx.to_pure_dict(n), shard(n))
+                           for k, n in zip(("params", "rest"), new)}
 
 
 def compile_decode(setup: setup_lib.Setup, batch: int, prompt: int) -> tuple[Program, Program]:
@@ -223,7 +229,7 @@ def compile_decode(setup: setup_lib.Setup, batch: int, prompt: int) -> tuple[Pro
   the compiled prefill lays it out; when the prefill is refused for memory, as the compiled
   `init_state` lays out a state of the same capacity (the same arrays: the step is still
   compiled and reported)."""
-  graphdef, st = setup.graphdef, _decoding_state(setup)
+  graphdef, st = _decoding_state(setup)
   capacity = prompt + DECODE_NEW
   tok_sh = shd.batch_sharding(setup.mesh, setup.rules)
   model = lambda params, rest: nnx.merge(graphdef, params, rest)
