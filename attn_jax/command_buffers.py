@@ -79,6 +79,8 @@ from typing import Any, Callable, Iterator
 
 import jax
 
+from attn_jax import targets
+
 FLAG = "xla_gpu_enable_command_buffer"
 ENV = "ATTN_JAX_DECODE_COMMAND_BUFFERS"
 # XLA's default set on both JAX lines (module docstring), in XLA's enum order
@@ -322,7 +324,6 @@ class Compiled:
 def compile_with_dump(lower: Callable[[], Any], options: dict | None = None) -> Compiled:
   """Compile `lower()` (a `jax.stages.Lowered`) with `options` plus a dump into a temporary
   folder, and read it. The module is the one the dump holds (one compile, one module)."""
-  from attn_jax import targets
   with tempfile.TemporaryDirectory(prefix="command_buffers_") as folder, \
       targets.no_persistent_cache():
     compiled = lower().compile({**(options or {}), "xla_dump_to": folder})

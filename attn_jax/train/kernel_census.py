@@ -90,7 +90,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from attn_jax import kernel_choice, targets
-from attn_jax.kernels import decayed
+from attn_jax.kernels import decayed, ssd_chunks
 
 # ---------------------------------------------------------------- PTX
 
@@ -665,7 +665,6 @@ SSD_VARIANTS = {
 def _ssd_program(call: SsdCall, T: int, P: int, N: int, dtype):
   """(loss, abstract args): fwd + bwd of one row of `SSD_HEADS` heads through the kernels
   (`ssd_kernel`, or `mimo_kernel` for a rank), every input's gradient."""
-  from attn_jax.kernels import ssd_chunks
   sds, f32, H = jax.ShapeDtypeStruct, jnp.float32, SSD_HEADS
   a = sds((1, T, H), f32)
   if call.rank:
