@@ -230,6 +230,7 @@ def _check(mixer: str, target: str) -> None:
                  f"{LENGTHS[1]}, unknown-count loops {unk_s} -> "
                  f"{unk_l}; at T {LENGTHS[1]}: {progs[name, LENGTHS[1]].loops.by_source()}")
   train = progs["train", LENGTHS[1]]
+  assert not bad or train.loops is not None, f"{mixer} on {target}:\n" + "\n".join(bad)
   assert hlo_loops.summary(train.loops) in progs["report", LENGTHS[1]]
   if target == GPU and train.serial_iterations > 2 * N_LAYERS + 64:
     bad.append(f"train at T {LENGTHS[1]}: {train.serial_iterations} serial iterations > "
