@@ -617,6 +617,13 @@ def _programs(name: str, T: int, D: int, dtype):
   return (*_decayed_program(call, T, D, dtype), _visits(call, T, D))
 
 
+def _first_gpu(target: str):
+  """The first device of GPU `target`; the census reads Triton's PTX, so a GPU is needed."""
+  if targets.get(target).platform != "gpu":
+    raise ValueError(f"the kernel census reads Triton's PTX: {target!r} is not a GPU target")
+  return targets.devices(target)[0]
+
+
 def census(target: str = "h100x1", *, seq_len: int = 2048, head_dim: int = 64,
            dtype=jnp.bfloat16, variants: Iterable[str] = (*VARIANTS, REFERENCE),
            progress: Callable[[str], None] | None = None) -> list[Pass]:
@@ -625,9 +632,7 @@ def census(target: str = "h100x1", *, seq_len: int = 2048, head_dim: int = 64,
   counts are per element: the batch and heads change the grid, not the loops; the length
   changes the loops' code a little, e.g. SISA's dkv 97.9 at T 256, 97.7 at 2048 on main at
   7a9c5ce, and the share of tiles each loop visits: `_visits`)."""
-  if targets.get(target).platform != "gpu":
-    raise ValueError(f"the kernel census reads Triton's PTX: {target!r} is not a GPU target")
-  device = targets.devices(target)[0]
+  device = _first_gpu(target)
   out = []
   for name in variants:
     if progress:
@@ -767,9 +772,7 @@ def ssd_census(target: str = "h100x1", *, seq_len: int = 2048, head_dim: int = 6
   element (states 27.4, scan 50.5, dstates 27.5, dchunk 107.7), Mamba-3 271.4, every MMA a
   wgmma: the per-chunk sums A, E, z were cross-lane reductions in every kernel then (~400 of
   877 instructions of the states loop were shuffles and adds); made once in XLA since."""
-  if targets.get(target).platform != "gpu":
-    raise ValueError(f"the kernel census reads Triton's PTX: {target!r} is not a GPU target")
-  device = targets.devices(target)[0]
+  device = _first_gpu(target)
   out = []
   for name in variants:
     if progress:
