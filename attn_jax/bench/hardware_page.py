@@ -203,39 +203,37 @@ def census_fingerprint(c: Census = CENSUS) -> str:
   return h.hexdigest()[:16]
 
 
+def _census_cell(out_json: str, key: str, measure: Callable[[], list], c: Census,
+                 fresh: bool) -> dict:
+  """Cell `key` of `out_json` from `measure()` (its passes), measured when missing, stale (its
+  config is not `c`'s) or `fresh`; saved with it. A census that cannot be read is recorded as
+  its error: a result too."""
+  done = jsonio.read(out_json) if os.path.exists(out_json) else {}
+  fp = census_fingerprint(c)
+  if fresh or done.get(key, {}).get("config") != fp:
+    try:
+      cell = {"passes": kernel_census.passes_json(measure())}
+    except Exception as e:   # a kernel the census cannot read is a result too
+      cell = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+    done[key] = dict(cell, config=fp, commit=source_commit())
+    jsonio.write(done, out_json, sort_keys=True)
+  return done
+
+
 def run_census(out_json: str, *, fresh: bool = False, c: Census = CENSUS,
                progress: Callable[[str], None] = print) -> dict:
   """The census cell of `out_json`, measured when missing, stale or `fresh`; saved with it."""
-  done = jsonio.read(out_json) if os.path.exists(out_json) else {}
-  fp = census_fingerprint(c)
-  if fresh or done.get(c.key, {}).get("config") != fp:
-    try:
-      passes = kernel_census.census(c.target, seq_len=c.seq_len, head_dim=c.head_dim,
-                                    dtype=jnp.dtype(c.dtype), progress=progress)
-      cell = {"passes": kernel_census.passes_json(passes)}
-    except Exception as e:   # a kernel the census cannot read is a result too
-      cell = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
-    done[c.key] = dict(cell, config=fp, commit=source_commit())
-    jsonio.write(done, out_json, sort_keys=True)
-  return done
+  return _census_cell(out_json, c.key, lambda: kernel_census.census(
+      c.target, seq_len=c.seq_len, head_dim=c.head_dim, dtype=jnp.dtype(c.dtype),
+      progress=progress), c, fresh)
 
 
 def run_ssd_census(out_json: str, *, fresh: bool = False, c: Census = CENSUS,
                    progress: Callable[[str], None] = print) -> dict:
   """The SSD census cell of `out_json` (`run_census`'s rules: measured when missing, stale or
   `fresh`; saved with it)."""
-  done = jsonio.read(out_json) if os.path.exists(out_json) else {}
-  fp = census_fingerprint(c)
-  if fresh or done.get(c.ssd_key, {}).get("config") != fp:
-    try:
-      passes = kernel_census.ssd_census(c.target, seq_len=c.seq_len, dtype=jnp.dtype(c.dtype),
-                                        progress=progress)
-      cell = {"passes": kernel_census.passes_json(passes)}
-    except Exception as e:   # a kernel the census cannot read is a result too
-      cell = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
-    done[c.ssd_key] = dict(cell, config=fp, commit=source_commit())
-    jsonio.write(done, out_json, sort_keys=True)
-  return done
+  return _census_cell(out_json, c.ssd_key, lambda: kernel_census.ssd_census(
+      c.target, seq_len=c.seq_len, dtype=jnp.dtype(c.dtype), progress=progress), c, fresh)
 
 
 def _ssd_census_section(done: dict, c: Census = CENSUS) -> list[str]:
