@@ -334,7 +334,10 @@ class SwiGLU(nnx.Module):
 
   def fuse_for_decoding(self) -> None:
     """Replace `gate` and `up` by one kernel [D, 2, F] (`gate_up`): one matmul reads x once
-    (`Decoder.for_decoding`). Each output element is the same dot product as before."""
+    (`Decoder.for_decoding`). Each output element is the same dot product as before. A module
+    already fused is left as it is."""
+    if not hasattr(self, "gate"):
+      return
     parts = [jnp.expand_dims(m.kernel[...], -2) for m in (self.gate, self.up)]
     self.gate_up = fused_param(parts, ("embed", None, "mlp"), self.gate.kernel)
     del self.gate, self.up

@@ -270,7 +270,9 @@ class Decoder(nnx.Module):
     replaces the kernels that read one input by their concatenation (`layers.fused_param`:
     q/k/v, the SwiGLU's gate/up), so a one-token step launches one matmul per input instead
     of one per kernel; the copy's parameter tree differs from the original's there. For
-    inference only (a copy; the original's parameters are what training updates)."""
+    inference only (a copy; the original's parameters are what training updates). Idempotent:
+    a copy made by this method comes back unchanged (`decode.generate` calls it on whatever
+    model it is given)."""
     graphdef, state = nnx.split(self)
     target = {path + ("kernel",): m.dtype for path, m in nnx.iter_graph(self)
               if isinstance(m, Linear)}

@@ -323,6 +323,12 @@ def test_the_decoding_copy_holds_bf16_weights_and_gives_identical_steps():
 
   tokens = _tokens(7, (B, L))
   chex.assert_trees_all_equal(jax.jit(run)(copy, tokens), jax.jit(run)(model, tokens))
+  # Idempotent: `generate` calls it on whatever model it is given, a decoding copy included.
+  again = copy.for_decoding()
+  chex.assert_trees_all_equal(nnx.state(again), nnx.state(copy))
+  chex.assert_trees_all_equal(
+      decode.generate(copy, tokens[:, :T], max_new_tokens=2),
+      decode.generate(model, tokens[:, :T], max_new_tokens=2))
 
 
 def test_layer_params_made_once_give_the_same_steps():

@@ -111,7 +111,9 @@ class QKVProjection(nnx.Module):
     heads per kv head): kv head j's slice holds its G query heads (q head h reads kv head
     h // G), then its key, then its value, so a split of the kv heads over devices keeps
     each slice whole. One matmul reads x once (`Decoder.for_decoding`); every output element
-    is the same dot product as before."""
+    is the same dot product as before. A module already fused is left as it is."""
+    if not hasattr(self, "q"):
+      return
     H, K = self.heads
     wq = self.q.kernel[...]
     lead, (D, _, Dh) = wq.shape[:-3], wq.shape[-3:]

@@ -40,11 +40,11 @@ class Row:
 
 
 def _decoding_params(cfg):
-  """(graphdef, abstract state) of `abstract_model(cfg).for_decoding()` (only dtypes change:
-  the graphdef is the model's)."""
+  """(graphdef, abstract state) of `abstract_model(cfg).for_decoding()`: the decoding copy's own
+  graphdef (its fused q/k/v and gate/up kernels make its parameter tree differ from the
+  model's)."""
   graphdef, state = nnx.split(abstract_model(cfg))
-  return graphdef, jax.eval_shape(
-      lambda st: nnx.split(nnx.merge(graphdef, st).for_decoding())[1], state)
+  return nnx.split(nnx.eval_shape(lambda st: nnx.merge(graphdef, st).for_decoding(), state))
 
 
 def _programs(cfg, batch: int, prompt: int, new_tokens: int, sharding):
