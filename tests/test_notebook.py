@@ -214,7 +214,7 @@ def test_mamba2_decay_matrix_reproduces_the_mixers_output(mixer_name):
   m = getattr(mixer, "ssm", mixer)
   xs = out["x"]
   y = jnp.einsum("bhij,bjhp->bihp", out["M"], xs) + m.D[...][:, None] * xs
-  y = y * jax.nn.silu(m.in_z(x))
+  y = y * jax.nn.silu(m.conv_inputs(x)[4])
   B, T, H, P = y.shape
   yg = y.reshape(B, T, m.G, H // m.G, P)
   yg = yg / jnp.sqrt(jnp.mean(yg ** 2, axis=(-2, -1), keepdims=True) + cfg.norm_eps)
