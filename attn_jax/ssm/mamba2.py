@@ -36,7 +36,10 @@ logical axes, concatenated at call time) cost ~13 kernel launches a layer more o
 (docs/benchmarks.md, tests/test_launches.py). The fused output axis has no logical name (its
 parts are sharded alike anyway: the SSD kernels keep heads whole on each device). Checkpoints
 written with the five / three separate parameters (before this layout) do not load; the
-minimal study's conversion (`study/mamba2_minimal.to_minimal`) reads this layout.
+minimal study's conversion (`study/mamba2_minimal.to_minimal`) reads this layout. For the same
+reason the per-head scalars dt_bias, A_log and D are the rows of one [3, H] parameter
+`head_scalars` (`HEAD_SCALARS`; each initialised as above, none weight-decayed, kind scalar),
+read through the properties `dt_bias`, `A_log`, `D`.
 
 Training uses the chunked SSD: on a GPU / TPU the fused Pallas kernels (`kernels/ssd_chunks.py`,
 chosen by `ssd_chunks.chunked_ssd` in a full forward), else `ssd.ssd_chunked`.
@@ -102,6 +105,7 @@ f32 = jnp.float32
 IN_PROJ = "ssm_in_proj"
 CONV_STATE = ("conv_x", "conv_b", "conv_c")   # Mamba-2's conv windows in the decoding state
 IN_PROJ_PARTS = ("z", "x", "B", "C", "dt")       # Mamba2.in_proj's outputs, in order
+HEAD_SCALARS = ("dt_bias", "A_log", "D")          # Mamba2.head_scalars' rows, in order
 
 
 # ----------------------------------------------------------------------- shared pieces
@@ -141,6 +145,18 @@ def projection_inits(cfg: ModelConfig, opts, d_inner: int) -> tuple[dict, dict]:
   n_res = 2 if cfg.d_ff > 0 else 1
   return ({"init": fan_in_uniform(cfg.d_model)},
           {"init": fan_in_uniform(d_inner, 1.0 / math.sqrt(n_res * cfg.n_layers))})
+
+
+def head_scalars_init(opts):
+  """Mamba-2's per-head scalars stacked [3, H] (`HEAD_SCALARS`): dt_bias (`dt_bias_init`),
+  A_log = log U[a_init_min, a_init_max] and D = 1, each from its own key."""
+  def init(key, shape, dtype=f32):
+    k_dt, k_a = jax.random.split(key)
+    H = shape[1]
+    return jnp.stack([dt_bias_init(opts.dt_min, opts.dt_max)(k_dt, (H,), dtype),
+                      uniform_init(opts.a_init_min, opts.a_init_max, jnp.log)(k_a, (H,), dtype),
+                      jnp.ones((H,), dtype)])
+  return init
 
 
 def uniform_init(lo: float, hi: float, transform=lambda u: u):
@@ -385,15 +401,25 @@ class Mamba2(FullForwardRemat, Mixer):
     self.in_proj = Linear((D,), (2 * H * P + 2 * G * N + H,), in_axes=("embed",),
                           out_axes=(None,), **kw)          # z, x, B, C, dt (IN_PROJ_PARTS)
     self.conv = CausalConv(opts.d_conv, (H * P + 2 * G * N,), (None,), rngs=rngs)   # x, B, C
-    self.dt_bias = param(rngs, dt_bias_init(opts.dt_min, opts.dt_max), (H,), ("heads",),
-                         kind="bias")
-    self.A_log = param(rngs, uniform_init(opts.a_init_min, opts.a_init_max, jnp.log), (H,),
-                       ("heads",), kind="scalar")
-    self.D = param(rngs, nnx.initializers.ones, (H,), ("heads",), kind="scalar")
+    self.head_scalars = param(rngs, head_scalars_init(opts), (len(HEAD_SCALARS), H),
+                              (None, "heads"), kind="scalar")   # dt_bias, A_log, D
     self.norm_scale = param(rngs, nnx.initializers.ones, (H, P), ("heads", "head_dim"),
                             kind="norm")
     kw.update(proj_out)   # the rescaled residual init (projection_inits)
     self.out = Linear((H, P), (D,), in_axes=("heads", "head_dim"), out_axes=("embed",), **kw)
+
+  # the per-head scalars, rows of one parameter (module docstring): read-only views
+  @property
+  def dt_bias(self) -> jax.Array:
+    return self.head_scalars[0]
+
+  @property
+  def A_log(self) -> jax.Array:
+    return self.head_scalars[1]
+
+  @property
+  def D(self) -> jax.Array:
+    return self.head_scalars[2]
 
   def in_projections(self) -> tuple:
     """The in-projection (one Linear: z, x, B, C, dt side by side, `IN_PROJ_PARTS`; x, B, C

@@ -206,7 +206,8 @@ def to_minimal(ours: dict, dims: dict) -> dict:
     out["layers"].append({
         "norm1": blk["mixer_norm"]["scale"], "w_in": m["in_proj"]["kernel"],
         "conv_w": m["conv"]["kernel"], "conv_b": m["conv"]["bias"],
-        "dt_bias": m["dt_bias"], "a_log": m["A_log"], "d_skip": m["D"],
+        "dt_bias": m["head_scalars"][0], "a_log": m["head_scalars"][1],
+        "d_skip": m["head_scalars"][2],
         "gnorm": m["norm_scale"].reshape(-1), "w_out": m["out"]["kernel"].reshape(E, D),
         "norm2": blk["mlp_norm"]["scale"], "w_gate": blk["mlp"]["gate"]["kernel"],
         "w_up": blk["mlp"]["up"]["kernel"], "w_down": blk["mlp"]["down"]["kernel"]})
