@@ -458,9 +458,13 @@ class Mamba2(FullForwardRemat, Mixer):
     windows = None if state is None else [state[k] for k in CONV_STATE]
     xbc, new_windows = fused_conv((self.conv,), xbc, windows, n_valid, segment_ids_BT)
     xs, bs, cs = split_last(jax.nn.silu(xbc), [(H, P), (G, N), (G, N)])
-    dt = jax.nn.softplus(dt_raw.astype(f32) + self.dt_bias[...].astype(f32))
+    # dt_bias, A_log and D read through one broadcast of their parameter to every token: the
+    # backward then sums their cotangents over (B, T) in one reduction, not one per scalar
+    hs = jnp.broadcast_to(self.head_scalars[...].astype(f32), dt_raw.shape[:2] + (3, H))
+    dt_bias, A_log, D = hs[:, :, 0], hs[:, :, 1], hs[:, :, 2]
+    dt = jax.nn.softplus(dt_raw.astype(f32) + dt_bias)
     dt = jnp.where(valid[..., None], dt, 0.0)                      # padding: state unchanged
-    a = -jnp.exp(self.A_log[...].astype(f32)) * dt                 # [B, T, H], <= 0
+    a = -jnp.exp(A_log) * dt                                       # [B, T, H], <= 0
     x_in = xs * dt[..., None]
     h0 = None if state is None else state["ssm"]
     if state is not None and x_BTD.shape[1] == 1:
@@ -471,7 +475,7 @@ class Mamba2(FullForwardRemat, Mixer):
                                   what=type(self).__name__)
       y, h = fn(x_in, a, bs, cs, chunk=opts.chunk_size, h0_BHPN=h0, reset_BT=reset,
                 dot_dtype=dtype_of(cfg.dtype))
-    y = y + self.D[...].astype(f32)[:, None] * xs
+    y = y + D[..., None] * xs
     y = y * jax.nn.silu(z.astype(f32))
     Bsz, T = y.shape[:2]
     yg = y.reshape(Bsz, T, self.G, self.H // self.G, self.P)       # norm per B/C group
