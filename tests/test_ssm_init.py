@@ -156,10 +156,11 @@ def test_mamba3_a_activation(act, want):
   """A = -f(A_raw) at A_raw = 0: -ln 2 for the release's softplus (the default), -1 for the
   reference's later heavy tail."""
   m, _ = _mixer("mamba3", a_activation=act)
-  m.in_a.kernel[...] = jnp.zeros_like(m.in_a.kernel[...])
+  cols = m.part_columns("a")
+  m.in_proj.kernel[...] = m.in_proj.kernel[...].at[:, cols].set(0.0)
   u = _input(shape=(1, 4, D_MODEL))
   got = m._inputs(u, jnp.arange(4)[None])
-  dt = jax.nn.softplus(m.in_dt(u) + m.dt_bias[...])
+  dt = jax.nn.softplus(m.projected(u)["dt"] + m.dt_bias[...])
   np.testing.assert_allclose(np.asarray(got["a"]), want * np.asarray(dt), rtol=1e-6)
   assert _mixer("mamba3")[0].opts.a_activation == "softplus"
   with pytest.raises(ValueError, match="config.model.mamba3.a_activation"):
