@@ -32,9 +32,10 @@ whose outputs are z, x, B, C, dt_raw side by side (`IN_PROJ_PARTS`), and one dep
 runs as one matmul / one conv, and each is one parameter: in a scanned stack every parameter
 is one gradient write per layer in the backward scan and its own optimizer and norm kernels
 at the step's top level, so five projections and three convs kept apart (each with its own
-logical axes, concatenated at call time) cost ~13 kernel launches a layer more on a GPU
-(docs/benchmarks.md, tests/test_launches.py). The fused output axis has no logical name (its
-parts are sharded alike anyway: the SSD kernels keep heads whole on each device). Checkpoints
+logical axes, concatenated at call time) cost a GPU a dozen or so kernel launches a layer
+more, plus the concatenations (tests/test_launches.py counts them). The fused output axis has
+no logical name (its parts are sharded alike anyway: the SSD kernels keep heads whole on each
+device). Checkpoints
 written with the five / three separate parameters (before this layout) do not load; the
 minimal study's conversion (`study/mamba2_minimal.to_minimal`) reads this layout. For the same
 reason the per-head scalars dt_bias, A_log and D are the rows of one [3, H] parameter
@@ -293,11 +294,11 @@ def fused_projection(x_BTD: jax.Array, linears) -> jax.Array:
 
   column for column the same dot products, so the same values; one kernel (and one saved
   residual, one weight-gradient matmul and one input-gradient matmul in the backward) where
-  there were n. The kernels are concatenated at call time, so the parameters stay one per
-  projection, each with its own logical axes (the checkpoints and the pretrained conversions
-  name them). Their output axes are concatenated, so a sharding of one projection's outputs
-  (heads over a `tensor` axis) does not carry to the fused one: the SSD kernels keep heads
-  whole on each device anyway (`ssd_chunks._sharded`)."""
+  there were n. The kernels are concatenated at call time (a kernel of its own on a GPU, in
+  the forward and the rematerialised forward), so the SSD mixers keep their in-projection as
+  one Linear (n = 1: no concatenation; module docstring's "Parameter layout"). Concatenated
+  output axes lose a sharding of one projection's outputs (heads over a `tensor` axis): the
+  SSD kernels keep heads whole on each device anyway (`ssd_chunks._sharded`)."""
   first = linears[0]
   if any(lin.in_shape != first.in_shape or lin.dtype != first.dtype for lin in linears):
     raise ValueError("fused_projection: the Linears must share their input shape and dtype")
