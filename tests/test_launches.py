@@ -10,7 +10,12 @@ layer scan (forward and backward), the loss's chunks and the optimizer update. M
 half of what a Transformer layer does. The counts are deterministic (no timing).
 
 LIMITS are the ratios reached on this code (a regression guard, a little above the measured
-figures in the docstring of each test); the issue's target, 1.5x, is `test_..._within_1_5x`.
+figures in the docstring of each test); the issue's target, 1.5x, is `test_..._within_1_5x`
+(Mamba-2 meets it, Mamba-3 does not yet: a strict xfail).
+
+Reproduce a figure: the test's own `_train_step(name)`, or `experiments/train.py
+--config=configs/<name>_152m.py --compile_only=h100x1` with grad_accum 1 ("launches" on the
+train line).
 """
 
 import re
@@ -27,7 +32,7 @@ from tests.test_targets import tiny_config
 TARGET = "h100x1"
 PRESETS = {"transformer": transformer_152m, "mamba2": mamba2_152m, "mamba3": mamba3_152m,
            "hybrid_block": hybrid_block_152m, "hybrid_head": hybrid_head_152m}
-LIMITS = {"mamba2": 2.31, "mamba3": 2.78, "hybrid_block": 1.50, "hybrid_head": 2.08}
+LIMITS = {"mamba2": 1.50, "mamba3": 2.22, "hybrid_block": 1.09, "hybrid_head": 1.49}
 GOAL = 1.5     # the issue's: Mamba-2's and Mamba-3's steps at most 1.5x the Transformer's
 
 
@@ -69,9 +74,10 @@ def _ratios(names) -> dict[str, tuple[int, float]]:
 
 @pytest.mark.slow
 def test_ssm_train_steps_launch_within_their_limits():
-  """Mamba-2 and Mamba-3 within LIMITS of the Transformer's launches (at f500a6e: Transformer
-  1,848, Mamba-2 4,258 = 2.30x, Mamba-3 5,125 = 2.77x; at 877a042 5,533 = 2.99x and 6,604 = 3.57x).
-  Compiles three 152M train steps: ~3 min on the 2-core CPU."""
+  """Mamba-2 and Mamba-3 within LIMITS of the Transformer's launches (now: Transformer 1,848,
+  Mamba-2 2,760 = 1.49x, Mamba-3 4,080 = 2.21x; at 121a7de 3,695 = 2.00x and 4,731 = 2.56x;
+  at 877a042 5,533 = 2.99x and 6,604 = 3.57x). Compiles three 152M train steps: ~3 min on the
+  2-core CPU."""
   got = _ratios(("mamba2", "mamba3"))
   bad = {n: r for n, (_, r) in got.items() if r > LIMITS[n]}
   assert not bad, f"launch ratios over their limits {LIMITS}: {got}"
@@ -79,24 +85,27 @@ def test_ssm_train_steps_launch_within_their_limits():
 
 @pytest.mark.slow
 def test_hybrid_train_steps_launch_within_their_limits():
-  """The block and head hybrids (Mamba-2 layers or heads beside attention) within LIMITS (at
-  877a042: block 2,761 = 1.49x, head 3,826 = 2.07x; not measured after this branch's
-  fusions, so the limits are the 877a042 figures: a guard against regressions only)."""
+  """The block and head hybrids (Mamba-2 layers or heads beside attention) within LIMITS (now:
+  block 1,997 = 1.08x, head 2,735 = 1.48x; at 121a7de 2,296 = 1.24x and 3,050 = 1.65x; at
+  877a042 2,761 = 1.49x and 3,826 = 2.07x)."""
   got = _ratios(("hybrid_block", "hybrid_head"))
   bad = {n: r for n, (_, r) in got.items() if r > LIMITS[n]}
   assert not bad, f"launch ratios over their limits {LIMITS}: {got}"
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="not reached: per layer the SSD's XLA glue (layout "
-                   "transposes and the state passing around the Pallas kernels) and one "
-                   "gradient write per parameter remain")
-def test_ssm_train_steps_launch_within_1_5x_the_transformers():
-  """The issue's target: Mamba-2's and Mamba-3's train steps launch at most 1.5x the
-  Transformer's kernels at T 2048. Strict: passing makes the xfail an error, so it is removed
-  when the target is met."""
-  got = _ratios(("mamba2", "mamba3"))
-  assert all(r <= GOAL for _, r in got.values()), got
+@pytest.mark.parametrize("mixer", [
+    "mamba2",
+    pytest.param("mamba3", marks=pytest.mark.xfail(
+        strict=True, reason="2.21x: 121 launches a layer (46 forward, 75 backward) against "
+        "Mamba-2's 74, at 30 layers; 7 of them the rotation angles' wrapped prefix over the "
+        "chunks (layers.wrapped_cumsum's associative_scan), 8 the B/C RMS norm and scale")),
+])
+def test_ssm_train_steps_launch_within_1_5x_the_transformers(mixer):
+  """The issue's target: the SSM's train step launches at most 1.5x the Transformer's kernels
+  at T 2048. Strict: a mixer that starts meeting it fails until its xfail is removed."""
+  (_, r), = _ratios((mixer,)).values()
+  assert r <= GOAL, (mixer, r)
 
 
 # ------------------------------------------------------- the report, every mixer (tiny models)

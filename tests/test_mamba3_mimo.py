@@ -131,13 +131,10 @@ def test_rank_one_equals_siso():
   SISO mixer: outputs and decoding states."""
   siso = Mamba3(CFG, _opts(mimo_rank=0), rngs=nnx.Rngs(0))
   mimo = Mamba3(CFG, _opts(mimo_rank=1), rngs=nnx.Rngs(0))
-  for name in ("in_z", "in_x", "in_dt", "in_a", "in_lam", "in_theta", "out"):
+  for name in ("in_proj", "out"):   # rank 1: B and C [G, 1, N], the same columns as [G, N]
     getattr(mimo, name).kernel[...] = getattr(siso, name).kernel[...]
-  for name in ("in_b", "in_c"):
-    getattr(mimo, name).kernel[...] = getattr(siso, name).kernel[...][:, :, None]
-  for name in ("b_bias", "c_bias"):
-    getattr(mimo, name)[...] = getattr(siso, name)[...][:, None]
-  for name in ("dt_bias", "b_norm", "c_norm", "D"):
+  mimo.bc_bias[...] = siso.bc_bias[...][:, :, None]   # B's and C's biases, one column
+  for name in ("head_scalars", "bc_norm"):            # dt_bias, D; B's and C's norm scales
     getattr(mimo, name)[...] = getattr(siso, name)[...]
   B, T = 2, 13
   x, pos = _x(B, T, seed=5), _pos(B, T)

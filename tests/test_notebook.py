@@ -214,7 +214,7 @@ def test_mamba2_decay_matrix_reproduces_the_mixers_output(mixer_name):
   m = getattr(mixer, "ssm", mixer)
   xs = out["x"]
   y = jnp.einsum("bhij,bjhp->bihp", out["M"], xs) + m.D[...][:, None] * xs
-  y = y * jax.nn.silu(m.in_z(x))
+  y = y * jax.nn.silu(m.conv_inputs(x)[4])
   B, T, H, P = y.shape
   yg = y.reshape(B, T, m.G, H // m.G, P)
   yg = yg / jnp.sqrt(jnp.mean(yg ** 2, axis=(-2, -1), keepdims=True) + cfg.norm_eps)
@@ -240,7 +240,7 @@ def test_mamba3_implicit_attention_reproduces_the_mixers_output(mimo_rank):
   cfg, m, x = _mixer("mamba3", d_state=8, head_dim=16, chunk_size=8, n_groups=2, expand=2.0,
                      dt_min=0.05, dt_max=0.5, mimo_rank=mimo_rank)
   out = maps.implicit_attention(m, x)
-  M, xs, D, z = out["M"], out["x"], m.D[...], m.in_z(x)
+  M, xs, D, z = out["M"], out["x"], m.D[...], m.projected(x)["z"]
   if mimo_rank:
     Y = jnp.einsum("bhtjoi,bjhip->bthop", M, xs) + D[:, None, None] * xs
     y = jnp.sum(m.mimo_o[...] * Y * jax.nn.silu(z[..., None, :] * m.mimo_z[...]), axis=3)

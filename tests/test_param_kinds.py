@@ -23,7 +23,7 @@ from configs import quickstart
 
 NOT_DECAYED = {"bias", "dt_bias", "A_log", "D", "scale", "lambda_raw", "norm_scale", "b_bias",
                "c_bias", "b_norm", "c_norm", "attn_norm", "decay_bias", "sink_logit",
-               "sink_embed"}
+               "sink_embed", "head_scalars"}
 
 
 def _mixers():

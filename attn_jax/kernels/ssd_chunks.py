@@ -53,10 +53,14 @@ chunk programs and the chunk states never leave the passing loop; the backward r
 forward's H_c (a residual, one x-sized array at N = Q) instead of recomputing them.
 
 Exponents, in log2 units (a2 = a log2 e, then every exp is one `exp2`: one PTX
-`ex2.approx.ftz` on a GPU, `decayed_tiles.exp2`). The per-chunk sums A, E and z are made once
-in XLA (`_decays`: a cumulative sum, an exclusive reverse one and the total, each direct, as
-the authors' "chunk cumsum" kernel does), so the kernels read them as columns and spend no
-cross-lane reductions on them. seg is made in the kernels, as a product of masked matrices,
+`ex2.approx.ftz` on a GPU, `decayed_tiles.exp2`). The kernels' one decay input is a2 per chunk
+(`log2_decays`, a row [1, Q]); each makes the per-chunk sums it needs from it (`Exps`): A and
+E as masked row sums of the [QO, Q] / [QI, Q] index masks (A_t = sum_{tau <= t} a_tau, E_s =
+sum_{tau > s} a_tau, each a direct fp32 sum of its own terms) and z as the row's sum. A
+cumulative sum in XLA (the authors' "chunk cumsum" kernel) cost six kernels on a GPU (its
+reduce-window passes, the reverse one, the repeats), in the forward and again in the backward
+of every layer; these sums cost a program a few [Q, Q] selects and cross-lane reductions per
+chunk beside its [Q, Q] matmuls. seg is made in the kernels, as a product of masked matrices,
 seg = (M_le diag(a)) U_gt with M_le[t, r] = [r <= t], U_gt[r, s] = [r > s]; the 0/1 mask is
 exact in bf16, so the product runs as three bf16 matmuls on the exact split a = hi + mid + lo
 (`_mask_sum`): each entry a direct fp32 sum of its own terms, at the tensor cores' rate, not a
@@ -78,7 +82,7 @@ fp32; every matmul step the XLA path runs in `dot_dtype` takes its operands in `
 with the cotangents cast to it). The passing is the sequential fp32 recurrence here, a segsum
 matmul in `ssd.pass_chunk_states`: the same sums, in another order.
 
-Layout: heads first, [B, H, T, P] (B and C [B, G, T, N]; a [B, H, C, 1, Q]; the states
+Layout: heads first, [B, H, T, P] (B and C [B, G, T, N]; a2 [B, H, C, 1, Q]; the states
 [B, H, C, P, N]); dchunk views the per-head arrays as [B, G, J, ...] (a free reshape). Every
 block's last two dims are a chunk's [Q, P] / [Q, N], the array's [P, N] or [1, Q] (TPU's tiling
 rule holds for Q a multiple of 8). T is padded to whole chunks (a = 0, x = B = C = 0: the state
@@ -93,7 +97,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -170,42 +173,38 @@ class Masks:
     self.lt = jnp.where(self.in_lt, 1.0, 0.0).astype(BF16)
 
 
-class Decays(NamedTuple):
-  """A call's log-decays in log2 units (a2 = a log2 e, floored at NEG), per chunk, and their
-  direct sums, made once in XLA (`_decays`, the authors' "chunk cumsum"): a2 [B, H, C, 1, Q]
-  (a row, for seg), A2 per output row [.., QO, 1] and E2 per input row [.., QI, 1] (columns,
-  as the kernels scale rows by them), the chunk's total z2 [.., 1, 1]."""
-  a2: jax.Array
-  A2: jax.Array
-  E2: jax.Array
-  z2: jax.Array
-
-
-# the parts each kernel reads
-_STATES_PARTS, _SCAN_PARTS, _DSTATES_PARTS, _DCHUNK_PARTS = ("E2", "z2"), ("a2", "A2"), \
-    ("A2", "z2"), Decays._fields
-
-
 class Exps:
-  """A chunk's exponents (log2 units) from the parts of `Decays` a kernel reads (`parts`:
-  {name: array}); `seg` adds L [QO, QI] = 2^seg2(t, s) = exp(seg(t, s)) on s <= t, else 0
-  (seg2 from a2: `_mask_sum`)."""
+  """A chunk's exponents (log2 units) from its log-decays a2 [1, Q] (a row, as the kernels
+  read it), each a direct fp32 sum of its own terms, taken from the row under a mask (no
+  running sum, no cumulative-sum pass in XLA):
 
-  def __init__(self, spec: Spec, parts: dict, m: Masks, seg: bool = False):
-    self.spec = spec
-    for k, v in parts.items():
-      setattr(self, k, v)
+      A2 [QO, 1]  sum_{tau <= t} a2_tau      per output row (its token t's)
+      E2 [QI, 1]  sum_{tau > s} a2_tau       per input row (its token s's)
+      z2 [1, 1]   sum_tau a2_tau             the chunk's total
+
+  (columns, as the kernels scale rows by them). `seg` adds L [QO, QI] = 2^seg2(t, s) =
+  exp(seg(t, s)) on s <= t, else 0 (seg2 from a2: `_mask_sum`)."""
+
+  def __init__(self, spec: Spec, a2_1Q, m: Masks, seg: bool = False):
+    self.spec, self.a2, self.m = spec, a2_1Q, m
     if seg:
-      terms = jnp.where(m.out_le, parts["a2"], 0.0)               # [(t, o), tau] = a2_tau
+      terms = jnp.where(m.out_le, a2_1Q, 0.0)                     # [(t, o), tau] = a2_tau
       self.L = jnp.where(m.pairs, self.exp(_mask_sum(terms, m.gt)), 0.0)
+
+  @property
+  def A2(self):
+    return jnp.sum(jnp.where(self.m.out_le, self.a2, 0.0), axis=1, keepdims=True)
+
+  @property
+  def E2(self):
+    return jnp.sum(jnp.where(self.m.in_lt, self.a2, 0.0), axis=1, keepdims=True)
+
+  @property
+  def z2(self):
+    return jnp.sum(self.a2, axis=1, keepdims=True)
 
   def exp(self, x):
     return exp2(self.spec.ex2, x)
-
-
-def _load(refs, names, idx) -> dict:
-  """{name: ref[idx]} of a kernel's decay refs."""
-  return {n: r[idx] for n, r in zip(names, refs)}
 
 
 def _masks(spec: Spec) -> Masks:
@@ -222,16 +221,16 @@ def _rows(ref, c, n: int):
 def _states_kernel(spec: Spec, *refs):
   """The states entering each chunk, passed along the chunks in one loop (one head):
   H_0 = h0, H_{c+1} = exp(z_c) H_c + S_c, S_c = sum_i sum_s exp(E_s) x_is B_is^T; writes
-  H_c [P, N] in `dot_dtype` and the final state fp32 (refs: x_i..., B_i..., E2, z2, [h0], H,
+  H_c [P, N] in `dot_dtype` and the final state fp32 (refs: x_i..., B_i..., a2, [h0], H,
   final)."""
   R, n = spec.inputs, spec.chunk * spec.in_rows
   dt = jnp.dtype(spec.dot_dtype)
-  xs, bs, d_refs, rest = refs[:R], refs[R:2 * R], refs[2 * R:2 * R + 2], refs[2 * R + 2:]
+  xs, bs, a2_ref, rest = refs[:R], refs[R:2 * R], refs[2 * R], refs[2 * R + 1:]
   h0_ref, (hin_ref, final_ref) = (rest[0], rest[1:]) if len(rest) == 3 else (None, rest)
   m = _masks(spec)
 
   def chunk(c, h):
-    e = Exps(spec, _load(d_refs, _STATES_PARTS, c), m)
+    e = Exps(spec, a2_ref[c], m)
     eE = e.exp(e.E2)
     s = 0.0
     for x_ref, b_ref in zip(xs, bs):
@@ -241,17 +240,17 @@ def _states_kernel(spec: Spec, *refs):
     return e.exp(e.z2) * h + s
 
   h0 = jnp.zeros(hin_ref.shape[-2:], F32) if h0_ref is None else h0_ref[...].astype(F32)
-  final_ref[...] = lax.fori_loop(0, d_refs[0].shape[0], chunk, h0)
+  final_ref[...] = lax.fori_loop(0, a2_ref.shape[0], chunk, h0)
 
 
 def _scan_kernel(spec: Spec, *refs):
   """y = sum_i (L o C B_i^T) x_i + exp(A) o (C H^T)  [QO, P]  (one chunk of one head; refs:
-  x_i..., B_i..., C, a2, A2, H, y)."""
+  x_i..., B_i..., C, a2, H, y)."""
   R = spec.inputs
   dt = jnp.dtype(spec.dot_dtype)
   xs, bs = refs[:R], refs[R:2 * R]
-  c_ref, a2_ref, A2_ref, h_ref, y_ref = refs[2 * R:]
-  e = Exps(spec, _load((a2_ref, A2_ref), _SCAN_PARTS, ...), _masks(spec), seg=True)
+  c_ref, a2_ref, h_ref, y_ref = refs[2 * R:]
+  e = Exps(spec, a2_ref[...], _masks(spec), seg=True)
   c = c_ref[...].astype(dt)
   y = 0.0
   for x_ref, b_ref in zip(xs, bs):
@@ -260,27 +259,31 @@ def _scan_kernel(spec: Spec, *refs):
   y_ref[...] = y + e.exp(e.A2) * _dot(c, h_ref[...].astype(dt), _A_BT)
 
 
-def _dstates_kernel(spec: Spec, *refs):
+def _dstates_kernel(spec: Spec, *refs, with_final: bool):
   """The state cotangents, passed back along the chunks in one loop (one head): g_C = d final,
   dS_c = g_{c+1}, g_c = exp(z_c) g_{c+1} + sum_t exp(A_t) dy_t C_t^T, d h0 = g_0; writes dS_c
-  [P, N] in `dot_dtype` (refs: dy, C, A2, z2, d final, dS, [d h0])."""
+  [P, N] in `dot_dtype` (refs: dy, C, a2, [d final], dS, [d h0]; no d final: g_C = 0, the
+  final state unused)."""
   n = spec.chunk * spec.out_rows
   dt = jnp.dtype(spec.dot_dtype)
-  dy_ref, c_ref = refs[:2]
-  d_refs = refs[2:4]
-  dfinal_ref, ds_ref = refs[4:6]
-  dh0_ref = refs[6] if len(refs) > 6 else None
+  dy_ref, c_ref, a2_ref = refs[:3]
+  rest = refs[3:]
+  dfinal_ref = rest[0] if with_final else None
+  rest = rest[1:] if with_final else rest
+  ds_ref, dh0_ref = rest[0], (rest[1] if len(rest) > 1 else None)
   m = _masks(spec)
-  nc = d_refs[0].shape[0]
+  nc = a2_ref.shape[0]
 
   def chunk(k, g):
     c = nc - 1 - k
-    e = Exps(spec, _load(d_refs, _DSTATES_PARTS, c), m)
+    e = Exps(spec, a2_ref[c], m)
     dya = (_rows(dy_ref, c, n).astype(F32) * e.exp(e.A2)).astype(dt)
     ds_ref[c] = g.astype(ds_ref.dtype)
     return e.exp(e.z2) * g + _dot(dya, _rows(c_ref, c, n).astype(dt), _AT_B)
 
-  g = lax.fori_loop(0, nc, chunk, dfinal_ref[...].astype(F32))
+  g0 = (jnp.zeros(ds_ref.shape[-2:], F32) if dfinal_ref is None
+        else dfinal_ref[...].astype(F32))
+  g = lax.fori_loop(0, nc, chunk, g0)
   if dh0_ref is not None:
     dh0_ref[...] = g
 
@@ -288,14 +291,14 @@ def _dstates_kernel(spec: Spec, *refs):
 def _dchunk_kernel(spec: Spec, *refs):
   """Every per-token gradient of one chunk of a B/C group (module docstring), its J heads in
   one loop: dx_i and da per head, dB_i and dC summed over the group's heads in the loop
-  (refs: x_i..., B_i..., C, a2, A2, E2, z2, dy, H, dS, then dx_i..., dB_i..., dC, da; the
-  per-head blocks [J, ...], indexed by the loop's head)."""
+  (refs: x_i..., B_i..., C, a2, dy, H, dS, then dx_i..., dB_i..., dC, da; the per-head
+  blocks [J, ...], indexed by the loop's head)."""
   R, J = spec.inputs, spec.groups
   dt = jnp.dtype(spec.dot_dtype)
   xs, bs = refs[:R], refs[R:2 * R]
-  c_ref, d_refs = refs[2 * R], refs[2 * R + 1:2 * R + 5]
-  dy_ref, h_ref, ds_ref = refs[2 * R + 5:2 * R + 8]
-  outs = refs[2 * R + 8:]
+  c_ref, a2_ref = refs[2 * R], refs[2 * R + 1]
+  dy_ref, h_ref, ds_ref = refs[2 * R + 2:2 * R + 5]
+  outs = refs[2 * R + 5:]
   dxs, dbs, (dc_ref, da_ref) = outs[:R], outs[R:2 * R], outs[2 * R:]
   m = _masks(spec)
   b = [r[...].astype(dt) for r in bs]
@@ -305,7 +308,7 @@ def _dchunk_kernel(spec: Spec, *refs):
 
   def head(j, carry):
     db_acc, dc = list(carry[:R]), carry[R]
-    e = Exps(spec, _load(d_refs, _DCHUNK_PARTS, j), m, seg=True)
+    e = Exps(spec, a2_ref[j], m, seg=True)
     eA, eE = e.exp(e.A2), e.exp(e.E2)
     h, ds = h_ref[j].astype(dt), ds_ref[j].astype(dt)
     dy32 = dy_ref[j].astype(F32)
@@ -388,56 +391,51 @@ def _per_chunk(x):
   return pl.BlockSpec((None, None, None) + x.shape[3:], lambda b, h, c: (b, h, c, 0, 0))
 
 
-def _parts(d: Decays, names):
-  return tuple(getattr(d, n) for n in names)
-
-
-def _states(spec: Spec, xs, bs, d: Decays, h0):
-  """(H_c [B, H, C, P, N] in `dot_dtype`, final [B, H, P, N] fp32)."""
+def _states(spec: Spec, xs, bs, a2, h0):
+  """(H_c [B, H, C, P, N] in `dot_dtype`, final [B, H, P, N] fp32); a2 [B, H, C, 1, Q]."""
   B, H, _, Pd = xs[0].shape
-  C, N, J = d.a2.shape[2], bs[0].shape[-1], spec.groups
+  C, N, J = a2.shape[2], bs[0].shape[-1], spec.groups
   outs = (jax.ShapeDtypeStruct((B, H, C, Pd, N), jnp.dtype(spec.dot_dtype)),
           jax.ShapeDtypeStruct((B, H, Pd, N), F32))
-  parts = _parts(d, _STATES_PARTS)
-  ins = tuple(xs) + tuple(bs) + parts + (() if h0 is None else (h0,))
-  specs = ([_whole(x) for x in xs] + [_whole(b, J) for b in bs] + [_whole(p) for p in parts]
+  ins = tuple(xs) + tuple(bs) + (a2,) + (() if h0 is None else (h0,))
+  specs = ([_whole(x) for x in xs] + [_whole(b, J) for b in bs] + [_whole(a2)]
            + ([] if h0 is None else [_whole(h0)]))
   return _call(spec, _states_kernel, "states", (B, H), ins, specs, outs,
                tuple(_whole(o) for o in outs))
 
 
-def _scan(spec: Spec, xs, bs, c, d: Decays, h_in):
+def _scan(spec: Spec, xs, bs, c, a2, h_in):
   """y [B, H, T x O, P] fp32."""
   B, H, _, Pd = xs[0].shape
   J, Q, I, O = spec.groups, spec.chunk, spec.in_rows, spec.out_rows
   out = jax.ShapeDtypeStruct((B, H, c.shape[2], Pd), F32)
-  parts = _parts(d, _SCAN_PARTS)
-  ins = tuple(xs) + tuple(bs) + (c,) + parts + (h_in,)
+  ins = tuple(xs) + tuple(bs) + (c, a2, h_in)
   specs = ([_chunk_of(x, Q * I) for x in xs] + [_chunk_of(b, Q * I, J) for b in bs]
-           + [_chunk_of(c, Q * O, J)] + [_per_chunk(p) for p in parts] + [_per_chunk(h_in)])
-  return _call(spec, _scan_kernel, "scan", (B, H, d.a2.shape[2]), ins, specs, out,
+           + [_chunk_of(c, Q * O, J), _per_chunk(a2), _per_chunk(h_in)])
+  return _call(spec, _scan_kernel, "scan", (B, H, a2.shape[2]), ins, specs, out,
                _chunk_of(out, Q * O))
 
 
-def _dstates(spec: Spec, dy, c, d: Decays, dfinal, want_dh0: bool):
-  """(dS_c [B, H, C, P, N] in `dot_dtype`, d h0 [B, H, P, N] fp32 or None)."""
-  B, H, C = d.a2.shape[:3]
-  Pd, N = dfinal.shape[-2:]
+def _dstates(spec: Spec, dy, c, a2, dfinal, shape_PN, want_dh0: bool):
+  """(dS_c [B, H, C, P, N] in `dot_dtype`, d h0 [B, H, P, N] fp32 or None); `dfinal` None: the
+  final state's cotangent is zero (not read)."""
+  B, H, C = a2.shape[:3]
+  Pd, N = shape_PN
   outs = (jax.ShapeDtypeStruct((B, H, C, Pd, N), jnp.dtype(spec.dot_dtype)),)
   outs += (jax.ShapeDtypeStruct((B, H, Pd, N), F32),) if want_dh0 else ()
-  parts = _parts(d, _DSTATES_PARTS)
-  specs = ([_whole(dy), _whole(c, spec.groups)] + [_whole(p) for p in parts]
-           + [_whole(dfinal)])
-  res = _call(spec, _dstates_kernel, "dstates", (B, H), (dy, c) + parts + (dfinal,), specs,
-              outs, tuple(_whole(o) for o in outs))
+  final = () if dfinal is None else (dfinal,)
+  specs = [_whole(dy), _whole(c, spec.groups), _whole(a2)] + [_whole(f) for f in final]
+  kernel = functools.partial(_dstates_kernel, with_final=dfinal is not None)
+  res = _call(spec, kernel, "dstates", (B, H), (dy, c, a2) + final, specs, outs,
+              tuple(_whole(o) for o in outs))
   return res[0], (res[1] if want_dh0 else None)
 
 
-def _dchunk(spec: Spec, xs, bs, c, d: Decays, dy, h_in, ds):
+def _dchunk(spec: Spec, xs, bs, c, a2, dy, h_in, ds):
   """(dx_i..., dB_i..., dC, da): per-head arrays viewed [B, G, J, ...] (a free reshape), one
   program per chunk of a group, its heads in the kernel's loop."""
   B, H = xs[0].shape[:2]
-  G, J, C = bs[0].shape[1], spec.groups, d.a2.shape[2]
+  G, J, C = bs[0].shape[1], spec.groups, a2.shape[2]
   nI, nO = spec.chunk * spec.in_rows, spec.chunk * spec.out_rows
   grp = lambda z: z.reshape((B, G, J) + z.shape[2:])
   heads = lambda z, n: pl.BlockSpec((None, None, J, n, z.shape[-1]),
@@ -445,13 +443,10 @@ def _dchunk(spec: Spec, xs, bs, c, d: Decays, dy, h_in, ds):
   chunk_heads = lambda z: pl.BlockSpec((None, None, J, None) + z.shape[4:],
                                        lambda b, g, c: (b, g, 0, c, 0, 0))
   group = lambda z, n: pl.BlockSpec((None, None, n, z.shape[-1]), lambda b, g, c: (b, g, c, 0))
-  xg, dyg, h_g, ds_g = [grp(z) for z in xs], grp(dy), grp(h_in), grp(ds)
-  parts = tuple(grp(p) for p in _parts(d, _DCHUNK_PARTS))
-  a_g = parts[0]
-  ins = tuple(xg) + tuple(bs) + (c,) + parts + (dyg, h_g, ds_g)
+  xg, dyg, h_g, ds_g, a_g = [grp(z) for z in xs], grp(dy), grp(h_in), grp(ds), grp(a2)
+  ins = tuple(xg) + tuple(bs) + (c, a_g, dyg, h_g, ds_g)
   specs = ([heads(z, nI) for z in xg] + [group(z, nI) for z in bs] + [group(c, nO)]
-           + [chunk_heads(p) for p in parts]
-           + [heads(dyg, nO), chunk_heads(h_g), chunk_heads(ds_g)])
+           + [chunk_heads(a_g), heads(dyg, nO), chunk_heads(h_g), chunk_heads(ds_g)])
   sds = lambda z, dtype=None: jax.ShapeDtypeStruct(z.shape, dtype or z.dtype)
   outs = tuple(sds(z) for z in xg) + tuple(sds(z) for z in bs) + (sds(c), sds(a_g, F32))
   out_specs = ([heads(z, nI) for z in xg] + [group(z, nI) for z in bs]
@@ -464,43 +459,52 @@ def _dchunk(spec: Spec, xs, bs, c, d: Decays, dy, h_in, ds):
 
 # ---------------------------------------------------------------- custom VJP
 
-def _decays(spec: Spec, a) -> Decays:
-  """`Decays` of kernel-layout log-decays a [B, H, C, 1, Q] (natural units): every sum direct
-  (a cumulative sum, an exclusive reverse one, the total), output / input rows repeating their
-  token's."""
-  a2 = jnp.maximum(a.astype(F32) * LOG2E, NEG)
-  A2 = jnp.cumsum(a2, axis=-1)
-  E2 = jnp.pad(jnp.cumsum(a2[..., ::-1], axis=-1)[..., ::-1][..., 1:],
-               [(0, 0)] * 4 + [(0, 1)])
-  col = lambda v, k: jnp.repeat(jnp.swapaxes(v, -1, -2), k, axis=-2)
-  return Decays(a2, col(A2, spec.out_rows), col(E2, spec.in_rows),
-                jnp.sum(a2, axis=-1, keepdims=True))
+def log2_decays(a):
+  """Kernel-layout log-decays a [B, H, C, 1, Q] (natural units) in log2 units, floored at NEG
+  (module docstring): the kernels' one decay input, from which each makes its sums (`Exps`).
+  (d a2 / d a = log2 e off the floor, which only a start's -inf reaches.)"""
+  return jnp.maximum(a.astype(F32) * LOG2E, NEG)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _core(spec: Spec, xs, bs, c, a, h0):
   """Kernel-layout SSD (x_i [B, H, T x I, P], B_i [B, G, T x I, N], C [B, G, T x O, N], a
-  [B, H, C, 1, Q], h0 [B, H, P, N] fp32 or None): (y [B, H, T x O, P] fp32, final state
-  [B, H, P, N] fp32)."""
+  [B, H, C, 1, Q] (natural units), h0 [B, H, P, N] fp32 or None): (y [B, H, T x O, P] fp32,
+  final state [B, H, P, N] fp32). The kernels read `log2_decays(a)` (kept for the backward);
+  their da is a's cotangent (each exponent's chain rule through 2^x = e^(x ln 2) folded in)."""
   return _core_fwd(spec, xs, bs, c, a, h0)[0]
 
 
+def _value(p):
+  """A primal as custom_vjp's symbolic-zeros rules hand it (`CustomVJPPrimal`), unwrapped."""
+  return getattr(p, "value", p)
+
+
+def _zero(ct) -> bool:
+  return isinstance(ct, jax.custom_derivatives.SymbolicZero)
+
+
 def _core_fwd(spec, xs, bs, c, a, h0):
-  d = _decays(spec, a)
-  h_in, final = _states(spec, xs, bs, d, h0)
-  return (_scan(spec, xs, bs, c, d, h_in), final), (xs, bs, c, a, h0, h_in)
+  xs, bs, c, a, h0 = jax.tree.map(_value, (xs, bs, c, a, h0))
+  a2 = log2_decays(a)
+  h_in, final = _states(spec, xs, bs, a2, h0)
+  return (_scan(spec, xs, bs, c, a2, h_in), final), (xs, bs, c, a2, h0, h_in)
 
 
 def _core_bwd(spec, res, cts):
-  xs, bs, c, a, h0, h_in = res
+  """Symbolic zeros (`defvjp(symbolic_zeros=True)`): a final state no one reads (training's
+  full forward) has a zero cotangent, and the dstates kernel then starts from 0 itself, so no
+  zero [B, H, P, N] array is made (a kernel of its own) and read."""
+  xs, bs, c, a2, h0, h_in = res
   dy, dfinal = cts
-  d = _decays(spec, a)
-  ds, dh0 = _dstates(spec, dy, c, d, dfinal, h0 is not None)
-  dxs, dbs, dc, da = _dchunk(spec, xs, bs, c, d, dy, h_in, ds)
+  dy = jnp.zeros(dy.shape, dy.dtype) if _zero(dy) else dy
+  dfinal = None if _zero(dfinal) else dfinal
+  ds, dh0 = _dstates(spec, dy, c, a2, dfinal, h_in.shape[-2:], h0 is not None)
+  dxs, dbs, dc, da = _dchunk(spec, xs, bs, c, a2, dy, h_in, ds)
   return dxs, dbs, dc, da, dh0
 
 
-_core.defvjp(_core_fwd, _core_bwd)
+_core.defvjp(_core_fwd, _core_bwd, symbolic_zeros=True)
 
 
 # ---------------------------------------------------------------- public entry

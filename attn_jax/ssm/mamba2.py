@@ -24,11 +24,23 @@ Initialisation, each as that reference (file names under `mamba_ssm/`):
 Weight decay (`layers.PARAM_KINDS`): projection and conv kernels only; conv biases, dt_bias
 (kind bias), A_log, D (scalar) and the norm scale are exempt, as the reference marks them
 `_no_weight_decay` (and exempts biases by name). `proj_init="normal"` is the Transformer's
-N(0, init_std) instead, kept as an ablation. The in-projection is kept as five
-Linears (z, x, B, C, dt) so each has its own logical axes; it is the same parameter count as
-the fused one, and it runs as one matmul, their kernels concatenated at call time
-(`fused_projection`), as the conv runs once over the adjacent x, B, C channels (`fused_conv`):
-one kernel launch each where there were five and three, forward and backward.
+N(0, init_std) instead, kept as an ablation.
+
+Parameter layout, as the authors': one in-projection `in_proj` [d_model, 2 d_inner + 2 G N + H]
+whose outputs are z, x, B, C, dt_raw side by side (`IN_PROJ_PARTS`), and one depthwise conv
+`conv` over the adjacent x, B, C channels [d_conv, d_inner + 2 G N] (kernel and bias). Each
+runs as one matmul / one conv, and each is one parameter: in a scanned stack every parameter
+is one gradient write per layer in the backward scan and its own optimizer and norm kernels
+at the step's top level, so five projections and three convs kept apart (each with its own
+logical axes, concatenated at call time) cost a GPU a dozen or so kernel launches a layer
+more, plus the concatenations (tests/test_launches.py counts them). The fused output axis has
+no logical name (its parts are sharded alike anyway: the SSD kernels keep heads whole on each
+device). Checkpoints
+written with the five / three separate parameters (before this layout) do not load; the
+minimal study's conversion (`study/mamba2_minimal.to_minimal`) reads this layout. For the same
+reason the per-head scalars dt_bias, A_log and D are the rows of one [3, H] parameter
+`head_scalars` (`HEAD_SCALARS`; each initialised as above, none weight-decayed, kind scalar),
+read through the properties `dt_bias`, `A_log`, `D`.
 
 Training uses the chunked SSD: on a GPU / TPU the fused Pallas kernels (`kernels/ssd_chunks.py`,
 chosen by `ssd_chunks.chunked_ssd` in a full forward), else `ssd.ssd_chunked`.
@@ -93,6 +105,8 @@ f32 = jnp.float32
 # pass keeps (`remat_full_forward`, module docstring).
 IN_PROJ = "ssm_in_proj"
 CONV_STATE = ("conv_x", "conv_b", "conv_c")   # Mamba-2's conv windows in the decoding state
+IN_PROJ_PARTS = ("z", "x", "B", "C", "dt")       # Mamba2.in_proj's outputs, in order
+HEAD_SCALARS = ("dt_bias", "A_log", "D")          # Mamba2.head_scalars' rows, in order
 
 
 # ----------------------------------------------------------------------- shared pieces
@@ -132,6 +146,18 @@ def projection_inits(cfg: ModelConfig, opts, d_inner: int) -> tuple[dict, dict]:
   n_res = 2 if cfg.d_ff > 0 else 1
   return ({"init": fan_in_uniform(cfg.d_model)},
           {"init": fan_in_uniform(d_inner, 1.0 / math.sqrt(n_res * cfg.n_layers))})
+
+
+def head_scalars_init(opts):
+  """Mamba-2's per-head scalars stacked [3, H] (`HEAD_SCALARS`): dt_bias (`dt_bias_init`),
+  A_log = log U[a_init_min, a_init_max] and D = 1, each from its own key."""
+  def init(key, shape, dtype=f32):
+    k_dt, k_a = jax.random.split(key)
+    H = shape[1]
+    return jnp.stack([dt_bias_init(opts.dt_min, opts.dt_max)(k_dt, (H,), dtype),
+                      uniform_init(opts.a_init_min, opts.a_init_max, jnp.log)(k_a, (H,), dtype),
+                      jnp.ones((H,), dtype)])
+  return init
 
 
 def uniform_init(lo: float, hi: float, transform=lambda u: u):
@@ -268,11 +294,11 @@ def fused_projection(x_BTD: jax.Array, linears) -> jax.Array:
 
   column for column the same dot products, so the same values; one kernel (and one saved
   residual, one weight-gradient matmul and one input-gradient matmul in the backward) where
-  there were n. The kernels are concatenated at call time, so the parameters stay one per
-  projection, each with its own logical axes (the checkpoints and the pretrained conversions
-  name them). Their output axes are concatenated, so a sharding of one projection's outputs
-  (heads over a `tensor` axis) does not carry to the fused one: the SSD kernels keep heads
-  whole on each device anyway (`ssd_chunks._sharded`)."""
+  there were n. The kernels are concatenated at call time (a kernel of its own on a GPU, in
+  the forward and the rematerialised forward), so the SSD mixers keep their in-projection as
+  one Linear (n = 1: no concatenation; module docstring's "Parameter layout"). Concatenated
+  output axes lose a sharding of one projection's outputs (heads over a `tensor` axis): the
+  SSD kernels keep heads whole on each device anyway (`ssd_chunks._sharded`)."""
   first = linears[0]
   if any(lin.in_shape != first.in_shape or lin.dtype != first.dtype for lin in linears):
     raise ValueError("fused_projection: the Linears must share their input shape and dtype")
@@ -373,28 +399,51 @@ class Mamba2(FullForwardRemat, Mixer):
     dt, pdt = dtype_of(cfg.dtype), dtype_of(cfg.param_dtype)
     proj_in, proj_out = projection_inits(cfg, opts, H * P)
     kw = dict(rngs=rngs, dtype=dt, param_dtype=pdt, **proj_in)
-    self.in_z = Linear((D,), (H, P), in_axes=("embed",), out_axes=("heads", "head_dim"), **kw)
-    self.in_x = Linear((D,), (H, P), in_axes=("embed",), out_axes=("heads", "head_dim"), **kw)
-    self.in_b = Linear((D,), (G, N), in_axes=("embed",), out_axes=(None, "state"), **kw)
-    self.in_c = Linear((D,), (G, N), in_axes=("embed",), out_axes=(None, "state"), **kw)
-    self.in_dt = Linear((D,), (H,), in_axes=("embed",), out_axes=("heads",), **kw)
-    self.conv_x = CausalConv(opts.d_conv, (H, P), ("heads", "head_dim"), rngs=rngs)
-    self.conv_b = CausalConv(opts.d_conv, (G, N), (None, "state"), rngs=rngs)
-    self.conv_c = CausalConv(opts.d_conv, (G, N), (None, "state"), rngs=rngs)
-    self.dt_bias = param(rngs, dt_bias_init(opts.dt_min, opts.dt_max), (H,), ("heads",),
-                         kind="bias")
-    self.A_log = param(rngs, uniform_init(opts.a_init_min, opts.a_init_max, jnp.log), (H,),
-                       ("heads",), kind="scalar")
-    self.D = param(rngs, nnx.initializers.ones, (H,), ("heads",), kind="scalar")
+    self.in_proj = Linear((D,), (2 * H * P + 2 * G * N + H,), in_axes=("embed",),
+                          out_axes=(None,), **kw)          # z, x, B, C, dt (IN_PROJ_PARTS)
+    self.conv = CausalConv(opts.d_conv, (H * P + 2 * G * N,), (None,), rngs=rngs)   # x, B, C
+    self.head_scalars = param(rngs, head_scalars_init(opts), (len(HEAD_SCALARS), H),
+                              (None, "heads"), kind="scalar")   # dt_bias, A_log, D
     self.norm_scale = param(rngs, nnx.initializers.ones, (H, P), ("heads", "head_dim"),
                             kind="norm")
     kw.update(proj_out)   # the rescaled residual init (projection_inits)
     self.out = Linear((H, P), (D,), in_axes=("heads", "head_dim"), out_axes=("embed",), **kw)
 
+  # the per-head scalars, rows of one parameter (module docstring): read-only views
+  @property
+  def dt_bias(self) -> jax.Array:
+    return self.head_scalars[0]
+
+  @property
+  def A_log(self) -> jax.Array:
+    return self.head_scalars[1]
+
+  @property
+  def D(self) -> jax.Array:
+    return self.head_scalars[2]
+
   def in_projections(self) -> tuple:
-    """The in-projections in the fused matmul's order (z, x, B, C, dt: x, B, C adjacent, the
-    conv's channels; `fused_projection`)."""
-    return (self.in_z, self.in_x, self.in_b, self.in_c, self.in_dt)
+    """The in-projection (one Linear: z, x, B, C, dt side by side, `IN_PROJ_PARTS`; x, B, C
+    adjacent, the conv's channels) as `fused_projection` takes it."""
+    return (self.in_proj,)
+
+  def part_shapes(self) -> dict:
+    """{part: its per-token shape} of the in-projection's outputs (`IN_PROJ_PARTS`)."""
+    H, P, N, G = self.H, self.P, self.N, self.G
+    return dict(zip(IN_PROJ_PARTS, [(H, P), (H, P), (G, N), (G, N), (H,)]))
+
+  def conv_inputs(self, x_BTD, positions_BT=None):
+    """(x, B, C after the conv and SiLU (fp32), dt = softplus(dt_raw + dt_bias) (fp32, 0 on
+    padding), z) of a full forward (no state): the SSD's inputs, for diagnostics and tests."""
+    if positions_BT is None:
+      positions_BT = causal_positions(*x_BTD.shape[:2])
+    sh = self.part_shapes()
+    z, xbc, dt_raw = split_last(self.in_proj(x_BTD), [sh["z"], (self.conv.bias.shape[0],),
+                                                      sh["dt"]])
+    xbc, _ = self.conv(xbc)
+    xs, bs, cs = split_last(jax.nn.silu(xbc), [sh["x"], sh["B"], sh["C"]])
+    dt = jax.nn.softplus(dt_raw.astype(f32) + self.dt_bias[...].astype(f32))
+    return xs, bs, cs, jnp.where(valid_mask(positions_BT)[..., None], dt, 0.0), z
 
   # -------------------------------------------------------------- pieces reused by hybrids
   def ssm_heads(self, x_BTD, *, positions_BT, state=None, segment_ids_BT=None):
@@ -408,12 +457,15 @@ class Mamba2(FullForwardRemat, Mixer):
     z, xbc, dt_raw = split_last(fused_projection(x_BTD, self.in_projections()),
                                 [(H, P), (H * P + 2 * G * N,), (H,)])   # kept for the backward
     windows = None if state is None else [state[k] for k in CONV_STATE]
-    xbc, new_windows = fused_conv((self.conv_x, self.conv_b, self.conv_c), xbc, windows,
-                                  n_valid, segment_ids_BT)
+    xbc, new_windows = fused_conv((self.conv,), xbc, windows, n_valid, segment_ids_BT)
     xs, bs, cs = split_last(jax.nn.silu(xbc), [(H, P), (G, N), (G, N)])
-    dt = jax.nn.softplus(dt_raw.astype(f32) + self.dt_bias[...].astype(f32))
+    # dt_bias, A_log and D read through one broadcast of their parameter to every token: the
+    # backward then sums their cotangents over (B, T) in one reduction, not one per scalar
+    hs = jnp.broadcast_to(self.head_scalars[...].astype(f32), dt_raw.shape[:2] + (3, H))
+    dt_bias, A_log, D = hs[:, :, 0], hs[:, :, 1], hs[:, :, 2]
+    dt = jax.nn.softplus(dt_raw.astype(f32) + dt_bias)
     dt = jnp.where(valid[..., None], dt, 0.0)                      # padding: state unchanged
-    a = -jnp.exp(self.A_log[...].astype(f32)) * dt                 # [B, T, H], <= 0
+    a = -jnp.exp(A_log) * dt                                       # [B, T, H], <= 0
     x_in = xs * dt[..., None]
     h0 = None if state is None else state["ssm"]
     if state is not None and x_BTD.shape[1] == 1:
@@ -424,7 +476,7 @@ class Mamba2(FullForwardRemat, Mixer):
                                   what=type(self).__name__)
       y, h = fn(x_in, a, bs, cs, chunk=opts.chunk_size, h0_BHPN=h0, reset_BT=reset,
                 dot_dtype=dtype_of(cfg.dtype))
-    y = y + self.D[...].astype(f32)[:, None] * xs
+    y = y + D[..., None] * xs
     y = y * jax.nn.silu(z.astype(f32))
     Bsz, T = y.shape[:2]
     yg = y.reshape(Bsz, T, self.G, self.H // self.G, self.P)       # norm per B/C group
@@ -440,11 +492,7 @@ class Mamba2(FullForwardRemat, Mixer):
     (eval/maps.py): decay [B, T, H] (exp(a_t)), dt [B, T, H], the cumulative decay L and
     M_ij = (C_i . B_j) L_ij dt_j ([B, H, T, T]), x [B, T, H, P] (the conv+SiLU input the SSD
     scans, y_i = sum_j M_ij x_j before the D skip, gate and norm) and the causal mask."""
-    xs, _ = self.conv_x(self.in_x(x_BTD))
-    bs, _ = self.conv_b(self.in_b(x_BTD))
-    cs, _ = self.conv_c(self.in_c(x_BTD))
-    xs, bs, cs = jax.nn.silu(xs), jax.nn.silu(bs), jax.nn.silu(cs)
-    dt = jax.nn.softplus(self.in_dt(x_BTD).astype(f32) + self.dt_bias[...].astype(f32))
+    xs, bs, cs, dt, _ = self.conv_inputs(x_BTD)
     a = -jnp.exp(self.A_log[...].astype(f32)) * dt                  # [B, T, H]
     T = x_BTD.shape[1]
     mask = jnp.arange(T)[:, None] >= jnp.arange(T)[None, :]

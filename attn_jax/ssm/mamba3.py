@@ -32,6 +32,14 @@ keeps; out-projection U(+-1/sqrt(d_inner)) / sqrt(n_residuals * n_layers)
 (`models/mixer_seq_simple.py`); dt_bias = softplus^{-1}(dt), dt log-uniform in [1e-3, 1e-1]
 floored at 1e-4; B/C biases 1, B/C norm scales 1, D = 1. Not decayed (`layers.PARAM_KINDS`):
 dt_bias, B/C biases, norm scales, D (the reference marks dt_bias and D `_no_weight_decay`).
+The in-projections are one parameter `in_proj` [d_model, sum of the parts] whose outputs are
+z, x, B, C, dt, A, lambda, theta side by side (`IN_PROJ_PARTS`, shapes `part_shapes`; B and C
+r columns wide under MIMO), as the authors' one in_proj: one gradient write per layer and one
+set of optimizer kernels where eight separate Linears had eight (mamba2.py's "Parameter
+layout"); checkpoints with the eight separate kernels do not load. So are the small
+parameters stacked: `head_scalars` [2, H] (dt_bias, D; kind scalar), `bc_bias` [2, H, (r,) N]
+(B's and C's biases) and `bc_norm` [2, N] (their norm scales), each row initialised as above
+and read through the properties dt_bias, D, b_bias, c_bias, b_norm, c_norm.
 
 Chunked training form: the trapezoid is an SSD with two inputs per token, gamma_t x_t k_t^T
 and beta_t x_{t-1} k_{t-1}^T (the previous token's x and k shifted by one, the first one taken
@@ -124,6 +132,16 @@ if TYPE_CHECKING:  # annotations only: model_config imports the registry, which 
 
 f32 = jnp.float32
 TWO_PI = 2.0 * math.pi
+IN_PROJ_PARTS = ("z", "x", "B", "C", "dt", "a", "lam", "theta")   # Mamba3.in_proj's outputs
+
+
+def head_scalars_init(opts):
+  """Mamba-3's per-head scalars stacked [2, H]: dt_bias (`mamba2.dt_bias_init`) and D = 1."""
+  def init(key, shape, dtype=f32):
+    H = shape[1]
+    return jnp.stack([dt_bias_init(opts.dt_min, opts.dt_max)(key, (H,), dtype),
+                      jnp.ones((H,), dtype)])
+  return init
 
 
 def heavy_tail(u: jax.Array) -> jax.Array:
@@ -365,39 +383,25 @@ class Mamba3(FullForwardRemat, Mixer):
     dt, pdt = dtype_of(cfg.dtype), dtype_of(cfg.param_dtype)
     proj_in, proj_out = projection_inits(cfg, opts, H * P)
     kw = dict(rngs=rngs, dtype=dt, param_dtype=pdt, **proj_in)
-    lin = lambda shape, axes: Linear((D,), shape, in_axes=("embed",), out_axes=axes, **kw)
-    self.in_z = lin((H, P), ("heads", "head_dim"))
-    self.in_x = lin((H, P), ("heads", "head_dim"))
-    self.in_b = lin((G, N), (None, "state"))
-    self.in_c = lin((G, N), (None, "state"))
-    self.in_dt = lin((H,), ("heads",))
-    self.in_a = lin((H,), ("heads",))
-    self.in_lam = lin((H,), ("heads",))
-    self.in_theta = lin((R,), (None,))
-    self.dt_bias = param(rngs, dt_bias_init(opts.dt_min, opts.dt_max), (H,), ("heads",),
-                         kind="bias")
+    width = sum(math.prod(v) for v in self.part_shapes().values())
+    self.in_proj = Linear((D,), (width,), in_axes=("embed",), out_axes=(None,), **kw)
     ones = nnx.initializers.ones
-    self.b_bias = param(rngs, ones, (H, N), ("heads", "state"), kind="bias")
-    self.c_bias = param(rngs, ones, (H, N), ("heads", "state"), kind="bias")
-    self.b_norm = param(rngs, ones, (N,), ("state",), kind="norm")
-    self.c_norm = param(rngs, ones, (N,), ("state",), kind="norm")
-    self.D = param(rngs, ones, (H,), ("heads",), kind="scalar")
+    self.head_scalars = param(rngs, head_scalars_init(opts), (2, H), (None, "heads"),
+                              kind="scalar")                       # dt_bias, D
+    self.bc_bias = param(rngs, ones, (2, H, N), (None, "heads", "state"), kind="bias")
+    self.bc_norm = param(rngs, ones, (2, N), (None, "state"), kind="norm")
     kw.update(proj_out)   # the rescaled residual init (mamba2.projection_inits)
     self.out = Linear((H, P), (D,), in_axes=("heads", "head_dim"), out_axes=("embed",), **kw)
     if opts.mimo_rank:
       self._init_mimo(opts.mimo_rank, rngs)
 
   def _init_mimo(self, r: int, rngs: nnx.Rngs):
-    """MIMO: B/C projections and biases r columns wide, and the per-head rank weights w^x,
-    w^z, w^o [H, r, P] (module docstring); they replace the SISO B/C parameters."""
-    cfg, (H, P, N, G, D) = self.cfg, (self.H, self.P, self.N, self.G, self.cfg.d_model)
-    proj_in, _ = projection_inits(cfg, self.opts, H * P)
-    kw = dict(rngs=rngs, dtype=dtype_of(cfg.dtype), param_dtype=dtype_of(cfg.param_dtype),
-              in_axes=("embed",), out_axes=(None, None, "state"), **proj_in)
-    self.in_b, self.in_c = Linear((D,), (G, r, N), **kw), Linear((D,), (G, r, N), **kw)
+    """MIMO: B/C biases r columns wide (the projection's B and C parts are: `part_shapes`),
+    and the per-head rank weights w^x, w^z, w^o [H, r, P] (module docstring); they replace
+    the SISO B/C biases."""
+    H, P, N = self.H, self.P, self.N
     ones = nnx.initializers.ones
-    bias = lambda: param(rngs, ones, (H, r, N), ("heads", None, "state"), kind="bias")
-    self.b_bias, self.c_bias = bias(), bias()
+    self.bc_bias = param(rngs, ones, (2, H, r, N), (None, "heads", None, "state"), kind="bias")
     const = lambda v: param(rngs, nnx.initializers.constant(v), (H, r, P),
                             ("heads", None, "head_dim"), kind="scalar")
     self.mimo_x, self.mimo_z, self.mimo_o = const(1.0 / r), const(1.0), const(1.0 / r)
@@ -409,21 +413,28 @@ class Mamba3(FullForwardRemat, Mixer):
     each entry as B's and C's own."""
     u = u_BT2GX.astype(f32)
     u = u * jax.lax.rsqrt(jnp.mean(u * u, axis=-1, keepdims=True) + self.cfg.norm_eps)
-    pair = lambda b, c: jnp.stack([b[...].astype(f32), c[...].astype(f32)])
-    scale = pair(self.b_norm, self.c_norm)                       # [2, N]
+    scale = self.bc_norm[...].astype(f32)                        # [2, N]
     u = u * scale.reshape((2,) + (1,) * (u.ndim - 4) + scale.shape[1:])
     u = jnp.repeat(u, self.H // self.G, axis=3)                  # group -> heads
-    return u + pair(self.b_bias, self.c_bias)                    # [2, H, (r,) N]
+    return u + self.bc_bias[...].astype(f32)                     # [2, H, (r,) N]
+
+  # the small parameters, rows of stacked ones (module docstring): read-only views
+  dt_bias = property(lambda self: self.head_scalars[0])
+  D = property(lambda self: self.head_scalars[1])
+  b_bias = property(lambda self: self.bc_bias[0])
+  c_bias = property(lambda self: self.bc_bias[1])
+  b_norm = property(lambda self: self.bc_norm[0])
+  c_norm = property(lambda self: self.bc_norm[1])
 
   def _inputs(self, x_BTD, positions_BT):
     """Per-token SSM inputs (fp32): x, a, gamma, beta', B and C (unrotated, side by side on
     axis 2: "bc"), angle increments, z."""
     valid = valid_mask(positions_BT)
-    lins = self.in_projections()
-    shapes = [lin.out_shape for lin in lins]
+    shapes = list(self.part_shapes().values())
     shapes[2:4] = [(2,) + shapes[2]]                             # B, C adjacent, one array
     z, x, bc, dt_raw, a_raw, lam_raw, theta_raw = (   # one matmul, kept for the backward
-        p.astype(f32) for p in split_last(fused_projection(x_BTD, lins), shapes))
+        p.astype(f32) for p in split_last(fused_projection(x_BTD, self.in_projections()),
+                                          shapes))
     dt = jax.nn.softplus(dt_raw + self.dt_bias[...].astype(f32))
     dt = jnp.where(valid[..., None], dt, 0.0)
     A = jnp.minimum(-A_ACTIVATIONS[self.opts.a_activation](a_raw), -self.opts.a_floor)
@@ -442,9 +453,30 @@ class Mamba3(FullForwardRemat, Mixer):
     return kq[:, :, 0], kq[:, :, 1]
 
   def in_projections(self) -> tuple:
-    """The in-projections in the fused matmul's order (`mamba2.fused_projection`)."""
-    return (self.in_z, self.in_x, self.in_b, self.in_c, self.in_dt, self.in_a, self.in_lam,
-            self.in_theta)
+    """The in-projection (one Linear, the parts `IN_PROJ_PARTS` side by side) as
+    `mamba2.fused_projection` takes it."""
+    return (self.in_proj,)
+
+  def part_shapes(self) -> dict:
+    """{part: its per-token shape} of the in-projection's outputs, in order (`IN_PROJ_PARTS`;
+    B and C [G, r, N] under MIMO rank r)."""
+    H, P, N, G, R, r = self.H, self.P, self.N, self.G, self.R, self.opts.mimo_rank
+    bc = (G, r, N) if r else (G, N)
+    return dict(zip(IN_PROJ_PARTS, [(H, P), (H, P), bc, bc, (H,), (H,), (H,), (R,)]))
+
+  def projected(self, x_BTD) -> dict:
+    """{part: the in-projection's output of that part} (`part_shapes`; compute dtype)."""
+    return dict(zip(IN_PROJ_PARTS, split_last(self.in_proj(x_BTD),
+                                              list(self.part_shapes().values()))))
+
+  def part_columns(self, name: str) -> slice:
+    """The in-projection kernel's columns (last axis) of part `name` (`IN_PROJ_PARTS`)."""
+    start = 0
+    for k, shape in self.part_shapes().items():
+      if k == name:
+        return slice(start, start + math.prod(shape))
+      start += math.prod(shape)
+    raise KeyError(f"{name!r} is not one of {IN_PROJ_PARTS}")
 
   def ssm_heads(self, x_BTD, *, positions_BT, state=None, recurrent=False, segment_ids_BT=None):
     """-> (gated head outputs [B, T, H, P] fp32, new state). `recurrent`: the scan reference.

@@ -202,15 +202,12 @@ def to_minimal(ours: dict, dims: dict) -> dict:
   for r in range(L):
     blk = jax.tree.map(lambda a: a[r], ours["blocks"]["layers"][0])
     m = blk["mixer"]
-    flat = lambda a: a.reshape(a.shape[0], -1)
-    w_in = jnp.concatenate([flat(m[n]["kernel"]) for n in ("in_z", "in_x", "in_b", "in_c",
-                                                           "in_dt")], axis=1)
-    conv_w = jnp.concatenate([m[n]["kernel"].reshape(m[n]["kernel"].shape[0], -1)
-                              for n in ("conv_x", "conv_b", "conv_c")], axis=1)
-    conv_b = jnp.concatenate([m[n]["bias"].reshape(-1) for n in ("conv_x", "conv_b", "conv_c")])
+    # attn_jax's in_proj and conv are already the authors' fused [z, x, B, C, dt] and [x, B, C]
     out["layers"].append({
-        "norm1": blk["mixer_norm"]["scale"], "w_in": w_in, "conv_w": conv_w, "conv_b": conv_b,
-        "dt_bias": m["dt_bias"], "a_log": m["A_log"], "d_skip": m["D"],
+        "norm1": blk["mixer_norm"]["scale"], "w_in": m["in_proj"]["kernel"],
+        "conv_w": m["conv"]["kernel"], "conv_b": m["conv"]["bias"],
+        "dt_bias": m["head_scalars"][0], "a_log": m["head_scalars"][1],
+        "d_skip": m["head_scalars"][2],
         "gnorm": m["norm_scale"].reshape(-1), "w_out": m["out"]["kernel"].reshape(E, D),
         "norm2": blk["mlp_norm"]["scale"], "w_gate": blk["mlp"]["gate"]["kernel"],
         "w_up": blk["mlp"]["up"]["kernel"], "w_down": blk["mlp"]["down"]["kernel"]})
