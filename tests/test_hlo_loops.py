@@ -242,8 +242,8 @@ def _check(mixer: str, target: str) -> None:
 
 
 def test_a_prefill_refused_for_memory_leaves_the_decode_step_compiled(monkeypatch):
-  """`aot.compile_decode` when the compiler refuses the prefill (the Transformer's T 32768
-  prefill on a v5e chip: 17.09 GiB of temporaries, its fresh-cache attention dense): the
+  """`aot.compile_decode` when the compiler refuses the prefill (as the Transformer's T 32768
+  prefill on a v5e chip was while a fresh cache's attention was dense: 17.09 GiB): the
   prefill is reported refused, and the one-token step is still compiled, on the state as the
   compiled `init_state` lays it out."""
   if not targets.available(GPU):

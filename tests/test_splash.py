@@ -224,3 +224,23 @@ def test_sisa_on_splash_keeps_no_block_residuals(remat_chunked, monkeypatch):
   blocks = [r.shape for r in res if jnp.issubdtype(r.dtype, jnp.floating)
             and r.shape[-2:] == (128, 128)]
   assert (blocks == []) == remat_chunked, blocks
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mixer,program", [("sliding_window", "train"), ("attention", "prefill")])
+def test_long_steps_on_a_tpu_keep_memory_linear_in_t(mixer, program):
+  """The tiny models at T 32768 on a TPU v5e-4 slice (compile-only): sliding_window's train
+  step (splash's window band) and the Transformer's prefill (a fresh cache's attention on
+  splash, `cache._fresh_attention`) need under 2 GiB of temporaries per chip, and a Mosaic
+  call. With the XLA dense cores they were refused for memory (65.23 and 17.10 GiB)."""
+  if not targets.available("v5e-4"):
+    pytest.skip("the TPU compile target needs libtpu (pip install -e '.[targets]')")
+  from attn_jax.train import aot
+  from tests.test_hlo_loops import _config
+  r = aot.compile_for_target(_config(mixer, 32768), "v5e-4",
+                             programs=("train",) if program == "train" else ("decode",),
+                             search_fit=False)
+  p = next(p for p in r.programs if p.name == program)
+  assert p.loops is not None, f"{mixer} {program} refused: {p.needed / 2 ** 30:.2f} GiB"
+  assert p.memory.temp_size_in_bytes < 2 * 2 ** 30, p.memory.temp_size_in_bytes / 2 ** 30
+  assert p.kernels.get("Mosaic (Pallas TPU)"), p.kernels
