@@ -384,3 +384,45 @@ def test_empty_cache_chunk_scores_only_its_own_keys(policy):
                      kw["sink_logit_H"], min(spans), cached=True)
     np.testing.assert_allclose(np.asarray(got)[valid], np.asarray(want)[valid], rtol=1e-12,
                                atol=1e-12)
+
+
+@pytest.mark.parametrize("impl", ["blocked", "einsum", "splash"])
+def test_a_fresh_linear_call_attends_on_the_kernels_rooms_core(impl, monkeypatch):
+  """A prompt's first call into a fresh `Linear` cache (`KVCache.fresh`) goes to
+  `entry.attend` with the mixer's core, and equals the dense path over all S + T columns of
+  the empty cache (`_attend(cached=True)`) on every valid query, with padding (a left-padded
+  row), a sink logit and a window: float64 for the XLA cores, float32 for splash (the
+  interpreted kernel; T 128, its block). The cache it returns is the one `attend_cache`'s path
+  writes."""
+  from attn_jax.attention import cache as C
+  from attn_jax.kernels import entry
+  calls = []
+  real = entry.attend
+  monkeypatch.setattr(entry, "attend", lambda *a, **kw: calls.append(kw["impl"]) or real(*a, **kw))
+  x64 = impl != "splash"
+  dt = jnp.float64 if x64 else jnp.float32
+  Bq, Tq, H, K, D, cap = 2, (9 if x64 else 128), 4, 2, 8, 160
+  rng = np.random.default_rng(1)
+  arr = lambda *s: jnp.asarray(rng.standard_normal(s), dt)
+  with jax.enable_x64(x64):
+    fresh = C.as_fresh(C.init_cache(C.Linear(), Bq, cap, K, D, D, dt))
+    S = fresh.pos.shape[1]
+    q, k, v = arr(Bq, Tq, H, D), arr(Bq, Tq, K, D), arr(Bq, Tq, K, D)
+    pos = jnp.stack([jnp.arange(Tq), jnp.arange(Tq) - 3]).astype(jnp.int32)   # row 1: 3 pads
+    pos = jnp.maximum(pos, -1)
+    sink = arr(H)
+    for window in (None, 5):
+      calls.clear()
+      got, cache = C.cached_attention(fresh, q, k, v, pos, theta=1e4, scale=D ** -0.5,
+                                      sink_logit_H=sink, window=window, impl=impl)
+      assert calls == [impl]
+      qr, kr = C.rope(q, pos, 1e4), C.rope(k, pos, 1e4)   # Linear: keys at stream positions
+      want = C._attend(fresh.replace(fresh=False), qr, kr, v, pos, D ** -0.5, None, None, None,
+                       sink, window, cached=True)
+      valid = np.asarray(pos >= 0)
+      tol = 1e-12 if x64 else 2e-6
+      np.testing.assert_allclose(np.asarray(got)[valid], np.asarray(want)[valid], rtol=tol,
+                                 atol=tol)
+      dense = C.cached_attention(fresh.replace(fresh=False), q, k, v, pos, theta=1e4,
+                                 scale=D ** -0.5, sink_logit_H=sink, window=window)[1]
+      chex.assert_trees_all_equal(cache, dense.replace(fresh=False))

@@ -242,8 +242,8 @@ def _check(mixer: str, target: str) -> None:
 
 
 def test_a_prefill_refused_for_memory_leaves_the_decode_step_compiled(monkeypatch):
-  """`aot.compile_decode` when the compiler refuses the prefill (the Transformer's T 32768
-  prefill on a v5e chip: 17.09 GiB of temporaries, its fresh-cache attention dense): the
+  """`aot.compile_decode` when the compiler refuses the prefill (as the Transformer's T 32768
+  prefill on a v5e chip was while a fresh cache's attention was dense: 17.09 GiB): the
   prefill is reported refused, and the one-token step is still compiled, on the state as the
   compiled `init_state` lays it out."""
   if not targets.available(GPU):
@@ -268,13 +268,27 @@ def test_attention_serial_iterations_do_not_grow_with_t_on_h100():
   _check("attention", GPU)
 
 
+# The one case the compiler refuses at T 32768: Sinkhorn's tiny options sort N = T / 4 = 8192
+# blocks, and the causal balancing's state is [K, N, N] per iteration (attention/sinkhorn.py,
+# docstring 3), 1 GiB per array per layer, which the backward keeps for its n_iters iterations:
+# 104.08 GiB of temporaries on a v5e chip of 15.75 GiB. Strict: a fit is reported.
+SINKHORN_ON_V5E = pytest.mark.xfail(
+    strict=True, reason="sinkhorn's train step at T 32768 (N = 8192 sorting blocks) needs "
+    "104 GiB of temporaries on a v5e chip: refused for memory, its loops unknown")
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("mixer,target", [pytest.param(m, t, id=f"{m}-{t}")
-                                          for m in available_mixers() for t in (GPU, TPU)
-                                          if (m, t) != ("attention", GPU)])
+@pytest.mark.parametrize("mixer,target", [
+    pytest.param(m, t, id=f"{m}-{t}",
+                 marks=[SINKHORN_ON_V5E] if (m, t) == ("sinkhorn", TPU) else [])
+    for m in available_mixers() for t in (GPU, TPU) if (m, t) != ("attention", GPU)])
 def test_serial_iterations_do_not_grow_with_t(mixer, target):
-  """Every mixer on both targets (but the default suite's case): 15-110 s each on a 2-core CPU
-  shared with other work, 14 min in all, so slow (and listed in tests/ci_extra.txt)."""
+  """Every mixer on both targets but the default suite's case (the Transformer on H100), each
+  compiling its train and decode programs at T 2048 and 32768 (1-10 min a case on the 2-core
+  machine), so slow. CI (tests/ci_extra.txt) runs every mixer on h100x4 and attention, sisa
+  and mamba2 on v5e-4; alibi, fox, hybrid_heads, mamba3 and sliding_window on v5e-4 run with
+  -m slow only (each over CI's budget), and sinkhorn on v5e-4 is an expected failure
+  (SINKHORN_ON_V5E)."""
   _check(mixer, target)
 
 

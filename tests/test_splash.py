@@ -66,6 +66,29 @@ def test_sharded_splash_matches_the_reference():
     np.testing.assert_allclose(g, want, atol=1e-5)
 
 
+@pytest.mark.parametrize("window", [5, 130, 256], ids=["inside-a-block", "across-blocks",
+                                                       "whole-row"])
+def test_splash_window_matches_the_reference(window):
+  """The kernel's local mask (interpreted): a sliding window of w keys, the query included,
+  with sinks, grouped kv heads and documents (segment ids without positions, so the indices
+  are the positions), against the explicit fp32 reference; output and gradients. T 256 is two
+  of the kernel's 128 blocks: w 5 lies inside the diagonal blocks, w 130 reaches into the
+  block before, w 256 is the causal mask."""
+  q, k, v, sink = _inputs(B=1, T=256, H=2, K=1, D=16, E=8, seed=1)
+  seg = jnp.ones(q.shape[:2], jnp.int32).at[:, 200:].set(2)
+  kw = dict(scale=q.shape[-1] ** -0.5, sink_logit_H=sink, window=window, q_segments=seg,
+            kv_segments=seg)
+  ours = lambda q, k, v: entry.attend(q, k, v, impl="splash", shared_prefix=False, **kw)
+  ref = lambda q, k, v: dense.attention_reference(q, k, v, **kw)
+  loss = lambda f: lambda *a: jnp.sum(jnp.sin(f(*a)))
+  assert "pallas_call" in str(jax.make_jaxpr(ours)(q, k, v))    # the kernel, no fallback
+  out = jax.jit(ours)(q, k, v)
+  grads = jax.jit(jax.grad(loss(ours), (0, 1, 2)))(q, k, v)
+  np.testing.assert_allclose(out, ref(q, k, v), atol=2e-6)
+  for g, want in zip(grads, jax.grad(loss(ref), (0, 1, 2))(q, k, v)):
+    np.testing.assert_allclose(g, want, atol=1e-5)
+
+
 def test_shard_specs_follow_the_rules():
   mesh = _mesh((2, 2, 2))
   # rows over data x fsdp, query and kv heads over tensor
@@ -118,11 +141,17 @@ def test_which_calls_take_splash(monkeypatch):
   entry.attend(q, k, v, scale=1.0, impl="splash", shared_prefix=False, **packed)
   assert len(asked) == 1 and asked[0]["q_ids"] is not None
   entry.attend(q, k, v, scale=1.0, impl="splash", **packed)           # may hold segment 0
-  entry.attend(q, k, v, scale=1.0, impl="splash", window=8)
+  entry.attend(q, k, v, scale=1.0, impl="splash", window=8, **dict(packed, q_segments=None,
+                                                                     kv_segments=None))
   entry.attend(q[:, :100], k[:, :100], v[:, :100], scale=1.0, impl="splash")
   assert len(asked) == 1
+  entry.attend(q, k, v, scale=1.0, impl="splash", window=8)   # one stream: the kernel's band
+  assert len(asked) == 2 and asked[1]["window"] == 8 and asked[1]["q_ids"] is None
   base = dict(causal=True, T=128, S=128, bias=None, window=None, one_stream=True,
               segmented=True, shared_prefix=True)
+  assert "band of indices" in splash.splash_problem(**dict(base, window=8, positioned=True,
+                                                           shared_prefix=False))
+  assert splash.splash_problem(**dict(base, window=8, shared_prefix=False)) is None
   assert "shared prefix" in splash.splash_problem(**base)
   assert splash.splash_problem(**dict(base, shared_prefix=False)) is None
   assert "multiple of 128" in splash.splash_problem(**dict(base, T=100, S=100))
@@ -195,3 +224,23 @@ def test_sisa_on_splash_keeps_no_block_residuals(remat_chunked, monkeypatch):
   blocks = [r.shape for r in res if jnp.issubdtype(r.dtype, jnp.floating)
             and r.shape[-2:] == (128, 128)]
   assert (blocks == []) == remat_chunked, blocks
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mixer,program", [("sliding_window", "train"), ("attention", "prefill")])
+def test_long_steps_on_a_tpu_keep_memory_linear_in_t(mixer, program):
+  """The tiny models at T 32768 on a TPU v5e-4 slice (compile-only): sliding_window's train
+  step (splash's window band) and the Transformer's prefill (a fresh cache's attention on
+  splash, `cache._fresh_attention`) need under 2 GiB of temporaries per chip, and a Mosaic
+  call. With the XLA dense cores they were refused for memory (65.23 and 17.10 GiB)."""
+  if not targets.available("v5e-4"):
+    pytest.skip("the TPU compile target needs libtpu (pip install -e '.[targets]')")
+  from attn_jax.train import aot
+  from tests.test_hlo_loops import _config
+  r = aot.compile_for_target(_config(mixer, 32768), "v5e-4",
+                             programs=("train",) if program == "train" else ("decode",),
+                             search_fit=False)
+  p = next(p for p in r.programs if p.name == program)
+  assert p.loops is not None, f"{mixer} {program} refused: {p.needed / 2 ** 30:.2f} GiB"
+  assert p.memory.temp_size_in_bytes < 2 * 2 ** 30, p.memory.temp_size_in_bytes / 2 ** 30
+  assert p.kernels.get("Mosaic (Pallas TPU)"), p.kernels

@@ -65,6 +65,7 @@ from flax import struct
 
 from attn_jax.attention.projection import rope
 from attn_jax.field_checks import is_int
+from attn_jax.kernels import entry
 from attn_jax.kernels.dense import from_rows, rows_softmax, to_rows
 from attn_jax.kernels.masks import positional_mask
 from attn_jax.layers import apply_rope, rope_angles
@@ -413,15 +414,21 @@ def writes_first(cache: KVCache, q_BTHD) -> bool:
 
 def cached_attention(cache: KVCache, q_BTHD, k_BTKD, v_BTKV, positions_BT, *, theta: float,
                      scale: float, sink_logit_H=None, widen: Widening | None = None,
-                     extra_new=None, kx_new=None, window: int | None = None, fresh_out=None):
+                     extra_new=None, kx_new=None, window: int | None = None, fresh_out=None,
+                     impl: str = "auto"):
   """New tokens (q, k before RoPE) attend to [cache ; themselves] under the cache's policy
   (`attend_cache`, RoPE as the module docstring says), and are written. -> (out [B, T, H, Dv],
   new cache). `window`: a mixer's own sliding window (a mask on stream positions, with the
   policy's); `extra_new` / `kx_new`: the new tokens' per-key data and extra key channels
   ([B, T, K, E]); `fresh_out(q, k)`: the output of the new tokens alone from their rotated
   q, k (the mixer's full forward), used instead of `attend_cache` for a fresh `Linear` cache
-  (`KVCache.fresh`: nothing cached, stream positions). The cache is read before the new tokens
-  are written (a ring's writes may evict keys the chunk's earlier queries see); compiled with
+  (`KVCache.fresh`: nothing cached, stream positions). Without one, a fresh `Linear` call with
+  no widening (a prompt's first chunk, of any length) is the new tokens' causal attention to
+  themselves by their positions: it goes to the kernels room (`entry.attend` with core `impl`,
+  as the full forward: flash / splash / cuDNN / the blocked core, O(T) memory) rather than
+  `attend_cache`'s dense [T, T] scores; the visible keys, the scores and the sink column are
+  the same (`_fresh_attention`). The cache is read before the new tokens are written (a
+  ring's writes may evict keys the chunk's earlier queries see); compiled with
   `kernel_choice.stateful_compiler_options`, the write then happens in place."""
   pol = cache.policy
   base, m, _ = pol.frame(positions_BT)
@@ -439,12 +446,26 @@ def cached_attention(cache: KVCache, q_BTHD, k_BTKD, v_BTKV, positions_BT, *, th
                           sink_logit_H=sink_logit_H, window=window), written
   if fresh_out is not None and cache.fresh and not pol.bounded and window is None:
     out = fresh_out(q, k_new)
+  elif widen is None and cache.fresh and not pol.bounded:
+    out = _fresh_attention(q, k_new, v_BTKV, positions_BT, scale=scale,
+                           sink_logit_H=sink_logit_H, window=window, impl=impl)
   else:
     out = attend_cache(cache, q, k_new, v_BTKV, positions_BT, scale=scale,
                        q_sink_BTHD=q_sink, widen=widen, sink_logit_H=sink_logit_H, window=window)
   written = cache.write(_stored_keys(cache, k_BTKD, k_new, positions_BT, theta), v_BTKV,
                         positions_BT, extra_new, kx_new)
   return out, written
+
+
+def _fresh_attention(q_BTHD, k_BTKD, v_BTKV, positions_BT, *, scale, sink_logit_H, window,
+                     impl):
+  """The new tokens of a call into an empty `Linear` cache attending to themselves (what
+  `attend_cache` computes when no slot is valid): key j visible to query i iff 0 <= p_j <= p_i
+  (and p_i - p_j < window), the sink column, on the kernels room's core. Prompts are one stream
+  per row (positions increase, padding -1), so `prefix_causal` holds."""
+  return entry.attend(q_BTHD, k_BTKD, v_BTKV, scale=scale, causal=True,
+                      q_positions=positions_BT, kv_positions=positions_BT,
+                      sink_logit_H=sink_logit_H, window=window, impl=impl, prefix_causal=True)
 
 
 # ------------------------------------------------------------------ mixers with a KV cache

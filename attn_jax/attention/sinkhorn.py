@@ -190,35 +190,49 @@ def _document_prefix_problem(n: int, i, start_B):
 
 # ---------------------------------------------------------------- all causal rows at once
 
-def _prefix_mask(n: int, i_BM, s_BM):
-  """[B, 1, M, n, n] bool: entry (r, j) of the prefix problem of row i, s <= j < r <= i.
-  Built from broadcast comparisons, so XLA fuses it into the reductions that read it."""
-  r = jnp.arange(n)[:, None]
-  j = jnp.arange(n)[None, :]
-  i = i_BM[:, None, :, None, None]
-  s = s_BM[:, None, :, None, None]
-  return (j >= s) & (j < r) & (r <= i)
+def _lse_of_finite_or_neg_inf(x, axis):
+  """log sum exp(x) along `axis` (dropped), x finite or -inf; 0 where every entry is -inf
+  (`_masked_lse` with the mask as the -inf entries)."""
+  m = jax.lax.stop_gradient(jnp.max(x, axis=axis, keepdims=True))
+  m = jnp.where(jnp.isfinite(m), m, 0.0)
+  s = jnp.sum(jnp.exp(x - m), axis=axis, keepdims=True)
+  return jnp.squeeze(m + jnp.log(jnp.where(s > 0, s, 1.0)), axis)
 
 
 def _prefix_terms(L_BKNN, p_BKMN, i_BM, s_BM, over_rows: bool):
-  """(x, mask, axis): x[b, k, m, r, j] = L[r, j] + p[m, r] (over_rows) or + p[m, j]."""
-  p = p_BKMN[..., :, None] if over_rows else p_BKMN[..., None, :]
-  x = L_BKNN[:, :, None] + p                                  # [B, K, M, n, n], fused
-  return x, _prefix_mask(L_BKNN.shape[-1], i_BM, s_BM), -2 if over_rows else -1
+  """(x, axis): x[b, k, m, r, j] = L[r, j] + p[m, r] (over_rows) or + p[m, j] on the prefix
+  mask of row i_m, s <= j < r <= i, and -inf off it.
+
+  The mask is put on the operands as -inf: j < r on L ([n, n]), r <= i on the r-side vector
+  and j >= s on the j-side one ([M, n] each), so x is a broadcast sum of 2-D arrays that XLA
+  fuses into every reduction reading it. A [M, n, n] boolean mask shared by the reductions
+  (the form before) was stored by XLA:TPU, n^3 bytes (512 GiB at n = 8192). On the allowed
+  entries x is L + p + 0, bit for bit the masked sum."""
+  n = L_BKNN.shape[-1]
+  idx = jnp.arange(n)
+  L = jnp.where(idx[None, :] < idx[:, None], L_BKNN, -jnp.inf)          # j < r
+  row_ok = (idx <= i_BM[..., None])[:, None]                             # [B, 1, M, n(r)]
+  col_ok = (idx >= s_BM[..., None])[:, None]                             # [B, 1, M, n(j)]
+  zero = jnp.zeros((), L.dtype)
+  u = jnp.where(row_ok, p_BKMN if over_rows else zero, -jnp.inf)
+  w = jnp.where(col_ok, zero if over_rows else p_BKMN, -jnp.inf)
+  x = L[:, :, None] + u[..., :, None] + w[..., None, :]                  # [B, K, M, n, n]
+  return x, -2 if over_rows else -1
 
 
 def _prefix_lse_fwd(L_BKNN, p_BKMN, i_BM, s_BM, over_rows):
-  x, mask, axis = _prefix_terms(L_BKNN, p_BKMN, i_BM, s_BM, over_rows)
-  out = jnp.squeeze(_masked_lse(x, mask, axis), axis)          # [B, K, M, n]
+  x, axis = _prefix_terms(L_BKNN, p_BKMN, i_BM, s_BM, over_rows)
+  out = _lse_of_finite_or_neg_inf(x, axis)                     # [B, K, M, n]
   return out, (L_BKNN, p_BKMN, i_BM, s_BM, out)
 
 
 def _prefix_lse_bwd(over_rows, res, g_BKMN):
-  """d out / d x = softmax weights w on the mask; both cotangents are reductions of
-  g w, an expression of [B, K, M, n, n] that XLA fuses into each (never stored)."""
+  """d out / d x = softmax weights w on the mask (0 at the -inf entries); both cotangents are
+  reductions of g w, an expression of [B, K, M, n, n] that XLA fuses into each (never
+  stored)."""
   L_BKNN, p_BKMN, i_BM, s_BM, out = res
-  x, mask, axis = _prefix_terms(L_BKNN, p_BKMN, i_BM, s_BM, over_rows)
-  w = jnp.where(mask, jnp.exp(x - jnp.expand_dims(out, axis)), 0.0)
+  x, axis = _prefix_terms(L_BKNN, p_BKMN, i_BM, s_BM, over_rows)
+  w = jnp.exp(x - jnp.expand_dims(out, axis))
   gw = w * jnp.expand_dims(g_BKMN, axis)
   other = -1 if over_rows else -2
   return jnp.sum(gw, axis=2), jnp.sum(gw, axis=other), None, None

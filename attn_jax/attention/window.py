@@ -81,7 +81,7 @@ class SlidingWindowAttention(cache_lib.CachedMixer):
     if state is not None:
       out, state = cache_lib.cached_attention(
           state, *p.qkv(x_BTD), positions_BT, theta=cfg.rope_theta,
-          scale=scale, sink_logit_H=sink, window=w)
+          scale=scale, sink_logit_H=sink, window=w, impl=cfg.attention_impl)
       return p.o(out), state, {}
     B, T, _ = x_BTD.shape
     pos_BT = causal_positions(B, T) if positions_BT is None else positions_BT

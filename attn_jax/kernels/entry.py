@@ -109,14 +109,16 @@ def _attend(q, k, v, sink_logit_H, *, scale, causal, q_positions, kv_positions, 
   plain_causal = (causal and q_positions is None and kv_positions is None and T == S
                   and window is None and not segmented)
   impl = kernel_choice.attention_impl(impl, q.dtype, Dqk)
+  positioned = q_positions is not None or kv_positions is not None
+  one_stream = plain_causal or prefix_causal or (causal and T == S and not positioned)
   if impl == "splash" and splash.splash_problem(
       causal=causal, T=T, S=S, bias=bias, window=window, segmented=segmented,
-      one_stream=plain_causal or prefix_causal, shared_prefix=shared_prefix):
+      one_stream=one_stream, shared_prefix=shared_prefix, positioned=positioned):
     impl = "xla"
   if impl == "splash":   # one stream: documents and padding as the kernel's segment ids
     q_ids, kv_ids = splash.segment_ids(q_positions, kv_positions, q_segments, kv_segments)
     out = splash.splash_attention(q, k, v, scale=scale, sink_H=sink_logit_H, q_ids=q_ids,
-                                  kv_ids=kv_ids)
+                                  kv_ids=kv_ids, window=window)
     if q_positions is None:
       return out
     return jnp.where((q_positions >= 0)[:, :, None, None], out, jnp.zeros((), out.dtype))

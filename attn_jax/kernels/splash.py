@@ -3,7 +3,10 @@ per-device calls, document ids, and a `shard_map` over the mesh the program is t
 
 Per device (`local_attention`): `jax.experimental.pallas.ops.tpu.splash_attention`'s MQA
 kernel, vmapped over the batch and the kv heads (the G query heads of a kv head are its heads),
-with a block-sparse causal mask (the upper triangle's blocks are skipped), the sink logit as
+with a block-sparse causal mask (the upper triangle's blocks are skipped; with a sliding
+window of w tokens, the kernel's local mask: key j visible to query i iff i - (w - 1) <= j <= i,
+so only the blocks that meet the band are visited and memory and work are O(T w)), the sink
+logit as
 the kernel's native per-head `sinks`, and V narrower than Q/K taken as it is (the kernel has a
 head dim of its own for V). Scores are q.k * scale with the scale folded into q.
 
@@ -72,23 +75,29 @@ def segment_ids(q_positions, kv_positions, q_segments, kv_segments):
   return ids(q_segments, q_positions, like_q), ids(kv_segments, kv_positions, like_kv)
 
 
-def _kernel(T: int, G: int, interpret: bool):
-  """The MQA kernel for T x T causal attention of G query heads per kv head. Made in the trace
-  that uses it (its block tables become that trace's constants; a kernel cached across traces
-  would carry one trace's values into another)."""
+def _kernel(T: int, G: int, interpret: bool, window: int | None = None):
+  """The MQA kernel for T x T causal attention of G query heads per kv head (`window`: keys
+  i - window < j <= i only, in index order). Made in the trace that uses it (its block tables
+  become that trace's constants; a kernel cached across traces would carry one trace's values
+  into another)."""
   from jax.experimental.pallas.ops.tpu import splash_attention as sa
-  mask = sa.MultiHeadMask([sa.CausalMask((T, T))] * G)
+  if window is None or window >= T:
+    one = sa.CausalMask((T, T))
+  else:   # left reach w - 1, right reach 0: the causal band of w keys, the query included
+    one = sa.LocalMask((T, T), window_size=(window - 1, 0), offset=0)
+  mask = sa.MultiHeadMask([one] * G)
   return sa.make_splash_mqa_single_device(mask=mask, interpret=interpret)
 
 
-def local_attention(q, k, v, sink_H=None, q_ids=None, kv_ids=None, *, scale: float):
+def local_attention(q, k, v, sink_H=None, q_ids=None, kv_ids=None, *, scale: float,
+                    window: int | None = None):
   """One device's splash call: q [B, T, H, D], k [B, T, K, D], v [B, T, K, E], sinks [H],
-  ids [B, T] -> [B, T, H, E] in q's dtype (module docstring)."""
+  ids [B, T] -> [B, T, H, E] in q's dtype (module docstring; `window`: `_kernel`)."""
   from jax.experimental.pallas.ops.tpu import splash_attention as sa
   B, T, H, D = q.shape
   K = k.shape[2]
   G = H // K
-  kernel = _kernel(T, G, kernel_choice.pallas_interpret("tpu"))
+  kernel = _kernel(T, G, kernel_choice.pallas_interpret("tpu"), window)
   q5 = (q * jnp.asarray(scale, q.dtype)).reshape(B, T, K, G, D).transpose(0, 2, 3, 1, 4)
   kt, vt = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)   # [B, K, T, .]
   seg = None if q_ids is None else sa.SegmentIds(q_ids, kv_ids)
@@ -134,24 +143,31 @@ def sharded(fn, q, k, v, sink_H=None, q_ids=None, kv_ids=None):
                        out_specs=q_spec, check_vma=False)(*(args[i] for i in present))
 
 
-def splash_attention(q, k, v, *, scale: float, sink_H=None, q_ids=None, kv_ids=None):
+def splash_attention(q, k, v, *, scale: float, sink_H=None, q_ids=None, kv_ids=None,
+                     window: int | None = None):
   """Causal splash attention of one stream per row, sharded over the active mesh: [B, T, H, E]
-  in q's dtype. ids: `segment_ids` (None: every earlier key visible)."""
-  return sharded(functools.partial(local_attention, scale=scale), q, k, v, sink_H, q_ids, kv_ids)
+  in q's dtype. ids: `segment_ids` (None: every earlier key visible). `window`: only the keys
+  i - window < j <= i (index order: the caller's positions are the indices)."""
+  return sharded(functools.partial(local_attention, scale=scale, window=window), q, k, v,
+                 sink_H, q_ids, kv_ids)
 
 
 def splash_problem(*, causal: bool, T: int, S: int, bias, window, one_stream: bool,
-                   segmented: bool, shared_prefix: bool) -> str | None:
+                   segmented: bool, shared_prefix: bool, positioned: bool = False) -> str | None:
   """Why the splash kernel cannot take a call (None: it can). `one_stream`: the plain causal
-  call, or positions / segments with `prefix_causal` (index order is the causal order)."""
+  call, or positions / segments with `prefix_causal` (index order is the causal order).
+  `positioned`: the call gives positions. The kernel's window is a band of indices, which is
+  the band of positions only where positions are the indices; `prefix_causal` promises
+  increasing positions, not consecutive ones, so a window with positions stays off."""
   if not causal or T != S:
     return "splash runs causal self-attention only (T == S)"
   if T % BLOCK:
     return f"splash needs T a multiple of {BLOCK}, got {T}"
   if bias is not None:
     return "splash takes no score bias"
-  if window is not None:
-    return "splash is not given the sliding window here"
+  if window is not None and positioned:
+    return ("splash's window is a band of indices: with positions given (not promised "
+            "consecutive) the window stays off the kernel")
   if not one_stream:
     return "positions without prefix_causal: the causal order is not the index order"
   if segmented and shared_prefix:
