@@ -105,13 +105,17 @@ if TYPE_CHECKING:  # annotations only: model_config imports the registry, which 
 
 # ---------------------------------------------------------------- Sinkhorn in log space
 
-def _masked_lse(l, mask, axis):
-  """log sum_{mask} exp(l) along `axis` (keepdims); 0 where nothing is allowed."""
-  m = jax.lax.stop_gradient(jnp.max(jnp.where(mask, l, -jnp.inf), axis=axis, keepdims=True))
+def _lse_of_finite_or_neg_inf(x, axis):
+  """log sum exp(x) along `axis` (dropped), x finite or -inf; 0 where every entry is -inf."""
+  m = jax.lax.stop_gradient(jnp.max(x, axis=axis, keepdims=True))
   m = jnp.where(jnp.isfinite(m), m, 0.0)
-  e = jnp.exp(jnp.where(mask, l - m, -jnp.inf))
-  s = jnp.sum(e, axis=axis, keepdims=True)
-  return m + jnp.log(jnp.where(s > 0, s, 1.0))
+  s = jnp.sum(jnp.exp(x - m), axis=axis, keepdims=True)
+  return jnp.squeeze(m + jnp.log(jnp.where(s > 0, s, 1.0)), axis)
+
+
+def _masked_lse(l, mask, axis):
+  """log sum_{mask} exp(l) along `axis` (dropped); 0 where nothing is allowed."""
+  return _lse_of_finite_or_neg_inf(jnp.where(mask, l, -jnp.inf), axis)
 
 
 def sinkhorn_log(logits, mask, log_row_target, log_col_target, n_iters: int):
@@ -132,8 +136,8 @@ def sinkhorn_log(logits, mask, log_row_target, log_col_target, n_iters: int):
   a = jnp.zeros_like(L[..., 0])
   c = jnp.zeros_like(L[..., 0, :])
   for _ in range(n_iters):
-    c = log_col_target - jnp.squeeze(_masked_lse(L + a[..., :, None], mask, -2), -2)
-    a = log_row_target - jnp.squeeze(_masked_lse(L + c[..., None, :], mask, -1), -1)
+    c = log_col_target - _masked_lse(L + a[..., :, None], mask, -2)
+    a = log_row_target - _masked_lse(L + c[..., None, :], mask, -1)
   return jnp.where(mask, L + a[..., :, None] + c[..., None, :], -jnp.inf)
 
 
@@ -189,15 +193,6 @@ def _document_prefix_problem(n: int, i, start_B):
 
 
 # ---------------------------------------------------------------- all causal rows at once
-
-def _lse_of_finite_or_neg_inf(x, axis):
-  """log sum exp(x) along `axis` (dropped), x finite or -inf; 0 where every entry is -inf
-  (`_masked_lse` with the mask as the -inf entries)."""
-  m = jax.lax.stop_gradient(jnp.max(x, axis=axis, keepdims=True))
-  m = jnp.where(jnp.isfinite(m), m, 0.0)
-  s = jnp.sum(jnp.exp(x - m), axis=axis, keepdims=True)
-  return jnp.squeeze(m + jnp.log(jnp.where(s > 0, s, 1.0)), axis)
-
 
 def _prefix_terms(L_BKNN, p_BKMN, i_BM, s_BM, over_rows: bool):
   """(x, axis): x[b, k, m, r, j] = L[r, j] + p[m, r] (over_rows) or + p[m, j] on the prefix

@@ -110,7 +110,7 @@ def _attend(q, k, v, sink_logit_H, *, scale, causal, q_positions, kv_positions, 
                   and window is None and not segmented)
   impl = kernel_choice.attention_impl(impl, q.dtype, Dqk)
   positioned = q_positions is not None or kv_positions is not None
-  one_stream = plain_causal or prefix_causal or (causal and T == S and not positioned)
+  one_stream = prefix_causal or (causal and T == S and not positioned)   # plain_causal too
   if impl == "splash" and splash.splash_problem(
       causal=causal, T=T, S=S, bias=bias, window=window, segmented=segmented,
       one_stream=one_stream, shared_prefix=shared_prefix, positioned=positioned):

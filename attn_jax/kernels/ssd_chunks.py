@@ -267,10 +267,9 @@ def _dstates_kernel(spec: Spec, *refs, with_final: bool):
   n = spec.chunk * spec.out_rows
   dt = jnp.dtype(spec.dot_dtype)
   dy_ref, c_ref, a2_ref = refs[:3]
-  rest = refs[3:]
-  dfinal_ref = rest[0] if with_final else None
-  rest = rest[1:] if with_final else rest
-  ds_ref, dh0_ref = rest[0], (rest[1] if len(rest) > 1 else None)
+  dfinal_ref = refs[3] if with_final else None
+  ds_ref, *dh0 = refs[3 + with_final:]
+  dh0_ref = dh0[0] if dh0 else None
   m = _masks(spec)
   nc = a2_ref.shape[0]
 
