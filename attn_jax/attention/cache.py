@@ -63,8 +63,10 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from attn_jax import kernel_choice
 from attn_jax.attention.projection import rope
 from attn_jax.field_checks import is_int
+from attn_jax.kernels import decode_attend
 from attn_jax.kernels.dense import from_rows, rows_softmax, to_rows
 from attn_jax.kernels.masks import positional_mask
 from attn_jax.layers import apply_rope, rope_angles
@@ -413,7 +415,8 @@ def writes_first(cache: KVCache, q_BTHD) -> bool:
 
 def cached_attention(cache: KVCache, q_BTHD, k_BTKD, v_BTKV, positions_BT, *, theta: float,
                      scale: float, sink_logit_H=None, widen: Widening | None = None,
-                     extra_new=None, kx_new=None, window: int | None = None, fresh_out=None):
+                     extra_new=None, kx_new=None, window: int | None = None, fresh_out=None,
+                     qkv_rows=None):
   """New tokens (q, k before RoPE) attend to [cache ; themselves] under the cache's policy
   (`attend_cache`, RoPE as the module docstring says), and are written. -> (out [B, T, H, Dv],
   new cache). `window`: a mixer's own sliding window (a mask on stream positions, with the
@@ -422,8 +425,14 @@ def cached_attention(cache: KVCache, q_BTHD, k_BTKD, v_BTKV, positions_BT, *, th
   q, k (the mixer's full forward), used instead of `attend_cache` for a fresh `Linear` cache
   (`KVCache.fresh`: nothing cached, stream positions). The cache is read before the new tokens
   are written (a ring's writes may evict keys the chunk's earlier queries see); compiled with
-  `kernel_choice.stateful_compiler_options`, the write then happens in place."""
+  `kernel_choice.stateful_compiler_options`, the write then happens in place. One token per
+  row into a Linear cache on a GPU runs as one kernel (`kernels/decode_attend.py`);
+  `qkv_rows`: the [B, T, K, G + 2, Dh] buffer q, k, v are slices of, when there is one
+  (`QKVProjection.qkv_and_rows`), which the kernel then reads as it is."""
   pol = cache.policy
+  if (widen is None and extra_new is None and kx_new is None and window is None
+      and sink_logit_H is None and _takes_kernel(cache, q_BTHD, v_BTKV)):
+    return _kernel_step(cache, q_BTHD, k_BTKD, v_BTKV, positions_BT, theta, scale, qkv_rows)
   base, m, _ = pol.frame(positions_BT)
   if pol.bounded:
     cache = _in_frame(cache, base, theta)
@@ -445,6 +454,38 @@ def cached_attention(cache: KVCache, q_BTHD, k_BTKD, v_BTKV, positions_BT, *, th
   written = cache.write(_stored_keys(cache, k_BTKD, k_new, positions_BT, theta), v_BTKV,
                         positions_BT, extra_new, kx_new)
   return out, written
+
+
+def _takes_kernel(cache: KVCache, q_BTHD, v_BTKV) -> bool:
+  """Whether a call's attention and write run as one kernel (`kernels/decode_attend.py`): one
+  token per row into a Linear cache not known empty, on a platform and shapes it takes."""
+  if q_BTHD.shape[1] != 1 or cache.fresh or cache.policy.bounded:
+    return False
+  return kernel_choice.decode_kernel(
+      lambda plat: decode_attend.unsupported(q_BTHD.shape[2], cache.k, cache.v, plat),
+      what="one-token KV-cache step")
+
+
+def _kernel_step(cache: KVCache, q_BTHD, k_BTKD, v_BTKV, positions_BT, theta: float,
+                 scale: float, qkv_rows=None):
+  """`cached_attention` of one token per row into a Linear cache as one kernel: the token's
+  RoPE at its stream position, its write into slot `ptr` (in place; none for padding or a full
+  cache, as `KVCache.write` drops them) and its attention to [cache ; itself]. q / k / v go in
+  as one [B, K, G + 2, D] array, the layout of the decoding copy's fused projection: its
+  output `qkv_rows` when given (read as it is), else joined here (a copy)."""
+  B, _, H, D = q_BTHD.shape
+  K = k_BTKD.shape[2]
+  if qkv_rows is not None:
+    qkv = qkv_rows[:, 0]
+  else:
+    qkv = jnp.concatenate([q_BTHD[:, 0].reshape(B, K, H // K, D), k_BTKD[:, 0, :, None],
+                           v_BTKV[:, 0, :, None].astype(q_BTHD.dtype)], axis=2)
+  cos, sin = rope_angles(positions_BT, D, theta)
+  p_B = positions_BT[:, 0]
+  ptr = cache.ptr + (p_B >= 0).astype(jnp.int32)
+  o_BHD, k, v, pos = decode_attend.decode_attend(
+      qkv, cos[:, 0], sin[:, 0], cache.k, cache.v, cache.pos, ptr, p_B, scale=scale)
+  return o_BHD[:, None], cache.replace(k=k, v=v, pos=pos, ptr=ptr, fresh=False)
 
 
 # ------------------------------------------------------------------ mixers with a KV cache

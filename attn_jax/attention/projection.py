@@ -99,12 +99,18 @@ class QKVProjection(nnx.Module):
   def qkv(self, x_BTD):
     """(q [B, T, H, Dh], k [B, T, K, Dh], v [B, T, K, Dh]): three matmuls, or one on the
     decoding copy's fused kernel (`fuse_for_decoding`)."""
+    return self.qkv_and_rows(x_BTD)[0]
+
+  def qkv_and_rows(self, x_BTD):
+    """((q, k, v) as `qkv`, the decoding copy's fused output [B, T, K, G + 2, Dh] they are
+    slices of, or None unfused): a one-token cache step reads that one buffer
+    (`cache.cached_attention`'s `qkv_rows`)."""
     if not hasattr(self, "qkv_kernel"):
-      return self.q(x_BTD), self.k(x_BTD), self.v(x_BTD)
+      return (self.q(x_BTD), self.k(x_BTD), self.v(x_BTD)), None
     H, K = self.heads
     y = fused_matmul(x_BTD, self.qkv_kernel[...], 1, self.dtype)   # [B, T, K, G + 2, Dh]
     lead = y.shape[:-3]
-    return y[..., :-2, :].reshape(lead + (H, y.shape[-1])), y[..., -2, :], y[..., -1, :]
+    return (y[..., :-2, :].reshape(lead + (H, y.shape[-1])), y[..., -2, :], y[..., -1, :]), y
 
   def fuse_for_decoding(self) -> None:
     """Replace `q`, `k`, `v` by one kernel [D, K, G + 2, Dh] (`qkv_kernel`; G = H / K query
