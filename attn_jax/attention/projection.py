@@ -23,7 +23,7 @@ from flax import nnx
 
 from attn_jax.kernels.masks import positional_mask
 from attn_jax.layers import (Linear, apply_rope, causal_positions, dtype_of, fused_matmul, fused_param,
-                            param, rope_angles)
+                            out_major, param, rope_angles)
 
 if TYPE_CHECKING:  # annotations only: model_config imports the registry, which imports the mixers
   from attn_jax.model_config import ModelConfig
@@ -117,7 +117,10 @@ class QKVProjection(nnx.Module):
     heads per kv head): kv head j's slice holds its G query heads (q head h reads kv head
     h // G), then its key, then its value, so a split of the kv heads over devices keeps
     each slice whole. One matmul reads x once (`Decoder.for_decoding`); every output element
-    is the same dot product as before. A module already fused is left as it is."""
+    is the same dot product as before. `o` is stored out-major (`layers.out_major`: for one
+    token its reduction reads the attention output as it comes). A module already fused is left
+    as it is."""
+    self.o = out_major(self.o)
     if not hasattr(self, "q"):
       return
     H, K = self.heads
