@@ -83,9 +83,10 @@ def qk_probs(mixer, x_BTD, window: int | None = None):
 
 
 class QKVProjection(nnx.Module):
-  """The q/k/v/o projections shared by attention-style mixers."""
+  """The q/k/v/o projections shared by attention-style mixers. `out_major_o`: whether the
+  decoding copy stores `o` out-major (`fuse_for_decoding`)."""
 
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, out_major_o: bool = True):
     dt, pdt = dtype_of(cfg.dtype), dtype_of(cfg.param_dtype)
     H, K, Dh, D = cfg.n_heads, cfg.kv_heads, cfg.head_dim, cfg.d_model
     kw = dict(rngs=rngs, dtype=dt, param_dtype=pdt, init_std=cfg.init_std)
@@ -94,7 +95,7 @@ class QKVProjection(nnx.Module):
     self.v = Linear((D,), (K, Dh), in_axes=("embed",), out_axes=("kv_heads", "head_dim"), **kw)
     kw["init_std"] = cfg.init_std / (2 * cfg.n_layers) ** 0.5  # scaled residual init
     self.o = Linear((H, Dh), (D,), in_axes=("heads", "head_dim"), out_axes=("embed",), **kw)
-    self.dtype, self.heads = dt, (H, K)
+    self.dtype, self.heads, self.out_major_o = dt, (H, K), out_major_o
 
   def qkv(self, x_BTD):
     """(q [B, T, H, Dh], k [B, T, K, Dh], v [B, T, K, Dh]): three matmuls, or one on the
@@ -117,10 +118,11 @@ class QKVProjection(nnx.Module):
     heads per kv head): kv head j's slice holds its G query heads (q head h reads kv head
     h // G), then its key, then its value, so a split of the kv heads over devices keeps
     each slice whole. One matmul reads x once (`Decoder.for_decoding`); every output element
-    is the same dot product as before. `o` is stored out-major (`layers.out_major`: for one
-    token its reduction reads the attention output as it comes). A module already fused is left
-    as it is."""
-    self.o = out_major(self.o)
+    is the same dot product as before. With `out_major_o`, `o` is stored out-major
+    (`layers.out_major`: for one token its reduction takes the attention output's last
+    elementwise work in). A module already fused is left as it is."""
+    if self.out_major_o:
+      self.o = out_major(self.o)
     if not hasattr(self, "q"):
       return
     H, K = self.heads
