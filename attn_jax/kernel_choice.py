@@ -39,6 +39,9 @@ The choices (each distinct outcome is logged once, at INFO):
                      TPU, shapes it takes; a misfit is logged once per reason, as a warning).
   ssd_kernel         whether a Mamba mixer's chunked SSD takes `kernels/ssd_chunks.py` (GPU /
                      TPU, shapes it takes; a misfit is logged once per reason, as a warning).
+  decode_kernel      whether a one-token step of a KV cache takes `kernels/decode_attend.py`
+                     (its RoPE, cache write and attention in one launch: GPU, or
+                     `kernels_on_cpu`; a misfit is logged once per reason).
   pallas_interpret   whether a Pallas kernel written for one backend runs in the interpreter
                      (any other platform: tests on a CPU).
   stateful_compiler_options  XLA options for steps that update a decoding state in place (and
@@ -192,6 +195,20 @@ def ssd_kernel(why_not: Callable[[str], str | None], *, what: str) -> bool:
     _note(f"{what}: SSD kernel not used on {plat} ({why}); XLA chunked SSD", logging.WARNING)
     return False
   _note(f"{what}: SSD kernel on {plat}")
+  return True
+
+
+def decode_kernel(why_not: Callable[[str], str | None], *, what: str) -> bool:
+  """Whether `what` (a cache's one-token step) runs on `kernels/decode_attend.py`: a GPU (or
+  `kernels_on_cpu`) and `why_not(platform)` None. A misfit is logged once per reason."""
+  plat = target()
+  if plat == "tpu" or (plat == "cpu" and not _KERNELS_ON_CPU.get()):
+    return False
+  why = why_not(plat)
+  if why is not None:
+    _note(f"{what}: decode kernel not used on {plat} ({why}); XLA path", logging.WARNING)
+    return False
+  _note(f"{what}: decode kernel on {plat}")
   return True
 
 

@@ -110,6 +110,44 @@ class Linear(nnx.Module):
     return y_NM.reshape(lead + self.out_shape)
 
 
+class OutMajorLinear(nnx.Module):
+  """A decoding copy's `Linear` with its kernel stored out-major, [*out_shape, *in_shape] (made
+  by `Linear.out_major`). y = x @ W as before, each output element the same dot product over
+  the same inputs; for one token on a GPU, XLA turns a small matmul into a multiply and a
+  reduction, and with the reduced (input) dimension innermost that reduction also takes the
+  elementwise work that produced x (a SwiGLU's silu(gate) * up) in the same kernel, where an
+  in-major kernel's column reduction leaves it a kernel of its own."""
+
+  def __init__(self, kernel: nnx.Param, in_shape, out_shape, dtype):
+    self.kernel, self.in_shape, self.out_shape, self.dtype = kernel, in_shape, out_shape, dtype
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    lead = x.shape[:x.ndim - len(self.in_shape)]
+    if x.shape[len(lead):] != self.in_shape:
+      raise ValueError(f"Linear: input trailing shape {x.shape[len(lead):]} != {self.in_shape}")
+    k, m = math.prod(self.in_shape), math.prod(self.out_shape)
+    w_MK = self.kernel[...].astype(self.dtype).reshape(m, k)
+    y_NM = jnp.einsum("nk,mk->nm", x.astype(self.dtype).reshape(-1, k), w_MK)
+    return y_NM.reshape(lead + self.out_shape)
+
+
+def out_major(lin: "Linear | OutMajorLinear") -> OutMajorLinear:
+  """`lin` with its kernel out-major (`OutMajorLinear`; stacked leading dims, such as the
+  blocks' `layers` axis, stay first, with their sharding names); one already so is returned as
+  it is."""
+  if isinstance(lin, OutMajorLinear):
+    return lin
+  w = lin.kernel[...]
+  n_in, n_out = len(lin.in_shape), len(lin.out_shape)
+  lead = w.ndim - n_in - n_out
+  perm = (tuple(range(lead)) + tuple(range(lead + n_in, w.ndim))
+          + tuple(range(lead, lead + n_in)))
+  names = tuple(lin.kernel.get_metadata().get("out_sharding") or (None,) * w.ndim)
+  kernel = nnx.Param(jnp.transpose(w, perm), out_sharding=tuple(names[i] for i in perm),
+                     eager_sharding=False, kind="weight")
+  return OutMajorLinear(kernel, lin.in_shape, lin.out_shape, lin.dtype)
+
+
 class RMSNorm(nnx.Module):
   """x / rms(x) * scale, statistics in fp32."""
 
@@ -334,8 +372,10 @@ class SwiGLU(nnx.Module):
 
   def fuse_for_decoding(self) -> None:
     """Replace `gate` and `up` by one kernel [D, 2, F] (`gate_up`): one matmul reads x once
-    (`Decoder.for_decoding`). Each output element is the same dot product as before. A module
+    (`Decoder.for_decoding`), and store `down` out-major (`out_major`: its reduction takes
+    silu(gate) * up in). Each output element is the same dot product as before. A module
     already fused is left as it is."""
+    self.down = out_major(self.down)
     if not hasattr(self, "gate"):
       return
     parts = [jnp.expand_dims(m.kernel[...], -2) for m in (self.gate, self.up)]

@@ -41,9 +41,6 @@ SEQ_LEN = 1024
 MESHES = {"data_fsdp": (2, 2, 1), "data_tensor": (2, 1, 2)}
 PATTERNS = {m: (m,) for m in available_mixers()}
 PATTERNS["hybrid_block"] = ("attention", "mamba2:nomlp")
-SPLASH_WINDOW = ("known: splash is not given the sliding window (splash.splash_problem), so the "
-                 "window's TPU step falls back to XLA with a [T, T] mask; splash's LocalMask is "
-                 "exact for contiguous positions per document, not promised by prefix_causal")
 KERNEL = {GPU: "cuDNN attention fwd", TPU: "Mosaic (Pallas TPU)"}
 DECAYED = ("sisa", "fox", "alibi")                  # kernels/decayed.py's mixers
 DECAYED_KERNEL = {GPU: "Triton (Pallas GPU)", TPU: "Mosaic (Pallas TPU)"}
@@ -291,11 +288,9 @@ def _matrix():
   for name, pattern in PATTERNS.items():
     for target in (GPU, TPU):
       for mesh in MESHES:
-        marks = [pytest.mark.slow, pytest.mark.ci_extra]
-        if name == "sliding_window" and target == TPU:
-          marks.append(pytest.mark.xfail(strict=True, reason=SPLASH_WINDOW))
+        marks = (pytest.mark.slow, pytest.mark.ci_extra)
         out.append(pytest.param(pattern, target, mesh, id=f"{name}-{target}-{mesh}",
-                                marks=tuple(marks)))
+                                marks=marks))
   return out
 
 

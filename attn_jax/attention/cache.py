@@ -63,9 +63,11 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from attn_jax import kernel_choice
 from attn_jax.attention.projection import rope
 from attn_jax.field_checks import is_int
 from attn_jax.kernels import entry
+from attn_jax.kernels import decode_attend
 from attn_jax.kernels.dense import from_rows, rows_softmax, to_rows
 from attn_jax.kernels.masks import positional_mask
 from attn_jax.layers import apply_rope, rope_angles
@@ -415,7 +417,7 @@ def writes_first(cache: KVCache, q_BTHD) -> bool:
 def cached_attention(cache: KVCache, q_BTHD, k_BTKD, v_BTKV, positions_BT, *, theta: float,
                      scale: float, sink_logit_H=None, widen: Widening | None = None,
                      extra_new=None, kx_new=None, window: int | None = None, fresh_out=None,
-                     impl: str = "auto"):
+                     impl: str = "auto", qkv_rows=None):
   """New tokens (q, k before RoPE) attend to [cache ; themselves] under the cache's policy
   (`attend_cache`, RoPE as the module docstring says), and are written. -> (out [B, T, H, Dv],
   new cache). `window`: a mixer's own sliding window (a mask on stream positions, with the
@@ -429,8 +431,14 @@ def cached_attention(cache: KVCache, q_BTHD, k_BTKD, v_BTKV, positions_BT, *, th
   `attend_cache`'s dense [T, T] scores; the visible keys, the scores and the sink column are
   the same (`_fresh_attention`). The cache is read before the new tokens are written (a
   ring's writes may evict keys the chunk's earlier queries see); compiled with
-  `kernel_choice.stateful_compiler_options`, the write then happens in place."""
+  `kernel_choice.stateful_compiler_options`, the write then happens in place. One token per
+  row into a Linear cache on a GPU runs as one kernel (`kernels/decode_attend.py`);
+  `qkv_rows`: the [B, T, K, G + 2, Dh] buffer q, k, v are slices of, when there is one
+  (`QKVProjection.qkv_and_rows`), which the kernel then reads as it is."""
   pol = cache.policy
+  if (widen is None and extra_new is None and kx_new is None and window is None
+      and sink_logit_H is None and _takes_kernel(cache, q_BTHD, v_BTKV)):
+    return _kernel_step(cache, q_BTHD, k_BTKD, v_BTKV, positions_BT, theta, scale, qkv_rows)
   base, m, _ = pol.frame(positions_BT)
   if pol.bounded:
     cache = _in_frame(cache, base, theta)
@@ -466,6 +474,38 @@ def _fresh_attention(q_BTHD, k_BTKD, v_BTKV, positions_BT, *, scale, sink_logit_
   return entry.attend(q_BTHD, k_BTKD, v_BTKV, scale=scale, causal=True,
                       q_positions=positions_BT, kv_positions=positions_BT,
                       sink_logit_H=sink_logit_H, window=window, impl=impl, prefix_causal=True)
+
+
+def _takes_kernel(cache: KVCache, q_BTHD, v_BTKV) -> bool:
+  """Whether a call's attention and write run as one kernel (`kernels/decode_attend.py`): one
+  token per row into a Linear cache not known empty, on a platform and shapes it takes."""
+  if q_BTHD.shape[1] != 1 or cache.fresh or cache.policy.bounded:
+    return False
+  return kernel_choice.decode_kernel(
+      lambda plat: decode_attend.unsupported(q_BTHD.shape[2], cache.k, cache.v, plat),
+      what="one-token KV-cache step")
+
+
+def _kernel_step(cache: KVCache, q_BTHD, k_BTKD, v_BTKV, positions_BT, theta: float,
+                 scale: float, qkv_rows=None):
+  """`cached_attention` of one token per row into a Linear cache as one kernel: the token's
+  RoPE at its stream position, its write into slot `ptr` (in place; none for padding or a full
+  cache, as `KVCache.write` drops them) and its attention to [cache ; itself]. q / k / v go in
+  as one [B, K, G + 2, D] array, the layout of the decoding copy's fused projection: its
+  output `qkv_rows` when given (read as it is), else joined here (a copy)."""
+  B, _, H, D = q_BTHD.shape
+  K = k_BTKD.shape[2]
+  if qkv_rows is not None:
+    qkv = qkv_rows[:, 0]
+  else:
+    qkv = jnp.concatenate([q_BTHD[:, 0].reshape(B, K, H // K, D), k_BTKD[:, 0, :, None],
+                           v_BTKV[:, 0, :, None].astype(q_BTHD.dtype)], axis=2)
+  cos, sin = rope_angles(positions_BT, D, theta)
+  p_B = positions_BT[:, 0]
+  ptr = cache.ptr + (p_B >= 0).astype(jnp.int32)
+  o_BHD, k, v, pos = decode_attend.decode_attend(
+      qkv, cos[:, 0], sin[:, 0], cache.k, cache.v, cache.pos, ptr, p_B, scale=scale)
+  return o_BHD[:, None], cache.replace(k=k, v=v, pos=pos, ptr=ptr, fresh=False)
 
 
 # ------------------------------------------------------------------ mixers with a KV cache

@@ -48,9 +48,10 @@ class Attention(cache_lib.CachedMixer):
     scale = cfg.head_dim ** -0.5
     sink = sink_logit_of(self.opts, self.sink_logit, cfg.n_heads)
     if state is not None:
+      qkv, rows = p.qkv_and_rows(x_BTD)
       out, state = cache_lib.cached_attention(
-          state, *p.qkv(x_BTD), positions_BT, theta=cfg.rope_theta,
-          scale=scale, sink_logit_H=sink, impl=cfg.attention_impl)
+          state, *qkv, positions_BT, theta=cfg.rope_theta, scale=scale, sink_logit_H=sink,
+          impl=cfg.attention_impl, qkv_rows=rows)
       return p.o(out), state, {}
     B, T, _ = x_BTD.shape
     pos_BT = causal_positions(B, T) if positions_BT is None else positions_BT

@@ -23,7 +23,7 @@ from flax import nnx
 
 from attn_jax.kernels.masks import positional_mask
 from attn_jax.layers import (Linear, apply_rope, causal_positions, dtype_of, fused_matmul, fused_param,
-                            param, rope_angles)
+                            out_major, param, rope_angles)
 
 if TYPE_CHECKING:  # annotations only: model_config imports the registry, which imports the mixers
   from attn_jax.model_config import ModelConfig
@@ -83,9 +83,10 @@ def qk_probs(mixer, x_BTD, window: int | None = None):
 
 
 class QKVProjection(nnx.Module):
-  """The q/k/v/o projections shared by attention-style mixers."""
+  """The q/k/v/o projections shared by attention-style mixers. `out_major_o`: whether the
+  decoding copy stores `o` out-major (`fuse_for_decoding`)."""
 
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, out_major_o: bool = True):
     dt, pdt = dtype_of(cfg.dtype), dtype_of(cfg.param_dtype)
     H, K, Dh, D = cfg.n_heads, cfg.kv_heads, cfg.head_dim, cfg.d_model
     kw = dict(rngs=rngs, dtype=dt, param_dtype=pdt, init_std=cfg.init_std)
@@ -94,24 +95,34 @@ class QKVProjection(nnx.Module):
     self.v = Linear((D,), (K, Dh), in_axes=("embed",), out_axes=("kv_heads", "head_dim"), **kw)
     kw["init_std"] = cfg.init_std / (2 * cfg.n_layers) ** 0.5  # scaled residual init
     self.o = Linear((H, Dh), (D,), in_axes=("heads", "head_dim"), out_axes=("embed",), **kw)
-    self.dtype, self.heads = dt, (H, K)
+    self.dtype, self.heads, self.out_major_o = dt, (H, K), out_major_o
 
   def qkv(self, x_BTD):
     """(q [B, T, H, Dh], k [B, T, K, Dh], v [B, T, K, Dh]): three matmuls, or one on the
     decoding copy's fused kernel (`fuse_for_decoding`)."""
+    return self.qkv_and_rows(x_BTD)[0]
+
+  def qkv_and_rows(self, x_BTD):
+    """((q, k, v) as `qkv`, the decoding copy's fused output [B, T, K, G + 2, Dh] they are
+    slices of, or None unfused): a one-token cache step reads that one buffer
+    (`cache.cached_attention`'s `qkv_rows`)."""
     if not hasattr(self, "qkv_kernel"):
-      return self.q(x_BTD), self.k(x_BTD), self.v(x_BTD)
+      return (self.q(x_BTD), self.k(x_BTD), self.v(x_BTD)), None
     H, K = self.heads
     y = fused_matmul(x_BTD, self.qkv_kernel[...], 1, self.dtype)   # [B, T, K, G + 2, Dh]
     lead = y.shape[:-3]
-    return y[..., :-2, :].reshape(lead + (H, y.shape[-1])), y[..., -2, :], y[..., -1, :]
+    return (y[..., :-2, :].reshape(lead + (H, y.shape[-1])), y[..., -2, :], y[..., -1, :]), y
 
   def fuse_for_decoding(self) -> None:
     """Replace `q`, `k`, `v` by one kernel [D, K, G + 2, Dh] (`qkv_kernel`; G = H / K query
     heads per kv head): kv head j's slice holds its G query heads (q head h reads kv head
     h // G), then its key, then its value, so a split of the kv heads over devices keeps
     each slice whole. One matmul reads x once (`Decoder.for_decoding`); every output element
-    is the same dot product as before. A module already fused is left as it is."""
+    is the same dot product as before. With `out_major_o`, `o` is stored out-major
+    (`layers.out_major`: for one token its reduction takes the attention output's last
+    elementwise work in). A module already fused is left as it is."""
+    if self.out_major_o:
+      self.o = out_major(self.o)
     if not hasattr(self, "q"):
       return
     H, K = self.heads

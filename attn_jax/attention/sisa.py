@@ -317,7 +317,10 @@ class SISA(cache_lib.CachedMixer):
     self.cfg, self.opts = cfg, opts
     dt, pdt = dtype_of(cfg.dtype), dtype_of(cfg.param_dtype)
     H, D, ds = cfg.n_heads, cfg.d_model, int(opts.d_state)
-    self.proj = QKVProjection(cfg, rngs=rngs)
+    # o stays in-major for decoding: an out-major o makes XLA materialise the widened
+    # attention's output (a transpose and a convert of their own) before its reduction, 4 more
+    # launches per one-token step on an H100 than in-major (tests/test_decode_launches.py)
+    self.proj = QKVProjection(cfg, rngs=rngs, out_major_o=False)
     kw = dict(rngs=rngs, dtype=dt, param_dtype=pdt)
     self.b_proj = Linear((D,), (H, ds), in_axes=("embed",), out_axes=("heads", "state"),
                          init_std=cfg.init_std, **kw)

@@ -335,7 +335,8 @@ PALLAS_GPU = """## Pallas on GPU: which backend each kernel uses
 | decayed attention (SISA, FoX, ALiBi: forward, dq, dkv) | `attn_jax/kernels/decayed.py` | Pallas Triton | Pallas Triton, deprecated | Pallas Mosaic TPU |
 | chunked SSD (Mamba-2, Mamba-3 SISO and MIMO, the hybrids' SSM heads: states with the chunk-state passing, scan, dstates, dchunk) | `attn_jax/kernels/ssd_chunks.py` | Pallas Triton | Pallas Triton, deprecated | Pallas Mosaic TPU |
 | softmax attention (Transformer, sinks) | `kernels/dpa.py`, `kernels/splash.py` | cuDNN fused attention (XLA custom call), no Pallas | the same | splash attention (Pallas Mosaic TPU) |
-| Sinkhorn, sliding window, Mamba decoding steps | `attention/`, `ssm/` | XLA | XLA | XLA |
+| one-token decoding step into a Linear KV cache (Transformer, the hybrids' attention heads: RoPE, k / v / pos write, attention) | `attn_jax/kernels/decode_attend.py` | Pallas Triton | Pallas Triton, deprecated | XLA |
+| Sinkhorn, sliding window, rings, SISA / FoX / ALiBi and Mamba decoding steps | `attention/`, `ssm/` | XLA | XLA | XLA |
 
 JAX 0.11 deprecates the Pallas Triton backend in favour of Mosaic GPU, JAX's own GPU backend
 for Pallas; the decayed and chunked-SSD kernels are affected. Until Triton is removed they
@@ -344,8 +345,8 @@ changed: from 0.11 Triton's lowering asks the mesh in context for the GPU it com
 assumed compute capability 9.0 wherever no GPU was attached), so a compile-only H100 program is
 traced under its mesh (`sharding.use_rules`, `sharding.traced_for`); `--compile_only`, this page
 and the target tests do so on both lines. Once a JAX release removes the backend, SISA, FoX and
-ALiBi on a GPU would fall back to their blockwise XLA paths and Mamba's SSD to its XLA form,
-slower and with more memory.
+ALiBi on a GPU would fall back to their blockwise XLA paths, Mamba's SSD to its XLA form and
+the one-token cache step to its XLA path, slower and with more memory.
 
 The plan: a Mosaic GPU version of the decayed kernel (same tile steps and custom VJP; Mosaic GPU
 stages whole blocks in shared memory, where the Triton version loops over HBM tiles) as a second

@@ -103,9 +103,10 @@ class HybridHeads(Mixer):
           impl=cfg.attention_impl, prefix_causal=True, q_segments=segment_ids_BT,
           kv_segments=segment_ids_BT, remat=True)   # no [T, S] scores kept for the backward
     else:   # the shared KV cache (attention/cache.py), as the attention mixer
-      out, kv = cache_lib.cached_attention(kv, *p.qkv(x_BTD), positions_BT,
-                                           theta=cfg.rope_theta, scale=scale,
-                                           impl=cfg.attention_impl)
+      qkv, rows = p.qkv_and_rows(x_BTD)
+      out, kv = cache_lib.cached_attention(kv, *qkv, positions_BT, theta=cfg.rope_theta,
+                                           scale=scale, impl=cfg.attention_impl,
+                                           qkv_rows=rows)
     o = out.astype(f32)
     o = o * jax.lax.rsqrt(jnp.mean(o * o, axis=(-2, -1), keepdims=True) + cfg.norm_eps)
     o = o * self.attn_norm[...].astype(f32)
