@@ -5,7 +5,9 @@ kernels meet.
 
 The limits, and why (measured at the commit that set them: Mamba-2 146.2, Mamba-3 208.9,
 Mamba-3 MIMO 91.2 instructions per element over the four kernels; 6.6 / 6.3 / 6.4
-instructions per 64 tensor-core multiply-adds; ex2 3.28 / 3.28 / 2.89; every MMA a wgmma):
+instructions per 64 tensor-core multiply-adds; ex2 3.28 / 3.28 / 2.89; every MMA a wgmma.
+Since the states kernel makes the per-chunk decay sums itself (for the launches of
+tests/test_launches.py): 153.9 / 216.7 / 93.1; the limits unchanged):
 - instructions per 64 tensor-core multiply-adds <= 7.0 (`kernel_census.per_64_macs`): the
   figure that compares with flash attention, whose per-element work is a third of the SSD's
   (2 head-dim-64 matmuls forward and 5 backward against the SSD's 22 for Mamba-2:

@@ -52,23 +52,26 @@ cumsum's, with the states recomputed): here the cumsum, C B^T and dA work are fo
 chunk programs and the chunk states never leave the passing loop; the backward reads the
 forward's H_c (a residual, one x-sized array at N = Q) instead of recomputing them.
 
-Exponents, in log2 units (a2 = a log2 e, then every exp is one `exp2`: one PTX
-`ex2.approx.ftz` on a GPU, `decayed_tiles.exp2`). The kernels' one decay input is a2 per chunk
-(`log2_decays`, a row [1, Q]); each makes the per-chunk sums it needs from it (`Exps`): A and
-E as masked row sums of the [QO, Q] / [QI, Q] index masks (A_t = sum_{tau <= t} a_tau, E_s =
-sum_{tau > s} a_tau, each a direct fp32 sum of its own terms) and z as the row's sum. A
-cumulative sum in XLA (the authors' "chunk cumsum" kernel) cost six kernels on a GPU (its
-reduce-window passes, the reverse one, the repeats), in the forward and again in the backward
-of every layer; these sums cost a program a few [Q, Q] selects and cross-lane reductions per
-chunk beside its [Q, Q] matmuls. seg is made in the kernels, as a product of masked matrices,
-seg = (M_le diag(a)) U_gt with M_le[t, r] = [r <= t], U_gt[r, s] = [r > s]; the 0/1 mask is
-exact in bf16, so the product runs as three bf16 matmuls on the exact split a = hi + mid + lo
-(`_mask_sum`): each entry a direct fp32 sum of its own terms, at the tensor cores' rate, not a
-Q-deep fp32 loop (the same for da's sum over s < r). A matmul multiplies -inf by the mask's
-zeros (NaN), so a2 is floored at NEG = -1e30 first: a sum holding a start is then <= -1e30 (its
-exp 0, as with -inf), every other sum unchanged; Q such floors stay far from fp32's range. The
-a_{t0} gradient the kernel returns at a start is discarded by `restart_decay`'s `where`, as in
-the XLA path. The index masks are built once per program (`Masks`), outside the loops.
+Exponents, in log2 units (a2 = a log2 e, then every exp is one `exp2`: one PTX `ex2.approx.ftz`
+on a GPU, `decayed_tiles.exp2`). The per-chunk sums (`Decays`: A_t = sum_{tau <= t} a_tau per
+output row, E_s = sum_{tau > s} a_tau per input row, the total z, each a direct fp32 sum of its
+own terms) are made once per call, by the states kernel, which reads a2 and writes them beside
+its states; the scan and the backward's kernels read them as columns. The states kernel makes A
+and E as masked sums on the tensor cores (`_row_sums`: one bf16 matmul of the 0/1 mask with the
+row's exact three-part split): on the vector units a masked row sum reduces across lanes and
+converts layouts, ~11 instructions per element of a chunk's tile each on an H100, which made in
+every kernel cost ~45% more over the four. A cumulative sum in XLA (the authors' "chunk cumsum"
+kernel) cost six kernels a layer on a GPU (its reduce-window passes, the reverse one, the
+repeats); masked sums there three (measured: +3 launches a layer). seg is made in the kernels,
+as a product of masked matrices, seg = (M_le diag(a)) U_gt with M_le[t, r] = [r <= t], U_gt[r,
+s] = [r > s]; the 0/1 mask is exact in bf16, so the product runs as three bf16 matmuls on the
+exact split a = hi + mid + lo (`_mask_sum`): each entry a direct fp32 sum of its own terms, at
+the tensor cores' rate, not a Q-deep fp32 loop (the same for da's sum over s < r). A matmul
+multiplies -inf by the mask's zeros (NaN), so a2 is floored at NEG = -1e30 first: a sum holding
+a start is then <= -1e30 (its exp 0, as with -inf), every other sum unchanged; Q such floors
+stay far from fp32's range. The a_{t0} gradient the kernel returns at a start is discarded by
+`restart_decay`'s `where`, as in the XLA path. The index masks are built once per program
+(`Masks`), outside the loops.
 
 MIMO (`mimo_kernel`): a token's I input columns are I consecutive input rows and its O output
 columns O output rows of the same kernels (x [B, H, T I, P], B [.., T I, N], C and y
@@ -82,7 +85,8 @@ fp32; every matmul step the XLA path runs in `dot_dtype` takes its operands in `
 with the cotangents cast to it). The passing is the sequential fp32 recurrence here, a segsum
 matmul in `ssd.pass_chunk_states`: the same sums, in another order.
 
-Layout: heads first, [B, H, T, P] (B and C [B, G, T, N]; a2 [B, H, C, 1, Q]; the states
+Layout: heads first, [B, H, T, P] (B and C [B, G, T, N]; a2 [B, H, C, 1, Q], A2 [.., QO, 1],
+E2 [.., QI, 1] and z2 [.., 1, 1]; the states
 [B, H, C, P, N]); dchunk views the per-head arrays as [B, G, J, ...] (a free reshape). Every
 block's last two dims are a chunk's [Q, P] / [Q, N], the array's [P, N] or [1, Q] (TPU's tiling
 rule holds for Q a multiple of 8). T is padded to whole chunks (a = 0, x = B = C = 0: the state
@@ -97,6 +101,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -154,6 +159,24 @@ def _mask_sum(v, mask):
   return _dot(lo, mask) + _dot(mid, mask) + _dot(hi, mask)
 
 
+def _row_sums(mask, v_1K):
+  """mask @ v^T [M, 1] for a 0/1 mask [M, K] (bf16, exact) and a fp32 row v [1, K] as one
+  bf16 matmul on the tensor cores: the row's exact split v = lo + mid + hi (`_mask_sum`) as
+  rows 0, 1, 2 of a [16, K] operand (the rest 0), so output column j is the masked sum of part
+  j (every product exact, fp32 accumulation), and the columns' sum is each entry's direct fp32
+  sum of its own terms. (A masked row sum on the vector units reduces across lanes and
+  converts layouts: ~2x the instructions.) The rows are picked by arithmetic on the row index,
+  not a select: Mosaic cannot relayout a select's [16, K] mask against the broadcast row."""
+  hi = v_1K.astype(BF16)
+  r = v_1K - hi.astype(F32)
+  mid = r.astype(BF16)
+  lo = (r - mid.astype(F32)).astype(BF16)
+  row = lax.broadcasted_iota(jnp.int32, (16, 1), 0).astype(F32)
+  pick = lambda j: jnp.maximum(1.0 - jnp.abs(row - j), 0.0)   # [16, 1]: 1 on row j, else 0
+  parts = (pick(0) * lo.astype(F32) + pick(1) * mid.astype(F32) + pick(2) * hi.astype(F32))
+  return jnp.sum(_dot(mask, parts.astype(BF16), _A_BT), axis=1, keepdims=True)
+
+
 class Masks:
   """A program's index masks, built once and shared by its loop's iterations. Rows of the
   outputs are (token t, column) pairs, O a token, rows of the inputs (s, column), I a token
@@ -162,7 +185,8 @@ class Masks:
     in_lt  [QI, Q]   tau > s           (E's terms; da's e)
     pairs  [QO, QI]  s <= t            (L's support)
     gt     [Q, QI]   tau > s  (bf16)   seg = (out_le o a) @ gt
-    lt     [QI, Q]   s < tau  (bf16)   da's W = G @ lt"""
+    lt     [QI, Q]   s < tau  (bf16)   da's W = G @ lt; E = lt @ a
+    le     [QO, Q]   tau <= t (bf16)   A = le @ a"""
 
   def __init__(self, Q: int, I: int, O: int):
     iota = lambda shape, d, k: lax.div(lax.broadcasted_iota(jnp.int32, shape, d), jnp.int32(k))
@@ -171,40 +195,49 @@ class Masks:
     self.pairs = iota((Q * O, Q * I), 1, I) <= iota((Q * O, Q * I), 0, O)
     self.gt = jnp.where(iota((Q, Q * I), 0, 1) > iota((Q, Q * I), 1, I), 1.0, 0.0).astype(BF16)
     self.lt = jnp.where(self.in_lt, 1.0, 0.0).astype(BF16)
+    self.le = jnp.where(self.out_le, 1.0, 0.0).astype(BF16)
 
 
-class Exps:
-  """A chunk's exponents (log2 units) from its log-decays a2 [1, Q] (a row, as the kernels
-  read it), each a direct fp32 sum of its own terms, taken from the row under a mask (no
-  running sum, no cumulative-sum pass in XLA):
+class Decays(NamedTuple):
+  """A call's log-decays in log2 units per chunk and their direct sums (the sums made by the
+  states kernel), each array [B, H, C, r, k], a chunk's block the last two dims:
 
+      a2 [1, Q]   a log2 e, floored at NEG   (a row, for seg)
       A2 [QO, 1]  sum_{tau <= t} a2_tau      per output row (its token t's)
       E2 [QI, 1]  sum_{tau > s} a2_tau       per input row (its token s's)
       z2 [1, 1]   sum_tau a2_tau             the chunk's total
 
-  (columns, as the kernels scale rows by them). `seg` adds L [QO, QI] = 2^seg2(t, s) =
-  exp(seg(t, s)) on s <= t, else 0 (seg2 from a2: `_mask_sum`)."""
+  (columns, as the kernels scale rows by them)."""
+  a2: jax.Array
+  A2: jax.Array
+  E2: jax.Array
+  z2: jax.Array
 
-  def __init__(self, spec: Spec, a2_1Q, m: Masks, seg: bool = False):
-    self.spec, self.a2, self.m = spec, a2_1Q, m
+
+# the parts each kernel after the states kernel reads
+_SCAN_PARTS, _DSTATES_PARTS, _DCHUNK_PARTS = ("a2", "A2"), ("A2", "z2"), Decays._fields
+
+
+class Exps:
+  """A chunk's exponents (log2 units): the parts of `Decays` a kernel reads (`parts`: {name:
+  block}); `seg` adds L [QO, QI] = 2^seg2(t, s) = exp(seg(t, s)) on s <= t, else 0 (seg2 from
+  a2: `_mask_sum`)."""
+
+  def __init__(self, spec: Spec, parts: dict, m: Masks, seg: bool = False):
+    self.spec = spec
+    for k, v in parts.items():
+      setattr(self, k, v)
     if seg:
-      terms = jnp.where(m.out_le, a2_1Q, 0.0)                     # [(t, o), tau] = a2_tau
+      terms = jnp.where(m.out_le, parts["a2"], 0.0)               # [(t, o), tau] = a2_tau
       self.L = jnp.where(m.pairs, self.exp(_mask_sum(terms, m.gt)), 0.0)
-
-  @property
-  def A2(self):
-    return jnp.sum(jnp.where(self.m.out_le, self.a2, 0.0), axis=1, keepdims=True)
-
-  @property
-  def E2(self):
-    return jnp.sum(jnp.where(self.m.in_lt, self.a2, 0.0), axis=1, keepdims=True)
-
-  @property
-  def z2(self):
-    return jnp.sum(self.a2, axis=1, keepdims=True)
 
   def exp(self, x):
     return exp2(self.spec.ex2, x)
+
+
+def _load(refs, names, idx) -> dict:
+  """{name: ref[idx]} of a kernel's decay refs."""
+  return {n: r[idx] for n, r in zip(names, refs)}
 
 
 def _masks(spec: Spec) -> Masks:
@@ -221,23 +254,27 @@ def _rows(ref, c, n: int):
 def _states_kernel(spec: Spec, *refs):
   """The states entering each chunk, passed along the chunks in one loop (one head):
   H_0 = h0, H_{c+1} = exp(z_c) H_c + S_c, S_c = sum_i sum_s exp(E_s) x_is B_is^T; writes
-  H_c [P, N] in `dot_dtype` and the final state fp32 (refs: x_i..., B_i..., a2, [h0], H,
-  final)."""
+  H_c [P, N] in `dot_dtype`, the final state fp32 and the chunks' sums A2, E2, z2 of `Decays`
+  for the kernels after it, made from a2 (A2 and E2 on the tensor cores: `_row_sums`; refs:
+  x_i..., B_i..., a2, [h0], H, final, A2, E2, z2)."""
   R, n = spec.inputs, spec.chunk * spec.in_rows
   dt = jnp.dtype(spec.dot_dtype)
   xs, bs, a2_ref, rest = refs[:R], refs[R:2 * R], refs[2 * R], refs[2 * R + 1:]
-  h0_ref, (hin_ref, final_ref) = (rest[0], rest[1:]) if len(rest) == 3 else (None, rest)
+  h0_ref, (hin_ref, final_ref, A2_ref, E2_ref, z2_ref) = \
+      (rest[0], rest[1:]) if len(rest) == 6 else (None, rest)
   m = _masks(spec)
 
   def chunk(c, h):
-    e = Exps(spec, a2_ref[c], m)
-    eE = e.exp(e.E2)
+    a2 = a2_ref[c]
+    E2, z2 = _row_sums(m.lt, a2), jnp.sum(a2, axis=1, keepdims=True)
+    A2_ref[c], E2_ref[c], z2_ref[c] = _row_sums(m.le, a2), E2, z2
+    eE = exp2(spec.ex2, E2)
     s = 0.0
     for x_ref, b_ref in zip(xs, bs):
       xe = (_rows(x_ref, c, n).astype(F32) * eE).astype(dt)
       s = s + _dot(xe, _rows(b_ref, c, n).astype(dt), _AT_B)
     hin_ref[c] = h.astype(hin_ref.dtype)
-    return e.exp(e.z2) * h + s
+    return exp2(spec.ex2, z2) * h + s
 
   h0 = jnp.zeros(hin_ref.shape[-2:], F32) if h0_ref is None else h0_ref[...].astype(F32)
   final_ref[...] = lax.fori_loop(0, a2_ref.shape[0], chunk, h0)
@@ -245,12 +282,12 @@ def _states_kernel(spec: Spec, *refs):
 
 def _scan_kernel(spec: Spec, *refs):
   """y = sum_i (L o C B_i^T) x_i + exp(A) o (C H^T)  [QO, P]  (one chunk of one head; refs:
-  x_i..., B_i..., C, a2, H, y)."""
+  x_i..., B_i..., C, a2, A2, H, y)."""
   R = spec.inputs
   dt = jnp.dtype(spec.dot_dtype)
   xs, bs = refs[:R], refs[R:2 * R]
-  c_ref, a2_ref, h_ref, y_ref = refs[2 * R:]
-  e = Exps(spec, a2_ref[...], _masks(spec), seg=True)
+  c_ref, a2_ref, A2_ref, h_ref, y_ref = refs[2 * R:]
+  e = Exps(spec, _load((a2_ref, A2_ref), _SCAN_PARTS, ...), _masks(spec), seg=True)
   c = c_ref[...].astype(dt)
   y = 0.0
   for x_ref, b_ref in zip(xs, bs):
@@ -262,20 +299,20 @@ def _scan_kernel(spec: Spec, *refs):
 def _dstates_kernel(spec: Spec, *refs, with_final: bool):
   """The state cotangents, passed back along the chunks in one loop (one head): g_C = d final,
   dS_c = g_{c+1}, g_c = exp(z_c) g_{c+1} + sum_t exp(A_t) dy_t C_t^T, d h0 = g_0; writes dS_c
-  [P, N] in `dot_dtype` (refs: dy, C, a2, [d final], dS, [d h0]; no d final: g_C = 0, the
+  [P, N] in `dot_dtype` (refs: dy, C, A2, z2, [d final], dS, [d h0]; no d final: g_C = 0, the
   final state unused)."""
   n = spec.chunk * spec.out_rows
   dt = jnp.dtype(spec.dot_dtype)
-  dy_ref, c_ref, a2_ref = refs[:3]
-  dfinal_ref = refs[3] if with_final else None
-  ds_ref, *dh0 = refs[3 + with_final:]
+  dy_ref, c_ref, d_refs = refs[0], refs[1], refs[2:4]
+  dfinal_ref = refs[4] if with_final else None
+  ds_ref, *dh0 = refs[4 + with_final:]
   dh0_ref = dh0[0] if dh0 else None
   m = _masks(spec)
-  nc = a2_ref.shape[0]
+  nc = d_refs[0].shape[0]
 
   def chunk(k, g):
     c = nc - 1 - k
-    e = Exps(spec, a2_ref[c], m)
+    e = Exps(spec, _load(d_refs, _DSTATES_PARTS, c), m)
     dya = (_rows(dy_ref, c, n).astype(F32) * e.exp(e.A2)).astype(dt)
     ds_ref[c] = g.astype(ds_ref.dtype)
     return e.exp(e.z2) * g + _dot(dya, _rows(c_ref, c, n).astype(dt), _AT_B)
@@ -290,14 +327,14 @@ def _dstates_kernel(spec: Spec, *refs, with_final: bool):
 def _dchunk_kernel(spec: Spec, *refs):
   """Every per-token gradient of one chunk of a B/C group (module docstring), its J heads in
   one loop: dx_i and da per head, dB_i and dC summed over the group's heads in the loop
-  (refs: x_i..., B_i..., C, a2, dy, H, dS, then dx_i..., dB_i..., dC, da; the per-head
-  blocks [J, ...], indexed by the loop's head)."""
+  (refs: x_i..., B_i..., C, a2, A2, E2, z2, dy, H, dS, then dx_i..., dB_i..., dC, da; the
+  per-head blocks [J, ...], indexed by the loop's head)."""
   R, J = spec.inputs, spec.groups
   dt = jnp.dtype(spec.dot_dtype)
   xs, bs = refs[:R], refs[R:2 * R]
-  c_ref, a2_ref = refs[2 * R], refs[2 * R + 1]
-  dy_ref, h_ref, ds_ref = refs[2 * R + 2:2 * R + 5]
-  outs = refs[2 * R + 5:]
+  c_ref, d_refs = refs[2 * R], refs[2 * R + 1:2 * R + 5]
+  dy_ref, h_ref, ds_ref = refs[2 * R + 5:2 * R + 8]
+  outs = refs[2 * R + 8:]
   dxs, dbs, (dc_ref, da_ref) = outs[:R], outs[R:2 * R], outs[2 * R:]
   m = _masks(spec)
   b = [r[...].astype(dt) for r in bs]
@@ -307,7 +344,7 @@ def _dchunk_kernel(spec: Spec, *refs):
 
   def head(j, carry):
     db_acc, dc = list(carry[:R]), carry[R]
-    e = Exps(spec, a2_ref[j], m, seg=True)
+    e = Exps(spec, _load(d_refs, _DCHUNK_PARTS, j), m, seg=True)
     eA, eE = e.exp(e.A2), e.exp(e.E2)
     h, ds = h_ref[j].astype(dt), ds_ref[j].astype(dt)
     dy32 = dy_ref[j].astype(F32)
@@ -390,51 +427,62 @@ def _per_chunk(x):
   return pl.BlockSpec((None, None, None) + x.shape[3:], lambda b, h, c: (b, h, c, 0, 0))
 
 
+def _parts(d: Decays, names):
+  return tuple(getattr(d, n) for n in names)
+
+
 def _states(spec: Spec, xs, bs, a2, h0):
-  """(H_c [B, H, C, P, N] in `dot_dtype`, final [B, H, P, N] fp32); a2 [B, H, C, 1, Q]."""
+  """(H_c [B, H, C, P, N] in `dot_dtype`, final [B, H, P, N] fp32, `Decays`) of a2 [B, H, C,
+  1, Q]."""
   B, H, _, Pd = xs[0].shape
   C, N, J = a2.shape[2], bs[0].shape[-1], spec.groups
+  QO, QI = spec.chunk * spec.out_rows, spec.chunk * spec.in_rows
+  f32 = lambda *shape: jax.ShapeDtypeStruct((B, H, C) + shape, F32)
   outs = (jax.ShapeDtypeStruct((B, H, C, Pd, N), jnp.dtype(spec.dot_dtype)),
-          jax.ShapeDtypeStruct((B, H, Pd, N), F32))
+          jax.ShapeDtypeStruct((B, H, Pd, N), F32), f32(QO, 1), f32(QI, 1), f32(1, 1))
   ins = tuple(xs) + tuple(bs) + (a2,) + (() if h0 is None else (h0,))
   specs = ([_whole(x) for x in xs] + [_whole(b, J) for b in bs] + [_whole(a2)]
            + ([] if h0 is None else [_whole(h0)]))
-  return _call(spec, _states_kernel, "states", (B, H), ins, specs, outs,
-               tuple(_whole(o) for o in outs))
+  h_in, final, A2, E2, z2 = _call(spec, _states_kernel, "states", (B, H), ins, specs, outs,
+                                  tuple(_whole(o) for o in outs))
+  return h_in, final, Decays(a2, A2, E2, z2)
 
 
-def _scan(spec: Spec, xs, bs, c, a2, h_in):
+def _scan(spec: Spec, xs, bs, c, d: Decays, h_in):
   """y [B, H, T x O, P] fp32."""
   B, H, _, Pd = xs[0].shape
   J, Q, I, O = spec.groups, spec.chunk, spec.in_rows, spec.out_rows
   out = jax.ShapeDtypeStruct((B, H, c.shape[2], Pd), F32)
-  ins = tuple(xs) + tuple(bs) + (c, a2, h_in)
+  parts = _parts(d, _SCAN_PARTS)
+  ins = tuple(xs) + tuple(bs) + (c,) + parts + (h_in,)
   specs = ([_chunk_of(x, Q * I) for x in xs] + [_chunk_of(b, Q * I, J) for b in bs]
-           + [_chunk_of(c, Q * O, J), _per_chunk(a2), _per_chunk(h_in)])
-  return _call(spec, _scan_kernel, "scan", (B, H, a2.shape[2]), ins, specs, out,
+           + [_chunk_of(c, Q * O, J)] + [_per_chunk(p) for p in parts] + [_per_chunk(h_in)])
+  return _call(spec, _scan_kernel, "scan", (B, H, d.a2.shape[2]), ins, specs, out,
                _chunk_of(out, Q * O))
 
 
-def _dstates(spec: Spec, dy, c, a2, dfinal, shape_PN, want_dh0: bool):
+def _dstates(spec: Spec, dy, c, d: Decays, dfinal, shape_PN, want_dh0: bool):
   """(dS_c [B, H, C, P, N] in `dot_dtype`, d h0 [B, H, P, N] fp32 or None); `dfinal` None: the
   final state's cotangent is zero (not read)."""
-  B, H, C = a2.shape[:3]
+  B, H, C = d.a2.shape[:3]
   Pd, N = shape_PN
   outs = (jax.ShapeDtypeStruct((B, H, C, Pd, N), jnp.dtype(spec.dot_dtype)),)
   outs += (jax.ShapeDtypeStruct((B, H, Pd, N), F32),) if want_dh0 else ()
   final = () if dfinal is None else (dfinal,)
-  specs = [_whole(dy), _whole(c, spec.groups), _whole(a2)] + [_whole(f) for f in final]
+  parts = _parts(d, _DSTATES_PARTS)
+  specs = ([_whole(dy), _whole(c, spec.groups)] + [_whole(p) for p in parts]
+           + [_whole(f) for f in final])
   kernel = functools.partial(_dstates_kernel, with_final=dfinal is not None)
-  res = _call(spec, kernel, "dstates", (B, H), (dy, c, a2) + final, specs, outs,
+  res = _call(spec, kernel, "dstates", (B, H), (dy, c) + parts + final, specs, outs,
               tuple(_whole(o) for o in outs))
   return res[0], (res[1] if want_dh0 else None)
 
 
-def _dchunk(spec: Spec, xs, bs, c, a2, dy, h_in, ds):
+def _dchunk(spec: Spec, xs, bs, c, d: Decays, dy, h_in, ds):
   """(dx_i..., dB_i..., dC, da): per-head arrays viewed [B, G, J, ...] (a free reshape), one
   program per chunk of a group, its heads in the kernel's loop."""
   B, H = xs[0].shape[:2]
-  G, J, C = bs[0].shape[1], spec.groups, a2.shape[2]
+  G, J, C = bs[0].shape[1], spec.groups, d.a2.shape[2]
   nI, nO = spec.chunk * spec.in_rows, spec.chunk * spec.out_rows
   grp = lambda z: z.reshape((B, G, J) + z.shape[2:])
   heads = lambda z, n: pl.BlockSpec((None, None, J, n, z.shape[-1]),
@@ -442,10 +490,13 @@ def _dchunk(spec: Spec, xs, bs, c, a2, dy, h_in, ds):
   chunk_heads = lambda z: pl.BlockSpec((None, None, J, None) + z.shape[4:],
                                        lambda b, g, c: (b, g, 0, c, 0, 0))
   group = lambda z, n: pl.BlockSpec((None, None, n, z.shape[-1]), lambda b, g, c: (b, g, c, 0))
-  xg, dyg, h_g, ds_g, a_g = [grp(z) for z in xs], grp(dy), grp(h_in), grp(ds), grp(a2)
-  ins = tuple(xg) + tuple(bs) + (c, a_g, dyg, h_g, ds_g)
+  xg, dyg, h_g, ds_g = [grp(z) for z in xs], grp(dy), grp(h_in), grp(ds)
+  parts = tuple(grp(p) for p in _parts(d, _DCHUNK_PARTS))
+  a_g = parts[0]
+  ins = tuple(xg) + tuple(bs) + (c,) + parts + (dyg, h_g, ds_g)
   specs = ([heads(z, nI) for z in xg] + [group(z, nI) for z in bs] + [group(c, nO)]
-           + [chunk_heads(a_g), heads(dyg, nO), chunk_heads(h_g), chunk_heads(ds_g)])
+           + [chunk_heads(p) for p in parts]
+           + [heads(dyg, nO), chunk_heads(h_g), chunk_heads(ds_g)])
   sds = lambda z, dtype=None: jax.ShapeDtypeStruct(z.shape, dtype or z.dtype)
   outs = tuple(sds(z) for z in xg) + tuple(sds(z) for z in bs) + (sds(c), sds(a_g, F32))
   out_specs = ([heads(z, nI) for z in xg] + [group(z, nI) for z in bs]
@@ -460,8 +511,7 @@ def _dchunk(spec: Spec, xs, bs, c, a2, dy, h_in, ds):
 
 def log2_decays(a):
   """Kernel-layout log-decays a [B, H, C, 1, Q] (natural units) in log2 units, floored at NEG
-  (module docstring): the kernels' one decay input, from which each makes its sums (`Exps`).
-  (d a2 / d a = log2 e off the floor, which only a start's -inf reaches.)"""
+  (module docstring). (d a2 / d a = log2 e off the floor, which only a start's -inf reaches.)"""
   return jnp.maximum(a.astype(F32) * LOG2E, NEG)
 
 
@@ -469,8 +519,9 @@ def log2_decays(a):
 def _core(spec: Spec, xs, bs, c, a, h0):
   """Kernel-layout SSD (x_i [B, H, T x I, P], B_i [B, G, T x I, N], C [B, G, T x O, N], a
   [B, H, C, 1, Q] (natural units), h0 [B, H, P, N] fp32 or None): (y [B, H, T x O, P] fp32,
-  final state [B, H, P, N] fp32). The kernels read `log2_decays(a)` (kept for the backward);
-  their da is a's cotangent (each exponent's chain rule through 2^x = e^(x ln 2) folded in)."""
+  final state [B, H, P, N] fp32). The kernels read `log2_decays(a)` and the sums the states
+  kernel makes of it (`Decays`, kept for the backward); their da is a's cotangent (each
+  exponent's chain rule through 2^x = e^(x ln 2) folded in)."""
   return _core_fwd(spec, xs, bs, c, a, h0)[0]
 
 
@@ -485,21 +536,20 @@ def _zero(ct) -> bool:
 
 def _core_fwd(spec, xs, bs, c, a, h0):
   xs, bs, c, a, h0 = jax.tree.map(_value, (xs, bs, c, a, h0))
-  a2 = log2_decays(a)
-  h_in, final = _states(spec, xs, bs, a2, h0)
-  return (_scan(spec, xs, bs, c, a2, h_in), final), (xs, bs, c, a2, h0, h_in)
+  h_in, final, d = _states(spec, xs, bs, log2_decays(a), h0)
+  return (_scan(spec, xs, bs, c, d, h_in), final), (xs, bs, c, d, h0, h_in)
 
 
 def _core_bwd(spec, res, cts):
   """Symbolic zeros (`defvjp(symbolic_zeros=True)`): a final state no one reads (training's
   full forward) has a zero cotangent, and the dstates kernel then starts from 0 itself, so no
   zero [B, H, P, N] array is made (a kernel of its own) and read."""
-  xs, bs, c, a2, h0, h_in = res
+  xs, bs, c, d, h0, h_in = res
   dy, dfinal = cts
   dy = jnp.zeros(dy.shape, dy.dtype) if _zero(dy) else dy
   dfinal = None if _zero(dfinal) else dfinal
-  ds, dh0 = _dstates(spec, dy, c, a2, dfinal, h_in.shape[-2:], h0 is not None)
-  dxs, dbs, dc, da = _dchunk(spec, xs, bs, c, a2, dy, h_in, ds)
+  ds, dh0 = _dstates(spec, dy, c, d, dfinal, h_in.shape[-2:], h0 is not None)
+  dxs, dbs, dc, da = _dchunk(spec, xs, bs, c, d, dy, h_in, ds)
   return dxs, dbs, dc, da, dh0
 
 
