@@ -59,8 +59,9 @@ recomputed, not kept. The forward's numerics are unchanged; the backward runs th
 SSD forward once more. (Decoding calls, with a state, are not differentiated: no checkpoint.)
 
 The decoding state is the conv window (the
-last d_conv - 1 conv inputs) plus the SSM state h [H, P, N] (fp32): constant in the generated
-length. A one-token step uses `ssd.ssd_step`; a longer continuation (prefill chunk) runs the
+last d_conv - 1 conv inputs, x, B and C side by side as the one conv reads them: one array, so
+a one-token step shifts it in one kernel) plus the SSM state h [H, P, N] (fp32): constant in
+the generated length. A one-token step uses `ssd.ssd_step`; a longer continuation (prefill chunk) runs the
 chunked form from the carried state.
 
 Padding (position -1): dt = 0, so the token neither decays nor writes the state. Padding is
@@ -91,8 +92,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from attn_jax.field_checks import field_check, is_int, is_number
 from attn_jax.kernels import ssd_chunks
-from attn_jax.layers import (Linear, causal_positions, dtype_of, fan_in_uniform, param,
-                             segment_starts)
+from attn_jax.layers import (Linear, causal_positions, dtype_of, fan_in_uniform, out_major,
+                             param, segment_starts)
 from attn_jax.mixer import Mixer, register_mixer
 from attn_jax.ssm import ssd
 
@@ -104,7 +105,6 @@ f32 = jnp.float32
 # The checkpoint name of the in-projection outputs: the only values a full forward's backward
 # pass keeps (`remat_full_forward`, module docstring).
 IN_PROJ = "ssm_in_proj"
-CONV_STATE = ("conv_x", "conv_b", "conv_c")   # Mamba-2's conv windows in the decoding state
 IN_PROJ_PARTS = ("z", "x", "B", "C", "dt")       # Mamba2.in_proj's outputs, in order
 HEAD_SCALARS = ("dt_bias", "A_log", "D")          # Mamba2.head_scalars' rows, in order
 
@@ -322,30 +322,13 @@ def split_last(y_BTM: jax.Array, shapes) -> list[jax.Array]:
   return out
 
 
-def fused_conv(convs, x_BTX: jax.Array, windows, n_valid_B, segment_ids_BT=None):
-  """The `CausalConv`s `convs` over consecutive channel groups of x [B, T, sum of their
-  channels (flattened)] as one conv (`causal_conv` is per channel); `windows`: each conv's
-  window [B, K-1, its channels] or None. -> (y [B, T, X] fp32, the new windows or None)."""
-  K = convs[0].width
-  flat = lambda a, lead: a.reshape(lead + (-1,))
-  w_KX = jnp.concatenate([flat(c.kernel[...], (K,)) for c in convs], axis=1)
-  b_X = jnp.concatenate([c.bias[...].reshape(-1) for c in convs])
-  window = None
-  if windows is not None:
-    window = jnp.concatenate([flat(w, w.shape[:2]) for w in windows], axis=-1)
-  y, new = causal_conv(x_BTX, w_KX, b_X, window, n_valid_B, segment_ids_BT)
-  if new is not None:
-    new = split_last(new, [w.shape[2:] for w in windows])
-  return y, new
-
-
 # ----------------------------------------------------------------------- the mixer
 
 class FullForwardRemat:
   """The Mixer call shared by the SSD mixers (Mamba-2, Mamba-3): a full forward (no state)
   runs `project(ssm_heads(x))` under `remat_full_forward` (module docstring); with a state,
-  the heads carry it and nothing is rematerialised. The mixer gives `cfg`, `ssm_heads` and
-  `project`."""
+  the heads carry it and nothing is rematerialised. The mixer gives `cfg`, `ssm_heads`,
+  `project` and its out-projection `out`."""
 
   def __call__(self, x_BTD, *, positions_BT=None, segment_ids_BT=None, state=None, rng=None,
                train=False):
@@ -363,6 +346,12 @@ class FullForwardRemat:
     def fwd(x, pos, seg):
       return self.project(self.ssm_heads(x, positions_BT=pos, segment_ids_BT=seg)[0])
     return remat_full_forward(self.cfg, fwd)(x_BTD, positions_BT, segment_ids_BT)
+
+  def fuse_for_decoding(self) -> None:
+    """The decoding copy (`Decoder.for_decoding`) stores `out` out-major (`layers.out_major`):
+    for one token its reduction then takes the gated norm's (or gate's) elementwise work in (one kernel
+    where an in-major kernel's column reduction needs two). Idempotent."""
+    self.out = out_major(self.out)
 
 
 @register_mixer("mamba2")
@@ -456,8 +445,8 @@ class Mamba2(FullForwardRemat, Mixer):
     H, P, N, G = self.H, self.P, self.N, self.G
     z, xbc, dt_raw = split_last(fused_projection(x_BTD, self.in_projections()),
                                 [(H, P), (H * P + 2 * G * N,), (H,)])   # kept for the backward
-    windows = None if state is None else [state[k] for k in CONV_STATE]
-    xbc, new_windows = fused_conv((self.conv,), xbc, windows, n_valid, segment_ids_BT)
+    window = None if state is None else state["conv"]
+    xbc, new_window = self.conv(xbc, window, n_valid, segment_ids_BT)
     xs, bs, cs = split_last(jax.nn.silu(xbc), [(H, P), (G, N), (G, N)])
     # dt_bias, A_log and D read through one broadcast of their parameter to every token: the
     # backward then sums their cotangents over (B, T) in one reduction, not one per scalar
@@ -484,7 +473,7 @@ class Mamba2(FullForwardRemat, Mixer):
     y = yg.reshape(y.shape) * self.norm_scale[...].astype(f32)
     new_state = None
     if state is not None:
-      new_state = dict(zip(CONV_STATE, new_windows), ssm=h)
+      new_state = {"conv": new_window, "ssm": h}
     return y.astype(dtype_of(cfg.dtype)), new_state
 
   def implicit_attention(self, x_BTD) -> dict:
@@ -511,12 +500,11 @@ class Mamba2(FullForwardRemat, Mixer):
   @classmethod
   def init_state(cls, cfg: ModelConfig, opts: "Mamba2.Options", batch: int, capacity: int,
                  dtype, policy=None):
-    """Conv windows (last d_conv-1 inputs, in `dtype`) + SSM state (fp32); no `capacity`."""
+    """The conv window (the last d_conv-1 conv inputs x, B, C side by side, [B, W, H P + 2 G
+    N] in `dtype`, as the one `conv` reads them) + the SSM state (fp32); no `capacity`."""
     del capacity
     H, P, N, G, W = opts.heads(cfg), opts.head_dim, opts.d_state, opts.n_groups, opts.d_conv - 1
-    return {"conv_x": jnp.zeros((batch, W, H, P), dtype),
-            "conv_b": jnp.zeros((batch, W, G, N), dtype),
-            "conv_c": jnp.zeros((batch, W, G, N), dtype),
+    return {"conv": jnp.zeros((batch, W, H * P + 2 * G * N), dtype),
             "ssm": jnp.zeros((batch, H, P, N), f32)}
 
   @classmethod
