@@ -183,33 +183,33 @@ def decayed_kernel(impl: str, why_not: Callable[[str], str | None], *, what: str
   return True
 
 
+def _kernel_or_xla(why_not: Callable[[str], str | None], what: str, kernel: str, xla: str,
+                   platforms: tuple[str, ...]) -> bool:
+  """Whether `what` runs on its kernel (named `kernel` in the log): a platform in `platforms`
+  (or a CPU under `kernels_on_cpu`) and `why_not(platform)` None. A misfit is logged once per
+  reason, naming the XLA path (`xla`) taken instead."""
+  plat = target()
+  if plat not in platforms and not (plat == "cpu" and _KERNELS_ON_CPU.get()):
+    return False
+  why = why_not(plat)
+  if why is not None:
+    _note(f"{what}: {kernel} not used on {plat} ({why}); {xla}", logging.WARNING)
+    return False
+  _note(f"{what}: {kernel} on {plat}")
+  return True
+
+
 def ssd_kernel(why_not: Callable[[str], str | None], *, what: str) -> bool:
   """Whether `what` (a mixer) runs its chunked SSD on `kernels/ssd_chunks.py`: a GPU or TPU
   (or `kernels_on_cpu`) and `why_not(platform)` None (the kernel's `unsupported` for these
   shapes). A misfit is logged once per reason; the mixer then keeps `ssd.ssd_chunked`."""
-  plat = target()
-  if plat == "cpu" and not _KERNELS_ON_CPU.get():
-    return False
-  why = why_not(plat)
-  if why is not None:
-    _note(f"{what}: SSD kernel not used on {plat} ({why}); XLA chunked SSD", logging.WARNING)
-    return False
-  _note(f"{what}: SSD kernel on {plat}")
-  return True
+  return _kernel_or_xla(why_not, what, "SSD kernel", "XLA chunked SSD", ("gpu", "tpu"))
 
 
 def decode_kernel(why_not: Callable[[str], str | None], *, what: str) -> bool:
   """Whether `what` (a cache's one-token step) runs on `kernels/decode_attend.py`: a GPU (or
   `kernels_on_cpu`) and `why_not(platform)` None. A misfit is logged once per reason."""
-  plat = target()
-  if plat == "tpu" or (plat == "cpu" and not _KERNELS_ON_CPU.get()):
-    return False
-  why = why_not(plat)
-  if why is not None:
-    _note(f"{what}: decode kernel not used on {plat} ({why}); XLA path", logging.WARNING)
-    return False
-  _note(f"{what}: decode kernel on {plat}")
-  return True
+  return _kernel_or_xla(why_not, what, "decode kernel", "XLA path", ("gpu",))
 
 
 def pallas_interpret(backend: str) -> bool:
