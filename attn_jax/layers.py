@@ -101,13 +101,19 @@ class Linear(nnx.Module):
     # over two dims (B and T), and XLA:CPU then transposes the [B, T, M] cotangent into
     # [M, B*T] before the matmul, a strided copy as large as the activation; with one leading
     # dim dW = x^T g is a plain matmul. Same FLOPs, same result (docs/benchmarks.md).
-    lead = x.shape[:x.ndim - len(self.in_shape)]
-    if x.shape[len(lead):] != self.in_shape:
-      raise ValueError(f"Linear: input trailing shape {x.shape[len(lead):]} != {self.in_shape}")
-    k, m = math.prod(self.in_shape), math.prod(self.out_shape)
+    lead, k, m = _matmul_dims(x, self.in_shape, self.out_shape)
     w_KM = self.kernel[...].astype(self.dtype).reshape(k, m)
     y_NM = jnp.dot(x.astype(self.dtype).reshape(-1, k), w_KM)
     return y_NM.reshape(lead + self.out_shape)
+
+
+def _matmul_dims(x: jax.Array, in_shape, out_shape) -> tuple[tuple, int, int]:
+  """(x's leading dims, K, M) of a `Linear`-style matmul of x [..., *in_shape]; an input whose
+  trailing shape is not `in_shape` is refused by name."""
+  lead = x.shape[:x.ndim - len(in_shape)]
+  if x.shape[len(lead):] != in_shape:
+    raise ValueError(f"Linear: input trailing shape {x.shape[len(lead):]} != {in_shape}")
+  return lead, math.prod(in_shape), math.prod(out_shape)
 
 
 class OutMajorLinear(nnx.Module):
@@ -122,10 +128,7 @@ class OutMajorLinear(nnx.Module):
     self.kernel, self.in_shape, self.out_shape, self.dtype = kernel, in_shape, out_shape, dtype
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    lead = x.shape[:x.ndim - len(self.in_shape)]
-    if x.shape[len(lead):] != self.in_shape:
-      raise ValueError(f"Linear: input trailing shape {x.shape[len(lead):]} != {self.in_shape}")
-    k, m = math.prod(self.in_shape), math.prod(self.out_shape)
+    lead, k, m = _matmul_dims(x, self.in_shape, self.out_shape)
     w_MK = self.kernel[...].astype(self.dtype).reshape(m, k)
     y_NM = jnp.einsum("nk,mk->nm", x.astype(self.dtype).reshape(-1, k), w_MK)
     return y_NM.reshape(lead + self.out_shape)

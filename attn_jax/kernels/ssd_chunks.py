@@ -147,15 +147,21 @@ def _dot(a, b, dims=None):
   return lax.dot_general(a, b, dims or (((1,), (0,)), ((), ())), preferred_element_type=F32)
 
 
+def _split3(v):
+  """fp32 v's exact split (lo, mid, hi) in bf16, v = hi + mid + lo (8 significant bits each;
+  fp32 has 24)."""
+  hi = v.astype(BF16)
+  r = v - hi.astype(F32)
+  mid = r.astype(BF16)
+  return (r - mid.astype(F32)).astype(BF16), mid, hi
+
+
 def _mask_sum(v, mask):
   """v @ mask for fp32 v [M, K] and a 0/1 mask [K, L] (bf16, exact) as three bf16 matmuls on
   v's exact split v = hi + mid + lo (8 significant bits each; fp32 has 24): every product is
   exact, the sums accumulate in fp32, so each entry is a direct fp32 sum of its own terms, at
   a tensor core's bf16 rate rather than a K-deep fp32 FMA loop (module docstring)."""
-  hi = v.astype(BF16)
-  r = v - hi.astype(F32)
-  mid = r.astype(BF16)
-  lo = (r - mid.astype(F32)).astype(BF16)
+  lo, mid, hi = _split3(v)
   return _dot(lo, mask) + _dot(mid, mask) + _dot(hi, mask)
 
 
@@ -167,10 +173,7 @@ def _row_sums(mask, v_1K):
   sum of its own terms. (A masked row sum on the vector units reduces across lanes and
   converts layouts: ~2x the instructions.) The rows are picked by arithmetic on the row index,
   not a select: Mosaic cannot relayout a select's [16, K] mask against the broadcast row."""
-  hi = v_1K.astype(BF16)
-  r = v_1K - hi.astype(F32)
-  mid = r.astype(BF16)
-  lo = (r - mid.astype(F32)).astype(BF16)
+  lo, mid, hi = _split3(v_1K)
   row = lax.broadcasted_iota(jnp.int32, (16, 1), 0).astype(F32)
   pick = lambda j: jnp.maximum(1.0 - jnp.abs(row - j), 0.0)   # [16, 1]: 1 on row j, else 0
   parts = (pick(0) * lo.astype(F32) + pick(1) * mid.astype(F32) + pick(2) * hi.astype(F32))
